@@ -28,9 +28,10 @@ def build_model(spec: ModelSpec, dtype: str | torch.dtype | None = None, device:
     """A random-init ``*ForCausalLM`` of ``spec``'s shape, created directly in ``dtype`` on ``device``."""
     from transformers import AutoModelForCausalLM
 
-    config = spec.to_hf_config()
-    config._attn_implementation = attn_implementation
     torch_dtype = dtype_of(dtype or spec.dtype)
+    config = spec.to_hf_config()
+    config.dtype = str(torch_dtype).removeprefix("torch.")  # from_config builds in config.dtype
+    config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     with _default_dtype(torch_dtype), torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
