@@ -1,0 +1,284 @@
+"""A decode loop with a static KV cache and one CUDA graph per decode step.
+
+Hugging Face ``generate`` at batch 1 is launch-bound: hundreds of small kernels per token,
+each launched from Python. Here the model's own modules (embedding, norms, q/k/v/o
+projections, the MLP -- dense, ``PartialMLP`` or bitsandbytes 4-bit alike, since they
+are only called) run in a fixed-shape step: the KV cache is preallocated to the
+longest sequence, the step writes at a slot held in a device tensor, and attention reads
+the whole cache under a mask. On CUDA the step (forward, sampling, advancing the
+position) is captured once as a ``torch.cuda.CUDAGraph`` and replayed per token.
+
+Prompts: prefill runs eagerly over the whole (left-padded) batch and, for partial
+models, selects the decode neurons (``memfit.infer.selection``). The graph is captured
+with the decode neuron counts before the first prompt; selection permutes weights in
+place, so the captured pointers stay valid for every later prompt.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from memfit.errors import MemfitError
+from memfit.infer.selection import begin_prompt, end_prompt, partial_mlps, set_decode_shape
+from memfit.log import warn_once
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class GenerationResult:
+    tokens: torch.Tensor               # (B, new) generated ids
+    prefill_s: float
+    decode_s: float
+    steps: int                         # decode steps timed (new tokens - 1: the first comes from prefill)
+    graphs: bool
+    peak_bytes: int | None = None      # max_memory_allocated since the Generator was created (CUDA)
+    selected: list = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode tokens per second per sequence (prefill excluded)."""
+        return self.steps / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+class Generator:
+    """Static-cache generation for one model, batch size and maximum length.
+
+    ``graphs``: None = use CUDA graphs on CUDA; False = eager steps (CPU, debugging).
+    ``temperature``: 0 = greedy; > 0 samples with the Gumbel-max trick (graph-safe).
+    """
+
+    def __init__(self, model, max_len: int, batch: int = 1, graphs: bool | None = None, temperature: float = 0.0):
+        cfg = model.config
+        if max_len < 2 or batch < 1:
+            raise MemfitError(f"max_len must be >= 2 and batch >= 1, got max_len={max_len}, batch={batch}")
+        if max_len > getattr(cfg, "max_position_embeddings", max_len):
+            raise MemfitError(f"prompt + new tokens = {max_len} exceeds the model's {cfg.max_position_embeddings} positions")
+        if temperature < 0:
+            raise MemfitError(f"temperature must be >= 0, got {temperature}")
+        self.model, self.max_len, self.batch, self.temperature = model, max_len, batch, float(temperature)
+        embed = model.get_input_embeddings().weight
+        self.device, self.dtype = embed.device, embed.dtype
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        layers = model.model.layers
+        shape = (batch, self.kv_heads, max_len, self.head_dim)
+        factory = {"device": self.device}
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, **factory) for _ in layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, **factory) for _ in layers]
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, **factory)   # slot holds a real token
+        self.key_slots = torch.arange(max_len, **factory)
+        rotary = model.model.rotary_emb
+        self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        # decode-step state, all on the device so one graph replays every step
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, **factory)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, **factory)
+        self.slot = torch.zeros(1, dtype=torch.long, **factory)
+        self.step_index = torch.zeros(1, dtype=torch.long, **factory)
+        self.out = torch.zeros(batch, max_len, dtype=torch.long, **factory)
+        self.graph = None
+        use_graphs = self.device.type == "cuda" if graphs is None else graphs
+        if use_graphs and self.device.type != "cuda":
+            raise MemfitError("CUDA graphs need the model on a CUDA device")
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if use_graphs:
+            self._capture()
+
+    # ---- the model, step by step ---------------------------------------------------------
+    def _rope(self, positions: torch.Tensor):
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return ((emb.cos() * self.rope_scale).to(self.dtype)[:, None], (emb.sin() * self.rope_scale).to(self.dtype)[:, None])
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last_only: bool) -> torch.Tensor:
+        """Logits of ``ids`` (B, T) at rope ``positions`` (B, T), writing K/V at cache ``slots`` (T,)."""
+        model, (B, T) = self.model, ids.shape
+        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        G = H // Hkv
+        x = model.get_input_embeddings()(ids)
+        cos, sin = self._rope(positions)
+        # key j is visible to the query at slot s when it holds a token and j <= s; every query sees itself
+        visible = self.key_slots[None, :] <= slots[:, None]
+        mask = (self.valid[:, None, :] & visible[None]) | (self.key_slots[None, :] == slots[:, None])[None]
+        mask = mask[:, None, None].expand(B, 1, G, T, self.max_len).reshape(B, 1, G * T, self.max_len)
+        for i, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(B, T, H, D).transpose(1, 2)
+            k = attn.k_proj(h).view(B, T, Hkv, D).transpose(1, 2)
+            v = attn.v_proj(h).view(B, T, Hkv, D).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.k_cache[i].index_copy_(2, slots, k)
+            self.v_cache[i].index_copy_(2, slots, v)
+            q = q.reshape(B, Hkv, G * T, D)  # GQA: the G query heads of a KV head share its keys
+            o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask, scale=attn.scaling)
+            o = o.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+            x = x + attn.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = model.model.norm(x[:, -1:] if last_only else x)
+        return model.get_output_embeddings()(x)
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.temperature == 0:
+            return logits.argmax(-1)
+        noise = -torch.log(-torch.log(torch.rand_like(logits, dtype=torch.float32).clamp_(1e-20, 1)))
+        return (logits.float() / self.temperature + noise).argmax(-1)
+
+    def _step(self) -> None:
+        """One decode token: forward ``tok`` at ``slot``, sample the next, advance (all on device)."""
+        self.valid.index_fill_(1, self.slot, True)
+        logits = self._forward(self.tok, self.pos, self.slot, last_only=True)[:, -1]
+        nxt = self._sample(logits)[:, None]
+        self.tok.copy_(nxt)
+        self.out.index_copy_(1, self.step_index, nxt)
+        self.pos += 1
+        self.slot += 1
+        self.step_index += 1
+
+    @torch.no_grad()
+    def _capture(self) -> None:
+        set_decode_shape(self.model)
+        try:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):      # warm-up: lazy inits and cuBLAS workspaces happen outside capture
+                    self._step()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._step()
+            self.graph = graph
+        except RuntimeError as err:     # e.g. a kernel that synchronises; eager still works
+            warn_once("generate:no-graph", f"CUDA graph capture failed ({str(err).splitlines()[0]}); decoding eagerly")
+            self.graph = None
+            torch.cuda.synchronize(self.device)
+        for mlp in partial_mlps(self.model):
+            mlp.restore()
+
+    # ---- public ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Reset the cache, run the prompts (B, T; left-padded), select decode neurons; returns the first new tokens."""
+        return self._prefill(input_ids, attention_mask)[1]
+
+    def _prefill(self, input_ids, attention_mask):
+        B, T = input_ids.shape
+        if B != self.batch:
+            raise MemfitError(f"this generator was built for batch {self.batch}, got {B} prompts")
+        if T >= self.max_len:
+            raise MemfitError(f"the prompt ({T} tokens) leaves no room in max_len={self.max_len}")
+        input_ids = input_ids.to(self.device)
+        mask = torch.ones(B, T, dtype=torch.bool, device=self.device) if attention_mask is None else attention_mask.to(self.device).bool()
+        if not bool(mask[:, -1].all()):
+            raise MemfitError("pad prompts on the left: the last position of every prompt must be a real token")
+        self.valid.zero_()
+        self.valid[:, :T] = mask
+        positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+        begin_prompt(self.model, mask)
+        logits = self._forward(input_ids, positions, self.key_slots[:T], last_only=True)[:, -1]
+        self.selected = end_prompt(self.model)
+        first = self._sample(logits)[:, None]
+        self.tok.copy_(first)
+        self.pos.copy_(positions[:, -1:] + 1)
+        self.slot.fill_(T)
+        self.step_index.fill_(1)
+        self.out.zero_()
+        self.out[:, :1] = first
+        return logits, first
+
+    @torch.no_grad()
+    def decode(self, steps: int) -> None:
+        for _ in range(steps):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._step()
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new: int, attention_mask: torch.Tensor | None = None,
+                 on_tokens=None, eos: int | None = None) -> GenerationResult:
+        """Generate ``max_new`` tokens after the prompts. ``on_tokens(ids (B,))`` streams each new token
+        (one host sync per token); with ``eos`` (batch 1) it stops at that token."""
+        T = input_ids.shape[1]
+        if max_new < 1 or T + max_new > self.max_len:
+            raise MemfitError(f"max_new={max_new} must be >= 1 and fit in max_len={self.max_len} after a {T}-token prompt")
+        self._sync()
+        t0 = time.perf_counter()
+        first = self.prefill(input_ids, attention_mask)
+        self._sync()
+        t1 = time.perf_counter()
+        steps = max_new - 1
+        if on_tokens is None and eos is None:
+            self.decode(steps)
+        else:
+            token = first[:, 0]
+            if on_tokens:
+                on_tokens(token.cpu())
+            done = 0
+            while done < steps and not (eos is not None and self.batch == 1 and int(token[0]) == eos):
+                self.decode(1)
+                done += 1
+                token = self.tok[:, 0]
+                if on_tokens:
+                    on_tokens(token.cpu())
+            steps = done
+        self._sync()
+        t2 = time.perf_counter()
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        return GenerationResult(tokens=self.out[:, : steps + 1].cpu(), prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps,
+                                graphs=self.graph is not None, peak_bytes=peak, selected=self.selected)
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """Teacher-forced logits (B, T - prompt_len, V) predicting tokens prompt_len..T-1.
+
+        The prompt (first ``prompt_len`` tokens) runs as a prefill and selects neurons; the rest runs in
+        one decode-mode forward (selected neurons), exactly what token-by-token decode would compute.
+        """
+        B, T = input_ids.shape
+        if not 0 < prompt_len < T <= self.max_len:
+            raise MemfitError(f"score needs 0 < prompt_len ({prompt_len}) < length ({T}) <= max_len ({self.max_len})")
+        first, _ = self._prefill(input_ids[:, :prompt_len], None)
+        if T - 1 == prompt_len:
+            return first[:, None]
+        slots = self.key_slots[prompt_len:T - 1]
+        self.valid[:, prompt_len:T - 1] = True
+        positions = slots[None].expand(B, -1)
+        rest = self._forward(input_ids[:, prompt_len:T - 1].to(self.device), positions, slots, last_only=False)
+        return torch.cat([first[:, None], rest], dim=1)
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads: every parameter except the embedding table (one row is
+    read), partial FFN layers counted at their decode neuron count, plus bitsandbytes quant-state absmax."""
+    embed = model.get_input_embeddings().weight
+    total = 0
+    tied = model.get_output_embeddings().weight is embed
+    seen = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen or (p is embed and not tied):
+                continue
+            seen.add(id(p))
+            nbytes = p.numel() * p.element_size()
+            if name.endswith("_weight") and hasattr(module, "compute"):   # PartialMLP
+                nbytes = nbytes * module.compute // module.loaded
+            total += nbytes
+            state = getattr(p, "quant_state", None)
+            if state is not None and getattr(state, "absmax", None) is not None:
+                total += state.absmax.numel() * state.absmax.element_size()
+    return total
