@@ -1,0 +1,194 @@
+"""Pieces the block-low-rank kernels (lowrank, monarch, blast) share.
+
+* ``pick_variant``: each op has several complete kernel pipelines (e.g. one fused
+  kernel vs two GEMMs); which is fastest depends on the shape. The first call for a
+  shape times each candidate on the GPU and remembers the winner in a JSON file
+  (``$MEMFIT_AUTOTUNE_CACHE``, default ``~/.cache/memfit/autotune.json``), keyed by GPU,
+  Triton version, op and shape, so a second run does not retune. Off the GPU (the
+  interpreter) or while a CUDA graph is being captured, the op's default is taken.
+  The Triton kernels' own tile configs are tuned by ``triton.autotune`` with
+  ``cache_results=True`` (Triton's on-disk cache), keyed on the same shapes.
+* ``n_bucket``: the token count rounded up to a power of two, the autotune key for N.
+* ``bgemm``: one strided batched GEMM kernel whose store can regroup columns, which is
+  how the Monarch permutation and output layouts are folded into stores.
+* ``recompute_backward``: the custom ops' backward. It recomputes the op's reference
+  forward in PyTorch ops and differentiates it, so the forward saves only x and the
+  weights (no intermediates); the price is one extra forward in the backward.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from memfit.kernels.dispatch import interpreting
+from memfit.log import warn_once
+
+if interpreting():  # numpy >= 2.4 interpreter fix; lives in attention.py until the lead moves it to dispatch.py
+    from memfit.kernels.attention import _interpreter_numpy2_fix
+
+    _interpreter_numpy2_fix()
+
+_CACHE: dict | None = None
+TUNE = {"warmup": 5, "rep": 20}  # ms per candidate: short, so a cold run of many shapes stays fast
+
+
+def n_bucket(n: int) -> int:
+    return max(16, triton.next_power_of_2(int(n)))
+
+
+def _cache_path() -> Path:
+    return Path(os.environ.get("MEMFIT_AUTOTUNE_CACHE", Path.home() / ".cache" / "memfit" / "autotune.json"))
+
+
+def _load_cache() -> dict:
+    global _CACHE
+    if _CACHE is None:
+        try:
+            _CACHE = json.loads(_cache_path().read_text())
+        except (OSError, ValueError):
+            _CACHE = {}
+    return _CACHE
+
+
+def _save_cache(cache: dict) -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
+            json.dump(cache, handle, indent=1, sort_keys=True)
+        os.replace(handle.name, path)
+    except OSError as err:
+        warn_once(f"autotune-cache:{path}", f"cannot write the autotune cache {path}: {err}; tuning again next run")
+
+
+def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args: tuple) -> str:
+    """Name of the fastest of ``candidates`` (name -> fn(*args)) for this shape, cached on disk."""
+    on_gpu = all(not isinstance(a, torch.Tensor) or a.is_cuda for a in args)
+    if not on_gpu or len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
+        return default
+    key = "|".join([torch.cuda.get_device_name(), triton.__version__, op, *map(str, shape_key)])
+    cache = _load_cache()
+    if cache.get(key) not in candidates:
+        from triton.testing import do_bench
+
+        times = {name: float(do_bench(lambda fn=fn: fn(*args), warmup=TUNE["warmup"], rep=TUNE["rep"],
+                                      return_mode="median"))
+                 for name, fn in candidates.items()}
+        cache[key] = min(times, key=times.get)
+        _save_cache(cache)
+    return cache[key]
+
+
+def recompute_backward(reference, n_tensors: int, n_options: int = 0):
+    """An autograd ``backward`` for a custom op whose first ``n_tensors`` args are tensors.
+
+    The forward's ``setup_context`` (:func:`save_for_recompute`) saves those tensors (any
+    may be None) and the remaining args in ``ctx.rest``; the reference takes the tensors
+    and the first ``n_options`` of the rest (the others, e.g. a kernel variant, are ignored).
+    """
+
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) if t is not None else None
+                  for t, need in zip(saved, ctx.needs_input_grad[:n_tensors])]
+        wanted = [t for t in inputs if t is not None and t.requires_grad]
+        grads = iter(())
+        if wanted:
+            with torch.enable_grad():
+                out = reference(*inputs, *ctx.rest[:n_options])
+                grads = iter(torch.autograd.grad(out, wanted, grad))
+        result = [next(grads) if t is not None and t.requires_grad else None for t in inputs]
+        return (*result, *([None] * len(ctx.rest)))
+
+    return backward
+
+
+def save_for_recompute(ctx, inputs, output, n_tensors: int) -> None:
+    ctx.save_for_backward(*inputs[:n_tensors])
+    ctx.rest = tuple(inputs[n_tensors:])
+
+
+#: the interpreter's tl.dot mis-reads bf16 operands (numpy has no bf16), so it multiplies in fp32
+UPCAST = tl.constexpr(interpreting())
+
+
+@triton.jit
+def mma(a, b, acc):
+    """acc + a @ b on tensor cores (operands upcast to fp32 only under the interpreter)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+def tuned(configs: list[tuple], names: tuple[str, ...], interpreter_config: tuple, key: list[str], prune=None):
+    """``triton.autotune`` over ``configs`` (tuples of ``names`` values, then warps, stages).
+
+    Under the interpreter only ``interpreter_config`` is used (small tiles, no timing).
+    """
+    def config(values):
+        *tiles, warps, stages = values
+        return triton.Config(dict(zip(names, tiles)), num_warps=warps, num_stages=stages)
+
+    if interpreting():
+        return triton.autotune(configs=[config(interpreter_config)], key=key)
+    pruning = {"early_config_prune": prune} if prune else None
+    return triton.autotune(configs=[config(c) for c in configs], key=key, prune_configs_by=pruning,
+                           cache_results=True, **TUNE)
+
+
+def keep_small_n(configs, n: int, name: str = "BN"):
+    """Decode-sized N (<= 16) keeps only BN == 16 tiles; larger N drops them."""
+    keep = [c for c in configs if (c.kwargs[name] == 16) == (n <= 16)]
+    return keep or configs
+
+
+# ---- strided batched GEMM with a regrouping store --------------------------------
+
+@tuned([(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 3),
+        (16, 128, 128, 4, 4), (16, 64, 128, 4, 3)], ("BN", "BC", "BK"), (16, 32, 32, 4, 1),
+       key=["N_BUCKET", "K", "C", "GRP"], prune=lambda configs, named_args, **kw: keep_small_n(configs, named_args["N"]))
+@triton.jit
+def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, N_BUCKET,
+                  sab, san, sak, sbb, sbk, sbc, scb, scn, scg, sci,
+                  HAS_BIAS: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    bt = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rc = pid_c * BC + tl.arange(0, BC)
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + bt * sab + rn[:, None] * san + rk[None, :] * sak
+    b_ptrs = b_ptr + bt * sbb + rk[:, None] * sbk + rc[None, :] * sbc
+    acc = tl.zeros((BN, BC), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_ptrs, mask=(rn[:, None] < N) & (rk[None, :] + k0 < K), other=0.0)
+        b = tl.load(b_ptrs, mask=(rk[:, None] + k0 < K) & (rc[None, :] < C), other=0.0)
+        acc = mma(a, b, acc)
+        a_ptrs += BK * sak
+        b_ptrs += BK * sbk
+    col = bt * scb + (rc // GRP) * scg + (rc % GRP) * sci
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col, mask=rc < C, other=0.0).to(tl.float32)[None, :]
+    mask = (rn[:, None] < N) & (rc[None, :] < C)
+    tl.store(c_ptr + rn[:, None] * scn + col[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides, c_strides,
+          grp: int | None = None, bias=None) -> None:
+    """c[bt][n, col] = sum_k a[bt][n, k] b[bt][k, col] (+ bias[feature]) for bt < batches.
+
+    Strides in elements: a (batch, n, k), b (batch, k, col), c (batch, n, group, in-group):
+    column ``col`` is stored at ``(col // grp) * group + (col % grp) * in_group`` so a
+    store can scatter column groups (the Monarch P^T) with no copy. The bias is read at
+    the stored column offset, so it applies when c is the (N, out) output itself.
+    """
+    grp = grp or cols
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(cols, meta["BC"]), batches)  # noqa: E731
+    _bgemm_kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, n_bucket(n),
+                        *a_strides, *b_strides, *c_strides, HAS_BIAS=bias is not None)
