@@ -1,0 +1,518 @@
+"""Fused linear cross-entropy: the loss of ``cross_entropy(hidden @ weight.T, labels)``
+without ever holding the tokens x vocabulary logits.
+
+Why: for a 128k vocabulary the logits of 8k tokens are 2 GiB in bf16 (4 GiB with their
+fp32 softmax), more than the whole rest of a LoRA step. This op keeps them on chip.
+
+How (exact mode):
+
+* **Loss-token skipping.** Tokens whose label is ``ignore_index`` are dropped before any
+  matmul (the kernels read hidden rows through an index), so every cost below scales with
+  the number of loss tokens ``N``, not with all tokens ``T``.
+* **Forward** (``_lse_kernel``): each program owns a block of loss tokens and a slice of
+  the vocabulary, computes logit tiles ``h @ w.T`` with fp32 accumulation, and folds them
+  into a running (max, sum-exp) pair and the label logit (online softmax). Partials of
+  the vocabulary slices are combined in PyTorch (a few bytes per token). Saved for
+  backward: only the per-token log-sum-exp (fp32).
+* **Backward**: the vocabulary is walked in chunks of ``C`` columns. ``_dlogits_kernel``
+  recomputes the chunk's logits on chip and writes ``d = g * (softmax - onehot)`` (with
+  the soft-cap and z-loss chain rules) once, in the input dtype, into an ``N x C`` buffer.
+  Two cuBLAS matmuls consume it: ``dW[chunk] = d.T @ h`` (a single fp32-accumulated sum
+  over all loss tokens, rounded once into the gradient: no fp32 V x H buffer, no
+  atomics) and ``dH += d @ W[chunk]`` into an fp32 ``N x H`` accumulator.
+
+Cost: 2NVH FLOPs forward, 6NVH backward (recompute, dH, dW), 4NVH when the weight is
+frozen (LoRA), where the weight-gradient matmul is skipped.
+
+Approximate mode (opt-in): ``vocab_subset`` restricts the softmax to the labels plus a
+candidate set (``frequent_token_subset``); ``subset_loss_deviation`` reports what that
+costs in loss on a batch.
+
+Layout: PyTorch reference (chunked fp32, the definition used on CPU and in tests), the
+Triton kernels and launchers, then the custom ops with fake and autograd registrations,
+then the public functions.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.kernels.dispatch import interpreting, use_triton
+from memfit.log import warn_once
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference still works
+    triton = None
+
+REDUCTIONS = ("mean", "sum", "none")
+# Smallest vocabulary chunk of the backward (columns). The chunk is max(this, hidden) so the
+# N x C gradient buffer is no bigger than the gathered hidden rows and the matmuls stay large.
+VOCAB_CHUNK_MIN = 1024
+# Tests set this to fill scratch buffers with NaN, so an unwritten element shows.
+POISON = False
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    return out.fill_(float("nan")) if POISON else out
+
+
+def _vocab_chunk(hidden_size: int, vocab: int) -> int:
+    return min(vocab, max(VOCAB_CHUNK_MIN, hidden_size))
+
+
+def _loss_rows(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Indices of the loss tokens (ascending). One host sync: the count decides the work."""
+    return (labels != ignore_index).nonzero().squeeze(1)
+
+
+# --------------------------------------------------------------------------------------
+# Reference (PyTorch, fp32, chunked over the vocabulary)
+# --------------------------------------------------------------------------------------
+
+
+def _transform(z: torch.Tensor, bias: Optional[torch.Tensor], softcap: float) -> torch.Tensor:
+    if bias is not None:
+        z = z + bias.float()
+    return softcap * torch.tanh(z / softcap) if softcap else z
+
+
+def _lse_reference(hs, weight, bias, labels_n, softcap, chunk):
+    """Per-token log-sum-exp and label logit of the (soft-capped) logits, fp32."""
+    hs = hs.float()
+    lse = torch.full((hs.shape[0],), -math.inf, device=hs.device)
+    tgt = torch.zeros(hs.shape[0], device=hs.device)
+    for v0 in range(0, weight.shape[0], chunk):
+        v1 = min(v0 + chunk, weight.shape[0])
+        y = _transform(hs @ weight[v0:v1].float().T, None if bias is None else bias[v0:v1], softcap)
+        lse = torch.logaddexp(lse, torch.logsumexp(y, dim=1))
+        inside = (labels_n >= v0) & (labels_n < v1)
+        local = (labels_n - v0).clamp(0, v1 - v0 - 1)
+        tgt += torch.where(inside, y.gather(1, local[:, None]).squeeze(1), 0.0)
+    return lse, tgt
+
+
+def _dlogits_reference(hs, weight, bias, labels_n, lse, g, softcap, z_loss, v0, v1):
+    """fp32 gradient of the loss w.r.t. the raw logits of vocabulary columns [v0, v1)."""
+    y = _transform(hs.float() @ weight[v0:v1].float().T, None if bias is None else bias[v0:v1], softcap)
+    d = torch.exp(y - lse[:, None]) * (1.0 + 2.0 * z_loss * lse)[:, None]
+    cols = torch.arange(v0, v1, device=hs.device)
+    d = d - (cols[None, :] == labels_n[:, None]).float()
+    d = d * g[:, None]
+    if softcap:
+        d = d * (1.0 - (y / softcap) ** 2)
+    return d
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    def _configs():
+        if interpreting():
+            return [triton.Config({"BLOCK_N": 16, "BLOCK_V": 256, "BLOCK_K": 16}, num_warps=4)]
+        return [
+            triton.Config({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+            triton.Config({"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+            triton.Config({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+        ]
+
+    @triton.jit
+    def _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, H: tl.constexpr, stride_h, stride_w, softcap,
+                     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EVEN_K: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        """fp32 tile of (soft-capped) logits for hidden rows ``rows`` and vocab ``cols``.
+
+        ``rows``/``cols`` must be in range (callers clamp them), so only K needs a mask.
+        Loop bounds (H, V) are compile-time constants: one compile per model shape, and the
+        interpreter (numpy >= 2.4) cannot take runtime integers as loop bounds."""
+        offs_k = tl.arange(0, BLOCK_K)
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_k[None, :]
+        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_w + offs_k[:, None]
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for k in range(0, (H + BLOCK_K - 1) // BLOCK_K):
+            if EVEN_K:
+                a = tl.load(h_ptrs)
+                b = tl.load(w_ptrs)
+            else:
+                a = tl.load(h_ptrs, mask=offs_k[None, :] < H - k * BLOCK_K, other=0.0)
+                b = tl.load(w_ptrs, mask=offs_k[:, None] < H - k * BLOCK_K, other=0.0)
+            if PRECISION == "interpret":  # the interpreter's 16-bit dot is wrong (numpy 2.4); upcast
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+        if HAS_SOFTCAP:  # cap * tanh(z / cap), tanh written with exp (stable at both ends)
+            acc = softcap * (1.0 - 2.0 / (tl.exp(2.0 * acc / softcap) + 1.0))
+        return acc
+
+    @triton.autotune(configs=_configs(), key=["H", "V", "N_BUCKET"])
+    @triton.heuristics({"EVEN_K": lambda a: a["H"] % a["BLOCK_K"] == 0})
+    @triton.jit
+    def _lse_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, labels_ptr, m_ptr, s_ptr, t_ptr,
+                    N, V: tl.constexpr, H: tl.constexpr, N_BUCKET, stride_h, stride_w, softcap,
+                    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Online softmax over one vocabulary slice for one block of loss tokens.
+
+        Writes the slice's running max ``m``, sum of exp(logit - m) ``s`` and the label
+        logit ``t`` (0 where the label lies in another slice) at [slice, token]."""
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        rows = tl.load(rows_ptr + offs_n, mask=n_mask, other=0)
+        labels = tl.load(labels_ptr + offs_n, mask=n_mask, other=-1)
+        tiles: tl.constexpr = ((V + BLOCK_V - 1) // BLOCK_V + SPLITS - 1) // SPLITS  # vocab tiles per slice
+        m = tl.full((BLOCK_N,), -float("inf"), tl.float32)
+        s = tl.zeros((BLOCK_N,), tl.float32)
+        t = tl.zeros((BLOCK_N,), tl.float32)
+        for i in range(0, tiles):
+            cols = (pid_s * tiles + i) * BLOCK_V + tl.arange(0, BLOCK_V)
+            c_mask = cols < V
+            y = _logits_tile(h_ptr, w_ptr, b_ptr, rows, tl.where(c_mask, cols, 0), H, stride_h, stride_w,
+                             softcap, HAS_BIAS, HAS_SOFTCAP, EVEN_K, PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
+            y = tl.where(c_mask[None, :], y, -float("inf"))
+            m_new = tl.maximum(m, tl.max(y, axis=1))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a tile past V leaves m at -inf
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(y - m_safe[:, None]), axis=1)
+            m = m_new
+            t += tl.sum(tl.where(cols[None, :] == labels[:, None], y, 0.0), axis=1)
+        out = pid_s * N + offs_n
+        tl.store(m_ptr + out, m, mask=n_mask)
+        tl.store(s_ptr + out, s, mask=n_mask)
+        tl.store(t_ptr + out, t, mask=n_mask)
+
+    @triton.autotune(configs=_configs(), key=["H", "CHUNK", "N_BUCKET"])
+    @triton.heuristics({"EVEN_K": lambda a: a["H"] % a["BLOCK_K"] == 0})
+    @triton.jit
+    def _dlogits_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, labels_ptr, lse_ptr, g_ptr, d_ptr,
+                        N, V, H: tl.constexpr, N_BUCKET, CHUNK, v0, width, stride_h, stride_w, stride_d,
+                        softcap, z_loss,
+                        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                        EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        """d[n, j] = dloss_n / dz[n, v0 + j] for j < width, recomputing the logits on chip."""
+        pid_n = tl.program_id(0)
+        pid_v = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_j = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        n_mask = offs_n < N
+        j_mask = offs_j < width
+        rows = tl.load(rows_ptr + offs_n, mask=n_mask, other=0)
+        labels = tl.load(labels_ptr + offs_n, mask=n_mask, other=-1)
+        lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
+        g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0)
+        cols = v0 + offs_j
+        y = _logits_tile(h_ptr, w_ptr, b_ptr, rows, tl.where(j_mask, cols, 0), H, stride_h, stride_w,
+                         softcap, HAS_BIAS, HAS_SOFTCAP, EVEN_K, PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
+        d = tl.exp(y - lse[:, None]) * (1.0 + 2.0 * z_loss * lse)[:, None]
+        d = tl.where(cols[None, :] == labels[:, None], d - 1.0, d) * g[:, None]
+        if HAS_SOFTCAP:
+            r = y / softcap
+            d = d * (1.0 - r * r)
+        ptrs = d_ptr + offs_n[:, None].to(tl.int64) * stride_d + offs_j[None, :]
+        tl.store(ptrs, d.to(d_ptr.dtype.element_ty), mask=n_mask[:, None] & j_mask[None, :])
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 inputs follow torch's TF32 switch; 16-bit inputs always use tensor cores."""
+    if interpreting():
+        return "interpret"
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _lse_splits(n_tokens: int, vocab: int, device: torch.device) -> int:
+    """Vocabulary slices of the forward grid: enough programs for ~4 waves of the GPU."""
+    if device.type != "cuda":
+        return 2
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(vocab, 256), triton.cdiv(4 * sms, triton.cdiv(n_tokens, 128))))
+
+
+def _lse_triton(hidden, weight, bias, rows, labels_n, softcap):
+    n, (vocab, hdim) = rows.numel(), weight.shape
+    splits = _lse_splits(n, vocab, hidden.device)
+    m, s, t = (_empty((splits, n), torch.float32, hidden.device) for _ in range(3))
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
+    _lse_kernel[grid](hidden, weight, bias if bias is not None else weight, rows, labels_n, m, s, t,
+                      n, vocab, hdim, _bucket(n), hidden.stride(0), weight.stride(0), float(softcap),
+                      SPLITS=splits, HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
+                      PRECISION=_precision(hidden.dtype))
+    m_max = m.max(dim=0).values
+    lse = m_max + torch.log((s * torch.exp(m - m_max)).sum(dim=0))
+    return lse, t.sum(dim=0)
+
+
+def _dlogits_triton(hidden, weight, bias, rows, labels_n, lse, g, softcap, z_loss, v0, v1, out):
+    n, width, chunk = rows.numel(), v1 - v0, out.shape[1]
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(width, meta["BLOCK_V"]))  # noqa: E731
+    _dlogits_kernel[grid](hidden, weight, bias if bias is not None else weight, rows, labels_n, lse, g, out,
+                          n, weight.shape[0], weight.shape[1], _bucket(n), chunk, v0, width,
+                          hidden.stride(0), weight.stride(0), out.stride(0), float(softcap), float(z_loss),
+                          HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
+                          PRECISION=_precision(hidden.dtype))
+    return out[:, :width]
+
+
+# --------------------------------------------------------------------------------------
+# Shared forward / backward drivers (reference and Triton differ only in the two steps above)
+# --------------------------------------------------------------------------------------
+
+_FP32_OUT_MM: dict[str, bool] = {}
+
+
+def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with fp32 accumulation and no rounding of the partial product.
+
+    16-bit inputs use cuBLAS's fp32-output GEMM (``addmm(out_dtype=float32)``) where this
+    torch build has it; otherwise the product is rounded once to the input dtype (logged)."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    kind = acc.device.type
+    if _FP32_OUT_MM.get(kind, True):
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _FP32_OUT_MM[kind] = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUT_MM[kind] = False
+            warn_once(f"linear_ce:fp32out:{kind}", "linear_ce: no fp32-output matmul for 16-bit inputs on "
+                      f"{kind}; the hidden-gradient partial products are rounded to {a.dtype} before summing")
+    acc += torch.mm(a, b)
+
+
+def _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton_path):
+    """Per-token loss and log-sum-exp, length T, zero at ignored tokens."""
+    loss = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    lse_all = torch.zeros_like(loss)
+    rows = _loss_rows(labels, ignore_index)
+    if rows.numel() == 0:
+        return loss, lse_all
+    labels_n = labels.index_select(0, rows)
+    lo, hi = labels_n.aminmax()
+    if lo.item() < 0 or hi.item() >= weight.shape[0]:
+        raise MemfitError(f"linear_cross_entropy: labels must lie in [0, {weight.shape[0]}) or equal "
+                          f"ignore_index={ignore_index}; got values in [{lo.item()}, {hi.item()}]")
+    if triton_path:
+        lse, tgt = _lse_triton(hidden, weight, bias, rows, labels_n, softcap)
+    else:
+        lse, tgt = _lse_reference(hidden.index_select(0, rows), weight, bias, labels_n, softcap,
+                                  _vocab_chunk(hidden.shape[1], weight.shape[0]))
+    loss.index_copy_(0, rows, lse - tgt + z_loss * lse * lse)
+    lse_all.index_copy_(0, rows, lse)
+    return loss, lse_all
+
+
+def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, softcap, z_loss,
+              need_weight_grad, triton_path):
+    """Gradients for hidden (T, H), weight (V, H) (empty if not needed) and bias (V or empty)."""
+    vocab, hdim = weight.shape
+    d_hidden = torch.zeros_like(hidden)
+    d_weight = torch.zeros_like(weight) if need_weight_grad else weight.new_empty(0)
+    d_bias = torch.zeros_like(bias) if bias is not None else weight.new_empty(0)
+    rows = _loss_rows(labels, ignore_index)
+    n = rows.numel()
+    if n == 0:
+        return d_hidden, d_weight, d_bias
+    labels_n = labels.index_select(0, rows)
+    lse = lse_all.index_select(0, rows)
+    g = grad_loss.index_select(0, rows).float()
+    compute = hidden.dtype if triton_path else torch.float32
+    hs = hidden if n == hidden.shape[0] else hidden.index_select(0, rows)
+    hs = hs.to(compute)
+    acc = torch.zeros(n, hdim, dtype=torch.float32, device=hidden.device)
+    chunk = _vocab_chunk(hdim, vocab)
+    buf = _empty((n, chunk), compute, hidden.device) if triton_path else None
+    for v0 in range(0, vocab, chunk):
+        v1 = min(v0 + chunk, vocab)
+        if triton_path:
+            d = _dlogits_triton(hidden, weight, bias, rows, labels_n, lse, g, softcap, z_loss, v0, v1, buf)
+        else:
+            d = _dlogits_reference(hs, weight, bias, labels_n, lse, g, softcap, z_loss, v0, v1)
+        if need_weight_grad:
+            if d.dtype == d_weight.dtype:
+                torch.mm(d.T, hs, out=d_weight[v0:v1])
+            else:
+                d_weight[v0:v1] = d.T @ hs
+        if bias is not None:
+            d_bias[v0:v1] = d.sum(dim=0, dtype=torch.float32)
+        _accumulate_fp32(acc, d, weight[v0:v1].to(compute))
+    del buf, hs
+    d_hidden.index_copy_(0, rows, acc.to(hidden.dtype))
+    return d_hidden, d_weight, d_bias
+
+
+# --------------------------------------------------------------------------------------
+# Custom ops
+# --------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("memfit::linear_ce", mutates_args=())
+def _linear_ce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
+                  ignore_index: int, softcap: float, z_loss: float, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token loss, per-token log-sum-exp), both fp32 of length T, 0 at ignored tokens."""
+    triton_path = use_triton("linear_ce", hidden, weight, path=path)
+    return _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton_path)
+
+
+@_linear_ce_op.register_fake
+def _(hidden, weight, labels, bias, ignore_index, softcap, z_loss, path):
+    out = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+    return out, torch.empty_like(out)
+
+
+@torch.library.custom_op("memfit::linear_ce_backward", mutates_args=())
+def _linear_ce_backward_op(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                           bias: Optional[torch.Tensor], lse: torch.Tensor, ignore_index: int, softcap: float,
+                           z_loss: float, need_weight_grad: bool, path: str
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    triton_path = use_triton("linear_ce", hidden, weight, path=path)
+    return _backward(grad_loss, hidden, weight, labels, bias, lse, ignore_index, softcap, z_loss,
+                     need_weight_grad, triton_path)
+
+
+@_linear_ce_backward_op.register_fake
+def _(grad_loss, hidden, weight, labels, bias, lse, ignore_index, softcap, z_loss, need_weight_grad, path):
+    d_weight = torch.empty_like(weight) if need_weight_grad else weight.new_empty(0)
+    d_bias = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
+    return torch.empty_like(hidden), d_weight, d_bias
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, labels, bias, ignore_index, softcap, z_loss, path = inputs
+    ctx.save_for_backward(hidden, weight, labels, bias, output[1])
+    ctx.args = (ignore_index, softcap, z_loss)
+    ctx.path = path
+
+
+def _linear_ce_grad(ctx, grad_loss, _grad_lse):
+    hidden, weight, labels, bias, lse = ctx.saved_tensors
+    d_hidden, d_weight, d_bias = _linear_ce_backward_op(
+        grad_loss.contiguous(), hidden, weight, labels, bias, lse, *ctx.args, ctx.needs_input_grad[1], ctx.path)
+    return (d_hidden if ctx.needs_input_grad[0] else None, d_weight if ctx.needs_input_grad[1] else None,
+            None, d_bias if bias is not None and ctx.needs_input_grad[3] else None, None, None, None, None)
+
+
+_linear_ce_op.register_autograd(_linear_ce_grad, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------
+
+
+def _check(hidden, weight, labels, reduction, softcap, z_loss, bias, vocab_subset):
+    if reduction not in REDUCTIONS:
+        raise MemfitError(f"linear_cross_entropy: reduction {reduction!r} is not one of {', '.join(REDUCTIONS)}")
+    if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise MemfitError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} "
+                          "must be (..., H) and (V, H)")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise MemfitError(f"linear_cross_entropy: labels {tuple(labels.shape)} must have hidden's leading shape "
+                          f"{tuple(hidden.shape[:-1])}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise MemfitError(f"linear_cross_entropy: labels must be int64 or int32, got {labels.dtype}")
+    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise MemfitError(f"linear_cross_entropy: hidden ({hidden.dtype}) and weight ({weight.dtype}) must share "
+                          "one dtype out of float32, bfloat16, float16")
+    if softcap is not None and not softcap > 0:
+        raise MemfitError(f"linear_cross_entropy: softcap must be a positive number or None, got {softcap!r}")
+    if not z_loss >= 0:
+        raise MemfitError(f"linear_cross_entropy: z_loss must be >= 0, got {z_loss!r}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise MemfitError(f"linear_cross_entropy: bias {tuple(bias.shape)} must be ({weight.shape[0]},)")
+    if vocab_subset is not None and (vocab_subset.dim() != 1 or vocab_subset.dtype not in (torch.int64, torch.int32)):
+        raise MemfitError("linear_cross_entropy: vocab_subset must be a 1-D integer tensor of vocabulary ids")
+
+
+def _restrict_vocab(weight, bias, labels, ignore_index, vocab_subset):
+    """Weight/bias rows of labels ∪ subset and the labels renumbered into that set."""
+    valid = labels != ignore_index
+    keep = torch.unique(torch.cat([vocab_subset.to(labels.device, torch.int64), labels[valid].to(torch.int64)]))
+    if keep.numel() and (keep[0] < 0 or keep[-1] >= weight.shape[0]):
+        raise MemfitError(f"linear_cross_entropy: vocab_subset and labels must lie in [0, {weight.shape[0]})")
+    local = torch.where(valid, torch.searchsorted(keep, labels.to(torch.int64)), labels)
+    return weight.index_select(0, keep), None if bias is None else bias.index_select(0, keep), local
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         ignore_index: int = -100, reduction: str = "mean", softcap: float | None = None,
+                         z_loss: float = 0.0, bias: torch.Tensor | None = None,
+                         vocab_subset: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels``, logits never stored.
+
+    hidden (..., H), weight (V, H) as an ``nn.Linear``/lm_head weight, labels (...) integer.
+    ``softcap``: logits become ``cap * tanh(logits / cap)``. ``z_loss``: adds
+    ``z_loss * logsumexp**2`` per token. Tokens labelled ``ignore_index`` cost nothing and
+    count for nothing; "mean" over zero loss tokens is 0. ``reduction="none"`` returns the
+    per-token loss (fp32, 0 at ignored tokens) in ``labels``' shape; "mean"/"sum" an fp32 scalar.
+    ``vocab_subset`` (approximate, opt-in): the softmax runs over labels ∪ subset only.
+    ``path``: "auto" | "triton" | "reference" (see ``memfit.kernels.dispatch``).
+    """
+    _check(hidden, weight, labels, reduction, softcap, z_loss, bias, vocab_subset)
+    if vocab_subset is not None:
+        warn_once("linear_ce:vocab_subset", "linear_cross_entropy: vocab_subset restricts the softmax to labels ∪ "
+                  "subset; the loss and gradients are approximate (see subset_loss_deviation)")
+        weight, bias, labels = _restrict_vocab(weight, bias, labels, ignore_index, vocab_subset)
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    loss, _ = _linear_ce_op(h2, weight.contiguous(), labels.reshape(-1).to(torch.int64).contiguous(),
+                            None if bias is None else bias.contiguous(), ignore_index, float(softcap or 0.0),
+                            float(z_loss), path or "auto")
+    if reduction == "none":
+        return loss.view(labels.shape)
+    total = loss.sum()
+    if reduction == "sum":
+        return total
+    return total / (labels != ignore_index).sum().clamp(min=1)
+
+
+def frequent_token_subset(token_ids: torch.Tensor, k: int, vocab_size: int | None = None) -> torch.Tensor:
+    """The ``k`` most frequent ids of ``token_ids`` (e.g. a training set), a candidate set for
+    ``vocab_subset``. Negative ids (ignore labels) are not counted."""
+    if k < 1:
+        raise MemfitError(f"frequent_token_subset: k must be >= 1, got {k}")
+    ids = token_ids.reshape(-1)
+    ids = ids[ids >= 0].to(torch.int64)
+    counts = torch.bincount(ids, minlength=vocab_size or 0)
+    k = min(k, int((counts > 0).sum()))
+    return counts.topk(k).indices.sort().values
+
+
+@torch.no_grad()
+def subset_loss_deviation(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          vocab_subset: torch.Tensor, **kwargs) -> dict:
+    """Loss of the vocabulary-subset mode against the exact loss on one batch.
+
+    Returns {"exact", "approx", "abs_dev", "rel_dev", "subset_size"}; the subset loss is never
+    above the exact one, since dropping vocabulary terms only lowers the log-sum-exp."""
+    kwargs = {**kwargs, "reduction": "mean"}
+    exact = float(linear_cross_entropy(hidden, weight, labels, **kwargs))
+    approx = float(linear_cross_entropy(hidden, weight, labels, vocab_subset=vocab_subset, **kwargs))
+    dev = exact - approx
+    return {"exact": exact, "approx": approx, "abs_dev": dev, "rel_dev": dev / max(abs(exact), 1e-12),
+            "subset_size": int(vocab_subset.numel())}

@@ -1,0 +1,168 @@
+"""Fused linear cross-entropy against a float64 reference that materialises the logits.
+
+Runs the Triton kernels through the interpreter (tests/conftest.py) at small, odd shapes,
+with a small vocabulary chunk so the backward walks several chunks, the last one partial.
+"""
+import pytest
+import torch
+
+from memfit.errors import MemfitError
+from memfit.kernels import linear_ce
+from memfit.kernels.linear_ce import frequent_token_subset, linear_cross_entropy, subset_loss_deviation
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks_and_poison(monkeypatch):
+    monkeypatch.setattr(linear_ce, "VOCAB_CHUNK_MIN", 256)
+    monkeypatch.setattr(linear_ce, "POISON", True)
+
+
+def _inputs(shape, hdim, vocab, dtype, ignore_frac=0.5, bias=False):
+    hidden = torch.randn(*shape, hdim, dtype=dtype).requires_grad_()
+    weight = (torch.randn(vocab, hdim) / hdim**0.25).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, shape)
+    labels[torch.rand(shape) < ignore_frac] = -100
+    b = torch.randn(vocab, dtype=dtype).requires_grad_() if bias else None
+    return hidden, weight, labels, b
+
+
+def _reference(hidden, weight, labels, bias=None, reduction="mean", softcap=None, z_loss=0.0):
+    """float64, logits materialised: the definition the op must match."""
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    b = None if bias is None else bias.detach().double().requires_grad_()
+    z = h @ w.T + (0 if b is None else b)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    lse = torch.logsumexp(z, dim=-1)
+    valid = labels != -100
+    target = z.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    per_token = torch.where(valid, lse - target + z_loss * lse**2, 0.0)
+    loss = {"none": per_token, "sum": per_token.sum(), "mean": per_token.sum() / valid.sum().clamp(min=1)}[reduction]
+    return loss, (h, w, b)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def _check_against_reference(hidden, weight, labels, bias=None, path="triton", **kw):
+    loss = linear_cross_entropy(hidden, weight, labels, bias=bias, path=path, **kw)
+    ref, leaves = _reference(hidden, weight, labels, bias=bias, **kw)
+    tol = TOL[hidden.dtype]
+    assert torch.isfinite(loss).all()
+    assert _rel(loss.detach(), ref.detach()) < tol
+    upstream = torch.randn_like(ref) if ref.dim() else torch.tensor(1.7, dtype=torch.float64)
+    (loss.double() * upstream).sum().backward()
+    (ref * upstream).sum().backward()
+    pairs = [(hidden, leaves[0]), (weight, leaves[1])] + ([(bias, leaves[2])] if bias is not None else [])
+    for mine, theirs in pairs:
+        assert mine.grad.dtype == mine.dtype and mine.grad.shape == mine.shape
+        assert torch.isfinite(mine.grad).all()
+        assert _rel(mine.grad, theirs.grad) < 2 * tol, (mine.shape, _rel(mine.grad, theirs.grad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_matches_reference(dtype, reduction):
+    hidden, weight, labels, _ = _inputs((2, 11), 48, 1037, dtype)
+    _check_against_reference(hidden, weight, labels, reduction=reduction)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_zloss_bias_uneven_hidden(dtype):
+    hidden, weight, labels, bias = _inputs((19,), 40, 1001, dtype, ignore_frac=0.3, bias=True)
+    _check_against_reference(hidden, weight, labels, bias=bias, reduction="none", softcap=3.0, z_loss=1e-3)
+
+
+def test_reference_path_matches_reference():
+    hidden, weight, labels, bias = _inputs((3, 7), 33, 517, torch.float32, bias=True)
+    _check_against_reference(hidden, weight, labels, bias=bias, path="reference", softcap=2.5, z_loss=1e-2)
+
+
+def test_one_token():
+    hidden, weight, labels, _ = _inputs((1,), 17, 1003, torch.float32, ignore_frac=0.0)
+    _check_against_reference(hidden, weight, labels, reduction="mean")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_tokens_ignored(reduction):
+    hidden, weight, labels, _ = _inputs((2, 5), 16, 300, torch.float32)
+    labels.fill_(-100)
+    loss = linear_cross_entropy(hidden, weight, labels, reduction=reduction, path="triton")
+    assert torch.equal(loss.detach(), torch.zeros_like(loss))
+    loss.sum().backward()
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden)) and torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_masked_equals_unmasked_on_loss_tokens():
+    hidden, weight, labels, _ = _inputs((23,), 48, 1037, torch.float32)
+    keep = labels != -100
+    masked = linear_cross_entropy(hidden, weight, labels, reduction="sum", path="triton")
+    masked.backward()
+    h2 = hidden.detach()[keep].clone().requires_grad_()
+    w2 = weight.detach().clone().requires_grad_()
+    plain = linear_cross_entropy(h2, w2, labels[keep], reduction="sum", path="triton")
+    plain.backward()
+    torch.testing.assert_close(masked, plain)
+    torch.testing.assert_close(hidden.grad[keep], h2.grad)
+    assert torch.equal(hidden.grad[~keep], torch.zeros_like(hidden.grad[~keep]))
+    torch.testing.assert_close(weight.grad, w2.grad)
+
+
+def test_frozen_weight_gets_no_gradient_and_hidden_still_exact():
+    hidden, weight, labels, _ = _inputs((13,), 24, 700, torch.float32)
+    weight.requires_grad_(False)
+    linear_cross_entropy(hidden, weight, labels, path="triton").backward()
+    _, (h, _, _) = ref = _reference(hidden, weight, labels)
+    ref[0].backward()
+    assert weight.grad is None
+    assert _rel(hidden.grad, h.grad) < 2e-5
+
+
+def test_vocab_subset_whole_vocab_is_exact_and_partial_is_lower():
+    hidden, weight, labels, _ = _inputs((17,), 32, 600, torch.float32)
+    exact = linear_cross_entropy(hidden, weight, labels, path="reference")
+    whole = linear_cross_entropy(hidden, weight, labels, vocab_subset=torch.arange(600), path="reference")
+    torch.testing.assert_close(whole, exact)
+    whole.backward()
+    g_whole = weight.grad.clone()
+    weight.grad = None
+    exact.backward()
+    torch.testing.assert_close(g_whole, weight.grad)
+    subset = frequent_token_subset(labels, 50, vocab_size=600)
+    report = subset_loss_deviation(hidden, weight, labels, subset, path="reference")
+    assert report["abs_dev"] > 0 and report["approx"] < report["exact"] and report["subset_size"] == subset.numel()
+
+
+def test_frequent_token_subset_orders_by_count():
+    ids = torch.tensor([5, 5, 5, 2, 2, 9, -100, -100, -100, -100])
+    assert frequent_token_subset(ids, 2).tolist() == [2, 5]
+    assert frequent_token_subset(ids, 10).tolist() == [2, 5, 9]
+
+
+def test_bad_inputs_are_named():
+    hidden, weight, labels, _ = _inputs((4,), 16, 100, torch.float32)
+    with pytest.raises(MemfitError, match="reduction"):
+        linear_cross_entropy(hidden, weight, labels, reduction="avg")
+    with pytest.raises(MemfitError, match="labels"):
+        linear_cross_entropy(hidden, weight, labels[:2])
+    with pytest.raises(MemfitError, match="dtype"):
+        linear_cross_entropy(hidden, weight.double(), labels)
+    with pytest.raises(MemfitError, match="softcap"):
+        linear_cross_entropy(hidden, weight, labels, softcap=0.0)
+    with pytest.raises(MemfitError, match=r"\[0, 100\)"):
+        linear_cross_entropy(hidden, weight, torch.full((4,), 100), path="reference")
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        hidden = torch.empty(6, 16, dtype=torch.bfloat16)
+        weight = torch.empty(50, 16, dtype=torch.bfloat16)
+        loss, lse = torch.ops.memfit.linear_ce(hidden, weight, torch.zeros(6, dtype=torch.int64), None,
+                                               -100, 0.0, 0.0, "reference")
+        assert loss.shape == (6,) and loss.dtype == torch.float32 and lse.shape == (6,)
