@@ -37,26 +37,30 @@ class PartialConfig:
     """Options of partial loading (gamma = ``load``) and partial computation (phi = ``compute``)."""
 
     load: float = 1.0
-    compute: float = 1.0
-    base: float | None = None      # delta; default min(0.3, compute)
+    compute: float | None = None   # phi; default = load (decode computes every loaded neuron)
+    base: float | None = None      # delta; default min(0.3, phi)
     full_first: int = 2
     full_last: int = 2
     task: str | None = None
     align: int = 8
 
     @property
+    def phi(self) -> float:
+        return self.load if self.compute is None else self.compute
+
+    @property
     def delta(self) -> float:
-        return min(0.3, self.compute) if self.base is None else self.base
+        return min(0.3, self.phi) if self.base is None else self.base
 
     def check(self, num_layers: int) -> None:
-        for name, value in (("load (gamma)", self.load), ("compute (phi)", self.compute)):
+        for name, value in (("load (gamma)", self.load), ("compute (phi)", self.phi)):
             if not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise MemfitError(f"{name} must be a fraction in (0, 1], got {value!r}")
-        if self.compute > self.load:
-            raise MemfitError(f"compute (phi={self.compute}) cannot exceed load (gamma={self.load}): "
+        if self.phi > self.load:
+            raise MemfitError(f"compute (phi={self.phi}) cannot exceed load (gamma={self.load}): "
                               "decode computes a subset of the loaded neurons")
-        if not 0 <= self.delta <= self.compute:
-            raise MemfitError(f"base (delta={self.delta}) must be in [0, compute={self.compute}]: base neurons are always computed")
+        if not 0 <= self.delta <= self.phi:
+            raise MemfitError(f"base (delta={self.delta}) must be in [0, compute={self.phi}]: base neurons are always computed")
         for name in ("full_first", "full_last"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -79,7 +83,7 @@ class PartialConfig:
     def counts(self, intermediate: int) -> tuple[int, int, int]:
         """(base, compute, load) neuron counts of one partial layer."""
         load = self.neurons(self.load, intermediate)
-        compute = min(load, self.neurons(self.compute, intermediate))
+        compute = min(load, self.neurons(self.phi, intermediate))
         base = 0 if self.delta == 0 else min(compute, self.neurons(self.delta, intermediate))
         return base, compute, load
 

@@ -90,9 +90,10 @@ class PartialMLP(nn.Module):
         self.up_weight = nn.Parameter(torch.empty(k, hidden, **factory), requires_grad=False)
         self.down_weight = nn.Parameter(torch.empty(hidden, k, **factory), requires_grad=False)
         buffer_device = device if str(device) != "meta" else "cpu"
-        self.register_buffer("neuron_ids", neuron_ids.to(buffer_device, torch.int64), persistent=False)
-        self.register_buffer("base", base.to(buffer_device, torch.bool), persistent=False)
-        self.register_buffer("priority", priority.to(buffer_device, torch.int64), persistent=False)
+        # copies: selection permutes these in place
+        self.register_buffer("neuron_ids", neuron_ids.to(buffer_device, torch.int64, copy=True), persistent=False)
+        self.register_buffer("base", base.to(buffer_device, torch.bool, copy=True), persistent=False)
+        self.register_buffer("priority", priority.to(buffer_device, torch.int64, copy=True), persistent=False)
         self.act_fn = act_fn
         self.loaded = k
         self.compute = compute

@@ -26,17 +26,19 @@ class TextCodec:
 
 def _memfit_bytes():
     try:
-        from memfit.data import tokenizer
+        from memfit.data.tokenizer import ByteTokenizer
     except ImportError:
         return None
-    for name in ("ByteTokenizer", "Tokenizer"):
-        cls = getattr(tokenizer, name, None)
-        if cls is not None:
-            tok = cls()
-            return TextCodec(tok.encode, tok.decode, getattr(tok, "eos_id", getattr(tok, "eos", None)), "memfit-bytes")
-    if hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode"):
-        return TextCodec(tokenizer.encode, tokenizer.decode, getattr(tokenizer, "EOS", None), "memfit-bytes")
-    return None
+    tok = ByteTokenizer()
+
+    def decode(ids):
+        kept = [int(i) for i in ids if 0 <= int(i) < tok.vocab_size]
+        if len(kept) < len(ids):
+            warn_once("text:out-of-vocab", f"dropping generated ids outside the byte tokenizer's {tok.vocab_size} "
+                                           "(the model's vocabulary is larger: a random-init model?)")
+        return tok.decode(kept)
+
+    return TextCodec(tok.encode, decode, tok.eos_id, "memfit-bytes")
 
 
 def load_codec(model_dir: str | Path | None, vocab: int) -> TextCodec:
