@@ -171,3 +171,26 @@ def test_bad_input_is_a_clear_error(bad):
         k, v = torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
     with pytest.raises(MemfitError):
         attention(q, k, v, path="triton", **kwargs)
+
+
+def test_hugging_face_model_matches_sdpa():
+    """A tiny random Llama with attn_implementation="memfit" gives SDPA's logits and gradients."""
+    from memfit.models import build_model
+    from memfit.models.presets import PRESETS
+    from memfit.train.attention_hf import register
+
+    register()
+    spec = PRESETS["tiny"]
+    ref = build_model(spec, dtype="float32", attn_implementation="sdpa").train()
+    ours = build_model(spec, dtype="float32", attn_implementation="memfit").train()
+    ids = torch.randint(0, spec.vocab, (2, 13))
+    ref(ids, labels=ids).loss.backward()
+    loss = ours(ids, labels=ids).loss
+    loss.backward()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        assert _rel(b.grad, a.grad) < 1e-4, name
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, :4] = 0  # left padding: the kernel runs the valid tokens packed
+    with torch.no_grad():
+        want, got = ref(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    assert _rel(got[mask.bool()], want[mask.bool()]) < 1e-5
