@@ -1,0 +1,283 @@
+"""Benchmark: partial FFN loading (gamma) and computation (phi) against dense fp16 and bitsandbytes 4-bit.
+
+Speed and memory (GPU): a Llama-3.2-3B-shaped model (random init, saved first as fp16
+safetensors in a temp dir) at batch 1, a 128-token prompt and 256 new tokens. Dense,
+partial (gamma 0.7, phi 0.4) and bitsandbytes NF4 all decode through memfit's loop
+(static KV cache, one CUDA graph per step); plain transformers ``generate`` on the dense
+model is the outside baseline. Each case reports peak memory from before loading to the
+end of generation, decode tokens/s (median of 3 runs after a warm-up) and the roofline
+floor: bytes of weights one decode step reads / copy bandwidth measured in this run.
+
+Accuracy: a small byte-level Llama (``--small-model DIR``; else one trained here for
+about a minute on memfit's offline Python-docs corpus), perplexity and next-token
+agreement with the dense model on held-out text, for gamma in {1, .85, .7} x phi in
+{1, .6, .4} (phi > gamma means "compute every loaded neuron"). Each validation
+sequence is its own prompt: its first half is the prefill that selects the neurons,
+its second half is scored through the decode path.
+
+    python benchmarks/partial_ffn.py            # H200: < 5 minutes
+    python benchmarks/partial_ffn.py --smoke    # CPU, tiny shapes, same code path
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from memfit.infer.calibrate import calibrate                               # noqa: E402
+from memfit.infer.generate import Generator, weight_bytes_per_token         # noqa: E402
+from memfit.infer.partial_load import PartialConfig, load_model             # noqa: E402
+from memfit.measure.results import target, write_results                    # noqa: E402
+from memfit.measure.timing import Ceilings, measure_ceilings                # noqa: E402
+from memfit.models import PRESETS, build_model                              # noqa: E402
+
+GAMMAS, PHIS = (1.0, 0.85, 0.7), (1.0, 0.6, 0.4)
+
+
+def _free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _peak_reset(device):
+    _free()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _mem(device, peak=False):
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
+
+
+def _save_random(spec, directory: Path, device) -> Path:
+    """Random-init model of ``spec`` built on ``device`` (fast), saved as fp16 safetensors."""
+    model = build_model(spec, dtype="float16", device=device)
+    model.save_pretrained(directory)
+    del model
+    _free()
+    return directory
+
+
+def _calibrate(model_dir: Path, device, prompts: torch.Tensor) -> None:
+    model = load_model(model_dir, device=device)
+    batches = [(chunk, torch.ones_like(chunk), None) for chunk in prompts.split(4)]
+    calibrate(model, batches).save(model_dir / "rankings.safetensors")
+    del model
+    _free()
+
+
+def _load_bnb(model_dir: Path, device):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float16)
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), quantization_config=quant, dtype=torch.float16,
+                                                device_map={"": device.index or 0}).eval()
+
+
+def speed_case(name: str, load, prompt: torch.Tensor, new: int, ceilings: Ceilings, device, reps: int) -> dict:
+    """Load with ``load()``, generate ``new`` tokens ``reps`` times after a warm-up, measure memory and speed."""
+    _peak_reset(device)
+    t0 = time.perf_counter()
+    try:
+        model = load()
+    except ImportError as err:
+        return {"case": name, "available": False, "reason": f"not available: {err}"}
+    load_s = time.perf_counter() - t0
+    resident = _mem(device)
+    gen = Generator(model, prompt.shape[1] + new)
+    gen.generate(prompt, new)                                      # warm-up (and, for partial, a first selection)
+    runs = [gen.generate(prompt, new) for _ in range(reps)]
+    tps = statistics.median(r.tokens_per_s for r in runs)
+    read = weight_bytes_per_token(model)
+    floor_ms = ceilings.floor_ms(flops=2 * read / 2, bytes_moved=read)   # batch 1: ~1 multiply-add per fp16 weight
+    ms = 1e3 / tps
+    row = {"case": name, "available": True, "load_s": load_s, "resident_bytes": resident, "peak_bytes": _mem(device, peak=True),
+           "kv_cache_bytes": sum(t.numel() * t.element_size() for t in gen.k_cache + gen.v_cache),
+           "weight_bytes_per_token": read, "decode_tokens_per_s": tps, "decode_ms_per_token": ms, "floor_ms": floor_ms,
+           "fraction_of_floor": floor_ms / ms, "prefill_ms": 1e3 * statistics.median(r.prefill_s for r in runs),
+           "cuda_graph": runs[0].graphs, "new_tokens": new, "prompt_tokens": prompt.shape[1]}
+    del gen, model, runs
+    _free()
+    return row
+
+
+def hf_generate_case(model_dir: Path, prompt: torch.Tensor, new: int, device) -> dict:
+    """Plain transformers ``generate`` (dynamic cache, eager) on the dense model: the outside baseline."""
+    _peak_reset(device)
+    model = load_model(model_dir, device=device)
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    model.generate(prompt.to(device), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(prompt.to(device), **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    row = {"case": "dense fp16, transformers generate", "available": True, "peak_bytes": _mem(device, peak=True),
+           "decode_tokens_per_s": new / seconds, "note": "includes the prefill; eager, dynamic cache"}
+    del model
+    _free()
+    return row
+
+
+def run_speed(args, device, ceilings) -> tuple[list[dict], list[dict]]:
+    spec = PRESETS["llama-3.2-3b"] if not args.smoke else PRESETS["tiny"].with_(num_layers=6, name="tiny-6")
+    prompt_len, new = (128, 256) if not args.smoke else (16, 8)
+    reps = 3 if not args.smoke else 1
+    partial = PartialConfig(load=0.7, compute=0.4, full_first=2, full_last=2)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, spec.vocab, (1, prompt_len), generator=gen)
+    calib = torch.randint(0, spec.vocab, (8, prompt_len), generator=gen)
+    tmp = Path(tempfile.mkdtemp(prefix="memfit-partial-"))
+    try:
+        t0 = time.perf_counter()
+        model_dir = _save_random(spec, tmp / "model", device)
+        _calibrate(model_dir, device, calib)
+        print(f"[partial_ffn] saved and calibrated {spec.name} in {time.perf_counter() - t0:.0f} s", flush=True)
+        rows = [
+            speed_case("dense fp16", lambda: load_model(model_dir, device=device), prompt, new, ceilings, device, reps),
+            speed_case(f"partial fp16 (gamma {partial.load}, phi {partial.phi})",
+                       lambda: load_model(model_dir, partial, device=device), prompt, new, ceilings, device, reps),
+            speed_case("bitsandbytes nf4", lambda: _load_bnb(model_dir, device), prompt, new, ceilings, device, reps)
+            if device.type == "cuda" else {"case": "bitsandbytes nf4", "available": False, "reason": "not available: needs CUDA"},
+            hf_generate_case(model_dir, prompt, new, device),
+        ]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for row in rows:
+        row["model"] = spec.name
+        print(f"[partial_ffn] {row}", flush=True)
+    dense, part, bnb = rows[0], rows[1], rows[2]
+    targets = [target("decode speed-up of partial (0.7, 0.4) over dense, same loop", part["decode_tokens_per_s"] / dense["decode_tokens_per_s"],
+                      1.5, "x", "higher"),
+               target("dense decode as a fraction of its weight-read floor", dense["fraction_of_floor"], 0.6, "fraction", "higher")]
+    if device.type == "cuda":
+        targets.insert(0, target("peak memory of partial / dense", part["peak_bytes"] / dense["peak_bytes"], 0.87, "ratio", "lower"))
+    if bnb.get("available"):
+        targets.append(target("decode speed of partial / bitsandbytes nf4", part["decode_tokens_per_s"] / bnb["decode_tokens_per_s"],
+                              1.0, "ratio", "higher"))
+    return rows, targets
+
+
+# ---- accuracy ---------------------------------------------------------------------------------
+def train_small(directory: Path, device, seconds: float, smoke: bool) -> Path:
+    """A byte-level Llama trained on memfit's offline Python-docs corpus for ``seconds``."""
+    from memfit.data.corpus import token_splits
+
+    spec = PRESETS["tiny"].with_(name="partial-ffn-small", num_layers=6, hidden=256, intermediate=704, num_heads=4,
+                                 num_kv_heads=2, head_dim=64, vocab=259, dtype="float32", max_position=1024)
+    if smoke:
+        spec = spec.with_(num_layers=4, hidden=64, intermediate=176, head_dim=16)
+    model = build_model(spec, dtype="float32", device=device).train()
+    train, _ = token_splits()
+    seq, batch = (256, 64) if not smoke else (64, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(0)
+    start, step = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        index = torch.randint(0, train.numel() - seq - 1, (batch,), generator=gen)
+        ids = torch.stack([train[i:i + seq] for i in index.tolist()]).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+    print(f"[partial_ffn] trained the small model {step} steps, last loss {loss.item():.3f}", flush=True)
+    model.eval().save_pretrained(directory)
+    return directory
+
+
+def _small_model(args, device, tmp: Path) -> Path:
+    if args.small_model:
+        return Path(args.small_model)
+    return train_small(tmp / "small", device, seconds=60 if not args.smoke else 3, smoke=args.smoke)
+
+
+def run_accuracy(args, device) -> list[dict]:
+    from memfit.data.corpus import token_splits
+
+    tmp = Path(tempfile.mkdtemp(prefix="memfit-partial-acc-"))
+    try:
+        model_dir = _small_model(args, device, tmp)
+        train, val = token_splits()
+        seq, n_eval = (256, 64) if not args.smoke else (48, 3)
+        gen = torch.Generator().manual_seed(1)
+        calib = torch.stack([train[i:i + seq] for i in torch.randint(0, train.numel() - seq, (32,), generator=gen).tolist()])
+        dense = load_model(model_dir, device=device, dtype="float32")
+        rankings = calibrate(dense, [(c, torch.ones_like(c), None) for c in calib.split(8)])
+        starts = torch.linspace(0, val.numel() - seq - 1, n_eval).long().tolist()
+        sequences = [val[s:s + seq][None] for s in starts]
+        layers = dense.config.num_hidden_layers
+        prompt = seq // 2
+
+        def evaluate(model):
+            g = Generator(model, seq)
+            return [g.score(s, prompt).float() for s in sequences]
+
+        reference = evaluate(dense)
+        rows = []
+        for gamma in GAMMAS:
+            for phi in PHIS:
+                config = PartialConfig(load=gamma, compute=min(phi, gamma), full_first=1, full_last=1)
+                model = load_model(model_dir, config, device=device, dtype="float32", rankings=rankings)
+                nll, agree, count = 0.0, 0, 0
+                for logits, ref, s in zip(evaluate(model), reference, sequences):
+                    targets = s[:, prompt:].to(device)
+                    nll += torch.nn.functional.cross_entropy(logits[0], targets[0], reduction="sum").item()
+                    agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
+                    count += targets.numel()
+                rows.append({"case": "accuracy", "gamma": gamma, "phi": phi, "phi_effective": config.phi,
+                             "full_layers": f"first 1, last 1 of {layers}", "perplexity": math.exp(nll / count),
+                             "next_token_agreement": agree / count, "tokens": count})
+                print(f"[partial_ffn] {rows[-1]}", flush=True)
+                del model
+        return rows
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, same code path")
+    parser.add_argument("--out", help="results directory (default benchmarks/results)")
+    parser.add_argument("--small-model", help="directory of the small trained model (else trained here)")
+    parser.add_argument("--skip-accuracy", action="store_true")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if device.type == "cuda":
+        ceilings = measure_ceilings()
+        ceiling_note = "measured in this run"
+    else:
+        ceilings = Ceilings(matmul_flops=1e12, bandwidth=50e9)
+        ceiling_note = "assumed (CPU smoke run: no floor is meaningful)"
+    rows, targets = run_speed(args, device, ceilings)
+    if not args.skip_accuracy:
+        rows += run_accuracy(args, device)
+    out = args.out or (Path(tempfile.gettempdir()) / "memfit-smoke" if args.smoke else None)  # smoke never overwrites GPU results
+    path = write_results("partial_ffn", rows, targets, out_dir=out, smoke=args.smoke,
+                         ceilings={"matmul_flops": ceilings.matmul_flops, "bandwidth": ceilings.bandwidth, "note": ceiling_note})
+    for t in targets:
+        print(f"[partial_ffn] target {t['name']}: {t['measured']:.3f} vs {t['target']} -> {'met' if t['met'] else 'NOT met'}")
+    print(f"[partial_ffn] wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
