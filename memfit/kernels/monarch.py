@@ -54,7 +54,8 @@ def monarch_linear_reference(x, w1, w2, bias=None, permute_output=True):
        ("BN", "BO", "BM", "BT"), (16, 32, 32, 16, 4, 1), key=["N_BUCKET", "M", "T", "P", "B"],
        prune=lambda configs, named_args, **kw: keep_small_n(configs, named_args["N"]))
 @triton.jit
-def _chain_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M, T, P, B, N_BUCKET,
+def _chain_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M: tl.constexpr, T: tl.constexpr, P: tl.constexpr,
+                  B: tl.constexpr, N_BUCKET,
                   sxn, s1j, s1a, s1c, s2i, s2c, s2o, syn, syi, syo,
                   HAS_BIAS: tl.constexpr, BN: tl.constexpr, BO: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr):
     pid_n = tl.program_id(0)
