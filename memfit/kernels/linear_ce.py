@@ -312,10 +312,10 @@ def _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton
     if rows.numel() == 0:
         return loss, lse_all
     labels_n = labels.index_select(0, rows)
-    lo, hi = labels_n.aminmax()
-    if lo.item() < 0 or hi.item() >= weight.shape[0]:
+    lo, hi = torch.stack(labels_n.aminmax()).tolist()
+    if lo < 0 or hi >= weight.shape[0]:
         raise MemfitError(f"linear_cross_entropy: labels must lie in [0, {weight.shape[0]}) or equal "
-                          f"ignore_index={ignore_index}; got values in [{lo.item()}, {hi.item()}]")
+                          f"ignore_index={ignore_index}; got values in [{lo}, {hi}]")
     if triton_path:
         lse, tgt = _lse_triton(hidden, weight, bias, rows, labels_n, softcap)
     else:
@@ -328,15 +328,18 @@ def _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton
 
 def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, softcap, z_loss,
               need_weight_grad, triton_path):
-    """Gradients for hidden (T, H), weight (V, H) (empty if not needed) and bias (V or empty)."""
+    """Gradients for hidden (T, H), weight (V, H) (empty if not needed) and bias (V or empty).
+
+    Peak: the weight gradient, the fp32 N x H accumulator, the gathered loss-token rows and
+    one N x C chunk; the hidden gradient is allocated only after the chunk loop."""
     vocab, hdim = weight.shape
-    d_hidden = torch.zeros_like(hidden)
-    d_weight = torch.zeros_like(weight) if need_weight_grad else weight.new_empty(0)
     d_bias = torch.zeros_like(bias) if bias is not None else weight.new_empty(0)
     rows = _loss_rows(labels, ignore_index)
     n = rows.numel()
     if n == 0:
-        return d_hidden, d_weight, d_bias
+        d_weight = torch.zeros_like(weight) if need_weight_grad else weight.new_empty(0)
+        return torch.zeros_like(hidden), d_weight, d_bias
+    d_weight = torch.empty_like(weight) if need_weight_grad else weight.new_empty(0)  # every row written
     labels_n = labels.index_select(0, rows)
     lse = lse_all.index_select(0, rows)
     g = grad_loss.index_select(0, rows).float()
@@ -360,8 +363,11 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
         if bias is not None:
             d_bias[v0:v1] = d.sum(dim=0, dtype=torch.float32)
         _accumulate_fp32(acc, d, weight[v0:v1].to(compute))
-    del buf, hs
-    d_hidden.index_copy_(0, rows, acc.to(hidden.dtype))
+    del buf, hs, d
+    d_hidden = torch.zeros_like(hidden)
+    step = max(1, (1 << 24) // hdim)  # cast the accumulator in slices: no second N x H buffer
+    for r0 in range(0, n, step):
+        d_hidden.index_copy_(0, rows[r0:r0 + step], acc[r0:r0 + step].to(hidden.dtype))
     return d_hidden, d_weight, d_bias
 
 

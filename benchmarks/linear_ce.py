@@ -1,0 +1,289 @@
+"""Linear cross-entropy: memfit against torch (logits materialised, eager and compiled),
+Liger Kernel's fused linear cross-entropy and Cut Cross-Entropy, all in one run.
+
+Vocabulary 128256, half the tokens ignored (-100), bf16, mean reduction, (tokens, hidden) =
+(8192, 2048), (16384, 3072), (32768, 4096). Per method and shape: forward+backward time,
+extra peak memory (max_memory_allocated above inputs + parameters, gradients included),
+relative error of the loss and of both gradients against an fp32 reference (IEEE fp32
+matmuls, chunked over tokens so it fits). The roofline floor is the exact work on the loss
+tokens, 8 N V H FLOPs (forward 2NVH, backward 4NVH plus 2NVH recompute), at the matmul rate
+measured in this run; the frozen-weight row (LoRA: no weight gradient) needs 6NVH.
+
+Targets, per shape: memfit faster than Cut Cross-Entropy, extra peak no larger than Cut
+Cross-Entropy's, and each gradient's error no worse than Liger's.
+
+    python benchmarks/linear_ce.py            # H200: about 3 minutes
+    python benchmarks/linear_ce.py --smoke    # CPU, tiny shapes, same code path
+Competitors are optional (pip wheels liger-kernel, cut-cross-entropy); a missing one gives a
+"not available" row.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if "--smoke" in sys.argv:  # before Triton is imported: the kernels run through the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from memfit.kernels.linear_ce import linear_cross_entropy  # noqa: E402
+from memfit.measure.results import target, write_results  # noqa: E402
+
+IGNORE = -100
+SHAPES = [(8192, 2048), (16384, 3072), (32768, 4096)]
+VOCAB = 128256
+
+
+# ---- methods: each returns loss(hidden, weight, labels) with mean reduction ------------------
+
+
+def _torch_eager(hidden, weight, labels):
+    return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=IGNORE)
+
+
+def _methods(device: str) -> dict:
+    """name -> loss function, or the reason it is not available."""
+    methods = {
+        "memfit": lambda h, w, y: linear_cross_entropy(h, w, y),
+        "torch eager": _torch_eager,
+        "torch.compile": torch.compile(_torch_eager, dynamic=False),
+    }
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="mean")
+        methods["liger"] = lambda h, w, y: liger(w, h, y)
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        methods["liger"] = f"not available: {type(exc).__name__}: {exc}"
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        methods["cut cross-entropy"] = lambda h, w, y: cce(h, w, y, ignore_index=IGNORE, reduction="mean")
+    except Exception as exc:  # noqa: BLE001
+        methods["cut cross-entropy"] = f"not available: {type(exc).__name__}: {exc}"
+    if device != "cuda":  # the competitors' kernels need CUDA
+        for name in ("liger", "cut cross-entropy"):
+            if callable(methods[name]):
+                methods[name] = "not available: needs CUDA"
+    return methods
+
+
+# ---- fp32 reference (independent of memfit: token chunks, logits materialised per chunk) -----
+
+
+def _reference_fp32(hidden, weight, labels, chunk_tokens):
+    """Loss (mean), dH and dW in fp32 with IEEE fp32 matmuls."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        w = weight.float()
+        count = (labels != IGNORE).sum().clamp(min=1).float()
+        d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        d_weight = torch.zeros_like(w)
+        loss = torch.zeros((), dtype=torch.float64, device=hidden.device)
+        for t0 in range(0, hidden.shape[0], chunk_tokens):
+            h = hidden[t0:t0 + chunk_tokens].float()
+            y = labels[t0:t0 + chunk_tokens]
+            logits = h @ w.T
+            loss += F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum").double()
+            grad = torch.softmax(logits, dim=1)
+            valid = y != IGNORE
+            grad[valid, y[valid]] -= 1.0
+            grad[~valid] = 0.0
+            grad /= count
+            d_hidden[t0:t0 + chunk_tokens] = grad @ w
+            d_weight += grad.T @ h
+            del logits, grad
+        return (loss / count).float(), d_hidden, d_weight
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _rel(a, b):
+    return float((a.float() - b).norm() / b.norm())
+
+
+# ---- measuring --------------------------------------------------------------------------------
+
+
+def _time_ms(fn, device):
+    if device == "cuda":
+        from memfit.measure.timing import bench_ms
+
+        return bench_ms(fn)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def _extra_peak_mib(fn, device):
+    """Peak allocated above what exists before the step (inputs, parameters), in MiB."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _inputs(tokens, hdim, vocab, device, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    hidden = torch.randn(tokens, hdim, generator=gen).to(device, torch.bfloat16)
+    weight = (0.02 * torch.randn(vocab, hdim, generator=gen)).to(device, torch.bfloat16)
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    labels[torch.randperm(tokens, generator=gen)[: tokens // 2]] = IGNORE
+    return hidden.requires_grad_(), weight.requires_grad_(), labels.to(device)
+
+
+def _measure(name, loss_fn, hidden, weight, labels, ref, device, frozen=False):
+    weight.requires_grad_(not frozen)
+
+    def step():
+        hidden.grad = None
+        weight.grad = None
+        loss = loss_fn(hidden, weight, labels)
+        loss.backward()
+        return loss
+
+    loss = step()  # warm-up: compiles, autotunes
+    errors = {"loss_rel_err": _rel(loss.detach(), ref[0]), "dhidden_rel_err": _rel(hidden.grad, ref[1]),
+              "dweight_rel_err": None if frozen else _rel(weight.grad, ref[2])}
+    hidden.grad = weight.grad = None
+    del loss
+    gc.collect()
+    peak = _extra_peak_mib(step, device)
+    hidden.grad = weight.grad = None
+    ms = _time_ms(step, device)
+    hidden.grad = weight.grad = None
+    weight.requires_grad_(True)
+    return {"method": name, "ms": ms, "extra_peak_mib": peak, **errors}
+
+
+def run(shapes, vocab, device, out_dir):
+    ceilings = None
+    if device == "cuda":
+        from memfit.measure.timing import measure_ceilings
+
+        ceilings = measure_ceilings()
+    methods = _methods(device)
+    rows, targets = [], []
+    for tokens, hdim in shapes:
+        hidden, weight, labels = _inputs(tokens, hdim, vocab, device)
+        n_loss = int((labels != IGNORE).sum())
+        ref = _reference_fp32(hidden.detach(), weight.detach(), labels, chunk_tokens=max(1, 2**31 // (4 * vocab)))
+        case = {"tokens": tokens, "loss_tokens": n_loss, "hidden": hdim, "vocab": vocab, "dtype": "bfloat16"}
+        if ceilings:
+            nvh = n_loss * vocab * hdim
+            io = 2 * (2 * vocab * hdim) + 2 * (2 * tokens * hdim)
+            case["floor_ms"] = ceilings.floor_ms(8 * nvh, io)
+            case["floor_frozen_weight_ms"] = ceilings.floor_ms(6 * nvh, io)
+        results = {}
+        for name, fn in methods.items():
+            if isinstance(fn, str):
+                rows.append({**case, "method": name, "status": fn})
+                continue
+            try:
+                results[name] = _measure(name, fn, hidden, weight, labels, ref, device)
+                rows.append({**case, **results[name], "status": "ok"})
+            except torch.OutOfMemoryError as exc:
+                rows.append({**case, "method": name, "status": f"out of memory: {exc}"[:200]})
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        rows.append({**case, **_measure("memfit (frozen weight)", methods["memfit"], hidden, weight, labels, ref,
+                                        device, frozen=True), "status": "ok"})
+        print_rows(rows[-len(methods) - 1:])
+        mine, cce, liger = results.get("memfit"), results.get("cut cross-entropy"), results.get("liger")
+        tag = f"T={tokens} H={hdim}"
+        if mine and cce:
+            targets.append(target(f"time vs Cut Cross-Entropy, {tag}", mine["ms"], cce["ms"], "ms", "lower"))
+            if mine["extra_peak_mib"] is not None:
+                targets.append(target(f"extra peak vs Cut Cross-Entropy, {tag}", mine["extra_peak_mib"],
+                                      cce["extra_peak_mib"], "MiB", "lower"))
+        if mine and liger:
+            for grad in ("dhidden_rel_err", "dweight_rel_err"):
+                targets.append(target(f"{grad} vs Liger, {tag}", mine[grad], liger[grad], "relative", "lower"))
+        del hidden, weight, labels, ref
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    extra = {"ceilings": None if not ceilings else {"matmul_tflops": ceilings.matmul_flops / 1e12,
+                                                    "bandwidth_gbs": ceilings.bandwidth / 1e9}}
+    path = write_results("linear_ce", rows, targets, out_dir, **extra)
+    _plot(rows, path.with_suffix(".png"))
+    return path
+
+
+def print_rows(rows):
+    for r in rows:
+        if r.get("status") != "ok":
+            print(f"{r['tokens']:>6} {r['hidden']:>5}  {r['method']:<24} {r['status'][:60]}")
+            continue
+        peak = "-" if r["extra_peak_mib"] is None else f"{r['extra_peak_mib']:9.0f} MiB"
+        dw = "-" if r["dweight_rel_err"] is None else f"{r['dweight_rel_err']:.1e}"
+        print(f"{r['tokens']:>6} {r['hidden']:>5}  {r['method']:<24} {r['ms']:9.2f} ms {peak}  "
+              f"loss {r['loss_rel_err']:.1e} dH {r['dhidden_rel_err']:.1e} dW {dw}")
+
+
+def _plot(rows, path: Path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ok = [r for r in rows if r.get("status") == "ok"]
+    cases = sorted({(r["tokens"], r["hidden"]) for r in ok})
+    names = list(dict.fromkeys(r["method"] for r in ok))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        for ax, key in zip(axes, ("ms", "extra_peak_mib")):
+            vals = [next((r[key] for r in ok if r["method"] == name and (r["tokens"], r["hidden"]) == c), None)
+                    for c in cases]
+            xs = [j + i * width for j, v in enumerate(vals) if v is not None]
+            ax.bar(xs, [v for v in vals if v is not None], width, label=name)
+    floors = [next((r.get("floor_ms") for r in ok if (r["tokens"], r["hidden"]) == c), None) for c in cases]
+    for j, f in enumerate(floors):
+        if f:
+            axes[0].hlines(f, j - 0.1, j + 0.9, colors="k", linestyles="--", label="roofline floor" if j == 0 else None)
+    for ax, label in zip(axes, ("forward+backward (ms)", "extra peak memory (MiB)")):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], [f"T={t}\nH={h}" for t, h in cases])
+        ax.set_ylabel(label)
+        if ax.has_data():
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"linear cross-entropy, vocab {ok[0]['vocab'] if ok else '?'}, half the tokens ignored, bf16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    args = parser.parse_args()
+    if args.smoke:
+        path = run([(64, 48)], 1037, "cpu", args.out or "/tmp/memfit_smoke")
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("benchmarks/linear_ce.py needs a CUDA GPU (use --smoke on CPU)")
+        path = run(SHAPES, VOCAB, "cuda", args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
