@@ -1,0 +1,242 @@
+"""The op graph of a Hugging Face Llama-family model, with autograd's saving rules.
+
+This is where the activation memory is *derived*. ``ModelGraph`` writes down the ops a
+``LlamaForCausalLM`` (also Qwen2, Mistral) runs in forward -- as in transformers'
+``modeling_llama.py`` with the SDPA attention -- and for each op the tensors autograd
+saves, under the rule autograd's generated code follows: an input needed only for the
+gradient of another input is saved only if that other input requires a gradient.
+Per decoder layer (N tokens, hidden h, intermediate i, dtype size s) that gives:
+
+* RMSNorm ``w * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(dtype)``: ``x.float()``
+  (4h bytes/token, saved by pow and mul when x needs a gradient; the same tensor as x
+  when the model is fp32), ``rsqrt`` (4 bytes), and the normalised ``.to(dtype)`` (s*h)
+  only when the norm weight is trained (mul saves the *other* operand);
+* each linear saves its input only when its weight is trained (q/k/v share one input);
+  a LoRA adapter saves its input cast to the adapter dtype (peft keeps adapters in fp32)
+  and the rank-r intermediate;
+* RoPE saves nothing large (cos/sin are shared and need no gradient);
+* SDPA (flash/cuDNN kernels, and the CPU flash kernel) saves q, k, v, the output (the
+  same storage o_proj reads) and the fp32 log-sum-exp (4 bytes per head per token);
+* the SwiGLU MLP saves gate (for silu), silu(gate) and up (for the product), and the
+  product (down_proj's input, when down_proj is trained).
+
+The loss path follows transformers' ``ForCausalLMLoss``: logits in the model dtype, an
+fp32 copy (``logits.float()``, free when the model is fp32), ``log_softmax`` saves its
+fp32 output, and backward creates fp32 gradients of the same size.
+
+``simulate.py`` replays these ops to get the live bytes at every moment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.ledger.simulate import Op, Sym
+from memfit.models.spec import ModelSpec, dtype_bytes
+
+FP32 = "float32"
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Trainable:
+    """Which parameters need gradients, and the LoRA adapters attached."""
+
+    linears: bool = True  # base linear weights (and biases)
+    norms: bool = True
+    embeddings: bool = True  # embedding and (untied) lm_head
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
+    lora_dtype: str = FP32  # peft keeps adapter weights in fp32 by default
+
+
+class ModelGraph:
+    """Builds the ops of one forward pass of ``spec`` over ``batch`` x ``seq`` tokens."""
+
+    def __init__(self, spec: ModelSpec, batch: int, seq: int, dtype: str, trainable: Trainable | None,
+                 device: str = "cuda"):
+        self.spec, self.batch, self.seq, self.dtype = spec, batch, seq, dtype
+        self.tokens = batch * seq
+        self.trainable = trainable  # None: inference, nothing needs a gradient
+        self.device = device
+        self.ops: list[Op] = []
+        self.params: list[Sym] = []
+        self.segment: int | None = None
+
+    # ---- tensors ---------------------------------------------------------------------
+    def _bytes(self, per_token: int, dtype: str, tokens: int | None = None) -> int:
+        return (self.tokens if tokens is None else tokens) * per_token * dtype_bytes(dtype)
+
+    def param(self, name: str, numel: int, trainable: bool, dtype: str | None = None) -> Sym:
+        size = dtype_bytes(dtype or self.dtype)
+        sym = Sym(name, numel * size, trainable, "weights", persistent=True, element_size=size)
+        self.params.append(sym)
+        return sym
+
+    def act(self, name: str, per_token: int, requires_grad: bool, dtype: str | None = None,
+            component: str = "temporaries", tokens: int | None = None) -> Sym:
+        return Sym(name, self._bytes(per_token, dtype or self.dtype, tokens), requires_grad, component)
+
+    def release(self, sym: Sym) -> None:
+        """``sym`` is a local variable of a Python frame that ends here: alive until the last op so far."""
+        self.ops[-1].holds.append(sym)
+
+    def op(self, name: str, inputs: list[Sym], outputs: list[Sym], saves: list[Sym], **workspace) -> None:
+        self.ops.append(Op(name, inputs, outputs, [s for s in saves if s is not None], segment=self.segment,
+                           **workspace))
+
+    # ---- autograd rules of the ops the model uses --------------------------------------
+    def cast(self, x: Sym, dtype: str, per_token: int, name: str) -> Sym:
+        """``x.to(dtype)``: a new tensor unless the dtype is already ``dtype``; saves nothing."""
+        if x.nbytes == self._bytes(per_token, dtype):
+            return x
+        out = self.act(name, per_token, x.requires_grad, dtype, x.component)
+        self.op(name, [x], [out], [])
+        return out
+
+    def linear(self, x: Sym, weight: Sym, per_token_out: int, name: str, dtype: str | None = None,
+               bias: Sym | None = None, tokens: int | None = None) -> Sym:
+        """``F.linear``: saves the input iff the weight is trained (the weight is a parameter: free)."""
+        rg = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        out = self.act(name, per_token_out, rg, dtype, tokens=tokens)
+        inputs = [x, weight] + ([bias] if bias is not None else [])
+        self.op(name, inputs, [out], [x] if weight.requires_grad else [])
+        return out
+
+    def mul(self, a: Sym, b: Sym, per_token: int, name: str, dtype: str | None = None) -> Sym:
+        """``a * b``: keeps b for a's gradient and a for b's gradient."""
+        out = self.act(name, per_token, a.requires_grad or b.requires_grad, dtype)
+        saves = ([b] if a.requires_grad else []) + ([a] if b.requires_grad else [])
+        self.op(name, [a, b], [out], saves)
+        return out
+
+    def pointwise(self, inputs: list[Sym], per_token: int, name: str, saves_input: bool = False,
+                  saves_output: bool = False, dtype: str | None = None) -> Sym:
+        rg = any(s.requires_grad for s in inputs)
+        out = self.act(name, per_token, rg, dtype)
+        saves = (inputs[:1] if saves_input and rg else []) + ([out] if saves_output and rg else [])
+        self.op(name, inputs, [out], saves)
+        return out
+
+    # ---- model pieces ------------------------------------------------------------------
+    def rms_norm(self, x: Sym, weight: Sym, name: str) -> Sym:
+        h = self.spec.hidden
+        x32 = self.cast(x, FP32, h, f"{name}.float")
+        square = self.pointwise([x32], h, f"{name}.pow", saves_input=True, dtype=FP32)
+        variance = self.pointwise([square], 1, f"{name}.mean", dtype=FP32)
+        shifted = self.pointwise([variance], 1, f"{name}.add_eps", dtype=FP32)
+        inv = self.pointwise([shifted], 1, f"{name}.rsqrt", saves_output=True, dtype=FP32)
+        normed = self.mul(x32, inv, h, f"{name}.scale", dtype=FP32)
+        normed = self.cast(normed, self.dtype, h, f"{name}.to_dtype")
+        return self.mul(weight, normed, h, f"{name}.weight")
+
+    def projection(self, x: Sym, layer: int, module: str, per_token_in: int, per_token_out: int,
+                   bias: bool = False) -> Sym:
+        """A linear layer with an optional LoRA adapter (peft's Linear.forward)."""
+        t = self.trainable
+        weight = self.param(f"{layer}.{module}", per_token_in * per_token_out, bool(t and t.linears))
+        bias_sym = self.param(f"{layer}.{module}.bias", per_token_out, bool(t and t.linears)) if bias else None
+        out = self.linear(x, weight, per_token_out, f"{layer}.{module}", bias=bias_sym)
+        if t and t.lora_rank and module in t.lora_targets:
+            r, adtype = t.lora_rank, t.lora_dtype
+            lora_a = self.param(f"{layer}.{module}.lora_A", per_token_in * r, True, adtype)
+            lora_b = self.param(f"{layer}.{module}.lora_B", r * per_token_out, True, adtype)
+            xa = self.cast(x, adtype, per_token_in, f"{layer}.{module}.lora_in")
+            hidden = self.linear(xa, lora_a, r, f"{layer}.{module}.lora_A", dtype=adtype)
+            delta = self.linear(hidden, lora_b, per_token_out, f"{layer}.{module}.lora_B", dtype=adtype)
+            scaled = self.pointwise([delta], per_token_out, f"{layer}.{module}.lora_scale", dtype=adtype)
+            summed_dtype = FP32 if FP32 in (adtype, self.dtype) else self.dtype
+            summed = self.pointwise([out, scaled], per_token_out, f"{layer}.{module}.lora_add", dtype=summed_dtype)
+            out = self.cast(summed, self.dtype, per_token_out, f"{layer}.{module}.lora_out")
+        return out
+
+    def rope(self, x: Sym, per_token: int, name: str) -> Sym:
+        """``x*cos + rotate_half(x)*sin``: four temporaries, nothing saved but cos/sin."""
+        a = self.pointwise([x], per_token, f"{name}.cos")
+        neg = self.pointwise([x], per_token // 2, f"{name}.neg")
+        cat = self.pointwise([neg, x], per_token, f"{name}.cat")
+        b = self.pointwise([cat], per_token, f"{name}.sin")
+        return self.pointwise([a, b], per_token, f"{name}.add")
+
+    def attention(self, q: Sym, k: Sym, v: Sym, layer: int) -> Sym:
+        """SDPA (flash/cuDNN/CPU-flash): saves q, k, v, out and the fp32 log-sum-exp."""
+        s = self.spec
+        rg = q.requires_grad or k.requires_grad or v.requires_grad
+        out = self.act(f"{layer}.sdpa", s.q_dim, rg)
+        lse = self.act(f"{layer}.sdpa.lse", s.num_heads, rg, FP32)
+        workspace = 0
+        if self.device == "cuda":
+            # FlashAttention-2's backward accumulates dQ in fp32 and, for grouped-query
+            # heads, writes dK/dV per query head before summing them per kv head.
+            workspace = self._bytes(s.q_dim, FP32)
+            if s.num_heads != s.num_kv_heads:
+                workspace += 2 * self._bytes(s.q_dim, self.dtype)
+        self.ops.append(Op(f"{layer}.sdpa", [q, k, v], [out, lse], [q, k, v, out, lse] if rg else [],
+                           backward_workspace=workspace, segment=self.segment))
+        return out
+
+    def decoder_layer(self, x: Sym, layer: int, cache: list[Sym] | None = None) -> Sym:
+        s, t = self.spec, self.trainable
+        norms_trained = bool(t and t.norms)
+        y = self.rms_norm(x, self.param(f"{layer}.input_layernorm", s.hidden, norms_trained), f"{layer}.norm1")
+        q = self.projection(y, layer, "q_proj", s.hidden, s.q_dim, s.attention_bias)
+        k = self.projection(y, layer, "k_proj", s.hidden, s.kv_dim, s.attention_bias)
+        v = self.projection(y, layer, "v_proj", s.hidden, s.kv_dim, s.attention_bias)
+        q = self.rope(q, s.q_dim, f"{layer}.rope_q")
+        k = self.rope(k, s.kv_dim, f"{layer}.rope_k")
+        if cache is not None:  # DynamicCache.update: torch.cat onto an empty tensor, i.e. a copy
+            k = self.pointwise([k], s.kv_dim, f"{layer}.cache_k")
+            v = self.pointwise([v], s.kv_dim, f"{layer}.cache_v")
+            k.component = v.component = "kv_cache"
+            cache += [k, v]
+        attn = self.attention(q, k, v, layer)
+        o = self.projection(attn, layer, "o_proj", s.q_dim, s.hidden)
+        self.release(y)  # LlamaAttention.forward's argument
+        x2 = self.pointwise([x, o], s.hidden, f"{layer}.residual1")
+        y2 = self.rms_norm(x2, self.param(f"{layer}.post_attention_layernorm", s.hidden, norms_trained),
+                           f"{layer}.norm2")
+        gate = self.projection(y2, layer, "gate_proj", s.hidden, s.intermediate)
+        up = self.projection(y2, layer, "up_proj", s.hidden, s.intermediate)
+        act = self.pointwise([gate], s.intermediate, f"{layer}.silu", saves_input=True)
+        prod = self.mul(act, up, s.intermediate, f"{layer}.act_mul")
+        down = self.projection(prod, layer, "down_proj", s.intermediate, s.hidden)
+        self.release(y2)  # LlamaMLP.forward's argument
+        out = self.pointwise([x2, down], s.hidden, f"{layer}.residual2")
+        self.release(x)  # LlamaModel's loop variable holds the layer input until the layer returns
+        return out
+
+    def embed(self) -> tuple[Sym, Sym]:
+        s, t = self.spec, self.trainable
+        ids = Sym("input_ids", self.tokens * 8, False, "inputs", persistent=True)
+        weight = self.param("embed_tokens", s.vocab * s.hidden, bool(t and t.embeddings))
+        x = self.act("embed", s.hidden, weight.requires_grad)
+        self.op("embed", [ids, weight], [x], [ids] if weight.requires_grad else [])
+        # RoPE's cos and sin, (1, seq, head_dim) each, live for the whole forward
+        self.rope_tables = self.act("rope_cos_sin", 2 * s.head_dim, False, tokens=self.seq)
+        self.op("rotary_emb", [], [self.rope_tables], [])
+        self.inputs_embeds = x
+        return x, weight
+
+    def head(self, x: Sym, embedding: Sym, logits_tokens: int | None = None) -> Sym:
+        """Final norm and lm_head; ``logits_tokens`` limits logits to the last tokens (inference)."""
+        s, t = self.spec, self.trainable
+        y = self.rms_norm(x, self.param("norm", s.hidden, bool(t and t.norms)), "final_norm")
+        self.release(self.inputs_embeds)  # LlamaModel.forward holds inputs_embeds until it returns
+        self.release(self.rope_tables)
+        weight = embedding if s.tied_embeddings else self.param("lm_head", s.vocab * s.hidden,
+                                                                  bool(t and t.embeddings))
+        tokens = None if logits_tokens is None else self.batch * logits_tokens  # a slice: a view of y
+        logits = self.linear(y, weight, s.vocab, "lm_head", tokens=tokens)
+        logits.component = "logits"
+        return logits
+
+    def causal_lm_loss(self, logits: Sym) -> Sym:
+        """transformers' ForCausalLMLoss: fp32 upcast, log_softmax (saves its output), nll."""
+        v = self.spec.vocab
+        labels = Sym("labels", self.tokens * 8, False, "inputs", persistent=True)
+        up = self.cast(logits, FP32, v, "logits.float")
+        up.component = "logits"
+        logp = self.act("log_softmax", v, True, FP32, "logits")
+        self.op("log_softmax", [up], [logp], [logp])
+        loss = Sym("loss", 4, True, "temporaries")
+        self.op("nll_loss", [logp, labels], [loss], [labels])
+        return loss

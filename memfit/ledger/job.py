@@ -1,0 +1,94 @@
+"""A job (what the user wants to run) and the knobs a plan sets (how memfit runs it)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from memfit.errors import MemfitError
+from memfit.models.spec import ModelSpec, dtype_of
+
+TASKS = ("full", "lora", "infer")
+OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
+LORA_TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise MemfitError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Job:
+    """What to run: a model, a task, a shape. ``full``/``lora`` train; ``infer`` is prefill + decode."""
+
+    spec: ModelSpec
+    task: str = "lora"
+    seq: int = 2048
+    batch: int = 1
+    new_tokens: int = 128  # infer: tokens generated after the prompt
+    device: str = "cuda"
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise MemfitError(f"task {self.task!r} is not one of {', '.join(TASKS)}")
+        _positive("seq", self.seq)
+        _positive("batch", self.batch)
+        if self.task == "infer":
+            _positive("new_tokens", self.new_tokens)
+        if self.device not in ("cuda", "cpu"):
+            raise MemfitError(f"device {self.device!r} is not one of cuda, cpu")
+
+    @property
+    def training(self) -> bool:
+        return self.task != "infer"
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def to_dict(self) -> dict:
+        return {"model": self.spec.name, "task": self.task, "seq": self.seq, "batch": self.batch,
+                "new_tokens": self.new_tokens if self.task == "infer" else None, "device": self.device}
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Every setting a technique can turn. Defaults are plain PyTorch/transformers behaviour.
+
+    A technique (``techniques.py``) proposes values for some of these; the ledger reads them.
+    """
+
+    dtype: str = "bfloat16"  # parameter and activation dtype
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = LORA_TARGETS_ALL
+    checkpoint_layers: int = 0  # decoder layers wrapped in activation checkpointing (the first k)
+    optimizer: str = "adamw"
+    micro_batch: int | None = None  # gradient accumulation: sequences per forward/backward
+    extra: dict = field(default_factory=dict, compare=False, hash=False)  # later techniques' settings
+
+    def __post_init__(self):
+        dtype_of(self.dtype)
+        if self.optimizer not in OPTIMIZERS:
+            raise MemfitError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        unknown = set(self.lora_targets) - set(LORA_TARGETS_ALL)
+        if unknown:
+            raise MemfitError(f"unknown LoRA targets {sorted(unknown)}; use some of {', '.join(LORA_TARGETS_ALL)}")
+        _positive("lora_rank", self.lora_rank)
+        if self.checkpoint_layers < 0:
+            raise MemfitError(f"checkpoint_layers must be >= 0, got {self.checkpoint_layers}")
+        if self.micro_batch is not None:
+            _positive("micro_batch", self.micro_batch)
+
+    def with_(self, **changes) -> "Knobs":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["lora_targets"] = list(self.lora_targets)
+        if not data.pop("extra"):
+            return data
+        return {**data, **self.extra}
+
+
+def default_knobs(job: Job) -> Knobs:
+    """What a plain run does: the model's dtype (bf16 for fp32 checkpoints on GPU is *not* assumed)."""
+    return Knobs(dtype=job.spec.dtype, micro_batch=job.batch)

@@ -1,0 +1,126 @@
+"""The technique catalogue: what each technique can set, and what it costs in time.
+
+A ``Technique`` proposes settings for some ``Knobs`` fields (its *variants*, given the
+job and the user's own choices) and prices each variant in time. The memory effect of
+a setting is not estimated here: the ledger replays the job with the knobs set
+(``predict.py``), so a technique's memory model is whatever the replay makes of its knobs.
+Later techniques register the same way with ``register``; settings the base knobs do
+not have go in ``Knobs.extra``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from memfit.ledger.job import Job, Knobs
+
+REGISTRY: dict[str, "Technique"] = {}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Predicted time cost of a technique, relative to the plain step's compute."""
+
+    recompute: float = 0.0  # extra forward FLOPs as a fraction of the step's FLOPs
+    overhead: float = 0.0  # other slowdown as a fraction (launches, dequantisation, optimizer kernels)
+    pcie_bytes: int = 0  # bytes over PCIe per step
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.recompute + other.recompute, self.overhead + other.overhead, self.pcie_bytes + other.pcie_bytes)
+
+
+@dataclass(frozen=True)
+class Technique:
+    """One memory technique: its knob variants and their time cost."""
+
+    name: str
+    summary: str
+    variants: Callable[[Job, Knobs], list[dict]]  # knob changes to try; the first is "off"
+    cost: Callable[[Job, Knobs], Cost]
+    describe: Callable[[Knobs, Knobs], str | None]  # (knobs, as asked) -> a label when it changes them
+
+
+def register(technique: Technique) -> Technique:
+    if technique.name in REGISTRY:
+        raise ValueError(f"technique {technique.name!r} registered twice")
+    REGISTRY[technique.name] = technique
+    return technique
+
+
+def step_flops(job: Job, knobs: Knobs) -> float:
+    """FLOPs of one training step (or of prefill for inference): matmuls and attention."""
+    spec = job.spec
+    dense = spec.num_layers * sum(a * b for a, b in spec.linear_shapes().values()) + spec.vocab * spec.hidden
+    attention = spec.num_layers * 2 * spec.q_dim * job.seq  # QK^T and PV per token, causal half of 4
+    forward = 2 * job.tokens * (dense + attention)
+    if job.task == "infer":
+        return forward
+    backward = 2 * forward if job.task == "full" else forward + 2 * job.tokens * attention  # LoRA: no weight grads
+    return forward + backward
+
+
+def layer_forward_fraction(job: Job) -> float:
+    """A decoder layer's forward FLOPs as a fraction of the whole step."""
+    spec = job.spec
+    layer = sum(a * b for a, b in spec.linear_shapes().values()) + 2 * spec.q_dim * job.seq
+    return 2 * job.tokens * layer / step_flops(job, Knobs())
+
+
+# ---- the techniques of the foundation ---------------------------------------------------------
+
+register(Technique(
+    name="checkpoint",
+    summary="activation checkpointing per decoder layer: keep only each layer's input, recompute in backward",
+    variants=lambda job, knobs: [] if not job.training else [
+        {"checkpoint_layers": k} for k in sorted({0, *(round(job.spec.num_layers * f) for f in (0.25, 0.5, 0.75)),
+                                                    job.spec.num_layers})],
+    cost=lambda job, knobs: Cost(recompute=knobs.checkpoint_layers * layer_forward_fraction(job)),
+    describe=lambda knobs, base: f"checkpoint {knobs.checkpoint_layers} of the layers"
+    if knobs.checkpoint_layers != base.checkpoint_layers else None,
+))
+
+register(Technique(
+    name="adamw8bit",
+    summary="8-bit AdamW (bitsandbytes): 2 bytes of optimizer state per parameter instead of 8 (fp32) or 4",
+    variants=lambda job, knobs: [{"optimizer": "adamw"}, {"optimizer": "adamw8bit"}]
+    if job.training and job.device == "cuda" and knobs.optimizer == "adamw" else [],
+    cost=lambda job, knobs: Cost(overhead=0.01 if knobs.optimizer == "adamw8bit" else 0.0),
+    describe=lambda knobs, base: "8-bit AdamW" if knobs.optimizer != base.optimizer else None,
+))
+
+
+def _micro_batches(job: Job, knobs: Knobs) -> list[dict]:
+    if not job.training or job.batch == 1:
+        return []
+    return [{"micro_batch": m} for m in sorted({d for d in range(1, job.batch + 1) if job.batch % d == 0}, reverse=True)]
+
+
+register(Technique(
+    name="grad_accum",
+    summary="gradient accumulation: run the batch as micro-batches, gradients summed in place",
+    variants=_micro_batches,
+    # smaller matmuls and more launches: a few percent per extra micro-batch
+    cost=lambda job, knobs: Cost(overhead=0.03 * (job.batch // (knobs.micro_batch or job.batch) - 1)),
+    describe=lambda knobs, base: f"gradient accumulation (micro-batch {knobs.micro_batch})"
+    if knobs.micro_batch != base.micro_batch else None,
+))
+
+register(Technique(
+    name="bf16",
+    summary="bf16 weights and activations for a model stored in fp32 (half the bytes; LoRA adapters stay fp32)",
+    variants=lambda job, knobs: [{"dtype": "float32"}, {"dtype": "bfloat16"}] if knobs.dtype == "float32" else [],
+    cost=lambda job, knobs: Cost(),
+    describe=lambda knobs, base: "bf16 weights" if knobs.dtype != base.dtype else None,
+))
+
+
+def total_cost(job: Job, knobs: Knobs) -> Cost:
+    total = Cost()
+    for technique in REGISTRY.values():
+        total = total + technique.cost(job, knobs)
+    return total
+
+
+def active(knobs: Knobs, base: Knobs) -> list[str]:
+    """Labels of the techniques these knobs turn on beyond the job as asked (``base``)."""
+    return [label for t in REGISTRY.values() if (label := t.describe(knobs, base))]

@@ -1,0 +1,150 @@
+"""Verify: run the job with the plan applied, measure its peak, hold it against the ledger.
+
+A prediction nobody checks is a guess. ``verify`` builds a random-init model of the
+job's shape with the knobs applied (dtype, LoRA through peft, checkpointing of the first
+k decoder layers, the optimizer, micro-batches), runs warm-up steps so lazily created
+state exists (optimizer states, cuBLAS workspace), then measures one step: on CUDA with
+the caching allocator's peak counters, on CPU with a tensor-lifetime tracker.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.ledger.job import Job, Knobs
+from memfit.ledger.predict import Ledger, predict
+from memfit.measure.memory import PeakMeter, storage_bytes
+from memfit.models.build import build_model
+
+
+@dataclass
+class Measurement:
+    peak: int  # max allocated bytes over the measured step
+    reserved: int  # max reserved (CUDA) bytes
+    weights: int
+    optimizer: int
+    gradients: int
+
+
+@dataclass
+class VerifyResult:
+    ledger: Ledger
+    measured: Measurement
+    tolerance: float
+
+    @property
+    def error(self) -> float:
+        """Relative error of the predicted total peak."""
+        return self.ledger.total / self.measured.peak - 1.0
+
+    @property
+    def ok(self) -> bool:
+        return abs(self.error) <= self.tolerance
+
+    def rows(self) -> list[tuple[str, int, int | None]]:
+        """(component, predicted bytes at the peak, measured bytes where measurable)."""
+        led, m = self.ledger, self.measured
+        measurable = {"weights": m.weights, "optimizer": m.optimizer}
+        rows = [(c, v, measurable.get(c)) for c, v in led.peak.items() if v]
+        rows.append(("total peak", led.total, m.peak))
+        return rows
+
+    def to_dict(self) -> dict:
+        m = self.measured
+        return {**self.ledger.to_dict(), "measured": {"peak_bytes": m.peak, "reserved_bytes": m.reserved,
+                                                      "weights": m.weights, "optimizer": m.optimizer,
+                                                      "gradients": m.gradients},
+                "error": self.error, "tolerance": self.tolerance, "ok": self.ok}
+
+
+def _prepare(job: Job, knobs: Knobs):
+    if job.device == "cuda" and not torch.cuda.is_available():
+        raise MemfitError("verify on cuda needs a CUDA GPU; use --device cpu here")
+    model = build_model(job.spec, dtype=knobs.dtype, device=job.device)
+    if job.task == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=knobs.lora_rank, lora_alpha=2 * knobs.lora_rank, lora_dropout=0.0,
+                                                 target_modules=list(knobs.lora_targets)))
+    if job.training and knobs.checkpoint_layers:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for index, layer in enumerate(model.get_decoder().layers):
+            layer.gradient_checkpointing = index < knobs.checkpoint_layers
+    model.train(job.training)
+    return model
+
+
+def _optimizer(knobs: Knobs, params, device: str):
+    if knobs.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-5)
+    if knobs.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-5)
+    if device != "cuda":
+        raise MemfitError("8-bit AdamW (bitsandbytes) runs on CUDA only; use --optimizer adamw on cpu")
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise MemfitError("8-bit AdamW needs bitsandbytes: pip install 'memfit[bnb]'") from None
+    return bnb.optim.AdamW8bit(params, lr=1e-5)
+
+
+def measure(job: Job, knobs: Knobs, warmup: int = 1) -> Measurement:
+    """Run ``warmup`` steps, then measure one step of ``job`` with ``knobs``."""
+    model = _prepare(job, knobs)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, job.spec.vocab, (job.batch, job.seq), generator=generator).to(job.device)
+    if job.task == "infer":
+        return _measure_infer(job, model, ids, warmup)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = _optimizer(knobs, params, job.device)
+    micro = knobs.micro_batch or job.batch
+    gradients = 0
+
+    def step():
+        nonlocal gradients
+        for start in range(0, job.batch, micro):
+            chunk = ids[start:start + micro]
+            loss = model(input_ids=chunk, labels=chunk).loss
+            loss.backward()
+            del loss
+        gradients = storage_bytes(p.grad for p in params)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    states = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    baseline = tuple(model.parameters()) + tuple(model.buffers()) + tuple(states)
+    with PeakMeter(job.device, baseline) as meter:
+        step()
+    return Measurement(meter.peak, meter.reserved, storage_bytes(list(model.parameters()) + list(model.buffers())),
+                       storage_bytes(states), gradients)
+
+
+@torch.no_grad()
+def _measure_infer(job: Job, model, ids, warmup: int) -> Measurement:
+    def generate():
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        del out
+        for _ in range(job.new_tokens):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1:].argmax(-1)
+            del out
+
+    for _ in range(warmup):
+        generate()
+    baseline = tuple(model.parameters()) + tuple(model.buffers())
+    with PeakMeter(job.device, baseline) as meter:
+        generate()
+    return Measurement(meter.peak, meter.reserved, storage_bytes(baseline), 0, 0)
+
+
+def verify(job: Job, knobs: Knobs, tolerance: float = 0.05, warmup: int = 1) -> VerifyResult:
+    """Predict, measure, compare. ``result.ok`` is False when the total is off by more than ``tolerance``."""
+    if tolerance <= 0:
+        raise MemfitError(f"tolerance must be positive, got {tolerance}")
+    ledger = predict(job, knobs)
+    return VerifyResult(ledger, measure(job, knobs, warmup), tolerance)
