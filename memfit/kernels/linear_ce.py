@@ -365,7 +365,7 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
         _accumulate_fp32(acc, d, weight[v0:v1].to(compute))
     del buf, hs, d
     d_hidden = torch.zeros_like(hidden)
-    step = max(1, (1 << 24) // hdim)  # cast the accumulator in slices: no second N x H buffer
+    step = max(1, (1 << 22) // hdim)  # cast the accumulator in 4M-element slices, not a second N x H buffer
     for r0 in range(0, n, step):
         d_hidden.index_copy_(0, rows[r0:r0 + step], acc[r0:r0 + step].to(hidden.dtype))
     return d_hidden, d_weight, d_bias
