@@ -31,6 +31,41 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Residual add, then RMSNorm of the sum: (sum, normed)."""
+    x = x + delta
+    return x, F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots):
+    """Rotate q and k, write k and v into the caches at ``slots``; returns q grouped per KV head (B, Hkv, G*T, D)."""
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    k_cache.index_copy_(2, slots, k)
+    v_cache.index_copy_(2, slots, v)
+    B, H, T, D = q.shape
+    return q.reshape(B, k_cache.shape[1], H // k_cache.shape[1] * T, D)
+
+
+# The elementwise parts of a step: on CUDA they are compiled (dozens of tiny kernels a layer become a few);
+# the matmuls stay in the model's own modules (dense, partial or 4-bit).
+_EAGER = {"norm": _norm, "add_norm": _add_norm, "rope_and_cache": _rope_and_cache}
+
+
+_COMPILED: dict = {}
+
+
+def _compiled() -> dict:
+    """One compiled set per process, so every Generator reuses the compiled kernels."""
+    if not _COMPILED:
+        _COMPILED.update({name: torch.compile(fn, dynamic=False, fullgraph=True) for name, fn in _EAGER.items()})
+    return _COMPILED
+
+
 @dataclass
 class GenerationResult:
     tokens: torch.Tensor               # (B, new) generated ids
@@ -52,9 +87,12 @@ class Generator:
 
     ``graphs``: None = use CUDA graphs on CUDA; False = eager steps (CPU, debugging).
     ``temperature``: 0 = greedy; > 0 samples with the Gumbel-max trick (graph-safe).
+    ``compile``: None = compile the elementwise helpers (norms, rope, cache writes) with
+    ``torch.compile`` on CUDA; a failed compile falls back to eager, said once.
     """
 
-    def __init__(self, model, max_len: int, batch: int = 1, graphs: bool | None = None, temperature: float = 0.0):
+    def __init__(self, model, max_len: int, batch: int = 1, graphs: bool | None = None, temperature: float = 0.0,
+                 compile: bool | None = None):
         cfg = model.config
         if max_len < 2 or batch < 1:
             raise MemfitError(f"max_len must be >= 2 and batch >= 1, got max_len={max_len}, batch={batch}")
@@ -84,13 +122,14 @@ class Generator:
         self.step_index = torch.zeros(1, dtype=torch.long, **factory)
         self.out = torch.zeros(batch, max_len, dtype=torch.long, **factory)
         self.graph = None
+        self.ops = _compiled() if (self.device.type == "cuda" if compile is None else compile) else _EAGER
         use_graphs = self.device.type == "cuda" if graphs is None else graphs
         if use_graphs and self.device.type != "cuda":
             raise MemfitError("CUDA graphs need the model on a CUDA device")
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
         if use_graphs:
             self._capture()
+        elif self.ops is not _EAGER:
+            self._warm_up()
 
     # ---- the model, step by step ---------------------------------------------------------
     def _rope(self, positions: torch.Tensor):
@@ -109,23 +148,23 @@ class Generator:
         visible = self.key_slots[None, :] <= slots[:, None]
         mask = (self.valid[:, None, :] & visible[None]) | (self.key_slots[None, :] == slots[:, None])[None]
         mask = mask[:, None, None].expand(B, 1, G, T, self.max_len).reshape(B, 1, G * T, self.max_len)
-        for i, layer in enumerate(model.model.layers):
+        ops = self.ops
+        layers = model.model.layers
+        h = ops["norm"](x, layers[0].input_layernorm.weight, layers[0].input_layernorm.variance_epsilon)
+        for i, layer in enumerate(layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
             q = attn.q_proj(h).view(B, T, H, D).transpose(1, 2)
             k = attn.k_proj(h).view(B, T, Hkv, D).transpose(1, 2)
             v = attn.v_proj(h).view(B, T, Hkv, D).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            self.k_cache[i].index_copy_(2, slots, k)
-            self.v_cache[i].index_copy_(2, slots, v)
-            q = q.reshape(B, Hkv, G * T, D)  # GQA: the G query heads of a KV head share its keys
+            # GQA: the G query heads of a KV head share its keys, so q is grouped per KV head
+            q = ops["rope_and_cache"](q, k, v, cos, sin, self.k_cache[i], self.v_cache[i], slots)
             o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask, scale=attn.scaling)
             o = o.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
-            x = x + attn.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = model.model.norm(x[:, -1:] if last_only else x)
-        return model.get_output_embeddings()(x)
+            post = layer.post_attention_layernorm
+            x, h = ops["add_norm"](x, attn.o_proj(o), post.weight, post.variance_epsilon)
+            following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+            x, h = ops["add_norm"](x, layer.mlp(h), following.weight, following.variance_epsilon)
+        return model.get_output_embeddings()(h[:, -1:] if last_only else h)
 
     def _sample(self, logits: torch.Tensor) -> torch.Tensor:
         if self.temperature == 0:
@@ -145,14 +184,28 @@ class Generator:
         self.step_index += 1
 
     @torch.no_grad()
+    def _warm_up(self) -> None:
+        """Two steps (compiling the helpers); a compile failure switches to the eager helpers."""
+        try:
+            for _ in range(2):
+                self._step()
+        except Exception as err:  # torch.compile raises many error types (backend, lowering, missing compiler)
+            if self.ops is _EAGER:
+                raise
+            warn_once("generate:no-compile", f"torch.compile of the decode helpers failed ({type(err).__name__}: "
+                                             f"{str(err).splitlines()[0] if str(err) else ''}); running them eagerly")
+            self.ops = _EAGER
+            for _ in range(2):
+                self._step()
+
+    @torch.no_grad()
     def _capture(self) -> None:
         set_decode_shape(self.model)
         try:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                for _ in range(2):      # warm-up: lazy inits and cuBLAS workspaces happen outside capture
-                    self._step()
+                self._warm_up()         # lazy inits, compiles and cuBLAS workspaces happen outside capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -162,6 +215,7 @@ class Generator:
             warn_once("generate:no-graph", f"CUDA graph capture failed ({str(err).splitlines()[0]}); decoding eagerly")
             self.graph = None
             torch.cuda.synchronize(self.device)
+        set_decode_shape(self.model)   # warm-up state is discarded by the next prefill
         for mlp in partial_mlps(self.model):
             mlp.restore()
 
