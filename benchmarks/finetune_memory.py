@@ -193,7 +193,8 @@ def main() -> None:
                     targets.append(target(f"fp32 total peak, ctx {row['context']}", row["peak_gb"], row["paper_gb"],
                                           "GB", "lower"))
     out_dir = args.out or (tempfile.mkdtemp(prefix="memfit-smoke-") if args.smoke else None)
-    path = write_results("finetune_memory", rows, targets, out_dir=out_dir,
+    name = "finetune_memory" if args.dtypes == "float32,bfloat16" else "finetune_memory_" + args.dtypes.replace(",", "_")
+    path = write_results(name, rows, targets, out_dir=out_dir,
                          model=spec.name, batch=1, lora=LORA, vocab_subset=SUBSET, seconds=time.perf_counter() - started,
                          notes="peak = torch.cuda.max_memory_allocated over fwd+bwd+AdamW step after warm-up; "
                                "'peak_above_frozen_weights_gb' subtracts the resident frozen base (embeddings, "
