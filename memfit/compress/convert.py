@@ -217,3 +217,27 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
             if progress:
                 progress(kind, len(group))
     return result
+
+
+def structure_model(model: nn.Module, method: str, ratio: float | None = 0.5, blocks: int = 16,
+                    ranks: dict[str, int] | None = None, skip: tuple[str, ...] | None = None) -> CompressionResult:
+    """Swap in randomly initialised structured layers of the planned ranks, with no projection.
+
+    For speed and memory measurements, which depend on shapes only (a random-init model
+    projected would cost minutes and change nothing measured).
+    """
+    linears = decoder_linears(model)
+    plan = plan_kinds(model_shapes(linears), method, ratio, blocks, ranks, skip)
+    blocks = 1 if method == "lowrank" else blocks
+    cls = structure_class(method)
+    result = CompressionResult(model, method, blocks, plan)
+    for name, linear in linears.items():
+        kp = plan[name.rsplit(".", 1)[-1]]
+        if kp.rank is None:
+            continue
+        kwargs = {} if method == "lowrank" else {"blocks": blocks}
+        layer = cls(kp.in_features, kp.out_features, kp.rank, bias=linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        replace_module(model, name, layer)
+        result.layers[name] = structure_config(method, layer)
+    return result

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import warnings
 
 import torch
 
@@ -55,11 +56,13 @@ def corpus_documents() -> list[str]:
 
     docs = [topics[key] for key in sorted(topics)]
     for name in MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:  # e.g. a Python built without sqlite3/ssl
-            continue
-        docs.extend(_docstrings(module))
+        with warnings.catch_warnings():  # deprecated aliases (typing.io ...) warn when touched
+            warnings.simplefilter("ignore")
+            try:
+                module = importlib.import_module(name)
+            except ImportError:  # e.g. a Python built without sqlite3/ssl
+                continue
+            docs.extend(_docstrings(module))
     seen, unique = set(), []
     for doc in docs:  # inherited methods repeat their docstrings
         if doc not in seen:

@@ -1,0 +1,82 @@
+"""Causal-LM training and perplexity on token streams (the small-model benchmarks' loop).
+
+``train_lm`` samples random windows from a 1-D token stream and runs AdamW with warm-up
+and cosine decay (bf16 autocast on CUDA); ``perplexity`` scores non-overlapping windows.
+The small-model trainer and the compression-recovery fine-tune share them.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def random_windows(stream: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``batch`` windows of ``seq_len + 1`` tokens (inputs and shifted targets) from ``stream``."""
+    starts = torch.randint(0, stream.numel() - seq_len - 1, (batch,), generator=generator, device="cpu")
+    return stream[starts.to(stream.device)[:, None] + torch.arange(seq_len + 1, device=stream.device)]
+
+
+def _loss(model, window: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=window[:, :-1]).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten())
+
+
+@torch.no_grad()
+def perplexity(model, stream: torch.Tensor, seq_len: int = 512, batch: int = 16, max_windows: int | None = None) -> float:
+    """exp(mean next-token NLL) over the non-overlapping windows of ``stream``."""
+    was_training = model.training
+    model.eval()
+    n = (stream.numel() - 1) // seq_len
+    if max_windows:
+        n = min(n, max_windows)
+    starts = torch.arange(n, device=stream.device) * seq_len
+    total, count = 0.0, 0
+    for chunk in starts.split(batch):
+        window = stream[chunk[:, None] + torch.arange(seq_len + 1, device=stream.device)]
+        with torch.autocast("cuda", torch.bfloat16, enabled=stream.is_cuda):
+            loss = _loss(model, window)
+        total += float(loss) * window.shape[0]
+        count += window.shape[0]
+    model.train(was_training)
+    return math.exp(total / max(count, 1))
+
+
+def train_lm(model, stream: torch.Tensor, steps: int, batch: int = 16, seq_len: int = 512, lr: float = 2e-3,
+             warmup: int = 100, weight_decay: float = 0.1, params=None, max_seconds: float | None = None,
+             seed: int = 0, log: Callable[[int, float], None] | None = None, log_every: int = 100) -> dict:
+    """Train ``model`` (or only ``params``) for ``steps`` steps; stop early past ``max_seconds``."""
+    params = [p for p in (params if params is not None else model.parameters()) if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), fused=stream.is_cuda)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))))
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    start, done, loss = time.perf_counter(), 0, float("nan")
+    for step in range(steps):
+        window = random_windows(stream, batch, seq_len, gen)
+        with torch.autocast("cuda", torch.bfloat16, enabled=stream.is_cuda):
+            loss_t = _loss(model, window)
+        loss_t.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        schedule.step()
+        opt.zero_grad(set_to_none=True)
+        done = step + 1
+        if log and (done % log_every == 0 or done == steps):
+            loss = float(loss_t)
+            log(done, loss)
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            break
+    model.eval()
+    if stream.is_cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"steps": done, "seconds": seconds, "tokens": done * batch * seq_len, "last_loss": float(loss_t.detach()),
+            "tokens_per_s": done * batch * seq_len / seconds}

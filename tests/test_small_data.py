@@ -1,0 +1,51 @@
+"""memfit.data: the byte tokenizer, the offline corpus and the LM train/eval loop."""
+import pytest
+import torch
+
+from memfit.data import ByteTokenizer, build_corpus, corpus_documents, token_splits
+from memfit.data.lm import perplexity, random_windows, train_lm
+from memfit.errors import MemfitError
+
+
+def test_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    text = "def f(x):\n    return x ** 2  # ünïcödé ✓ 🐍"
+    ids = tok.encode(text, add_bos=True, add_eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and max(ids) < tok.vocab_size == len(tok)
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=False) == "<bos>" + text + "<eos>"
+    with pytest.raises(MemfitError, match="outside"):
+        tok.decode([300])
+
+
+def test_tokenizer_hf_style_call(tmp_path):
+    tok = ByteTokenizer()
+    batch = tok(["ab", "abc"], padding=True, return_tensors="pt")
+    assert batch["input_ids"].tolist() == [[97, 98, tok.pad_token_id], [97, 98, 99]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert tok.batch_decode(batch["input_ids"]) == ["ab", "abc"]
+    tok.save_pretrained(tmp_path)
+    assert ByteTokenizer.saved_in(tmp_path) and isinstance(ByteTokenizer.from_pretrained(tmp_path), ByteTokenizer)
+
+
+def test_corpus_is_offline_english_and_split():
+    docs = corpus_documents()
+    assert len(docs) > 1000 and len(set(docs)) == len(docs)
+    train, val = build_corpus()
+    assert len(train) > 500_000 and 0.02 < len(val) / len(train) < 0.1
+    assert "the" in val and "def" in train or "class" in train
+    train_ids, val_ids = token_splits()
+    assert train_ids.dtype == torch.long and int(train_ids.max()) < ByteTokenizer.vocab_size
+
+
+def test_lm_loop_lowers_perplexity():
+    from memfit.models import ModelSpec, build_model
+
+    torch.manual_seed(0)
+    spec = ModelSpec("t", "llama", 1, 32, 64, 2, 1, 16, ByteTokenizer.vocab_size, dtype="float32")
+    model = build_model(spec, dtype="float32")
+    stream = torch.tensor(ByteTokenizer().encode("the quick brown fox jumps over the lazy dog. " * 40))
+    assert random_windows(stream, 3, 16).shape == (3, 17)
+    before = perplexity(model, stream, 32)
+    stats = train_lm(model, stream, steps=30, batch=4, seq_len=32, lr=1e-2, warmup=3)
+    assert stats["steps"] == 30 and perplexity(model, stream, 32) < 0.5 * before
