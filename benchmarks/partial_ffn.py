@@ -8,8 +8,9 @@ model is the outside baseline. Each case reports peak memory from before loading
 end of generation, decode tokens/s (median of 3 runs after a warm-up) and the roofline
 floor: bytes of weights one decode step reads / copy bandwidth measured in this run.
 
-Accuracy: a small byte-level Llama (``--small-model DIR``; else one trained here for
-about a minute on memfit's offline Python-docs corpus), perplexity and next-token
+Accuracy: the small byte-level Llama of ``benchmarks/train_small_model.py`` (shared
+with the BLR work; ``--small-model DIR`` to point elsewhere; else one trained here for
+45 s on the same offline Python-docs corpus), perplexity and next-token
 agreement with the dense model on held-out text, for gamma in {1, .85, .7} x phi in
 {1, .6, .4} (phi > gamma means "compute every loaded neuron"). Each validation
 sequence is its own prompt: its first half is the prefill that selects the neurons,
@@ -140,6 +141,7 @@ def run_speed(args, device, ceilings) -> tuple[list[dict], list[dict]]:
     prompt_len, new = (128, 256) if not args.smoke else (16, 8)
     reps = 3 if not args.smoke else 1
     partial = PartialConfig(load=0.7, compute=0.4, full_first=2, full_last=2)
+    everywhere = PartialConfig(load=0.7, compute=0.4, full_first=2, full_last=2, compute_all_layers=True)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, spec.vocab, (1, prompt_len), generator=gen)
     calib = torch.randint(0, spec.vocab, (8, prompt_len), generator=gen)
@@ -153,6 +155,8 @@ def run_speed(args, device, ceilings) -> tuple[list[dict], list[dict]]:
             speed_case("dense fp16", lambda: load_model(model_dir, device=device), prompt, new, ceilings, device, reps),
             speed_case(f"partial fp16 (gamma {partial.load}, phi {partial.phi})",
                        lambda: load_model(model_dir, partial, device=device), prompt, new, ceilings, device, reps),
+            speed_case(f"partial fp16 (gamma {partial.load}, phi {partial.phi} in every layer)",
+                       lambda: load_model(model_dir, everywhere, device=device), prompt, new, ceilings, device, reps),
             speed_case("bitsandbytes nf4", lambda: _load_bnb(model_dir, device), prompt, new, ceilings, device, reps)
             if device.type == "cuda" else {"case": "bitsandbytes nf4", "available": False, "reason": "not available: needs CUDA"},
             hf_generate_case(model_dir, prompt, new, device),
@@ -162,7 +166,7 @@ def run_speed(args, device, ceilings) -> tuple[list[dict], list[dict]]:
     for row in rows:
         row["model"] = spec.name
         print(f"[partial_ffn] {row}", flush=True)
-    dense, part, bnb = rows[0], rows[1], rows[2]
+    dense, part, bnb = rows[0], rows[1], rows[3]
     targets = [target("decode speed-up of partial (0.7, 0.4) over dense, same loop", part["decode_tokens_per_s"] / dense["decode_tokens_per_s"],
                       1.5, "x", "higher"),
                target("dense decode as a fraction of its weight-read floor", dense["fraction_of_floor"], 0.6, "fraction", "higher")]
@@ -204,10 +208,15 @@ def train_small(directory: Path, device, seconds: float, smoke: bool) -> Path:
     return directory
 
 
-def _small_model(args, device, tmp: Path) -> Path:
+def _small_model(args, device, tmp: Path) -> tuple[Path, str]:
+    """The shared small model (benchmarks/train_small_model.py's output) if present, else one trained here."""
     if args.small_model:
-        return Path(args.small_model)
-    return train_small(tmp / "small", device, seconds=60 if not args.smoke else 3, smoke=args.smoke)
+        return Path(args.small_model), "given"
+    shared = Path(__file__).resolve().parent / "results" / "small_llama"
+    if (shared / "config.json").is_file() and not args.smoke:
+        return shared, "benchmarks/train_small_model.py"
+    print("[partial_ffn] no shared small model (run benchmarks/train_small_model.py first): training one here", flush=True)
+    return train_small(tmp / "small", device, seconds=45 if not args.smoke else 3, smoke=args.smoke), "trained here (45 s)"
 
 
 def run_accuracy(args, device) -> list[dict]:
@@ -215,7 +224,7 @@ def run_accuracy(args, device) -> list[dict]:
 
     tmp = Path(tempfile.mkdtemp(prefix="memfit-partial-acc-"))
     try:
-        model_dir = _small_model(args, device, tmp)
+        model_dir, origin = _small_model(args, device, tmp)
         train, val = token_splits()
         seq, n_eval = (256, 64) if not args.smoke else (48, 3)
         gen = torch.Generator().manual_seed(1)
@@ -233,21 +242,22 @@ def run_accuracy(args, device) -> list[dict]:
 
         reference = evaluate(dense)
         rows = []
-        for gamma in GAMMAS:
-            for phi in PHIS:
-                config = PartialConfig(load=gamma, compute=min(phi, gamma), full_first=1, full_last=1)
-                model = load_model(model_dir, config, device=device, dtype="float32", rankings=rankings)
-                nll, agree, count = 0.0, 0, 0
-                for logits, ref, s in zip(evaluate(model), reference, sequences):
-                    targets = s[:, prompt:].to(device)
-                    nll += torch.nn.functional.cross_entropy(logits[0], targets[0], reduction="sum").item()
-                    agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
-                    count += targets.numel()
-                rows.append({"case": "accuracy", "gamma": gamma, "phi": phi, "phi_effective": config.phi,
-                             "full_layers": f"first 1, last 1 of {layers}", "perplexity": math.exp(nll / count),
-                             "next_token_agreement": agree / count, "tokens": count})
-                print(f"[partial_ffn] {rows[-1]}", flush=True)
-                del model
+        grid = [(PartialConfig(load=g, compute=min(p, g), full_first=1, full_last=1), p) for g in GAMMAS for p in PHIS]
+        grid.append((PartialConfig(load=0.7, compute=0.4, full_first=1, full_last=1, compute_all_layers=True), 0.4))
+        for config, phi in grid:
+            model = load_model(model_dir, config, device=device, dtype="float32", rankings=rankings)
+            nll, agree, count = 0.0, 0, 0
+            for logits, ref, s in zip(evaluate(model), reference, sequences):
+                targets = s[:, prompt:].to(device)
+                nll += torch.nn.functional.cross_entropy(logits[0], targets[0], reduction="sum").item()
+                agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
+                count += targets.numel()
+            rows.append({"case": "accuracy", "gamma": config.load, "phi": phi, "phi_effective": config.phi,
+                         "compute_all_layers": config.compute_all_layers, "full_layers": f"first 1, last 1 of {layers}",
+                         "small_model": origin, "perplexity": math.exp(nll / count),
+                         "next_token_agreement": agree / count, "tokens": count})
+            print(f"[partial_ffn] {rows[-1]}", flush=True)
+            del model
         return rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

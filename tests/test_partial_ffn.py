@@ -171,6 +171,16 @@ def test_partial_decode_computes_the_selected_neurons(model_dir, dense):
     assert weight_bytes_per_token(model) == dense_bytes - saved
 
 
+def test_compute_all_layers_selects_in_full_layers_too(model_dir):
+    config = PartialConfig(load=0.7, compute=0.4, compute_all_layers=True, **PARTIAL)
+    model = load_model(model_dir, config)
+    mlps = partial_mlps(model)
+    assert [m.loaded for m in mlps] == [176, 120, 120, 120, 176] and all(m.compute == 72 for m in mlps)
+    assert ffn_params(model) == expected_ffn_params(SPEC, config)
+    Generator(model, 16).generate(_ids((1, 8), 8), 2)
+    assert all(m.active == 72 for m in mlps)
+
+
 def test_saved_rankings_reload_with_same_selection(model_dir, dense, tmp_path):
     config = PartialConfig(load=0.7, compute=0.4, task="code", **PARTIAL)
     first = load_model(model_dir, config)
@@ -257,7 +267,7 @@ def test_cli_calibrate_then_generate(model_dir, tmp_path, capsys):
     with pytest.raises(MemfitError, match="--force"):
         calibrate_cmd.run(argparse.Namespace(**args))
     gen_args = dict(model=str(model_dir), prompt=["hi"], max_new=4, load=0.7, compute=0.4, base=None, full_first=1,
-                    full_last=1, task="qa", rankings=str(out), temperature=0.0, device="cpu", dtype=None, no_graphs=False)
+                    full_last=1, task="qa", rankings=str(out), compute_all_layers=True, temperature=0.0, device="cpu", dtype=None, no_graphs=False)
     assert generate_cmd.run(argparse.Namespace(**gen_args)) == 0
     with pytest.raises(MemfitError, match="not a model directory"):
         generate_cmd.run(argparse.Namespace(**{**gen_args, "model": "tiny"}))

@@ -20,6 +20,8 @@ def add_parser(sub):
                                                                 "(default min(0.3, compute))")
     parser.add_argument("--full-first", type=int, default=2, help="first layers loaded fully (default 2)")
     parser.add_argument("--full-last", type=int, default=2, help="last layers loaded fully (default 2)")
+    parser.add_argument("--compute-all-layers", action="store_true",
+                        help="apply --compute to the fully loaded first/last layers too")
     parser.add_argument("--task", help="task ranking to take the base neurons from (default: the general ranking)")
     parser.add_argument("--rankings", help="rankings file (default: MODEL/rankings.safetensors)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -44,7 +46,7 @@ def run(args) -> int:
     model_dir = check_model_dir(args.model)
     spec = load_spec(model_dir)
     partial = PartialConfig(load=args.load, compute=args.compute, base=args.base, full_first=args.full_first,
-                            full_last=args.full_last, task=args.task)
+                            full_last=args.full_last, task=args.task, compute_all_layers=args.compute_all_layers)
     partial.check(spec.num_layers)
     if args.max_new < 1:
         raise MemfitError(f"--max-new must be >= 1, got {args.max_new}")

@@ -10,7 +10,8 @@ Discarded neurons never reach the target device: the model skeleton is built on 
 ``meta`` device, every tensor is read from the safetensors files with ``safe_open``
 and copied straight into its final place, and FFN tensors of partial layers are read
 through ``get_slice`` in row chunks of at most ``CHUNK_BYTES`` on the CPU, from which
-only the kept rows (gate/up) or columns (down) are copied to the device.
+only the kept rows (gate/up) or columns (down) are copied to the device. With ``compute_all_layers``
+the fully loaded layers also become ``PartialMLP`` s (every neuron loaded, phi computed).
 
 Fractions are of the model's full ``intermediate`` size; neuron counts are rounded to a
 multiple of ``align`` (8: 16-byte rows in fp16 keep the matmuls on their fast paths).
@@ -43,6 +44,7 @@ class PartialConfig:
     full_last: int = 2
     task: str | None = None
     align: int = 8
+    compute_all_layers: bool = False   # also decode the fully loaded first/last layers with phi
 
     @property
     def phi(self) -> float:
@@ -200,8 +202,12 @@ def load_model(model_dir: str | Path, partial: PartialConfig | None = None, *, d
             general, task = rankings.rank(), rankings.rank(partial.task)
         else:  # everything loaded and computed: the order is irrelevant
             general = task = torch.arange(spec.intermediate).expand(spec.num_layers, -1)
-        for layer in partial.partial_layers(spec.num_layers):
-            plan[layer] = (*choose_loaded(general[layer], task[layer], n_base, n_load), n_compute)
+        in_range = partial.partial_layers(spec.num_layers)
+        for layer in range(spec.num_layers):
+            if layer in in_range:
+                plan[layer] = (*choose_loaded(general[layer], task[layer], n_base, n_load), n_compute)
+            elif partial.compute_all_layers and n_compute < spec.intermediate:
+                plan[layer] = (*choose_loaded(general[layer], task[layer], n_base, spec.intermediate), n_compute)
 
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
@@ -254,6 +260,7 @@ def expected_ffn_params(spec, partial: PartialConfig) -> int:
 def describe(partial: PartialConfig, spec) -> str:
     n_base, n_compute, n_load = partial.counts(spec.intermediate)
     layers = partial.partial_layers(spec.num_layers)
+    where = "every layer" if partial.compute_all_layers else "those layers"
     return (f"layers {layers.start}..{layers.stop - 1} of {spec.num_layers}: load {n_load}/{spec.intermediate} neurons "
-            f"(base {n_base}), compute {n_compute} at decode" if len(layers) else "no partial layers")
+            f"(base {n_base}); decode computes {n_compute} in {where}" if len(layers) else "no partial layers")
 
