@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--blast-steps", type=int, default=300)
-    parser.add_argument("--recovery-steps", type=int, default=300)
+    parser.add_argument("--recovery-steps", type=int, default=200)
     parser.add_argument("--recovery-lr", type=float, default=5e-4)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=512)

@@ -66,19 +66,22 @@ def workloads(model, compile_: bool, device: str):
     tok = torch.randint(0, vocab, (1, 1), device=device)
     pos = torch.tensor([PREFILL], device=device)
     cache = static_cache(model, DECODE_CACHE)
+    import inspect
+
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def prefill():
         return model(input_ids=ids, logits_to_keep=1, use_cache=False).logits
 
     def decode():
-        return model(input_ids=tok, past_key_values=cache, cache_position=pos, use_cache=True, logits_to_keep=1).logits
+        return model(input_ids=tok, cache_position=pos, use_cache=True, logits_to_keep=1, **{cache_arg: cache}).logits
 
     if compile_:
         prefill = torch.compile(prefill, mode="reduce-overhead", fullgraph=False)
         decode = torch.compile(decode, mode="reduce-overhead", fullgraph=False)
     with torch.no_grad():  # fill the cache once so decode attends over real positions
-        model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(PREFILL, device=device), use_cache=True,
-              logits_to_keep=1)
+        model(input_ids=ids, cache_position=torch.arange(PREFILL, device=device), use_cache=True, logits_to_keep=1,
+              **{cache_arg: cache})
     return prefill, decode
 
 

@@ -58,7 +58,7 @@ def train_lm(model, stream: torch.Tensor, steps: int, batch: int = 16, seq_len: 
         opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))))
     gen = torch.Generator().manual_seed(seed)
     model.train()
-    start, done, loss = time.perf_counter(), 0, float("nan")
+    start, done = time.perf_counter(), 0
     for step in range(steps):
         window = random_windows(stream, batch, seq_len, gen)
         with torch.autocast("cuda", torch.bfloat16, enabled=stream.is_cuda):
@@ -70,8 +70,7 @@ def train_lm(model, stream: torch.Tensor, steps: int, batch: int = 16, seq_len: 
         opt.zero_grad(set_to_none=True)
         done = step + 1
         if log and (done % log_every == 0 or done == steps):
-            loss = float(loss_t)
-            log(done, loss)
+            log(done, float(loss_t.detach()))
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
     model.eval()
