@@ -73,7 +73,7 @@ class GenerationResult:
     decode_s: float
     steps: int                         # decode steps timed (new tokens - 1: the first comes from prefill)
     graphs: bool
-    peak_bytes: int | None = None      # max_memory_allocated since the Generator was created (CUDA)
+    peak_bytes: int | None = None      # CUDA max_memory_allocated since the caller last reset the peak stats
     selected: list = field(default_factory=list)
 
     @property
@@ -215,7 +215,6 @@ class Generator:
             warn_once("generate:no-graph", f"CUDA graph capture failed ({str(err).splitlines()[0]}); decoding eagerly")
             self.graph = None
             torch.cuda.synchronize(self.device)
-        set_decode_shape(self.model)   # warm-up state is discarded by the next prefill
         for mlp in partial_mlps(self.model):
             mlp.restore()
 
