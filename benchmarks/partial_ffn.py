@@ -51,11 +51,14 @@ def _free():
         torch.cuda.empty_cache()
 
 
-def _peak_reset(device):
+def _peak_reset(device) -> int:
+    """Free what can be freed and restart the peak; returns the bytes still allocated (leftovers of earlier cases)."""
     _free()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
 
 
 def _mem(device, peak=False):
@@ -89,16 +92,28 @@ def _load_bnb(model_dir: Path, device):
                                                 device_map={"": device.index or 0}).eval()
 
 
-def speed_case(name: str, load, prompt: torch.Tensor, new: int, ceilings: Ceilings, device, reps: int) -> dict:
-    """Load with ``load()``, generate ``new`` tokens ``reps`` times after a warm-up, measure memory and speed."""
-    _peak_reset(device)
-    t0 = time.perf_counter()
+def speed_case(name: str, load, prompt: torch.Tensor, new: int, ceilings: Ceilings, device, reps: int,
+               optional: bool = False) -> dict:
+    """Load with ``load()``, generate ``new`` tokens ``reps`` times after a warm-up, measure memory and speed.
+
+    Memory is counted above what was allocated before loading. ``optional``: a competitor whose failure
+    (missing package, unsupported GPU) is recorded as a "not available" row instead of stopping the run.
+    """
     try:
-        model = load()
-    except ImportError as err:
-        return {"case": name, "available": False, "reason": f"not available: {err}"}
+        return _speed_case(name, load, prompt, new, ceilings, device, reps)
+    except Exception as err:  # noqa: BLE001 - any failure of an optional competitor is reported, not raised
+        if not optional:
+            raise
+        _free()
+        return {"case": name, "available": False, "reason": f"not available: {type(err).__name__}: {err}"}
+
+
+def _speed_case(name, load, prompt, new, ceilings, device, reps) -> dict:
+    before = _peak_reset(device)
+    t0 = time.perf_counter()
+    model = load()
     load_s = time.perf_counter() - t0
-    resident = _mem(device)
+    resident = _mem(device) - before if device.type == "cuda" else None
     gen = Generator(model, prompt.shape[1] + new)
     gen.generate(prompt, new)                                      # warm-up (and, for partial, a first selection)
     runs = [gen.generate(prompt, new) for _ in range(reps)]
@@ -106,7 +121,8 @@ def speed_case(name: str, load, prompt: torch.Tensor, new: int, ceilings: Ceilin
     read = weight_bytes_per_token(model)
     floor_ms = ceilings.floor_ms(flops=2 * read / 2, bytes_moved=read)   # batch 1: ~1 multiply-add per fp16 weight
     ms = 1e3 / tps
-    row = {"case": name, "available": True, "load_s": load_s, "resident_bytes": resident, "peak_bytes": _mem(device, peak=True),
+    peak = _mem(device, peak=True) - before if device.type == "cuda" else None
+    row = {"case": name, "available": True, "load_s": load_s, "resident_bytes": resident, "peak_bytes": peak,
            "kv_cache_bytes": sum(t.numel() * t.element_size() for t in gen.k_cache + gen.v_cache),
            "weight_bytes_per_token": read, "decode_tokens_per_s": tps, "decode_ms_per_token": ms, "floor_ms": floor_ms,
            "fraction_of_floor": floor_ms / ms, "prefill_ms": 1e3 * statistics.median(r.prefill_s for r in runs),
@@ -118,7 +134,7 @@ def speed_case(name: str, load, prompt: torch.Tensor, new: int, ceilings: Ceilin
 
 def hf_generate_case(model_dir: Path, prompt: torch.Tensor, new: int, device) -> dict:
     """Plain transformers ``generate`` (dynamic cache, eager) on the dense model: the outside baseline."""
-    _peak_reset(device)
+    before = _peak_reset(device)
     model = load_model(model_dir, device=device)
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     model.generate(prompt.to(device), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -129,7 +145,8 @@ def hf_generate_case(model_dir: Path, prompt: torch.Tensor, new: int, device) ->
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    row = {"case": "dense fp16, transformers generate", "available": True, "peak_bytes": _mem(device, peak=True),
+    peak = _mem(device, peak=True) - before if device.type == "cuda" else None
+    row = {"case": "dense fp16, transformers generate", "available": True, "peak_bytes": peak,
            "decode_tokens_per_s": new / seconds, "note": "includes the prefill; eager, dynamic cache"}
     del model
     _free()
@@ -157,7 +174,8 @@ def run_speed(args, device, ceilings) -> tuple[list[dict], list[dict]]:
                        lambda: load_model(model_dir, partial, device=device), prompt, new, ceilings, device, reps),
             speed_case(f"partial fp16 (gamma {partial.load}, phi {partial.phi} in every layer)",
                        lambda: load_model(model_dir, everywhere, device=device), prompt, new, ceilings, device, reps),
-            speed_case("bitsandbytes nf4", lambda: _load_bnb(model_dir, device), prompt, new, ceilings, device, reps)
+            speed_case("bitsandbytes nf4", lambda: _load_bnb(model_dir, device), prompt, new, ceilings, device, reps,
+                       optional=True)
             if device.type == "cuda" else {"case": "bitsandbytes nf4", "available": False, "reason": "not available: needs CUDA"},
             hf_generate_case(model_dir, prompt, new, device),
         ]
