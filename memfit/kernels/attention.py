@@ -62,47 +62,6 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on GPU mac
     triton = None
 
 
-def _interpreter_fixes() -> None:
-    """Work around two Triton 3.6 interpreter bugs met by these kernels (CPU tests only).
-
-    * Its scalars are 1-element arrays and ``__index__`` calls ``int()`` on them, which
-      numpy >= 2.4 refuses, so ``range(lo, hi)`` with computed bounds fails: re-register
-      ``__index__`` through ``.reshape(-1)[0]``.
-    * ``tl.dot`` on bfloat16 multiplies the raw uint16 bit patterns: widen bf16 operands
-      to float32 first (exact).
-
-    (Belongs in kernels/dispatch.py once another kernel needs it.)
-    """
-    import numpy as np
-    import triton.runtime.interpreter as interp
-
-    original = interp._patch_lang_tensor
-    if getattr(original, "memfit_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched.memfit_fixed = True
-    interp._patch_lang_tensor = patched
-
-    create_dot = interp.InterpreterBuilder.create_dot
-
-    def widen(h):
-        if h.dtype == tl.bfloat16:
-            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
-
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    interp.InterpreterBuilder.create_dot = dot
-
-
-if triton is not None and interpreting():
-    _interpreter_fixes()
-
 VARIANTS = ("two_pass", "atomic", "atomic_remap", "partial_buffers")
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 128

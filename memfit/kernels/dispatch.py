@@ -27,6 +27,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+if interpreting():
+    from memfit.kernels import interpreter
+
+    interpreter.apply()
+
+
 def triton_importable() -> bool:
     try:
         import triton  # noqa: F401
