@@ -19,8 +19,6 @@ Two Triton pipelines; ``pick_variant`` times both per shape (cached on disk):
   FLOPs are free and one launch beats two.
 Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x.
 """
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl
@@ -46,7 +44,7 @@ def blast_linear_reference(x, u, v, s, bias=None):
        ("BN", "BK", "BM"), (16, 16, 16, 4, 1), key=["N_BUCKET", "M", "R", "B"],
        prune=lambda configs, named_args, **kw: keep_small_n(configs, named_args["N"]))
 @triton.jit
-def _mix_kernel(x_ptr, v_ptr, s_ptr, t_ptr, N, M: tl.constexpr, R: tl.constexpr, B: tl.constexpr, N_BUCKET,
+def _mix_kernel(x_ptr, v_ptr, s_ptr, t_ptr, N, M, R, B, N_BUCKET,
                 sxn, svj, sva, svk, ssi, ssj, ssk, stn, sti, stk,
                 BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
     """T[n, i, k] = sum_j s[i, j, k] (X_j V_j)[n, k] for a (BN tokens, BK ranks) tile, all i."""
@@ -77,8 +75,8 @@ def _mix_kernel(x_ptr, v_ptr, s_ptr, t_ptr, N, M: tl.constexpr, R: tl.constexpr,
        ("BN", "BO", "BM", "BK"), (16, 16, 16, 16, 4, 1), key=["N_BUCKET", "M", "P", "R", "B"],
        prune=lambda configs, named_args, **kw: keep_small_n(configs, named_args["N"]))
 @triton.jit
-def _full_kernel(x_ptr, u_ptr, v_ptr, s_ptr, y_ptr, bias_ptr, N, M: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
-                 B: tl.constexpr, N_BUCKET,
+def _full_kernel(x_ptr, u_ptr, v_ptr, s_ptr, y_ptr, bias_ptr, N, M, P, R,
+                 B, N_BUCKET,
                  sxn, sui, suo, suk, svj, sva, svk, ssi, ssj, ssk, syn,
                  HAS_BIAS: tl.constexpr, BN: tl.constexpr, BO: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     o_tiles = tl.cdiv(P, BO)

@@ -21,8 +21,6 @@ Two Triton pipelines; ``pick_variant`` times both per shape (cached on disk):
 Backward: PyTorch ops (recompute-and-differentiate of the reference, see blr_common);
 the forward saves only x.
 """
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl
@@ -54,8 +52,8 @@ def monarch_linear_reference(x, w1, w2, bias=None, permute_output=True):
        ("BN", "BO", "BM", "BT"), (16, 32, 32, 16, 4, 1), key=["N_BUCKET", "M", "T", "P", "B"],
        prune=lambda configs, named_args, **kw: keep_small_n(configs, named_args["N"]))
 @triton.jit
-def _chain_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M: tl.constexpr, T: tl.constexpr, P: tl.constexpr,
-                  B: tl.constexpr, N_BUCKET,
+def _chain_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M, T, P,
+                  B, N_BUCKET,
                   sxn, s1j, s1a, s1c, s2i, s2c, s2o, syn, syi, syo,
                   HAS_BIAS: tl.constexpr, BN: tl.constexpr, BO: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr):
     pid_n = tl.program_id(0)

@@ -1,0 +1,221 @@
+"""Layer-level benchmark of the block-low-rank layers (issue 3) against dense and the roofline.
+
+For the paper's shapes (Llama-3.2-1B and Llama-7B projections, b = 16) and N in
+{1, 16, 128, 1024, 8192} bf16 tokens it times, in one run:
+
+* dense cuBLAS (``F.linear``), eager and ``torch.compile``d;
+* for low-rank, Monarch and BLAST: the plain PyTorch reference, each Triton pipeline
+  (variant) on its own, and ``ours`` (the layer's default path: the variant the
+  autotuner picks, which is what a user gets);
+* the roofline floor of each structure (x + weights + y moved once, all FLOPs at the
+  measured matmul rate; memfit.measure.roofline), with the ceilings measured here.
+
+Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median) so that
+decode-sized kernels are timed, not Python's launch overhead, over several copies of
+the weights and inputs (together > 2x the 50 MB L2) so nothing is served from L2.
+Writes ``blr_layers.json`` and ``blr_layers_roofline.png``; ``--smoke`` runs the same
+code on tiny shapes on the CPU (Triton interpreter) and writes ``blr_layers_smoke.*``.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+PAPER_MS_N8192_GATE = {"blast": 0.76, "monarch": 0.60}   # arXiv 2512.20861's Triton kernels on an H200
+SHAPES = [  # name, in, out, rank
+    ("llama-3.2-1b q/o", 2048, 2048, 256), ("llama-3.2-1b gate", 2048, 8192, 512),
+    ("llama-3.2-1b up", 2048, 8192, 768), ("llama-3.2-1b down", 8192, 2048, 768),
+    ("llama-7b qkvo", 4096, 4096, 1024), ("llama-7b gate/up", 4096, 11008, 1488),
+    ("llama-7b down", 11008, 4096, 1488),
+]
+TOKENS = [1, 16, 128, 1024, 8192]
+BLOCKS = 16
+SMOKE_SHAPES, SMOKE_TOKENS, SMOKE_BLOCKS = [("smoke 48->80", 48, 80, 12)], [1, 40], 4
+ROTATE_BYTES = 150 * 2**20
+
+
+def parse():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through the Triton interpreter")
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse()
+    import torch
+
+    if args.smoke and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif not torch.cuda.is_available():
+        print("blr_layers: needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 2
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from memfit.measure.results import target, write_results
+    from memfit.measure.roofline import layer_cost, plot_roofline
+    from memfit.measure.timing import Ceilings, measure_ceilings
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16
+    shapes, tokens, blocks = (SMOKE_SHAPES, SMOKE_TOKENS, SMOKE_BLOCKS) if args.smoke else (SHAPES, TOKENS, BLOCKS)
+    ceilings = measure_ceilings() if device == "cuda" else Ceilings(matmul_flops=1e12, bandwidth=1e11)
+    timer = gpu_ms if device == "cuda" else cpu_ms
+    started = time.time()
+    rows = []
+    with Progress() as progress:
+        task = progress.add_task("blr layers", total=len(shapes) * len(tokens))
+        for name, d_in, d_out, rank in shapes:
+            for n in tokens:
+                rows += bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer,
+                                   layer_cost)
+                progress.advance(task)
+    elapsed = time.time() - started
+    targets = make_targets(rows, target, smoke=args.smoke)
+    stem = "blr_layers_smoke" if args.smoke else "blr_layers"
+    path = write_results(stem, rows, targets, args.out, blocks=blocks, dtype="bfloat16", seconds=elapsed,
+                         ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
+                                   "bandwidth_gbs": ceilings.bandwidth / 1e9})
+    points = [{"label": r["impl"], "flops": r["flops"], "bytes": r["ideal_bytes"], "ms": r["ms"]}
+              for r in rows if r["impl"] in ("dense_eager", "lowrank_ours", "monarch_ours", "blast_ours")]
+    plot_roofline(points, ceilings.matmul_flops, ceilings.bandwidth, path.with_name(f"{stem}_roofline.png"),
+                  title=f"BLR layers, bf16, b={blocks}, N in {tokens}")
+    show(Console(), Table, rows, targets)
+    print(f"wrote {path} in {elapsed:.0f} s")
+    return 0
+
+
+def gpu_ms(fn) -> float:
+    """Median ms of one ``fn()`` from CUDA-graph replays (no Python launch overhead)."""
+    from triton.testing import do_bench_cudagraph
+
+    return float(do_bench_cudagraph(fn, rep=10, return_mode="median"))
+
+
+def cpu_ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def copies_for(bytes_per_call: int) -> int:
+    return max(1, min(64, math.ceil(ROTATE_BYTES / max(bytes_per_call, 1))))
+
+
+def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer, layer_cost):
+    """Every implementation of one (shape, N) case; one row each."""
+    import torch.nn.functional as F
+
+    from memfit.kernels.blast import VARIANTS as BLAST_VARIANTS
+    from memfit.kernels.blast import blast_linear
+    from memfit.kernels.lowrank import VARIANTS as LOWRANK_VARIANTS
+    from memfit.kernels.lowrank import lowrank_linear
+    from memfit.kernels.monarch import VARIANTS as MONARCH_VARIANTS
+    from memfit.kernels.monarch import monarch_linear
+    from memfit.layers import BlastLinear, LowRankLinear, MonarchLinear
+
+    rows = []
+    with torch.no_grad():
+        dense_flops, dense_bytes = layer_cost("dense", "ideal", n, d_in, d_out)
+        k = copies_for(dense_bytes)
+        xs = [torch.randn(n, d_in, device=device, dtype=dtype) for _ in range(k)]
+        weights = [torch.randn(d_out, d_in, device=device, dtype=dtype) / d_in**0.5 for _ in range(k)]
+        compiled = torch.compile(F.linear, dynamic=True)
+        impls = {"dense_eager": lambda i: F.linear(xs[i], weights[i]), "dense_compiled": lambda i: compiled(xs[i], weights[i])}
+        rows += time_impls(impls, k, timer, name, n, d_in, d_out, rank, blocks, "dense", dense_flops, dense_bytes,
+                           dense_bytes, ceilings, layer_cost)
+        del xs, weights
+        structures = {
+            "lowrank": (lambda: LowRankLinear(d_in, d_out, rank, device=device, dtype=dtype),
+                        lambda l, x, **o: lowrank_linear(x, l.U, l.V, **o), LOWRANK_VARIANTS),
+            "monarch": (lambda: MonarchLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
+                        lambda l, x, **o: monarch_linear(x, l.w1, l.w2, None, l.permute_output, **o), MONARCH_VARIANTS),
+            "blast": (lambda: BlastLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
+                      lambda l, x, **o: blast_linear(x, l.U, l.V, l.S, **o), BLAST_VARIANTS),
+        }
+        for kind, (make, call, variants) in structures.items():
+            flops, ideal = layer_cost(kind, "ideal", n, d_in, d_out, rank, blocks)
+            k = copies_for(ideal)
+            layers = [make() for _ in range(k)]
+            xs = [torch.randn(n, d_in, device=device, dtype=dtype) for _ in range(k)]
+            impls = {f"{kind}_reference": lambda i, c=call: c(layers[i], xs[i], path="reference")}
+            for variant in variants:
+                impls[f"{kind}_{variant}"] = lambda i, c=call, v=variant: c(layers[i], xs[i], path="triton", variant=v)
+            impls[f"{kind}_ours"] = lambda i: layers[i](xs[i])
+            for impl_name in impls:
+                impls[impl_name](0)                      # autotune / pick outside the timed graphs
+            rows += time_impls(impls, k, timer, name, n, d_in, d_out, rank, blocks, kind, flops, ideal,
+                               dense_bytes, ceilings, layer_cost)
+            del layers, xs
+    return rows
+
+
+def time_impls(impls, copies, timer, name, n, d_in, d_out, rank, blocks, kind, flops, ideal, dense_bytes, ceilings,
+               layer_cost):
+    rows = []
+    floor = ceilings.floor_ms(flops, ideal)
+    for impl, fn in impls.items():
+        try:
+            ms = timer(lambda: [fn(i) for i in range(copies)]) / copies
+            error = None
+        except Exception as err:  # a competitor that cannot run here is recorded, not fatal
+            ms, error = float("nan"), f"{type(err).__name__}: {err}"[:300]
+        row = {"shape": name, "in": d_in, "out": d_out, "rank": rank, "blocks": blocks, "n": n, "structure": kind,
+               "impl": impl, "ms": ms, "flops": flops, "ideal_bytes": ideal, "floor_ms": floor,
+               "x_floor": ms / floor, "copies": copies}
+        if kind != "dense":
+            row["unfused_bytes"] = layer_cost(kind, "unfused", n, d_in, d_out, rank, blocks)[1]
+        if error:
+            row["error"] = error
+        rows.append(row)
+    return rows
+
+
+def make_targets(rows, target, smoke: bool):
+    """Targets of issue 3, computed from the rows (worst shape per structure and N)."""
+    def ms(shape, n, impl):
+        return next((r["ms"] for r in rows if r["shape"] == shape and r["n"] == n and r["impl"] == impl), math.nan)
+
+    targets = []
+    shapes = sorted({r["shape"] for r in rows})
+    for kind in ("monarch", "blast"):
+        for n in sorted({r["n"] for r in rows}):
+            ours = [r for r in rows if r["impl"] == f"{kind}_ours" and r["n"] == n]
+            worst = max(r["x_floor"] for r in ours)
+            if n >= 1024 or smoke and n > 16:
+                targets.append(target(f"{kind} ours / floor, N={n}, worst shape", worst, 1.5, "x", "lower"))
+            if n <= 16:
+                targets.append(target(f"{kind} ours / floor, N={n}, worst shape", worst, 2.0, "x", "lower"))
+            if n >= 16:
+                slowest = min(ms(s, n, "dense_eager") / ms(s, n, f"{kind}_ours") for s in shapes)
+                targets.append(target(f"{kind} speedup over dense cuBLAS, N={n}, worst shape", slowest, 1.0, "x",
+                                      "higher"))
+        gate = ms("llama-3.2-1b gate", 8192, f"{kind}_ours")
+        if not math.isnan(gate):
+            targets.append(target(f"{kind} llama-3.2-1b gate N=8192 vs 1/3 of the paper's kernel",
+                                  gate, PAPER_MS_N8192_GATE[kind] / 3, "ms", "lower"))
+    return targets
+
+
+def show(console, Table, rows, targets):
+    table = Table(title="BLR layers (ms; x floor)")
+    for col in ("shape", "N", "dense", "lowrank", "monarch", "blast", "monarch x floor", "blast x floor"):
+        table.add_column(col)
+    cases = sorted({(r["shape"], r["n"]) for r in rows}, key=lambda c: (c[0], c[1]))
+    for shape, n in cases:
+        get = {r["impl"]: r for r in rows if r["shape"] == shape and r["n"] == n}
+        table.add_row(shape, str(n), f"{get['dense_eager']['ms']:.4f}",
+                      *(f"{get[f'{k}_ours']['ms']:.4f}" for k in ("lowrank", "monarch", "blast")),
+                      *(f"{get[f'{k}_ours']['x_floor']:.2f}" for k in ("monarch", "blast")))
+    console.print(table)
+    for t in targets:
+        console.print(f"{'met ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3f} (target {t['target']:.3f} {t['unit']})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
