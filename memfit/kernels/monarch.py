@@ -47,10 +47,17 @@ def monarch_linear_reference(x, w1, w2, bias=None, permute_output=True):
 
 # ---- fused kernel: two chained dots per (input block, rank chunk) ------------------
 
-@tuned([(16, 128, 64, 32, 4, 3), (16, 64, 128, 32, 4, 3), (16, 256, 64, 32, 8, 3),
-        (64, 128, 64, 32, 4, 3), (128, 128, 64, 32, 8, 3), (128, 256, 64, 64, 8, 3), (64, 256, 64, 64, 8, 3)],
-       ("BN", "BO", "BM", "BT"), (16, 32, 32, 16, 4, 1), key=["N_BUCKET", "M", "T", "P", "B"],
-       prune=lambda configs, named_args, **kw: keep_small_n(configs, named_args["N"]))
+def _prune_chain(configs, named_args, **kwargs):
+    """Token-count tiles by N; rank chunks no wider than the per-block rank needs."""
+    configs = keep_small_n(configs, named_args["N"])
+    fit = [c for c in configs if c.kwargs["BT"] <= max(16, triton.next_power_of_2(named_args["T"]))]
+    return fit or configs
+
+
+@tuned([(16, 128, 64, 16, 4, 3), (16, 128, 64, 32, 4, 3), (16, 64, 128, 32, 4, 3), (16, 256, 64, 32, 8, 3),
+        (64, 128, 64, 16, 4, 3), (128, 128, 64, 16, 8, 3), (64, 128, 64, 32, 4, 3), (128, 128, 64, 32, 8, 3),
+        (128, 256, 64, 64, 8, 3), (64, 256, 64, 64, 8, 3)],
+       ("BN", "BO", "BM", "BT"), (16, 32, 32, 16, 4, 1), key=["N_BUCKET", "M", "T", "P", "B"], prune=_prune_chain)
 @triton.jit
 def _chain_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M, T, P,
                   B, N_BUCKET,
