@@ -111,11 +111,11 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
     """Every implementation of one (shape, N) case; one row each."""
     import torch.nn.functional as F
 
-    from memfit.kernels.blast import VARIANTS as BLAST_VARIANTS
+    from memfit.kernels.blast import variants_for as blast_variants
     from memfit.kernels.blast import blast_linear
-    from memfit.kernels.lowrank import VARIANTS as LOWRANK_VARIANTS
+    from memfit.kernels.lowrank import variants_for as lowrank_variants
     from memfit.kernels.lowrank import lowrank_linear
-    from memfit.kernels.monarch import VARIANTS as MONARCH_VARIANTS
+    from memfit.kernels.monarch import variants_for as monarch_variants
     from memfit.kernels.monarch import monarch_linear
     from memfit.layers import BlastLinear, LowRankLinear, MonarchLinear
 
@@ -132,11 +132,11 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
         del xs, weights
         structures = {
             "lowrank": (lambda: LowRankLinear(d_in, d_out, rank, device=device, dtype=dtype),
-                        lambda l, x, **o: lowrank_linear(x, l.U, l.V, **o), LOWRANK_VARIANTS),
+                        lambda l, x, **o: lowrank_linear(x, l.U, l.V, **o), lowrank_variants),
             "monarch": (lambda: MonarchLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
-                        lambda l, x, **o: monarch_linear(x, l.w1, l.w2, None, l.permute_output, **o), MONARCH_VARIANTS),
+                        lambda l, x, **o: monarch_linear(x, l.w1, l.w2, None, l.permute_output, **o), monarch_variants),
             "blast": (lambda: BlastLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
-                      lambda l, x, **o: blast_linear(x, l.U, l.V, l.S, **o), BLAST_VARIANTS),
+                      lambda l, x, **o: blast_linear(x, l.U, l.V, l.S, **o), blast_variants),
         }
         for kind, (make, call, variants) in structures.items():
             flops, ideal = layer_cost(kind, "ideal", n, d_in, d_out, rank, blocks)
@@ -144,7 +144,7 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
             layers = [make() for _ in range(k)]
             xs = [torch.randn(n, d_in, device=device, dtype=dtype) for _ in range(k)]
             impls = {f"{kind}_reference": lambda i, c=call: c(layers[i], xs[i], path="reference")}
-            for variant in variants:
+            for variant in variants(n):
                 impls[f"{kind}_{variant}"] = lambda i, c=call, v=variant: c(layers[i], xs[i], path="triton", variant=v)
             impls[f"{kind}_ours"] = lambda i: layers[i](xs[i])
             for impl_name in impls:

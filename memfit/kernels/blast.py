@@ -132,6 +132,12 @@ def _full(x2, u, v, s, bias):
 
 
 VARIANTS = {"fused": _fused, "full": _full}
+RECOMPUTE_MAX_N = 128  # beyond this, full fusion's recomputed Z costs more than T's round trip (never timed)
+
+
+def variants_for(n: int) -> dict:
+    """The pipelines worth timing at ``n`` tokens."""
+    return VARIANTS if n <= RECOMPUTE_MAX_N else {"fused": _fused}
 
 
 @torch.library.custom_op("memfit::blast_linear", mutates_args=())
@@ -142,7 +148,7 @@ def _blast_op(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, s: torch.Tensor
     args = (x2, u.contiguous(), v.contiguous(), s.contiguous(), bias)
     if variant == "auto":
         n = x2.shape[0]
-        variant = pick_variant("blast_linear", (n_bucket(n), *u.shape, m, str(x.dtype)), VARIANTS,
+        variant = pick_variant("blast_linear", (n_bucket(n), *u.shape, m, str(x.dtype)), variants_for(n),
                                "full" if n <= 16 else "fused", args)
     return VARIANTS[variant](*args).reshape(*x.shape[:-1], -1)
 

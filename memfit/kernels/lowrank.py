@@ -41,6 +41,12 @@ def _cublas(x2, u, v, bias):
 
 
 VARIANTS = {"fused": _fused, "cublas": _cublas}
+RECOMPUTE_MAX_N = 128  # beyond this the fused kernel's recomputed x V is hopeless (never timed)
+
+
+def variants_for(n: int) -> dict:
+    """The pipelines worth timing at ``n`` tokens."""
+    return VARIANTS if n <= RECOMPUTE_MAX_N else {"cublas": _cublas}
 
 
 @torch.library.custom_op("memfit::lowrank_linear", mutates_args=())
@@ -50,7 +56,7 @@ def _lowrank_op(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, bias: torch.T
     args = (x2, u.contiguous(), v.contiguous(), bias)
     if variant == "auto":
         n = x2.shape[0]
-        variant = pick_variant("lowrank_linear", (n_bucket(n), *u.shape, v.shape[0], str(x.dtype)), VARIANTS,
+        variant = pick_variant("lowrank_linear", (n_bucket(n), *u.shape, v.shape[0], str(x.dtype)), variants_for(n),
                                "fused" if n <= 16 else "cublas", args)
     return VARIANTS[variant](*args).reshape(*x.shape[:-1], u.shape[0])
 

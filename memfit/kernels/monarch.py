@@ -127,6 +127,11 @@ def _two_stage(x2, w1, w2, bias, permute_output):
 VARIANTS = {"fused": _fused, "two_stage": _two_stage}
 
 
+def variants_for(n: int) -> dict:
+    """The pipelines worth timing at ``n`` tokens (both: the fused recompute is at most ceil(p/BO)-fold)."""
+    return VARIANTS
+
+
 @torch.library.custom_op("memfit::monarch_linear", mutates_args=())
 def _monarch_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, bias: torch.Tensor | None,
                 permute_output: bool, variant: str) -> torch.Tensor:
