@@ -209,9 +209,9 @@ class ModelGraph:
         ids = Sym("input_ids", self.tokens * 8, False, "inputs", persistent=True)
         weight = self.param("embed_tokens", s.vocab * s.hidden, bool(t and t.embeddings))
         x = self.act("embed", s.hidden, weight.requires_grad)
-        # CUDA's embedding backward sums a 16-bit gradient in an fp32 (vocab x hidden) buffer, then
-        # casts it (seen in the allocator history: benchmarks/ledger_snapshot.py).
-        workspace = 4 * s.vocab * s.hidden if self.device == "cuda" and dtype_bytes(self.dtype) == 2 else 0
+        # CUDA's embedding backward of a 16-bit weight holds 4 bytes per weight element at its peak,
+        # twice the gradient it returns (read off the allocator history: benchmarks/ledger_snapshot.py).
+        workspace = 2 * s.vocab * s.hidden if self.device == "cuda" and dtype_bytes(self.dtype) == 2 else 0
         self.op("embed", [ids, weight], [x], [ids] if weight.requires_grad else [], backward_workspace=workspace)
         # RoPE's cos and sin, (1, seq, head_dim) each, live for the whole forward
         self.rope_tables = self.act("rope_cos_sin", 2 * s.head_dim, False, tokens=self.seq)
