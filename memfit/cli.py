@@ -14,7 +14,7 @@ import sys
 from memfit.errors import MemfitError
 
 # Verbs in the order --help lists them.
-COMMANDS = ("presets",)
+COMMANDS = ("presets", "plan", "verify", "compress", "finetune", "calibrate", "generate")
 
 DESCRIPTION = """\
 memfit makes LLM training, fine-tuning and inference fit in the GPU memory you have.

@@ -75,7 +75,7 @@ register(Technique(
         {"checkpoint_layers": k} for k in sorted({0, *(round(job.spec.num_layers * f) for f in (0.25, 0.5, 0.75)),
                                                     job.spec.num_layers})],
     cost=lambda job, knobs: Cost(recompute=knobs.checkpoint_layers * layer_forward_fraction(job)),
-    describe=lambda knobs, base: f"checkpoint {knobs.checkpoint_layers} of the layers"
+    describe=lambda knobs, base: f"checkpoint {knobs.checkpoint_layers} layers"
     if knobs.checkpoint_layers != base.checkpoint_layers else None,
 ))
 

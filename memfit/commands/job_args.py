@@ -1,0 +1,55 @@
+"""Options that describe a job, shared by ``memfit plan`` and ``memfit verify``."""
+from __future__ import annotations
+
+import argparse
+
+from memfit.errors import MemfitError
+from memfit.ledger.job import LORA_TARGETS_ALL, OPTIMIZERS, TASKS, Job, Knobs
+from memfit.models import load_spec
+
+DEFAULT_MODEL = "llama-3.2-3b"
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cuda") -> None:
+    job = parser.add_argument_group("the job")
+    job.add_argument("--model", default=DEFAULT_MODEL,
+                     help=f"a preset (see `memfit presets`) or a local model directory with config.json (default {DEFAULT_MODEL})")
+    job.add_argument("--task", default="lora", choices=TASKS,
+                     help="full fine-tune, LoRA fine-tune, or inference = prefill + decode (default lora)")
+    job.add_argument("--seq", type=_int, default=2048, help="tokens per sequence (prompt length for infer; default 2048)")
+    job.add_argument("--batch", type=_int, default=1, help="sequences per step (default 1)")
+    job.add_argument("--new-tokens", type=_int, default=128, help="infer: tokens generated after the prompt (default 128)")
+    job.add_argument("--device", default=default_device, choices=("cuda", "cpu"),
+                     help=f"where the job runs (default {default_device})")
+    setup = parser.add_argument_group("how it runs (the planner may add techniques on top)")
+    setup.add_argument("--dtype", default=None, help="weights/activations dtype: float32, bfloat16, float16 (default: the model's)")
+    setup.add_argument("--lora-rank", type=_int, default=16, help="LoRA rank (default 16)")
+    setup.add_argument("--lora-targets", default=",".join(LORA_TARGETS_ALL),
+                       help="comma-separated linear layers that get adapters (default: all seven)")
+    setup.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default adamw")
+    setup.add_argument("--checkpoint-layers", type=_int, default=0,
+                       help="decoder layers with activation checkpointing, counted from the first (default 0)")
+    setup.add_argument("--micro-batch", type=_int, default=None,
+                       help="sequences per forward/backward; the rest is gradient accumulation (default: the batch)")
+
+
+def job_from_args(args) -> tuple[Job, Knobs]:
+    """Build and validate the job and its knobs; bad values raise MemfitError before any work."""
+    spec = load_spec(args.model)
+    job = Job(spec, task=args.task, seq=args.seq, batch=args.batch, new_tokens=args.new_tokens, device=args.device)
+    if args.checkpoint_layers > spec.num_layers:
+        raise MemfitError(f"--checkpoint-layers {args.checkpoint_layers} exceeds the model's {spec.num_layers} layers")
+    micro = args.micro_batch or args.batch
+    if args.batch % micro:
+        raise MemfitError(f"--batch {args.batch} is not a multiple of --micro-batch {micro}")
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    knobs = Knobs(dtype=args.dtype or spec.dtype, lora_rank=args.lora_rank, lora_targets=targets,
+                  checkpoint_layers=args.checkpoint_layers, optimizer=args.optimizer, micro_batch=micro)
+    return job, knobs
