@@ -60,8 +60,6 @@ class VerifyResult:
 
 
 def _prepare(job: Job, knobs: Knobs):
-    if job.device == "cuda" and not torch.cuda.is_available():
-        raise MemfitError("verify on cuda needs a CUDA GPU; use --device cpu here")
     model = build_model(job.spec, dtype=knobs.dtype, device=job.device)
     if job.task == "lora":
         from peft import LoraConfig, get_peft_model
@@ -76,29 +74,39 @@ def _prepare(job: Job, knobs: Knobs):
     return model
 
 
-def _optimizer(knobs: Knobs, params, device: str):
+def check_runnable(job: Job, knobs: Knobs) -> None:
+    """Refuse, before any work, what this machine cannot run."""
+    if job.device == "cuda" and not torch.cuda.is_available():
+        raise MemfitError("verify on cuda needs a CUDA GPU; use --device cpu here")
+    if job.training and knobs.optimizer == "adamw8bit":
+        if job.device != "cuda":
+            raise MemfitError("8-bit AdamW (bitsandbytes) runs on CUDA only; use --optimizer adamw on cpu")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise MemfitError("8-bit AdamW needs bitsandbytes: pip install 'memfit[bnb]'") from None
+
+
+def _optimizer(knobs: Knobs, params):
     if knobs.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=1e-5)
     if knobs.optimizer == "sgd":
         return torch.optim.SGD(params, lr=1e-5)
-    if device != "cuda":
-        raise MemfitError("8-bit AdamW (bitsandbytes) runs on CUDA only; use --optimizer adamw on cpu")
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        raise MemfitError("8-bit AdamW needs bitsandbytes: pip install 'memfit[bnb]'") from None
+    import bitsandbytes as bnb
+
     return bnb.optim.AdamW8bit(params, lr=1e-5)
 
 
 def measure(job: Job, knobs: Knobs, warmup: int = 1) -> Measurement:
     """Run ``warmup`` steps, then measure one step of ``job`` with ``knobs``."""
+    check_runnable(job, knobs)
     model = _prepare(job, knobs)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, job.spec.vocab, (job.batch, job.seq), generator=generator).to(job.device)
     if job.task == "infer":
         return _measure_infer(job, model, ids, warmup)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = _optimizer(knobs, params, job.device)
+    optimizer = _optimizer(knobs, params)
     micro = knobs.micro_batch or job.batch
     gradients = 0
 
@@ -146,5 +154,6 @@ def verify(job: Job, knobs: Knobs, tolerance: float = 0.05, warmup: int = 1) -> 
     """Predict, measure, compare. ``result.ok`` is False when the total is off by more than ``tolerance``."""
     if tolerance <= 0:
         raise MemfitError(f"tolerance must be positive, got {tolerance}")
+    check_runnable(job, knobs)
     ledger = predict(job, knobs)
     return VerifyResult(ledger, measure(job, knobs, warmup), tolerance)

@@ -1,0 +1,107 @@
+"""The ledger: hand-computed sizes, the activation derivation against autograd, verify within 5%."""
+import pytest
+import torch
+
+from memfit.ledger.job import Job, Knobs
+from memfit.ledger.predict import predict
+from memfit.ledger.verify import verify
+from memfit.models import PRESETS, build_model
+from memfit.units import parse_bytes
+
+TINY = PRESETS["tiny"]
+
+
+def test_weights_are_the_parameter_bytes():
+    spec = PRESETS["llama-3.2-1b"]
+    ledger = predict(Job(spec, task="infer", seq=128), Knobs(dtype="bfloat16"))
+    # tied embeddings: 128256*2048 once; 16 layers; final norm
+    assert ledger.peak["weights"] == 2 * spec.num_params() == 2 * 1_235_814_400
+
+
+def test_adamw_state_is_two_copies_of_the_trainable_parameters():
+    ledger = predict(Job(TINY, task="full", seq=32, device="cpu"), Knobs(dtype="float32"))
+    assert ledger.trainable_params == TINY.num_params()
+    assert ledger.peak["optimizer"] == 2 * 4 * TINY.num_params() + 4 * len(
+        [p for p in build_model(TINY).parameters()])
+
+
+def test_lora_trains_only_the_adapters():
+    ledger = predict(Job(TINY, task="lora", seq=32, device="cpu"), Knobs(dtype="float32", lora_rank=4))
+    per_layer = sum(4 * (a + b) for a, b in TINY.linear_shapes().values())
+    assert ledger.trainable_params == TINY.num_layers * per_layer
+
+
+def test_decode_kv_cache_is_two_layers_of_keys_and_values_per_token():
+    spec = PRESETS["llama-3.1-8b"]
+    job = Job(spec, task="infer", seq=4096, batch=2, new_tokens=512)
+    ledger = predict(job, Knobs(dtype="bfloat16"))
+    expected = 2 * spec.num_layers * 2 * (4096 + 512) * spec.kv_dim * 2
+    assert predict.__wrapped__(job, Knobs(dtype="bfloat16")).phases["decode"] >= expected
+    assert ledger.peak.get("kv_cache", 0) in (expected, 2 * spec.num_layers * 2 * 4096 * spec.kv_dim * 2)
+
+
+def _saved_bytes(model, ids) -> int:
+    """Bytes of distinct non-parameter storages autograd saves in one forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids).loss
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype,task", [("float32", "full"), ("bfloat16", "full"), ("float32", "lora"),
+                                        ("bfloat16", "lora")])
+def test_saved_activations_match_what_autograd_saves(dtype, task):
+    """The derivation in ledger/graph.py against the tensors autograd really keeps."""
+    from memfit.ledger.predict import _train_graph
+    from memfit.ledger.simulate import Memory, replay_forward
+
+    job = Job(TINY, task=task, seq=48, batch=2, device="cpu")
+    knobs = Knobs(dtype=dtype, lora_rank=8)
+    graph, loss = _train_graph(job, knobs)
+    saved = replay_forward(graph.ops, Memory({}), "forward", keep={loss.uid})
+    sizes = {}
+    for op in graph.ops:
+        for sym in op.inputs + op.outputs:
+            sizes[sym.root.uid] = sym.root
+    predicted = sum(sizes[uid].nbytes for uid in saved if uid in sizes and not sizes[uid].persistent)
+
+    model = build_model(TINY, dtype=dtype).train()
+    if task == "lora":
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=8, lora_dropout=0.0, target_modules=list(knobs.lora_targets)))
+    ids = torch.randint(0, TINY.vocab, (2, 48))
+    measured = _saved_bytes(model, ids) - 8 * ids.numel()  # labels are an input, not an activation
+    assert abs(predicted - measured) / measured < 0.01, (predicted, measured)
+
+
+CASES = [
+    ("full", {}), ("lora", {}), ("lora", {"dtype": "bfloat16"}), ("infer", {}),
+    ("full", {"checkpoint_layers": 1}), ("lora", {"checkpoint_layers": 2}),
+    ("full", {"optimizer": "sgd"}), ("full", {"micro_batch": 1}),
+]
+
+
+@pytest.mark.parametrize("task,changes", CASES, ids=[f"{t}-{c}" for t, c in CASES])
+def test_verify_on_cpu_within_five_percent(task, changes):
+    job = Job(TINY, task=task, seq=64, batch=2, device="cpu", new_tokens=8)
+    result = verify(job, Knobs(dtype="float32", micro_batch=2).with_(**changes))
+    assert result.ok, f"{100 * result.error:+.2f}%"
+    assert abs(result.error) < 0.05
+
+
+def test_budget_parsing():
+    assert parse_bytes("8GiB") == 8 * 2**30
+    assert parse_bytes("8GB") == 8 * 10**9
+    assert parse_bytes("8000MiB") == 8000 * 2**20
+    assert parse_bytes("0.5TiB") == 2**39
+    for bad in ("8XB", "", "-1GiB", "0GB", "eight"):
+        with pytest.raises(Exception, match="memory size|unit|positive"):
+            parse_bytes(bad)
