@@ -1,0 +1,136 @@
+"""Regenerate README's performance section from ``benchmarks/results/*.json``.
+
+Every number in that section comes from a results file written by a benchmark run;
+nothing is typed. The section lives between two markers in README.md:
+
+    python benchmarks/report.py            # rewrite README.md in place
+    python benchmarks/report.py --check    # exit 1 if README.md is out of date
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _header(data: dict, command: str) -> str:
+    return (f"_{data['gpu']}, torch {data['torch']}, triton {data['triton']}, commit {data['commit']}, "
+            f"{data.get('date', '')[:10]}; `{command}`_\n")
+
+
+def _targets(data: dict) -> str:
+    lines = []
+    for t in data["targets"]:
+        mark = "met" if t["met"] else "**not met**"
+        lines.append(f"- {t['name']}: {t['measured']:.4g} {t['unit']} (target {t['better']} than {t['target']:.4g}) {mark}")
+    return "\n".join(lines) + "\n"
+
+
+def ledger_section(data: dict) -> str:
+    rows = [r for r in data["rows"] if "error" in r]
+    out = ["### Memory ledger: predicted vs measured peak\n", _header(data, "python benchmarks/ledger_accuracy.py"),
+           "| model | task | seq x batch | techniques | predicted GiB | measured GiB | error |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        job, knobs = r["job"], r["knobs"]
+        extra = [f"ckpt {knobs['checkpoint_layers']}" if knobs["checkpoint_layers"] else "",
+                 knobs["optimizer"] if job["task"] != "infer" and knobs["optimizer"] != "adamw" else "",
+                 f"micro-batch {knobs['micro_batch']}" if knobs["micro_batch"] != job["batch"] else ""]
+        out.append(f"| {job['model']} | {job['task']} | {job['seq']} x {job['batch']} | {', '.join(e for e in extra if e) or '-'} "
+                   f"| {r['peak_bytes'] / 2**30:.3f} | {r['measured']['peak_bytes'] / 2**30:.3f} | {100 * r['error']:+.2f}% |")
+    return "\n".join(out) + "\n\n" + _targets(data)
+
+
+def linear_ce_section(data: dict) -> str:
+    out = ["### Fused linear cross-entropy (vocab 128256, half the tokens ignored, bf16)\n",
+           _header(data, "python benchmarks/linear_ce.py"),
+           "| tokens x hidden | method | fwd+bwd ms | extra peak MiB | dH rel. error | dW rel. error |",
+           "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        if r.get("status") != "ok":
+            continue
+        dw = f"{r['dweight_rel_err']:.1e}" if r.get("dweight_rel_err") is not None else "-"
+        out.append(f"| {r['tokens']} x {r['hidden']} | {r['method']} | {r['ms']:.1f} | {r['extra_peak_mib']:.0f} "
+                   f"| {r['dhidden_rel_err']:.1e} | {dw} |")
+    return "\n".join(out) + "\n\n" + _targets(data)
+
+
+def attention_section(data: dict) -> str:
+    out = ["### Attention forward+backward TFLOP/s (16K tokens per batch, 32 heads, head dim 128, bf16)\n",
+           _header(data, "python benchmarks/attention.py"),
+           "| impl | " + " | ".join(f"{n} {'causal' if c else 'full'}" for n in (1024, 4096, 16384) for c in (False, True)) + " |",
+           "|---|" + "---|" * 6]
+    impls = sorted({r["impl"] for r in data["rows"]})
+    for impl in impls:
+        cells = []
+        for n in (1024, 4096, 16384):
+            for causal in (False, True):
+                row = next((r for r in data["rows"] if r["impl"] == impl and r["seq"] == n and r["causal"] == causal
+                            and r.get("fwd_bwd_tflops")), None)
+                cells.append(f"{row['fwd_bwd_tflops']:.0f}" if row else "-")
+        out.append(f"| {impl} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n\n" + _targets(data) + "\nThe contention study: `benchmarks/attention_study.md`.\n"
+
+
+def finetune_section(data: dict) -> str:
+    out = ["### LoRA fine-tuning peak memory, Llama-3.2-3B shape, batch 1 (GB)\n",
+           _header(data, "python benchmarks/finetune_memory.py")]
+    for dtype in sorted({r["dtype"] for r in data["rows"]}):
+        rows = [r for r in data["rows"] if r["dtype"] == dtype]
+        contexts = sorted({r["context"] for r in rows})
+        out += [f"\n{dtype.replace('torch.', '')}: total peak (peak above the frozen base weights)\n",
+                "| configuration | " + " | ".join(str(c) for c in contexts) + " |", "|---|" + "---|" * len(contexts)]
+        for name in dict.fromkeys(r["row"] for r in rows):
+            cells = []
+            for c in contexts:
+                r = next((r for r in rows if r["row"] == name and r["context"] == c), None)
+                if r is None or not isinstance(r.get("peak_gb"), (int, float)):
+                    cells.append(str(r.get("peak_gb", "-")) if r else "-")
+                else:
+                    cells.append(f"{r['peak_gb']:.2f} ({r['peak_above_frozen_weights_gb']:.2f})")
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n\n" + _targets(data)
+
+
+SECTIONS = [("ledger_accuracy", ledger_section), ("linear_ce", linear_ce_section), ("attention", attention_section),
+            ("finetune_memory", finetune_section)]
+
+
+def render() -> str:
+    parts = [START, "", "Generated by `python benchmarks/report.py` from `benchmarks/results/`; do not edit by hand.", ""]
+    for name, section in SECTIONS:
+        data = _load(name)
+        if data is not None:
+            parts.append(section(data))
+    parts.append(END)
+    return "\n".join(parts)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if README.md's section is out of date")
+    args = parser.parse_args(argv)
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    if START not in text or END not in text:
+        print(f"README.md lacks the markers {START} ... {END}", file=sys.stderr)
+        return 2
+    new = text[:text.index(START)] + render() + text[text.index(END) + len(END):]
+    if args.check:
+        return 0 if new == text else 1
+    readme.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
