@@ -60,15 +60,15 @@ def memory_table(rows) -> str:
 
 
 def study_table(rows) -> str:
-    lines = ["| seq | causal | variant | ms | TFLOP/s | x naive fused | floor/ms | GB/s (least+accum.) | accum. GB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| seq | causal | variant | ms | TFLOP/s | x naive fused | floor/ms | GB/s (least+accum.) | accum. GB | "
+             "slots |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["causal"], r["seq"], r["variant"])):
         if "ms" not in r:
-            lines.append(f"| {r['seq']} | {r['causal']} | {r['variant']} | {r.get('error', '')} |||||| ")
+            lines.append(f"| {r['seq']} | {r['causal']} | {r['variant']} | {r.get('error', '')} ||||||| ")
             continue
         lines.append(f"| {r['seq']} | {r['causal']} | {r['variant']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
                      f"{r.get('speedup_vs_naive_fused', float('nan')):.2f} | {r['floor_fraction']:.2f} | "
-                     f"{r['achieved_gbps']:.0f} | {r['accumulation_bytes'] / 1e9:.2f} |")
+                     f"{r['achieved_gbps']:.0f} | {r['accumulation_bytes'] / 1e9:.2f} | {r.get('partial_slots') or '-'} |")
     return "\n".join(lines)
 
 
