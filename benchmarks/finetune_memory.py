@@ -2,8 +2,10 @@
 
 Rebuilds the table of "Techniques for Peak Memory Reduction for LoRA Fine-tuning of LLMs
 on Edge Devices" on a random-init Llama-3.2-3B-shaped model, batch 1, LoRA r=16 on all
-seven linears of every layer, AdamW, SDPA attention, at contexts 1024..16384, in fp32
-(as the paper; matmuls may use TF32, which changes no byte) and bf16. Rows, cumulative:
+seven linears of every layer, AdamW, at contexts 1024..16384, in fp32 (as the paper;
+matmuls may use TF32, which changes no byte) and bf16. Attention is SDPA in bf16 and
+memfit's kernel in fp32 (torch SDPA runs fp32 grouped-query attention on its math kernel,
+N^2 scores per head); each row records which. Rows, cumulative:
 
   LoRA                         transformers + peft, logits materialised (the baseline)
   + 4-bit base                 NF4 frozen base (bitsandbytes)
@@ -130,10 +132,12 @@ def _bnb_available(device) -> str | None:
 
 def run_dtype(spec, dtype, contexts, device, ceilings) -> list[dict]:
     rows = []
-    model = patch(build_model(spec, dtype=dtype, device=device), fused_ce=False, lora=LORA)
+    attention = "memfit" if dtype == torch.float32 else "sdpa"
+    model = patch(build_model(spec, dtype=dtype, device=device), fused_ce=False, lora=LORA, attention=attention)
     frozen, trainable = _resident(model, device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    common = {"dtype": str(dtype), "frozen_weights_gb": frozen / GB, "lora_params_gb": trainable / GB}
+    common = {"dtype": str(dtype), "attention": attention, "frozen_weights_gb": frozen / GB,
+              "lora_params_gb": trainable / GB}
     rows += _measure(model, optimizer, contexts, spec, 1.0, device, frozen,
                      {"row": "LoRA", "exact": True, "baseline": True, **common}, ceilings)
     del model, optimizer
@@ -141,11 +145,13 @@ def run_dtype(spec, dtype, contexts, device, ceilings) -> list[dict]:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     why_not = _bnb_available(device)
-    model = patch(build_model(spec, dtype=dtype, device=device), four_bit=why_not is None, lora=LORA)
+    model = patch(build_model(spec, dtype=dtype, device=device), four_bit=why_not is None, lora=LORA,
+                  attention=attention)
     frozen, trainable = _resident(model, device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     state = patch_state(model)
-    common = {"dtype": str(dtype), "frozen_weights_gb": frozen / GB, "lora_params_gb": trainable / GB,
+    common = {"dtype": str(dtype), "attention": attention, "frozen_weights_gb": frozen / GB,
+              "lora_params_gb": trainable / GB,
               "four_bit": why_not is None, **({"four_bit_unavailable": why_not} if why_not else {})}
     for name, fused, policy, subset, fraction in _rows_settings(spec.num_layers, spec.vocab, device):
         state.fused_ce, state.policy, state.vocab_subset = fused, policy, subset

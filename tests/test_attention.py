@@ -194,3 +194,48 @@ def test_hugging_face_model_matches_sdpa():
     with torch.no_grad():
         want, got = ref(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
     assert _rel(got[mask.bool()], want[mask.bool()]) < 1e-5
+
+
+def _patched_lora_step(attention, ids):
+    from memfit.models import build_model
+    from memfit.models.presets import PRESETS
+    from memfit.train.patch import patch
+
+    model = patch(build_model(PRESETS["tiny"], dtype="float32"), checkpoint="layer", fused_ce=False,
+                  lora={"r": 4, "init_lora_weights": False}, attention=attention).train()
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_patch_attention_memfit_matches_sdpa(monkeypatch):
+    """patch(attention="memfit") trains (checkpointed LoRA) with SDPA's loss and adapter gradients."""
+    from memfit.models.presets import PRESETS
+    from memfit.train import attention_hf
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(attention_hf, "attention", counted)
+    ids = torch.randint(0, PRESETS["tiny"].vocab, (2, 19))
+    want_loss, want = _patched_lora_step("sdpa", ids)
+    assert not calls
+    got_loss, got = _patched_lora_step("memfit", ids)
+    assert calls, "attention='memfit' did not route the layers through memfit's kernel"
+    assert abs(got_loss.item() - want_loss.item()) < 1e-5 * abs(want_loss.item())
+    assert got.keys() == want.keys() and got
+    for name in want:
+        assert want[name].norm() > 0, name
+        assert _rel(got[name], want[name]) < 1e-4, name
+
+
+def test_patch_attention_bad_value():
+    from memfit.models import build_model
+    from memfit.models.presets import PRESETS
+    from memfit.train.patch import patch
+
+    with pytest.raises(MemfitError, match="flash"):
+        patch(build_model(PRESETS["tiny"], dtype="float32"), attention="flash")

@@ -13,6 +13,11 @@ lora={"r": 16})`` applies, in this order:
    softmax approximate (opt-in). Without labels the model returns logits as usual.
 4. **LoRA** (``lora``): ``peft.get_peft_model`` (a LoraConfig, or a dict of its fields;
    default r=16, alpha=32, no dropout, all seven linears of each layer).
+5. **attention** (``attention``): the transformers attention implementation every layer
+   uses, ``"sdpa"`` (default) or ``"memfit"`` (:mod:`memfit.train.attention_hf`, O(N)
+   memory in every dtype). memfit matters for fp32 training: torch SDPA (2.11, CUDA) ran
+   fp32 grouped-query attention on its math kernel, which materialises the scores,
+   heads x N^2 x 4 bytes per layer (6.4 GB at 8K tokens with Llama-3.2-3B's 24 heads).
 
 The returned model is the one to train (a ``PeftModel`` when LoRA is on). The switches
 that act per call (checkpoint policy, fused loss, vocabulary subset) live in a
@@ -35,6 +40,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": list(LORA_TARGETS), "bias": "none",
                  "task_type": "CAUSAL_LM"}
 IGNORE_INDEX = -100
+ATTENTION = ("sdpa", "memfit")
 
 
 @dataclass
@@ -46,6 +52,7 @@ class PatchState:
     vocab_subset: torch.Tensor | None = None
     ce_path: str | None = None
     four_bit: bool = False
+    attention: str = "sdpa"
 
     @property
     def policy(self) -> CheckpointPolicy:
@@ -130,15 +137,27 @@ def _fused_forward(original):
     return forward
 
 
+def _set_attention(base: torch.nn.Module, attention: str) -> None:
+    if attention not in ATTENTION:
+        raise MemfitError(f"attention={attention!r} is not one of {', '.join(ATTENTION)}")
+    if attention == "memfit":
+        from memfit.train.attention_hf import register
+
+        attention = register()
+    base.set_attn_implementation(attention)
+
+
 def patch(model: torch.nn.Module, *, checkpoint: str = "none", offload_layers="none", offload_to: str = "cpu",
           prefetch: int = 1, fused_ce: bool = True, four_bit: bool = False, lora=None,
-          vocab_subset: torch.Tensor | None = None, ce_path: str | None = None) -> torch.nn.Module:
+          vocab_subset: torch.Tensor | None = None, ce_path: str | None = None,
+          attention: str = "sdpa") -> torch.nn.Module:
     """Patch a HF Llama/Qwen2/Mistral ``*ForCausalLM`` for memory-lean training; return the model to train."""
     base = causal_lm_of(model)
     if getattr(base, "_memfit_patch", None) is not None:
         raise MemfitError("this model is already patched; change its switches through patch_state(model)")
     if lora is not None and base is not model:
         raise MemfitError("the model already carries peft adapters: pass lora=None to keep them")
+    _set_attention(base, attention)
     layers = base.model.layers
     policy = CheckpointPolicy.build(len(layers), checkpoint, offload_layers, offload_to, prefetch)
     if four_bit:
@@ -150,7 +169,7 @@ def patch(model: torch.nn.Module, *, checkpoint: str = "none", offload_layers="n
         base.is_loaded_in_4bit = True  # tells peft to wrap the NF4 layers with its 4-bit LoRA layer
     runner = install(layers, policy)
     base._memfit_patch = PatchState(runner, fused_ce=fused_ce, vocab_subset=vocab_subset, ce_path=ce_path,
-                                    four_bit=four_bit)
+                                    four_bit=four_bit, attention=attention)
     base.forward = types.MethodType(_fused_forward(base.forward), base)
     if lora is None:
         return model
