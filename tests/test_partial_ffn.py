@@ -12,7 +12,7 @@ from memfit.infer.calibrate import Rankings, calibrate, prompt_batches, read_pro
 from memfit.infer.generate import Generator, weight_bytes_per_token
 from memfit.infer.partial_load import PartialConfig, expected_ffn_params, ffn_params, load_model
 from memfit.infer.selection import PartialMLP, choose_neurons, count_top_activations, partial_mlps
-from memfit.models import PRESETS, save_model_dir
+from memfit.models import PRESETS, build_model, save_model_dir
 
 SPEC = PRESETS["tiny"].with_(num_layers=5)          # hidden 64, intermediate 176, GQA 4/2, vocab 512
 PARTIAL = dict(full_first=1, full_last=1)
@@ -39,15 +39,62 @@ def _ids(shape, seed):
     return torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def test_gamma_phi_one_equals_dense_exactly(model_dir, dense):
+@pytest.mark.parametrize("fused", [False, True])
+def test_gamma_phi_one_equals_dense_exactly(model_dir, dense, fused):
+    """gamma = phi = 1 equals the dense model bit for bit through the same path: the Hugging Face forward,
+    and the decode loop with separate matmuls (``fused=False``) or fused ones (one q/k/v and one gate/up matmul,
+    the same shapes for the partial and the dense model). The fused loop against the *unfused* one agrees only
+    to rounding (other matmul shapes may sum in another order): ``test_fused_decode_matches_unfused``."""
     full = load_model(model_dir, PartialConfig(load=1.0, compute=1.0, **PARTIAL))
     assert len(partial_mlps(full)) == 3
     x = _ids((2, 11), 2)
     assert torch.equal(full(x).logits, dense(x).logits)
-    out_full = Generator(full, 24).generate(x[:1], 12).tokens
-    out_dense = Generator(dense, 24).generate(x[:1], 12).tokens
+    out_full = Generator(full, 24, fused=fused).generate(x[:1], 12).tokens
+    out_dense = Generator(dense, 24, fused=fused).generate(x[:1], 12).tokens
     assert torch.equal(out_full, out_dense)
-    assert torch.equal(Generator(full, 24, batch=2).score(x, 5), Generator(dense, 24, batch=2).score(x, 5))
+    assert torch.equal(Generator(full, 24, batch=2, fused=fused).score(x, 5), Generator(dense, 24, batch=2, fused=fused).score(x, 5))
+
+
+def test_fused_decode_matches_unfused(model_dir, dense):
+    """The fused layout shares storage (no extra bytes) and the fused loop equals the unfused one to fp32 rounding."""
+    for layer in dense.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+        assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_proj.weight.untyped_storage().data_ptr()
+    plain = load_model(model_dir, fuse=False)
+    assert sum(p.numel() for p in plain.parameters()) == sum(p.numel() for p in dense.parameters())
+    config = PartialConfig(load=0.7, compute=0.4, **PARTIAL)
+    seq = _ids((2, 16), 9)
+    for model in (dense, load_model(model_dir, config)):
+        fused, unfused = Generator(model, 20, batch=2), Generator(model, 20, batch=2, fused=False)
+        assert fused.fused_layers == SPEC.num_layers and unfused.fused_layers == 0
+        got, ref = fused.score(seq, 7), unfused.score(seq, 7)
+        assert 0 < (got - ref).norm() / ref.norm() < 1e-5 or torch.equal(got, ref)
+        assert torch.equal(fused.generate(seq, 4).tokens, unfused.generate(seq, 4).tokens)
+    assert Generator(plain, 20).fused_layers == 0                     # separate tensors: decodes unfused, same result
+    assert torch.equal(Generator(plain, 20, fused=False).score(seq[:1], 7), Generator(dense, 20, fused=False).score(seq[:1], 7))
+
+
+def test_attention_output_in_the_gpu_kernels_layout(monkeypatch):
+    """Regression: the memory-efficient/cuDNN SDPA kernels return (B, heads, rows, D) over (B, rows, heads, D) memory;
+    merging heads with ``view`` crashed on it (small-model shape: 6 query / 2 KV heads, fp32 on the H200)."""
+    from memfit.infer import generate
+
+    spec = PRESETS["tiny"].with_(num_layers=2, hidden=96, intermediate=64, num_heads=6, num_kv_heads=2, head_dim=16, vocab=259)
+    model = build_model(spec, dtype="float32", device="cpu")
+    seq = _ids((1, 12), 10) % 259
+    expected = Generator(model, 16, fused=False).score(seq, 5)
+    original, seen = generate._attention, []
+
+    def gpu_layout(*args):
+        o = original(*args).transpose(1, 2).contiguous().transpose(1, 2)
+        seen.append(o.shape)
+        with pytest.raises(RuntimeError, match="view size"):       # what the old merge did
+            o.view(o.shape[0], spec.num_heads, -1, o.shape[-1])
+        return o
+    monkeypatch.setattr(generate, "_attention", gpu_layout)
+    assert torch.equal(Generator(model, 16, fused=False).score(seq, 5), expected)
+    assert seen and all(shape[2] > 1 for shape in seen)                # grouped rows: G * T
 
 
 def test_decode_loop_matches_hf_greedy_and_forward(dense):

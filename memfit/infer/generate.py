@@ -8,6 +8,15 @@ longest sequence, the step writes at a slot held in a device tensor, and attenti
 the whole cache under a mask. On CUDA the step (forward, sampling, advancing the
 position) is captured once as a ``torch.cuda.CUDAGraph`` and replayed per token.
 
+Kernels per layer and step are what a batch-1 decode pays for beyond its weight bytes, so
+with ``fused`` (the default) a layer whose weights are in memfit's fused layout
+(``memfit.infer.fused``; ``load_model`` builds it) runs one q/k/v matmul, one gate/up
+matmul over the active neurons and a compiled silu-multiply, instead of five matmuls and
+two elementwise kernels; the attention mask is built additive once per step (not
+converted per layer). Results then equal the Hugging Face modules' up to rounding
+(different matmul shapes may sum in another order); ``fused=False`` calls the model's
+own modules and is bit-exact with them.
+
 Prompts: prefill runs eagerly over the whole (left-padded) batch and, for partial
 models, selects the decode neurons (``memfit.infer.selection``). The graph is captured
 with the decode neuron counts before the first prompt; selection permutes weights in
@@ -22,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from memfit.errors import MemfitError
+from memfit.infer.fused import act_mul, fused_gate_up, fused_qkv
 from memfit.infer.selection import begin_prompt, end_prompt, partial_mlps, set_decode_shape
 from memfit.log import warn_once
 
@@ -42,7 +52,9 @@ def _add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: f
 
 
 def _rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots):
-    """Rotate q and k, write k and v into the caches at ``slots``; returns q grouped per KV head (B, Hkv, G*T, D)."""
+    """Rotate q and k (B, T, heads, D), write k and v into the caches at ``slots``;
+    returns q grouped per KV head (B, Hkv, G*T, D): row g*T + t is query head kv*G + g at token t."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
     k_cache.index_copy_(2, slots, k)
@@ -51,9 +63,25 @@ def _rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots):
     return q.reshape(B, k_cache.shape[1], H // k_cache.shape[1] * T, D)
 
 
+def _attention(q, k_cache, v_cache, mask, scale):
+    """SDPA over the whole cache; the output's memory layout depends on the backend (e.g. (B, rows, heads, D))."""
+    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale)
+
+
+def _merge_heads(o: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, Hkv, G*T, D) grouped attention output -> (B, T, H*D) in head order kv*G + g, whatever o's strides.
+
+    Splitting a dim (``unflatten``) is a view for any strides; the final ``reshape`` copies only when the
+    backend's layout needs it (a ``view`` there fails on the (B, rows, heads, D) layout of the
+    memory-efficient and cuDNN kernels).
+    """
+    B, Hkv, rows, D = o.shape
+    return o.unflatten(2, (rows // T, T)).permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * (rows // T) * D)
+
+
 # The elementwise parts of a step: on CUDA they are compiled (dozens of tiny kernels a layer become a few);
-# the matmuls stay in the model's own modules (dense, partial or 4-bit).
-_EAGER = {"norm": _norm, "add_norm": _add_norm, "rope_and_cache": _rope_and_cache}
+# the matmuls stay cuBLAS (or the model's own modules: partial, 4-bit).
+_EAGER = {"norm": _norm, "add_norm": _add_norm, "rope_and_cache": _rope_and_cache, "act_mul": act_mul}
 
 
 _COMPILED: dict = {}
@@ -89,10 +117,12 @@ class Generator:
     ``temperature``: 0 = greedy; > 0 samples with the Gumbel-max trick (graph-safe).
     ``compile``: None = compile the elementwise helpers (norms, rope, cache writes) with
     ``torch.compile`` on CUDA; a failed compile falls back to eager, said once.
+    ``fused``: one matmul for q/k/v and one for gate/up where the weights are in the fused layout
+    (equal to the model's modules up to rounding); False = the model's own modules, bit-exact.
     """
 
     def __init__(self, model, max_len: int, batch: int = 1, graphs: bool | None = None, temperature: float = 0.0,
-                 compile: bool | None = None):
+                 compile: bool | None = None, fused: bool = True):
         cfg = model.config
         if max_len < 2 or batch < 1:
             raise MemfitError(f"max_len must be >= 2 and batch >= 1, got max_len={max_len}, batch={batch}")
@@ -106,6 +136,13 @@ class Generator:
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         layers = model.model.layers
+        self.qkv = [fused_qkv(layer.self_attn) if fused else None for layer in layers]
+        self.gate_up = [fused_gate_up(layer.mlp) if fused else None for layer in layers]
+        self.fused_layers = sum(a is not None and b is not None for a, b in zip(self.qkv, self.gate_up))
+        if fused and self.fused_layers < len(layers):
+            warn_once("generate:unfused", f"{len(layers) - self.fused_layers} of {len(layers)} layers decode with separate "
+                                          "q/k/v and gate/up matmuls (weights not in memfit's fused layout: load the "
+                                          "model with memfit.infer.load_model; 4-bit layers stay unfused)")
         shape = (batch, self.kv_heads, max_len, self.head_dim)
         factory = {"device": self.device}
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, **factory) for _ in layers]
@@ -144,27 +181,41 @@ class Generator:
         G = H // Hkv
         x = model.get_input_embeddings()(ids)
         cos, sin = self._rope(positions)
-        # key j is visible to the query at slot s when it holds a token and j <= s; every query sees itself
+        # key j is visible to the query at slot s when it holds a token and j <= s; every query sees itself.
+        # Additive and in the model dtype, built once per step: SDPA would convert a bool mask in every layer.
         visible = self.key_slots[None, :] <= slots[:, None]
         mask = (self.valid[:, None, :] & visible[None]) | (self.key_slots[None, :] == slots[:, None])[None]
+        mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
         mask = mask[:, None, None].expand(B, 1, G, T, self.max_len).reshape(B, 1, G * T, self.max_len)
         ops = self.ops
         layers = model.model.layers
         h = ops["norm"](x, layers[0].input_layernorm.weight, layers[0].input_layernorm.variance_epsilon)
         for i, layer in enumerate(layers):
             attn = layer.self_attn
-            q = attn.q_proj(h).view(B, T, H, D).transpose(1, 2)
-            k = attn.k_proj(h).view(B, T, Hkv, D).transpose(1, 2)
-            v = attn.v_proj(h).view(B, T, Hkv, D).transpose(1, 2)
+            if self.qkv[i] is not None:
+                qkv = F.linear(h, *self.qkv[i]).view(B, T, H + 2 * Hkv, D)
+                q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
+            else:
+                q, k, v = (proj(h).view(B, T, -1, D) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
             # GQA: the G query heads of a KV head share its keys, so q is grouped per KV head
             q = ops["rope_and_cache"](q, k, v, cos, sin, self.k_cache[i], self.v_cache[i], slots)
-            o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask, scale=attn.scaling)
-            o = o.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+            o = _merge_heads(_attention(q, self.k_cache[i], self.v_cache[i], mask, attn.scaling), T)
             post = layer.post_attention_layernorm
             x, h = ops["add_norm"](x, attn.o_proj(o), post.weight, post.variance_epsilon)
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
-            x, h = ops["add_norm"](x, layer.mlp(h), following.weight, following.variance_epsilon)
+            x, h = ops["add_norm"](x, self._mlp(i, layer.mlp, h), following.weight, following.variance_epsilon)
         return model.get_output_embeddings()(h[:, -1:] if last_only else h)
+
+    def _mlp(self, i: int, mlp, h: torch.Tensor) -> torch.Tensor:
+        """The layer's FFN: one gate/up matmul over the active neurons, silu-multiply, down (or the module itself)."""
+        if self.gate_up[i] is None:
+            return mlp(h)
+        gate_up, down = self.gate_up[i]
+        a = getattr(mlp, "active", gate_up.shape[0])      # PartialMLP: every loaded neuron at prefill, the selected at decode
+        g = self.ops["act_mul"](F.linear(h, gate_up[:a].flatten(0, 1)))
+        if hasattr(mlp, "observe"):
+            mlp.observe(g)
+        return F.linear(g, down[:, :a])
 
     def _sample(self, logits: torch.Tensor) -> torch.Tensor:
         if self.temperature == 0:

@@ -13,6 +13,11 @@ through ``get_slice`` in row chunks of at most ``CHUNK_BYTES`` on the CPU, from 
 only the kept rows (gate/up) or columns (down) are copied to the device. With ``compute_all_layers``
 the fully loaded layers also become ``PartialMLP`` s (every neuron loaded, phi computed).
 
+With ``fuse`` (the default) every layer's q/k/v weights are views of one buffer and its
+gate/up weights views of one per-neuron interleaved buffer (``memfit.infer.fused``), read
+straight into place, so the decode loop runs one matmul for each pair/triple at no extra
+memory.
+
 Fractions are of the model's full ``intermediate`` size; neuron counts are rounded to a
 multiple of ``align`` (8: 16-byte rows in fp16 keep the matmuls on their fast paths).
 """
@@ -27,6 +32,7 @@ from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.infer.calibrate import RANKINGS_FILE, Rankings
+from memfit.infer.fused import share_gate_up, share_qkv
 from memfit.infer.selection import PartialMLP
 from memfit.models.spec import dtype_of, load_spec
 
@@ -172,13 +178,15 @@ def _load_full(reader: _Reader, model: nn.Module, name: str, shape, dtype, devic
 
 @torch.no_grad()
 def load_model(model_dir: str | Path, partial: PartialConfig | None = None, *, dtype=None, device="cpu",
-               rankings: Rankings | str | Path | None = None, progress=None) -> nn.Module:
+               rankings: Rankings | str | Path | None = None, progress=None, fuse: bool = True) -> nn.Module:
     """A ``*ForCausalLM`` from a local safetensors directory; partial FFN layers when ``partial`` is given.
 
     ``partial=None`` loads the dense model through the same path (a baseline with the
     same allocation behaviour). ``rankings``: a Rankings, a path, or None for
     ``model_dir/rankings.safetensors`` (needed when load or compute < 1).
     ``progress``: optional callable(done, total) after each tensor read.
+    ``fuse``: lay q/k/v and gate/up out in shared buffers (see the module docstring); False keeps
+    Hugging Face's separate tensors.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -225,6 +233,13 @@ def load_model(model_dir: str | Path, partial: PartialConfig | None = None, *, d
         jobs += [(reader.selected, prefix + "gate_proj.weight", ids, 0, mlp.gate_weight),
                  (reader.selected, prefix + "up_proj.weight", ids, 0, mlp.up_weight),
                  (reader.selected, prefix + "down_proj.weight", ids, 1, mlp.down_weight)]
+    if fuse:
+        for index, layer in enumerate(layers):
+            prefix = f"model.layers.{index}."
+            views = [(f"self_attn.{name}", view) for name, view in share_qkv(layer.self_attn, torch_dtype, device)]
+            if index not in plan and all(hasattr(layer.mlp, p) for p in ("gate_proj", "up_proj")):
+                views += [(f"mlp.{name}", view) for name, view in share_gate_up(layer.mlp, torch_dtype, device)]
+            jobs += [(reader.full, prefix + name, view) for name, view in views]
     for name, param in model.named_parameters():
         if param.is_meta and not (tied and name == "lm_head.weight"):
             jobs.append((_load_full, reader, model, name, param.shape, torch_dtype, device))

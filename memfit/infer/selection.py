@@ -8,9 +8,11 @@ ranking, always kept) plus the most frequently kept others, ``compute`` neurons 
 Ties go to the neuron ranked higher by calibration.
 
 Decode must not gather. ``PartialMLP`` therefore *permutes its own weights in place*
-so that the chosen neurons come first: gate/up rows ``[:m]`` are one contiguous block,
-and down's columns ``[:, :m]`` are one contiguous run of ``m`` values in every output
-row (a leading-dimension view: no copy, no index). The permutation costs one pass over
+so that the chosen neurons come first: gate and up live interleaved per neuron in one
+(k, 2, hidden) buffer (``memfit.infer.fused``), so the first ``m`` neurons' gate and up
+rows are one contiguous block ``[:m]`` (one matmul at decode), and down's columns
+``[:, :m]`` are one contiguous run of ``m`` values in every output row (a
+leading-dimension view: no copy, no index). The permutation costs one pass over
 the layer's FFN weights per prompt (a temporary the size of one weight matrix) and is
 undone at the next prompt (``restore``), so prefill always sees the loaded order and a
 prompt's result never depends on the previous prompt.
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.infer.fused import gate_up_buffer
 
 TOKEN_KEEP = 0.2
 
@@ -73,8 +76,12 @@ def choose_neurons(counts: torch.Tensor, base: torch.Tensor, m: int, priority: t
 class PartialMLP(nn.Module):
     """A gated FFN holding only its loaded neurons, computing all of them or the selected first ``m``.
 
-    Same arithmetic as Hugging Face's ``LlamaMLP`` (``down(act(gate(x)) * up(x))``): with
-    every neuron loaded and computed, the output is bit-for-bit the dense one.
+    ``forward`` has the arithmetic of Hugging Face's ``LlamaMLP`` (``down(act(gate(x)) * up(x))``,
+    gate and up as separate matmuls): with every neuron loaded and computed, the output
+    is bit-for-bit the dense one. The decode loop's fused path instead runs one matmul over
+    ``gate_up_weight[:active]`` and calls ``observe`` (equal up to rounding).
+    Parameters: ``gate_up_weight`` (k, 2, hidden; ``gate_weight``/``up_weight`` are its
+    halves), ``down_weight`` (hidden, k).
     Buffers: ``neuron_ids`` (original index of each loaded neuron, in current order),
     ``base`` (always computed), ``priority`` (calibration rank, lower is better).
     """
@@ -86,8 +93,7 @@ class PartialMLP(nn.Module):
         if not 0 < compute <= k:
             raise MemfitError(f"a layer with {k} loaded neurons cannot compute {compute}")
         factory = {"dtype": dtype, "device": device}
-        self.gate_weight = nn.Parameter(torch.empty(k, hidden, **factory), requires_grad=False)
-        self.up_weight = nn.Parameter(torch.empty(k, hidden, **factory), requires_grad=False)
+        self.gate_up_weight = nn.Parameter(gate_up_buffer(k, hidden, **factory), requires_grad=False)
         self.down_weight = nn.Parameter(torch.empty(hidden, k, **factory), requires_grad=False)
         buffer_device = device if str(device) != "meta" else "cpu"
         # copies: selection permutes these in place
@@ -104,12 +110,24 @@ class PartialMLP(nn.Module):
     def extra_repr(self) -> str:
         return f"loaded={self.loaded}, compute={self.compute}, base={int(self.base.sum())}, active={self.active}"
 
+    @property
+    def gate_weight(self) -> torch.Tensor:
+        return self.gate_up_weight[:, 0]
+
+    @property
+    def up_weight(self) -> torch.Tensor:
+        return self.gate_up_weight[:, 1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.active
         h = self.act_fn(F.linear(x, self.gate_weight[:a])) * F.linear(x, self.up_weight[:a])
+        self.observe(h)
+        return F.linear(h, self.down_weight[:, :a])
+
+    def observe(self, h: torch.Tensor) -> None:
+        """During a prompt's prefill, count the top activations of ``h`` (the down-projection input)."""
         if self.counts is not None:
             self.counts += count_top_activations(h, token_mask=self.token_mask)
-        return F.linear(h, self.down_weight[:, :a])
 
     # ---- per-prompt selection ----------------------------------------------------------
     @property
@@ -120,9 +138,9 @@ class PartialMLP(nn.Module):
     @torch.no_grad()
     def _permute(self, perm: torch.Tensor) -> None:
         """Reorder the loaded neurons in place: new position i holds old position ``perm[i]``."""
-        perm = perm.to(self.gate_weight.device)
-        self.gate_weight.copy_(self.gate_weight.index_select(0, perm))
-        self.up_weight.copy_(self.up_weight.index_select(0, perm))
+        perm = perm.to(self.gate_up_weight.device)
+        for half in (self.gate_weight, self.up_weight):   # one half at a time: a temporary of one matrix, not two
+            half.copy_(half.index_select(0, perm))
         self.down_weight.copy_(self.down_weight.index_select(1, perm))
         perm = perm.to(self.neuron_ids.device)
         self.neuron_ids.copy_(self.neuron_ids[perm])
@@ -138,7 +156,7 @@ class PartialMLP(nn.Module):
     def begin_prompt(self, token_mask: torch.Tensor | None = None) -> None:
         self.restore()
         if self.selects:
-            self.counts = torch.zeros(self.loaded, dtype=torch.int64, device=self.gate_weight.device)
+            self.counts = torch.zeros(self.loaded, dtype=torch.int64, device=self.gate_up_weight.device)
             self.token_mask = token_mask
 
     def end_prompt(self) -> torch.Tensor | None:
