@@ -16,7 +16,10 @@ agreement with the dense model on held-out text, for gamma in {1, .85, .7} x phi
 sequence is its own prompt: its first half is the prefill that selects the neurons,
 its second half is scored through the decode path.
 
-    python benchmarks/partial_ffn.py            # H200: < 5 minutes
+Rows are written to the JSON as they are measured: a section that fails becomes a row
+with its error, and the rows measured before it are kept.
+
+    python benchmarks/partial_ffn.py            # H200: < 4 minutes
     python benchmarks/partial_ffn.py --smoke    # CPU, tiny shapes, same code path
 """
 from __future__ import annotations
@@ -29,12 +32,14 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from memfit.data.corpus import token_splits                                 # noqa: E402
 from memfit.infer.calibrate import calibrate                               # noqa: E402
 from memfit.infer.generate import Generator, weight_bytes_per_token         # noqa: E402
 from memfit.infer.partial_load import PartialConfig, load_model             # noqa: E402
@@ -92,15 +97,47 @@ def _load_bnb(model_dir: Path, device):
                                                 device_map={"": device.index or 0}).eval()
 
 
+class Recorder:
+    """Rows and targets of this run, rewritten to the JSON after every row, so a later crash loses nothing."""
+
+    def __init__(self, out, smoke: bool, ceilings: Ceilings, ceiling_note: str):
+        self.rows: list[dict] = []
+        self.targets: list[dict] = []
+        self.out, self.smoke = out, smoke
+        self.ceilings = {"matmul_flops": ceilings.matmul_flops, "bandwidth": ceilings.bandwidth, "note": ceiling_note}
+        self.start = time.perf_counter()
+
+    def add(self, row: dict) -> dict:
+        self.rows.append(row)
+        print(f"[partial_ffn] {time.perf_counter() - self.start:5.0f} s {row}", flush=True)
+        self.write()
+        return row
+
+    def write(self) -> Path:
+        return write_results("partial_ffn", self.rows, self.targets, out_dir=self.out, smoke=self.smoke, ceilings=self.ceilings,
+                             seconds=time.perf_counter() - self.start)
+
+    def attempt(self, case: str, fn, *args, **extra):
+        """Run ``fn(*args)``; a failure becomes a row naming the error (and is printed), not the end of the run."""
+        try:
+            return fn(*args)
+        except Exception as err:  # noqa: BLE001 - every failure is recorded in the results, then the run goes on
+            traceback.print_exc()
+            _free()
+            self.add({"case": case, "available": False, "error": f"{type(err).__name__}: {err}", **extra})
+            return None
+
+
 def speed_case(name: str, load, prompt: torch.Tensor, new: int, ceilings: Ceilings, device, reps: int,
-               optional: bool = False) -> dict:
+               optional: bool = False, fused: bool = True) -> dict:
     """Load with ``load()``, generate ``new`` tokens ``reps`` times after a warm-up, measure memory and speed.
 
     Memory is counted above what was allocated before loading. ``optional``: a competitor whose failure
     (missing package, unsupported GPU) is recorded as a "not available" row instead of stopping the run.
+    ``fused``: the decode loop's fused q/k/v and gate/up matmuls (False: the model's own modules).
     """
     try:
-        return _speed_case(name, load, prompt, new, ceilings, device, reps)
+        return _speed_case(name, load, prompt, new, ceilings, device, reps, fused)
     except Exception as err:  # noqa: BLE001 - any failure of an optional competitor is reported, not raised
         if not optional:
             raise
@@ -108,13 +145,13 @@ def speed_case(name: str, load, prompt: torch.Tensor, new: int, ceilings: Ceilin
         return {"case": name, "available": False, "reason": f"not available: {type(err).__name__}: {err}"}
 
 
-def _speed_case(name, load, prompt, new, ceilings, device, reps) -> dict:
+def _speed_case(name, load, prompt, new, ceilings, device, reps, fused) -> dict:
     before = _peak_reset(device)
     t0 = time.perf_counter()
     model = load()
     load_s = time.perf_counter() - t0
     resident = _mem(device) - before if device.type == "cuda" else None
-    gen = Generator(model, prompt.shape[1] + new)
+    gen = Generator(model, prompt.shape[1] + new, fused=fused)
     gen.generate(prompt, new)                                      # warm-up (and, for partial, a first selection)
     runs = [gen.generate(prompt, new) for _ in range(reps)]
     tps = statistics.median(r.tokens_per_s for r in runs)
@@ -126,7 +163,8 @@ def _speed_case(name, load, prompt, new, ceilings, device, reps) -> dict:
            "kv_cache_bytes": sum(t.numel() * t.element_size() for t in gen.k_cache + gen.v_cache),
            "weight_bytes_per_token": read, "decode_tokens_per_s": tps, "decode_ms_per_token": ms, "floor_ms": floor_ms,
            "fraction_of_floor": floor_ms / ms, "prefill_ms": 1e3 * statistics.median(r.prefill_s for r in runs),
-           "cuda_graph": runs[0].graphs, "new_tokens": new, "prompt_tokens": prompt.shape[1]}
+           "cuda_graph": runs[0].graphs, "fused_layers": gen.fused_layers, "layers": len(model.model.layers),
+           "new_tokens": new, "prompt_tokens": prompt.shape[1]}
     del gen, model, runs
     _free()
     return row
@@ -153,7 +191,7 @@ def hf_generate_case(model_dir: Path, prompt: torch.Tensor, new: int, device) ->
     return row
 
 
-def run_speed(args, device, ceilings) -> tuple[list[dict], list[dict]]:
+def run_speed(args, device, ceilings, rec: Recorder) -> None:
     spec = PRESETS["llama-3.2-3b"] if not args.smoke else PRESETS["tiny"].with_(num_layers=6, name="tiny-6")
     prompt_len, new = (128, 256) if not args.smoke else (16, 8)
     reps = 3 if not args.smoke else 1
@@ -163,65 +201,63 @@ def run_speed(args, device, ceilings) -> tuple[list[dict], list[dict]]:
     prompt = torch.randint(0, spec.vocab, (1, prompt_len), generator=gen)
     calib = torch.randint(0, spec.vocab, (8, prompt_len), generator=gen)
     tmp = Path(tempfile.mkdtemp(prefix="memfit-partial-"))
+    cases = [
+        ("dense fp16", lambda: load_model(model_dir, device=device), {}),
+        ("dense fp16, unfused loop (separate q/k/v, gate/up matmuls)", lambda: load_model(model_dir, device=device),
+         {"fused": False}),
+        (f"partial fp16 (gamma {partial.load}, phi {partial.phi})", lambda: load_model(model_dir, partial, device=device), {}),
+        (f"partial fp16 (gamma {partial.load}, phi {partial.phi} in every layer)",
+         lambda: load_model(model_dir, everywhere, device=device), {}),
+        ("bitsandbytes nf4", lambda: _load_bnb(model_dir, device), {"optional": True}),
+    ]
+    found = {}
     try:
         t0 = time.perf_counter()
         model_dir = _save_random(spec, tmp / "model", device)
         _calibrate(model_dir, device, calib)
         print(f"[partial_ffn] saved and calibrated {spec.name} in {time.perf_counter() - t0:.0f} s", flush=True)
-        rows = [
-            speed_case("dense fp16", lambda: load_model(model_dir, device=device), prompt, new, ceilings, device, reps),
-            speed_case(f"partial fp16 (gamma {partial.load}, phi {partial.phi})",
-                       lambda: load_model(model_dir, partial, device=device), prompt, new, ceilings, device, reps),
-            speed_case(f"partial fp16 (gamma {partial.load}, phi {partial.phi} in every layer)",
-                       lambda: load_model(model_dir, everywhere, device=device), prompt, new, ceilings, device, reps),
-            speed_case("bitsandbytes nf4", lambda: _load_bnb(model_dir, device), prompt, new, ceilings, device, reps,
-                       optional=True)
-            if device.type == "cuda" else {"case": "bitsandbytes nf4", "available": False, "reason": "not available: needs CUDA"},
-            hf_generate_case(model_dir, prompt, new, device),
-        ]
+        for name, load, kwargs in cases:
+            if name.startswith("bitsandbytes") and device.type != "cuda":
+                row = {"case": name, "available": False, "reason": "not available: needs CUDA"}
+            else:
+                row = rec.attempt(name, lambda: speed_case(name, load, prompt, new, ceilings, device, reps, **kwargs))
+                if row is None:
+                    continue
+            found[name] = rec.add({**row, "model": spec.name})
+        row = rec.attempt("dense fp16, transformers generate", hf_generate_case, model_dir, prompt, new, device)
+        if row is not None:
+            rec.add({**row, "model": spec.name})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for row in rows:
-        row["model"] = spec.name
-        print(f"[partial_ffn] {row}", flush=True)
-    dense, part, bnb = rows[0], rows[1], rows[3]
-    targets = [target("decode speed-up of partial (0.7, 0.4) over dense, same loop", part["decode_tokens_per_s"] / dense["decode_tokens_per_s"],
-                      1.5, "x", "higher"),
-               target("dense decode as a fraction of its weight-read floor", dense["fraction_of_floor"], 0.6, "fraction", "higher")]
-    if device.type == "cuda":
-        targets.insert(0, target("peak memory of partial / dense", part["peak_bytes"] / dense["peak_bytes"], 0.87, "ratio", "lower"))
-    if bnb.get("available"):
-        targets.append(target("decode speed of partial / bitsandbytes nf4", part["decode_tokens_per_s"] / bnb["decode_tokens_per_s"],
-                              1.0, "ratio", "higher"))
-    return rows, targets
+    dense, part, bnb = (found.get(name, {}) for name, _, _ in (cases[0], cases[2], cases[4]))
+    if dense.get("available") and part.get("available"):
+        rec.targets.append(target("decode speed-up of partial (0.7, 0.4) over dense, same loop",
+                                  part["decode_tokens_per_s"] / dense["decode_tokens_per_s"], 1.5, "x", "higher"))
+        if device.type == "cuda":
+            rec.targets.insert(0, target("peak memory of partial / dense", part["peak_bytes"] / dense["peak_bytes"], 0.87,
+                                         "ratio", "lower"))
+        if bnb.get("available"):
+            rec.targets.append(target("decode speed of partial / bitsandbytes nf4",
+                                      part["decode_tokens_per_s"] / bnb["decode_tokens_per_s"], 1.0, "ratio", "higher"))
+    if dense.get("available"):
+        rec.targets.append(target("dense decode as a fraction of its weight-read floor", dense["fraction_of_floor"], 0.6,
+                                  "fraction", "higher"))
+    rec.write()
 
 
 # ---- accuracy ---------------------------------------------------------------------------------
 def train_small(directory: Path, device, seconds: float, smoke: bool) -> Path:
-    """A byte-level Llama trained on memfit's offline Python-docs corpus for ``seconds``."""
-    from memfit.data.corpus import token_splits
+    """The shared small model's shape (benchmarks/train_small_model.py) trained here for ``seconds`` only."""
+    from benchmarks.train_small_model import small_spec
+    from memfit.data.lm import train_lm
 
-    spec = PRESETS["tiny"].with_(name="partial-ffn-small", num_layers=6, hidden=256, intermediate=704, num_heads=4,
-                                 num_kv_heads=2, head_dim=64, vocab=259, dtype="float32", max_position=1024)
-    if smoke:
-        spec = spec.with_(num_layers=4, hidden=64, intermediate=176, head_dim=16)
-    model = build_model(spec, dtype="float32", device=device).train()
+    spec = small_spec(smoke).with_(num_layers=4) if smoke else small_spec(smoke)   # smoke: leave partial layers between 1 + 1 full
+    model = build_model(spec, dtype="float32", device=device)
     train, _ = token_splits()
-    seq, batch = (256, 64) if not smoke else (64, 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(0)
-    start, step = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
-        index = torch.randint(0, train.numel() - seq - 1, (batch,), generator=gen)
-        ids = torch.stack([train[i:i + seq] for i in index.tolist()]).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-    print(f"[partial_ffn] trained the small model {step} steps, last loss {loss.item():.3f}", flush=True)
+    seq, batch = (512, 32) if not smoke else (64, 4)
+    stats = train_lm(model, train.to(device), 1500 if not smoke else 5, batch, seq, warmup=50 if not smoke else 1,
+                     max_seconds=seconds)
+    print(f"[partial_ffn] trained the small model {stats['steps']} steps in {seconds:.0f} s at most", flush=True)
     model.eval().save_pretrained(directory)
     return directory
 
@@ -234,12 +270,11 @@ def _small_model(args, device, tmp: Path) -> tuple[Path, str]:
     if (shared / "config.json").is_file() and not args.smoke:
         return shared, "benchmarks/train_small_model.py"
     print("[partial_ffn] no shared small model (run benchmarks/train_small_model.py first): training one here", flush=True)
-    return train_small(tmp / "small", device, seconds=45 if not args.smoke else 3, smoke=args.smoke), "trained here (45 s)"
+    seconds = 45 if not args.smoke else 3
+    return train_small(tmp / "small", device, seconds, args.smoke), f"trained here ({seconds} s)"
 
 
-def run_accuracy(args, device) -> list[dict]:
-    from memfit.data.corpus import token_splits
-
+def run_accuracy(args, device, rec: Recorder) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="memfit-partial-acc-"))
     try:
         model_dir, origin = _small_model(args, device, tmp)
@@ -255,14 +290,13 @@ def run_accuracy(args, device) -> list[dict]:
         prompt = seq // 2
 
         def evaluate(model):
-            g = Generator(model, seq)
+            g = Generator(model, seq, graphs=False)          # score runs eagerly: no graph to capture
             return [g.score(s, prompt).float() for s in sequences]
 
         reference = evaluate(dense)
-        rows = []
         grid = [(PartialConfig(load=g, compute=min(p, g), full_first=1, full_last=1), p) for g in GAMMAS for p in PHIS]
         grid.append((PartialConfig(load=0.7, compute=0.4, full_first=1, full_last=1, compute_all_layers=True), 0.4))
-        for config, phi in grid:
+        def measure(config, phi):
             model = load_model(model_dir, config, device=device, dtype="float32", rankings=rankings)
             nll, agree, count = 0.0, 0, 0
             for logits, ref, s in zip(evaluate(model), reference, sequences):
@@ -270,13 +304,15 @@ def run_accuracy(args, device) -> list[dict]:
                 nll += torch.nn.functional.cross_entropy(logits[0], targets[0], reduction="sum").item()
                 agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
                 count += targets.numel()
-            rows.append({"case": "accuracy", "gamma": config.load, "phi": phi, "phi_effective": config.phi,
-                         "compute_all_layers": config.compute_all_layers, "full_layers": f"first 1, last 1 of {layers}",
-                         "small_model": origin, "perplexity": math.exp(nll / count),
-                         "next_token_agreement": agree / count, "tokens": count})
-            print(f"[partial_ffn] {rows[-1]}", flush=True)
-            del model
-        return rows
+            return {"perplexity": math.exp(nll / count), "next_token_agreement": agree / count, "tokens": count}
+
+        for config, phi in grid:
+            where = {"gamma": config.load, "phi": phi, "phi_effective": config.phi, "compute_all_layers": config.compute_all_layers,
+                     "full_layers": f"first 1, last 1 of {layers}", "small_model": origin}
+            row = rec.attempt("accuracy", measure, config, phi, **where)
+            if row is not None:
+                rec.add({"case": "accuracy", **where, **row})
+            _free()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -295,16 +331,17 @@ def main(argv=None) -> int:
     else:
         ceilings = Ceilings(matmul_flops=1e12, bandwidth=50e9)
         ceiling_note = "assumed (CPU smoke run: no floor is meaningful)"
-    rows, targets = run_speed(args, device, ceilings)
-    if not args.skip_accuracy:
-        rows += run_accuracy(args, device)
     out = args.out or (Path(tempfile.gettempdir()) / "memfit-smoke" if args.smoke else None)  # smoke never overwrites GPU results
-    path = write_results("partial_ffn", rows, targets, out_dir=out, smoke=args.smoke,
-                         ceilings={"matmul_flops": ceilings.matmul_flops, "bandwidth": ceilings.bandwidth, "note": ceiling_note})
-    for t in targets:
+    rec = Recorder(out, args.smoke, ceilings, ceiling_note)
+    rec.attempt("speed section", run_speed, args, device, ceilings, rec)
+    if not args.skip_accuracy:
+        rec.attempt("accuracy section", run_accuracy, args, device, rec)
+    path = rec.write()
+    for t in rec.targets:
         print(f"[partial_ffn] target {t['name']}: {t['measured']:.3f} vs {t['target']} -> {'met' if t['met'] else 'NOT met'}")
-    print(f"[partial_ffn] wrote {path}")
-    return 0
+    failed = [row["case"] for row in rec.rows if row.get("error")]
+    print(f"[partial_ffn] wrote {path}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
