@@ -186,7 +186,8 @@ def load_model(model_dir: str | Path, partial: PartialConfig | None = None, *, d
     ``model_dir/rankings.safetensors`` (needed when load or compute < 1).
     ``progress``: optional callable(done, total) after each tensor read.
     ``fuse``: lay q/k/v and gate/up out in shared buffers (see the module docstring); False keeps
-    Hugging Face's separate tensors.
+    Hugging Face's separate tensors (needed to ``save_pretrained`` the model: its saver refuses the
+    strided gate/up views).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
