@@ -15,7 +15,8 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
 
 @pytest.fixture(autouse=True)
 def _small_chunks_and_poison(monkeypatch):
-    monkeypatch.setattr(linear_ce, "VOCAB_CHUNK_MIN", 256)
+    monkeypatch.setattr(linear_ce, "VOCAB_CHUNK", 256)
+    monkeypatch.setattr(linear_ce, "SLICE_ELEMENTS", 96)  # 2-3 rows per slice of the in-place finish
     monkeypatch.setattr(linear_ce, "POISON", True)
 
 
@@ -48,8 +49,8 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
-def _check_against_reference(hidden, weight, labels, bias=None, path="triton", **kw):
-    loss = linear_cross_entropy(hidden, weight, labels, bias=bias, path=path, **kw)
+def _check_against_reference(hidden, weight, labels, bias=None, path="triton", vocab_chunk=None, **kw):
+    loss = linear_cross_entropy(hidden, weight, labels, bias=bias, path=path, vocab_chunk=vocab_chunk, **kw)
     ref, leaves = _reference(hidden, weight, labels, bias=bias, **kw)
     tol = TOL[hidden.dtype]
     assert torch.isfinite(loss).all()
@@ -75,6 +76,65 @@ def test_matches_reference(dtype, reduction):
 def test_softcap_zloss_bias_uneven_hidden(dtype):
     hidden, weight, labels, bias = _inputs((19,), 40, 1001, dtype, ignore_frac=0.3, bias=True)
     _check_against_reference(hidden, weight, labels, bias=bias, reduction="none", softcap=3.0, z_loss=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pattern", ["head", "tail", "sparse", "dense"])
+def test_hidden_gradient_finished_in_place(dtype, pattern):
+    """Loss tokens first, last, few (the fp32 accumulator lives in the 16-bit gradient buffer)
+    or many (it does not fit there): the in-place finish must never read a row it overwrote."""
+    hidden, weight, labels, _ = _inputs((29,), 40, 600, dtype, ignore_frac=0.0)
+    keep = {"head": torch.arange(29) < 9, "tail": torch.arange(29) >= 20,
+            "sparse": torch.rand(29) < 0.3, "dense": torch.rand(29) < 0.8}[pattern]
+    labels[~keep] = -100
+    _check_against_reference(hidden, weight, labels, reduction="sum", vocab_chunk=200)
+
+
+def test_accumulator_placement():
+    grad = torch.empty(10, 8, dtype=torch.bfloat16)
+    acc = linear_ce._accumulator_in(grad, 5)
+    assert acc.dtype == torch.float32 and acc.shape == (5, 8) and acc.data_ptr() == grad.data_ptr()
+    assert linear_ce._accumulator_in(grad, 6) is None
+    full = torch.empty(10, 8)  # fp32: the accumulator always fits, as the buffer's first rows
+    assert linear_ce._accumulator_in(full, 10).data_ptr() == full.data_ptr()
+
+
+def test_varying_token_counts_tune_once_per_bucket(monkeypatch):
+    """Fine-tuning changes the loss-token count every step: every launch must reuse the
+    autotuner entry and the compiled kernel of its power-of-two bucket (no re-tune, no
+    recompile), so the autotune keys and the compile-time arguments may only differ by bucket."""
+    seen = {"lse": set(), "dlogits": set()}
+    for name, kernel in (("lse", linear_ce._lse_kernel), ("dlogits", linear_ce._dlogits_kernel)):
+        original = kernel.run
+
+        def spy(*args, _kernel=kernel, _run=original, _name=name, **kwargs):
+            named = dict(zip(_kernel.arg_names, args))
+            key = tuple(named[k] for k in _kernel.keys)
+            constexprs = tuple(sorted((k, v) for k, v in kwargs.items() if k not in ("grid", "warmup")))
+            seen[_name].add((key, constexprs))
+            return _run(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", spy)
+    weight = torch.randn(300, 16)
+    counts = [3, 5, 6, 7, 9, 12, 13, 16]
+    for n in counts:
+        hidden = torch.randn(n, 16, requires_grad=True)
+        linear_cross_entropy(hidden, weight, torch.randint(0, 300, (n,)), path="triton").backward()
+    buckets = {linear_ce._bucket(n) for n in counts}
+    for entries in seen.values():
+        assert len(entries) == len(buckets), entries
+
+
+def test_env_reference_is_not_overridden(monkeypatch):
+    """MEMFIT_KERNELS=reference with no path argument must run the reference, not auto."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("Triton kernel launched although MEMFIT_KERNELS=reference")
+
+    monkeypatch.setenv("MEMFIT_KERNELS", "reference")
+    monkeypatch.setattr(linear_ce, "_lse_triton", forbidden)
+    monkeypatch.setattr(linear_ce, "_dlogits_triton", forbidden)
+    hidden, weight, labels, _ = _inputs((9,), 16, 300, torch.float32)
+    _check_against_reference(hidden, weight, labels, path=None)
 
 
 def test_reference_path_matches_reference():
@@ -164,5 +224,5 @@ def test_fake_tensor_shapes():
         hidden = torch.empty(6, 16, dtype=torch.bfloat16)
         weight = torch.empty(50, 16, dtype=torch.bfloat16)
         loss, lse = torch.ops.memfit.linear_ce(hidden, weight, torch.zeros(6, dtype=torch.int64), None,
-                                               -100, 0.0, 0.0, "reference")
+                                               -100, 0.0, 0.0, 0, "reference")
         assert loss.shape == (6,) and loss.dtype == torch.float32 and lse.shape == (6,)

@@ -50,9 +50,13 @@ except ImportError:  # the reference still works
     triton = None
 
 REDUCTIONS = ("mean", "sum", "none")
-# Smallest vocabulary chunk of the backward (columns). The chunk is max(this, hidden) so the
-# N x C gradient buffer is no bigger than the gathered hidden rows and the matmuls stay large.
-VOCAB_CHUNK_MIN = 1024
+# Vocabulary columns per backward step (C), independent of the hidden size. The N x C
+# logit-gradient chunk costs 2NC bytes; the chunk's hidden-gradient matmul does 2NCH FLOPs
+# and reads and writes the fp32 N x H accumulator (8NH bytes), ~C/4 FLOP per byte: 1024
+# (256 FLOP/B) stays above an H200's ridge (~990 TFLOP/s / 4.8 TB/s ~ 206), 512 would not.
+VOCAB_CHUNK = 1024
+# Elements per temporary row slice when the hidden gradient is finished in place.
+SLICE_ELEMENTS = 1 << 20
 # Tests set this to fill scratch buffers with NaN, so an unwritten element shows.
 POISON = False
 
@@ -62,8 +66,9 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return out.fill_(float("nan")) if POISON else out
 
 
-def _vocab_chunk(hidden_size: int, vocab: int) -> int:
-    return min(vocab, max(VOCAB_CHUNK_MIN, hidden_size))
+def _vocab_chunk(vocab: int, chunk: int = 0) -> int:
+    """Columns per backward step: ``chunk`` if given (> 0), else VOCAB_CHUNK; at most V."""
+    return min(vocab, chunk or VOCAB_CHUNK)
 
 
 def _loss_rows(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -133,8 +138,7 @@ if triton is not None:
         """fp32 tile of (soft-capped) logits for hidden rows ``rows`` and vocab ``cols``.
 
         ``rows``/``cols`` must be in range (callers clamp them), so only K needs a mask.
-        Loop bounds (H, V) are compile-time constants: one compile per model shape, and the
-        interpreter (numpy >= 2.4) cannot take runtime integers as loop bounds."""
+        H is a compile-time constant (one compile per model shape, fully unrolled K loop)."""
         offs_k = tl.arange(0, BLOCK_K)
         h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_k[None, :]
         w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_w + offs_k[:, None]
@@ -146,12 +150,7 @@ if triton is not None:
             else:
                 a = tl.load(h_ptrs, mask=offs_k[None, :] < H - k * BLOCK_K, other=0.0)
                 b = tl.load(w_ptrs, mask=offs_k[:, None] < H - k * BLOCK_K, other=0.0)
-            if PRECISION == "interpret":  # the interpreter's 16-bit dot is wrong (numpy 2.4); upcast
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if HAS_BIAS:
@@ -160,12 +159,16 @@ if triton is not None:
             acc = softcap * (1.0 - 2.0 / (tl.exp(2.0 * acc / softcap) + 1.0))
         return acc
 
+    # Compiles and tunings depend on the model shape and on the loss-token count only through
+    # its power-of-two bucket N_BUCKET: the count itself (N) and the forward's vocabulary split
+    # (SPLITS) are runtime values that are not specialised on, so a fine-tuning run whose
+    # loss-token count changes every step tunes once per bucket and never recompiles.
     @triton.autotune(configs=_configs(), key=["H", "V", "N_BUCKET"])
     @triton.heuristics({"EVEN_K": lambda a: a["H"] % a["BLOCK_K"] == 0})
-    @triton.jit
+    @triton.jit(do_not_specialize=["N", "SPLITS"])
     def _lse_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, labels_ptr, m_ptr, s_ptr, t_ptr,
                     N, V: tl.constexpr, H: tl.constexpr, N_BUCKET, stride_h, stride_w, softcap,
-                    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    SPLITS, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
         """Online softmax over one vocabulary slice for one block of loss tokens.
@@ -178,7 +181,7 @@ if triton is not None:
         n_mask = offs_n < N
         rows = tl.load(rows_ptr + offs_n, mask=n_mask, other=0)
         labels = tl.load(labels_ptr + offs_n, mask=n_mask, other=-1)
-        tiles: tl.constexpr = ((V + BLOCK_V - 1) // BLOCK_V + SPLITS - 1) // SPLITS  # vocab tiles per slice
+        tiles = (tl.cdiv(V, BLOCK_V) + SPLITS - 1) // SPLITS  # vocab tiles per slice
         m = tl.full((BLOCK_N,), -float("inf"), tl.float32)
         s = tl.zeros((BLOCK_N,), tl.float32)
         t = tl.zeros((BLOCK_N,), tl.float32)
@@ -200,7 +203,7 @@ if triton is not None:
 
     @triton.autotune(configs=_configs(), key=["H", "CHUNK", "N_BUCKET"])
     @triton.heuristics({"EVEN_K": lambda a: a["H"] % a["BLOCK_K"] == 0})
-    @triton.jit
+    @triton.jit(do_not_specialize=["N", "v0", "width"])
     def _dlogits_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, labels_ptr, lse_ptr, g_ptr, d_ptr,
                         N, V, H: tl.constexpr, N_BUCKET, CHUNK, v0, width, stride_h, stride_w, stride_d,
                         softcap, z_loss,
@@ -232,8 +235,6 @@ if triton is not None:
 
 def _precision(dtype: torch.dtype) -> str:
     """fp32 inputs follow torch's TF32 switch; 16-bit inputs always use tensor cores."""
-    if interpreting():
-        return "interpret"
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
     return "tf32"
@@ -244,11 +245,14 @@ def _bucket(n: int) -> int:
 
 
 def _lse_splits(n_tokens: int, vocab: int, device: torch.device) -> int:
-    """Vocabulary slices of the forward grid: enough programs for ~4 waves of the GPU."""
+    """Vocabulary slices of the forward grid: enough programs for ~4 waves of the GPU.
+
+    A function of the token bucket, so it takes few distinct values (it is a runtime
+    argument of the kernel anyway, never a recompile)."""
     if device.type != "cuda":
         return 2
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(vocab, 256), triton.cdiv(4 * sms, triton.cdiv(n_tokens, 128))))
+    return max(1, min(triton.cdiv(vocab, 256), triton.cdiv(4 * sms, triton.cdiv(_bucket(n_tokens), 128))))
 
 
 def _lse_triton(hidden, weight, bias, rows, labels_n, softcap):
@@ -258,7 +262,7 @@ def _lse_triton(hidden, weight, bias, rows, labels_n, softcap):
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
     _lse_kernel[grid](hidden, weight, bias if bias is not None else weight, rows, labels_n, m, s, t,
                       n, vocab, hdim, _bucket(n), hidden.stride(0), weight.stride(0), float(softcap),
-                      SPLITS=splits, HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
+                      splits, HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
                       PRECISION=_precision(hidden.dtype))
     m_max = m.max(dim=0).values
     lse = m_max + torch.log((s * torch.exp(m - m_max)).sum(dim=0))
@@ -320,18 +324,57 @@ def _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton
         lse, tgt = _lse_triton(hidden, weight, bias, rows, labels_n, softcap)
     else:
         lse, tgt = _lse_reference(hidden.index_select(0, rows), weight, bias, labels_n, softcap,
-                                  _vocab_chunk(hidden.shape[1], weight.shape[0]))
+                                  _vocab_chunk(weight.shape[0]))
     loss.index_copy_(0, rows, lse - tgt + z_loss * lse * lse)
     lse_all.index_copy_(0, rows, lse)
     return loss, lse_all
 
 
+def _accumulator_in(d_hidden: torch.Tensor, n: int) -> Optional[torch.Tensor]:
+    """A zeroed fp32 (n, H) view of ``d_hidden``'s own storage, or None where it does not fit.
+
+    The hidden gradient (T x H, input dtype) has to be allocated anyway; its bytes hold the
+    fp32 accumulator of the n loss tokens whenever 4nH <= its size: always for fp32 inputs,
+    for 16-bit inputs when at most half the tokens carry a loss (typical for fine-tuning)."""
+    flat = d_hidden.view(-1)
+    words = flat.numel() * flat.element_size() // 4
+    if words < n * d_hidden.shape[1]:
+        return None
+    if flat.element_size() != 4:
+        flat = flat[: words * 4 // flat.element_size()].view(torch.float32)
+    return flat[: n * d_hidden.shape[1]].view(n, -1).zero_()
+
+
+def _finish_hidden_grad(d_hidden, acc, rows, ignored, step):
+    """Write the hidden gradient: row i of the fp32 ``acc`` rounded into row ``rows[i]``,
+    every ignored row zero. ``acc`` may live in ``d_hidden``'s storage (``_accumulator_in``),
+    so this works in place, in row slices that are read out (a small temporary) before the
+    write that could overlap them:
+
+    1. ascending i: acc row i -> d_hidden row i. For 16-bit d_hidden, acc row i spans the
+       bytes of rows 2i and 2i+1, so writing row i only overwrites acc rows <= i, all read;
+    2. descending i: row i -> row rows[i]. ``rows`` is ascending so rows[i] >= i: a write
+       only lands on rows that have already moved (or on the slice just read out)."""
+    n = rows.numel()
+    slices = [(r0, min(r0 + step, n)) for r0 in range(0, n, step)]
+    if not (acc.dtype == d_hidden.dtype and acc.data_ptr() == d_hidden.data_ptr()):
+        for r0, r1 in slices:
+            d_hidden[r0:r1] = acc[r0:r1].to(d_hidden.dtype)
+    if ignored.numel() == 0:
+        return
+    for r0, r1 in reversed(slices):
+        d_hidden.index_copy_(0, rows[r0:r1], d_hidden[r0:r1].clone())
+    d_hidden.index_fill_(0, ignored, 0)
+
+
 def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, softcap, z_loss,
-              need_weight_grad, triton_path):
+              need_weight_grad, vocab_chunk, triton_path):
     """Gradients for hidden (T, H), weight (V, H) (empty if not needed) and bias (V or empty).
 
-    Peak: the weight gradient, the fp32 N x H accumulator, the gathered loss-token rows and
-    one N x C chunk; the hidden gradient is allocated only after the chunk loop."""
+    One pass over the vocabulary in chunks of C columns. Peak above the inputs: the two
+    gradients, the gathered loss-token rows (N x H, when some tokens are ignored), one N x C
+    logit-gradient chunk, and the fp32 N x H hidden-gradient accumulator only where it does
+    not fit in the hidden gradient's own buffer (see ``backward_memory``)."""
     vocab, hdim = weight.shape
     d_bias = torch.zeros_like(bias) if bias is not None else weight.new_empty(0)
     rows = _loss_rows(labels, ignore_index)
@@ -339,15 +382,19 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
     if n == 0:
         d_weight = torch.zeros_like(weight) if need_weight_grad else weight.new_empty(0)
         return torch.zeros_like(hidden), d_weight, d_bias
-    d_weight = torch.empty_like(weight) if need_weight_grad else weight.new_empty(0)  # every row written
+    d_weight = _empty(weight.shape, weight.dtype, weight.device) if need_weight_grad else weight.new_empty(0)
     labels_n = labels.index_select(0, rows)
     lse = lse_all.index_select(0, rows)
     g = grad_loss.index_select(0, rows).float()
     compute = hidden.dtype if triton_path else torch.float32
     hs = hidden if n == hidden.shape[0] else hidden.index_select(0, rows)
     hs = hs.to(compute)
-    acc = torch.zeros(n, hdim, dtype=torch.float32, device=hidden.device)
-    chunk = _vocab_chunk(hdim, vocab)
+    d_hidden = _empty(hidden.shape, hidden.dtype, hidden.device)
+    acc = _accumulator_in(d_hidden, n)
+    if acc is None:  # a separate accumulator; the gradient buffer waits until it is needed
+        d_hidden = None
+        acc = torch.zeros(n, hdim, dtype=torch.float32, device=hidden.device)
+    chunk = _vocab_chunk(vocab, vocab_chunk)
     buf = _empty((n, chunk), compute, hidden.device) if triton_path else None
     for v0 in range(0, vocab, chunk):
         v1 = min(v0 + chunk, vocab)
@@ -364,10 +411,10 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
             d_bias[v0:v1] = d.sum(dim=0, dtype=torch.float32)
         _accumulate_fp32(acc, d, weight[v0:v1].to(compute))
     del buf, hs, d
-    d_hidden = torch.zeros_like(hidden)
-    step = max(1, (1 << 22) // hdim)  # cast the accumulator in 4M-element slices, not a second N x H buffer
-    for r0 in range(0, n, step):
-        d_hidden.index_copy_(0, rows[r0:r0 + step], acc[r0:r0 + step].to(hidden.dtype))
+    if d_hidden is None:
+        d_hidden = _empty(hidden.shape, hidden.dtype, hidden.device)
+    ignored = (labels == ignore_index).nonzero().squeeze(1)
+    _finish_hidden_grad(d_hidden, acc, rows, ignored, step=max(1, SLICE_ELEMENTS // hdim))
     return d_hidden, d_weight, d_bias
 
 
@@ -378,14 +425,18 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
 
 @torch.library.custom_op("memfit::linear_ce", mutates_args=())
 def _linear_ce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
-                  ignore_index: int, softcap: float, z_loss: float, path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-token loss, per-token log-sum-exp), both fp32 of length T, 0 at ignored tokens."""
+                  ignore_index: int, softcap: float, z_loss: float, vocab_chunk: int, path: Optional[str]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token loss, per-token log-sum-exp), both fp32 of length T, 0 at ignored tokens.
+
+    ``vocab_chunk``: backward columns per step (0: VOCAB_CHUNK). ``path``: None follows
+    MEMFIT_KERNELS (default auto), else "auto" | "triton" | "reference"."""
     triton_path = use_triton("linear_ce", hidden, weight, path=path)
     return _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton_path)
 
 
 @_linear_ce_op.register_fake
-def _(hidden, weight, labels, bias, ignore_index, softcap, z_loss, path):
+def _(hidden, weight, labels, bias, ignore_index, softcap, z_loss, vocab_chunk, path):
     out = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
     return out, torch.empty_like(out)
 
@@ -393,33 +444,35 @@ def _(hidden, weight, labels, bias, ignore_index, softcap, z_loss, path):
 @torch.library.custom_op("memfit::linear_ce_backward", mutates_args=())
 def _linear_ce_backward_op(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                            bias: Optional[torch.Tensor], lse: torch.Tensor, ignore_index: int, softcap: float,
-                           z_loss: float, need_weight_grad: bool, path: str
+                           z_loss: float, need_weight_grad: bool, vocab_chunk: int, path: Optional[str]
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     triton_path = use_triton("linear_ce", hidden, weight, path=path)
     return _backward(grad_loss, hidden, weight, labels, bias, lse, ignore_index, softcap, z_loss,
-                     need_weight_grad, triton_path)
+                     need_weight_grad, vocab_chunk, triton_path)
 
 
 @_linear_ce_backward_op.register_fake
-def _(grad_loss, hidden, weight, labels, bias, lse, ignore_index, softcap, z_loss, need_weight_grad, path):
+def _(grad_loss, hidden, weight, labels, bias, lse, ignore_index, softcap, z_loss, need_weight_grad, vocab_chunk,
+      path):
     d_weight = torch.empty_like(weight) if need_weight_grad else weight.new_empty(0)
     d_bias = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
     return torch.empty_like(hidden), d_weight, d_bias
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, labels, bias, ignore_index, softcap, z_loss, path = inputs
+    hidden, weight, labels, bias, ignore_index, softcap, z_loss, vocab_chunk, path = inputs
     ctx.save_for_backward(hidden, weight, labels, bias, output[1])
     ctx.args = (ignore_index, softcap, z_loss)
-    ctx.path = path
+    ctx.vocab_chunk, ctx.path = vocab_chunk, path
 
 
 def _linear_ce_grad(ctx, grad_loss, _grad_lse):
     hidden, weight, labels, bias, lse = ctx.saved_tensors
     d_hidden, d_weight, d_bias = _linear_ce_backward_op(
-        grad_loss.contiguous(), hidden, weight, labels, bias, lse, *ctx.args, ctx.needs_input_grad[1], ctx.path)
+        grad_loss.contiguous(), hidden, weight, labels, bias, lse, *ctx.args, ctx.needs_input_grad[1],
+        ctx.vocab_chunk, ctx.path)
     return (d_hidden if ctx.needs_input_grad[0] else None, d_weight if ctx.needs_input_grad[1] else None,
-            None, d_bias if bias is not None and ctx.needs_input_grad[3] else None, None, None, None, None)
+            None, d_bias if bias is not None and ctx.needs_input_grad[3] else None, None, None, None, None, None)
 
 
 _linear_ce_op.register_autograd(_linear_ce_grad, setup_context=_setup_context)
@@ -430,7 +483,7 @@ _linear_ce_op.register_autograd(_linear_ce_grad, setup_context=_setup_context)
 # --------------------------------------------------------------------------------------
 
 
-def _check(hidden, weight, labels, reduction, softcap, z_loss, bias, vocab_subset):
+def _check(hidden, weight, labels, reduction, softcap, z_loss, bias, vocab_subset, vocab_chunk):
     if reduction not in REDUCTIONS:
         raise MemfitError(f"linear_cross_entropy: reduction {reduction!r} is not one of {', '.join(REDUCTIONS)}")
     if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
@@ -452,6 +505,8 @@ def _check(hidden, weight, labels, reduction, softcap, z_loss, bias, vocab_subse
         raise MemfitError(f"linear_cross_entropy: bias {tuple(bias.shape)} must be ({weight.shape[0]},)")
     if vocab_subset is not None and (vocab_subset.dim() != 1 or vocab_subset.dtype not in (torch.int64, torch.int32)):
         raise MemfitError("linear_cross_entropy: vocab_subset must be a 1-D integer tensor of vocabulary ids")
+    if vocab_chunk is not None and not (isinstance(vocab_chunk, int) and vocab_chunk > 0):
+        raise MemfitError(f"linear_cross_entropy: vocab_chunk must be a positive int or None, got {vocab_chunk!r}")
 
 
 def _restrict_vocab(weight, bias, labels, ignore_index, vocab_subset):
@@ -467,7 +522,8 @@ def _restrict_vocab(weight, bias, labels, ignore_index, vocab_subset):
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                          ignore_index: int = -100, reduction: str = "mean", softcap: float | None = None,
                          z_loss: float = 0.0, bias: torch.Tensor | None = None,
-                         vocab_subset: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+                         vocab_subset: torch.Tensor | None = None, vocab_chunk: int | None = None,
+                         path: str | None = None) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels``, logits never stored.
 
     hidden (..., H), weight (V, H) as an ``nn.Linear``/lm_head weight, labels (...) integer.
@@ -476,9 +532,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     count for nothing; "mean" over zero loss tokens is 0. ``reduction="none"`` returns the
     per-token loss (fp32, 0 at ignored tokens) in ``labels``' shape; "mean"/"sum" an fp32 scalar.
     ``vocab_subset`` (approximate, opt-in): the softmax runs over labels ∪ subset only.
-    ``path``: "auto" | "triton" | "reference" (see ``memfit.kernels.dispatch``).
+    ``vocab_chunk``: vocabulary columns per backward step (default VOCAB_CHUNK); the
+    backward holds one N x vocab_chunk logit-gradient chunk (see ``backward_memory``).
+    ``path``: "auto" | "triton" | "reference"; None follows env MEMFIT_KERNELS (see
+    ``memfit.kernels.dispatch``).
     """
-    _check(hidden, weight, labels, reduction, softcap, z_loss, bias, vocab_subset)
+    _check(hidden, weight, labels, reduction, softcap, z_loss, bias, vocab_subset, vocab_chunk)
     if vocab_subset is not None:
         warn_once("linear_ce:vocab_subset", "linear_cross_entropy: vocab_subset restricts the softmax to labels ∪ "
                   "subset; the loss and gradients are approximate (see subset_loss_deviation)")
@@ -488,7 +547,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         h2 = h2.contiguous()
     loss, _ = _linear_ce_op(h2, weight.contiguous(), labels.reshape(-1).to(torch.int64).contiguous(),
                             None if bias is None else bias.contiguous(), ignore_index, float(softcap or 0.0),
-                            float(z_loss), path or "auto")
+                            float(z_loss), vocab_chunk or 0, path)
     if reduction == "none":
         return loss.view(labels.shape)
     total = loss.sum()
