@@ -33,10 +33,15 @@ def add_parser(sub):
 def run(args) -> int:
     from memfit.ledger.planner import plan
 
+    from rich.progress import Progress
+
     job, knobs = job_from_args(args)
     budget = parse_bytes(args.gpu_memory)
     try:
-        asked, plans = plan(job, knobs, budget, limit=args.limit)
+        with Progress(transient=True, console=_stderr()) as bar:
+            task = bar.add_task("replaying technique combinations", total=None)
+            asked, plans = plan(job, knobs, budget, limit=args.limit,
+                                progress=lambda done, total: bar.update(task, completed=done, total=total))
     except Exception as err:
         if args.json and err.__class__.__name__ == "MemfitError":
             print(json.dumps({"job": job.to_dict(), "budget_bytes": budget, "plans": [], "error": str(err)}, indent=1))
@@ -47,6 +52,12 @@ def run(args) -> int:
         return 0
     _print(job, asked, plans, budget)
     return 0
+
+
+def _stderr():
+    from rich.console import Console
+
+    return Console(stderr=True)
 
 
 def _print(job, asked: Ledger, plans, budget: int) -> None:

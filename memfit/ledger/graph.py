@@ -53,8 +53,9 @@ class ModelGraph:
     """Builds the ops of one forward pass of ``spec`` over ``batch`` x ``seq`` tokens."""
 
     def __init__(self, spec: ModelSpec, batch: int, seq: int, dtype: str, trainable: Trainable | None,
-                 device: str = "cuda"):
+                 device: str = "cuda", four_bit: bool = False):
         self.spec, self.batch, self.seq, self.dtype = spec, batch, seq, dtype
+        self.four_bit = four_bit  # frozen base linears stored in NF4, dequantised per use
         self.tokens = batch * seq
         self.trainable = trainable  # None: inference, nothing needs a gradient
         self.device = device
@@ -94,12 +95,12 @@ class ModelGraph:
         return out
 
     def linear(self, x: Sym, weight: Sym, per_token_out: int, name: str, dtype: str | None = None,
-               bias: Sym | None = None, tokens: int | None = None) -> Sym:
+               bias: Sym | None = None, tokens: int | None = None, **workspace) -> Sym:
         """``F.linear``: saves the input iff the weight is trained (the weight is a parameter: free)."""
         rg = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         out = self.act(name, per_token_out, rg, dtype, tokens=tokens)
         inputs = [x, weight] + ([bias] if bias is not None else [])
-        self.op(name, inputs, [out], [x] if weight.requires_grad else [])
+        self.op(name, inputs, [out], [x] if weight.requires_grad else [], **workspace)
         return out
 
     def mul(self, a: Sym, b: Sym, per_token: int, name: str, dtype: str | None = None) -> Sym:
@@ -133,9 +134,22 @@ class ModelGraph:
                    bias: bool = False) -> Sym:
         """A linear layer with an optional LoRA adapter (peft's Linear.forward)."""
         t = self.trainable
-        weight = self.param(f"{layer}.{module}", per_token_in * per_token_out, bool(t and t.linears))
-        bias_sym = self.param(f"{layer}.{module}.bias", per_token_out, bool(t and t.linears)) if bias else None
-        out = self.linear(x, weight, per_token_out, f"{layer}.{module}", bias=bias_sym)
+        trained = bool(t and t.linears)
+        if self.four_bit and not trained:
+            # bitsandbytes NF4: 4-bit codes plus double-quantised absmax; matmul_4bit dequantises the
+            # whole weight to the compute dtype in forward and again in backward (for the input grad).
+            from memfit.train.four_bit import nf4_bytes
+
+            weight = Sym(f"{layer}.{module}", nf4_bytes(per_token_in, per_token_out), False, "weights",
+                         persistent=True, element_size=1)
+            self.params.append(weight)
+            dequant = per_token_in * per_token_out * dtype_bytes(self.dtype)
+            workspace = {"forward_workspace": dequant, "backward_workspace": dequant}
+        else:
+            weight = self.param(f"{layer}.{module}", per_token_in * per_token_out, trained)
+            workspace = {}
+        bias_sym = self.param(f"{layer}.{module}.bias", per_token_out, trained) if bias else None
+        out = self.linear(x, weight, per_token_out, f"{layer}.{module}", bias=bias_sym, **workspace)
         if t and t.lora_rank and module in t.lora_targets:
             r, adtype = t.lora_rank, t.lora_dtype
             lora_a = self.param(f"{layer}.{module}.lora_A", per_token_in * r, True, adtype)
@@ -219,18 +233,42 @@ class ModelGraph:
         self.inputs_embeds = x
         return x, weight
 
-    def head(self, x: Sym, embedding: Sym, logits_tokens: int | None = None) -> Sym:
-        """Final norm and lm_head; ``logits_tokens`` limits logits to the last tokens (inference)."""
+    def final_hidden(self, x: Sym, embedding: Sym) -> tuple[Sym, Sym]:
+        """The final norm's output and the output-projection weight (the embedding when tied)."""
         s, t = self.spec, self.trainable
         y = self.rms_norm(x, self.param("norm", s.hidden, bool(t and t.norms)), "final_norm")
         self.release(self.inputs_embeds)  # LlamaModel.forward holds inputs_embeds until it returns
         self.release(self.rope_tables)
         weight = embedding if s.tied_embeddings else self.param("lm_head", s.vocab * s.hidden,
                                                                   bool(t and t.embeddings))
+        return y, weight
+
+    def head(self, x: Sym, embedding: Sym, logits_tokens: int | None = None) -> Sym:
+        """Final norm and lm_head; ``logits_tokens`` limits logits to the last tokens (inference)."""
+        y, weight = self.final_hidden(x, embedding)
         tokens = None if logits_tokens is None else self.batch * logits_tokens  # a slice: a view of y
-        logits = self.linear(y, weight, s.vocab, "lm_head", tokens=tokens)
+        logits = self.linear(y, weight, self.spec.vocab, "lm_head", tokens=tokens)
         logits.component = "logits"
         return logits
+
+    def fused_linear_ce(self, x: Sym, embedding: Sym, loss_tokens: int) -> Sym:
+        """Final norm, then ``memfit.kernels.linear_ce``: no logits ever exist.
+
+        It saves the normalised hidden states and one fp32 log-sum-exp per token. Its
+        backward walks the vocabulary in chunks of C = max(1024, hidden) columns: an fp32
+        hidden-gradient accumulator (4 N h), the gathered loss-token rows (N h s) and the
+        chunk's logit gradient (N C s), for N loss tokens.
+        """
+        s = self.spec
+        y, weight = self.final_hidden(x, embedding)
+        lse = self.act("linear_ce.lse", 1, True, FP32, "logits")
+        loss = Sym("loss", 4, True, "temporaries")
+        size = dtype_bytes(self.dtype)
+        chunk = max(1024, s.hidden)
+        workspace = loss_tokens * s.hidden * (4 + size) + loss_tokens * chunk * size
+        self.ops.append(Op("linear_ce", [y, weight], [loss, lse], [y, lse], backward_workspace=workspace,
+                           segment=self.segment))
+        return loss
 
     def causal_lm_loss(self, logits: Sym) -> Sym:
         """transformers' ForCausalLMLoss: fp32 upcast, log_softmax (saves its output), nll."""

@@ -26,6 +26,7 @@ class Job:
     batch: int = 1
     new_tokens: int = 128  # infer: tokens generated after the prompt
     device: str = "cuda"
+    loss_fraction: float = 1.0  # training: share of tokens that carry a loss (prompt tokens do not)
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -36,6 +37,8 @@ class Job:
             _positive("new_tokens", self.new_tokens)
         if self.device not in ("cuda", "cpu"):
             raise MemfitError(f"device {self.device!r} is not one of cuda, cpu")
+        if not 0 < self.loss_fraction <= 1:
+            raise MemfitError(f"loss_fraction must be in (0, 1], got {self.loss_fraction}")
 
     @property
     def training(self) -> bool:
@@ -47,7 +50,8 @@ class Job:
 
     def to_dict(self) -> dict:
         return {"model": self.spec.name, "task": self.task, "seq": self.seq, "batch": self.batch,
-                "new_tokens": self.new_tokens if self.task == "infer" else None, "device": self.device}
+                "new_tokens": self.new_tokens if self.task == "infer" else None, "device": self.device,
+                "loss_fraction": self.loss_fraction}
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,9 @@ class Knobs:
     checkpoint_layers: int = 0  # decoder layers wrapped in activation checkpointing (the first k)
     optimizer: str = "adamw"
     micro_batch: int | None = None  # gradient accumulation: sequences per forward/backward
+    offload_layers: int = 0  # of the checkpointed layers, how many keep their input in pinned CPU memory
+    fused_ce: bool = False  # loss from hidden states by memfit.kernels.linear_ce: no logits
+    four_bit: bool = False  # frozen base linears in bitsandbytes NF4 (LoRA only)
     extra: dict = field(default_factory=dict, compare=False, hash=False)  # later techniques' settings
 
     def __post_init__(self):
@@ -77,6 +84,9 @@ class Knobs:
             raise MemfitError(f"checkpoint_layers must be >= 0, got {self.checkpoint_layers}")
         if self.micro_batch is not None:
             _positive("micro_batch", self.micro_batch)
+        if not 0 <= self.offload_layers <= self.checkpoint_layers:
+            raise MemfitError(f"offload_layers ({self.offload_layers}) must be between 0 and checkpoint_layers "
+                              f"({self.checkpoint_layers}): only checkpointed layers' inputs are offloaded")
 
     def with_(self, **changes) -> "Knobs":
         return replace(self, **changes)

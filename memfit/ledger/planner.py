@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 from memfit.errors import MemfitError
 from memfit.ledger.job import Job, Knobs
@@ -56,25 +57,39 @@ def candidates(job: Job, base: Knobs) -> list[Knobs]:
     return out
 
 
-def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5) -> tuple[Ledger, list[Plan]]:
+def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
+         progress: Callable[[int, int], None] | None = None) -> tuple[Ledger, list[Plan]]:
     """The ledger of the job as asked, and up to ``limit`` plans fitting ``budget``, fastest first.
 
-    Raises MemfitError naming the smallest reachable peak when nothing fits.
+    A technique's time cost is known without replaying the job, so candidates are replayed
+    in order of predicted time and the search stops once ``limit`` plans fit. Only when
+    nothing fits is every candidate replayed, to name the smallest reachable peak in the
+    error. ``progress(done, total)`` is called after each replay.
     """
     asked = predict(job, base)
-    plans = []
-    for knobs in candidates(job, base):
-        cost = total_cost(job, knobs)
-        plans.append(Plan(knobs, base, predict(job, knobs), cost, relative_time(job, cost)))
     if budget is None:
         return asked, []
-    fitting = sorted((p for p in plans if p.ledger.device_total <= budget),
-                     key=lambda p: (round(p.relative_time, 3), p.ledger.device_total))
+    ranked = []
+    for knobs in candidates(job, base):
+        cost = total_cost(job, knobs)
+        ranked.append((relative_time(job, cost), knobs, cost))
+    ranked.sort(key=lambda item: item[0])
+    fitting, tried = [], []
+    for done, (rel, knobs, cost) in enumerate(ranked, 1):
+        candidate = Plan(knobs, base, predict(job, knobs), cost, rel)
+        tried.append(candidate)
+        if progress:
+            progress(done, len(ranked))
+        if candidate.ledger.device_total <= budget:
+            fitting.append(candidate)
+            if len(fitting) == limit:
+                break
     if not fitting:
-        smallest = min(plans, key=lambda p: p.ledger.device_total)
+        smallest = min(tried, key=lambda p: p.ledger.device_total)
         with_what = ", ".join(smallest.techniques) or "the job as asked"
         raise MemfitError(
             f"no plan fits {format_bytes(budget)}; the smallest needs {format_bytes(smallest.ledger.device_total)} "
             f"(peak {format_bytes(smallest.ledger.total)} + allocator and CUDA context) with: {with_what}"
         )
-    return asked, fitting[:limit]
+    fitting.sort(key=lambda p: (round(p.relative_time, 3), p.ledger.device_total))
+    return asked, fitting

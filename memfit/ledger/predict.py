@@ -109,13 +109,17 @@ def _optimizer_temporary(param_bytes: list[tuple[int, int]], optimizer: str, dev
 def _train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
     """The ops of one micro-batch's forward and loss; returns the graph and the loss."""
     micro = knobs.micro_batch or job.batch
-    graph = ModelGraph(job.spec, micro, job.seq, knobs.dtype, _trainable(job, knobs), job.device)
+    graph = ModelGraph(job.spec, micro, job.seq, knobs.dtype, _trainable(job, knobs), job.device,
+                       four_bit=knobs.four_bit and job.task == "lora")
     x, embedding = graph.embed()
     for layer in range(job.spec.num_layers):
         graph.segment = layer if layer < knobs.checkpoint_layers else None
         x = graph.decoder_layer(x, layer)
     graph.segment = None
-    loss = graph.causal_lm_loss(graph.head(x, embedding))
+    if knobs.fused_ce:
+        loss = graph.fused_linear_ce(x, embedding, loss_tokens=max(1, round(micro * job.seq * job.loss_fraction)))
+    else:
+        loss = graph.causal_lm_loss(graph.head(x, embedding))
     return graph, loss
 
 
@@ -160,10 +164,12 @@ def _predict_train(job: Job, knobs: Knobs) -> Ledger:
             base["gradients"] = grads
         memory = Memory(base)
         checkpointed = set(range(min(knobs.checkpoint_layers, job.spec.num_layers)))
-        saved = replay_forward(graph.ops, memory, "forward", keep={loss.uid}, checkpointed=checkpointed)
+        offloaded = set(range(knobs.offload_layers))
+        saved = replay_forward(graph.ops, memory, "forward", keep={loss.uid}, checkpointed=checkpointed,
+                               offloaded=offloaded)
         memory.alloc(loss)
         replay_backward(graph.ops, memory, saved, {loss.uid: loss}, checkpointed=checkpointed,
-                        existing_param_grads=bool(index))
+                        existing_param_grads=bool(index), offloaded=offloaded)
         for phase, event in memory.phase_peaks.items():
             key = phase if index == 0 else f"{phase} (accumulating)"
             phases[key] = event.total

@@ -131,11 +131,12 @@ def _uses(ops: list[Op]) -> dict[int, int]:
 
 
 def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], save: bool = True,
-                   checkpointed: set[int] = frozenset()) -> dict[int, int]:
+                   checkpointed: set[int] = frozenset(), offloaded: set[int] = frozenset()) -> dict[int, int]:
     """Run ``ops`` forward. Returns saved-storage reference counts (uid -> count).
 
     ``keep``: storages the caller holds after the pass (e.g. the loss, the model output).
     ``checkpointed``: segment ids whose ops save nothing but their segment's inputs.
+    ``offloaded``: checkpointed segments whose input goes to CPU memory instead (not kept here).
     """
     last_use = _uses(ops)
     saved: dict[int, int] = {}
@@ -150,7 +151,7 @@ def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], sa
                 # torch.utils.checkpoint keeps the segment's inputs alive instead of saved tensors.
                 if op.segment not in segment_inputs:
                     segment_inputs[op.segment] = list(op.inputs[:1])
-                    for sym in op.inputs[:1]:
+                    for sym in op.inputs[:1] if op.segment not in offloaded else []:
                         saved[sym.root.uid] = saved.get(sym.root.uid, 0) + 1
                         memory.mark_saved(sym)
             else:
@@ -170,8 +171,13 @@ def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], sa
 
 def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_of: dict[int, Sym],
                     checkpointed: set[int] = frozenset(), grad_component: str = "temporaries",
-                    param_grad_component: str = "gradients", existing_param_grads: bool = False) -> None:
-    """Walk ``ops`` in reverse from the gradients in ``grad_of`` (storage uid -> grad sym)."""
+                    param_grad_component: str = "gradients", existing_param_grads: bool = False,
+                    offloaded: set[int] = frozenset()) -> None:
+    """Walk ``ops`` in reverse from the gradients in ``grad_of`` (storage uid -> grad sym).
+
+    An offloaded segment's input comes back from CPU memory before its recompute, and the
+    next offloaded segment's input is prefetched at the same time (one layer ahead).
+    """
     segments_done: set[int] = set()
     index = len(ops) - 1
     while index >= 0:
@@ -179,6 +185,12 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
         if op.segment in checkpointed and op.segment not in segments_done:
             # Replay the segment's forward with saving, right before its backward.
             segment_ops = [o for o in ops if o.segment == op.segment]
+            if op.segment in offloaded:
+                for segment in (op.segment, op.segment - 1):  # this input, and the prefetch of the next
+                    if segment in offloaded:
+                        first = next(o for o in ops if o.segment == segment).inputs[0]
+                        memory.alloc(first)
+                        saved[first.root.uid] = saved.get(first.root.uid, 0) + (segment == op.segment)
             resaved = replay_forward(segment_ops, memory, "recompute", keep=set(saved), save=True)
             for uid, count in resaved.items():
                 saved[uid] = saved.get(uid, 0) + count

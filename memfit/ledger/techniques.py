@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from memfit.ledger.job import Job, Knobs
+from memfit.models.spec import dtype_bytes
 
 REGISTRY: dict[str, "Technique"] = {}
 
@@ -68,15 +69,55 @@ def layer_forward_fraction(job: Job) -> float:
 
 # ---- the techniques of the foundation ---------------------------------------------------------
 
+def _checkpoint_variants(job: Job, knobs: Knobs) -> list[dict]:
+    if not job.training:
+        return []
+    counts = sorted({0, *(round(job.spec.num_layers * f) for f in (0.25, 0.5, 0.75)), job.spec.num_layers})
+    variants = [{"checkpoint_layers": k, "offload_layers": 0} for k in counts]
+    if job.device == "cuda":  # offloading to pinned host memory needs a GPU on the other side of PCIe
+        variants += [{"checkpoint_layers": k, "offload_layers": k} for k in counts if k]
+    return variants
+
+
+def _offload_cost(job: Job, knobs: Knobs) -> Cost:
+    """Each offloaded layer input crosses PCIe twice a step (out in forward, back in backward)."""
+    micro = knobs.micro_batch or job.batch
+    steps = job.batch // micro
+    per_layer = micro * job.seq * job.spec.hidden * dtype_bytes(knobs.dtype)
+    return Cost(pcie_bytes=2 * knobs.offload_layers * per_layer * steps)
+
+
 register(Technique(
     name="checkpoint",
-    summary="activation checkpointing per decoder layer: keep only each layer's input, recompute in backward",
-    variants=lambda job, knobs: [] if not job.training else [
-        {"checkpoint_layers": k} for k in sorted({0, *(round(job.spec.num_layers * f) for f in (0.25, 0.5, 0.75)),
-                                                    job.spec.num_layers})],
-    cost=lambda job, knobs: Cost(recompute=knobs.checkpoint_layers * layer_forward_fraction(job)),
-    describe=lambda knobs, base: f"checkpoint {knobs.checkpoint_layers} layers"
-    if knobs.checkpoint_layers != base.checkpoint_layers else None,
+    summary="activation checkpointing per decoder layer: keep only each layer's input (optionally in pinned "
+            "CPU memory), recompute in backward",
+    variants=_checkpoint_variants,
+    cost=lambda job, knobs: Cost(recompute=knobs.checkpoint_layers * layer_forward_fraction(job))
+    + _offload_cost(job, knobs),
+    describe=lambda knobs, base: (f"checkpoint {knobs.checkpoint_layers} layers"
+                                  + (f" ({knobs.offload_layers} offloaded to CPU)" if knobs.offload_layers else ""))
+    if (knobs.checkpoint_layers, knobs.offload_layers) != (base.checkpoint_layers, base.offload_layers) else None,
+))
+
+register(Technique(
+    name="fused_ce",
+    summary="fused linear cross-entropy (memfit.kernels.linear_ce): the loss from hidden states, no logits, "
+            "tokens without a loss dropped first",
+    variants=lambda job, knobs: [{"fused_ce": knobs.fused_ce}, {"fused_ce": True}] if job.training else [],
+    # measured faster than materialised logits (benchmarks/results/linear_ce.json): no time cost
+    cost=lambda job, knobs: Cost(),
+    describe=lambda knobs, base: "fused linear cross-entropy" if knobs.fused_ce != base.fused_ce else None,
+))
+
+register(Technique(
+    name="four_bit",
+    summary="4-bit NF4 frozen base (bitsandbytes), dequantised per use; approximate: the base weights are "
+            "quantised",
+    variants=lambda job, knobs: [{"four_bit": knobs.four_bit}, {"four_bit": True}]
+    if job.task == "lora" and job.device == "cuda" else [],
+    # dequantisation reads the 4-bit weights and writes a dense copy per linear, forward and backward
+    cost=lambda job, knobs: Cost(overhead=0.15 if knobs.four_bit else 0.0),
+    describe=lambda knobs, base: "4-bit NF4 base (approximate)" if knobs.four_bit != base.four_bit else None,
 ))
 
 register(Technique(
