@@ -9,8 +9,15 @@ matmuls, chunked over tokens so it fits). The roofline floor is the exact work o
 tokens, 8 N V H FLOPs (forward 2NVH, backward 4NVH plus 2NVH recompute), at the matmul rate
 measured in this run; the frozen-weight row (LoRA: no weight gradient) needs 6NVH.
 
-Targets, per shape: memfit faster than Cut Cross-Entropy, extra peak no larger than Cut
-Cross-Entropy's, and each gradient's error no worse than Liger's.
+Backward variants: memfit's backward walks the vocabulary in chunks of C columns; C is the
+one memory/speed knob (an N x C logit-gradient buffer against the matmul sizes), so memfit is
+timed at C = 512, the default (VOCAB_CHUNK) and 2048, plus the frozen-weight (LoRA) case. Each
+memfit row carries the op's memory model (``backward_memory``: peak above inputs, and where
+the fp32 hidden-gradient accumulator lives) next to the measured extra peak.
+
+Targets, per shape: memfit (default) faster than Cut Cross-Entropy, extra peak no larger than
+Cut Cross-Entropy's, each gradient's error no worse than Liger's, and the memory model
+within 5% of the measured extra peak.
 
     python benchmarks/linear_ce.py            # H200: about 3 minutes
     python benchmarks/linear_ce.py --smoke    # CPU, tiny shapes, same code path
@@ -33,10 +40,15 @@ if "--smoke" in sys.argv:  # before Triton is imported: the kernels run through 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from memfit.kernels.linear_ce import linear_cross_entropy  # noqa: E402
+from memfit.kernels import linear_ce  # noqa: E402
+from memfit.kernels.linear_ce import backward_memory, linear_cross_entropy  # noqa: E402
 from memfit.measure.results import target, write_results  # noqa: E402
 
 IGNORE = -100
+CHUNK_VARIANTS = (512, 2048)  # besides the default VOCAB_CHUNK
+DEFAULT_WHY = ("the hidden-gradient matmul of a chunk does 2NCH FLOPs against 8NH bytes of fp32 accumulator "
+               "traffic, ~C/4 FLOP/B: C=1024 (256) is the smallest power of two above the H200 ridge (~206), "
+               "so it keeps the matmuls compute-bound with the smallest N x C buffer")
 SHAPES = [(8192, 2048), (16384, 3072), (32768, 4096)]
 VOCAB = 128256
 
@@ -52,6 +64,8 @@ def _methods(device: str) -> dict:
     """name -> loss function, or the reason it is not available."""
     methods = {
         "memfit": lambda h, w, y: linear_cross_entropy(h, w, y),
+        **{f"memfit (vocab_chunk={c})": (lambda h, w, y, c=c: linear_cross_entropy(h, w, y, vocab_chunk=c))
+           for c in CHUNK_VARIANTS},
         "torch eager": _torch_eager,
         "torch.compile": torch.compile(_torch_eager, dynamic=False),
     }
@@ -147,6 +161,16 @@ def _inputs(tokens, hdim, vocab, device, seed=0):
     return hidden.requires_grad_(), weight.requires_grad_(), labels.to(device)
 
 
+def _memory_model(name, tokens, n_loss, hdim, vocab, frozen):
+    """The op's own memory model for a memfit row (None for the others)."""
+    if not name.startswith("memfit"):
+        return {}
+    chunk = next((c for c in CHUNK_VARIANTS if f"vocab_chunk={c}" in name), None)
+    model = backward_memory(tokens, n_loss, hdim, vocab, 2, weight_grad=not frozen, vocab_chunk=chunk)
+    return {"model_peak_mib": model["peak"] / 2**20, "model_transient_mib": model["transient"] / 2**20,
+            "vocab_chunk": model["vocab_chunk"], "accumulator": model["accumulator"]}
+
+
 def _measure(name, loss_fn, hidden, weight, labels, ref, device, frozen=False):
     weight.requires_grad_(not frozen)
 
@@ -168,7 +192,9 @@ def _measure(name, loss_fn, hidden, weight, labels, ref, device, frozen=False):
     ms = _time_ms(step, device)
     hidden.grad = weight.grad = None
     weight.requires_grad_(True)
-    return {"method": name, "ms": ms, "extra_peak_mib": peak, **errors}
+    model = _memory_model(name, hidden.shape[0], int((labels != IGNORE).sum()), hidden.shape[1], weight.shape[0],
+                          frozen)
+    return {"method": name, "ms": ms, "extra_peak_mib": peak, **errors, **model}
 
 
 def run(shapes, vocab, device, out_dir):
@@ -215,12 +241,17 @@ def run(shapes, vocab, device, out_dir):
         if mine and liger:
             for grad in ("dhidden_rel_err", "dweight_rel_err"):
                 targets.append(target(f"{grad} vs Liger, {tag}", mine[grad], liger[grad], "relative", "lower"))
+        if mine and mine["extra_peak_mib"] is not None:
+            err = abs(mine["model_peak_mib"] - mine["extra_peak_mib"]) / mine["extra_peak_mib"]
+            targets.append(target(f"memory model error, {tag}", err, 0.05, "relative", "lower"))
         del hidden, weight, labels, ref
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
     extra = {"ceilings": None if not ceilings else {"matmul_tflops": ceilings.matmul_flops / 1e12,
-                                                    "bandwidth_gbs": ceilings.bandwidth / 1e9}}
+                                                    "bandwidth_gbs": ceilings.bandwidth / 1e9},
+             "default_backward": {"vocab_chunk": linear_ce.VOCAB_CHUNK, "why": DEFAULT_WHY,
+                                  "variants": [f"vocab_chunk={c}" for c in CHUNK_VARIANTS]}}
     path = write_results("linear_ce", rows, targets, out_dir, **extra)
     _plot(rows, path.with_suffix(".png"))
     return path
@@ -229,12 +260,13 @@ def run(shapes, vocab, device, out_dir):
 def print_rows(rows):
     for r in rows:
         if r.get("status") != "ok":
-            print(f"{r['tokens']:>6} {r['hidden']:>5}  {r['method']:<24} {r['status'][:60]}")
+            print(f"{r['tokens']:>6} {r['hidden']:>5}  {r['method']:<28} {r['status'][:60]}")
             continue
         peak = "-" if r["extra_peak_mib"] is None else f"{r['extra_peak_mib']:9.0f} MiB"
         dw = "-" if r["dweight_rel_err"] is None else f"{r['dweight_rel_err']:.1e}"
-        print(f"{r['tokens']:>6} {r['hidden']:>5}  {r['method']:<24} {r['ms']:9.2f} ms {peak}  "
-              f"loss {r['loss_rel_err']:.1e} dH {r['dhidden_rel_err']:.1e} dW {dw}")
+        model = f"  model {r['model_peak_mib']:7.0f} MiB" if "model_peak_mib" in r else ""
+        print(f"{r['tokens']:>6} {r['hidden']:>5}  {r['method']:<28} {r['ms']:9.2f} ms {peak}  "
+              f"loss {r['loss_rel_err']:.1e} dH {r['dhidden_rel_err']:.1e} dW {dw}{model}")
 
 
 def _plot(rows, path: Path):

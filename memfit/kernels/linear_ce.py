@@ -418,6 +418,43 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
     return d_hidden, d_weight, d_bias
 
 
+def backward_memory(tokens: int, loss_tokens: int, hidden_size: int, vocab: int, dtype_bytes: int = 2, *,
+                    weight_grad: bool = True, vocab_chunk: int | None = None) -> dict:
+    """Bytes the op holds beyond its inputs (hidden, weight, labels), Triton path, for the ledger.
+
+    T tokens, N loss tokens, H hidden, V vocabulary, e bytes per element, C vocab chunk:
+
+    * saved for backward: the per-token log-sum-exp, 4T;
+    * gradients (returned): dW e*V*H (when the weight trains), dH e*T*H;
+    * backward transients: gathered loss rows e*N*H (only when N < T), one logit-gradient
+      chunk e*N*C, index/scale vectors ~24N + 8(T-N); the fp32 accumulator 4NH only when it
+      does not fit in dH's buffer (4NH > e*T*H) - then dH is allocated after the chunk loop;
+    * peak (backward, above inputs) = saved + dW + (accumulator aliased:
+      dH + max(rows + chunk, slice)) | (separate: max(acc + rows + chunk, acc + dH + slice)).
+
+    The forward peak (~(8 + 12 * splits) N + 8T) is far below the backward's."""
+    t, n, h, v, e = tokens, loss_tokens, hidden_size, vocab, dtype_bytes
+    c = _vocab_chunk(v, vocab_chunk or 0)
+    saved = 4 * t
+    d_weight = e * v * h if weight_grad else 0
+    d_hidden = e * t * h
+    rows = e * n * h if n < t else 0
+    chunk = e * n * c
+    vectors = 24 * n + 8 * (t - n)
+    slice_ = 2 * e * min(n * h, max(h, SLICE_ELEMENTS))
+    aliased = 4 * n * h <= e * t * h
+    acc = 0 if aliased else 4 * n * h
+    if n == 0:
+        rows = chunk = slice_ = acc = 0
+    if aliased:
+        during = d_hidden + max(rows + chunk, slice_)
+    else:
+        during = max(acc + rows + chunk, acc + d_hidden + slice_)
+    peak = saved + d_weight + vectors + during
+    return {"saved": saved, "gradients": d_weight + d_hidden, "transient": peak - saved - d_weight - d_hidden,
+            "peak": peak, "vocab_chunk": c, "accumulator": "in hidden-gradient buffer" if aliased else "separate"}
+
+
 # --------------------------------------------------------------------------------------
 # Custom ops
 # --------------------------------------------------------------------------------------
