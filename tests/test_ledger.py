@@ -105,3 +105,42 @@ def test_budget_parsing():
     for bad in ("8XB", "", "-1GiB", "0GB", "eight"):
         with pytest.raises(Exception, match="memory size|unit|positive"):
             parse_bytes(bad)
+
+
+def test_fused_loss_on_cpu_within_five_percent():
+    """The fused linear cross-entropy path (memfit.train.patch) with prompt tokens ignored."""
+    job = Job(TINY, task="lora", seq=128, batch=2, device="cpu", loss_fraction=0.3)
+    result = verify(job, Knobs(dtype="float32", micro_batch=2, checkpoint_layers=1, fused_ce=True))
+    assert result.ok, f"{100 * result.error:+.2f}%"
+
+
+def test_fused_loss_removes_the_logits_from_the_peak():
+    spec = PRESETS["llama-3.2-3b"]
+    job = Job(spec, task="lora", seq=4096, loss_fraction=0.3)
+    plain = predict(job, Knobs(checkpoint_layers=28))
+    fused = predict(job, Knobs(checkpoint_layers=28, fused_ce=True))
+    assert plain.peak.get("logits", 0) > 4 * 2**30  # 4096 x 128256 fp32, twice
+    assert fused.peak.get("logits", 0) < 2**20
+    assert fused.total < plain.total - 4 * 2**30
+
+
+def test_offload_keeps_checkpoint_inputs_off_the_gpu():
+    spec = PRESETS["llama-3.2-3b"]
+    job = Job(spec, task="lora", seq=8192)
+    on_gpu = predict(job, Knobs(checkpoint_layers=28, fused_ce=True))
+    offloaded = predict(job, Knobs(checkpoint_layers=28, offload_layers=28, fused_ce=True))
+    layer_input = 8192 * spec.hidden * 2
+    # all but the two inputs in flight (the layer being recomputed and the prefetched one) leave the GPU
+    assert on_gpu.total - offloaded.total >= 25 * layer_input
+
+
+def test_four_bit_base_weights():
+    from memfit.train.four_bit import nf4_bytes
+
+    spec = PRESETS["llama-3.2-1b"]
+    job = Job(spec, task="lora", seq=512)
+    ledger = predict(job, Knobs(four_bit=True))
+    linear = spec.num_layers * sum(nf4_bytes(a, b) for a, b in spec.linear_shapes().values())
+    rest = 2 * (spec.num_params() - spec.num_layers * sum(a * b for a, b in spec.linear_shapes().values()))
+    lora = 4 * spec.num_layers * sum(16 * (a + b) for a, b in spec.linear_shapes().values())
+    assert ledger.peak["weights"] == linear + rest + lora

@@ -38,18 +38,29 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
                        help="decoder layers with activation checkpointing, counted from the first (default 0)")
     setup.add_argument("--micro-batch", type=_int, default=None,
                        help="sequences per forward/backward; the rest is gradient accumulation (default: the batch)")
+    setup.add_argument("--offload-layers", type=_int, default=0,
+                       help="of the checkpointed layers, how many keep their input in pinned CPU memory (default 0)")
+    setup.add_argument("--fused-ce", action="store_true",
+                       help="loss by memfit's fused linear cross-entropy: logits are never built")
+    setup.add_argument("--four-bit", action="store_true", help="LoRA on a frozen 4-bit NF4 base (bitsandbytes, CUDA)")
+    job.add_argument("--loss-fraction", type=float, default=1.0,
+                     help="share of tokens that carry a loss, e.g. 0.3 when prompts are 70%% of the text (default 1)")
 
 
 def job_from_args(args) -> tuple[Job, Knobs]:
     """Build and validate the job and its knobs; bad values raise MemfitError before any work."""
     spec = load_spec(args.model)
-    job = Job(spec, task=args.task, seq=args.seq, batch=args.batch, new_tokens=args.new_tokens, device=args.device)
+    job = Job(spec, task=args.task, seq=args.seq, batch=args.batch, new_tokens=args.new_tokens, device=args.device,
+              loss_fraction=args.loss_fraction)
     if args.checkpoint_layers > spec.num_layers:
         raise MemfitError(f"--checkpoint-layers {args.checkpoint_layers} exceeds the model's {spec.num_layers} layers")
     micro = args.micro_batch or args.batch
     if args.batch % micro:
         raise MemfitError(f"--batch {args.batch} is not a multiple of --micro-batch {micro}")
     targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    if args.four_bit and args.task != "lora":
+        raise MemfitError("--four-bit freezes the base weights: it goes with --task lora")
     knobs = Knobs(dtype=args.dtype or spec.dtype, lora_rank=args.lora_rank, lora_targets=targets,
-                  checkpoint_layers=args.checkpoint_layers, optimizer=args.optimizer, micro_batch=micro)
+                  checkpoint_layers=args.checkpoint_layers, optimizer=args.optimizer, micro_batch=micro,
+                  offload_layers=args.offload_layers, fused_ce=args.fused_ce, four_bit=args.four_bit)
     return job, knobs

@@ -264,7 +264,7 @@ class ModelGraph:
         lse = self.act("linear_ce.lse", 1, True, FP32, "logits")
         loss = Sym("loss", 4, True, "temporaries")
         size = dtype_bytes(self.dtype)
-        chunk = max(1024, s.hidden)
+        chunk = min(s.vocab, 1024)
         workspace = loss_tokens * s.hidden * (4 + size) + loss_tokens * chunk * size
         self.ops.append(Op("linear_ce", [y, weight], [loss, lse], [y, lse], backward_workspace=workspace,
                            segment=self.segment))

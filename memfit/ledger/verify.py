@@ -61,6 +61,8 @@ class VerifyResult:
 
 def _prepare(job: Job, knobs: Knobs):
     model = build_model(job.spec, dtype=knobs.dtype, device=job.device)
+    if job.training and (knobs.fused_ce or knobs.four_bit or knobs.offload_layers):
+        return _patched(job, knobs, model)
     if job.task == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -78,6 +80,9 @@ def check_runnable(job: Job, knobs: Knobs) -> None:
     """Refuse, before any work, what this machine cannot run."""
     if job.device == "cuda" and not torch.cuda.is_available():
         raise MemfitError("verify on cuda needs a CUDA GPU; use --device cpu here")
+    if job.device != "cuda" and (knobs.offload_layers or knobs.four_bit):
+        raise MemfitError("checkpoint offload and the 4-bit base run on CUDA only; drop --offload-layers/--four-bit "
+                          "on cpu")
     if job.training and knobs.optimizer == "adamw8bit":
         if job.device != "cuda":
             raise MemfitError("8-bit AdamW (bitsandbytes) runs on CUDA only; use --optimizer adamw on cpu")
@@ -85,6 +90,21 @@ def check_runnable(job: Job, knobs: Knobs) -> None:
             import bitsandbytes  # noqa: F401
         except ImportError:
             raise MemfitError("8-bit AdamW needs bitsandbytes: pip install 'memfit[bnb]'") from None
+
+
+def _patched(job: Job, knobs: Knobs, model):
+    """The techniques of memfit.train.patch: fused loss, 4-bit base, checkpoints offloaded to CPU."""
+    from memfit.train.checkpoint import CheckpointPolicy
+    from memfit.train.patch import patch, patch_state
+
+    lora = {"r": knobs.lora_rank, "target_modules": list(knobs.lora_targets)} if job.task == "lora" else None
+    model = patch(model, checkpoint="layer" if knobs.checkpoint_layers else "none", fused_ce=knobs.fused_ce,
+                  four_bit=knobs.four_bit, lora=lora)
+    if knobs.checkpoint_layers:
+        places = tuple("cpu" if i < knobs.offload_layers else "gpu" if i < knobs.checkpoint_layers else "none"
+                       for i in range(job.spec.num_layers))
+        patch_state(model).policy = CheckpointPolicy(places, 1, None)
+    return model.train()
 
 
 def _optimizer(knobs: Knobs, params):
@@ -108,13 +128,15 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1) -> Measurement:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(knobs, params)
     micro = knobs.micro_batch or job.batch
+    labels = ids.clone()
+    labels[:, :job.seq - max(1, round(job.loss_fraction * job.seq))] = -100  # prompt tokens carry no loss
     gradients = 0
 
     def step():
         nonlocal gradients
         for start in range(0, job.batch, micro):
             chunk = ids[start:start + micro]
-            loss = model(input_ids=chunk, labels=chunk).loss
+            loss = model(input_ids=chunk, labels=labels[start:start + micro]).loss
             loss.backward()
             del loss
         gradients = storage_bytes(p.grad for p in params)
