@@ -99,6 +99,15 @@ def test_accumulator_placement():
     assert linear_ce._accumulator_in(full, 10).data_ptr() == full.data_ptr()
 
 
+@pytest.mark.parametrize("tokens,loss_tokens,dtype", [(10, 5, torch.bfloat16), (10, 6, torch.bfloat16),
+                                                     (10, 10, torch.float32), (10, 3, torch.float16)])
+def test_memory_model_places_accumulator_as_the_op_does(tokens, loss_tokens, dtype):
+    model = linear_ce.backward_memory(tokens, loss_tokens, 8, 100, torch.empty(0, dtype=dtype).element_size())
+    fits = linear_ce._accumulator_in(torch.empty(tokens, 8, dtype=dtype), loss_tokens) is not None
+    assert model["accumulator"] == ("in hidden-gradient buffer" if fits else "separate")
+    assert model["peak"] == model["saved"] + model["gradients"] + model["transient"]
+
+
 def test_varying_token_counts_tune_once_per_bucket(monkeypatch):
     """Fine-tuning changes the loss-token count every step: every launch must reuse the
     autotuner entry and the compiled kernel of its power-of-two bucket (no re-tune, no

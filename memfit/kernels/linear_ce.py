@@ -19,7 +19,10 @@ How (exact mode):
   the soft-cap and z-loss chain rules) once, in the input dtype, into an ``N x C`` buffer.
   Two cuBLAS matmuls consume it: ``dW[chunk] = d.T @ h`` (a single fp32-accumulated sum
   over all loss tokens, rounded once into the gradient: no fp32 V x H buffer, no
-  atomics) and ``dH += d @ W[chunk]`` into an fp32 ``N x H`` accumulator.
+  atomics) and ``dH += d @ W[chunk]`` into an fp32 ``N x H`` accumulator, which lives in
+  the hidden gradient's own buffer whenever it fits (fp32 inputs, or 16-bit inputs with at
+  most half the tokens carrying a loss) and is rounded once, in place, at the end.
+  ``backward_memory`` gives the bytes held, for the ledger.
 
 Cost: 2NVH FLOPs forward, 6NVH backward (recompute, dH, dW), 4NVH when the weight is
 frozen (LoRA), where the weight-gradient matmul is skipped.
