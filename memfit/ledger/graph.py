@@ -254,19 +254,19 @@ class ModelGraph:
     def fused_linear_ce(self, x: Sym, embedding: Sym, loss_tokens: int) -> Sym:
         """Final norm, then ``memfit.kernels.linear_ce``: no logits ever exist.
 
-        It saves the normalised hidden states and one fp32 log-sum-exp per token. Its
-        backward walks the vocabulary in chunks of C = max(1024, hidden) columns: an fp32
-        hidden-gradient accumulator (4 N h), the gathered loss-token rows (N h s) and the
-        chunk's logit gradient (N C s), for N loss tokens.
+        It saves the normalised hidden states and one fp32 log-sum-exp per token; its
+        backward's transient buffers (gathered loss rows, a logit-gradient chunk, perhaps an
+        fp32 accumulator) are the kernel's own account, ``linear_ce.backward_memory``.
         """
+        from memfit.kernels.linear_ce import backward_memory
+
         s = self.spec
         y, weight = self.final_hidden(x, embedding)
         lse = self.act("linear_ce.lse", 1, True, FP32, "logits")
         loss = Sym("loss", 4, True, "temporaries")
-        size = dtype_bytes(self.dtype)
-        chunk = min(s.vocab, 1024)
-        workspace = loss_tokens * s.hidden * (4 + size) + loss_tokens * chunk * size
-        self.ops.append(Op("linear_ce", [y, weight], [loss, lse], [y, lse], backward_workspace=workspace,
+        memory = backward_memory(self.tokens, loss_tokens, s.hidden, s.vocab, dtype_bytes(self.dtype),
+                                 weight_grad=weight.requires_grad)
+        self.ops.append(Op("linear_ce", [y, weight], [loss, lse], [y, lse], backward_workspace=memory["transient"],
                            segment=self.segment))
         return loss
 
