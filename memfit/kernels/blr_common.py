@@ -29,11 +29,6 @@ import triton.language as tl
 from memfit.kernels.dispatch import interpreting
 from memfit.log import warn_once
 
-if interpreting():
-    # Triton 3.6's interpreter cannot use runtime ints as loop bounds under numpy >= 2.4;
-    # attention.py patches it on import. (The patch belongs in kernels/dispatch.py.)
-    import memfit.kernels.attention  # noqa: F401
-
 _CACHE: dict | None = None
 TUNE = {"warmup": 5, "rep": 20}  # ms per candidate: short, so a cold run of many shapes stays fast
 
@@ -114,15 +109,9 @@ def save_for_recompute(ctx, inputs, output, n_tensors: int) -> None:
     ctx.rest = tuple(inputs[n_tensors:])
 
 
-#: the interpreter's tl.dot mis-reads bf16 operands (numpy has no bf16), so it multiplies in fp32
-UPCAST = tl.constexpr(interpreting())
-
-
 @triton.jit
 def mma(a, b, acc):
-    """acc + a @ b on tensor cores (operands upcast to fp32 only under the interpreter)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    """acc + a @ b on tensor cores (the interpreter's bf16 dot is fixed in kernels/interpreter.py)."""
     return tl.dot(a, b, acc)
 
 
