@@ -102,8 +102,30 @@ def finetune_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + _targets(data)
 
 
+def partial_ffn_section(data: dict) -> str:
+    out = ["### Partial-load / partial-compute decode, Llama-3.2-3B shape, fp16, batch 1\n",
+           _header(data, "python benchmarks/partial_ffn.py"),
+           "| case | tokens/s | ms/token | weight-read floor ms | fraction of floor | peak GB |", "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        if r.get("decode_tokens_per_s") is None:
+            continue
+        floor = f"{r['floor_ms']:.2f}" if r.get("floor_ms") else "-"
+        fraction = f"{r['fraction_of_floor']:.2f}" if r.get("fraction_of_floor") else "-"
+        ms = f"{r['decode_ms_per_token']:.2f}" if r.get("decode_ms_per_token") else "-"
+        out.append(f"| {r['case']} | {r['decode_tokens_per_s']:.0f} | {ms} | {floor} | {fraction} "
+                   f"| {r['peak_bytes'] / 1e9:.2f} |")
+    return "\n".join(out) + "\n\n" + _targets(data)
+
+
+def blr_layers_section(data: dict) -> str:
+    return ("### Block-low-rank layer kernels (first run, work in progress)\n\n"
+            + _header(data, "python benchmarks/blr_layers.py") + "\n" + _targets(data)
+            + "\nEvery row, and the roofline plot: `benchmarks/results/blr_layers.json`, `blr_layers_roofline.png`.\n")
+
+
 SECTIONS = [("ledger_accuracy", ledger_section), ("linear_ce", linear_ce_section), ("attention", attention_section),
-            ("finetune_memory", finetune_section)]
+            ("finetune_memory", finetune_section), ("partial_ffn", partial_ffn_section),
+            ("blr_layers", blr_layers_section)]
 
 
 def render() -> str:
