@@ -78,18 +78,6 @@ def choose_techniques(args, spec) -> Techniques:
     return Techniques(args.checkpoint, offload, args.offload_to, args.four_bit, args.fused_ce)
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise MemfitError(f"--device {name!r}: use auto, cpu or cuda[:N]") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise MemfitError(f"--device {name}: no CUDA GPU is available here")
-    return device
-
-
 def load_model_and_tokenizer(name: str, dtype: torch.dtype, device: torch.device):
     """A preset (random init, byte tokenizer) or a local HF directory (its tokenizer, or the byte one)."""
     from memfit.data.tokenizer import ByteTokenizer
@@ -125,7 +113,9 @@ def run(args) -> int:
 
     console = Console(stderr=True)
     budget = parse_bytes(args.gpu_memory) if args.gpu_memory else None
-    device = _device(args.device)
+    from memfit.commands.calibrate import resolve_device
+
+    device = resolve_device(args.device)
     dtype = dtype_of(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     out = Path(args.out)
     if not args.resume and latest_checkpoint(out) is not None:
