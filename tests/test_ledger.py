@@ -144,3 +144,19 @@ def test_four_bit_base_weights():
     rest = 2 * (spec.num_params() - spec.num_layers * sum(a * b for a, b in spec.linear_shapes().values()))
     lora = 4 * spec.num_layers * sum(16 * (a + b) for a, b in spec.linear_shapes().values())
     assert ledger.peak["weights"] == linear + rest + lora
+
+
+def test_memfit_attention_keeps_what_sdpa_keeps_without_the_flash_workspace():
+    from memfit.ledger.predict import _train_graph
+
+    spec = PRESETS["llama-3.2-1b"]
+    job = Job(spec, task="lora", seq=4096)
+
+    def attention_op(knobs):
+        graph, _ = _train_graph(job, knobs)
+        return next(op for op in graph.ops if op.name == "0.sdpa")
+
+    sdpa, ours = attention_op(Knobs()), attention_op(Knobs(attention="memfit"))
+    assert [s.nbytes for s in sdpa.saves] == [s.nbytes for s in ours.saves]
+    assert sdpa.backward_workspace == 4096 * spec.q_dim * 4 + 2 * 4096 * spec.q_dim * 2  # fp32 dQ, per-head dK/dV
+    assert ours.backward_workspace == 4096 * spec.num_heads * 4  # delta only

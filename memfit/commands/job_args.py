@@ -43,6 +43,8 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
     setup.add_argument("--fused-ce", action="store_true",
                        help="loss by memfit's fused linear cross-entropy: logits are never built")
     setup.add_argument("--four-bit", action="store_true", help="LoRA on a frozen 4-bit NF4 base (bitsandbytes, CUDA)")
+    setup.add_argument("--attention", default="sdpa", choices=("sdpa", "memfit"),
+                       help="attention kernel: torch SDPA or memfit's Triton kernel (default sdpa)")
     job.add_argument("--loss-fraction", type=float, default=1.0,
                      help="share of tokens that carry a loss, e.g. 0.3 when prompts are 70%% of the text (default 1)")
 
@@ -62,5 +64,6 @@ def job_from_args(args) -> tuple[Job, Knobs]:
         raise MemfitError("--four-bit freezes the base weights: it goes with --task lora")
     knobs = Knobs(dtype=args.dtype or spec.dtype, lora_rank=args.lora_rank, lora_targets=targets,
                   checkpoint_layers=args.checkpoint_layers, optimizer=args.optimizer, micro_batch=micro,
-                  offload_layers=args.offload_layers, fused_ce=args.fused_ce, four_bit=args.four_bit)
+                  offload_layers=args.offload_layers, fused_ce=args.fused_ce, four_bit=args.four_bit,
+                  attention=args.attention)
     return job, knobs

@@ -53,8 +53,9 @@ class ModelGraph:
     """Builds the ops of one forward pass of ``spec`` over ``batch`` x ``seq`` tokens."""
 
     def __init__(self, spec: ModelSpec, batch: int, seq: int, dtype: str, trainable: Trainable | None,
-                 device: str = "cuda", four_bit: bool = False):
+                 device: str = "cuda", four_bit: bool = False, attention: str = "sdpa"):
         self.spec, self.batch, self.seq, self.dtype = spec, batch, seq, dtype
+        self.attention_impl = attention
         self.four_bit = four_bit  # frozen base linears stored in NF4, dequantised per use
         self.tokens = batch * seq
         self.trainable = trainable  # None: inference, nothing needs a gradient
@@ -172,13 +173,17 @@ class ModelGraph:
         return self.pointwise([a, b], per_token, f"{name}.add")
 
     def attention(self, q: Sym, k: Sym, v: Sym, layer: int) -> Sym:
-        """SDPA (flash/cuDNN/CPU-flash): saves q, k, v, out and the fp32 log-sum-exp."""
+        """SDPA (flash/cuDNN/CPU-flash) or memfit's attention: both save q, k, v, out and the fp32 log-sum-exp."""
         s = self.spec
         rg = q.requires_grad or k.requires_grad or v.requires_grad
         out = self.act(f"{layer}.sdpa", s.q_dim, rg)
         lse = self.act(f"{layer}.sdpa.lse", s.num_heads, rg, FP32)
         workspace = 0
-        if self.device == "cuda":
+        if self.attention_impl == "memfit":
+            # memfit's two-pass backward: one fp32 delta = rowsum(dO * O) per head and token, no
+            # accumulators (dK/dV per key block, then dQ per query block).
+            workspace = self._bytes(s.num_heads, FP32)
+        elif self.device == "cuda":
             # FlashAttention-2's backward accumulates dQ in fp32 and, for grouped-query
             # heads, writes dK/dV per query head before summing them per kv head.
             workspace = self._bytes(s.q_dim, FP32)

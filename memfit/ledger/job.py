@@ -8,6 +8,7 @@ from memfit.models.spec import ModelSpec, dtype_of
 
 TASKS = ("full", "lora", "infer")
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
+ATTENTIONS = ("sdpa", "memfit")
 LORA_TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -70,6 +71,7 @@ class Knobs:
     offload_layers: int = 0  # of the checkpointed layers, how many keep their input in pinned CPU memory
     fused_ce: bool = False  # loss from hidden states by memfit.kernels.linear_ce: no logits
     four_bit: bool = False  # frozen base linears in bitsandbytes NF4 (LoRA only)
+    attention: str = "sdpa"  # "sdpa" (torch) or "memfit" (memfit.kernels.attention, two-pass backward)
     extra: dict = field(default_factory=dict, compare=False, hash=False)  # later techniques' settings
 
     def __post_init__(self):
@@ -84,6 +86,8 @@ class Knobs:
             raise MemfitError(f"checkpoint_layers must be >= 0, got {self.checkpoint_layers}")
         if self.micro_batch is not None:
             _positive("micro_batch", self.micro_batch)
+        if self.attention not in ATTENTIONS:
+            raise MemfitError(f"attention {self.attention!r} is not one of {', '.join(ATTENTIONS)}")
         if not 0 <= self.offload_layers <= self.checkpoint_layers:
             raise MemfitError(f"offload_layers ({self.offload_layers}) must be between 0 and checkpoint_layers "
                               f"({self.checkpoint_layers}): only checkpointed layers' inputs are offloaded")

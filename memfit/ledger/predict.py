@@ -110,7 +110,7 @@ def _train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
     """The ops of one micro-batch's forward and loss; returns the graph and the loss."""
     micro = knobs.micro_batch or job.batch
     graph = ModelGraph(job.spec, micro, job.seq, knobs.dtype, _trainable(job, knobs), job.device,
-                       four_bit=knobs.four_bit and job.task == "lora")
+                       four_bit=knobs.four_bit and job.task == "lora", attention=knobs.attention)
     x, embedding = graph.embed()
     for layer in range(job.spec.num_layers):
         graph.segment = layer if layer < knobs.checkpoint_layers else None

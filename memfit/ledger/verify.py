@@ -60,7 +60,12 @@ class VerifyResult:
 
 
 def _prepare(job: Job, knobs: Knobs):
-    model = build_model(job.spec, dtype=knobs.dtype, device=job.device)
+    attention = "sdpa"
+    if knobs.attention == "memfit":
+        from memfit.train.attention_hf import register
+
+        attention = register()
+    model = build_model(job.spec, dtype=knobs.dtype, device=job.device, attn_implementation=attention)
     if job.training and (knobs.fused_ce or knobs.four_bit or knobs.offload_layers):
         return _patched(job, knobs, model)
     if job.task == "lora":
@@ -99,7 +104,7 @@ def _patched(job: Job, knobs: Knobs, model):
 
     lora = {"r": knobs.lora_rank, "target_modules": list(knobs.lora_targets)} if job.task == "lora" else None
     model = patch(model, checkpoint="layer" if knobs.checkpoint_layers else "none", fused_ce=knobs.fused_ce,
-                  four_bit=knobs.four_bit, lora=lora)
+                  four_bit=knobs.four_bit, lora=lora, attention=knobs.attention)
     if knobs.checkpoint_layers:
         places = tuple("cpu" if i < knobs.offload_layers else "gpu" if i < knobs.checkpoint_layers else "none"
                        for i in range(job.spec.num_layers))
