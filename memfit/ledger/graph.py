@@ -172,6 +172,30 @@ class ModelGraph:
         b = self.pointwise([cat], per_token, f"{name}.sin")
         return self.pointwise([a, b], per_token, f"{name}.add")
 
+    def sdpa_uses_math_kernel(self) -> bool:
+        """torch SDPA on CUDA has no fused fp32 kernel for grouped-query heads (flash and cuDNN are
+        16-bit only, the memory-efficient kernel takes no ``enable_gqa``): it runs the math kernel."""
+        s = self.spec
+        return (self.device == "cuda" and self.attention_impl == "sdpa" and self.dtype == FP32
+                and s.num_heads != s.num_kv_heads)
+
+    def attention_math(self, q: Sym, k: Sym, v: Sym, layer: int) -> Sym:
+        """SDPA's math kernel: ``softmax((q*c) @ (repeat(k)^T*c) + mask) @ repeat(v)``, c = scale^0.5.
+
+        The scores and the probabilities are heads x seq x seq per sequence; softmax saves the
+        probabilities, the matmuls save the scaled q, the scaled repeated k and the repeated v.
+        """
+        s = self.spec
+        scores_per_token = s.num_heads * self.seq  # heads x seq per query token
+        qs = self.pointwise([q], s.q_dim, f"{layer}.math.q_scaled")
+        k_rep = self.pointwise([k], s.q_dim, f"{layer}.math.k_repeat")
+        v_rep = self.pointwise([v], s.q_dim, f"{layer}.math.v_repeat")
+        ks = self.pointwise([k_rep], s.q_dim, f"{layer}.math.k_scaled")
+        scores = self.act(f"{layer}.math.scores", scores_per_token, qs.requires_grad, FP32)
+        self.op(f"{layer}.math.qk", [qs, ks], [scores], [qs, ks] if scores.requires_grad else [])
+        probs = self.pointwise([scores], scores_per_token, f"{layer}.math.softmax", saves_output=True, dtype=FP32)
+        return self.mul(probs, v_rep, s.q_dim, f"{layer}.math.pv")
+
     def attention(self, q: Sym, k: Sym, v: Sym, layer: int) -> Sym:
         """SDPA (flash/cuDNN/CPU-flash) or memfit's attention: both save q, k, v, out and the fp32 log-sum-exp."""
         s = self.spec
@@ -207,7 +231,7 @@ class ModelGraph:
             v = self.pointwise([v], s.kv_dim, f"{layer}.cache_v")
             k.component = v.component = "kv_cache"
             cache += [k, v]
-        attn = self.attention(q, k, v, layer)
+        attn = (self.attention_math if self.sdpa_uses_math_kernel() else self.attention)(q, k, v, layer)
         o = self.projection(attn, layer, "o_proj", s.q_dim, s.hidden)
         self.release(y)  # LlamaAttention.forward's argument
         x2 = self.pointwise([x, o], s.hidden, f"{layer}.residual1")
