@@ -122,3 +122,21 @@ def test_finetune_default_runs_and_loss_falls(tmp_path):
     assert config["peft_type"] == "LORA" and (out / "adapter" / "adapter_model.safetensors").is_file()
     with pytest.raises(MemfitError, match="--resume"):
         _cli(["--out", str(out), "--steps", "2"])
+
+
+def test_gpu_memory_plan_becomes_the_run_techniques():
+    """--gpu-memory on CUDA takes the planner's fastest plan (checked here without a GPU)."""
+    import argparse
+
+    import torch
+    from rich.console import Console
+
+    from memfit.commands.finetune import choose_techniques
+    from memfit.models import PRESETS
+
+    spec = PRESETS["llama-3.2-3b"]
+    args = argparse.Namespace(offload="none", checkpoint="none", offload_to="cpu", four_bit=False, fused_ce=False,
+                              gpu_memory="8GiB", max_len=2048, batch_size=1, lora_r=16)
+    techniques = choose_techniques(args, spec, torch.device("cuda"), torch.bfloat16, Console(file=None, quiet=True))
+    assert techniques.fused_ce or techniques.four_bit or techniques.places is not None
+    assert techniques.places is None or len(techniques.places) == spec.num_layers

@@ -2,8 +2,8 @@
 
 With no arguments it runs the built-in first job: the tiny preset (random init), the
 byte tokenizer and the bundled data set, on CPU in well under a minute, and the loss
-visibly falls. The memory techniques come from flags today; ``choose_techniques`` is the
-one place where the ledger's planner will pick them for ``--gpu-memory``.
+visibly falls. The memory techniques come from flags, or, with ``--gpu-memory`` on a
+GPU, from the ledger's planner: the fastest plan that fits (``choose_techniques``).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ class Techniques:
     offload_to: str = "cpu"
     four_bit: bool = False
     fused_ce: bool = True
+    places: tuple[str, ...] | None = None  # a per-layer checkpoint policy from a plan (overrides checkpoint)
 
     def patch_kwargs(self) -> dict:
         return {"checkpoint": self.checkpoint, "offload_layers": self.offload_layers, "offload_to": self.offload_to,
@@ -43,7 +44,9 @@ def add_parser(sub):
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                         help=f"preset name or local model directory (default: {DEFAULT_MODEL}, random init)")
     parser.add_argument("--data", default=None, help="JSONL file (default: memfit's bundled small data set)")
-    parser.add_argument("--gpu-memory", default=None, help="GPU memory budget, e.g. 8GiB; the peak is checked against it")
+    parser.add_argument("--gpu-memory", default=None,
+                        help="GPU memory budget, e.g. 8GiB: on CUDA the planner picks the techniques (the fastest plan "
+                             "that fits); the measured peak is checked against it")
     parser.add_argument("--out", default="memfit-finetune", help="output directory (default: ./memfit-finetune)")
     parser.add_argument("--steps", type=int, default=60, help="total optimizer steps (default: 60)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
@@ -68,14 +71,33 @@ def add_parser(sub):
     return parser
 
 
-def choose_techniques(args, spec) -> Techniques:
-    """The techniques for this run. Hook: the ledger's planner will supply them from --gpu-memory."""
+def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, console) -> Techniques:
+    """The techniques for this run: the flags, or the planner's fastest plan for ``--gpu-memory`` on CUDA."""
     offload = args.offload
     if isinstance(offload, str) and offload.isdigit():
         offload = int(offload)
     if offload != "none" and args.checkpoint == "none":
         raise MemfitError(f"--offload {args.offload} needs --checkpoint layer (only checkpoint inputs are offloaded)")
-    return Techniques(args.checkpoint, offload, args.offload_to, args.four_bit, args.fused_ce)
+    if not args.gpu_memory:
+        return Techniques(args.checkpoint, offload, args.offload_to, args.four_bit, args.fused_ce)
+    if device.type != "cuda":
+        console.print("--gpu-memory plans for a CUDA GPU; on the CPU the techniques come from the flags")
+        return Techniques(args.checkpoint, offload, args.offload_to, args.four_bit, args.fused_ce)
+    from memfit.ledger import Job, Knobs, plan
+    from memfit.units import format_bytes, parse_bytes
+
+    job = Job(spec, task="lora", seq=args.max_len, batch=args.batch_size, device="cuda")
+    base = Knobs(dtype=str(dtype).removeprefix("torch."), lora_rank=args.lora_r, fused_ce=args.fused_ce,
+                 four_bit=args.four_bit)
+    _, plans = plan(job, base, parse_bytes(args.gpu_memory), limit=1)
+    knobs = plans[0].knobs
+    console.print(f"plan for {format_bytes(parse_bytes(args.gpu_memory))}: "
+                  f"{', '.join(plans[0].techniques) or 'no technique needed'}; predicted peak "
+                  f"{format_bytes(plans[0].ledger.total)} at batch {job.batch} x {job.seq} tokens")
+    places = tuple("cpu" if i < knobs.offload_layers else "gpu" if i < knobs.checkpoint_layers else "none"
+                   for i in range(spec.num_layers))
+    return Techniques("layer" if knobs.checkpoint_layers else "none", "none", "cpu", knobs.four_bit, knobs.fused_ce,
+                      places if knobs.checkpoint_layers else None)
 
 
 def load_model_and_tokenizer(name: str, dtype: torch.dtype, device: torch.device):
@@ -123,12 +145,17 @@ def run(args) -> int:
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, save_every=args.save_every,
                          lr=args.lr or (5e-2 if args.model == DEFAULT_MODEL else 2e-4))
     spec, model, tokenizer = load_model_and_tokenizer(args.model, dtype, device)
-    techniques = choose_techniques(args, spec)
+    techniques = choose_techniques(args, spec, device, dtype, console)
     examples = load_jsonl(args.data or DEFAULT_DATA, tokenizer, args.max_len)
     lora = {"r": args.lora_r, **({"lora_alpha": args.lora_alpha} if args.lora_alpha else {})}
     if args.model == DEFAULT_MODEL if args.train_norm is None else args.train_norm:
         lora["modules_to_save"] = ["norm"]
     model = patch(model, lora=lora, **techniques.patch_kwargs())
+    if techniques.places is not None:
+        from memfit.train.checkpoint import CheckpointPolicy
+        from memfit.train.patch import patch_state
+
+        patch_state(model).policy = CheckpointPolicy(techniques.places, 1, None)
     console.print(f"memfit finetune: {spec.name} on {device} ({str(dtype).replace('torch.', '')}), "
                   f"{len(examples)} examples, LoRA r={args.lora_r}, {techniques}")
     losses = _train_with_progress(model, examples, tokenizer, config, out, args.resume, device, console, format_bytes)
