@@ -160,3 +160,27 @@ def test_memfit_attention_keeps_what_sdpa_keeps_without_the_flash_workspace():
     assert [s.nbytes for s in sdpa.saves] == [s.nbytes for s in ours.saves]
     assert sdpa.backward_workspace == 4096 * spec.q_dim * 4 + 2 * 4096 * spec.q_dim * 2  # fp32 dQ, per-head dK/dV
     assert ours.backward_workspace == 4096 * spec.num_heads * 4  # delta only
+
+
+def test_partial_ffn_loading_keeps_gamma_of_the_middle_layers_neurons():
+    from memfit.infer.partial_load import PartialConfig
+
+    spec = PRESETS["llama-3.2-3b"]
+    job = Job(spec, task="infer", seq=128, new_tokens=256)
+    dense = predict(job, Knobs(dtype="float16"))
+    partial = predict(job, Knobs(dtype="float16", partial_load=0.7, partial_compute=0.4))
+    loaded = PartialConfig(load=0.7).counts(spec.intermediate)[2]
+    dropped = (spec.num_layers - 4) * 3 * spec.hidden * (spec.intermediate - loaded) * 2
+    assert dense.peak["weights"] - partial.peak["weights"] == dropped
+
+
+def test_infer_planner_offers_partial_loading_beside_quantisation(capsys):
+    from memfit.cli import main
+
+    assert main(["plan", "--model", "llama-3.2-3b", "--task", "infer", "--seq", "128", "--dtype", "float16",
+                 "--gpu-memory", "6GiB", "--json"]) == 0
+    import json
+
+    techniques = [t for p in json.loads(capsys.readouterr().out)["plans"] for t in p["techniques"]]
+    assert any(t.startswith("partial FFN") for t in techniques)
+    assert any(t.startswith("4-bit") for t in techniques)

@@ -43,6 +43,10 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
     setup.add_argument("--fused-ce", action="store_true",
                        help="loss by memfit's fused linear cross-entropy: logits are never built")
     setup.add_argument("--four-bit", action="store_true", help="LoRA on a frozen 4-bit NF4 base (bitsandbytes, CUDA)")
+    setup.add_argument("--partial-load", type=float, default=1.0,
+                       help="infer: share of FFN neurons loaded in the middle layers (default 1: all)")
+    setup.add_argument("--partial-compute", type=float, default=None,
+                       help="infer: share of FFN neurons computed per decoded token (default: --partial-load)")
     setup.add_argument("--attention", default="sdpa", choices=("sdpa", "memfit"),
                        help="attention kernel: torch SDPA or memfit's Triton kernel (default sdpa)")
     job.add_argument("--loss-fraction", type=float, default=1.0,
@@ -60,10 +64,13 @@ def job_from_args(args) -> tuple[Job, Knobs]:
     if args.batch % micro:
         raise MemfitError(f"--batch {args.batch} is not a multiple of --micro-batch {micro}")
     targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    if args.four_bit and args.task != "lora":
-        raise MemfitError("--four-bit freezes the base weights: it goes with --task lora")
+    if args.four_bit and args.task == "full":
+        raise MemfitError("--four-bit freezes the base weights: it goes with --task lora or infer")
+    partial_compute = args.partial_compute if args.partial_compute is not None else args.partial_load
+    if args.task != "infer" and (args.partial_load, partial_compute) != (1.0, 1.0):
+        raise MemfitError("--partial-load/--partial-compute are for --task infer")
     knobs = Knobs(dtype=args.dtype or spec.dtype, lora_rank=args.lora_rank, lora_targets=targets,
                   checkpoint_layers=args.checkpoint_layers, optimizer=args.optimizer, micro_batch=micro,
                   offload_layers=args.offload_layers, fused_ce=args.fused_ce, four_bit=args.four_bit,
-                  attention=args.attention)
+                  attention=args.attention, partial_load=args.partial_load, partial_compute=partial_compute)
     return job, knobs

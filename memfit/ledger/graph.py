@@ -53,8 +53,11 @@ class ModelGraph:
     """Builds the ops of one forward pass of ``spec`` over ``batch`` x ``seq`` tokens."""
 
     def __init__(self, spec: ModelSpec, batch: int, seq: int, dtype: str, trainable: Trainable | None,
-                 device: str = "cuda", four_bit: bool = False, attention: str = "sdpa"):
+                 device: str = "cuda", four_bit: bool = False, attention: str = "sdpa",
+                 ffn_widths: list[int] | None = None):
         self.spec, self.batch, self.seq, self.dtype = spec, batch, seq, dtype
+        # FFN neurons per layer (partial loading keeps fewer in the middle layers)
+        self.ffn_widths = ffn_widths or [spec.intermediate] * spec.num_layers
         self.attention_impl = attention
         self.four_bit = four_bit  # frozen base linears stored in NF4, dequantised per use
         self.tokens = batch * seq
@@ -237,11 +240,12 @@ class ModelGraph:
         x2 = self.pointwise([x, o], s.hidden, f"{layer}.residual1")
         y2 = self.rms_norm(x2, self.param(f"{layer}.post_attention_layernorm", s.hidden, norms_trained),
                            f"{layer}.norm2")
-        gate = self.projection(y2, layer, "gate_proj", s.hidden, s.intermediate)
-        up = self.projection(y2, layer, "up_proj", s.hidden, s.intermediate)
-        act = self.pointwise([gate], s.intermediate, f"{layer}.silu", saves_input=True)
-        prod = self.mul(act, up, s.intermediate, f"{layer}.act_mul")
-        down = self.projection(prod, layer, "down_proj", s.intermediate, s.hidden)
+        width = self.ffn_widths[layer]
+        gate = self.projection(y2, layer, "gate_proj", s.hidden, width)
+        up = self.projection(y2, layer, "up_proj", s.hidden, width)
+        act = self.pointwise([gate], width, f"{layer}.silu", saves_input=True)
+        prod = self.mul(act, up, width, f"{layer}.act_mul")
+        down = self.projection(prod, layer, "down_proj", width, s.hidden)
         self.release(y2)  # LlamaMLP.forward's argument
         out = self.pointwise([x2, down], s.hidden, f"{layer}.residual2")
         self.release(x)  # LlamaModel's loop variable holds the layer input until the layer returns

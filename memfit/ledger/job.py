@@ -72,6 +72,8 @@ class Knobs:
     fused_ce: bool = False  # loss from hidden states by memfit.kernels.linear_ce: no logits
     four_bit: bool = False  # frozen base linears in bitsandbytes NF4 (LoRA only)
     attention: str = "sdpa"  # "sdpa" (torch) or "memfit" (memfit.kernels.attention, two-pass backward)
+    partial_load: float = 1.0  # infer: share of FFN neurons loaded in the middle layers (gamma, memfit.infer)
+    partial_compute: float = 1.0  # infer: share computed per decoded token (phi <= gamma)
     extra: dict = field(default_factory=dict, compare=False, hash=False)  # later techniques' settings
 
     def __post_init__(self):
@@ -86,6 +88,9 @@ class Knobs:
             raise MemfitError(f"checkpoint_layers must be >= 0, got {self.checkpoint_layers}")
         if self.micro_batch is not None:
             _positive("micro_batch", self.micro_batch)
+        if not 0 < self.partial_compute <= self.partial_load <= 1:
+            raise MemfitError(f"need 0 < partial_compute ({self.partial_compute}) <= partial_load "
+                              f"({self.partial_load}) <= 1")
         if self.attention not in ATTENTIONS:
             raise MemfitError(f"attention {self.attention!r} is not one of {', '.join(ATTENTIONS)}")
         if not 0 <= self.offload_layers <= self.checkpoint_layers:

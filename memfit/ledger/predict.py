@@ -190,10 +190,21 @@ def _predict_train(job: Job, knobs: Knobs) -> Ledger:
                   CUDA_CONTEXT if job.device == "cuda" else 0, trainable_numel, notes)
 
 
+def ffn_widths(spec, knobs: Knobs) -> list[int]:
+    """FFN neurons resident per layer under partial loading (memfit.infer's own counting rule)."""
+    from memfit.infer.partial_load import PartialConfig
+
+    config = PartialConfig(load=knobs.partial_load, compute=knobs.partial_compute)
+    middle = config.partial_layers(spec.num_layers)
+    loaded = config.counts(spec.intermediate)[2]
+    return [loaded if layer in middle else spec.intermediate for layer in range(spec.num_layers)]
+
+
 def _predict_infer(job: Job, knobs: Knobs) -> Ledger:
     spec = job.spec
     workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
-    graph = ModelGraph(spec, job.batch, job.seq, knobs.dtype, None, job.device)
+    graph = ModelGraph(spec, job.batch, job.seq, knobs.dtype, None, job.device, four_bit=knobs.four_bit,
+                       attention=knobs.attention, ffn_widths=ffn_widths(spec, knobs))
     cache: list = []
     x, embedding = graph.embed()
     for layer in range(spec.num_layers):

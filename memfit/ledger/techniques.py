@@ -114,7 +114,7 @@ register(Technique(
     summary="4-bit NF4 frozen base (bitsandbytes), dequantised per use; approximate: the base weights are "
             "quantised",
     variants=lambda job, knobs: [{"four_bit": knobs.four_bit}, {"four_bit": True}]
-    if job.task == "lora" and job.device == "cuda" else [],
+    if job.task in ("lora", "infer") and job.device == "cuda" else [],
     # dequantisation reads the 4-bit weights and writes a dense copy per linear, forward and backward
     cost=lambda job, knobs: Cost(overhead=0.15 if knobs.four_bit else 0.0),
     describe=lambda knobs, base: "4-bit NF4 base (approximate)" if knobs.four_bit != base.four_bit else None,
@@ -152,6 +152,34 @@ register(Technique(
     variants=lambda job, knobs: [{"dtype": "float32"}, {"dtype": "bfloat16"}] if knobs.dtype == "float32" else [],
     cost=lambda job, knobs: Cost(),
     describe=lambda knobs, base: "bf16 weights" if knobs.dtype != base.dtype else None,
+))
+
+
+def _decode_bytes(job: Job, knobs: Knobs) -> float:
+    """Weight bytes one decoded token reads: the linears (only the computed FFN neurons) and lm_head."""
+    from memfit.infer.partial_load import PartialConfig
+
+    spec = job.spec
+    config = PartialConfig(load=knobs.partial_load, compute=knobs.partial_compute)
+    computed = config.counts(spec.intermediate)[1]
+    middle = len(config.partial_layers(spec.num_layers))
+    attention = sum(a * b for name, (a, b) in spec.linear_shapes().items() if name in ("q_proj", "k_proj", "v_proj",
+                                                                                        "o_proj"))
+    ffn = 3 * spec.hidden * ((spec.num_layers - middle) * spec.intermediate + middle * computed)
+    return (spec.num_layers * attention + ffn + spec.vocab * spec.hidden) * dtype_bytes(knobs.dtype)
+
+
+register(Technique(
+    name="partial_ffn",
+    summary="partial FFN loading and computation (memfit.infer): load gamma of the middle layers' FFN neurons, "
+            "decode with phi of them; approximate",
+    variants=lambda job, knobs: [{"partial_load": 1.0, "partial_compute": 1.0},
+                                 {"partial_load": 0.7, "partial_compute": 0.4}] if job.task == "infer" else [],
+    # decode reads the weights once per token: time follows the bytes read
+    cost=lambda job, knobs: Cost(overhead=_decode_bytes(job, knobs) / _decode_bytes(job, Knobs(dtype=knobs.dtype)) - 1),
+    describe=lambda knobs, base: f"partial FFN (load {knobs.partial_load:g}, compute {knobs.partial_compute:g}; "
+                                 "approximate)" if (knobs.partial_load, knobs.partial_compute)
+    != (base.partial_load, base.partial_compute) else None,
 ))
 
 
