@@ -184,3 +184,15 @@ def test_infer_planner_offers_partial_loading_beside_quantisation(capsys):
     techniques = [t for p in json.loads(capsys.readouterr().out)["plans"] for t in p["techniques"]]
     assert any(t.startswith("partial FFN") for t in techniques)
     assert any(t.startswith("4-bit") for t in techniques)
+
+
+def test_block_low_rank_model_weights_follow_the_compression_plan():
+    from memfit.compress import compressed_param_count
+
+    spec = PRESETS["llama-3.2-1b"]
+    job = Job(spec, task="infer", seq=1024, new_tokens=64)
+    ledger = predict(job, Knobs(blr_method="blast", blr_ratio=0.5))
+    assert ledger.peak["weights"] == compressed_param_count(spec, "blast", 0.5, 16)["model_compressed"] * 2
+    with pytest.raises(Exception, match="divisible"):
+        predict(Job(TINY, task="infer", seq=8, device="cpu"), Knobs(dtype="float32", blr_method="monarch",
+                                                                   blr_blocks=7))

@@ -47,6 +47,10 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
                        help="infer: share of FFN neurons loaded in the middle layers (default 1: all)")
     setup.add_argument("--partial-compute", type=float, default=None,
                        help="infer: share of FFN neurons computed per decoded token (default: --partial-load)")
+    setup.add_argument("--blr", default=None, choices=("blast", "monarch", "lowrank"),
+                       help="the model compressed to block-low-rank layers by `memfit compress` (default: dense)")
+    setup.add_argument("--blr-ratio", type=float, default=0.5, help="with --blr: share of linear parameters kept")
+    setup.add_argument("--blr-blocks", type=_int, default=16, help="with --blr: blocks (default 16)")
     setup.add_argument("--attention", default="sdpa", choices=("sdpa", "memfit"),
                        help="attention kernel: torch SDPA or memfit's Triton kernel (default sdpa)")
     job.add_argument("--loss-fraction", type=float, default=1.0,
@@ -72,5 +76,6 @@ def job_from_args(args) -> tuple[Job, Knobs]:
     knobs = Knobs(dtype=args.dtype or spec.dtype, lora_rank=args.lora_rank, lora_targets=targets,
                   checkpoint_layers=args.checkpoint_layers, optimizer=args.optimizer, micro_batch=micro,
                   offload_layers=args.offload_layers, fused_ce=args.fused_ce, four_bit=args.four_bit,
-                  attention=args.attention, partial_load=args.partial_load, partial_compute=partial_compute)
+                  attention=args.attention, partial_load=args.partial_load, partial_compute=partial_compute,
+                  blr_method=args.blr, blr_ratio=args.blr_ratio, blr_blocks=args.blr_blocks)
     return job, knobs

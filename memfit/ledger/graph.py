@@ -54,10 +54,12 @@ class ModelGraph:
 
     def __init__(self, spec: ModelSpec, batch: int, seq: int, dtype: str, trainable: Trainable | None,
                  device: str = "cuda", four_bit: bool = False, attention: str = "sdpa",
-                 ffn_widths: list[int] | None = None):
+                 ffn_widths: list[int] | None = None, structured: dict[str, tuple[int, int]] | None = None):
         self.spec, self.batch, self.seq, self.dtype = spec, batch, seq, dtype
         # FFN neurons per layer (partial loading keeps fewer in the middle layers)
         self.ffn_widths = ffn_widths or [spec.intermediate] * spec.num_layers
+        # block-low-rank projections: kind -> (parameters per layer, rank) (memfit.compress.plan_kinds)
+        self.structured = structured or {}
         self.attention_impl = attention
         self.four_bit = four_bit  # frozen base linears stored in NF4, dequantised per use
         self.tokens = batch * seq
@@ -139,7 +141,14 @@ class ModelGraph:
         """A linear layer with an optional LoRA adapter (peft's Linear.forward)."""
         t = self.trainable
         trained = bool(t and t.linears)
-        if self.four_bit and not trained:
+        if module in self.structured:
+            # BlastLinear/MonarchLinear/LowRankLinear: their Triton ops save only the input (backward
+            # recomputes the rank-r intermediate, which forward and backward hold transiently).
+            params, rank = self.structured[module]
+            weight = self.param(f"{layer}.{module}", params, trained)
+            inner = self._bytes(rank, self.dtype)
+            workspace = {"forward_workspace": inner, "backward_workspace": inner}
+        elif self.four_bit and not trained:
             # bitsandbytes NF4: 4-bit codes plus double-quantised absmax; matmul_4bit dequantises the
             # whole weight to the compute dtype in forward and again in backward (for the input grad).
             from memfit.train.four_bit import nf4_bytes

@@ -74,6 +74,9 @@ class Knobs:
     attention: str = "sdpa"  # "sdpa" (torch) or "memfit" (memfit.kernels.attention, two-pass backward)
     partial_load: float = 1.0  # infer: share of FFN neurons loaded in the middle layers (gamma, memfit.infer)
     partial_compute: float = 1.0  # infer: share computed per decoded token (phi <= gamma)
+    blr_method: str | None = None  # a block-low-rank model (memfit compress): "blast", "monarch" or "lowrank"
+    blr_ratio: float = 0.5  # its share of the decoder's linear parameters
+    blr_blocks: int = 16
     extra: dict = field(default_factory=dict, compare=False, hash=False)  # later techniques' settings
 
     def __post_init__(self):

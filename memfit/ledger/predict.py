@@ -110,7 +110,8 @@ def _train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
     """The ops of one micro-batch's forward and loss; returns the graph and the loss."""
     micro = knobs.micro_batch or job.batch
     graph = ModelGraph(job.spec, micro, job.seq, knobs.dtype, _trainable(job, knobs), job.device,
-                       four_bit=knobs.four_bit and job.task == "lora", attention=knobs.attention)
+                       four_bit=knobs.four_bit and job.task == "lora", attention=knobs.attention,
+                       structured=structured_kinds(job.spec, knobs))
     x, embedding = graph.embed()
     for layer in range(job.spec.num_layers):
         graph.segment = layer if layer < knobs.checkpoint_layers else None
@@ -190,6 +191,16 @@ def _predict_train(job: Job, knobs: Knobs) -> Ledger:
                   CUDA_CONTEXT if job.device == "cuda" else 0, trainable_numel, notes)
 
 
+def structured_kinds(spec, knobs: Knobs) -> dict[str, tuple[int, int]]:
+    """Projection kind -> (parameters per layer, rank) of the block-low-rank model, or {}."""
+    if knobs.blr_method is None:
+        return {}
+    from memfit.compress.plan import plan_kinds
+
+    plans = plan_kinds(spec.linear_shapes(), knobs.blr_method, knobs.blr_ratio, knobs.blr_blocks)
+    return {kind: (p.params, p.rank) for kind, p in plans.items() if p.rank is not None}
+
+
 def ffn_widths(spec, knobs: Knobs) -> list[int]:
     """FFN neurons resident per layer under partial loading (memfit.infer's own counting rule)."""
     from memfit.infer.partial_load import PartialConfig
@@ -204,7 +215,8 @@ def _predict_infer(job: Job, knobs: Knobs) -> Ledger:
     spec = job.spec
     workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
     graph = ModelGraph(spec, job.batch, job.seq, knobs.dtype, None, job.device, four_bit=knobs.four_bit,
-                       attention=knobs.attention, ffn_widths=ffn_widths(spec, knobs))
+                       attention=knobs.attention, ffn_widths=ffn_widths(spec, knobs),
+                       structured=structured_kinds(spec, knobs))
     cache: list = []
     x, embedding = graph.embed()
     for layer in range(spec.num_layers):
