@@ -102,6 +102,25 @@ def finetune_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + _targets(data)
 
 
+def finetune_ledger_section(data: dict) -> str:
+    src = data.get("measured_in", {})
+    out = ["### The ledger on the fine-tuning table (predicted vs measured above)\n",
+           f"_prediction: `python benchmarks/finetune_ledger.py` at commit {data['commit']}; measured: "
+           f"{src.get('gpu', '?')}, commit {src.get('commit', '?')}_\n",
+           "| dtype | configuration | " + " | ".join(str(c) for c in sorted({r["context"] for r in data["rows"]})) + " |"]
+    contexts = sorted({r["context"] for r in data["rows"]})
+    out.append("|---|---|" + "---|" * len(contexts))
+    for dtype in sorted({r["dtype"] for r in data["rows"]}):
+        for name in dict.fromkeys(r["row"] for r in data["rows"] if r["dtype"] == dtype):
+            cells = []
+            for c in contexts:
+                r = next((r for r in data["rows"] if r["dtype"] == dtype and r["row"] == name and r["context"] == c),
+                         None)
+                cells.append(f"{100 * r['error']:+.1f}%" if r else "-")
+            out.append(f"| {dtype} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n\n" + _targets(data)
+
+
 def partial_ffn_section(data: dict) -> str:
     out = ["### Partial-load / partial-compute decode, Llama-3.2-3B shape, fp16, batch 1\n",
            _header(data, "python benchmarks/partial_ffn.py"),
@@ -124,7 +143,8 @@ def blr_layers_section(data: dict) -> str:
 
 
 SECTIONS = [("ledger_accuracy", ledger_section), ("linear_ce", linear_ce_section), ("attention", attention_section),
-            ("finetune_memory", finetune_section), ("partial_ffn", partial_ffn_section),
+            ("finetune_memory", finetune_section), ("finetune_ledger", finetune_ledger_section),
+            ("partial_ffn", partial_ffn_section),
             ("blr_layers", blr_layers_section)]
 
 
