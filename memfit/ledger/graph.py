@@ -205,7 +205,14 @@ class ModelGraph:
         ks = self.pointwise([k_rep], s.q_dim, f"{layer}.math.k_scaled")
         scores = self.act(f"{layer}.math.scores", scores_per_token, qs.requires_grad, FP32)
         self.op(f"{layer}.math.qk", [qs, ks], [scores], [qs, ks] if scores.requires_grad else [])
-        probs = self.pointwise([scores], scores_per_token, f"{layer}.math.softmax", saves_output=True, dtype=FP32)
+        # at::_safe_softmax: softmax, a bool mask of -inf scores (1 byte: a quarter of fp32), and
+        # where(fully masked row, 0, softmax) as the saved result; its C++ locals live until it returns.
+        soft = self.pointwise([scores], scores_per_token, f"{layer}.math.softmax", dtype=FP32)
+        masked = self.pointwise([scores], scores_per_token // 4, f"{layer}.math.is_neg_inf", dtype=FP32)
+        probs = self.pointwise([soft, masked], scores_per_token, f"{layer}.math.safe_softmax", saves_output=True,
+                               dtype=FP32)
+        for local in (scores, soft, masked):
+            self.release(local)
         return self.mul(probs, v_rep, s.q_dim, f"{layer}.math.pv")
 
     def attention(self, q: Sym, k: Sym, v: Sym, layer: int) -> Sym:
