@@ -5,8 +5,8 @@
     asked, plans = memfit.plan(job, memfit.Knobs(), budget=memfit.parse_bytes("8GiB"))
     result = memfit.verify(job, plans[0].knobs)          # on a GPU: predicted vs measured
 
-Heavier parts load on first use: ``memfit.compress``, ``memfit.train.patch``,
-``memfit.infer``, ``memfit.layers``, ``memfit.kernels``.
+``import memfit`` brings the ledger and torch; the rest is imported by name:
+``memfit.compress``, ``memfit.train.patch``, ``memfit.infer``, ``memfit.layers``, ``memfit.kernels``.
 """
 from memfit.errors import MemfitError
 from memfit.ledger.job import Job, Knobs

@@ -42,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    if not argv:  # the built-in default job: plan the default model
-        argv = ["plan"]
     args = parser.parse_args(argv)
+    if args.command is None:  # the built-in default job: plan the default model
+        args = parser.parse_args([*argv, "plan"])
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="memfit: %(message)s")
     try:
         return int(args.handler(args) or 0)

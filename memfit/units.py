@@ -1,6 +1,7 @@
 """Byte sizes: parse what users type (``8GiB``, ``8GB``, ``8000MiB``, ``0.5TiB``) and print them."""
 from __future__ import annotations
 
+import math
 import re
 
 from memfit.errors import MemfitError
@@ -32,8 +33,8 @@ def parse_bytes(text: str | int | float) -> int:
                 f"unknown unit {match.group(2)!r} in {text!r}: use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
             )
     size = value * _UNITS[unit]
-    if size <= 0:
-        raise MemfitError(f"memory size must be positive, got {text!r}")
+    if not math.isfinite(size) or size < 1:
+        raise MemfitError(f"memory size must be a positive, finite number of bytes, got {text!r}")
     return int(size)
 
 

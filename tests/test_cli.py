@@ -43,6 +43,11 @@ def test_plan_default_job_runs(capsys):
     assert code == 0 and "plans that fit" in out
 
 
+def test_global_flag_without_a_verb_runs_the_default_plan(capsys):
+    code, out, _ = run(capsys, "-v")
+    assert code == 0 and "plans that fit" in out
+
+
 def test_verify_tiny_on_cpu(capsys):
     code, out, _ = run(capsys, "verify", "--model", "tiny", "--task", "infer", "--seq", "32", "--new-tokens", "4",
                        "--device", "cpu", "--json")

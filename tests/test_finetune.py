@@ -140,3 +140,16 @@ def test_gpu_memory_plan_becomes_the_run_techniques():
     techniques = choose_techniques(args, spec, torch.device("cuda"), torch.bfloat16, Console(file=None, quiet=True))
     assert techniques.fused_ce or techniques.four_bit or techniques.places is not None
     assert techniques.places is None or len(techniques.places) == spec.num_layers
+
+
+def test_finetune_plans_only_with_what_patch_applies():
+    """A batch that micro-batching would fit must still get a plan the training loop can run."""
+    from memfit.commands.finetune import APPLIED_BY_PATCH
+    from memfit.ledger import Job, Knobs, plan
+    from memfit.models import PRESETS
+    from memfit.units import parse_bytes
+
+    job = Job(PRESETS["llama-3.2-1b"], task="lora", seq=512, batch=8)
+    _, plans = plan(job, Knobs(), parse_bytes("8GiB"), limit=3, allowed=APPLIED_BY_PATCH)
+    for p in plans:
+        assert (p.knobs.micro_batch, p.knobs.optimizer, p.knobs.dtype) == (None, "adamw", "bfloat16")

@@ -98,13 +98,26 @@ def test_verify_on_cpu_within_five_percent(task, changes):
 
 
 def test_budget_parsing():
+    from memfit.errors import MemfitError
+
     assert parse_bytes("8GiB") == 8 * 2**30
     assert parse_bytes("8GB") == 8 * 10**9
     assert parse_bytes("8000MiB") == 8000 * 2**20
     assert parse_bytes("0.5TiB") == 2**39
-    for bad in ("8XB", "", "-1GiB", "0GB", "eight"):
-        with pytest.raises(Exception, match="memory size|unit|positive"):
+    for bad in ("8XB", "", "-1GiB", "0GB", "eight", "0.1", "0.5B", "1e400GiB"):
+        with pytest.raises(MemfitError, match="memory size|unit"):
             parse_bytes(bad)
+
+
+def test_verify_refuses_what_it_would_not_build():
+    from memfit.errors import MemfitError
+
+    job = Job(TINY, task="infer", seq=16, device="cpu")
+    for knobs in (Knobs(dtype="float32", blr_method="lowrank"), Knobs(dtype="float32", partial_load=0.5,
+                                                                       partial_compute=0.5),
+                  Knobs(dtype="float32", attention="memfit")):
+        with pytest.raises(MemfitError):
+            verify(job, knobs)
 
 
 def test_fused_loss_on_cpu_within_five_percent():

@@ -17,6 +17,7 @@ import torch
 from memfit.errors import MemfitError
 
 DEFAULT_MODEL = "tiny"
+APPLIED_BY_PATCH = ("checkpoint", "fused_ce", "four_bit")  # the planner's techniques this command can run
 
 
 @dataclass(frozen=True)
@@ -84,34 +85,38 @@ def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, cons
         console.print("--gpu-memory plans for a CUDA GPU; on the CPU the techniques come from the flags")
         return Techniques(args.checkpoint, offload, args.offload_to, args.four_bit, args.fused_ce)
     from memfit.ledger import Job, Knobs, plan
+    from memfit.train.checkpoint import CheckpointPolicy
     from memfit.units import format_bytes, parse_bytes
 
     job = Job(spec, task="lora", seq=args.max_len, batch=args.batch_size, device="cuda")
     base = Knobs(dtype=str(dtype).removeprefix("torch."), lora_rank=args.lora_r, fused_ce=args.fused_ce,
                  four_bit=args.four_bit)
-    _, plans = plan(job, base, parse_bytes(args.gpu_memory), limit=1)
+    # the training loop runs the whole batch with AdamW in the model's dtype: keep plans that change only
+    # what patch() applies (checkpointing, offload, fused loss, 4-bit base)
+    _, plans = plan(job, base, parse_bytes(args.gpu_memory), limit=1, allowed=APPLIED_BY_PATCH)
     knobs = plans[0].knobs
     console.print(f"plan for {format_bytes(parse_bytes(args.gpu_memory))}: "
                   f"{', '.join(plans[0].techniques) or 'no technique needed'}; predicted peak "
                   f"{format_bytes(plans[0].ledger.total)} at batch {job.batch} x {job.seq} tokens")
-    places = tuple("cpu" if i < knobs.offload_layers else "gpu" if i < knobs.checkpoint_layers else "none"
-                   for i in range(spec.num_layers))
+    places = CheckpointPolicy.first_layers(spec.num_layers, knobs.checkpoint_layers, knobs.offload_layers).places
     return Techniques("layer" if knobs.checkpoint_layers else "none", "none", "cpu", knobs.four_bit, knobs.fused_ce,
                       places if knobs.checkpoint_layers else None)
 
 
 def load_model_and_tokenizer(name: str, dtype: torch.dtype, device: torch.device):
     """A preset (random init, byte tokenizer) or a local HF directory (its tokenizer, or the byte one)."""
+    from memfit.commands.calibrate import check_model_dir
     from memfit.data.tokenizer import ByteTokenizer
-    from memfit.models import build_model, load_spec
+    from memfit.models import PRESETS, build_model, load_spec
 
-    spec = load_spec(name)
-    path = Path(name).expanduser()
-    if not path.is_dir():
+    if name in PRESETS:  # only a preset is built with random weights
+        spec = load_spec(name)
         model, tokenizer = build_model(spec, dtype=dtype, device=device), ByteTokenizer()
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        path = check_model_dir(name)
+        spec = load_spec(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
         if ByteTokenizer.saved_in(path) or not any(path.glob("tokenizer*")):
             tokenizer = ByteTokenizer()
@@ -127,10 +132,10 @@ def load_model_and_tokenizer(name: str, dtype: torch.dtype, device: torch.device
 def run(args) -> int:
     from rich.console import Console
 
-    from memfit.data.jsonl import DEFAULT_DATA, load_jsonl
+    from memfit.data.jsonl import DEFAULT_DATA, check_source, load_jsonl
     from memfit.models import dtype_of
     from memfit.train.finetune import TrainConfig, latest_checkpoint, peak_bytes
-    from memfit.train.patch import patch
+    from memfit.train.patch import lora_config, patch
     from memfit.units import format_bytes, parse_bytes
 
     console = Console(stderr=True)
@@ -139,23 +144,27 @@ def run(args) -> int:
 
     device = resolve_device(args.device)
     dtype = dtype_of(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    out = Path(args.out)
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise MemfitError(f"--out {out} exists and is not a directory; choose another --out")
     if not args.resume and latest_checkpoint(out) is not None:
         raise MemfitError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, save_every=args.save_every,
-                         lr=args.lr or (5e-2 if args.model == DEFAULT_MODEL else 2e-4))
-    spec, model, tokenizer = load_model_and_tokenizer(args.model, dtype, device)
-    techniques = choose_techniques(args, spec, device, dtype, console)
-    examples = load_jsonl(args.data or DEFAULT_DATA, tokenizer, args.max_len)
-    lora = {"r": args.lora_r, **({"lora_alpha": args.lora_alpha} if args.lora_alpha else {})}
+    lr = args.lr if args.lr is not None else (5e-2 if args.model == DEFAULT_MODEL else 2e-4)
+    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, save_every=args.save_every, lr=lr)
+    data = check_source(args.data or DEFAULT_DATA, args.max_len)
+    lora = {"r": args.lora_r, **({"lora_alpha": args.lora_alpha} if args.lora_alpha is not None else {})}
     if args.model == DEFAULT_MODEL if args.train_norm is None else args.train_norm:
         lora["modules_to_save"] = ["norm"]
+    lora = lora_config(lora)  # LoRA settings checked before the model loads
+    spec, model, tokenizer = load_model_and_tokenizer(args.model, dtype, device)
+    techniques = choose_techniques(args, spec, device, dtype, console)
+    examples = load_jsonl(data, tokenizer, args.max_len)
     model = patch(model, lora=lora, **techniques.patch_kwargs())
     if techniques.places is not None:
         from memfit.train.checkpoint import CheckpointPolicy
         from memfit.train.patch import patch_state
 
-        patch_state(model).policy = CheckpointPolicy(techniques.places, 1, None)
+        patch_state(model).policy = CheckpointPolicy(techniques.places)
     console.print(f"memfit finetune: {spec.name} on {device} ({str(dtype).replace('torch.', '')}), "
                   f"{len(examples)} examples, LoRA r={args.lora_r}, {techniques}")
     losses = _train_with_progress(model, examples, tokenizer, config, out, args.resume, device, console, format_bytes)
@@ -193,6 +202,7 @@ def _save_adapter(model, out: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     old = out / ".adapter.old"
+    shutil.rmtree(old, ignore_errors=True)  # left over from a run that crashed mid-swap
     if final.exists():
         final.rename(old)
     tmp.rename(final)

@@ -19,13 +19,21 @@ decode), not summed. Budgets count the CUDA context and allocator overhead too.
 """
 
 
+def _positive_int(text: str) -> int:
+    import argparse
+
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def add_parser(sub):
     parser = sub.add_parser("plan", help="predict a job's memory and find plans that fit a budget",
                             description=__doc__, epilog=EXAMPLES,
                             formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     add_job_arguments(parser)
     parser.add_argument("--gpu-memory", default="16GiB", help="the budget: 8GiB, 8GB, 8000MiB, 0.5TiB (default 16GiB)")
-    parser.add_argument("--limit", type=int, default=5, help="how many fitting plans to show (default 5)")
+    parser.add_argument("--limit", type=_positive_int, default=5, help="how many fitting plans to show (default 5)")
     parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     return parser
 

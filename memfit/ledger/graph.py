@@ -34,7 +34,6 @@ from memfit.ledger.simulate import Op, Sym
 from memfit.models.spec import ModelSpec, dtype_bytes
 
 FP32 = "float32"
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)

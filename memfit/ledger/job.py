@@ -1,7 +1,7 @@
 """A job (what the user wants to run) and the knobs a plan sets (how memfit runs it)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 from memfit.errors import MemfitError
 from memfit.models.spec import ModelSpec, dtype_of
@@ -77,7 +77,6 @@ class Knobs:
     blr_method: str | None = None  # a block-low-rank model (memfit compress): "blast", "monarch" or "lowrank"
     blr_ratio: float = 0.5  # its share of the decoder's linear parameters
     blr_blocks: int = 16
-    extra: dict = field(default_factory=dict, compare=False, hash=False)  # later techniques' settings
 
     def __post_init__(self):
         dtype_of(self.dtype)
@@ -106,11 +105,4 @@ class Knobs:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["lora_targets"] = list(self.lora_targets)
-        if not data.pop("extra"):
-            return data
-        return {**data, **self.extra}
-
-
-def default_knobs(job: Job) -> Knobs:
-    """What a plain run does: the model's dtype (bf16 for fp32 checkpoints on GPU is *not* assumed)."""
-    return Knobs(dtype=job.spec.dtype, micro_batch=job.batch)
+        return data

@@ -44,9 +44,9 @@ def relative_time(job: Job, cost: Cost) -> float:
     return 1.0 + cost.recompute + cost.overhead + cost.pcie_bytes / PCIE_BYTES_PER_S / compute_s
 
 
-def candidates(job: Job, base: Knobs) -> list[Knobs]:
-    """Every combination of the registered techniques' variants on top of ``base``."""
-    options = [t.variants(job, base) or [{}] for t in REGISTRY.values()]
+def candidates(job: Job, base: Knobs, allowed: tuple[str, ...] | None = None) -> list[Knobs]:
+    """Every combination of the registered techniques' variants (or only the ``allowed`` ones) on top of ``base``."""
+    options = [t.variants(job, base) or [{}] for name, t in REGISTRY.items() if allowed is None or name in allowed]
     out, seen = [], set()
     for combo in itertools.product(*options):
         changes = {k: v for part in combo for k, v in part.items()}
@@ -58,19 +58,23 @@ def candidates(job: Job, base: Knobs) -> list[Knobs]:
 
 
 def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
-         progress: Callable[[int, int], None] | None = None) -> tuple[Ledger, list[Plan]]:
+         progress: Callable[[int, int], None] | None = None,
+         allowed: tuple[str, ...] | None = None) -> tuple[Ledger, list[Plan]]:
     """The ledger of the job as asked, and up to ``limit`` plans fitting ``budget``, fastest first.
 
     A technique's time cost is known without replaying the job, so candidates are replayed
     in order of predicted time and the search stops once ``limit`` plans fit. Only when
     nothing fits is every candidate replayed, to name the smallest reachable peak in the
-    error. ``progress(done, total)`` is called after each replay.
+    error. ``progress(done, total)`` is called after each replay. ``allowed`` limits the search to
+    those technique names (a caller that can apply only some of them).
     """
+    if limit < 1:
+        raise MemfitError(f"limit must be at least 1, got {limit}")
     asked = predict(job, base)
     if budget is None:
         return asked, []
     ranked = []
-    for knobs in candidates(job, base):
+    for knobs in candidates(job, base, allowed):
         cost = total_cost(job, knobs)
         ranked.append((relative_time(job, cost), knobs, cost))
     ranked.sort(key=lambda item: item[0])

@@ -4,8 +4,8 @@ A ``Technique`` proposes settings for some ``Knobs`` fields (its *variants*, giv
 job and the user's own choices) and prices each variant in time. The memory effect of
 a setting is not estimated here: the ledger replays the job with the knobs set
 (``predict.py``), so a technique's memory model is whatever the replay makes of its knobs.
-Later techniques register the same way with ``register``; settings the base knobs do
-not have go in ``Knobs.extra``.
+Later techniques register the same way with ``register``, adding the fields they need
+to ``Knobs`` and the ops they change to the graph.
 """
 from __future__ import annotations
 

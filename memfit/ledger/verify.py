@@ -85,6 +85,12 @@ def check_runnable(job: Job, knobs: Knobs) -> None:
     """Refuse, before any work, what this machine cannot run."""
     if job.device == "cuda" and not torch.cuda.is_available():
         raise MemfitError("verify on cuda needs a CUDA GPU; use --device cpu here")
+    if knobs.blr_method or (knobs.partial_load, knobs.partial_compute) != (1.0, 1.0):
+        raise MemfitError("verify builds dense models only: block-low-rank (--blr) and partial-FFN models are "
+                          "predicted by `memfit plan`, measured by benchmarks/blr_e2e.py and benchmarks/partial_ffn.py")
+    if job.device != "cuda" and knobs.attention == "memfit":
+        raise MemfitError("--attention memfit is modelled as its Triton kernel, which runs on CUDA; on cpu it falls "
+                          "back to a reference that holds the scores")
     if job.device != "cuda" and (knobs.offload_layers or knobs.four_bit):
         raise MemfitError("checkpoint offload and the 4-bit base run on CUDA only; drop --offload-layers/--four-bit "
                           "on cpu")
@@ -106,9 +112,8 @@ def _patched(job: Job, knobs: Knobs, model):
     model = patch(model, checkpoint="layer" if knobs.checkpoint_layers else "none", fused_ce=knobs.fused_ce,
                   four_bit=knobs.four_bit, lora=lora, attention=knobs.attention)
     if knobs.checkpoint_layers:
-        places = tuple("cpu" if i < knobs.offload_layers else "gpu" if i < knobs.checkpoint_layers else "none"
-                       for i in range(job.spec.num_layers))
-        patch_state(model).policy = CheckpointPolicy(places, 1, None)
+        patch_state(model).policy = CheckpointPolicy.first_layers(job.spec.num_layers, knobs.checkpoint_layers,
+                                                                  knobs.offload_layers)
     return model.train()
 
 

@@ -73,6 +73,14 @@ class CheckpointPolicy:
             return cls(("none",) * num_layers, prefetch, disk_dir)
         return cls(tuple(offload_to if i in offloaded else "gpu" for i in range(num_layers)), prefetch, disk_dir)
 
+    @classmethod
+    def first_layers(cls, num_layers: int, checkpointed: int, offloaded: int = 0,
+                     prefetch: int = 1) -> "CheckpointPolicy":
+        """Checkpoint the first ``checkpointed`` layers, the first ``offloaded`` of them in pinned CPU memory
+        (the shape of a ledger plan: the earliest inputs wait longest for their backward)."""
+        return cls(tuple("cpu" if i < offloaded else "gpu" if i < checkpointed else "none" for i in range(num_layers)),
+                   prefetch)
+
     @property
     def active(self) -> bool:
         return any(p != "none" for p in self.places)
