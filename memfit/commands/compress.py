@@ -1,8 +1,6 @@
 """``memfit compress``: convert a model's linear layers to low-rank, Monarch or BLAST structure."""
 from __future__ import annotations
 
-from pathlib import Path
-
 
 def add_parser(sub):
     parser = sub.add_parser(
@@ -25,7 +23,7 @@ def add_parser(sub):
     parser.add_argument("--activation-aware", action="store_true",
                         help="minimise each layer's output error on the calibration inputs (whitened projection)")
     parser.add_argument("--steps", type=int, default=300, help="BLAST descent steps per matrix (default 300)")
-    parser.add_argument("--device", default=None, help="where projections run (default: cuda if available)")
+    parser.add_argument("--device", default="auto", help="where projections run: auto (cuda if present), cpu, cuda or cuda:N")
     return parser
 
 
@@ -36,11 +34,11 @@ def _skip(text):
 
 
 def run(args) -> int:
-    import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from memfit.commands.calibrate import check_model_dir, resolve_device
     from memfit.compress import compress_model, plan_kinds, save_compressed
     from memfit.compress.calibration import load_calibration
     from memfit.compress.convert import decoder_linears, model_shapes
@@ -51,12 +49,17 @@ def run(args) -> int:
 
     console = Console(stderr=True)
     check_output(args.out, args.force)  # before any work
+    if args.steps < 1:
+        raise MemfitError(f"--steps must be >= 1, got {args.steps}")
     skip = _skip(args.skip)
     spec = load_spec(args.model)
     plan_kinds(spec.linear_shapes(), args.method, args.ratio, args.blocks, skip=skip)  # shape errors up front
     if args.activation_aware and not (args.calib or args.calib_builtin):
         raise MemfitError("--activation-aware needs --calib FILE or --calib-builtin")
-    model_dir = None if args.model in PRESETS else Path(args.model).expanduser()
+    model_dir = None if args.model in PRESETS else check_model_dir(args.model)
+    device = resolve_device(args.device)
+    calibration = load_calibration(args.calib, args.calib_builtin, model_dir, spec.vocab,
+                                   args.calib_samples, args.calib_seq)
     if model_dir is None:
         warn_once("compress:random", f"{args.model} is a preset: compressing random weights (shapes only)")
         model = build_model(spec, dtype="float32")
@@ -64,10 +67,7 @@ def run(args) -> int:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype="auto").eval()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    calibration = load_calibration(args.calib, args.calib_builtin, model_dir, spec.vocab,
-                                   args.calib_samples, args.calib_seq)
     linears = decoder_linears(model)
     plan = plan_kinds(model_shapes(linears), args.method, args.ratio, args.blocks, skip=skip)
     total = sum(plan[name.rsplit(".", 1)[-1]].rank is not None for name in linears)

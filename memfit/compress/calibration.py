@@ -40,6 +40,9 @@ def calibration_batches(encode, text: str, samples: int = 32, seq_len: int = 512
 def load_calibration(calib_file: str | None, builtin: bool, model_dir: str | Path | None, vocab: int,
                      samples: int = 32, seq_len: int = 512) -> list[torch.Tensor] | None:
     """Batches from ``calib_file`` or the built-in corpus; None when neither was asked for."""
+    for flag, value in (("--calib-samples", samples), ("--calib-seq", seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise MemfitError(f"{flag} must be a positive integer, got {value!r}")
     if calib_file and builtin:
         raise MemfitError("give either --calib FILE or --calib-builtin, not both")
     if not calib_file and not builtin:

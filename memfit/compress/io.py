@@ -34,7 +34,7 @@ def check_output(out: str | Path, force: bool) -> Path:
     """Refuse an existing ``out`` unless ``force`` (call before any work starts)."""
     out = Path(out).expanduser()
     if out.exists() and not force:
-        raise MemfitError(f"{out} already exists; pass --force (force=True) to replace it, or choose another --out")
+        raise MemfitError(f"{out} already exists; pass --force to replace it, or choose another --out")
     if out.exists() and not out.is_dir():
         raise MemfitError(f"{out} exists and is not a directory")
     return out

@@ -59,18 +59,20 @@ def default_skip(shapes: dict[str, tuple[int, int]]) -> tuple[str, ...]:
     return ()
 
 
-def _check_args(method, ratio, blocks):
-    structure_class(method)
-    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio < 1:
+def _check_args(method, ratio, blocks, ranks):
+    """The structure class of ``method``, after checking ``blocks`` and (without explicit ``ranks``) ``ratio``."""
+    cls = structure_class(method)
+    if ranks is None and (not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio < 1):
         raise MemfitError(f"ratio must be a fraction of the linear parameters in (0, 1), got {ratio!r}")
     if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
         raise MemfitError(f"blocks must be a positive integer, got {blocks!r}")
+    return cls
 
 
 def plan_kinds(shapes: dict[str, tuple[int, int]], method: str, ratio: float | None = 0.5, blocks: int = 16,
                ranks: dict[str, int] | None = None, skip: tuple[str, ...] | None = None) -> dict[str, KindPlan]:
     """Rank per kind (``shapes``: kind -> (in, out)) for ``ratio``, or the explicit ``ranks``."""
-    cls = structure_class(method)
+    cls = _check_args(method, ratio, blocks, ranks)  # before the divisibility test divides by blocks
     blocks = 1 if method == "lowrank" else blocks
     skip = default_skip(shapes) if skip is None else tuple(skip)
     unknown = [k for k in (*skip, *(ranks or {})) if k not in shapes]
@@ -113,7 +115,6 @@ def plan_kinds(shapes: dict[str, tuple[int, int]], method: str, ratio: float | N
 
     if ranks is not None:
         return plan_at(None)
-    _check_args(method, ratio, blocks)
     total = sum(fin * fout for fin, fout in shapes.values())
     lo, hi, best = 0.0, 1.0, None
     for _ in range(40):  # largest shared fraction whose plan fits ratio * total
