@@ -37,13 +37,23 @@ def resolve_device(name: str):
 
 
 def check_model_dir(model: str) -> Path:
+    """``model`` as a directory holding config.json and safetensors weights (checked before any work)."""
     from memfit.errors import MemfitError
+    from memfit.infer.partial_load import check_weight_files
     from memfit.models import PRESETS
 
     path = Path(model).expanduser()
     if not path.is_dir():
-        hint = " (a preset is a shape without weights; save one with memfit.models.save_model_dir)" if model in PRESETS else ""
+        if model in PRESETS:
+            hint = " (a preset is a shape without weights; save one with memfit.models.save_model_dir)"
+        elif path.is_file():
+            hint = " (it is a file: pass the directory holding config.json and the weights)"
+        else:
+            hint = " (no such directory)"
         raise MemfitError(f"{model!r} is not a model directory{hint}")
+    if not (path / "config.json").is_file():
+        raise MemfitError(f"{model}: the directory has no config.json")
+    check_weight_files(path)
     return path
 
 

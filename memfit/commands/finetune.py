@@ -109,14 +109,13 @@ def load_model_and_tokenizer(name: str, dtype: torch.dtype, device: torch.device
     from memfit.data.tokenizer import ByteTokenizer
     from memfit.models import PRESETS, build_model, load_spec
 
+    spec = load_spec(name)
     if name in PRESETS:  # only a preset is built with random weights
-        spec = load_spec(name)
         model, tokenizer = build_model(spec, dtype=dtype, device=device), ByteTokenizer()
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = check_model_dir(name)
-        spec = load_spec(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
         if ByteTokenizer.saved_in(path) or not any(path.glob("tokenizer*")):
             tokenizer = ByteTokenizer()

@@ -1,6 +1,7 @@
 """``memfit generate``: stream text from a local model, optionally loading/computing a fraction of its FFN neurons."""
 from __future__ import annotations
 
+import math
 import sys
 
 
@@ -50,6 +51,8 @@ def run(args) -> int:
     partial.check(spec.num_layers)
     if args.max_new < 1:
         raise MemfitError(f"--max-new must be >= 1, got {args.max_new}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise MemfitError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     device = resolve_device(args.device)
     console = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console, transient=True) as bar:

@@ -79,11 +79,21 @@ def tokenize_record(record, tokenizer, max_len: int, where: str) -> Example | No
     return Example(tuple(ids), tuple(labels))
 
 
-def load_jsonl(path: str | Path, tokenizer, max_len: int) -> list[Example]:
-    """All examples of a JSONL file, tokenized. Raises MemfitError naming the first bad line."""
-    path = Path(path)
+def check_source(path: str | Path, max_len: int) -> Path:
+    """``path`` as a readable JSONL file and ``max_len`` as a usable length (callers check before any work)."""
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 2:
+        raise MemfitError(f"max_len must be an integer >= 2 (a prompt token and a response token), got {max_len!r}")
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise MemfitError(f"data file {str(path)!r} is a directory; pass a JSONL file")
     if not path.is_file():
         raise MemfitError(f"data file {str(path)!r} does not exist")
+    return path
+
+
+def load_jsonl(path: str | Path, tokenizer, max_len: int) -> list[Example]:
+    """All examples of a JSONL file, tokenized. Raises MemfitError naming the first bad line."""
+    path = check_source(path, max_len)
     examples, dropped = [], 0
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):

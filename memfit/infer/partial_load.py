@@ -73,7 +73,8 @@ class PartialConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise MemfitError(f"{name} must be a non-negative integer, got {value!r}")
-        if self.full_first + self.full_last > num_layers:
+        full_model = self.load == 1 and self.phi == 1  # every neuron loaded and computed: no partial layers
+        if not full_model and self.full_first + self.full_last > num_layers:
             raise MemfitError(f"full_first + full_last = {self.full_first + self.full_last} exceeds the model's {num_layers} layers")
         if not isinstance(self.align, int) or self.align < 1:
             raise MemfitError(f"align must be a positive integer, got {self.align!r}")
@@ -110,15 +111,24 @@ def choose_loaded(general: torch.Tensor, task: torch.Tensor, n_base: int, n_load
     return ids, position < n_base, position
 
 
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
+
+
+def check_weight_files(model_dir: Path) -> None:
+    """Raise unless ``model_dir`` holds safetensors weights (a single file or a sharded index)."""
+    if not any((Path(model_dir) / name).is_file() for name in WEIGHT_FILES):
+        raise MemfitError(f"{model_dir}: no model.safetensors or model.safetensors.index.json "
+                          "(memfit loads safetensors only)")
+
+
 def _weight_files(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file of a model directory (single file or sharded with an index)."""
+    check_weight_files(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: model_dir / file for name, file in weight_map.items()}
     single = model_dir / "model.safetensors"
-    if not single.is_file():
-        raise MemfitError(f"{model_dir}: no model.safetensors or model.safetensors.index.json (memfit loads safetensors only)")
     from safetensors import safe_open
 
     with safe_open(str(single), framework="pt") as handle:

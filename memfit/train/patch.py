@@ -26,6 +26,7 @@ how a planner's plan or a benchmark moves between technique sets on one model.
 """
 from __future__ import annotations
 
+import math
 import types
 from dataclasses import dataclass
 
@@ -93,6 +94,11 @@ def lora_config(lora):
     fields = {**LORA_DEFAULTS, **lora}
     if "lora_alpha" not in lora and "r" in lora:
         fields["lora_alpha"] = 2 * lora["r"]
+    rank, alpha = fields.get("r"), fields.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise MemfitError(f"LoRA rank r must be a positive integer, got {rank!r}")
+    if alpha is not None and (not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0):
+        raise MemfitError(f"lora_alpha must be a positive number, got {alpha!r}")
     try:
         return LoraConfig(**fields)
     except (TypeError, ValueError) as err:
