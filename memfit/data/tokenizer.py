@@ -7,6 +7,8 @@ tokenizer (``encode``/``decode``/``__call__``/``batch_decode``, ``pad_token_id``
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from memfit.errors import MemfitError
@@ -84,9 +86,19 @@ class ByteTokenizer:
         return {"input_ids": rows[0] if single else rows, "attention_mask": masks[0] if single else masks}
 
     def save_pretrained(self, directory: str | Path) -> Path:
-        """Write a small marker file so a model directory records its tokenizer."""
+        """Write a small marker file so a model directory records its tokenizer.
+
+        Written to a temp file and renamed, so a crash never leaves a truncated marker in the directory.
+        """
         path = Path(directory) / CONFIG_NAME
-        path.write_text(json.dumps({"tokenizer": "memfit-bytes", "vocab_size": self.vocab_size, **self.special_tokens}))
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{CONFIG_NAME}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump({"tokenizer": "memfit-bytes", "vocab_size": self.vocab_size, **self.special_tokens}, handle)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return path
 
     @classmethod

@@ -65,10 +65,14 @@ class Rankings:
             tensors[f"{name}.rank"] = torch.sort(score, dim=-1, descending=True, stable=True).indices.to(torch.int32).contiguous()
         meta = {"format": FORMAT, "tokens": json.dumps(self.tokens)}
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
-        save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, path)
+        try:
+            save_file(tensors, tmp, metadata=meta)
+            os.replace(tmp, path)
+        except BaseException:  # never leave a half-written temp file behind
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return path
 
     @classmethod
