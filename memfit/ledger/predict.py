@@ -16,7 +16,7 @@ temporaries (forward intermediates and activation gradients in flight), workspac
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from memfit.ledger.graph import ModelGraph, Trainable
@@ -124,9 +124,14 @@ def _train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
     return graph, loss
 
 
-@lru_cache(maxsize=512)
 def predict(job: Job, knobs: Knobs) -> Ledger:
-    """The ledger of ``job`` run with ``knobs``."""
+    """The ledger of ``job`` run with ``knobs`` (a fresh copy: callers may change it)."""
+    ledger = _cached_predict(job, knobs)
+    return replace(ledger, peak=dict(ledger.peak), phases=dict(ledger.phases), notes=list(ledger.notes))
+
+
+@lru_cache(maxsize=512)
+def _cached_predict(job: Job, knobs: Knobs) -> Ledger:
     return _predict_infer(job, knobs) if job.task == "infer" else _predict_train(job, knobs)
 
 

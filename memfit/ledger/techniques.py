@@ -155,6 +155,13 @@ register(Technique(
 ))
 
 
+def _has_partial_layers(spec) -> bool:
+    """Partial loading keeps the first and last layers whole; a model needs layers in between."""
+    from memfit.infer.partial_load import PartialConfig
+
+    return len(PartialConfig().partial_layers(spec.num_layers)) > 0
+
+
 def _decode_bytes(job: Job, knobs: Knobs) -> float:
     """Weight bytes one decoded token reads: the linears (only the computed FFN neurons) and lm_head."""
     from memfit.infer.partial_load import PartialConfig
@@ -174,7 +181,8 @@ register(Technique(
     summary="partial FFN loading and computation (memfit.infer): load gamma of the middle layers' FFN neurons, "
             "decode with phi of them; approximate",
     variants=lambda job, knobs: [{"partial_load": 1.0, "partial_compute": 1.0},
-                                 {"partial_load": 0.7, "partial_compute": 0.4}] if job.task == "infer" else [],
+                                 {"partial_load": 0.7, "partial_compute": 0.4}]
+    if job.task == "infer" and _has_partial_layers(job.spec) else [],
     # decode reads the weights once per token: time follows the bytes read
     cost=lambda job, knobs: Cost(overhead=_decode_bytes(job, knobs) / _decode_bytes(job, Knobs(dtype=knobs.dtype)) - 1),
     describe=lambda knobs, base: f"partial FFN (load {knobs.partial_load:g}, compute {knobs.partial_compute:g}; "
