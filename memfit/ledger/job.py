@@ -4,12 +4,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from memfit.errors import MemfitError
-from memfit.models.spec import ModelSpec, dtype_of
+from memfit.models.spec import PROJECTIONS, ModelSpec, dtype_of
 
 TASKS = ("full", "lora", "infer")
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 ATTENTIONS = ("sdpa", "memfit")
-LORA_TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS_ALL = PROJECTIONS
 
 
 def _positive(name: str, value) -> None:

@@ -14,6 +14,8 @@ import torch
 from memfit.errors import MemfitError
 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+# The linear layers of one Llama-family decoder layer, by Hugging Face module name, in model order.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -81,10 +83,8 @@ class ModelSpec:
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each linear layer in one decoder layer, by HF module name."""
         h, i = self.hidden, self.intermediate
-        return {
-            "q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-            "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-        }
+        shapes = ((h, self.q_dim), (h, self.kv_dim), (h, self.kv_dim), (self.q_dim, h), (h, i), (h, i), (i, h))
+        return dict(zip(PROJECTIONS, shapes))
 
     def layer_params(self) -> int:
         """Parameters of one decoder layer (linears, attention biases, two RMSNorms)."""
