@@ -46,8 +46,12 @@ def run(args) -> int:
 
     model_dir = check_model_dir(args.model)
     spec = load_spec(model_dir)
-    partial = PartialConfig(load=args.load, compute=args.compute, base=args.base, full_first=args.full_first,
-                            full_last=args.full_last, task=args.task, compute_all_layers=args.compute_all_layers)
+    full_first, full_last = args.full_first, args.full_last
+    if args.load == 1 and args.compute in (None, 1):  # every neuron loaded and computed: the full/partial split is moot
+        full_first = min(full_first, spec.num_layers)
+        full_last = min(full_last, spec.num_layers - full_first)
+    partial = PartialConfig(load=args.load, compute=args.compute, base=args.base, full_first=full_first,
+                            full_last=full_last, task=args.task, compute_all_layers=args.compute_all_layers)
     partial.check(spec.num_layers)
     if args.max_new < 1:
         raise MemfitError(f"--max-new must be >= 1, got {args.max_new}")

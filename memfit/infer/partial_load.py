@@ -73,8 +73,7 @@ class PartialConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise MemfitError(f"{name} must be a non-negative integer, got {value!r}")
-        full_model = self.load == 1 and self.phi == 1  # every neuron loaded and computed: no partial layers
-        if not full_model and self.full_first + self.full_last > num_layers:
+        if self.full_first + self.full_last > num_layers:
             raise MemfitError(f"full_first + full_last = {self.full_first + self.full_last} exceeds the model's {num_layers} layers")
         if not isinstance(self.align, int) or self.align < 1:
             raise MemfitError(f"align must be a positive integer, got {self.align!r}")
