@@ -18,9 +18,10 @@ from dataclasses import asdict, dataclass
 
 from memfit.errors import MemfitError
 from memfit.models import ModelSpec, dtype_bytes
+from memfit.models.spec import PROJECTIONS
 
 METHODS = ("blast", "monarch", "lowrank")
-KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+KINDS = PROJECTIONS
 
 # The ranks the BLR paper (arXiv 2512.20861) uses for Llama-3.2-1B; k/v stay dense.
 PAPER_RANKS_LLAMA_1B = {"q_proj": 256, "o_proj": 256, "gate_proj": 512, "up_proj": 768, "down_proj": 768}

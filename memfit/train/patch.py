@@ -34,10 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from memfit.errors import MemfitError
+from memfit.models.spec import PROJECTIONS
 from memfit.train.checkpoint import CheckpointPolicy, OffloadRunner, install
 
 SUPPORTED = ("llama", "qwen2", "mistral")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = PROJECTIONS
 LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": list(LORA_TARGETS), "bias": "none",
                  "task_type": "CAUSAL_LM"}
 IGNORE_INDEX = -100
