@@ -54,10 +54,13 @@ except ImportError:  # the reference still works
 
 REDUCTIONS = ("mean", "sum", "none")
 # Vocabulary columns per backward step (C), independent of the hidden size. The N x C
-# logit-gradient chunk costs 2NC bytes; the chunk's hidden-gradient matmul does 2NCH FLOPs
-# and reads and writes the fp32 N x H accumulator (8NH bytes), ~C/4 FLOP per byte: 1024
-# (256 FLOP/B) stays above an H200's ridge (~990 TFLOP/s / 4.8 TB/s ~ 206), 512 would not.
-VOCAB_CHUNK = 1024
+# logit-gradient chunk costs 2NC bytes. By the roofline alone (the chunk's hidden-gradient
+# matmul: 2NCH FLOPs against 8NH bytes of fp32 accumulator, ~C/4 FLOP/B) 1024 would do, but
+# the H200 run at 39f85a3 (benchmarks/results/linear_ce.json) measured C = 512 / 1024 / 2048 at
+# 58.1 / 27.5 / 17.9 ms (T=8192, H=2048), 59.7 / 53.3 / 49.1 (16384, 3072) and
+# 150.7 / 134.6 / 126.7 (32768, 4096): 2048 is fastest everywhere for 8-32 MiB more, so the
+# per-chunk cost the roofline leaves out dominates. Why 1024 is that slow is not yet explained.
+VOCAB_CHUNK = 2048
 # Elements per temporary row slice when the hidden gradient is finished in place.
 SLICE_ELEMENTS = 1 << 20
 # Tests set this to fill scratch buffers with NaN, so an unwritten element shows.
