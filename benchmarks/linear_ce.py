@@ -11,7 +11,7 @@ measured in this run; the frozen-weight row (LoRA: no weight gradient) needs 6NV
 
 Backward variants: memfit's backward walks the vocabulary in chunks of C columns; C is the
 one memory/speed knob (an N x C logit-gradient buffer against the matmul sizes), so memfit is
-timed at C = 512, the default (VOCAB_CHUNK) and 2048, plus the frozen-weight (LoRA) case. Each
+timed at C = 512, 1024 and the default (VOCAB_CHUNK, 2048), plus the frozen-weight (LoRA) case. Each
 memfit row carries the op's memory model (``backward_memory``: peak above inputs, and where
 the fp32 hidden-gradient accumulator lives) next to the measured extra peak.
 
