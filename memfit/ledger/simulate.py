@@ -80,7 +80,6 @@ class Memory:
     """Live storage bookkeeping with per-component totals and the peak moment."""
 
     def __init__(self, base: dict[str, int]):
-        self.base = dict(base)
         self.live: dict[int, Sym] = {}
         self.by_component: dict[str, int] = dict(base)
         self.peak: Event | None = None
@@ -106,9 +105,6 @@ class Memory:
             self.live[root.uid] = "activations"
             self.by_component["temporaries"] -= root.nbytes
             self.by_component["activations"] = self.by_component.get("activations", 0) + root.nbytes
-
-    def add(self, component: str, nbytes: int) -> None:
-        self.by_component[component] = self.by_component.get(component, 0) + nbytes
 
     def mark(self, phase: str, where: str, extra: dict[str, int] | None = None) -> None:
         live = {k: v for k, v in self.by_component.items() if v}
@@ -140,7 +136,7 @@ def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], sa
     """
     last_use = _uses(ops)
     saved: dict[int, int] = {}
-    segment_inputs: dict[int, list[Sym]] = {}
+    segments_seen: set[int] = set()
     for index, op in enumerate(ops):
         in_checkpoint = op.segment in checkpointed
         for out in op.outputs:
@@ -149,8 +145,8 @@ def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], sa
         if save and op.needs_backward:
             if in_checkpoint:
                 # torch.utils.checkpoint keeps the segment's inputs alive instead of saved tensors.
-                if op.segment not in segment_inputs:
-                    segment_inputs[op.segment] = list(op.inputs[:1])
+                if op.segment not in segments_seen:
+                    segments_seen.add(op.segment)
                     for sym in op.inputs[:1] if op.segment not in offloaded else []:
                         saved[sym.root.uid] = saved.get(sym.root.uid, 0) + 1
                         memory.mark_saved(sym)
@@ -179,9 +175,7 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
     next offloaded segment's input is prefetched at the same time (one layer ahead).
     """
     segments_done: set[int] = set()
-    index = len(ops) - 1
-    while index >= 0:
-        op = ops[index]
+    for op in reversed(ops):
         if op.segment in checkpointed and op.segment not in segments_done:
             # Replay the segment's forward with saving, right before its backward.
             segment_ops = [o for o in ops if o.segment == op.segment]
@@ -226,7 +220,6 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             if op.segment not in checkpointed or op.segment in segments_done:
                 for sym in op.saves:
                     _release(sym, saved, memory)
-        index -= 1
 
 
 def _release(sym: Sym, saved: dict[int, int], memory: Memory) -> None:
