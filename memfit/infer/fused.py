@@ -75,7 +75,7 @@ def gate_up_buffer(neurons: int, hidden: int, dtype, device) -> torch.Tensor:
 
 def share_gate_up(mlp: nn.Module, dtype, device) -> list[tuple[str, torch.Tensor]]:
     """Make a dense gated MLP's gate/up weights views ``[:, 0]`` / ``[:, 1]`` of one interleaved buffer."""
-    gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
+    gate = mlp.gate_proj.weight
     buffer = gate_up_buffer(gate.shape[0], gate.shape[1], dtype, device)
     mlp.gate_proj._parameters["weight"] = nn.Parameter(buffer[:, 0], requires_grad=False)
     mlp.up_proj._parameters["weight"] = nn.Parameter(buffer[:, 1], requires_grad=False)

@@ -46,7 +46,6 @@ recompute-then-backward; it saves writing and re-reading O and lse, and pays in 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
