@@ -1,13 +1,15 @@
 """BLR Triton ops (interpreter on CPU) against their float64 references, forward and backward.
 
-Odd shapes (blocks 3, block sizes 7 and 11, per-block rank 5, N 19), every variant,
-fp32 and bf16, outputs poisoned with NaN before the run.
+Odd shapes (blocks 3, block sizes 7 and 11, per-block rank 5, N 1 and 2 x 19), every
+variant, both Monarch output layouts, bias on and off, fp32 and bf16, outputs poisoned
+with NaN before the run.
 """
 import math
 
 import pytest
 import torch
 
+from memfit.kernels import blast, lowrank, monarch
 from memfit.kernels.blast import blast_linear, blast_linear_reference
 from memfit.kernels.lowrank import lowrank_linear, lowrank_linear_reference
 from memfit.kernels.monarch import monarch_linear, monarch_linear_reference
@@ -33,45 +35,80 @@ def rel(a, b):
 
 
 def check(op, reference, tensors, dtype, **options):
-    inputs = [t.to(dtype).requires_grad_() for t in tensors]
+    """Forward and backward of ``op`` (Triton path) against the float64 reference; a None bias stays None."""
+    inputs = [t if t is None else t.to(dtype).requires_grad_() for t in tensors]
     y = op(*inputs, path="triton", **options)
     options.pop("variant")
-    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    ref_inputs = [t if t is None else t.detach().double().requires_grad_() for t in inputs]
     ref = reference(*ref_inputs, **options)
     assert torch.isfinite(y).all()
     assert rel(y, ref) < TOL[dtype]
     grad = torch.randn_like(y)
-    got = torch.autograd.grad(y, inputs, grad)
-    want = torch.autograd.grad(ref, ref_inputs, grad.double())
+    got = torch.autograd.grad(y, [t for t in inputs if t is not None], grad)
+    want = torch.autograd.grad(ref, [t for t in ref_inputs if t is not None], grad.double())
     for g, w in zip(got, want):
         assert rel(g, w) < TOL[dtype]
+
+
+def drop_bias(tensors, bias):
+    return tensors if bias else [*tensors[:-1], None]
 
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("bmm", False), ("fused", True), ("fused", False)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant,permute", [("fused", True), ("fused", False), ("two_stage", True)])
-def test_monarch(dtype, variant, permute):
+@pytest.mark.parametrize("variant,permute", MONARCH_CASES)
+@pytest.mark.parametrize("lead,bias", [((1,), True), ((2, N), False), ((2, N), True)])
+def test_monarch(dtype, variant, permute, lead, bias):
     t = 5
-    tensors = [torch.randn(2, N, B * M), torch.randn(B, M, B * t) / M**0.5, torch.randn(B, B * t, P) / t**0.5,
+    tensors = [torch.randn(*lead, B * M), torch.randn(B, M, B * t) / M**0.5, torch.randn(B, B * t, P) / t**0.5,
                torch.randn(B * P)]
-    check(monarch_linear, monarch_linear_reference, tensors, dtype, permute_output=permute, variant=variant)
+    check(monarch_linear, monarch_linear_reference, drop_bias(tensors, bias), dtype, permute_output=permute,
+                  variant=variant)
+
+
+def test_monarch_variants_offered():
+    """bmm only for the block-major layout; the fused kernel only at small N and when its tile fits."""
+    assert set(monarch.variants_for(16, 128, 32, False)) == {"two_stage", "bmm", "fused"}
+    assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "fused"}
+    assert set(monarch.variants_for(8192, 128, 32, False)) == {"two_stage", "bmm"}
+    assert "fused" not in monarch.variants_for(1, 688, 93, False)
+
+
+BLAST_VARIANTS = list(blast.VARIANTS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant", ["fused", "full"])
-def test_blast(dtype, variant):
+@pytest.mark.parametrize("variant", BLAST_VARIANTS)
+@pytest.mark.parametrize("n,bias", [(1, True), (N, False), (N, True)])
+def test_blast(dtype, variant, n, bias):
     r = 19
-    tensors = [torch.randn(N, B * M), torch.randn(B, P, r) / r**0.5, torch.randn(B, M, r) / M**0.5,
+    tensors = [torch.randn(n, B * M), torch.randn(B, P, r) / r**0.5, torch.randn(B, M, r) / M**0.5,
                torch.randn(B, B, r) / B**0.5, torch.randn(B * P)]
-    check(blast_linear, blast_linear_reference, tensors, dtype, variant=variant)
+    check(blast_linear, blast_linear_reference, drop_bias(tensors, bias), dtype, variant=variant)
+
+
+@pytest.mark.parametrize("variant", ["mix_bgemm", "mix_bmm"])
+def test_blast_mix_loops_over_wide_blocks(monkeypatch, variant):
+    """Input blocks wider than one K tile take the mixing kernel's inner loop over m (3 steps here)."""
+    monkeypatch.setattr(blast, "MIX_ONE_TILE_M", 16)
+    monkeypatch.setattr(blast, "MIX_LOOP_BM", 16)
+    m, r = 37, 9
+    tensors = [torch.randn(N, 2 * m), torch.randn(2, P, r) / r**0.5, torch.randn(2, m, r) / m**0.5,
+               torch.randn(2, 2, r), torch.randn(2 * P)]
+    check(blast_linear, blast_linear_reference, tensors, torch.float32, variant=variant)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lowrank_fused(dtype):
-    tensors = [torch.randn(5, 33), torch.randn(17, 20) / 20**0.5, torch.randn(33, 20) / 33**0.5]
-    check(lowrank_linear, lowrank_linear_reference, tensors, dtype, variant="fused")
+@pytest.mark.parametrize("variant", list(lowrank.VARIANTS))
+@pytest.mark.parametrize("n,bias", [(1, True), (N, False)])
+def test_lowrank(dtype, variant, n, bias):
+    tensors = [torch.randn(n, 33), torch.randn(17, 20) / 20**0.5, torch.randn(33, 20) / 33**0.5, torch.randn(17)]
+    check(lowrank_linear, lowrank_linear_reference, drop_bias(tensors, bias), dtype, variant=variant)
 
 
 def test_fake_tensor_shapes():

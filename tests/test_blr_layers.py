@@ -1,15 +1,22 @@
 """Structured linear layers: definitions, projections, errors, training, permutation folding."""
+import itertools
+
 import pytest
 import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.layers import BlastLinear, LowRankLinear, MonarchLinear, fold_output_permutation
+from memfit.layers import (
+    BlastLinear,
+    LowRankLinear,
+    MonarchLinear,
+    fold_output_permutation,
+)
 
 IN, OUT = 48, 80
-CASES = [(LowRankLinear, {}), (MonarchLinear, {"blocks": 4}), (MonarchLinear, {"blocks": 4, "permute_output": False}),
+CASES = [(LowRankLinear, {}), (MonarchLinear, {"blocks": 4}), (MonarchLinear, {"blocks": 4, "permute_output": True}),
          (BlastLinear, {"blocks": 4})]
-IDS = ["lowrank", "monarch", "monarch-contiguous", "blast"]
+IDS = ["lowrank", "monarch", "monarch-permuted", "blast"]
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +40,7 @@ def test_to_dense_matches_forward_and_counts(cls, kw, monkeypatch):
     assert layer.num_params() == sum(p.numel() for p in layer.parameters())
     assert layer.num_params() == cls.params_for_rank(IN, OUT, 8, kw.get("blocks", 1)) + OUT
     assert layer.flops(10) == 2 * 10 * cls.params_for_rank(IN, OUT, 8, kw.get("blocks", 1))
-    assert f"rank=8" in repr(layer)
+    assert "rank=8" in repr(layer)
 
 
 @pytest.mark.parametrize("cls,kw", CASES[:3], ids=IDS[:3])
@@ -43,6 +50,32 @@ def test_from_dense_recovers_representable(cls, kw):
     dense.weight.data = source.to_dense().detach()
     layer = cls.from_dense(dense, rank=8, **kw)
     assert rel(layer.to_dense(), dense.weight) < 1e-5
+
+
+def test_monarch_layouts_equally_good():
+    """P-free and permuted Monarch differ by a relabelling of the output features.
+
+    The P-free layer from the row-relabelled matrix P^T W has exactly the permuted
+    layer's error on W and the same outputs up to that relabelling; on W itself (a
+    random matrix, whose rows have no order) its error is statistically the same.
+    """
+    from memfit.layers.monarch import output_permutation
+
+    dense = nn.Linear(IN, OUT, bias=False)
+    permuted = MonarchLinear.from_dense(dense, rank=8, blocks=4, permute_output=True)
+    perm = output_permutation(permuted)                # y_paper[k] = y_blocks[perm[k]]
+    relabelled = nn.Linear(IN, OUT, bias=False)
+    relabelled.weight.data = torch.empty_like(dense.weight)
+    relabelled.weight.data[perm] = dense.weight.detach()
+    free = MonarchLinear.from_dense(relabelled, rank=8, blocks=4)
+    assert not free.permute_output
+    w = dense.weight.detach()
+    err_permuted = rel(permuted.to_dense(), w)
+    assert abs(rel(free.to_dense(), relabelled.weight) - err_permuted) < 1e-6
+    x = torch.randn(5, IN)
+    assert rel(free(x)[:, perm], permuted(x)) < 1e-5
+    err_free = rel(MonarchLinear.from_dense(dense, rank=8, blocks=4).to_dense(), w)
+    assert abs(err_free - err_permuted) < 0.05 * err_permuted
 
 
 def test_blast_one_block_recovers_low_rank():
@@ -57,7 +90,7 @@ def test_blast_one_block_recovers_low_rank():
 def test_error_falls_with_rank(cls, kw):
     dense = nn.Linear(IN, OUT)
     errors = [rel(cls.from_dense(dense, rank=r, **kw).to_dense(), dense.weight.detach()) for r in (4, 8, 16, 32)]
-    assert all(b < a for a, b in zip(errors, errors[1:])), errors
+    assert all(b < a for a, b in itertools.pairwise(errors)), errors
     layer = cls.from_dense(dense, ratio=0.5, **kw)
     assert layer.num_params() - OUT <= 0.5 * IN * OUT
     assert torch.equal(layer.bias, dense.bias)
@@ -103,7 +136,7 @@ def test_trains(cls, kw):
 
 @pytest.mark.parametrize("consumer", ["linear", "lowrank"])
 def test_fold_output_permutation_in_swiglu(consumer):
-    gate, up = (MonarchLinear(IN, OUT, 8, blocks=4, bias=True) for _ in range(2))
+    gate, up = (MonarchLinear(IN, OUT, 8, blocks=4, bias=True, permute_output=True) for _ in range(2))
     down = nn.Linear(OUT, IN) if consumer == "linear" else LowRankLinear(OUT, IN, 8)
     x = torch.randn(7, IN)
 
@@ -119,6 +152,6 @@ def test_fold_output_permutation_in_swiglu(consumer):
 
 
 def test_fold_rejects_block_consumer():
-    gate = MonarchLinear(IN, OUT, 8, blocks=4)
+    gate = MonarchLinear(IN, OUT, 8, blocks=4, permute_output=True)
     with pytest.raises(MemfitError, match="MonarchLinear"):
         fold_output_permutation([gate], MonarchLinear(OUT, IN, 8, blocks=4))

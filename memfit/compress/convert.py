@@ -8,8 +8,8 @@ relative weight error and, when calibration data was given, the relative output 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -118,12 +118,6 @@ def project(method: str, W: torch.Tensor, rank: int, blocks: int, cov: torch.Ten
     return factors, proj.blast_dense(*factors)
 
 
-def _monarch_rows(W: torch.Tensor, blocks: int) -> torch.Tensor:
-    """MonarchLinear's P^T: output rows from interleaved (s b + i) to block-contiguous (i p + s) order."""
-    *lead, out, inp = W.shape
-    return W.reshape(*lead, out // blocks, blocks, inp).transpose(-3, -2).reshape(*lead, out, inp)
-
-
 def build_layer(method: str, linear: nn.Linear, rank: int, blocks: int, factors) -> nn.Module:
     """A memfit.layers module holding ``factors`` (one matrix's), with ``linear``'s bias, dtype, device."""
     cls = structure_class(method)
@@ -198,8 +192,6 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
         for start in range(0, len(names), step):
             group = names[start:start + step]
             W = torch.stack([linears[n].weight.detach().to(work, torch.float32) for n in group])
-            if method == "monarch":
-                W = _monarch_rows(W, blocks)
             cov = torch.stack([covs[n].to(work) for n in group]) if covs else None
             factors, W_hat = project(method, W, kp.rank, blocks, cov if activation_aware else None, steps)
             weight_err = proj.relative_weight_error(W, W_hat)

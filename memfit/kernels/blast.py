@@ -2,35 +2,57 @@
 
 Shapes: x (..., in), U (b, p, r), V (b, m, r), S (b, b, r) with in = b m, out = b p;
 bias (out,) or None. Stages: Z_j = X_j V_j, T_i = sum_j Z_j diag(s_ij), Y_i = T_i U_i^T.
+The mixing is b^2 r N multiply-adds on CUDA cores (no tensor-core form without b-fold
+waste), so every pipeline does it exactly once per token at large N.
 
-Two Triton pipelines; ``pick_variant`` times both per shape (cached on disk):
+Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk):
 
-* ``fused`` (the paper's partial fusion, done in the first kernel): ``_mix_kernel``
-  computes, per token tile and rank chunk, Z_j = X_j V_j for every j on chip, scales
-  by s_ij and sums over j into all b rows of T at once (a (BN, b, BK) register tile),
+* ``mix_bgemm`` (the paper's partial fusion): ``_mix_kernel`` computes, per token tile
+  and rank chunk, Z_j = X_j V_j for every j on chip (tensor cores; K = m in one tile
+  when m <= 256, so the loop over j holds one dot and is software-pipelined), scales by
+  s_ij and sums over j into all b rows of T at once (a (BN, b, BK) fp32 register tile),
   so Z never reaches memory and V is read once per token tile. T (N, b, r) is written
   once and read by the per-block GEMM (:func:`bgemm`) that makes Y. Traffic beyond the
   floor: T's write and read, 2 N b r elements; no recomputed FLOPs.
-* ``full`` (full fusion): one kernel, nothing intermediate in memory. A program owns a
-  token tile and an output tile of block i and loops over rank chunks: T_i's chunk is
-  formed with 2-D dots (X_j V_j[:, chunk], scaled by s_ij, summed over j) and
-  multiplied straight into the output (another 2-D dot). The price: Z is recomputed
-  for every output tile (b ceil(p/BO) times), so it suits decode (N <= 16), where
-  FLOPs are free and one launch beats two.
+* ``mix_bmm``: the same mixing kernel, then stage 3 on cuBLAS (:func:`bmm_into`): T read
+  as (b_i, N, r) (lda = b r), U_i^T as a transposed operand, Y written block-major
+  through a (b, N, p) view (ldc = b p), no copy. Stage 3 holds most of the FLOPs, so
+  at large N this is the likely winner.
+* ``z_mixgemm`` (N <= MIXGEMM_MAX_N, decode): Z (N, b, r) by one batched :func:`bgemm`
+  (b ceil(r/BC) programs: every SM streams part of V), then ``_mixgemm_kernel``: stage
+  3 with the mixing in its operand prologue, T_i's K-chunk formed from a (BN, b, BK)
+  load of Z and s_i by a sum over j, then one dot with U_i^T. The mixing is redone per
+  output column tile (ceil(p/BC) times), negligible at decode where Z (a few hundred
+  KB) sits in L2 and the kernel is bound by reading U. Two launches, both wide.
 Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x.
 """
 import torch
 import triton
 import triton.language as tl
 
-from memfit.kernels.blr_common import (bgemm, keep_small_n, mma, n_bucket, pick_variant, recompute_backward,
-                                       save_for_recompute, tuned)
+from memfit.kernels.blr_common import (
+    bgemm,
+    bmm_into,
+    fits_smem,
+    keep_small_n,
+    mma,
+    n_bucket,
+    pick_variant,
+    pow2_at_least,
+    recompute_backward,
+    save_for_recompute,
+    tuned,
+)
 from memfit.kernels.dispatch import use_triton
+
+MIXGEMM_MAX_N = 128      # beyond this the mixing prologue's per-column-tile repeats and Z's b-fold reads cost too much
+MIX_ONE_TILE_M = 256     # input blocks up to this size are one K tile in the mixing kernel (pipelined j loop)
+MIX_LOOP_BM = 128        # the K tile for larger input blocks (a loop over m inside the loop over j)
 
 
 def blast_linear_reference(x, u, v, s, bias=None):
     """The definition in three stages, each intermediate materialised in x's dtype."""
-    b, p, r = u.shape
+    b, p, _ = u.shape
     m = v.shape[1]
     lead = x.shape[:-1]
     z = torch.bmm(x.reshape(-1, b, m).transpose(0, 1), v)         # (b_j, N, r): Z_j = X_j V_j
@@ -40,27 +62,47 @@ def blast_linear_reference(x, u, v, s, bias=None):
     return y if bias is None else y + bias
 
 
-@tuned([(16, 32, 64, 4, 3), (16, 64, 64, 8, 3), (32, 32, 64, 4, 3), (64, 16, 64, 4, 3), (32, 64, 64, 8, 3)],
-       ("BN", "BK", "BM"), (16, 16, 16, 4, 1), key=["N_BUCKET", "M", "R", "B"],
-       prune=lambda configs, named_args, **kw: keep_small_n(configs, named_args["N"]))
+# ---- partial fusion: Z on chip, mixed into T -------------------------------------
+
+def _prune_mix(configs, named_args, **kwargs):
+    configs = keep_small_n(configs, named_args["N"])
+    size = named_args["x_ptr"].element_size()
+    bm = kwargs["BM"]
+    keep = [c for c in configs if c.kwargs["BK"] <= pow2_at_least(named_args["R"])
+            and fits_smem(c, bm * (c.kwargs["BN"] + c.kwargs["BK"]), size)]
+    return keep or configs[:1]
+
+
+@triton.jit
+def _xv_step(x_ptr, v_ptr, rn, rm, rk, a0, N, M, R, sxn, sva, svk, acc):
+    """acc + X_j[:, a0:a0+BM] @ V_j[a0:a0+BM, rk] (pointers already at block j)."""
+    xa = tl.load(x_ptr + rn[:, None] * sxn + (a0 + rm)[None, :], mask=(rn[:, None] < N) & (a0 + rm[None, :] < M),
+                 other=0.0)
+    va = tl.load(v_ptr + (a0 + rm)[:, None] * sva + rk[None, :] * svk,
+                 mask=(a0 + rm[:, None] < M) & (rk[None, :] < R), other=0.0)
+    return mma(xa, va, acc)
+
+
+# BN * b * BK fp32 accumulators per program: <= 128 registers a thread at b = 16
+@tuned([(64, 32, 8, 3), (128, 16, 8, 3), (32, 64, 8, 3), (64, 16, 4, 3), (16, 32, 4, 3), (16, 16, 4, 3)],
+       ("BN", "BK"), (16, 16, 4, 1), key=["N_BUCKET", "M", "R", "B"], prune=_prune_mix)
 @triton.jit
 def _mix_kernel(x_ptr, v_ptr, s_ptr, t_ptr, N, M, R, B, N_BUCKET,
                 sxn, svj, sva, svk, ssi, ssj, ssk, stn, sti, stk,
-                BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
+                BB: tl.constexpr, BM: tl.constexpr, ONE_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """T[n, i, k] = sum_j s[i, j, k] (X_j V_j)[n, k] for a (BN tokens, BK ranks) tile, all i."""
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     rm = tl.arange(0, BM)
     rb = tl.arange(0, BB)
     t = tl.zeros((BN, BB, BK), dtype=tl.float32)
-    for j in range(0, B):
+    for j in range(B):
         z = tl.zeros((BN, BK), dtype=tl.float32)
-        for a0 in range(0, M, BM):
-            xa = tl.load(x_ptr + rn[:, None] * sxn + (j * M + a0 + rm)[None, :],
-                         mask=(rn[:, None] < N) & (a0 + rm[None, :] < M), other=0.0)
-            va = tl.load(v_ptr + j * svj + (a0 + rm)[:, None] * sva + rk[None, :] * svk,
-                         mask=(a0 + rm[:, None] < M) & (rk[None, :] < R), other=0.0)
-            z = mma(xa, va, z)
+        if ONE_K:                                   # the j loop is the innermost loop: pipelined
+            z = _xv_step(x_ptr + j * M, v_ptr + j * svj, rn, rm, rk, 0, N, M, R, sxn, sva, svk, z)
+        else:
+            for a0 in range(0, M, BM):
+                z = _xv_step(x_ptr + j * M, v_ptr + j * svj, rn, rm, rk, a0, N, M, R, sxn, sva, svk, z)
         sj = tl.load(s_ptr + rb[:, None] * ssi + j * ssj + rk[None, :] * ssk,
                      mask=(rb[:, None] < B) & (rk[None, :] < R), other=0.0).to(tl.float32)
         z = z.to(x_ptr.dtype.element_ty).to(tl.float32)          # Z is rounded to x's dtype, as in the reference
@@ -70,86 +112,115 @@ def _mix_kernel(x_ptr, v_ptr, s_ptr, t_ptr, N, M, R, B, N_BUCKET,
              t.to(t_ptr.dtype.element_ty), mask=mask)
 
 
-@tuned([(16, 64, 64, 32, 4, 3), (16, 128, 64, 32, 4, 3), (16, 128, 128, 32, 8, 3),
-        (64, 128, 64, 32, 4, 3), (128, 128, 64, 32, 8, 3)],
-       ("BN", "BO", "BM", "BK"), (16, 16, 16, 16, 4, 1), key=["N_BUCKET", "M", "P", "R", "B"],
-       prune=lambda configs, named_args, **kw: keep_small_n(configs, named_args["N"]))
-@triton.jit
-def _full_kernel(x_ptr, u_ptr, v_ptr, s_ptr, y_ptr, bias_ptr, N, M, P, R,
-                 B, N_BUCKET,
-                 sxn, sui, suo, suk, svj, sva, svk, ssi, ssj, ssk, syn,
-                 HAS_BIAS: tl.constexpr, BN: tl.constexpr, BO: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    o_tiles = tl.cdiv(P, BO)
-    i = tl.program_id(1) // o_tiles
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    ro = (tl.program_id(1) % o_tiles) * BO + tl.arange(0, BO)
-    rm = tl.arange(0, BM)
-    rk = tl.arange(0, BK)
-    acc = tl.zeros((BN, BO), dtype=tl.float32)
-    for k0 in range(0, R, BK):
-        t = tl.zeros((BN, BK), dtype=tl.float32)
-        for j in range(0, B):
-            z = tl.zeros((BN, BK), dtype=tl.float32)
-            for a0 in range(0, M, BM):
-                xa = tl.load(x_ptr + rn[:, None] * sxn + (j * M + a0 + rm)[None, :],
-                             mask=(rn[:, None] < N) & (a0 + rm[None, :] < M), other=0.0)
-                va = tl.load(v_ptr + j * svj + (a0 + rm)[:, None] * sva + (k0 + rk)[None, :] * svk,
-                             mask=(a0 + rm[:, None] < M) & (k0 + rk[None, :] < R), other=0.0)
-                z = mma(xa, va, z)
-            sij = tl.load(s_ptr + i * ssi + j * ssj + (k0 + rk) * ssk, mask=k0 + rk < R, other=0.0).to(tl.float32)
-            t += z.to(x_ptr.dtype.element_ty).to(tl.float32) * sij[None, :]
-        ut = tl.load(u_ptr + i * sui + (k0 + rk)[:, None] * suk + ro[None, :] * suo,
-                     mask=(k0 + rk[:, None] < R) & (ro[None, :] < P), other=0.0)
-        acc = mma(t.to(ut.dtype), ut, acc)
-    col = i * P + ro
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + col, mask=ro < P, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rn[:, None] * syn + col[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rn[:, None] < N) & (ro[None, :] < P))
-
-
-def _fused(x2, u, v, s, bias):
-    b, p, r = u.shape
-    m, n = v.shape[1], x2.shape[0]
+def _mix(x2, v, s):
+    """T (N, b, r) = sum_j Z_j diag(s_ij) with Z on chip."""
+    b, m, r = v.shape
+    n = x2.shape[0]
     t = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
-    grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))  # noqa: E731
+    bm = pow2_at_least(m) if m <= MIX_ONE_TILE_M else MIX_LOOP_BM
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
     _mix_kernel[grid](x2, v, s, t, n, m, r, b, n_bucket(n), x2.stride(0), *v.stride(), *s.stride(), *t.stride(),
-                      BB=max(16, triton.next_power_of_2(b)))
+                      BB=pow2_at_least(b, 1), BM=bm, ONE_K=bm >= m)
+    return t
+
+
+def _mix_bgemm(x2, u, v, s, bias):
+    b, p, r = u.shape
+    n = x2.shape[0]
+    t = _mix(x2, v, s)
     y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
     # y[n, i p + o] = sum_k T[n, i, k] U[i, o, k]
     bgemm(t, u, y, n, r, p, b, (r, b * r, 1), (u.stride(0), u.stride(2), u.stride(1)), (p, y.stride(0), 0, 1), bias=bias)
     return y
 
 
-def _full(x2, u, v, s, bias):
-    b, p, r = u.shape
-    m, n = v.shape[1], x2.shape[0]
+def _mix_bmm(x2, u, v, s, bias):
+    b, p, _ = u.shape
+    n = x2.shape[0]
+    t = _mix(x2, v, s)
     y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
-    grid = lambda meta: (triton.cdiv(n, meta["BN"]), b * triton.cdiv(p, meta["BO"]))  # noqa: E731
-    _full_kernel[grid](x2, u, v, s, y, bias if bias is not None else y, n, m, p, r, b, n_bucket(n), x2.stride(0),
-                       *u.stride(), *v.stride(), *s.stride(), y.stride(0), HAS_BIAS=bias is not None)
+    bmm_into(t.transpose(0, 1), u.transpose(1, 2), y.view(n, b, p).transpose(0, 1),
+             None if bias is None else bias.view(b, p))
     return y
 
 
-VARIANTS = {"fused": _fused, "full": _full}
-RECOMPUTE_MAX_N = 128  # beyond this, full fusion's recomputed Z costs more than T's round trip (never timed)
+# ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------
+
+def _prune_mixgemm(configs, named_args, **kwargs):
+    configs = keep_small_n(configs, named_args["N"])
+    keep = [c for c in configs if c.kwargs["BC"] <= pow2_at_least(named_args["P"], 32)
+            and c.kwargs["BK"] <= pow2_at_least(named_args["R"])]
+    return keep or configs[:1]
+
+
+# BN * b * BK operand elements per step: <= 128 registers a thread at b = 16
+@tuned([(16, 32, 64, 4, 3), (16, 64, 32, 4, 3), (16, 64, 64, 4, 3), (16, 128, 32, 4, 3),
+        (64, 64, 32, 8, 3), (64, 128, 32, 8, 3)],
+       ("BN", "BC", "BK"), (16, 16, 16, 4, 1), key=["N_BUCKET", "R", "P", "B"], prune=_prune_mixgemm)
+@triton.jit
+def _mixgemm_kernel(z_ptr, s_ptr, u_ptr, y_ptr, bias_ptr, N, R, P, B, N_BUCKET,
+                    szn, szj, ssi, ssj, ssk, sui, suo, suk, syn,
+                    HAS_BIAS: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+                    BK: tl.constexpr):
+    """y[n, i p + o] = sum_k (sum_j s[i, j, k] Z[n, j, k]) U[i, o, k] for a (BN, BC) tile of block i."""
+    c_tiles = tl.cdiv(P, BC)
+    i = tl.program_id(0) % B
+    pid_c = (tl.program_id(0) // B) % c_tiles
+    pid_n = tl.program_id(0) // (B * c_tiles)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    rc = pid_c * BC + tl.arange(0, BC)
+    rk = tl.arange(0, BK)
+    rb = tl.arange(0, BB)
+    acc = tl.zeros((BN, BC), dtype=tl.float32)
+    for k0 in range(0, R, BK):
+        kk = k0 + rk
+        z = tl.load(z_ptr + rn[:, None, None] * szn + rb[None, :, None] * szj + kk[None, None, :],
+                    mask=(rn[:, None, None] < N) & (rb[None, :, None] < B) & (kk[None, None, :] < R), other=0.0)
+        si = tl.load(s_ptr + i * ssi + rb[:, None] * ssj + kk[None, :] * ssk,
+                     mask=(rb[:, None] < B) & (kk[None, :] < R), other=0.0).to(tl.float32)
+        a = tl.sum(z.to(tl.float32) * si[None, :, :], axis=1)
+        u = tl.load(u_ptr + i * sui + kk[:, None] * suk + rc[None, :] * suo,
+                    mask=(kk[:, None] < R) & (rc[None, :] < P), other=0.0)
+        acc = mma(a.to(u.dtype), u, acc)                      # T rounded to x's dtype, as in the reference
+    col = i * P + rc
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col, mask=rc < P, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rn[:, None] * syn + col[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rn[:, None] < N) & (rc[None, :] < P))
+
+
+def _z_mixgemm(x2, u, v, s, bias):
+    b, p, r = u.shape
+    m, n = v.shape[1], x2.shape[0]
+    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)      # z[n, j, k] = (X_j V_j)[n, k]
+    bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1))
+    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * b * triton.cdiv(p, meta["BC"]),)
+    _mixgemm_kernel[grid](z, s, u, y, bias if bias is not None else y, n, r, p, b, n_bucket(n), z.stride(0),
+                          z.stride(1), *s.stride(), *u.stride(), y.stride(0), HAS_BIAS=bias is not None,
+                          BB=pow2_at_least(b, 1))
+    return y
+
+
+VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "z_mixgemm": _z_mixgemm}
 
 
 def variants_for(n: int) -> dict:
     """The pipelines worth timing at ``n`` tokens."""
-    return VARIANTS if n <= RECOMPUTE_MAX_N else {"fused": _fused}
+    names = ["mix_bgemm", "mix_bmm"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
+    return {name: VARIANTS[name] for name in names}
 
 
 @torch.library.custom_op("memfit::blast_linear", mutates_args=())
 def _blast_op(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None,
               variant: str) -> torch.Tensor:
-    b, m, r = v.shape
+    b, m, _ = v.shape
     x2 = x.reshape(-1, b * m).contiguous()
     args = (x2, u.contiguous(), v.contiguous(), s.contiguous(), bias)
     if variant == "auto":
         n = x2.shape[0]
         variant = pick_variant("blast_linear", (n_bucket(n), *u.shape, m, str(x.dtype)), variants_for(n),
-                               "full" if n <= 16 else "fused", args)
+                               "z_mixgemm" if n <= 16 else "mix_bgemm", args)
     return VARIANTS[variant](*args).reshape(*x.shape[:-1], -1)
 
 
@@ -163,7 +234,7 @@ _blast_op.register_autograd(recompute_backward(blast_linear_reference, 5),
 
 
 def blast_linear(x, u, v, s, bias=None, path=None, variant="auto"):
-    """BLAST forward by the Triton op where ``use_triton`` allows (``variant``: auto, fused, full)."""
+    """BLAST forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS)."""
     if use_triton("blast_linear", x, u, v, s, path=path):
         return _blast_op(x, *[w if w is None else w.to(x.dtype) for w in (u, v, s, bias)], variant)
     return blast_linear_reference(x, u, v, s, bias)

@@ -1,22 +1,32 @@
 """Pieces the block-low-rank kernels (lowrank, monarch, blast) share.
 
-* ``pick_variant``: each op has several complete kernel pipelines (e.g. one fused
-  kernel vs two GEMMs); which is fastest depends on the shape. The first call for a
-  shape times each candidate on the GPU and remembers the winner in a JSON file
-  (``$MEMFIT_AUTOTUNE_CACHE``, default ``~/.cache/memfit/autotune.json``), keyed by GPU,
-  Triton version, op and shape, so a second run does not retune. Off the GPU (the
+* ``pick_variant``: each op has several complete kernel pipelines (e.g. Triton GEMMs vs
+  a Triton stage plus a cuBLAS stage); which is fastest depends on the shape. The first
+  call for a shape times each candidate on the GPU and remembers the winner in a JSON
+  file (``$MEMFIT_AUTOTUNE_CACHE``, default ``~/.cache/memfit/autotune.json``), keyed by
+  GPU, Triton version, a digest of the candidates' source files, op and shape, so a
+  second run does not retune and an edited kernel is timed afresh. Off the GPU (the
   interpreter) or while a CUDA graph is being captured, the op's default is taken.
   The Triton kernels' own tile configs are tuned by ``triton.autotune`` with
   ``cache_results=True`` (Triton's on-disk cache), keyed on the same shapes.
 * ``n_bucket``: the token count rounded up to a power of two, the autotune key for N.
 * Shapes are runtime ints in the kernels, so one compile serves every layer shape
-  (keeps a cold autotune short).
+  (keeps a cold autotune short); a stride equal to 1 is specialised by Triton to the
+  constant 1, so unit-stride loads and stores vectorise.
 * ``bgemm``: one strided batched GEMM kernel whose store can regroup columns, which is
-  how the Monarch permutation and output layouts are folded into stores.
+  how the Monarch permutation and output layouts are folded into stores. Hopper-sized
+  tiles for many tokens, 16-token tiles with wide K steps for decode, a grouped program
+  order (a group of token tiles sweeps the column tiles together, so A and B tiles are
+  re-read from L2, not HBM) and 64-bit offsets.
+* ``bmm_into``: the cuBLAS alternative for a stage that is a plain strided batched GEMM
+  writing a strided view of the output (ldc = the row stride), so no copy is made.
 * ``recompute_backward``: the custom ops' backward. It recomputes the op's reference
   forward in PyTorch ops and differentiates it, so the forward saves only x and the
   weights (no intermediates); the price is one extra forward in the backward.
 """
+import functools
+import hashlib
+import inspect
 import json
 import os
 import tempfile
@@ -62,12 +72,27 @@ def _save_cache(cache: dict) -> None:
         warn_once(f"autotune-cache:{path}", f"cannot write the autotune cache {path}: {err}; tuning again next run")
 
 
+def _source_digest(fns: tuple) -> str:
+    """Short hash of the files defining ``fns`` and this one: a changed kernel invalidates cached picks."""
+    files = sorted({inspect.getsourcefile(fn) for fn in fns} | {__file__})
+    return _digest_files(tuple(files))
+
+
+@functools.cache
+def _digest_files(files: tuple[str, ...]) -> str:
+    digest = hashlib.sha1()
+    for name in files:
+        digest.update(Path(name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args: tuple) -> str:
     """Name of the fastest of ``candidates`` (name -> fn(*args)) for this shape, cached on disk."""
     on_gpu = all(not isinstance(a, torch.Tensor) or a.is_cuda for a in args)
     if not on_gpu or len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
         return default
-    key = "|".join([torch.cuda.get_device_name(), triton.__version__, op, *map(str, shape_key)])
+    key = "|".join([torch.cuda.get_device_name(), triton.__version__, _source_digest(tuple(candidates.values())), op,
+                    *map(str, shape_key)])
     cache = _load_cache()
     if cache.get(key) not in candidates:
         from triton.testing import do_bench
@@ -137,19 +162,55 @@ def keep_small_n(configs, n: int, name: str = "BN"):
     return keep or configs
 
 
+SMEM_BYTES = 227 * 1024  # Hopper's shared memory per block (opt-in maximum)
+
+
+def fits_smem(config, tile_elems: int, elem_bytes: int) -> bool:
+    """Whether ``num_stages`` copies of a ``tile_elems``-element operand set fit shared memory."""
+    return config.num_stages * tile_elems * elem_bytes <= SMEM_BYTES
+
+
+def pow2_at_least(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(int(n)))
+
+
+
 # ---- strided batched GEMM with a regrouping store --------------------------------
 
-@tuned([(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 3),
-        (16, 128, 128, 4, 4), (16, 64, 128, 4, 3)], ("BN", "BC", "BK"), (16, 32, 32, 4, 1),
-       key=["N_BUCKET", "K", "C", "GRP"], prune=lambda configs, named_args, **kw: keep_small_n(configs, named_args["N"]))
+def _prune_bgemm(configs, named_args, **kwargs):
+    """Tiles for the token count (16-token tiles only at decode), no wider than the
+    columns or K need, and whose pipeline stages fit shared memory."""
+    configs = keep_small_n(configs, named_args["N"])
+    size = named_args["a_ptr"].element_size()
+    cols, depth = pow2_at_least(named_args["C"]), pow2_at_least(named_args["K"])
+    keep = [c for c in configs if c.kwargs["BC"] <= max(32, cols) and c.kwargs["BK"] <= max(32, depth)
+            and fits_smem(c, c.kwargs["BK"] * (c.kwargs["BN"] + c.kwargs["BC"]), size)]
+    return keep or configs[:1]
+
+
+BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
+    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+    (16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3),
+]
+
+
+@tuned(BGEMM_CONFIGS, ("BN", "BC", "BK"), (16, 32, 32, 4, 1), key=["N_BUCKET", "K", "C", "GRP", "BATCHES"],
+       prune=_prune_bgemm)
 @triton.jit
-def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, N_BUCKET,
+def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET,
                   sab, san, sak, sbb, sbk, sbc, scb, scn, scg, sci,
-                  HAS_BIAS: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    bt = tl.program_id(2)
-    rn = pid_n * BN + tl.arange(0, BN)
+                  HAS_BIAS: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                  GROUP_N: tl.constexpr = 8):
+    n_tiles = tl.cdiv(N, BN)
+    c_tiles = tl.cdiv(C, BC)
+    pid = tl.program_id(0)
+    per_group = GROUP_N * c_tiles                      # GROUP_N token tiles sweep all column tiles together
+    first = (pid // per_group) * GROUP_N
+    rows = tl.minimum(n_tiles - first, GROUP_N)
+    pid_n = first + (pid % per_group) % rows
+    pid_c = (pid % per_group) // rows
+    bt = tl.program_id(1).to(tl.int64)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rc = pid_c * BC + tl.arange(0, BC)
     rk = tl.arange(0, BK)
     a_ptrs = a_ptr + bt * sab + rn[:, None] * san + rk[None, :] * sak
@@ -178,6 +239,19 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
     the stored column offset, so it applies when c is the (N, out) output itself.
     """
     grp = grp or cols
-    grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(cols, meta["BC"]), batches)  # noqa: E731
-    _bgemm_kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, n_bucket(n),
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * triton.cdiv(cols, meta["BC"]), batches)
+    _bgemm_kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, batches, n_bucket(n),
                         *a_strides, *b_strides, *c_strides, HAS_BIAS=bias is not None)
+
+
+def bmm_into(a, b, out, bias=None) -> None:
+    """out = a @ b (+ bias, broadcast over rows) by cuBLAS, written straight into ``out``.
+
+    ``a`` (batch, n, k), ``b`` (batch, k, col) and ``out`` (batch, n, col) may be strided
+    views (e.g. ``y.view(n, b, p).transpose(0, 1)``): cuBLAS takes a row stride as its
+    leading dimension and any batch stride, so the block-major output needs no copy.
+    """
+    if bias is None:
+        torch.bmm(a, b, out=out)
+    else:
+        torch.baddbmm(bias.unsqueeze(1), a, b, out=out)

@@ -1,23 +1,30 @@
 """Monarch linear (definition in memfit.layers.monarch): reference, Triton kernels, op.
 
 Shapes: x (..., in), w1 (b, m, r), w2 (b, r, p) with in = b m, out = b p, per-block
-rank t = r/b; bias (out,) or None.
+rank t = r/b; bias (out,) or None. ``permute_output=False`` (the layers' default) writes
+output feature i p + s (block-major: every store contiguous); True writes s b + i (the
+paper's P, a column stride of b elements in the store).
 
-Two Triton pipelines; ``pick_variant`` times both per shape (cached on disk):
+Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk):
 
-* ``fused`` (:func:`chain_matmul`): one kernel, all intermediates on chip. A program
-  owns a token tile and an output tile of block i and, for each input block j and
-  t-chunk, computes s = X_j @ w1[j][:, i t + chunk] (BN x BT) and at once
-  acc += s @ w2[i][j t + chunk, :]. The P^T between the factors is only which w1
-  columns and w2 rows are read; the output P is the store's column stride. No
-  intermediate touches memory; the price is that s is recomputed for each output tile
-  of a block (factor ceil(p / BO) on the first factor's FLOPs). This is also the
-  decode path (N <= 16): each program reads its slices of w1 and w2 and x once, so
-  the kernel is bound by reading the weights (w1 re-reads come from L2).
-* ``two_stage``: two GEMMs through :func:`bgemm`, the first storing z directly in
-  P^T order (N, b_i, r) (the permutation folded into its store), the second writing y
-  with P folded into its store. Z costs 2 N b r bytes*2 of traffic but no recompute:
-  it wins for wide blocks (large p) at large N.
+* ``two_stage``: two Triton GEMMs through :func:`bgemm`, the first storing z straight
+  in P^T order (N, b_i, r) (the permutation folded into its store: runs of t contiguous
+  elements), the second writing y with the output layout folded into its store. Z costs
+  2 N b r elements of traffic; stage 1 (K = m) is bound by that write, stage 2
+  (K = r, the bulk of the FLOPs) by the tensor cores. Both layouts.
+* ``bmm``: the same Triton stage 1, then stage 2 on cuBLAS (:func:`bmm_into`), a
+  strided batched GEMM reading z as (b_i, N, r) (lda = b r) and writing the block-major
+  y through a (b, N, p) view (ldc = b p): no copy. Expected to win at large N, where
+  stage 2 dominates and cuBLAS runs it near the matmul rate. Block-major layout only
+  (the permuted layout has a column stride of b, which cuBLAS cannot store).
+* ``fused`` (N <= FUSED_MAX_N, the decode path): one kernel, z on chip. A program owns
+  a token tile, output block i and an output column tile; one loop over the input
+  blocks j (both dots in it, so it is software-pipelined) computes
+  s = X_j @ w1[j][:, i t:(i+1) t] (K = m, all of it in one tile) and at once
+  acc += s @ w2[i][j t:(j+1) t, tile]. One launch, weights read once from HBM (the w1
+  slice is re-read from L2 per column tile), x re-read from L2 per program: cheap at
+  decode, hopeless at large N, so not offered there. Needs pow2(m) * pow2(t) small
+  enough for a pipelined tile (:func:`fused_fits`).
 Backward: PyTorch ops (recompute-and-differentiate of the reference, see blr_common);
 the forward saves only x.
 """
@@ -25,12 +32,26 @@ import torch
 import triton
 import triton.language as tl
 
-from memfit.kernels.blr_common import (bgemm, keep_small_n, mma, n_bucket, pick_variant, recompute_backward,
-                                       save_for_recompute, tuned)
+from memfit.kernels.blr_common import (
+    bgemm,
+    bmm_into,
+    fits_smem,
+    keep_small_n,
+    mma,
+    n_bucket,
+    pick_variant,
+    pow2_at_least,
+    recompute_backward,
+    save_for_recompute,
+    tuned,
+)
 from memfit.kernels.dispatch import use_triton
 
+FUSED_MAX_N = 128      # beyond this the fused kernel's x re-reads (b * p / BO per token tile) cost more than z's round trip
+FUSED_MAX_TILE = 32768  # pow2(m) * pow2(t) elements of w1 slice per step: 64 KB in bf16, so 2+ stages fit
 
-def monarch_linear_reference(x, w1, w2, bias=None, permute_output=True):
+
+def monarch_linear_reference(x, w1, w2, bias=None, permute_output=False):
     """The definition, with the permutations as explicit transposes (copies)."""
     b, m, r = w1.shape
     p = w2.shape[2]
@@ -45,44 +66,73 @@ def monarch_linear_reference(x, w1, w2, bias=None, permute_output=True):
     return y if bias is None else y + bias
 
 
-# ---- fused kernel: two chained dots per (input block, rank chunk) ------------------
+def _stage1(x2, w1):
+    """z[n, i, j t + s] = (x_j w1[j])[n, i t + s]: stage 1 with P^T folded into the store."""
+    b, m, r = w1.shape
+    t, n = r // b, x2.shape[0]
+    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
+    bgemm(x2, w1, z, n, m, r, b, (m, x2.stride(0), 1), w1.stride(), (t, b * r, r, 1), grp=t)
+    return z
 
-def _prune_chain(configs, named_args, **kwargs):
-    """Token-count tiles by N; rank chunks no wider than the per-block rank needs."""
+
+def _two_stage(x2, w1, w2, bias, permute_output):
+    b, r, p = w2.shape
+    n = x2.shape[0]
+    z = _stage1(x2, w1)
+    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
+    block_stride, col_stride = (1, b) if permute_output else (p, 1)
+    bgemm(z, w2, y, n, r, p, b, (r, b * r, 1), w2.stride(), (block_stride, y.stride(0), 0, col_stride), bias=bias)
+    return y
+
+
+def _bmm(x2, w1, w2, bias, permute_output):
+    assert not permute_output, "the bmm variant writes the block-major layout only"
+    b, _, p = w2.shape
+    n = x2.shape[0]
+    z = _stage1(x2, w1)
+    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
+    bmm_into(z.transpose(0, 1), w2, y.view(n, b, p).transpose(0, 1), None if bias is None else bias.view(b, p))
+    return y
+
+
+# ---- fused kernel (decode): both dots in one pipelined loop over input blocks --------
+
+def _prune_fused(configs, named_args, **kwargs):
     configs = keep_small_n(configs, named_args["N"])
-    fit = [c for c in configs if c.kwargs["BT"] <= max(16, triton.next_power_of_2(named_args["T"]))]
-    return fit or configs
+    size = named_args["x_ptr"].element_size()
+    bm, bt = kwargs["BM"], kwargs["BT"]
+    keep = [c for c in configs if c.kwargs["BO"] <= pow2_at_least(named_args["P"], 32)
+            and fits_smem(c, c.kwargs["BN"] * bm + bm * bt + bt * c.kwargs["BO"], size)]
+    return keep or configs[:1]
 
 
-@tuned([(16, 128, 64, 16, 4, 3), (16, 128, 64, 32, 4, 3), (16, 64, 128, 32, 4, 3), (16, 256, 64, 32, 8, 3),
-        (64, 128, 64, 16, 4, 3), (128, 128, 64, 16, 8, 3), (64, 128, 64, 32, 4, 3), (128, 128, 64, 32, 8, 3),
-        (128, 256, 64, 64, 8, 3), (64, 256, 64, 64, 8, 3)],
-       ("BN", "BO", "BM", "BT"), (16, 32, 32, 16, 4, 1), key=["N_BUCKET", "M", "T", "P", "B"], prune=_prune_chain)
+@tuned([(16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2)],
+       ("BN", "BO"), (16, 16, 4, 1), key=["N_BUCKET", "M", "T", "P", "B"], prune=_prune_fused)
 @triton.jit
-def _chain_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M, T, P,
-                  B, N_BUCKET,
+def _fused_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M, T, P, B, N_BUCKET,
                   sxn, s1j, s1a, s1c, s2i, s2c, s2o, syn, syi, syo,
-                  HAS_BIAS: tl.constexpr, BN: tl.constexpr, BO: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr):
-    pid_n = tl.program_id(0)
+                  HAS_BIAS: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BO: tl.constexpr):
     o_tiles = tl.cdiv(P, BO)
-    i = tl.program_id(1) // o_tiles
-    rn = pid_n * BN + tl.arange(0, BN)
-    ro = (tl.program_id(1) % o_tiles) * BO + tl.arange(0, BO)
+    i = tl.program_id(0) % B                           # the b programs of one token tile run side by side
+    pid_o = (tl.program_id(0) // B) % o_tiles
+    pid_n = tl.program_id(0) // (B * o_tiles)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    ro = pid_o * BO + tl.arange(0, BO)
     rm = tl.arange(0, BM)
     rt = tl.arange(0, BT)
+    x_ptrs = x_ptr + rn[:, None] * sxn + rm[None, :]
+    w1_ptrs = w1_ptr + rm[:, None] * s1a + (i * T + rt)[None, :] * s1c
+    w2_ptrs = w2_ptr + i * s2i + rt[:, None] * s2c + ro[None, :] * s2o
+    x_mask = (rn[:, None] < N) & (rm[None, :] < M)
+    w1_mask = (rm[:, None] < M) & (rt[None, :] < T)
+    w2_mask = (rt[:, None] < T) & (ro[None, :] < P)
     acc = tl.zeros((BN, BO), dtype=tl.float32)
-    for j in range(0, B):
-        for t0 in range(0, T, BT):
-            s = tl.zeros((BN, BT), dtype=tl.float32)
-            for a0 in range(0, M, BM):
-                xa = tl.load(x_ptr + rn[:, None] * sxn + (j * M + a0 + rm)[None, :],
-                             mask=(rn[:, None] < N) & (a0 + rm[None, :] < M), other=0.0)
-                wa = tl.load(w1_ptr + j * s1j + (a0 + rm)[:, None] * s1a + (i * T + t0 + rt)[None, :] * s1c,
-                             mask=(a0 + rm[:, None] < M) & (t0 + rt[None, :] < T), other=0.0)
-                s = mma(xa, wa, s)
-            wb = tl.load(w2_ptr + i * s2i + (j * T + t0 + rt)[:, None] * s2c + ro[None, :] * s2o,
-                         mask=(t0 + rt[:, None] < T) & (ro[None, :] < P), other=0.0)
-            acc = mma(s.to(wb.dtype), wb, acc)
+    for j in range(B):
+        xa = tl.load(x_ptrs + j * M, mask=x_mask, other=0.0)
+        wa = tl.load(w1_ptrs + j * s1j, mask=w1_mask, other=0.0)
+        s = mma(xa, wa, tl.zeros((BN, BT), dtype=tl.float32))
+        wb = tl.load(w2_ptrs + j * T * s2c, mask=w2_mask, other=0.0)
+        acc = mma(s.to(wb.dtype), wb, acc)               # z rounded to x's dtype, as in the reference
     col = i * syi + ro * syo
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col, mask=ro < P, other=0.0).to(tl.float32)[None, :]
@@ -90,46 +140,39 @@ def _chain_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M, T, P,
              mask=(rn[:, None] < N) & (ro[None, :] < P))
 
 
-def chain_matmul(x2, w1, w1_strides, w2, w2_strides, bias, blocks, m, t, p, y, y_block_stride, y_col_stride):
-    """y[n, i*syi + o*syo] = sum_j (x2[:, j m:(j+1) m] @ w1[j][:, i t:(i+1) t]) @ w2[i][j t:(j+1) t, o].
-
-    ``w1_strides`` (block j, row a, column c) and ``w2_strides`` (block i, row c, column o)
-    in elements; low-rank is the case blocks = 1.
-    """
-    n = x2.shape[0]
-    grid = lambda meta: (triton.cdiv(n, meta["BN"]), blocks * triton.cdiv(p, meta["BO"]))  # noqa: E731
-    _chain_kernel[grid](x2, w1, w2, y, bias if bias is not None else y, n, m, t, p, blocks, n_bucket(n),
-                        x2.stride(0), *w1_strides, *w2_strides, y.stride(0), y_block_stride, y_col_stride,
-                        HAS_BIAS=bias is not None)
-    return y
+def fused_fits(m: int, t: int) -> bool:
+    """Whether one input block (m) and one per-block rank (t) fit the fused kernel's tile."""
+    return pow2_at_least(m) * pow2_at_least(t) <= FUSED_MAX_TILE
 
 
 def _fused(x2, w1, w2, bias, permute_output):
     b, m, r = w1.shape
-    p = w2.shape[2]
-    y = torch.empty(x2.shape[0], b * p, device=x2.device, dtype=x2.dtype)
-    block_stride, col_stride = (1, b) if permute_output else (p, 1)
-    return chain_matmul(x2, w1, w1.stride(), w2, w2.stride(), bias, b, m, r // b, p, y, block_stride, col_stride)
-
-
-def _two_stage(x2, w1, w2, bias, permute_output):
-    b, m, r = w1.shape
-    p = w2.shape[2]
-    t, n = r // b, x2.shape[0]
-    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)   # z[n, i, j t + s] = (x_j w1[j])[n, i t + s]
-    bgemm(x2, w1, z, n, m, r, b, (m, x2.stride(0), 1), w1.stride(), (t, b * r, r, 1), grp=t)
+    p, n, t = w2.shape[2], x2.shape[0], r // b
     y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
     block_stride, col_stride = (1, b) if permute_output else (p, 1)
-    bgemm(z, w2, y, n, r, p, b, (r, b * r, 1), w2.stride(), (block_stride, y.stride(0), 0, col_stride), bias=bias)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * b * triton.cdiv(p, meta["BO"]),)
+    _fused_kernel[grid](x2, w1, w2, y, bias if bias is not None else y, n, m, t, p, b, n_bucket(n),
+                        x2.stride(0), *w1.stride(), *w2.stride(), y.stride(0), block_stride, col_stride,
+                        HAS_BIAS=bias is not None, BM=pow2_at_least(m), BT=pow2_at_least(t))
     return y
 
 
-VARIANTS = {"fused": _fused, "two_stage": _two_stage}
+VARIANTS = {"two_stage": _two_stage, "bmm": _bmm, "fused": _fused}
 
 
-def variants_for(n: int) -> dict:
-    """The pipelines worth timing at ``n`` tokens (both: the fused recompute is at most ceil(p/BO)-fold)."""
-    return VARIANTS
+def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
+    """The pipelines worth timing for ``n`` tokens, block size m, per-block rank t and the layout."""
+    names = ["two_stage"]
+    if not permute_output:
+        names.append("bmm")
+    if n <= FUSED_MAX_N and fused_fits(m, t):
+        names.append("fused")
+    return {name: VARIANTS[name] for name in names}
+
+
+def _default(n: int) -> str:
+    """The pick off the GPU timing path (interpreter, CUDA-graph capture): the decode kernel or two GEMMs."""
+    return "fused" if n <= 16 else "two_stage"
 
 
 @torch.library.custom_op("memfit::monarch_linear", mutates_args=())
@@ -140,8 +183,11 @@ def _monarch_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, bias: torch
     w1, w2 = w1.contiguous(), w2.contiguous()
     args = (x2, w1, w2, bias, permute_output)
     if variant == "auto":
-        variant = pick_variant("monarch_linear", (n_bucket(x2.shape[0]), *w1.shape, w2.shape[2], permute_output,
-                                                  str(x.dtype)), VARIANTS, "fused", args)
+        n = x2.shape[0]
+        offered = variants_for(n, m, r // b, permute_output)
+        default = _default(n) if _default(n) in offered else "two_stage"
+        variant = pick_variant("monarch_linear", (n_bucket(n), *w1.shape, w2.shape[2], permute_output, str(x.dtype)),
+                               offered, default, args)
     return VARIANTS[variant](*args).reshape(*x.shape[:-1], -1)
 
 
@@ -154,8 +200,8 @@ _monarch_op.register_autograd(recompute_backward(monarch_linear_reference, 4, 1)
                               setup_context=lambda ctx, inputs, output: save_for_recompute(ctx, inputs, output, 4))
 
 
-def monarch_linear(x, w1, w2, bias=None, permute_output=True, path=None, variant="auto"):
-    """Monarch forward by the Triton op where ``use_triton`` allows (``variant``: auto, fused, two_stage)."""
+def monarch_linear(x, w1, w2, bias=None, permute_output=False, path=None, variant="auto"):
+    """Monarch forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS)."""
     if use_triton("monarch_linear", x, w1, w2, path=path):
         cast = [w if w is None else w.to(x.dtype) for w in (w1, w2, bias)]
         return _monarch_op(x, *cast, permute_output, variant)

@@ -1,4 +1,4 @@
-"""MonarchLinear: W = P L P^T R with block-diagonal L and R (Dao et al. 2022).
+"""MonarchLinear: W = L P^T R (default) or P L P^T R, L and R block-diagonal (Dao et al. 2022).
 
 Definition (b blocks, in = b m, out = b p, rank r = b t, so t = r/b per block):
 
@@ -6,12 +6,22 @@ Definition (b blocks, in = b m, out = b p, rank r = b t, so t = r/b per block):
   z_j = x_j w1[j], r values viewed as b groups of t: z_j = (z_j0, ..., z_j,b-1).
 * P^T regroups: u_i = (z_0i, z_1i, ..., z_b-1,i), r values (group j at offset j t).
 * ``w2`` (b, r, p) is L: v_i = u_i w2[i], p values.
-* P (``permute_output=True``, the paper's definition) interleaves the blocks: output
-  feature s b + i is v_i[s]. With ``permute_output=False`` output feature i p + s is
-  v_i[s] (blocks contiguous); :func:`fold_output_permutation` switches a SwiGLU's
-  gate/up to that layout and moves P into the down projection's weights instead.
+* The output layout. ``permute_output=False`` (the default): output feature i p + s is
+  v_i[s] (blocks contiguous, "P-free": W = L P^T R). ``permute_output=True``: the
+  paper's P interleaves the blocks, output feature s b + i is v_i[s] (W = P L P^T R).
 
-So the (i, j) block of P^T W (rows i p.., columns j m..) is
+Why P-free is the default: P is a fixed relabelling of the output features, so the two
+forms are the same family up to that relabelling: the best Monarch approximation of W
+is P times the best P-free approximation of P^T W, with the same error (``from_dense``
+projects P^T W for the permuted form, W itself for the P-free one). Output features of
+a projection carry no order of their own, so the P-free form is as good a model (the
+errors of the two on one random matrix have the same distribution), and its kernel
+stores every output row contiguously, where P's store has a column stride of b
+elements (one 2-byte store per sector). :func:`fold_output_permutation` turns a
+SwiGLU's permuted gate/up into the P-free form exactly, moving P into the down
+projection's weights.
+
+So the (i, j) block of the P-free W (rows i p.., columns j m..) is
 ``(w1[j][:, i t:(i+1) t] @ w2[i][j t:(j+1) t, :])^T``, of rank t; ``to_dense`` builds
 exactly that. Parameters r (in + out); FLOPs 2 N r (in + out). ``from_dense`` is closed
 form: the truncated rank-t SVD of each of the b^2 blocks (optimal in Frobenius norm,
@@ -24,14 +34,19 @@ from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.kernels.monarch import monarch_linear
-from memfit.layers.structured import StructuredLinear, check_divisible, check_positive, truncated_svd
+from memfit.layers.structured import (
+    StructuredLinear,
+    check_divisible,
+    check_positive,
+    truncated_svd,
+)
 
 
 class MonarchLinear(StructuredLinear):
     """``nn.Linear`` replacement with a Monarch weight (see the module docstring)."""
 
     def __init__(self, in_features: int, out_features: int, rank: int, blocks: int, bias: bool = False,
-                 permute_output: bool = True, device=None, dtype=None) -> None:
+                 permute_output: bool = False, device=None, dtype=None) -> None:
         self.blocks = check_positive("blocks", blocks)
         check_divisible("in_features", in_features, blocks)
         check_divisible("out_features", out_features, blocks)
