@@ -70,7 +70,7 @@ def step_flops(spec, context: int, checkpointed: bool, head_tokens: float) -> fl
 def _step(model, optimizer, context: int, vocab: int, loss_fraction: float, device) -> float:
     ids = torch.randint(0, vocab, (1, context), device=device)
     labels = ids.clone()
-    labels[:, : context - int(round(loss_fraction * context))] = -100
+    labels[:, : context - round(loss_fraction * context)] = -100
     model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -78,9 +78,9 @@ def _step(model, optimizer, context: int, vocab: int, loss_fraction: float, devi
         torch.cuda.synchronize()
 
 
-def _measure(model, optimizer, contexts, spec, loss_fraction, device, frozen_bytes, base, ceilings) -> list[dict]:
-    """Warm up once at the smallest context, then one measured step per context (OOM recorded)."""
-    out = []
+def _measure(model, optimizer, contexts, spec, loss_fraction, device, frozen_bytes, base, ceilings, record) -> None:
+    """Warm up once at the smallest context, then one measured step per context (OOM recorded), each row
+    handed to ``record`` as soon as it is measured."""
     oom = False
     for i, context in enumerate(contexts):
         row = {**base, "context": context}
@@ -107,9 +107,7 @@ def _measure(model, optimizer, contexts, spec, loss_fraction, device, frozen_byt
             gc.collect()
             torch.cuda.empty_cache()
             row["peak_gb"] = "OOM"
-        out.append(row)
-        print(row, flush=True)
-    return out
+        record(row)
 
 
 def _resident(model, device) -> tuple[int, int]:
@@ -130,16 +128,15 @@ def _bnb_available(device) -> str | None:
     return None
 
 
-def run_dtype(spec, dtype, contexts, device, ceilings) -> list[dict]:
-    rows = []
+def run_dtype(spec, dtype, contexts, device, ceilings, record) -> None:
     attention = "memfit" if dtype == torch.float32 else "sdpa"
     model = patch(build_model(spec, dtype=dtype, device=device), fused_ce=False, lora=LORA, attention=attention)
     frozen, trainable = _resident(model, device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     common = {"dtype": str(dtype), "attention": attention, "frozen_weights_gb": frozen / GB,
               "lora_params_gb": trainable / GB}
-    rows += _measure(model, optimizer, contexts, spec, 1.0, device, frozen,
-                     {"row": "LoRA", "exact": True, "baseline": True, **common}, ceilings)
+    _measure(model, optimizer, contexts, spec, 1.0, device, frozen,
+             {"row": "LoRA", "exact": True, "baseline": True, **common}, ceilings, record)
     del model, optimizer
     gc.collect()
     if device.type == "cuda":
@@ -155,15 +152,28 @@ def run_dtype(spec, dtype, contexts, device, ceilings) -> list[dict]:
               "four_bit": why_not is None, **({"four_bit_unavailable": why_not} if why_not else {})}
     for name, fused, policy, subset, fraction in _rows_settings(spec.num_layers, spec.vocab, device):
         state.fused_ce, state.policy, state.vocab_subset = fused, policy, subset
-        rows += _measure(model, optimizer, contexts, spec, fraction, device, frozen,
-                         {"row": name, "exact": subset is None, "fused_ce": fused, "checkpointed": policy.active,
-                          **common}, ceilings)
+        _measure(model, optimizer, contexts, spec, fraction, device, frozen,
+                 {"row": name, "exact": subset is None, "fused_ce": fused, "checkpointed": policy.active,
+                  **common}, ceilings, record)
     state.runner.close()
     del model, optimizer, state
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rows
+
+
+def _targets(rows: list[dict]) -> list[dict]:
+    """The paper's last row, fp32 as in the paper: peak above the frozen weights and total peak, per context."""
+    targets = []
+    for row in rows:
+        measured = row.get("peak_above_frozen_weights_gb")
+        if (row["row"].startswith("+ logits masking") and row["paper_gb"] is not None
+                and row["dtype"] == "torch.float32" and isinstance(measured, float)):
+            targets.append(target(f"fp32 peak above frozen weights, ctx {row['context']}", measured,
+                                  row["paper_gb"], "GB", "lower"))
+            targets.append(target(f"fp32 total peak, ctx {row['context']}", row["peak_gb"], row["paper_gb"],
+                                  "GB", "lower"))
+    return targets
 
 
 def main() -> None:
@@ -183,28 +193,29 @@ def main() -> None:
         from memfit.measure.timing import measure_ceilings
 
         ceilings = measure_ceilings()
-    rows = []
-    for dtype in args.dtypes.split(","):
-        rows += run_dtype(spec, getattr(torch, dtype), contexts, device, ceilings)
-    targets = []
-    if device.type == "cuda":
-        for row in rows:
-            paper = PAPER_GB.get(row["row"], (None,) * len(CONTEXTS))
-            row["paper_gb"] = paper[CONTEXTS.index(row["context"])] if row["context"] in CONTEXTS else None
-            if row["row"].startswith("+ logits masking") and row["paper_gb"] is not None and row["dtype"] == "torch.float32":
-                measured = row.get("peak_above_frozen_weights_gb")
-                if isinstance(measured, float):
-                    targets.append(target(f"fp32 peak above frozen weights, ctx {row['context']}", measured,
-                                          row["paper_gb"], "GB", "lower"))
-                    targets.append(target(f"fp32 total peak, ctx {row['context']}", row["peak_gb"], row["paper_gb"],
-                                          "GB", "lower"))
     out_dir = args.out or (tempfile.mkdtemp(prefix="memfit-smoke-") if args.smoke else None)
     name = "finetune_memory" if args.dtypes == "float32,bfloat16" else "finetune_memory_" + args.dtypes.replace(",", "_")
-    path = write_results(name, rows, targets, out_dir=out_dir,
-                         model=spec.name, batch=1, lora=LORA, vocab_subset=SUBSET, seconds=time.perf_counter() - started,
-                         notes="peak = torch.cuda.max_memory_allocated over fwd+bwd+AdamW step after warm-up; "
-                               "'peak_above_frozen_weights_gb' subtracts the resident frozen base (embeddings, "
-                               "norms, 4-bit linears) measured after patching; the vocab-subset row is approximate")
+    rows: list[dict] = []
+
+    def save(complete: bool):
+        return write_results(name, rows, _targets(rows) if device.type == "cuda" else [], out_dir=out_dir,
+                             model=spec.name, batch=1, lora=LORA, vocab_subset=SUBSET, complete=complete,
+                             seconds=time.perf_counter() - started,
+                             notes="peak = torch.cuda.max_memory_allocated over fwd+bwd+AdamW step after warm-up; "
+                                   "'peak_above_frozen_weights_gb' subtracts the resident frozen base (embeddings, "
+                                   "norms, 4-bit linears) measured after patching; the vocab-subset row is approximate")
+
+    def record(row: dict) -> None:
+        """Keep and print a measured row and rewrite the results at once: a time-out loses nothing measured."""
+        paper = PAPER_GB.get(row["row"], (None,) * len(CONTEXTS))
+        row["paper_gb"] = paper[CONTEXTS.index(row["context"])] if row["context"] in CONTEXTS else None
+        rows.append(row)
+        print(row, flush=True)
+        save(complete=False)
+
+    for dtype in args.dtypes.split(","):
+        run_dtype(spec, getattr(torch, dtype), contexts, device, ceilings, record)
+    path = save(complete=True)
     print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
 
 

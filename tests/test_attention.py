@@ -239,3 +239,18 @@ def test_patch_attention_bad_value():
 
     with pytest.raises(MemfitError, match="flash"):
         patch(build_model(PRESETS["tiny"], dtype="float32"), attention="flash")
+
+
+def test_fp32_dots_follow_torch_matmul_precision():
+    """IEEE fp32 by default; TF32 only once the user allows it for matmuls (it is then used, and said once)."""
+    from memfit.kernels.attention import _dot_precision
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert _dot_precision(torch.float32) == "ieee"
+        torch.set_float32_matmul_precision("high")
+        assert _dot_precision(torch.float32) == "tf32"
+        assert _dot_precision(torch.bfloat16) == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
