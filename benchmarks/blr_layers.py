@@ -4,16 +4,20 @@ For the paper's shapes (Llama-3.2-1B and Llama-7B projections, b = 16) and N in
 {1, 16, 128, 1024, 8192} bf16 tokens it times, in one run:
 
 * dense cuBLAS (``F.linear``), eager and ``torch.compile``d;
-* for low-rank, Monarch and BLAST: the plain PyTorch reference, each Triton pipeline
-  (variant) on its own, and ``ours`` (the layer's default path: the variant the
-  autotuner picks, which is what a user gets);
+* for low-rank, Monarch and BLAST: the plain PyTorch reference, each pipeline
+  (variant) the op offers at that shape on its own, and ``ours`` (the layer's default
+  path: the variant ``pick_variant`` chooses, which is what a user gets). Monarch runs
+  in the layer's default block-major (P-free) output layout, and ``monarch_permuted``
+  times the op's pick for the paper's permuted layout on the same weights; each
+  Monarch row names its ``layout``;
 * the roofline floor of each structure (x + weights + y moved once, all FLOPs at the
   measured matmul rate; memfit.measure.roofline), with the ceilings measured here.
 
 Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median) so that
 decode-sized kernels are timed, not Python's launch overhead, over several copies of
 the weights and inputs (together > 2x the 50 MB L2) so nothing is served from L2.
-Writes ``blr_layers.json`` and ``blr_layers_roofline.png``; ``--smoke`` runs the same
+Writes ``blr_layers.json`` (after every shape, ``"complete": false`` until the end) and
+``blr_layers_roofline.png``; ``--smoke`` runs the same
 code on tiny shapes on the CPU (Triton interpreter) and writes ``blr_layers_smoke.*``.
 """
 from __future__ import annotations
@@ -68,6 +72,15 @@ def main() -> int:
     timer = gpu_ms if device == "cuda" else cpu_ms
     started = time.time()
     rows = []
+    stem = "blr_layers_smoke" if args.smoke else "blr_layers"
+
+    def save(complete: bool):
+        """Write the JSON (after every shape too, so a run stopped by its time limit keeps what it measured)."""
+        return write_results(stem, rows, make_targets(rows, target, smoke=args.smoke), args.out, blocks=blocks,
+                             dtype="bfloat16", seconds=time.time() - started, complete=complete,
+                             ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
+                                       "bandwidth_gbs": ceilings.bandwidth / 1e9})
+
     with Progress() as progress:
         task = progress.add_task("blr layers", total=len(shapes) * len(tokens))
         for name, d_in, d_out, rank in shapes:
@@ -75,12 +88,10 @@ def main() -> int:
                 rows += bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer,
                                    layer_cost)
                 progress.advance(task)
+            save(complete=False)
     elapsed = time.time() - started
+    path = save(complete=True)
     targets = make_targets(rows, target, smoke=args.smoke)
-    stem = "blr_layers_smoke" if args.smoke else "blr_layers"
-    path = write_results(stem, rows, targets, args.out, blocks=blocks, dtype="bfloat16", seconds=elapsed,
-                         ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
-                                   "bandwidth_gbs": ceilings.bandwidth / 1e9})
     points = [{"label": r["impl"], "flops": r["flops"], "bytes": r["ideal_bytes"], "ms": r["ms"]}
               for r in rows if r["impl"] in ("dense_eager", "lowrank_ours", "monarch_ours", "blast_ours")]
     plot_roofline(points, ceilings.matmul_flops, ceilings.bandwidth, path.with_name(f"{stem}_roofline.png"),
@@ -103,7 +114,10 @@ def cpu_ms(fn) -> float:
     return 1e3 * (time.perf_counter() - start)
 
 
-def copies_for(bytes_per_call: int) -> int:
+def copies_for(bytes_per_call: int, device: str) -> int:
+    """Copies of inputs and weights to rotate through so nothing is served from L2 (one on the CPU smoke run)."""
+    if device != "cuda":
+        return 1
     return max(1, min(64, math.ceil(ROTATE_BYTES / max(bytes_per_call, 1))))
 
 
@@ -111,48 +125,57 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
     """Every implementation of one (shape, N) case; one row each."""
     import torch.nn.functional as F
 
-    from memfit.kernels.blast import variants_for as blast_variants
     from memfit.kernels.blast import blast_linear
-    from memfit.kernels.lowrank import variants_for as lowrank_variants
+    from memfit.kernels.blast import variants_for as blast_variants
     from memfit.kernels.lowrank import lowrank_linear
-    from memfit.kernels.monarch import variants_for as monarch_variants
+    from memfit.kernels.lowrank import variants_for as lowrank_variants
     from memfit.kernels.monarch import monarch_linear
+    from memfit.kernels.monarch import variants_for as monarch_variants
     from memfit.layers import BlastLinear, LowRankLinear, MonarchLinear
 
     rows = []
     with torch.no_grad():
         dense_flops, dense_bytes = layer_cost("dense", "ideal", n, d_in, d_out)
-        k = copies_for(dense_bytes)
+        k = copies_for(dense_bytes, device)
         xs = [torch.randn(n, d_in, device=device, dtype=dtype) for _ in range(k)]
         weights = [torch.randn(d_out, d_in, device=device, dtype=dtype) / d_in**0.5 for _ in range(k)]
         compiled = torch.compile(F.linear, dynamic=True)
-        impls = {"dense_eager": lambda i: F.linear(xs[i], weights[i]), "dense_compiled": lambda i: compiled(xs[i], weights[i])}
+        impls = {"dense_eager": lambda i: F.linear(xs[i], weights[i]),
+                 "dense_compiled": lambda i: compiled(xs[i], weights[i])}
         rows += time_impls(impls, k, timer, name, n, d_in, d_out, rank, blocks, "dense", dense_flops, dense_bytes,
                            dense_bytes, ceilings, layer_cost)
-        del xs, weights
+        xs = weights = None                              # free before the structures allocate theirs
+        m, t = d_in // blocks, rank // blocks
         structures = {
             "lowrank": (lambda: LowRankLinear(d_in, d_out, rank, device=device, dtype=dtype),
-                        lambda l, x, **o: lowrank_linear(x, l.U, l.V, **o), lowrank_variants),
+                        lambda l, x, **o: lowrank_linear(x, l.U, l.V, **o), lowrank_variants(n)),
             "monarch": (lambda: MonarchLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
-                        lambda l, x, **o: monarch_linear(x, l.w1, l.w2, None, l.permute_output, **o), monarch_variants),
+                        lambda l, x, **o: monarch_linear(x, l.w1, l.w2, None, l.permute_output, **o),
+                        monarch_variants(n, m, t, permute_output=False)),
             "blast": (lambda: BlastLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
-                      lambda l, x, **o: blast_linear(x, l.U, l.V, l.S, **o), blast_variants),
+                      lambda l, x, **o: blast_linear(x, l.U, l.V, l.S, **o), blast_variants(n)),
         }
         for kind, (make, call, variants) in structures.items():
             flops, ideal = layer_cost(kind, "ideal", n, d_in, d_out, rank, blocks)
-            k = copies_for(ideal)
-            layers = [make() for _ in range(k)]
-            xs = [torch.randn(n, d_in, device=device, dtype=dtype) for _ in range(k)]
-            impls = {f"{kind}_reference": lambda i, c=call: c(layers[i], xs[i], path="reference")}
-            for variant in variants(n):
-                impls[f"{kind}_{variant}"] = lambda i, c=call, v=variant: c(layers[i], xs[i], path="triton", variant=v)
-            impls[f"{kind}_ours"] = lambda i: layers[i](xs[i])
-            for impl_name in impls:
-                impls[impl_name](0)                      # autotune / pick outside the timed graphs
+            k = copies_for(ideal, device)
+            impls = structure_impls(torch, kind, make, call, variants, k, n, d_in, dtype, device, monarch_linear)
             rows += time_impls(impls, k, timer, name, n, d_in, d_out, rank, blocks, kind, flops, ideal,
                                dense_bytes, ceilings, layer_cost)
-            del layers, xs
+            impls = None
     return rows
+
+
+def structure_impls(torch, kind, make, call, variants, copies, n, d_in, dtype, device, monarch_linear):
+    """name -> fn(copy index) for one structure: reference, each variant, ours (and Monarch's permuted layout)."""
+    layers = [make() for _ in range(copies)]
+    xs = [torch.randn(n, d_in, device=device, dtype=dtype) for _ in range(copies)]
+    impls = {f"{kind}_reference": lambda i: call(layers[i], xs[i], path="reference")}
+    for variant in variants:
+        impls[f"{kind}_{variant}"] = lambda i, v=variant: call(layers[i], xs[i], path="triton", variant=v)
+    impls[f"{kind}_ours"] = lambda i: layers[i](xs[i])
+    if kind == "monarch":
+        impls["monarch_permuted"] = lambda i: monarch_linear(xs[i], layers[i].w1, layers[i].w2, None, True)
+    return impls
 
 
 def time_impls(impls, copies, timer, name, n, d_in, d_out, rank, blocks, kind, flops, ideal, dense_bytes, ceilings,
@@ -161,15 +184,18 @@ def time_impls(impls, copies, timer, name, n, d_in, d_out, rank, blocks, kind, f
     floor = ceilings.floor_ms(flops, ideal)
     for impl, fn in impls.items():
         try:
-            ms = timer(lambda: [fn(i) for i in range(copies)]) / copies
+            fn(0)                                        # autotune / pick outside the timed graphs
+            ms = timer(lambda fn=fn: [fn(i) for i in range(copies)]) / copies
             error = None
-        except Exception as err:  # a competitor that cannot run here is recorded, not fatal
+        except Exception as err:  # noqa: BLE001 (a competitor that cannot run here is recorded, not fatal)
             ms, error = float("nan"), f"{type(err).__name__}: {err}"[:300]
         row = {"shape": name, "in": d_in, "out": d_out, "rank": rank, "blocks": blocks, "n": n, "structure": kind,
                "impl": impl, "ms": ms, "flops": flops, "ideal_bytes": ideal, "floor_ms": floor,
                "x_floor": ms / floor, "copies": copies}
         if kind != "dense":
             row["unfused_bytes"] = layer_cost(kind, "unfused", n, d_in, d_out, rank, blocks)[1]
+        if kind == "monarch" and impl != "monarch_reference":
+            row["layout"] = "permuted" if impl == "monarch_permuted" else "block-major"
         if error:
             row["error"] = error
         rows.append(row)

@@ -2,7 +2,8 @@
 
 * ``pick_variant``: each op has several complete kernel pipelines (e.g. Triton GEMMs vs
   a Triton stage plus a cuBLAS stage); which is fastest depends on the shape. The first
-  call for a shape times each candidate on the GPU and remembers the winner in a JSON
+  call for a shape times each candidate on the GPU (CUDA-graph replays, as the layers
+  run in decode) and remembers the winner in a JSON
   file (``$MEMFIT_AUTOTUNE_CACHE``, default ``~/.cache/memfit/autotune.json``), keyed by
   GPU, Triton version, a digest of the candidates' source files, op and shape, so a
   second run does not retune and an edited kernel is timed afresh. Off the GPU (the
@@ -40,7 +41,8 @@ from memfit.kernels.dispatch import interpreting
 from memfit.log import warn_once
 
 _CACHE: dict | None = None
-TUNE = {"warmup": 5, "rep": 20}  # ms per candidate: short, so a cold run of many shapes stays fast
+TUNE = {"warmup": 5, "rep": 20}  # ms per tile config: short, so a cold run of many shapes stays fast
+PICK_REP_MS = 10                 # ms of graph replays per kernel variant in pick_variant
 
 
 def n_bucket(n: int) -> int:
@@ -95,14 +97,26 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
                     *map(str, shape_key)])
     cache = _load_cache()
     if cache.get(key) not in candidates:
-        from triton.testing import do_bench
-
-        times = {name: float(do_bench(lambda fn=fn: fn(*args), warmup=TUNE["warmup"], rep=TUNE["rep"],
-                                      return_mode="median"))
-                 for name, fn in candidates.items()}
+        times = {name: _time_candidate(op, name, fn, args) for name, fn in candidates.items()}
+        if min(times.values()) == float("inf"):
+            raise RuntimeError(f"{op}: no kernel variant of {sorted(candidates)} ran for shape {shape_key}")
         cache[key] = min(times, key=times.get)
         _save_cache(cache)
     return cache[key]
+
+
+def _time_candidate(op: str, name: str, fn, args: tuple) -> float:
+    """Median ms of ``fn(*args)`` as CUDA-graph replays (so a decode-sized variant's time is its
+    GPU time, not Python's launch overhead, which would favour the variant with fewer launches);
+    a variant that fails to compile, run or be captured here is skipped, with a warning."""
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        return float(do_bench_cudagraph(lambda: fn(*args), rep=PICK_REP_MS, return_mode="median"))
+    except Exception as err:  # noqa: BLE001 (e.g. a config past this GPU's shared memory: the others still compete)
+        warn_once(f"variant-failed:{op}:{name}", f"{op}: variant {name} failed here and is not picked: "
+                  f"{type(err).__name__}: {str(err)[:200]}")
+        return float("inf")
 
 
 def recompute_backward(reference, n_tensors: int, n_options: int = 0):
