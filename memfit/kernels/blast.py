@@ -155,7 +155,7 @@ def _prune_mixgemm(configs, named_args, **kwargs):
 
 # BN * b * BK operand elements per step: <= 128 registers a thread at b = 16
 @tuned([(16, 32, 64, 4, 3), (16, 64, 32, 4, 3), (16, 64, 64, 4, 3), (16, 128, 32, 4, 3),
-        (64, 64, 32, 8, 3), (64, 128, 32, 8, 3)],
+        (64, 64, 32, 8, 2), (64, 128, 32, 8, 2)],
        ("BN", "BC", "BK"), (16, 16, 16, 4, 1), key=["N_BUCKET", "R", "P", "B"], prune=_prune_mixgemm)
 @triton.jit
 def _mixgemm_kernel(z_ptr, s_ptr, u_ptr, y_ptr, bias_ptr, N, R, P, B, N_BUCKET,

@@ -48,7 +48,7 @@ from memfit.kernels.blr_common import (
 from memfit.kernels.dispatch import use_triton
 
 FUSED_MAX_N = 128      # beyond this the fused kernel's x re-reads (b * p / BO per token tile) cost more than z's round trip
-FUSED_MAX_TILE = 32768  # pow2(m) * pow2(t) elements of w1 slice per step: 64 KB in bf16, so 2+ stages fit
+FUSED_MAX_TILE = 16384  # pow2(m) * pow2(t) elements of w1 slice per step: 32 KB in bf16, so 2-3 stages fit
 
 
 def monarch_linear_reference(x, w1, w2, bias=None, permute_output=False):
