@@ -106,14 +106,33 @@ def _configs(pairs):
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in pairs]
 
 
+def _by_element_size(sets: dict):
+    """Autotune configs per input element size, and the pruner that keeps the set matching Q's dtype
+    (fp32 tiles of the 16-bit sizes need more than the 227 KB of shared memory an H100/H200 block has)."""
+    if interpreting():   # one config in all (the autotuner times candidates whenever it holds more than one)
+        return sets[min(sets)], None
+    every = [c for configs in sets.values() for c in configs]
+
+    def prune(configs, named_args, **kwargs):
+        size = min((s for s in sets if s >= named_args["Q"].element_size()), default=max(sets))
+        return [c for c in configs if any(c is k for k in sets[size])]
+
+    return every, {"early_config_prune": prune}
+
+
 if triton is not None:
-    # Hopper-sized tiles: 128-row blocks over two warpgroups, shallow pipelines (register-bound).
-    _FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3)])
+    # Hopper-sized tiles: 128-row blocks over two warpgroups, shallow pipelines (register-bound);
+    # fp32 (TF32 or IEEE dots) gets tiles half as wide so that they fit shared memory.
+    _FWD_CONFIGS, _FWD_PRUNE = _by_element_size({
+        2: _configs([(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3)]),
+        4: _configs([(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 4, 2)])})
     # Backward: the outer block (query rows for the query kernel, keys for the key kernel)
     # is BLOCK_M / BLOCK_N respectively; the inner one is kept small to bound registers.
     # Two each: every (mode, causal) pair compiles its own kernels, and the benchmark has a time budget.
-    _QBWD_CONFIGS = _configs([(128, 64, 8, 2), (64, 64, 4, 3)])
-    _KBWD_CONFIGS = _configs([(64, 128, 8, 2), (64, 64, 4, 3)])
+    _QBWD_CONFIGS, _QBWD_PRUNE = _by_element_size({2: _configs([(128, 64, 8, 2), (64, 64, 4, 3)]),
+                                                   4: _configs([(64, 32, 4, 2), (32, 32, 4, 2)])})
+    _KBWD_CONFIGS, _KBWD_PRUNE = _by_element_size({2: _configs([(64, 128, 8, 2), (64, 64, 4, 3)]),
+                                                   4: _configs([(32, 64, 4, 2), (32, 32, 4, 2)])})
 
     @triton.jit
     def _load_rows(base, rows, offs_d, stride_m, L, HEAD_DIM: tl.constexpr):
@@ -172,7 +191,7 @@ if triton is not None:
             m_i = m_new
         return acc, m_i, l_i
 
-    @triton.autotune(configs=_FWD_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL"])
+    @triton.autotune(configs=_FWD_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL"], prune_configs_by=_FWD_PRUNE)
     @triton.jit
     def _fwd_kernel(Q, K, V, O, LSE, CU, qk_scale,
                     sqb, sqh, sqm, skb, skh, skm, svb, svh, svm,
@@ -263,7 +282,7 @@ if triton is not None:
         return dk, dv
 
     @triton.autotune(configs=_KBWD_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL", "DQ_MODE", "REMAP"],
-                     reset_to_zero=["DQ"])
+                     reset_to_zero=["DQ"], prune_configs_by=_KBWD_PRUNE)
     @triton.jit
     def _key_bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, CU, qk_scale, sm_scale,
                         sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, sdb, sdh, sdm, dq_slot,
@@ -360,7 +379,7 @@ if triton is not None:
         return dq
 
     @triton.autotune(configs=_QBWD_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL", "STATS", "DKV_MODE", "REMAP"],
-                     reset_to_zero=["DK", "DV"])
+                     reset_to_zero=["DK", "DV"], prune_configs_by=_QBWD_PRUNE)
     @triton.jit
     def _query_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, CU, qk_scale, sm_scale,
                           sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, sdb, sdh, sdm,
