@@ -2,24 +2,34 @@
 Liger Kernel's fused linear cross-entropy and Cut Cross-Entropy, all in one run.
 
 Vocabulary 128256, half the tokens ignored (-100), bf16, mean reduction, (tokens, hidden) =
-(8192, 2048), (16384, 3072), (32768, 4096). Per method and shape: forward+backward time,
+(8192, 2048), (16384, 3072), (32768, 4096). Inputs: hidden ~ N(0, 1), weight ~ N(0, (LOGIT_STD /
+sqrt(H))^2), so the logits' spread (std ~0.9) is the same at every shape. It matters for Cut
+Cross-Entropy, whose backward skips vocabulary blocks where every softmax value is below
+bf16 eps / 32: with a fixed weight std of 0.02 the logit std grows as sqrt(H) (0.9 / 1.1 / 1.3)
+and the share of blocks it can skip falls from ~83% to ~14% to 0%, which made it look 3x slower
+at the two larger shapes than its own reference numbers. Per method and shape: forward+backward time,
 extra peak memory (max_memory_allocated above inputs + parameters, gradients included),
 relative error of the loss and of both gradients against an fp32 reference (IEEE fp32
 matmuls, chunked over tokens so it fits). The roofline floor is the exact work on the loss
 tokens, 8 N V H FLOPs (forward 2NVH, backward 4NVH plus 2NVH recompute), at the matmul rate
 measured in this run; the frozen-weight row (LoRA: no weight gradient) needs 6NVH.
 
-Backward variants: memfit's backward walks the vocabulary in chunks of C columns; C is the
-one memory/speed knob (an N x C logit-gradient buffer against the matmul sizes), so memfit is
-timed at C = 512, 1024 and the default (VOCAB_CHUNK, 2048), plus the frozen-weight (LoRA) case. Each
-memfit row carries the op's memory model (``backward_memory``: peak above inputs, and where
-the fp32 hidden-gradient accumulator lives) next to the measured extra peak.
+Variants: besides the default, memfit is timed with each alternative of ``VARIANTS`` (one
+keyword or module knob of memfit.kernels.linear_ce changed; the same inputs), so one run picks
+the defaults: vocab chunk 4096; the weight-gradient matmul by cuBLAS on gathered loss rows
+instead of the Triton kernel that reads them through the index; a separate fp32 hidden-gradient
+accumulator instead of the one inside the gradient's buffer; a runtime instead of compile-time
+vocabulary-split count in the forward; the logit-gradient chunks in an N x C side buffer instead
+of the weight gradient's unwritten rows (the time that memory saving costs); plus the
+frozen-weight (LoRA) case. Each memfit row carries the op's memory model (``backward_memory``
+under that variant's settings: peak above inputs, side buffer, where the accumulator lives)
+next to the measured extra peak.
 
 Targets, per shape: memfit (default) faster than Cut Cross-Entropy, extra peak no larger than
 Cut Cross-Entropy's, each gradient's error no worse than Liger's, and the memory model
 within 5% of the measured extra peak.
 
-    python benchmarks/linear_ce.py            # H200: about 3 minutes
+    python benchmarks/linear_ce.py            # H200: about 3-4 minutes
     python benchmarks/linear_ce.py --smoke    # CPU, tiny shapes, same code path
 Competitors are optional (pip wheels liger-kernel, cut-cross-entropy); a missing one gives a
 "not available" row.
@@ -27,7 +37,9 @@ Competitors are optional (pip wheels liger-kernel, cut-cross-entropy); a missing
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import math
 import os
 import statistics
 import sys
@@ -45,9 +57,17 @@ from memfit.kernels.linear_ce import backward_memory, linear_cross_entropy  # no
 from memfit.measure.results import target, write_results  # noqa: E402
 
 IGNORE = -100
-CHUNK_VARIANTS = (512, 1024)  # besides the default VOCAB_CHUNK
-DEFAULT_WHY = ("fastest of C = 512/1024/2048 at all three shapes in the H200 run at commit 39f85a3, "
-               "for 8-32 MiB more than C=1024")
+LOGIT_STD = 0.02 * math.sqrt(2048)  # the logit std of the first shape with weight std 0.02, kept at every shape
+# memfit alternatives, each timed as its own row: name -> (linear_cross_entropy keywords, linear_ce knobs)
+VARIANTS = {
+    "memfit (vocab_chunk=4096)": ({"vocab_chunk": 4096}, {}),
+    "memfit (dW by cuBLAS on gathered rows)": ({}, {"DW_MATMUL": "cublas"}),
+    "memfit (separate dH accumulator)": ({}, {"HIDDEN_ACC": "separate"}),
+    "memfit (runtime LSE splits)": ({}, {"LSE_SPLITS": "runtime"}),
+    "memfit (chunks in an N x C side buffer)": ({}, {"TAIL_ELEMENTS": 1 << 62}),
+}
+DEFAULT_WHY = ("vocab chunk 2048: fastest of C = 512/1024/2048 at all three shapes in the H200 run at commit "
+               "39f85a3; the other defaults are to be picked from this file's variant rows")
 SHAPES = [(8192, 2048), (16384, 3072), (32768, 4096)]
 VOCAB = 128256
 
@@ -63,8 +83,7 @@ def _methods(device: str) -> dict:
     """name -> loss function, or the reason it is not available."""
     methods = {
         "memfit": lambda h, w, y: linear_cross_entropy(h, w, y),
-        **{f"memfit (vocab_chunk={c})": (lambda h, w, y, c=c: linear_cross_entropy(h, w, y, vocab_chunk=c))
-           for c in CHUNK_VARIANTS},
+        **{name: (lambda h, w, y, kw=kw: linear_cross_entropy(h, w, y, **kw)) for name, (kw, _) in VARIANTS.items()},
         "torch eager": _torch_eager,
         "torch.compile": torch.compile(_torch_eager, dynamic=False),
     }
@@ -154,23 +173,43 @@ def _extra_peak_mib(fn, device):
 def _inputs(tokens, hdim, vocab, device, seed=0):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     hidden = torch.randn(tokens, hdim, generator=gen).to(device, torch.bfloat16)
-    weight = (0.02 * torch.randn(vocab, hdim, generator=gen)).to(device, torch.bfloat16)
+    weight = (LOGIT_STD / math.sqrt(hdim) * torch.randn(vocab, hdim, generator=gen)).to(device, torch.bfloat16)
     labels = torch.randint(0, vocab, (tokens,), generator=gen)
     labels[torch.randperm(tokens, generator=gen)[: tokens // 2]] = IGNORE
     return hidden.requires_grad_(), weight.requires_grad_(), labels.to(device)
 
 
+@contextlib.contextmanager
+def _knobs(settings: dict):
+    """Set module knobs of memfit.kernels.linear_ce for one variant, restored afterwards."""
+    old = {key: getattr(linear_ce, key) for key in settings}
+    for key, value in settings.items():
+        setattr(linear_ce, key, value)
+    try:
+        yield
+    finally:
+        for key, value in old.items():
+            setattr(linear_ce, key, value)
+
+
 def _memory_model(name, tokens, n_loss, hdim, vocab, frozen):
-    """The op's own memory model for a memfit row (None for the others)."""
+    """The op's own memory model for a memfit row under the current knobs ({} for the others)."""
     if not name.startswith("memfit"):
         return {}
-    chunk = next((c for c in CHUNK_VARIANTS if f"vocab_chunk={c}" in name), None)
+    chunk = VARIANTS.get(name, ({}, {}))[0].get("vocab_chunk")
     model = backward_memory(tokens, n_loss, hdim, vocab, 2, weight_grad=not frozen, vocab_chunk=chunk)
     return {"model_peak_mib": model["peak"] / 2**20, "model_transient_mib": model["transient"] / 2**20,
-            "vocab_chunk": model["vocab_chunk"], "accumulator": model["accumulator"]}
+            "model_side_buffer_mib": model["side_buffer"] / 2**20, "vocab_chunk": model["vocab_chunk"],
+            "accumulator": model["accumulator"],
+            "knobs": {k: getattr(linear_ce, k) for k in ("DW_MATMUL", "HIDDEN_ACC", "LSE_SPLITS", "TAIL_ELEMENTS")}}
 
 
 def _measure(name, loss_fn, hidden, weight, labels, ref, device, frozen=False):
+    with _knobs(VARIANTS.get(name, ({}, {}))[1]):
+        return _measure_step(name, loss_fn, hidden, weight, labels, ref, device, frozen)
+
+
+def _measure_step(name, loss_fn, hidden, weight, labels, ref, device, frozen):
     weight.requires_grad_(not frozen)
 
     def step():
@@ -249,8 +288,11 @@ def run(shapes, vocab, device, out_dir):
             torch.cuda.empty_cache()
     extra = {"ceilings": None if not ceilings else {"matmul_tflops": ceilings.matmul_flops / 1e12,
                                                     "bandwidth_gbs": ceilings.bandwidth / 1e9},
-             "default_backward": {"vocab_chunk": linear_ce.VOCAB_CHUNK, "why": DEFAULT_WHY,
-                                  "variants": [f"vocab_chunk={c}" for c in CHUNK_VARIANTS]}}
+             "inputs": {"hidden_std": 1.0, "weight_std": f"{LOGIT_STD:.4f} / sqrt(H)"},
+             "default_backward": {"vocab_chunk": linear_ce.VOCAB_CHUNK, "dw_matmul": linear_ce.DW_MATMUL,
+                                  "hidden_acc": linear_ce.HIDDEN_ACC, "lse_splits": linear_ce.LSE_SPLITS,
+                                  "tail_elements": linear_ce.TAIL_ELEMENTS, "why": DEFAULT_WHY,
+                                  "variants": {name: {**kw, **knobs} for name, (kw, knobs) in VARIANTS.items()}}}
     path = write_results("linear_ce", rows, targets, out_dir, **extra)
     _plot(rows, path.with_suffix(".png"))
     return path
@@ -259,12 +301,12 @@ def run(shapes, vocab, device, out_dir):
 def print_rows(rows):
     for r in rows:
         if r.get("status") != "ok":
-            print(f"{r['tokens']:>6} {r['hidden']:>5}  {r['method']:<28} {r['status'][:60]}")
+            print(f"{r['tokens']:>6} {r['hidden']:>5}  {r['method']:<42} {r['status'][:60]}")
             continue
         peak = "-" if r["extra_peak_mib"] is None else f"{r['extra_peak_mib']:9.0f} MiB"
         dw = "-" if r["dweight_rel_err"] is None else f"{r['dweight_rel_err']:.1e}"
         model = f"  model {r['model_peak_mib']:7.0f} MiB" if "model_peak_mib" in r else ""
-        print(f"{r['tokens']:>6} {r['hidden']:>5}  {r['method']:<28} {r['ms']:9.2f} ms {peak}  "
+        print(f"{r['tokens']:>6} {r['hidden']:>5}  {r['method']:<42} {r['ms']:9.2f} ms {peak}  "
               f"loss {r['loss_rel_err']:.1e} dH {r['dhidden_rel_err']:.1e} dW {dw}{model}")
 
 

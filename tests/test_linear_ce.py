@@ -1,8 +1,12 @@
 """Fused linear cross-entropy against a float64 reference that materialises the logits.
 
 Runs the Triton kernels through the interpreter (tests/conftest.py) at small, odd shapes,
-with a small vocabulary chunk so the backward walks several chunks, the last one partial.
+with a small vocabulary chunk so the backward walks several chunks, the last one partial, and a
+small side-buffer budget so the chunks live in the weight gradient's unwritten rows and shrink
+near the end of the vocabulary.
 """
+import itertools
+
 import pytest
 import torch
 
@@ -16,7 +20,9 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
 @pytest.fixture(autouse=True)
 def _small_chunks_and_poison(monkeypatch):
     monkeypatch.setattr(linear_ce, "VOCAB_CHUNK", 256)
-    monkeypatch.setattr(linear_ce, "SLICE_ELEMENTS", 96)  # 2-3 rows per slice of the in-place finish
+    monkeypatch.setattr(linear_ce, "TAIL_ELEMENTS", 512)
+    monkeypatch.setattr(linear_ce, "STEP_ALIGN", 8)
+    monkeypatch.setattr(linear_ce, "FINISH_ROWS", 2)  # both kinds of slices of the in-place finish
     monkeypatch.setattr(linear_ce, "POISON", True)
 
 
@@ -112,8 +118,9 @@ def test_varying_token_counts_tune_once_per_bucket(monkeypatch):
     """Fine-tuning changes the loss-token count every step: every launch must reuse the
     autotuner entry and the compiled kernel of its power-of-two bucket (no re-tune, no
     recompile), so the autotune keys and the compile-time arguments may only differ by bucket."""
-    seen = {"lse": set(), "dlogits": set()}
-    for name, kernel in (("lse", linear_ce._lse_kernel), ("dlogits", linear_ce._dlogits_kernel)):
+    seen = {"lse": set(), "dlogits": set(), "dweight": set()}
+    for name, kernel in (("lse", linear_ce._lse_kernel), ("dlogits", linear_ce._dlogits_kernel),
+                         ("dweight", linear_ce._dweight_kernel)):
         original = kernel.run
 
         def spy(*args, _kernel=kernel, _run=original, _name=name, **kwargs):
@@ -124,7 +131,7 @@ def test_varying_token_counts_tune_once_per_bucket(monkeypatch):
             return _run(*args, **kwargs)
 
         monkeypatch.setattr(kernel, "run", spy)
-    weight = torch.randn(300, 16)
+    weight = torch.randn(300, 16, requires_grad=True)
     counts = [3, 5, 6, 7, 9, 12, 13, 16]
     for n in counts:
         hidden = torch.randn(n, 16, requires_grad=True)
@@ -132,6 +139,73 @@ def test_varying_token_counts_tune_once_per_bucket(monkeypatch):
     buckets = {linear_ce._bucket(n) for n in counts}
     for entries in seen.values():
         assert len(entries) == len(buckets), entries
+
+
+@pytest.mark.parametrize("vocab,hdim,n,chunk", [(1037, 48, 11, 256), (600, 8, 40, 128), (300, 64, 3, 512),
+                                              (128256, 4096, 16384, 2048)])
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_backward_plan_covers_the_vocabulary_and_fits(vocab, hdim, n, chunk, weight_grad):
+    """Steps tile [0, V) in order; a chunk kept in the weight gradient fits in its unwritten rows
+    (never the rows a step writes); the side-buffer steps are a suffix no wider than the buffer."""
+    steps, side = linear_ce._backward_plan(vocab, hdim, n, chunk, weight_grad)
+    assert steps[0][0] == 0 and steps[-1][1] == vocab
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(steps))
+    kinds = [in_w for _, _, in_w in steps]
+    assert kinds == sorted(kinds, reverse=True)  # in-weight-gradient steps first, then the side buffer
+    for v0, v1, in_w in steps:
+        assert 0 < v1 - v0 <= chunk
+        if in_w:
+            assert n * (v1 - v0) <= (vocab - v1) * hdim
+        else:
+            assert v1 - v0 <= side
+    assert weight_grad or side == min(chunk, vocab)
+    if weight_grad:
+        assert n * side <= max(linear_ce.TAIL_ELEMENTS, n * (n + hdim) // hdim)
+
+
+@pytest.mark.parametrize("knob,value", [("DW_MATMUL", "cublas"), ("HIDDEN_ACC", "separate"),
+                                        ("LSE_SPLITS", "runtime"), ("TAIL_ELEMENTS", 1 << 30)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_alternatives_match_reference(monkeypatch, knob, value, dtype):
+    """The alternatives the benchmark times are exact too."""
+    monkeypatch.setattr(linear_ce, knob, value)
+    hidden, weight, labels, _ = _inputs((21,), 40, 700, dtype)
+    _check_against_reference(hidden, weight, labels, reduction="sum")
+
+
+@pytest.mark.parametrize("tokens,width,hdim", [(37, 19, 40), (16, 32, 16), (5, 3, 33)])
+def test_dweight_kernel_reads_rows_through_the_index(tokens, width, hdim):
+    hidden = torch.randn(tokens + 7, hdim)
+    rows = torch.randperm(tokens + 7)[:tokens].sort().values
+    d = torch.randn(tokens, width)
+    out = torch.full((width, hdim), float("nan"))
+    linear_ce._dweight_triton(d, hidden, rows, out, chunk=width)
+    ref = d.double().T @ hidden.double()[rows]
+    assert _rel(out, ref) < 2e-5
+
+
+@pytest.mark.parametrize("weight_grad", [True, False])
+@pytest.mark.parametrize("dw_matmul", ["triton", "cublas"])
+@pytest.mark.parametrize("loss_tokens", [32, 64])
+def test_memory_model_matches_the_tracked_backward(monkeypatch, weight_grad, dw_matmul, loss_tokens):
+    """Peak bytes the backward allocates (CPU storage tracker) against ``backward_memory``.
+    fp32 and the accumulator in dH's buffer: the interpreter frees a side buffer only at the
+    next garbage collection, which only the separate-accumulator timeline would notice."""
+    from memfit.measure.memory import TensorLifetimeTracker
+
+    monkeypatch.setattr(linear_ce, "DW_MATMUL", dw_matmul)
+    monkeypatch.setattr(linear_ce, "TAIL_ELEMENTS", 4096)
+    tokens, hdim, vocab = 64, 32, 700
+    hidden, weight, labels, _ = _inputs((tokens,), hdim, vocab, torch.float32, ignore_frac=0.0)
+    labels[torch.randperm(tokens)[: tokens - loss_tokens]] = -100
+    hidden, weight = hidden.detach(), weight.detach()
+    _, lse = linear_ce._forward(hidden, weight, labels, None, -100, 0.0, 0.0, True)
+    grad = torch.ones(tokens)
+    with TensorLifetimeTracker((hidden, weight, labels, lse, grad)) as tracker:
+        linear_ce._backward(grad, hidden, weight, labels, None, lse, -100, 0.0, 0.0, weight_grad, 0, True)
+    model = linear_ce.backward_memory(tokens, loss_tokens, hdim, vocab, 4, weight_grad=weight_grad)
+    measured = tracker.peak - tracker.baseline
+    assert abs(measured - (model["peak"] - model["saved"])) <= 0.01 * measured, (measured, model)
 
 
 def test_env_reference_is_not_overridden(monkeypatch):

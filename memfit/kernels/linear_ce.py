@@ -14,15 +14,20 @@ How (exact mode):
   into a running (max, sum-exp) pair and the label logit (online softmax). Partials of
   the vocabulary slices are combined in PyTorch (a few bytes per token). Saved for
   backward: only the per-token log-sum-exp (fp32).
-* **Backward**: the vocabulary is walked in chunks of ``C`` columns. ``_dlogits_kernel``
-  recomputes the chunk's logits on chip and writes ``d = g * (softmax - onehot)`` (with
-  the soft-cap and z-loss chain rules) once, in the input dtype, into an ``N x C`` buffer.
-  Two cuBLAS matmuls consume it: ``dW[chunk] = d.T @ h`` (a single fp32-accumulated sum
-  over all loss tokens, rounded once into the gradient: no fp32 V x H buffer, no
-  atomics) and ``dH += d @ W[chunk]`` into an fp32 ``N x H`` accumulator, which lives in
-  the hidden gradient's own buffer whenever it fits (fp32 inputs, or 16-bit inputs with at
-  most half the tokens carrying a loss) and is rounded once, in place, at the end.
-  ``backward_memory`` gives the bytes held, for the ledger.
+* **Backward**: the vocabulary is walked in steps of up to ``C`` columns. ``_dlogits_kernel``
+  recomputes the step's logits on chip and writes ``d = g * (softmax - onehot)`` (with the
+  soft-cap and z-loss chain rules) once, in the input dtype, into an ``N x w`` buffer. When
+  the weight trains, that buffer is the weight gradient's own not-yet-written rows (rows past
+  the step), so it costs no memory; steps shrink near the end of the vocabulary as those rows
+  run out, and the last few rows use a side buffer of at most TAIL_ELEMENTS
+  (``_backward_plan``). Two matmuls consume it: ``dW[step] = d.T @ h`` by
+  ``_dweight_kernel``, which reads the loss-token rows of hidden through the index (no
+  gathered copy) and sums all loss tokens in fp32, rounded once into the gradient (no fp32
+  V x H buffer, no atomics); and ``dH += d @ W[step]`` (cuBLAS, fp32 output) into an fp32
+  ``N x H`` accumulator, which lives in the hidden gradient's own buffer whenever it fits
+  (fp32 inputs, or 16-bit inputs with at most half the tokens carrying a loss) and is
+  rounded once, in place, at the end. ``backward_memory`` gives the bytes held, for the
+  ledger: beyond the two gradients, only a few vectors and sub-MiB buffers.
 
 Cost: 2NVH FLOPs forward, 6NVH backward (recompute, dH, dW), 4NVH when the weight is
 frozen (LoRA), where the weight-gradient matmul is skipped.
@@ -53,16 +58,34 @@ except ImportError:  # the reference still works
     triton = None
 
 REDUCTIONS = ("mean", "sum", "none")
-# Vocabulary columns per backward step (C), independent of the hidden size. The N x C
-# logit-gradient chunk costs 2NC bytes. By the roofline alone (the chunk's hidden-gradient
-# matmul: 2NCH FLOPs against 8NH bytes of fp32 accumulator, ~C/4 FLOP/B) 1024 would do, but
-# the H200 run at 39f85a3 (benchmarks/results/linear_ce.json) measured C = 512 / 1024 / 2048 at
-# 58.1 / 27.5 / 17.9 ms (T=8192, H=2048), 59.7 / 53.3 / 49.1 (16384, 3072) and
-# 150.7 / 134.6 / 126.7 (32768, 4096): 2048 is fastest everywhere for 8-32 MiB more, so the
-# per-chunk cost the roofline leaves out dominates. Why 1024 is that slow is not yet explained.
+# Vocabulary columns per backward step (C), independent of the hidden size. The H200 run at
+# 39f85a3 (benchmarks/results/linear_ce.json) measured C = 512 / 1024 / 2048 at 58.1 / 27.5 /
+# 17.9 ms (T=8192, H=2048), 59.7 / 53.3 / 49.1 (16384, 3072) and 150.7 / 134.6 / 126.7
+# (32768, 4096): 2048 was fastest everywhere. When the weight trains, the N x C chunk lives in
+# the weight gradient's unwritten rows (see ``_backward_plan``), so C costs no memory there.
 VOCAB_CHUNK = 2048
-# Elements per temporary row slice when the hidden gradient is finished in place.
-SLICE_ELEMENTS = 1 << 20
+# Elements of the one side buffer that holds the logit-gradient chunks of the last vocabulary
+# rows (those whose chunk no longer fits in the weight gradient's unwritten rows), and of every
+# chunk when the weight is frozen (then it is N x C). 256K bf16 elements = 512 KiB.
+TAIL_ELEMENTS = 1 << 18
+# Widths of the shrinking steps near the end of the vocabulary are rounded down to a multiple
+# of this (while they are at least this wide), so the kernels' loads stay vectorised.
+STEP_ALIGN = 16
+# Rows of the temporary that the in-place finish of the hidden gradient uses where a row slice
+# would overwrite rows it still reads (see ``_finish_hidden_grad``).
+FINISH_ROWS = 32
+# Backward/forward alternatives kept so one benchmark run can time them (benchmarks/linear_ce.py):
+#   DW_MATMUL  "triton": dW chunk = d.T @ hidden[rows] by ``_dweight_kernel``, reading hidden
+#              rows through the loss-token index; "cublas": torch.mm on a gathered N x H copy
+#              of the loss-token rows (2NH more bytes).
+#   HIDDEN_ACC "in-buffer": the fp32 dH accumulator lives in dH's own buffer where it fits;
+#              "separate": always its own 4NH-byte tensor (dH allocated after the vocabulary loop).
+#   LSE_SPLITS "constexpr": the forward's vocabulary-slice count is a compile-time constant (it
+#              is a function of the token bucket, so this adds no compile); "runtime": a
+#              runtime loop bound.
+DW_MATMUL = "triton"
+HIDDEN_ACC = "in-buffer"
+LSE_SPLITS = "constexpr"
 # Tests set this to fill scratch buffers with NaN, so an unwritten element shows.
 POISON = False
 
@@ -166,28 +189,30 @@ if triton is not None:
         return acc
 
     # Compiles and tunings depend on the model shape and on the loss-token count only through
-    # its power-of-two bucket N_BUCKET: the count itself (N) and the forward's vocabulary split
-    # (SPLITS) are runtime values that are not specialised on, so a fine-tuning run whose
-    # loss-token count changes every step tunes once per bucket and never recompiles.
+    # its power-of-two bucket N_BUCKET: the count itself (N) is a runtime value that is not
+    # specialised on, and the forward's vocabulary split is a function of the bucket, so a
+    # fine-tuning run whose loss-token count changes every step tunes and compiles once per bucket.
     @triton.autotune(configs=_configs(), key=["H", "V", "N_BUCKET"])
     @triton.heuristics({"EVEN_K": lambda a: a["H"] % a["BLOCK_K"] == 0})
     @triton.jit(do_not_specialize=["N", "SPLITS"])
     def _lse_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, labels_ptr, m_ptr, s_ptr, t_ptr,
                     N, V: tl.constexpr, H: tl.constexpr, N_BUCKET, stride_h, stride_w, softcap,
-                    SPLITS, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    SPLITS, CONST_SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
         """Online softmax over one vocabulary slice for one block of loss tokens.
 
         Writes the slice's running max ``m``, sum of exp(logit - m) ``s`` and the label
-        logit ``t`` (0 where the label lies in another slice) at [slice, token]."""
+        logit ``t`` (0 where the label lies in another slice) at [slice, token]. The slice
+        count is CONST_SPLITS (a compile-time loop bound) when > 0, else the runtime SPLITS."""
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         rows = tl.load(rows_ptr + offs_n, mask=n_mask, other=0)
         labels = tl.load(labels_ptr + offs_n, mask=n_mask, other=-1)
-        tiles = (tl.cdiv(V, BLOCK_V) + SPLITS - 1) // SPLITS  # vocab tiles per slice
+        splits = CONST_SPLITS if CONST_SPLITS > 0 else SPLITS
+        tiles = ((V + BLOCK_V - 1) // BLOCK_V + splits - 1) // splits  # vocab tiles per slice
         m = tl.full((BLOCK_N,), -float("inf"), tl.float32)
         s = tl.zeros((BLOCK_N,), tl.float32)
         t = tl.zeros((BLOCK_N,), tl.float32)
@@ -209,14 +234,17 @@ if triton is not None:
 
     @triton.autotune(configs=_configs(), key=["H", "CHUNK", "N_BUCKET"])
     @triton.heuristics({"EVEN_K": lambda a: a["H"] % a["BLOCK_K"] == 0})
-    @triton.jit(do_not_specialize=["N", "v0", "width"])
+    @triton.jit(do_not_specialize=["N", "v0"])
     def _dlogits_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, labels_ptr, lse_ptr, g_ptr, d_ptr,
                         N, V, H: tl.constexpr, N_BUCKET, CHUNK, v0, width, stride_h, stride_w, stride_d,
                         softcap, z_loss,
                         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
                         EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                         BLOCK_K: tl.constexpr):
-        """d[n, j] = dloss_n / dz[n, v0 + j] for j < width, recomputing the logits on chip."""
+        """d[n, j] = dloss_n / dz[n, v0 + j] for j < width, recomputing the logits on chip.
+
+        ``width`` is specialised on (its divisibility by 16 lets the stores vectorise); CHUNK,
+        the nominal step width, only keys the tuning."""
         pid_n = tl.program_id(0)
         pid_v = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -237,6 +265,54 @@ if triton is not None:
             d = d * (1.0 - r * r)
         ptrs = d_ptr + offs_n[:, None].to(tl.int64) * stride_d + offs_j[None, :]
         tl.store(ptrs, d.to(d_ptr.dtype.element_ty), mask=n_mask[:, None] & j_mask[None, :])
+
+    def _dweight_configs():
+        if interpreting():
+            return [triton.Config({"BLOCK_M": 128, "BLOCK_H": 64, "BLOCK_K": 32}, num_warps=4)]
+        return [
+            triton.Config({"BLOCK_M": 128, "BLOCK_H": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+            triton.Config({"BLOCK_M": 128, "BLOCK_H": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+            triton.Config({"BLOCK_M": 128, "BLOCK_H": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_M": 64, "BLOCK_H": 256, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+        ]
+
+    @triton.autotune(configs=_dweight_configs(), key=["H", "CHUNK", "N_BUCKET"])
+    @triton.jit(do_not_specialize=["N"])
+    def _dweight_kernel(d_ptr, h_ptr, rows_ptr, out_ptr, N, width, H: tl.constexpr, N_BUCKET, CHUNK,
+                        stride_d, stride_h, stride_o, PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[j, :] = sum_n d[n, j] * hidden[rows[n], :] for j < width: one weight-gradient step.
+
+        The hidden rows are read through the loss-token index (no gathered N x H copy); the sum
+        over all N tokens is accumulated in fp32 and rounded once. Column and feature offsets
+        wrap (``%``) instead of being masked, so the K loop's loads stay unmasked and
+        vectorised; wrapped rows and columns are computed but never stored."""
+        pid_m = tl.program_id(0)
+        pid_h = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_k = tl.arange(0, BLOCK_K)
+        cols = offs_m % width
+        feats = offs_h % H
+        acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+        full = N // BLOCK_K
+        for k in range(full):
+            toks = k * BLOCK_K + offs_k
+            rows = tl.load(rows_ptr + toks)
+            a = tl.load(d_ptr + toks[None, :].to(tl.int64) * stride_d + cols[:, None])
+            b = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + feats[None, :])
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if full * BLOCK_K < N:
+            toks = full * BLOCK_K + offs_k
+            k_mask = toks < N
+            rows = tl.load(rows_ptr + toks, mask=k_mask, other=0)
+            a = tl.load(d_ptr + toks[None, :].to(tl.int64) * stride_d + cols[:, None], mask=k_mask[None, :],
+                        other=0.0)
+            b = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + feats[None, :], mask=k_mask[:, None],
+                        other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_o + offs_h[None, :]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < width) & (offs_h[None, :] < H))
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -268,22 +344,33 @@ def _lse_triton(hidden, weight, bias, rows, labels_n, softcap):
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
     _lse_kernel[grid](hidden, weight, bias if bias is not None else weight, rows, labels_n, m, s, t,
                       n, vocab, hdim, _bucket(n), hidden.stride(0), weight.stride(0), float(softcap),
-                      splits, HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
+                      splits, CONST_SPLITS=splits if LSE_SPLITS == "constexpr" else 0,
+                      HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
                       PRECISION=_precision(hidden.dtype))
     m_max = m.max(dim=0).values
     lse = m_max + torch.log((s * torch.exp(m - m_max)).sum(dim=0))
     return lse, t.sum(dim=0)
 
 
-def _dlogits_triton(hidden, weight, bias, rows, labels_n, lse, g, softcap, z_loss, v0, v1, out):
-    n, width, chunk = rows.numel(), v1 - v0, out.shape[1]
+def _dlogits_triton(hidden, weight, bias, rows, labels_n, lse, g, softcap, z_loss, v0, out, chunk):
+    """Writes the logit gradient of columns [v0, v0 + width) into ``out`` (n x width)."""
+    n, width = out.shape
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(width, meta["BLOCK_V"]))  # noqa: E731
     _dlogits_kernel[grid](hidden, weight, bias if bias is not None else weight, rows, labels_n, lse, g, out,
                           n, weight.shape[0], weight.shape[1], _bucket(n), chunk, v0, width,
                           hidden.stride(0), weight.stride(0), out.stride(0), float(softcap), float(z_loss),
                           HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
                           PRECISION=_precision(hidden.dtype))
-    return out[:, :width]
+    return out
+
+
+def _dweight_triton(d, hidden, rows, out, chunk):
+    """out (width x H) = d.T @ hidden[rows], d (n x width), fp32-accumulated."""
+    n, width = d.shape
+    hdim = hidden.shape[1]
+    grid = lambda meta: (triton.cdiv(width, meta["BLOCK_M"]), triton.cdiv(hdim, meta["BLOCK_H"]))
+    _dweight_kernel[grid](d, hidden, rows, out, n, width, hdim, _bucket(n), chunk, d.stride(0), hidden.stride(0),
+                          out.stride(0), PRECISION=_precision(hidden.dtype))
 
 
 # --------------------------------------------------------------------------------------
@@ -351,36 +438,117 @@ def _accumulator_in(d_hidden: torch.Tensor, n: int) -> Optional[torch.Tensor]:
     return flat[: n * d_hidden.shape[1]].view(n, -1).zero_()
 
 
-def _finish_hidden_grad(d_hidden, acc, rows, ignored, step):
+def _hidden_grad_buffers(hidden: torch.Tensor, n: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(d_hidden or None, fp32 n x H accumulator): the accumulator in d_hidden's buffer where it
+    fits and HIDDEN_ACC allows; else a separate one, and d_hidden is allocated after the loop."""
+    if HIDDEN_ACC == "in-buffer":
+        d_hidden = _empty(hidden.shape, hidden.dtype, hidden.device)
+        acc = _accumulator_in(d_hidden, n)
+        if acc is not None:
+            return d_hidden, acc
+        del d_hidden
+    return None, torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+
+
+def _finish_hidden_grad(d_hidden, acc, rows, ignored):
     """Write the hidden gradient: row i of the fp32 ``acc`` rounded into row ``rows[i]``,
     every ignored row zero. ``acc`` may live in ``d_hidden``'s storage (``_accumulator_in``),
-    so this works in place, in row slices that are read out (a small temporary) before the
-    write that could overlap them:
+    so this works in place, in row slices chosen so that a slice never overwrites what it
+    still reads; only where that leaves a slice of fewer than FINISH_ROWS rows does it go
+    through a temporary of FINISH_ROWS rows. Few slices (about log2 n), so few launches:
 
-    1. ascending i: acc row i -> d_hidden row i. For 16-bit d_hidden, acc row i spans the
-       bytes of rows 2i and 2i+1, so writing row i only overwrites acc rows <= i, all read;
-    2. descending i: row i -> row rows[i]. ``rows`` is ascending so rows[i] >= i: a write
-       only lands on rows that have already moved (or on the slice just read out)."""
+    1. cast, ascending: acc rows [r0, r1) -> d_hidden rows [r0, r1). For 16-bit d_hidden,
+       acc row i spans the bytes of rows 2i and 2i+1, so the slice is disjoint from its
+       source when r1 <= 2 r0 (slices double); the first one takes the temporary.
+    2. move, descending: rows [r0, r1) -> rows[r0:r1]. ``rows`` is ascending with
+       rows[i] >= i, so with r0 the first i whose rows[i] >= r1 the destinations lie above
+       the sources and land only on rows that have already moved; once rows[i] = i the
+       remaining rows are in place."""
     n = rows.numel()
-    slices = [(r0, min(r0 + step, n)) for r0 in range(0, n, step)]
-    if not (acc.dtype == d_hidden.dtype and acc.data_ptr() == d_hidden.data_ptr()):
-        for r0, r1 in slices:
-            d_hidden[r0:r1] = acc[r0:r1].to(d_hidden.dtype)
+    if acc.data_ptr() != d_hidden.data_ptr():
+        d_hidden[:n].copy_(acc)
+    elif acc.dtype != d_hidden.dtype:
+        r0 = 0
+        while r0 < n:
+            r1 = min(n, max(2 * r0, FINISH_ROWS))
+            src = acc[r0:r1] if r1 <= 2 * r0 else acc[r0:r1].to(d_hidden.dtype)
+            d_hidden[r0:r1].copy_(src)
+            r0 = r1
     if ignored.numel() == 0:
         return
-    for r0, r1 in reversed(slices):
-        d_hidden.index_copy_(0, rows[r0:r1], d_hidden[r0:r1].clone())
+    _move_rows(d_hidden, rows)
     d_hidden.index_fill_(0, ignored, 0)
+
+
+def _move_rows(d_hidden, rows):
+    """Row i -> row rows[i] in place (step 2 of ``_finish_hidden_grad``)."""
+    host = rows.cpu()
+    r1 = rows.numel()
+    while r1 > 0 and int(host[r1 - 1]) != r1 - 1:
+        r0 = int(torch.searchsorted(host, r1))
+        if r1 - r0 >= FINISH_ROWS:  # destinations all >= r1: write through a view that excludes the sources
+            d_hidden[r1:].index_copy_(0, rows[r0:r1] - r1, d_hidden[r0:r1])
+        else:
+            r0 = max(0, r1 - FINISH_ROWS)
+            d_hidden.index_copy_(0, rows[r0:r1], d_hidden[r0:r1].clone())
+        r1 = r0
+
+
+def _backward_plan(vocab: int, hdim: int, n: int, chunk: int, in_weight_grad: bool
+                   ) -> tuple[list[tuple[int, int, bool]], int]:
+    """The backward's vocabulary steps ``[(v0, v1, in_weight_grad)]`` and the side buffer's width.
+
+    A step's n x w logit-gradient chunk must live somewhere until both its matmuls have run.
+    When the weight trains (and ``in_weight_grad``), it lives in the weight gradient's rows
+    that are not written yet, rows >= v1, which hold it while n*w <= (V - v1)*H: steps are
+    ``chunk`` wide while that holds, then shrink (w <= free*H/(n + H), rounded down to
+    STEP_ALIGN) as the free rows run out. Once the rest fits in TAIL_ELEMENTS (or cannot
+    shrink further) it goes through a side buffer, in steps of at most ``chunk``; a frozen
+    weight has only that, an n x chunk buffer. The buffer's width is the widest such step."""
+    steps, v0, side = [], 0, 0
+    while v0 < vocab:
+        free = vocab - v0
+        w = min(chunk, free * hdim // (n + hdim)) if in_weight_grad else 0
+        if w >= STEP_ALIGN:
+            w -= w % STEP_ALIGN
+        if w > 0 and n * min(free, chunk) > TAIL_ELEMENTS:
+            steps.append((v0, v0 + w, True))
+        else:
+            w = min(chunk, free)
+            side = max(side, w)
+            steps.append((v0, v0 + w, False))
+        v0 += w
+    return steps, side
+
+
+def _logit_grad_buffer(d_weight, side, v1, n, width, in_weight_grad):
+    """The n x width (contiguous) buffer of a step's logit gradient: in the weight gradient's
+    unwritten rows from v1 on, or at the start of the side buffer."""
+    if in_weight_grad:
+        start = v1 * d_weight.shape[1]
+        return d_weight.view(-1)[start:start + n * width].view(n, width)
+    return side[: n * width].view(n, width)
+
+
+def _weight_grad_step(d, hidden, rows, hs, out, chunk, triton_path):
+    """out = d.T @ (loss-token rows of hidden), fp32-accumulated over all n, rounded once."""
+    if triton_path and DW_MATMUL == "triton":
+        _dweight_triton(d, hidden, rows, out, chunk)
+    elif d.dtype == out.dtype:
+        torch.mm(d.T, hs, out=out)
+    else:
+        out.copy_(d.T @ hs)
 
 
 def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, softcap, z_loss,
               need_weight_grad, vocab_chunk, triton_path):
     """Gradients for hidden (T, H), weight (V, H) (empty if not needed) and bias (V or empty).
 
-    One pass over the vocabulary in chunks of C columns. Peak above the inputs: the two
-    gradients, the gathered loss-token rows (N x H, when some tokens are ignored), one N x C
-    logit-gradient chunk, and the fp32 N x H hidden-gradient accumulator only where it does
-    not fit in the hidden gradient's own buffer (see ``backward_memory``)."""
+    One pass over the vocabulary in steps (``_backward_plan``). Peak above the inputs: the
+    two gradients, the small side buffer (the logit-gradient chunks live in the weight
+    gradient's unwritten rows; N x C only for a frozen weight), and the fp32 N x H
+    hidden-gradient accumulator only where it does not fit in the hidden gradient's own
+    buffer (see ``backward_memory``)."""
     vocab, hdim = weight.shape
     d_bias = torch.zeros_like(bias) if bias is not None else weight.new_empty(0)
     rows = _loss_rows(labels, ignore_index)
@@ -393,50 +561,48 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
     lse = lse_all.index_select(0, rows)
     g = grad_loss.index_select(0, rows).float()
     compute = hidden.dtype if triton_path else torch.float32
-    hs = hidden if n == hidden.shape[0] else hidden.index_select(0, rows)
-    hs = hs.to(compute)
-    d_hidden = _empty(hidden.shape, hidden.dtype, hidden.device)
-    acc = _accumulator_in(d_hidden, n)
-    if acc is None:  # a separate accumulator; the gradient buffer waits until it is needed
-        d_hidden = None
-        acc = torch.zeros(n, hdim, dtype=torch.float32, device=hidden.device)
+    hs = None  # the gathered loss-token rows, only where something reads them
+    if not triton_path or (need_weight_grad and DW_MATMUL == "cublas"):
+        hs = (hidden if n == hidden.shape[0] else hidden.index_select(0, rows)).to(compute)
+    d_hidden, acc = _hidden_grad_buffers(hidden, n)
     chunk = _vocab_chunk(vocab, vocab_chunk)
-    buf = _empty((n, chunk), compute, hidden.device) if triton_path else None
-    for v0 in range(0, vocab, chunk):
-        v1 = min(v0 + chunk, vocab)
+    steps, side_width = _backward_plan(vocab, hdim, n, chunk, need_weight_grad and triton_path)
+    side = _empty((n * side_width,), compute, hidden.device) if triton_path and side_width else None
+    for v0, v1, in_weight_grad in steps:
         if triton_path:
-            d = _dlogits_triton(hidden, weight, bias, rows, labels_n, lse, g, softcap, z_loss, v0, v1, buf)
+            d = _logit_grad_buffer(d_weight, side, v1, n, v1 - v0, in_weight_grad)
+            _dlogits_triton(hidden, weight, bias, rows, labels_n, lse, g, softcap, z_loss, v0, d, chunk)
         else:
             d = _dlogits_reference(hs, weight, bias, labels_n, lse, g, softcap, z_loss, v0, v1)
         if need_weight_grad:
-            if d.dtype == d_weight.dtype:
-                torch.mm(d.T, hs, out=d_weight[v0:v1])
-            else:
-                d_weight[v0:v1] = d.T @ hs
+            _weight_grad_step(d, hidden, rows, hs, d_weight[v0:v1], chunk, triton_path)
         if bias is not None:
             d_bias[v0:v1] = d.sum(dim=0, dtype=torch.float32)
         _accumulate_fp32(acc, d, weight[v0:v1].to(compute))
-    del buf, hs, d
+    del side, hs, d
     if d_hidden is None:
         d_hidden = _empty(hidden.shape, hidden.dtype, hidden.device)
     ignored = (labels == ignore_index).nonzero().squeeze(1)
-    _finish_hidden_grad(d_hidden, acc, rows, ignored, step=max(1, SLICE_ELEMENTS // hdim))
+    _finish_hidden_grad(d_hidden, acc, rows, ignored)
     return d_hidden, d_weight, d_bias
 
 
 def backward_memory(tokens: int, loss_tokens: int, hidden_size: int, vocab: int, dtype_bytes: int = 2, *,
                     weight_grad: bool = True, vocab_chunk: int | None = None) -> dict:
-    """Bytes the op holds beyond its inputs (hidden, weight, labels), Triton path, for the ledger.
+    """Bytes the op holds beyond its inputs (hidden, weight, labels), Triton path, for the ledger,
+    under the current DW_MATMUL / HIDDEN_ACC / TAIL_ELEMENTS settings.
 
     T tokens, N loss tokens, H hidden, V vocabulary, e bytes per element, C vocab chunk:
 
     * saved for backward: the per-token log-sum-exp, 4T;
     * gradients (returned): dW e*V*H (when the weight trains), dH e*T*H;
-    * backward transients: gathered loss rows e*N*H (only when N < T), one logit-gradient
-      chunk e*N*C, index/scale vectors ~24N + 8(T-N); the fp32 accumulator 4NH only when it
-      does not fit in dH's buffer (4NH > e*T*H) - then dH is allocated after the chunk loop;
-    * peak (backward, above inputs) = saved + dW + (accumulator aliased:
-      dH + max(rows + chunk, slice)) | (separate: max(acc + rows + chunk, acc + dH + slice)).
+    * backward transients: the side buffer e*N*S (S from ``_backward_plan``: small when the
+      weight trains, C when it is frozen), gathered loss rows e*N*H only for DW_MATMUL
+      "cublas" with N < T, index/scale vectors ~24N + 8(T-N), the finish's temporary
+      e*min(N, FINISH_ROWS)*H; the fp32 accumulator 4NH only when it does not sit in dH's
+      buffer (4NH > e*T*H, or HIDDEN_ACC "separate") - then dH is allocated after the loop;
+    * peak (backward, above inputs) = saved + dW + vectors + (accumulator in dH:
+      dH + max(side + rows, finish)) | (separate: max(acc + side + rows, acc + dH + finish)).
 
     The forward peak (~(8 + 12 * splits) N + 8T) is far below the backward's."""
     t, n, h, v, e = tokens, loss_tokens, hidden_size, vocab, dtype_bytes
@@ -444,21 +610,20 @@ def backward_memory(tokens: int, loss_tokens: int, hidden_size: int, vocab: int,
     saved = 4 * t
     d_weight = e * v * h if weight_grad else 0
     d_hidden = e * t * h
-    rows = e * n * h if n < t else 0
-    chunk = e * n * c
+    side = e * n * _backward_plan(v, h, n, c, weight_grad)[1] if n else 0
+    rows = e * n * h if weight_grad and DW_MATMUL == "cublas" and n < t else 0
     vectors = 24 * n + 8 * (t - n)
-    slice_ = 2 * e * min(n * h, max(h, SLICE_ELEMENTS))
-    aliased = 4 * n * h <= e * t * h
+    aliased = HIDDEN_ACC == "in-buffer" and 4 * n * h <= e * t * h
+    finish = e * min(n, FINISH_ROWS) * h if n < t or (aliased and e != 4) else 0
     acc = 0 if aliased else 4 * n * h
-    if n == 0:
-        rows = chunk = slice_ = acc = 0
     if aliased:
-        during = d_hidden + max(rows + chunk, slice_)
+        during = d_hidden + max(side + rows, finish)
     else:
-        during = max(acc + rows + chunk, acc + d_hidden + slice_)
+        during = max(acc + side + rows, acc + d_hidden + finish)
     peak = saved + d_weight + vectors + during
     return {"saved": saved, "gradients": d_weight + d_hidden, "transient": peak - saved - d_weight - d_hidden,
-            "peak": peak, "vocab_chunk": c, "accumulator": "in hidden-gradient buffer" if aliased else "separate"}
+            "peak": peak, "vocab_chunk": c, "side_buffer": side,
+            "accumulator": "in hidden-gradient buffer" if aliased else "separate"}
 
 
 # --------------------------------------------------------------------------------------
@@ -575,8 +740,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     count for nothing; "mean" over zero loss tokens is 0. ``reduction="none"`` returns the
     per-token loss (fp32, 0 at ignored tokens) in ``labels``' shape; "mean"/"sum" an fp32 scalar.
     ``vocab_subset`` (approximate, opt-in): the softmax runs over labels ∪ subset only.
-    ``vocab_chunk``: vocabulary columns per backward step (default VOCAB_CHUNK); the
-    backward holds one N x vocab_chunk logit-gradient chunk (see ``backward_memory``).
+    ``vocab_chunk``: vocabulary columns per backward step (default VOCAB_CHUNK); with a frozen
+    weight the backward holds one N x vocab_chunk logit-gradient chunk, with a trained one the
+    chunks live in the weight gradient's unwritten rows (see ``backward_memory``).
     ``path``: "auto" | "triton" | "reference"; None follows env MEMFIT_KERNELS (see
     ``memfit.kernels.dispatch``).
     """
