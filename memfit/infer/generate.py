@@ -17,6 +17,16 @@ converted per layer). Results then equal the Hugging Face modules' up to roundin
 (different matmul shapes may sum in another order); ``fused=False`` calls the model's
 own modules and is bit-exact with them.
 
+With ``fast`` (the default on CUDA) a decode step (one token per sequence) also runs
+memfit's decode kernels (``memfit.kernels.decode``, ``memfit.kernels.gemv``): one Triton
+kernel per layer for rope of q and k, the K/V cache write and attention over the cache up
+to the current slot (instead of three compiled kernels, a mask and SDPA), greedy argmax in
+two Triton stages, and for each decode matmul shape the faster of cuBLAS and a Triton
+GEMV, timed over all layers of that shape before the graph is captured
+(``matmul_paths``, ``attention_variant`` record the choices). These sum in another order
+than cuBLAS/SDPA, so results equal the other path up to rounding; ``fast=False`` is the
+previous loop.
+
 Prompts: prefill runs eagerly over the whole (left-padded) batch and, for partial
 models, selects the decode neurons (``memfit.infer.selection``). The graph is captured
 with the decode neuron counts before the first prompt; selection permutes weights in
@@ -29,10 +39,19 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.infer.fused import act_mul, fused_gate_up, fused_qkv
-from memfit.infer.selection import begin_prompt, end_prompt, partial_mlps, set_decode_shape
+from memfit.infer.selection import (
+    begin_prompt,
+    end_prompt,
+    partial_mlps,
+    set_decode_shape,
+)
+from memfit.kernels import gemv
+from memfit.kernels.decode import argmax, decode_attention, pick_attention
+from memfit.kernels.dispatch import use_triton
 from memfit.log import warn_once
 
 
@@ -119,10 +138,12 @@ class Generator:
     ``torch.compile`` on CUDA; a failed compile falls back to eager, said once.
     ``fused``: one matmul for q/k/v and one for gate/up where the weights are in the fused layout
     (equal to the model's modules up to rounding); False = the model's own modules, bit-exact.
+    ``fast``: None = memfit's decode kernels on CUDA (see the module docstring); True forces them
+    (on CPU only under the Triton interpreter, for tests); False = cuBLAS, compiled rope/cache writes, SDPA.
     """
 
     def __init__(self, model, max_len: int, batch: int = 1, graphs: bool | None = None, temperature: float = 0.0,
-                 compile: bool | None = None, fused: bool = True):
+                 compile: bool | None = None, fused: bool = True, fast: bool | None = None):
         cfg = model.config
         if max_len < 2 or batch < 1:
             raise MemfitError(f"max_len must be >= 2 and batch >= 1, got max_len={max_len}, batch={batch}")
@@ -159,10 +180,17 @@ class Generator:
         self.step_index = torch.zeros(1, dtype=torch.long, **factory)
         self.out = torch.zeros(batch, max_len, dtype=torch.long, **factory)
         self.graph = None
+        self.fast = self.device.type == "cuda" if fast is None else fast
+        if self.fast:
+            use_triton("decode kernels", embed, path="triton")     # a clear error where Triton cannot run
+        self.matmul_paths: dict[str, str] = {}                      # decode matmul shape -> "cublas" or a GEMV variant
+        self.attention_variant = None
         self.ops = _compiled() if (self.device.type == "cuda" if compile is None else compile) else _EAGER
         use_graphs = self.device.type == "cuda" if graphs is None else graphs
         if use_graphs and self.device.type != "cuda":
             raise MemfitError("CUDA graphs need the model on a CUDA device")
+        if self.fast:
+            self._plan_kernels()
         if use_graphs:
             self._capture()
         elif self.ops is not _EAGER:
@@ -181,30 +209,83 @@ class Generator:
         G = H // Hkv
         x = model.get_input_embeddings()(ids)
         cos, sin = self._rope(positions)
+        kernels = self.fast and T == 1          # decode: memfit's attention kernel, no mask
         # key j is visible to the query at slot s when it holds a token and j <= s; every query sees itself.
         # Additive and in the model dtype, built once per step: SDPA would convert a bool mask in every layer.
-        visible = self.key_slots[None, :] <= slots[:, None]
-        mask = (self.valid[:, None, :] & visible[None]) | (self.key_slots[None, :] == slots[:, None])[None]
-        mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
-        mask = mask[:, None, None].expand(B, 1, G, T, self.max_len).reshape(B, 1, G * T, self.max_len)
+        mask = None if kernels else self._mask(slots, B, G, T)
         ops = self.ops
         layers = model.model.layers
         h = ops["norm"](x, layers[0].input_layernorm.weight, layers[0].input_layernorm.variance_epsilon)
         for i, layer in enumerate(layers):
             attn = layer.self_attn
             if self.qkv[i] is not None:
-                qkv = F.linear(h, *self.qkv[i]).view(B, T, H + 2 * Hkv, D)
+                qkv = self._matmul(h, *self.qkv[i]).view(B, T, H + 2 * Hkv, D)
                 q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
             else:
                 q, k, v = (proj(h).view(B, T, -1, D) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-            # GQA: the G query heads of a KV head share its keys, so q is grouped per KV head
-            q = ops["rope_and_cache"](q, k, v, cos, sin, self.k_cache[i], self.v_cache[i], slots)
-            o = _merge_heads(_attention(q, self.k_cache[i], self.v_cache[i], mask, attn.scaling), T)
+            if kernels:
+                o = decode_attention(q[:, 0], k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], self.k_cache[i], self.v_cache[i],
+                                     self.valid, slots, attn.scaling, self.attention_variant).view(B, 1, H * D)
+            else:
+                # GQA: the G query heads of a KV head share its keys, so q is grouped per KV head
+                q = ops["rope_and_cache"](q, k, v, cos, sin, self.k_cache[i], self.v_cache[i], slots)
+                o = _merge_heads(_attention(q, self.k_cache[i], self.v_cache[i], mask, attn.scaling), T)
             post = layer.post_attention_layernorm
-            x, h = ops["add_norm"](x, attn.o_proj(o), post.weight, post.variance_epsilon)
+            x, h = ops["add_norm"](x, self._project(attn.o_proj, o), post.weight, post.variance_epsilon)
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             x, h = ops["add_norm"](x, self._mlp(i, layer.mlp, h), following.weight, following.variance_epsilon)
         return model.get_output_embeddings()(h[:, -1:] if last_only else h)
+
+    def _mask(self, slots: torch.Tensor, B: int, G: int, T: int) -> torch.Tensor:
+        """SDPA's additive mask (B, 1, G*T, max_len): key j is visible to the query at slot s when it holds a token
+        and j <= s; every query sees itself. In the model dtype, built once per step (SDPA would convert a bool
+        mask in every layer)."""
+        visible = self.key_slots[None, :] <= slots[:, None]
+        mask = (self.valid[:, None, :] & visible[None]) | (self.key_slots[None, :] == slots[:, None])[None]
+        mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+        return mask[:, None, None].expand(B, 1, G, T, self.max_len).reshape(B, 1, G * T, self.max_len)
+
+    def _matmul(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias) by the path planned for this decode shape (cuBLAS for any other)."""
+        if not self.matmul_paths:
+            return F.linear(x, w, bias)
+        path = self.matmul_paths.get(gemv.shape_key(x.numel() // x.shape[-1], w, bias), gemv.CUBLAS)
+        return gemv.linear(x, w, bias, path)
+
+    def _project(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A projection module: a plain ``nn.Linear`` through ``_matmul``, anything else (4-bit) called."""
+        return self._matmul(x, proj.weight, proj.bias) if type(proj) is nn.Linear else proj(x)
+
+    def _decode_matmuls(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of every matmul a decode step runs through ``_matmul``, with partial layers at their decode count."""
+        products = []
+        for i, layer in enumerate(self.model.model.layers):
+            if self.qkv[i] is not None:
+                products.append(self.qkv[i])
+            if type(layer.self_attn.o_proj) is nn.Linear:
+                products.append((layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias))
+            if self.gate_up[i] is not None:
+                gate_up, down = self.gate_up[i]
+                a = getattr(layer.mlp, "compute", gate_up.shape[0])
+                products += [(gate_up[:a].flatten(0, 1), None), (down[:, :a], None)]
+        return products
+
+    @torch.no_grad()
+    def _plan_kernels(self) -> None:
+        """Time the decode attention variants and, per decode matmul shape, cuBLAS against the GEMV variants
+        (each over all layers of that shape; cached on disk by ``pick_variant``); off CUDA the defaults."""
+        self.attention_variant = pick_attention(list(zip(self.k_cache, self.v_cache)), self.heads,
+                                                self.model.model.layers[0].self_attn.scaling)
+        for key, weights in self.matmul_groups().items():
+            x = torch.randn(self.batch, weights[0][0].shape[1], dtype=self.dtype, device=self.device)
+            self.matmul_paths[key] = gemv.pick_path(x, weights)
+
+    def matmul_groups(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+        """The decode matmuls grouped by ``gemv.shape_key`` (what one path choice covers)."""
+        groups: dict[str, list] = {}
+        for w, b in self._decode_matmuls():
+            groups.setdefault(gemv.shape_key(self.batch, w, b), []).append((w, b))
+        return groups
 
     def _mlp(self, i: int, mlp, h: torch.Tensor) -> torch.Tensor:
         """The layer's FFN: one gate/up matmul over the active neurons, silu-multiply, down (or the module itself)."""
@@ -212,16 +293,17 @@ class Generator:
             return mlp(h)
         gate_up, down = self.gate_up[i]
         a = getattr(mlp, "active", gate_up.shape[0])      # PartialMLP: every loaded neuron at prefill, the selected at decode
-        g = self.ops["act_mul"](F.linear(h, gate_up[:a].flatten(0, 1)))
+        g = self.ops["act_mul"](self._matmul(h, gate_up[:a].flatten(0, 1)))
         if hasattr(mlp, "observe"):
             mlp.observe(g)
-        return F.linear(g, down[:, :a])
+        return self._matmul(g, down[:, :a])
 
     def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        pick = argmax if self.fast else (lambda scores: scores.argmax(-1))
         if self.temperature == 0:
-            return logits.argmax(-1)
+            return pick(logits)
         noise = -torch.log(-torch.log(torch.rand_like(logits, dtype=torch.float32).clamp_(1e-20, 1)))
-        return (logits.float() / self.temperature + noise).argmax(-1)
+        return pick(logits.float() / self.temperature + noise)
 
     def _step(self) -> None:
         """One decode token: forward ``tok`` at ``slot``, sample the next, advance (all on device)."""
@@ -343,7 +425,8 @@ class Generator:
         self._sync()
         t2 = time.perf_counter()
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-        return GenerationResult(tokens=self.out[:, : steps + 1].cpu(), prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps,
+        tokens = self.out[:, : steps + 1].to("cpu", copy=True)    # a copy: the next prompt reuses ``out``
+        return GenerationResult(tokens=tokens, prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps,
                                 graphs=self.graph is not None, peak_bytes=peak, selected=self.selected)
 
     @torch.no_grad()
