@@ -129,15 +129,16 @@ class Recorder:
 
 
 def speed_case(name: str, load, prompt: torch.Tensor, new: int, ceilings: Ceilings, device, reps: int,
-               optional: bool = False, fused: bool = True) -> dict:
+               optional: bool = False, **loop) -> dict:
     """Load with ``load()``, generate ``new`` tokens ``reps`` times after a warm-up, measure memory and speed.
 
     Memory is counted above what was allocated before loading. ``optional``: a competitor whose failure
     (missing package, unsupported GPU) is recorded as a "not available" row instead of stopping the run.
-    ``fused``: the decode loop's fused q/k/v and gate/up matmuls (False: the model's own modules).
+    ``loop``: Generator options, e.g. ``fused=False`` (the model's own modules) or ``fast=False`` (the loop
+    before memfit's decode kernels: cuBLAS matmuls, compiled rope/cache writes, SDPA under a mask).
     """
     try:
-        return _speed_case(name, load, prompt, new, ceilings, device, reps, fused)
+        return _speed_case(name, load, prompt, new, ceilings, device, reps, loop)
     except Exception as err:  # noqa: BLE001 - any failure of an optional competitor is reported, not raised
         if not optional:
             raise
@@ -145,13 +146,13 @@ def speed_case(name: str, load, prompt: torch.Tensor, new: int, ceilings: Ceilin
         return {"case": name, "available": False, "reason": f"not available: {type(err).__name__}: {err}"}
 
 
-def _speed_case(name, load, prompt, new, ceilings, device, reps, fused) -> dict:
+def _speed_case(name, load, prompt, new, ceilings, device, reps, loop) -> dict:
     before = _peak_reset(device)
     t0 = time.perf_counter()
     model = load()
     load_s = time.perf_counter() - t0
     resident = _mem(device) - before if device.type == "cuda" else None
-    gen = Generator(model, prompt.shape[1] + new, fused=fused)
+    gen = Generator(model, prompt.shape[1] + new, **loop)
     gen.generate(prompt, new)                                      # warm-up (and, for partial, a first selection)
     runs = [gen.generate(prompt, new) for _ in range(reps)]
     tps = statistics.median(r.tokens_per_s for r in runs)
@@ -164,7 +165,8 @@ def _speed_case(name, load, prompt, new, ceilings, device, reps, fused) -> dict:
            "weight_bytes_per_token": read, "decode_tokens_per_s": tps, "decode_ms_per_token": ms, "floor_ms": floor_ms,
            "fraction_of_floor": floor_ms / ms, "prefill_ms": 1e3 * statistics.median(r.prefill_s for r in runs),
            "cuda_graph": runs[0].graphs, "fused_layers": gen.fused_layers, "layers": len(model.model.layers),
-           "new_tokens": new, "prompt_tokens": prompt.shape[1]}
+           "new_tokens": new, "prompt_tokens": prompt.shape[1], "decode_kernels": gen.fast,
+           "attention_variant": gen.attention_variant, "matmul_paths": gen.matmul_paths}
     del gen, model, runs
     _free()
     return row
@@ -209,6 +211,10 @@ def run_speed(args, device, ceilings, rec: Recorder) -> None:
         (f"partial fp16 (gamma {partial.load}, phi {partial.phi} in every layer)",
          lambda: load_model(model_dir, everywhere, device=device), {}),
         ("bitsandbytes nf4", lambda: _load_bnb(model_dir, device), {"optional": True}),
+        ("dense fp16, previous loop (cuBLAS, SDPA; no decode kernels)", lambda: load_model(model_dir, device=device),
+         {"fast": False}),
+        (f"partial fp16 (gamma {partial.load}, phi {partial.phi}), previous loop (no decode kernels)",
+         lambda: load_model(model_dir, partial, device=device), {"fast": False}),
     ]
     found = {}
     try:
