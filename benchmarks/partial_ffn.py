@@ -100,7 +100,8 @@ def _load_bnb(model_dir: Path, device):
 class Recorder:
     """Rows and targets of this run, rewritten to the JSON after every row, so a later crash loses nothing."""
 
-    def __init__(self, out, smoke: bool, ceilings: Ceilings, ceiling_note: str):
+    def __init__(self, out, smoke: bool, ceilings: Ceilings, ceiling_note: str, name: str = "partial_ffn"):
+        self.name = name
         self.rows: list[dict] = []
         self.targets: list[dict] = []
         self.out, self.smoke = out, smoke
@@ -114,7 +115,7 @@ class Recorder:
         return row
 
     def write(self) -> Path:
-        return write_results("partial_ffn", self.rows, self.targets, out_dir=self.out, smoke=self.smoke, ceilings=self.ceilings,
+        return write_results(self.name, self.rows, self.targets, out_dir=self.out, smoke=self.smoke, ceilings=self.ceilings,
                              seconds=time.perf_counter() - self.start)
 
     def attempt(self, case: str, fn, *args, **extra):
@@ -329,6 +330,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="results directory (default benchmarks/results)")
     parser.add_argument("--small-model", help="directory of the small trained model (else trained here)")
     parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true",
+                        help="accuracy grid only, written to partial_ffn_accuracy.json (the speed results stay)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type == "cuda":
@@ -338,8 +341,9 @@ def main(argv=None) -> int:
         ceilings = Ceilings(matmul_flops=1e12, bandwidth=50e9)
         ceiling_note = "assumed (CPU smoke run: no floor is meaningful)"
     out = args.out or (Path(tempfile.gettempdir()) / "memfit-smoke" if args.smoke else None)  # smoke never overwrites GPU results
-    rec = Recorder(out, args.smoke, ceilings, ceiling_note)
-    rec.attempt("speed section", run_speed, args, device, ceilings, rec)
+    rec = Recorder(out, args.smoke, ceilings, ceiling_note, "partial_ffn_accuracy" if args.skip_speed else "partial_ffn")
+    if not args.skip_speed:
+        rec.attempt("speed section", run_speed, args, device, ceilings, rec)
     if not args.skip_accuracy:
         rec.attempt("accuracy section", run_accuracy, args, device, rec)
     path = rec.write()
