@@ -35,6 +35,7 @@ LOSS_FRACTION = {"+ logits masking (30% loss tokens)": 0.3}
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measured", default=str(RESULTS_DIR / "finetune_memory.json"))
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     args = parser.parse_args(argv)
     measured = json.loads(open(args.measured).read())
     spec = PRESETS[measured.get("model", "llama-3.2-3b")]
@@ -52,8 +53,7 @@ def main(argv=None) -> int:
         rows.append({"row": name, "dtype": dtype, "context": row["context"], "attention": attention,
                      "measured_gb": row["peak_gb"], "predicted_gb": ledger.total / GB, "error": error,
                      "peak_phase": ledger.peak_phase, "peak_at": ledger.peak_where})
-        if attention == "sdpa" or dtype != "float32":
-            errors.append((name, dtype, row["context"], error))
+        errors.append((name, dtype, row["context"], error))
         print(f"{dtype:9s} {name:36s} {row['context']:6d}  measured {row['peak_gb']:7.2f}  "
               f"predicted {ledger.total / GB:7.2f} GB  {100 * error:+6.2f}%")
     last = [e for e in errors if e[0] == "+ logits masking (30% loss tokens)"]
@@ -61,8 +61,8 @@ def main(argv=None) -> int:
                for _, dtype, ctx, err in last]
     targets.append(target("max |ledger error| over all rows", max(abs(100 * e[3]) for e in errors), 5.0, "%",
                           "lower"))
-    path = write_results("finetune_ledger", rows, targets, measured_in={k: measured[k] for k in
-                                                                      ("gpu", "torch", "triton", "commit", "date")})
+    path = write_results("finetune_ledger", rows, targets, out_dir=args.out,
+                         measured_in={k: measured[k] for k in ("gpu", "torch", "triton", "commit", "date")})
     print(f"-> {path}")
     return 0
 
