@@ -303,8 +303,9 @@ class ModelGraph:
         """Final norm, then ``memfit.kernels.linear_ce``: no logits ever exist.
 
         It saves the normalised hidden states and one fp32 log-sum-exp per token; its
-        backward's transient buffers (gathered loss rows, a logit-gradient chunk, perhaps an
-        fp32 accumulator) are the kernel's own account, ``linear_ce.backward_memory``.
+        backward's transient buffers (a logit-gradient chunk when the weight is frozen, a
+        sub-MiB tail buffer, the hidden-gradient finish) are the kernel's own account,
+        ``linear_ce.backward_memory``.
         """
         from memfit.kernels.linear_ce import backward_memory
 

@@ -5,9 +5,10 @@
 
 * ``ideal``: every intermediate on chip; bytes = x + weights + y (read/written once).
   This is the floor a kernel is held against (``Ceilings.floor_ms``).
-* ``fused``: what memfit's default multi-token kernel moves. Monarch's fused kernel
-  keeps everything on chip (= ideal); BLAST's writes and reads T once (+2 N b r);
-  low-rank's default at N > 16 is two cuBLAS GEMMs (+2 N r for z).
+* ``fused``: what memfit's default multi-token kernels move. Monarch's two GEMMs write
+  z once, already in P^T order, and read it once (+2 N b r; the single fused kernel is
+  offered only at N <= 128); BLAST's writes and reads T once (+2 N b r); low-rank's is
+  two cuBLAS GEMMs (+2 N r for z).
 * ``unfused``: one GEMM per stage, each intermediate written and read once
   (low-rank +2 N r; Monarch +2 N b r; BLAST +4 N b r: Z and T).
 * ``reference``: the plain PyTorch reference, which also copies for the transposes
@@ -47,7 +48,7 @@ def intermediate_elems(kind: str, variant: str, n: int, d_out: int, rank: int, b
         return 0
     per_stage = {"lowrank": n * rank, "monarch": n * blocks * rank, "blast": n * blocks * rank}[kind]
     if variant == "fused":
-        return {"lowrank": 2 * per_stage, "monarch": 0, "blast": 2 * per_stage}[kind]
+        return 2 * per_stage
     stages = 2 if kind == "blast" else 1
     traffic = 2 * per_stage * stages
     if variant == "reference" and kind == "monarch":
