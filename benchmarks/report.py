@@ -136,15 +136,42 @@ def partial_ffn_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + _targets(data)
 
 
+def partial_ffn_accuracy_section(data: dict) -> str:
+    rows = [r for r in data["rows"] if r.get("case") == "accuracy" and r.get("perplexity") is not None]
+    out = ["### Partial FFN accuracy: the small byte-level Llama of `benchmarks/train_small_model.py`\n",
+           _header(data, "python benchmarks/partial_ffn.py --skip-speed --small-model DIR"),
+           "| gamma (loaded) | phi (computed) | every layer partial | perplexity | next-token agreement with dense |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['gamma']} | {r['phi_effective']} | {'yes' if r['compute_all_layers'] else 'no'} "
+                   f"| {r['perplexity']:.2f} | {r['next_token_agreement']:.3f} |")
+    return "\n".join(out) + "\n"
+
+
 def blr_layers_section(data: dict) -> str:
-    return ("### Block-low-rank layer kernels (first run, work in progress)\n\n"
-            + _header(data, "python benchmarks/blr_layers.py") + "\n" + _targets(data)
-            + "\nEvery row, and the roofline plot: `benchmarks/results/blr_layers.json`, `blr_layers_roofline.png`.\n")
+    """Per shape and N: dense and each structure's default path (what a user gets), in microseconds and x floor."""
+    kinds = ("dense_eager", "lowrank_ours", "monarch_ours", "blast_ours")
+    cells = {}
+    for r in data["rows"]:
+        if r.get("impl") in kinds and r.get("ms") is not None:
+            cells[(r["shape"], r["n"], r["impl"])] = r
+    keys = sorted({(shape, n) for shape, n, _ in cells}, key=lambda k: (list(dict.fromkeys(
+        r["shape"] for r in data["rows"])).index(k[0]), k[1]))
+    out = ["### Block-low-rank layer kernels, bf16, b = 16 (work in progress: targets not met)\n",
+           _header(data, "python benchmarks/blr_layers.py"),
+           "us per call, and in brackets the ratio to that structure's roofline floor.\n",
+           "| shape | N | dense cuBLAS | low-rank | Monarch | BLAST |", "|---|---|---|---|---|---|"]
+    for shape, n in keys:
+        row = [f"{1e3 * c['ms']:.0f} ({c['x_floor']:.1f}x)" if (c := cells.get((shape, n, k))) else "-" for k in kinds]
+        out.append(f"| {shape} | {n} | " + " | ".join(row) + " |")
+    return ("\n".join(out) + "\n\n" + _targets(data)
+            + "\nEvery variant's row, and the roofline plot: `benchmarks/results/blr_layers.json`, "
+              "`blr_layers_roofline.png`.\n")
 
 
 SECTIONS = [("ledger_accuracy", ledger_section), ("linear_ce", linear_ce_section), ("attention", attention_section),
             ("finetune_memory", finetune_section), ("finetune_ledger", finetune_ledger_section),
-            ("partial_ffn", partial_ffn_section),
+            ("partial_ffn", partial_ffn_section), ("partial_ffn_accuracy", partial_ffn_accuracy_section),
             ("blr_layers", blr_layers_section)]
 
 
