@@ -117,10 +117,11 @@ def _patched(job: Job, knobs: Knobs, model):
     return model.train()
 
 
-def _optimizer(knobs: Knobs, params):
-    if knobs.optimizer == "adamw":
+def make_optimizer(name: str, params):
+    """The optimizer a ledger knob names (adamw, sgd, adamw8bit: bitsandbytes), as verify and benchmarks run it."""
+    if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-5)
-    if knobs.optimizer == "sgd":
+    if name == "sgd":
         return torch.optim.SGD(params, lr=1e-5)
     import bitsandbytes as bnb
 
@@ -136,7 +137,7 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1) -> Measurement:
     if job.task == "infer":
         return _measure_infer(job, model, ids, warmup)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = _optimizer(knobs, params)
+    optimizer = make_optimizer(knobs.optimizer, params)
     micro = knobs.micro_batch or job.batch
     labels = ids.clone()
     labels[:, :job.seq - max(1, round(job.loss_fraction * job.seq))] = -100  # prompt tokens carry no loss
