@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from finetune_memory import EIGHT_BIT_ROW
+from finetune_memory import EIGHT_BIT_ROW, LOWEST_ROWS
 
 from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import predict
@@ -33,7 +33,6 @@ ROWS = {
     EIGHT_BIT_ROW: {"four_bit": True, "checkpoint_layers": 28, "offload_layers": 28, "fused_ce": True,
                     "optimizer": "adamw8bit"},
 }
-LOWEST_ROWS = ("+ logits masking (30% loss tokens)", EIGHT_BIT_ROW)   # the targets: the paper's last row and ours
 LOSS_FRACTION = dict.fromkeys(LOWEST_ROWS, 0.3)
 
 

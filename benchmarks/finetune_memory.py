@@ -43,6 +43,7 @@ CONTEXTS = (1024, 2048, 4096, 8192, 16384)
 LORA = {"r": 16, "lora_alpha": 32}
 SUBSET = 8192
 EIGHT_BIT_ROW = "+ 8-bit AdamW (memfit, beyond the paper)"
+LOWEST_ROWS = ("+ logits masking (30% loss tokens)", EIGHT_BIT_ROW)   # the paper's last row and memfit's lowest
 GB = 1e9
 
 
@@ -135,8 +136,16 @@ def _bnb_available(device) -> str | None:
     return None
 
 
-def run_dtype(spec, dtype, contexts, device, ceilings, record) -> None:
+def run_dtype(spec, dtype, contexts, device, ceilings, record, lowest_only: bool = False) -> None:
+    """Every row of the table at ``dtype`` (``lowest_only``: the paper's last row and memfit's lowest)."""
     attention = "memfit" if dtype == torch.float32 else "sdpa"
+    if not lowest_only:
+        _run_baseline(spec, dtype, attention, contexts, device, ceilings, record)
+    _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, record, lowest_only)
+
+
+def _run_baseline(spec, dtype, attention, contexts, device, ceilings, record) -> None:
+    """Row 1: transformers + peft LoRA on the full-precision model, logits materialised."""
     model = patch(build_model(spec, dtype=dtype, device=device), fused_ce=False, lora=LORA, attention=attention)
     frozen, trainable = _resident(model, device)
     optimizer = make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
@@ -148,6 +157,10 @@ def run_dtype(spec, dtype, contexts, device, ceilings, record) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, record, lowest_only: bool) -> None:
+    """The cumulative rows on one 4-bit model, switching techniques between rows."""
     why_not = _bnb_available(device)
     model = patch(build_model(spec, dtype=dtype, device=device), four_bit=why_not is None, lora=LORA,
                   attention=attention)
@@ -159,6 +172,8 @@ def run_dtype(spec, dtype, contexts, device, ceilings, record) -> None:
               "lora_params_gb": trainable / GB,
               "four_bit": why_not is None, **({"four_bit_unavailable": why_not} if why_not else {})}
     for name, fused, policy, subset, fraction, opt in _rows_settings(spec.num_layers, spec.vocab, device):
+        if lowest_only and name not in LOWEST_ROWS:
+            continue
         if opt != optimizer_name:
             if opt == "adamw8bit" and why_not:
                 continue
@@ -202,6 +217,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
     parser.add_argument("--contexts", default=None, help="comma-separated contexts (default: 1024..16384)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--lowest-only", action="store_true",
+                        help="only the paper's last row and memfit's lowest (a short GPU call); own results file")
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     spec = PRESETS["tiny" if args.smoke else "llama-3.2-3b"]
@@ -215,6 +232,7 @@ def main() -> None:
         ceilings = measure_ceilings()
     out_dir = args.out or (tempfile.mkdtemp(prefix="memfit-smoke-") if args.smoke else None)
     name = "finetune_memory" if args.dtypes == "float32,bfloat16" else "finetune_memory_" + args.dtypes.replace(",", "_")
+    name += "_lowest" if args.lowest_only else ""
     rows: list[dict] = []
 
     def save(complete: bool):
@@ -234,7 +252,7 @@ def main() -> None:
         save(complete=False)
 
     for dtype in args.dtypes.split(","):
-        run_dtype(spec, getattr(torch, dtype), contexts, device, ceilings, record)
+        run_dtype(spec, getattr(torch, dtype), contexts, device, ceilings, record, args.lowest_only)
     path = save(complete=True)
     print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
 
