@@ -121,3 +121,29 @@ def test_fake_tensor_shapes():
         z = blast_linear(x, torch.empty(3, 5, 7), torch.empty(3, 4, 7), torch.empty(3, 3, 7), path="triton")
         w = lowrank_linear(x, torch.empty(9, 7), torch.empty(12, 7), path="triton")
     assert y.shape == z.shape == (4, 6, 15) and w.shape == (4, 6, 9)
+
+
+def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
+    """A shape timed before capture keeps its winner inside the capture (the bug: the default ran instead);
+    a shape never timed gets the default, and a warning says so."""
+    from memfit.kernels import blr_common
+
+    def slow():
+        return None
+
+    def fast():
+        return None
+
+    candidates = {"slow": slow, "fast": fast}
+    monkeypatch.setattr(blr_common, "_CACHE", {})
+    monkeypatch.setattr(blr_common, "_save_cache", lambda cache: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(blr_common, "_time_candidate", lambda op, name, fn, args: {"slow": 2.0, "fast": 1.0}[name])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert blr_common.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert blr_common.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
+    warned = []
+    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
+    assert blr_common.pick_variant("op", (16,), candidates, "slow", ()) == "slow"
+    assert warned and "capture" in warned[0]

@@ -7,7 +7,8 @@
   file (``$MEMFIT_AUTOTUNE_CACHE``, default ``~/.cache/memfit/autotune.json``), keyed by
   GPU, Triton version, a digest of the candidates' source files, op and shape, so a
   second run does not retune and an edited kernel is timed afresh. Off the GPU (the
-  interpreter) or while a CUDA graph is being captured, the op's default is taken.
+  interpreter) the op's default is taken; inside a CUDA graph capture the cached winner
+  is used, or, for a shape never timed before, the default (said once).
   The Triton kernels' own tile configs are tuned by ``triton.autotune`` with
   ``cache_results=True`` (Triton's on-disk cache), keyed on the same shapes.
 * ``n_bucket``: the token count rounded up to a power of two, the autotune key for N.
@@ -91,11 +92,16 @@ def _digest_files(files: tuple[str, ...]) -> str:
 def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args: tuple) -> str:
     """Name of the fastest of ``candidates`` (name -> fn(*args)) for this shape, cached on disk."""
     on_gpu = all(not isinstance(a, torch.Tensor) or a.is_cuda for a in args)
-    if not on_gpu or len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
+    if not on_gpu or len(candidates) == 1:
         return default
     key = "|".join([torch.cuda.get_device_name(), triton.__version__, _source_digest(tuple(candidates.values())), op,
                     *map(str, shape_key)])
     cache = _load_cache()
+    if cache.get(key) not in candidates and torch.cuda.is_current_stream_capturing():
+        # timing would launch work into the graph being captured: run the default, and say so
+        warn_once(f"pick-in-capture:{key}", f"{op}: first call for shape {shape_key} is inside a CUDA graph capture, "
+                  f"so its kernel variant is not timed; using {default!r} (call it once before capturing)")
+        return default
     if cache.get(key) not in candidates:
         times = {name: _time_candidate(op, name, fn, args) for name, fn in candidates.items()}
         if min(times.values()) == float("inf"):
