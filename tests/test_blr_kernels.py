@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from memfit.errors import MemfitError
 from memfit.kernels import blast, lowrank, monarch
 from memfit.kernels.blast import blast_linear, blast_linear_reference
 from memfit.kernels.lowrank import lowrank_linear, lowrank_linear_reference
@@ -57,7 +58,8 @@ def drop_bias(tensors, bias):
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("bmm", False), ("fused", True), ("fused", False)]
+MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("bmm", False), ("fused", True), ("fused", False),
+                 ("torch", True)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,11 +74,21 @@ def test_monarch(dtype, variant, permute, lead, bias):
 
 
 def test_monarch_variants_offered():
-    """bmm only for the block-major layout; the fused kernel only at small N and when its tile fits."""
-    assert set(monarch.variants_for(16, 128, 32, False)) == {"two_stage", "bmm", "fused"}
-    assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "fused"}
-    assert set(monarch.variants_for(8192, 128, 32, False)) == {"two_stage", "bmm"}
+    """bmm only for the block-major layout; the fused kernel only at small N and when its tile fits;
+    the plain PyTorch pipeline always competes."""
+    assert set(monarch.variants_for(16, 128, 32, False)) == {"two_stage", "bmm", "fused", "torch"}
+    assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "fused", "torch"}
+    assert set(monarch.variants_for(8192, 128, 32, False)) == {"two_stage", "bmm", "torch"}
     assert "fused" not in monarch.variants_for(1, 688, 93, False)
+
+
+def test_forcing_a_variant_not_offered_is_a_clear_error():
+    x, w1, w2 = torch.randn(3, B * M), torch.randn(B, M, B * 5), torch.randn(B, B * 5, P)
+    with pytest.raises(MemfitError, match="bmm"):
+        monarch_linear(x, w1, w2, permute_output=True, path="triton", variant="bmm")
+    u, v, s = torch.randn(B, P, 6), torch.randn(B, M, 6), torch.randn(B, B, 6)
+    with pytest.raises(MemfitError, match="nope"):
+        blast_linear(x, u, v, s, path="triton", variant="nope")
 
 
 BLAST_VARIANTS = list(blast.VARIANTS)

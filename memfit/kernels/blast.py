@@ -24,12 +24,16 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   load of Z and s_i by a sum over j, then one dot with U_i^T. The mixing is redone per
   output column tile (ceil(p/BC) times), negligible at decode where Z (a few hundred
   KB) sits in L2 and the kernel is bound by reading U. Two launches, both wide.
+* ``torch`` (the reference: cuBLAS batched GEMMs, the mixing as an einsum) competes
+  too, so the pick is never slower than plain PyTorch (it won at some large-N shapes
+  where the CUDA-core mixing kernel lost).
 Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x.
 """
 import torch
 import triton
 import triton.language as tl
 
+from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
     bgemm,
     bmm_into,
@@ -202,12 +206,12 @@ def _z_mixgemm(x2, u, v, s, bias):
     return y
 
 
-VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "z_mixgemm": _z_mixgemm}
+VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "z_mixgemm": _z_mixgemm, "torch": blast_linear_reference}
 
 
 def variants_for(n: int) -> dict:
     """The pipelines worth timing at ``n`` tokens."""
-    names = ["mix_bgemm", "mix_bmm"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
+    names = ["mix_bgemm", "mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
     return {name: VARIANTS[name] for name in names}
 
 
@@ -236,5 +240,9 @@ _blast_op.register_autograd(recompute_backward(blast_linear_reference, 5),
 def blast_linear(x, u, v, s, bias=None, path=None, variant="auto"):
     """BLAST forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS)."""
     if use_triton("blast_linear", x, u, v, s, path=path):
+        offered = variants_for(x.numel() // max(v.shape[0] * v.shape[1], 1))
+        if variant != "auto" and variant not in offered:
+            raise MemfitError(f"blast_linear: variant {variant!r} is not available at this token count; "
+                              f"available: {', '.join(offered)}")
         return _blast_op(x, *[w if w is None else w.to(x.dtype) for w in (u, v, s, bias)], variant)
     return blast_linear_reference(x, u, v, s, bias)

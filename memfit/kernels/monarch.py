@@ -25,6 +25,9 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   slice is re-read from L2 per column tile), x re-read from L2 per program: cheap at
   decode, hopeless at large N, so not offered there. Needs pow2(m) * pow2(t) small
   enough for a pipelined tile (:func:`fused_fits`).
+* ``torch`` (the reference: two cuBLAS batched GEMMs with the permutations as copies)
+  competes too, so the pick is never slower than plain PyTorch on a shape where the
+  Triton stage 1 stores badly (e.g. a per-block rank t = 93, not a multiple of 8).
 Backward: PyTorch ops (recompute-and-differentiate of the reference, see blr_common);
 the forward saves only x.
 """
@@ -32,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
     bgemm,
     bmm_into,
@@ -86,7 +90,6 @@ def _two_stage(x2, w1, w2, bias, permute_output):
 
 
 def _bmm(x2, w1, w2, bias, permute_output):
-    assert not permute_output, "the bmm variant writes the block-major layout only"
     b, _, p = w2.shape
     n = x2.shape[0]
     z = _stage1(x2, w1)
@@ -157,12 +160,12 @@ def _fused(x2, w1, w2, bias, permute_output):
     return y
 
 
-VARIANTS = {"two_stage": _two_stage, "bmm": _bmm, "fused": _fused}
+VARIANTS = {"two_stage": _two_stage, "bmm": _bmm, "fused": _fused, "torch": monarch_linear_reference}
 
 
 def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
     """The pipelines worth timing for ``n`` tokens, block size m, per-block rank t and the layout."""
-    names = ["two_stage"]
+    names = ["two_stage", "torch"]
     if not permute_output:
         names.append("bmm")
     if n <= FUSED_MAX_N and fused_fits(m, t):
@@ -203,6 +206,12 @@ _monarch_op.register_autograd(recompute_backward(monarch_linear_reference, 4, 1)
 def monarch_linear(x, w1, w2, bias=None, permute_output=False, path=None, variant="auto"):
     """Monarch forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS)."""
     if use_triton("monarch_linear", x, w1, w2, path=path):
+        if variant != "auto":
+            b, m, r = w1.shape
+            offered = variants_for(x.numel() // max(b * m, 1), m, r // b, permute_output)
+            if variant not in offered:
+                raise MemfitError(f"monarch_linear: variant {variant!r} is not available for this shape and layout "
+                                  f"(permute_output={permute_output}); available: {', '.join(offered)}")
         cast = [w if w is None else w.to(x.dtype) for w in (w1, w2, bias)]
         return _monarch_op(x, *cast, permute_output, variant)
     return monarch_linear_reference(x, w1, w2, bias, permute_output)
