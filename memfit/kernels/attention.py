@@ -191,7 +191,7 @@ if triton is not None:
             m_i = m_new
         return acc, m_i, l_i
 
-    @triton.autotune(configs=_FWD_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL"], prune_configs_by=_FWD_PRUNE)
+    @triton.autotune(configs=_FWD_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL", "DOT_PREC"], prune_configs_by=_FWD_PRUNE)
     @triton.jit
     def _fwd_kernel(Q, K, V, O, LSE, CU, qk_scale,
                     sqb, sqh, sqm, skb, skh, skm, svb, svh, svm,
@@ -281,7 +281,7 @@ if triton is not None:
                     tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + dq, mask=mask)
         return dk, dv
 
-    @triton.autotune(configs=_KBWD_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL", "DQ_MODE", "REMAP"],
+    @triton.autotune(configs=_KBWD_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL", "DQ_MODE", "REMAP", "DOT_PREC"],
                      reset_to_zero=["DQ"], prune_configs_by=_KBWD_PRUNE)
     @triton.jit
     def _key_bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, CU, qk_scale, sm_scale,
@@ -378,7 +378,7 @@ if triton is not None:
                     tl.store(dv_ptrs, tl.load(dv_ptrs, mask=mask, other=0.0) + dv, mask=mask)
         return dq
 
-    @triton.autotune(configs=_QBWD_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL", "STATS", "DKV_MODE", "REMAP"],
+    @triton.autotune(configs=_QBWD_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL", "STATS", "DKV_MODE", "REMAP", "DOT_PREC"],
                      reset_to_zero=["DK", "DV"], prune_configs_by=_QBWD_PRUNE)
     @triton.jit
     def _query_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, CU, qk_scale, sm_scale,
