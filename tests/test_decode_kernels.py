@@ -1,7 +1,9 @@
 """Decode kernels (memfit.kernels.decode, memfit.kernels.gemv) against their references, under the interpreter on CPU."""
 import pytest
 import torch
+import triton
 
+from memfit import log
 from memfit.errors import MemfitError
 from memfit.kernels import gemv
 from memfit.kernels.decode import (
@@ -9,6 +11,7 @@ from memfit.kernels.decode import (
     argmax,
     decode_attention,
     decode_attention_reference,
+    launch_config,
 )
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -19,12 +22,15 @@ def _rel(got, ref):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows, out, inner, ld", [(1, 37, 200, 200), (3, 19, 136, 160), (4, 40, 600, 608)])
+@pytest.mark.parametrize("rows, out, inner, ld", [(1, 37, 200, 200), (3, 19, 136, 160), (4, 40, 600, 608),
+                                                   (2, 21, 131, 133)])
 def test_gemv_matches_linear(dtype, rows, out, inner, ld):
-    """Odd out counts, inner sizes not a multiple of the chunk, row-strided W (a partial FFN's down[:, :a]), bias."""
+    """Odd out counts, inner sizes not a multiple of the chunk, row-strided W (a partial FFN's down[:, :a]), bias;
+    the last shape's rows are not 16-byte multiples, so it runs the scalar loads (VEC = 1)."""
     x = torch.randn(rows, inner).to(dtype)
     w = torch.randn(out, ld).to(dtype)[:, :inner]
     bias = torch.randn(out).to(dtype)
+    assert gemv._vector_width(x, w) == (1 if inner % 8 else 16 // w.element_size())
     ref = x.double() @ w.double().T + bias.double()
     for variant in ("gemv_n2_k1024_w4", "gemv_n8_k256_w4", "gemv_n16_k512_w8"):
         got = gemv.gemv(x[:, None], w, bias, variant)
@@ -54,10 +60,12 @@ def _attention_case(dtype, B, H, Hkv, D, L, slot, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("B, H, Hkv, D, L, slot", [(2, 6, 2, 32, 70, 45), (1, 4, 4, 16, 40, 0), (2, 8, 1, 16, 33, 32)])
+@pytest.mark.parametrize("B, H, Hkv, D, L, slot", [(2, 6, 2, 32, 70, 45), (1, 4, 4, 16, 40, 0), (2, 8, 1, 16, 33, 32),
+                                                  (2, 4, 2, 16, 6, 5)])
 def test_decode_attention_matches_reference(dtype, B, H, Hkv, D, L, slot):
     """GQA groups 3, 1, 8; the slot at 0, inside a chunk and at the cache end (length not a multiple of the block);
-    batch 2 with invalid (padding) slots; every variant writes the same cache entries."""
+    a cache shorter than one 16-key block; batch 2 with invalid (padding) slots; every variant writes the same
+    cache entries."""
     args = _attention_case(dtype, B, H, Hkv, D, L, slot, seed=slot)
     ref_caches = [t.clone() for t in args[5:7]]
     ref = decode_attention_reference(*args[:5], *ref_caches, *args[7:], 0.3)
@@ -91,6 +99,49 @@ def test_decode_attention_bad_shapes():
         decode_attention(q[:, :5], k, v, cos, sin, kc, vc, valid, slot)
     with pytest.raises(MemfitError, match="variant"):
         decode_attention(q, k, v, cos, sin, kc, vc, valid, slot, variant="x")
+
+
+@pytest.mark.parametrize("change, message", [
+    pytest.param(lambda a: {"sin": a["sin"][:, :8]}, "cos/sin", id="sin-shape"),
+    pytest.param(lambda a: {"sin": torch.randn(2, 32)[:, :16]}, "same strides", id="sin-strides"),  # read with cos's
+    pytest.param(lambda a: {"v_cache": torch.randn(2, 2, 23, 16)[:, :, :20]}, "caches", id="v-strides"),  # k's
+    pytest.param(lambda a: {"v_cache": a["v_cache"][:, :, :19]}, "caches", id="v-shape"),
+    pytest.param(lambda a: {"valid": a["valid"].to(torch.uint8)}, "torch.bool", id="valid-uint8"),
+    pytest.param(lambda a: {"valid": a["valid"].float()}, "torch.bool", id="valid-float"),  # byte view: 4x wide
+    pytest.param(lambda a: {"k_cache": a["k_cache"].half(), "v_cache": a["v_cache"].half()}, "one dtype",
+                 id="cache-dtype"),
+    pytest.param(lambda a: {k: a[k].double() for k in ("q", "k", "v", "k_cache", "v_cache")}, "one dtype",
+                 id="fp64"),
+])
+def test_decode_attention_refuses_what_its_reads_would_get_wrong(change, message):
+    names = ("q", "k", "v", "cos", "sin", "k_cache", "v_cache", "valid", "slot")
+    args = dict(zip(names, _attention_case(torch.float32, 2, 6, 2, 16, 20, 3, seed=0)))
+    args.update(change(args))
+    with pytest.raises(MemfitError, match=message):
+        decode_attention(**args)
+
+
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
+def test_attention_blocks_are_dot_sized(variant):
+    """tl.dot needs at least 16 keys a block on the GPU (the interpreter does not check): short caches too."""
+    for L in (2, 5, 15, 16, 17, 100, 3000):
+        chunk, block_n, _ = launch_config(variant, L)
+        assert 16 <= block_n <= max(16, chunk) and chunk * triton.cdiv(L, chunk) >= L, (variant, L)
+
+
+def test_fp32_attention_follows_torch_matmul_precision(monkeypatch, caplog):
+    """fp32 dots are TF32 when torch's float32 matmul precision allows it (as memfit attention), IEEE by default."""
+    monkeypatch.setattr(log, "_said", set())
+    args = _attention_case(torch.float32, 1, 4, 2, 16, 20, 7, seed=1)
+    decode_attention(*args)
+    assert "TF32" not in caplog.text
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        decode_attention(*args)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert "TF32" in caplog.text
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

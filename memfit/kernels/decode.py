@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from memfit.errors import MemfitError
+from memfit.kernels.attention import _dot_precision
 from memfit.kernels.blr_common import pick_variant
 
 LOG2E = 1.4426950408889634
@@ -53,6 +54,7 @@ ATTENTION_VARIANTS = {
     "single": (0, 64, 4),
 }
 ATTENTION_DEFAULT = "split64"
+MIN_DOT = 16                     # tl.dot's smallest M, N and K on the GPU
 ARGMAX_BLOCK = 2048
 
 
@@ -115,7 +117,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_p
                              sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, scs_b, sc_b, sc_h, sc_n, sval_b,
                              qk_scale, G, H, S,
                              D: tl.constexpr, GP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                             SPLIT: tl.constexpr, FP32: tl.constexpr):
+                             SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
     split = tl.program_id(2)
@@ -146,10 +148,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_p
         ok = inside & (tl.load(valid_ptr + b * sval_b + j, mask=inside, other=0) != 0)
         kv_offsets = cache + j.to(tl.int64)[:, None] * sc_n + d[None, :]
         keys = tl.load(kc_ptr + kv_offsets, mask=ok[:, None], other=0.0)                    # (BLOCK_N, D)
-        if FP32:
-            s = tl.dot(q, tl.trans(keys), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(keys))
+        s = tl.dot(q, tl.trans(keys), input_precision=DOT_PREC)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # a fully masked row: keep 0/0 out
@@ -157,10 +156,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_p
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         values = tl.load(vc_ptr + kv_offsets, mask=ok[:, None], other=0.0)
-        if FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+        acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=DOT_PREC)
         m_i = m_new
     heads = kv * G + g
     if SPLIT:
@@ -192,28 +188,61 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, slot_ptr, S,
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
 
 
-def _check_attention(q, k, v, cos, k_cache, valid):
+def shape_problem(heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why the decode attention kernel cannot take these head counts and size, or None when it can.
+
+    The G = heads / kv_heads query heads of a KV head are one tile, and D is a tile side
+    (a power of two, at least tl.dot's minimum).
+    """
+    if heads % kv_heads or head_dim & (head_dim - 1) or head_dim < MIN_DOT:
+        return (f"heads {heads} must be a multiple of KV heads {kv_heads} and head_dim {head_dim} "
+                f"a power of two >= {MIN_DOT}")
+    return None
+
+
+def _check_attention(q, k, v, cos, sin, k_cache, v_cache, valid):
+    """Every way the kernel's reads would go wrong, as one MemfitError: it reads sin with cos's strides,
+    v_cache with k_cache's, valid as bytes, and stores k/v into the caches in q's dtype."""
     B, H, D = q.shape
-    Hkv = k_cache.shape[1]
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
     problems = []
     if k.shape != (B, Hkv, D) or v.shape != k.shape:
         problems.append(f"k/v {tuple(k.shape)}/{tuple(v.shape)} must be (B, Hkv, D) = {(B, Hkv, D)}")
-    if H % Hkv or D & (D - 1) or D < 16:
-        problems.append(f"heads {H} must be a multiple of KV heads {Hkv} and head_dim {D} a power of two >= 16")
-    if cos.shape != (B, D) or valid.shape != (B, k_cache.shape[2]) or k_cache.stride(-1) != 1:
-        problems.append(f"cos {tuple(cos.shape)} must be (B, D), valid {tuple(valid.shape)} (B, L), caches unit-stride in D")
-    if any(t.stride(-1) != 1 for t in (q, k, v, cos)):
-        problems.append("q, k, v, cos, sin need unit stride along D")
+    if (heads := shape_problem(H, Hkv, D)) is not None:
+        problems.append(heads)
+    if cos.shape != (B, D) or sin.shape != cos.shape or sin.stride() != cos.stride():
+        problems.append(f"cos/sin {tuple(cos.shape)}/{tuple(sin.shape)} must both be (B, D) = {(B, D)} with the same strides")
+    if k_cache.shape != (B, Hkv, L, D) or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        problems.append(f"k/v caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} must both be (B, Hkv, L, D) = "
+                        f"{(B, Hkv, L, D)} with the same strides")
+    if valid.shape != (B, L) or valid.dtype != torch.bool:
+        problems.append(f"valid {tuple(valid.shape)} {valid.dtype} must be (B, L) = {(B, L)} torch.bool")
+    dtypes = {t.dtype for t in (q, k, v, k_cache, v_cache)}
+    if len(dtypes) > 1 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        problems.append(f"q, k, v and the caches must share one dtype of float16, bfloat16, float32; got "
+                        f"{', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))}")
+    if any(t.stride(-1) != 1 for t in (q, k, v, cos, sin, k_cache, valid)):
+        problems.append("q, k, v, cos, sin, the caches and valid need unit stride along their last dim")
     if problems:
         raise MemfitError("decode_attention: " + "; ".join(problems))
 
 
-def _attention_launch(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, variant):
+def launch_config(variant: str, L: int) -> tuple[int, int, int]:
+    """(chunk, keys per block, warps) of ``variant`` over a cache of L slots.
+
+    "single" takes the whole cache in one chunk; the block never exceeds the chunk (no block
+    wholly past it) nor drops below tl.dot's minimum (the kernel masks keys past the chunk).
+    """
     chunk, block_n, warps = ATTENTION_VARIANTS[variant]
+    chunk = chunk or triton.next_power_of_2(L)
+    return chunk, max(MIN_DOT, min(block_n, chunk)), warps
+
+
+def _attention_launch(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, variant):
     B, H, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
-    chunk = chunk or triton.next_power_of_2(L)
+    chunk, block_n, warps = launch_config(variant, L)
     S = triton.cdiv(L, chunk)
     out = torch.empty(B, H * D, dtype=q.dtype, device=q.device)
     split = S > 1
@@ -226,8 +255,8 @@ def _attention_launch(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, v
         q, k, v, cos, sin, k_cache, v_cache, valid8, slot, out, m, l_, acc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid8.stride(0),
-        scale * LOG2E, G, H, S, D=D, GP=max(16, triton.next_power_of_2(G)), CHUNK=chunk, BLOCK_N=min(block_n, chunk),
-        SPLIT=split, FP32=q.dtype == torch.float32, num_warps=warps)
+        scale * LOG2E, G, H, S, D=D, GP=max(MIN_DOT, triton.next_power_of_2(G)), CHUNK=chunk, BLOCK_N=block_n,
+        SPLIT=split, DOT_PREC=_dot_precision(q.dtype), num_warps=warps)
     if split:
         _combine_kernel[(B * H,)](m, l_, acc, out, slot, S, D=D, CHUNK=chunk, SP=triton.next_power_of_2(S))
     return out
@@ -254,7 +283,7 @@ def decode_attention(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale: fl
     """
     if variant not in ATTENTION_VARIANTS:
         raise MemfitError(f"decode_attention variant {variant!r} is not one of {', '.join(ATTENTION_VARIANTS)}")
-    _check_attention(q, k, v, cos, k_cache, valid)
+    _check_attention(q, k, v, cos, sin, k_cache, v_cache, valid)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _decode_attention_op(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, variant)
 
