@@ -6,9 +6,9 @@ reading W. cuBLAS picks GEMM tiles for them (64x8 with or without split-K) that 
 plain streaming alternative: one program per ``BN`` output features reads those rows of W
 in ``BK``-wide chunks (16-byte vector loads along ``in``), multiplies by the x row and
 keeps one fp32 partial per lane, summed once at the end. Many programs along ``out``
-(no split along ``in``, so no partial buffers, reduce kernel or memset), and the x rows are
-a second grid index next to the feature block, so the M programs sharing a W tile run
-together and re-read it from L2, not HBM.
+(no split along ``in``, so no partial buffers, reduce kernel or memset). The grid is 1-D
+with the x row fastest (program ``pid`` takes row ``pid % M`` of feature block ``pid // M``),
+so the M programs sharing a W tile are neighbours, run together and re-read it from L2, not HBM.
 
 W may be a row-strided view (``down[:, :a]`` of a partial FFN): the row stride is passed
 divided by the vector width and multiplied back in the kernel, so Triton can prove every
