@@ -2,13 +2,15 @@
 through the Triton interpreter on CPU, against the previous loop (``fast=False``)."""
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memfit import log
 from memfit.errors import MemfitError
 from memfit.infer.calibrate import calibrate
-from memfit.infer.generate import Generator
+from memfit.infer.generate import Generator, use_decode_kernels
 from memfit.infer.partial_load import PartialConfig, load_model
 from memfit.kernels import gemv
-from memfit.models import PRESETS, save_model_dir
+from memfit.models import PRESETS, build_model, save_model_dir
 
 SPEC = PRESETS["tiny"].with_(num_layers=3)          # hidden 64, GQA 4/2 heads of 16, intermediate 176
 
@@ -66,3 +68,38 @@ def test_fast_needs_a_triton_device(model_dir, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(MemfitError, match="Triton path was forced"):
         Generator(load_model(model_dir), 16, fast=True)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, env, expect", [
+    (4, 2, 16, None, True),
+    (4, 2, 16, "reference", False),                  # MEMFIT_KERNELS overrides the default, as for every op
+    (4, 2, 24, None, False),                         # head_dim not a power of two
+    (4, 2, 8, None, False),                          # below tl.dot's 16
+    (6, 4, 16, None, False),                         # heads not a multiple of KV heads
+])
+def test_default_on_cuda_falls_back_and_says_so(monkeypatch, caplog, heads, kv_heads, head_dim, env, expect):
+    """fast=None on a CUDA model (a fake CUDA tensor: no GPU here) takes the kernels only where they run; else it
+    logs why, once, instead of failing to build the Generator."""
+    monkeypatch.setattr(log, "_said", set())
+    if env:
+        monkeypatch.setenv("MEMFIT_KERNELS", env)
+    with FakeTensorMode():
+        embed = torch.empty(8, 64, device="cuda")
+    assert use_decode_kernels(None, embed, heads, kv_heads, head_dim) is expect
+    assert ("without memfit's decode kernels" in caplog.text) is not expect
+
+
+def test_default_off_cuda_and_false_take_the_previous_loop(caplog):
+    assert not use_decode_kernels(None, torch.empty(8, 64), 4, 2, 16)
+    assert not use_decode_kernels(False, torch.empty(8, 64), 4, 2, 16)
+    assert "decode kernels" not in caplog.text
+
+
+@pytest.mark.parametrize("changes", [{"head_dim": 24}, {"head_dim": 8}])
+def test_fast_refuses_heads_the_kernel_cannot_take(changes):
+    """fast=True on such a model is a clear error at construction, not a failure at the first decode step;
+    the default builds (the previous loop)."""
+    model = build_model(SPEC.with_(num_layers=1, **changes))
+    with pytest.raises(MemfitError, match="fast=True.*power of two"):
+        Generator(model, 16, fast=True)
+    assert not Generator(model, 16).fast

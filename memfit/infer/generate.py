@@ -17,7 +17,8 @@ converted per layer). Results then equal the Hugging Face modules' up to roundin
 (different matmul shapes may sum in another order); ``fused=False`` calls the model's
 own modules and is bit-exact with them.
 
-With ``fast`` (the default on CUDA) a decode step (one token per sequence) also runs
+With ``fast`` (the default on CUDA where Triton runs and the decode attention kernel takes the
+heads; otherwise the previous loop, said once) a decode step (one token per sequence) also runs
 memfit's decode kernels (``memfit.kernels.decode``, ``memfit.kernels.gemv``): one Triton
 kernel per layer for rope of q and k, the K/V cache write and attention over the cache up
 to the current slot (instead of three compiled kernels, a mask and SDPA), greedy argmax in
@@ -50,7 +51,12 @@ from memfit.infer.selection import (
     set_decode_shape,
 )
 from memfit.kernels import gemv
-from memfit.kernels.decode import argmax, decode_attention, pick_attention
+from memfit.kernels.decode import (
+    argmax,
+    decode_attention,
+    pick_attention,
+    shape_problem,
+)
 from memfit.kernels.dispatch import use_triton
 from memfit.log import warn_once
 
@@ -113,6 +119,29 @@ def _compiled() -> dict:
     return _COMPILED
 
 
+def use_decode_kernels(fast: bool | None, embed: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether a decode step runs memfit's decode kernels (``Generator``'s ``fast``).
+
+    True forces them: a clear error where Triton cannot run or the decode attention kernel
+    cannot take the heads. None: on CUDA when ``use_triton`` allows (so ``MEMFIT_KERNELS``
+    overrides, as for every op) and the kernel takes the heads; a CUDA model that falls back
+    to the previous loop says why, once. Off CUDA the default is the previous loop.
+    """
+    problem = shape_problem(heads, kv_heads, head_dim)
+    if fast:
+        use_triton("decode kernels", embed, path="triton")     # a clear error where Triton cannot run
+        if problem is not None:
+            raise MemfitError(f"fast=True: memfit's decode attention kernel cannot run this model: {problem}")
+        return True
+    if fast is not None or embed.device.type != "cuda":
+        return False
+    reason = problem if use_triton("decode kernels", embed) else "MEMFIT_KERNELS=reference or no Triton"
+    if reason is not None:
+        warn_once("generate:no-decode-kernels", f"decode runs without memfit's decode kernels ({reason}): cuBLAS, "
+                                                "compiled rope/cache writes and SDPA")
+    return reason is None
+
+
 @dataclass
 class GenerationResult:
     tokens: torch.Tensor               # (B, new) generated ids
@@ -138,8 +167,9 @@ class Generator:
     ``torch.compile`` on CUDA; a failed compile falls back to eager, said once.
     ``fused``: one matmul for q/k/v and one for gate/up where the weights are in the fused layout
     (equal to the model's modules up to rounding); False = the model's own modules, bit-exact.
-    ``fast``: None = memfit's decode kernels on CUDA (see the module docstring); True forces them
-    (on CPU only under the Triton interpreter, for tests); False = cuBLAS, compiled rope/cache writes, SDPA.
+    ``fast``: None = memfit's decode kernels on CUDA where they can run (see ``use_decode_kernels``); True
+    forces them (on CPU only under the Triton interpreter, for tests); False = cuBLAS, compiled rope/cache
+    writes, SDPA.
     """
 
     def __init__(self, model, max_len: int, batch: int = 1, graphs: bool | None = None, temperature: float = 0.0,
@@ -180,9 +210,7 @@ class Generator:
         self.step_index = torch.zeros(1, dtype=torch.long, **factory)
         self.out = torch.zeros(batch, max_len, dtype=torch.long, **factory)
         self.graph = None
-        self.fast = self.device.type == "cuda" if fast is None else fast
-        if self.fast:
-            use_triton("decode kernels", embed, path="triton")     # a clear error where Triton cannot run
+        self.fast = use_decode_kernels(fast, embed, self.heads, self.kv_heads, self.head_dim)
         self.matmul_paths: dict[str, str] = {}                      # decode matmul shape -> "cublas" or a GEMV variant
         self.attention_variant = None
         self.ops = _compiled() if (self.device.type == "cuda" if compile is None else compile) else _EAGER
