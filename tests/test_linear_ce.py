@@ -124,8 +124,8 @@ def test_varying_token_counts_tune_once_per_bucket(monkeypatch):
         original = kernel.run
 
         def spy(*args, _kernel=kernel, _run=original, _name=name, **kwargs):
-            named = dict(zip(_kernel.arg_names, args))
-            key = tuple(named[k] for k in _kernel.keys)
+            named = {**dict(zip(_kernel.arg_names, args)), **kwargs}
+            key = tuple(named[k] for k in _kernel.keys)  # every key names an argument (KeyError if not)
             constexprs = tuple(sorted((k, v) for k, v in kwargs.items() if k not in ("grid", "warmup")))
             seen[_name].add((key, constexprs))
             return _run(*args, **kwargs)

@@ -192,7 +192,10 @@ if triton is not None:
     # its power-of-two bucket N_BUCKET: the count itself (N) is a runtime value that is not
     # specialised on, and the forward's vocabulary split is a function of the bucket, so a
     # fine-tuning run whose loss-token count changes every step tunes and compiles once per bucket.
-    @triton.autotune(configs=_configs(), key=["H", "V", "N_BUCKET"])
+    # Every compile-time knob is in the keys too, so a variant (e.g. LSE_SPLITS, a soft-capped
+    # model) is tuned for itself rather than reusing the tiles another variant picked.
+    @triton.autotune(configs=_configs(),
+                     key=["H", "V", "N_BUCKET", "CONST_SPLITS", "HAS_BIAS", "HAS_SOFTCAP", "PRECISION"])
     @triton.heuristics({"EVEN_K": lambda a: a["H"] % a["BLOCK_K"] == 0})
     @triton.jit(do_not_specialize=["N", "SPLITS"])
     def _lse_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, labels_ptr, m_ptr, s_ptr, t_ptr,
@@ -232,7 +235,7 @@ if triton is not None:
         tl.store(s_ptr + out, s, mask=n_mask)
         tl.store(t_ptr + out, t, mask=n_mask)
 
-    @triton.autotune(configs=_configs(), key=["H", "CHUNK", "N_BUCKET"])
+    @triton.autotune(configs=_configs(), key=["H", "CHUNK", "N_BUCKET", "HAS_BIAS", "HAS_SOFTCAP", "PRECISION"])
     @triton.heuristics({"EVEN_K": lambda a: a["H"] % a["BLOCK_K"] == 0})
     @triton.jit(do_not_specialize=["N", "v0"])
     def _dlogits_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, labels_ptr, lse_ptr, g_ptr, d_ptr,
@@ -276,7 +279,7 @@ if triton is not None:
             triton.Config({"BLOCK_M": 64, "BLOCK_H": 256, "BLOCK_K": 64}, num_warps=4, num_stages=4),
         ]
 
-    @triton.autotune(configs=_dweight_configs(), key=["H", "CHUNK", "N_BUCKET"])
+    @triton.autotune(configs=_dweight_configs(), key=["H", "CHUNK", "N_BUCKET", "PRECISION"])
     @triton.jit(do_not_specialize=["N"])
     def _dweight_kernel(d_ptr, h_ptr, rows_ptr, out_ptr, N, width, H: tl.constexpr, N_BUCKET, CHUNK,
                         stride_d, stride_h, stride_o, PRECISION: tl.constexpr,
