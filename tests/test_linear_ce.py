@@ -142,11 +142,14 @@ def test_varying_token_counts_tune_once_per_bucket(monkeypatch):
 
 
 @pytest.mark.parametrize("vocab,hdim,n,chunk", [(1037, 48, 11, 256), (600, 8, 40, 128), (300, 64, 3, 512),
-                                              (128256, 4096, 16384, 2048)])
+                                              (700, 32, 5, 4), (128256, 4096, 16384, 2048),
+                                              (128256, 2048, 65536, 2048)])
 @pytest.mark.parametrize("weight_grad", [True, False])
 def test_backward_plan_covers_the_vocabulary_and_fits(vocab, hdim, n, chunk, weight_grad):
     """Steps tile [0, V) in order; a chunk kept in the weight gradient fits in its unwritten rows
-    (never the rows a step writes); the side-buffer steps are a suffix no wider than the buffer."""
+    (never the rows a step writes); the side-buffer steps are a suffix no wider than the buffer,
+    which holds at most max(TAIL_ELEMENTS, n * STEP_ALIGN) elements; no step but the last is
+    narrower than STEP_ALIGN (or the chunk), since narrow steps cost launches, not memory."""
     steps, side = linear_ce._backward_plan(vocab, hdim, n, chunk, weight_grad)
     assert steps[0][0] == 0 and steps[-1][1] == vocab
     assert all(a[1] == b[0] for a, b in itertools.pairwise(steps))
@@ -160,7 +163,8 @@ def test_backward_plan_covers_the_vocabulary_and_fits(vocab, hdim, n, chunk, wei
             assert v1 - v0 <= side
     assert weight_grad or side == min(chunk, vocab)
     if weight_grad:
-        assert n * side <= max(linear_ce.TAIL_ELEMENTS, n * (n + hdim) // hdim)
+        assert n * side <= max(linear_ce.TAIL_ELEMENTS, n * linear_ce.STEP_ALIGN)
+    assert all(v1 - v0 >= min(chunk, linear_ce.STEP_ALIGN) for v0, v1, _ in steps[:-1])
 
 
 @pytest.mark.parametrize("knob,value", [("DW_MATMUL", "cublas"), ("HIDDEN_ACC", "separate"),

@@ -19,15 +19,17 @@ How (exact mode):
   soft-cap and z-loss chain rules) once, in the input dtype, into an ``N x w`` buffer. When
   the weight trains, that buffer is the weight gradient's own not-yet-written rows (rows past
   the step), so it costs no memory; steps shrink near the end of the vocabulary as those rows
-  run out, and the last few rows use a side buffer of at most TAIL_ELEMENTS
-  (``_backward_plan``). Two matmuls consume it: ``dW[step] = d.T @ h`` by
-  ``_dweight_kernel``, which reads the loss-token rows of hidden through the index (no
-  gathered copy) and sums all loss tokens in fp32, rounded once into the gradient (no fp32
-  V x H buffer, no atomics); and ``dH += d @ W[step]`` (cuBLAS, fp32 output) into an fp32
-  ``N x H`` accumulator, which lives in the hidden gradient's own buffer whenever it fits
-  (fp32 inputs, or 16-bit inputs with at most half the tokens carrying a loss) and is
-  rounded once, in place, at the end. ``backward_memory`` gives the bytes held, for the
-  ledger: beyond the two gradients, only a few vectors and sub-MiB buffers.
+  run out, and once a step would be narrower than STEP_ALIGN columns the rest goes through a
+  side buffer of at most max(TAIL_ELEMENTS, N * STEP_ALIGN) elements (``_backward_plan``).
+  Two matmuls consume it: ``dW[step] = d.T @ h`` by ``_dweight_kernel``, which reads the
+  loss-token rows of hidden through the index (no gathered copy) and sums all loss tokens in
+  fp32, rounded once into the gradient (no fp32 V x H buffer, no atomics); and
+  ``dH += d @ W[step]`` (cuBLAS, fp32 output) into an fp32 ``N x H`` accumulator, which
+  lives in the hidden gradient's own buffer whenever it fits (fp32 inputs, or 16-bit inputs
+  with at most half the tokens carrying a loss) and is rounded once, in place, at the end
+  (``_finish_hidden_grad``). ``backward_memory`` gives the bytes held, for the ledger: beyond
+  the two gradients, a few vectors, the side buffer (N x C when the weight is frozen) and the
+  finish's temporary.
 
 Cost: 2NVH FLOPs forward, 6NVH backward (recompute, dH, dW), 4NVH when the weight is
 frozen (LoRA), where the weight-gradient matmul is skipped.
@@ -64,12 +66,16 @@ REDUCTIONS = ("mean", "sum", "none")
 # (32768, 4096): 2048 was fastest everywhere. When the weight trains, the N x C chunk lives in
 # the weight gradient's unwritten rows (see ``_backward_plan``), so C costs no memory there.
 VOCAB_CHUNK = 2048
-# Elements of the one side buffer that holds the logit-gradient chunks of the last vocabulary
-# rows (those whose chunk no longer fits in the weight gradient's unwritten rows), and of every
-# chunk when the weight is frozen (then it is N x C). 256K bf16 elements = 512 KiB.
+# Elements of the side buffer that holds the logit-gradient chunks of the last vocabulary rows
+# (those whose chunk no longer fits in the weight gradient's unwritten rows): the tail goes through
+# it in steps of max(STEP_ALIGN, TAIL_ELEMENTS // N) columns, so it holds at most
+# max(TAIL_ELEMENTS, N * STEP_ALIGN) elements. When the weight is frozen it holds every chunk
+# (then it is N x C).
 TAIL_ELEMENTS = 1 << 18
-# Widths of the shrinking steps near the end of the vocabulary are rounded down to a multiple
-# of this (while they are at least this wide), so the kernels' loads stay vectorised.
+# Widths of the shrinking steps near the end of the vocabulary are rounded down to a multiple of
+# this, so the kernels' loads stay vectorised; a step that would be narrower goes to the side
+# buffer instead (a step costs about the same at any width below this, so narrower ones only add
+# launches).
 STEP_ALIGN = 16
 # Rows of the temporary that the in-place finish of the hidden gradient uses where a row slice
 # would overwrite rows it still reads (see ``_finish_hidden_grad``).
@@ -504,24 +510,33 @@ def _backward_plan(vocab: int, hdim: int, n: int, chunk: int, in_weight_grad: bo
     A step's n x w logit-gradient chunk must live somewhere until both its matmuls have run.
     When the weight trains (and ``in_weight_grad``), it lives in the weight gradient's rows
     that are not written yet, rows >= v1, which hold it while n*w <= (V - v1)*H: steps are
-    ``chunk`` wide while that holds, then shrink (w <= free*H/(n + H), rounded down to
-    STEP_ALIGN) as the free rows run out. Once the rest fits in TAIL_ELEMENTS (or cannot
-    shrink further) it goes through a side buffer, in steps of at most ``chunk``; a frozen
-    weight has only that, an n x chunk buffer. The buffer's width is the widest such step."""
+    ``chunk`` wide while that holds, then shrink (``_in_weight_grad_width``) as the free rows
+    run out. Once a step would be narrower than STEP_ALIGN, or the rest fits in TAIL_ELEMENTS,
+    the rest goes through a side buffer in steps of max(STEP_ALIGN, TAIL_ELEMENTS // n) columns
+    (at most ``chunk``), so that buffer holds at most max(TAIL_ELEMENTS, n * STEP_ALIGN)
+    elements; a frozen weight has only the side buffer, n x chunk. The buffer's width is the
+    widest side step."""
+    tail = min(chunk, max(STEP_ALIGN, TAIL_ELEMENTS // n)) if in_weight_grad else chunk
     steps, v0, side = [], 0, 0
     while v0 < vocab:
         free = vocab - v0
-        w = min(chunk, free * hdim // (n + hdim)) if in_weight_grad else 0
-        if w >= STEP_ALIGN:
-            w -= w % STEP_ALIGN
-        if w > 0 and n * min(free, chunk) > TAIL_ELEMENTS:
+        fits = in_weight_grad and n * min(free, chunk) > TAIL_ELEMENTS
+        w = _in_weight_grad_width(free, hdim, n, chunk) if fits else 0
+        if w:
             steps.append((v0, v0 + w, True))
         else:
-            w = min(chunk, free)
+            w = min(tail, free)
             side = max(side, w)
             steps.append((v0, v0 + w, False))
         v0 += w
     return steps, side
+
+
+def _in_weight_grad_width(free: int, hdim: int, n: int, chunk: int) -> int:
+    """Columns of a step whose n x w chunk lives in the ``free`` weight-gradient rows after it
+    (n*w <= (free - w)*H): ``chunk``, or the largest multiple of STEP_ALIGN that fits, 0 if none."""
+    w = min(chunk, free * hdim // (n + hdim))
+    return w if w == chunk else w - w % STEP_ALIGN
 
 
 def _logit_grad_buffer(d_weight, side, v1, n, width, in_weight_grad):
@@ -548,8 +563,9 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
     """Gradients for hidden (T, H), weight (V, H) (empty if not needed) and bias (V or empty).
 
     One pass over the vocabulary in steps (``_backward_plan``). Peak above the inputs: the
-    two gradients, the small side buffer (the logit-gradient chunks live in the weight
-    gradient's unwritten rows; N x C only for a frozen weight), and the fp32 N x H
+    two gradients, the side buffer (the logit-gradient chunks live in the weight gradient's
+    unwritten rows, the side buffer only takes the last ones; N x C for a frozen weight),
+    the finish's temporary, and the fp32 N x H
     hidden-gradient accumulator only where it does not fit in the hidden gradient's own
     buffer (see ``backward_memory``)."""
     vocab, hdim = weight.shape
@@ -599,11 +615,12 @@ def backward_memory(tokens: int, loss_tokens: int, hidden_size: int, vocab: int,
 
     * saved for backward: the per-token log-sum-exp, 4T;
     * gradients (returned): dW e*V*H (when the weight trains), dH e*T*H;
-    * backward transients: the side buffer e*N*S (S from ``_backward_plan``: small when the
-      weight trains, C when it is frozen), gathered loss rows e*N*H only for DW_MATMUL
-      "cublas" with N < T, index/scale vectors ~24N + 8(T-N), the finish's temporary
-      e*min(N, FINISH_ROWS)*H; the fp32 accumulator 4NH only when it does not sit in dH's
-      buffer (4NH > e*T*H, or HIDDEN_ACC "separate") - then dH is allocated after the loop;
+    * backward transients: the side buffer e*N*S (S from ``_backward_plan``: N*S <=
+      max(TAIL_ELEMENTS, N*STEP_ALIGN) when the weight trains, S = C when it is frozen),
+      gathered loss rows e*N*H only for DW_MATMUL "cublas" with N < T, index/scale vectors
+      ~24N + 8(T-N), the finish's temporary e*min(N, FINISH_ROWS)*H; the fp32 accumulator 4NH
+      only when it does not sit in dH's buffer (4NH > e*T*H, or HIDDEN_ACC "separate") - then
+      dH is allocated after the loop;
     * peak (backward, above inputs) = saved + dW + vectors + (accumulator in dH:
       dH + max(side + rows, finish)) | (separate: max(acc + side + rows, acc + dH + finish)).
 

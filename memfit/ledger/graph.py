@@ -303,8 +303,10 @@ class ModelGraph:
         """Final norm, then ``memfit.kernels.linear_ce``: no logits ever exist.
 
         It saves the normalised hidden states and one fp32 log-sum-exp per token; its
-        backward's transient buffers (a logit-gradient chunk when the weight is frozen, a
-        sub-MiB tail buffer, the hidden-gradient finish) are the kernel's own account,
+        backward's transient buffers (a loss-tokens x chunk logit-gradient buffer when the
+        weight is frozen; when it trains, a side buffer for the last vocabulary rows of at most
+        max(TAIL_ELEMENTS, loss tokens x STEP_ALIGN) elements; the hidden-gradient finish's
+        temporary) are the kernel's own account,
         ``linear_ce.backward_memory``.
         """
         from memfit.kernels.linear_ce import backward_memory
