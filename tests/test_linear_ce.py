@@ -6,13 +6,20 @@ small side-buffer budget so the chunks live in the weight gradient's unwritten r
 near the end of the vocabulary.
 """
 import itertools
+import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from memfit.errors import MemfitError
 from memfit.kernels import linear_ce
-from memfit.kernels.linear_ce import frequent_token_subset, linear_cross_entropy, subset_loss_deviation
+from memfit.kernels.linear_ce import (
+    frequent_token_subset,
+    linear_cross_entropy,
+    subset_loss_deviation,
+)
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
 
@@ -22,7 +29,7 @@ def _small_chunks_and_poison(monkeypatch):
     monkeypatch.setattr(linear_ce, "VOCAB_CHUNK", 256)
     monkeypatch.setattr(linear_ce, "TAIL_ELEMENTS", 512)
     monkeypatch.setattr(linear_ce, "STEP_ALIGN", 8)
-    monkeypatch.setattr(linear_ce, "FINISH_ROWS", 2)  # both kinds of slices of the in-place finish
+    monkeypatch.setattr(linear_ce, "FINISH_ELEMENTS", 100)  # 2-6 rows: both kinds of slices of the in-place finish
     monkeypatch.setattr(linear_ce, "POISON", True)
 
 
@@ -101,8 +108,67 @@ def test_accumulator_placement():
     acc = linear_ce._accumulator_in(grad, 5)
     assert acc.dtype == torch.float32 and acc.shape == (5, 8) and acc.data_ptr() == grad.data_ptr()
     assert linear_ce._accumulator_in(grad, 6) is None
-    full = torch.empty(10, 8)  # fp32: the accumulator always fits, as the buffer's first rows
+    # at the first loss row, pulled back as far as it must to fit in the buffer's 5 fp32 rows
+    assert linear_ce._accumulator_in(grad, 3, first=1).data_ptr() == grad[2].data_ptr()
+    assert linear_ce._accumulator_in(grad, 3, first=4).data_ptr() == grad[4].data_ptr()
+    full = torch.empty(10, 8)  # fp32: the accumulator always fits, at the first loss row
     assert linear_ce._accumulator_in(full, 10).data_ptr() == full.data_ptr()
+    assert linear_ce._accumulator_in(full, 7, first=3).data_ptr() == full[3].data_ptr()
+
+
+class _FloatWrites(TorchDispatchMode):
+    """Counts the ops that write a floating-point tensor (each a kernel launch on a GPU); views
+    are free and index arithmetic is not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+        if not view and any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree_flatten(out)[0]):
+            self.count += 1
+        return out
+
+
+FINISH_TOKENS = 4096
+IGNORED = {  # label patterns of fine-tuning: which tokens carry no loss
+    "BOS": torch.arange(FINISH_TOKENS) == 0,
+    "last of 8 sequences": torch.arange(FINISH_TOKENS) % (FINISH_TOKENS // 8) == FINISH_TOKENS // 8 - 1,
+    "100-token prefix": torch.arange(FINISH_TOKENS) < 100,
+    "long prompt": torch.arange(FINISH_TOKENS) < FINISH_TOKENS * 3 // 5,  # 16-bit: accumulator in dH, offset
+    "random half": torch.rand(FINISH_TOKENS, generator=torch.Generator().manual_seed(1)) < 0.5,
+}
+
+
+@pytest.mark.parametrize("pattern", list(IGNORED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden_acc", ["in-buffer", "separate"])
+def test_hidden_gradient_finish_is_few_launches(monkeypatch, pattern, dtype, hidden_acc):
+    """The finish writes row i of the accumulator to row rows[i] (rounded), zeros the ignored
+    rows, and takes O(log n) launches, not O(n / block), for the common label patterns. The one
+    exception, kept bounded: in place (fp32) with loss rows a few rows from their destination,
+    two launches per block of rows (here 16)."""
+    hdim, block = 8, 16
+    monkeypatch.setattr(linear_ce, "HIDDEN_ACC", hidden_acc)
+    monkeypatch.setattr(linear_ce, "FINISH_ELEMENTS", block * hdim)
+    ignored = IGNORED[pattern].nonzero().squeeze(1)
+    rows = (~IGNORED[pattern]).nonzero().squeeze(1)
+    values = torch.randn(rows.numel(), hdim)
+    d_hidden, acc = linear_ce._hidden_grad_buffers(torch.empty(FINISH_TOKENS, hdim, dtype=dtype), rows)
+    acc.copy_(values)
+    if d_hidden is None:
+        d_hidden = linear_ce._empty((FINISH_TOKENS, hdim), dtype, "cpu")
+    with _FloatWrites() as writes:
+        linear_ce._finish_hidden_grad(d_hidden, acc, rows, ignored)
+    expected = torch.zeros(FINISH_TOKENS, hdim, dtype=dtype)
+    expected[rows] = values.to(dtype)
+    assert torch.equal(d_hidden, expected)
+    bound = 3 * math.log2(FINISH_TOKENS)
+    if pattern == "last of 8 sequences" and dtype == torch.float32 and hidden_acc == "in-buffer":
+        bound += 2 * rows.numel() / block
+    assert writes.count <= bound, writes.count
 
 
 @pytest.mark.parametrize("tokens,loss_tokens,dtype", [(10, 5, torch.bfloat16), (10, 6, torch.bfloat16),

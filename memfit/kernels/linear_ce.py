@@ -27,9 +27,10 @@ How (exact mode):
   ``dH += d @ W[step]`` (cuBLAS, fp32 output) into an fp32 ``N x H`` accumulator, which
   lives in the hidden gradient's own buffer whenever it fits (fp32 inputs, or 16-bit inputs
   with at most half the tokens carrying a loss) and is rounded once, in place, at the end
-  (``_finish_hidden_grad``). ``backward_memory`` gives the bytes held, for the ledger: beyond
-  the two gradients, a few vectors, the side buffer (N x C when the weight is frozen) and the
-  finish's temporary.
+  (``_finish_hidden_grad``: a temporary of at most FINISH_ELEMENTS, O(log N) launches for
+  the usual label patterns). ``backward_memory`` gives the bytes
+  held, for the ledger: beyond the two gradients, a few vectors, the side buffer (N x C when
+  the weight is frozen) and the finish's temporary.
 
 Cost: 2NVH FLOPs forward, 6NVH backward (recompute, dH, dW), 4NVH when the weight is
 frozen (LoRA), where the weight-gradient matmul is skipped.
@@ -77,9 +78,10 @@ TAIL_ELEMENTS = 1 << 18
 # buffer instead (a step costs about the same at any width below this, so narrower ones only add
 # launches).
 STEP_ALIGN = 16
-# Rows of the temporary that the in-place finish of the hidden gradient uses where a row slice
-# would overwrite rows it still reads (see ``_finish_hidden_grad``).
-FINISH_ROWS = 32
+# Elements of the temporary that the in-place finish of the hidden gradient moves rows through
+# where a row slice would overwrite rows it still reads (see ``_finish_hidden_grad``): its rows,
+# FINISH_ELEMENTS // H, bound the launches of that finish.
+FINISH_ELEMENTS = 1 << 20
 # Backward/forward alternatives kept so one benchmark run can time them (benchmarks/linear_ce.py):
 #   DW_MATMUL  "triton": dW chunk = d.T @ hidden[rows] by ``_dweight_kernel``, reading hidden
 #              rows through the loss-token index; "cublas": torch.mm on a gathered N x H copy
@@ -432,74 +434,114 @@ def _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton
     return loss, lse_all
 
 
-def _accumulator_in(d_hidden: torch.Tensor, n: int) -> Optional[torch.Tensor]:
+def _accumulator_in(d_hidden: torch.Tensor, n: int, first: int = 0) -> Optional[torch.Tensor]:
     """A zeroed fp32 (n, H) view of ``d_hidden``'s own storage, or None where it does not fit.
 
     The hidden gradient (T x H, input dtype) has to be allocated anyway; its bytes hold the
     fp32 accumulator of the n loss tokens whenever 4nH <= its size: always for fp32 inputs,
-    for 16-bit inputs when at most half the tokens carry a loss (typical for fine-tuning)."""
+    for 16-bit inputs when at most half the tokens carry a loss (typical for fine-tuning).
+    It starts at fp32 row ``first`` (the first loss token's row), pulled back as far as it must
+    to fit: loss rows that already sit at their own row need no move in the finish (an ignored
+    prefix or BOS token costs nothing there)."""
+    hdim = d_hidden.shape[1]
     flat = d_hidden.view(-1)
     words = flat.numel() * flat.element_size() // 4
-    if words < n * d_hidden.shape[1]:
+    if words < n * hdim:
         return None
     if flat.element_size() != 4:
         flat = flat[: words * 4 // flat.element_size()].view(torch.float32)
-    return flat[: n * d_hidden.shape[1]].view(n, -1).zero_()
+    first = min(first, words // hdim - n)
+    return flat[first * hdim:(first + n) * hdim].view(n, hdim).zero_()
 
 
-def _hidden_grad_buffers(hidden: torch.Tensor, n: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+def _hidden_grad_buffers(hidden: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(d_hidden or None, fp32 n x H accumulator): the accumulator in d_hidden's buffer where it
     fits and HIDDEN_ACC allows; else a separate one, and d_hidden is allocated after the loop."""
+    n = rows.numel()
     if HIDDEN_ACC == "in-buffer":
         d_hidden = _empty(hidden.shape, hidden.dtype, hidden.device)
-        acc = _accumulator_in(d_hidden, n)
+        acc = _accumulator_in(d_hidden, n, int(rows[0]))
         if acc is not None:
             return d_hidden, acc
         del d_hidden
     return None, torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device)
 
 
+def _finish_block(hdim: int) -> int:
+    """Rows of the finish's temporary (FINISH_ELEMENTS // H, at least one)."""
+    return max(1, FINISH_ELEMENTS // hdim)
+
+
 def _finish_hidden_grad(d_hidden, acc, rows, ignored):
     """Write the hidden gradient: row i of the fp32 ``acc`` rounded into row ``rows[i]``,
-    every ignored row zero. ``acc`` may live in ``d_hidden``'s storage (``_accumulator_in``),
-    so this works in place, in row slices chosen so that a slice never overwrites what it
-    still reads; only where that leaves a slice of fewer than FINISH_ROWS rows does it go
-    through a temporary of FINISH_ROWS rows. Few slices (about log2 n), so few launches:
+    every ignored row zero, through a temporary of at most ``_finish_block`` rows.
 
-    1. cast, ascending: acc rows [r0, r1) -> d_hidden rows [r0, r1). For 16-bit d_hidden,
-       acc row i spans the bytes of rows 2i and 2i+1, so the slice is disjoint from its
-       source when r1 <= 2 r0 (slices double); the first one takes the temporary.
-    2. move, descending: rows [r0, r1) -> rows[r0:r1]. ``rows`` is ascending with
-       rows[i] >= i, so with r0 the first i whose rows[i] >= r1 the destinations lie above
-       the sources and land only on rows that have already moved; once rows[i] = i the
-       remaining rows are in place."""
-    n = rows.numel()
-    if acc.data_ptr() != d_hidden.data_ptr():
-        d_hidden[:n].copy_(acc)
-    elif acc.dtype != d_hidden.dtype:
-        r0 = 0
-        while r0 < n:
-            r1 = min(n, max(2 * r0, FINISH_ROWS))
-            src = acc[r0:r1] if r1 <= 2 * r0 else acc[r0:r1].to(d_hidden.dtype)
-            d_hidden[r0:r1].copy_(src)
-            r0 = r1
+    * ``acc`` separate (16-bit inputs with more than half the tokens carrying a loss, the usual
+      fine-tuning case): with no ignored token one cast copy; else ``acc`` is rounded into the
+      first half of its own bytes (``_round_rows``, 16-bit) and scattered by one index_copy_:
+      O(log n) launches whatever the label pattern.
+    * ``acc`` in ``d_hidden``'s storage at fp32 row ``first`` (``_accumulator_in``; fp32, or
+      16-bit with at most half the tokens carrying a loss): rounded in place into d_hidden
+      rows [first, first + n) (16-bit), then moved in place to its rows (``_move_rows``),
+      O(log n) launches where rows move far or not at all (an ignored prefix); rows that move
+      by fewer than a block (e.g. fp32 with the last token of every sequence ignored) cost two
+      launches per block."""
+    n, block = rows.numel(), _finish_block(d_hidden.shape[1])
+    in_place = acc.untyped_storage().data_ptr() == d_hidden.untyped_storage().data_ptr()
+    if not in_place and ignored.numel() == 0:
+        d_hidden.copy_(acc)
+        return
+    first = (acc.data_ptr() - d_hidden.data_ptr()) // (acc.element_size() * acc.shape[1]) if in_place else 0
+    out = d_hidden[first:first + n] if in_place else acc.view(-1).view(d_hidden.dtype)[:acc.numel()].view_as(acc)
+    if acc.dtype != d_hidden.dtype:
+        _round_rows(acc, out, block)
     if ignored.numel() == 0:
         return
-    _move_rows(d_hidden, rows)
+    if in_place:
+        _move_rows(d_hidden, rows, first, block)
+    else:
+        d_hidden.index_copy_(0, rows, out)
     d_hidden.index_fill_(0, ignored, 0)
 
 
-def _move_rows(d_hidden, rows):
-    """Row i -> row rows[i] in place (step 2 of ``_finish_hidden_grad``)."""
+def _round_rows(acc, out, block):
+    """out[i] = acc[i] rounded to out's (16-bit) dtype, in place: ``out`` starts at or before
+    ``acc`` in the same storage, so out's row i lies below acc's row i and ascending slices only
+    overwrite acc rows they have read. A slice [r0, r1) is disjoint from the unread acc rows
+    when out row r1 - 1 ends before acc row r0 starts, which doubles the safe slice each time;
+    where that allows fewer rows than a ``block``-row slice, the slice goes through a temporary
+    of at most ``block`` rows. About log2(n / block) launches."""
+    n = acc.shape[0]
+    lead = (acc.data_ptr() - out.data_ptr()) // (out.element_size() * out.shape[1])  # out rows before acc
+    ratio = acc.element_size() // out.element_size()
+    r0 = 0
+    while r0 < n:
+        r1 = min(n, lead + ratio * r0)
+        if r1 - r0 >= min(block, n - r0):
+            out[r0:r1].copy_(acc[r0:r1])
+        else:
+            r1 = min(n, r0 + block)
+            out[r0:r1].copy_(acc[r0:r1].to(out.dtype))
+        r0 = r1
+
+
+def _move_rows(d_hidden, rows, first, block):
+    """Row first + i -> row rows[i] in place, descending i. ``rows`` is ascending with
+    rows[i] >= first + i, so a destination never lies below its source. With r1 the rows still
+    to move and r0 the first i whose rows[i] >= first + r1, the destinations of [r0, r1) lie above
+    every unmoved source: one index_copy_ through a view that excludes the sources. Where that
+    is fewer than ``block`` rows, the top ``block`` rows go through a clone instead (their
+    destinations only land on rows already read). Once rows[i] = first + i the rest are in place."""
     host = rows.cpu()
     r1 = rows.numel()
-    while r1 > 0 and int(host[r1 - 1]) != r1 - 1:
-        r0 = int(torch.searchsorted(host, r1))
-        if r1 - r0 >= FINISH_ROWS:  # destinations all >= r1: write through a view that excludes the sources
-            d_hidden[r1:].index_copy_(0, rows[r0:r1] - r1, d_hidden[r0:r1])
+    while r1 > 0 and int(host[r1 - 1]) != first + r1 - 1:
+        top = first + r1
+        r0 = int(torch.searchsorted(host, top))
+        if r1 - r0 >= block:
+            d_hidden[top:].index_copy_(0, rows[r0:r1] - top, d_hidden[first + r0:top])
         else:
-            r0 = max(0, r1 - FINISH_ROWS)
-            d_hidden.index_copy_(0, rows[r0:r1], d_hidden[r0:r1].clone())
+            r0 = max(0, r1 - block)
+            d_hidden.index_copy_(0, rows[r0:r1], d_hidden[first + r0:top].clone())
         r1 = r0
 
 
@@ -583,7 +625,7 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
     hs = None  # the gathered loss-token rows, only where something reads them
     if not triton_path or (need_weight_grad and DW_MATMUL == "cublas"):
         hs = (hidden if n == hidden.shape[0] else hidden.index_select(0, rows)).to(compute)
-    d_hidden, acc = _hidden_grad_buffers(hidden, n)
+    d_hidden, acc = _hidden_grad_buffers(hidden, rows)
     chunk = _vocab_chunk(vocab, vocab_chunk)
     steps, side_width = _backward_plan(vocab, hdim, n, chunk, need_weight_grad and triton_path)
     side = _empty((n * side_width,), compute, hidden.device) if triton_path and side_width else None
@@ -618,9 +660,12 @@ def backward_memory(tokens: int, loss_tokens: int, hidden_size: int, vocab: int,
     * backward transients: the side buffer e*N*S (S from ``_backward_plan``: N*S <=
       max(TAIL_ELEMENTS, N*STEP_ALIGN) when the weight trains, S = C when it is frozen),
       gathered loss rows e*N*H only for DW_MATMUL "cublas" with N < T, index/scale vectors
-      ~24N + 8(T-N), the finish's temporary e*min(N, FINISH_ROWS)*H; the fp32 accumulator 4NH
-      only when it does not sit in dH's buffer (4NH > e*T*H, or HIDDEN_ACC "separate") - then
-      dH is allocated after the loop;
+      ~24N + 8(T-N), the finish's temporary e*min(N, B)*H with B = FINISH_ELEMENTS // H rows
+      where some token is ignored and the finish rounds or moves rows through it (at most: a
+      label pattern whose loss rows need no move, e.g. only a prefix ignored, uses less; the
+      move's index slices, up to 8N bytes, never coexist with it and stay below it while
+      8N <= e*FINISH_ELEMENTS); the fp32 accumulator 4NH only when it does not sit in dH's
+      buffer (4NH > e*T*H, or HIDDEN_ACC "separate") - then dH is allocated after the loop;
     * peak (backward, above inputs) = saved + dW + vectors + (accumulator in dH:
       dH + max(side + rows, finish)) | (separate: max(acc + side + rows, acc + dH + finish)).
 
@@ -634,7 +679,7 @@ def backward_memory(tokens: int, loss_tokens: int, hidden_size: int, vocab: int,
     rows = e * n * h if weight_grad and DW_MATMUL == "cublas" and n < t else 0
     vectors = 24 * n + 8 * (t - n)
     aliased = HIDDEN_ACC == "in-buffer" and 4 * n * h <= e * t * h
-    finish = e * min(n, FINISH_ROWS) * h if n < t or (aliased and e != 4) else 0
+    finish = e * min(n, _finish_block(h)) * h if n < t and (aliased or e != 4) else 0
     acc = 0 if aliased else 4 * n * h
     if aliased:
         during = d_hidden + max(side + rows, finish)

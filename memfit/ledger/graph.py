@@ -306,7 +306,7 @@ class ModelGraph:
         backward's transient buffers (a loss-tokens x chunk logit-gradient buffer when the
         weight is frozen; when it trains, a side buffer for the last vocabulary rows of at most
         max(TAIL_ELEMENTS, loss tokens x STEP_ALIGN) elements; the hidden-gradient finish's
-        temporary) are the kernel's own account,
+        temporary of at most FINISH_ELEMENTS) are the kernel's own account,
         ``linear_ce.backward_memory``.
         """
         from memfit.kernels.linear_ce import backward_memory
