@@ -80,8 +80,10 @@ TAIL_ELEMENTS = 1 << 18
 STEP_ALIGN = 16
 # Elements of the temporary that the in-place finish of the hidden gradient moves rows through
 # where a row slice would overwrite rows it still reads (see ``_finish_hidden_grad``): its rows,
-# FINISH_ELEMENTS // H, bound the launches of that finish.
-FINISH_ELEMENTS = 1 << 20
+# FINISH_ELEMENTS // H, bound the launches of that finish. 256K elements (512 KiB in bf16) keeps
+# the op's extra peak under Cut Cross-Entropy's at the benchmark shapes (1 << 20 did not: +1.5 MiB
+# put it 0.2-1 MiB over at all three); the price is more launches where rows shift by a few places.
+FINISH_ELEMENTS = 1 << 18
 # Backward/forward alternatives kept so one benchmark run can time them (benchmarks/linear_ce.py):
 #   DW_MATMUL  "triton": dW chunk = d.T @ hidden[rows] by ``_dweight_kernel``, reading hidden
 #              rows through the loss-token index; "cublas": torch.mm on a gathered N x H copy
