@@ -215,3 +215,30 @@ def test_block_low_rank_model_weights_follow_the_compression_plan():
     with pytest.raises(Exception, match="divisible"):
         predict(Job(TINY, task="infer", seq=8, device="cpu"), Knobs(dtype="float32", blr_method="monarch",
                                                                    blr_blocks=7))
+
+
+@pytest.mark.parametrize("method", ["lowrank", "monarch", "blast"])
+def test_blr_transient_bounds_the_pytorch_pipeline(method):
+    """The ledger's per-token transient of a BLR op is an upper bound of what its most demanding pipeline
+    (the PyTorch one, which the pick may take) holds beyond x and y, and not loose by more than 2x."""
+    from memfit.kernels.blast import blast_linear_reference
+    from memfit.kernels.lowrank import lowrank_linear_reference
+    from memfit.kernels.monarch import monarch_linear_reference
+    from memfit.ledger.predict import blr_transient_per_token
+    from memfit.measure.memory import TensorLifetimeTracker
+
+    tokens, blocks, m, p, rank = 64, 4, 12, 20, 16
+    x = torch.randn(tokens, blocks * m)
+    if method == "lowrank":
+        weights, run = (torch.randn(blocks * p, rank), torch.randn(blocks * m, rank)), lowrank_linear_reference
+    elif method == "monarch":
+        weights, run = (torch.randn(blocks, m, rank), torch.randn(blocks, rank, p)), monarch_linear_reference
+    else:
+        weights = (torch.randn(blocks, p, rank), torch.randn(blocks, m, rank), torch.randn(blocks, blocks, rank))
+        run = blast_linear_reference
+    with TensorLifetimeTracker((x, *weights)) as tracker:
+        y = run(x, *weights)
+    held = tracker.peak - tracker.baseline - y.numel() * y.element_size()
+    bound = blr_transient_per_token(method, rank, blocks, blocks * p) * tokens * x.element_size()
+    assert held <= bound, (held, bound)
+    assert held >= bound / 2, (held, bound)

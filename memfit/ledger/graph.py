@@ -141,11 +141,11 @@ class ModelGraph:
         t = self.trainable
         trained = bool(t and t.linears)
         if module in self.structured:
-            # BlastLinear/MonarchLinear/LowRankLinear: their Triton ops save only the input (backward
-            # recomputes the rank-r intermediate, which forward and backward hold transiently).
-            params, rank = self.structured[module]
+            # BlastLinear/MonarchLinear/LowRankLinear: their ops save only the input (backward recomputes
+            # the intermediates, which forward and backward hold transiently: predict.blr_transient_per_token).
+            params, transient = self.structured[module]
             weight = self.param(f"{layer}.{module}", params, trained)
-            inner = self._bytes(rank, self.dtype)
+            inner = self._bytes(transient, self.dtype)
             workspace = {"forward_workspace": inner, "backward_workspace": inner}
         elif self.four_bit and not trained:
             # bitsandbytes NF4: 4-bit codes plus double-quantised absmax; matmul_4bit dequantises the

@@ -197,13 +197,25 @@ def _predict_train(job: Job, knobs: Knobs) -> Ledger:
 
 
 def structured_kinds(spec, knobs: Knobs) -> dict[str, tuple[int, int]]:
-    """Projection kind -> (parameters per layer, rank) of the block-low-rank model, or {}."""
+    """Projection kind -> (parameters per layer, transient elements per token) of the block-low-rank
+    model, or {}."""
     if knobs.blr_method is None:
         return {}
     from memfit.compress.plan import plan_kinds
 
     plans = plan_kinds(spec.linear_shapes(), knobs.blr_method, knobs.blr_ratio, knobs.blr_blocks)
-    return {kind: (p.params, p.rank) for kind, p in plans.items() if p.rank is not None}
+    return {kind: (p.params, blr_transient_per_token(knobs.blr_method, p.rank, knobs.blr_blocks, p.out_features))
+            for kind, p in plans.items() if p.rank is not None}
+
+
+def blr_transient_per_token(method: str, rank: int, blocks: int, out_features: int) -> int:
+    """Elements per token a block-low-rank op holds besides its input and output, for its most demanding
+    pipeline (``pick_variant`` may take any on a given GPU, so the ledger is an upper bound here):
+    low-rank holds z (r); Monarch and BLAST hold z (b r) and, in the PyTorch pipeline, its permuted
+    copy or T (b r) plus the output before its layout copy (out)."""
+    if method == "lowrank":
+        return rank
+    return 2 * blocks * rank + out_features
 
 
 def ffn_widths(spec, knobs: Knobs) -> list[int]:
