@@ -26,9 +26,7 @@ import argparse
 import math
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 PAPER_MS_N8192_GATE = {"blast": 0.76, "monarch": 0.60}   # arXiv 2512.20861's Triton kernels on an H200
 SHAPES = [  # name, in, out, rank
@@ -75,11 +73,10 @@ def main() -> int:
     started = time.time()
     rows = []
     stem = "blr_layers_smoke" if args.smoke else "blr_layers"
-    out = args.out or (Path(tempfile.gettempdir()) / "memfit-smoke" if args.smoke else None)  # smoke never lands in results/
 
     def save(complete: bool):
         """Write the JSON (after every shape too, so a run stopped by its time limit keeps what it measured)."""
-        return write_results(stem, rows, make_targets(rows, target, smoke=args.smoke), out, blocks=blocks,
+        return write_results(stem, rows, make_targets(rows, target, smoke=args.smoke), args.out, blocks=blocks,
                              dtype="bfloat16", seconds=time.time() - started, complete=complete,
                              ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
                                        "bandwidth_gbs": ceilings.bandwidth / 1e9})
