@@ -88,3 +88,13 @@ def test_local_model_directory(capsys, tmp_path):
                        "--gpu-memory", "1GiB", "--json")
     assert code == 0
     assert json.loads(out)["asked"]["trainable_params"] > 0
+
+
+def test_help_and_import_do_not_load_torch():
+    """`memfit --help` and `import memfit` stay fast: torch (2+ s to import) loads only when a verb needs it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, memfit; from memfit.cli import build_parser; build_parser().format_help(); "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('memfit'))")
+    subprocess.run([sys.executable, "-c", code], check=True)

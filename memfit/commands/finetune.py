@@ -11,10 +11,12 @@ import argparse
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from memfit.errors import MemfitError
+
+if TYPE_CHECKING:  # the annotations only; torch loads when a run starts, not for `memfit --help`
+    import torch
 
 DEFAULT_MODEL = "tiny"
 APPLIED_BY_PATCH = ("checkpoint", "fused_ce", "four_bit")  # the planner's techniques this command can run
@@ -177,7 +179,13 @@ def run(args) -> int:
 
 
 def _train_with_progress(model, examples, tokenizer, config, out, resume, device, console, format_bytes):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     from memfit.train.finetune import train
 

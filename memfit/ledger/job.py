@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from memfit.errors import MemfitError
-from memfit.models.spec import PROJECTIONS, ModelSpec, dtype_of
+from memfit.models.spec import PROJECTIONS, ModelSpec, dtype_name
 
 TASKS = ("full", "lora", "infer")
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
@@ -79,7 +79,7 @@ class Knobs:
     blr_blocks: int = 16
 
     def __post_init__(self):
-        dtype_of(self.dtype)
+        dtype_name(self.dtype)
         if self.optimizer not in OPTIMIZERS:
             raise MemfitError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         unknown = set(self.lora_targets) - set(LORA_TARGETS_ALL)

@@ -8,30 +8,40 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from memfit.errors import MemfitError
+
+if TYPE_CHECKING:  # annotations only: the ledger and `memfit plan` run without torch
+    import torch
 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
 # The linear layers of one Llama-family decoder layer, by Hugging Face module name, in model order.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
-def dtype_of(name: str | torch.dtype) -> torch.dtype:
-    """torch dtype from its name (``bfloat16``, ``bf16``, ``fp32``...)."""
-    if isinstance(name, torch.dtype):
-        return name
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-    key = aliases.get(str(name).lower(), str(name).lower())
-    if key not in DTYPES:
+def dtype_name(name) -> str:
+    """Canonical name (``float32``, ``bfloat16``, ``float16``) of a dtype name, alias or torch dtype.
+
+    Name-based so the ledger and the CLI's planning run without importing torch."""
+    text = str(name).lower().removeprefix("torch.")
+    key = _ALIASES.get(text, text)
+    if key not in DTYPE_BYTES:
         raise MemfitError(f"unknown dtype {name!r}: use one of float32, bfloat16, float16")
-    return DTYPES[key]
+    return key
 
 
-def dtype_bytes(name: str | torch.dtype) -> int:
-    return torch.empty((), dtype=dtype_of(name)).element_size()
+def dtype_of(name) -> torch.dtype:
+    """torch dtype from its name (``bfloat16``, ``bf16``, ``fp32``...) or a torch dtype."""
+    import torch
+
+    return name if isinstance(name, torch.dtype) else getattr(torch, dtype_name(name))
+
+
+def dtype_bytes(name) -> int:
+    return DTYPE_BYTES[dtype_name(name)]
 
 
 @dataclass(frozen=True)
@@ -69,7 +79,7 @@ class ModelSpec:
             raise MemfitError(f"model {self.name!r}: model_type {self.model_type!r} is not one of {', '.join(SUPPORTED_TYPES)}")
         if self.activation not in ("silu", "gelu", "gelu_pytorch_tanh"):
             raise MemfitError(f"model {self.name!r}: activation {self.activation!r} is not supported (silu, gelu)")
-        dtype_of(self.dtype)
+        dtype_name(self.dtype)
 
     # ---- sizes -------------------------------------------------------------------------
     @property
