@@ -257,8 +257,9 @@ def main(argv=None) -> int:
     ceil = {"matmul_tflops": ceilings.matmul_flops / 1e12, "bandwidth_gbps": ceilings.bandwidth / 1e9,
             "smoke": args.smoke}
     out_dir = args.out
-    path = write_results("attention", rows, targets, out_dir, ceilings=ceil)
-    write_results("attention_study", study_rows, [], out_dir, ceilings=ceil)
+    suffix = "_smoke" if args.smoke else ""          # a smoke run goes to a temp dir, never over GPU results
+    path = write_results("attention" + suffix, rows, targets, out_dir, ceilings=ceil)
+    write_results("attention_study" + suffix, study_rows, [], out_dir, ceilings=ceil)
     plot(rows, study_rows, path.parent)
     from rich.console import Console
     from rich.table import Table
