@@ -14,7 +14,7 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   so Z never reaches memory and V is read once per token tile. T (N, b, r) is written
   once and read by the per-block GEMM (:func:`bgemm`) that makes Y. Traffic beyond the
   floor: T's write and read, 2 N b r elements; no recomputed FLOPs.
-* ``mix_bmm``: the same mixing kernel, then stage 3 on cuBLAS (:func:`bmm_into`): T read
+* ``mix_bmm``: the same mixing kernel, then stage 3 on cuBLAS (:func:`per_block_gemm`): T read
   as (b_i, N, r) (lda = b r), U_i^T as a transposed operand, Y written block-major
   through a (b, N, p) view (ldc = b p), no copy. Stage 3 holds most of the FLOPs, so
   at large N this is the likely winner.
@@ -36,11 +36,11 @@ import triton.language as tl
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
     bgemm,
-    bmm_into,
     fits_smem,
     keep_small_n,
     mma,
     n_bucket,
+    per_block_gemm,
     pick_variant,
     pow2_at_least,
     recompute_backward,
@@ -129,23 +129,11 @@ def _mix(x2, v, s):
 
 
 def _mix_bgemm(x2, u, v, s, bias):
-    b, p, r = u.shape
-    n = x2.shape[0]
-    t = _mix(x2, v, s)
-    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
-    # y[n, i p + o] = sum_k T[n, i, k] U[i, o, k]
-    bgemm(t, u, y, n, r, p, b, (r, b * r, 1), (u.stride(0), u.stride(2), u.stride(1)), (p, y.stride(0), 0, 1), bias=bias)
-    return y
+    return per_block_gemm(_mix(x2, v, s), u.transpose(1, 2), bias, cublas=False)   # Y_i = T_i U_i^T
 
 
 def _mix_bmm(x2, u, v, s, bias):
-    b, p, _ = u.shape
-    n = x2.shape[0]
-    t = _mix(x2, v, s)
-    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
-    bmm_into(t.transpose(0, 1), u.transpose(1, 2), y.view(n, b, p).transpose(0, 1),
-             None if bias is None else bias.view(b, p))
-    return y
+    return per_block_gemm(_mix(x2, v, s), u.transpose(1, 2), bias, cublas=True)
 
 
 # ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------

@@ -275,3 +275,23 @@ def bmm_into(a, b, out, bias=None) -> None:
         torch.bmm(a, b, out=out)
     else:
         torch.baddbmm(bias.unsqueeze(1), a, b, out=out)
+
+
+def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False):
+    """y (N, b p): output block i = a[:, i, :] @ w[i] (+ bias), the last stage of Monarch and BLAST.
+
+    ``a`` (N, b, K) and ``w`` (b, K, p) may be strided views. Block-major output (feature
+    i p + s) by cuBLAS (:func:`bmm_into`) or by :func:`bgemm`; ``permute_output`` (bgemm
+    only: cuBLAS cannot store a column stride) writes the interleaved feature s b + i.
+    """
+    n, b, k = a.shape
+    p = w.shape[2]
+    y = torch.empty(n, b * p, device=a.device, dtype=a.dtype)
+    if cublas:
+        bmm_into(a.transpose(0, 1), w, y.view(n, b, p).transpose(0, 1), None if bias is None else bias.view(b, p))
+    else:
+        block_stride, col_stride = (1, b) if permute_output else (p, 1)
+        bgemm(a, w, y, n, k, p, b, (a.stride(1), a.stride(0), a.stride(2)), w.stride(),
+              (block_stride, y.stride(0), 0, col_stride), bias=bias)
+    return y
+

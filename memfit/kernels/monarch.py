@@ -12,7 +12,7 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   elements), the second writing y with the output layout folded into its store. Z costs
   2 N b r elements of traffic; stage 1 (K = m) is bound by that write, stage 2
   (K = r, the bulk of the FLOPs) by the tensor cores. Both layouts.
-* ``bmm``: the same Triton stage 1, then stage 2 on cuBLAS (:func:`bmm_into`), a
+* ``bmm``: the same Triton stage 1, then stage 2 on cuBLAS (:func:`per_block_gemm`), a
   strided batched GEMM reading z as (b_i, N, r) (lda = b r) and writing the block-major
   y through a (b, N, p) view (ldc = b p): no copy. Expected to win at large N, where
   stage 2 dominates and cuBLAS runs it near the matmul rate. Block-major layout only
@@ -38,11 +38,11 @@ import triton.language as tl
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
     bgemm,
-    bmm_into,
     fits_smem,
     keep_small_n,
     mma,
     n_bucket,
+    per_block_gemm,
     pick_variant,
     pow2_at_least,
     recompute_backward,
@@ -80,22 +80,11 @@ def _stage1(x2, w1):
 
 
 def _two_stage(x2, w1, w2, bias, permute_output):
-    b, r, p = w2.shape
-    n = x2.shape[0]
-    z = _stage1(x2, w1)
-    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
-    block_stride, col_stride = (1, b) if permute_output else (p, 1)
-    bgemm(z, w2, y, n, r, p, b, (r, b * r, 1), w2.stride(), (block_stride, y.stride(0), 0, col_stride), bias=bias)
-    return y
+    return per_block_gemm(_stage1(x2, w1), w2, bias, cublas=False, permute_output=permute_output)
 
 
 def _bmm(x2, w1, w2, bias, permute_output):
-    b, _, p = w2.shape
-    n = x2.shape[0]
-    z = _stage1(x2, w1)
-    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
-    bmm_into(z.transpose(0, 1), w2, y.view(n, b, p).transpose(0, 1), None if bias is None else bias.view(b, p))
-    return y
+    return per_block_gemm(_stage1(x2, w1), w2, bias, cublas=True)
 
 
 # ---- fused kernel (decode): both dots in one pipelined loop over input blocks --------
