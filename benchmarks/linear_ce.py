@@ -31,6 +31,7 @@ within 5% of the measured extra peak.
 
     python benchmarks/linear_ce.py            # H200: about 3-4 minutes
     python benchmarks/linear_ce.py --smoke    # CPU, tiny shapes, same code path
+    python benchmarks/linear_ce.py --profile  # H200: where memfit's time goes, per kernel (2-3 minutes)
 Competitors are optional (pip wheels liger-kernel, cut-cross-entropy); a missing one gives a
 "not available" row.
 """
@@ -298,6 +299,84 @@ def run(shapes, vocab, device, out_dir):
     return path
 
 
+# --profile: memfit only, per backward setting: total time and CUDA time per kernel (and per kernel
+# and grid, so the shrinking steps near the end of the vocabulary show apart from the full ones)
+PROFILE_CASES = [  # (label, linear_cross_entropy keywords, linear_ce knobs)
+    ("chunk 2048, per-chunk tiles", {"vocab_chunk": 2048}, {"STEP_TILES": "per-chunk"}),
+    ("chunk 2048", {"vocab_chunk": 2048}, {}),
+    ("chunk 4096", {"vocab_chunk": 4096}, {}),
+    ("chunk 8192", {"vocab_chunk": 8192}, {}),
+    ("chunk 16384", {"vocab_chunk": 16384}, {}),
+    ("chunk 8192, dW by cuBLAS on gathered rows", {"vocab_chunk": 8192}, {"DW_MATMUL": "cublas"}),
+]
+
+
+def _kernel_times(step, device) -> tuple[dict, list]:
+    """CUDA time of one ``step()`` per kernel name, and the 12 largest (name, grid) groups."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text()).get("traceEvents", [])
+    kind = "kernel" if device == "cuda" else "cpu_op"
+    by_name, by_grid = {}, {}
+    for ev in events:
+        if ev.get("cat") != kind or "dur" not in ev:
+            continue
+        name = ev["name"][:60]
+        entry = by_name.setdefault(name, {"ms": 0.0, "launches": 0})
+        entry["ms"] += ev["dur"] / 1e3
+        entry["launches"] += 1
+        grid = tuple(ev.get("args", {}).get("grid", ()))
+        group = by_grid.setdefault((name, grid), {"name": name, "grid": list(grid), "ms": 0.0, "launches": 0})
+        group["ms"] += ev["dur"] / 1e3
+        group["launches"] += 1
+    top = sorted(by_grid.values(), key=lambda g: -g["ms"])[:12]
+    return dict(sorted(by_name.items(), key=lambda kv: -kv[1]["ms"])), top
+
+
+def profile_run(shapes, vocab, device, out_dir):
+    """Per shape and PROFILE_CASES setting: total time, extra peak and per-kernel CUDA time."""
+    rows = []
+    for tokens, hdim in shapes:
+        hidden, weight, labels = _inputs(tokens, hdim, vocab, device)
+        n_loss = int((labels != IGNORE).sum())
+        for label, kwargs, knobs in PROFILE_CASES:
+            def step(kwargs=kwargs, inputs=(hidden, weight, labels)):
+                inputs[0].grad = inputs[1].grad = None
+                linear_cross_entropy(*inputs, **kwargs).backward()
+
+            with _knobs(knobs):
+                step()  # compiles and tunes
+                total = _time_ms(step, device)
+                peak = _extra_peak_mib(step, device)
+                kernels, groups = _kernel_times(step, device)
+                plan = linear_ce._backward_plan(vocab, hdim, n_loss, kwargs["vocab_chunk"], True)[0]
+            row = {"tokens": tokens, "loss_tokens": n_loss, "hidden": hdim, "vocab": vocab, "case": label,
+                   "knobs": knobs, **kwargs, "ms": total, "extra_peak_mib": peak, "steps": len(plan),
+                   "steps_narrower_than_chunk": sum(v1 - v0 < kwargs["vocab_chunk"] for v0, v1, _ in plan),
+                   "kernels": kernels, "largest_groups": groups}
+            rows.append(row)
+            top = ", ".join(f"{k[:24]} {v['ms']:.2f}" for k, v in list(kernels.items())[:4])
+            print(f"{tokens:>6} {hdim:>5}  {label:<44} {total:8.2f} ms  steps {row['steps']:>3}  {top}", flush=True)
+            hidden.grad = weight.grad = None
+        del hidden, weight, labels
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    suffix = "" if device == "cuda" else "_smoke"
+    return write_results(f"linear_ce_profile{suffix}", rows, [], out_dir)
+
+
 def print_rows(rows):
     for r in rows:
         if r.get("status") != "ok":
@@ -348,8 +427,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    parser.add_argument("--profile", action="store_true",
+                        help="memfit only: per-kernel CUDA time of each backward setting (linear_ce_profile.json)")
     args = parser.parse_args()
-    if args.smoke:
+    if args.profile:
+        if args.smoke:
+            path = profile_run([(64, 48)], 1037, "cpu", args.out)
+        else:
+            path = profile_run(SHAPES, VOCAB, "cuda", args.out)
+    elif args.smoke:
         path = run([(64, 48)], 1037, "cpu", args.out or "/tmp/memfit_smoke")
     else:
         if not torch.cuda.is_available():

@@ -183,7 +183,8 @@ def test_memory_model_places_accumulator_as_the_op_does(tokens, loss_tokens, dty
 def test_varying_token_counts_tune_once_per_bucket(monkeypatch):
     """Fine-tuning changes the loss-token count every step: every launch must reuse the
     autotuner entry and the compiled kernel of its power-of-two bucket (no re-tune, no
-    recompile), so the autotune keys and the compile-time arguments may only differ by bucket."""
+    recompile), so the autotune keys and the compile-time arguments may only differ by the
+    token bucket and, for the step kernels, by the power-of-two bucket of the step width."""
     seen = {"lse": set(), "dlogits": set(), "dweight": set()}
     for name, kernel in (("lse", linear_ce._lse_kernel), ("dlogits", linear_ce._dlogits_kernel),
                          ("dweight", linear_ce._dweight_kernel)):
@@ -191,9 +192,10 @@ def test_varying_token_counts_tune_once_per_bucket(monkeypatch):
 
         def spy(*args, _kernel=kernel, _run=original, _name=name, **kwargs):
             named = {**dict(zip(_kernel.arg_names, args)), **kwargs}
-            key = tuple(named[k] for k in _kernel.keys)  # every key names an argument (KeyError if not)
+            key = {k: named[k] for k in _kernel.keys}  # every key names an argument (KeyError if not)
+            buckets = (key.pop("N_BUCKET"), key.pop("WIDTH_KEY", 1))
             constexprs = tuple(sorted((k, v) for k, v in kwargs.items() if k not in ("grid", "warmup")))
-            seen[_name].add((key, constexprs))
+            seen[_name].add((tuple(key.items()), constexprs, buckets))
             return _run(*args, **kwargs)
 
         monkeypatch.setattr(kernel, "run", spy)
@@ -204,7 +206,9 @@ def test_varying_token_counts_tune_once_per_bucket(monkeypatch):
         linear_cross_entropy(hidden, weight, torch.randint(0, 300, (n,)), path="triton").backward()
     buckets = {linear_ce._bucket(n) for n in counts}
     for entries in seen.values():
-        assert len(entries) == len(buckets), entries
+        assert len({(key, constexprs) for key, constexprs, _ in entries}) == 1, entries
+        assert {n_bucket for _, _, (n_bucket, _) in entries} == buckets
+        assert all(width & (width - 1) == 0 for _, _, (_, width) in entries)
 
 
 @pytest.mark.parametrize("vocab,hdim,n,chunk", [(1037, 48, 11, 256), (600, 8, 40, 128), (300, 64, 3, 512),

@@ -93,7 +93,10 @@ FINISH_ELEMENTS = 1 << 18
 #   LSE_SPLITS "constexpr": the forward's vocabulary-slice count is a compile-time constant (it
 #              is a function of the token bucket, so this adds no compile); "runtime": a
 #              runtime loop bound.
+#   STEP_TILES "per-width": the step kernels are tuned per power-of-two bucket of the step's width
+#              (``_width_key``); "per-chunk": every step uses the tiles tuned for a full chunk.
 DW_MATMUL = "triton"
+STEP_TILES = "per-width"
 HIDDEN_ACC = "in-buffer"
 LSE_SPLITS = "constexpr"
 # Tests set this to fill scratch buffers with NaN, so an unwritten element shows.
@@ -168,6 +171,24 @@ if triton is not None:
             triton.Config({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
             triton.Config({"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_K": 64}, num_warps=8, num_stages=4),
         ]
+
+    def _narrow_configs(block: str):
+        """Tiles for the shrinking steps near the end of the vocabulary, ``block`` (the step's
+        column tile) 16-64 wide: a 128/256-wide tile there computes mostly wasted columns."""
+        if interpreting():
+            return []
+        other = "BLOCK_N" if block == "BLOCK_V" else "BLOCK_H"
+        return [triton.Config({other: size, block: width, "BLOCK_K": 64}, num_warps=4, num_stages=4)
+                for width in (16, 32, 64) for size in (128, 256)]
+
+    def _fit_step_width(block: str):
+        """Autotune pruner: keep the tiles whose column block suits the step width's bucket
+        (WIDTH_KEY): no tile more than twice as wide as the step, no narrow tile on a wide step."""
+        def prune(configs, named_args, **kwargs):
+            key = named_args["WIDTH_KEY"]
+            kept = [c for c in configs if c.kwargs[block] <= max(16, 2 * key) and (key < 512 or c.kwargs[block] >= 128)]
+            return kept or configs
+        return {"early_config_prune": prune}
 
     @triton.jit
     def _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, H: tl.constexpr, stride_h, stride_w, softcap,
@@ -245,19 +266,20 @@ if triton is not None:
         tl.store(s_ptr + out, s, mask=n_mask)
         tl.store(t_ptr + out, t, mask=n_mask)
 
-    @triton.autotune(configs=_configs(), key=["H", "CHUNK", "N_BUCKET", "HAS_BIAS", "HAS_SOFTCAP", "PRECISION"])
+    @triton.autotune(configs=_configs() + _narrow_configs("BLOCK_V"), prune_configs_by=_fit_step_width("BLOCK_V"),
+                     key=["H", "WIDTH_KEY", "N_BUCKET", "HAS_BIAS", "HAS_SOFTCAP", "PRECISION"])
     @triton.heuristics({"EVEN_K": lambda a: a["H"] % a["BLOCK_K"] == 0})
     @triton.jit(do_not_specialize=["N", "v0"])
     def _dlogits_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, labels_ptr, lse_ptr, g_ptr, d_ptr,
-                        N, V, H: tl.constexpr, N_BUCKET, CHUNK, v0, width, stride_h, stride_w, stride_d,
+                        N, V, H: tl.constexpr, N_BUCKET, WIDTH_KEY, v0, width, stride_h, stride_w, stride_d,
                         softcap, z_loss,
                         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
                         EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                         BLOCK_K: tl.constexpr):
         """d[n, j] = dloss_n / dz[n, v0 + j] for j < width, recomputing the logits on chip.
 
-        ``width`` is specialised on (its divisibility by 16 lets the stores vectorise); CHUNK,
-        the nominal step width, only keys the tuning."""
+        ``width`` is specialised on (its divisibility by 16 lets the stores vectorise); WIDTH_KEY
+        (``_width_key``) only keys the tuning."""
         pid_n = tl.program_id(0)
         pid_v = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -289,9 +311,10 @@ if triton is not None:
             triton.Config({"BLOCK_M": 64, "BLOCK_H": 256, "BLOCK_K": 64}, num_warps=4, num_stages=4),
         ]
 
-    @triton.autotune(configs=_dweight_configs(), key=["H", "CHUNK", "N_BUCKET", "PRECISION"])
+    @triton.autotune(configs=_dweight_configs() + _narrow_configs("BLOCK_M"), prune_configs_by=_fit_step_width("BLOCK_M"),
+                     key=["H", "WIDTH_KEY", "N_BUCKET", "PRECISION"])
     @triton.jit(do_not_specialize=["N"])
-    def _dweight_kernel(d_ptr, h_ptr, rows_ptr, out_ptr, N, width, H: tl.constexpr, N_BUCKET, CHUNK,
+    def _dweight_kernel(d_ptr, h_ptr, rows_ptr, out_ptr, N, width, H: tl.constexpr, N_BUCKET, WIDTH_KEY,
                         stride_d, stride_h, stride_o, PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[j, :] = sum_n d[n, j] * hidden[rows[n], :] for j < width: one weight-gradient step.
@@ -365,12 +388,19 @@ def _lse_triton(hidden, weight, bias, rows, labels_n, softcap):
     return lse, t.sum(dim=0)
 
 
+def _width_key(width: int, chunk: int) -> int:
+    """The step kernels' tuning key for a step ``width`` columns wide: its power-of-two bucket
+    (at most the chunk's), so the shrinking steps at the end of the vocabulary get tiles of
+    their own width; with STEP_TILES "per-chunk" every step shares the chunk's tiles."""
+    return chunk if STEP_TILES == "per-chunk" else min(_bucket(width), _bucket(chunk))
+
+
 def _dlogits_triton(hidden, weight, bias, rows, labels_n, lse, g, softcap, z_loss, v0, out, chunk):
     """Writes the logit gradient of columns [v0, v0 + width) into ``out`` (n x width)."""
     n, width = out.shape
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(width, meta["BLOCK_V"]))  # noqa: E731
     _dlogits_kernel[grid](hidden, weight, bias if bias is not None else weight, rows, labels_n, lse, g, out,
-                          n, weight.shape[0], weight.shape[1], _bucket(n), chunk, v0, width,
+                          n, weight.shape[0], weight.shape[1], _bucket(n), _width_key(width, chunk), v0, width,
                           hidden.stride(0), weight.stride(0), out.stride(0), float(softcap), float(z_loss),
                           HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
                           PRECISION=_precision(hidden.dtype))
@@ -382,8 +412,8 @@ def _dweight_triton(d, hidden, rows, out, chunk):
     n, width = d.shape
     hdim = hidden.shape[1]
     grid = lambda meta: (triton.cdiv(width, meta["BLOCK_M"]), triton.cdiv(hdim, meta["BLOCK_H"]))
-    _dweight_kernel[grid](d, hidden, rows, out, n, width, hdim, _bucket(n), chunk, d.stride(0), hidden.stride(0),
-                          out.stride(0), PRECISION=_precision(hidden.dtype))
+    _dweight_kernel[grid](d, hidden, rows, out, n, width, hdim, _bucket(n), _width_key(width, chunk), d.stride(0),
+                          hidden.stride(0), out.stride(0), PRECISION=_precision(hidden.dtype))
 
 
 # --------------------------------------------------------------------------------------
