@@ -16,11 +16,12 @@ measured in this run; the frozen-weight row (LoRA: no weight gradient) needs 6NV
 
 Variants: besides the default, memfit is timed with each alternative of ``VARIANTS`` (one
 keyword or module knob of memfit.kernels.linear_ce changed; the same inputs), so one run picks
-the defaults: vocab chunk 4096; the weight-gradient matmul by cuBLAS on gathered loss rows
-instead of the Triton kernel that reads them through the index; a separate fp32 hidden-gradient
-accumulator instead of the one inside the gradient's buffer; a runtime instead of compile-time
-vocabulary-split count in the forward; the logit-gradient chunks in an N x C side buffer instead
-of the weight gradient's unwritten rows (the time that memory saving costs); plus the
+the defaults: vocab chunk 2048 instead of 8192; the weight-gradient matmul by the Triton kernel
+that reads the loss rows through the index, or by cuBLAS on a gathered copy of them held in a
+tensor of its own, instead of cuBLAS on a copy held in the weight gradient's last rows; a
+separate fp32 hidden-gradient accumulator instead of the one inside the gradient's buffer; the
+logit-gradient chunks in an N x C side buffer instead of the weight gradient's unwritten rows
+(the time that memory saving costs); plus the
 frozen-weight (LoRA) case. Each memfit row carries the op's memory model (``backward_memory``
 under that variant's settings: peak above inputs, side buffer, where the accumulator lives)
 next to the measured extra peak.
@@ -61,14 +62,16 @@ IGNORE = -100
 LOGIT_STD = 0.02 * math.sqrt(2048)  # the logit std of the first shape with weight std 0.02, kept at every shape
 # memfit alternatives, each timed as its own row: name -> (linear_cross_entropy keywords, linear_ce knobs)
 VARIANTS = {
-    "memfit (vocab_chunk=4096)": ({"vocab_chunk": 4096}, {}),
+    "memfit (vocab_chunk=2048)": ({"vocab_chunk": 2048}, {}),
+    "memfit (dW by Triton through the index)": ({}, {"DW_MATMUL": "triton"}),
     "memfit (dW by cuBLAS on gathered rows)": ({}, {"DW_MATMUL": "cublas"}),
     "memfit (separate dH accumulator)": ({}, {"HIDDEN_ACC": "separate"}),
-    "memfit (runtime LSE splits)": ({}, {"LSE_SPLITS": "runtime"}),
     "memfit (chunks in an N x C side buffer)": ({}, {"TAIL_ELEMENTS": 1 << 62}),
 }
-DEFAULT_WHY = ("vocab chunk 2048: fastest of C = 512/1024/2048 at all three shapes in the H200 run at commit "
-               "39f85a3; the other defaults are to be picked from this file's variant rows")
+DEFAULT_WHY = ("vocab chunk: 2048 with a frozen weight (fastest of C = 512/1024/2048 in the H200 run at 39f85a3), "
+               "8192 when the weight trains, and the weight-gradient matmul by cuBLAS on a copy of the loss rows "
+               "kept in the weight gradient's last rows: from the H200 profile at 88652d2 (linear_ce_profile.json); "
+               "the variant rows time the alternatives")
 SHAPES = [(8192, 2048), (16384, 3072), (32768, 4096)]
 VOCAB = 128256
 
@@ -290,7 +293,8 @@ def run(shapes, vocab, device, out_dir):
     extra = {"ceilings": None if not ceilings else {"matmul_tflops": ceilings.matmul_flops / 1e12,
                                                     "bandwidth_gbs": ceilings.bandwidth / 1e9},
              "inputs": {"hidden_std": 1.0, "weight_std": f"{LOGIT_STD:.4f} / sqrt(H)"},
-             "default_backward": {"vocab_chunk": linear_ce.VOCAB_CHUNK, "dw_matmul": linear_ce.DW_MATMUL,
+             "default_backward": {"vocab_chunk": linear_ce.VOCAB_CHUNK,
+                                  "trained_vocab_chunk": linear_ce.TRAINED_VOCAB_CHUNK, "dw_matmul": linear_ce.DW_MATMUL,
                                   "hidden_acc": linear_ce.HIDDEN_ACC, "lse_splits": linear_ce.LSE_SPLITS,
                                   "tail_elements": linear_ce.TAIL_ELEMENTS, "why": DEFAULT_WHY,
                                   "variants": {name: {**kw, **knobs} for name, (kw, knobs) in VARIANTS.items()}}}
@@ -304,9 +308,10 @@ def run(shapes, vocab, device, out_dir):
 PROFILE_CASES = [  # (label, linear_cross_entropy keywords, linear_ce knobs)
     ("chunk 2048, per-chunk tiles", {"vocab_chunk": 2048}, {"STEP_TILES": "per-chunk"}),
     ("chunk 2048", {"vocab_chunk": 2048}, {}),
-    ("chunk 4096", {"vocab_chunk": 4096}, {}),
     ("chunk 8192", {"vocab_chunk": 8192}, {}),
-    ("chunk 16384", {"vocab_chunk": 16384}, {}),
+    ("chunk 4096, dW by cuBLAS on a copy in dW", {"vocab_chunk": 4096}, {"DW_MATMUL": "cublas-in-grad"}),
+    ("chunk 8192, dW by cuBLAS on a copy in dW", {"vocab_chunk": 8192}, {"DW_MATMUL": "cublas-in-grad"}),
+    ("chunk 16384, dW by cuBLAS on a copy in dW", {"vocab_chunk": 16384}, {"DW_MATMUL": "cublas-in-grad"}),
     ("chunk 8192, dW by cuBLAS on gathered rows", {"vocab_chunk": 8192}, {"DW_MATMUL": "cublas"}),
 ]
 
@@ -360,10 +365,12 @@ def profile_run(shapes, vocab, device, out_dir):
                 total = _time_ms(step, device)
                 peak = _extra_peak_mib(step, device)
                 kernels, groups = _kernel_times(step, device)
-                plan = linear_ce._backward_plan(vocab, hdim, n_loss, kwargs["vocab_chunk"], True)[0]
+                plan = linear_ce._backward_plan(vocab, hdim, n_loss, kwargs["vocab_chunk"], True,
+                                                linear_ce._copy_rows(n_loss, True))[0]
             row = {"tokens": tokens, "loss_tokens": n_loss, "hidden": hdim, "vocab": vocab, "case": label,
                    "knobs": knobs, **kwargs, "ms": total, "extra_peak_mib": peak, "steps": len(plan),
-                   "steps_narrower_than_chunk": sum(v1 - v0 < kwargs["vocab_chunk"] for v0, v1, _ in plan),
+                   "steps_narrower_than_chunk": sum(v1 - v0 < kwargs["vocab_chunk"] for v0, v1, *_ in plan),
+                   "steps_with_copy": sum(copied for *_, copied in plan),
                    "kernels": kernels, "largest_groups": groups}
             rows.append(row)
             top = ", ".join(f"{k[:24]} {v['ms']:.2f}" for k, v in list(kernels.items())[:4])

@@ -213,20 +213,26 @@ def test_varying_token_counts_tune_once_per_bucket(monkeypatch):
 
 @pytest.mark.parametrize("vocab,hdim,n,chunk", [(1037, 48, 11, 256), (600, 8, 40, 128), (300, 64, 3, 512),
                                               (700, 32, 5, 4), (128256, 4096, 16384, 2048),
-                                              (128256, 2048, 65536, 2048)])
+                                              (128256, 2048, 65536, 2048), (128256, 2048, 4096, 8192)])
 @pytest.mark.parametrize("weight_grad", [True, False])
-def test_backward_plan_covers_the_vocabulary_and_fits(vocab, hdim, n, chunk, weight_grad):
+@pytest.mark.parametrize("copy", [False, True])
+def test_backward_plan_covers_the_vocabulary_and_fits(vocab, hdim, n, chunk, weight_grad, copy):
     """Steps tile [0, V) in order; a chunk kept in the weight gradient fits in its unwritten rows
-    (never the rows a step writes); the side-buffer steps are a suffix no wider than the buffer,
-    which holds at most max(TAIL_ELEMENTS, n * STEP_ALIGN) elements; no step but the last is
-    narrower than STEP_ALIGN (or the chunk), since narrow steps cost launches, not memory."""
-    steps, side = linear_ce._backward_plan(vocab, hdim, n, chunk, weight_grad)
+    (never the rows a step writes), and below the gathered copy's last n rows while a step uses
+    that copy; the copy's steps come first and never write its rows; the side-buffer steps are a
+    suffix no wider than the buffer, which holds at most max(TAIL_ELEMENTS, n * STEP_ALIGN)
+    elements; no step but the last of a kind is narrower than STEP_ALIGN (or the chunk), since
+    narrow steps cost launches, not memory."""
+    steps, side = linear_ce._backward_plan(vocab, hdim, n, chunk, weight_grad, n if copy else 0)
     assert steps[0][0] == 0 and steps[-1][1] == vocab
     assert all(a[1] == b[0] for a, b in itertools.pairwise(steps))
-    kinds = [in_w for _, _, in_w in steps]
-    assert kinds == sorted(kinds, reverse=True)  # in-weight-gradient steps first, then the side buffer
-    for v0, v1, in_w in steps:
+    kinds = [(in_w, copied) for _, _, in_w, copied in steps]
+    assert kinds == sorted(kinds, reverse=True)  # copied steps, in-weight-gradient steps, then the side buffer
+    assert copy and weight_grad or not any(copied for *_, copied in steps)
+    for v0, v1, in_w, copied in steps:
         assert 0 < v1 - v0 <= chunk
+        if copied:
+            assert n * (v1 - v0) <= (vocab - n - v1) * hdim
         if in_w:
             assert n * (v1 - v0) <= (vocab - v1) * hdim
         else:
@@ -234,10 +240,12 @@ def test_backward_plan_covers_the_vocabulary_and_fits(vocab, hdim, n, chunk, wei
     assert weight_grad or side == min(chunk, vocab)
     if weight_grad:
         assert n * side <= max(linear_ce.TAIL_ELEMENTS, n * linear_ce.STEP_ALIGN)
-    assert all(v1 - v0 >= min(chunk, linear_ce.STEP_ALIGN) for v0, v1, _ in steps[:-1])
+    for a, b in itertools.pairwise(steps):
+        if a[2:] == b[2:]:
+            assert a[1] - a[0] >= min(chunk, linear_ce.STEP_ALIGN)
 
 
-@pytest.mark.parametrize("knob,value", [("DW_MATMUL", "cublas"), ("HIDDEN_ACC", "separate"),
+@pytest.mark.parametrize("knob,value", [("DW_MATMUL", "cublas"), ("DW_MATMUL", "cublas-in-grad"), ("HIDDEN_ACC", "separate"),
                                         ("LSE_SPLITS", "runtime"), ("TAIL_ELEMENTS", 1 << 30)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_alternatives_match_reference(monkeypatch, knob, value, dtype):
@@ -259,7 +267,7 @@ def test_dweight_kernel_reads_rows_through_the_index(tokens, width, hdim):
 
 
 @pytest.mark.parametrize("weight_grad", [True, False])
-@pytest.mark.parametrize("dw_matmul", ["triton", "cublas"])
+@pytest.mark.parametrize("dw_matmul", ["triton", "cublas", "cublas-in-grad"])
 @pytest.mark.parametrize("loss_tokens", [32, 64])
 def test_memory_model_matches_the_tracked_backward(monkeypatch, weight_grad, dw_matmul, loss_tokens):
     """Peak bytes the backward allocates (CPU storage tracker) against ``backward_memory``.

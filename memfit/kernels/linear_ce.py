@@ -61,12 +61,14 @@ except ImportError:  # the reference still works
     triton = None
 
 REDUCTIONS = ("mean", "sum", "none")
-# Vocabulary columns per backward step (C), independent of the hidden size. The H200 run at
-# 39f85a3 (benchmarks/results/linear_ce.json) measured C = 512 / 1024 / 2048 at 58.1 / 27.5 /
-# 17.9 ms (T=8192, H=2048), 59.7 / 53.3 / 49.1 (16384, 3072) and 150.7 / 134.6 / 126.7
-# (32768, 4096): 2048 was fastest everywhere. When the weight trains, the N x C chunk lives in
-# the weight gradient's unwritten rows (see ``_backward_plan``), so C costs no memory there.
+# Vocabulary columns per backward step (C), independent of the hidden size. With a frozen weight
+# the N x C chunk is a buffer of its own: VOCAB_CHUNK, the fastest of C = 512 / 1024 / 2048 at all
+# three benchmark shapes in the H200 run at 39f85a3. When the weight trains, the chunk lives in the
+# weight gradient's unwritten rows (see ``_backward_plan``), so C costs no memory there and fewer,
+# wider steps win: TRAINED_VOCAB_CHUNK (the H200 profile of 88652d2, linear_ce_profile.json: 8192
+# took 19.6 / 54.2 / 140.8 ms against 20.1 / 57.7 / 144.5 for 2048).
 VOCAB_CHUNK = 2048
+TRAINED_VOCAB_CHUNK = 8192
 # Elements of the side buffer that holds the logit-gradient chunks of the last vocabulary rows
 # (those whose chunk no longer fits in the weight gradient's unwritten rows): the tail goes through
 # it in steps of max(STEP_ALIGN, TAIL_ELEMENTS // N) columns, so it holds at most
@@ -87,7 +89,9 @@ FINISH_ELEMENTS = 1 << 18
 # Backward/forward alternatives kept so one benchmark run can time them (benchmarks/linear_ce.py):
 #   DW_MATMUL  "triton": dW chunk = d.T @ hidden[rows] by ``_dweight_kernel``, reading hidden
 #              rows through the loss-token index; "cublas": torch.mm on a gathered N x H copy
-#              of the loss-token rows (2NH more bytes).
+#              of the loss-token rows (2NH more bytes); "cublas-in-grad": that copy lives in the
+#              weight gradient's last N rows, so cuBLAS runs every step before them at no memory
+#              cost, and the last steps (over at least those N rows) use the Triton kernel.
 #   HIDDEN_ACC "in-buffer": the fp32 dH accumulator lives in dH's own buffer where it fits;
 #              "separate": always its own 4NH-byte tensor (dH allocated after the vocabulary loop).
 #   LSE_SPLITS "constexpr": the forward's vocabulary-slice count is a compile-time constant (it
@@ -95,7 +99,7 @@ FINISH_ELEMENTS = 1 << 18
 #              runtime loop bound.
 #   STEP_TILES "per-width": the step kernels are tuned per power-of-two bucket of the step's width
 #              (``_width_key``); "per-chunk": every step uses the tiles tuned for a full chunk.
-DW_MATMUL = "triton"
+DW_MATMUL = "cublas-in-grad"
 STEP_TILES = "per-width"
 HIDDEN_ACC = "in-buffer"
 LSE_SPLITS = "constexpr"
@@ -108,9 +112,10 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return out.fill_(float("nan")) if POISON else out
 
 
-def _vocab_chunk(vocab: int, chunk: int = 0) -> int:
-    """Columns per backward step: ``chunk`` if given (> 0), else VOCAB_CHUNK; at most V."""
-    return min(vocab, chunk or VOCAB_CHUNK)
+def _vocab_chunk(vocab: int, chunk: int = 0, weight_grad: bool = False) -> int:
+    """Columns per backward step: ``chunk`` if given (> 0), else TRAINED_VOCAB_CHUNK when the
+    weight trains and VOCAB_CHUNK when it is frozen; at most V."""
+    return min(vocab, chunk or (TRAINED_VOCAB_CHUNK if weight_grad else VOCAB_CHUNK))
 
 
 def _loss_rows(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -170,6 +175,8 @@ if triton is not None:
             triton.Config({"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
             triton.Config({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
             triton.Config({"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+            triton.Config({"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+            triton.Config({"BLOCK_N": 256, "BLOCK_V": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
         ]
 
     def _narrow_configs(block: str):
@@ -179,7 +186,7 @@ if triton is not None:
             return []
         other = "BLOCK_N" if block == "BLOCK_V" else "BLOCK_H"
         return [triton.Config({other: size, block: width, "BLOCK_K": 64}, num_warps=4, num_stages=4)
-                for width in (16, 32, 64) for size in (128, 256)]
+                for width in (16, 32, 64) for size in (64, 128, 256)]
 
     def _fit_step_width(block: str):
         """Autotune pruner: keep the tiles whose column block suits the step width's bucket
@@ -309,6 +316,8 @@ if triton is not None:
             triton.Config({"BLOCK_M": 128, "BLOCK_H": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
             triton.Config({"BLOCK_M": 128, "BLOCK_H": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
             triton.Config({"BLOCK_M": 64, "BLOCK_H": 256, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_M": 128, "BLOCK_H": 256, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+            triton.Config({"BLOCK_M": 256, "BLOCK_H": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
         ]
 
     @triton.autotune(configs=_dweight_configs() + _narrow_configs("BLOCK_M"), prune_configs_by=_fit_step_width("BLOCK_M"),
@@ -577,9 +586,9 @@ def _move_rows(d_hidden, rows, first, block):
         r1 = r0
 
 
-def _backward_plan(vocab: int, hdim: int, n: int, chunk: int, in_weight_grad: bool
-                   ) -> tuple[list[tuple[int, int, bool]], int]:
-    """The backward's vocabulary steps ``[(v0, v1, in_weight_grad)]`` and the side buffer's width.
+def _backward_plan(vocab: int, hdim: int, n: int, chunk: int, in_weight_grad: bool, copy_rows: int = 0
+                   ) -> tuple[list[tuple[int, int, bool, bool]], int]:
+    """The backward's vocabulary steps ``[(v0, v1, in_weight_grad, copied)]`` and the side buffer's width.
 
     A step's n x w logit-gradient chunk must live somewhere until both its matmuls have run.
     When the weight trains (and ``in_weight_grad``), it lives in the weight gradient's rows
@@ -589,21 +598,41 @@ def _backward_plan(vocab: int, hdim: int, n: int, chunk: int, in_weight_grad: bo
     the rest goes through a side buffer in steps of max(STEP_ALIGN, TAIL_ELEMENTS // n) columns
     (at most ``chunk``), so that buffer holds at most max(TAIL_ELEMENTS, n * STEP_ALIGN)
     elements; a frozen weight has only the side buffer, n x chunk. The buffer's width is the
-    widest side step."""
+    widest side step.
+
+    ``copy_rows`` > 0 (DW_MATMUL "cublas-in-grad"): the last ``copy_rows`` rows of the weight
+    gradient first hold a gathered copy of the loss-token rows of hidden, so the steps before
+    them (``copied``) run the weight-gradient matmul in cuBLAS; their chunks must then fit
+    below those rows. Once they no longer do, the copy is given up and the remaining steps
+    (over at least those rows) read hidden through the index, as above."""
     tail = min(chunk, max(STEP_ALIGN, TAIL_ELEMENTS // n)) if in_weight_grad else chunk
+    reserved = copy_rows if in_weight_grad and copy_rows < vocab else 0
     steps, v0, side = [], 0, 0
     while v0 < vocab:
         free = vocab - v0
+        if reserved:
+            w = _in_weight_grad_width(free - reserved, hdim, n, chunk) if free > reserved else 0
+            if w:
+                steps.append((v0, v0 + w, True, True))
+                v0 += w
+                continue
+            reserved = 0
         fits = in_weight_grad and n * min(free, chunk) > TAIL_ELEMENTS
         w = _in_weight_grad_width(free, hdim, n, chunk) if fits else 0
         if w:
-            steps.append((v0, v0 + w, True))
+            steps.append((v0, v0 + w, True, False))
         else:
             w = min(tail, free)
             side = max(side, w)
-            steps.append((v0, v0 + w, False))
+            steps.append((v0, v0 + w, False, False))
         v0 += w
     return steps, side
+
+
+def _copy_rows(n: int, triton_weight_grad: bool) -> int:
+    """Rows of the weight gradient that hold the gathered loss-token rows first (DW_MATMUL
+    "cublas-in-grad"), 0 otherwise."""
+    return n if triton_weight_grad and DW_MATMUL == "cublas-in-grad" else 0
 
 
 def _in_weight_grad_width(free: int, hdim: int, n: int, chunk: int) -> int:
@@ -623,8 +652,9 @@ def _logit_grad_buffer(d_weight, side, v1, n, width, in_weight_grad):
 
 
 def _weight_grad_step(d, hidden, rows, hs, out, chunk, triton_path):
-    """out = d.T @ (loss-token rows of hidden), fp32-accumulated over all n, rounded once."""
-    if triton_path and DW_MATMUL == "triton":
+    """out = d.T @ (loss-token rows of hidden), fp32-accumulated over all n, rounded once: by
+    cuBLAS on the gathered rows ``hs`` where there are some, else by ``_dweight_kernel``."""
+    if triton_path and hs is None:
         _dweight_triton(d, hidden, rows, out, chunk)
     elif d.dtype == out.dtype:
         torch.mm(d.T, hs, out=out)
@@ -654,25 +684,29 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
     lse = lse_all.index_select(0, rows)
     g = grad_loss.index_select(0, rows).float()
     compute = hidden.dtype if triton_path else torch.float32
-    hs = None  # the gathered loss-token rows, only where something reads them
+    hs = copy = None  # the gathered loss-token rows, only where something reads them
     if not triton_path or (need_weight_grad and DW_MATMUL == "cublas"):
         hs = (hidden if n == hidden.shape[0] else hidden.index_select(0, rows)).to(compute)
     d_hidden, acc = _hidden_grad_buffers(hidden, rows)
-    chunk = _vocab_chunk(vocab, vocab_chunk)
-    steps, side_width = _backward_plan(vocab, hdim, n, chunk, need_weight_grad and triton_path)
+    chunk = _vocab_chunk(vocab, vocab_chunk, need_weight_grad)
+    triton_weight_grad = need_weight_grad and triton_path
+    steps, side_width = _backward_plan(vocab, hdim, n, chunk, triton_weight_grad, _copy_rows(n, triton_weight_grad))
+    if any(copied for *_, copied in steps):  # the copy sits in the weight gradient's last n rows
+        copy = d_weight.view(-1)[(vocab - n) * hdim:].view(n, hdim)
+        torch.index_select(hidden, 0, rows, out=copy)
     side = _empty((n * side_width,), compute, hidden.device) if triton_path and side_width else None
-    for v0, v1, in_weight_grad in steps:
+    for v0, v1, in_weight_grad, copied in steps:
         if triton_path:
             d = _logit_grad_buffer(d_weight, side, v1, n, v1 - v0, in_weight_grad)
             _dlogits_triton(hidden, weight, bias, rows, labels_n, lse, g, softcap, z_loss, v0, d, chunk)
         else:
             d = _dlogits_reference(hs, weight, bias, labels_n, lse, g, softcap, z_loss, v0, v1)
         if need_weight_grad:
-            _weight_grad_step(d, hidden, rows, hs, d_weight[v0:v1], chunk, triton_path)
+            _weight_grad_step(d, hidden, rows, copy if copied else hs, d_weight[v0:v1], chunk, triton_path)
         if bias is not None:
             d_bias[v0:v1] = d.sum(dim=0, dtype=torch.float32)
         _accumulate_fp32(acc, d, weight[v0:v1].to(compute))
-    del side, hs, d
+    del side, hs, copy, d
     if d_hidden is None:
         d_hidden = _empty(hidden.shape, hidden.dtype, hidden.device)
     ignored = (labels == ignore_index).nonzero().squeeze(1)
@@ -703,11 +737,11 @@ def backward_memory(tokens: int, loss_tokens: int, hidden_size: int, vocab: int,
 
     The forward peak (~(8 + 12 * splits) N + 8T) is far below the backward's."""
     t, n, h, v, e = tokens, loss_tokens, hidden_size, vocab, dtype_bytes
-    c = _vocab_chunk(v, vocab_chunk or 0)
+    c = _vocab_chunk(v, vocab_chunk or 0, weight_grad)
     saved = 4 * t
     d_weight = e * v * h if weight_grad else 0
     d_hidden = e * t * h
-    side = e * n * _backward_plan(v, h, n, c, weight_grad)[1] if n else 0
+    side = e * n * _backward_plan(v, h, n, c, weight_grad, _copy_rows(n, weight_grad))[1] if n else 0
     rows = e * n * h if weight_grad and DW_MATMUL == "cublas" and n < t else 0
     vectors = 24 * n + 8 * (t - n)
     aliased = HIDDEN_ACC == "in-buffer" and 4 * n * h <= e * t * h
@@ -734,7 +768,7 @@ def _linear_ce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token loss, per-token log-sum-exp), both fp32 of length T, 0 at ignored tokens.
 
-    ``vocab_chunk``: backward columns per step (0: VOCAB_CHUNK). ``path``: None follows
+    ``vocab_chunk``: backward columns per step (0: ``_vocab_chunk``'s default). ``path``: None follows
     MEMFIT_KERNELS (default auto), else "auto" | "triton" | "reference"."""
     triton_path = use_triton("linear_ce", hidden, weight, path=path)
     return _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton_path)
@@ -837,7 +871,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     count for nothing; "mean" over zero loss tokens is 0. ``reduction="none"`` returns the
     per-token loss (fp32, 0 at ignored tokens) in ``labels``' shape; "mean"/"sum" an fp32 scalar.
     ``vocab_subset`` (approximate, opt-in): the softmax runs over labels ∪ subset only.
-    ``vocab_chunk``: vocabulary columns per backward step (default VOCAB_CHUNK); with a frozen
+    ``vocab_chunk``: vocabulary columns per backward step (default TRAINED_VOCAB_CHUNK when the
+    weight trains, VOCAB_CHUNK when it is frozen); with a frozen
     weight the backward holds one N x vocab_chunk logit-gradient chunk, with a trained one the
     chunks live in the weight gradient's unwritten rows (see ``backward_memory``).
     ``path``: "auto" | "triton" | "reference"; None follows env MEMFIT_KERNELS (see
