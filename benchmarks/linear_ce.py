@@ -306,18 +306,18 @@ def run(shapes, vocab, device, out_dir):
 # --profile: memfit only, per backward setting: total time and CUDA time per kernel (and per kernel
 # and grid, so the shrinking steps near the end of the vocabulary show apart from the full ones)
 PROFILE_CASES = [  # (label, linear_cross_entropy keywords, linear_ce knobs)
-    ("chunk 2048, per-chunk tiles", {"vocab_chunk": 2048}, {"STEP_TILES": "per-chunk"}),
-    ("chunk 2048", {"vocab_chunk": 2048}, {}),
-    ("chunk 8192", {"vocab_chunk": 8192}, {}),
-    ("chunk 4096, dW by cuBLAS on a copy in dW", {"vocab_chunk": 4096}, {"DW_MATMUL": "cublas-in-grad"}),
-    ("chunk 8192, dW by cuBLAS on a copy in dW", {"vocab_chunk": 8192}, {"DW_MATMUL": "cublas-in-grad"}),
-    ("chunk 16384, dW by cuBLAS on a copy in dW", {"vocab_chunk": 16384}, {"DW_MATMUL": "cublas-in-grad"}),
+    ("chunk 2048, per-chunk tiles, dW by Triton", {"vocab_chunk": 2048}, {"STEP_TILES": "per-chunk", "DW_MATMUL": "triton"}),
+    ("chunk 8192, dW by Triton", {"vocab_chunk": 8192}, {"DW_MATMUL": "triton"}),
+    ("chunk 8192, dW by cuBLAS on a copy in dW (default)", {"vocab_chunk": 8192}, {}),
+    ("chunk 8192, dW by cuBLAS on a copy in dW down to 16 columns", {"vocab_chunk": 8192},
+     {"DW_MATMUL": "cublas-in-grad", "COPY_MIN_WIDTH": 16}),
     ("chunk 8192, dW by cuBLAS on gathered rows", {"vocab_chunk": 8192}, {"DW_MATMUL": "cublas"}),
 ]
 
 
 def _kernel_times(step, device) -> tuple[dict, list]:
-    """CUDA time of one ``step()`` per kernel name, and the 12 largest (name, grid) groups."""
+    """CUDA time of one ``step()`` per kernel name, the 12 largest (name, grid) groups, and the
+    GPU's idle time inside the step (span minus busy time) with its 8 longest gaps."""
     import json
     import tempfile
 
@@ -346,7 +346,17 @@ def _kernel_times(step, device) -> tuple[dict, list]:
         group["ms"] += ev["dur"] / 1e3
         group["launches"] += 1
     top = sorted(by_grid.values(), key=lambda g: -g["ms"])[:12]
-    return dict(sorted(by_name.items(), key=lambda kv: -kv[1]["ms"])), top
+    busy = sorted((ev["ts"], ev["ts"] + ev["dur"], ev["name"][:40]) for ev in events
+                  if ev.get("cat") in (kind, "gpu_memcpy", "gpu_memset") and "dur" in ev)
+    gaps, end, prev = [], None, None
+    for start, stop, name in busy:
+        if end is not None and start > end:
+            gaps.append({"us": start - end, "after": prev, "before": name})
+        if end is None or stop > end:
+            end, prev = stop, name
+    idle = {"span_ms": (end - busy[0][0]) / 1e3 if busy else 0.0, "idle_ms": sum(g["us"] for g in gaps) / 1e3,
+            "gaps": len(gaps), "longest": sorted(gaps, key=lambda g: -g["us"])[:8]}
+    return dict(sorted(by_name.items(), key=lambda kv: -kv[1]["ms"])), top, idle
 
 
 def profile_run(shapes, vocab, device, out_dir):
@@ -364,17 +374,18 @@ def profile_run(shapes, vocab, device, out_dir):
                 step()  # compiles and tunes
                 total = _time_ms(step, device)
                 peak = _extra_peak_mib(step, device)
-                kernels, groups = _kernel_times(step, device)
+                kernels, groups, idle = _kernel_times(step, device)
                 plan = linear_ce._backward_plan(vocab, hdim, n_loss, kwargs["vocab_chunk"], True,
                                                 linear_ce._copy_rows(n_loss, True))[0]
             row = {"tokens": tokens, "loss_tokens": n_loss, "hidden": hdim, "vocab": vocab, "case": label,
                    "knobs": knobs, **kwargs, "ms": total, "extra_peak_mib": peak, "steps": len(plan),
                    "steps_narrower_than_chunk": sum(v1 - v0 < kwargs["vocab_chunk"] for v0, v1, *_ in plan),
                    "steps_with_copy": sum(copied for *_, copied in plan),
-                   "kernels": kernels, "largest_groups": groups}
+                   "gpu_idle": idle, "kernels": kernels, "largest_groups": groups}
             rows.append(row)
             top = ", ".join(f"{k[:24]} {v['ms']:.2f}" for k, v in list(kernels.items())[:4])
-            print(f"{tokens:>6} {hdim:>5}  {label:<44} {total:8.2f} ms  steps {row['steps']:>3}  {top}", flush=True)
+            print(f"{tokens:>6} {hdim:>5}  {label:<44} {total:8.2f} ms  steps {row['steps']:>3}  "
+                  f"idle {idle['idle_ms']:.2f} of {idle['span_ms']:.2f} ms  {top}", flush=True)
             hidden.grad = weight.grad = None
         del hidden, weight, labels
         gc.collect()

@@ -103,6 +103,12 @@ DW_MATMUL = "cublas-in-grad"
 STEP_TILES = "per-width"
 HIDDEN_ACC = "in-buffer"
 LSE_SPLITS = "constexpr"
+# With DW_MATMUL "cublas-in-grad", the steps that use the gathered copy shrink as the rows in front
+# of it fill up; once one would be narrower than this, the copy is given up and its rows join the
+# last steps (Triton): a narrow step costs about as much as a wide one (launches, one pass over the
+# loss rows), and ending here takes ~10 narrow steps off the benchmark shapes for ~2-5% more rows
+# in the Triton steps.
+COPY_MIN_WIDTH = 1024
 # Tests set this to fill scratch buffers with NaN, so an unwritten element shows.
 POISON = False
 
@@ -603,8 +609,8 @@ def _backward_plan(vocab: int, hdim: int, n: int, chunk: int, in_weight_grad: bo
     ``copy_rows`` > 0 (DW_MATMUL "cublas-in-grad"): the last ``copy_rows`` rows of the weight
     gradient first hold a gathered copy of the loss-token rows of hidden, so the steps before
     them (``copied``) run the weight-gradient matmul in cuBLAS; their chunks must then fit
-    below those rows. Once they no longer do, the copy is given up and the remaining steps
-    (over at least those rows) read hidden through the index, as above."""
+    below those rows. Once a step would be narrower than COPY_MIN_WIDTH, the copy is given up
+    and the remaining steps (over at least those rows) read hidden through the index, as above."""
     tail = min(chunk, max(STEP_ALIGN, TAIL_ELEMENTS // n)) if in_weight_grad else chunk
     reserved = copy_rows if in_weight_grad and copy_rows < vocab else 0
     steps, v0, side = [], 0, 0
@@ -612,7 +618,7 @@ def _backward_plan(vocab: int, hdim: int, n: int, chunk: int, in_weight_grad: bo
         free = vocab - v0
         if reserved:
             w = _in_weight_grad_width(free - reserved, hdim, n, chunk) if free > reserved else 0
-            if w:
+            if w >= min(chunk, COPY_MIN_WIDTH):
                 steps.append((v0, v0 + w, True, True))
                 v0 += w
                 continue
