@@ -205,7 +205,7 @@ def _memory_model(name, tokens, n_loss, hdim, vocab, frozen):
     return {"model_peak_mib": model["peak"] / 2**20, "model_transient_mib": model["transient"] / 2**20,
             "model_side_buffer_mib": model["side_buffer"] / 2**20, "vocab_chunk": model["vocab_chunk"],
             "accumulator": model["accumulator"],
-            "knobs": {k: getattr(linear_ce, k) for k in ("DW_MATMUL", "HIDDEN_ACC", "LSE_SPLITS", "TAIL_ELEMENTS")}}
+            "knobs": {k: getattr(linear_ce, k) for k in ("DW_MATMUL", "HIDDEN_ACC", "TAIL_ELEMENTS", "COPY_MIN_WIDTH")}}
 
 
 def _measure(name, loss_fn, hidden, weight, labels, ref, device, frozen=False):
@@ -295,7 +295,7 @@ def run(shapes, vocab, device, out_dir):
              "inputs": {"hidden_std": 1.0, "weight_std": f"{LOGIT_STD:.4f} / sqrt(H)"},
              "default_backward": {"vocab_chunk": linear_ce.VOCAB_CHUNK,
                                   "trained_vocab_chunk": linear_ce.TRAINED_VOCAB_CHUNK, "dw_matmul": linear_ce.DW_MATMUL,
-                                  "hidden_acc": linear_ce.HIDDEN_ACC, "lse_splits": linear_ce.LSE_SPLITS,
+                                  "hidden_acc": linear_ce.HIDDEN_ACC, "copy_min_width": linear_ce.COPY_MIN_WIDTH,
                                   "tail_elements": linear_ce.TAIL_ELEMENTS, "why": DEFAULT_WHY,
                                   "variants": {name: {**kw, **knobs} for name, (kw, knobs) in VARIANTS.items()}}}
     path = write_results("linear_ce", rows, targets, out_dir, **extra)

@@ -161,7 +161,7 @@ def test_hidden_gradient_finish_is_few_launches(monkeypatch, pattern, dtype, hid
     if d_hidden is None:
         d_hidden = linear_ce._empty((FINISH_TOKENS, hdim), dtype, "cpu")
     with _FloatWrites() as writes:
-        linear_ce._finish_hidden_grad(d_hidden, acc, rows, ignored)
+        linear_ce._finish_hidden_grad(d_hidden, acc, rows, rows, ignored)
     expected = torch.zeros(FINISH_TOKENS, hdim, dtype=dtype)
     expected[rows] = values.to(dtype)
     assert torch.equal(d_hidden, expected)
@@ -246,7 +246,7 @@ def test_backward_plan_covers_the_vocabulary_and_fits(vocab, hdim, n, chunk, wei
 
 
 @pytest.mark.parametrize("knob,value", [("DW_MATMUL", "cublas"), ("DW_MATMUL", "cublas-in-grad"), ("HIDDEN_ACC", "separate"),
-                                        ("LSE_SPLITS", "runtime"), ("TAIL_ELEMENTS", 1 << 30)])
+                                        ("COPY_MIN_WIDTH", 16), ("TAIL_ELEMENTS", 1 << 30)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_alternatives_match_reference(monkeypatch, knob, value, dtype):
     """The alternatives the benchmark times are exact too."""
@@ -391,3 +391,17 @@ def test_fake_tensor_shapes():
         loss, lse = torch.ops.memfit.linear_ce(hidden, weight, torch.zeros(6, dtype=torch.int64), None,
                                                -100, 0.0, 0.0, 0, "reference")
         assert loss.shape == (6,) and loss.dtype == torch.float32 and lse.shape == (6,)
+
+
+@pytest.mark.parametrize("row_blocks,tiles,sms", [(32, 501, 132), (64, 501, 132), (128, 501, 132), (1, 501, 132),
+                                                  (8, 7, 108), (300, 1000, 132)])
+def test_forward_splits_balance_the_waves(row_blocks, tiles, sms):
+    """The forward's vocabulary split keeps the busiest SM within 2% of the best split's load,
+    and takes the fewest slices that do (each slice adds partials to combine)."""
+    def busiest(s):
+        return math.ceil(row_blocks * s / sms) * math.ceil(tiles / s)
+
+    chosen = linear_ce._balanced_splits(row_blocks, tiles, sms)
+    best = min(busiest(s) for s in range(1, 65))
+    assert busiest(chosen) <= 1.02 * best
+    assert all(busiest(s) > 1.02 * best for s in range(1, chosen))

@@ -94,15 +94,11 @@ FINISH_ELEMENTS = 1 << 18
 #              cost, and the last steps (over at least those N rows) use the Triton kernel.
 #   HIDDEN_ACC "in-buffer": the fp32 dH accumulator lives in dH's own buffer where it fits;
 #              "separate": always its own 4NH-byte tensor (dH allocated after the vocabulary loop).
-#   LSE_SPLITS "constexpr": the forward's vocabulary-slice count is a compile-time constant (it
-#              is a function of the token bucket, so this adds no compile); "runtime": a
-#              runtime loop bound.
 #   STEP_TILES "per-width": the step kernels are tuned per power-of-two bucket of the step's width
 #              (``_width_key``); "per-chunk": every step uses the tiles tuned for a full chunk.
 DW_MATMUL = "cublas-in-grad"
 STEP_TILES = "per-width"
 HIDDEN_ACC = "in-buffer"
-LSE_SPLITS = "constexpr"
 # With DW_MATMUL "cublas-in-grad", the steps that use the gathered copy shrink as the rows in front
 # of it fill up; once one would be narrower than this, the copy is given up and its rows join the
 # last steps (Triton): a narrow step costs about as much as a wide one (launches, one pass over the
@@ -124,9 +120,19 @@ def _vocab_chunk(vocab: int, chunk: int = 0, weight_grad: bool = False) -> int:
     return min(vocab, chunk or (TRAINED_VOCAB_CHUNK if weight_grad else VOCAB_CHUNK))
 
 
-def _loss_rows(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Indices of the loss tokens (ascending). One host sync: the count decides the work."""
-    return (labels != ignore_index).nonzero().squeeze(1)
+def _split_tokens(labels: torch.Tensor, ignore_index: int):
+    """(loss rows, the same on the host, ignored rows, labels on the host), rows ascending, on
+    ``labels``' device where not said otherwise. One host sync, a copy of the labels: the loss-token
+    count decides the work, and every later host-side decision (label check, the finish's row
+    moves) reads these host copies instead of syncing again."""
+    host = labels.cpu()
+    valid = host != ignore_index
+    rows_host = valid.nonzero().squeeze(1)
+    ignored = (~valid).nonzero().squeeze(1)
+    if labels.device.type == "cpu":
+        return rows_host, rows_host, ignored, host
+    return (rows_host.to(labels.device, non_blocking=True), rows_host,
+            ignored.to(labels.device, non_blocking=True), host)
 
 
 # --------------------------------------------------------------------------------------
@@ -236,29 +242,29 @@ if triton is not None:
     # its power-of-two bucket N_BUCKET: the count itself (N) is a runtime value that is not
     # specialised on, and the forward's vocabulary split is a function of the bucket, so a
     # fine-tuning run whose loss-token count changes every step tunes and compiles once per bucket.
-    # Every compile-time knob is in the keys too, so a variant (e.g. LSE_SPLITS, a soft-capped
+    # Every compile-time knob is in the keys too, so a variant (e.g. the split count, a soft-capped
     # model) is tuned for itself rather than reusing the tiles another variant picked.
     @triton.autotune(configs=_configs(),
-                     key=["H", "V", "N_BUCKET", "CONST_SPLITS", "HAS_BIAS", "HAS_SOFTCAP", "PRECISION"])
+                     key=["H", "V", "N_BUCKET", "SPLITS", "HAS_BIAS", "HAS_SOFTCAP", "PRECISION"])
     @triton.heuristics({"EVEN_K": lambda a: a["H"] % a["BLOCK_K"] == 0})
-    @triton.jit(do_not_specialize=["N", "SPLITS"])
+    @triton.jit(do_not_specialize=["N"])
     def _lse_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, labels_ptr, m_ptr, s_ptr, t_ptr,
                     N, V: tl.constexpr, H: tl.constexpr, N_BUCKET, stride_h, stride_w, softcap,
-                    SPLITS, CONST_SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
         """Online softmax over one vocabulary slice for one block of loss tokens.
 
         Writes the slice's running max ``m``, sum of exp(logit - m) ``s`` and the label
         logit ``t`` (0 where the label lies in another slice) at [slice, token]. The slice
-        count is CONST_SPLITS (a compile-time loop bound) when > 0, else the runtime SPLITS."""
+        count SPLITS is a compile-time constant (a function of the token bucket)."""
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         rows = tl.load(rows_ptr + offs_n, mask=n_mask, other=0)
         labels = tl.load(labels_ptr + offs_n, mask=n_mask, other=-1)
-        splits = CONST_SPLITS if CONST_SPLITS > 0 else SPLITS
+        splits = SPLITS
         tiles = ((V + BLOCK_V - 1) // BLOCK_V + splits - 1) // splits  # vocab tiles per slice
         m = tl.full((BLOCK_N,), -float("inf"), tl.float32)
         s = tl.zeros((BLOCK_N,), tl.float32)
@@ -378,14 +384,27 @@ def _bucket(n: int) -> int:
 
 
 def _lse_splits(n_tokens: int, vocab: int, device: torch.device) -> int:
-    """Vocabulary slices of the forward grid: enough programs for ~4 waves of the GPU.
+    """Vocabulary slices of the forward grid (``_balanced_splits`` for 128 x 256 tiles).
 
-    A function of the token bucket, so it takes few distinct values (it is a runtime
-    argument of the kernel anyway, never a recompile)."""
+    A function of the token bucket, so it takes few distinct values (each is a compile-time
+    constant of the kernel, hence a compile per bucket)."""
     if device.type != "cuda":
         return 2
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(vocab, 256), triton.cdiv(4 * sms, triton.cdiv(_bucket(n_tokens), 128))))
+    return _balanced_splits(triton.cdiv(_bucket(n_tokens), 128), triton.cdiv(vocab, 256), sms)
+
+
+def _balanced_splits(row_blocks: int, tiles: int, sms: int, most: int = 64) -> int:
+    """The fewest slices (at most ``most``) whose grid of ``row_blocks`` x slices programs, each
+    over ceil(tiles / slices) vocabulary tiles, finishes within 2% of the best: the busiest SM
+    runs ceil(programs / sms) waves of that many tiles. The H200 profile at 47cfa3b had 4 x
+    the SM count as the target (17 slices at 4096 loss tokens: 544 programs, 4.1 waves, so the
+    last wave ran 16 programs and the busiest SM 150 tiles where 4 slices give one wave of 126)."""
+    def busiest(slices: int) -> int:
+        return -(-row_blocks * slices // sms) * -(-tiles // slices)
+
+    best = min(busiest(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if busiest(s) <= 1.02 * best)
 
 
 def _lse_triton(hidden, weight, bias, rows, labels_n, softcap):
@@ -395,7 +414,7 @@ def _lse_triton(hidden, weight, bias, rows, labels_n, softcap):
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
     _lse_kernel[grid](hidden, weight, bias if bias is not None else weight, rows, labels_n, m, s, t,
                       n, vocab, hdim, _bucket(n), hidden.stride(0), weight.stride(0), float(softcap),
-                      splits, CONST_SPLITS=splits if LSE_SPLITS == "constexpr" else 0,
+                      SPLITS=splits,
                       HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
                       PRECISION=_precision(hidden.dtype))
     m_max = m.max(dim=0).values
@@ -463,14 +482,14 @@ def _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton
     """Per-token loss and log-sum-exp, length T, zero at ignored tokens."""
     loss = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     lse_all = torch.zeros_like(loss)
-    rows = _loss_rows(labels, ignore_index)
+    rows, rows_host, _, labels_host = _split_tokens(labels, ignore_index)
     if rows.numel() == 0:
         return loss, lse_all
-    labels_n = labels.index_select(0, rows)
-    lo, hi = torch.stack(labels_n.aminmax()).tolist()
+    lo, hi = torch.stack(labels_host[rows_host].aminmax()).tolist()
     if lo < 0 or hi >= weight.shape[0]:
         raise MemfitError(f"linear_cross_entropy: labels must lie in [0, {weight.shape[0]}) or equal "
                           f"ignore_index={ignore_index}; got values in [{lo}, {hi}]")
+    labels_n = labels.index_select(0, rows)
     if triton_path:
         lse, tgt = _lse_triton(hidden, weight, bias, rows, labels_n, softcap)
     else:
@@ -519,7 +538,7 @@ def _finish_block(hdim: int) -> int:
     return max(1, FINISH_ELEMENTS // hdim)
 
 
-def _finish_hidden_grad(d_hidden, acc, rows, ignored):
+def _finish_hidden_grad(d_hidden, acc, rows, rows_host, ignored):
     """Write the hidden gradient: row i of the fp32 ``acc`` rounded into row ``rows[i]``,
     every ignored row zero, through a temporary of at most ``_finish_block`` rows.
 
@@ -545,7 +564,7 @@ def _finish_hidden_grad(d_hidden, acc, rows, ignored):
     if ignored.numel() == 0:
         return
     if in_place:
-        _move_rows(d_hidden, rows, first, block)
+        _move_rows(d_hidden, rows, rows_host, first, block)
     else:
         d_hidden.index_copy_(0, rows, out)
     d_hidden.index_fill_(0, ignored, 0)
@@ -572,14 +591,14 @@ def _round_rows(acc, out, block):
         r0 = r1
 
 
-def _move_rows(d_hidden, rows, first, block):
+def _move_rows(d_hidden, rows, host, first, block):
     """Row first + i -> row rows[i] in place, descending i. ``rows`` is ascending with
     rows[i] >= first + i, so a destination never lies below its source. With r1 the rows still
     to move and r0 the first i whose rows[i] >= first + r1, the destinations of [r0, r1) lie above
     every unmoved source: one index_copy_ through a view that excludes the sources. Where that
     is fewer than ``block`` rows, the top ``block`` rows go through a clone instead (their
-    destinations only land on rows already read). Once rows[i] = first + i the rest are in place."""
-    host = rows.cpu()
+    destinations only land on rows already read). Once rows[i] = first + i the rest are in place.
+    ``host`` is ``rows`` on the host (the plan is made there, without a sync)."""
     r1 = rows.numel()
     while r1 > 0 and int(host[r1 - 1]) != first + r1 - 1:
         top = first + r1
@@ -680,7 +699,7 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
     buffer (see ``backward_memory``)."""
     vocab, hdim = weight.shape
     d_bias = torch.zeros_like(bias) if bias is not None else weight.new_empty(0)
-    rows = _loss_rows(labels, ignore_index)
+    rows, rows_host, ignored, _ = _split_tokens(labels, ignore_index)
     n = rows.numel()
     if n == 0:
         d_weight = torch.zeros_like(weight) if need_weight_grad else weight.new_empty(0)
@@ -715,8 +734,7 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
     del side, hs, copy, d
     if d_hidden is None:
         d_hidden = _empty(hidden.shape, hidden.dtype, hidden.device)
-    ignored = (labels == ignore_index).nonzero().squeeze(1)
-    _finish_hidden_grad(d_hidden, acc, rows, ignored)
+    _finish_hidden_grad(d_hidden, acc, rows, rows_host, ignored)
     return d_hidden, d_weight, d_bias
 
 
