@@ -7,12 +7,15 @@ approximate vocabulary-subset row has no ledger model and is skipped, as are row
 ran out of memory.
 
     python benchmarks/finetune_ledger.py
+    python benchmarks/finetune_ledger.py --measured benchmarks/results/finetune_memory_float32_lowest.json
+        # -> finetune_ledger_float32_lowest.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from finetune_memory import EIGHT_BIT_ROW, LOWEST_ROWS
 
@@ -65,7 +68,9 @@ def main(argv=None) -> int:
                for name, dtype, ctx, err in last]
     targets.append(target("max |ledger error| over all rows", max(abs(100 * e[3]) for e in errors), 5.0, "%",
                           "lower"))
-    path = write_results("finetune_ledger", rows, targets, out_dir=args.out,
+    # finetune_memory_float32_lowest.json -> finetune_ledger_float32_lowest.json
+    name = "finetune_ledger" + Path(args.measured).stem.removeprefix("finetune_memory")
+    path = write_results(name, rows, targets, out_dir=args.out,
                          measured_in={k: measured[k] for k in ("gpu", "torch", "triton", "commit", "date")})
     print(f"-> {path}")
     return 0

@@ -82,9 +82,9 @@ def attention_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + _targets(data) + "\nThe contention study: `benchmarks/attention_study.md`.\n"
 
 
-def finetune_section(data: dict) -> str:
-    out = ["### LoRA fine-tuning peak memory, Llama-3.2-3B shape, batch 1 (GB)\n",
-           _header(data, "python benchmarks/finetune_memory.py")]
+def finetune_section(data: dict, title: str = "LoRA fine-tuning peak memory, Llama-3.2-3B shape, batch 1 (GB)",
+                     command: str = "python benchmarks/finetune_memory.py") -> str:
+    out = [f"### {title}\n", _header(data, command)]
     for dtype in sorted({r["dtype"] for r in data["rows"]}):
         rows = [r for r in data["rows"] if r["dtype"] == dtype]
         contexts = sorted({r["context"] for r in rows})
@@ -102,10 +102,10 @@ def finetune_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + _targets(data)
 
 
-def finetune_ledger_section(data: dict) -> str:
+def finetune_ledger_section(data: dict, arguments: str = "") -> str:
     src = data.get("measured_in", {})
     out = ["### The ledger on the fine-tuning table (predicted vs measured above)\n",
-           f"_prediction: `python benchmarks/finetune_ledger.py` at commit {data['commit']}; measured: "
+           f"_prediction: `python benchmarks/finetune_ledger.py{arguments}` at commit {data['commit']}; measured: "
            f"{src.get('gpu', '?')}, commit {src.get('commit', '?')}_\n",
            "| dtype | configuration | " + " | ".join(str(c) for c in sorted({r["context"] for r in data["rows"]})) + " |"]
     contexts = sorted({r["context"] for r in data["rows"]})
@@ -169,10 +169,27 @@ def blr_layers_section(data: dict) -> str:
               "`blr_layers_roofline.png`.\n")
 
 
+def blr_e2e_section(data: dict) -> str:
+    out = [f"### Block-low-rank end to end, {data.get('model', '?')} shape, bf16, batch 1 (targets not met)\n",
+           _header(data, "python benchmarks/blr_e2e.py"),
+           "| model | mode | prefill 1024 tokens ms (floor) | decode ms/token (floor) | decode tokens/s |",
+           "|---|---|---|---|---|"]
+    for r in data["rows"]:
+        out.append(f"| {r['model']} | {r['mode']} | {r['prefill_ms']:.2f} ({r['prefill_floor_ms']:.2f}) "
+                   f"| {r['decode_ms']:.3f} ({r['decode_floor_ms']:.3f}) | {r['decode_tokens_per_s']:.0f} |")
+    return "\n".join(out) + "\n\n" + _targets(data)
+
+
+LOWEST = "finetune_memory_float32_lowest"
 SECTIONS = [("ledger_accuracy", ledger_section), ("linear_ce", linear_ce_section), ("attention", attention_section),
             ("finetune_memory", finetune_section), ("finetune_ledger", finetune_ledger_section),
+            (LOWEST, lambda data: finetune_section(
+                data, "fp32: the paper's last row and memfit's lowest (8-bit AdamW), peak (GB)",
+                "python benchmarks/finetune_memory.py --dtypes float32 --lowest-only")),
+            ("finetune_ledger_float32_lowest", lambda data: finetune_ledger_section(
+                data, f" --measured benchmarks/results/{LOWEST}.json")),
             ("partial_ffn", partial_ffn_section), ("partial_ffn_accuracy", partial_ffn_accuracy_section),
-            ("blr_layers", blr_layers_section)]
+            ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section)]
 
 
 def render() -> str:
