@@ -1,9 +1,11 @@
 """Fused linear cross-entropy against a float64 reference that materialises the logits.
 
 Runs the Triton kernels through the interpreter (tests/conftest.py) at small, odd shapes,
-with a small vocabulary chunk so the backward walks several chunks, the last one partial, and a
-small side-buffer budget so the chunks live in the weight gradient's unwritten rows and shrink
-near the end of the vocabulary.
+with small vocabulary chunks (frozen and trained weight) so the backward walks several chunks,
+the last one partial, a small side-buffer budget so the chunks live in the weight gradient's
+unwritten rows and shrink near the end of the vocabulary, and a small COPY_MIN_WIDTH so a
+trained weight's backward runs steps on the gathered copy (cuBLAS), then Triton steps in the
+weight gradient, then side-buffer steps (test_trained_backward_walks_every_kind_of_step).
 """
 import itertools
 import math
@@ -27,6 +29,8 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
 @pytest.fixture(autouse=True)
 def _small_chunks_and_poison(monkeypatch):
     monkeypatch.setattr(linear_ce, "VOCAB_CHUNK", 256)
+    monkeypatch.setattr(linear_ce, "TRAINED_VOCAB_CHUNK", 192)
+    monkeypatch.setattr(linear_ce, "COPY_MIN_WIDTH", 96)
     monkeypatch.setattr(linear_ce, "TAIL_ELEMENTS", 512)
     monkeypatch.setattr(linear_ce, "STEP_ALIGN", 8)
     monkeypatch.setattr(linear_ce, "FINISH_ELEMENTS", 100)  # 2-6 rows: both kinds of slices of the in-place finish
@@ -83,6 +87,33 @@ def _check_against_reference(hidden, weight, labels, bias=None, path="triton", v
 def test_matches_reference(dtype, reduction):
     hidden, weight, labels, _ = _inputs((2, 11), 48, 1037, dtype)
     _check_against_reference(hidden, weight, labels, reduction=reduction)
+
+
+def test_trained_backward_walks_every_kind_of_step(monkeypatch):
+    """At the shape of test_matches_reference the trained-weight backward runs, in this order,
+    steps whose weight gradient cuBLAS computes on the gathered copy in the weight gradient's
+    last rows, Triton steps (reading hidden through the index) whose chunks overwrite that copy,
+    and side-buffer steps; the gradients across those transitions match the reference."""
+    plans, matmuls = [], []
+    plan, step = linear_ce._backward_plan, linear_ce._weight_grad_step
+
+    def spy_plan(*args, **kwargs):
+        plans.append(plan(*args, **kwargs))
+        return plans[-1]
+
+    def spy_step(d, hidden, rows, hs, out, chunk, triton_path):
+        matmuls.append("cublas" if hs is not None else "triton")
+        return step(d, hidden, rows, hs, out, chunk, triton_path)
+
+    monkeypatch.setattr(linear_ce, "_backward_plan", spy_plan)
+    monkeypatch.setattr(linear_ce, "_weight_grad_step", spy_step)
+    hidden, weight, labels, _ = _inputs((2, 11), 48, 1037, torch.float32)
+    _check_against_reference(hidden, weight, labels, reduction="sum")
+    ((steps, _),) = plans
+    kinds = [(in_w, copied) for _, _, in_w, copied in steps]
+    assert kinds == sorted(kinds, reverse=True), kinds  # copied, in the weight gradient, side buffer
+    assert set(kinds) == {(True, True), (True, False), (False, False)}, kinds
+    assert matmuls == ["cublas" if copied else "triton" for _, copied in kinds]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -213,7 +244,8 @@ def test_varying_token_counts_tune_once_per_bucket(monkeypatch):
 
 @pytest.mark.parametrize("vocab,hdim,n,chunk", [(1037, 48, 11, 256), (600, 8, 40, 128), (300, 64, 3, 512),
                                               (700, 32, 5, 4), (128256, 4096, 16384, 2048),
-                                              (128256, 2048, 65536, 2048), (128256, 2048, 4096, 8192)])
+                                              (128256, 2048, 65536, 2048), (128256, 2048, 4096, 8192),
+                                              (300, 16, 300, 64), (300, 16, 299, 64), (300, 16, 400, 64)])
 @pytest.mark.parametrize("weight_grad", [True, False])
 @pytest.mark.parametrize("copy", [False, True])
 def test_backward_plan_covers_the_vocabulary_and_fits(vocab, hdim, n, chunk, weight_grad, copy):
@@ -233,6 +265,7 @@ def test_backward_plan_covers_the_vocabulary_and_fits(vocab, hdim, n, chunk, wei
         assert 0 < v1 - v0 <= chunk
         if copied:
             assert n * (v1 - v0) <= (vocab - n - v1) * hdim
+            assert v1 - v0 >= min(chunk, linear_ce.COPY_MIN_WIDTH)
         if in_w:
             assert n * (v1 - v0) <= (vocab - v1) * hdim
         else:
@@ -245,7 +278,7 @@ def test_backward_plan_covers_the_vocabulary_and_fits(vocab, hdim, n, chunk, wei
             assert a[1] - a[0] >= min(chunk, linear_ce.STEP_ALIGN)
 
 
-@pytest.mark.parametrize("knob,value", [("DW_MATMUL", "cublas"), ("DW_MATMUL", "cublas-in-grad"), ("HIDDEN_ACC", "separate"),
+@pytest.mark.parametrize("knob,value", [("DW_MATMUL", "cublas"), ("DW_MATMUL", "triton"), ("HIDDEN_ACC", "separate"),
                                         ("COPY_MIN_WIDTH", 16), ("TAIL_ELEMENTS", 1 << 30)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_alternatives_match_reference(monkeypatch, knob, value, dtype):
