@@ -323,6 +323,81 @@ def test_memory_model_matches_the_tracked_backward(monkeypatch, weight_grad, dw_
     assert abs(measured - (model["peak"] - model["saved"])) <= 0.01 * measured, (measured, model)
 
 
+class _DeviceReads(TorchDispatchMode):
+    """Records the host reads of device data: a scalar read or a data-dependent output shape
+    (each a host sync on a GPU) of a tensor that derives from one marked as on the device.
+    Marked tensors are kept alive, so a freed storage's address cannot taint a host tensor.
+    ``.tolist()`` and ``.cpu()`` of a CPU tensor never reach the dispatcher: not seen here."""
+
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
+
+    def __init__(self, device_tensors):
+        super().__init__()
+        self.device, self.reads, self.paused = {}, [], False
+        self.mark(device_tensors)
+
+    def mark(self, tensors):
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr():
+                self.device[t.untyped_storage().data_ptr()] = t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if not self.paused and any(t.untyped_storage().data_ptr() in self.device for t in tensors):
+            if func in self.READS:
+                self.reads.append(str(func))
+            self.mark(tree_flatten(out)[0])
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden_acc", ["in-buffer", "separate"])
+def test_one_host_sync_per_pass(monkeypatch, dtype, hidden_acc):
+    """Forward and backward read device data on the host only in ``_split_tokens`` (the labels'
+    copy): every later host decision (label check, accumulator placement, the finish's row
+    moves) uses its host copies. On the CPU the 'device' tensors are the inputs and the index
+    copies ``_split_tokens`` hands back, and everything computed from them."""
+    monkeypatch.setattr(linear_ce, "HIDDEN_ACC", hidden_acc)
+    hidden, weight, labels, bias = _inputs((29,), 40, 700, dtype, bias=True)
+    hidden, weight, bias = hidden.detach(), weight.detach(), bias.detach()
+    grad = torch.randn(29)
+    mode = _DeviceReads([hidden, weight, labels, bias, grad])
+    split = linear_ce._split_tokens
+
+    def split_on_device(labels, ignore_index):  # the one sync; rows and ignored go back to the device
+        mode.paused = True
+        rows, rows_host, ignored, host = split(labels, ignore_index)
+        rows, ignored, host = rows.clone(), ignored.clone(), host.clone()
+        mode.paused = False
+        mode.mark([rows, ignored])
+        return rows, rows_host, ignored, host
+
+    monkeypatch.setattr(linear_ce, "_split_tokens", split_on_device)
+    with mode:
+        _, lse = linear_ce._forward(hidden, weight, labels, bias, -100, 3.0, 1e-3, True)
+        linear_ce._backward(grad, hidden, weight, labels, bias, lse, -100, 3.0, 1e-3, True, 0, True)
+    assert mode.reads == []
+
+
+def test_reference_backward_keeps_the_frozen_chunk(monkeypatch):
+    """TRAINED_VOCAB_CHUNK is wide because a Triton step's chunk lives in the weight gradient;
+    the reference's fp32 chunks are buffers of their own, so it keeps VOCAB_CHUNK."""
+    widths = []
+    dlogits = linear_ce._dlogits_reference
+
+    def spy(hs, weight, bias, labels_n, lse, g, softcap, z_loss, v0, v1):
+        widths.append(v1 - v0)
+        return dlogits(hs, weight, bias, labels_n, lse, g, softcap, z_loss, v0, v1)
+
+    monkeypatch.setattr(linear_ce, "TRAINED_VOCAB_CHUNK", 512)
+    monkeypatch.setattr(linear_ce, "_dlogits_reference", spy)
+    hidden, weight, labels, _ = _inputs((9,), 16, 1037, torch.float32)
+    linear_cross_entropy(hidden, weight, labels, path="reference").backward()
+    assert max(widths) == linear_ce.VOCAB_CHUNK and sum(widths) == 1037
+
+
 def test_env_reference_is_not_overridden(monkeypatch):
     """MEMFIT_KERNELS=reference with no path argument must run the reference, not auto."""
     def forbidden(*args, **kwargs):

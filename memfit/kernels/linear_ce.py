@@ -121,7 +121,8 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 def _vocab_chunk(vocab: int, chunk: int = 0, weight_grad: bool = False) -> int:
     """Columns per backward step: ``chunk`` if given (> 0), else TRAINED_VOCAB_CHUNK when the
-    weight trains and VOCAB_CHUNK when it is frozen; at most V."""
+    weight trains (``weight_grad``: on the Triton path, where the chunks live in its gradient)
+    and VOCAB_CHUNK otherwise; at most V."""
     return min(vocab, chunk or (TRAINED_VOCAB_CHUNK if weight_grad else VOCAB_CHUNK))
 
 
@@ -525,13 +526,14 @@ def _accumulator_in(d_hidden: torch.Tensor, n: int, first: int = 0) -> Optional[
     return flat[first * hdim:(first + n) * hdim].view(n, hdim).zero_()
 
 
-def _hidden_grad_buffers(hidden: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+def _hidden_grad_buffers(hidden: torch.Tensor, rows_host: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(d_hidden or None, fp32 n x H accumulator): the accumulator in d_hidden's buffer where it
-    fits and HIDDEN_ACC allows; else a separate one, and d_hidden is allocated after the loop."""
-    n = rows.numel()
+    fits and HIDDEN_ACC allows; else a separate one, and d_hidden is allocated after the loop.
+    ``rows_host``: the loss rows on the host (the first one places the accumulator without a sync)."""
+    n = rows_host.numel()
     if HIDDEN_ACC == "in-buffer":
         d_hidden = _empty(hidden.shape, hidden.dtype, hidden.device)
-        acc = _accumulator_in(d_hidden, n, int(rows[0]))
+        acc = _accumulator_in(d_hidden, n, int(rows_host[0]))
         if acc is not None:
             return d_hidden, acc
         del d_hidden
@@ -717,9 +719,11 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
     hs = copy = None  # the gathered loss-token rows, only where something reads them
     if not triton_path or (need_weight_grad and DW_MATMUL == "cublas"):
         hs = (hidden if n == hidden.shape[0] else hidden.index_select(0, rows)).to(compute)
-    d_hidden, acc = _hidden_grad_buffers(hidden, rows)
-    chunk = _vocab_chunk(vocab, vocab_chunk, need_weight_grad)
+    d_hidden, acc = _hidden_grad_buffers(hidden, rows_host)
     triton_weight_grad = need_weight_grad and triton_path
+    # the wider trained-weight chunk only where its chunks live in the weight gradient (the
+    # reference's fp32 chunks are buffers of their own)
+    chunk = _vocab_chunk(vocab, vocab_chunk, triton_weight_grad)
     steps, side_width = _backward_plan(vocab, hdim, n, chunk, triton_weight_grad, _copy_rows(n, triton_weight_grad))
     if any(copied for *_, copied in steps):  # the copy sits in the weight gradient's last n rows
         copy = d_weight.view(-1)[(vocab - n) * hdim:].view(n, hdim)
@@ -901,7 +905,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     per-token loss (fp32, 0 at ignored tokens) in ``labels``' shape; "mean"/"sum" an fp32 scalar.
     ``vocab_subset`` (approximate, opt-in): the softmax runs over labels ∪ subset only.
     ``vocab_chunk``: vocabulary columns per backward step (default TRAINED_VOCAB_CHUNK when the
-    weight trains, VOCAB_CHUNK when it is frozen); with a frozen
+    weight trains on the Triton path, else VOCAB_CHUNK); with a frozen
     weight the backward holds one N x vocab_chunk logit-gradient chunk, with a trained one the
     chunks live in the weight gradient's unwritten rows (see ``backward_memory``).
     ``path``: "auto" | "triton" | "reference"; None follows env MEMFIT_KERNELS (see
