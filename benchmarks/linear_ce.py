@@ -20,8 +20,10 @@ the defaults: vocab chunk 2048 instead of 8192; the weight-gradient matmul by th
 that reads the loss rows through the index, or by cuBLAS on a gathered copy of them held in a
 tensor of its own, instead of cuBLAS on a copy held in the weight gradient's last rows; a
 separate fp32 hidden-gradient accumulator instead of the one inside the gradient's buffer; the
-logit-gradient chunks in an N x C side buffer instead of the weight gradient's unwritten rows
-(the time that memory saving costs); plus the
+steps after the gathered copy (the last ~5-16% of the vocabulary at these shapes) with their
+chunks in an N x C side buffer instead of the weight gradient's unwritten rows, i.e. a few wide
+steps instead of many narrow ones (what the narrow steps cost; the copied steps ignore
+TAIL_ELEMENTS, so this row is not the cost of keeping every chunk in the gradient); plus the
 frozen-weight (LoRA) case. Each memfit row carries the op's memory model (``backward_memory``
 under that variant's settings: peak above inputs, side buffer, where the accumulator lives)
 next to the measured extra peak.
@@ -66,7 +68,7 @@ VARIANTS = {
     "memfit (dW by Triton through the index)": ({}, {"DW_MATMUL": "triton"}),
     "memfit (dW by cuBLAS on gathered rows)": ({}, {"DW_MATMUL": "cublas"}),
     "memfit (separate dH accumulator)": ({}, {"HIDDEN_ACC": "separate"}),
-    "memfit (chunks in an N x C side buffer)": ({}, {"TAIL_ELEMENTS": 1 << 62}),
+    "memfit (steps after the copy in an N x C side buffer)": ({}, {"TAIL_ELEMENTS": 1 << 62}),
 }
 DEFAULT_WHY = ("vocab chunk: 2048 with a frozen weight (fastest of C = 512/1024/2048 in the H200 run at 39f85a3), "
                "8192 when the weight trains, and the weight-gradient matmul by cuBLAS on a copy of the loss rows "
