@@ -116,6 +116,26 @@ def test_trained_backward_walks_every_kind_of_step(monkeypatch):
     assert matmuls == ["cublas" if copied else "triton" for _, copied in kinds]
 
 
+@pytest.mark.parametrize("pattern", ["every token", "one response"])
+def test_loss_rows_in_one_range_use_cublas_on_a_slice(monkeypatch, pattern):
+    """Where the loss rows are one range of hidden (every token has a loss, or a prompt is
+    masked before one response), every weight-gradient step runs cuBLAS on that slice of hidden
+    itself: no gathered copy, no step through the index; the gradients match the reference."""
+    hs_seen = []
+    step = linear_ce._weight_grad_step
+
+    def spy_step(d, hidden, rows, hs, out, chunk, triton_path):
+        hs_seen.append(None if hs is None else (hs.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()))
+        return step(d, hidden, rows, hs, out, chunk, triton_path)
+
+    monkeypatch.setattr(linear_ce, "_weight_grad_step", spy_step)
+    hidden, weight, labels, _ = _inputs((2, 11), 48, 1037, torch.float32, ignore_frac=0.0)
+    if pattern == "one response":
+        labels.view(-1)[:7] = -100
+    _check_against_reference(hidden, weight, labels, reduction="sum")
+    assert len(hs_seen) > 1 and all(hs_seen), hs_seen  # several steps, each on a view of hidden
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softcap_zloss_bias_uneven_hidden(dtype):
     hidden, weight, labels, bias = _inputs((19,), 40, 1001, dtype, ignore_frac=0.3, bias=True)
@@ -215,7 +235,10 @@ def test_varying_token_counts_tune_once_per_bucket(monkeypatch):
     """Fine-tuning changes the loss-token count every step: every launch must reuse the
     autotuner entry and the compiled kernel of its power-of-two bucket (no re-tune, no
     recompile), so the autotune keys and the compile-time arguments may only differ by the
-    token bucket and, for the step kernels, by the power-of-two bucket of the step width."""
+    token bucket and, for the step kernels, by the power-of-two bucket of the step width.
+    (Every token has a loss here, so the default dW matmul would be cuBLAS on hidden itself:
+    DW_MATMUL "triton" makes every step launch the Triton weight-gradient kernel.)"""
+    monkeypatch.setattr(linear_ce, "DW_MATMUL", "triton")
     seen = {"lse": set(), "dlogits": set(), "dweight": set()}
     for name, kernel in (("lse", linear_ce._lse_kernel), ("dlogits", linear_ce._dlogits_kernel),
                          ("dweight", linear_ce._dweight_kernel)):

@@ -96,7 +96,9 @@ FINISH_ELEMENTS = 1 << 18
 #              rows through the loss-token index; "cublas": torch.mm on a gathered N x H copy
 #              of the loss-token rows (2NH more bytes); "cublas-in-grad": that copy lives in the
 #              weight gradient's last N rows, so cuBLAS runs every step before them at no memory
-#              cost, and the last steps (over at least those N rows) use the Triton kernel.
+#              cost, and the last steps (over at least those N rows) use the Triton kernel; where
+#              the loss rows are one range of hidden (every token, one response), cuBLAS reads that
+#              slice in every step and there is no copy.
 #   HIDDEN_ACC "in-buffer": the fp32 dH accumulator lives in dH's own buffer where it fits;
 #              "separate": always its own 4NH-byte tensor (dH allocated after the vocabulary loop).
 #   STEP_TILES "per-width": the step kernels are tuned per power-of-two bucket of the step's width
@@ -717,14 +719,18 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
     g = grad_loss.index_select(0, rows).float()
     compute = hidden.dtype if triton_path else torch.float32
     hs = copy = None  # the gathered loss-token rows, only where something reads them
+    triton_weight_grad = need_weight_grad and triton_path
+    first = int(rows_host[0])
     if not triton_path or (need_weight_grad and DW_MATMUL == "cublas"):
         hs = (hidden if n == hidden.shape[0] else hidden.index_select(0, rows)).to(compute)
+    elif triton_weight_grad and DW_MATMUL == "cublas-in-grad" and int(rows_host[-1]) == first + n - 1:
+        hs = hidden[first:first + n]  # the loss rows are one range (every token, or one response): no copy needed
     d_hidden, acc = _hidden_grad_buffers(hidden, rows_host)
-    triton_weight_grad = need_weight_grad and triton_path
     # the wider trained-weight chunk only where its chunks live in the weight gradient (the
     # reference's fp32 chunks are buffers of their own)
     chunk = _vocab_chunk(vocab, vocab_chunk, triton_weight_grad)
-    steps, side_width = _backward_plan(vocab, hdim, n, chunk, triton_weight_grad, _copy_rows(n, triton_weight_grad))
+    steps, side_width = _backward_plan(vocab, hdim, n, chunk, triton_weight_grad,
+                                       _copy_rows(n, triton_weight_grad) if hs is None else 0)
     if any(copied for *_, copied in steps):  # the copy sits in the weight gradient's last n rows
         copy = d_weight.view(-1)[(vocab - n) * hdim:].view(n, hdim)
         torch.index_select(hidden, 0, rows, out=copy)
@@ -774,7 +780,10 @@ def backward_memory(tokens: int, loss_tokens: int, hidden_size: int, vocab: int,
     saved = 4 * t
     d_weight = e * v * h if weight_grad else 0
     d_hidden = e * t * h
-    side = e * n * _backward_plan(v, h, n, c, weight_grad, _copy_rows(n, weight_grad))[1] if n else 0
+    # every token a loss token: the steps read hidden itself, no copy (a single loss range with n < t
+    # does too; its side buffer may then differ from this plan's by up to e * max(TAIL_ELEMENTS, n * STEP_ALIGN))
+    copy_rows = _copy_rows(n, weight_grad) if n < t else 0
+    side = e * n * _backward_plan(v, h, n, c, weight_grad, copy_rows)[1] if n else 0
     rows = e * n * h if weight_grad and DW_MATMUL == "cublas" and n < t else 0
     vectors = 24 * n + 8 * (t - n)
     aliased = HIDDEN_ACC == "in-buffer" and 4 * n * h <= e * t * h
