@@ -18,6 +18,10 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   as (b_i, N, r) (lda = b r), U_i^T as a transposed operand, Y written block-major
   through a (b, N, p) view (ldc = b p), no copy. Stage 3 holds most of the FLOPs, so
   at large N this is the likely winner.
+* ``bmm_mix_bmm``: stages 1 and 3 on cuBLAS, the mixing alone between them as a
+  memory-bound kernel (``_zmix_kernel``: Z read once, T written once). Traffic beyond the
+  floor: Z's and T's writes and reads, 4 N b r elements, for full-size tensor-core tiles in
+  stage 1 (the mixing kernel above re-reads X once per rank chunk).
 * ``z_mixgemm`` (N <= MIXGEMM_MAX_N, decode): Z (N, b, r) by one batched :func:`bgemm`
   (b ceil(r/BC) programs: every SM streams part of V), then ``_mixgemm_kernel``: stage
   3 with the mixing in its operand prologue, T_i's K-chunk formed from a (BN, b, BK)
@@ -36,6 +40,7 @@ import triton.language as tl
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
     bgemm,
+    bmm_into,
     fits_smem,
     keep_small_n,
     mma,
@@ -107,10 +112,22 @@ def _mix_kernel(x_ptr, v_ptr, s_ptr, t_ptr, N, M, R, B, N_BUCKET,
         else:
             for a0 in range(0, M, BM):
                 z = _xv_step(x_ptr + j * M, v_ptr + j * svj, rn, rm, rk, a0, N, M, R, sxn, sva, svk, z)
-        sj = tl.load(s_ptr + rb[:, None] * ssi + j * ssj + rk[None, :] * ssk,
-                     mask=(rb[:, None] < B) & (rk[None, :] < R), other=0.0).to(tl.float32)
         z = z.to(x_ptr.dtype.element_ty).to(tl.float32)          # Z is rounded to x's dtype, as in the reference
-        t += z[:, None, :] * sj[None, :, :]
+        t = _mix_step(t, z, s_ptr, j, rb, rk, B, R, ssi, ssj, ssk)
+    _store_t(t_ptr, t, rn, rb, rk, N, B, R, stn, sti, stk)
+
+
+@triton.jit
+def _mix_step(t, z, s_ptr, j, rb, rk, B, R, ssi, ssj, ssk):
+    """t + Z_j diag(s_ij) for every output block i: t (BN, BB, BK) fp32, z = Z_j's (BN, BK) tile in fp32."""
+    sj = tl.load(s_ptr + rb[:, None] * ssi + j * ssj + rk[None, :] * ssk,
+                 mask=(rb[:, None] < B) & (rk[None, :] < R), other=0.0).to(tl.float32)
+    return t + z[:, None, :] * sj[None, :, :]
+
+
+@triton.jit
+def _store_t(t_ptr, t, rn, rb, rk, N, B, R, stn, sti, stk):
+    """T's (BN, BB, BK) tile, rounded to T's dtype."""
     mask = (rn[:, None, None] < N) & (rb[None, :, None] < B) & (rk[None, None, :] < R)
     tl.store(t_ptr + rn[:, None, None] * stn + rb[None, :, None] * sti + rk[None, None, :] * stk,
              t.to(t_ptr.dtype.element_ty), mask=mask)
@@ -134,6 +151,47 @@ def _mix_bgemm(x2, u, v, s, bias):
 
 def _mix_bmm(x2, u, v, s, bias):
     return per_block_gemm(_mix(x2, v, s), u.transpose(1, 2), bias, cublas=True)
+
+
+# ---- large N: stage 1 and 3 on cuBLAS, the mixing alone between them ----------------
+
+def _prune_zmix(configs, named_args, **kwargs):
+    keep = [c for c in configs if c.kwargs["BK"] <= pow2_at_least(named_args["R"])]
+    return keep or configs[:1]
+
+
+# BN * b * BK fp32 accumulators per program: <= 128 registers a thread at b = 16
+@tuned([(16, 64, 4, 2), (32, 32, 4, 2), (64, 16, 4, 2), (32, 64, 8, 2), (64, 32, 8, 2)],
+       ("BN", "BK"), (16, 16, 4, 1), key=["N_BUCKET", "R", "B"], prune=_prune_zmix)
+@triton.jit
+def _zmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szn, szj, ssi, ssj, ssk, stn, sti, stk,
+                 BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """T[n, i, k] = sum_j s[i, j, k] Z[n, j, k] for a (BN tokens, BK ranks) tile, all i: Z read once."""
+    rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    rb = tl.arange(0, BB)
+    t = tl.zeros((BN, BB, BK), dtype=tl.float32)
+    for j in range(B):
+        z = tl.load(z_ptr + rn[:, None] * szn + j * szj + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < R),
+                    other=0.0).to(tl.float32)
+        t = _mix_step(t, z, s_ptr, j, rb, rk, B, R, ssi, ssj, ssk)
+    _store_t(t_ptr, t, rn, rb, rk, N, B, R, stn, sti, stk)
+
+
+def _bmm_mix_bmm(x2, u, v, s, bias):
+    """Z (N, b, r) by one strided cuBLAS batched GEMM, T = the mixing of Z (``_zmix_kernel``: a
+    memory-bound pass, Z read and T written once), Y by cuBLAS per block. Against ``mix_bmm``,
+    stage 1 runs on cuBLAS's full-size tiles instead of small per-rank-chunk dots that re-read X
+    ceil(r / BK) times (24 at Llama-1B's down projection), for Z's write and read (2 N b r)."""
+    b, m, r = v.shape
+    n = x2.shape[0]
+    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
+    bmm_into(x2.view(n, b, m).transpose(0, 1), v, z.transpose(0, 1))         # Z_j = X_j V_j
+    t = torch.empty_like(z)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
+    _zmix_kernel[grid](z, s, t, n, r, b, n_bucket(n), z.stride(0), z.stride(1), *s.stride(), *t.stride(),
+                       BB=pow2_at_least(b, 1))
+    return per_block_gemm(t, u.transpose(1, 2), bias, cublas=True)                # Y_i = T_i U_i^T
 
 
 # ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------
@@ -194,12 +252,13 @@ def _z_mixgemm(x2, u, v, s, bias):
     return y
 
 
-VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "z_mixgemm": _z_mixgemm, "torch": blast_linear_reference}
+VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "z_mixgemm": _z_mixgemm,
+            "torch": blast_linear_reference}
 
 
 def variants_for(n: int) -> dict:
     """The pipelines worth timing at ``n`` tokens."""
-    names = ["mix_bgemm", "mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
+    names = ["mix_bgemm", "mix_bmm", "bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
     return {name: VARIANTS[name] for name in names}
 
 
