@@ -7,7 +7,8 @@ by the plain weight-space projection and by the activation-aware (whitened) one
 calibrated on training text, and measures validation perplexity: dense, right after
 projection, and after a short recovery fine-tune of only the structured factors. Rows
 also carry the per-layer relative weight and output errors. The summary says where BLAST
-does not beat low-rank. Writes benchmarks/results/blr_accuracy.json and .png.
+does not beat low-rank. Writes benchmarks/results/blr_accuracy.json and .png, with the run's
+settings and the model's train_info.json.
 
     python benchmarks/blr_accuracy.py                 # H200: ~1-2 min after the model exists
     python benchmarks/blr_accuracy.py --smoke         # CPU, tiny, seconds
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
 import tempfile
 import time
@@ -167,6 +169,11 @@ def main(argv=None) -> int:
     name = "blr_accuracy" + ("_smoke" if args.smoke else "")
     baseline = {"method": "dense", "projection": None, "linear_ratio": 1.0, "ppl_projected": dense_ppl,
                 "ppl_recovered": dense_ppl}
+    # The settings and the model's own training record go into the results: runs with reduced
+    # steps/batch/seq (e.g. on a CPU) are otherwise indistinguishable from the default one.
+    settings = {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "device": device}
+    info_file = args.model / "train_info.json"
+    model_info = json.loads(info_file.read_text()) if info_file.is_file() else None
     rows = []
 
     def save(complete: bool) -> Path:
@@ -174,7 +181,8 @@ def main(argv=None) -> int:
         compressed = [r for r in rows if r["method"] != "dense"]
         notes = findings(compressed) if complete else []
         return write_results(name, [baseline, *rows], _targets(compressed, rows[0], dense_ppl) if complete else [],
-                             out_dir=out_dir, findings=notes, dense_ppl=dense_ppl, complete=complete)
+                             out_dir=out_dir, findings=notes, dense_ppl=dense_ppl, complete=complete,
+                             settings=settings, model_train_info=model_info)
 
     for method in METHODS:
         for aware in (False, True):
