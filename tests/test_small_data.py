@@ -38,6 +38,21 @@ def test_corpus_is_offline_english_and_split():
     assert train_ids.dtype == torch.long and int(train_ids.max()) < ByteTokenizer.vocab_size
 
 
+def test_corpus_ignores_methods_other_packages_attach(monkeypatch):
+    """transformers attaches warning_once &c. to logging.Logger when imported; such methods are
+    not the standard library's text, and the corpus (so the train/validation split) must not
+    depend on what else the process has imported."""
+    import logging
+
+    before = corpus_documents()
+
+    def attached_elsewhere(self):
+        """A method some package attached to a standard-library class at run time, long enough to count."""
+
+    monkeypatch.setattr(logging.Logger, "attached_elsewhere", attached_elsewhere, raising=False)
+    assert corpus_documents() == before
+
+
 def test_lm_loop_lowers_perplexity():
     from memfit.models import ModelSpec, build_model
 

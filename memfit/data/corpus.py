@@ -33,6 +33,14 @@ MODULES = (
 ).split()
 
 
+def _from_stdlib(obj) -> bool:
+    """Whether ``obj`` comes from the standard library: a method another package attached at run
+    time (transformers adds ``warning_once`` &c. to ``logging.Logger``) is not the module's text,
+    and the corpus must not depend on what else the process has imported."""
+    origin = getattr(obj, "__module__", None)
+    return origin is None or origin.split(".")[0] in sys.stdlib_module_names
+
+
 def _docstrings(module) -> list[str]:
     docs = [inspect.getdoc(module) or ""]
     for name in sorted(vars(module)):
@@ -45,7 +53,7 @@ def _docstrings(module) -> list[str]:
         if inspect.isclass(obj):
             for attr in sorted(vars(obj)):
                 member = vars(obj)[attr]
-                if not attr.startswith("_") and inspect.isroutine(member):
+                if not attr.startswith("_") and inspect.isroutine(member) and _from_stdlib(member):
                     docs.append(inspect.getdoc(member) or "")
     return [d for d in docs if len(d) >= 40]
 
