@@ -65,6 +65,23 @@ def test_activation_aware_lowers_output_error(method):
     assert aware < 0.9 * plain
 
 
+@pytest.mark.parametrize("method", ["lowrank", "monarch", "blast"])
+def test_activation_aware_factors_are_balanced(method):
+    """A covariance summed over many tokens must not leave its scale on one factor: the
+    activation-aware factors have equal norms per rank column (the rms of U and V within 2x of
+    each other, where unbalanced they were ~70x apart), and the product is the balanced one."""
+    X = torch.randn(20000, 80, dtype=torch.float64) * 3
+    cov = X.T @ X
+    W = torch.randn(48, 80, dtype=torch.float64) * 0.02
+    factors = _project(method, W, 16, 4, cov, steps=40)
+    first, second = factors[0], factors[1]
+    ratio = first.square().mean().sqrt() / second.square().mean().sqrt()
+    assert 0.5 < float(ratio) < 2.0, float(ratio)
+    if method != "blast":  # per rank column (and per sub-block): equal norms exactly
+        torch.testing.assert_close(first.norm(dim=-2), second.norm(dim=-2))
+    assert proj.relative_output_error(W, _dense(method, factors), cov) < 1.0
+
+
 def test_projection_batches_match_single():
     W = torch.randn(3, 32, 48, dtype=torch.float64)
     batched = proj.lowrank_dense(*proj.lowrank_project(W, 6))
