@@ -180,6 +180,26 @@ def blr_e2e_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + _targets(data)
 
 
+def blr_accuracy_section(data: dict) -> str:
+    settings = data.get("settings", {})
+    info = data.get("model_train_info") or {}
+    run = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items()
+                   if k in ("ratio", "blocks", "blast_steps", "recovery_steps", "recovery_lr", "batch", "seq",
+                            "calib_samples"))
+    out = ["### Block-low-rank accuracy: the small byte-level Llama compressed to half its linear parameters\n",
+           _header(data, f"python benchmarks/blr_accuracy.py --model DIR {run}"),
+           f"Model: {info.get('params', '?')} parameters, {info.get('steps', '?')} training steps "
+           f"({info.get('tokens', '?')} tokens) on {settings.get('device', '?')}; validation perplexity in bytes.\n",
+           "| method | projection | linear params kept | perplexity after projection | after recovery | "
+           "mean layer output error |", "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        err = f"{r['mean_output_error']:.3f}" if r.get("mean_output_error") is not None else "-"
+        out.append(f"| {r['method']} | {r['projection'] or '-'} | {r['linear_ratio']:.3f} | {r['ppl_projected']:.3f} "
+                   f"| {r['ppl_recovered']:.3f} | {err} |")
+    findings = "".join(f"- {f}\n" for f in data.get("findings", []))
+    return "\n".join(out) + "\n\n" + findings + "\n" + _targets(data)
+
+
 LOWEST = "finetune_memory_float32_lowest"
 SECTIONS = [("ledger_accuracy", ledger_section), ("linear_ce", linear_ce_section), ("attention", attention_section),
             ("finetune_memory", finetune_section), ("finetune_ledger", finetune_ledger_section),
@@ -189,7 +209,7 @@ SECTIONS = [("ledger_accuracy", ledger_section), ("linear_ce", linear_ce_section
             ("finetune_ledger_float32_lowest", lambda data: finetune_ledger_section(
                 data, f" --measured benchmarks/results/{LOWEST}.json")),
             ("partial_ffn", partial_ffn_section), ("partial_ffn_accuracy", partial_ffn_accuracy_section),
-            ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section)]
+            ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section), ("blr_accuracy", blr_accuracy_section)]
 
 
 def render() -> str:
