@@ -41,10 +41,16 @@ LOSS_FRACTION = dict.fromkeys(LOWEST_ROWS, 0.3)
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--measured", default=str(RESULTS_DIR / "finetune_memory.json"))
+    parser.add_argument("--measured", default=str(RESULTS_DIR / "finetune_memory.json"),
+                        help="a results file of benchmarks/finetune_memory.py (default: the full table)")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     args = parser.parse_args(argv)
-    measured = json.loads(open(args.measured).read())
+    try:
+        measured = json.loads(Path(args.measured).read_text())
+    except (OSError, ValueError) as exc:
+        parser.error(f"--measured {args.measured}: not a readable finetune_memory results file ({exc})")
+    if not str(measured.get("benchmark", "")).startswith("finetune_memory"):
+        parser.error(f"--measured {args.measured}: written by {measured.get('benchmark')!r}, not finetune_memory")
     spec = PRESETS[measured.get("model", "llama-3.2-3b")]
     rows, errors = [], []
     for row in measured["rows"]:

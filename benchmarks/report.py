@@ -133,7 +133,27 @@ def partial_ffn_section(data: dict) -> str:
         ms = f"{r['decode_ms_per_token']:.2f}" if r.get("decode_ms_per_token") else "-"
         out.append(f"| {r['case']} | {r['decode_tokens_per_s']:.0f} | {ms} | {floor} | {fraction} "
                    f"| {r['peak_bytes'] / 1e9:.2f} |")
-    return "\n".join(out) + "\n\n" + _targets(data)
+    return "\n".join(out) + "\n\n" + _targets(data) + _partial_speedup_bound(data["rows"])
+
+
+def _partial_speedup_bound(rows: list[dict], wanted: float = 1.5) -> str:
+    """Least-squares fit ms/token = a * floor + F over the fused decode-kernel cases (one loop, several
+    weight-byte counts), and what the fixed part F would have to be for partial / dense >= ``wanted``."""
+    same_loop = [r for r in rows if r.get("decode_kernels") and r.get("floor_ms") and r.get("fused_layers")
+                 and r["fused_layers"] == r.get("layers")]
+    dense = next((r for r in same_loop if r["case"] == "dense fp16"), None)
+    partial = next((r for r in same_loop if r["case"] == "partial fp16 (gamma 0.7, phi 0.4)"), None)
+    if len(same_loop) < 3 or dense is None or partial is None:
+        return ""
+    xs, ys = [r["floor_ms"] for r in same_loop], [r["decode_ms_per_token"] for r in same_loop]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    fixed = my - a * mx
+    fd, fp = dense["floor_ms"], partial["floor_ms"]
+    needed = a * (fd - wanted * fp) / (wanted - 1)
+    return (f"\nThe {len(same_loop)} cases through the fused loop fit ms/token = {a:.3f} x floor + {fixed:.3f} ms "
+            f"(least squares). For partial to reach {wanted}x dense, the fixed part would have to be at most "
+            f"{needed:.3f} ms; with no fixed part at all the weight bytes cap the ratio at {fd / fp:.3f}x.\n")
 
 
 def partial_ffn_accuracy_section(data: dict) -> str:

@@ -26,7 +26,8 @@ How (exact mode):
   Two matmuls consume it: ``dW[step] = d.T @ h``, summed over all loss tokens in fp32 and
   rounded once into the gradient (no fp32 V x H buffer, no atomics), by cuBLAS on a gathered
   copy of the loss-token rows that itself sits in the weight gradient's last N rows (so it
-  costs no memory either; cuBLAS took 2.3x less time than our Triton kernel on the H200),
+  costs no memory either; at 8K loss tokens on the H200 our Triton kernel took 5.2 ms and cuBLAS
+  2.3 ms: benchmarks/results/linear_ce_profile.json),
   and, for the last steps, which write those rows, by ``_dweight_kernel``, which reads the
   rows of hidden through the index; and
   ``dH += d @ W[step]`` (cuBLAS, fp32 output) into an fp32 ``N x H`` accumulator, which
@@ -128,7 +129,8 @@ def _vocab_chunk(vocab: int, chunk: int = 0, weight_grad: bool = False) -> int:
     return min(vocab, chunk or (TRAINED_VOCAB_CHUNK if weight_grad else VOCAB_CHUNK))
 
 
-def _split_tokens(labels: torch.Tensor, ignore_index: int):
+def _split_tokens(labels: torch.Tensor, ignore_index: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss rows, the same on the host, ignored rows, labels on the host), rows ascending, on
     ``labels``' device where not said otherwise. One host sync, a copy of the labels: the loss-token
     count decides the work, and every later host-side decision (label check, the finish's row
@@ -187,17 +189,16 @@ def _dlogits_reference(hs, weight, bias, labels_n, lse, g, softcap, z_loss, v0, 
 
 if triton is not None:
 
+    # (rows, columns, BLOCK_K, warps, stages) of the 128/256 tiles every matmul-shaped kernel here tries
+    WIDE_TILES = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
+                  (64, 256, 64, 8, 4), (64, 256, 64, 4, 4), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)]
+
+    def _tile_configs(rows: str, cols: str, tiles) -> list:
+        """``triton.Config``s of ``tiles``, their row and column blocks named ``rows`` and ``cols``."""
+        return [triton.Config({rows: r, cols: c, "BLOCK_K": k}, num_warps=w, num_stages=st) for r, c, k, w, st in tiles]
+
     def _configs():
-        if interpreting():
-            return [triton.Config({"BLOCK_N": 16, "BLOCK_V": 256, "BLOCK_K": 16}, num_warps=4)]
-        return [
-            triton.Config({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-            triton.Config({"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-            triton.Config({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_K": 64}, num_warps=8, num_stages=4),
-            triton.Config({"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64}, num_warps=8, num_stages=4),
-            triton.Config({"BLOCK_N": 256, "BLOCK_V": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-        ]
+        return _tile_configs("BLOCK_N", "BLOCK_V", [(16, 256, 16, 4, 1)] if interpreting() else WIDE_TILES)
 
     def _narrow_configs(block: str):
         """Tiles for the shrinking steps near the end of the vocabulary, ``block`` (the step's
@@ -205,8 +206,7 @@ if triton is not None:
         if interpreting():
             return []
         other = "BLOCK_N" if block == "BLOCK_V" else "BLOCK_H"
-        return [triton.Config({other: size, block: width, "BLOCK_K": 64}, num_warps=4, num_stages=4)
-                for width in (16, 32, 64) for size in (64, 128, 256)]
+        return _tile_configs(other, block, [(size, width, 64, 4, 4) for width in (16, 32, 64) for size in (64, 128, 256)])
 
     def _fit_step_width(block: str):
         """Autotune pruner: keep the tiles whose column block suits the step width's bucket
@@ -272,8 +272,7 @@ if triton is not None:
         n_mask = offs_n < N
         rows = tl.load(rows_ptr + offs_n, mask=n_mask, other=0)
         labels = tl.load(labels_ptr + offs_n, mask=n_mask, other=-1)
-        splits = SPLITS
-        tiles = ((V + BLOCK_V - 1) // BLOCK_V + splits - 1) // splits  # vocab tiles per slice
+        tiles = (tl.cdiv(V, BLOCK_V) + SPLITS - 1) // SPLITS  # vocab tiles per slice
         m = tl.full((BLOCK_N,), -float("inf"), tl.float32)
         s = tl.zeros((BLOCK_N,), tl.float32)
         t = tl.zeros((BLOCK_N,), tl.float32)
@@ -329,16 +328,7 @@ if triton is not None:
         tl.store(ptrs, d.to(d_ptr.dtype.element_ty), mask=n_mask[:, None] & j_mask[None, :])
 
     def _dweight_configs():
-        if interpreting():
-            return [triton.Config({"BLOCK_M": 128, "BLOCK_H": 64, "BLOCK_K": 32}, num_warps=4)]
-        return [
-            triton.Config({"BLOCK_M": 128, "BLOCK_H": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-            triton.Config({"BLOCK_M": 128, "BLOCK_H": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
-            triton.Config({"BLOCK_M": 128, "BLOCK_H": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK_M": 64, "BLOCK_H": 256, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK_M": 128, "BLOCK_H": 256, "BLOCK_K": 64}, num_warps=8, num_stages=4),
-            triton.Config({"BLOCK_M": 256, "BLOCK_H": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-        ]
+        return _tile_configs("BLOCK_M", "BLOCK_H", [(128, 64, 32, 4, 1)] if interpreting() else WIDE_TILES)
 
     @triton.autotune(configs=_dweight_configs() + _narrow_configs("BLOCK_M"), prune_configs_by=_fit_step_width("BLOCK_M"),
                      key=["H", "WIDTH_KEY", "N_BUCKET", "PRECISION"])
@@ -422,8 +412,7 @@ def _lse_triton(hidden, weight, bias, rows, labels_n, softcap):
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
     _lse_kernel[grid](hidden, weight, bias if bias is not None else weight, rows, labels_n, m, s, t,
                       n, vocab, hdim, _bucket(n), hidden.stride(0), weight.stride(0), float(softcap),
-                      SPLITS=splits,
-                      HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
+                      SPLITS=splits, HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
                       PRECISION=_precision(hidden.dtype))
     m_max = m.max(dim=0).values
     lse = m_max + torch.log((s * torch.exp(m - m_max)).sum(dim=0))
