@@ -16,7 +16,6 @@ each decode-attention variant at the full cache length, with the bytes each read
 from __future__ import annotations
 
 import argparse
-import collections
 import shutil
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from partial_ffn import _calibrate, _save_random
 from memfit.infer.generate import Generator, weight_bytes_per_token
 from memfit.infer.partial_load import PartialConfig, load_model
 from memfit.kernels import decode, gemv
+from memfit.measure.kernel_profile import kernel_profile
 from memfit.measure.results import write_results
 from memfit.models import PRESETS
 
@@ -82,16 +82,9 @@ def profile_case(name: str, model, prompt: torch.Tensor, **loop) -> list[dict]:
     wall_us = (time.perf_counter() - t0) / STEPS * 1e6
     gen.prefill(prompt)
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        gen.decode(STEPS)
-        torch.cuda.synchronize()
-    kernels = collections.defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name][0] += 1
-            kernels[event.name][1] += event.device_time
-    rows = [{"case": name, "kernel": k[:160], "calls_per_step": c / STEPS, "us_per_step": us / STEPS}
-            for k, (c, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])]
+    kernels = kernel_profile(lambda: gen.decode(STEPS), "cuda")[0]
+    rows = [{"case": name, "kernel": k, "calls_per_step": v["launches"] / STEPS, "us_per_step": 1e3 * v["ms"] / STEPS}
+            for k, v in kernels.items()]
     total = sum(r["us_per_step"] for r in rows)
     rows.insert(0, {"case": name, "kernel": "(all)", "calls_per_step": sum(r["calls_per_step"] for r in rows),
                     "us_per_step": total, "wall_us_per_step": wall_us, "graph": gen.graph is not None,

@@ -58,6 +58,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from memfit.kernels import linear_ce  # noqa: E402
 from memfit.kernels.linear_ce import backward_memory, linear_cross_entropy  # noqa: E402
+from memfit.measure.kernel_profile import kernel_profile  # noqa: E402
 from memfit.measure.results import target, write_results  # noqa: E402
 
 IGNORE = -100
@@ -317,50 +318,6 @@ PROFILE_CASES = [  # (label, linear_cross_entropy keywords, linear_ce knobs)
 ]
 
 
-def _kernel_times(step, device) -> tuple[dict, list]:
-    """CUDA time of one ``step()`` per kernel name, the 12 largest (name, grid) groups, and the
-    GPU's idle time inside the step (span minus busy time) with its 8 longest gaps."""
-    import json
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
-    with profile(activities=activities) as prof:
-        step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text()).get("traceEvents", [])
-    kind = "kernel" if device == "cuda" else "cpu_op"
-    by_name, by_grid = {}, {}
-    for ev in events:
-        if ev.get("cat") != kind or "dur" not in ev:
-            continue
-        name = ev["name"][:60]
-        entry = by_name.setdefault(name, {"ms": 0.0, "launches": 0})
-        entry["ms"] += ev["dur"] / 1e3
-        entry["launches"] += 1
-        grid = tuple(ev.get("args", {}).get("grid", ()))
-        group = by_grid.setdefault((name, grid), {"name": name, "grid": list(grid), "ms": 0.0, "launches": 0})
-        group["ms"] += ev["dur"] / 1e3
-        group["launches"] += 1
-    top = sorted(by_grid.values(), key=lambda g: -g["ms"])[:12]
-    busy = sorted((ev["ts"], ev["ts"] + ev["dur"], ev["name"][:40]) for ev in events
-                  if ev.get("cat") in (kind, "gpu_memcpy", "gpu_memset") and "dur" in ev)
-    gaps, end, prev = [], None, None
-    for start, stop, name in busy:
-        if end is not None and start > end:
-            gaps.append({"us": start - end, "after": prev, "before": name})
-        if end is None or stop > end:
-            end, prev = stop, name
-    idle = {"span_ms": (end - busy[0][0]) / 1e3 if busy else 0.0, "idle_ms": sum(g["us"] for g in gaps) / 1e3,
-            "gaps": len(gaps), "longest": sorted(gaps, key=lambda g: -g["us"])[:8]}
-    return dict(sorted(by_name.items(), key=lambda kv: -kv[1]["ms"])), top, idle
-
-
 def profile_run(shapes, vocab, device, out_dir):
     """Per shape and PROFILE_CASES setting: total time, extra peak and per-kernel CUDA time."""
     rows = []
@@ -376,7 +333,7 @@ def profile_run(shapes, vocab, device, out_dir):
                 step()  # compiles and tunes
                 total = _time_ms(step, device)
                 peak = _extra_peak_mib(step, device)
-                kernels, groups, idle = _kernel_times(step, device)
+                kernels, groups, idle = kernel_profile(step, device)
                 plan = linear_ce._backward_plan(vocab, hdim, n_loss, kwargs["vocab_chunk"], True,
                                                 linear_ce._copy_rows(n_loss, True))[0]
             row = {"tokens": tokens, "loss_tokens": n_loss, "hidden": hdim, "vocab": vocab, "case": label,
