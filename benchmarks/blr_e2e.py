@@ -104,6 +104,34 @@ def floors(model, spec, ceilings, elem: int) -> dict:
             "decode": ceilings.floor_ms(decode_flops, weight_bytes + kv_bytes)}
 
 
+KERNEL_KINDS = (  # (kind, name fragments), first match wins; lower-case
+    ("blr", ("_bgemm", "_mix", "_zmix", "_fused_kernel", "memfit::")),
+    ("attention", ("sdpa", "flash", "fmha", "attention", "attn")),
+    ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "splitk", "gemv", "aten::mm", "aten::bmm", "aten::addmm")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """Which part of a step a kernel belongs to: BLR (memfit's Triton kernels), dense matmul
+    (cuBLAS, including the BLR pipelines' cuBLAS stages), attention, or other (norms, rope,
+    activations, copies)."""
+    low = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(part in low for part in parts)), "other")
+
+
+def step_profile(step, device: str) -> dict:
+    """One step's GPU ms by kernel kind, the idle time between kernels, and the longest kernels."""
+    from memfit.measure.kernel_profile import kernel_profile
+
+    step()                                             # warm (graph replay, not capture)
+    kernels, _, idle = kernel_profile(step, device, name_chars=100)
+    by_kind: dict[str, float] = {}
+    for name, entry in kernels.items():
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + entry["ms"]
+    top = [{"name": name, **entry} for name, entry in list(kernels.items())[:12]]
+    return {"ms_by_kind": by_kind, "idle_ms": idle["idle_ms"], "span_ms": idle["span_ms"], "top": top}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default="blast,monarch", help="comma-separated BLR methods to compare with dense")
@@ -111,6 +139,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-eager", action="store_true", help="time only the compiled models")
     parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU, eager only")
+    parser.add_argument("--profile", action="store_true",
+                        help="also split each timed step's GPU time by kernel kind (matmul, BLR, attention, other, idle)")
     args = parser.parse_args(argv)
     global PREFILL, DECODE_CACHE
     smoke = args.smoke or not torch.cuda.is_available()
@@ -145,6 +175,10 @@ def main(argv=None) -> int:
                    "prefill_tokens": PREFILL, "prefill_ms": prefill_ms, "prefill_floor_ms": floor["prefill"],
                    "decode_ms": decode_ms, "decode_tokens_per_s": 1e3 / decode_ms, "decode_floor_ms": floor["decode"],
                    "setup_and_bench_s": time.perf_counter() - t0}
+            if args.profile:
+                with torch.no_grad():
+                    row["prefill_profile"] = step_profile(prefill, device)
+                    row["decode_profile"] = step_profile(decode, device)
             rows.append(row)
             results[(variant, mode)] = row
             print(f"{variant:8s} {mode:8s} prefill {prefill_ms:8.3f} ms  decode {decode_ms:7.3f} ms "

@@ -23,6 +23,7 @@ code on tiny shapes on the CPU (Triton interpreter) and writes ``blr_layers_smok
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -45,6 +46,8 @@ def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through the Triton interpreter")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write blr_layers_profile.json: every pipeline's kernels, one by one, at PROFILE_CASES")
     return parser.parse_args()
 
 
@@ -63,12 +66,13 @@ def main() -> int:
 
     from memfit.measure.results import target, write_results
     from memfit.measure.roofline import layer_cost, plot_roofline
-    from memfit.measure.timing import Ceilings, measure_ceilings
+    from memfit.measure.timing import Ceilings, empty_kernel_ms, measure_ceilings
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16
     shapes, tokens, blocks = (SMOKE_SHAPES, SMOKE_TOKENS, SMOKE_BLOCKS) if args.smoke else (SHAPES, TOKENS, BLOCKS)
     ceilings = measure_ceilings() if device == "cuda" else Ceilings(matmul_flops=1e12, bandwidth=1e11)
+    empty_ms = empty_kernel_ms() if device == "cuda" else 0.0
     timer = gpu_ms if device == "cuda" else cpu_ms
     started = time.time()
     rows = []
@@ -79,7 +83,8 @@ def main() -> int:
         return write_results(stem, rows, make_targets(rows, target, smoke=args.smoke), args.out, blocks=blocks,
                              dtype="bfloat16", seconds=time.time() - started, complete=complete,
                              ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
-                                       "bandwidth_gbs": ceilings.bandwidth / 1e9})
+                                       "bandwidth_gbs": ceilings.bandwidth / 1e9, "empty_kernel_ms": empty_ms},
+                             decode_floor_check=decode_floor_check(rows, empty_ms))
 
     with Progress() as progress:
         task = progress.add_task("blr layers", total=len(shapes) * len(tokens))
@@ -98,7 +103,50 @@ def main() -> int:
                   title=f"BLR layers, bf16, b={blocks}, N in {tokens}")
     show(Console(), Table, rows, targets)
     print(f"wrote {path} in {elapsed:.0f} s")
+    if args.profile:
+        cases = SMOKE_PROFILE_CASES if args.smoke else PROFILE_CASES
+        profiled = profile_cases(torch, cases, blocks, dtype, device)
+        name = "blr_layers_profile" + ("_smoke" if args.smoke else "")
+        print(f"wrote {write_results(name, profiled, [], args.out, blocks=blocks)}")
     return 0
+
+
+def decode_floor_check(rows, empty_ms: float) -> list[dict]:
+    """Per decode-sized case (N <= 16): the floor, 2x the floor (the target) and one empty kernel's
+    time. Where the empty kernel alone exceeds 2x the floor, no kernel can meet that target."""
+    out = []
+    for r in rows:
+        if r["n"] <= 16 and r["impl"] in ("monarch_ours", "blast_ours"):
+            out.append({"shape": r["shape"], "n": r["n"], "structure": r["structure"], "floor_ms": r["floor_ms"],
+                        "target_ms": 2 * r["floor_ms"], "empty_kernel_ms": empty_ms, "ours_ms": r["ms"],
+                        "reachable": empty_ms <= 2 * r["floor_ms"]})
+    return out
+
+
+PROFILE_CASES = [("llama-3.2-1b gate", 1024), ("llama-3.2-1b down", 1024), ("llama-3.2-1b gate", 8192),
+                 ("llama-3.2-1b down", 8192), ("llama-7b gate/up", 8192), ("llama-7b down", 1024)]
+SMOKE_PROFILE_CASES = [("smoke 48->80", 40)]
+
+
+def profile_cases(torch, cases, blocks, dtype, device) -> list[dict]:
+    """One row per (case, structure, pipeline): the pipeline's kernels with their GPU ms, so a
+    pipeline's time splits into its stages (which stage misses its floor)."""
+    from memfit.measure.kernel_profile import kernel_profile
+
+    shapes = {name: (d_in, d_out, rank) for name, d_in, d_out, rank in (SHAPES + SMOKE_SHAPES)}
+    rows = []
+    for name, n in cases:
+        d_in, d_out, rank = shapes[name]
+        for kind, (make, call, variants) in structures(torch, d_in, d_out, rank, blocks, n, dtype, device).items():
+            layer, x = make(), torch.randn(n, d_in, device=device, dtype=dtype)
+            for variant in variants:
+                step = functools.partial(call, layer, x, path="triton", variant=variant)
+                with torch.no_grad():
+                    step()                                                    # compile and tune outside the profile
+                    kernels, _, idle = kernel_profile(step, device, name_chars=80)
+                rows.append({"shape": name, "n": n, "structure": kind, "variant": variant, "kernels": kernels,
+                             "span_ms": idle["span_ms"], "idle_ms": idle["idle_ms"]})
+    return rows
 
 
 def gpu_ms(fn) -> float:
@@ -125,13 +173,7 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
     """Every implementation of one (shape, N) case; one row each."""
     import torch.nn.functional as F
 
-    from memfit.kernels.blast import blast_linear
-    from memfit.kernels.blast import variants_for as blast_variants
-    from memfit.kernels.lowrank import lowrank_linear
-    from memfit.kernels.lowrank import variants_for as lowrank_variants
     from memfit.kernels.monarch import monarch_linear
-    from memfit.kernels.monarch import variants_for as monarch_variants
-    from memfit.layers import BlastLinear, LowRankLinear, MonarchLinear
 
     rows = []
     with torch.no_grad():
@@ -145,17 +187,7 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
         rows += time_impls(impls, k, timer, name, n, d_in, d_out, rank, blocks, "dense", dense_flops, dense_bytes,
                            dense_bytes, ceilings, layer_cost)
         xs = weights = None                              # free before the structures allocate theirs
-        m, t = d_in // blocks, rank // blocks
-        structures = {
-            "lowrank": (lambda: LowRankLinear(d_in, d_out, rank, device=device, dtype=dtype),
-                        lambda l, x, **o: lowrank_linear(x, l.U, l.V, **o), lowrank_variants(n)),
-            "monarch": (lambda: MonarchLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
-                        lambda l, x, **o: monarch_linear(x, l.w1, l.w2, None, l.permute_output, **o),
-                        monarch_variants(n, m, t, permute_output=False)),
-            "blast": (lambda: BlastLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
-                      lambda l, x, **o: blast_linear(x, l.U, l.V, l.S, **o), blast_variants(n)),
-        }
-        for kind, (make, call, variants) in structures.items():
+        for kind, (make, call, variants) in structures(torch, d_in, d_out, rank, blocks, n, dtype, device).items():
             flops, ideal = layer_cost(kind, "ideal", n, d_in, d_out, rank, blocks)
             k = copies_for(ideal, device)
             impls = structure_impls(torch, kind, make, call, variants, k, n, d_in, dtype, device, monarch_linear)
@@ -163,6 +195,28 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
                                dense_bytes, ceilings, layer_cost)
             impls = None
     return rows
+
+
+def structures(torch, d_in, d_out, rank, blocks, n, dtype, device) -> dict:
+    """kind -> (make a layer, call(layer, x, **op options), the op's pipelines at this N)."""
+    from memfit.kernels.blast import blast_linear
+    from memfit.kernels.blast import variants_for as blast_variants
+    from memfit.kernels.lowrank import lowrank_linear
+    from memfit.kernels.lowrank import variants_for as lowrank_variants
+    from memfit.kernels.monarch import monarch_linear
+    from memfit.kernels.monarch import variants_for as monarch_variants
+    from memfit.layers import BlastLinear, LowRankLinear, MonarchLinear
+
+    m, t = d_in // blocks, rank // blocks
+    return {
+        "lowrank": (lambda: LowRankLinear(d_in, d_out, rank, device=device, dtype=dtype),
+                    lambda l, x, **o: lowrank_linear(x, l.U, l.V, **o), lowrank_variants(n)),
+        "monarch": (lambda: MonarchLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
+                    lambda l, x, **o: monarch_linear(x, l.w1, l.w2, None, l.permute_output, **o),
+                    monarch_variants(n, m, t, permute_output=False)),
+        "blast": (lambda: BlastLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
+                  lambda l, x, **o: blast_linear(x, l.U, l.V, l.S, **o), blast_variants(n)),
+    }
 
 
 def structure_impls(torch, kind, make, call, variants, copies, n, d_in, dtype, device, monarch_linear):
