@@ -190,14 +190,35 @@ def blr_layers_section(data: dict) -> str:
 
 
 def blr_e2e_section(data: dict) -> str:
-    out = [f"### Block-low-rank end to end, {data.get('model', '?')} shape, bf16, batch 1 (targets not met)\n",
-           _header(data, "python benchmarks/blr_e2e.py"),
+    memfit_attention = data.get("attention") == "memfit"
+    command = "python benchmarks/blr_e2e.py" + (" --attention memfit" if memfit_attention else "")
+    attention = "memfit's attention kernel in prefill" if memfit_attention else "transformers' SDPA attention"
+    out = [f"### Block-low-rank end to end, {data.get('model', '?')} shape, bf16, batch 1, {attention} "
+           "(targets not met)\n", _header(data, command),
            "| model | mode | prefill 1024 tokens ms (floor) | decode ms/token (floor) | decode tokens/s |",
            "|---|---|---|---|---|"]
     for r in data["rows"]:
         out.append(f"| {r['model']} | {r['mode']} | {r['prefill_ms']:.2f} ({r['prefill_floor_ms']:.2f}) "
                    f"| {r['decode_ms']:.3f} ({r['decode_floor_ms']:.3f}) | {r['decode_tokens_per_s']:.0f} |")
-    return "\n".join(out) + "\n\n" + _targets(data)
+    return "\n".join(out) + "\n\n" + _blr_e2e_profile(data) + _targets(data)
+
+
+def _blr_e2e_profile(data: dict) -> str:
+    """Where each compiled step's GPU time goes (``--profile``): BLR kernels, cuBLAS, attention, the rest, idle."""
+    profiled = [r for r in data["rows"] if r.get("prefill_profile")]
+    if not profiled:
+        return ""
+    kinds = ("blr", "matmul", "attention", "other")
+    out = ["GPU ms per step by kernel kind, from one profiled replay (`--profile`): memfit's BLR kernels, "
+           "cuBLAS matmuls (dense layers, k/v, the head, and the BLR pipelines' cuBLAS stages), attention "
+           "(with its mask), everything else, and the GPU's idle time between kernels.\n",
+           "| model | mode | step | BLR | cuBLAS | attention | other | idle |", "|---|---|---|---|---|---|---|---|"]
+    for r in profiled:
+        for step in ("prefill", "decode"):
+            prof = r[f"{step}_profile"]
+            cells = " | ".join(f"{prof['ms_by_kind'].get(k, 0.0):.3f}" for k in kinds)
+            out.append(f"| {r['model']} | {r['mode']} | {step} | {cells} | {prof['idle_ms']:.3f} |")
+    return "\n".join(out) + "\n\n"
 
 
 def blr_accuracy_section(data: dict) -> str:
@@ -229,7 +250,8 @@ SECTIONS = [("ledger_accuracy", ledger_section), ("linear_ce", linear_ce_section
             ("finetune_ledger_float32_lowest", lambda data: finetune_ledger_section(
                 data, f" --measured benchmarks/results/{LOWEST}.json")),
             ("partial_ffn", partial_ffn_section), ("partial_ffn_accuracy", partial_ffn_accuracy_section),
-            ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section), ("blr_accuracy", blr_accuracy_section)]
+            ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section),
+            ("blr_e2e_memfit_attention", blr_e2e_section), ("blr_accuracy", blr_accuracy_section)]
 
 
 def render() -> str:

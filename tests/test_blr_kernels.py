@@ -58,8 +58,8 @@ def drop_bias(tensors, bias):
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("bmm", False), ("fused", True), ("fused", False),
-                 ("torch", True)]
+MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("bmm", False), ("bmm_perm_bmm", False), ("fused", True),
+                 ("fused", False), ("torch", True)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -76,9 +76,9 @@ def test_monarch(dtype, variant, permute, lead, bias):
 def test_monarch_variants_offered():
     """bmm only for the block-major layout; the fused kernel only at small N and when its tile fits;
     the plain PyTorch pipeline always competes."""
-    assert set(monarch.variants_for(16, 128, 32, False)) == {"two_stage", "bmm", "fused", "torch"}
+    assert set(monarch.variants_for(16, 128, 32, False)) == {"two_stage", "bmm", "bmm_perm_bmm", "fused", "torch"}
     assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "fused", "torch"}
-    assert set(monarch.variants_for(8192, 128, 32, False)) == {"two_stage", "bmm", "torch"}
+    assert set(monarch.variants_for(8192, 128, 32, False)) == {"two_stage", "bmm", "bmm_perm_bmm", "torch"}
     assert "fused" not in monarch.variants_for(1, 688, 93, False)
 
 

@@ -19,7 +19,8 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   through a (b, N, p) view (ldc = b p), no copy. Stage 3 holds most of the FLOPs, so
   at large N this is the likely winner.
 * ``bmm_mix_bmm``: stages 1 and 3 on cuBLAS, the mixing alone between them as a
-  memory-bound kernel (``_zmix_kernel``: Z read once, T written once). Traffic beyond the
+  memory-bound kernel (``_zmix_kernel``: Z read once, T written once, the b^2 products per
+  element as a batched (BN x b) @ (b x b) tensor-core dot per rank). Traffic beyond the
   floor: Z's and T's writes and reads, 4 N b r elements, for full-size tensor-core tiles in
   stage 1 (the mixing kernel above re-reads X once per rank chunk).
 * ``z_mixgemm`` (N <= MIXGEMM_MAX_N, decode): Z (N, b, r) by one batched :func:`bgemm`
@@ -156,31 +157,36 @@ def _mix_bmm(x2, u, v, s, bias):
 # ---- large N: stage 1 and 3 on cuBLAS, the mixing alone between them ----------------
 
 def _prune_zmix(configs, named_args, **kwargs):
-    keep = [c for c in configs if c.kwargs["BK"] <= pow2_at_least(named_args["R"])]
+    keep = [c for c in configs if c.kwargs["BK"] <= pow2_at_least(named_args["R"], 8)
+            and c.kwargs["BN"] <= pow2_at_least(named_args["N"])]
     return keep or configs[:1]
 
 
-# BN * b * BK fp32 accumulators per program: <= 128 registers a thread at b = 16
-@tuned([(16, 64, 4, 2), (32, 32, 4, 2), (64, 16, 4, 2), (32, 64, 8, 2), (64, 32, 8, 2)],
+# BK * BN * BB fp32 results per program: <= 128 registers a thread at b <= 16
+@tuned([(16, 64, 4, 1), (32, 32, 4, 1), (64, 16, 4, 1), (32, 64, 8, 1), (64, 32, 8, 1), (128, 16, 8, 1)],
        ("BN", "BK"), (16, 16, 4, 1), key=["N_BUCKET", "R", "B"], prune=_prune_zmix)
 @triton.jit
 def _zmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szn, szj, ssi, ssj, ssk, stn, sti, stk,
                  BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """T[n, i, k] = sum_j s[i, j, k] Z[n, j, k] for a (BN tokens, BK ranks) tile, all i: Z read once."""
+    """T[n, i, k] = sum_j Z[n, j, k] s[i, j, k] for a (BN tokens, BK ranks) tile: per rank k a
+    (BN x b) @ (b x b) product, all BK of them as one batched tensor-core dot (Z read and T
+    written once; the b^2 multiply-adds per element stay off the CUDA cores)."""
     rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     rb = tl.arange(0, BB)
-    t = tl.zeros((BN, BB, BK), dtype=tl.float32)
-    for j in range(B):
-        z = tl.load(z_ptr + rn[:, None] * szn + j * szj + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < R),
-                    other=0.0).to(tl.float32)
-        t = _mix_step(t, z, s_ptr, j, rb, rk, B, R, ssi, ssj, ssk)
-    _store_t(t_ptr, t, rn, rb, rk, N, B, R, stn, sti, stk)
+    k_ok = rk[:, None, None] < R
+    z = tl.load(z_ptr + rk[:, None, None] + rn[None, :, None] * szn + rb[None, None, :] * szj,
+                mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B), other=0.0)       # (BK, BN, b_j)
+    st = tl.load(s_ptr + rk[:, None, None] * ssk + rb[None, :, None] * ssj + rb[None, None, :] * ssi,
+                 mask=k_ok & (rb[None, :, None] < B) & (rb[None, None, :] < B), other=0.0)     # (BK, b_j, b_i)
+    t = mma(z, st.to(z.dtype), tl.zeros((BK, BN, BB), dtype=tl.float32))                          # (BK, BN, b_i)
+    tl.store(t_ptr + rk[:, None, None] * stk + rn[None, :, None] * stn + rb[None, None, :] * sti,
+             t.to(t_ptr.dtype.element_ty), mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B))
 
 
 def _bmm_mix_bmm(x2, u, v, s, bias):
     """Z (N, b, r) by one strided cuBLAS batched GEMM, T = the mixing of Z (``_zmix_kernel``: a
-    memory-bound pass, Z read and T written once), Y by cuBLAS per block. Against ``mix_bmm``,
+    memory-bound pass on tensor cores, Z read and T written once), Y by cuBLAS per block. Against ``mix_bmm``,
     stage 1 runs on cuBLAS's full-size tiles instead of small per-rank-chunk dots that re-read X
     ceil(r / BK) times (24 at Llama-1B's down projection), for Z's write and read (2 N b r)."""
     b, m, r = v.shape
@@ -190,7 +196,7 @@ def _bmm_mix_bmm(x2, u, v, s, bias):
     t = torch.empty_like(z)
     grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
     _zmix_kernel[grid](z, s, t, n, r, b, n_bucket(n), z.stride(0), z.stride(1), *s.stride(), *t.stride(),
-                       BB=pow2_at_least(b, 1))
+                       BB=pow2_at_least(b))                                     # >= 16: a tensor-core K and N
     return per_block_gemm(t, u.transpose(1, 2), bias, cublas=True)                # Y_i = T_i U_i^T
 
 

@@ -17,6 +17,10 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   y through a (b, N, p) view (ldc = b p): no copy. Expected to win at large N, where
   stage 2 dominates and cuBLAS runs it near the matmul rate. Block-major layout only
   (the permuted layout has a column stride of b, which cuBLAS cannot store).
+* ``bmm_perm_bmm``: both stages on cuBLAS, stage 1 writing z in its natural order, and
+  P^T as a memory-bound copy between them (:func:`_permute_kernel`): 2 N b r more elements
+  of traffic than ``bmm`` for no scattered store, which is slow where t is not a multiple
+  of 8 (Llama-7B: t = 93). Block-major layout only.
 * ``fused`` (N <= FUSED_MAX_N, the decode path): one kernel, z on chip. A program owns
   a token tile, output block i and an output column tile; one loop over the input
   blocks j (both dots in it, so it is software-pipelined) computes
@@ -38,6 +42,7 @@ import triton.language as tl
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
     bgemm,
+    bmm_into,
     fits_smem,
     keep_small_n,
     mma,
@@ -85,6 +90,38 @@ def _two_stage(x2, w1, w2, bias, permute_output):
 
 def _bmm(x2, w1, w2, bias, permute_output):
     return per_block_gemm(_stage1(x2, w1), w2, bias, cublas=True)
+
+
+# ---- both GEMMs on cuBLAS, the permutation as one copy between them -------------------
+
+@tuned([(16, 4, 2), (32, 4, 2), (64, 8, 2)], ("BN",), (16, 4, 1), key=["N_BUCKET", "T", "B"])
+@triton.jit
+def _permute_kernel(z_ptr, out_ptr, N, T, B, N_BUCKET, szn, BT: tl.constexpr, BN: tl.constexpr):
+    """out[n, i, j T + s] = z[n, j, i T + s] for a tile of BN tokens and one (j, i): Monarch's P^T
+    as a copy, each row a run of T contiguous elements on both sides."""
+    rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+    j, i = tl.program_id(1), tl.program_id(2)
+    rs = tl.arange(0, BT)
+    mask = (rn[:, None] < N) & (rs[None, :] < T)
+    rows = rn[:, None] * szn + rs[None, :]
+    tile = tl.load(z_ptr + rows + (j * B + i) * T, mask=mask)
+    tl.store(out_ptr + rows + (i * B + j) * T, tile, mask=mask)
+
+
+def _bmm_perm_bmm(x2, w1, w2, bias, permute_output):
+    """Stage 1 as one strided cuBLAS batched GEMM into z (N, b_j, r) in its natural order, P^T
+    as a memory-bound copy (:func:`_permute_kernel`), stage 2 on cuBLAS. Against ``bmm``: the
+    permutation costs z's write and read once more (2 N b r elements), for cuBLAS in stage 1,
+    whose output then needs no scattered store; that wins where the scattered store is slow
+    (a per-block rank t not a multiple of 8, e.g. Llama-7B's 1488 / 16 = 93)."""
+    b, m, r = w1.shape
+    t, n = r // b, x2.shape[0]
+    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
+    bmm_into(x2.view(n, b, m).transpose(0, 1), w1, z.transpose(0, 1))                 # z[n, j] = x_j w1[j]
+    zp = torch.empty_like(z)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]), b, b)
+    _permute_kernel[grid](z, zp, n, t, b, n_bucket(n), z.stride(0), BT=pow2_at_least(t))
+    return per_block_gemm(zp, w2, bias, cublas=True)
 
 
 # ---- fused kernel (decode): both dots in one pipelined loop over input blocks --------
@@ -149,14 +186,15 @@ def _fused(x2, w1, w2, bias, permute_output):
     return y
 
 
-VARIANTS = {"two_stage": _two_stage, "bmm": _bmm, "fused": _fused, "torch": monarch_linear_reference}
+VARIANTS = {"two_stage": _two_stage, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm, "fused": _fused,
+            "torch": monarch_linear_reference}
 
 
 def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
     """The pipelines worth timing for ``n`` tokens, block size m, per-block rank t and the layout."""
     names = ["two_stage", "torch"]
     if not permute_output:
-        names.append("bmm")
+        names += ["bmm", "bmm_perm_bmm"]
     if n <= FUSED_MAX_N and fused_fits(m, t):
         names.append("fused")
     return {name: VARIANTS[name] for name in names}
