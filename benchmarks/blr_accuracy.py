@@ -5,7 +5,9 @@ Takes the small byte-level Llama of benchmarks/train_small_model.py (trained fir
 linear parameters (GQA k/v stay dense) with each method (low-rank, Monarch, BLAST), each
 by the plain weight-space projection and by the activation-aware (whitened) one
 calibrated on training text, and measures validation perplexity: dense, right after
-projection, and after a short recovery fine-tune of only the structured factors. Rows
+projection, and after a short recovery fine-tune of only the structured factors (each
+fine-tune, the dense control's too, ends at its best step on a dev half of the held-out
+text; perplexities are on the other half). Rows
 also carry the per-layer relative weight and output errors. The summary says where BLAST
 does not beat low-rank. Writes benchmarks/results/blr_accuracy.json and .png, with the run's
 settings and the model's train_info.json.
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from memfit.compress import compress_model
-from memfit.data import token_splits
+from memfit.data import dev_test_split, token_splits
 from memfit.data.lm import perplexity, train_lm
 from memfit.layers import StructuredLinear
 from memfit.measure.results import RESULTS_DIR, target, write_results
@@ -45,30 +47,32 @@ def load_or_train(model_dir: Path, smoke: bool, device: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).to(device).eval()
 
 
-def recover(model, params, args, train) -> dict:
-    """The short recovery fine-tune: only ``params`` train, same recipe for every row (dense control included)."""
+def recover(model, params, args, train, dev) -> dict:
+    """The short recovery fine-tune: only ``params`` train, same recipe for every row (dense control
+    included), ending at the step with the best dev perplexity (the corpus is small enough to overfit)."""
     for p in model.parameters():
         p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
     return train_lm(model, train, args.recovery_steps, args.batch, args.seq, args.recovery_lr,
-                    warmup=args.recovery_steps // 10, weight_decay=0.0, params=params, seed=1)
+                    warmup=args.recovery_steps // 10, weight_decay=0.0, params=params, seed=1,
+                    validate=lambda: perplexity(model, dev, args.seq), validate_every=args.validate_every)
 
 
-def dense_control(base, kinds: set[str], args, train, val) -> dict:
+def dense_control(base, kinds: set[str], args, train, dev, val) -> dict:
     """The dense model given the same recovery steps on the weights of the projection ``kinds`` the
     compression replaced: the fair reference for "after recovery" (the small model is not trained to
     convergence, so extra steps help it too)."""
     model = copy.deepcopy(base)
     targets = [m.weight for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in kinds]
-    ft = recover(model, targets, args, train)
+    ft = recover(model, targets, args, train, dev)
     return {"method": "dense", "projection": "recovery control", "linear_ratio": 1.0,
             "ppl_projected": perplexity(base, val, args.seq), "ppl_recovered": perplexity(model, val, args.seq),
-            "recovery_steps": ft["steps"], "recovery_s": ft["seconds"]}
+            "recovery_steps": ft["steps"], "recovery_best_step": ft.get("best_step"), "recovery_s": ft["seconds"]}
 
 
-def run_case(base, method, aware, args, calib, train, val) -> dict:
+def run_case(base, method, aware, args, calib, train, dev, val) -> dict:
     model = copy.deepcopy(base)
     t0 = time.perf_counter()
     result = compress_model(model, method, args.ratio, args.blocks, calibration=calib, activation_aware=aware,
@@ -76,13 +80,14 @@ def run_case(base, method, aware, args, calib, train, val) -> dict:
     project_s = time.perf_counter() - t0
     ppl = perplexity(model, val, args.seq)
     factors = [p for m in model.modules() if isinstance(m, StructuredLinear) for p in m.parameters()]
-    ft = recover(model, factors, args, train)
+    ft = recover(model, factors, args, train, dev)
     rows = result.report
     mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     return {"method": method, "projection": "activation-aware" if aware else "weight-space",
             "linear_ratio": result.summary()["linear_ratio"], "ranks": result.summary()["ranks"],
             "blocks": result.blocks, "project_s": project_s, "ppl_projected": ppl,
-            "ppl_recovered": perplexity(model, val, args.seq), "recovery_steps": ft["steps"], "recovery_s": ft["seconds"],
+            "ppl_recovered": perplexity(model, val, args.seq), "recovery_steps": ft["steps"],
+            "recovery_best_step": ft.get("best_step"), "recovery_s": ft["seconds"],
             "mean_weight_error": mean("weight_error"), "mean_output_error": mean("output_error"), "layers": rows}
 
 
@@ -150,6 +155,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--calib-samples", type=int, default=64)
+    parser.add_argument("--validate-every", type=int, default=25,
+                        help="recovery steps between dev-set scores; each model ends at its best")
     parser.add_argument("--smoke", action="store_true", help="tiny model, few steps, CPU")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -159,9 +166,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     base = load_or_train(args.model, args.smoke, device)
-    train, val = (t.to(device) for t in token_splits())
+    train, held_out = (t.to(device) for t in token_splits())
     if args.smoke:
-        train, val = train[:20000], val[:2000]
+        train, held_out = train[:20000], held_out[:2000]
+    dev, val = dev_test_split(held_out)     # dev stops the recovery fine-tunes; every reported perplexity is on val
     calib = list(train[: args.calib_samples * args.seq].reshape(-1, args.seq).split(8))  # training text windows
     dense_ppl = perplexity(base, val, args.seq)
     print(f"dense val ppl {dense_ppl:.3f}", flush=True)
@@ -186,15 +194,16 @@ def main(argv=None) -> int:
 
     for method in METHODS:
         for aware in (False, True):
-            row = run_case(base, method, aware, args, calib, train, val)
+            row = run_case(base, method, aware, args, calib, train, dev, val)
             if not rows:            # the control trains what the first compression replaced
-                rows.append(dense_control(base, {r["kind"] for r in row["layers"]}, args, train, val))
-                print(f"dense + {rows[0]['recovery_steps']} recovery steps: ppl {rows[0]['ppl_recovered']:.3f}",
+                rows.append(dense_control(base, {r["kind"] for r in row["layers"]}, args, train, dev, val))
+                print(f"dense + {rows[0]['recovery_steps']} recovery steps (kept step {rows[0]['recovery_best_step']}): "
+                      f"ppl {rows[0]['ppl_recovered']:.3f}",
                       flush=True)
             rows.append(row)
             save(complete=False)
             print(f"{method:8s} {row['projection']:16s} ratio {row['linear_ratio']:.3f}  ppl {row['ppl_projected']:9.3f} "
-                  f"-> {row['ppl_recovered']:7.3f} after {row['recovery_steps']} steps  "
+                  f"-> {row['ppl_recovered']:7.3f} after {row['recovery_steps']} steps (kept {row['recovery_best_step']})  "
                   f"(err w {row['mean_weight_error']:.3f} / out {row['mean_output_error']:.3f})", flush=True)
     path = save(complete=True)
     print("\n".join(findings(rows[1:])))

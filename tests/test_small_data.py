@@ -64,3 +64,29 @@ def test_lm_loop_lowers_perplexity():
     before = perplexity(model, stream, 32)
     stats = train_lm(model, stream, steps=30, batch=4, seq_len=32, lr=1e-2, warmup=3)
     assert stats["steps"] == 30 and perplexity(model, stream, 32) < 0.5 * before
+
+
+@pytest.mark.parametrize("best_at", ["start", "middle", "end"])
+def test_lm_loop_keeps_the_best_validated_parameters(best_at):
+    """Early stopping: the model ends with the parameters it had at its best validation score."""
+    from memfit.models import ModelSpec, build_model
+
+    torch.manual_seed(0)
+    spec = ModelSpec("t", "llama", 1, 32, 64, 2, 1, 16, ByteTokenizer.vocab_size, dtype="float32")
+    model = build_model(spec, dtype="float32")
+    stream = torch.tensor(ByteTokenizer().encode("the quick brown fox jumps over the lazy dog. " * 40))
+    scores = {"start": [1, 2, 3, 4, 5], "middle": [5, 4, 1, 2, 3], "end": [5, 4, 3, 2, 1]}[best_at]
+    snapshots = []
+
+    def validate():
+        snapshots.append([p.detach().clone() for p in model.parameters()])
+        return scores[len(snapshots) - 1]
+
+    stats = train_lm(model, stream, steps=20, batch=4, seq_len=32, lr=1e-2, warmup=2, validate=validate,
+                     validate_every=5)
+    assert [step for step, _ in stats["validations"]] == [0, 5, 10, 15, 20]
+    best = scores.index(min(scores))
+    assert stats["best_step"] == 5 * best
+    for got, want in zip(model.parameters(), snapshots[best]):
+        assert torch.equal(got, want)
+    assert not torch.equal(snapshots[0][0], snapshots[-1][0])      # training did move the weights

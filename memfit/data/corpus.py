@@ -110,3 +110,10 @@ def token_splits(tokenizer=None, val_every: int = 20) -> tuple[torch.Tensor, tor
 
 def python_version() -> str:
     return ".".join(map(str, sys.version_info[:3]))
+
+
+def dev_test_split(held_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The held-out stream's two halves: ``dev`` to choose when training stops (early stopping),
+    ``test`` for the perplexity reported, so no reported number was used to choose a checkpoint."""
+    half = held_out.numel() // 2
+    return held_out[:half], held_out[half:]

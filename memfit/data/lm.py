@@ -47,8 +47,15 @@ def perplexity(model, stream: torch.Tensor, seq_len: int = 512, batch: int = 16,
 
 def train_lm(model, stream: torch.Tensor, steps: int, batch: int = 16, seq_len: int = 512, lr: float = 2e-3,
              warmup: int = 100, weight_decay: float = 0.1, params=None, max_seconds: float | None = None,
-             seed: int = 0, log: Callable[[int, float], None] | None = None, log_every: int = 100) -> dict:
-    """Train ``model`` (or only ``params``) for ``steps`` steps; stop early past ``max_seconds``."""
+             seed: int = 0, log: Callable[[int, float], None] | None = None, log_every: int = 100,
+             validate: Callable[[], float] | None = None, validate_every: int = 50) -> dict:
+    """Train ``model`` (or only ``params``) for ``steps`` steps; stop early past ``max_seconds``.
+
+    With ``validate`` (a () -> held-out loss or perplexity, lower is better) the trained
+    parameters are scored before training, every ``validate_every`` steps and at the end,
+    and end as they were at the best score (early stopping): the offline corpus is about
+    1.1M bytes, which a 10M-parameter model memorises within a few epochs.
+    """
     params = [p for p in (params if params is not None else model.parameters()) if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     rest = [p for p in params if p.dim() < 2]
@@ -57,6 +64,8 @@ def train_lm(model, stream: torch.Tensor, steps: int, batch: int = 16, seq_len: 
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))))
     gen = torch.Generator().manual_seed(seed)
+    best = _Best(params, validate)
+    best.check(0)
     model.train()
     start, done = time.perf_counter(), 0
     for step in range(steps):
@@ -73,9 +82,43 @@ def train_lm(model, stream: torch.Tensor, steps: int, batch: int = 16, seq_len: 
             log(done, float(loss_t.detach()))
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
+        if done % validate_every == 0 and done < steps:
+            best.check(done)
+            model.train()
+    best.check(done)
+    best.restore()
     model.eval()
     if stream.is_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return {"steps": done, "seconds": seconds, "tokens": done * batch * seq_len, "last_loss": float(loss_t.detach()),
-            "tokens_per_s": done * batch * seq_len / seconds}
+            "tokens_per_s": done * batch * seq_len / seconds, **best.stats()}
+
+
+class _Best:
+    """Early stopping for :func:`train_lm`: a copy of the parameters at the best validation score."""
+
+    def __init__(self, params: list[torch.Tensor], validate: Callable[[], float] | None):
+        self.params, self.validate = params, validate
+        self.scores: list[tuple[int, float]] = []
+        self.kept: list[torch.Tensor] | None = None
+
+    def check(self, step: int) -> None:
+        if self.validate is None or (self.scores and self.scores[-1][0] == step):
+            return
+        score = float(self.validate())
+        if not self.scores or score < min(s for _, s in self.scores):
+            self.kept = [p.detach().clone() for p in self.params]
+        self.scores.append((step, score))
+
+    def restore(self) -> None:
+        if self.kept is not None:
+            with torch.no_grad():
+                for p, kept in zip(self.params, self.kept):
+                    p.copy_(kept)
+
+    def stats(self) -> dict:
+        if not self.scores:
+            return {}
+        step, score = min(self.scores, key=lambda s: s[1])
+        return {"best_step": step, "best_validation": score, "validations": self.scores}
