@@ -78,7 +78,7 @@ def test_monarch_variants_offered():
     the plain PyTorch pipeline always competes."""
     assert set(monarch.variants_for(16, 128, 32, False)) == {"two_stage", "bmm", "bmm_perm_bmm", "fused", "torch"}
     assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "fused", "torch"}
-    assert set(monarch.variants_for(8192, 128, 32, False)) == {"two_stage", "bmm", "bmm_perm_bmm", "torch"}
+    assert set(monarch.variants_for(8192, 128, 32, False)) == {"two_stage", "bmm", "bmm_perm_bmm", "fused", "torch"}
     assert "fused" not in monarch.variants_for(1, 688, 93, False)
 
 

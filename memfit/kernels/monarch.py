@@ -21,14 +21,16 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   P^T as a memory-bound copy between them (:func:`_permute_kernel`): 2 N b r more elements
   of traffic than ``bmm`` for no scattered store, which is slow where t is not a multiple
   of 8 (Llama-7B: t = 93). Block-major layout only.
-* ``fused`` (N <= FUSED_MAX_N, the decode path): one kernel, z on chip. A program owns
+* ``fused`` (the decode path, and a candidate at every N): one kernel, z on chip. A program owns
   a token tile, output block i and an output column tile; one loop over the input
   blocks j (both dots in it, so it is software-pipelined) computes
   s = X_j @ w1[j][:, i t:(i+1) t] (K = m, all of it in one tile) and at once
   acc += s @ w2[i][j t:(j+1) t, tile]. One launch, weights read once from HBM (the w1
-  slice is re-read from L2 per column tile), x re-read from L2 per program: cheap at
-  decode, hopeless at large N, so not offered there. Needs pow2(m) * pow2(t) small
-  enough for a pipelined tile (:func:`fused_fits`).
+  slice is re-read from L2 per column tile), x re-read from L2 per program, stage 1
+  recomputed once per output column tile (ceil(p / BO) times). Cheap at decode; at large
+  N it can only win where p is one or two column tiles (Llama-1B q/o: p = 128, where z's
+  round trip through memory costs more than the stage-2 FLOPs), so the pick times it at
+  every N. Needs pow2(m) * pow2(t) small enough for a pipelined tile (:func:`fused_fits`).
 * ``torch`` (the reference: two cuBLAS batched GEMMs with the permutations as copies)
   competes too, so the pick is never slower than plain PyTorch on a shape where the
   Triton stage 1 stores badly (e.g. a per-block rank t = 93, not a multiple of 8).
@@ -56,7 +58,6 @@ from memfit.kernels.blr_common import (
 )
 from memfit.kernels.dispatch import use_triton
 
-FUSED_MAX_N = 128      # beyond this the fused kernel's x re-reads (b * p / BO per token tile) cost more than z's round trip
 FUSED_MAX_TILE = 16384  # pow2(m) * pow2(t) elements of w1 slice per step: 32 KB in bf16, so 2-3 stages fit
 
 
@@ -135,7 +136,8 @@ def _prune_fused(configs, named_args, **kwargs):
     return keep or configs[:1]
 
 
-@tuned([(16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2)],
+@tuned([(16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3),
+        (128, 128, 8, 2)],
        ("BN", "BO"), (16, 16, 4, 1), key=["N_BUCKET", "M", "T", "P", "B"], prune=_prune_fused)
 @triton.jit
 def _fused_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M, T, P, B, N_BUCKET,
@@ -195,7 +197,7 @@ def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
     names = ["two_stage", "torch"]
     if not permute_output:
         names += ["bmm", "bmm_perm_bmm"]
-    if n <= FUSED_MAX_N and fused_fits(m, t):
+    if fused_fits(m, t):
         names.append("fused")
     return {name: VARIANTS[name] for name in names}
 
