@@ -110,14 +110,15 @@ def floors(model, spec, ceilings, elem: int) -> dict:
 
 
 KERNEL_KINDS = (  # (kind, name fragments), first match wins; lower-case
-    ("blr", ("_bgemm", "_mix", "_zmix", "_fused_kernel", "memfit::")),
-    ("attention", ("sdpa", "flash", "fmha", "attention", "attn")),
+    ("blr", ("_bgemm", "_mix", "_zmix", "_fused_kernel", "_permute_kernel", "memfit::blast", "memfit::monarch",
+             "memfit::lowrank")),
+    ("attention", ("sdpa", "flash", "fmha", "attention", "attn", "_fwd_kernel")),  # _fwd_kernel: memfit's, prefill
     ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "splitk", "gemv", "aten::mm", "aten::bmm", "aten::addmm")),
 )
 
 
 def kernel_kind(name: str) -> str:
-    """Which part of a step a kernel belongs to: BLR (memfit's Triton kernels), dense matmul
+    """Which part of a step a kernel belongs to: BLR (memfit's BLR Triton kernels and ops), dense matmul
     (cuBLAS, including the BLR pipelines' cuBLAS stages), attention, or other (norms, rope,
     activations, copies)."""
     low = name.lower()
