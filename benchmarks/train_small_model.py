@@ -4,10 +4,11 @@ The model the accuracy benchmarks compress (blr_accuracy) and the partial-infere
 reads: 6 layers, hidden 384, GQA 6/2 heads, SwiGLU 1024, vocab 259 (memfit's
 ByteTokenizer), trained on the offline corpus of memfit.data (pydoc topics + standard
 library docstrings), every 20th document held out: the first half of that stream (dev)
-picks the checkpoint (early stopping: the 1.1M-byte corpus is memorised within a few
-epochs), the second half (test) gives the reported validation perplexity. Writes the model
-directory (config.json, model.safetensors, memfit_tokenizer.json, train_info.json) to
---out, atomically, and benchmarks/results/train_small_model.json.
+picks the checkpoint (early stopping: the model overfits the corpus, about 1.1M training
+bytes; the results JSON holds every dev score), the second half (test) gives the reported
+validation perplexity. Writes the model directory (config.json, model.safetensors,
+memfit_tokenizer.json, train_info.json) to --out, atomically, and
+benchmarks/results/train_small_model.json.
 
     python benchmarks/train_small_model.py --out benchmarks/results/small_llama
     python benchmarks/train_small_model.py --smoke          # CPU, tiny, seconds

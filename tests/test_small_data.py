@@ -90,3 +90,31 @@ def test_lm_loop_keeps_the_best_validated_parameters(best_at):
     for got, want in zip(model.parameters(), snapshots[best]):
         assert torch.equal(got, want)
     assert not torch.equal(snapshots[0][0], snapshots[-1][0])      # training did move the weights
+
+
+def test_lm_loop_validation_is_timed_apart_and_checked():
+    """Scoring time is reported apart and left out of tokens_per_s; a stream too short for one
+    window and a non-positive validate_every are clear errors (an empty dev set used to score a
+    perfect 1.0 every time, so early stopping silently kept the untrained step-0 weights)."""
+    import time
+
+    from memfit.models import ModelSpec, build_model
+
+    torch.manual_seed(0)
+    spec = ModelSpec("t", "llama", 1, 32, 64, 2, 1, 16, ByteTokenizer.vocab_size, dtype="float32")
+    model = build_model(spec, dtype="float32")
+    stream = torch.tensor(ByteTokenizer().encode("the quick brown fox jumps over the lazy dog. " * 40))
+    with pytest.raises(MemfitError, match="fewer than one window"):
+        perplexity(model, stream[:32], 32)
+    with pytest.raises(MemfitError, match="validate_every=0"):
+        train_lm(model, stream, steps=2, batch=2, seq_len=16, validate=lambda: 1.0, validate_every=0)
+    assert train_lm(model, stream, steps=2, batch=2, seq_len=16, validate_every=0)["validate_seconds"] == 0.0
+
+    def slow_score():
+        time.sleep(0.05)
+        return 1.0
+
+    stats = train_lm(model, stream, steps=4, batch=2, seq_len=16, validate=slow_score, validate_every=2)
+    assert [step for step, _ in stats["validations"]] == [0, 2, 4]
+    assert stats["validate_seconds"] >= 0.1                          # steps 2 and 4; step 0 is before the clock
+    assert stats["tokens_per_s"] == pytest.approx(stats["tokens"] / (stats["seconds"] - stats["validate_seconds"]))

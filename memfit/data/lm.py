@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from memfit.errors import MemfitError
+
 
 def random_windows(stream: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """``batch`` windows of ``seq_len + 1`` tokens (inputs and shifted targets) from ``stream``."""
@@ -28,9 +30,12 @@ def _loss(model, window: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def perplexity(model, stream: torch.Tensor, seq_len: int = 512, batch: int = 16, max_windows: int | None = None) -> float:
     """exp(mean next-token NLL) over the non-overlapping windows of ``stream``."""
+    n = (stream.numel() - 1) // seq_len
+    if n < 1:   # no window would score as a perfect 1.0, which early stopping would take as the best
+        raise MemfitError(f"perplexity: the stream has {stream.numel()} tokens, fewer than one window of "
+                          f"seq_len + 1 = {seq_len + 1}; give a longer stream or a shorter seq_len")
     was_training = model.training
     model.eval()
-    n = (stream.numel() - 1) // seq_len
     if max_windows:
         n = min(n, max_windows)
     starts = torch.arange(n, device=stream.device) * seq_len
@@ -53,9 +58,14 @@ def train_lm(model, stream: torch.Tensor, steps: int, batch: int = 16, seq_len: 
 
     With ``validate`` (a () -> held-out loss or perplexity, lower is better) the trained
     parameters are scored before training, every ``validate_every`` steps and at the end,
-    and end as they were at the best score (early stopping): the offline corpus is about
-    1.1M bytes, which a 10M-parameter model memorises within a few epochs.
+    and end as they were at the best score (early stopping): for text small enough to be
+    memorised, as memfit.data's offline corpus is by benchmarks/train_small_model.py's model
+    (benchmarks/results/train_small_model.json holds its dev scores, falling, then rising).
+    ``seconds`` and ``max_seconds`` include the scoring after step 0 (``validate_seconds``:
+    scores and snapshots); ``tokens_per_s`` is over the training time alone.
     """
+    if validate is not None and validate_every < 1:
+        raise MemfitError(f"train_lm: validate_every={validate_every}; give a positive number of steps")
     params = [p for p in (params if params is not None else model.parameters()) if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     rest = [p for p in params if p.dim() < 2]
@@ -67,7 +77,7 @@ def train_lm(model, stream: torch.Tensor, steps: int, batch: int = 16, seq_len: 
     best = _Best(params, validate)
     best.check(0)
     model.train()
-    start, done = time.perf_counter(), 0
+    start, done, scored = time.perf_counter(), 0, best.seconds      # the step-0 score is not timed
     for step in range(steps):
         window = random_windows(stream, batch, seq_len, gen)
         with torch.autocast("cuda", torch.bfloat16, enabled=stream.is_cuda):
@@ -82,7 +92,7 @@ def train_lm(model, stream: torch.Tensor, steps: int, batch: int = 16, seq_len: 
             log(done, float(loss_t.detach()))
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
-        if done % validate_every == 0 and done < steps:
+        if validate is not None and done % validate_every == 0 and done < steps:
             best.check(done)
             model.train()
     best.check(done)
@@ -90,9 +100,10 @@ def train_lm(model, stream: torch.Tensor, steps: int, batch: int = 16, seq_len: 
     model.eval()
     if stream.is_cuda:
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    seconds, validate_seconds = time.perf_counter() - start, best.seconds - scored
     return {"steps": done, "seconds": seconds, "tokens": done * batch * seq_len, "last_loss": float(loss_t.detach()),
-            "tokens_per_s": done * batch * seq_len / seconds, **best.stats()}
+            "tokens_per_s": done * batch * seq_len / (seconds - validate_seconds), "validate_seconds": validate_seconds,
+            **best.stats()}
 
 
 class _Best:
@@ -102,14 +113,19 @@ class _Best:
         self.params, self.validate = params, validate
         self.scores: list[tuple[int, float]] = []
         self.kept: list[torch.Tensor] | None = None
+        self.seconds = 0.0                                  # wall time spent scoring and keeping snapshots
 
     def check(self, step: int) -> None:
         if self.validate is None or (self.scores and self.scores[-1][0] == step):
             return
+        if self.params and self.params[0].is_cuda:
+            torch.cuda.synchronize()                        # the queued training steps are not validation time
+        start = time.perf_counter()
         score = float(self.validate())
         if not self.scores or score < min(s for _, s in self.scores):
             self.kept = [p.detach().clone() for p in self.params]
         self.scores.append((step, score))
+        self.seconds += time.perf_counter() - start
 
     def restore(self) -> None:
         if self.kept is not None:
