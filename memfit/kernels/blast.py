@@ -2,8 +2,9 @@
 
 Shapes: x (..., in), U (b, p, r), V (b, m, r), S (b, b, r) with in = b m, out = b p;
 bias (out,) or None. Stages: Z_j = X_j V_j, T_i = sum_j Z_j diag(s_ij), Y_i = T_i U_i^T.
-The mixing is b^2 r N multiply-adds on CUDA cores (no tensor-core form without b-fold
-waste), so every pipeline does it exactly once per token at large N.
+The mixing is b^2 r N multiply-adds, done exactly once per token by every pipeline at
+large N: on CUDA cores where it is fused into a GEMM (``_mix_kernel``, ``_mixgemm_kernel``),
+on tensor cores where it runs alone (``_zmix_kernel``: per rank a (tokens x b) @ (b x b) dot).
 
 Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk):
 

@@ -125,7 +125,7 @@ def _bmm_perm_bmm(x2, w1, w2, bias, permute_output):
     return per_block_gemm(zp, w2, bias, cublas=True)
 
 
-# ---- fused kernel (decode): both dots in one pipelined loop over input blocks --------
+# ---- fused kernel (decode; a candidate at every N): both dots in one pipelined loop -----
 
 def _prune_fused(configs, named_args, **kwargs):
     configs = keep_small_n(configs, named_args["N"])
