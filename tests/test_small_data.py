@@ -1,4 +1,6 @@
 """memfit.data: the byte tokenizer, the offline corpus and the LM train/eval loop."""
+import math
+
 import pytest
 import torch
 
@@ -66,16 +68,18 @@ def test_lm_loop_lowers_perplexity():
     assert stats["steps"] == 30 and perplexity(model, stream, 32) < 0.5 * before
 
 
-@pytest.mark.parametrize("best_at", ["start", "middle", "end"])
+@pytest.mark.parametrize("best_at", ["start", "middle", "end", "after_nan"])
 def test_lm_loop_keeps_the_best_validated_parameters(best_at):
-    """Early stopping: the model ends with the parameters it had at its best validation score."""
+    """Early stopping: the model ends with the parameters it had at its best validation score
+    (a NaN first score used to stay the best: nothing compares less than NaN)."""
     from memfit.models import ModelSpec, build_model
 
     torch.manual_seed(0)
     spec = ModelSpec("t", "llama", 1, 32, 64, 2, 1, 16, ByteTokenizer.vocab_size, dtype="float32")
     model = build_model(spec, dtype="float32")
     stream = torch.tensor(ByteTokenizer().encode("the quick brown fox jumps over the lazy dog. " * 40))
-    scores = {"start": [1, 2, 3, 4, 5], "middle": [5, 4, 1, 2, 3], "end": [5, 4, 3, 2, 1]}[best_at]
+    scores = {"start": [1, 2, 3, 4, 5], "middle": [5, 4, 1, 2, 3], "end": [5, 4, 3, 2, 1],
+              "after_nan": [math.nan, 5, 1, 2, 3]}[best_at]
     snapshots = []
 
     def validate():
@@ -85,7 +89,7 @@ def test_lm_loop_keeps_the_best_validated_parameters(best_at):
     stats = train_lm(model, stream, steps=20, batch=4, seq_len=32, lr=1e-2, warmup=2, validate=validate,
                      validate_every=5)
     assert [step for step, _ in stats["validations"]] == [0, 5, 10, 15, 20]
-    best = scores.index(min(scores))
+    best = scores.index(min(s for s in scores if not math.isnan(s)))
     assert stats["best_step"] == 5 * best
     for got, want in zip(model.parameters(), snapshots[best]):
         assert torch.equal(got, want)

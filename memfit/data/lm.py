@@ -107,12 +107,14 @@ def train_lm(model, stream: torch.Tensor, steps: int, batch: int = 16, seq_len: 
 
 
 class _Best:
-    """Early stopping for :func:`train_lm`: a copy of the parameters at the best validation score."""
+    """Early stopping for :func:`train_lm`: a copy of the parameters at the best validation score
+    (the earliest of equal ones; a NaN score is never the best)."""
 
     def __init__(self, params: list[torch.Tensor], validate: Callable[[], float] | None):
         self.params, self.validate = params, validate
         self.scores: list[tuple[int, float]] = []
         self.kept: list[torch.Tensor] | None = None
+        self.best: tuple[int, float] | None = None
         self.seconds = 0.0                                  # wall time spent scoring and keeping snapshots
 
     def check(self, step: int) -> None:
@@ -122,7 +124,8 @@ class _Best:
             torch.cuda.synchronize()                        # the queued training steps are not validation time
         start = time.perf_counter()
         score = float(self.validate())
-        if not self.scores or score < min(s for _, s in self.scores):
+        if not math.isnan(score) and (self.best is None or score < self.best[1]):
+            self.best = (step, score)
             self.kept = [p.detach().clone() for p in self.params]
         self.scores.append((step, score))
         self.seconds += time.perf_counter() - start
@@ -136,5 +139,5 @@ class _Best:
     def stats(self) -> dict:
         if not self.scores:
             return {}
-        step, score = min(self.scores, key=lambda s: s[1])
+        step, score = self.best or (None, math.nan)
         return {"best_step": step, "best_validation": score, "validations": self.scores}
