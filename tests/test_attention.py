@@ -243,14 +243,14 @@ def test_patch_attention_bad_value():
 
 def test_fp32_dots_follow_torch_matmul_precision():
     """IEEE fp32 by default; TF32 only once the user allows it for matmuls (it is then used, and said once)."""
-    from memfit.kernels.attention import _dot_precision
+    from memfit.kernels.dispatch import dot_precision
 
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        assert _dot_precision(torch.float32) == "ieee"
+        assert dot_precision(torch.float32, "op") == "ieee"
         torch.set_float32_matmul_precision("high")
-        assert _dot_precision(torch.float32) == "tf32"
-        assert _dot_precision(torch.bfloat16) == "tf32"
+        assert dot_precision(torch.float32, "op") == "tf32"
+        assert dot_precision(torch.bfloat16, "op") == "tf32"
     finally:
         torch.set_float32_matmul_precision(before)

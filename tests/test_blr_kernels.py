@@ -159,3 +159,20 @@ def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
     monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
     assert blr_common.pick_variant("op", (16,), candidates, "slow", ()) == "slow"
     assert warned and "capture" in warned[0]
+
+
+def test_fp32_blr_dots_follow_torch_matmul_precision(monkeypatch, caplog):
+    """fp32 BLR kernels run IEEE dots by default and TF32 only when torch allows it, said once."""
+    from memfit import log
+
+    monkeypatch.setattr(log, "_said", set())
+    x, w1, w2 = torch.randn(N, B * M), torch.randn(B, M, 6), torch.randn(B, 6, P)
+    monarch_linear(x, w1, w2, path="triton", variant="two_stage")
+    assert "TF32" not in caplog.text
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        monarch_linear(x, w1, w2, path="triton", variant="two_stage")
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert "block-low-rank kernels: fp32 inputs use TF32" in caplog.text

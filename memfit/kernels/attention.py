@@ -52,8 +52,7 @@ from typing import Optional
 import torch
 
 from memfit.errors import MemfitError
-from memfit.kernels.dispatch import interpreting, use_triton
-from memfit.log import warn_once
+from memfit.kernels.dispatch import dot_precision, interpreting, use_triton
 
 try:
     import triton
@@ -471,18 +470,7 @@ def _geom(q, k, cu_seqlens, max_seqlen) -> _Geom:
     return _Geom(nseq=cu_seqlens.numel() - 1 if varlen else bt, heads=heads, group=heads // k.shape[1],
                  n_ctx=max_seqlen if varlen else n_tot, n_tot=n_tot, head_dim=d,
                  block_d=max(16, triton.next_power_of_2(d)), varlen=varlen,
-                 dot_prec=_dot_precision(q.dtype))
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs follow torch's float32 matmul precision: IEEE under "highest" (the default), TF32 when
-    the user allowed it for matmuls (``torch.backends.cuda.matmul.allow_tf32``): IEEE dots run on CUDA
-    cores, over an order of magnitude slower. 16-bit inputs always use the tensor cores."""
-    if dtype != torch.float32 or torch.get_float32_matmul_precision() == "highest":
-        return "ieee" if dtype == torch.float32 else "tf32"
-    warn_once("attention:tf32", "memfit attention: fp32 inputs use TF32 dots, as torch's float32 matmul "
-                                "precision allows (set it to 'highest' for IEEE fp32)")
-    return "tf32"
+                 dot_prec=dot_precision(q.dtype, "memfit attention"))
 
 
 def _strides(t):

@@ -42,6 +42,7 @@ import triton.language as tl
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
     bgemm,
+    blr_precision,
     bmm_into,
     fits_smem,
     keep_small_n,
@@ -85,13 +86,13 @@ def _prune_mix(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _xv_step(x_ptr, v_ptr, rn, rm, rk, a0, N, M, R, sxn, sva, svk, acc):
+def _xv_step(x_ptr, v_ptr, rn, rm, rk, a0, N, M, R, sxn, sva, svk, acc, PRECISION: tl.constexpr):
     """acc + X_j[:, a0:a0+BM] @ V_j[a0:a0+BM, rk] (pointers already at block j)."""
     xa = tl.load(x_ptr + rn[:, None] * sxn + (a0 + rm)[None, :], mask=(rn[:, None] < N) & (a0 + rm[None, :] < M),
                  other=0.0)
     va = tl.load(v_ptr + (a0 + rm)[:, None] * sva + rk[None, :] * svk,
                  mask=(a0 + rm[:, None] < M) & (rk[None, :] < R), other=0.0)
-    return mma(xa, va, acc)
+    return mma(xa, va, acc, PRECISION)
 
 
 # BN * b * BK fp32 accumulators per program: <= 128 registers a thread at b = 16
@@ -100,7 +101,8 @@ def _xv_step(x_ptr, v_ptr, rn, rm, rk, a0, N, M, R, sxn, sva, svk, acc):
 @triton.jit
 def _mix_kernel(x_ptr, v_ptr, s_ptr, t_ptr, N, M, R, B, N_BUCKET,
                 sxn, svj, sva, svk, ssi, ssj, ssk, stn, sti, stk,
-                BB: tl.constexpr, BM: tl.constexpr, ONE_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                BB: tl.constexpr, BM: tl.constexpr, ONE_K: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr):
     """T[n, i, k] = sum_j s[i, j, k] (X_j V_j)[n, k] for a (BN tokens, BK ranks) tile, all i."""
     rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
@@ -110,10 +112,11 @@ def _mix_kernel(x_ptr, v_ptr, s_ptr, t_ptr, N, M, R, B, N_BUCKET,
     for j in range(B):
         z = tl.zeros((BN, BK), dtype=tl.float32)
         if ONE_K:                                   # the j loop is the innermost loop: pipelined
-            z = _xv_step(x_ptr + j * M, v_ptr + j * svj, rn, rm, rk, 0, N, M, R, sxn, sva, svk, z)
+            z = _xv_step(x_ptr + j * M, v_ptr + j * svj, rn, rm, rk, 0, N, M, R, sxn, sva, svk, z, PRECISION)
         else:
             for a0 in range(0, M, BM):
-                z = _xv_step(x_ptr + j * M, v_ptr + j * svj, rn, rm, rk, a0, N, M, R, sxn, sva, svk, z)
+                z = _xv_step(x_ptr + j * M, v_ptr + j * svj, rn, rm, rk, a0, N, M, R, sxn, sva, svk, z,
+                              PRECISION)
         z = z.to(x_ptr.dtype.element_ty).to(tl.float32)          # Z is rounded to x's dtype, as in the reference
         t = _mix_step(t, z, s_ptr, j, rb, rk, B, R, ssi, ssj, ssk)
     _store_t(t_ptr, t, rn, rb, rk, N, B, R, stn, sti, stk)
@@ -143,7 +146,7 @@ def _mix(x2, v, s):
     bm = pow2_at_least(m) if m <= MIX_ONE_TILE_M else MIX_LOOP_BM
     grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
     _mix_kernel[grid](x2, v, s, t, n, m, r, b, n_bucket(n), x2.stride(0), *v.stride(), *s.stride(), *t.stride(),
-                      BB=pow2_at_least(b, 1), BM=bm, ONE_K=bm >= m)
+                      BB=pow2_at_least(b, 1), BM=bm, ONE_K=bm >= m, PRECISION=blr_precision(x2.dtype))
     return t
 
 
@@ -168,7 +171,7 @@ def _prune_zmix(configs, named_args, **kwargs):
        ("BN", "BK"), (16, 16, 4, 1), key=["N_BUCKET", "R", "B"], prune=_prune_zmix)
 @triton.jit
 def _zmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szn, szj, ssi, ssj, ssk, stn, sti, stk,
-                 BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 BB: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """T[n, i, k] = sum_j Z[n, j, k] s[i, j, k] for a (BN tokens, BK ranks) tile: per rank k a
     (BN x b) @ (b x b) product, all BK of them as one batched tensor-core dot (Z read and T
     written once; the b^2 multiply-adds per element stay off the CUDA cores)."""
@@ -180,7 +183,7 @@ def _zmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szn, szj, ssi, ssj, ssk
                 mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B), other=0.0)       # (BK, BN, b_j)
     st = tl.load(s_ptr + rk[:, None, None] * ssk + rb[None, :, None] * ssj + rb[None, None, :] * ssi,
                  mask=k_ok & (rb[None, :, None] < B) & (rb[None, None, :] < B), other=0.0)     # (BK, b_j, b_i)
-    t = mma(z, st.to(z.dtype), tl.zeros((BK, BN, BB), dtype=tl.float32))                          # (BK, BN, b_i)
+    t = mma(z, st.to(z.dtype), tl.zeros((BK, BN, BB), dtype=tl.float32), PRECISION)                          # (BK, BN, b_i)
     tl.store(t_ptr + rk[:, None, None] * stk + rn[None, :, None] * stn + rb[None, None, :] * sti,
              t.to(t_ptr.dtype.element_ty), mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B))
 
@@ -197,7 +200,7 @@ def _bmm_mix_bmm(x2, u, v, s, bias):
     t = torch.empty_like(z)
     grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
     _zmix_kernel[grid](z, s, t, n, r, b, n_bucket(n), z.stride(0), z.stride(1), *s.stride(), *t.stride(),
-                       BB=pow2_at_least(b))                                     # >= 16: a tensor-core K and N
+                       BB=pow2_at_least(b), PRECISION=blr_precision(z.dtype))  # BB >= 16: a tensor-core K and N
     return per_block_gemm(t, u.transpose(1, 2), bias, cublas=True)                # Y_i = T_i U_i^T
 
 
@@ -217,8 +220,8 @@ def _prune_mixgemm(configs, named_args, **kwargs):
 @triton.jit
 def _mixgemm_kernel(z_ptr, s_ptr, u_ptr, y_ptr, bias_ptr, N, R, P, B, N_BUCKET,
                     szn, szj, ssi, ssj, ssk, sui, suo, suk, syn,
-                    HAS_BIAS: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
-                    BK: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, BB: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr,
+                    BC: tl.constexpr, BK: tl.constexpr):
     """y[n, i p + o] = sum_k (sum_j s[i, j, k] Z[n, j, k]) U[i, o, k] for a (BN, BC) tile of block i."""
     c_tiles = tl.cdiv(P, BC)
     i = tl.program_id(0) % B
@@ -238,7 +241,7 @@ def _mixgemm_kernel(z_ptr, s_ptr, u_ptr, y_ptr, bias_ptr, N, R, P, B, N_BUCKET,
         a = tl.sum(z.to(tl.float32) * si[None, :, :], axis=1)
         u = tl.load(u_ptr + i * sui + kk[:, None] * suk + rc[None, :] * suo,
                     mask=(kk[:, None] < R) & (rc[None, :] < P), other=0.0)
-        acc = mma(a.to(u.dtype), u, acc)                      # T rounded to x's dtype, as in the reference
+        acc = mma(a.to(u.dtype), u, acc, PRECISION)                      # T rounded to x's dtype, as in the reference
     col = i * P + rc
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col, mask=rc < P, other=0.0).to(tl.float32)[None, :]
@@ -255,7 +258,7 @@ def _z_mixgemm(x2, u, v, s, bias):
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * b * triton.cdiv(p, meta["BC"]),)
     _mixgemm_kernel[grid](z, s, u, y, bias if bias is not None else y, n, r, p, b, n_bucket(n), z.stride(0),
                           z.stride(1), *s.stride(), *u.stride(), y.stride(0), HAS_BIAS=bias is not None,
-                          BB=pow2_at_least(b, 1))
+                          BB=pow2_at_least(b, 1), PRECISION=blr_precision(x2.dtype))
     return y
 
 

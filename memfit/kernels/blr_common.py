@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from memfit.kernels.dispatch import interpreting
+from memfit.kernels.dispatch import dot_precision, interpreting
 from memfit.log import warn_once
 
 _CACHE: dict | None = None
@@ -155,9 +155,14 @@ def save_for_recompute(ctx, inputs, output, n_tensors: int) -> None:
 
 
 @triton.jit
-def mma(a, b, acc):
-    """acc + a @ b on tensor cores (the interpreter's bf16 dot is fixed in kernels/interpreter.py)."""
-    return tl.dot(a, b, acc)
+def mma(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b at :func:`blr_precision` (the interpreter's bf16 dot is fixed in kernels/interpreter.py)."""
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+def blr_precision(dtype: torch.dtype) -> str:
+    """The BLR kernels' dot precision: tensor cores for 16-bit inputs, fp32 per torch's matmul precision."""
+    return dot_precision(dtype, "block-low-rank kernels")
 
 
 def tuned(configs: list[tuple], names: tuple[str, ...], interpreter_config: tuple, key: list[str], prune=None):
@@ -219,8 +224,8 @@ BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
 @triton.jit
 def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET,
                   sab, san, sak, sbb, sbk, sbc, scb, scn, scg, sci,
-                  HAS_BIAS: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                  GROUP_N: tl.constexpr = 8):
+                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+                  BK: tl.constexpr, GROUP_N: tl.constexpr = 8):
     n_tiles = tl.cdiv(N, BN)
     c_tiles = tl.cdiv(C, BC)
     pid = tl.program_id(0)
@@ -239,7 +244,7 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET
     for k0 in range(0, K, BK):
         a = tl.load(a_ptrs, mask=(rn[:, None] < N) & (rk[None, :] + k0 < K), other=0.0)
         b = tl.load(b_ptrs, mask=(rk[:, None] + k0 < K) & (rc[None, :] < C), other=0.0)
-        acc = mma(a, b, acc)
+        acc = mma(a, b, acc, PRECISION)
         a_ptrs += BK * sak
         b_ptrs += BK * sbk
     col = bt * scb + (rc // GRP) * scg + (rc % GRP) * sci
@@ -261,7 +266,8 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
     grp = grp or cols
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * triton.cdiv(cols, meta["BC"]), batches)
     _bgemm_kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, batches, n_bucket(n),
-                        *a_strides, *b_strides, *c_strides, HAS_BIAS=bias is not None)
+                        *a_strides, *b_strides, *c_strides, HAS_BIAS=bias is not None,
+                        PRECISION=blr_precision(a.dtype))
 
 
 def bmm_into(a, b, out, bias=None) -> None:

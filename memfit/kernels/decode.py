@@ -41,8 +41,8 @@ import triton
 import triton.language as tl
 
 from memfit.errors import MemfitError
-from memfit.kernels.attention import _dot_precision
 from memfit.kernels.blr_common import pick_variant
+from memfit.kernels.dispatch import dot_precision
 
 LOG2E = 1.4426950408889634
 # name -> (chunk of cache slots per program, 0 = the whole cache in one program; keys per block; warps)
@@ -256,7 +256,7 @@ def _attention_launch(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, v
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid8.stride(0),
         scale * LOG2E, G, H, S, D=D, GP=max(MIN_DOT, triton.next_power_of_2(G)), CHUNK=chunk, BLOCK_N=block_n,
-        SPLIT=split, DOT_PREC=_dot_precision(q.dtype), num_warps=warps)
+        SPLIT=split, DOT_PREC=dot_precision(q.dtype, "decode attention"), num_warps=warps)
     if split:
         _combine_kernel[(B * H,)](m, l_, acc, out, slot, S, D=D, CHUNK=chunk, SP=triton.next_power_of_2(S))
     return out

@@ -64,3 +64,20 @@ def use_triton(op: str, *tensors: torch.Tensor, path: str | None = None) -> bool
         device = tensors[0].device.type if tensors else "?"
         warn_once(f"fallback:{op}:{device}", f"{op}: no Triton kernel on {device}; running the PyTorch reference")
     return runnable
+
+
+def dot_precision(dtype: torch.dtype, op: str) -> str:
+    """``tl.dot``'s input precision for ``op``'s kernels on ``dtype`` inputs.
+
+    fp32 follows torch's float32 matmul precision: IEEE under "highest" (torch's default),
+    TF32 once the user allows it for matmuls (``torch.set_float32_matmul_precision("high")``),
+    and then said once per op, since TF32 rounds the inputs to 10 mantissa bits. IEEE dots run
+    on CUDA cores, over an order of magnitude slower. 16-bit inputs always use the tensor cores.
+    """
+    if dtype != torch.float32:
+        return "tf32"
+    if torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    warn_once(f"tf32:{op}", f"{op}: fp32 inputs use TF32 dots, as torch's float32 matmul precision allows "
+                            "(set it to 'highest' for IEEE fp32)")
+    return "tf32"

@@ -57,7 +57,7 @@ from typing import Optional
 import torch
 
 from memfit.errors import MemfitError
-from memfit.kernels.dispatch import interpreting, use_triton
+from memfit.kernels.dispatch import dot_precision, interpreting, use_triton
 from memfit.log import warn_once
 
 try:
@@ -370,13 +370,6 @@ if triton is not None:
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < width) & (offs_h[None, :] < H))
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """fp32 inputs follow torch's TF32 switch; 16-bit inputs always use tensor cores."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
-
-
 def _bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -413,7 +406,7 @@ def _lse_triton(hidden, weight, bias, rows, labels_n, softcap):
     _lse_kernel[grid](hidden, weight, bias if bias is not None else weight, rows, labels_n, m, s, t,
                       n, vocab, hdim, _bucket(n), hidden.stride(0), weight.stride(0), float(softcap),
                       SPLITS=splits, HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
-                      PRECISION=_precision(hidden.dtype))
+                      PRECISION=dot_precision(hidden.dtype, "linear_ce"))
     m_max = m.max(dim=0).values
     lse = m_max + torch.log((s * torch.exp(m - m_max)).sum(dim=0))
     return lse, t.sum(dim=0)
@@ -434,7 +427,7 @@ def _dlogits_triton(hidden, weight, bias, rows, labels_n, lse, g, softcap, z_los
                           n, weight.shape[0], weight.shape[1], _bucket(n), _width_key(width, chunk), v0, width,
                           hidden.stride(0), weight.stride(0), out.stride(0), float(softcap), float(z_loss),
                           HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
-                          PRECISION=_precision(hidden.dtype))
+                          PRECISION=dot_precision(hidden.dtype, "linear_ce"))
     return out
 
 
@@ -444,7 +437,7 @@ def _dweight_triton(d, hidden, rows, out, chunk):
     hdim = hidden.shape[1]
     grid = lambda meta: (triton.cdiv(width, meta["BLOCK_M"]), triton.cdiv(hdim, meta["BLOCK_H"]))
     _dweight_kernel[grid](d, hidden, rows, out, n, width, hdim, _bucket(n), _width_key(width, chunk), d.stride(0),
-                          hidden.stride(0), out.stride(0), PRECISION=_precision(hidden.dtype))
+                          hidden.stride(0), out.stride(0), PRECISION=dot_precision(hidden.dtype, "linear_ce"))
 
 
 # --------------------------------------------------------------------------------------

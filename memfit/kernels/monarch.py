@@ -44,6 +44,7 @@ import triton.language as tl
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
     bgemm,
+    blr_precision,
     bmm_into,
     fits_smem,
     keep_small_n,
@@ -142,7 +143,8 @@ def _prune_fused(configs, named_args, **kwargs):
 @triton.jit
 def _fused_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M, T, P, B, N_BUCKET,
                   sxn, s1j, s1a, s1c, s2i, s2c, s2o, syn, syi, syo,
-                  HAS_BIAS: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BO: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                  BO: tl.constexpr):
     o_tiles = tl.cdiv(P, BO)
     i = tl.program_id(0) % B                           # the b programs of one token tile run side by side
     pid_o = (tl.program_id(0) // B) % o_tiles
@@ -161,9 +163,9 @@ def _fused_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M, T, P, B, N_BUCKE
     for j in range(B):
         xa = tl.load(x_ptrs + j * M, mask=x_mask, other=0.0)
         wa = tl.load(w1_ptrs + j * s1j, mask=w1_mask, other=0.0)
-        s = mma(xa, wa, tl.zeros((BN, BT), dtype=tl.float32))
+        s = mma(xa, wa, tl.zeros((BN, BT), dtype=tl.float32), PRECISION)
         wb = tl.load(w2_ptrs + j * T * s2c, mask=w2_mask, other=0.0)
-        acc = mma(s.to(wb.dtype), wb, acc)               # z rounded to x's dtype, as in the reference
+        acc = mma(s.to(wb.dtype), wb, acc, PRECISION)               # z rounded to x's dtype, as in the reference
     col = i * syi + ro * syo
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col, mask=ro < P, other=0.0).to(tl.float32)[None, :]
@@ -184,7 +186,8 @@ def _fused(x2, w1, w2, bias, permute_output):
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * b * triton.cdiv(p, meta["BO"]),)
     _fused_kernel[grid](x2, w1, w2, y, bias if bias is not None else y, n, m, t, p, b, n_bucket(n),
                         x2.stride(0), *w1.stride(), *w2.stride(), y.stride(0), block_stride, col_stride,
-                        HAS_BIAS=bias is not None, BM=pow2_at_least(m), BT=pow2_at_least(t))
+                        HAS_BIAS=bias is not None, PRECISION=blr_precision(x2.dtype), BM=pow2_at_least(m),
+                        BT=pow2_at_least(t))
     return y
 
 
