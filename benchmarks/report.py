@@ -239,7 +239,7 @@ def blr_accuracy_section(data: dict) -> str:
     info = data.get("model_train_info") or {}
     run = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items()
                    if k in ("ratio", "blocks", "blast_steps", "recovery_steps", "recovery_lr", "batch", "seq",
-                            "calib_samples"))
+                            "calib_samples", "validate_every"))
     out = ["### Block-low-rank accuracy: the small byte-level Llama compressed to half its linear parameters\n",
            _header(data, f"python benchmarks/blr_accuracy.py --model DIR {run}"),
            f"Model: {info.get('params', '?')} parameters, {info.get('steps', '?')} training steps "
