@@ -176,3 +176,21 @@ def test_fp32_blr_dots_follow_torch_matmul_precision(monkeypatch, caplog):
     finally:
         torch.set_float32_matmul_precision(previous)
     assert "block-low-rank kernels: fp32 inputs use TF32" in caplog.text
+
+
+@pytest.mark.parametrize("blocks,rank,n,widest", [(16, 512, 8192, 128 * 16 * 16), (3, 19, 1, 16 * 32 * 16),
+                                                   (32, 512, 8192, 16 * 32 * 32), (64, 512, 8192, 16 * 16 * 64)])
+def test_zmix_tiles_fit_the_registers(blocks, rank, n, widest):
+    """The mixing kernel's tiles hold a (BK, BN, BB) fp32 result: at most 128 registers a thread for b up
+    to 64, and no wider in ranks or tokens than the shape needs."""
+    import triton
+
+    from memfit.kernels.blr_common import pow2_at_least
+
+    configs = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in blast.ZMIX_CONFIGS]
+    kept = blast._prune_zmix(configs, {"R": rank, "N": n}, BB=pow2_at_least(blocks))
+    assert kept
+    for c in kept:
+        assert c.kwargs["BK"] * c.kwargs["BN"] * pow2_at_least(blocks) <= 128 * 32 * c.num_warps
+        assert c.kwargs["BK"] <= pow2_at_least(rank) and c.kwargs["BN"] <= pow2_at_least(n)
+    assert max(c.kwargs["BK"] * c.kwargs["BN"] * pow2_at_least(blocks) for c in kept) == widest

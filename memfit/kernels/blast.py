@@ -160,15 +160,24 @@ def _mix_bmm(x2, u, v, s, bias):
 
 # ---- large N: stage 1 and 3 on cuBLAS, the mixing alone between them ----------------
 
+ZMIX_RESULT_REGISTERS = 128   # fp32 results a thread may hold (BK * BN * BB per program); past it, they spill
+
+
 def _prune_zmix(configs, named_args, **kwargs):
-    keep = [c for c in configs if c.kwargs["BK"] <= pow2_at_least(named_args["R"], 8)
+    """Tiles no wider than the ranks and tokens need, whose (BK, BN, BB) result fits the registers:
+    every listed tile fits at b <= 16, the smallest ones at b <= 64."""
+    fit = [c for c in configs
+           if c.kwargs["BK"] * c.kwargs["BN"] * kwargs["BB"] <= ZMIX_RESULT_REGISTERS * 32 * c.num_warps]
+    keep = [c for c in fit if c.kwargs["BK"] <= pow2_at_least(named_args["R"])
             and c.kwargs["BN"] <= pow2_at_least(named_args["N"])]
-    return keep or configs[:1]
+    return keep or fit[-1:] or configs[-1:]
 
 
-# BK * BN * BB fp32 results per program: <= 128 registers a thread at b <= 16
-@tuned([(16, 64, 4, 1), (32, 32, 4, 1), (64, 16, 4, 1), (32, 64, 8, 1), (64, 32, 8, 1), (128, 16, 8, 1)],
-       ("BN", "BK"), (16, 16, 4, 1), key=["N_BUCKET", "R", "B"], prune=_prune_zmix)
+ZMIX_CONFIGS = [(16, 64, 4, 1), (32, 32, 4, 1), (64, 16, 4, 1), (32, 64, 8, 1), (64, 32, 8, 1), (128, 16, 8, 1),
+                (16, 32, 4, 1), (16, 16, 4, 1)]  # BN, BK, warps, stages
+
+
+@tuned(ZMIX_CONFIGS, ("BN", "BK"), (16, 16, 4, 1), key=["N_BUCKET", "R", "B"], prune=_prune_zmix)
 @triton.jit
 def _zmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szn, szj, ssi, ssj, ssk, stn, sti, stk,
                  BB: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
