@@ -137,7 +137,7 @@ def profile_cases(torch, cases, blocks, dtype, device) -> list[dict]:
     rows = []
     for name, n in cases:
         d_in, d_out, rank = shapes[name]
-        for kind, (make, call, variants) in structures(torch, d_in, d_out, rank, blocks, n, dtype, device).items():
+        for kind, (make, call, variants) in structures(d_in, d_out, rank, blocks, n, dtype, device).items():
             layer, x = make(), torch.randn(n, d_in, device=device, dtype=dtype)
             for variant in variants:
                 step = functools.partial(call, layer, x, path="triton", variant=variant)
@@ -187,7 +187,7 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
         rows += time_impls(impls, k, timer, name, n, d_in, d_out, rank, blocks, "dense", dense_flops, dense_bytes,
                            dense_bytes, ceilings, layer_cost)
         xs = weights = None                              # free before the structures allocate theirs
-        for kind, (make, call, variants) in structures(torch, d_in, d_out, rank, blocks, n, dtype, device).items():
+        for kind, (make, call, variants) in structures(d_in, d_out, rank, blocks, n, dtype, device).items():
             flops, ideal = layer_cost(kind, "ideal", n, d_in, d_out, rank, blocks)
             k = copies_for(ideal, device)
             impls = structure_impls(torch, kind, make, call, variants, k, n, d_in, dtype, device, monarch_linear)
@@ -197,7 +197,7 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
     return rows
 
 
-def structures(torch, d_in, d_out, rank, blocks, n, dtype, device) -> dict:
+def structures(d_in, d_out, rank, blocks, n, dtype, device) -> dict:
     """kind -> (make a layer, call(layer, x, **op options), the op's pipelines at this N)."""
     from memfit.kernels.blast import blast_linear
     from memfit.kernels.blast import variants_for as blast_variants
