@@ -40,12 +40,15 @@ TOKENS = [1, 16, 128, 1024, 8192]
 BLOCKS = 16
 SMOKE_SHAPES, SMOKE_TOKENS, SMOKE_BLOCKS = [("smoke 48->80", 48, 80, 12)], [1, 40], 4
 ROTATE_BYTES = 150 * 2**20
+MAX_REL_ERR = 2e-2       # bf16: every pipeline must match the first row of its structure to this (a wrong one is an error row)
 
 
 def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through the Triton interpreter")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None,
+                        help=f"only these N (default {TOKENS}); the results file is then blr_layers_subset.json")
     parser.add_argument("--profile", action="store_true",
                         help="also write blr_layers_profile.json: every pipeline's kernels, one by one, at PROFILE_CASES")
     return parser.parse_args()
@@ -71,12 +74,13 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16
     shapes, tokens, blocks = (SMOKE_SHAPES, SMOKE_TOKENS, SMOKE_BLOCKS) if args.smoke else (SHAPES, TOKENS, BLOCKS)
+    tokens = args.tokens or tokens
     ceilings = measure_ceilings() if device == "cuda" else Ceilings(matmul_flops=1e12, bandwidth=1e11)
     empty_ms = empty_kernel_ms() if device == "cuda" else 0.0
     timer = gpu_ms if device == "cuda" else cpu_ms
     started = time.time()
     rows = []
-    stem = "blr_layers_smoke" if args.smoke else "blr_layers"
+    stem = "blr_layers" + ("_smoke" if args.smoke else "") + ("_subset" if args.tokens else "")
 
     def save(complete: bool):
         """Write the JSON (after every shape too, so a run stopped by its time limit keeps what it measured)."""
@@ -192,7 +196,7 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
             k = copies_for(ideal, device)
             impls = structure_impls(torch, kind, make, call, variants, k, n, d_in, dtype, device, monarch_linear)
             rows += time_impls(impls, k, timer, name, n, d_in, d_out, rank, blocks, kind, flops, ideal,
-                               dense_bytes, ceilings, layer_cost)
+                               dense_bytes, ceilings, layer_cost, as_block_major(n, d_out, blocks))
             impls = None
     return rows
 
@@ -232,20 +236,31 @@ def structure_impls(torch, kind, make, call, variants, copies, n, d_in, dtype, d
     return impls
 
 
+def as_block_major(n, d_out, blocks) -> dict:
+    """impl -> fn(output) giving the block-major layout every other row of its structure writes (for the check)."""
+    return {"monarch_permuted": lambda y: y.view(n, d_out // blocks, blocks).transpose(1, 2).reshape(n, d_out)}
+
+
 def time_impls(impls, copies, timer, name, n, d_in, d_out, rank, blocks, kind, flops, ideal, dense_bytes, ceilings,
-               layer_cost):
+               layer_cost, layouts=None):
     rows = []
     floor = ceilings.floor_ms(flops, ideal)
+    first = None                                         # the first impl's output (dense eager, or the reference)
     for impl, fn in impls.items():
         try:
-            fn(0)                                        # autotune / pick outside the timed graphs
+            out = (layouts or {}).get(impl, lambda y: y)(fn(0)).float()   # also tunes / picks outside the timing
+            first = out if first is None else first
+            rel_err = ((out - first).norm() / first.norm()).item()
             ms = timer(lambda fn=fn: [fn(i) for i in range(copies)]) / copies
             error = None
+            if not rel_err <= MAX_REL_ERR:               # a wrong pipeline's time counts for nothing
+                error = f"wrong result: relative error {rel_err:.3g} to {next(iter(impls))} (ran in {ms:.4f} ms)"
+                ms = float("nan")
         except Exception as err:  # noqa: BLE001 (a competitor that cannot run here is recorded, not fatal)
-            ms, error = float("nan"), f"{type(err).__name__}: {err}"[:300]
+            ms, rel_err, error = float("nan"), float("nan"), f"{type(err).__name__}: {err}"[:300]
         row = {"shape": name, "in": d_in, "out": d_out, "rank": rank, "blocks": blocks, "n": n, "structure": kind,
                "impl": impl, "ms": ms, "flops": flops, "ideal_bytes": ideal, "floor_ms": floor,
-               "x_floor": ms / floor, "copies": copies}
+               "x_floor": ms / floor, "copies": copies, "rel_err": rel_err}
         if kind != "dense":
             row["unfused_bytes"] = layer_cost(kind, "unfused", n, d_in, d_out, rank, blocks)[1]
         if kind == "monarch" and impl != "monarch_reference":
@@ -266,7 +281,7 @@ def make_targets(rows, target, smoke: bool):
     for kind in ("monarch", "blast"):
         for n in sorted({r["n"] for r in rows}):
             ours = [r for r in rows if r["impl"] == f"{kind}_ours" and r["n"] == n]
-            worst = max(r["x_floor"] for r in ours)
+            worst = max(math.inf if math.isnan(r["x_floor"]) else r["x_floor"] for r in ours)  # failed: unmet
             if n >= 1024 or smoke and n > 16:
                 targets.append(target(f"{kind} ours / floor, N={n}, worst shape", worst, 1.5, "x", "lower"))
             if n <= 16:

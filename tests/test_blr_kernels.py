@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from memfit.errors import MemfitError
-from memfit.kernels import blast, lowrank, monarch
+from memfit.kernels import blast, blr_common, lowrank, monarch
 from memfit.kernels.blast import blast_linear, blast_linear_reference
 from memfit.kernels.lowrank import lowrank_linear, lowrank_linear_reference
 from memfit.kernels.monarch import monarch_linear, monarch_linear_reference
@@ -58,7 +58,7 @@ def drop_bias(tensors, bias):
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("bmm", False), ("bmm_perm_bmm", False), ("fused", True),
+MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", True), ("two_stage_pdl", False), ("bmm", False), ("bmm_perm_bmm", False), ("fused", True),
                  ("fused", False), ("torch", True)]
 
 
@@ -75,11 +75,95 @@ def test_monarch(dtype, variant, permute, lead, bias):
 
 def test_monarch_variants_offered():
     """bmm and bmm_perm_bmm only for the block-major layout; the fused kernel at every N where its
-    tile fits; the plain PyTorch pipeline always competes."""
-    assert set(monarch.variants_for(16, 128, 32, False)) == {"two_stage", "bmm", "bmm_perm_bmm", "fused", "torch"}
-    assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "fused", "torch"}
-    assert set(monarch.variants_for(8192, 128, 32, False)) == {"two_stage", "bmm", "bmm_perm_bmm", "fused", "torch"}
+    tile fits; the chained two_stage up to PDL_MAX_N; the plain PyTorch pipeline always competes."""
+    small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "torch"}
+    assert set(monarch.variants_for(16, 128, 32, False)) == small
+    assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "two_stage_pdl", "fused", "torch"}
+    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"}
     assert "fused" not in monarch.variants_for(1, 688, 93, False)
+
+
+def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):
+    """Off the interpreter the *_pdl pipelines are offered only on a GPU with compute capability >= 9."""
+    monkeypatch.setattr(blr_common, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, offered in ((8, False), (9, True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda c=capability: (c, 0))
+        assert ("two_stage_pdl" in monarch.variants_for(16, 128, 32, False)) == offered
+        assert ("z_mixgemm_pdl" in blast.variants_for(16)) == offered
+        assert ("bgemm_pdl" in lowrank.variants_for(16)) == offered
+    assert "z_mixgemm_pdl" not in blast.variants_for(blr_common.PDL_MAX_N + 1)
+    assert blr_common.chain_options(True, True)["launch_pdl"] is True
+    assert "launch_pdl" not in blr_common.chain_options(True, False)
+
+
+def test_a_chained_stage_needs_weights_with_a_unit_stride():
+    a, b, c = torch.randn(1, 4, 6), torch.randn(6, 10)[:, ::2], torch.empty(1, 4, 5)
+    with pytest.raises(MemfitError, match="unit stride"):
+        blr_common.bgemm(a, b, c, 4, 6, 5, 1, (0, 6, 1), (0, *b.stride()), (0, 5, 0, 1), wait_for_previous=True)
+
+
+SM90_PTX_SCRIPT = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from memfit.kernels import blast, blr_common
+
+kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel}
+out = {}
+for name, (kernel, constexprs) in json.loads(sys.argv[1]).items():
+    fn = kernels[kernel].fn
+    signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
+                 for p in fn.params}
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=defaults | constexprs)
+    target = GPUTarget("cuda", 90, 32)
+    out[name] = triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+print(json.dumps(out))
+"""
+CHAIN_BASE = {"HAS_BIAS": True, "PRECISION": "tf32", "LINE": 64, "BN": 16, "BC": 64, "BK": 64}
+WAITS = {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": True}
+CHAIN_CASES = {
+    "bgemm waits, weights row-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True}),
+    "bgemm waits, weights k-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": False}),
+    "mixgemm waits": ("mixgemm", {**CHAIN_BASE, **WAITS, "BB": 16}),
+    "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
+                                 "B_ROWS_CONTIGUOUS": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx():
+    """PTX of the chained kernels compiled ahead of time for sm_90, outside the interpreter (Triton's
+    ptxas checks the inline PTX; no GPU needed): the GDC and prefetch code never runs in these tests."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", SM90_PTX_SCRIPT, json.dumps(CHAIN_CASES)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("case", [c for c in CHAIN_CASES if "waits" in c])
+def test_chained_stage_prefetches_its_weights_then_waits_then_loads(sm90_ptx, case):
+    import re
+
+    ptx = sm90_ptx[case]
+    prefetch, wait = ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait")
+    first_load = min(m.start() for m in re.finditer(r"cp\.async|ld\.global", ptx))
+    assert 0 <= prefetch < wait < first_load
+    assert "griddepcontrol.launch_dependents" not in ptx
+
+
+def test_first_stage_of_a_chain_lets_the_next_start_before_its_loads(sm90_ptx):
+    ptx = sm90_ptx["bgemm launches"]
+    assert "griddepcontrol.wait" not in ptx and "prefetch.global.L2" not in ptx
+    launch = ptx.find("griddepcontrol.launch_dependents")
+    assert 0 <= launch < min(ptx.find(op) for op in ("ld.global", "cp.async") if op in ptx)
 
 
 def test_forcing_a_variant_not_offered_is_a_clear_error():

@@ -30,6 +30,9 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   load of Z and s_i by a sum over j, then one dot with U_i^T. The mixing is redone per
   output column tile (ceil(p/BC) times), negligible at decode where Z (a few hundred
   KB) sits in L2 and the kernel is bound by reading U. Two launches, both wide.
+* ``z_mixgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``z_mixgemm`` with the second kernel chained
+  to the first (blr_common's programmatic dependent launch: it starts while Z is being
+  made, pulls its U_i slice into L2, then waits for Z).
 * ``torch`` (the reference: cuBLAS batched GEMMs, the mixing as an einsum) competes
   too, so the pick is never slower than plain PyTorch (it won at some large-N shapes
   where the CUDA-core mixing kernel lost).
@@ -41,16 +44,21 @@ import triton.language as tl
 
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
+    PDL_MAX_N,
     bgemm,
     blr_precision,
     bmm_into,
+    chain_options,
     fits_smem,
     keep_small_n,
+    line_elements,
     mma,
     n_bucket,
+    pdl_offered,
     per_block_gemm,
     pick_variant,
     pow2_at_least,
+    prefetch_l2,
     recompute_backward,
     save_for_recompute,
     tuned,
@@ -229,13 +237,19 @@ def _prune_mixgemm(configs, named_args, **kwargs):
 @triton.jit
 def _mixgemm_kernel(z_ptr, s_ptr, u_ptr, y_ptr, bias_ptr, N, R, P, B, N_BUCKET,
                     szn, szj, ssi, ssj, ssk, sui, suo, suk, syn,
-                    HAS_BIAS: tl.constexpr, BB: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr,
-                    BC: tl.constexpr, BK: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, BB: tl.constexpr, PRECISION: tl.constexpr,
+                    LAUNCH_DEPENDENTS: tl.constexpr, WAIT_FOR_PREVIOUS: tl.constexpr, LINE: tl.constexpr,
+                    BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """y[n, i p + o] = sum_k (sum_j s[i, j, k] Z[n, j, k]) U[i, o, k] for a (BN, BC) tile of block i."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     c_tiles = tl.cdiv(P, BC)
     i = tl.program_id(0) % B
     pid_c = (tl.program_id(0) // B) % c_tiles
     pid_n = tl.program_id(0) // (B * c_tiles)
+    if WAIT_FOR_PREVIOUS:                              # U_i's rows of this column tile (unit stride along k) into L2
+        prefetch_l2(u_ptr + i * sui + pid_c * BC * suo, tl.minimum(BC, P - pid_c * BC), suo, R, LINE)
+        tl.extra.cuda.gdc_wait()                       # then Z, written by the previous kernel
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rc = pid_c * BC + tl.arange(0, BC)
     rk = tl.arange(0, BK)
@@ -258,26 +272,32 @@ def _mixgemm_kernel(z_ptr, s_ptr, u_ptr, y_ptr, bias_ptr, N, R, P, B, N_BUCKET,
              mask=(rn[:, None] < N) & (rc[None, :] < P))
 
 
-def _z_mixgemm(x2, u, v, s, bias):
+def _z_mixgemm(x2, u, v, s, bias, chained=False):
     b, p, r = u.shape
     m, n = v.shape[1], x2.shape[0]
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)      # z[n, j, k] = (X_j V_j)[n, k]
-    bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1))
+    bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1), launch_dependents=chained)
     y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * b * triton.cdiv(p, meta["BC"]),)
     _mixgemm_kernel[grid](z, s, u, y, bias if bias is not None else y, n, r, p, b, n_bucket(n), z.stride(0),
                           z.stride(1), *s.stride(), *u.stride(), y.stride(0), HAS_BIAS=bias is not None,
-                          BB=pow2_at_least(b, 1), PRECISION=blr_precision(x2.dtype))
+                          BB=pow2_at_least(b, 1), PRECISION=blr_precision(x2.dtype), LINE=line_elements(u),
+                          **chain_options(False, chained))
     return y
 
 
+def _z_mixgemm_pdl(x2, u, v, s, bias):
+    return _z_mixgemm(x2, u, v, s, bias, chained=True)
+
+
 VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "z_mixgemm": _z_mixgemm,
-            "torch": blast_linear_reference}
+            "z_mixgemm_pdl": _z_mixgemm_pdl, "torch": blast_linear_reference}
 
 
 def variants_for(n: int) -> dict:
     """The pipelines worth timing at ``n`` tokens."""
     names = ["mix_bgemm", "mix_bmm", "bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
+    names += ["z_mixgemm_pdl"] if n <= min(MIXGEMM_MAX_N, PDL_MAX_N) and pdl_offered() else []
     return {name: VARIANTS[name] for name in names}
 
 

@@ -22,6 +22,14 @@
   re-read from L2, not HBM) and 64-bit offsets.
 * ``bmm_into``: the cuBLAS alternative for a stage that is a plain strided batched GEMM
   writing a strided view of the output (ldc = the row stride), so no copy is made.
+* Chained stages (the ``*_pdl`` pipelines, decode-sized N): a pipeline's second kernel is
+  launched with programmatic dependent launch (Hopper+): the first calls
+  ``gdc_launch_dependents`` as it starts, so the second is scheduled while the first runs;
+  the second asks L2 for its own weight slice (``prefetch_l2``: no registers held) and only
+  then waits (``gdc_wait``) for the first's output. At decode, where each kernel is a
+  launch plus one dependent read of its weights, the second stage's launch and weight read
+  overlap the first stage instead of following it. Off the GPU (the interpreter) the
+  kernels run without it, so the tests cover the same arithmetic.
 * ``recompute_backward``: the custom ops' backward. It recomputes the op's reference
   forward in PyTorch ops and differentiates it, so the forward saves only x and the
   weights (no intermediates); the price is one extra forward in the backward.
@@ -38,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from memfit.errors import MemfitError
 from memfit.kernels.dispatch import dot_precision, interpreting
 from memfit.log import warn_once
 
@@ -199,6 +208,49 @@ def pow2_at_least(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(int(n)))
 
 
+# ---- chained stages: programmatic dependent launch and an L2 prefetch of the weights ----
+
+PDL_MAX_N = 128          # token counts where a stage's launch and first read are a visible share of its time
+PREFETCH_BLOCK = tl.constexpr(128)  # L2 prefetch requests issued per step (one per thread at 4 warps)
+
+
+def pdl_offered() -> bool:
+    """Whether the ``*_pdl`` pipelines are offered: on GPUs with programmatic dependent launch
+    (compute capability 9.0+), and under the interpreter, which runs them without it."""
+    if interpreting():
+        return True
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def chain_options(launch_dependents: bool, wait_for_previous: bool) -> dict:
+    """Kernel keyword arguments for a stage in a chain: the GDC constexprs and, for a stage that
+    waits, the launch attribute that lets it start before the previous kernel ends (all off
+    under the interpreter, which has no launches to overlap and no inline PTX)."""
+    if interpreting():
+        return {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False}
+    options = {"LAUNCH_DEPENDENTS": launch_dependents, "WAIT_FOR_PREVIOUS": wait_for_previous}
+    return options | ({"launch_pdl": True} if wait_for_previous else {})
+
+
+@triton.jit
+def prefetch_l2(base, rows, row_stride, row_len, LINE: tl.constexpr):
+    """Ask L2 for ``rows`` rows of ``row_len`` unit-stride elements, ``row_stride`` apart, from
+    ``base``: one ``prefetch.global.L2`` per 128-byte line (``LINE`` elements), fire and forget."""
+    per_row = tl.cdiv(row_len, LINE) + 1             # + 1: a row not starting on a line boundary spans one more
+    total = rows * per_row
+    for start in range(0, total, PREFETCH_BLOCK):
+        idx = tl.minimum(start + tl.arange(0, PREFETCH_BLOCK), total - 1)
+        col = tl.minimum((idx % per_row) * LINE, row_len - 1)
+        ptrs = base + (idx // per_row).to(tl.int64) * row_stride + col
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+def line_elements(t: torch.Tensor) -> int:
+    """Elements of ``t`` per 128-byte cache line."""
+    return 128 // t.element_size()
+
+
 
 # ---- strided batched GEMM with a regrouping store --------------------------------
 
@@ -224,8 +276,11 @@ BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
 @triton.jit
 def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET,
                   sab, san, sak, sbb, sbk, sbc, scb, scn, scg, sci,
-                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
-                  BK: tl.constexpr, GROUP_N: tl.constexpr = 8):
+                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+                  WAIT_FOR_PREVIOUS: tl.constexpr, B_ROWS_CONTIGUOUS: tl.constexpr, LINE: tl.constexpr,
+                  BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr = 8):
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     n_tiles = tl.cdiv(N, BN)
     c_tiles = tl.cdiv(C, BC)
     pid = tl.program_id(0)
@@ -240,6 +295,14 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET
     rk = tl.arange(0, BK)
     a_ptrs = a_ptr + bt * sab + rn[:, None] * san + rk[None, :] * sak
     b_ptrs = b_ptr + bt * sbb + rk[:, None] * sbk + rc[None, :] * sbc
+    if WAIT_FOR_PREVIOUS:                              # b is this op's weights: fetch them while a is being made
+        b_tile = b_ptr + bt * sbb + pid_c * BC * sbc
+        cols = tl.minimum(BC, C - pid_c * BC)
+        if B_ROWS_CONTIGUOUS:                          # b[k, c] at k * sbk + c
+            prefetch_l2(b_tile, K, sbk, cols, LINE)
+        else:                                          # b[k, c] at k + c * sbc
+            prefetch_l2(b_tile, cols, sbc, K, LINE)
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BN, BC), dtype=tl.float32)
     for k0 in range(0, K, BK):
         a = tl.load(a_ptrs, mask=(rn[:, None] < N) & (rk[None, :] + k0 < K), other=0.0)
@@ -255,19 +318,27 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET
 
 
 def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides, c_strides,
-          grp: int | None = None, bias=None) -> None:
+          grp: int | None = None, bias=None, launch_dependents: bool = False,
+          wait_for_previous: bool = False) -> None:
     """c[bt][n, col] = sum_k a[bt][n, k] b[bt][k, col] (+ bias[feature]) for bt < batches.
 
     Strides in elements: a (batch, n, k), b (batch, k, col), c (batch, n, group, in-group):
     column ``col`` is stored at ``(col // grp) * group + (col % grp) * in_group`` so a
     store can scatter column groups (the Monarch P^T) with no copy. The bias is read at
     the stored column offset, so it applies when c is the (N, out) output itself.
+
+    In a chain (:func:`chain_options`): ``launch_dependents`` lets the next kernel start now;
+    ``wait_for_previous`` prefetches this program's slice of b (the weights) into L2, then
+    waits for the previous kernel (which writes a). b needs a unit stride along k or col.
     """
     grp = grp or cols
+    if wait_for_previous and 1 not in tuple(b_strides)[1:]:
+        raise MemfitError(f"bgemm: a chained stage needs b with a unit stride, got strides {tuple(b_strides)}")
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * triton.cdiv(cols, meta["BC"]), batches)
     _bgemm_kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, batches, n_bucket(n),
                         *a_strides, *b_strides, *c_strides, HAS_BIAS=bias is not None,
-                        PRECISION=blr_precision(a.dtype))
+                        PRECISION=blr_precision(a.dtype), B_ROWS_CONTIGUOUS=b_strides[2] == 1,
+                        LINE=line_elements(b), **chain_options(launch_dependents, wait_for_previous))
 
 
 def bmm_into(a, b, out, bias=None) -> None:
@@ -283,12 +354,13 @@ def bmm_into(a, b, out, bias=None) -> None:
         torch.baddbmm(bias.unsqueeze(1), a, b, out=out)
 
 
-def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False):
+def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_for_previous: bool = False):
     """y (N, b p): output block i = a[:, i, :] @ w[i] (+ bias), the last stage of Monarch and BLAST.
 
     ``a`` (N, b, K) and ``w`` (b, K, p) may be strided views. Block-major output (feature
     i p + s) by cuBLAS (:func:`bmm_into`) or by :func:`bgemm`; ``permute_output`` (bgemm
-    only: cuBLAS cannot store a column stride) writes the interleaved feature s b + i.
+    only: cuBLAS cannot store a column stride) writes the interleaved feature s b + i, and
+    ``wait_for_previous`` (bgemm only) chains it after the kernel that wrote ``a``.
     """
     n, b, k = a.shape
     p = w.shape[2]
@@ -298,6 +370,6 @@ def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False):
     else:
         block_stride, col_stride = (1, b) if permute_output else (p, 1)
         bgemm(a, w, y, n, k, p, b, (a.stride(1), a.stride(0), a.stride(2)), w.stride(),
-              (block_stride, y.stride(0), 0, col_stride), bias=bias)
+              (block_stride, y.stride(0), 0, col_stride), bias=bias, wait_for_previous=wait_for_previous)
     return y
 

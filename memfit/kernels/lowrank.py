@@ -10,6 +10,9 @@ Two pipelines, both two GEMMs with z = x V (N r elements) written and read once;
 * ``bgemm``: the same two GEMMs through memfit's Triton :func:`bgemm` (one batch),
   whose 16-token configs stream each factor with wide K steps over enough column
   tiles to cover the SMs: a decode competitor, and a check on cuBLAS at large N.
+* ``bgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``bgemm`` with the second GEMM chained to the first
+  (blr_common's programmatic dependent launch: it starts early, pulls its U slice into
+  L2, then waits for z).
 A chained single kernel (z on chip) is not offered: each output tile would recompute
 its z, repeating the first GEMM out/BO times, which lost by 50-170x on the H200.
 Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x.
@@ -19,8 +22,10 @@ from __future__ import annotations
 import torch
 
 from memfit.kernels.blr_common import (
+    PDL_MAX_N,
     bgemm,
     n_bucket,
+    pdl_offered,
     pick_variant,
     recompute_backward,
     save_for_recompute,
@@ -34,14 +39,19 @@ def lowrank_linear_reference(x, u, v, bias=None):
     return y if bias is None else y + bias
 
 
-def _bgemm(x2, u, v, bias):
+def _bgemm(x2, u, v, bias, chained=False):
     (out, r), (n, d_in) = u.shape, x2.shape
     z = torch.empty(n, r, device=x2.device, dtype=x2.dtype)
-    bgemm(x2, v, z, n, d_in, r, 1, (0, x2.stride(0), 1), (0, *v.stride()), (0, z.stride(0), 0, 1))
+    bgemm(x2, v, z, n, d_in, r, 1, (0, x2.stride(0), 1), (0, *v.stride()), (0, z.stride(0), 0, 1),
+          launch_dependents=chained)
     y = torch.empty(n, out, device=x2.device, dtype=x2.dtype)
     bgemm(z, u, y, n, r, out, 1, (0, z.stride(0), 1), (0, u.stride(1), u.stride(0)), (0, y.stride(0), 0, 1),
-          bias=bias)
+          bias=bias, wait_for_previous=chained)
     return y
+
+
+def _bgemm_pdl(x2, u, v, bias):
+    return _bgemm(x2, u, v, bias, chained=True)
 
 
 def _cublas(x2, u, v, bias):
@@ -49,12 +59,13 @@ def _cublas(x2, u, v, bias):
     return torch.addmm(bias, z, u.T) if bias is not None else z @ u.T
 
 
-VARIANTS = {"cublas": _cublas, "bgemm": _bgemm}
+VARIANTS = {"cublas": _cublas, "bgemm": _bgemm, "bgemm_pdl": _bgemm_pdl}
 
 
 def variants_for(n: int) -> dict:
-    """The pipelines worth timing at ``n`` tokens (both, at every N)."""
-    return VARIANTS
+    """The pipelines worth timing at ``n`` tokens: cuBLAS and bgemm at every N, chained at small N."""
+    names = ["cublas", "bgemm"] + (["bgemm_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
+    return {name: VARIANTS[name] for name in names}
 
 
 @torch.library.custom_op("memfit::lowrank_linear", mutates_args=())

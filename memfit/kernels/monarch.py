@@ -12,6 +12,10 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   elements), the second writing y with the output layout folded into its store. Z costs
   2 N b r elements of traffic; stage 1 (K = m) is bound by that write, stage 2
   (K = r, the bulk of the FLOPs) by the tensor cores. Both layouts.
+* ``two_stage_pdl`` (N <= PDL_MAX_N, Hopper+): ``two_stage`` with stage 2 chained to stage 1
+  (blr_common's programmatic dependent launch: stage 2 starts while stage 1 runs, pulls
+  its w2 slice into L2, then waits for z). At decode each stage is a launch plus one
+  dependent weight read, so overlapping them is most of what is left to gain. Both layouts.
 * ``bmm``: the same Triton stage 1, then stage 2 on cuBLAS (:func:`per_block_gemm`), a
   strided batched GEMM reading z as (b_i, N, r) (lda = b r) and writing the block-major
   y through a (b, N, p) view (ldc = b p): no copy. Expected to win at large N, where
@@ -43,6 +47,7 @@ import triton.language as tl
 
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
+    PDL_MAX_N,
     bgemm,
     blr_precision,
     bmm_into,
@@ -50,6 +55,7 @@ from memfit.kernels.blr_common import (
     keep_small_n,
     mma,
     n_bucket,
+    pdl_offered,
     per_block_gemm,
     pick_variant,
     pow2_at_least,
@@ -77,17 +83,23 @@ def monarch_linear_reference(x, w1, w2, bias=None, permute_output=False):
     return y if bias is None else y + bias
 
 
-def _stage1(x2, w1):
+def _stage1(x2, w1, launch_dependents=False):
     """z[n, i, j t + s] = (x_j w1[j])[n, i t + s]: stage 1 with P^T folded into the store."""
     b, m, r = w1.shape
     t, n = r // b, x2.shape[0]
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
-    bgemm(x2, w1, z, n, m, r, b, (m, x2.stride(0), 1), w1.stride(), (t, b * r, r, 1), grp=t)
+    bgemm(x2, w1, z, n, m, r, b, (m, x2.stride(0), 1), w1.stride(), (t, b * r, r, 1), grp=t,
+          launch_dependents=launch_dependents)
     return z
 
 
 def _two_stage(x2, w1, w2, bias, permute_output):
     return per_block_gemm(_stage1(x2, w1), w2, bias, cublas=False, permute_output=permute_output)
+
+
+def _two_stage_pdl(x2, w1, w2, bias, permute_output):
+    return per_block_gemm(_stage1(x2, w1, launch_dependents=True), w2, bias, cublas=False,
+                          permute_output=permute_output, wait_for_previous=True)
 
 
 def _bmm(x2, w1, w2, bias, permute_output):
@@ -191,13 +203,13 @@ def _fused(x2, w1, w2, bias, permute_output):
     return y
 
 
-VARIANTS = {"two_stage": _two_stage, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm, "fused": _fused,
+VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm, "fused": _fused,
             "torch": monarch_linear_reference}
 
 
 def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
     """The pipelines worth timing for ``n`` tokens, block size m, per-block rank t and the layout."""
-    names = ["two_stage", "torch"]
+    names = ["two_stage", "torch"] + (["two_stage_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
     if not permute_output:
         names += ["bmm", "bmm_perm_bmm"]
     if fused_fits(m, t):
