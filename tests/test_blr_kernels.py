@@ -91,6 +91,7 @@ def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda c=capability: (c, 0))
         assert ("two_stage_pdl" in monarch.variants_for(16, 128, 32, False)) == offered
         assert ("z_mixgemm_pdl" in blast.variants_for(16)) == offered
+        assert ("bgemm_mix_bgemm_pdl" in blast.variants_for(16)) == offered
         assert ("bgemm_pdl" in lowrank.variants_for(16)) == offered
     assert "z_mixgemm_pdl" not in blast.variants_for(blr_common.PDL_MAX_N + 1)
     assert blr_common.chain_options(True, True)["launch_pdl"] is True
@@ -109,7 +110,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from memfit.kernels import blast, blr_common
 
-kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel}
+kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel}
 out = {}
 for name, (kernel, constexprs) in json.loads(sys.argv[1]).items():
     fn = kernels[kernel].fn
@@ -127,6 +128,8 @@ CHAIN_CASES = {
     "bgemm waits, weights row-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True}),
     "bgemm waits, weights k-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": False}),
     "mixgemm waits": ("mixgemm", {**CHAIN_BASE, **WAITS, "BB": 16}),
+    "zmix waits and launches": ("zmix", {"BB": 16, "PRECISION": "tf32", "LAUNCH_DEPENDENTS": True,
+                                         "WAIT_FOR_PREVIOUS": True, "BN": 16, "BK": 32}),
     "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
                                  "B_ROWS_CONTIGUOUS": True}),
 }
@@ -148,7 +151,7 @@ def sm90_ptx():
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("case", [c for c in CHAIN_CASES if "waits" in c])
+@pytest.mark.parametrize("case", [c for c in CHAIN_CASES if "waits" in c and "zmix" not in c])
 def test_chained_stage_prefetches_its_weights_then_waits_then_loads(sm90_ptx, case):
     import re
 
@@ -157,6 +160,13 @@ def test_chained_stage_prefetches_its_weights_then_waits_then_loads(sm90_ptx, ca
     first_load = min(m.start() for m in re.finditer(r"cp\.async|ld\.global", ptx))
     assert 0 <= prefetch < wait < first_load
     assert "griddepcontrol.launch_dependents" not in ptx
+
+
+def test_chained_mixing_lets_the_next_start_then_waits_for_z(sm90_ptx):
+    """The middle of a three-kernel chain: lets the next start, reads S, waits, then reads Z."""
+    ptx = sm90_ptx["zmix waits and launches"]
+    assert 0 <= ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")
+    assert ptx.rfind("ld.global") > ptx.find("griddepcontrol.wait")
 
 
 def test_first_stage_of_a_chain_lets_the_next_start_before_its_loads(sm90_ptx):

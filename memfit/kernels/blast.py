@@ -30,6 +30,11 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   load of Z and s_i by a sum over j, then one dot with U_i^T. The mixing is redone per
   output column tile (ceil(p/BC) times), negligible at decode where Z (a few hundred
   KB) sits in L2 and the kernel is bound by reading U. Two launches, both wide.
+* ``bgemm_mix_bgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``bmm_mix_bmm``'s three stages as one
+  chain of Triton kernels (stages 1 and 3 by :func:`bgemm`, the mixing by ``_zmix_kernel``),
+  each launched while the one before runs (blr_common's programmatic dependent launch);
+  stage 3 pulls its U_i slice into L2 before it waits for T. At decode the three launches
+  and dependent reads of ``bmm_mix_bmm`` are most of its time.
 * ``z_mixgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``z_mixgemm`` with the second kernel chained
   to the first (blr_common's programmatic dependent launch: it starts while Z is being
   made, pulls its U_i slice into L2, then waits for Z).
@@ -188,18 +193,23 @@ ZMIX_CONFIGS = [(16, 64, 4, 1), (32, 32, 4, 1), (64, 16, 4, 1), (32, 64, 8, 1), 
 @tuned(ZMIX_CONFIGS, ("BN", "BK"), (16, 16, 4, 1), key=["N_BUCKET", "R", "B"], prune=_prune_zmix)
 @triton.jit
 def _zmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szn, szj, ssi, ssj, ssk, stn, sti, stk,
-                 BB: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 BB: tl.constexpr, PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+                 WAIT_FOR_PREVIOUS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """T[n, i, k] = sum_j Z[n, j, k] s[i, j, k] for a (BN tokens, BK ranks) tile: per rank k a
     (BN x b) @ (b x b) product, all BK of them as one batched tensor-core dot (Z read and T
     written once; the b^2 multiply-adds per element stay off the CUDA cores)."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     rb = tl.arange(0, BB)
     k_ok = rk[:, None, None] < R
-    z = tl.load(z_ptr + rk[:, None, None] + rn[None, :, None] * szn + rb[None, None, :] * szj,
-                mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B), other=0.0)       # (BK, BN, b_j)
     st = tl.load(s_ptr + rk[:, None, None] * ssk + rb[None, :, None] * ssj + rb[None, None, :] * ssi,
                  mask=k_ok & (rb[None, :, None] < B) & (rb[None, None, :] < B), other=0.0)     # (BK, b_j, b_i)
+    if WAIT_FOR_PREVIOUS:                              # S is this op's weights; Z comes from the previous kernel
+        tl.extra.cuda.gdc_wait()
+    z = tl.load(z_ptr + rk[:, None, None] + rn[None, :, None] * szn + rb[None, None, :] * szj,
+                mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B), other=0.0)       # (BK, BN, b_j)
     t = mma(z, st.to(z.dtype), tl.zeros((BK, BN, BB), dtype=tl.float32), PRECISION)                          # (BK, BN, b_i)
     tl.store(t_ptr + rk[:, None, None] * stk + rn[None, :, None] * stn + rb[None, None, :] * sti,
              t.to(t_ptr.dtype.element_ty), mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B))
@@ -214,11 +224,29 @@ def _bmm_mix_bmm(x2, u, v, s, bias):
     n = x2.shape[0]
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
     bmm_into(x2.view(n, b, m).transpose(0, 1), v, z.transpose(0, 1))         # Z_j = X_j V_j
+    return per_block_gemm(_zmix(z, s), u.transpose(1, 2), bias, cublas=True)     # Y_i = T_i U_i^T
+
+
+def _zmix(z, s, chained=False):
+    """T (N, b, r) = the mixing of Z (N, b, r) by ``_zmix_kernel``; ``chained``: launched dependent on
+    the kernel that wrote Z, and letting the next one start."""
+    n, b, r = z.shape
     t = torch.empty_like(z)
     grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
     _zmix_kernel[grid](z, s, t, n, r, b, n_bucket(n), z.stride(0), z.stride(1), *s.stride(), *t.stride(),
-                       BB=pow2_at_least(b), PRECISION=blr_precision(z.dtype))  # BB >= 16: a tensor-core K and N
-    return per_block_gemm(t, u.transpose(1, 2), bias, cublas=True)                # Y_i = T_i U_i^T
+                       BB=pow2_at_least(b), PRECISION=blr_precision(z.dtype),  # BB >= 16: a tensor-core K and N
+                       **chain_options(chained, chained))
+    return t
+
+
+def _bgemm_mix_bgemm_pdl(x2, u, v, s, bias):
+    """The three stages of ``bmm_mix_bmm`` as a chain of Triton kernels, each launched while the
+    previous one runs; stage 3 prefetches its U_i slice before waiting for T."""
+    b, m, r = v.shape
+    n = x2.shape[0]
+    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
+    bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1), launch_dependents=True)
+    return per_block_gemm(_zmix(z, s, chained=True), u.transpose(1, 2), bias, cublas=False, wait_for_previous=True)
 
 
 # ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------
@@ -291,13 +319,14 @@ def _z_mixgemm_pdl(x2, u, v, s, bias):
 
 
 VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "z_mixgemm": _z_mixgemm,
-            "z_mixgemm_pdl": _z_mixgemm_pdl, "torch": blast_linear_reference}
+            "z_mixgemm_pdl": _z_mixgemm_pdl, "bgemm_mix_bgemm_pdl": _bgemm_mix_bgemm_pdl,
+            "torch": blast_linear_reference}
 
 
 def variants_for(n: int) -> dict:
     """The pipelines worth timing at ``n`` tokens."""
     names = ["mix_bgemm", "mix_bmm", "bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
-    names += ["z_mixgemm_pdl"] if n <= min(MIXGEMM_MAX_N, PDL_MAX_N) and pdl_offered() else []
+    names += ["z_mixgemm_pdl", "bgemm_mix_bgemm_pdl"] if n <= min(MIXGEMM_MAX_N, PDL_MAX_N) and pdl_offered() else []
     return {name: VARIANTS[name] for name in names}
 
 

@@ -1,0 +1,245 @@
+"""End to end: a Llama-3.2-1B-shaped model, dense vs block-low-rank, prefill and decode.
+
+Both models are random-init bf16 (speed depends on shapes, not values); the BLR ones
+have the paper's ranks (q/o 256, gate 512, up/down 768, b=16; k/v dense) built by
+memfit.compress.structure_model. Each is run eager and torch.compile'd with CUDA graphs
+(mode="reduce-overhead"):
+
+* prefill: 1024 tokens at batch 1, logits for the last token only (``logits_to_keep=1``);
+* decode: one token at batch 1 against a static KV cache of 1024 + 64 positions.
+
+Attention is transformers' SDPA by default; ``--attention memfit`` runs every model's
+prefill attention through memfit's causal Triton kernel instead (decode, one query against
+the cache, stays on SDPA), to show how the speedup moves when the part BLR cannot change
+gets faster for both.
+
+Baselines in the same run: the dense model (eager and compiled) and the roofline floor
+(matmul FLOPs at the measured bf16 rate, weight + KV bytes at the measured bandwidth).
+Targets: BLAST prefill >= 2.0x and decode >= 1.8x the compiled dense model.
+Writes benchmarks/results/blr_e2e.json and .png.
+
+    python benchmarks/blr_e2e.py            # H200: ~3 min, mostly compilation
+    python benchmarks/blr_e2e.py --smoke    # CPU, tiny preset, eager only
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from memfit.compress import PAPER_RANKS_LLAMA_1B, structure_model
+from memfit.measure.results import target, write_results
+from memfit.models import PRESETS, build_model
+
+PREFILL = 1024
+DECODE_CACHE = PREFILL + 64
+
+
+def static_cache(model, length: int):
+    from transformers import StaticCache
+
+    try:
+        return StaticCache(config=model.config, max_cache_len=length)
+    except TypeError:  # transformers 4.x signature
+        param = next(model.parameters())
+        return StaticCache(config=model.config, max_batch_size=1, max_cache_len=length, device=param.device, dtype=param.dtype)
+
+
+def timer(smoke: bool):
+    if not smoke:
+        from memfit.measure.timing import bench_ms
+
+        return bench_ms
+
+    def cpu_ms(fn, reps: int = 3) -> float:
+        fn()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return 1e3 * (time.perf_counter() - start) / reps
+
+    return cpu_ms
+
+
+def workloads(model, compile_: bool, device: str):
+    """(prefill_fn, decode_fn) closures over fixed inputs; compiled with CUDA graphs when asked."""
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, PREFILL), device=device)
+    tok = torch.randint(0, vocab, (1, 1), device=device)
+    pos = torch.tensor([PREFILL], device=device)
+    cache = static_cache(model, DECODE_CACHE)
+    import inspect
+
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def prefill():
+        return model(input_ids=ids, logits_to_keep=1, use_cache=False).logits
+
+    def decode():
+        return model(input_ids=tok, cache_position=pos, use_cache=True, logits_to_keep=1, **{cache_arg: cache}).logits
+
+    if compile_:
+        prefill = torch.compile(prefill, mode="reduce-overhead", fullgraph=False)
+        decode = torch.compile(decode, mode="reduce-overhead", fullgraph=False)
+    with torch.no_grad():  # fill the cache once so decode attends over real positions
+        model(input_ids=ids, cache_position=torch.arange(PREFILL, device=device), use_cache=True, logits_to_keep=1,
+              **{cache_arg: cache})
+    return prefill, decode
+
+
+def linear_params(model) -> int:
+    from memfit.compress.convert import KINDS
+
+    return sum(p.numel() for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in KINDS for p in m.parameters())
+
+
+def floors(model, spec, ceilings, elem: int) -> dict:
+    """Roofline floors (ms) of prefill and decode for this model."""
+    lin = linear_params(model)
+    head = spec.vocab * spec.hidden
+    attn = 2 * PREFILL * PREFILL * spec.q_dim * spec.num_layers  # causal QK^T + PV
+    kv_bytes = 2 * spec.num_layers * spec.kv_dim * DECODE_CACHE * elem
+    prefill_flops = 2 * PREFILL * lin + attn + 2 * head
+    decode_flops = 2 * (lin + head) + 4 * DECODE_CACHE * spec.q_dim * spec.num_layers
+    weight_bytes = (lin + head) * elem
+    return {"prefill": ceilings.floor_ms(prefill_flops, weight_bytes + kv_bytes),
+            "decode": ceilings.floor_ms(decode_flops, weight_bytes + kv_bytes)}
+
+
+KERNEL_KINDS = (  # (kind, name fragments), first match wins; lower-case
+    ("blr", ("_bgemm", "_mix", "_zmix", "_fused_kernel", "_permute_kernel", "memfit::blast", "memfit::monarch",
+             "memfit::lowrank")),
+    ("attention", ("sdpa", "flash", "fmha", "attention", "attn", "_fwd_kernel")),  # _fwd_kernel: memfit's, prefill
+    ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "splitk", "gemv", "aten::mm", "aten::bmm", "aten::addmm")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """Which part of a step a kernel belongs to: BLR (memfit's BLR Triton kernels and ops), dense matmul
+    (cuBLAS, including the BLR pipelines' cuBLAS stages), attention, or other (norms, rope,
+    activations, copies)."""
+    low = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(part in low for part in parts)), "other")
+
+
+def step_profile(step, device: str) -> dict:
+    """One step's GPU ms by kernel kind, the idle time between kernels, and the longest kernels."""
+    from memfit.measure.kernel_profile import kernel_profile
+
+    step()                                             # warm (graph replay, not capture)
+    kernels, _, idle = kernel_profile(step, device, name_chars=100)
+    by_kind: dict[str, float] = {}
+    for name, entry in kernels.items():
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + entry["ms"]
+    top = [{"name": name, **entry} for name, entry in list(kernels.items())[:12]]
+    return {"ms_by_kind": by_kind, "idle_ms": idle["idle_ms"], "span_ms": idle["span_ms"], "top": top}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default="blast,monarch", help="comma-separated BLR methods to compare with dense")
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--no-eager", action="store_true", help="time only the compiled models")
+    parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU, eager only")
+    parser.add_argument("--attention", choices=("sdpa", "memfit"), default="sdpa",
+                        help="attention of every model: transformers' SDPA (what a Hugging Face user gets; the "
+                             "default) or memfit's causal Triton kernel for prefill (writes blr_e2e_memfit_attention.json)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also split each timed step's GPU time by kernel kind (matmul, BLR, attention, other, idle)")
+    args = parser.parse_args(argv)
+    global PREFILL, DECODE_CACHE
+    smoke = args.smoke or not torch.cuda.is_available()
+    device = "cpu" if smoke else "cuda"
+    if smoke:
+        PREFILL, DECODE_CACHE = 32, 40
+        spec, blocks, ranks = PRESETS["tiny"], 4, None
+    else:
+        spec, blocks, ranks = PRESETS["llama-3.2-1b"], args.blocks, PAPER_RANKS_LLAMA_1B
+    ceilings = None if smoke else __import__("memfit.measure.timing", fromlist=["x"]).measure_ceilings()
+    bench = timer(smoke)
+    rows, results = [], {}
+    variants = ["dense", *[m.strip() for m in args.methods.split(",") if m.strip()]]
+    attention = args.attention
+    if attention == "memfit":
+        from memfit.train.attention_hf import register
+
+        attention = register()
+    for variant in variants:
+        torch.manual_seed(0)
+        model = build_model(spec, dtype="bfloat16", device=device, attn_implementation=attention)
+        ratio = None
+        if variant != "dense":
+            res = structure_model(model, variant, ratio=0.5 if ranks is None else None, blocks=blocks, ranks=ranks)
+            ratio = res.summary()["linear_ratio"]
+        model.eval().requires_grad_(False)
+        floor = floors(model, spec, ceilings, 2) if ceilings else {"prefill": None, "decode": None}
+        for mode in (["compiled"] if args.no_eager else ["eager", "compiled"]):
+            if mode == "compiled" and smoke:
+                continue
+            t0 = time.perf_counter()
+            prefill, decode = workloads(model, mode == "compiled", device)
+            with torch.no_grad():
+                prefill_ms = bench(prefill)
+                decode_ms = bench(decode)
+            row = {"model": variant, "mode": mode, "linear_params": linear_params(model), "linear_ratio": ratio,
+                   "prefill_tokens": PREFILL, "prefill_ms": prefill_ms, "prefill_floor_ms": floor["prefill"],
+                   "decode_ms": decode_ms, "decode_tokens_per_s": 1e3 / decode_ms, "decode_floor_ms": floor["decode"],
+                   "setup_and_bench_s": time.perf_counter() - t0}
+            if args.profile and (mode == "compiled" or smoke):       # an eager step is mostly Python, not kernels
+                with torch.no_grad():
+                    row["prefill_profile"] = step_profile(prefill, device)
+                    row["decode_profile"] = step_profile(decode, device)
+            rows.append(row)
+            results[(variant, mode)] = row
+            print(f"{variant:8s} {mode:8s} prefill {prefill_ms:8.3f} ms  decode {decode_ms:7.3f} ms "
+                  f"({row['decode_tokens_per_s']:.0f} tok/s)  floors {floor['prefill']} / {floor['decode']}", flush=True)
+        del model
+        torch._dynamo.reset()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    mode = "eager" if smoke else "compiled"
+    dense = results[("dense", mode)]
+    targets = []
+    for variant in variants[1:]:
+        row = results[(variant, mode)]
+        row["prefill_speedup"] = dense["prefill_ms"] / row["prefill_ms"]
+        row["decode_speedup"] = dense["decode_ms"] / row["decode_ms"]
+        targets.append(target(f"{variant} prefill speedup vs dense ({mode})", row["prefill_speedup"], 2.0, "x", "higher"))
+        targets.append(target(f"{variant} decode speedup vs dense ({mode})", row["decode_speedup"], 1.8, "x", "higher"))
+    name = "blr_e2e" + ("_memfit_attention" if args.attention == "memfit" else "") + ("_smoke" if smoke else "")
+    path = write_results(name, rows, targets, out_dir=args.out, model=spec.name, blocks=blocks, ranks=ranks,
+                         attention=args.attention)
+    plot(rows, path.with_suffix(".png"))
+    for t in targets:
+        print(f"{t['name']}: {t['measured']:.2f}x (target {t['target']}x) {'met' if t['met'] else 'NOT met'}")
+    print(f"results: {path}")
+    return 0
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    labels = [f"{r['model']}\n{r['mode']}" for r in rows]
+    for ax, key, title in ((axes[0], "prefill_ms", f"prefill {PREFILL} tokens (ms)"), (axes[1], "decode_ms", "decode, ms/token")):
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=["C0" if r["model"] == "dense" else "C1" for r in rows])
+        floor_key = key.replace("_ms", "_floor_ms")
+        ax.scatter(range(len(rows)), [r[floor_key] or float("nan") for r in rows], color="k", marker="_", s=400,
+                   label="roofline floor", zorder=3)
+        ax.set_xticks(range(len(rows)), labels, fontsize=8)
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Layer-level benchmark of the block-low-rank layers (issue 3) against dense and the roofline.
+
+For the paper's shapes (Llama-3.2-1B and Llama-7B projections, b = 16) and N in
+{1, 16, 128, 1024, 8192} bf16 tokens it times, in one run:
+
+* dense cuBLAS (``F.linear``), eager and ``torch.compile``d;
+* for low-rank, Monarch and BLAST: the plain PyTorch reference, each pipeline
+  (variant) the op offers at that shape on its own, and ``ours`` (the layer's default
+  path: the variant ``pick_variant`` chooses, which is what a user gets). Monarch runs
+  in the layer's default block-major (P-free) output layout, and ``monarch_permuted``
+  times the op's pick for the paper's permuted layout on the same weights; each
+  Monarch row names its ``layout``;
+* the roofline floor of each structure (x + weights + y moved once, all FLOPs at the
+  measured matmul rate; memfit.measure.roofline), with the ceilings measured here.
+
+Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median) so that
+decode-sized kernels are timed, not Python's launch overhead, over several copies of
+the weights and inputs (together > 2x the 50 MB L2) so nothing is served from L2.
+Writes ``blr_layers.json`` (after every shape, ``"complete": false`` until the end) and
+``blr_layers_roofline.png``; ``--smoke`` runs the same
+code on tiny shapes on the CPU (Triton interpreter) and writes ``blr_layers_smoke.*`` to a temp dir.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+import time
+
+PAPER_MS_N8192_GATE = {"blast": 0.76, "monarch": 0.60}   # arXiv 2512.20861's Triton kernels on an H200
+SHAPES = [  # name, in, out, rank
+    ("llama-3.2-1b q/o", 2048, 2048, 256), ("llama-3.2-1b gate", 2048, 8192, 512),
+    ("llama-3.2-1b up", 2048, 8192, 768), ("llama-3.2-1b down", 8192, 2048, 768),
+    ("llama-7b qkvo", 4096, 4096, 1024), ("llama-7b gate/up", 4096, 11008, 1488),
+    ("llama-7b down", 11008, 4096, 1488),
+]
+TOKENS = [1, 16, 128, 1024, 8192]
+BLOCKS = 16
+SMOKE_SHAPES, SMOKE_TOKENS, SMOKE_BLOCKS = [("smoke 48->80", 48, 80, 12)], [1, 40], 4
+ROTATE_BYTES = 150 * 2**20
+MAX_REL_ERR = 2e-2       # bf16: every pipeline must match the first row of its structure to this (a wrong one is an error row)
+
+
+def parse():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through the Triton interpreter")
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None,
+                        help=f"only these N (default {TOKENS}); the results file is then blr_layers_subset.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write blr_layers_profile.json: every pipeline's kernels, one by one, at PROFILE_CASES")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse()
+    import torch
+
+    if args.smoke and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif not torch.cuda.is_available():
+        print("blr_layers: needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 2
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from memfit.measure.results import target, write_results
+    from memfit.measure.roofline import layer_cost, plot_roofline
+    from memfit.measure.timing import Ceilings, empty_kernel_ms, measure_ceilings
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16
+    shapes, tokens, blocks = (SMOKE_SHAPES, SMOKE_TOKENS, SMOKE_BLOCKS) if args.smoke else (SHAPES, TOKENS, BLOCKS)
+    tokens = args.tokens or tokens
+    ceilings = measure_ceilings() if device == "cuda" else Ceilings(matmul_flops=1e12, bandwidth=1e11)
+    empty_ms = empty_kernel_ms() if device == "cuda" else 0.0
+    timer = gpu_ms if device == "cuda" else cpu_ms
+    started = time.time()
+    rows = []
+    stem = "blr_layers" + ("_smoke" if args.smoke else "") + ("_subset" if args.tokens else "")
+
+    def save(complete: bool):
+        """Write the JSON (after every shape too, so a run stopped by its time limit keeps what it measured)."""
+        return write_results(stem, rows, make_targets(rows, target, smoke=args.smoke), args.out, blocks=blocks,
+                             dtype="bfloat16", seconds=time.time() - started, complete=complete,
+                             ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
+                                       "bandwidth_gbs": ceilings.bandwidth / 1e9, "empty_kernel_ms": empty_ms},
+                             decode_floor_check=decode_floor_check(rows, empty_ms))
+
+    with Progress() as progress:
+        task = progress.add_task("blr layers", total=len(shapes) * len(tokens))
+        for name, d_in, d_out, rank in shapes:
+            for n in tokens:
+                rows += bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer,
+                                   layer_cost)
+                progress.advance(task)
+            save(complete=False)
+    elapsed = time.time() - started
+    path = save(complete=True)
+    targets = make_targets(rows, target, smoke=args.smoke)
+    points = [{"label": r["impl"], "flops": r["flops"], "bytes": r["ideal_bytes"], "ms": r["ms"]}
+              for r in rows if r["impl"] in ("dense_eager", "lowrank_ours", "monarch_ours", "blast_ours")]
+    plot_roofline(points, ceilings.matmul_flops, ceilings.bandwidth, path.with_name(f"{stem}_roofline.png"),
+                  title=f"BLR layers, bf16, b={blocks}, N in {tokens}")
+    show(Console(), Table, rows, targets)
+    print(f"wrote {path} in {elapsed:.0f} s")
+    if args.profile:
+        cases = SMOKE_PROFILE_CASES if args.smoke else PROFILE_CASES
+        profiled = profile_cases(torch, cases, blocks, dtype, device)
+        name = "blr_layers_profile" + ("_smoke" if args.smoke else "")
+        print(f"wrote {write_results(name, profiled, [], args.out, blocks=blocks)}")
+    return 0
+
+
+def decode_floor_check(rows, empty_ms: float) -> list[dict]:
+    """Per decode-sized case (N <= 16): the floor, 2x the floor (the target) and one empty kernel's
+    time. Where the empty kernel alone exceeds 2x the floor, no kernel can meet that target."""
+    out = []
+    for r in rows:
+        if r["n"] <= 16 and r["impl"] in ("monarch_ours", "blast_ours"):
+            out.append({"shape": r["shape"], "n": r["n"], "structure": r["structure"], "floor_ms": r["floor_ms"],
+                        "target_ms": 2 * r["floor_ms"], "empty_kernel_ms": empty_ms, "ours_ms": r["ms"],
+                        "reachable": empty_ms <= 2 * r["floor_ms"]})
+    return out
+
+
+PROFILE_CASES = [("llama-3.2-1b gate", 1024), ("llama-3.2-1b down", 1024), ("llama-3.2-1b gate", 8192),
+                 ("llama-3.2-1b down", 8192), ("llama-7b gate/up", 8192), ("llama-7b down", 1024)]
+SMOKE_PROFILE_CASES = [("smoke 48->80", 40)]
+
+
+def profile_cases(torch, cases, blocks, dtype, device) -> list[dict]:
+    """One row per (case, structure, pipeline): the pipeline's kernels with their GPU ms, so a
+    pipeline's time splits into its stages (which stage misses its floor)."""
+    from memfit.measure.kernel_profile import kernel_profile
+
+    shapes = {name: (d_in, d_out, rank) for name, d_in, d_out, rank in (SHAPES + SMOKE_SHAPES)}
+    rows = []
+    for name, n in cases:
+        d_in, d_out, rank = shapes[name]
+        for kind, (make, call, variants) in structures(d_in, d_out, rank, blocks, n, dtype, device).items():
+            layer, x = make(), torch.randn(n, d_in, device=device, dtype=dtype)
+            for variant in variants:
+                step = functools.partial(call, layer, x, path="triton", variant=variant)
+                with torch.no_grad():
+                    step()                                                    # compile and tune outside the profile
+                    kernels, _, idle = kernel_profile(step, device, name_chars=80)
+                rows.append({"shape": name, "n": n, "structure": kind, "variant": variant, "kernels": kernels,
+                             "span_ms": idle["span_ms"], "idle_ms": idle["idle_ms"]})
+    return rows
+
+
+def gpu_ms(fn) -> float:
+    """Median ms of one ``fn()`` from CUDA-graph replays (no Python launch overhead)."""
+    from triton.testing import do_bench_cudagraph
+
+    return float(do_bench_cudagraph(fn, rep=10, return_mode="median"))
+
+
+def cpu_ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def copies_for(bytes_per_call: int, device: str) -> int:
+    """Copies of inputs and weights to rotate through so nothing is served from L2 (one on the CPU smoke run)."""
+    if device != "cuda":
+        return 1
+    return max(1, min(64, math.ceil(ROTATE_BYTES / max(bytes_per_call, 1))))
+
+
+def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer, layer_cost):
+    """Every implementation of one (shape, N) case; one row each."""
+    import torch.nn.functional as F
+
+    from memfit.kernels.monarch import monarch_linear
+
+    rows = []
+    with torch.no_grad():
+        dense_flops, dense_bytes = layer_cost("dense", "ideal", n, d_in, d_out)
+        k = copies_for(dense_bytes, device)
+        xs = [torch.randn(n, d_in, device=device, dtype=dtype) for _ in range(k)]
+        weights = [torch.randn(d_out, d_in, device=device, dtype=dtype) / d_in**0.5 for _ in range(k)]
+        compiled = torch.compile(F.linear, dynamic=True)
+        impls = {"dense_eager": lambda i: F.linear(xs[i], weights[i]),
+                 "dense_compiled": lambda i: compiled(xs[i], weights[i])}
+        rows += time_impls(impls, k, timer, name, n, d_in, d_out, rank, blocks, "dense", dense_flops, dense_bytes,
+                           dense_bytes, ceilings, layer_cost)
+        xs = weights = None                              # free before the structures allocate theirs
+        for kind, (make, call, variants) in structures(d_in, d_out, rank, blocks, n, dtype, device).items():
+            flops, ideal = layer_cost(kind, "ideal", n, d_in, d_out, rank, blocks)
+            k = copies_for(ideal, device)
+            impls = structure_impls(torch, kind, make, call, variants, k, n, d_in, dtype, device, monarch_linear)
+            rows += time_impls(impls, k, timer, name, n, d_in, d_out, rank, blocks, kind, flops, ideal,
+                               dense_bytes, ceilings, layer_cost, as_block_major(n, d_out, blocks))
+            impls = None
+    return rows
+
+
+def structures(d_in, d_out, rank, blocks, n, dtype, device) -> dict:
+    """kind -> (make a layer, call(layer, x, **op options), the op's pipelines at this N)."""
+    from memfit.kernels.blast import blast_linear
+    from memfit.kernels.blast import variants_for as blast_variants
+    from memfit.kernels.lowrank import lowrank_linear
+    from memfit.kernels.lowrank import variants_for as lowrank_variants
+    from memfit.kernels.monarch import monarch_linear
+    from memfit.kernels.monarch import variants_for as monarch_variants
+    from memfit.layers import BlastLinear, LowRankLinear, MonarchLinear
+
+    m, t = d_in // blocks, rank // blocks
+    return {
+        "lowrank": (lambda: LowRankLinear(d_in, d_out, rank, device=device, dtype=dtype),
+                    lambda l, x, **o: lowrank_linear(x, l.U, l.V, **o), lowrank_variants(n)),
+        "monarch": (lambda: MonarchLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
+                    lambda l, x, **o: monarch_linear(x, l.w1, l.w2, None, l.permute_output, **o),
+                    monarch_variants(n, m, t, permute_output=False)),
+        "blast": (lambda: BlastLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
+                  lambda l, x, **o: blast_linear(x, l.U, l.V, l.S, **o), blast_variants(n)),
+    }
+
+
+def structure_impls(torch, kind, make, call, variants, copies, n, d_in, dtype, device, monarch_linear):
+    """name -> fn(copy index) for one structure: reference, each variant, ours (and Monarch's permuted layout)."""
+    layers = [make() for _ in range(copies)]
+    xs = [torch.randn(n, d_in, device=device, dtype=dtype) for _ in range(copies)]
+    impls = {f"{kind}_reference": lambda i: call(layers[i], xs[i], path="reference")}
+    for variant in variants:
+        impls[f"{kind}_{variant}"] = lambda i, v=variant: call(layers[i], xs[i], path="triton", variant=v)
+    impls[f"{kind}_ours"] = lambda i: layers[i](xs[i])
+    if kind == "monarch":
+        impls["monarch_permuted"] = lambda i: monarch_linear(xs[i], layers[i].w1, layers[i].w2, None, True)
+    return impls
+
+
+def as_block_major(n, d_out, blocks) -> dict:
+    """impl -> fn(output) giving the block-major layout every other row of its structure writes (for the check)."""
+    return {"monarch_permuted": lambda y: y.view(n, d_out // blocks, blocks).transpose(1, 2).reshape(n, d_out)}
+
+
+def time_impls(impls, copies, timer, name, n, d_in, d_out, rank, blocks, kind, flops, ideal, dense_bytes, ceilings,
+               layer_cost, layouts=None):
+    rows = []
+    floor = ceilings.floor_ms(flops, ideal)
+    first = None                                         # the first impl's output (dense eager, or the reference)
+    for impl, fn in impls.items():
+        try:
+            out = (layouts or {}).get(impl, lambda y: y)(fn(0)).float()   # also tunes / picks outside the timing
+            first = out if first is None else first
+            rel_err = ((out - first).norm() / first.norm()).item()
+            ms = timer(lambda fn=fn: [fn(i) for i in range(copies)]) / copies
+            error = None
+            if not rel_err <= MAX_REL_ERR:               # a wrong pipeline's time counts for nothing
+                error = f"wrong result: relative error {rel_err:.3g} to {next(iter(impls))} (ran in {ms:.4f} ms)"
+                ms = float("nan")
+        except Exception as err:  # noqa: BLE001 (a competitor that cannot run here is recorded, not fatal)
+            ms, rel_err, error = float("nan"), float("nan"), f"{type(err).__name__}: {err}"[:300]
+        row = {"shape": name, "in": d_in, "out": d_out, "rank": rank, "blocks": blocks, "n": n, "structure": kind,
+               "impl": impl, "ms": ms, "flops": flops, "ideal_bytes": ideal, "floor_ms": floor,
+               "x_floor": ms / floor, "copies": copies, "rel_err": rel_err}
+        if kind != "dense":
+            row["unfused_bytes"] = layer_cost(kind, "unfused", n, d_in, d_out, rank, blocks)[1]
+        if kind == "monarch" and impl != "monarch_reference":
+            row["layout"] = "permuted" if impl == "monarch_permuted" else "block-major"
+        if error:
+            row["error"] = error
+        rows.append(row)
+    return rows
+
+
+def make_targets(rows, target, smoke: bool):
+    """Targets of issue 3, computed from the rows (worst shape per structure and N)."""
+    def ms(shape, n, impl):
+        return next((r["ms"] for r in rows if r["shape"] == shape and r["n"] == n and r["impl"] == impl), math.nan)
+
+    targets = []
+    shapes = sorted({r["shape"] for r in rows})
+    for kind in ("monarch", "blast"):
+        for n in sorted({r["n"] for r in rows}):
+            ours = [r for r in rows if r["impl"] == f"{kind}_ours" and r["n"] == n]
+            worst = max(math.inf if math.isnan(r["x_floor"]) else r["x_floor"] for r in ours)  # failed: unmet
+            if n >= 1024 or smoke and n > 16:
+                targets.append(target(f"{kind} ours / floor, N={n}, worst shape", worst, 1.5, "x", "lower"))
+            if n <= 16:
+                targets.append(target(f"{kind} ours / floor, N={n}, worst shape", worst, 2.0, "x", "lower"))
+            if n >= 16:
+                slowest = min(ms(s, n, "dense_eager") / ms(s, n, f"{kind}_ours") for s in shapes)
+                targets.append(target(f"{kind} speedup over dense cuBLAS, N={n}, worst shape", slowest, 1.0, "x",
+                                      "higher"))
+        gate = ms("llama-3.2-1b gate", 8192, f"{kind}_ours")
+        if not math.isnan(gate):
+            targets.append(target(f"{kind} llama-3.2-1b gate N=8192 vs 1/3 of the paper's kernel",
+                                  gate, PAPER_MS_N8192_GATE[kind] / 3, "ms", "lower"))
+    return targets
+
+
+def show(console, Table, rows, targets):
+    table = Table(title="BLR layers (ms; x floor)")
+    for col in ("shape", "N", "dense", "lowrank", "monarch", "blast", "monarch x floor", "blast x floor"):
+        table.add_column(col)
+    cases = sorted({(r["shape"], r["n"]) for r in rows}, key=lambda c: (c[0], c[1]))
+    for shape, n in cases:
+        get = {r["impl"]: r for r in rows if r["shape"] == shape and r["n"] == n}
+        table.add_row(shape, str(n), f"{get['dense_eager']['ms']:.4f}",
+                      *(f"{get[f'{k}_ours']['ms']:.4f}" for k in ("lowrank", "monarch", "blast")),
+                      *(f"{get[f'{k}_ours']['x_floor']:.2f}" for k in ("monarch", "blast")))
+    console.print(table)
+    for t in targets:
+        console.print(f"{'met ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3f} (target {t['target']:.3f} {t['unit']})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

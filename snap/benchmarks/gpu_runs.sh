@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Run memfit's GPU benchmarks in one go, most pending first, each under its own time limit,
+# writing results and logs to OUT (default benchmarks/results). Usage on a CUDA machine:
+#   OUT=/some/dir bash benchmarks/gpu_runs.sh [name ...]      # names: see RUNS below
+# Competitor and bitsandbytes wheels, when needed, must already be importable (PYTHONPATH).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+# name|seconds|command, most pending first (after the fourth 2026-11-30 session: see its closing note)
+RUNS=(
+  "blr_e2e_memfit_attention|280|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
+  "decode_profile|240|python3 benchmarks/decode_profile.py --out $OUT"
+  "finetune_memory|600|python3 benchmarks/finetune_memory.py --out $OUT"
+  "train_small_model|130|python3 benchmarks/train_small_model.py --out /tmp/small_llama --results $OUT --max-seconds 80"
+  "partial_ffn_accuracy|150|python3 benchmarks/partial_ffn.py --out $OUT --skip-speed --small-model /tmp/small_llama"
+  "linear_ce|330|python3 benchmarks/linear_ce.py --out $OUT"
+  "blr_layers|300|python3 benchmarks/blr_layers.py --out $OUT --profile"
+  "blr_accuracy|300|python3 benchmarks/blr_accuracy.py --model /tmp/small_llama --out $OUT"
+  "blr_e2e|280|python3 benchmarks/blr_e2e.py --out $OUT --profile"
+  "partial_ffn|300|python3 benchmarks/partial_ffn.py --out $OUT --skip-accuracy"
+  "attention|360|python3 benchmarks/attention.py --out $OUT"
+  "ledger_accuracy|240|python3 benchmarks/ledger_accuracy.py --out $OUT"
+)
+status=0
+for run in "${RUNS[@]}"; do
+  IFS='|' read -r name seconds command <<<"$run"
+  if [ $# -gt 0 ] && [[ " $* " != *" $name "* ]]; then continue; fi
+  echo "== $name (limit ${seconds}s)"
+  timeout "$seconds" $command >"$OUT/$name.log" 2>&1
+  code=$?
+  tail -3 "$OUT/$name.log"
+  [ $code -eq 0 ] || { echo "   $name exited $code"; status=1; }
+done
+exit $status

@@ -1,0 +1,76 @@
+"""Where is a job's peak, really? The CUDA allocator's history for one job, read at its peak.
+
+A diagnostic for the ledger: runs one job as ``verify`` does with
+``torch.cuda.memory._record_memory_history`` on, replays the trace to find the moment of
+the largest live total, and prints the live blocks there (size, and the innermost frames
+of the code that allocated them) beside the ledger's breakdown.
+
+    python benchmarks/ledger_snapshot.py llama-3.2-3b full 2048 --optimizer adamw8bit --checkpoint-layers 14
+"""
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+import torch
+
+from memfit.ledger.job import Job, Knobs
+from memfit.ledger.predict import predict
+from memfit.ledger.verify import measure
+from memfit.models import PRESETS
+
+
+def live_at_peak(snapshot: dict) -> tuple[int, list[dict]]:
+    """Replay alloc/free events of the default device; return the peak total and live blocks then."""
+    live: dict[int, dict] = {}
+    total = peak = 0
+    at_peak: list[dict] = []
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, list(live.values())
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+    return peak, at_peak
+
+
+def where(event: dict) -> str:
+    frames = [f for f in event.get("frames", []) if f["filename"].endswith(".py")
+              and "torch/utils" not in f["filename"] and "torch/cuda" not in f["filename"]]
+    return " < ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in frames[:3])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", choices=sorted(PRESETS))
+    parser.add_argument("task")
+    parser.add_argument("seq", type=int)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--checkpoint-layers", type=int, default=0)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    job = Job(PRESETS[args.model], task=args.task, seq=args.seq, batch=args.batch, device="cuda", new_tokens=64)
+    knobs = Knobs(dtype="bfloat16", optimizer=args.optimizer, checkpoint_layers=args.checkpoint_layers,
+                  micro_batch=args.batch)
+    ledger = predict(job, knobs)
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+    measured = measure(job, knobs)
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak, blocks = live_at_peak(snapshot)
+    print(f"predicted {ledger.total / 2**30:.3f} GiB at {ledger.peak_phase}/{ledger.peak_where}: "
+          + ", ".join(f"{k} {v / 2**30:.3f}" for k, v in ledger.peak.items()))
+    print(f"measured max_allocated {measured.peak / 2**30:.3f} GiB; trace peak {peak / 2**30:.3f} GiB "
+          "(the trace spans warm-up and the measured step)")
+    sizes = Counter()
+    for block in blocks:
+        sizes[where(block)] += block["size"]
+    for site, size in sizes.most_common(args.top):
+        print(f"{size / 2**20:10.1f} MiB  {site}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""Regenerate README's performance section from ``benchmarks/results/*.json``.
+
+Every number in that section comes from a results file written by a benchmark run;
+nothing is typed. The section lives between two markers in README.md:
+
+    python benchmarks/report.py            # rewrite README.md in place
+    python benchmarks/report.py --check    # exit 1 if README.md is out of date
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _header(data: dict, command: str) -> str:
+    return (f"_{data['gpu']}, torch {data['torch']}, triton {data['triton']}, commit {data['commit']}, "
+            f"{data.get('date', '')[:10]}; `{command}`_\n")
+
+
+def _targets(data: dict) -> str:
+    lines = []
+    for t in data["targets"]:
+        mark = "met" if t["met"] else "**not met**"
+        lines.append(f"- {t['name']}: {t['measured']:.4g} {t['unit']} (target {t['better']} than {t['target']:.4g}) {mark}")
+    return "\n".join(lines) + "\n"
+
+
+def ledger_section(data: dict) -> str:
+    rows = [r for r in data["rows"] if "error" in r]
+    out = ["### Memory ledger: predicted vs measured peak\n", _header(data, "python benchmarks/ledger_accuracy.py"),
+           "| model | task | seq x batch | techniques | predicted GiB | measured GiB | error |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        job, knobs = r["job"], r["knobs"]
+        extra = [f"ckpt {knobs['checkpoint_layers']}" if knobs["checkpoint_layers"] else "",
+                 knobs["optimizer"] if job["task"] != "infer" and knobs["optimizer"] != "adamw" else "",
+                 f"micro-batch {knobs['micro_batch']}" if knobs["micro_batch"] != job["batch"] else ""]
+        out.append(f"| {job['model']} | {job['task']} | {job['seq']} x {job['batch']} | {', '.join(e for e in extra if e) or '-'} "
+                   f"| {r['peak_bytes'] / 2**30:.3f} | {r['measured']['peak_bytes'] / 2**30:.3f} | {100 * r['error']:+.2f}% |")
+    return "\n".join(out) + "\n\n" + _targets(data)
+
+
+def linear_ce_section(data: dict) -> str:
+    out = ["### Fused linear cross-entropy (vocab 128256, half the tokens ignored, bf16)\n",
+           _header(data, "python benchmarks/linear_ce.py"),
+           "| tokens x hidden | method | fwd+bwd ms | extra peak MiB | dH rel. error | dW rel. error |",
+           "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        if r.get("status") != "ok":
+            continue
+        dw = f"{r['dweight_rel_err']:.1e}" if r.get("dweight_rel_err") is not None else "-"
+        out.append(f"| {r['tokens']} x {r['hidden']} | {r['method']} | {r['ms']:.1f} | {r['extra_peak_mib']:.0f} "
+                   f"| {r['dhidden_rel_err']:.1e} | {dw} |")
+    return "\n".join(out) + "\n\n" + _targets(data)
+
+
+def attention_section(data: dict) -> str:
+    out = ["### Attention forward+backward TFLOP/s (16K tokens per batch, 32 heads, head dim 128, bf16)\n",
+           _header(data, "python benchmarks/attention.py"),
+           "| impl | " + " | ".join(f"{n} {'causal' if c else 'full'}" for n in (1024, 4096, 16384) for c in (False, True)) + " |",
+           "|---|" + "---|" * 6]
+    impls = sorted({r["impl"] for r in data["rows"]})
+    for impl in impls:
+        cells = []
+        for n in (1024, 4096, 16384):
+            for causal in (False, True):
+                row = next((r for r in data["rows"] if r["impl"] == impl and r["seq"] == n and r["causal"] == causal
+                            and r.get("fwd_bwd_tflops")), None)
+                cells.append(f"{row['fwd_bwd_tflops']:.0f}" if row else "-")
+        out.append(f"| {impl} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n\n" + _targets(data) + "\nThe contention study: `benchmarks/attention_study.md`.\n"
+
+
+def finetune_section(data: dict, title: str = "LoRA fine-tuning peak memory, Llama-3.2-3B shape, batch 1 (GB)",
+                     command: str = "python benchmarks/finetune_memory.py") -> str:
+    out = [f"### {title}\n", _header(data, command)]
+    for dtype in sorted({r["dtype"] for r in data["rows"]}):
+        rows = [r for r in data["rows"] if r["dtype"] == dtype]
+        contexts = sorted({r["context"] for r in rows})
+        out += [f"\n{dtype.replace('torch.', '')}: total peak (peak above the frozen base weights)\n",
+                "| configuration | " + " | ".join(str(c) for c in contexts) + " |", "|---|" + "---|" * len(contexts)]
+        for name in dict.fromkeys(r["row"] for r in rows):
+            cells = []
+            for c in contexts:
+                r = next((r for r in rows if r["row"] == name and r["context"] == c), None)
+                if r is None or not isinstance(r.get("peak_gb"), (int, float)):
+                    cells.append(str(r.get("peak_gb", "-")) if r else "-")
+                else:
+                    cells.append(f"{r['peak_gb']:.2f} ({r['peak_above_frozen_weights_gb']:.2f})")
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n\n" + _targets(data)
+
+
+def finetune_ledger_section(data: dict, arguments: str = "") -> str:
+    src = data.get("measured_in", {})
+    out = ["### The ledger on the fine-tuning table (predicted vs measured above)\n",
+           f"_prediction: `python benchmarks/finetune_ledger.py{arguments}` at commit {data['commit']}; measured: "
+           f"{src.get('gpu', '?')}, commit {src.get('commit', '?')}_\n",
+           "| dtype | configuration | " + " | ".join(str(c) for c in sorted({r["context"] for r in data["rows"]})) + " |"]
+    contexts = sorted({r["context"] for r in data["rows"]})
+    out.append("|---|---|" + "---|" * len(contexts))
+    for dtype in sorted({r["dtype"] for r in data["rows"]}):
+        for name in dict.fromkeys(r["row"] for r in data["rows"] if r["dtype"] == dtype):
+            cells = []
+            for c in contexts:
+                r = next((r for r in data["rows"] if r["dtype"] == dtype and r["row"] == name and r["context"] == c),
+                         None)
+                cells.append(f"{100 * r['error']:+.1f}%" if r else "-")
+            out.append(f"| {dtype} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n\n" + _targets(data)
+
+
+def partial_ffn_section(data: dict) -> str:
+    out = ["### Partial-load / partial-compute decode, Llama-3.2-3B shape, fp16, batch 1\n",
+           _header(data, "python benchmarks/partial_ffn.py"),
+           "| case | tokens/s | ms/token | weight-read floor ms | fraction of floor | peak GB |", "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        if r.get("decode_tokens_per_s") is None:
+            continue
+        floor = f"{r['floor_ms']:.2f}" if r.get("floor_ms") else "-"
+        fraction = f"{r['fraction_of_floor']:.2f}" if r.get("fraction_of_floor") else "-"
+        ms = f"{r['decode_ms_per_token']:.2f}" if r.get("decode_ms_per_token") else "-"
+        out.append(f"| {r['case']} | {r['decode_tokens_per_s']:.0f} | {ms} | {floor} | {fraction} "
+                   f"| {r['peak_bytes'] / 1e9:.2f} |")
+    return "\n".join(out) + "\n\n" + _targets(data) + _partial_speedup_bound(data["rows"])
+
+
+def _partial_speedup_bound(rows: list[dict], wanted: float = 1.5) -> str:
+    """Least-squares fit ms/token = a * floor + F over the fused decode-kernel cases (one loop, several
+    weight-byte counts), and what the fixed part F would have to be for partial / dense >= ``wanted``."""
+    same_loop = [r for r in rows if r.get("decode_kernels") and r.get("floor_ms") and r.get("fused_layers")
+                 and r["fused_layers"] == r.get("layers")]
+    dense = next((r for r in same_loop if r["case"] == "dense fp16"), None)
+    partial = next((r for r in same_loop if r["case"] == "partial fp16 (gamma 0.7, phi 0.4)"), None)
+    if len(same_loop) < 3 or dense is None or partial is None:
+        return ""
+    xs, ys = [r["floor_ms"] for r in same_loop], [r["decode_ms_per_token"] for r in same_loop]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    fixed = my - a * mx
+    fd, fp = dense["floor_ms"], partial["floor_ms"]
+    needed = a * (fd - wanted * fp) / (wanted - 1)
+    return (f"\nThe {len(same_loop)} cases through the fused loop fit ms/token = {a:.3f} x floor + {fixed:.3f} ms "
+            f"(least squares). For partial to reach {wanted}x dense, the fixed part would have to be at most "
+            f"{needed:.3f} ms; with no fixed part at all the weight bytes cap the ratio at {fd / fp:.3f}x.\n")
+
+
+def partial_ffn_accuracy_section(data: dict) -> str:
+    rows = [r for r in data["rows"] if r.get("case") == "accuracy" and r.get("perplexity") is not None]
+    out = ["### Partial FFN accuracy: the small byte-level Llama of `benchmarks/train_small_model.py`\n",
+           _header(data, "python benchmarks/partial_ffn.py --skip-speed --small-model DIR"),
+           "| gamma (loaded) | phi (computed) | every layer partial | perplexity | next-token agreement with dense |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['gamma']} | {r['phi_effective']} | {'yes' if r['compute_all_layers'] else 'no'} "
+                   f"| {r['perplexity']:.2f} | {r['next_token_agreement']:.3f} |")
+    return "\n".join(out) + "\n"
+
+
+def blr_layers_section(data: dict) -> str:
+    """Per shape and N: dense and each structure's default path (what a user gets), in microseconds and x floor."""
+    kinds = ("dense_eager", "lowrank_ours", "monarch_ours", "blast_ours")
+    cells = {}
+    for r in data["rows"]:
+        if r.get("impl") in kinds and r.get("ms") is not None:
+            cells[(r["shape"], r["n"], r["impl"])] = r
+    keys = sorted({(shape, n) for shape, n, _ in cells}, key=lambda k: (list(dict.fromkeys(
+        r["shape"] for r in data["rows"])).index(k[0]), k[1]))
+    out = ["### Block-low-rank layer kernels, bf16, b = 16 (work in progress: targets not met)\n",
+           _header(data, "python benchmarks/blr_layers.py"),
+           "us per call, and in brackets the ratio to that structure's roofline floor.\n",
+           "| shape | N | dense cuBLAS | low-rank | Monarch | BLAST |", "|---|---|---|---|---|---|"]
+    for shape, n in keys:
+        row = [f"{1e3 * c['ms']:.0f} ({c['x_floor']:.1f}x)" if (c := cells.get((shape, n, k))) else "-" for k in kinds]
+        out.append(f"| {shape} | {n} | " + " | ".join(row) + " |")
+    return ("\n".join(out) + "\n\n" + _decode_floor_note(data) + _targets(data)
+            + "\nEvery variant's row, and the roofline plot: `benchmarks/results/blr_layers.json`, "
+              "`blr_layers_roofline.png`; each pipeline split into its kernels at six of these cases: "
+              "`blr_layers_profile.json` (`--profile`).\n")
+
+
+def _decode_floor_note(data: dict) -> str:
+    """Which decode-sized 2x-floor targets sit below one empty kernel's time (no kernel can meet those)."""
+    empty = data.get("ceilings", {}).get("empty_kernel_ms")
+    checks = data.get("decode_floor_check") or []
+    if not empty or not checks:
+        return ""
+    out_of_reach = sorted({f"{c['structure']} {c['shape']} N={c['n']}" for c in checks if not c["reachable"]})
+    where = ", ".join(out_of_reach) if out_of_reach else "none of the decode cases"
+    return (f"One empty kernel, replayed back to back in a CUDA graph as these layers are timed, takes "
+            f"{1e3 * empty:.2f} us. Twice the floor is below that for {where}: no kernel can meet the "
+            "N <= 16 target there.\n\n")
+
+
+def blr_e2e_section(data: dict) -> str:
+    memfit_attention = data.get("attention") == "memfit"
+    command = "python benchmarks/blr_e2e.py" + (" --attention memfit" if memfit_attention else "")
+    attention = "memfit's attention kernel in prefill" if memfit_attention else "transformers' SDPA attention"
+    out = [f"### Block-low-rank end to end, {data.get('model', '?')} shape, bf16, batch 1, {attention} "
+           "(targets not met)\n", _header(data, command),
+           "| model | mode | prefill 1024 tokens ms (floor) | decode ms/token (floor) | decode tokens/s |",
+           "|---|---|---|---|---|"]
+    for r in data["rows"]:
+        out.append(f"| {r['model']} | {r['mode']} | {r['prefill_ms']:.2f} ({r['prefill_floor_ms']:.2f}) "
+                   f"| {r['decode_ms']:.3f} ({r['decode_floor_ms']:.3f}) | {r['decode_tokens_per_s']:.0f} |")
+    return "\n".join(out) + "\n\n" + _blr_e2e_profile(data) + _targets(data)
+
+
+def _blr_e2e_profile(data: dict) -> str:
+    """Where each compiled step's GPU time goes (``--profile``): BLR kernels, cuBLAS, attention, the rest, idle."""
+    profiled = [r for r in data["rows"] if r.get("prefill_profile")]
+    if not profiled:
+        return ""
+    kinds = ("blr", "matmul", "attention", "other")
+    out = ["GPU ms per step by kernel kind, from one profiled replay (`--profile`): memfit's BLR kernels, "
+           "cuBLAS matmuls (dense layers, k/v, the head, and the BLR pipelines' cuBLAS stages), attention "
+           "(with its mask), everything else, and the GPU's idle time between kernels.\n",
+           "| model | mode | step | BLR | cuBLAS | attention | other | idle |", "|---|---|---|---|---|---|---|---|"]
+    for r in profiled:
+        for step in ("prefill", "decode"):
+            prof = r[f"{step}_profile"]
+            cells = " | ".join(f"{prof['ms_by_kind'].get(k, 0.0):.3f}" for k in kinds)
+            out.append(f"| {r['model']} | {r['mode']} | {step} | {cells} | {prof['idle_ms']:.3f} |")
+    return "\n".join(out) + "\n\n"
+
+
+def blr_accuracy_section(data: dict) -> str:
+    settings = data.get("settings", {})
+    info = data.get("model_train_info") or {}
+    run = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items()
+                   if k in ("ratio", "blocks", "blast_steps", "recovery_steps", "recovery_lr", "batch", "seq",
+                            "calib_samples", "validate_every"))
+    out = ["### Block-low-rank accuracy: the small byte-level Llama compressed to half its linear parameters\n",
+           _header(data, f"python benchmarks/blr_accuracy.py --model DIR {run}"),
+           f"Model: {info.get('params', '?')} parameters, {info.get('steps', '?')} training steps "
+           f"({info.get('tokens', '?')} tokens) on {settings.get('device', '?')}"
+           + (f", kept at step {info['best_step']} (best dev perplexity); perplexity in bytes on the held-out "
+              "test half, recovery fine-tunes also stopped at their best dev step.\n" if "best_step" in info
+              else "; validation perplexity in bytes.\n"),
+           "| method | projection | linear params kept | perplexity after projection | after recovery | "
+           "recovery step kept | mean layer output error |", "|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        err = f"{r['mean_output_error']:.3f}" if r.get("mean_output_error") is not None else "-"
+        kept = r.get("recovery_best_step")
+        out.append(f"| {r['method']} | {r['projection'] or '-'} | {r['linear_ratio']:.3f} | {r['ppl_projected']:.3f} "
+                   f"| {r['ppl_recovered']:.3f} | {'-' if kept is None else kept} | {err} |")
+    findings = "".join(f"- {f}\n" for f in data.get("findings", []))
+    return "\n".join(out) + "\n\n" + findings + "\n" + _targets(data)
+
+
+LOWEST = "finetune_memory_float32_lowest"
+SECTIONS = [("ledger_accuracy", ledger_section), ("linear_ce", linear_ce_section), ("attention", attention_section),
+            ("finetune_memory", finetune_section), ("finetune_ledger", finetune_ledger_section),
+            (LOWEST, lambda data: finetune_section(
+                data, "fp32: the paper's last row and memfit's lowest (8-bit AdamW), peak (GB)",
+                "python benchmarks/finetune_memory.py --dtypes float32 --lowest-only")),
+            ("finetune_ledger_float32_lowest", lambda data: finetune_ledger_section(
+                data, f" --measured benchmarks/results/{LOWEST}.json")),
+            ("partial_ffn", partial_ffn_section), ("partial_ffn_accuracy", partial_ffn_accuracy_section),
+            ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section),
+            ("blr_e2e_memfit_attention", blr_e2e_section), ("blr_accuracy", blr_accuracy_section)]
+
+
+def render() -> str:
+    parts = [START, "", "Generated by `python benchmarks/report.py` from `benchmarks/results/`; do not edit by hand.", ""]
+    for name, section in SECTIONS:
+        data = _load(name)
+        if data is not None:
+            parts.append(section(data))
+    parts.append(END)
+    return "\n".join(parts)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if README.md's section is out of date")
+    args = parser.parse_args(argv)
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    if START not in text or END not in text:
+        print(f"README.md lacks the markers {START} ... {END}", file=sys.stderr)
+        return 2
+    new = text[:text.index(START)] + render() + text[text.index(END) + len(END):]
+    if args.check:
+        return 0 if new == text else 1
+    readme.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""``memfit calibrate``: rank a model's FFN neurons on calibration prompts (for partial loading)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_parser(sub):
+    parser = sub.add_parser(
+        "calibrate", help="rank FFN neurons on calibration prompts (for memfit generate --load/--compute)",
+        description="Run calibration prompts through a local model and rank each layer's FFN neurons by mean |h| at the "
+                    "down-projection input, overall and per task label; writes rankings.safetensors next to the model.")
+    parser.add_argument("model", help="local model directory (config.json + safetensors)")
+    parser.add_argument("--data", required=True, help='JSONL, one {"text": ..., "task": optional label} a line')
+    parser.add_argument("--out", help="output file (default: MODEL/rankings.safetensors)")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    parser.add_argument("--max-tokens", type=int, default=512, help="truncate each prompt to this many tokens (default 512)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per forward pass (default 8)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
+    parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: the model's)")
+    return parser
+
+
+def resolve_device(name: str):
+    import torch
+
+    from memfit.errors import MemfitError
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise MemfitError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MemfitError(f"device {name!r} asked for, but this machine has no CUDA GPU; use --device cpu")
+    return device
+
+
+def check_model_dir(model: str) -> Path:
+    """``model`` as a directory holding config.json and safetensors weights (checked before any work)."""
+    from memfit.errors import MemfitError
+    from memfit.infer.partial_load import check_weight_files
+    from memfit.models import PRESETS
+
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        if model in PRESETS:
+            hint = " (a preset is a shape without weights; save one with memfit.models.save_model_dir)"
+        elif path.is_file():
+            hint = " (it is a file: pass the directory holding config.json and the weights)"
+        else:
+            hint = " (no such directory)"
+        raise MemfitError(f"{model!r} is not a model directory{hint}")
+    if not (path / "config.json").is_file():
+        raise MemfitError(f"{model}: the directory has no config.json")
+    check_weight_files(path)
+    return path
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from memfit.errors import MemfitError
+    from memfit.infer.calibrate import RANKINGS_FILE, calibrate, prompt_batches, read_prompts
+    from memfit.infer.partial_load import load_model
+    from memfit.infer.text import load_codec
+
+    model_dir = check_model_dir(args.model)
+    out = Path(args.out) if args.out else model_dir / RANKINGS_FILE
+    if out.exists() and not args.force:
+        raise MemfitError(f"{out} exists; pass --force to overwrite it or --out to write elsewhere")
+    if args.max_tokens < 1 or args.batch_size < 1:
+        raise MemfitError(f"--max-tokens and --batch-size must be >= 1, got {args.max_tokens} and {args.batch_size}")
+    prompts = read_prompts(args.data)
+    device = resolve_device(args.device)
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        loading = progress.add_task("loading", total=None)
+        model = load_model(model_dir, dtype=args.dtype, device=device,
+                           progress=lambda done, total: progress.update(loading, completed=done, total=total))
+        codec = load_codec(model_dir, model.config.vocab_size)
+        batches = list(prompt_batches(prompts, codec.encode, args.max_tokens, args.batch_size))
+        total = sum(int(mask.sum()) for _, mask, _ in batches)
+        running = progress.add_task("calibrating (tokens)", total=total)
+        rankings = calibrate(model, batches, progress=lambda n: progress.advance(running, n))
+    rankings.save(out)
+    tasks = ", ".join(f"{t} ({rankings.tokens[f'task.{t}']} tokens)" for t in rankings.tasks) or "none"
+    console.print(f"wrote {out}: general ranking over {rankings.tokens['general']} tokens; task rankings: {tasks}")
+    return 0

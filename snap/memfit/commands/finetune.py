@@ -1,0 +1,217 @@
+"""``memfit finetune``: LoRA fine-tune a local Hugging Face model (or a preset) on a JSONL file.
+
+With no arguments it runs the built-in first job: the tiny preset (random init), the
+byte tokenizer and the bundled data set, on CPU in well under a minute, and the loss
+visibly falls. The memory techniques come from flags, or, with ``--gpu-memory`` on a
+GPU, from the ledger's planner: the fastest plan that fits (``choose_techniques``).
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from memfit.errors import MemfitError
+
+if TYPE_CHECKING:  # the annotations only; torch loads when a run starts, not for `memfit --help`
+    import torch
+
+DEFAULT_MODEL = "tiny"
+APPLIED_BY_PATCH = ("checkpoint", "fused_ce", "four_bit")  # the planner's techniques this command can run
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """The memory techniques of one fine-tuning run (what a plan supplies)."""
+
+    checkpoint: str = "none"
+    offload_layers: object = "none"
+    offload_to: str = "cpu"
+    four_bit: bool = False
+    fused_ce: bool = True
+    places: tuple[str, ...] | None = None  # a per-layer checkpoint policy from a plan (overrides checkpoint)
+
+    def patch_kwargs(self) -> dict:
+        return {"checkpoint": self.checkpoint, "offload_layers": self.offload_layers, "offload_to": self.offload_to,
+                "four_bit": self.four_bit, "fused_ce": self.fused_ce}
+
+
+def add_parser(sub):
+    parser = sub.add_parser(
+        "finetune", help="LoRA fine-tune a model on a JSONL data set",
+        description="LoRA fine-tune a local Hugging Face model directory or a preset (random init) on JSONL "
+                    "(prompt/response or chat messages; loss only on response tokens). Saves the adapter in peft "
+                    "format under OUT/adapter and resumable checkpoints under OUT/checkpoints.")
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help=f"preset name or local model directory (default: {DEFAULT_MODEL}, random init)")
+    parser.add_argument("--data", default=None, help="JSONL file (default: memfit's bundled small data set)")
+    parser.add_argument("--gpu-memory", default=None,
+                        help="GPU memory budget, e.g. 8GiB: on CUDA the planner picks the techniques (the fastest plan "
+                             "that fits); the measured peak is checked against it")
+    parser.add_argument("--out", default="memfit-finetune", help="output directory (default: ./memfit-finetune)")
+    parser.add_argument("--steps", type=int, default=60, help="total optimizer steps (default: 60)")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-len", type=int, default=512, help="truncate examples to this many tokens")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: 5e-2 for the tiny preset, else 2e-4)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and at the end)")
+    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--lora-alpha", type=float, default=None, help="default: 2 * r")
+    parser.add_argument("--train-norm", action=argparse.BooleanOptionalAction, default=None,
+                        help="also train the final RMSNorm weight (default: on for the tiny preset, whose random frozen "
+                             "output head otherwise caps how far the loss can fall)")
+    parser.add_argument("--checkpoint", choices=("none", "layer"), default="none", help="per-layer activation checkpoints")
+    parser.add_argument("--offload", default="none", help="checkpoint inputs to move off the GPU: none, all or N first layers")
+    parser.add_argument("--offload-to", choices=("cpu", "disk"), default="cpu", help="pinned host memory or disk")
+    parser.add_argument("--four-bit", action="store_true", help="keep the frozen base in NF4 (bitsandbytes, CUDA)")
+    parser.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=True,
+                        help="loss from hidden states without building logits (default: on)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda[:N]")
+    parser.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    return parser
+
+
+def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, console) -> Techniques:
+    """The techniques for this run: the flags, or the planner's fastest plan for ``--gpu-memory`` on CUDA."""
+    offload = args.offload
+    if isinstance(offload, str) and offload.isdigit():
+        offload = int(offload)
+    if offload != "none" and args.checkpoint == "none":
+        raise MemfitError(f"--offload {args.offload} needs --checkpoint layer (only checkpoint inputs are offloaded)")
+    if not args.gpu_memory:
+        return Techniques(args.checkpoint, offload, args.offload_to, args.four_bit, args.fused_ce)
+    if device.type != "cuda":
+        console.print("--gpu-memory plans for a CUDA GPU; on the CPU the techniques come from the flags")
+        return Techniques(args.checkpoint, offload, args.offload_to, args.four_bit, args.fused_ce)
+    from memfit.ledger import Job, Knobs, plan
+    from memfit.train.checkpoint import CheckpointPolicy
+    from memfit.units import format_bytes, parse_bytes
+
+    job = Job(spec, task="lora", seq=args.max_len, batch=args.batch_size, device="cuda")
+    base = Knobs(dtype=str(dtype).removeprefix("torch."), lora_rank=args.lora_r, fused_ce=args.fused_ce,
+                 four_bit=args.four_bit)
+    # the training loop runs the whole batch with AdamW in the model's dtype: keep plans that change only
+    # what patch() applies (checkpointing, offload, fused loss, 4-bit base)
+    _, plans = plan(job, base, parse_bytes(args.gpu_memory), limit=1, allowed=APPLIED_BY_PATCH)
+    knobs = plans[0].knobs
+    console.print(f"plan for {format_bytes(parse_bytes(args.gpu_memory))}: "
+                  f"{', '.join(plans[0].techniques) or 'no technique needed'}; predicted peak "
+                  f"{format_bytes(plans[0].ledger.total)} at batch {job.batch} x {job.seq} tokens")
+    places = CheckpointPolicy.first_layers(spec.num_layers, knobs.checkpoint_layers, knobs.offload_layers).places
+    return Techniques("layer" if knobs.checkpoint_layers else "none", "none", "cpu", knobs.four_bit, knobs.fused_ce,
+                      places if knobs.checkpoint_layers else None)
+
+
+def load_model_and_tokenizer(name: str, dtype: torch.dtype, device: torch.device):
+    """A preset (random init, byte tokenizer) or a local HF directory (its tokenizer, or the byte one)."""
+    from memfit.commands.calibrate import check_model_dir
+    from memfit.data.tokenizer import ByteTokenizer
+    from memfit.models import PRESETS, build_model, load_spec
+
+    spec = load_spec(name)
+    if name in PRESETS:  # only a preset is built with random weights
+        model, tokenizer = build_model(spec, dtype=dtype, device=device), ByteTokenizer()
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = check_model_dir(name)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+        if ByteTokenizer.saved_in(path) or not any(path.glob("tokenizer*")):
+            tokenizer = ByteTokenizer()
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tokenizer.eos_token_id is None:
+        raise MemfitError(f"{name}: the tokenizer has no end-of-sequence token")
+    if len(tokenizer) > spec.vocab:
+        raise MemfitError(f"{name}: the tokenizer has {len(tokenizer)} tokens but the model only {spec.vocab}")
+    return spec, model, tokenizer
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from memfit.data.jsonl import DEFAULT_DATA, check_source, load_jsonl
+    from memfit.models import dtype_of
+    from memfit.train.finetune import TrainConfig, latest_checkpoint, peak_bytes
+    from memfit.train.patch import lora_config, patch
+    from memfit.units import format_bytes, parse_bytes
+
+    console = Console(stderr=True)
+    budget = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    from memfit.commands.calibrate import resolve_device
+
+    device = resolve_device(args.device)
+    dtype = dtype_of(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise MemfitError(f"--out {out} exists and is not a directory; choose another --out")
+    if not args.resume and latest_checkpoint(out) is not None:
+        raise MemfitError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    lr = args.lr if args.lr is not None else (5e-2 if args.model == DEFAULT_MODEL else 2e-4)
+    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, save_every=args.save_every, lr=lr)
+    data = check_source(args.data or DEFAULT_DATA, args.max_len)
+    lora = {"r": args.lora_r, **({"lora_alpha": args.lora_alpha} if args.lora_alpha is not None else {})}
+    if args.model == DEFAULT_MODEL if args.train_norm is None else args.train_norm:
+        lora["modules_to_save"] = ["norm"]
+    lora = lora_config(lora)  # LoRA settings checked before the model loads
+    spec, model, tokenizer = load_model_and_tokenizer(args.model, dtype, device)
+    techniques = choose_techniques(args, spec, device, dtype, console)
+    examples = load_jsonl(data, tokenizer, args.max_len)
+    model = patch(model, lora=lora, **techniques.patch_kwargs())
+    if techniques.places is not None:
+        from memfit.train.checkpoint import CheckpointPolicy
+        from memfit.train.patch import patch_state
+
+        patch_state(model).policy = CheckpointPolicy(techniques.places)
+    console.print(f"memfit finetune: {spec.name} on {device} ({str(dtype).replace('torch.', '')}), "
+                  f"{len(examples)} examples, LoRA r={args.lora_r}, {techniques}")
+    losses = _train_with_progress(model, examples, tokenizer, config, out, args.resume, device, console, format_bytes)
+    adapter = _save_adapter(model, out)
+    peak = peak_bytes(device)
+    console.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; adapter saved to {adapter}")
+    if budget is not None and device.type == "cuda" and peak > budget:
+        console.print(f"[yellow]peak {format_bytes(peak)} exceeded --gpu-memory {format_bytes(budget)}: "
+                      "try --checkpoint layer --offload all --four-bit[/yellow]")
+    return 0
+
+
+def _train_with_progress(model, examples, tokenizer, config, out, resume, device, console, format_bytes):
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    from memfit.train.finetune import train
+
+    label = "peak GPU" if device.type == "cuda" else "peak RSS"
+    columns = (TextColumn("finetune"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+               TextColumn("{task.fields[speed]} tok/s"), TextColumn(label + " {task.fields[peak]}"), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("finetune", total=config.steps, loss="-", speed="-", peak="-")
+
+        def on_step(report):
+            progress.update(task, completed=report.step, loss=f"{report.loss:.3f}",
+                            speed=f"{report.tokens / max(report.seconds, 1e-9):,.0f}", peak=format_bytes(report.peak_bytes))
+
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return train(model, examples, pad, config, out, resume=resume, on_step=on_step)
+
+
+def _save_adapter(model, out: Path) -> Path:
+    """Save the LoRA adapter (peft format) to OUT/adapter, replacing the previous one atomically."""
+    final, tmp = out / "adapter", out / ".adapter.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    old = out / ".adapter.old"
+    shutil.rmtree(old, ignore_errors=True)  # left over from a run that crashed mid-swap
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final

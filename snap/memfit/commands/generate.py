@@ -1,0 +1,105 @@
+"""``memfit generate``: stream text from a local model, optionally loading/computing a fraction of its FFN neurons."""
+from __future__ import annotations
+
+import math
+import sys
+
+
+def add_parser(sub):
+    parser = sub.add_parser(
+        "generate", help="generate text (static KV cache + CUDA graphs), with partial FFN load/compute",
+        description="Generate from a local model directory. --load keeps only that fraction of the FFN neurons of the "
+                    "middle layers in memory (needs `memfit calibrate` rankings); --compute decodes with that fraction, "
+                    "chosen per prompt. Reports decode tokens/s and peak memory.")
+    parser.add_argument("model", help="local model directory (config.json + safetensors)")
+    parser.add_argument("--prompt", action="append", required=True,
+                        help="prompt text; repeat for a batch (one shared neuron selection, see memfit.infer.selection)")
+    parser.add_argument("--max-new", type=int, default=128, help="new tokens per prompt (default 128)")
+    parser.add_argument("--load", type=float, default=1.0, help="gamma: fraction of FFN neurons loaded in partial layers")
+    parser.add_argument("--compute", type=float, default=None, help="phi: fraction computed at decode (default: = --load)")
+    parser.add_argument("--base", type=float, default=None, help="delta: top task-ranked fraction always loaded and computed "
+                                                                "(default min(0.3, compute))")
+    parser.add_argument("--full-first", type=int, default=2, help="first layers loaded fully (default 2)")
+    parser.add_argument("--full-last", type=int, default=2, help="last layers loaded fully (default 2)")
+    parser.add_argument("--compute-all-layers", action="store_true",
+                        help="apply --compute to the fully loaded first/last layers too")
+    parser.add_argument("--task", help="task ranking to take the base neurons from (default: the general ranking)")
+    parser.add_argument("--rankings", help="rankings file (default: MODEL/rankings.safetensors)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
+    parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: the model's)")
+    parser.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of replaying a CUDA graph")
+    return parser
+
+
+def run(args) -> int:
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from memfit.commands.calibrate import check_model_dir, resolve_device
+    from memfit.errors import MemfitError
+    from memfit.infer.generate import Generator, weight_bytes_per_token
+    from memfit.infer.partial_load import PartialConfig, describe, load_model
+    from memfit.models import load_spec
+    from memfit.units import format_bytes
+
+    model_dir = check_model_dir(args.model)
+    spec = load_spec(model_dir)
+    full_first, full_last = args.full_first, args.full_last
+    if args.load == 1 and args.compute in (None, 1):  # every neuron loaded and computed: the full/partial split is moot
+        full_first = min(full_first, spec.num_layers)
+        full_last = min(full_last, spec.num_layers - full_first)
+    partial = PartialConfig(load=args.load, compute=args.compute, base=args.base, full_first=full_first,
+                            full_last=full_last, task=args.task, compute_all_layers=args.compute_all_layers)
+    partial.check(spec.num_layers)
+    if args.max_new < 1:
+        raise MemfitError(f"--max-new must be >= 1, got {args.max_new}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise MemfitError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    device = resolve_device(args.device)
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("loading tensors", total=None)
+        model = load_model(model_dir, partial, dtype=args.dtype, device=device, rankings=args.rankings,
+                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if partial.load < 1 or partial.phi < 1:
+        console.print(f"partial FFN: {describe(partial, spec)}")
+
+    from memfit.infer.text import load_codec
+
+    codec = load_codec(model_dir, model.config.vocab_size)
+    encoded = [codec.encode(text) for text in args.prompt]
+    if not all(encoded):
+        raise MemfitError("every --prompt must encode to at least one token")
+    width = max(len(ids) for ids in encoded)
+    ids = torch.zeros(len(encoded), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(encoded):   # left padding: every prompt ends at the last position
+        ids[row, width - len(seq):] = torch.tensor(seq)
+        mask[row, width - len(seq):] = 1
+    generator = Generator(model, width + args.max_new, batch=len(encoded), graphs=False if args.no_graphs else None,
+                          temperature=args.temperature)
+    streamed: list[int] = []
+    shown = [""]
+
+    def stream(tokens):
+        streamed.append(int(tokens[0]))
+        text = codec.decode(streamed)
+        sys.stdout.write(text[len(shown[0]):])
+        sys.stdout.flush()
+        shown[0] = text
+
+    single = len(encoded) == 1
+    result = generator.generate(ids, args.max_new, attention_mask=mask, on_tokens=stream if single else None,
+                                eos=codec.eos if single else None)
+    if single:
+        sys.stdout.write("\n")
+    else:
+        for row in range(len(encoded)):
+            print(f"--- prompt {row + 1}\n{args.prompt[row]}{codec.decode(result.tokens[row].tolist())}")
+    peak = format_bytes(result.peak_bytes) if result.peak_bytes is not None else "n/a on CPU"
+    console.print(f"decode {result.tokens_per_s:.1f} tokens/s per sequence ({result.steps} steps, "
+                  f"{'CUDA graph' if result.graphs else 'eager'}), prefill {result.prefill_s * 1e3:.0f} ms, "
+                  f"peak memory {peak}, weights read per token {format_bytes(weight_bytes_per_token(model))}")
+    return 0

@@ -1,0 +1,81 @@
+"""Options that describe a job, shared by ``memfit plan`` and ``memfit verify``."""
+from __future__ import annotations
+
+import argparse
+
+from memfit.errors import MemfitError
+from memfit.ledger.job import LORA_TARGETS_ALL, OPTIMIZERS, TASKS, Job, Knobs
+from memfit.models import load_spec
+
+DEFAULT_MODEL = "llama-3.2-3b"
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cuda") -> None:
+    job = parser.add_argument_group("the job")
+    job.add_argument("--model", default=DEFAULT_MODEL,
+                     help=f"a preset (see `memfit presets`) or a local model directory with config.json (default {DEFAULT_MODEL})")
+    job.add_argument("--task", default="lora", choices=TASKS,
+                     help="full fine-tune, LoRA fine-tune, or inference = prefill + decode (default lora)")
+    job.add_argument("--seq", type=_int, default=2048, help="tokens per sequence (prompt length for infer; default 2048)")
+    job.add_argument("--batch", type=_int, default=1, help="sequences per step (default 1)")
+    job.add_argument("--new-tokens", type=_int, default=128, help="infer: tokens generated after the prompt (default 128)")
+    job.add_argument("--device", default=default_device, choices=("cuda", "cpu"),
+                     help=f"where the job runs (default {default_device})")
+    setup = parser.add_argument_group("how it runs (the planner may add techniques on top)")
+    setup.add_argument("--dtype", default=None, help="weights/activations dtype: float32, bfloat16, float16 (default: the model's)")
+    setup.add_argument("--lora-rank", type=_int, default=16, help="LoRA rank (default 16)")
+    setup.add_argument("--lora-targets", default=",".join(LORA_TARGETS_ALL),
+                       help="comma-separated linear layers that get adapters (default: all seven)")
+    setup.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default adamw")
+    setup.add_argument("--checkpoint-layers", type=_int, default=0,
+                       help="decoder layers with activation checkpointing, counted from the first (default 0)")
+    setup.add_argument("--micro-batch", type=_int, default=None,
+                       help="sequences per forward/backward; the rest is gradient accumulation (default: the batch)")
+    setup.add_argument("--offload-layers", type=_int, default=0,
+                       help="of the checkpointed layers, how many keep their input in pinned CPU memory (default 0)")
+    setup.add_argument("--fused-ce", action="store_true",
+                       help="loss by memfit's fused linear cross-entropy: logits are never built")
+    setup.add_argument("--four-bit", action="store_true", help="LoRA on a frozen 4-bit NF4 base (bitsandbytes, CUDA)")
+    setup.add_argument("--partial-load", type=float, default=1.0,
+                       help="infer: share of FFN neurons loaded in the middle layers (default 1: all)")
+    setup.add_argument("--partial-compute", type=float, default=None,
+                       help="infer: share of FFN neurons computed per decoded token (default: --partial-load)")
+    setup.add_argument("--blr", default=None, choices=("blast", "monarch", "lowrank"),
+                       help="the model compressed to block-low-rank layers by `memfit compress` (default: dense)")
+    setup.add_argument("--blr-ratio", type=float, default=0.5, help="with --blr: share of linear parameters kept")
+    setup.add_argument("--blr-blocks", type=_int, default=16, help="with --blr: blocks (default 16)")
+    setup.add_argument("--attention", default="sdpa", choices=("sdpa", "memfit"),
+                       help="attention kernel: torch SDPA or memfit's Triton kernel (default sdpa)")
+    job.add_argument("--loss-fraction", type=float, default=1.0,
+                     help="share of tokens that carry a loss, e.g. 0.3 when prompts are 70%% of the text (default 1)")
+
+
+def job_from_args(args) -> tuple[Job, Knobs]:
+    """Build and validate the job and its knobs; bad values raise MemfitError before any work."""
+    spec = load_spec(args.model)
+    job = Job(spec, task=args.task, seq=args.seq, batch=args.batch, new_tokens=args.new_tokens, device=args.device,
+              loss_fraction=args.loss_fraction)
+    if args.checkpoint_layers > spec.num_layers:
+        raise MemfitError(f"--checkpoint-layers {args.checkpoint_layers} exceeds the model's {spec.num_layers} layers")
+    micro = args.micro_batch or args.batch
+    if args.batch % micro:
+        raise MemfitError(f"--batch {args.batch} is not a multiple of --micro-batch {micro}")
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    if args.four_bit and args.task == "full":
+        raise MemfitError("--four-bit freezes the base weights: it goes with --task lora or infer")
+    partial_compute = args.partial_compute if args.partial_compute is not None else args.partial_load
+    if args.task != "infer" and (args.partial_load, partial_compute) != (1.0, 1.0):
+        raise MemfitError("--partial-load/--partial-compute are for --task infer")
+    knobs = Knobs(dtype=args.dtype or spec.dtype, lora_rank=args.lora_rank, lora_targets=targets,
+                  checkpoint_layers=args.checkpoint_layers, optimizer=args.optimizer, micro_batch=micro,
+                  offload_layers=args.offload_layers, fused_ce=args.fused_ce, four_bit=args.four_bit,
+                  attention=args.attention, partial_load=args.partial_load, partial_compute=partial_compute,
+                  blr_method=args.blr, blr_ratio=args.blr_ratio, blr_blocks=args.blr_blocks)
+    return job, knobs

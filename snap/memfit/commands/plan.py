@@ -1,0 +1,103 @@
+"""``memfit plan``: where a job's memory goes, and the fastest ways to fit it in a budget."""
+from __future__ import annotations
+
+import json
+
+from memfit.commands.job_args import add_job_arguments, job_from_args
+from memfit.ledger.predict import COMPONENTS, Ledger
+from memfit.units import format_bytes, parse_bytes
+
+EXAMPLES = """\
+examples:
+  memfit plan                                   # the built-in default: llama-3.2-3b LoRA, seq 2048, 16GiB
+  memfit plan --model llama-3.2-3b --task lora --seq 2048 --batch 1 --gpu-memory 8GiB
+  memfit plan --model ./my-model-dir --task full --seq 4096 --gpu-memory 80GiB --json
+  memfit plan --model llama-3.1-8b --task infer --seq 8192 --new-tokens 512 --gpu-memory 24GB
+
+The peak is replayed step by step (forward, loss, backward, optimizer step; or prefill and
+decode), not summed. Budgets count the CUDA context and allocator overhead too.
+"""
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def add_parser(sub):
+    parser = sub.add_parser("plan", help="predict a job's memory and find plans that fit a budget",
+                            description=__doc__, epilog=EXAMPLES,
+                            formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    add_job_arguments(parser)
+    parser.add_argument("--gpu-memory", default="16GiB", help="the budget: 8GiB, 8GB, 8000MiB, 0.5TiB (default 16GiB)")
+    parser.add_argument("--limit", type=_positive_int, default=5, help="how many fitting plans to show (default 5)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    return parser
+
+
+def run(args) -> int:
+    from memfit.ledger.planner import plan
+
+    from rich.progress import Progress
+
+    job, knobs = job_from_args(args)
+    budget = parse_bytes(args.gpu_memory)
+    try:
+        with Progress(transient=True, console=_stderr()) as bar:
+            task = bar.add_task("replaying technique combinations", total=None)
+            asked, plans = plan(job, knobs, budget, limit=args.limit,
+                                progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except Exception as err:
+        if args.json and err.__class__.__name__ == "MemfitError":
+            print(json.dumps({"job": job.to_dict(), "budget_bytes": budget, "plans": [], "error": str(err)}, indent=1))
+        raise
+    if args.json:
+        print(json.dumps({"job": job.to_dict(), "budget_bytes": budget, "asked": asked.to_dict(),
+                          "plans": [p.to_dict() for p in plans]}, indent=1))
+        return 0
+    _print(job, asked, plans, budget)
+    return 0
+
+
+def _stderr():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _print(job, asked: Ledger, plans, budget: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    spec = job.spec
+    console.print(f"[bold]{spec.name}[/] ({spec.num_params() / 1e9:.2f}B params), task [bold]{job.task}[/], "
+                  f"batch {job.batch} x seq {job.seq} on {job.device}; budget {format_bytes(budget)}")
+    table = Table(title="ledger of the job as asked (at its peak)")
+    table.add_column("component")
+    table.add_column("bytes", justify="right")
+    for component in COMPONENTS:
+        if asked.peak.get(component):
+            table.add_row(component, format_bytes(asked.peak[component]))
+    table.add_row("[bold]peak allocated[/]", f"[bold]{format_bytes(asked.total)}[/]")
+    table.add_row("allocator overhead (reserved, est.)", format_bytes(asked.allocator_overhead))
+    table.add_row("CUDA context (outside the allocator)", format_bytes(asked.cuda_context))
+    table.add_row("[bold]needs of the GPU[/]", f"[bold]{format_bytes(asked.device_total)}[/]")
+    console.print(table)
+    console.print("peak in " + f"{asked.peak_phase} at {asked.peak_where}; phase peaks: "
+                  + ", ".join(f"{phase} {format_bytes(v)}" for phase, v in asked.phases.items()))
+    plans_table = Table(title=f"plans that fit {format_bytes(budget)}, fastest first")
+    for column in ("#", "techniques", "needs", "peak", "time", "largest components at the peak"):
+        plans_table.add_column(column, justify="right" if column in ("needs", "peak", "time") else "left")
+    for index, p in enumerate(plans, 1):
+        led = p.ledger
+        largest = sorted(((v, c) for c, v in led.peak.items() if v), reverse=True)[:3]
+        plans_table.add_row(str(index), ", ".join(p.techniques) or "as asked", format_bytes(led.device_total),
+                            format_bytes(led.total), f"{p.relative_time:.2f}x",
+                            ", ".join(f"{c} {format_bytes(v)}" for v, c in largest))
+    console.print(plans_table)
+    console.print("time: relative to the job as asked, FLOPs x (1 + recompute) + overheads. "
+                  "`memfit plan --json` has every component; `memfit verify` measures a plan.")

@@ -1,0 +1,59 @@
+"""Calibration token batches for activation-aware compression.
+
+From a text file (tokenized by the model directory's own tokenizer, or memfit's byte
+tokenizer for models without one) or from the built-in offline corpus (Python's docs).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from memfit.errors import MemfitError
+
+
+def text_tokenizer(model_dir: str | Path | None, vocab: int):
+    """``encode(text) -> list[int]`` for the model in ``model_dir`` (byte tokenizer otherwise)."""
+    from memfit.data import ByteTokenizer
+
+    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True).encode
+    tok = ByteTokenizer()
+    if vocab < tok.vocab_size:
+        raise MemfitError(f"the model's vocabulary ({vocab}) is smaller than the byte tokenizer's ({tok.vocab_size}) "
+                          "and its directory has no tokenizer.json; calibration text cannot be tokenized")
+    return tok.encode
+
+
+def calibration_batches(encode, text: str, samples: int = 32, seq_len: int = 512, batch: int = 8) -> list[torch.Tensor]:
+    """Up to ``samples`` windows of ``seq_len`` tokens, in ``batch``-row tensors."""
+    ids = torch.tensor(encode(text), dtype=torch.long)
+    if ids.numel() < seq_len:
+        raise MemfitError(f"calibration text has {ids.numel()} tokens; at least seq_len={seq_len} are needed")
+    n = min(samples, ids.numel() // seq_len)
+    rows = ids[: n * seq_len].reshape(n, seq_len)
+    return list(rows.split(batch))
+
+
+def load_calibration(calib_file: str | None, builtin: bool, model_dir: str | Path | None, vocab: int,
+                     samples: int = 32, seq_len: int = 512) -> list[torch.Tensor] | None:
+    """Batches from ``calib_file`` or the built-in corpus; None when neither was asked for."""
+    for flag, value in (("--calib-samples", samples), ("--calib-seq", seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise MemfitError(f"{flag} must be a positive integer, got {value!r}")
+    if calib_file and builtin:
+        raise MemfitError("give either --calib FILE or --calib-builtin, not both")
+    if not calib_file and not builtin:
+        return None
+    if calib_file:
+        path = Path(calib_file).expanduser()
+        if not path.is_file():
+            raise MemfitError(f"calibration file {calib_file} does not exist")
+        text = path.read_text(encoding="utf-8", errors="replace")
+    else:
+        from memfit.data import build_corpus
+
+        text = build_corpus()[0]
+    return calibration_batches(text_tokenizer(model_dir, vocab), text, samples, seq_len)

@@ -1,0 +1,235 @@
+"""Replace a Hugging Face Llama-family model's nn.Linear layers by structured ones.
+
+``compress_model`` is the library entry point: plan ranks (``memfit.compress.plan``),
+optionally gather calibration covariances, project every chosen weight -- all layers of
+one kind together, batched on the compute device -- and swap in LowRankLinear /
+MonarchLinear / BlastLinear modules. It returns the model and a per-layer report with the
+relative weight error and, when calibration data was given, the relative output error.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from memfit.compress import projection as proj
+from memfit.compress.plan import KINDS, KindPlan, plan_kinds, structure_class
+from memfit.errors import MemfitError
+
+# Projections that read the same input: their calibration covariance is gathered once.
+SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+# Work-space budget for one batched projection (bytes); chunks of layers stay under it.
+WORKSPACE_BYTES = 4 << 30
+
+
+@dataclass
+class CompressionResult:
+    model: nn.Module
+    method: str
+    blocks: int
+    plan: dict[str, KindPlan]
+    layers: dict[str, dict] = field(default_factory=dict)   # module name -> structure config
+    report: list[dict] = field(default_factory=list)         # per-layer errors
+
+    def summary(self) -> dict:
+        dense = sum(p.dense_params for p in self.plan.values())
+        new = sum(p.params for p in self.plan.values())
+        return {"method": self.method, "blocks": self.blocks, "linear_ratio": new / dense,
+                "ranks": {k: p.rank for k, p in self.plan.items()}}
+
+
+def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Module name -> nn.Linear for every projection of every decoder layer."""
+    found = {name: m for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in KINDS and ".layers." in f".{name}"}
+    if not found:
+        raise MemfitError("found no q/k/v/o/gate/up/down nn.Linear layers: is this a Llama-family model "
+                          "that is not already compressed?")
+    return found
+
+
+def model_shapes(linears: dict[str, nn.Linear]) -> dict[str, tuple[int, int]]:
+    shapes = {}
+    for name, m in linears.items():
+        kind = name.rsplit(".", 1)[-1]
+        if shapes.setdefault(kind, (m.in_features, m.out_features)) != (m.in_features, m.out_features):
+            raise MemfitError(f"{name} is {m.in_features}->{m.out_features} but other {kind} layers differ; "
+                              "memfit plans one shape per projection kind")
+    return {k: shapes[k] for k in KINDS if k in shapes}
+
+
+@torch.no_grad()
+def input_covariances(model: nn.Module, names: list[str], batches, device) -> dict[str, torch.Tensor]:
+    """``X^T X`` (float32, summed over tokens) of the input of each module in ``names``.
+
+    ``batches`` yields ``input_ids`` tensors. Modules sharing an input (q/k/v, gate/up)
+    get the same tensor, gathered once.
+    """
+    modules = dict(model.named_modules())
+    source = {}
+    for name in names:
+        prefix, kind = name.rsplit(".", 1)
+        rep = f"{prefix}.{SHARED_INPUT[kind]}" if kind in SHARED_INPUT and f"{prefix}.{SHARED_INPUT[kind]}" in modules else name
+        source[name] = rep
+    sums: dict[str, torch.Tensor] = {}
+
+    def hook(rep):
+        def fn(_module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            acc = sums.get(rep)
+            sums[rep] = x.T @ x if acc is None else acc.addmm_(x.T, x)
+        return fn
+
+    handles = [modules[rep].register_forward_pre_hook(hook(rep)) for rep in set(source.values())]
+    try:
+        for ids in batches:
+            model(input_ids=ids.to(device))
+    finally:
+        for h in handles:
+            h.remove()
+    if not sums:
+        raise MemfitError("the calibration data produced no tokens")
+    return {name: sums[rep] for name, rep in source.items()}
+
+
+def _chunk_size(method: str, kp: KindPlan, blocks: int) -> int:
+    """Matrices per batched projection that keep the work space under WORKSPACE_BYTES."""
+    fin, fout, r = kp.in_features, kp.out_features, kp.rank
+    floats = 4 * fin * fout + fin * fin
+    if method == "blast":
+        floats += 2 * blocks * (fin + fout) * r + 2 * blocks * blocks * r * r
+    elif method == "monarch":
+        floats += 2 * fin * fout
+    return max(1, WORKSPACE_BYTES // (8 * floats))
+
+
+def project(method: str, W: torch.Tensor, rank: int, blocks: int, cov: torch.Tensor | None,
+            steps: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Factors of the batched ``W`` and the dense matrices they define."""
+    if method == "lowrank":
+        factors = proj.lowrank_project(W, rank, cov)
+        return factors, proj.lowrank_dense(*factors)
+    if method == "monarch":
+        factors = proj.monarch_project(W, rank, blocks, cov)
+        return factors, proj.monarch_dense(*factors)
+    factors = proj.blast_project(W, rank, blocks, cov, steps=steps)
+    return factors, proj.blast_dense(*factors)
+
+
+def build_layer(method: str, linear: nn.Linear, rank: int, blocks: int, factors) -> nn.Module:
+    """A memfit.layers module holding ``factors`` (one matrix's), with ``linear``'s bias, dtype, device."""
+    cls = structure_class(method)
+    kwargs = {} if method == "lowrank" else {"blocks": blocks}
+    layer = cls(linear.in_features, linear.out_features, rank, bias=linear.bias is not None,
+                device=linear.weight.device, dtype=torch.float32, **kwargs)
+    with torch.no_grad():
+        if method == "lowrank":
+            layer.U.copy_(factors[0])
+            layer.V.copy_(factors[1])
+        elif method == "monarch":  # W_ij ~ L_ij R_ij^T -> w1[j][:, i t + s] = R_ij[:, s], w2[i][j t + s] = L_ij[:, s]
+            L, R = factors
+            b, _, p, t = L.shape
+            layer.w1.copy_(R.permute(1, 2, 0, 3).reshape(b, -1, b * t))
+            layer.w2.copy_(L.transpose(-1, -2).reshape(b, b * t, p))
+        else:
+            layer.U.copy_(factors[0])
+            layer.V.copy_(factors[1])
+            layer.S.copy_(factors[2])
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias.float())
+    return layer.to(linear.weight.dtype)
+
+
+def structure_config(method: str, layer: nn.Module) -> dict:
+    config = {"structure": method, "in_features": layer.in_features, "out_features": layer.out_features,
+              "rank": layer.rank, "bias": layer.bias is not None}
+    if method != "lowrank":
+        config["blocks"] = layer.blocks
+    if method == "monarch":
+        config["permute_output"] = layer.permute_output
+    return config
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def compress_model(model: nn.Module, method: str = "blast", ratio: float | None = 0.5, blocks: int = 16,
+                   ranks: dict[str, int] | None = None, skip: tuple[str, ...] | None = None,
+                   calibration=None, activation_aware: bool = False, steps: int = 300,
+                   device: str | torch.device | None = None,
+                   progress: Callable[[str, int], None] | None = None) -> CompressionResult:
+    """Compress ``model``'s decoder linears in place to ``ratio`` of their parameters.
+
+    ``calibration``: an iterable of ``input_ids`` tensors; needed by
+    ``activation_aware=True`` (which then minimises each layer's output error), and when
+    given also yields each layer's relative output error in the report. ``ranks`` (kind ->
+    rank) overrides ``ratio``. ``steps``: BLAST descent steps. ``device``: where the
+    projections run (default: CUDA when available). ``progress(kind, n_done)`` is called
+    as matrices finish.
+    """
+    if activation_aware and calibration is None:
+        raise MemfitError("activation-aware projection needs calibration data (--calib FILE or --calib-builtin)")
+    linears = decoder_linears(model)
+    plan = plan_kinds(model_shapes(linears), method, ratio, blocks, ranks, skip)
+    blocks = 1 if method == "lowrank" else blocks
+    chosen = [n for n in linears if plan[n.rsplit(".", 1)[-1]].rank is not None]
+    work = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model_device = next(model.parameters()).device
+    covs = {}
+    if calibration is not None:
+        covs = input_covariances(model, chosen, calibration, model_device)
+    result = CompressionResult(model, method, blocks, plan)
+    for kind in KINDS:
+        names = [n for n in chosen if n.rsplit(".", 1)[-1] == kind]
+        if not names:
+            continue
+        kp = plan[kind]
+        step = _chunk_size(method, kp, blocks)
+        for start in range(0, len(names), step):
+            group = names[start:start + step]
+            W = torch.stack([linears[n].weight.detach().to(work, torch.float32) for n in group])
+            cov = torch.stack([covs[n].to(work) for n in group]) if covs else None
+            factors, W_hat = project(method, W, kp.rank, blocks, cov if activation_aware else None, steps)
+            weight_err = proj.relative_weight_error(W, W_hat)
+            out_err = proj.relative_output_error(W, W_hat, cov) if cov is not None else None
+            for k, name in enumerate(group):
+                layer = build_layer(method, linears[name], kp.rank, blocks,
+                                    [f[k].to(model_device) for f in factors])
+                replace_module(model, name, layer)
+                result.layers[name] = structure_config(method, layer)
+                result.report.append({"layer": name, "kind": kind, "rank": kp.rank,
+                                      "in_features": kp.in_features, "out_features": kp.out_features,
+                                      "weight_error": float(weight_err[k]),
+                                      "output_error": None if out_err is None else float(out_err[k]),
+                                      "activation_aware": activation_aware})
+            if progress:
+                progress(kind, len(group))
+    return result
+
+
+def structure_model(model: nn.Module, method: str, ratio: float | None = 0.5, blocks: int = 16,
+                    ranks: dict[str, int] | None = None, skip: tuple[str, ...] | None = None) -> CompressionResult:
+    """Swap in randomly initialised structured layers of the planned ranks, with no projection.
+
+    For speed and memory measurements, which depend on shapes only (a random-init model
+    projected would cost minutes and change nothing measured).
+    """
+    linears = decoder_linears(model)
+    plan = plan_kinds(model_shapes(linears), method, ratio, blocks, ranks, skip)
+    blocks = 1 if method == "lowrank" else blocks
+    cls = structure_class(method)
+    result = CompressionResult(model, method, blocks, plan)
+    for name, linear in linears.items():
+        kp = plan[name.rsplit(".", 1)[-1]]
+        if kp.rank is None:
+            continue
+        kwargs = {} if method == "lowrank" else {"blocks": blocks}
+        layer = cls(kp.in_features, kp.out_features, kp.rank, bias=linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        replace_module(model, name, layer)
+        result.layers[name] = structure_config(method, layer)
+    return result

@@ -1,0 +1,130 @@
+"""Save a compressed model to a directory and load it back into a working model.
+
+Layout of the directory: the Hugging Face ``config.json`` of the original model, the
+weights in ``model.safetensors`` (structured factors under their module names, tied
+weights stored once), ``memfit_compress.json`` recording each replaced module's structure
+(method, shape, rank, blocks, bias) plus the per-layer error report, and the source
+model's tokenizer files when it had any.
+
+Writes go to a temporary sibling directory that is renamed into place at the end, so
+an interrupted save never leaves a half-written output; an existing output is replaced
+only with ``force=True``.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from memfit.compress.plan import structure_class
+from memfit.errors import MemfitError
+
+CONFIG_NAME = "memfit_compress.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT_VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "memfit_tokenizer.json")
+
+
+def check_output(out: str | Path, force: bool) -> Path:
+    """Refuse an existing ``out`` unless ``force`` (call before any work starts)."""
+    out = Path(out).expanduser()
+    if out.exists() and not force:
+        raise MemfitError(f"{out} already exists; pass --force to replace it, or choose another --out")
+    if out.exists() and not out.is_dir():
+        raise MemfitError(f"{out} exists and is not a directory")
+    return out
+
+
+def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], info: dict | None = None,
+                    source_dir: str | Path | None = None, force: bool = False) -> Path:
+    """Write ``model`` (whose ``layers`` -- module name -> structure config -- are structured) to ``out``."""
+    from safetensors.torch import save_model
+
+    out = check_output(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        model.config.save_pretrained(tmp)
+        save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "memfit": "compressed"})
+        meta = {"format": FORMAT_VERSION, "layers": layers, **(info or {})}
+        (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=1))
+        if source_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(source_dir) / name).is_file():
+                    shutil.copy2(Path(source_dir) / name, tmp / name)
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{tmp.name}")
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def is_compressed_dir(path: str | Path) -> bool:
+    return (Path(path) / CONFIG_NAME).is_file()
+
+
+def _build_skeleton(directory: Path, dtype: torch.dtype | None) -> nn.Module:
+    """The original architecture from ``config.json``, with no weight initialisation work."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # skipped with the initialisation
+    return model
+
+
+def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
+                    dtype: str | torch.dtype | None = None) -> nn.Module:
+    """A working ``*ForCausalLM`` from a directory written by ``save_compressed``."""
+    from safetensors.torch import load_model
+
+    from memfit.compress.convert import replace_module
+    from memfit.models import dtype_of
+
+    directory = Path(directory).expanduser()
+    if not is_compressed_dir(directory):
+        raise MemfitError(f"{directory} has no {CONFIG_NAME}: not a memfit-compressed model directory")
+    try:
+        meta = json.loads((directory / CONFIG_NAME).read_text())
+    except json.JSONDecodeError as err:
+        raise MemfitError(f"{directory / CONFIG_NAME}: malformed JSON ({err})") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise MemfitError(f"{directory}: compressed format {meta.get('format')!r}; this memfit reads {FORMAT_VERSION}")
+    torch_dtype = dtype_of(dtype) if dtype is not None else None
+    model = _build_skeleton(directory, torch_dtype)
+    for name, cfg in meta["layers"].items():
+        old = model.get_submodule(name)
+        kwargs = {k: cfg[k] for k in ("blocks", "permute_output") if k in cfg}
+        layer = structure_class(cfg["structure"])(cfg["in_features"], cfg["out_features"], cfg["rank"],
+                                                  bias=cfg["bias"], dtype=old.weight.dtype, **kwargs)
+        replace_module(model, name, layer)
+    missing, unexpected = load_model(model, str(directory / WEIGHTS_NAME), strict=False)
+    missing, unexpected = sorted(_untied(model, missing)), sorted(unexpected)
+    if missing or unexpected:
+        raise MemfitError(f"{directory}: weights do not match the recorded structure "
+                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model.to(device).eval()
+
+
+def _untied(model: nn.Module, missing) -> list[str]:
+    """The ``missing`` keys that do not share storage with a loaded tensor (tied weights are stored once)."""
+    state = model.state_dict()
+    loaded = {state[k].data_ptr() for k in state if k not in missing}
+    return [k for k in missing if state[k].data_ptr() not in loaded]

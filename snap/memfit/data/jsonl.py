@@ -1,0 +1,131 @@
+"""Fine-tuning data from JSONL: one example per line, loss only on the response tokens.
+
+Each non-blank line is a JSON object of one of two forms:
+
+* ``{"prompt": "...", "response": "..."}``
+* ``{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}``
+
+They are rendered with one plain template (whatever the tokenizer):
+prompt/response as ``prompt + "\\n"`` (no loss) then ``response`` + EOS (loss);
+chat messages as ``"<|role|>\\n"`` (no loss) then ``content``, with the assistant's
+content + EOS carrying the loss and every other part none. Labels of tokens without a
+loss are ``-100``. Any malformed line stops the load with a message naming it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.log import warn_once
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant")
+DEFAULT_DATA = Path(__file__).with_name("finetune_default.jsonl")
+
+
+@dataclass(frozen=True)
+class Example:
+    input_ids: tuple[int, ...]
+    labels: tuple[int, ...]
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(label != IGNORE_INDEX for label in self.labels)
+
+
+def _segments(record, where: str) -> list[tuple[str, bool]]:
+    """(text, carries loss) pieces of one record; the EOS is added after every loss piece."""
+    if not isinstance(record, dict):
+        raise MemfitError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise MemfitError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        pieces = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+                raise MemfitError(f"{where}: messages[{i}] must be an object with a string 'content'")
+            role = message.get("role")
+            if role not in ROLES:
+                raise MemfitError(f"{where}: messages[{i}] has role {role!r}; use one of {', '.join(ROLES)}")
+            pieces += [(f"<|{role}|>\n", False), (message["content"], role == "assistant")]
+        if not any(loss for _, loss in pieces):
+            raise MemfitError(f"{where}: the conversation has no assistant message, so nothing to learn")
+        return pieces
+    if "prompt" in record or "response" in record:
+        for key in ("prompt", "response"):
+            if not isinstance(record.get(key), str):
+                raise MemfitError(f"{where}: {key!r} must be a string, got {record.get(key)!r}")
+        if not record["response"]:
+            raise MemfitError(f"{where}: 'response' is empty, so nothing to learn")
+        return [(record["prompt"] + "\n", False), (record["response"], True)]
+    raise MemfitError(f"{where}: expected keys 'prompt' and 'response', or 'messages'; got {sorted(record)}")
+
+
+def tokenize_record(record, tokenizer, max_len: int, where: str) -> Example | None:
+    """Token ids and labels of one record, truncated to ``max_len``; None if no loss token survives."""
+    ids, labels = [], []
+    for text, loss in _segments(record, where):
+        tokens = list(tokenizer.encode(text, add_special_tokens=False)) + ([tokenizer.eos_token_id] if loss else [])
+        ids += tokens
+        labels += tokens if loss else [IGNORE_INDEX] * len(tokens)
+    ids, labels = ids[:max_len], labels[:max_len]
+    if all(label == IGNORE_INDEX for label in labels[1:]):  # label 0 is never predicted
+        return None
+    return Example(tuple(ids), tuple(labels))
+
+
+def check_source(path: str | Path, max_len: int) -> Path:
+    """``path`` as a readable JSONL file and ``max_len`` as a usable length (callers check before any work)."""
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 2:
+        raise MemfitError(f"max_len must be an integer >= 2 (a prompt token and a response token), got {max_len!r}")
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise MemfitError(f"data file {str(path)!r} is a directory; pass a JSONL file")
+    if not path.is_file():
+        raise MemfitError(f"data file {str(path)!r} does not exist")
+    return path
+
+
+def load_jsonl(path: str | Path, tokenizer, max_len: int) -> list[Example]:
+    """All examples of a JSONL file, tokenized. Raises MemfitError naming the first bad line."""
+    path = check_source(path, max_len)
+    examples, dropped = [], 0
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise MemfitError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+            example = tokenize_record(record, tokenizer, max_len, where)
+            if example is None:
+                dropped += 1
+            else:
+                examples.append(example)
+    if dropped:
+        warn_once(f"jsonl:dropped:{path}", f"{path}: {dropped} example(s) lost all response tokens to "
+                  f"truncation at {max_len} tokens and were skipped")
+    if not examples:
+        raise MemfitError(f"{path}: no usable examples (the file is empty or every response was truncated away)")
+    return examples
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, attention_mask, labels (padding labelled -100)."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, example in enumerate(examples):
+        n = len(example.input_ids)
+        ids[row, :n] = torch.tensor(example.input_ids)
+        labels[row, :n] = torch.tensor(example.labels)
+        mask[row, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}

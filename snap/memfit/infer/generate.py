@@ -1,0 +1,499 @@
+"""A decode loop with a static KV cache and one CUDA graph per decode step.
+
+Hugging Face ``generate`` at batch 1 is launch-bound: hundreds of small kernels per token,
+each launched from Python. Here the model's own modules (embedding, norms, q/k/v/o
+projections, the MLP -- dense, ``PartialMLP`` or bitsandbytes 4-bit alike, since they
+are only called) run in a fixed-shape step: the KV cache is preallocated to the
+longest sequence, the step writes at a slot held in a device tensor, and attention reads
+the whole cache under a mask. On CUDA the step (forward, sampling, advancing the
+position) is captured once as a ``torch.cuda.CUDAGraph`` and replayed per token.
+
+Kernels per layer and step are what a batch-1 decode pays for beyond its weight bytes, so
+with ``fused`` (the default) a layer whose weights are in memfit's fused layout
+(``memfit.infer.fused``; ``load_model`` builds it) runs one q/k/v matmul, one gate/up
+matmul over the active neurons and a compiled silu-multiply, instead of five matmuls and
+two elementwise kernels; the attention mask is built additive once per step (not
+converted per layer). Results then equal the Hugging Face modules' up to rounding
+(different matmul shapes may sum in another order); ``fused=False`` calls the model's
+own modules and is bit-exact with them.
+
+With ``fast`` (the default on CUDA where Triton runs and the decode attention kernel takes the
+heads; otherwise the previous loop, said once) a decode step (one token per sequence) also runs
+memfit's decode kernels (``memfit.kernels.decode``, ``memfit.kernels.gemv``): one Triton
+kernel per layer for rope of q and k, the K/V cache write and attention over the cache up
+to the current slot (instead of three compiled kernels, a mask and SDPA), greedy argmax in
+two Triton stages, and for each decode matmul shape the faster of cuBLAS and a Triton
+GEMV, timed over all layers of that shape before the graph is captured
+(``matmul_paths``, ``attention_variant`` record the choices). These sum in another order
+than cuBLAS/SDPA, so results equal the other path up to rounding; ``fast=False`` is the
+previous loop.
+
+Prompts: prefill runs eagerly over the whole (left-padded) batch and, for partial
+models, selects the decode neurons (``memfit.infer.selection``). The graph is captured
+with the decode neuron counts before the first prompt; selection permutes weights in
+place, so the captured pointers stay valid for every later prompt.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.infer.fused import act_mul, fused_gate_up, fused_qkv
+from memfit.infer.selection import (
+    begin_prompt,
+    end_prompt,
+    partial_mlps,
+    set_decode_shape,
+)
+from memfit.kernels import gemv
+from memfit.kernels.decode import (
+    argmax,
+    decode_attention,
+    pick_attention,
+    shape_problem,
+)
+from memfit.kernels.dispatch import use_triton
+from memfit.log import warn_once
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Residual add, then RMSNorm of the sum: (sum, normed)."""
+    x = x + delta
+    return x, F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots):
+    """Rotate q and k (B, T, heads, D), write k and v into the caches at ``slots``;
+    returns q grouped per KV head (B, Hkv, G*T, D): row g*T + t is query head kv*G + g at token t."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    k_cache.index_copy_(2, slots, k)
+    v_cache.index_copy_(2, slots, v)
+    B, H, T, D = q.shape
+    return q.reshape(B, k_cache.shape[1], H // k_cache.shape[1] * T, D)
+
+
+def _attention(q, k_cache, v_cache, mask, scale):
+    """SDPA over the whole cache; the output's memory layout depends on the backend (e.g. (B, rows, heads, D))."""
+    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale)
+
+
+def _merge_heads(o: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, Hkv, G*T, D) grouped attention output -> (B, T, H*D) in head order kv*G + g, whatever o's strides.
+
+    Splitting a dim (``unflatten``) is a view for any strides; the final ``reshape`` copies only when the
+    backend's layout needs it (a ``view`` there fails on the (B, rows, heads, D) layout of the
+    memory-efficient and cuDNN kernels).
+    """
+    B, Hkv, rows, D = o.shape
+    return o.unflatten(2, (rows // T, T)).permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * (rows // T) * D)
+
+
+# The elementwise parts of a step: on CUDA they are compiled (dozens of tiny kernels a layer become a few);
+# the matmuls stay cuBLAS (or the model's own modules: partial, 4-bit).
+_EAGER = {"norm": _norm, "add_norm": _add_norm, "rope_and_cache": _rope_and_cache, "act_mul": act_mul}
+
+
+_COMPILED: dict = {}
+
+
+def _compiled() -> dict:
+    """One compiled set per process, so every Generator reuses the compiled kernels."""
+    if not _COMPILED:
+        _COMPILED.update({name: torch.compile(fn, dynamic=False, fullgraph=True) for name, fn in _EAGER.items()})
+    return _COMPILED
+
+
+def use_decode_kernels(fast: bool | None, embed: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether a decode step runs memfit's decode kernels (``Generator``'s ``fast``).
+
+    True forces them: a clear error where Triton cannot run or the decode attention kernel
+    cannot take the heads. None: on CUDA when ``use_triton`` allows (so ``MEMFIT_KERNELS``
+    overrides, as for every op) and the kernel takes the heads; a CUDA model that falls back
+    to the previous loop says why, once. Off CUDA the default is the previous loop.
+    """
+    problem = shape_problem(heads, kv_heads, head_dim)
+    if fast:
+        use_triton("decode kernels", embed, path="triton")     # a clear error where Triton cannot run
+        if problem is not None:
+            raise MemfitError(f"fast=True: memfit's decode attention kernel cannot run this model: {problem}")
+        return True
+    if fast is not None or embed.device.type != "cuda":
+        return False
+    reason = problem if use_triton("decode kernels", embed) else "MEMFIT_KERNELS=reference or no Triton"
+    if reason is not None:
+        warn_once("generate:no-decode-kernels", f"decode runs without memfit's decode kernels ({reason}): cuBLAS, "
+                                                "compiled rope/cache writes and SDPA")
+    return reason is None
+
+
+@dataclass
+class GenerationResult:
+    tokens: torch.Tensor               # (B, new) generated ids
+    prefill_s: float
+    decode_s: float
+    steps: int                         # decode steps timed (new tokens - 1: the first comes from prefill)
+    graphs: bool
+    peak_bytes: int | None = None      # CUDA max_memory_allocated since the caller last reset the peak stats
+    selected: list = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode tokens per second per sequence (prefill excluded)."""
+        return self.steps / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+class Generator:
+    """Static-cache generation for one model, batch size and maximum length.
+
+    ``graphs``: None = use CUDA graphs on CUDA; False = eager steps (CPU, debugging).
+    ``temperature``: 0 = greedy; > 0 samples with the Gumbel-max trick (graph-safe).
+    ``compile``: None = compile the elementwise helpers (norms, rope, cache writes) with
+    ``torch.compile`` on CUDA; a failed compile falls back to eager, said once.
+    ``fused``: one matmul for q/k/v and one for gate/up where the weights are in the fused layout
+    (equal to the model's modules up to rounding); False = the model's own modules, bit-exact.
+    ``fast``: None = memfit's decode kernels on CUDA where they can run (see ``use_decode_kernels``); True
+    forces them (on CPU only under the Triton interpreter, for tests); False = cuBLAS, compiled rope/cache
+    writes, SDPA.
+    """
+
+    def __init__(self, model, max_len: int, batch: int = 1, graphs: bool | None = None, temperature: float = 0.0,
+                 compile: bool | None = None, fused: bool = True, fast: bool | None = None):
+        cfg = model.config
+        if max_len < 2 or batch < 1:
+            raise MemfitError(f"max_len must be >= 2 and batch >= 1, got max_len={max_len}, batch={batch}")
+        if max_len > getattr(cfg, "max_position_embeddings", max_len):
+            raise MemfitError(f"prompt + new tokens = {max_len} exceeds the model's {cfg.max_position_embeddings} positions")
+        if temperature < 0:
+            raise MemfitError(f"temperature must be >= 0, got {temperature}")
+        self.model, self.max_len, self.batch, self.temperature = model, max_len, batch, float(temperature)
+        embed = model.get_input_embeddings().weight
+        self.device, self.dtype = embed.device, embed.dtype
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        layers = model.model.layers
+        self.qkv = [fused_qkv(layer.self_attn) if fused else None for layer in layers]
+        self.gate_up = [fused_gate_up(layer.mlp) if fused else None for layer in layers]
+        self.fused_layers = sum(a is not None and b is not None for a, b in zip(self.qkv, self.gate_up))
+        if fused and self.fused_layers < len(layers):
+            warn_once("generate:unfused", f"{len(layers) - self.fused_layers} of {len(layers)} layers decode with separate "
+                                          "q/k/v and gate/up matmuls (weights not in memfit's fused layout: load the "
+                                          "model with memfit.infer.load_model; 4-bit layers stay unfused)")
+        shape = (batch, self.kv_heads, max_len, self.head_dim)
+        factory = {"device": self.device}
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, **factory) for _ in layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, **factory) for _ in layers]
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, **factory)   # slot holds a real token
+        self.key_slots = torch.arange(max_len, **factory)
+        rotary = model.model.rotary_emb
+        self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        # decode-step state, all on the device so one graph replays every step
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, **factory)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, **factory)
+        self.slot = torch.zeros(1, dtype=torch.long, **factory)
+        self.step_index = torch.zeros(1, dtype=torch.long, **factory)
+        self.out = torch.zeros(batch, max_len, dtype=torch.long, **factory)
+        self.graph = None
+        self.fast = use_decode_kernels(fast, embed, self.heads, self.kv_heads, self.head_dim)
+        self.matmul_paths: dict[str, str] = {}                      # decode matmul shape -> "cublas" or a GEMV variant
+        self.attention_variant = None
+        self.ops = _compiled() if (self.device.type == "cuda" if compile is None else compile) else _EAGER
+        use_graphs = self.device.type == "cuda" if graphs is None else graphs
+        if use_graphs and self.device.type != "cuda":
+            raise MemfitError("CUDA graphs need the model on a CUDA device")
+        if self.fast:
+            self._plan_kernels()
+        if use_graphs:
+            self._capture()
+        elif self.ops is not _EAGER:
+            self._warm_up()
+
+    # ---- the model, step by step ---------------------------------------------------------
+    def _rope(self, positions: torch.Tensor):
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return ((emb.cos() * self.rope_scale).to(self.dtype)[:, None], (emb.sin() * self.rope_scale).to(self.dtype)[:, None])
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last_only: bool) -> torch.Tensor:
+        """Logits of ``ids`` (B, T) at rope ``positions`` (B, T), writing K/V at cache ``slots`` (T,)."""
+        model, (B, T) = self.model, ids.shape
+        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        G = H // Hkv
+        x = model.get_input_embeddings()(ids)
+        cos, sin = self._rope(positions)
+        kernels = self.fast and T == 1          # decode: memfit's attention kernel, no mask
+        # key j is visible to the query at slot s when it holds a token and j <= s; every query sees itself.
+        # Additive and in the model dtype, built once per step: SDPA would convert a bool mask in every layer.
+        mask = None if kernels else self._mask(slots, B, G, T)
+        ops = self.ops
+        layers = model.model.layers
+        h = ops["norm"](x, layers[0].input_layernorm.weight, layers[0].input_layernorm.variance_epsilon)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            if self.qkv[i] is not None:
+                qkv = self._matmul(h, *self.qkv[i]).view(B, T, H + 2 * Hkv, D)
+                q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
+            else:
+                q, k, v = (proj(h).view(B, T, -1, D) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+            if kernels:
+                o = decode_attention(q[:, 0], k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], self.k_cache[i], self.v_cache[i],
+                                     self.valid, slots, attn.scaling, self.attention_variant).view(B, 1, H * D)
+            else:
+                # GQA: the G query heads of a KV head share its keys, so q is grouped per KV head
+                q = ops["rope_and_cache"](q, k, v, cos, sin, self.k_cache[i], self.v_cache[i], slots)
+                o = _merge_heads(_attention(q, self.k_cache[i], self.v_cache[i], mask, attn.scaling), T)
+            post = layer.post_attention_layernorm
+            x, h = ops["add_norm"](x, self._project(attn.o_proj, o), post.weight, post.variance_epsilon)
+            following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+            x, h = ops["add_norm"](x, self._mlp(i, layer.mlp, h), following.weight, following.variance_epsilon)
+        return model.get_output_embeddings()(h[:, -1:] if last_only else h)
+
+    def _mask(self, slots: torch.Tensor, B: int, G: int, T: int) -> torch.Tensor:
+        """SDPA's additive mask (B, 1, G*T, max_len): key j is visible to the query at slot s when it holds a token
+        and j <= s; every query sees itself. In the model dtype, built once per step (SDPA would convert a bool
+        mask in every layer)."""
+        visible = self.key_slots[None, :] <= slots[:, None]
+        mask = (self.valid[:, None, :] & visible[None]) | (self.key_slots[None, :] == slots[:, None])[None]
+        mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+        return mask[:, None, None].expand(B, 1, G, T, self.max_len).reshape(B, 1, G * T, self.max_len)
+
+    def _matmul(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias) by the path planned for this decode shape (cuBLAS for any other)."""
+        if not self.matmul_paths:
+            return F.linear(x, w, bias)
+        path = self.matmul_paths.get(gemv.shape_key(x.numel() // x.shape[-1], w, bias), gemv.CUBLAS)
+        return gemv.linear(x, w, bias, path)
+
+    def _project(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A projection module: a plain ``nn.Linear`` through ``_matmul``, anything else (4-bit) called."""
+        return self._matmul(x, proj.weight, proj.bias) if type(proj) is nn.Linear else proj(x)
+
+    def _decode_matmuls(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of every matmul a decode step runs through ``_matmul``, with partial layers at their decode count."""
+        products = []
+        for i, layer in enumerate(self.model.model.layers):
+            if self.qkv[i] is not None:
+                products.append(self.qkv[i])
+            if type(layer.self_attn.o_proj) is nn.Linear:
+                products.append((layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias))
+            if self.gate_up[i] is not None:
+                gate_up, down = self.gate_up[i]
+                a = getattr(layer.mlp, "compute", gate_up.shape[0])
+                products += [(gate_up[:a].flatten(0, 1), None), (down[:, :a], None)]
+        return products
+
+    @torch.no_grad()
+    def _plan_kernels(self) -> None:
+        """Time the decode attention variants and, per decode matmul shape, cuBLAS against the GEMV variants
+        (each over all layers of that shape; cached on disk by ``pick_variant``); off CUDA the defaults."""
+        self.attention_variant = pick_attention(list(zip(self.k_cache, self.v_cache)), self.heads,
+                                                self.model.model.layers[0].self_attn.scaling)
+        for key, weights in self.matmul_groups().items():
+            x = torch.randn(self.batch, weights[0][0].shape[1], dtype=self.dtype, device=self.device)
+            self.matmul_paths[key] = gemv.pick_path(x, weights)
+
+    def matmul_groups(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+        """The decode matmuls grouped by ``gemv.shape_key`` (what one path choice covers)."""
+        groups: dict[str, list] = {}
+        for w, b in self._decode_matmuls():
+            groups.setdefault(gemv.shape_key(self.batch, w, b), []).append((w, b))
+        return groups
+
+    def _mlp(self, i: int, mlp, h: torch.Tensor) -> torch.Tensor:
+        """The layer's FFN: one gate/up matmul over the active neurons, silu-multiply, down (or the module itself)."""
+        if self.gate_up[i] is None:
+            return mlp(h)
+        gate_up, down = self.gate_up[i]
+        a = getattr(mlp, "active", gate_up.shape[0])      # PartialMLP: every loaded neuron at prefill, the selected at decode
+        g = self.ops["act_mul"](self._matmul(h, gate_up[:a].flatten(0, 1)))
+        if hasattr(mlp, "observe"):
+            mlp.observe(g)
+        return self._matmul(g, down[:, :a])
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        pick = argmax if self.fast else (lambda scores: scores.argmax(-1))
+        if self.temperature == 0:
+            return pick(logits)
+        noise = -torch.log(-torch.log(torch.rand_like(logits, dtype=torch.float32).clamp_(1e-20, 1)))
+        return pick(logits.float() / self.temperature + noise)
+
+    def _step(self) -> None:
+        """One decode token: forward ``tok`` at ``slot``, sample the next, advance (all on device)."""
+        self.valid.index_fill_(1, self.slot, True)
+        logits = self._forward(self.tok, self.pos, self.slot, last_only=True)[:, -1]
+        nxt = self._sample(logits)[:, None]
+        self.tok.copy_(nxt)
+        self.out.index_copy_(1, self.step_index, nxt)
+        self.pos += 1
+        self.slot += 1
+        self.step_index += 1
+
+    @torch.no_grad()
+    def _warm_up(self) -> None:
+        """Two steps (compiling the helpers); a compile failure switches to the eager helpers."""
+        try:
+            for _ in range(2):
+                self._step()
+        except Exception as err:  # torch.compile raises many error types (backend, lowering, missing compiler)
+            if self.ops is _EAGER:
+                raise
+            warn_once("generate:no-compile", f"torch.compile of the decode helpers failed ({type(err).__name__}: "
+                                             f"{str(err).splitlines()[0] if str(err) else ''}); running them eagerly")
+            self.ops = _EAGER
+            for _ in range(2):
+                self._step()
+
+    @torch.no_grad()
+    def _capture(self) -> None:
+        set_decode_shape(self.model)
+        try:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._warm_up()         # lazy inits, compiles and cuBLAS workspaces happen outside capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._step()
+            self.graph = graph
+        except RuntimeError as err:     # e.g. a kernel that synchronises; eager still works
+            warn_once("generate:no-graph", f"CUDA graph capture failed ({str(err).splitlines()[0]}); decoding eagerly")
+            self.graph = None
+            torch.cuda.synchronize(self.device)
+        for mlp in partial_mlps(self.model):
+            mlp.restore()
+
+    # ---- public ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Reset the cache, run the prompts (B, T; left-padded), select decode neurons; returns the first new tokens."""
+        return self._prefill(input_ids, attention_mask)[1]
+
+    def _prefill(self, input_ids, attention_mask):
+        B, T = input_ids.shape
+        if B != self.batch:
+            raise MemfitError(f"this generator was built for batch {self.batch}, got {B} prompts")
+        if T >= self.max_len:
+            raise MemfitError(f"the prompt ({T} tokens) leaves no room in max_len={self.max_len}")
+        input_ids = input_ids.to(self.device)
+        mask = torch.ones(B, T, dtype=torch.bool, device=self.device) if attention_mask is None else attention_mask.to(self.device).bool()
+        if not bool(mask[:, -1].all()):
+            raise MemfitError("pad prompts on the left: the last position of every prompt must be a real token")
+        self.valid.zero_()
+        self.valid[:, :T] = mask
+        positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+        begin_prompt(self.model, mask)
+        logits = self._forward(input_ids, positions, self.key_slots[:T], last_only=True)[:, -1]
+        self.selected = end_prompt(self.model)
+        first = self._sample(logits)[:, None]
+        self.tok.copy_(first)
+        self.pos.copy_(positions[:, -1:] + 1)
+        self.slot.fill_(T)
+        self.step_index.fill_(1)
+        self.out.zero_()
+        self.out[:, :1] = first
+        return logits, first
+
+    @torch.no_grad()
+    def decode(self, steps: int) -> None:
+        for _ in range(steps):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._step()
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new: int, attention_mask: torch.Tensor | None = None,
+                 on_tokens=None, eos: int | None = None) -> GenerationResult:
+        """Generate ``max_new`` tokens after the prompts. ``on_tokens(ids (B,))`` streams each new token
+        (one host sync per token); with ``eos`` (batch 1) it stops at that token."""
+        T = input_ids.shape[1]
+        if max_new < 1 or T + max_new > self.max_len:
+            raise MemfitError(f"max_new={max_new} must be >= 1 and fit in max_len={self.max_len} after a {T}-token prompt")
+        self._sync()
+        t0 = time.perf_counter()
+        first = self.prefill(input_ids, attention_mask)
+        self._sync()
+        t1 = time.perf_counter()
+        steps = max_new - 1
+        if on_tokens is None and eos is None:
+            self.decode(steps)
+        else:
+            token = first[:, 0]
+            if on_tokens:
+                on_tokens(token.cpu())
+            done = 0
+            while done < steps and not (eos is not None and self.batch == 1 and int(token[0]) == eos):
+                self.decode(1)
+                done += 1
+                token = self.tok[:, 0]
+                if on_tokens:
+                    on_tokens(token.cpu())
+            steps = done
+        self._sync()
+        t2 = time.perf_counter()
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        tokens = self.out[:, : steps + 1].to("cpu", copy=True)    # a copy: the next prompt reuses ``out``
+        return GenerationResult(tokens=tokens, prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps,
+                                graphs=self.graph is not None, peak_bytes=peak, selected=self.selected)
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """Teacher-forced logits (B, T - prompt_len, V) predicting tokens prompt_len..T-1.
+
+        The prompt (first ``prompt_len`` tokens) runs as a prefill and selects neurons; the rest runs in
+        one decode-mode forward (selected neurons), exactly what token-by-token decode would compute.
+        """
+        B, T = input_ids.shape
+        if not 0 < prompt_len < T <= self.max_len:
+            raise MemfitError(f"score needs 0 < prompt_len ({prompt_len}) < length ({T}) <= max_len ({self.max_len})")
+        first, _ = self._prefill(input_ids[:, :prompt_len], None)
+        if T - 1 == prompt_len:
+            return first[:, None]
+        slots = self.key_slots[prompt_len:T - 1]
+        self.valid[:, prompt_len:T - 1] = True
+        positions = slots[None].expand(B, -1)
+        rest = self._forward(input_ids[:, prompt_len:T - 1].to(self.device), positions, slots, last_only=False)
+        return torch.cat([first[:, None], rest], dim=1)
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads: every parameter except the embedding table (one row is
+    read), partial FFN layers counted at their decode neuron count, plus bitsandbytes quant-state absmax."""
+    embed = model.get_input_embeddings().weight
+    total = 0
+    tied = model.get_output_embeddings().weight is embed
+    seen = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen or (p is embed and not tied):
+                continue
+            seen.add(id(p))
+            nbytes = p.numel() * p.element_size()
+            if name.endswith("_weight") and hasattr(module, "compute"):   # PartialMLP
+                nbytes = nbytes * module.compute // module.loaded
+            total += nbytes
+            state = getattr(p, "quant_state", None)
+            if state is not None and getattr(state, "absmax", None) is not None:
+                total += state.absmax.numel() * state.absmax.element_size()
+    return total

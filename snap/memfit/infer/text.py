@@ -1,0 +1,60 @@
+"""Text <-> token ids for the inference verbs.
+
+In order: the model directory's own Hugging Face tokenizer, memfit's byte-level
+tokenizer (``memfit.data.tokenizer``, used by the models our scripts train), else raw
+UTF-8 bytes as ids 0..255 (said once, since a model not trained on bytes prints noise).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from memfit.errors import MemfitError
+from memfit.log import warn_once
+
+_HF_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+@dataclass
+class TextCodec:
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    eos: int | None
+    kind: str
+
+
+def _memfit_bytes():
+    try:
+        from memfit.data.tokenizer import ByteTokenizer
+    except ImportError:
+        return None
+    tok = ByteTokenizer()
+
+    def decode(ids):
+        kept = [int(i) for i in ids if 0 <= int(i) < tok.vocab_size]
+        if len(kept) < len(ids):
+            warn_once("text:out-of-vocab", f"dropping generated ids outside the byte tokenizer's {tok.vocab_size} "
+                                           "(the model's vocabulary is larger: a random-init model?)")
+        return tok.decode(kept)
+
+    return TextCodec(tok.encode, decode, tok.eos_id, "memfit-bytes")
+
+
+def load_codec(model_dir: str | Path | None, vocab: int) -> TextCodec:
+    """The tokenizer for ``model_dir`` (see module doc)."""
+    if model_dir is not None and any((Path(model_dir) / name).is_file() for name in _HF_FILES):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return TextCodec(lambda text: tok.encode(text), lambda ids: tok.decode(ids, skip_special_tokens=True),
+                         tok.eos_token_id, "hf")
+    codec = _memfit_bytes()
+    if codec is None:
+        warn_once("text:raw-bytes", "no tokenizer in the model directory and no memfit.data.tokenizer: "
+                                    "using raw UTF-8 bytes as token ids 0..255")
+        codec = TextCodec(lambda text: list(text.encode("utf-8")),
+                          lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace"), None, "raw-bytes")
+    if vocab < 256:
+        raise MemfitError(f"a byte-level tokenizer needs a vocabulary of at least 256 ids; this model has {vocab}")
+    return codec

@@ -1,0 +1,334 @@
+"""BLAST linear (definition in memfit.layers.blast): reference, Triton kernels, op.
+
+Shapes: x (..., in), U (b, p, r), V (b, m, r), S (b, b, r) with in = b m, out = b p;
+bias (out,) or None. Stages: Z_j = X_j V_j, T_i = sum_j Z_j diag(s_ij), Y_i = T_i U_i^T.
+The mixing is b^2 r N multiply-adds, done exactly once per token by every pipeline at
+large N: on CUDA cores where it is fused into a GEMM (``_mix_kernel``, ``_mixgemm_kernel``),
+on tensor cores where it runs alone (``_zmix_kernel``: per rank a (tokens x b) @ (b x b) dot).
+
+Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk):
+
+* ``mix_bgemm`` (the paper's partial fusion): ``_mix_kernel`` computes, per token tile
+  and rank chunk, Z_j = X_j V_j for every j on chip (tensor cores; K = m in one tile
+  when m <= 256, so the loop over j holds one dot and is software-pipelined), scales by
+  s_ij and sums over j into all b rows of T at once (a (BN, b, BK) fp32 register tile),
+  so Z never reaches memory and V is read once per token tile. T (N, b, r) is written
+  once and read by the per-block GEMM (:func:`bgemm`) that makes Y. Traffic beyond the
+  floor: T's write and read, 2 N b r elements; no recomputed FLOPs.
+* ``mix_bmm``: the same mixing kernel, then stage 3 on cuBLAS (:func:`per_block_gemm`): T read
+  as (b_i, N, r) (lda = b r), U_i^T as a transposed operand, Y written block-major
+  through a (b, N, p) view (ldc = b p), no copy. Stage 3 holds most of the FLOPs, so
+  at large N this is the likely winner.
+* ``bmm_mix_bmm``: stages 1 and 3 on cuBLAS, the mixing alone between them as a
+  memory-bound kernel (``_zmix_kernel``: Z read once, T written once, the b^2 products per
+  element as a batched (BN x b) @ (b x b) tensor-core dot per rank). Traffic beyond the
+  floor: Z's and T's writes and reads, 4 N b r elements, for full-size tensor-core tiles in
+  stage 1 (the mixing kernel above re-reads X once per rank chunk).
+* ``z_mixgemm`` (N <= MIXGEMM_MAX_N, decode): Z (N, b, r) by one batched :func:`bgemm`
+  (b ceil(r/BC) programs: every SM streams part of V), then ``_mixgemm_kernel``: stage
+  3 with the mixing in its operand prologue, T_i's K-chunk formed from a (BN, b, BK)
+  load of Z and s_i by a sum over j, then one dot with U_i^T. The mixing is redone per
+  output column tile (ceil(p/BC) times), negligible at decode where Z (a few hundred
+  KB) sits in L2 and the kernel is bound by reading U. Two launches, both wide.
+* ``z_mixgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``z_mixgemm`` with the second kernel chained
+  to the first (blr_common's programmatic dependent launch: it starts while Z is being
+  made, pulls its U_i slice into L2, then waits for Z).
+* ``torch`` (the reference: cuBLAS batched GEMMs, the mixing as an einsum) competes
+  too, so the pick is never slower than plain PyTorch (it won at some large-N shapes
+  where the CUDA-core mixing kernel lost).
+Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from memfit.errors import MemfitError
+from memfit.kernels.blr_common import (
+    PDL_MAX_N,
+    bgemm,
+    blr_precision,
+    bmm_into,
+    chain_options,
+    fits_smem,
+    keep_small_n,
+    line_elements,
+    mma,
+    n_bucket,
+    pdl_offered,
+    per_block_gemm,
+    pick_variant,
+    pow2_at_least,
+    prefetch_l2,
+    recompute_backward,
+    save_for_recompute,
+    tuned,
+)
+from memfit.kernels.dispatch import use_triton
+
+MIXGEMM_MAX_N = 128      # beyond this the mixing prologue's per-column-tile repeats and Z's b-fold reads cost too much
+MIX_ONE_TILE_M = 256     # input blocks up to this size are one K tile in the mixing kernel (pipelined j loop)
+MIX_LOOP_BM = 128        # the K tile for larger input blocks (a loop over m inside the loop over j)
+
+
+def blast_linear_reference(x, u, v, s, bias=None):
+    """The definition in three stages, each intermediate materialised in x's dtype."""
+    b, p, _ = u.shape
+    m = v.shape[1]
+    lead = x.shape[:-1]
+    z = torch.bmm(x.reshape(-1, b, m).transpose(0, 1), v)         # (b_j, N, r): Z_j = X_j V_j
+    t = torch.einsum("jnk,ijk->ink", z, s)                         # (b_i, N, r): T_i = sum_j Z_j diag(s_ij)
+    y = torch.bmm(t, u.transpose(1, 2))                            # (b_i, N, p): Y_i = T_i U_i^T
+    y = y.transpose(0, 1).reshape(*lead, b * p)
+    return y if bias is None else y + bias
+
+
+# ---- partial fusion: Z on chip, mixed into T -------------------------------------
+
+def _prune_mix(configs, named_args, **kwargs):
+    configs = keep_small_n(configs, named_args["N"])
+    size = named_args["x_ptr"].element_size()
+    bm = kwargs["BM"]
+    keep = [c for c in configs if c.kwargs["BK"] <= pow2_at_least(named_args["R"])
+            and fits_smem(c, bm * (c.kwargs["BN"] + c.kwargs["BK"]), size)]
+    return keep or configs[:1]
+
+
+@triton.jit
+def _xv_step(x_ptr, v_ptr, rn, rm, rk, a0, N, M, R, sxn, sva, svk, acc, PRECISION: tl.constexpr):
+    """acc + X_j[:, a0:a0+BM] @ V_j[a0:a0+BM, rk] (pointers already at block j)."""
+    xa = tl.load(x_ptr + rn[:, None] * sxn + (a0 + rm)[None, :], mask=(rn[:, None] < N) & (a0 + rm[None, :] < M),
+                 other=0.0)
+    va = tl.load(v_ptr + (a0 + rm)[:, None] * sva + rk[None, :] * svk,
+                 mask=(a0 + rm[:, None] < M) & (rk[None, :] < R), other=0.0)
+    return mma(xa, va, acc, PRECISION)
+
+
+# BN * b * BK fp32 accumulators per program: <= 128 registers a thread at b = 16
+@tuned([(64, 32, 8, 3), (128, 16, 8, 3), (32, 64, 8, 3), (64, 16, 4, 3), (16, 32, 4, 3), (16, 16, 4, 3)],
+       ("BN", "BK"), (16, 16, 4, 1), key=["N_BUCKET", "M", "R", "B"], prune=_prune_mix)
+@triton.jit
+def _mix_kernel(x_ptr, v_ptr, s_ptr, t_ptr, N, M, R, B, N_BUCKET,
+                sxn, svj, sva, svk, ssi, ssj, ssk, stn, sti, stk,
+                BB: tl.constexpr, BM: tl.constexpr, ONE_K: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr):
+    """T[n, i, k] = sum_j s[i, j, k] (X_j V_j)[n, k] for a (BN tokens, BK ranks) tile, all i."""
+    rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    rm = tl.arange(0, BM)
+    rb = tl.arange(0, BB)
+    t = tl.zeros((BN, BB, BK), dtype=tl.float32)
+    for j in range(B):
+        z = tl.zeros((BN, BK), dtype=tl.float32)
+        if ONE_K:                                   # the j loop is the innermost loop: pipelined
+            z = _xv_step(x_ptr + j * M, v_ptr + j * svj, rn, rm, rk, 0, N, M, R, sxn, sva, svk, z, PRECISION)
+        else:
+            for a0 in range(0, M, BM):
+                z = _xv_step(x_ptr + j * M, v_ptr + j * svj, rn, rm, rk, a0, N, M, R, sxn, sva, svk, z,
+                              PRECISION)
+        z = z.to(x_ptr.dtype.element_ty).to(tl.float32)          # Z is rounded to x's dtype, as in the reference
+        t = _mix_step(t, z, s_ptr, j, rb, rk, B, R, ssi, ssj, ssk)
+    _store_t(t_ptr, t, rn, rb, rk, N, B, R, stn, sti, stk)
+
+
+@triton.jit
+def _mix_step(t, z, s_ptr, j, rb, rk, B, R, ssi, ssj, ssk):
+    """t + Z_j diag(s_ij) for every output block i: t (BN, BB, BK) fp32, z = Z_j's (BN, BK) tile in fp32."""
+    sj = tl.load(s_ptr + rb[:, None] * ssi + j * ssj + rk[None, :] * ssk,
+                 mask=(rb[:, None] < B) & (rk[None, :] < R), other=0.0).to(tl.float32)
+    return t + z[:, None, :] * sj[None, :, :]
+
+
+@triton.jit
+def _store_t(t_ptr, t, rn, rb, rk, N, B, R, stn, sti, stk):
+    """T's (BN, BB, BK) tile, rounded to T's dtype."""
+    mask = (rn[:, None, None] < N) & (rb[None, :, None] < B) & (rk[None, None, :] < R)
+    tl.store(t_ptr + rn[:, None, None] * stn + rb[None, :, None] * sti + rk[None, None, :] * stk,
+             t.to(t_ptr.dtype.element_ty), mask=mask)
+
+
+def _mix(x2, v, s):
+    """T (N, b, r) = sum_j Z_j diag(s_ij) with Z on chip."""
+    b, m, r = v.shape
+    n = x2.shape[0]
+    t = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
+    bm = pow2_at_least(m) if m <= MIX_ONE_TILE_M else MIX_LOOP_BM
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
+    _mix_kernel[grid](x2, v, s, t, n, m, r, b, n_bucket(n), x2.stride(0), *v.stride(), *s.stride(), *t.stride(),
+                      BB=pow2_at_least(b, 1), BM=bm, ONE_K=bm >= m, PRECISION=blr_precision(x2.dtype))
+    return t
+
+
+def _mix_bgemm(x2, u, v, s, bias):
+    return per_block_gemm(_mix(x2, v, s), u.transpose(1, 2), bias, cublas=False)   # Y_i = T_i U_i^T
+
+
+def _mix_bmm(x2, u, v, s, bias):
+    return per_block_gemm(_mix(x2, v, s), u.transpose(1, 2), bias, cublas=True)
+
+
+# ---- large N: stage 1 and 3 on cuBLAS, the mixing alone between them ----------------
+
+ZMIX_RESULT_REGISTERS = 128   # fp32 results a thread may hold (BK * BN * BB per program); past it, they spill
+
+
+def _prune_zmix(configs, named_args, **kwargs):
+    """Tiles no wider than the ranks and tokens need, whose (BK, BN, BB) result fits the registers:
+    every listed tile fits at b <= 16, the smallest ones at b <= 64."""
+    fit = [c for c in configs
+           if c.kwargs["BK"] * c.kwargs["BN"] * kwargs["BB"] <= ZMIX_RESULT_REGISTERS * 32 * c.num_warps]
+    keep = [c for c in fit if c.kwargs["BK"] <= pow2_at_least(named_args["R"])
+            and c.kwargs["BN"] <= pow2_at_least(named_args["N"])]
+    return keep or fit[-1:] or configs[-1:]
+
+
+ZMIX_CONFIGS = [(16, 64, 4, 1), (32, 32, 4, 1), (64, 16, 4, 1), (32, 64, 8, 1), (64, 32, 8, 1), (128, 16, 8, 1),
+                (16, 32, 4, 1), (16, 16, 4, 1)]  # BN, BK, warps, stages
+
+
+@tuned(ZMIX_CONFIGS, ("BN", "BK"), (16, 16, 4, 1), key=["N_BUCKET", "R", "B"], prune=_prune_zmix)
+@triton.jit
+def _zmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szn, szj, ssi, ssj, ssk, stn, sti, stk,
+                 BB: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """T[n, i, k] = sum_j Z[n, j, k] s[i, j, k] for a (BN tokens, BK ranks) tile: per rank k a
+    (BN x b) @ (b x b) product, all BK of them as one batched tensor-core dot (Z read and T
+    written once; the b^2 multiply-adds per element stay off the CUDA cores)."""
+    rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    rb = tl.arange(0, BB)
+    k_ok = rk[:, None, None] < R
+    z = tl.load(z_ptr + rk[:, None, None] + rn[None, :, None] * szn + rb[None, None, :] * szj,
+                mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B), other=0.0)       # (BK, BN, b_j)
+    st = tl.load(s_ptr + rk[:, None, None] * ssk + rb[None, :, None] * ssj + rb[None, None, :] * ssi,
+                 mask=k_ok & (rb[None, :, None] < B) & (rb[None, None, :] < B), other=0.0)     # (BK, b_j, b_i)
+    t = mma(z, st.to(z.dtype), tl.zeros((BK, BN, BB), dtype=tl.float32), PRECISION)                          # (BK, BN, b_i)
+    tl.store(t_ptr + rk[:, None, None] * stk + rn[None, :, None] * stn + rb[None, None, :] * sti,
+             t.to(t_ptr.dtype.element_ty), mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B))
+
+
+def _bmm_mix_bmm(x2, u, v, s, bias):
+    """Z (N, b, r) by one strided cuBLAS batched GEMM, T = the mixing of Z (``_zmix_kernel``: a
+    memory-bound pass on tensor cores, Z read and T written once), Y by cuBLAS per block. Against ``mix_bmm``,
+    stage 1 runs on cuBLAS's full-size tiles instead of small per-rank-chunk dots that re-read X
+    ceil(r / BK) times (24 at Llama-1B's down projection), for Z's write and read (2 N b r)."""
+    b, m, r = v.shape
+    n = x2.shape[0]
+    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
+    bmm_into(x2.view(n, b, m).transpose(0, 1), v, z.transpose(0, 1))         # Z_j = X_j V_j
+    t = torch.empty_like(z)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
+    _zmix_kernel[grid](z, s, t, n, r, b, n_bucket(n), z.stride(0), z.stride(1), *s.stride(), *t.stride(),
+                       BB=pow2_at_least(b), PRECISION=blr_precision(z.dtype))  # BB >= 16: a tensor-core K and N
+    return per_block_gemm(t, u.transpose(1, 2), bias, cublas=True)                # Y_i = T_i U_i^T
+
+
+# ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------
+
+def _prune_mixgemm(configs, named_args, **kwargs):
+    configs = keep_small_n(configs, named_args["N"])
+    keep = [c for c in configs if c.kwargs["BC"] <= pow2_at_least(named_args["P"], 32)
+            and c.kwargs["BK"] <= pow2_at_least(named_args["R"])]
+    return keep or configs[:1]
+
+
+# BN * b * BK operand elements per step: <= 128 registers a thread at b = 16
+@tuned([(16, 32, 64, 4, 3), (16, 64, 32, 4, 3), (16, 64, 64, 4, 3), (16, 128, 32, 4, 3),
+        (64, 64, 32, 8, 2), (64, 128, 32, 8, 2)],
+       ("BN", "BC", "BK"), (16, 16, 16, 4, 1), key=["N_BUCKET", "R", "P", "B"], prune=_prune_mixgemm)
+@triton.jit
+def _mixgemm_kernel(z_ptr, s_ptr, u_ptr, y_ptr, bias_ptr, N, R, P, B, N_BUCKET,
+                    szn, szj, ssi, ssj, ssk, sui, suo, suk, syn,
+                    HAS_BIAS: tl.constexpr, BB: tl.constexpr, PRECISION: tl.constexpr,
+                    LAUNCH_DEPENDENTS: tl.constexpr, WAIT_FOR_PREVIOUS: tl.constexpr, LINE: tl.constexpr,
+                    BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """y[n, i p + o] = sum_k (sum_j s[i, j, k] Z[n, j, k]) U[i, o, k] for a (BN, BC) tile of block i."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
+    c_tiles = tl.cdiv(P, BC)
+    i = tl.program_id(0) % B
+    pid_c = (tl.program_id(0) // B) % c_tiles
+    pid_n = tl.program_id(0) // (B * c_tiles)
+    if WAIT_FOR_PREVIOUS:                              # U_i's rows of this column tile (unit stride along k) into L2
+        prefetch_l2(u_ptr + i * sui + pid_c * BC * suo, tl.minimum(BC, P - pid_c * BC), suo, R, LINE)
+        tl.extra.cuda.gdc_wait()                       # then Z, written by the previous kernel
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    rc = pid_c * BC + tl.arange(0, BC)
+    rk = tl.arange(0, BK)
+    rb = tl.arange(0, BB)
+    acc = tl.zeros((BN, BC), dtype=tl.float32)
+    for k0 in range(0, R, BK):
+        kk = k0 + rk
+        z = tl.load(z_ptr + rn[:, None, None] * szn + rb[None, :, None] * szj + kk[None, None, :],
+                    mask=(rn[:, None, None] < N) & (rb[None, :, None] < B) & (kk[None, None, :] < R), other=0.0)
+        si = tl.load(s_ptr + i * ssi + rb[:, None] * ssj + kk[None, :] * ssk,
+                     mask=(rb[:, None] < B) & (kk[None, :] < R), other=0.0).to(tl.float32)
+        a = tl.sum(z.to(tl.float32) * si[None, :, :], axis=1)
+        u = tl.load(u_ptr + i * sui + kk[:, None] * suk + rc[None, :] * suo,
+                    mask=(kk[:, None] < R) & (rc[None, :] < P), other=0.0)
+        acc = mma(a.to(u.dtype), u, acc, PRECISION)                      # T rounded to x's dtype, as in the reference
+    col = i * P + rc
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col, mask=rc < P, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rn[:, None] * syn + col[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rn[:, None] < N) & (rc[None, :] < P))
+
+
+def _z_mixgemm(x2, u, v, s, bias, chained=False):
+    b, p, r = u.shape
+    m, n = v.shape[1], x2.shape[0]
+    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)      # z[n, j, k] = (X_j V_j)[n, k]
+    bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1), launch_dependents=chained)
+    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * b * triton.cdiv(p, meta["BC"]),)
+    _mixgemm_kernel[grid](z, s, u, y, bias if bias is not None else y, n, r, p, b, n_bucket(n), z.stride(0),
+                          z.stride(1), *s.stride(), *u.stride(), y.stride(0), HAS_BIAS=bias is not None,
+                          BB=pow2_at_least(b, 1), PRECISION=blr_precision(x2.dtype), LINE=line_elements(u),
+                          **chain_options(False, chained))
+    return y
+
+
+def _z_mixgemm_pdl(x2, u, v, s, bias):
+    return _z_mixgemm(x2, u, v, s, bias, chained=True)
+
+
+VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "z_mixgemm": _z_mixgemm,
+            "z_mixgemm_pdl": _z_mixgemm_pdl, "torch": blast_linear_reference}
+
+
+def variants_for(n: int) -> dict:
+    """The pipelines worth timing at ``n`` tokens."""
+    names = ["mix_bgemm", "mix_bmm", "bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
+    names += ["z_mixgemm_pdl"] if n <= min(MIXGEMM_MAX_N, PDL_MAX_N) and pdl_offered() else []
+    return {name: VARIANTS[name] for name in names}
+
+
+@torch.library.custom_op("memfit::blast_linear", mutates_args=())
+def _blast_op(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None,
+              variant: str) -> torch.Tensor:
+    b, m, _ = v.shape
+    x2 = x.reshape(-1, b * m).contiguous()
+    args = (x2, u.contiguous(), v.contiguous(), s.contiguous(), bias)
+    if variant == "auto":
+        n = x2.shape[0]
+        variant = pick_variant("blast_linear", (n_bucket(n), *u.shape, m, str(x.dtype)), variants_for(n),
+                               "z_mixgemm" if n <= 16 else "mix_bgemm", args)
+    return VARIANTS[variant](*args).reshape(*x.shape[:-1], -1)
+
+
+@_blast_op.register_fake
+def _(x, u, v, s, bias, variant):
+    return x.new_empty(*x.shape[:-1], u.shape[0] * u.shape[1])
+
+
+_blast_op.register_autograd(recompute_backward(blast_linear_reference, 5),
+                            setup_context=lambda ctx, inputs, output: save_for_recompute(ctx, inputs, output, 5))
+
+
+def blast_linear(x, u, v, s, bias=None, path=None, variant="auto"):
+    """BLAST forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS)."""
+    if use_triton("blast_linear", x, u, v, s, path=path):
+        offered = variants_for(x.numel() // max(v.shape[0] * v.shape[1], 1))
+        if variant != "auto" and variant not in offered:
+            raise MemfitError(f"blast_linear: variant {variant!r} is not available at this token count; "
+                              f"available: {', '.join(offered)}")
+        return _blast_op(x, *[w if w is None else w.to(x.dtype) for w in (u, v, s, bias)], variant)
+    return blast_linear_reference(x, u, v, s, bias)

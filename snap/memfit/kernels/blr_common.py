@@ -1,0 +1,375 @@
+"""Pieces the block-low-rank kernels (lowrank, monarch, blast) share.
+
+* ``pick_variant``: each op has several complete kernel pipelines (e.g. Triton GEMMs vs
+  a Triton stage plus a cuBLAS stage); which is fastest depends on the shape. The first
+  call for a shape times each candidate on the GPU (CUDA-graph replays, as the layers
+  run in decode) and remembers the winner in a JSON
+  file (``$MEMFIT_AUTOTUNE_CACHE``, default ``~/.cache/memfit/autotune.json``), keyed by
+  GPU, Triton version, a digest of the candidates' source files, op and shape, so a
+  second run does not retune and an edited kernel is timed afresh. Off the GPU (the
+  interpreter) the op's default is taken; inside a CUDA graph capture the cached winner
+  is used, or, for a shape never timed before, the default (said once).
+  The Triton kernels' own tile configs are tuned by ``triton.autotune`` with
+  ``cache_results=True`` (Triton's on-disk cache), keyed on the same shapes.
+* ``n_bucket``: the token count rounded up to a power of two, the autotune key for N.
+* Shapes are runtime ints in the kernels, so one compile serves every layer shape
+  (keeps a cold autotune short); a stride equal to 1 is specialised by Triton to the
+  constant 1, so unit-stride loads and stores vectorise.
+* ``bgemm``: one strided batched GEMM kernel whose store can regroup columns, which is
+  how the Monarch permutation and output layouts are folded into stores. Hopper-sized
+  tiles for many tokens, 16-token tiles with wide K steps for decode, a grouped program
+  order (a group of token tiles sweeps the column tiles together, so A and B tiles are
+  re-read from L2, not HBM) and 64-bit offsets.
+* ``bmm_into``: the cuBLAS alternative for a stage that is a plain strided batched GEMM
+  writing a strided view of the output (ldc = the row stride), so no copy is made.
+* Chained stages (the ``*_pdl`` pipelines, decode-sized N): a pipeline's second kernel is
+  launched with programmatic dependent launch (Hopper+): the first calls
+  ``gdc_launch_dependents`` as it starts, so the second is scheduled while the first runs;
+  the second asks L2 for its own weight slice (``prefetch_l2``: no registers held) and only
+  then waits (``gdc_wait``) for the first's output. At decode, where each kernel is a
+  launch plus one dependent read of its weights, the second stage's launch and weight read
+  overlap the first stage instead of following it. Off the GPU (the interpreter) the
+  kernels run without it, so the tests cover the same arithmetic.
+* ``recompute_backward``: the custom ops' backward. It recomputes the op's reference
+  forward in PyTorch ops and differentiates it, so the forward saves only x and the
+  weights (no intermediates); the price is one extra forward in the backward.
+"""
+import functools
+import hashlib
+import inspect
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from memfit.errors import MemfitError
+from memfit.kernels.dispatch import dot_precision, interpreting
+from memfit.log import warn_once
+
+_CACHE: dict | None = None
+TUNE = {"warmup": 5, "rep": 20}  # ms per tile config: short, so a cold run of many shapes stays fast
+PICK_REP_MS = 10                 # ms of graph replays per kernel variant in pick_variant
+
+
+def n_bucket(n: int) -> int:
+    return max(16, triton.next_power_of_2(int(n)))
+
+
+def _cache_path() -> Path:
+    return Path(os.environ.get("MEMFIT_AUTOTUNE_CACHE", Path.home() / ".cache" / "memfit" / "autotune.json"))
+
+
+def _load_cache() -> dict:
+    global _CACHE
+    if _CACHE is None:
+        try:
+            _CACHE = json.loads(_cache_path().read_text())
+        except (OSError, ValueError):
+            _CACHE = {}
+    return _CACHE
+
+
+def _save_cache(cache: dict) -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
+            json.dump(cache, handle, indent=1, sort_keys=True)
+        os.replace(handle.name, path)
+    except OSError as err:
+        warn_once(f"autotune-cache:{path}", f"cannot write the autotune cache {path}: {err}; tuning again next run")
+
+
+def _source_digest(fns: tuple) -> str:
+    """Short hash of the files defining ``fns`` and this one: a changed kernel invalidates cached picks."""
+    files = sorted({inspect.getsourcefile(fn) for fn in fns} | {__file__})
+    return _digest_files(tuple(files))
+
+
+@functools.cache
+def _digest_files(files: tuple[str, ...]) -> str:
+    digest = hashlib.sha1()
+    for name in files:
+        digest.update(Path(name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args: tuple) -> str:
+    """Name of the fastest of ``candidates`` (name -> fn(*args)) for this shape, cached on disk."""
+    on_gpu = all(not isinstance(a, torch.Tensor) or a.is_cuda for a in args)
+    if not on_gpu or len(candidates) == 1:
+        return default
+    key = "|".join([torch.cuda.get_device_name(), triton.__version__, _source_digest(tuple(candidates.values())), op,
+                    *map(str, shape_key)])
+    cache = _load_cache()
+    if cache.get(key) not in candidates and torch.cuda.is_current_stream_capturing():
+        # timing would launch work into the graph being captured: run the default, and say so
+        warn_once(f"pick-in-capture:{key}", f"{op}: first call for shape {shape_key} is inside a CUDA graph capture, "
+                  f"so its kernel variant is not timed; using {default!r} (call it once before capturing)")
+        return default
+    if cache.get(key) not in candidates:
+        times = {name: _time_candidate(op, name, fn, args) for name, fn in candidates.items()}
+        if min(times.values()) == float("inf"):
+            raise RuntimeError(f"{op}: no kernel variant of {sorted(candidates)} ran for shape {shape_key}")
+        cache[key] = min(times, key=times.get)
+        _save_cache(cache)
+    return cache[key]
+
+
+def _time_candidate(op: str, name: str, fn, args: tuple) -> float:
+    """Median ms of ``fn(*args)`` as CUDA-graph replays (so a decode-sized variant's time is its
+    GPU time, not Python's launch overhead, which would favour the variant with fewer launches);
+    a variant that fails to compile, run or be captured here is skipped, with a warning."""
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        return float(do_bench_cudagraph(lambda: fn(*args), rep=PICK_REP_MS, return_mode="median"))
+    except Exception as err:  # noqa: BLE001 (e.g. a config past this GPU's shared memory: the others still compete)
+        warn_once(f"variant-failed:{op}:{name}", f"{op}: variant {name} failed here and is not picked: "
+                  f"{type(err).__name__}: {str(err)[:200]}")
+        return float("inf")
+
+
+def recompute_backward(reference, n_tensors: int, n_options: int = 0):
+    """An autograd ``backward`` for a custom op whose first ``n_tensors`` args are tensors.
+
+    The forward's ``setup_context`` (:func:`save_for_recompute`) saves those tensors (any
+    may be None) and the remaining args in ``ctx.rest``; the reference takes the tensors
+    and the first ``n_options`` of the rest (the others, e.g. a kernel variant, are ignored).
+    """
+
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) if t is not None else None
+                  for t, need in zip(saved, ctx.needs_input_grad[:n_tensors])]
+        wanted = [t for t in inputs if t is not None and t.requires_grad]
+        grads = iter(())
+        if wanted:
+            with torch.enable_grad():
+                out = reference(*inputs, *ctx.rest[:n_options])
+                grads = iter(torch.autograd.grad(out, wanted, grad))
+        result = [next(grads) if t is not None and t.requires_grad else None for t in inputs]
+        return (*result, *([None] * len(ctx.rest)))
+
+    return backward
+
+
+def save_for_recompute(ctx, inputs, output, n_tensors: int) -> None:
+    ctx.save_for_backward(*inputs[:n_tensors])
+    ctx.rest = tuple(inputs[n_tensors:])
+
+
+@triton.jit
+def mma(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b at :func:`blr_precision` (the interpreter's bf16 dot is fixed in kernels/interpreter.py)."""
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+def blr_precision(dtype: torch.dtype) -> str:
+    """The BLR kernels' dot precision: tensor cores for 16-bit inputs, fp32 per torch's matmul precision."""
+    return dot_precision(dtype, "block-low-rank kernels")
+
+
+def tuned(configs: list[tuple], names: tuple[str, ...], interpreter_config: tuple, key: list[str], prune=None):
+    """``triton.autotune`` over ``configs`` (tuples of ``names`` values, then warps, stages).
+
+    Under the interpreter only ``interpreter_config`` is used (small tiles, no timing).
+    """
+    def config(values):
+        *tiles, warps, stages = values
+        return triton.Config(dict(zip(names, tiles)), num_warps=warps, num_stages=stages)
+
+    if interpreting():
+        return triton.autotune(configs=[config(interpreter_config)], key=key)
+    pruning = {"early_config_prune": prune} if prune else None
+    return triton.autotune(configs=[config(c) for c in configs], key=key, prune_configs_by=pruning,
+                           cache_results=True, **TUNE)
+
+
+def keep_small_n(configs, n: int, name: str = "BN"):
+    """Decode-sized N (<= 16) keeps only BN == 16 tiles; larger N drops them."""
+    keep = [c for c in configs if (c.kwargs[name] == 16) == (n <= 16)]
+    return keep or configs
+
+
+SMEM_BYTES = 227 * 1024  # Hopper's shared memory per block (opt-in maximum)
+
+
+def fits_smem(config, tile_elems: int, elem_bytes: int) -> bool:
+    """Whether ``num_stages`` copies of a ``tile_elems``-element operand set fit shared memory."""
+    return config.num_stages * tile_elems * elem_bytes <= SMEM_BYTES
+
+
+def pow2_at_least(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(int(n)))
+
+
+# ---- chained stages: programmatic dependent launch and an L2 prefetch of the weights ----
+
+PDL_MAX_N = 128          # token counts where a stage's launch and first read are a visible share of its time
+PREFETCH_BLOCK = tl.constexpr(128)  # L2 prefetch requests issued per step (one per thread at 4 warps)
+
+
+def pdl_offered() -> bool:
+    """Whether the ``*_pdl`` pipelines are offered: on GPUs with programmatic dependent launch
+    (compute capability 9.0+), and under the interpreter, which runs them without it."""
+    if interpreting():
+        return True
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def chain_options(launch_dependents: bool, wait_for_previous: bool) -> dict:
+    """Kernel keyword arguments for a stage in a chain: the GDC constexprs and, for a stage that
+    waits, the launch attribute that lets it start before the previous kernel ends (all off
+    under the interpreter, which has no launches to overlap and no inline PTX)."""
+    if interpreting():
+        return {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False}
+    options = {"LAUNCH_DEPENDENTS": launch_dependents, "WAIT_FOR_PREVIOUS": wait_for_previous}
+    return options | ({"launch_pdl": True} if wait_for_previous else {})
+
+
+@triton.jit
+def prefetch_l2(base, rows, row_stride, row_len, LINE: tl.constexpr):
+    """Ask L2 for ``rows`` rows of ``row_len`` unit-stride elements, ``row_stride`` apart, from
+    ``base``: one ``prefetch.global.L2`` per 128-byte line (``LINE`` elements), fire and forget."""
+    per_row = tl.cdiv(row_len, LINE) + 1             # + 1: a row not starting on a line boundary spans one more
+    total = rows * per_row
+    for start in range(0, total, PREFETCH_BLOCK):
+        idx = tl.minimum(start + tl.arange(0, PREFETCH_BLOCK), total - 1)
+        col = tl.minimum((idx % per_row) * LINE, row_len - 1)
+        ptrs = base + (idx // per_row).to(tl.int64) * row_stride + col
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+def line_elements(t: torch.Tensor) -> int:
+    """Elements of ``t`` per 128-byte cache line."""
+    return 128 // t.element_size()
+
+
+
+# ---- strided batched GEMM with a regrouping store --------------------------------
+
+def _prune_bgemm(configs, named_args, **kwargs):
+    """Tiles for the token count (16-token tiles only at decode), no wider than the
+    columns or K need, and whose pipeline stages fit shared memory."""
+    configs = keep_small_n(configs, named_args["N"])
+    size = named_args["a_ptr"].element_size()
+    cols, depth = pow2_at_least(named_args["C"]), pow2_at_least(named_args["K"])
+    keep = [c for c in configs if c.kwargs["BC"] <= max(32, cols) and c.kwargs["BK"] <= max(32, depth)
+            and fits_smem(c, c.kwargs["BK"] * (c.kwargs["BN"] + c.kwargs["BC"]), size)]
+    return keep or configs[:1]
+
+
+BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
+    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+    (16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3),
+]
+
+
+@tuned(BGEMM_CONFIGS, ("BN", "BC", "BK"), (16, 32, 32, 4, 1), key=["N_BUCKET", "K", "C", "GRP", "BATCHES"],
+       prune=_prune_bgemm)
+@triton.jit
+def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET,
+                  sab, san, sak, sbb, sbk, sbc, scb, scn, scg, sci,
+                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+                  WAIT_FOR_PREVIOUS: tl.constexpr, B_ROWS_CONTIGUOUS: tl.constexpr, LINE: tl.constexpr,
+                  BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr = 8):
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
+    n_tiles = tl.cdiv(N, BN)
+    c_tiles = tl.cdiv(C, BC)
+    pid = tl.program_id(0)
+    per_group = GROUP_N * c_tiles                      # GROUP_N token tiles sweep all column tiles together
+    first = (pid // per_group) * GROUP_N
+    rows = tl.minimum(n_tiles - first, GROUP_N)
+    pid_n = first + (pid % per_group) % rows
+    pid_c = (pid % per_group) // rows
+    bt = tl.program_id(1).to(tl.int64)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    rc = pid_c * BC + tl.arange(0, BC)
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + bt * sab + rn[:, None] * san + rk[None, :] * sak
+    b_ptrs = b_ptr + bt * sbb + rk[:, None] * sbk + rc[None, :] * sbc
+    if WAIT_FOR_PREVIOUS:                              # b is this op's weights: fetch them while a is being made
+        b_tile = b_ptr + bt * sbb + pid_c * BC * sbc
+        cols = tl.minimum(BC, C - pid_c * BC)
+        if B_ROWS_CONTIGUOUS:                          # b[k, c] at k * sbk + c
+            prefetch_l2(b_tile, K, sbk, cols, LINE)
+        else:                                          # b[k, c] at k + c * sbc
+            prefetch_l2(b_tile, cols, sbc, K, LINE)
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros((BN, BC), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_ptrs, mask=(rn[:, None] < N) & (rk[None, :] + k0 < K), other=0.0)
+        b = tl.load(b_ptrs, mask=(rk[:, None] + k0 < K) & (rc[None, :] < C), other=0.0)
+        acc = mma(a, b, acc, PRECISION)
+        a_ptrs += BK * sak
+        b_ptrs += BK * sbk
+    col = bt * scb + (rc // GRP) * scg + (rc % GRP) * sci
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col, mask=rc < C, other=0.0).to(tl.float32)[None, :]
+    mask = (rn[:, None] < N) & (rc[None, :] < C)
+    tl.store(c_ptr + rn[:, None] * scn + col[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides, c_strides,
+          grp: int | None = None, bias=None, launch_dependents: bool = False,
+          wait_for_previous: bool = False) -> None:
+    """c[bt][n, col] = sum_k a[bt][n, k] b[bt][k, col] (+ bias[feature]) for bt < batches.
+
+    Strides in elements: a (batch, n, k), b (batch, k, col), c (batch, n, group, in-group):
+    column ``col`` is stored at ``(col // grp) * group + (col % grp) * in_group`` so a
+    store can scatter column groups (the Monarch P^T) with no copy. The bias is read at
+    the stored column offset, so it applies when c is the (N, out) output itself.
+
+    In a chain (:func:`chain_options`): ``launch_dependents`` lets the next kernel start now;
+    ``wait_for_previous`` prefetches this program's slice of b (the weights) into L2, then
+    waits for the previous kernel (which writes a). b needs a unit stride along k or col.
+    """
+    grp = grp or cols
+    if wait_for_previous and 1 not in tuple(b_strides)[1:]:
+        raise MemfitError(f"bgemm: a chained stage needs b with a unit stride, got strides {tuple(b_strides)}")
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * triton.cdiv(cols, meta["BC"]), batches)
+    _bgemm_kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, batches, n_bucket(n),
+                        *a_strides, *b_strides, *c_strides, HAS_BIAS=bias is not None,
+                        PRECISION=blr_precision(a.dtype), B_ROWS_CONTIGUOUS=b_strides[2] == 1,
+                        LINE=line_elements(b), **chain_options(launch_dependents, wait_for_previous))
+
+
+def bmm_into(a, b, out, bias=None) -> None:
+    """out = a @ b (+ bias, broadcast over rows) by cuBLAS, written straight into ``out``.
+
+    ``a`` (batch, n, k), ``b`` (batch, k, col) and ``out`` (batch, n, col) may be strided
+    views (e.g. ``y.view(n, b, p).transpose(0, 1)``): cuBLAS takes a row stride as its
+    leading dimension and any batch stride, so the block-major output needs no copy.
+    """
+    if bias is None:
+        torch.bmm(a, b, out=out)
+    else:
+        torch.baddbmm(bias.unsqueeze(1), a, b, out=out)
+
+
+def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_for_previous: bool = False):
+    """y (N, b p): output block i = a[:, i, :] @ w[i] (+ bias), the last stage of Monarch and BLAST.
+
+    ``a`` (N, b, K) and ``w`` (b, K, p) may be strided views. Block-major output (feature
+    i p + s) by cuBLAS (:func:`bmm_into`) or by :func:`bgemm`; ``permute_output`` (bgemm
+    only: cuBLAS cannot store a column stride) writes the interleaved feature s b + i, and
+    ``wait_for_previous`` (bgemm only) chains it after the kernel that wrote ``a``.
+    """
+    n, b, k = a.shape
+    p = w.shape[2]
+    y = torch.empty(n, b * p, device=a.device, dtype=a.dtype)
+    if cublas:
+        bmm_into(a.transpose(0, 1), w, y.view(n, b, p).transpose(0, 1), None if bias is None else bias.view(b, p))
+    else:
+        block_stride, col_stride = (1, b) if permute_output else (p, 1)
+        bgemm(a, w, y, n, k, p, b, (a.stride(1), a.stride(0), a.stride(2)), w.stride(),
+              (block_stride, y.stride(0), 0, col_stride), bias=bias, wait_for_previous=wait_for_previous)
+    return y
+

@@ -1,0 +1,371 @@
+"""Decode-step kernels over a static KV cache: rope + cache write + attention in one kernel, and argmax.
+
+**Attention of one new token** (``decode_attention``). At decode each sequence brings
+one query per head; the step before this kernel had three compiled kernels a layer
+(rope of q and k, the k and v cache writes, a transpose) and a cuDNN SDPA call over the
+whole cache under an additive mask. Here one kernel does it all, per (sequence, KV
+head, split of the cache):
+
+* rope of q (the G query heads of the KV head, padded to 16 rows for the tensor cores)
+  and of the new k, with the step's ``cos``/``sin`` (B, D) in the model dtype (the values
+  the mask-and-SDPA path uses; the products are summed in fp32 and rounded once);
+* the new k and v are written into the cache at ``slot`` by split 0, and *also* used from
+  registers: the new token's score enters split 0's softmax directly, and no program
+  reads the cache at ``slot`` (so no program waits for the write);
+* keys ``j < slot`` with ``valid[b, j]`` (left padding is invalid) of the split's chunk,
+  read only up to ``slot``: the length comes from device memory, so one captured CUDA
+  graph serves every step;
+* online softmax in base 2 (log2 e folded into the scale), p in the model dtype for the
+  p V product as in flash attention.
+
+With more than one split, each writes its (max, sum, unnormalised output) in fp32 and a
+second small kernel combines them (flash-decoding); with one split the kernel writes
+the output itself. The chunk length is the speed knob: short chunks give many programs
+(the cache read is spread over the GPU) and a bigger combine; ``pick_attention`` times the
+variants at the full cache length with ``blr_common.pick_variant``.
+
+Output: (B, H * D), head ``h = kv * G + g`` (the layout o_proj takes). Prefill (many
+queries) stays with SDPA in ``memfit.infer.generate``.
+
+**Argmax** (``argmax``): greedy sampling over a 128k vocabulary with PyTorch's reduce
+kernel takes tens of microseconds at batch 1 (one block per row); two stages (block
+maxima over many programs, then one program per row) read the logits once at full
+bandwidth. Ties go to the lowest index, as ``torch.argmax``; NaN logits are not handled.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from memfit.errors import MemfitError
+from memfit.kernels.blr_common import pick_variant
+from memfit.kernels.dispatch import dot_precision
+
+LOG2E = 1.4426950408889634
+# name -> (chunk of cache slots per program, 0 = the whole cache in one program; keys per block; warps)
+ATTENTION_VARIANTS = {
+    "split32": (32, 32, 4),
+    "split64": (64, 32, 4),
+    "split128": (128, 64, 4),
+    "split256": (256, 64, 4),
+    "single": (0, 64, 4),
+}
+ATTENTION_DEFAULT = "split64"
+MIN_DOT = 16                     # tl.dot's smallest M, N and K on the GPU
+ARGMAX_BLOCK = 2048
+
+
+# ---- references (the definitions) ----------------------------------------------------------
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """t in fp32 at least (fp64 stays fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rope of x (..., D) with cos/sin broadcast to it: x cos + rotate_half(x) sin, in fp32, rounded once."""
+    half = x.shape[-1] // 2
+    xf = _wide(x)
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * _wide(cos) + rotated * _wide(sin)).to(x.dtype)
+
+
+def decode_attention_reference(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale):
+    """The definition of ``decode_attention``; writes the caches like the kernel.
+
+    q (B, H, D), k/v (B, Hkv, D): the new token's projections before rope; cos/sin (B, D);
+    caches (B, Hkv, L, D); valid (B, L) bool; slot: 1-element int tensor. Returns (B, H * D).
+    """
+    B, H, D = q.shape
+    Hkv = k.shape[1]
+    s = int(slot.reshape(-1)[0])
+    q = rotate(q, cos[:, None], sin[:, None])
+    k_cache[:, :, s] = rotate(k, cos[:, None], sin[:, None])
+    v_cache[:, :, s] = v
+    keys = _wide(k_cache[:, :, : s + 1].repeat_interleave(H // Hkv, dim=1))
+    values = _wide(v_cache[:, :, : s + 1].repeat_interleave(H // Hkv, dim=1))
+    scores = torch.einsum("bhd,bhjd->bhj", _wide(q), keys) * scale
+    visible = valid[:, : s + 1].clone()
+    visible[:, s] = True
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    return torch.einsum("bhj,bhjd->bhd", scores.softmax(-1), values).to(q.dtype).reshape(B, H * D)
+
+
+def argmax_reference(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(-1)
+
+
+# ---- attention kernels ---------------------------------------------------------------------
+
+@triton.jit
+def _rope_rows(ptr, rows, row_stride, row_mask, cos, sin, d, D: tl.constexpr):
+    """Rows of ``ptr`` (rows x D) rotated by cos/sin (D,), rounded to the tensor's dtype."""
+    half: tl.constexpr = D // 2
+    base = ptr + rows[:, None] * row_stride
+    x = tl.load(base + d[None, :], mask=row_mask[:, None], other=0.0)
+    partner = tl.load(base + ((d + half) % D)[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    rotated = tl.where((d < half)[None, :], -partner, partner)
+    return (x.to(tl.float32) * cos[None, :] + rotated * sin[None, :]).to(x.dtype)
+
+
+@triton.jit
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, valid_ptr, slot_ptr,
+                             out_ptr, m_ptr, l_ptr, acc_ptr,
+                             sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, scs_b, sc_b, sc_h, sc_n, sval_b,
+                             qk_scale, G, H, S,
+                             D: tl.constexpr, GP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                             SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kv = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(slot_ptr)
+    d = tl.arange(0, D)
+    g = tl.arange(0, GP)
+    one = tl.arange(0, 1)
+    cos = tl.load(cos_ptr + b * scs_b + d).to(tl.float32)
+    sin = tl.load(sin_ptr + b * scs_b + d).to(tl.float32)
+    q = _rope_rows(q_ptr + b * sq_b, kv * G + g, sq_h, g < G, cos, sin, d, D)                # (GP, D)
+    k_new = _rope_rows(k_ptr + b * sk_b + kv * sk_h, one, 0, one < 1, cos, sin, d, D)       # (1, D)
+    v_new = tl.load(v_ptr + b * sv_b + kv * sv_h + one[:, None] * 0 + d[None, :])          # (1, D)
+    cache = b * sc_b + kv * sc_h
+    first = split == 0
+    if first:
+        tl.store(kc_ptr + cache + slot * sc_n + one[:, None] * 0 + d[None, :], k_new)
+        tl.store(vc_ptr + cache + slot * sc_n + one[:, None] * 0 + d[None, :], v_new)
+    # split 0 starts from the new token (every query sees itself); the others from nothing
+    s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale             # (GP,)
+    m_i = tl.where(first, s_new, float("-inf"))
+    l_i = tl.where(first, 1.0, 0.0) + tl.zeros((GP,), tl.float32)
+    acc = tl.where(first, 1.0, 0.0) * v_new.to(tl.float32) + tl.zeros((GP, D), tl.float32)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, slot)
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        inside = j < end
+        ok = inside & (tl.load(valid_ptr + b * sval_b + j, mask=inside, other=0) != 0)
+        kv_offsets = cache + j.to(tl.int64)[:, None] * sc_n + d[None, :]
+        keys = tl.load(kc_ptr + kv_offsets, mask=ok[:, None], other=0.0)                    # (BLOCK_N, D)
+        s = tl.dot(q, tl.trans(keys), input_precision=DOT_PREC)
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # a fully masked row: keep 0/0 out
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        values = tl.load(vc_ptr + kv_offsets, mask=ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=DOT_PREC)
+        m_i = m_new
+    heads = kv * G + g
+    if SPLIT:
+        part = (b * H + heads) * S + split                          # partials (B, H, S[, D])
+        tl.store(m_ptr + part, m_i, mask=g < G)
+        tl.store(l_ptr + part, l_i, mask=g < G)
+        tl.store(acc_ptr + part.to(tl.int64)[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + (b * H + heads).to(tl.int64)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(g < G)[:, None])
+
+
+@triton.jit
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, slot_ptr, S,
+                    D: tl.constexpr, CHUNK: tl.constexpr, SP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)                            # b * H + head
+    slot = tl.load(slot_ptr)
+    active = tl.maximum(tl.cdiv(slot, CHUNK), 1)                  # splits that saw a key (split 0 always)
+    s = tl.arange(0, SP)
+    on = (s < active) & (s < S)
+    m = tl.load(m_ptr + row * S + s, mask=on, other=float("-inf"))
+    top = tl.max(m, axis=0)
+    w = tl.where(on, tl.exp2(m - top), 0.0)
+    l_sum = tl.sum(w * tl.load(l_ptr + row * S + s, mask=on, other=0.0), axis=0)
+    d = tl.arange(0, D)
+    acc = tl.load(acc_ptr + (row * S + s)[:, None] * D + d[None, :], mask=on[:, None], other=0.0)
+    out = tl.sum(w[:, None] * acc, axis=0) / l_sum
+    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def shape_problem(heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why the decode attention kernel cannot take these head counts and size, or None when it can.
+
+    The G = heads / kv_heads query heads of a KV head are one tile, and D is a tile side
+    (a power of two, at least tl.dot's minimum).
+    """
+    if heads % kv_heads or head_dim & (head_dim - 1) or head_dim < MIN_DOT:
+        return (f"heads {heads} must be a multiple of KV heads {kv_heads} and head_dim {head_dim} "
+                f"a power of two >= {MIN_DOT}")
+    return None
+
+
+def _check_attention(q, k, v, cos, sin, k_cache, v_cache, valid):
+    """Every way the kernel's reads would go wrong, as one MemfitError: it reads sin with cos's strides,
+    v_cache with k_cache's, valid as bytes, and stores k/v into the caches in q's dtype."""
+    B, H, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    problems = []
+    if k.shape != (B, Hkv, D) or v.shape != k.shape:
+        problems.append(f"k/v {tuple(k.shape)}/{tuple(v.shape)} must be (B, Hkv, D) = {(B, Hkv, D)}")
+    if (heads := shape_problem(H, Hkv, D)) is not None:
+        problems.append(heads)
+    if cos.shape != (B, D) or sin.shape != cos.shape or sin.stride() != cos.stride():
+        problems.append(f"cos/sin {tuple(cos.shape)}/{tuple(sin.shape)} must both be (B, D) = {(B, D)} with the same strides")
+    if k_cache.shape != (B, Hkv, L, D) or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        problems.append(f"k/v caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} must both be (B, Hkv, L, D) = "
+                        f"{(B, Hkv, L, D)} with the same strides")
+    if valid.shape != (B, L) or valid.dtype != torch.bool:
+        problems.append(f"valid {tuple(valid.shape)} {valid.dtype} must be (B, L) = {(B, L)} torch.bool")
+    dtypes = {t.dtype for t in (q, k, v, k_cache, v_cache)}
+    if len(dtypes) > 1 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        problems.append(f"q, k, v and the caches must share one dtype of float16, bfloat16, float32; got "
+                        f"{', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))}")
+    if any(t.stride(-1) != 1 for t in (q, k, v, cos, sin, k_cache, valid)):
+        problems.append("q, k, v, cos, sin, the caches and valid need unit stride along their last dim")
+    if problems:
+        raise MemfitError("decode_attention: " + "; ".join(problems))
+
+
+def launch_config(variant: str, L: int) -> tuple[int, int, int]:
+    """(chunk, keys per block, warps) of ``variant`` over a cache of L slots.
+
+    "single" takes the whole cache in one chunk; the block never exceeds the chunk (no block
+    wholly past it) nor drops below tl.dot's minimum (the kernel masks keys past the chunk).
+    """
+    chunk, block_n, warps = ATTENTION_VARIANTS[variant]
+    chunk = chunk or triton.next_power_of_2(L)
+    return chunk, max(MIN_DOT, min(block_n, chunk)), warps
+
+
+def _attention_launch(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, variant):
+    B, H, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    G = H // Hkv
+    chunk, block_n, warps = launch_config(variant, L)
+    S = triton.cdiv(L, chunk)
+    out = torch.empty(B, H * D, dtype=q.dtype, device=q.device)
+    split = S > 1
+    f32 = torch.float32
+    m = torch.empty(B * H * S if split else 1, dtype=f32, device=q.device)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(B * H * S * D if split else 1, dtype=f32, device=q.device)
+    valid8 = valid.view(torch.uint8)
+    _decode_attention_kernel[(B, Hkv, S)](
+        q, k, v, cos, sin, k_cache, v_cache, valid8, slot, out, m, l_, acc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid8.stride(0),
+        scale * LOG2E, G, H, S, D=D, GP=max(MIN_DOT, triton.next_power_of_2(G)), CHUNK=chunk, BLOCK_N=block_n,
+        SPLIT=split, DOT_PREC=dot_precision(q.dtype, "decode attention"), num_warps=warps)
+    if split:
+        _combine_kernel[(B * H,)](m, l_, acc, out, slot, S, D=D, CHUNK=chunk, SP=triton.next_power_of_2(S))
+    return out
+
+
+@torch.library.custom_op("memfit::decode_attention", mutates_args=("k_cache", "v_cache"))
+def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, valid: torch.Tensor, slot: torch.Tensor,
+                         scale: float, variant: str) -> torch.Tensor:
+    return _attention_launch(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, variant)
+
+
+@_decode_attention_op.register_fake
+def _(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, variant):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def decode_attention(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale: float | None = None,
+                     variant: str = ATTENTION_DEFAULT) -> torch.Tensor:
+    """One new token per sequence: rope q and k, write k/v into the caches at ``slot``, attend over the cache.
+
+    Shapes as ``decode_attention_reference``; q/k/v may be strided views (e.g. of a fused q/k/v
+    matmul output) with unit stride along D. ``scale`` defaults to D ** -0.5.
+    """
+    if variant not in ATTENTION_VARIANTS:
+        raise MemfitError(f"decode_attention variant {variant!r} is not one of {', '.join(ATTENTION_VARIANTS)}")
+    _check_attention(q, k, v, cos, sin, k_cache, v_cache, valid)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _decode_attention_op(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, variant)
+
+
+def over_layers(variant: str):
+    """fn(q, k, v, cos, sin, caches, valid, slot, scale) running ``variant`` over every layer's caches (what is timed)."""
+    def run(q, k, v, cos, sin, caches, valid, slot, scale):
+        for k_cache, v_cache in caches:
+            decode_attention(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, variant)
+    return run
+
+
+def pick_attention(caches: list[tuple[torch.Tensor, torch.Tensor]], heads: int, scale: float) -> str:
+    """Fastest variant for these caches at their full length (every slot valid), timed over all layers.
+
+    Timing writes random k/v at the last slot, which decode overwrites before it reads it.
+    """
+    k_cache = caches[0][0]
+    B, Hkv, L, D = k_cache.shape
+    if not k_cache.is_cuda:
+        return ATTENTION_DEFAULT
+    args = timing_args(caches, heads, scale)
+    key = (f"B{B} H{heads} Hkv{Hkv} L{L} D{D} {str(k_cache.dtype).removeprefix('torch.')}", f"x{len(caches)}")
+    candidates = {name: over_layers(name) for name in ATTENTION_VARIANTS}
+    return pick_variant("decode_attention", key, candidates, ATTENTION_DEFAULT, args)
+
+
+def timing_args(caches: list[tuple[torch.Tensor, torch.Tensor]], heads: int, scale: float) -> tuple:
+    """Arguments of ``over_layers(variant)`` at the caches' full length: random new token, every slot valid."""
+    k_cache = caches[0][0]
+    B, Hkv, L, D = k_cache.shape
+    factory = {"device": k_cache.device, "dtype": k_cache.dtype}
+    q, k, v = torch.randn(B, heads, D, **factory), torch.randn(B, Hkv, D, **factory), torch.randn(B, Hkv, D, **factory)
+    angle = torch.rand(B, D, device=k_cache.device) * math.tau
+    cos, sin = angle.cos().to(k_cache.dtype), angle.sin().to(k_cache.dtype)
+    valid = torch.ones(B, L, dtype=torch.bool, device=k_cache.device)
+    slot = torch.full((1,), L - 1, dtype=torch.long, device=k_cache.device)
+    return q, k, v, cos, sin, caches, valid, slot, scale
+
+
+# ---- argmax --------------------------------------------------------------------------------
+
+@triton.jit
+def _argmax_blocks_kernel(x_ptr, val_ptr, idx_ptr, V, sx, P, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * sx + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    best, where = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(val_ptr + row * P + block, best)
+    tl.store(idx_ptr + row * P + block, block * BLOCK + where)
+
+
+@triton.jit
+def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, P, PP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.arange(0, PP)
+    vals = tl.load(val_ptr + row * P + p, mask=p < P, other=float("-inf"))
+    _, where = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(out_ptr + row, tl.load(idx_ptr + row * P + where).to(tl.int64))
+
+
+@torch.library.custom_op("memfit::argmax", mutates_args=())
+def _argmax_op(x: torch.Tensor) -> torch.Tensor:
+    rows, V = x.shape
+    P = triton.cdiv(V, ARGMAX_BLOCK)
+    vals = torch.empty(rows, P, dtype=torch.float32, device=x.device)
+    idx = torch.empty(rows, P, dtype=torch.int32, device=x.device)
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    _argmax_blocks_kernel[(rows, P)](x, vals, idx, V, x.stride(0), P, BLOCK=ARGMAX_BLOCK, num_warps=8)
+    _argmax_rows_kernel[(rows,)](vals, idx, out, P, PP=triton.next_power_of_2(P))
+    return out
+
+
+@_argmax_op.register_fake
+def _(x):
+    return x.new_empty(x.shape[0], dtype=torch.int64)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the largest value of each row of x (rows, V) (lowest index on ties), as int64 (rows,)."""
+    if x.dim() != 2 or x.stride(-1) != 1 or not x.dtype.is_floating_point:
+        raise MemfitError(f"argmax takes a (rows, V) float tensor with unit column stride, got {tuple(x.shape)} {x.dtype}")
+    return _argmax_op(x)
+

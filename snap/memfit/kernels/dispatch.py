@@ -1,0 +1,83 @@
+"""How an op chooses between its Triton kernel and its PyTorch reference.
+
+The choice is explicit and observable:
+
+* ``MEMFIT_KERNELS=triton`` forces the Triton kernel (on CPU tensors this needs
+  ``TRITON_INTERPRET=1``, which is how the tests run kernels without a GPU);
+* ``MEMFIT_KERNELS=reference`` forces the reference;
+* unset (``auto``): Triton on CUDA tensors or under the interpreter, otherwise the
+  reference, and that fallback is logged once per op.
+
+An op may also take an explicit ``path=`` argument that overrides the environment.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.log import warn_once
+
+PATHS = ("auto", "triton", "reference")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+if interpreting():
+    from memfit.kernels import interpreter
+
+    interpreter.apply()
+
+
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(op: str, *tensors: torch.Tensor, path: str | None = None) -> bool:
+    """Decide whether ``op`` runs its Triton kernel on ``tensors``.
+
+    ``path`` (or env ``MEMFIT_KERNELS``) is one of ``auto``, ``triton``, ``reference``.
+    """
+    mode = path or os.environ.get("MEMFIT_KERNELS", "auto")
+    if mode not in PATHS:
+        raise MemfitError(f"kernel path {mode!r} for {op} is not one of {', '.join(PATHS)}")
+    on_cuda = all(t.is_cuda for t in tensors)
+    runnable = triton_importable() and (on_cuda or interpreting())
+    if mode == "reference":
+        return False
+    if mode == "triton":
+        if not runnable:
+            raise MemfitError(
+                f"{op}: the Triton path was forced but cannot run here (needs CUDA tensors, "
+                "or TRITON_INTERPRET=1 for CPU tensors, and triton installed)"
+            )
+        return True
+    if not runnable:
+        device = tensors[0].device.type if tensors else "?"
+        warn_once(f"fallback:{op}:{device}", f"{op}: no Triton kernel on {device}; running the PyTorch reference")
+    return runnable
+
+
+def dot_precision(dtype: torch.dtype, op: str) -> str:
+    """``tl.dot``'s input precision for ``op``'s kernels on ``dtype`` inputs.
+
+    fp32 follows torch's float32 matmul precision: IEEE under "highest" (torch's default),
+    TF32 once the user allows it for matmuls (``torch.set_float32_matmul_precision("high")``),
+    and then said once per op, since TF32 rounds the inputs to 10 mantissa bits. IEEE dots run
+    on CUDA cores, over an order of magnitude slower. 16-bit inputs always use the tensor cores.
+    """
+    if dtype != torch.float32:
+        return "tf32"
+    if torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    warn_once(f"tf32:{op}", f"{op}: fp32 inputs use TF32 dots, as torch's float32 matmul precision allows "
+                            "(set it to 'highest' for IEEE fp32)")
+    return "tf32"

@@ -1,0 +1,155 @@
+"""Decode-sized matmul: y = x W^T (+ b) for a few rows of x (batch-1..4 decode), W read once.
+
+At batch 1 a decode step's linear layers are matrix-vector products whose only cost is
+reading W. cuBLAS picks GEMM tiles for them (64x8 with or without split-K) that reach
+37-65% of the H200's bandwidth on the Llama-3.2-3B decode shapes; this kernel is the
+plain streaming alternative: one program per ``BN`` output features reads those rows of W
+in ``BK``-wide chunks (16-byte vector loads along ``in``), multiplies by the x row and
+keeps one fp32 partial per lane, summed once at the end. Many programs along ``out``
+(no split along ``in``, so no partial buffers, reduce kernel or memset). The grid is 1-D
+with the x row fastest (program ``pid`` takes row ``pid % M`` of feature block ``pid // M``),
+so the M programs sharing a W tile are neighbours, run together and re-read it from L2, not HBM.
+
+W may be a row-strided view (``down[:, :a]`` of a partial FFN): the row stride is passed
+divided by the vector width and multiplied back in the kernel, so Triton can prove every
+row 16-byte aligned (the loader rounds neuron counts to 8) and still vectorise.
+
+Which path is fastest depends on the shape, so ``pick_path`` times cuBLAS (``F.linear``)
+against every tile variant over a whole group of same-shaped weights (all layers' q/k/v,
+say: more than L2 holds, as in a real decode step) with ``blr_common.pick_variant``,
+which caches the winner on disk. Results differ from cuBLAS only in summation order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from memfit.errors import MemfitError
+from memfit.kernels.blr_common import pick_variant
+
+MAX_ROWS = 4                     # x rows (batch x tokens) the GEMV path takes; more is a GEMM
+CUBLAS = "cublas"
+# name -> (BN output features per program, BK inputs per chunk, warps)
+VARIANTS = {
+    "gemv_n2_k1024_w4": (2, 1024, 4),
+    "gemv_n4_k512_w4": (4, 512, 4),
+    "gemv_n4_k1024_w4": (4, 1024, 4),
+    "gemv_n8_k256_w4": (8, 256, 4),
+    "gemv_n8_k512_w4": (8, 512, 4),
+    "gemv_n8_k1024_w8": (8, 1024, 8),
+    "gemv_n16_k256_w4": (16, 256, 4),
+    "gemv_n16_k512_w8": (16, 512, 8),
+}
+PATHS = (CUBLAS, *VARIANTS)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The definition: ``F.linear`` (cuBLAS on CUDA)."""
+    return F.linear(x, w, bias)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx_vec, sw_vec,
+                 HAS_BIAS: tl.constexpr, VEC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid = tl.program_id(0)
+    m = pid % M                                      # the M programs of one W tile are neighbours
+    rn = (pid // M) * BN + tl.arange(0, BN)
+    rows = tl.minimum(rn, N - 1).to(tl.int64)        # clamp, not mask: loads stay unmasked (vectorised)
+    rk = tl.arange(0, BK)
+    w_ptrs = w_ptr + rows[:, None] * (sw_vec * VEC) + rk[None, :]
+    x_ptrs = x_ptr + m.to(tl.int64) * (sx_vec * VEC) + rk
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    k_full = K - K % BK
+    for k0 in range(0, k_full, BK):
+        w = tl.load(w_ptrs + k0)
+        x = tl.load(x_ptrs + k0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if k_full < K:
+        inside = (rk // VEC) * VEC + k_full < K      # K % VEC == 0: whole vectors in or out
+        w = tl.load(w_ptrs + k_full, mask=inside[None, :], other=0.0)
+        x = tl.load(x_ptrs + k_full, mask=inside, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows).to(tl.float32)
+    tl.store(y_ptr + m.to(tl.int64) * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+def _vector_width(x: torch.Tensor, w: torch.Tensor) -> int:
+    """Elements per 16-byte load when every row of x and W starts 16-byte aligned, else 1."""
+    vec = 16 // w.element_size()
+    aligned = all(s % vec == 0 for s in (x.stride(0), w.stride(0), w.shape[1])) and \
+        all(t.data_ptr() % 16 == 0 for t in (x, w))
+    return vec if aligned else 1
+
+
+def _launch(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, variant: str) -> torch.Tensor:
+    bn, bk, warps = VARIANTS[variant]
+    (m, k), n = x2.shape, w.shape[0]
+    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    vec = _vector_width(x2, w)
+    grid = (triton.cdiv(n, bn) * m,)
+    _gemv_kernel[grid](x2, w, bias if bias is not None else w, y, m, n, k, x2.stride(0) // vec, w.stride(0) // vec,
+                       HAS_BIAS=bias is not None, VEC=vec, BN=bn, BK=bk, num_warps=warps)
+    return y
+
+
+@torch.library.custom_op("memfit::gemv", mutates_args=())
+def _gemv_op(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, variant: str) -> torch.Tensor:
+    return _launch(x2, w, bias, variant)
+
+
+@_gemv_op.register_fake
+def _(x2, w, bias, variant):
+    return x2.new_empty(x2.shape[0], w.shape[0])
+
+
+def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the GEMV kernel can run this product: few rows, unit inner strides, a float dtype."""
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    return (0 < rows <= MAX_ROWS and w.dim() == 2 and w.stride(1) == 1 and x.stride(-1) == 1 and x.dtype == w.dtype
+            and w.dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, variant: str = "gemv_n8_k512_w4") -> torch.Tensor:
+    """``F.linear(x, w, bias)`` by the Triton GEMV ``variant``; x (..., in) with at most ``MAX_ROWS`` rows."""
+    if variant not in VARIANTS:
+        raise MemfitError(f"gemv variant {variant!r} is not one of {', '.join(VARIANTS)}")
+    if not takes(x, w):
+        raise MemfitError(f"gemv takes at most {MAX_ROWS} rows with unit inner strides and one float dtype; got x "
+                          f"{tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} stride {w.stride()} {w.dtype}")
+    x2 = x.reshape(-1, x.shape[-1])
+    return _gemv_op(x2, w, bias, variant).view(*x.shape[:-1], w.shape[0])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, path: str) -> torch.Tensor:
+    """``F.linear`` through ``path``: ``"cublas"`` or a GEMV variant."""
+    return F.linear(x, w, bias) if path == CUBLAS else gemv(x, w, bias, path)
+
+
+def shape_key(rows: int, w: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """What decides the fastest path: rows, out, in, W's row stride, dtype, bias."""
+    return f"M{rows} N{w.shape[0]} K{w.shape[1]} ld{w.stride(0)} {str(w.dtype).removeprefix('torch.')} bias{int(bias is not None)}"
+
+
+def over_group(path: str):
+    """fn(x, weights) running ``x`` times every (weight, bias) of ``weights`` by ``path`` (what is timed)."""
+    def run(x, weights):
+        for w, b in weights:
+            linear(x, w, b, path)
+    return run
+
+
+def pick_path(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> str:
+    """Fastest path for ``x`` times each of ``weights`` (same shape, stride, dtype), timed over the whole group.
+
+    Off the GPU, or where the kernel cannot take the shape, this is cuBLAS.
+    """
+    w, b = weights[0]
+    if not takes(x, w):
+        return CUBLAS
+    candidates = {name: over_group(name) for name in PATHS}
+    key = (shape_key(x.numel() // x.shape[-1], w, b), f"x{len(weights)}")
+    return pick_variant("gemv", key, candidates, CUBLAS, (x, weights))

@@ -1,0 +1,96 @@
+"""Low-rank linear y = (x V) U^T + bias: reference, Triton path, custom op.
+
+Shapes: x (..., in), V (in, r), U (out, r), bias (out,) or None.
+
+Two pipelines, both two GEMMs with z = x V (N r elements) written and read once;
+``pick_variant`` times them per shape on the GPU (cached on disk):
+
+* ``cublas``: two cuBLAS matmuls (``addmm`` folds the bias). Near the matmul rate at
+  large N; at decode its GEMV kernels are bound by reading U and V.
+* ``bgemm``: the same two GEMMs through memfit's Triton :func:`bgemm` (one batch),
+  whose 16-token configs stream each factor with wide K steps over enough column
+  tiles to cover the SMs: a decode competitor, and a check on cuBLAS at large N.
+* ``bgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``bgemm`` with the second GEMM chained to the first
+  (blr_common's programmatic dependent launch: it starts early, pulls its U slice into
+  L2, then waits for z).
+A chained single kernel (z on chip) is not offered: each output tile would recompute
+its z, repeating the first GEMM out/BO times, which lost by 50-170x on the H200.
+Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x.
+"""
+from __future__ import annotations
+
+import torch
+
+from memfit.kernels.blr_common import (
+    PDL_MAX_N,
+    bgemm,
+    n_bucket,
+    pdl_offered,
+    pick_variant,
+    recompute_backward,
+    save_for_recompute,
+)
+from memfit.kernels.dispatch import use_triton
+
+
+def lowrank_linear_reference(x, u, v, bias=None):
+    """The definition: two matmuls in x's dtype."""
+    y = (x @ v) @ u.T
+    return y if bias is None else y + bias
+
+
+def _bgemm(x2, u, v, bias, chained=False):
+    (out, r), (n, d_in) = u.shape, x2.shape
+    z = torch.empty(n, r, device=x2.device, dtype=x2.dtype)
+    bgemm(x2, v, z, n, d_in, r, 1, (0, x2.stride(0), 1), (0, *v.stride()), (0, z.stride(0), 0, 1),
+          launch_dependents=chained)
+    y = torch.empty(n, out, device=x2.device, dtype=x2.dtype)
+    bgemm(z, u, y, n, r, out, 1, (0, z.stride(0), 1), (0, u.stride(1), u.stride(0)), (0, y.stride(0), 0, 1),
+          bias=bias, wait_for_previous=chained)
+    return y
+
+
+def _bgemm_pdl(x2, u, v, bias):
+    return _bgemm(x2, u, v, bias, chained=True)
+
+
+def _cublas(x2, u, v, bias):
+    z = x2 @ v
+    return torch.addmm(bias, z, u.T) if bias is not None else z @ u.T
+
+
+VARIANTS = {"cublas": _cublas, "bgemm": _bgemm, "bgemm_pdl": _bgemm_pdl}
+
+
+def variants_for(n: int) -> dict:
+    """The pipelines worth timing at ``n`` tokens: cuBLAS and bgemm at every N, chained at small N."""
+    names = ["cublas", "bgemm"] + (["bgemm_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
+    return {name: VARIANTS[name] for name in names}
+
+
+@torch.library.custom_op("memfit::lowrank_linear", mutates_args=())
+def _lowrank_op(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                variant: str) -> torch.Tensor:
+    x2 = x.reshape(-1, v.shape[0]).contiguous()
+    args = (x2, u.contiguous(), v.contiguous(), bias)
+    if variant == "auto":
+        n = x2.shape[0]
+        variant = pick_variant("lowrank_linear", (n_bucket(n), *u.shape, v.shape[0], str(x.dtype)), variants_for(n),
+                               "cublas", args)
+    return VARIANTS[variant](*args).reshape(*x.shape[:-1], u.shape[0])
+
+
+@_lowrank_op.register_fake
+def _(x, u, v, bias, variant):
+    return x.new_empty(*x.shape[:-1], u.shape[0])
+
+
+_lowrank_op.register_autograd(recompute_backward(lowrank_linear_reference, 4),
+                              setup_context=lambda ctx, inputs, output: save_for_recompute(ctx, inputs, output, 4))
+
+
+def lowrank_linear(x, u, v, bias=None, path=None, variant="auto"):
+    """y = (x V) U^T + bias by the Triton op where ``use_triton`` allows (``variant``: auto, cublas, bgemm)."""
+    if use_triton("lowrank_linear", x, u, v, path=path):
+        return _lowrank_op(x, *[w if w is None else w.to(x.dtype) for w in (u, v, bias)], variant)
+    return lowrank_linear_reference(x, u, v, bias)

@@ -1,0 +1,261 @@
+"""Monarch linear (definition in memfit.layers.monarch): reference, Triton kernels, op.
+
+Shapes: x (..., in), w1 (b, m, r), w2 (b, r, p) with in = b m, out = b p, per-block
+rank t = r/b; bias (out,) or None. ``permute_output=False`` (the layers' default) writes
+output feature i p + s (block-major: every store contiguous); True writes s b + i (the
+paper's P, a column stride of b elements in the store).
+
+Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk):
+
+* ``two_stage``: two Triton GEMMs through :func:`bgemm`, the first storing z straight
+  in P^T order (N, b_i, r) (the permutation folded into its store: runs of t contiguous
+  elements), the second writing y with the output layout folded into its store. Z costs
+  2 N b r elements of traffic; stage 1 (K = m) is bound by that write, stage 2
+  (K = r, the bulk of the FLOPs) by the tensor cores. Both layouts.
+* ``two_stage_pdl`` (N <= PDL_MAX_N, Hopper+): ``two_stage`` with stage 2 chained to stage 1
+  (blr_common's programmatic dependent launch: stage 2 starts while stage 1 runs, pulls
+  its w2 slice into L2, then waits for z). At decode each stage is a launch plus one
+  dependent weight read, so overlapping them is most of what is left to gain. Both layouts.
+* ``bmm``: the same Triton stage 1, then stage 2 on cuBLAS (:func:`per_block_gemm`), a
+  strided batched GEMM reading z as (b_i, N, r) (lda = b r) and writing the block-major
+  y through a (b, N, p) view (ldc = b p): no copy. Expected to win at large N, where
+  stage 2 dominates and cuBLAS runs it near the matmul rate. Block-major layout only
+  (the permuted layout has a column stride of b, which cuBLAS cannot store).
+* ``bmm_perm_bmm``: both stages on cuBLAS, stage 1 writing z in its natural order, and
+  P^T as a memory-bound copy between them (:func:`_permute_kernel`): 2 N b r more elements
+  of traffic than ``bmm`` for no scattered store, which is slow where t is not a multiple
+  of 8 (Llama-7B: t = 93). Block-major layout only.
+* ``fused`` (the decode path, and a candidate at every N): one kernel, z on chip. A program owns
+  a token tile, output block i and an output column tile; one loop over the input
+  blocks j (both dots in it, so it is software-pipelined) computes
+  s = X_j @ w1[j][:, i t:(i+1) t] (K = m, all of it in one tile) and at once
+  acc += s @ w2[i][j t:(j+1) t, tile]. One launch, weights read once from HBM (the w1
+  slice is re-read from L2 per column tile), x re-read from L2 per program, stage 1
+  recomputed once per output column tile (ceil(p / BO) times). Cheap at decode; at large
+  N it can only win where p is one or two column tiles (Llama-1B q/o: p = 128, where z's
+  round trip through memory costs more than the stage-2 FLOPs), so the pick times it at
+  every N. Needs pow2(m) * pow2(t) small enough for a pipelined tile (:func:`fused_fits`).
+* ``torch`` (the reference: two cuBLAS batched GEMMs with the permutations as copies)
+  competes too, so the pick is never slower than plain PyTorch on a shape where the
+  Triton stage 1 stores badly (e.g. a per-block rank t = 93, not a multiple of 8).
+Backward: PyTorch ops (recompute-and-differentiate of the reference, see blr_common);
+the forward saves only x.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from memfit.errors import MemfitError
+from memfit.kernels.blr_common import (
+    PDL_MAX_N,
+    bgemm,
+    blr_precision,
+    bmm_into,
+    fits_smem,
+    keep_small_n,
+    mma,
+    n_bucket,
+    pdl_offered,
+    per_block_gemm,
+    pick_variant,
+    pow2_at_least,
+    recompute_backward,
+    save_for_recompute,
+    tuned,
+)
+from memfit.kernels.dispatch import use_triton
+
+FUSED_MAX_TILE = 16384  # pow2(m) * pow2(t) elements of w1 slice per step: 32 KB in bf16, so 2-3 stages fit
+
+
+def monarch_linear_reference(x, w1, w2, bias=None, permute_output=False):
+    """The definition, with the permutations as explicit transposes (copies)."""
+    b, m, r = w1.shape
+    p = w2.shape[2]
+    t = r // b
+    lead = x.shape[:-1]
+    xs = x.reshape(-1, b, m).transpose(0, 1)                      # (b_j, N, m)
+    z = torch.bmm(xs, w1)                                          # (b_j, N, r) = (b_j, N, b_i, t)
+    z = z.reshape(b, -1, b, t).permute(2, 1, 0, 3).reshape(b, -1, r)  # P^T: (b_i, N, b_j * t)
+    y = torch.bmm(z, w2)                                           # (b_i, N, p)
+    y = y.permute(1, 2, 0) if permute_output else y.permute(1, 0, 2)  # P: feature s*b+i, else i*p+s
+    y = y.reshape(*lead, b * p)
+    return y if bias is None else y + bias
+
+
+def _stage1(x2, w1, launch_dependents=False):
+    """z[n, i, j t + s] = (x_j w1[j])[n, i t + s]: stage 1 with P^T folded into the store."""
+    b, m, r = w1.shape
+    t, n = r // b, x2.shape[0]
+    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
+    bgemm(x2, w1, z, n, m, r, b, (m, x2.stride(0), 1), w1.stride(), (t, b * r, r, 1), grp=t,
+          launch_dependents=launch_dependents)
+    return z
+
+
+def _two_stage(x2, w1, w2, bias, permute_output):
+    return per_block_gemm(_stage1(x2, w1), w2, bias, cublas=False, permute_output=permute_output)
+
+
+def _two_stage_pdl(x2, w1, w2, bias, permute_output):
+    return per_block_gemm(_stage1(x2, w1, launch_dependents=True), w2, bias, cublas=False,
+                          permute_output=permute_output, wait_for_previous=True)
+
+
+def _bmm(x2, w1, w2, bias, permute_output):
+    return per_block_gemm(_stage1(x2, w1), w2, bias, cublas=True)
+
+
+# ---- both GEMMs on cuBLAS, the permutation as one copy between them -------------------
+
+@tuned([(16, 4, 2), (32, 4, 2), (64, 8, 2)], ("BN",), (16, 4, 1), key=["N_BUCKET", "T", "B"])
+@triton.jit
+def _permute_kernel(z_ptr, out_ptr, N, T, B, N_BUCKET, szn, BT: tl.constexpr, BN: tl.constexpr):
+    """out[n, i, j T + s] = z[n, j, i T + s] for a tile of BN tokens and one (j, i): Monarch's P^T
+    as a copy, each row a run of T contiguous elements on both sides."""
+    rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+    j, i = tl.program_id(1), tl.program_id(2)
+    rs = tl.arange(0, BT)
+    mask = (rn[:, None] < N) & (rs[None, :] < T)
+    rows = rn[:, None] * szn + rs[None, :]
+    tile = tl.load(z_ptr + rows + (j * B + i) * T, mask=mask)
+    tl.store(out_ptr + rows + (i * B + j) * T, tile, mask=mask)
+
+
+def _bmm_perm_bmm(x2, w1, w2, bias, permute_output):
+    """Stage 1 as one strided cuBLAS batched GEMM into z (N, b_j, r) in its natural order, P^T
+    as a memory-bound copy (:func:`_permute_kernel`), stage 2 on cuBLAS. Against ``bmm``: the
+    permutation costs z's write and read once more (2 N b r elements), for cuBLAS in stage 1,
+    whose output then needs no scattered store; that wins where the scattered store is slow
+    (a per-block rank t not a multiple of 8, e.g. Llama-7B's 1488 / 16 = 93)."""
+    b, m, r = w1.shape
+    t, n = r // b, x2.shape[0]
+    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
+    bmm_into(x2.view(n, b, m).transpose(0, 1), w1, z.transpose(0, 1))                 # z[n, j] = x_j w1[j]
+    zp = torch.empty_like(z)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]), b, b)
+    _permute_kernel[grid](z, zp, n, t, b, n_bucket(n), z.stride(0), BT=pow2_at_least(t))
+    return per_block_gemm(zp, w2, bias, cublas=True)
+
+
+# ---- fused kernel (decode; a candidate at every N): both dots in one pipelined loop -----
+
+def _prune_fused(configs, named_args, **kwargs):
+    configs = keep_small_n(configs, named_args["N"])
+    size = named_args["x_ptr"].element_size()
+    bm, bt = kwargs["BM"], kwargs["BT"]
+    keep = [c for c in configs if c.kwargs["BO"] <= pow2_at_least(named_args["P"], 32)
+            and fits_smem(c, c.kwargs["BN"] * bm + bm * bt + bt * c.kwargs["BO"], size)]
+    return keep or configs[:1]
+
+
+@tuned([(16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3),
+        (128, 128, 8, 2)],
+       ("BN", "BO"), (16, 16, 4, 1), key=["N_BUCKET", "M", "T", "P", "B"], prune=_prune_fused)
+@triton.jit
+def _fused_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M, T, P, B, N_BUCKET,
+                  sxn, s1j, s1a, s1c, s2i, s2c, s2o, syn, syi, syo,
+                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                  BO: tl.constexpr):
+    o_tiles = tl.cdiv(P, BO)
+    i = tl.program_id(0) % B                           # the b programs of one token tile run side by side
+    pid_o = (tl.program_id(0) // B) % o_tiles
+    pid_n = tl.program_id(0) // (B * o_tiles)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    ro = pid_o * BO + tl.arange(0, BO)
+    rm = tl.arange(0, BM)
+    rt = tl.arange(0, BT)
+    x_ptrs = x_ptr + rn[:, None] * sxn + rm[None, :]
+    w1_ptrs = w1_ptr + rm[:, None] * s1a + (i * T + rt)[None, :] * s1c
+    w2_ptrs = w2_ptr + i * s2i + rt[:, None] * s2c + ro[None, :] * s2o
+    x_mask = (rn[:, None] < N) & (rm[None, :] < M)
+    w1_mask = (rm[:, None] < M) & (rt[None, :] < T)
+    w2_mask = (rt[:, None] < T) & (ro[None, :] < P)
+    acc = tl.zeros((BN, BO), dtype=tl.float32)
+    for j in range(B):
+        xa = tl.load(x_ptrs + j * M, mask=x_mask, other=0.0)
+        wa = tl.load(w1_ptrs + j * s1j, mask=w1_mask, other=0.0)
+        s = mma(xa, wa, tl.zeros((BN, BT), dtype=tl.float32), PRECISION)
+        wb = tl.load(w2_ptrs + j * T * s2c, mask=w2_mask, other=0.0)
+        acc = mma(s.to(wb.dtype), wb, acc, PRECISION)               # z rounded to x's dtype, as in the reference
+    col = i * syi + ro * syo
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col, mask=ro < P, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rn[:, None] * syn + col[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rn[:, None] < N) & (ro[None, :] < P))
+
+
+def fused_fits(m: int, t: int) -> bool:
+    """Whether one input block (m) and one per-block rank (t) fit the fused kernel's tile."""
+    return pow2_at_least(m) * pow2_at_least(t) <= FUSED_MAX_TILE
+
+
+def _fused(x2, w1, w2, bias, permute_output):
+    b, m, r = w1.shape
+    p, n, t = w2.shape[2], x2.shape[0], r // b
+    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
+    block_stride, col_stride = (1, b) if permute_output else (p, 1)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * b * triton.cdiv(p, meta["BO"]),)
+    _fused_kernel[grid](x2, w1, w2, y, bias if bias is not None else y, n, m, t, p, b, n_bucket(n),
+                        x2.stride(0), *w1.stride(), *w2.stride(), y.stride(0), block_stride, col_stride,
+                        HAS_BIAS=bias is not None, PRECISION=blr_precision(x2.dtype), BM=pow2_at_least(m),
+                        BT=pow2_at_least(t))
+    return y
+
+
+VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm, "fused": _fused,
+            "torch": monarch_linear_reference}
+
+
+def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
+    """The pipelines worth timing for ``n`` tokens, block size m, per-block rank t and the layout."""
+    names = ["two_stage", "torch"] + (["two_stage_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
+    if not permute_output:
+        names += ["bmm", "bmm_perm_bmm"]
+    if fused_fits(m, t):
+        names.append("fused")
+    return {name: VARIANTS[name] for name in names}
+
+
+def _default(n: int) -> str:
+    """The pick off the GPU timing path (interpreter, CUDA-graph capture): the decode kernel or two GEMMs."""
+    return "fused" if n <= 16 else "two_stage"
+
+
+@torch.library.custom_op("memfit::monarch_linear", mutates_args=())
+def _monarch_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, bias: torch.Tensor | None,
+                permute_output: bool, variant: str) -> torch.Tensor:
+    b, m, r = w1.shape
+    x2 = x.reshape(-1, b * m).contiguous()
+    w1, w2 = w1.contiguous(), w2.contiguous()
+    args = (x2, w1, w2, bias, permute_output)
+    if variant == "auto":
+        n = x2.shape[0]
+        offered = variants_for(n, m, r // b, permute_output)
+        default = _default(n) if _default(n) in offered else "two_stage"
+        variant = pick_variant("monarch_linear", (n_bucket(n), *w1.shape, w2.shape[2], permute_output, str(x.dtype)),
+                               offered, default, args)
+    return VARIANTS[variant](*args).reshape(*x.shape[:-1], -1)
+
+
+@_monarch_op.register_fake
+def _(x, w1, w2, bias, permute_output, variant):
+    return x.new_empty(*x.shape[:-1], w1.shape[0] * w2.shape[2])
+
+
+_monarch_op.register_autograd(recompute_backward(monarch_linear_reference, 4, 1),
+                              setup_context=lambda ctx, inputs, output: save_for_recompute(ctx, inputs, output, 4))
+
+
+def monarch_linear(x, w1, w2, bias=None, permute_output=False, path=None, variant="auto"):
+    """Monarch forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS)."""
+    if use_triton("monarch_linear", x, w1, w2, path=path):
+        if variant != "auto":
+            b, m, r = w1.shape
+            offered = variants_for(x.numel() // max(b * m, 1), m, r // b, permute_output)
+            if variant not in offered:
+                raise MemfitError(f"monarch_linear: variant {variant!r} is not available for this shape and layout "
+                                  f"(permute_output={permute_output}); available: {', '.join(offered)}")
+        cast = [w if w is None else w.to(x.dtype) for w in (w1, w2, bias)]
+        return _monarch_op(x, *cast, permute_output, variant)
+    return monarch_linear_reference(x, w1, w2, bias, permute_output)

@@ -1,0 +1,108 @@
+"""A job (what the user wants to run) and the knobs a plan sets (how memfit runs it)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from memfit.errors import MemfitError
+from memfit.models.spec import PROJECTIONS, ModelSpec, dtype_name
+
+TASKS = ("full", "lora", "infer")
+OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
+ATTENTIONS = ("sdpa", "memfit")
+LORA_TARGETS_ALL = PROJECTIONS
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise MemfitError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Job:
+    """What to run: a model, a task, a shape. ``full``/``lora`` train; ``infer`` is prefill + decode."""
+
+    spec: ModelSpec
+    task: str = "lora"
+    seq: int = 2048
+    batch: int = 1
+    new_tokens: int = 128  # infer: tokens generated after the prompt
+    device: str = "cuda"
+    loss_fraction: float = 1.0  # training: share of tokens that carry a loss (prompt tokens do not)
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise MemfitError(f"task {self.task!r} is not one of {', '.join(TASKS)}")
+        _positive("seq", self.seq)
+        _positive("batch", self.batch)
+        if self.task == "infer":
+            _positive("new_tokens", self.new_tokens)
+        if self.device not in ("cuda", "cpu"):
+            raise MemfitError(f"device {self.device!r} is not one of cuda, cpu")
+        if not 0 < self.loss_fraction <= 1:
+            raise MemfitError(f"loss_fraction must be in (0, 1], got {self.loss_fraction}")
+
+    @property
+    def training(self) -> bool:
+        return self.task != "infer"
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def to_dict(self) -> dict:
+        return {"model": self.spec.name, "task": self.task, "seq": self.seq, "batch": self.batch,
+                "new_tokens": self.new_tokens if self.task == "infer" else None, "device": self.device,
+                "loss_fraction": self.loss_fraction}
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Every setting a technique can turn. Defaults are plain PyTorch/transformers behaviour.
+
+    A technique (``techniques.py``) proposes values for some of these; the ledger reads them.
+    """
+
+    dtype: str = "bfloat16"  # parameter and activation dtype
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = LORA_TARGETS_ALL
+    checkpoint_layers: int = 0  # decoder layers wrapped in activation checkpointing (the first k)
+    optimizer: str = "adamw"
+    micro_batch: int | None = None  # gradient accumulation: sequences per forward/backward
+    offload_layers: int = 0  # of the checkpointed layers, how many keep their input in pinned CPU memory
+    fused_ce: bool = False  # loss from hidden states by memfit.kernels.linear_ce: no logits
+    four_bit: bool = False  # frozen base linears in bitsandbytes NF4 (LoRA only)
+    attention: str = "sdpa"  # "sdpa" (torch) or "memfit" (memfit.kernels.attention, two-pass backward)
+    partial_load: float = 1.0  # infer: share of FFN neurons loaded in the middle layers (gamma, memfit.infer)
+    partial_compute: float = 1.0  # infer: share computed per decoded token (phi <= gamma)
+    blr_method: str | None = None  # a block-low-rank model (memfit compress): "blast", "monarch" or "lowrank"
+    blr_ratio: float = 0.5  # its share of the decoder's linear parameters
+    blr_blocks: int = 16
+
+    def __post_init__(self):
+        dtype_name(self.dtype)
+        if self.optimizer not in OPTIMIZERS:
+            raise MemfitError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        unknown = set(self.lora_targets) - set(LORA_TARGETS_ALL)
+        if unknown:
+            raise MemfitError(f"unknown LoRA targets {sorted(unknown)}; use some of {', '.join(LORA_TARGETS_ALL)}")
+        _positive("lora_rank", self.lora_rank)
+        if self.checkpoint_layers < 0:
+            raise MemfitError(f"checkpoint_layers must be >= 0, got {self.checkpoint_layers}")
+        if self.micro_batch is not None:
+            _positive("micro_batch", self.micro_batch)
+        if not 0 < self.partial_compute <= self.partial_load <= 1:
+            raise MemfitError(f"need 0 < partial_compute ({self.partial_compute}) <= partial_load "
+                              f"({self.partial_load}) <= 1")
+        if self.attention not in ATTENTIONS:
+            raise MemfitError(f"attention {self.attention!r} is not one of {', '.join(ATTENTIONS)}")
+        if not 0 <= self.offload_layers <= self.checkpoint_layers:
+            raise MemfitError(f"offload_layers ({self.offload_layers}) must be between 0 and checkpoint_layers "
+                              f"({self.checkpoint_layers}): only checkpointed layers' inputs are offloaded")
+
+    def with_(self, **changes) -> "Knobs":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["lora_targets"] = list(self.lora_targets)
+        return data

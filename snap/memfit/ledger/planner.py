@@ -1,0 +1,99 @@
+"""The planner: every combination of technique variants, replayed, filtered by the budget,
+ranked by predicted time.
+
+Predicted time is the step's FLOPs times (1 + recompute) plus overheads, plus PCIe
+traffic at a nominal 25 GB/s, all relative to the plain step; a plan that fits and does
+no extra work ranks first. Ties go to the smaller peak.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable
+
+from memfit.errors import MemfitError
+from memfit.ledger.job import Job, Knobs
+from memfit.ledger.predict import Ledger, predict
+from memfit.ledger.techniques import REGISTRY, Cost, active, step_flops, total_cost
+from memfit.units import format_bytes
+
+PCIE_BYTES_PER_S = 25e9
+NOMINAL_FLOPS = 400e12  # a typical achieved bf16 training rate, to weigh PCIe seconds against compute
+
+
+@dataclass
+class Plan:
+    knobs: Knobs
+    base: Knobs
+    ledger: Ledger
+    cost: Cost
+    relative_time: float
+
+    @property
+    def techniques(self) -> list[str]:
+        return active(self.knobs, self.base)
+
+    def to_dict(self) -> dict:
+        return {"techniques": self.techniques, "relative_time": round(self.relative_time, 4),
+                "recompute_fraction": round(self.cost.recompute, 4), "pcie_bytes_per_step": self.cost.pcie_bytes,
+                **self.ledger.to_dict()}
+
+
+def relative_time(job: Job, cost: Cost) -> float:
+    compute_s = step_flops(job, Knobs()) / NOMINAL_FLOPS
+    return 1.0 + cost.recompute + cost.overhead + cost.pcie_bytes / PCIE_BYTES_PER_S / compute_s
+
+
+def candidates(job: Job, base: Knobs, allowed: tuple[str, ...] | None = None) -> list[Knobs]:
+    """Every combination of the registered techniques' variants (or only the ``allowed`` ones) on top of ``base``."""
+    options = [t.variants(job, base) or [{}] for name, t in REGISTRY.items() if allowed is None or name in allowed]
+    out, seen = [], set()
+    for combo in itertools.product(*options):
+        changes = {k: v for part in combo for k, v in part.items()}
+        knobs = base.with_(**changes)
+        if knobs not in seen:
+            seen.add(knobs)
+            out.append(knobs)
+    return out
+
+
+def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
+         progress: Callable[[int, int], None] | None = None,
+         allowed: tuple[str, ...] | None = None) -> tuple[Ledger, list[Plan]]:
+    """The ledger of the job as asked, and up to ``limit`` plans fitting ``budget``, fastest first.
+
+    A technique's time cost is known without replaying the job, so candidates are replayed
+    in order of predicted time and the search stops once ``limit`` plans fit. Only when
+    nothing fits is every candidate replayed, to name the smallest reachable peak in the
+    error. ``progress(done, total)`` is called after each replay. ``allowed`` limits the search to
+    those technique names (a caller that can apply only some of them).
+    """
+    if limit < 1:
+        raise MemfitError(f"limit must be at least 1, got {limit}")
+    asked = predict(job, base)
+    if budget is None:
+        return asked, []
+    ranked = []
+    for knobs in candidates(job, base, allowed):
+        cost = total_cost(job, knobs)
+        ranked.append((relative_time(job, cost), knobs, cost))
+    ranked.sort(key=lambda item: item[0])
+    fitting, tried = [], []
+    for done, (rel, knobs, cost) in enumerate(ranked, 1):
+        candidate = Plan(knobs, base, predict(job, knobs), cost, rel)
+        tried.append(candidate)
+        if progress:
+            progress(done, len(ranked))
+        if candidate.ledger.device_total <= budget:
+            fitting.append(candidate)
+            if len(fitting) == limit:
+                break
+    if not fitting:
+        smallest = min(tried, key=lambda p: p.ledger.device_total)
+        with_what = ", ".join(smallest.techniques) or "the job as asked"
+        raise MemfitError(
+            f"no plan fits {format_bytes(budget)}; the smallest needs {format_bytes(smallest.ledger.device_total)} "
+            f"(peak {format_bytes(smallest.ledger.total)} + allocator and CUDA context) with: {with_what}"
+        )
+    fitting.sort(key=lambda p: (round(p.relative_time, 3), p.ledger.device_total))
+    return asked, fitting

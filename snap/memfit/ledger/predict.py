@@ -1,0 +1,261 @@
+"""Predict a job's memory: per component, per phase, and the peak (a timeline, not a sum).
+
+A training step is replayed as it runs: forward (activations pile up), the loss, backward
+(activations are released layer by layer while gradients appear), then the optimizer
+step (gradients, states and the optimizer's own temporaries together). With gradient
+accumulation the later micro-batches run with the gradients already allocated. An
+inference job is a prefill (KV cache filled, logits for the last token only) followed by
+decode steps (the cache grows one token a step; DynamicCache re-allocates each layer's
+cache with ``torch.cat``). The peak is the largest live total over all those moments.
+
+Components: weights, gradients, optimizer state, activations (saved for backward),
+logits (and their gradient, including the fp32 upcast the loss makes), KV cache,
+temporaries (forward intermediates and activation gradients in flight), workspace
+(cuBLAS, attention backward buffers, optimizer temporaries), and -- shown apart since
+``max_memory_allocated`` never sees them -- allocator overhead and the CUDA context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from memfit.ledger.graph import ModelGraph, Trainable
+from memfit.ledger.job import Job, Knobs
+from memfit.ledger.simulate import Memory, Sym, replay_backward, replay_forward
+from memfit.models.spec import dtype_bytes
+from memfit.units import MiB
+
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "kv_cache", "temporaries", "workspace")
+# cuBLAS keeps one workspace per handle and stream, taken from the caching allocator
+# (torch's default on Hopper: 32 MiB), so it counts in max_memory_allocated.
+CUBLAS_WORKSPACE = 32 * MiB
+# What `torch.cuda.init()` plus cuBLAS/cuDNN handles take outside the caching allocator (H100/H200,
+# CUDA 12/13). Only shown and added to the budget check; max_memory_allocated never sees it.
+CUDA_CONTEXT = 520 * MiB
+# The caching allocator reserves whole segments: the gap between reserved and allocated at the peak.
+# Modelled as a fraction of the non-persistent bytes (activations and temporaries come and go; weights don't).
+FRAGMENTATION = 0.04
+
+
+@dataclass
+class Ledger:
+    """Where the bytes of a job go at its peak, and the peak of each phase."""
+
+    job: Job
+    knobs: Knobs
+    peak: dict[str, int]  # component -> bytes at the peak moment
+    peak_phase: str
+    peak_where: str
+    phases: dict[str, int]  # phase -> peak total bytes in that phase
+    allocator_overhead: int
+    cuda_context: int
+    trainable_params: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        """Predicted ``torch.cuda.max_memory_allocated`` (or tracked CPU peak)."""
+        return sum(self.peak.values())
+
+    @property
+    def device_total(self) -> int:
+        """What the job needs of the GPU: peak + allocator overhead + CUDA context."""
+        return self.total + self.allocator_overhead + self.cuda_context
+
+    def to_dict(self) -> dict:
+        return {"job": self.job.to_dict(), "knobs": self.knobs.to_dict(), "peak_bytes": self.total,
+                "device_bytes": self.device_total, "components": {c: self.peak.get(c, 0) for c in COMPONENTS},
+                "allocator_overhead": self.allocator_overhead, "cuda_context": self.cuda_context,
+                "peak_phase": self.peak_phase, "peak_at": self.peak_where, "phases": self.phases,
+                "trainable_params": self.trainable_params, "notes": self.notes}
+
+
+def _trainable(job: Job, knobs: Knobs) -> Trainable | None:
+    if job.task == "infer":
+        return None
+    if job.task == "lora":
+        return Trainable(linears=False, norms=False, embeddings=False, lora_rank=knobs.lora_rank,
+                         lora_targets=knobs.lora_targets)
+    return Trainable()
+
+
+def _optimizer_bytes(param_bytes: list[tuple[int, int]], optimizer: str) -> int:
+    """State bytes for (numel, element size) of each trainable parameter."""
+    total = 0
+    for numel, size in param_bytes:
+        if optimizer == "adamw":
+            total += 2 * numel * size + 4  # exp_avg, exp_avg_sq in the param dtype; step counter
+        elif optimizer == "adamw8bit":
+            # bitsandbytes: uint8 states with one fp32 absmax per 256-element block each,
+            # only for tensors of >= 4096 elements; smaller ones keep 32-bit states.
+            total += 2 * numel + 2 * 4 * -(-numel // 256) if numel >= 4096 else 2 * numel * 4
+    return total
+
+
+def _optimizer_temporary(param_bytes: list[tuple[int, int]], optimizer: str, device: str) -> int:
+    """Bytes the optimizer step allocates and frees.
+
+    torch's AdamW on CUDA uses the foreach path: ``_foreach_sqrt(exp_avg_sqs)`` makes one
+    temporary the size of all states. On CPU it loops per tensor: ``exp_avg_sq.sqrt() / c``
+    holds two temporaries of the largest tensor. bitsandbytes and plain SGD update in place.
+    """
+    if optimizer != "adamw" or not param_bytes:
+        return 0
+    if device == "cuda":
+        return sum(n * s for n, s in param_bytes)
+    return 2 * max(n * s for n, s in param_bytes)
+
+
+def _train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
+    """The ops of one micro-batch's forward and loss; returns the graph and the loss."""
+    micro = knobs.micro_batch or job.batch
+    graph = ModelGraph(job.spec, micro, job.seq, knobs.dtype, _trainable(job, knobs), job.device,
+                       four_bit=knobs.four_bit and job.task == "lora", attention=knobs.attention,
+                       structured=structured_kinds(job.spec, knobs))
+    x, embedding = graph.embed()
+    for layer in range(job.spec.num_layers):
+        graph.segment = layer if layer < knobs.checkpoint_layers else None
+        x = graph.decoder_layer(x, layer)
+    graph.segment = None
+    if knobs.fused_ce:
+        loss = graph.fused_linear_ce(x, embedding, loss_tokens=max(1, round(micro * job.seq * job.loss_fraction)))
+    else:
+        loss = graph.causal_lm_loss(graph.head(x, embedding))
+    return graph, loss
+
+
+def predict(job: Job, knobs: Knobs) -> Ledger:
+    """The ledger of ``job`` run with ``knobs`` (a fresh copy: callers may change it)."""
+    ledger = _cached_predict(job, knobs)
+    return replace(ledger, peak=dict(ledger.peak), phases=dict(ledger.phases), notes=list(ledger.notes))
+
+
+@lru_cache(maxsize=512)
+def _cached_predict(job: Job, knobs: Knobs) -> Ledger:
+    return _predict_infer(job, knobs) if job.task == "infer" else _predict_train(job, knobs)
+
+
+def _persistent(graph: ModelGraph) -> tuple[int, list[tuple[int, int]]]:
+    seen, weights, trainable = set(), 0, []
+    for p in graph.params:
+        if p.uid in seen:
+            continue
+        seen.add(p.uid)
+        weights += p.nbytes
+        if p.requires_grad:
+            trainable.append(p)
+    return weights, [(p.nbytes // p.element_size, p.element_size) for p in trainable]
+
+
+def _predict_train(job: Job, knobs: Knobs) -> Ledger:
+    micro = knobs.micro_batch or job.batch
+    if job.batch % micro:
+        from memfit.errors import MemfitError
+        raise MemfitError(f"batch {job.batch} is not a multiple of micro_batch {micro}")
+    steps = job.batch // micro
+    workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
+
+    phases: dict[str, int] = {}
+    best = None
+    weights = grads = optimizer = 0
+    trainable_numel = 0
+    for index in range(min(steps, 2)):  # the first micro-batch, and one with gradients already there
+        graph, loss = _train_graph(job, knobs)
+        weights, sizes = _persistent(graph)
+        grads = sum(n * s for n, s in sizes)
+        trainable_numel = sum(n for n, _ in sizes)
+        optimizer = _optimizer_bytes(sizes, knobs.optimizer)
+        base = {"weights": weights, "optimizer": optimizer, "workspace": workspace}
+        if index:
+            base["gradients"] = grads
+        memory = Memory(base)
+        checkpointed = set(range(min(knobs.checkpoint_layers, job.spec.num_layers)))
+        offloaded = set(range(knobs.offload_layers))
+        saved = replay_forward(graph.ops, memory, "forward", keep={loss.uid}, checkpointed=checkpointed,
+                               offloaded=offloaded)
+        memory.alloc(loss)
+        replay_backward(graph.ops, memory, saved, {loss.uid: loss}, checkpointed=checkpointed,
+                        existing_param_grads=bool(index), offloaded=offloaded)
+        for phase, event in memory.phase_peaks.items():
+            key = phase if index == 0 else f"{phase} (accumulating)"
+            phases[key] = event.total
+            if best is None or event.total > best.total:
+                best = event
+    temp = _optimizer_temporary(sizes, knobs.optimizer, job.device)
+    step = {"weights": weights, "optimizer": optimizer, "gradients": grads, "workspace": workspace + temp}
+    phases["optimizer step"] = sum(step.values())
+    if phases["optimizer step"] > best.total:
+        peak, phase, where = step, "optimizer step", knobs.optimizer
+    else:
+        peak, phase, where = best.live, best.phase, best.where
+    transient = sum(v for k, v in peak.items() if k not in ("weights", "optimizer", "gradients"))
+    notes = []
+    if knobs.optimizer == "adamw8bit":
+        notes.append("8-bit AdamW needs bitsandbytes on CUDA")
+    return Ledger(job, knobs, dict(peak), phase, where, phases, int(FRAGMENTATION * transient),
+                  CUDA_CONTEXT if job.device == "cuda" else 0, trainable_numel, notes)
+
+
+def structured_kinds(spec, knobs: Knobs) -> dict[str, tuple[int, int]]:
+    """Projection kind -> (parameters per layer, transient elements per token) of the block-low-rank
+    model, or {}."""
+    if knobs.blr_method is None:
+        return {}
+    from memfit.compress.plan import plan_kinds
+
+    plans = plan_kinds(spec.linear_shapes(), knobs.blr_method, knobs.blr_ratio, knobs.blr_blocks)
+    return {kind: (p.params, blr_transient_per_token(knobs.blr_method, p.rank, knobs.blr_blocks, p.out_features))
+            for kind, p in plans.items() if p.rank is not None}
+
+
+def blr_transient_per_token(method: str, rank: int, blocks: int, out_features: int) -> int:
+    """Elements per token a block-low-rank op holds besides its input and output, for its most demanding
+    pipeline (``pick_variant`` may take any on a given GPU, so the ledger is an upper bound here):
+    low-rank holds z (r); Monarch and BLAST hold z (b r) and, in the PyTorch pipeline, its permuted
+    copy or T (b r) plus the output before its layout copy (out)."""
+    if method == "lowrank":
+        return rank
+    return 2 * blocks * rank + out_features
+
+
+def ffn_widths(spec, knobs: Knobs) -> list[int]:
+    """FFN neurons resident per layer under partial loading (memfit.infer's own counting rule)."""
+    from memfit.infer.partial_load import PartialConfig
+
+    config = PartialConfig(load=knobs.partial_load, compute=knobs.partial_compute)
+    middle = config.partial_layers(spec.num_layers)
+    loaded = config.counts(spec.intermediate)[2]
+    return [loaded if layer in middle else spec.intermediate for layer in range(spec.num_layers)]
+
+
+def _predict_infer(job: Job, knobs: Knobs) -> Ledger:
+    spec = job.spec
+    workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
+    graph = ModelGraph(spec, job.batch, job.seq, knobs.dtype, None, job.device, four_bit=knobs.four_bit,
+                       attention=knobs.attention, ffn_widths=ffn_widths(spec, knobs),
+                       structured=structured_kinds(spec, knobs))
+    cache: list = []
+    x, embedding = graph.embed()
+    for layer in range(spec.num_layers):
+        x = graph.decoder_layer(x, layer, cache)
+    logits = graph.head(x, embedding, logits_tokens=1)
+    weights, _ = _persistent(graph)
+    memory = Memory({"weights": weights, "workspace": workspace})
+    replay_forward(graph.ops, memory, "prefill", keep={logits.uid} | {c.uid for c in cache}, save=False)
+    phases = {"prefill": memory.phase_peaks["prefill"].total}
+    # Decode: the cache grows to seq + new_tokens; each step's torch.cat holds one layer's old
+    # and new key (or value) cache at once. One token's activations are negligible beside it.
+    layer_kv = job.batch * spec.kv_dim * dtype_bytes(knobs.dtype)  # bytes per token, per layer, for K (or V)
+    final = job.seq + job.new_tokens
+    logits_bytes = job.batch * spec.vocab * dtype_bytes(knobs.dtype)
+    decode = {"weights": weights, "workspace": workspace, "kv_cache": 2 * spec.num_layers * layer_kv * final,
+              "temporaries": layer_kv * final, "logits": logits_bytes}
+    phases["decode"] = sum(decode.values())
+    prefill_peak = memory.phase_peaks["prefill"]
+    if phases["decode"] > prefill_peak.total:
+        peak, phase, where = decode, "decode", f"token {job.new_tokens}"
+    else:
+        peak, phase, where = prefill_peak.live, "prefill", prefill_peak.where
+    transient = sum(v for k, v in peak.items() if k not in ("weights",))
+    return Ledger(job, knobs, dict(peak), phase, where, phases, int(FRAGMENTATION * transient),
+                  CUDA_CONTEXT if job.device == "cuda" else 0, 0, [])

@@ -1,0 +1,234 @@
+"""A symbolic replay of autograd's memory behaviour, used to derive activations and peaks.
+
+Why simulate instead of writing one closed formula per model: what autograd keeps alive
+depends on details a formula hides -- an op saves an input only if the gradient that
+needs it is required (``mul(a, b)`` keeps ``b`` only when ``a`` needs a gradient), a
+frozen weight makes its linear keep nothing, a cast to the same dtype is no copy, two
+ops that save the same tensor keep one copy. Each op here states exactly those rules
+(see ``graph.py``), and this module replays them:
+
+* **forward**: outputs are allocated; each tensor is freed after its last use unless
+  some op saved it for backward;
+* **backward**: ops are walked in reverse; the gradient of each input that needs one is
+  allocated (accumulated in place when it already exists, as autograd's input buffer
+  does); an op's saved tensors and its outputs' gradients are freed once it has run;
+  a leaf parameter's gradient becomes its ``.grad`` and stays;
+* **checkpointed segments** keep only their inputs in forward and replay their forward
+  (with saving) right before their backward, as ``torch.utils.checkpoint`` does.
+
+Every allocation carries a component tag (activations, logits, kv_cache, gradients,
+workspace ...) so the live bytes at the peak break down by component.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sym:
+    """A symbolic tensor: its size in bytes, whether it needs a gradient, its component."""
+
+    name: str
+    nbytes: int
+    requires_grad: bool
+    component: str = "temporaries"  # an activation becomes "activations" once an op saves it
+    storage: "Sym | None" = None  # a view or same-dtype cast aliases another tensor's storage
+    persistent: bool = False  # parameters, inputs held by the caller: never freed here
+    element_size: int = 0  # parameters: bytes per element (optimizer states follow it)
+    uid: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def root(self) -> "Sym":
+        return self.storage.root if self.storage is not None else self
+
+
+@dataclass(eq=False)
+class Op:
+    """One autograd op: inputs, outputs, what it saves, and backward workspace."""
+
+    name: str
+    inputs: list[Sym]
+    outputs: list[Sym]
+    saves: list[Sym]
+    backward_workspace: int = 0  # transient bytes its backward allocates beyond input grads
+    forward_workspace: int = 0
+    segment: int | None = None  # checkpointed segment id, or None
+    holds: list[Sym] = field(default_factory=list)  # tensors a Python frame keeps alive until this op is done
+
+    @property
+    def needs_backward(self) -> bool:
+        return any(o.requires_grad for o in self.outputs)
+
+
+@dataclass
+class Event:
+    """Live bytes by component at one moment of the replay."""
+
+    phase: str
+    where: str
+    live: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.live.values())
+
+
+class Memory:
+    """Live storage bookkeeping with per-component totals and the peak moment."""
+
+    def __init__(self, base: dict[str, int]):
+        self.live: dict[int, Sym] = {}
+        self.by_component: dict[str, int] = dict(base)
+        self.peak: Event | None = None
+        self.phase_peaks: dict[str, Event] = {}
+
+    def alloc(self, sym: Sym) -> None:
+        root = sym.root
+        if root.persistent or root.uid in self.live:
+            return
+        self.live[root.uid] = root.component
+        self.by_component[root.component] = self.by_component.get(root.component, 0) + root.nbytes
+
+    def free(self, sym: Sym) -> None:
+        root = sym.root
+        component = self.live.pop(root.uid, None)
+        if component is not None:
+            self.by_component[component] -= root.nbytes
+
+    def mark_saved(self, sym: Sym) -> None:
+        """A live temporary that an op saved for backward now counts as an activation."""
+        root = sym.root
+        if self.live.get(root.uid) == "temporaries":
+            self.live[root.uid] = "activations"
+            self.by_component["temporaries"] -= root.nbytes
+            self.by_component["activations"] = self.by_component.get("activations", 0) + root.nbytes
+
+    def mark(self, phase: str, where: str, extra: dict[str, int] | None = None) -> None:
+        live = {k: v for k, v in self.by_component.items() if v}
+        for key, value in (extra or {}).items():
+            live[key] = live.get(key, 0) + value
+        event = Event(phase, where, live)
+        if phase not in self.phase_peaks or event.total > self.phase_peaks[phase].total:
+            self.phase_peaks[phase] = event
+        if self.peak is None or event.total > self.peak.total:
+            self.peak = event
+
+
+def _uses(ops: list[Op]) -> dict[int, int]:
+    """Index of the last op that reads each storage (forward liveness)."""
+    last: dict[int, int] = {}
+    for index, op in enumerate(ops):
+        for sym in op.inputs + op.holds:
+            last[sym.root.uid] = index
+    return last
+
+
+def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], save: bool = True,
+                   checkpointed: set[int] = frozenset(), offloaded: set[int] = frozenset()) -> dict[int, int]:
+    """Run ``ops`` forward. Returns saved-storage reference counts (uid -> count).
+
+    ``keep``: storages the caller holds after the pass (e.g. the loss, the model output).
+    ``checkpointed``: segment ids whose ops save nothing but their segment's inputs.
+    ``offloaded``: checkpointed segments whose input goes to CPU memory instead (not kept here).
+    """
+    last_use = _uses(ops)
+    saved: dict[int, int] = {}
+    segments_seen: set[int] = set()
+    for index, op in enumerate(ops):
+        in_checkpoint = op.segment in checkpointed
+        for out in op.outputs:
+            memory.alloc(out)
+        memory.mark(phase, op.name, {"workspace": op.forward_workspace} if op.forward_workspace else None)
+        if save and op.needs_backward:
+            if in_checkpoint:
+                # torch.utils.checkpoint keeps the segment's inputs alive instead of saved tensors.
+                if op.segment not in segments_seen:
+                    segments_seen.add(op.segment)
+                    for sym in op.inputs[:1] if op.segment not in offloaded else []:
+                        saved[sym.root.uid] = saved.get(sym.root.uid, 0) + 1
+                        memory.mark_saved(sym)
+            else:
+                for sym in op.saves:
+                    saved[sym.root.uid] = saved.get(sym.root.uid, 0) + 1
+                    memory.mark_saved(sym)
+        for sym in op.inputs + op.holds:
+            uid = sym.root.uid
+            if last_use.get(uid) == index and uid not in saved and uid not in keep:
+                memory.free(sym)
+        for out in op.outputs:  # outputs nobody reads (and nobody saved) die at once
+            uid = out.root.uid
+            if uid not in last_use and uid not in saved and uid not in keep:
+                memory.free(out)
+    return saved
+
+
+def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_of: dict[int, Sym],
+                    checkpointed: set[int] = frozenset(), grad_component: str = "temporaries",
+                    param_grad_component: str = "gradients", existing_param_grads: bool = False,
+                    offloaded: set[int] = frozenset()) -> None:
+    """Walk ``ops`` in reverse from the gradients in ``grad_of`` (storage uid -> grad sym).
+
+    An offloaded segment's input comes back from CPU memory before its recompute, and the
+    next offloaded segment's input is prefetched at the same time (one layer ahead).
+    """
+    segments_done: set[int] = set()
+    for op in reversed(ops):
+        if op.segment in checkpointed and op.segment not in segments_done:
+            # Replay the segment's forward with saving, right before its backward.
+            segment_ops = [o for o in ops if o.segment == op.segment]
+            if op.segment in offloaded:
+                for segment in (op.segment, op.segment - 1):  # this input, and the prefetch of the next
+                    if segment in offloaded:
+                        first = next(o for o in ops if o.segment == segment).inputs[0]
+                        memory.alloc(first)
+                        saved[first.root.uid] = saved.get(first.root.uid, 0) + (segment == op.segment)
+            resaved = replay_forward(segment_ops, memory, "recompute", keep=set(saved), save=True)
+            for uid, count in resaved.items():
+                saved[uid] = saved.get(uid, 0) + count
+            _release(segment_ops[0].inputs[0], saved, memory)  # the checkpoint frame lets its input go
+            segments_done.add(op.segment)
+        if op.needs_backward and any(o.root.uid in grad_of for o in op.outputs):
+            accumulate = 0  # an existing .grad gets the new gradient added from a transient buffer
+            for sym in op.inputs:
+                if not sym.requires_grad:
+                    continue
+                uid = sym.root.uid
+                if uid in grad_of:
+                    if sym.persistent:
+                        accumulate += sym.nbytes
+                    continue  # accumulated in place into the existing buffer
+                if sym.persistent:  # a leaf parameter: its grad becomes .grad
+                    grad = Sym(f"grad:{sym.name}", sym.nbytes, False, param_grad_component)
+                    if existing_param_grads:
+                        accumulate += sym.nbytes
+                    else:
+                        memory.alloc(grad)
+                else:  # the loss path's gradients count with the logits they mirror
+                    component = "logits" if sym.component == "logits" else grad_component
+                    grad = Sym(f"grad:{sym.name}", sym.nbytes, False, component)
+                    memory.alloc(grad)
+                grad_of[uid] = grad
+            workspace = op.backward_workspace + accumulate
+            memory.mark("backward", op.name, {"workspace": workspace} if workspace else None)
+            for out in op.outputs:
+                grad = grad_of.pop(out.root.uid, None)
+                if grad is not None and grad.component != param_grad_component:
+                    memory.free(grad)
+            if op.segment not in checkpointed or op.segment in segments_done:
+                for sym in op.saves:
+                    _release(sym, saved, memory)
+
+
+def _release(sym: Sym, saved: dict[int, int], memory: Memory) -> None:
+    """Drop one saved reference to ``sym``; free it when none is left."""
+    uid = sym.root.uid
+    if uid not in saved:
+        return
+    saved[uid] -= 1
+    if saved[uid] <= 0:
+        del saved[uid]
+        if not sym.root.persistent:
+            memory.free(sym)

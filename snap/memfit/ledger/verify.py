@@ -1,0 +1,192 @@
+"""Verify: run the job with the plan applied, measure its peak, hold it against the ledger.
+
+A prediction nobody checks is a guess. ``verify`` builds a random-init model of the
+job's shape with the knobs applied (dtype, LoRA through peft, checkpointing of the first
+k decoder layers, the optimizer, micro-batches), runs warm-up steps so lazily created
+state exists (optimizer states, cuBLAS workspace), then measures one step: on CUDA with
+the caching allocator's peak counters, on CPU with a tensor-lifetime tracker.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.ledger.job import Job, Knobs
+from memfit.ledger.predict import Ledger, predict
+from memfit.measure.memory import PeakMeter, storage_bytes
+from memfit.models.build import build_model
+
+
+@dataclass
+class Measurement:
+    peak: int  # max allocated bytes over the measured step
+    reserved: int  # max reserved (CUDA) bytes
+    weights: int
+    optimizer: int
+    gradients: int
+
+
+@dataclass
+class VerifyResult:
+    ledger: Ledger
+    measured: Measurement
+    tolerance: float
+
+    @property
+    def error(self) -> float:
+        """Relative error of the predicted total peak."""
+        return self.ledger.total / self.measured.peak - 1.0
+
+    @property
+    def ok(self) -> bool:
+        return abs(self.error) <= self.tolerance
+
+    def rows(self) -> list[tuple[str, int, int | None]]:
+        """(component, predicted bytes at the peak, measured bytes where measurable)."""
+        led, m = self.ledger, self.measured
+        measurable = {"weights": m.weights, "optimizer": m.optimizer}
+        rows = [(c, v, measurable.get(c)) for c, v in led.peak.items() if v]
+        rows.append(("total peak", led.total, m.peak))
+        return rows
+
+    def to_dict(self) -> dict:
+        m = self.measured
+        return {**self.ledger.to_dict(), "measured": {"peak_bytes": m.peak, "reserved_bytes": m.reserved,
+                                                      "weights": m.weights, "optimizer": m.optimizer,
+                                                      "gradients": m.gradients},
+                "error": self.error, "tolerance": self.tolerance, "ok": self.ok}
+
+
+def _prepare(job: Job, knobs: Knobs):
+    attention = "sdpa"
+    if knobs.attention == "memfit":
+        from memfit.train.attention_hf import register
+
+        attention = register()
+    model = build_model(job.spec, dtype=knobs.dtype, device=job.device, attn_implementation=attention)
+    if job.training and (knobs.fused_ce or knobs.four_bit or knobs.offload_layers):
+        return _patched(job, knobs, model)
+    if job.task == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=knobs.lora_rank, lora_alpha=2 * knobs.lora_rank, lora_dropout=0.0,
+                                                 target_modules=list(knobs.lora_targets)))
+    if job.training and knobs.checkpoint_layers:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for index, layer in enumerate(model.get_decoder().layers):
+            layer.gradient_checkpointing = index < knobs.checkpoint_layers
+    model.train(job.training)
+    return model
+
+
+def check_runnable(job: Job, knobs: Knobs) -> None:
+    """Refuse, before any work, what this machine cannot run."""
+    if job.device == "cuda" and not torch.cuda.is_available():
+        raise MemfitError("verify on cuda needs a CUDA GPU; use --device cpu here")
+    if knobs.blr_method or (knobs.partial_load, knobs.partial_compute) != (1.0, 1.0):
+        raise MemfitError("verify builds dense models only: block-low-rank (--blr) and partial-FFN models are "
+                          "predicted by `memfit plan`, measured by benchmarks/blr_e2e.py and benchmarks/partial_ffn.py")
+    if job.device != "cuda" and knobs.attention == "memfit":
+        raise MemfitError("--attention memfit is modelled as its Triton kernel, which runs on CUDA; on cpu it falls "
+                          "back to a reference that holds the scores")
+    if job.device != "cuda" and (knobs.offload_layers or knobs.four_bit):
+        raise MemfitError("checkpoint offload and the 4-bit base run on CUDA only; drop --offload-layers/--four-bit "
+                          "on cpu")
+    if job.training and knobs.optimizer == "adamw8bit":
+        if job.device != "cuda":
+            raise MemfitError("8-bit AdamW (bitsandbytes) runs on CUDA only; use --optimizer adamw on cpu")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise MemfitError("8-bit AdamW needs bitsandbytes: pip install 'memfit[bnb]'") from None
+
+
+def _patched(job: Job, knobs: Knobs, model):
+    """The techniques of memfit.train.patch: fused loss, 4-bit base, checkpoints offloaded to CPU."""
+    from memfit.train.checkpoint import CheckpointPolicy
+    from memfit.train.patch import patch, patch_state
+
+    lora = {"r": knobs.lora_rank, "target_modules": list(knobs.lora_targets)} if job.task == "lora" else None
+    model = patch(model, checkpoint="layer" if knobs.checkpoint_layers else "none", fused_ce=knobs.fused_ce,
+                  four_bit=knobs.four_bit, lora=lora, attention=knobs.attention)
+    if knobs.checkpoint_layers:
+        patch_state(model).policy = CheckpointPolicy.first_layers(job.spec.num_layers, knobs.checkpoint_layers,
+                                                                  knobs.offload_layers)
+    return model.train()
+
+
+def make_optimizer(name: str, params):
+    """The optimizer a ledger knob names (adamw, sgd, adamw8bit: bitsandbytes), as verify and benchmarks run it."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-5)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-5)
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, lr=1e-5)
+
+
+def measure(job: Job, knobs: Knobs, warmup: int = 1) -> Measurement:
+    """Run ``warmup`` steps, then measure one step of ``job`` with ``knobs``."""
+    check_runnable(job, knobs)
+    model = _prepare(job, knobs)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, job.spec.vocab, (job.batch, job.seq), generator=generator).to(job.device)
+    if job.task == "infer":
+        return _measure_infer(job, model, ids, warmup)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(knobs.optimizer, params)
+    micro = knobs.micro_batch or job.batch
+    labels = ids.clone()
+    labels[:, :job.seq - max(1, round(job.loss_fraction * job.seq))] = -100  # prompt tokens carry no loss
+    gradients = 0
+
+    def step():
+        nonlocal gradients
+        for start in range(0, job.batch, micro):
+            chunk = ids[start:start + micro]
+            loss = model(input_ids=chunk, labels=labels[start:start + micro]).loss
+            loss.backward()
+            del loss
+        gradients = storage_bytes(p.grad for p in params)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    states = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    baseline = tuple(model.parameters()) + tuple(model.buffers()) + tuple(states)
+    with PeakMeter(job.device, baseline) as meter:
+        step()
+    return Measurement(meter.peak, meter.reserved, storage_bytes(list(model.parameters()) + list(model.buffers())),
+                       storage_bytes(states), gradients)
+
+
+@torch.no_grad()
+def _measure_infer(job: Job, model, ids, warmup: int) -> Measurement:
+    def generate():
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        del out
+        for _ in range(job.new_tokens):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1:].argmax(-1)
+            del out
+
+    for _ in range(warmup):
+        generate()
+    baseline = tuple(model.parameters()) + tuple(model.buffers())
+    with PeakMeter(job.device, baseline) as meter:
+        generate()
+    return Measurement(meter.peak, meter.reserved, storage_bytes(baseline), 0, 0)
+
+
+def verify(job: Job, knobs: Knobs, tolerance: float = 0.05, warmup: int = 1) -> VerifyResult:
+    """Predict, measure, compare. ``result.ok`` is False when the total is off by more than ``tolerance``."""
+    if tolerance <= 0:
+        raise MemfitError(f"tolerance must be positive, got {tolerance}")
+    check_runnable(job, knobs)
+    ledger = predict(job, knobs)
+    return VerifyResult(ledger, measure(job, knobs, warmup), tolerance)

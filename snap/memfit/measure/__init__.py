@@ -1,0 +1,1 @@
+"""Measurement: peak-memory tracking, timing, roofline, benchmark result files."""

@@ -1,0 +1,46 @@
+"""Random-init Hugging Face models from a ModelSpec, with no network.
+
+Benchmarks and tests use these in place of downloaded weights: memory and speed depend
+on shapes, not on values. ``save_model_dir`` writes a loadable local model directory.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from memfit.models.spec import ModelSpec, dtype_of
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(spec: ModelSpec, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
+                attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+    """A random-init ``*ForCausalLM`` of ``spec``'s shape, created directly in ``dtype`` on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = dtype_of(dtype or spec.dtype)
+    config = spec.to_hf_config()
+    config.dtype = str(torch_dtype).removeprefix("torch.")  # from_config builds in config.dtype
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    with _default_dtype(torch_dtype), torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return model.eval()
+
+
+def save_model_dir(spec: ModelSpec, directory: str | Path, dtype: str | torch.dtype | None = None) -> Path:
+    """Build a random-init model and save it (safetensors + config.json) to ``directory``."""
+    model = build_model(spec, dtype=dtype)
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    return directory

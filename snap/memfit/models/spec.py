@@ -1,0 +1,203 @@
+"""ModelSpec: the shape facts of a decoder-only transformer that memory and FLOP models need.
+
+A spec comes from a built-in preset (``presets.py``) or a Hugging Face ``config.json``
+(``ModelSpec.from_hf_config``); ``load_spec`` takes either a preset name or a local path.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from memfit.errors import MemfitError
+
+if TYPE_CHECKING:  # annotations only: the ledger and `memfit plan` run without torch
+    import torch
+
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+# The linear layers of one Llama-family decoder layer, by Hugging Face module name, in model order.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+
+def dtype_name(name) -> str:
+    """Canonical name (``float32``, ``bfloat16``, ``float16``) of a dtype name, alias or torch dtype.
+
+    Name-based so the ledger and the CLI's planning run without importing torch."""
+    text = str(name).lower().removeprefix("torch.")
+    key = _ALIASES.get(text, text)
+    if key not in DTYPE_BYTES:
+        raise MemfitError(f"unknown dtype {name!r}: use one of float32, bfloat16, float16")
+    return key
+
+
+def dtype_of(name) -> torch.dtype:
+    """torch dtype from its name (``bfloat16``, ``bf16``, ``fp32``...) or a torch dtype."""
+    import torch
+
+    return name if isinstance(name, torch.dtype) else getattr(torch, dtype_name(name))
+
+
+def dtype_bytes(name) -> int:
+    return DTYPE_BYTES[dtype_name(name)]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a Llama-family decoder (Llama, Qwen2, Mistral share the layout)."""
+
+    name: str
+    model_type: str
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool = False
+    activation: str = "silu"
+    dtype: str = "bfloat16"
+    attention_bias: bool = False
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position: int = 4096
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        for key in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "vocab"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise MemfitError(f"model {self.name!r}: {key} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise MemfitError(
+                f"model {self.name!r}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.model_type not in SUPPORTED_TYPES:
+            raise MemfitError(f"model {self.name!r}: model_type {self.model_type!r} is not one of {', '.join(SUPPORTED_TYPES)}")
+        if self.activation not in ("silu", "gelu", "gelu_pytorch_tanh"):
+            raise MemfitError(f"model {self.name!r}: activation {self.activation!r} is not supported (silu, gelu)")
+        dtype_name(self.dtype)
+
+    # ---- sizes -------------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer in one decoder layer, by HF module name."""
+        h, i = self.hidden, self.intermediate
+        shapes = ((h, self.q_dim), (h, self.kv_dim), (h, self.kv_dim), (self.q_dim, h), (h, i), (h, i), (i, h))
+        return dict(zip(PROJECTIONS, shapes))
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (linears, attention biases, two RMSNorms)."""
+        linear = sum(a * b for a, b in self.linear_shapes().values())
+        bias = (self.q_dim + 2 * self.kv_dim) if self.attention_bias else 0
+        return linear + bias + 2 * self.hidden
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def lm_head_params(self) -> int:
+        """Parameters of the output projection that are not shared with the embedding."""
+        return 0 if self.tied_embeddings else self.vocab * self.hidden
+
+    def num_params(self) -> int:
+        return self.embedding_params() + self.num_layers * self.layer_params() + self.hidden + self.lm_head_params()
+
+    # ---- conversion --------------------------------------------------------------------
+    def with_(self, **changes) -> "ModelSpec":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.pop("extra")
+        return data
+
+    @classmethod
+    def from_hf_config(cls, config: dict, name: str = "model") -> "ModelSpec":
+        """Read a Hugging Face ``config.json`` dict of a Llama, Qwen2 or Mistral model."""
+        if not isinstance(config, dict):
+            raise MemfitError(f"{name}: config.json must hold a JSON object")
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_TYPES:
+            raise MemfitError(
+                f"{name}: model_type {model_type!r} is not supported; memfit knows {', '.join(SUPPORTED_TYPES)}"
+            )
+        required = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+        missing = [key for key in required if key not in config]
+        if missing:
+            raise MemfitError(f"{name}: config.json lacks {', '.join(missing)}")
+        heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0)
+        dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+        return cls(
+            name=name,
+            model_type=model_type,
+            num_layers=config["num_hidden_layers"],
+            hidden=hidden,
+            intermediate=config["intermediate_size"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            vocab=config["vocab_size"],
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            activation=config.get("hidden_act", "silu"),
+            dtype=str(dtype).replace("torch.", ""),
+            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            max_position=int(config.get("max_position_embeddings", 4096)),
+            extra={k: config[k] for k in ("rope_scaling", "sliding_window") if config.get(k) is not None},
+        )
+
+    def to_hf_config(self):
+        """A transformers config object for this spec (used to build random-init models)."""
+        import transformers
+
+        classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+        kwargs = dict(
+            num_hidden_layers=self.num_layers, hidden_size=self.hidden, intermediate_size=self.intermediate,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            vocab_size=self.vocab, tie_word_embeddings=self.tied_embeddings, hidden_act=self.activation,
+            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, max_position_embeddings=self.max_position,
+        )
+        if self.model_type == "llama":
+            kwargs["attention_bias"] = self.attention_bias
+        if self.extra.get("rope_scaling"):
+            kwargs["rope_scaling"] = self.extra["rope_scaling"]
+        config = getattr(transformers, classes[self.model_type])(**kwargs)
+        config.dtype = self.dtype  # saved as "dtype" in config.json (transformers >= 4.56)
+        return config
+
+
+def load_spec(model: str | Path | ModelSpec) -> ModelSpec:
+    """A spec from a preset name, a model directory or a ``config.json`` path."""
+    from memfit.models.presets import PRESETS
+
+    if isinstance(model, ModelSpec):
+        return model
+    text = str(model)
+    if text in PRESETS:
+        return PRESETS[text]
+    path = Path(text).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise MemfitError(f"{text}: the directory has no config.json")
+    if path.is_file():
+        try:
+            config = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise MemfitError(f"{path}: malformed config.json ({err})") from None
+        return ModelSpec.from_hf_config(config, name=str(path.parent if path.name == "config.json" else path))
+    hint = " (memfit downloads nothing: save the model locally and pass its directory)" if "/" in text else ""
+    raise MemfitError(f"unknown model {text!r}{hint}. Presets: {', '.join(PRESETS)}; or a local directory with config.json")

@@ -1,0 +1,99 @@
+"""memfit attention as a Hugging Face attention implementation (``attn_implementation="memfit"``).
+
+``register()`` adds ``"memfit"`` to transformers' ``AttentionInterface`` (and the
+FlashAttention-style mask builder to ``AttentionMaskInterface``, so the model hands over
+either no mask or a 2-D padding mask, never an N x N one). After that,
+``build_model(spec, attn_implementation="memfit")`` or
+``model.set_attn_implementation("memfit")`` runs every attention layer through
+``memfit.kernels.attention.attention``:
+
+* no mask: dense causal attention on (B, H, N, D);
+* a padding mask: the valid tokens are packed (no padding computed) and run with
+  ``cu_seqlens``, then scattered back (padded rows get zeros);
+* packed batches (``cu_seq_lens_q`` from a flattening collator, or ``position_ids`` that
+  restart): run packed as they are.
+
+Queries shorter than keys (decoding with a KV cache) and dropout are not handled by the
+kernel: those calls go to transformers' SDPA implementation, said once in the log.
+"""
+from __future__ import annotations
+
+import torch
+
+from memfit.kernels.attention import attention
+from memfit.log import warn_once
+
+NAME = "memfit"
+
+
+def _packed(query, key, value, cu, max_len, causal, scale, backward):
+    """(1, H, T, D) tensors with sequence offsets -> (1, T, H, D) output."""
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    out = attention(q, k, v, causal=causal, scale=scale, cu_seqlens=cu.to(torch.int32),
+                    max_seqlen=int(max_len) if max_len is not None else None, backward=backward)
+    return out.unsqueeze(0)
+
+
+def _unpadded(query, key, value, mask, causal, scale, backward):
+    """Run only the tokens where ``mask`` (B, N) is true, packed; padded positions get zeros."""
+    b, h, n, d = query.shape
+    valid = mask.bool().reshape(-1)
+    idx = valid.nonzero().squeeze(1)
+    lens = mask.bool().sum(1, dtype=torch.int32)
+    cu = torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
+    q, k, v = (t.transpose(1, 2).reshape(b * n, t.shape[1], d)[idx] for t in (query, key, value))
+    out = attention(q, k, v, causal=causal, scale=scale, cu_seqlens=cu, max_seqlen=int(lens.max()),
+                    backward=backward)
+    full = out.new_zeros(b * n, h, d).index_copy(0, idx, out)
+    return full.view(b, n, h, d)
+
+
+def memfit_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    """transformers attention-function signature; returns ``(output (B, N, H, D), None)``."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    backward = getattr(module, "memfit_attention_backward", "two_pass")
+    training_dropout = dropout and module.training
+    if query.shape[2] != key.shape[2] or training_dropout or (attention_mask is not None and attention_mask.dim() != 2):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        warn_once("attention_hf:fallback", "memfit attention: query/key lengths differ (KV cache), dropout, or a "
+                  "non-padding mask; these calls use transformers' SDPA attention")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if attention_mask is not None:
+        return _unpadded(query, key, value, attention_mask, causal, scaling, backward), None
+    cu = kwargs.get("cu_seq_lens_q")
+    max_len = kwargs.get("max_length_q")
+    position_ids = kwargs.get("position_ids")
+    if cu is None and position_ids is not None and query.shape[0] == 1 and position_ids.shape[-1] > 1 \
+            and bool((position_ids[..., 1:] < position_ids[..., :-1]).any()):
+        from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+        (cu, _), (max_len, _) = prepare_fa_kwargs_from_position_ids(position_ids)
+    if cu is not None:
+        return _packed(query, key, value, cu, max_len, causal, scaling, backward), None
+    out = attention(query, key, value, causal=causal and query.shape[2] > 1, scale=scaling, backward=backward)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Make ``attn_implementation="memfit"`` available to every transformers model; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(NAME, memfit_attention_forward)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    return NAME
+
+
+def set_backward_variant(model: torch.nn.Module, variant: str) -> None:
+    """Choose the attention backward variant (``memfit.kernels.attention.VARIANTS``) for every layer."""
+    from memfit.errors import MemfitError
+    from memfit.kernels.attention import VARIANTS
+
+    if variant not in VARIANTS:
+        raise MemfitError(f"backward variant {variant!r} is not one of {', '.join(VARIANTS)}")
+    for module in model.modules():
+        if hasattr(module, "is_causal") and hasattr(module, "num_key_value_groups"):
+            module.memfit_attention_backward = variant

@@ -1,0 +1,345 @@
+"""Per-decoder-layer activation checkpointing whose saved inputs may leave the GPU.
+
+A checkpointed layer keeps only its *input* (batch x tokens x hidden) from the forward
+pass and recomputes everything else during backward. Where that input lives is chosen
+per layer by a :class:`CheckpointPolicy` (so a planner can decide):
+
+* ``"none"``  no checkpoint: the layer saves all its activations as usual;
+* ``"gpu"``   checkpoint, input stays on the GPU;
+* ``"cpu"``   checkpoint, input copied to pinned host memory on a side CUDA stream
+  (asynchronous, overlapping the next layers' forward) and prefetched back on that
+  stream while the layer *after* it (in backward order) recomputes, so the copy hides
+  behind compute; ``prefetch`` layers are brought back ahead of time;
+* ``"disk"``  checkpoint, input written to a file by a background thread and read back
+  ahead of time the same way.
+
+On CPU tensors "cpu" offload has nothing to move to: it becomes a copy (said once).
+
+The layer's other arguments (rotary cos/sin, mask, position ids) are shared by all
+layers and small; they are kept by reference and receive no gradient, which is right for
+Llama/Qwen2/Mistral decoder layers. RNG state is restored for the recompute so dropout
+masks match.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.log import warn_once
+
+PLACES = ("none", "gpu", "cpu", "disk")
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where each decoder layer's checkpoint lives: one of PLACES per layer, in order."""
+
+    places: tuple[str, ...]
+    prefetch: int = 1
+    disk_dir: str | None = None
+
+    def __post_init__(self):
+        bad = [p for p in self.places if p not in PLACES]
+        if bad:
+            raise MemfitError(f"checkpoint place {bad[0]!r} is not one of {', '.join(PLACES)}")
+        if self.prefetch < 1:
+            raise MemfitError(f"prefetch must be at least 1 layer, got {self.prefetch}")
+
+    @classmethod
+    def build(cls, num_layers: int, checkpoint: str = "layer", offload_layers="none", offload_to: str = "cpu",
+              prefetch: int = 1, disk_dir: str | None = None) -> "CheckpointPolicy":
+        """A policy from the user-facing knobs.
+
+        ``checkpoint``: ``"none"`` or ``"layer"``. ``offload_layers``: ``"none"``, ``"all"``,
+        an int n (the first n layers: their inputs live longest, and the last layers'
+        inputs are needed first in backward, so keeping those on the GPU costs no wait),
+        or an iterable of layer indices. ``offload_to``: ``"cpu"`` or ``"disk"``.
+        """
+        if checkpoint not in ("none", "layer"):
+            raise MemfitError(f"checkpoint={checkpoint!r}: use 'none' or 'layer'")
+        if offload_to not in ("cpu", "disk"):
+            raise MemfitError(f"offload_to={offload_to!r}: use 'cpu' or 'disk'")
+        offloaded = _offload_set(offload_layers, num_layers)
+        if checkpoint == "none":
+            if offloaded:
+                raise MemfitError("offloading layers needs checkpoint='layer' (only checkpoint inputs are offloaded)")
+            return cls(("none",) * num_layers, prefetch, disk_dir)
+        return cls(tuple(offload_to if i in offloaded else "gpu" for i in range(num_layers)), prefetch, disk_dir)
+
+    @classmethod
+    def first_layers(cls, num_layers: int, checkpointed: int, offloaded: int = 0,
+                     prefetch: int = 1) -> "CheckpointPolicy":
+        """Checkpoint the first ``checkpointed`` layers, the first ``offloaded`` of them in pinned CPU memory
+        (the shape of a ledger plan: the earliest inputs wait longest for their backward)."""
+        return cls(tuple("cpu" if i < offloaded else "gpu" if i < checkpointed else "none" for i in range(num_layers)),
+                   prefetch)
+
+    @property
+    def active(self) -> bool:
+        return any(p != "none" for p in self.places)
+
+
+def _offload_set(spec, num_layers: int) -> frozenset[int]:
+    if spec is None or spec == "none":
+        return frozenset()
+    if spec == "all":
+        return frozenset(range(num_layers))
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if not 0 <= spec <= num_layers:
+            raise MemfitError(f"offload_layers={spec}: the model has {num_layers} layers")
+        return frozenset(range(spec))
+    if isinstance(spec, str):
+        raise MemfitError(f"offload_layers={spec!r}: use 'none', 'all', a number of layers or a list of indices")
+    indices = frozenset(int(i) for i in spec)
+    wrong = sorted(i for i in indices if not 0 <= i < num_layers)
+    if wrong:
+        raise MemfitError(f"offload_layers names layer {wrong[0]}, but the model has layers 0..{num_layers - 1}")
+    return indices
+
+
+# ---- stores: where a checkpointed input waits for its backward ---------------------------
+class _Slot:
+    """One saved layer input: its host/disk copy and, once prefetched, the device tensor."""
+
+    __slots__ = ("index", "device", "host", "future", "ready", "event", "shape", "dtype")
+
+    def __init__(self, index, device, shape, dtype):
+        self.index, self.device, self.shape, self.dtype = index, device, shape, dtype
+        self.host = self.future = self.ready = self.event = None
+
+
+class GpuStore:
+    """Keeps the input where it is (plain checkpointing)."""
+
+    def put(self, index: int, tensor: torch.Tensor) -> _Slot:
+        slot = _Slot(index, tensor.device, tensor.shape, tensor.dtype)
+        slot.ready = tensor
+        return slot
+
+    def prefetch(self, slot: _Slot) -> None:
+        pass
+
+    def take(self, slot: _Slot) -> torch.Tensor:
+        tensor, slot.ready = slot.ready, None
+        return tensor
+
+
+class PinnedStore:
+    """Pinned host buffers (one per layer, reused every step) filled and drained on a side stream."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def _buffer(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(index)
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.buffers[index] = buf
+        return buf
+
+    def put(self, index: int, tensor: torch.Tensor) -> _Slot:
+        slot = _Slot(index, tensor.device, tensor.shape, tensor.dtype)
+        slot.host = self._buffer(index, tensor)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer has finished
+        with torch.cuda.stream(self.stream):
+            slot.host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(self.stream)  # the allocator keeps the memory until the copy is done
+        return slot
+
+    def prefetch(self, slot: _Slot) -> None:
+        if slot.ready is not None:
+            return
+        main = torch.cuda.current_stream(self.device)
+        # Allocate on the main stream (one memory pool); the side stream waits for work
+        # queued so far, so it never writes into a block that main is still reading.
+        slot.ready = torch.empty(slot.shape, dtype=slot.dtype, device=self.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            slot.ready.copy_(slot.host, non_blocking=True)
+            slot.event = torch.cuda.Event()
+            slot.event.record(self.stream)
+
+    def take(self, slot: _Slot) -> torch.Tensor:
+        self.prefetch(slot)
+        torch.cuda.current_stream(self.device).wait_event(slot.event)
+        tensor, slot.ready = slot.ready, None
+        return tensor
+
+
+class HostCopyStore(GpuStore):
+    """CPU tensors have no slower memory to go to: the offload is a copy."""
+
+    def put(self, index: int, tensor: torch.Tensor) -> _Slot:
+        warn_once("checkpoint:cpu-offload-on-cpu",
+                  "checkpoint offload: tensors are already in host memory, so offloading to 'cpu' is a plain copy")
+        return super().put(index, tensor.detach().clone())
+
+
+class DiskStore:
+    """Files in a private directory, written and read ahead by one background thread."""
+
+    def __init__(self, directory: str | None):
+        self.owned = directory is None
+        self.directory = directory or tempfile.mkdtemp(prefix="memfit-ckpt-")
+        os.makedirs(self.directory, exist_ok=True)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-disk")
+
+    def _path(self, index: int) -> str:
+        return os.path.join(self.directory, f"layer{index:04d}.pt")
+
+    def put(self, index: int, tensor: torch.Tensor) -> _Slot:
+        slot = _Slot(index, tensor.device, tensor.shape, tensor.dtype)
+        host = tensor.detach().to("cpu", copy=True)  # the device copy is synchronous; the write is not
+        slot.future = self.pool.submit(torch.save, host, self._path(index))
+        return slot
+
+    def prefetch(self, slot: _Slot) -> None:
+        if slot.ready is None and slot.host is None:
+            write = slot.future
+            slot.host = self.pool.submit(lambda: (write.result(), torch.load(self._path(slot.index)))[1])
+
+    def take(self, slot: _Slot) -> torch.Tensor:
+        self.prefetch(slot)
+        tensor = slot.host.result() if isinstance(slot.host, Future) else slot.host
+        slot.host = None
+        return tensor.to(slot.device, non_blocking=False)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        if self.owned:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# ---- the runner: one per patched model --------------------------------------------------
+@dataclass
+class OffloadRunner:
+    """Holds the policy, the stores and the slots of the step in flight."""
+
+    policy: CheckpointPolicy
+    _stores: dict = field(default_factory=dict)
+    _slots: dict = field(default_factory=dict)
+
+    def store(self, place: str, device: torch.device):
+        key = (place, str(device))
+        if key not in self._stores:
+            if place == "gpu":
+                store = GpuStore()
+            elif place == "cpu":
+                store = PinnedStore(device) if device.type == "cuda" else HostCopyStore()
+            else:
+                store = DiskStore(self.policy.disk_dir)
+            self._stores[key] = store
+        return self._stores[key]
+
+    def save(self, index: int, tensor: torch.Tensor) -> tuple:
+        place = self.policy.places[index]
+        store = self.store(place, tensor.device)
+        slot = store.put(index, tensor)
+        self._slots[index] = (store, slot)
+        return store, slot
+
+    def prefetch_before(self, index: int) -> None:
+        """Start bringing back the inputs of the ``prefetch`` layers whose backward follows ``index``'s."""
+        for j in range(index - 1, max(index - 1 - self.policy.prefetch, -1), -1):
+            entry = self._slots.get(j)
+            if entry is not None:
+                entry[0].prefetch(entry[1])
+
+    def load(self, index: int, store, slot) -> torch.Tensor:
+        if self._slots.get(index, (None, None))[1] is slot:
+            del self._slots[index]
+        return store.take(slot)
+
+    def close(self) -> None:
+        for store in self._stores.values():
+            if isinstance(store, DiskStore):
+                store.close()
+        self._stores.clear()
+        self._slots.clear()
+
+
+class _CheckpointFunction(torch.autograd.Function):
+    """Forward without saving activations; backward recomputes the layer from its stored input."""
+
+    @staticmethod
+    def forward(ctx, run, runner, index, hidden, anchor):
+        ctx.run, ctx.runner, ctx.index = run, runner, index
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
+        ctx.store, ctx.slot = runner.save(index, hidden)
+        with torch.no_grad():
+            return run(hidden)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ctx.runner.prefetch_before(ctx.index)
+        hidden = ctx.runner.load(ctx.index, ctx.store, ctx.slot).detach().requires_grad_(True)
+        ctx.store = ctx.slot = None
+        devices = [hidden.device] if ctx.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=hidden.device.type if devices else "cuda"):
+            torch.set_rng_state(ctx.cpu_rng)
+            if devices:
+                torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
+            with torch.enable_grad():
+                out = ctx.run(hidden)
+        torch.autograd.backward(out, grad_out)
+        ctx.run = None
+        return None, None, None, hidden.grad, None
+
+
+def checkpointed_forward(forward: Callable, index: int, runner: OffloadRunner) -> Callable:
+    """Wrap a decoder layer's ``forward(hidden, *args, **kwargs)`` with the policy's checkpoint.
+
+    Checkpointing applies only while autograd records (training); otherwise, or for a
+    layer whose place is ``"none"``, the original forward runs unchanged.
+    """
+    anchors: dict[torch.device, torch.Tensor] = {}
+
+    def wrapped(hidden_states, *args, **kwargs):
+        if not torch.is_grad_enabled() or runner.policy.places[index] == "none":
+            return forward(hidden_states, *args, **kwargs)
+        if kwargs.get("use_cache") or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            raise MemfitError("checkpointed layers cannot fill a KV cache: call the model with use_cache=False in training")
+        tupled = []
+
+        def run(h):
+            out = forward(h, *args, **kwargs)
+            if isinstance(out, tuple):  # older transformers return (hidden, ...)
+                tupled.append(out[1:])
+                return out[0]
+            return out
+
+        device = hidden_states.device
+        if device not in anchors:
+            # A grad-requiring input makes autograd call our backward even when the layer
+            # input itself needs no gradient (frozen embeddings under LoRA).
+            anchors[device] = torch.zeros((), device=device, requires_grad=True)
+        out = _CheckpointFunction.apply(run, runner, index, hidden_states, anchors[device])
+        return (out, *tupled[0]) if tupled else out
+
+    return wrapped
+
+
+def install(layers: Sequence[torch.nn.Module], policy: CheckpointPolicy) -> OffloadRunner:
+    """Wrap every layer's forward (in place, module names unchanged) and return the runner.
+
+    The policy can be swapped later (``runner.policy = ...``); the wrappers read it per call.
+    """
+    if len(policy.places) != len(layers):
+        raise MemfitError(f"checkpoint policy has {len(policy.places)} places for {len(layers)} layers")
+    runner = OffloadRunner(policy)
+    for index, layer in enumerate(layers):
+        original = getattr(layer, "_memfit_original_forward", None) or layer.forward
+        layer._memfit_original_forward = original
+        layer.forward = checkpointed_forward(original, index, runner)
+    return runner
+

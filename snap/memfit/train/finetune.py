@@ -1,0 +1,190 @@
+"""The fine-tuning loop: deterministic batches, AdamW on the trainable parameters, exact resume.
+
+A run is reproducible step by step: batch ``s`` is a pure function of (seed, step), so
+the data position is just the step count. A checkpoint holds the trainable parameters,
+the optimizer state, every RNG (python, torch CPU, CUDA) and the loss history; it is
+written into a fresh directory and published by atomically replacing a ``latest``
+pointer, so a crash mid-write never leaves a half checkpoint behind. Resuming restores
+all of it, and the loss sequence continues exactly as an uninterrupted run's would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from memfit.data.jsonl import Example, collate
+from memfit.errors import MemfitError
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 60
+    batch_size: int = 8
+    lr: float = 2e-4
+    seed: int = 0
+    save_every: int = 20
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self):
+        for key in ("steps", "batch_size", "save_every"):
+            if getattr(self, key) < 1:
+                raise MemfitError(f"{key} must be at least 1, got {getattr(self, key)}")
+        if not self.lr > 0:
+            raise MemfitError(f"learning rate must be positive, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: int
+    loss: float
+    tokens: int
+    seconds: float
+    peak_bytes: int
+
+
+def batch_at(examples: list[Example], batch_size: int, seed: int, step: int) -> list[Example]:
+    """The examples of ``step``: consecutive slices of a per-epoch permutation seeded by (seed, epoch)."""
+    n = len(examples)
+    picked = []
+    for position in range(step * batch_size, (step + 1) * batch_size):
+        epoch, offset = divmod(position, n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+        picked.append(examples[int(order[offset])])
+    return picked
+
+
+def peak_bytes(device: torch.device) -> int:
+    """Peak memory so far: CUDA allocated bytes on a GPU, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if not params:
+        raise MemfitError("the model has no trainable parameters (is LoRA on?)")
+    return params
+
+
+# ---- checkpoints ----------------------------------------------------------------------
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(out_dir: Path, model, optimizer, step: int, losses: list[float], config: TrainConfig) -> Path:
+    """Write checkpoint ``step`` and point ``latest`` at it; older checkpoints are removed after."""
+    from safetensors.torch import save_file
+
+    root = Path(out_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:07d}"
+    tmp = root / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file({k: p.detach().cpu().contiguous() for k, p in trainable_parameters(model).items()},
+              str(tmp / "trainable.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "state.pt")
+    (tmp / "progress.json").write_text(json.dumps({"step": step, "losses": losses, "config": asdict(config)}))
+    final = root / name
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(name)
+    os.replace(pointer, root / LATEST)
+    for old in root.glob("step-*"):
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    pointer = Path(out_dir) / CHECKPOINTS / LATEST
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> tuple[int, list[float]]:
+    """Restore parameters, optimizer and RNG from ``path``; return (step, losses)."""
+    from safetensors.torch import load_file
+
+    progress = json.loads((path / "progress.json").read_text())
+    saved = progress["config"]
+    for key in ("batch_size", "seed"):
+        if saved[key] != getattr(config, key):
+            raise MemfitError(f"cannot resume {path}: it was trained with {key}={saved[key]}, "
+                              f"this run asks for {getattr(config, key)}")
+    params = trainable_parameters(model)
+    tensors = load_file(str(path / "trainable.safetensors"))
+    if set(tensors) != set(params):
+        raise MemfitError(f"cannot resume {path}: its trainable parameters do not match this model's "
+                          "(different model or LoRA settings?)")
+    with torch.no_grad():
+        for name, value in tensors.items():
+            params[name].copy_(value)
+    state = torch.load(path / "state.pt", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    _set_rng_state(state["rng"])
+    return progress["step"], progress["losses"]
+
+
+# ---- the loop -------------------------------------------------------------------------
+def train(model, examples: list[Example], pad_id: int, config: TrainConfig, out_dir: Path, *, resume: bool = False,
+          on_step: Callable[[StepReport], None] | None = None) -> list[float]:
+    """Train ``model`` for ``config.steps`` total steps; return the loss of every step (resumed ones included)."""
+    device = next(p.device for p in model.parameters())
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(params.values(), lr=config.lr, weight_decay=0.0)
+    step, losses = 0, []
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    if resume:
+        checkpoint = latest_checkpoint(out_dir)
+        if checkpoint is None:
+            raise MemfitError(f"--resume: {out_dir} holds no checkpoint to resume from")
+        step, losses = load_checkpoint(checkpoint, model, optimizer, config)
+    if step >= config.steps:
+        return losses
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model.train()
+    while step < config.steps:
+        start = time.perf_counter()
+        batch = {k: v.to(device) for k, v in collate(batch_at(examples, config.batch_size, config.seed, step), pad_id).items()}
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params.values(), config.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(StepReport(step, losses[-1], int(batch["attention_mask"].sum()), time.perf_counter() - start,
+                               peak_bytes(device)))
+        if step % config.save_every == 0 or step == config.steps:
+            save_checkpoint(out_dir, model, optimizer, step, losses, config)
+    return losses

@@ -1,0 +1,185 @@
+"""One call that makes a Hugging Face Llama/Qwen2/Mistral model train in less memory.
+
+``patch(model, checkpoint="layer", offload_layers="all", fused_ce=True, four_bit=True,
+lora={"r": 16})`` applies, in this order:
+
+1. **4-bit base** (``four_bit``): decoder linears become frozen bitsandbytes NF4 layers.
+2. **checkpoints** (``checkpoint``/``offload_layers``/``offload_to``): every decoder
+   layer's forward is wrapped (module names unchanged) by :mod:`memfit.train.checkpoint`.
+3. **fused loss** (``fused_ce``): the ``*ForCausalLM`` forward, when given ``labels``,
+   calls ``linear_cross_entropy`` on the final hidden states (labels shifted exactly as
+   transformers does), so the tokens x vocabulary logits are never built and tokens
+   without a loss are dropped before the output matmul. ``vocab_subset`` makes the
+   softmax approximate (opt-in). Without labels the model returns logits as usual.
+4. **LoRA** (``lora``): ``peft.get_peft_model`` (a LoraConfig, or a dict of its fields;
+   default r=16, alpha=32, no dropout, all seven linears of each layer).
+5. **attention** (``attention``): the transformers attention implementation every layer
+   uses, ``"sdpa"`` (default) or ``"memfit"`` (:mod:`memfit.train.attention_hf`, O(N)
+   memory in every dtype). memfit matters for fp32 training: torch SDPA (2.11, CUDA) ran
+   fp32 grouped-query attention on its math kernel, which materialises the scores,
+   heads x N^2 x 4 bytes per layer (6.4 GB at 8K tokens with Llama-3.2-3B's 24 heads).
+
+The returned model is the one to train (a ``PeftModel`` when LoRA is on). The switches
+that act per call (checkpoint policy, fused loss, vocabulary subset) live in a
+:class:`PatchState` reachable with :func:`patch_state` and can be changed later, which is
+how a planner's plan or a benchmark moves between technique sets on one model.
+"""
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from memfit.errors import MemfitError
+from memfit.models.spec import PROJECTIONS
+from memfit.train.checkpoint import CheckpointPolicy, OffloadRunner, install
+
+SUPPORTED = ("llama", "qwen2", "mistral")
+LORA_TARGETS = PROJECTIONS
+LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": list(LORA_TARGETS), "bias": "none",
+                 "task_type": "CAUSAL_LM"}
+IGNORE_INDEX = -100
+ATTENTION = ("sdpa", "memfit")
+
+
+@dataclass
+class PatchState:
+    """Per-call switches of a patched model (mutable: a plan or a benchmark may change them)."""
+
+    runner: OffloadRunner
+    fused_ce: bool = True
+    vocab_subset: torch.Tensor | None = None
+    ce_path: str | None = None
+    four_bit: bool = False
+    attention: str = "sdpa"
+
+    @property
+    def policy(self) -> CheckpointPolicy:
+        return self.runner.policy
+
+    @policy.setter
+    def policy(self, policy: CheckpointPolicy) -> None:
+        if len(policy.places) != len(self.runner.policy.places):
+            raise MemfitError(f"policy has {len(policy.places)} places for {len(self.runner.policy.places)} layers")
+        self.runner.policy = policy
+
+
+def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``*ForCausalLM`` inside ``model`` (itself, or the base of a PeftModel)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if model_type not in SUPPORTED or not hasattr(getattr(base, "model", None), "layers"):
+        raise MemfitError(f"memfit.patch supports Hugging Face {', '.join(SUPPORTED)} causal LMs; got "
+                          f"{type(base).__name__} (model_type {model_type!r})")
+    return base
+
+
+def patch_state(model: torch.nn.Module) -> PatchState:
+    state = getattr(causal_lm_of(model), "_memfit_patch", None)
+    if state is None:
+        raise MemfitError("this model has not been patched: call memfit.train.patch.patch(model, ...) first")
+    return state
+
+
+def lora_config(lora):
+    """A peft LoraConfig from a LoraConfig or a dict of its fields (memfit's defaults filled in)."""
+    from peft import LoraConfig
+
+    if isinstance(lora, LoraConfig):
+        return lora
+    if not isinstance(lora, dict):
+        raise MemfitError(f"lora must be a peft LoraConfig, a dict of its fields or None; got {type(lora).__name__}")
+    fields = {**LORA_DEFAULTS, **lora}
+    if "lora_alpha" not in lora and "r" in lora:
+        fields["lora_alpha"] = 2 * lora["r"]
+    rank, alpha = fields.get("r"), fields.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise MemfitError(f"LoRA rank r must be a positive integer, got {rank!r}")
+    if alpha is not None and (not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0):
+        raise MemfitError(f"lora_alpha must be a positive number, got {alpha!r}")
+    try:
+        return LoraConfig(**fields)
+    except (TypeError, ValueError) as err:
+        raise MemfitError(f"bad LoRA settings {lora}: {err}") from None
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Token t predicts label t+1; the last position predicts nothing (as transformers shifts)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def _fused_forward(original):
+    """A ``*ForCausalLM.forward`` that computes the loss from hidden states when labels are given."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, num_items_in_batch=None,
+                logits_to_keep=0, **kwargs):
+        state: PatchState = self._memfit_patch
+        if labels is None or not state.fused_ce:
+            return original(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                            logits_to_keep=logits_to_keep, **({"num_items_in_batch": num_items_in_batch}
+                                                              if num_items_in_batch is not None else {}), **kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        from memfit.kernels.linear_ce import linear_cross_entropy
+
+        targets = kwargs.pop("shift_labels", None)
+        targets = shift_labels(labels) if targets is None else targets
+        kwargs.setdefault("use_cache", False)
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden = outputs.last_hidden_state
+        head = self.lm_head
+        loss = linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), head.weight, targets.reshape(-1).to(hidden.device),
+            ignore_index=IGNORE_INDEX, reduction="mean" if num_items_in_batch is None else "sum",
+            bias=head.bias, vocab_subset=state.vocab_subset, path=state.ce_path,
+        )
+        if num_items_in_batch is not None:
+            loss = loss / num_items_in_batch
+        return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                      attentions=outputs.attentions)
+
+    return forward
+
+
+def _set_attention(base: torch.nn.Module, attention: str) -> None:
+    if attention not in ATTENTION:
+        raise MemfitError(f"attention={attention!r} is not one of {', '.join(ATTENTION)}")
+    if attention == "memfit":
+        from memfit.train.attention_hf import register
+
+        attention = register()
+    base.set_attn_implementation(attention)
+
+
+def patch(model: torch.nn.Module, *, checkpoint: str = "none", offload_layers="none", offload_to: str = "cpu",
+          prefetch: int = 1, fused_ce: bool = True, four_bit: bool = False, lora=None,
+          vocab_subset: torch.Tensor | None = None, ce_path: str | None = None,
+          attention: str = "sdpa") -> torch.nn.Module:
+    """Patch a HF Llama/Qwen2/Mistral ``*ForCausalLM`` for memory-lean training; return the model to train."""
+    base = causal_lm_of(model)
+    if getattr(base, "_memfit_patch", None) is not None:
+        raise MemfitError("this model is already patched; change its switches through patch_state(model)")
+    if lora is not None and base is not model:
+        raise MemfitError("the model already carries peft adapters: pass lora=None to keep them")
+    _set_attention(base, attention)
+    layers = base.model.layers
+    policy = CheckpointPolicy.build(len(layers), checkpoint, offload_layers, offload_to, prefetch)
+    if four_bit:
+        from memfit.train.four_bit import quantize_linears_4bit
+
+        dtype = next(p.dtype for p in base.parameters() if p.is_floating_point())
+        for layer in layers:
+            quantize_linears_4bit(layer, compute_dtype=dtype)
+        base.is_loaded_in_4bit = True  # tells peft to wrap the NF4 layers with its 4-bit LoRA layer
+    runner = install(layers, policy)
+    base._memfit_patch = PatchState(runner, fused_ce=fused_ce, vocab_subset=vocab_subset, ce_path=ce_path,
+                                    four_bit=four_bit, attention=attention)
+    base.forward = types.MethodType(_fused_forward(base.forward), base)
+    if lora is None:
+        return model
+    from peft import get_peft_model
+
+    return get_peft_model(base, lora_config(lora))

@@ -1,0 +1,256 @@
+"""memfit.kernels.attention against a float64 reference (Triton kernels run in the interpreter)."""
+import math
+
+import pytest
+import torch
+
+from memfit.errors import MemfitError
+from memfit.kernels.attention import VARIANTS, attention, attention_recompute_backward, attention_reference
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _rel(a, b):
+    """Relative L2 error; the floor keeps exactly-zero references (dq of a 1-token row) meaningful."""
+    floor = 0.1 * math.sqrt(b.numel())
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(floor)).item()
+
+
+def _inputs(shape_q, shape_kv, dtype, packed_lens=None):
+    q = torch.randn(shape_q, dtype=dtype)
+    k = torch.randn(shape_kv, dtype=dtype)
+    v = torch.randn(shape_kv, dtype=dtype)
+    do = torch.randn(shape_q, dtype=dtype)
+    cu = None
+    if packed_lens is not None:
+        cu = torch.tensor([0, *torch.tensor(packed_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, do, cu
+
+
+def _reference_grads(q, k, v, do, causal, cu):
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    out = attention_reference(*leaves, causal=causal, cu_seqlens=cu)
+    return (out, *torch.autograd.grad(out, leaves, do.double()))
+
+
+def _ours(q, k, v, do, causal, cu, backward):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, causal=causal, cu_seqlens=cu, backward=backward, path="triton")
+    return (out, *torch.autograd.grad(out, leaves, do))
+
+
+def _assert_close(got, want, tol, what):
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape, (what, name)
+        assert torch.isfinite(g).all(), (what, name, "non-finite")
+        err = _rel(g, w)
+        assert err < tol, f"{what} {name}: relative error {err:.2e} >= {tol:.0e}"
+
+
+# (B, Hq, Hkv, N, D): lengths off the block sizes (16, 32), one token, GQA 1/4/8, odd D.
+DENSE = [
+    (2, 1, 1, 19, 16),
+    (1, 4, 1, 33, 32),
+    (1, 8, 1, 17, 16),
+    (1, 2, 2, 1, 16),
+    (1, 2, 1, 21, 24),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", DENSE, ids=lambda s: "x".join(map(str, s)))
+def test_dense_matches_float64(shape, causal):
+    b, hq, hk, n, d = shape
+    q, k, v, do, _ = _inputs((b, hq, n, d), (b, hk, n, d), torch.float32)
+    _assert_close(_ours(q, k, v, do, causal, None, "two_pass"), _reference_grads(q, k, v, do, causal, None),
+                  TOL[torch.float32], f"dense {shape} causal={causal}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens,hq,hk", [((5, 23, 1), 4, 2), ((17, 2), 4, 1)])
+def test_packed_matches_float64(lens, hq, hk, causal):
+    t = sum(lens)
+    q, k, v, do, cu = _inputs((t, hq, 16), (t, hk, 16), torch.float32, lens)
+    _assert_close(_ours(q, k, v, do, causal, cu, "two_pass"), _reference_grads(q, k, v, do, causal, cu),
+                  TOL[torch.float32], f"packed {lens} causal={causal}")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused_recompute"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_backward_variant_agrees(variant, fused, monkeypatch):
+    """Each variant, separate and fused recompute, on a causal GQA packed batch, with poisoned buffers."""
+    poison_all_allocations(monkeypatch)
+    lens, hq, hk, d = (9, 3, 36), 4, 2, 16
+    q, k, v, do, cu = _inputs((sum(lens), hq, d), (sum(lens), hk, d), torch.float32, lens)
+    want = _reference_grads(q, k, v, do, True, cu)
+    if fused:
+        got = (want[0], *attention_recompute_backward(q, k, v, do, causal=True, cu_seqlens=cu, backward=variant,
+                                                      path="triton"))
+    else:
+        got = _ours(q, k, v, do, True, cu, variant)
+    # all variants within 1e-5 of the float64 reference, hence within 2e-5 of each other
+    _assert_close(got, want, TOL[torch.float32], f"{variant} fused={fused}")
+
+
+@pytest.mark.parametrize("variant", ["atomic", "partial_buffers"])
+def test_fused_recompute_equals_separate_dense_noncausal(variant):
+    q, k, v, do, _ = _inputs((1, 4, 37, 16), (1, 1, 37, 16), torch.float32)
+    separate = _ours(q, k, v, do, False, None, variant)[1:]
+    fused = attention_recompute_backward(q, k, v, do, causal=False, backward=variant, path="triton")
+    for s, f in zip(separate, fused):
+        assert _rel(f, s) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,causal,packed", [(torch.bfloat16, True, False), (torch.float16, False, True),
+                                                 (torch.bfloat16, True, True)])
+def test_half_precision(dtype, causal, packed):
+    if packed:
+        lens = (9, 30)
+        q, k, v, do, cu = _inputs((39, 4, 32), (39, 1, 32), dtype, lens)
+    else:
+        q, k, v, do, cu = _inputs((2, 4, 29, 32), (2, 2, 29, 32), dtype)
+    want = _reference_grads(q, k, v, do, causal, cu)
+    _assert_close(_ours(q, k, v, do, causal, cu, "two_pass"), want, TOL[dtype], f"{dtype}")
+    fused = attention_recompute_backward(q, k, v, do, causal=causal, cu_seqlens=cu, backward="atomic_remap",
+                                         path="triton")
+    _assert_close((want[0], *fused), want, TOL[dtype], f"{dtype} fused")
+
+
+def poison_all_allocations(monkeypatch):
+    """Every float tensor from torch.empty/empty_like starts as NaN, so unwritten elements show."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poisoned(fn):
+        def make(*args, **kwargs):
+            t = fn(*args, **kwargs)
+            return t.fill_(math.nan) if t.is_floating_point() else t
+        return make
+
+    monkeypatch.setattr(torch, "empty", poisoned(empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(empty_like))
+
+
+def test_poisoned_forward_outputs_all_written(monkeypatch):
+    poison_all_allocations(monkeypatch)
+    q, k, v, do, _ = _inputs((2, 2, 35, 16), (2, 1, 35, 16), torch.float32)
+    _assert_close(_ours(q, k, v, do, False, None, "two_pass"), _reference_grads(q, k, v, do, False, None),
+                  TOL[torch.float32], "poisoned")
+
+
+def test_transposed_inputs_and_reference_path():
+    """HF hands (B, N, H, D) tensors transposed to (B, H, N, D): strides must be honoured."""
+    q, k, v, _, _ = _inputs((2, 21, 4, 16), (2, 21, 2, 16), torch.float32)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    ours = attention(q, k, v, causal=True, path="triton")
+    ref = attention(q, k, v, causal=True, path="reference")
+    assert _rel(ours, ref) < 1e-5
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 64, 32)
+        k = torch.empty(2, 2, 64, 32)
+        out = attention(q, k, k, causal=True, path="triton")
+        assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("bad", ["heads", "variant", "cu_dtype", "head_dim", "seq"])
+def test_bad_input_is_a_clear_error(bad):
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16)
+    kwargs = {}
+    if bad == "variant":
+        k, v, kwargs = k[:, :2], v[:, :2], {"backward": "fast"}
+    elif bad == "cu_dtype":
+        q, k, v = torch.randn(8, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+        kwargs = {"cu_seqlens": torch.tensor([0, 8])}
+    elif bad == "head_dim":
+        q, k, v = torch.randn(1, 2, 8, 160), torch.randn(1, 2, 8, 160), torch.randn(1, 2, 8, 160)
+    elif bad == "seq":
+        k, v = torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
+    with pytest.raises(MemfitError):
+        attention(q, k, v, path="triton", **kwargs)
+
+
+def test_hugging_face_model_matches_sdpa():
+    """A tiny random Llama with attn_implementation="memfit" gives SDPA's logits and gradients."""
+    from memfit.models import build_model
+    from memfit.models.presets import PRESETS
+    from memfit.train.attention_hf import register
+
+    register()
+    spec = PRESETS["tiny"]
+    ref = build_model(spec, dtype="float32", attn_implementation="sdpa").train()
+    ours = build_model(spec, dtype="float32", attn_implementation="memfit").train()
+    ids = torch.randint(0, spec.vocab, (2, 13))
+    ref(ids, labels=ids).loss.backward()
+    loss = ours(ids, labels=ids).loss
+    loss.backward()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        assert _rel(b.grad, a.grad) < 1e-4, name
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, :4] = 0  # left padding: the kernel runs the valid tokens packed
+    with torch.no_grad():
+        want, got = ref(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    assert _rel(got[mask.bool()], want[mask.bool()]) < 1e-5
+
+
+def _patched_lora_step(attention, ids):
+    from memfit.models import build_model
+    from memfit.models.presets import PRESETS
+    from memfit.train.patch import patch
+
+    model = patch(build_model(PRESETS["tiny"], dtype="float32"), checkpoint="layer", fused_ce=False,
+                  lora={"r": 4, "init_lora_weights": False}, attention=attention).train()
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_patch_attention_memfit_matches_sdpa(monkeypatch):
+    """patch(attention="memfit") trains (checkpointed LoRA) with SDPA's loss and adapter gradients."""
+    from memfit.models.presets import PRESETS
+    from memfit.train import attention_hf
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(attention_hf, "attention", counted)
+    ids = torch.randint(0, PRESETS["tiny"].vocab, (2, 19))
+    want_loss, want = _patched_lora_step("sdpa", ids)
+    assert not calls
+    got_loss, got = _patched_lora_step("memfit", ids)
+    assert calls, "attention='memfit' did not route the layers through memfit's kernel"
+    assert abs(got_loss.item() - want_loss.item()) < 1e-5 * abs(want_loss.item())
+    assert got.keys() == want.keys() and got
+    for name in want:
+        assert want[name].norm() > 0, name
+        assert _rel(got[name], want[name]) < 1e-4, name
+
+
+def test_patch_attention_bad_value():
+    from memfit.models import build_model
+    from memfit.models.presets import PRESETS
+    from memfit.train.patch import patch
+
+    with pytest.raises(MemfitError, match="flash"):
+        patch(build_model(PRESETS["tiny"], dtype="float32"), attention="flash")
+
+
+def test_fp32_dots_follow_torch_matmul_precision():
+    """IEEE fp32 by default; TF32 only once the user allows it for matmuls (it is then used, and said once)."""
+    from memfit.kernels.dispatch import dot_precision
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert dot_precision(torch.float32, "op") == "ieee"
+        torch.set_float32_matmul_precision("high")
+        assert dot_precision(torch.float32, "op") == "tf32"
+        assert dot_precision(torch.bfloat16, "op") == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)

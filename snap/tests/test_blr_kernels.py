@@ -1,0 +1,280 @@
+"""BLR Triton ops (interpreter on CPU) against their float64 references, forward and backward.
+
+Odd shapes (blocks 3, block sizes 7 and 11, per-block rank 5, N 1 and 2 x 19), every
+variant, both Monarch output layouts, bias on and off, fp32 and bf16, outputs poisoned
+with NaN before the run.
+"""
+import math
+
+import pytest
+import torch
+
+from memfit.errors import MemfitError
+from memfit.kernels import blast, blr_common, lowrank, monarch
+from memfit.kernels.blast import blast_linear, blast_linear_reference
+from memfit.kernels.lowrank import lowrank_linear, lowrank_linear_reference
+from memfit.kernels.monarch import monarch_linear, monarch_linear_reference
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+B, M, P, N = 3, 11, 7, 19
+
+
+@pytest.fixture(autouse=True)
+def poisoned_empty(monkeypatch):
+    """Every torch.empty the ops allocate starts as NaN, so unwritten elements show."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.fill_(math.nan) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def check(op, reference, tensors, dtype, **options):
+    """Forward and backward of ``op`` (Triton path) against the float64 reference; a None bias stays None."""
+    inputs = [t if t is None else t.to(dtype).requires_grad_() for t in tensors]
+    y = op(*inputs, path="triton", **options)
+    options.pop("variant")
+    ref_inputs = [t if t is None else t.detach().double().requires_grad_() for t in inputs]
+    ref = reference(*ref_inputs, **options)
+    assert torch.isfinite(y).all()
+    assert rel(y, ref) < TOL[dtype]
+    grad = torch.randn_like(y)
+    got = torch.autograd.grad(y, [t for t in inputs if t is not None], grad)
+    want = torch.autograd.grad(ref, [t for t in ref_inputs if t is not None], grad.double())
+    for g, w in zip(got, want):
+        assert rel(g, w) < TOL[dtype]
+
+
+def drop_bias(tensors, bias):
+    return tensors if bias else [*tensors[:-1], None]
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", True), ("two_stage_pdl", False), ("bmm", False), ("bmm_perm_bmm", False), ("fused", True),
+                 ("fused", False), ("torch", True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant,permute", MONARCH_CASES)
+@pytest.mark.parametrize("lead,bias", [((1,), True), ((2, N), False), ((2, N), True)])
+def test_monarch(dtype, variant, permute, lead, bias):
+    t = 5
+    tensors = [torch.randn(*lead, B * M), torch.randn(B, M, B * t) / M**0.5, torch.randn(B, B * t, P) / t**0.5,
+               torch.randn(B * P)]
+    check(monarch_linear, monarch_linear_reference, drop_bias(tensors, bias), dtype, permute_output=permute,
+                  variant=variant)
+
+
+def test_monarch_variants_offered():
+    """bmm and bmm_perm_bmm only for the block-major layout; the fused kernel at every N where its
+    tile fits; the chained two_stage up to PDL_MAX_N; the plain PyTorch pipeline always competes."""
+    small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "torch"}
+    assert set(monarch.variants_for(16, 128, 32, False)) == small
+    assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "two_stage_pdl", "fused", "torch"}
+    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"}
+    assert "fused" not in monarch.variants_for(1, 688, 93, False)
+
+
+def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):
+    """Off the interpreter the *_pdl pipelines are offered only on a GPU with compute capability >= 9."""
+    monkeypatch.setattr(blr_common, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, offered in ((8, False), (9, True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda c=capability: (c, 0))
+        assert ("two_stage_pdl" in monarch.variants_for(16, 128, 32, False)) == offered
+        assert ("z_mixgemm_pdl" in blast.variants_for(16)) == offered
+        assert ("bgemm_pdl" in lowrank.variants_for(16)) == offered
+    assert "z_mixgemm_pdl" not in blast.variants_for(blr_common.PDL_MAX_N + 1)
+    assert blr_common.chain_options(True, True)["launch_pdl"] is True
+    assert "launch_pdl" not in blr_common.chain_options(True, False)
+
+
+def test_a_chained_stage_needs_weights_with_a_unit_stride():
+    a, b, c = torch.randn(1, 4, 6), torch.randn(6, 10)[:, ::2], torch.empty(1, 4, 5)
+    with pytest.raises(MemfitError, match="unit stride"):
+        blr_common.bgemm(a, b, c, 4, 6, 5, 1, (0, 6, 1), (0, *b.stride()), (0, 5, 0, 1), wait_for_previous=True)
+
+
+SM90_PTX_SCRIPT = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from memfit.kernels import blast, blr_common
+
+kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel}
+out = {}
+for name, (kernel, constexprs) in json.loads(sys.argv[1]).items():
+    fn = kernels[kernel].fn
+    signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
+                 for p in fn.params}
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=defaults | constexprs)
+    target = GPUTarget("cuda", 90, 32)
+    out[name] = triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+print(json.dumps(out))
+"""
+CHAIN_BASE = {"HAS_BIAS": True, "PRECISION": "tf32", "LINE": 64, "BN": 16, "BC": 64, "BK": 64}
+WAITS = {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": True}
+CHAIN_CASES = {
+    "bgemm waits, weights row-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True}),
+    "bgemm waits, weights k-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": False}),
+    "mixgemm waits": ("mixgemm", {**CHAIN_BASE, **WAITS, "BB": 16}),
+    "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
+                                 "B_ROWS_CONTIGUOUS": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx():
+    """PTX of the chained kernels compiled ahead of time for sm_90, outside the interpreter (Triton's
+    ptxas checks the inline PTX; no GPU needed): the GDC and prefetch code never runs in these tests."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", SM90_PTX_SCRIPT, json.dumps(CHAIN_CASES)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("case", [c for c in CHAIN_CASES if "waits" in c])
+def test_chained_stage_prefetches_its_weights_then_waits_then_loads(sm90_ptx, case):
+    import re
+
+    ptx = sm90_ptx[case]
+    prefetch, wait = ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait")
+    first_load = min(m.start() for m in re.finditer(r"cp\.async|ld\.global", ptx))
+    assert 0 <= prefetch < wait < first_load
+    assert "griddepcontrol.launch_dependents" not in ptx
+
+
+def test_first_stage_of_a_chain_lets_the_next_start_before_its_loads(sm90_ptx):
+    ptx = sm90_ptx["bgemm launches"]
+    assert "griddepcontrol.wait" not in ptx and "prefetch.global.L2" not in ptx
+    launch = ptx.find("griddepcontrol.launch_dependents")
+    assert 0 <= launch < min(ptx.find(op) for op in ("ld.global", "cp.async") if op in ptx)
+
+
+def test_forcing_a_variant_not_offered_is_a_clear_error():
+    x, w1, w2 = torch.randn(3, B * M), torch.randn(B, M, B * 5), torch.randn(B, B * 5, P)
+    with pytest.raises(MemfitError, match="bmm"):
+        monarch_linear(x, w1, w2, permute_output=True, path="triton", variant="bmm")
+    u, v, s = torch.randn(B, P, 6), torch.randn(B, M, 6), torch.randn(B, B, 6)
+    with pytest.raises(MemfitError, match="nope"):
+        blast_linear(x, u, v, s, path="triton", variant="nope")
+
+
+BLAST_VARIANTS = list(blast.VARIANTS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", BLAST_VARIANTS)
+@pytest.mark.parametrize("n,bias", [(1, True), (N, False), (N, True)])
+def test_blast(dtype, variant, n, bias):
+    r = 19
+    tensors = [torch.randn(n, B * M), torch.randn(B, P, r) / r**0.5, torch.randn(B, M, r) / M**0.5,
+               torch.randn(B, B, r) / B**0.5, torch.randn(B * P)]
+    check(blast_linear, blast_linear_reference, drop_bias(tensors, bias), dtype, variant=variant)
+
+
+@pytest.mark.parametrize("variant", ["mix_bgemm", "mix_bmm"])
+def test_blast_mix_loops_over_wide_blocks(monkeypatch, variant):
+    """Input blocks wider than one K tile take the mixing kernel's inner loop over m (3 steps here)."""
+    monkeypatch.setattr(blast, "MIX_ONE_TILE_M", 16)
+    monkeypatch.setattr(blast, "MIX_LOOP_BM", 16)
+    m, r = 37, 9
+    tensors = [torch.randn(N, 2 * m), torch.randn(2, P, r) / r**0.5, torch.randn(2, m, r) / m**0.5,
+               torch.randn(2, 2, r), torch.randn(2 * P)]
+    check(blast_linear, blast_linear_reference, tensors, torch.float32, variant=variant)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", list(lowrank.VARIANTS))
+@pytest.mark.parametrize("n,bias", [(1, True), (N, False)])
+def test_lowrank(dtype, variant, n, bias):
+    tensors = [torch.randn(n, 33), torch.randn(17, 20) / 20**0.5, torch.randn(33, 20) / 33**0.5, torch.randn(17)]
+    check(lowrank_linear, lowrank_linear_reference, drop_bias(tensors, bias), dtype, variant=variant)
+
+
+def test_fake_tensor_shapes():
+    """register_fake: the ops trace under FakeTensorMode with the right output shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4, 6, 12)
+        y = monarch_linear(x, torch.empty(3, 4, 6), torch.empty(3, 6, 5), path="triton")
+        z = blast_linear(x, torch.empty(3, 5, 7), torch.empty(3, 4, 7), torch.empty(3, 3, 7), path="triton")
+        w = lowrank_linear(x, torch.empty(9, 7), torch.empty(12, 7), path="triton")
+    assert y.shape == z.shape == (4, 6, 15) and w.shape == (4, 6, 9)
+
+
+def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
+    """A shape timed before capture keeps its winner inside the capture (the bug: the default ran instead);
+    a shape never timed gets the default, and a warning says so."""
+    from memfit.kernels import blr_common
+
+    def slow():
+        return None
+
+    def fast():
+        return None
+
+    candidates = {"slow": slow, "fast": fast}
+    monkeypatch.setattr(blr_common, "_CACHE", {})
+    monkeypatch.setattr(blr_common, "_save_cache", lambda cache: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(blr_common, "_time_candidate", lambda op, name, fn, args: {"slow": 2.0, "fast": 1.0}[name])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert blr_common.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert blr_common.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
+    warned = []
+    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
+    assert blr_common.pick_variant("op", (16,), candidates, "slow", ()) == "slow"
+    assert warned and "capture" in warned[0]
+
+
+def test_fp32_blr_dots_follow_torch_matmul_precision(monkeypatch, caplog):
+    """fp32 BLR kernels run IEEE dots by default and TF32 only when torch allows it, said once."""
+    from memfit import log
+
+    monkeypatch.setattr(log, "_said", set())
+    x, w1, w2 = torch.randn(N, B * M), torch.randn(B, M, 6), torch.randn(B, 6, P)
+    monarch_linear(x, w1, w2, path="triton", variant="two_stage")
+    assert "TF32" not in caplog.text
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        monarch_linear(x, w1, w2, path="triton", variant="two_stage")
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert "block-low-rank kernels: fp32 inputs use TF32" in caplog.text
+
+
+@pytest.mark.parametrize("blocks,rank,n,widest", [(16, 512, 8192, 128 * 16 * 16), (3, 19, 1, 16 * 32 * 16),
+                                                   (32, 512, 8192, 16 * 32 * 32), (64, 512, 8192, 16 * 16 * 64)])
+def test_zmix_tiles_fit_the_registers(blocks, rank, n, widest):
+    """The mixing kernel's tiles hold a (BK, BN, BB) fp32 result: at most 128 registers a thread for b up
+    to 64, and no wider in ranks or tokens than the shape needs."""
+    import triton
+
+    from memfit.kernels.blr_common import pow2_at_least
+
+    configs = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in blast.ZMIX_CONFIGS]
+    kept = blast._prune_zmix(configs, {"R": rank, "N": n}, BB=pow2_at_least(blocks))
+    assert kept
+    for c in kept:
+        assert c.kwargs["BK"] * c.kwargs["BN"] * pow2_at_least(blocks) <= 128 * 32 * c.num_warps
+        assert c.kwargs["BK"] <= pow2_at_least(rank) and c.kwargs["BN"] <= pow2_at_least(n)
+    assert max(c.kwargs["BK"] * c.kwargs["BN"] * pow2_at_least(blocks) for c in kept) == widest

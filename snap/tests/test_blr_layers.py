@@ -1,0 +1,157 @@
+"""Structured linear layers: definitions, projections, errors, training, permutation folding."""
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.layers import (
+    BlastLinear,
+    LowRankLinear,
+    MonarchLinear,
+    fold_output_permutation,
+)
+
+IN, OUT = 48, 80
+CASES = [(LowRankLinear, {}), (MonarchLinear, {"blocks": 4}), (MonarchLinear, {"blocks": 4, "permute_output": True}),
+         (BlastLinear, {"blocks": 4})]
+IDS = ["lowrank", "monarch", "monarch-permuted", "blast"]
+
+
+@pytest.fixture(autouse=True)
+def reference_kernels(monkeypatch):
+    """Layer logic runs on the PyTorch reference (fast); the Triton ops have their own tests."""
+    monkeypatch.setenv("MEMFIT_KERNELS", "reference")
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("cls,kw", CASES, ids=IDS)
+def test_to_dense_matches_forward_and_counts(cls, kw, monkeypatch):
+    layer = cls(IN, OUT, 8, bias=True, **kw)
+    x = torch.randn(3, 5, IN)
+    ref = x @ layer.to_dense().T + layer.bias
+    assert rel(layer(x), ref) < 1e-5
+    monkeypatch.setenv("MEMFIT_KERNELS", "triton")   # the layer's Triton path (interpreter here)
+    assert rel(layer(x), ref) < 1e-5
+    assert layer.num_params() == sum(p.numel() for p in layer.parameters())
+    assert layer.num_params() == cls.params_for_rank(IN, OUT, 8, kw.get("blocks", 1)) + OUT
+    assert layer.flops(10) == 2 * 10 * cls.params_for_rank(IN, OUT, 8, kw.get("blocks", 1))
+    assert "rank=8" in repr(layer)
+
+
+@pytest.mark.parametrize("cls,kw", CASES[:3], ids=IDS[:3])
+def test_from_dense_recovers_representable(cls, kw):
+    source = cls(IN, OUT, 8, **kw)
+    dense = nn.Linear(IN, OUT, bias=False)
+    dense.weight.data = source.to_dense().detach()
+    layer = cls.from_dense(dense, rank=8, **kw)
+    assert rel(layer.to_dense(), dense.weight) < 1e-5
+
+
+def test_monarch_layouts_equally_good():
+    """P-free and permuted Monarch differ by a relabelling of the output features.
+
+    The P-free layer from the row-relabelled matrix P^T W has exactly the permuted
+    layer's error on W and the same outputs up to that relabelling; on W itself (a
+    random matrix, whose rows have no order) its error is statistically the same.
+    """
+    from memfit.layers.monarch import output_permutation
+
+    dense = nn.Linear(IN, OUT, bias=False)
+    permuted = MonarchLinear.from_dense(dense, rank=8, blocks=4, permute_output=True)
+    perm = output_permutation(permuted)                # y_paper[k] = y_blocks[perm[k]]
+    relabelled = nn.Linear(IN, OUT, bias=False)
+    relabelled.weight.data = torch.empty_like(dense.weight)
+    relabelled.weight.data[perm] = dense.weight.detach()
+    free = MonarchLinear.from_dense(relabelled, rank=8, blocks=4)
+    assert not free.permute_output
+    w = dense.weight.detach()
+    err_permuted = rel(permuted.to_dense(), w)
+    assert abs(rel(free.to_dense(), relabelled.weight) - err_permuted) < 1e-6
+    x = torch.randn(5, IN)
+    assert rel(free(x)[:, perm], permuted(x)) < 1e-5
+    err_free = rel(MonarchLinear.from_dense(dense, rank=8, blocks=4).to_dense(), w)
+    assert abs(err_free - err_permuted) < 0.05 * err_permuted
+
+
+def test_blast_one_block_recovers_low_rank():
+    """With b = 1 BLAST is U diag(s) V^T, which the SVD start recovers exactly."""
+    source = LowRankLinear(IN, OUT, 6)
+    dense = nn.Linear(IN, OUT, bias=False)
+    dense.weight.data = source.to_dense().detach()
+    assert rel(BlastLinear.from_dense(dense, rank=6, blocks=1).to_dense(), dense.weight) < 1e-4
+
+
+@pytest.mark.parametrize("cls,kw", CASES, ids=IDS)
+def test_error_falls_with_rank(cls, kw):
+    dense = nn.Linear(IN, OUT)
+    errors = [rel(cls.from_dense(dense, rank=r, **kw).to_dense(), dense.weight.detach()) for r in (4, 8, 16, 32)]
+    assert all(b < a for a, b in itertools.pairwise(errors)), errors
+    layer = cls.from_dense(dense, ratio=0.5, **kw)
+    assert layer.num_params() - OUT <= 0.5 * IN * OUT
+    assert torch.equal(layer.bias, dense.bias)
+
+
+def test_from_dense_keeps_dtype():
+    dense = nn.Linear(IN, OUT, dtype=torch.bfloat16)
+    layer = MonarchLinear.from_dense(dense, ratio=0.5, blocks=4)
+    assert layer.w1.dtype == torch.bfloat16 and layer(torch.randn(2, IN, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: MonarchLinear(50, 80, 8, blocks=4), "in_features=50"),
+    (lambda: MonarchLinear(48, 81, 8, blocks=4), "out_features=81"),
+    (lambda: MonarchLinear(48, 80, 6, blocks=4), "rank=6"),
+    (lambda: BlastLinear(48, 82, 8, blocks=4), "out_features=82"),
+    (lambda: LowRankLinear(48, 80, 0), "rank"),
+    (lambda: MonarchLinear.from_dense(nn.Linear(48, 80), ratio=0.01, blocks=4), "ratio=0.01"),
+    (lambda: LowRankLinear.from_dense(nn.Linear(48, 80), rank=4, ratio=0.5), "exactly one"),
+    (lambda: LowRankLinear.from_dense(nn.Conv1d(3, 3, 1), rank=4), "nn.Linear"),
+])
+def test_bad_shapes_raise(make, match):
+    with pytest.raises(MemfitError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("cls,kw", CASES, ids=IDS)
+def test_trains(cls, kw):
+    """A few Adam steps fit a random target: the layers have working gradients."""
+    target = nn.Linear(IN, OUT)
+    layer = cls(IN, OUT, 8, bias=True, **kw)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    x = torch.randn(64, IN)
+    losses = []
+    for _ in range(30):
+        loss = (layer(x) - target(x).detach()).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("consumer", ["linear", "lowrank"])
+def test_fold_output_permutation_in_swiglu(consumer):
+    gate, up = (MonarchLinear(IN, OUT, 8, blocks=4, bias=True, permute_output=True) for _ in range(2))
+    down = nn.Linear(OUT, IN) if consumer == "linear" else LowRankLinear(OUT, IN, 8)
+    x = torch.randn(7, IN)
+
+    def mlp():
+        return down(nn.functional.silu(gate(x)) * up(x))
+
+    before = mlp()
+    fold_output_permutation([gate, up], down)
+    assert not gate.permute_output and not up.permute_output
+    assert rel(mlp(), before) < 1e-5
+    with pytest.raises(MemfitError, match="already folded"):
+        fold_output_permutation([gate, up], down)
+
+
+def test_fold_rejects_block_consumer():
+    gate = MonarchLinear(IN, OUT, 8, blocks=4, permute_output=True)
+    with pytest.raises(MemfitError, match="MonarchLinear"):
+        fold_output_permutation([gate], MonarchLinear(OUT, IN, 8, blocks=4))

@@ -1,0 +1,70 @@
+"""Checkpointed (and offloaded) decoder layers give the same loss and gradients as plain ones."""
+import pytest
+import torch
+
+from memfit.errors import MemfitError
+from memfit.models import PRESETS, build_model
+from memfit.train.checkpoint import CheckpointPolicy
+from memfit.train.patch import patch, patch_state
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _step(lora: bool, **techniques):
+    """Loss, trainable gradients and per-layer forward-call counts of one step on the tiny model."""
+    model = build_model(PRESETS["tiny"], dtype="float32")
+    calls = [0] * len(model.model.layers)
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    model = patch(model, fused_ce=False, lora={"r": 4, "init_lora_weights": False} if lora else None, **techniques)
+    model.train()
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 259, (2, 23), generator=generator)
+    labels = ids.clone()
+    labels[:, :7] = -100
+    out = model(input_ids=ids, labels=labels, use_cache=False)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out.loss.detach(), grads, calls, model
+
+
+@pytest.mark.parametrize("lora", [True, False])
+@pytest.mark.parametrize("techniques", [
+    {"checkpoint": "layer"},
+    {"checkpoint": "layer", "offload_layers": "all"},
+    {"checkpoint": "layer", "offload_layers": [0], "offload_to": "disk"},
+])
+def test_checkpointed_step_matches_plain(lora, techniques):
+    loss0, grads0, calls0, _ = _step(lora)
+    loss1, grads1, calls1, _ = _step(lora, **techniques)
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+    assert grads1.keys() == grads0.keys() and len(grads0) > 0
+    for name in grads0:
+        assert grads0[name].abs().sum() > 0, name  # the comparison must be able to fail
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert calls0 == [1, 1] and calls1 == [2, 2]  # the checkpointed layers really recompute
+
+
+def test_policy_can_change_between_steps_and_eval_runs_plain():
+    _, _, _, model = _step(True, checkpoint="layer")
+    state = patch_state(model)
+    state.policy = CheckpointPolicy(("cpu", "none"))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, PRESETS["tiny"].vocab)
+
+
+def test_policy_errors_name_the_bad_value():
+    with pytest.raises(MemfitError, match="needs checkpoint='layer'"):
+        CheckpointPolicy.build(4, checkpoint="none", offload_layers="all")
+    with pytest.raises(MemfitError, match="layer 7"):
+        CheckpointPolicy.build(4, offload_layers=[7])
+    with pytest.raises(MemfitError, match="'ssd'"):
+        CheckpointPolicy(("gpu", "ssd"))
+    assert CheckpointPolicy.build(4, offload_layers=2).places == ("cpu", "cpu", "gpu", "gpu")

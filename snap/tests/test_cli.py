@@ -1,0 +1,100 @@
+"""The memfit command: outputs, --json schema, and clear errors (exit 2, no traceback)."""
+import json
+
+import pytest
+
+from memfit.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_presets_lists_every_required_shape(capsys):
+    code, out, _ = run(capsys, "presets", "--json")
+    assert code == 0
+    presets = json.loads(out)
+    for name in ("tiny", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-2-7b", "qwen2.5-0.5b",
+                 "qwen2.5-1.5b", "qwen2.5-7b", "mistral-7b"):
+        assert name in presets
+    assert presets["llama-3.2-1b"]["params"] == 1_235_814_400
+
+
+def test_plan_json_schema(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "llama-3.2-1b", "--task", "lora", "--seq", "2048",
+                       "--gpu-memory", "12GiB", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert set(data) == {"job", "budget_bytes", "asked", "plans"}
+    assert data["budget_bytes"] == 12 * 2**30
+    assert data["plans"], "a 1B LoRA job fits 12 GiB"
+    times = [p["relative_time"] for p in data["plans"]]
+    assert times == sorted(times)
+    for plan in data["plans"]:
+        assert plan["device_bytes"] <= data["budget_bytes"]
+        assert plan["peak_bytes"] == sum(plan["components"].values())
+        assert {"techniques", "phases", "peak_phase", "knobs", "recompute_fraction"} <= set(plan)
+
+
+def test_plan_default_job_runs(capsys):
+    code, out, _ = run(capsys)
+    assert code == 0 and "plans that fit" in out
+
+
+def test_global_flag_without_a_verb_runs_the_default_plan(capsys):
+    code, out, _ = run(capsys, "-v")
+    assert code == 0 and "plans that fit" in out
+
+
+def test_verify_tiny_on_cpu(capsys):
+    code, out, _ = run(capsys, "verify", "--model", "tiny", "--task", "infer", "--seq", "32", "--new-tokens", "4",
+                       "--device", "cpu", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["ok"] and abs(data["error"]) < 0.05
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "--model", "meta-llama/Llama-3.2-1B"], "unknown model"),
+    (["plan", "--seq", "-5"], "seq must be a positive integer"),
+    (["plan", "--batch", "0"], "batch must be a positive integer"),
+    (["plan", "--gpu-memory", "eight gigs"], "cannot read the memory size"),
+    (["plan", "--gpu-memory", "2GiB", "--model", "llama-3.1-8b"], "no plan fits 2.00 GiB; the smallest needs"),
+    (["plan", "--batch", "3", "--micro-batch", "2"], "not a multiple"),
+    (["verify", "--model", "tiny", "--device", "cpu", "--optimizer", "adamw8bit", "--task", "full"], "CUDA only"),
+])
+def test_bad_input_gets_a_clear_error(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_malformed_config_json(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    code, _, err = run(capsys, "plan", "--model", str(tmp_path))
+    assert code == 2 and "malformed config.json" in err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    code, _, err = run(capsys, "plan", "--model", str(tmp_path))
+    assert code == 2 and "lacks" in err
+
+
+def test_local_model_directory(capsys, tmp_path):
+    from memfit.models import PRESETS, save_model_dir
+
+    save_model_dir(PRESETS["tiny"], tmp_path / "m")
+    code, out, _ = run(capsys, "plan", "--model", str(tmp_path / "m"), "--device", "cpu", "--seq", "64",
+                       "--gpu-memory", "1GiB", "--json")
+    assert code == 0
+    assert json.loads(out)["asked"]["trainable_params"] > 0
+
+
+def test_help_and_import_do_not_load_torch():
+    """`memfit --help` and `import memfit` stay fast: torch (2+ s to import) loads only when a verb needs it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, memfit; from memfit.cli import build_parser; build_parser().format_help(); "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('memfit'))")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,191 @@
+"""Bad CLI input ends in one clear ``memfit <verb>: error: ...`` line and exit status 2, before any work starts."""
+import json
+
+import pytest
+import torch
+
+import memfit.models
+from memfit.cli import main
+from memfit.models import PRESETS, save_model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A saved tiny model (2 layers): config.json + model.safetensors."""
+    return save_model_dir(PRESETS["tiny"], tmp_path_factory.mktemp("tiny"), dtype="float32")
+
+
+@pytest.fixture
+def no_weights(tmp_path, tiny_dir):
+    """A directory with the tiny model's config.json but no weight files."""
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text((tiny_dir / "config.json").read_text())
+    return tmp_path / "noweights"
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if a command gets as far as building or loading a model."""
+    import transformers
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the bad input was not caught before the model was built")
+
+    monkeypatch.setattr(memfit.models, "build_model", forbidden)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", forbidden)
+
+
+def _fails(capsys, argv, message):
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err
+    assert "Traceback" not in err
+    assert err.startswith(f"memfit {argv[0]}: error: ")
+
+
+def _compress(tmp_path, *extra, model="tiny"):
+    return ["compress", str(model), "--out", str(tmp_path / "out"), "--device", "cpu", *extra]
+
+
+def _finetune(tmp_path, *extra, model="tiny"):
+    return ["finetune", str(model), "--out", str(tmp_path / "ft"), "--device", "cpu", "--steps", "1", *extra]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--blocks", "0"), "blocks must be a positive integer, got 0"),
+    (("--blocks=-4",), "blocks must be a positive integer, got -4"),
+    (("--calib-builtin", "--calib-samples", "0"), "--calib-samples must be a positive integer, got 0"),
+    (("--calib-builtin", "--calib-seq", "0"), "--calib-seq must be a positive integer, got 0"),
+    (("--calib-samples=-1",), "--calib-samples must be a positive integer, got -1"),
+    (("--steps", "0"), "--steps must be >= 1, got 0"),
+    (("--steps=-3",), "--steps must be >= 1, got -3"),
+])
+def test_compress_bad_numbers(tmp_path, capsys, no_model_load, extra, message):
+    _fails(capsys, _compress(tmp_path, *extra), message)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_compress_cuda_without_gpu(tmp_path, capsys, no_model_load, device):
+    argv = _compress(tmp_path)
+    argv[argv.index("--device") + 1] = device
+    _fails(capsys, argv, "this machine has no CUDA GPU")
+
+
+def test_compress_unknown_device(tmp_path, capsys, no_model_load):
+    argv = _compress(tmp_path)
+    argv[argv.index("--device") + 1] = "gpu"
+    _fails(capsys, argv, "unknown device 'gpu'")
+
+
+def test_compress_existing_out_names_the_flag(tmp_path, capsys, no_model_load):
+    (tmp_path / "out").mkdir()
+    _fails(capsys, _compress(tmp_path), "already exists; pass --force to replace it")
+    assert "force=True" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [_compress, _finetune])
+def test_model_dir_without_weights(tmp_path, capsys, no_weights, command):
+    _fails(capsys, command(tmp_path, model=no_weights), "no model.safetensors or model.safetensors.index.json")
+
+
+@pytest.mark.parametrize("command", [_compress, _finetune])
+def test_config_file_is_not_a_model(tmp_path, capsys, no_model_load, no_weights, command):
+    _fails(capsys, command(tmp_path, model=no_weights / "config.json"), "is not a model directory (it is a file")
+
+
+@pytest.mark.parametrize("command", [_compress, _finetune])
+def test_missing_model(tmp_path, capsys, no_model_load, command):
+    _fails(capsys, command(tmp_path, model=tmp_path / "nope"), "unknown model")
+
+
+def test_finetune_out_is_a_file(tmp_path, capsys, no_model_load):
+    (tmp_path / "ft").write_text("not a directory")
+    _fails(capsys, _finetune(tmp_path), "exists and is not a directory")
+    assert (tmp_path / "ft").read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--lora-r", "0"), "LoRA rank r must be a positive integer, got 0"),
+    (("--lora-alpha", "0"), "lora_alpha must be a positive number, got 0.0"),
+    (("--lora-alpha", "nan"), "lora_alpha must be a positive number, got nan"),
+    (("--lr", "0"), "learning rate must be positive, got 0.0"),
+    (("--lr=-1e-3",), "learning rate must be positive, got -0.001"),
+    (("--max-len=-5",), "max_len must be an integer >= 2"),
+    (("--max-len", "1"), "max_len must be an integer >= 2"),
+    (("--data", "/etc"), "data file '/etc' is a directory"),
+])
+def test_finetune_bad_settings(tmp_path, capsys, no_model_load, extra, message):
+    _fails(capsys, _finetune(tmp_path, *extra), message)
+
+
+def test_generate_full_load_on_a_two_layer_model(tiny_dir, capsys):
+    """--load 1 needs no partial layers, so a model with fewer than full_first + full_last layers runs."""
+    assert main(["generate", str(tiny_dir), "--prompt", "hi", "--max-new", "2", "--load", "1", "--device", "cpu",
+                 "--no-graphs"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_generate_partial_load_still_needs_the_layers(tiny_dir, capsys):
+    _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--load", "0.5", "--device", "cpu"],
+           "full_first + full_last = 4 exceeds the model's 2 layers")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-0.5"])
+def test_generate_bad_temperature(tiny_dir, capsys, value):
+    _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", f"--temperature={value}", "--device", "cpu"],
+           "--temperature must be a finite number >= 0")
+
+
+def test_save_adapter_replaces_a_leftover_old_adapter(tmp_path):
+    """A crash between the two renames leaves OUT/.adapter.old; the next save must not trip over it."""
+    from memfit.commands.finetune import _save_adapter
+
+    class Model:
+        def save_pretrained(self, directory):
+            directory.mkdir()
+            (directory / "adapter_model.safetensors").write_text("new")
+
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_model.safetensors").write_text("previous")
+    (tmp_path / ".adapter.old").mkdir()
+    (tmp_path / ".adapter.old" / "stale").write_text("crash")
+    final = _save_adapter(Model(), tmp_path)
+    assert (final / "adapter_model.safetensors").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+
+
+def test_byte_tokenizer_save_is_atomic(tmp_path, monkeypatch):
+    import memfit.data.tokenizer as tokenizer
+
+    path = tokenizer.ByteTokenizer().save_pretrained(tmp_path)
+    assert json.loads(path.read_text())["tokenizer"] == "memfit-bytes"
+    before = path.read_text()
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tokenizer.os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        tokenizer.ByteTokenizer().save_pretrained(tmp_path)
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == [tokenizer.CONFIG_NAME]
+
+
+def test_rankings_save_leaves_no_temp_file_on_failure(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    from memfit.infer.calibrate import Rankings
+
+    rankings = Rankings({"general": torch.rand(2, 16)}, {"general": 5})
+    rankings.save(tmp_path / "r.safetensors")
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        rankings.save(tmp_path / "r.safetensors")
+    assert [p.name for p in tmp_path.iterdir()] == ["r.safetensors"]
+    assert Rankings.load(tmp_path / "r.safetensors").tokens["general"] == 5

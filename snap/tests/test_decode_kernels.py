@@ -1,0 +1,153 @@
+"""Decode kernels (memfit.kernels.decode, memfit.kernels.gemv) against their references, under the interpreter on CPU."""
+import pytest
+import torch
+import triton
+
+from memfit import log
+from memfit.errors import MemfitError
+from memfit.kernels import gemv
+from memfit.kernels.decode import (
+    ATTENTION_VARIANTS,
+    argmax,
+    decode_attention,
+    decode_attention_reference,
+    launch_config,
+)
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def _rel(got, ref):
+    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, out, inner, ld", [(1, 37, 200, 200), (3, 19, 136, 160), (4, 40, 600, 608),
+                                                   (2, 21, 131, 133)])
+def test_gemv_matches_linear(dtype, rows, out, inner, ld):
+    """Odd out counts, inner sizes not a multiple of the chunk, row-strided W (a partial FFN's down[:, :a]), bias;
+    the last shape's rows are not 16-byte multiples, so it runs the scalar loads (VEC = 1)."""
+    x = torch.randn(rows, inner).to(dtype)
+    w = torch.randn(out, ld).to(dtype)[:, :inner]
+    bias = torch.randn(out).to(dtype)
+    assert gemv._vector_width(x, w) == (1 if inner % 8 else 16 // w.element_size())
+    ref = x.double() @ w.double().T + bias.double()
+    for variant in ("gemv_n2_k1024_w4", "gemv_n8_k256_w4", "gemv_n16_k512_w8"):
+        got = gemv.gemv(x[:, None], w, bias, variant)
+        assert got.shape == (rows, 1, out) and _rel(got, ref[:, None]) < TOL[dtype]
+    assert _rel(gemv.gemv(x, w, None, "gemv_n4_k512_w4"), x.double() @ w.double().T) < TOL[dtype]
+
+
+def test_gemv_refuses_what_it_cannot_take():
+    assert gemv.takes(torch.randn(4, 8), torch.randn(3, 8)) and not gemv.takes(torch.randn(5, 8), torch.randn(3, 8))
+    assert not gemv.takes(torch.randn(1, 8), torch.randn(8, 3).T)        # inner stride != 1
+    with pytest.raises(MemfitError, match="rows"):
+        gemv.gemv(torch.randn(6, 8), torch.randn(3, 8))
+    with pytest.raises(MemfitError, match="variant"):
+        gemv.gemv(torch.randn(1, 8), torch.randn(3, 8), variant="nope")
+    assert gemv.pick_path(torch.randn(1, 8), [(torch.randn(3, 8), None)]) == gemv.CUBLAS     # off the GPU
+
+
+def _attention_case(dtype, B, H, Hkv, D, L, slot, seed):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, H + 2 * Hkv, D, generator=gen).to(dtype)     # views of one fused output, as in decode
+    angle = torch.rand(B, D, generator=gen) * 6
+    caches = [torch.randn(B, Hkv, L, D, generator=gen).to(dtype) for _ in range(2)]
+    valid = torch.rand(B, L, generator=gen) > 0.3
+    valid[1:, :5] = False                                             # left padding of the second sequence
+    return (qkv[:, :H], qkv[:, H:H + Hkv], qkv[:, H + Hkv:], angle.cos().to(dtype), angle.sin().to(dtype), *caches,
+            valid, torch.tensor([slot]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("B, H, Hkv, D, L, slot", [(2, 6, 2, 32, 70, 45), (1, 4, 4, 16, 40, 0), (2, 8, 1, 16, 33, 32),
+                                                  (2, 4, 2, 16, 6, 5)])
+def test_decode_attention_matches_reference(dtype, B, H, Hkv, D, L, slot):
+    """GQA groups 3, 1, 8; the slot at 0, inside a chunk and at the cache end (length not a multiple of the block);
+    a cache shorter than one 16-key block; batch 2 with invalid (padding) slots; every variant writes the same
+    cache entries."""
+    args = _attention_case(dtype, B, H, Hkv, D, L, slot, seed=slot)
+    ref_caches = [t.clone() for t in args[5:7]]
+    ref = decode_attention_reference(*args[:5], *ref_caches, *args[7:], 0.3)
+    for variant in ("split32", "split128", "single") if slot else ATTENTION_VARIANTS:
+        caches = [t.clone() for t in args[5:7]]
+        got = decode_attention(*args[:5], *caches, *args[7:], 0.3, variant)
+        assert got.shape == (B, H * D) and _rel(got, ref) < TOL[dtype], variant
+        assert all(torch.equal(c, r) for c, r in zip(caches, ref_caches)), variant
+
+
+def test_decode_attention_reference_is_sdpa_with_rope():
+    """The reference itself against SDPA over the roped cache (what the mask path computes)."""
+    q, k, v, cos, sin, kc, vc, valid, slot = _attention_case(torch.float64, 2, 6, 2, 16, 20, 11, seed=3)
+    out = decode_attention_reference(q, k, v, cos, sin, kc, vc, valid, slot, 0.25)
+    half = 8
+
+    def rope(x):
+        return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[:, None]
+    mask = valid[:, :12].clone()
+    mask[:, 11] = True
+    assert torch.equal(kc[:, :, 11], rope(k)) and torch.equal(vc[:, :, 11], v)
+    expect = torch.nn.functional.scaled_dot_product_attention(
+        rope(q)[:, :, None], kc[:, :, :12].repeat_interleave(3, 1), vc[:, :, :12].repeat_interleave(3, 1),
+        attn_mask=mask[:, None, None], scale=0.25)
+    assert torch.allclose(out, expect.reshape(2, -1))
+
+
+def test_decode_attention_bad_shapes():
+    q, k, v, cos, sin, kc, vc, valid, slot = _attention_case(torch.float32, 1, 6, 2, 16, 20, 3, seed=0)
+    with pytest.raises(MemfitError, match="multiple"):
+        decode_attention(q[:, :5], k, v, cos, sin, kc, vc, valid, slot)
+    with pytest.raises(MemfitError, match="variant"):
+        decode_attention(q, k, v, cos, sin, kc, vc, valid, slot, variant="x")
+
+
+@pytest.mark.parametrize("change, message", [
+    pytest.param(lambda a: {"sin": a["sin"][:, :8]}, "cos/sin", id="sin-shape"),
+    pytest.param(lambda a: {"sin": torch.randn(2, 32)[:, :16]}, "same strides", id="sin-strides"),  # read with cos's
+    pytest.param(lambda a: {"v_cache": torch.randn(2, 2, 23, 16)[:, :, :20]}, "caches", id="v-strides"),  # k's
+    pytest.param(lambda a: {"v_cache": a["v_cache"][:, :, :19]}, "caches", id="v-shape"),
+    pytest.param(lambda a: {"valid": a["valid"].to(torch.uint8)}, "torch.bool", id="valid-uint8"),
+    pytest.param(lambda a: {"valid": a["valid"].float()}, "torch.bool", id="valid-float"),  # byte view: 4x wide
+    pytest.param(lambda a: {"k_cache": a["k_cache"].half(), "v_cache": a["v_cache"].half()}, "one dtype",
+                 id="cache-dtype"),
+    pytest.param(lambda a: {k: a[k].double() for k in ("q", "k", "v", "k_cache", "v_cache")}, "one dtype",
+                 id="fp64"),
+])
+def test_decode_attention_refuses_what_its_reads_would_get_wrong(change, message):
+    names = ("q", "k", "v", "cos", "sin", "k_cache", "v_cache", "valid", "slot")
+    args = dict(zip(names, _attention_case(torch.float32, 2, 6, 2, 16, 20, 3, seed=0)))
+    args.update(change(args))
+    with pytest.raises(MemfitError, match=message):
+        decode_attention(**args)
+
+
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
+def test_attention_blocks_are_dot_sized(variant):
+    """tl.dot needs at least 16 keys a block on the GPU (the interpreter does not check): short caches too."""
+    for L in (2, 5, 15, 16, 17, 100, 3000):
+        chunk, block_n, _ = launch_config(variant, L)
+        assert 16 <= block_n <= max(16, chunk) and chunk * triton.cdiv(L, chunk) >= L, (variant, L)
+
+
+def test_fp32_attention_follows_torch_matmul_precision(monkeypatch, caplog):
+    """fp32 dots are TF32 when torch's float32 matmul precision allows it (as memfit attention), IEEE by default."""
+    monkeypatch.setattr(log, "_said", set())
+    args = _attention_case(torch.float32, 1, 4, 2, 16, 20, 7, seed=1)
+    decode_attention(*args)
+    assert "TF32" not in caplog.text
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        decode_attention(*args)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert "TF32" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_argmax_matches_torch_with_ties(dtype):
+    x = torch.randn(3, 5000).to(dtype)
+    x[1, 4100] = x[1, 4999] = x[1, 2047] = 50          # a tie across blocks: the lowest index wins
+    x[2, :] = -1e4
+    x[2, 2048] = x[2, 2049] = 0                         # a tie inside a block
+    assert torch.equal(argmax(x), x.argmax(-1)) and argmax(x)[1] == 2047 and argmax(x)[2] == 2048

@@ -1,0 +1,244 @@
+"""The ledger: hand-computed sizes, the activation derivation against autograd, verify within 5%."""
+import pytest
+import torch
+
+from memfit.ledger.job import Job, Knobs
+from memfit.ledger.predict import predict
+from memfit.ledger.verify import verify
+from memfit.models import PRESETS, build_model
+from memfit.units import parse_bytes
+
+TINY = PRESETS["tiny"]
+
+
+def test_weights_are_the_parameter_bytes():
+    spec = PRESETS["llama-3.2-1b"]
+    ledger = predict(Job(spec, task="infer", seq=128), Knobs(dtype="bfloat16"))
+    # tied embeddings: 128256*2048 once; 16 layers; final norm
+    assert ledger.peak["weights"] == 2 * spec.num_params() == 2 * 1_235_814_400
+
+
+def test_adamw_state_is_two_copies_of_the_trainable_parameters():
+    ledger = predict(Job(TINY, task="full", seq=32, device="cpu"), Knobs(dtype="float32"))
+    assert ledger.trainable_params == TINY.num_params()
+    assert ledger.peak["optimizer"] == 2 * 4 * TINY.num_params() + 4 * len(
+        [p for p in build_model(TINY).parameters()])
+
+
+def test_lora_trains_only_the_adapters():
+    ledger = predict(Job(TINY, task="lora", seq=32, device="cpu"), Knobs(dtype="float32", lora_rank=4))
+    per_layer = sum(4 * (a + b) for a, b in TINY.linear_shapes().values())
+    assert ledger.trainable_params == TINY.num_layers * per_layer
+
+
+def test_decode_kv_cache_is_two_layers_of_keys_and_values_per_token():
+    spec = PRESETS["llama-3.1-8b"]
+    job = Job(spec, task="infer", seq=1024, batch=2, new_tokens=8192)
+    ledger = predict(job, Knobs(dtype="bfloat16"))
+    assert ledger.peak_phase == "decode"
+    assert ledger.peak["kv_cache"] == 2 * spec.num_layers * 2 * (1024 + 8192) * spec.kv_dim * 2
+
+
+def test_a_ledger_handed_out_cannot_change_the_cache():
+    job = Job(TINY, task="infer", seq=16, device="cpu")
+    first = predict(job, Knobs(dtype="float32"))
+    first.peak["weights"] = 0
+    assert predict(job, Knobs(dtype="float32")).peak["weights"] > 0
+
+
+def _saved_bytes(model, ids) -> int:
+    """Bytes of distinct non-parameter storages autograd saves in one forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids).loss
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype,task", [("float32", "full"), ("bfloat16", "full"), ("float32", "lora"),
+                                        ("bfloat16", "lora")])
+def test_saved_activations_match_what_autograd_saves(dtype, task):
+    """The derivation in ledger/graph.py against the tensors autograd really keeps."""
+    from memfit.ledger.predict import _train_graph
+    from memfit.ledger.simulate import Memory, replay_forward
+
+    job = Job(TINY, task=task, seq=48, batch=2, device="cpu")
+    knobs = Knobs(dtype=dtype, lora_rank=8)
+    graph, loss = _train_graph(job, knobs)
+    saved = replay_forward(graph.ops, Memory({}), "forward", keep={loss.uid})
+    sizes = {}
+    for op in graph.ops:
+        for sym in op.inputs + op.outputs:
+            sizes[sym.root.uid] = sym.root
+    predicted = sum(sizes[uid].nbytes for uid in saved if uid in sizes and not sizes[uid].persistent)
+
+    model = build_model(TINY, dtype=dtype).train()
+    if task == "lora":
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=8, lora_dropout=0.0, target_modules=list(knobs.lora_targets)))
+    ids = torch.randint(0, TINY.vocab, (2, 48))
+    measured = _saved_bytes(model, ids) - 8 * ids.numel()  # labels are an input, not an activation
+    assert abs(predicted - measured) / measured < 0.01, (predicted, measured)
+
+
+CASES = [
+    ("full", {}), ("lora", {}), ("lora", {"dtype": "bfloat16"}), ("infer", {}),
+    ("full", {"checkpoint_layers": 1}), ("lora", {"checkpoint_layers": 2}),
+    ("full", {"optimizer": "sgd"}), ("full", {"micro_batch": 1}),
+]
+
+
+@pytest.mark.parametrize("task,changes", CASES, ids=[f"{t}-{c}" for t, c in CASES])
+def test_verify_on_cpu_within_five_percent(task, changes):
+    job = Job(TINY, task=task, seq=64, batch=2, device="cpu", new_tokens=8)
+    result = verify(job, Knobs(dtype="float32", micro_batch=2).with_(**changes))
+    assert result.ok, f"{100 * result.error:+.2f}%"
+    assert abs(result.error) < 0.05
+
+
+def test_budget_parsing():
+    from memfit.errors import MemfitError
+
+    assert parse_bytes("8GiB") == 8 * 2**30
+    assert parse_bytes("8GB") == 8 * 10**9
+    assert parse_bytes("8000MiB") == 8000 * 2**20
+    assert parse_bytes("0.5TiB") == 2**39
+    for bad in ("8XB", "", "-1GiB", "0GB", "eight", "0.1", "0.5B", "1e400GiB"):
+        with pytest.raises(MemfitError, match="memory size|unit"):
+            parse_bytes(bad)
+
+
+def test_verify_refuses_what_it_would_not_build():
+    from memfit.errors import MemfitError
+
+    job = Job(TINY, task="infer", seq=16, device="cpu")
+    for knobs in (Knobs(dtype="float32", blr_method="lowrank"), Knobs(dtype="float32", partial_load=0.5,
+                                                                       partial_compute=0.5),
+                  Knobs(dtype="float32", attention="memfit")):
+        with pytest.raises(MemfitError):
+            verify(job, knobs)
+
+
+def test_fused_loss_on_cpu_within_five_percent():
+    """The fused linear cross-entropy path (memfit.train.patch) with prompt tokens ignored."""
+    job = Job(TINY, task="lora", seq=128, batch=2, device="cpu", loss_fraction=0.3)
+    result = verify(job, Knobs(dtype="float32", micro_batch=2, checkpoint_layers=1, fused_ce=True))
+    assert result.ok, f"{100 * result.error:+.2f}%"
+
+
+def test_fused_loss_removes_the_logits_from_the_peak():
+    spec = PRESETS["llama-3.2-3b"]
+    job = Job(spec, task="lora", seq=4096, loss_fraction=0.3)
+    plain = predict(job, Knobs(checkpoint_layers=28))
+    fused = predict(job, Knobs(checkpoint_layers=28, fused_ce=True))
+    assert plain.peak.get("logits", 0) > 4 * 2**30  # 4096 x 128256 fp32, twice
+    assert fused.peak.get("logits", 0) < 2**20
+    assert fused.total < plain.total - 4 * 2**30
+
+
+def test_offload_keeps_checkpoint_inputs_off_the_gpu():
+    spec = PRESETS["llama-3.2-3b"]
+    job = Job(spec, task="lora", seq=8192)
+    on_gpu = predict(job, Knobs(checkpoint_layers=28, fused_ce=True))
+    offloaded = predict(job, Knobs(checkpoint_layers=28, offload_layers=28, fused_ce=True))
+    layer_input = 8192 * spec.hidden * 2
+    # all but the two inputs in flight (the layer being recomputed and the prefetched one) leave the GPU
+    assert on_gpu.total - offloaded.total >= 25 * layer_input
+
+
+def test_four_bit_base_weights():
+    from memfit.train.four_bit import nf4_bytes
+
+    spec = PRESETS["llama-3.2-1b"]
+    job = Job(spec, task="lora", seq=512)
+    ledger = predict(job, Knobs(four_bit=True))
+    linear = spec.num_layers * sum(nf4_bytes(a, b) for a, b in spec.linear_shapes().values())
+    rest = 2 * (spec.num_params() - spec.num_layers * sum(a * b for a, b in spec.linear_shapes().values()))
+    lora = 4 * spec.num_layers * sum(16 * (a + b) for a, b in spec.linear_shapes().values())
+    assert ledger.peak["weights"] == linear + rest + lora
+
+
+def test_memfit_attention_keeps_what_sdpa_keeps_without_the_flash_workspace():
+    from memfit.ledger.predict import _train_graph
+
+    spec = PRESETS["llama-3.2-1b"]
+    job = Job(spec, task="lora", seq=4096)
+
+    def attention_op(knobs):
+        graph, _ = _train_graph(job, knobs)
+        return next(op for op in graph.ops if op.name == "0.sdpa")
+
+    sdpa, ours = attention_op(Knobs()), attention_op(Knobs(attention="memfit"))
+    assert [s.nbytes for s in sdpa.saves] == [s.nbytes for s in ours.saves]
+    assert sdpa.backward_workspace == 4096 * spec.q_dim * 4 + 2 * 4096 * spec.q_dim * 2  # fp32 dQ, per-head dK/dV
+    assert ours.backward_workspace == 4096 * spec.num_heads * 4  # delta only
+
+
+def test_partial_ffn_loading_keeps_gamma_of_the_middle_layers_neurons():
+    from memfit.infer.partial_load import PartialConfig
+
+    spec = PRESETS["llama-3.2-3b"]
+    job = Job(spec, task="infer", seq=128, new_tokens=256)
+    dense = predict(job, Knobs(dtype="float16"))
+    partial = predict(job, Knobs(dtype="float16", partial_load=0.7, partial_compute=0.4))
+    loaded = PartialConfig(load=0.7).counts(spec.intermediate)[2]
+    dropped = (spec.num_layers - 4) * 3 * spec.hidden * (spec.intermediate - loaded) * 2
+    assert dense.peak["weights"] - partial.peak["weights"] == dropped
+
+
+def test_infer_planner_offers_partial_loading_beside_quantisation(capsys):
+    from memfit.cli import main
+
+    assert main(["plan", "--model", "llama-3.2-3b", "--task", "infer", "--seq", "128", "--dtype", "float16",
+                 "--gpu-memory", "6GiB", "--json"]) == 0
+    import json
+
+    techniques = [t for p in json.loads(capsys.readouterr().out)["plans"] for t in p["techniques"]]
+    assert any(t.startswith("partial FFN") for t in techniques)
+    assert any(t.startswith("4-bit") for t in techniques)
+
+
+def test_block_low_rank_model_weights_follow_the_compression_plan():
+    from memfit.compress import compressed_param_count
+
+    spec = PRESETS["llama-3.2-1b"]
+    job = Job(spec, task="infer", seq=1024, new_tokens=64)
+    ledger = predict(job, Knobs(blr_method="blast", blr_ratio=0.5))
+    assert ledger.peak["weights"] == compressed_param_count(spec, "blast", 0.5, 16)["model_compressed"] * 2
+    with pytest.raises(Exception, match="divisible"):
+        predict(Job(TINY, task="infer", seq=8, device="cpu"), Knobs(dtype="float32", blr_method="monarch",
+                                                                   blr_blocks=7))
+
+
+@pytest.mark.parametrize("method", ["lowrank", "monarch", "blast"])
+def test_blr_transient_bounds_the_pytorch_pipeline(method):
+    """The ledger's per-token transient of a BLR op is an upper bound of what its most demanding pipeline
+    (the PyTorch one, which the pick may take) holds beyond x and y, and not loose by more than 2x."""
+    from memfit.kernels.blast import blast_linear_reference
+    from memfit.kernels.lowrank import lowrank_linear_reference
+    from memfit.kernels.monarch import monarch_linear_reference
+    from memfit.ledger.predict import blr_transient_per_token
+    from memfit.measure.memory import TensorLifetimeTracker
+
+    tokens, blocks, m, p, rank = 64, 4, 12, 20, 16
+    x = torch.randn(tokens, blocks * m)
+    if method == "lowrank":
+        weights, run = (torch.randn(blocks * p, rank), torch.randn(blocks * m, rank)), lowrank_linear_reference
+    elif method == "monarch":
+        weights, run = (torch.randn(blocks, m, rank), torch.randn(blocks, rank, p)), monarch_linear_reference
+    else:
+        weights = (torch.randn(blocks, p, rank), torch.randn(blocks, m, rank), torch.randn(blocks, blocks, rank))
+        run = blast_linear_reference
+    with TensorLifetimeTracker((x, *weights)) as tracker:
+        y = run(x, *weights)
+    held = tracker.peak - tracker.baseline - y.numel() * y.element_size()
+    bound = blr_transient_per_token(method, rank, blocks, blocks * p) * tokens * x.element_size()
+    assert held <= bound, (held, bound)
+    assert held >= bound / 2, (held, bound)

@@ -1,0 +1,326 @@
+"""Partial FFN loading/computation (memfit.infer): exactness, counts, the selection rule, loading, errors."""
+import argparse
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memfit.errors import MemfitError
+from memfit.infer import partial_load
+from memfit.infer.calibrate import Rankings, calibrate, prompt_batches, read_prompts
+from memfit.infer.generate import Generator, weight_bytes_per_token
+from memfit.infer.partial_load import PartialConfig, expected_ffn_params, ffn_params, load_model
+from memfit.infer.selection import PartialMLP, choose_neurons, count_top_activations, partial_mlps
+from memfit.models import PRESETS, build_model, save_model_dir
+
+SPEC = PRESETS["tiny"].with_(num_layers=5)          # hidden 64, intermediate 176, GQA 4/2, vocab 512
+PARTIAL = dict(full_first=1, full_last=1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    directory = save_model_dir(SPEC, tmp_path_factory.mktemp("tiny"))
+    dense = load_model(directory)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 512, (3, 24), generator=gen), torch.ones(3, 24, dtype=torch.long), task)
+               for task in (None, "code")]
+    calibrate(dense, batches).save(directory / "rankings.safetensors")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def dense(model_dir):
+    return load_model(model_dir)
+
+
+def _ids(shape, seed):
+    return torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_gamma_phi_one_equals_dense_exactly(model_dir, dense, fused):
+    """gamma = phi = 1 equals the dense model bit for bit through the same path: the Hugging Face forward,
+    and the decode loop with separate matmuls (``fused=False``) or fused ones (one q/k/v and one gate/up matmul,
+    the same shapes for the partial and the dense model). The fused loop against the *unfused* one agrees only
+    to rounding (other matmul shapes may sum in another order): ``test_fused_decode_matches_unfused``."""
+    full = load_model(model_dir, PartialConfig(load=1.0, compute=1.0, **PARTIAL))
+    assert len(partial_mlps(full)) == 3
+    x = _ids((2, 11), 2)
+    assert torch.equal(full(x).logits, dense(x).logits)
+    out_full = Generator(full, 24, fused=fused).generate(x[:1], 12).tokens
+    out_dense = Generator(dense, 24, fused=fused).generate(x[:1], 12).tokens
+    assert torch.equal(out_full, out_dense)
+    assert torch.equal(Generator(full, 24, batch=2, fused=fused).score(x, 5), Generator(dense, 24, batch=2, fused=fused).score(x, 5))
+
+
+def test_fused_decode_matches_unfused(model_dir, dense):
+    """The fused layout shares storage (no extra bytes) and the fused loop equals the unfused one to fp32 rounding."""
+    for layer in dense.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+        assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_proj.weight.untyped_storage().data_ptr()
+    plain = load_model(model_dir, fuse=False)
+    assert sum(p.numel() for p in plain.parameters()) == sum(p.numel() for p in dense.parameters())
+    config = PartialConfig(load=0.7, compute=0.4, **PARTIAL)
+    seq = _ids((2, 16), 9)
+    for model in (dense, load_model(model_dir, config)):
+        fused, unfused = Generator(model, 20, batch=2), Generator(model, 20, batch=2, fused=False)
+        assert fused.fused_layers == SPEC.num_layers and unfused.fused_layers == 0
+        got, ref = fused.score(seq, 7), unfused.score(seq, 7)
+        assert 0 < (got - ref).norm() / ref.norm() < 1e-5 or torch.equal(got, ref)
+        assert torch.equal(fused.generate(seq, 4).tokens, unfused.generate(seq, 4).tokens)
+    assert Generator(plain, 20).fused_layers == 0                     # separate tensors: decodes unfused, same result
+    assert torch.equal(Generator(plain, 20, fused=False).score(seq[:1], 7), Generator(dense, 20, fused=False).score(seq[:1], 7))
+
+
+def test_attention_output_in_the_gpu_kernels_layout(monkeypatch):
+    """Regression: the memory-efficient/cuDNN SDPA kernels return (B, heads, rows, D) over (B, rows, heads, D) memory;
+    merging heads with ``view`` crashed on it (small-model shape: 6 query / 2 KV heads, fp32 on the H200)."""
+    from memfit.infer import generate
+
+    spec = PRESETS["tiny"].with_(num_layers=2, hidden=96, intermediate=64, num_heads=6, num_kv_heads=2, head_dim=16, vocab=259)
+    model = build_model(spec, dtype="float32", device="cpu")
+    seq = _ids((1, 12), 10) % 259
+    expected = Generator(model, 16, fused=False).score(seq, 5)
+    original, seen = generate._attention, []
+
+    def gpu_layout(*args):
+        o = original(*args).transpose(1, 2).contiguous().transpose(1, 2)
+        seen.append(o.shape)
+        with pytest.raises(RuntimeError, match="view size"):       # what the old merge did
+            o.view(o.shape[0], spec.num_heads, -1, o.shape[-1])
+        return o
+    monkeypatch.setattr(generate, "_attention", gpu_layout)
+    assert torch.equal(Generator(model, 16, fused=False).score(seq, 5), expected)
+    assert seen and all(shape[2] > 1 for shape in seen)                # grouped rows: G * T
+
+
+def test_decode_loop_matches_hf_greedy_and_forward(dense):
+    x = _ids((1, 7), 3)
+    out = Generator(dense, 20).generate(x, 9).tokens
+    ids = x
+    for _ in range(9):
+        ids = torch.cat([ids, dense(ids).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(out, ids[:, 7:])
+    seq = _ids((2, 15), 4)
+    ref = dense(seq).logits[:, 5:14]
+    got = Generator(dense, 20, batch=2).score(seq, 6)
+    assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+def test_batch_left_padding_matches_single(dense):
+    x = _ids((2, 9), 5)
+    mask = torch.ones_like(x)
+    mask[1, :4] = 0
+    both = Generator(dense, 20, batch=2).generate(x, 8, attention_mask=mask).tokens
+    alone = Generator(dense, 20).generate(x[1:, 4:], 8).tokens
+    assert torch.equal(both[1], alone[0])
+
+
+@pytest.mark.parametrize("gamma", [0.5, 0.7])
+def test_loaded_parameter_count_matches_gamma(model_dir, dense, gamma):
+    config = PartialConfig(load=gamma, compute=0.4, **PARTIAL)
+    model = load_model(model_dir, config)
+    k = round(gamma * SPEC.intermediate / 8) * 8
+    for mlp in partial_mlps(model):
+        assert mlp.gate_weight.shape == mlp.up_weight.shape == (k, SPEC.hidden)
+        assert mlp.down_weight.shape == (SPEC.hidden, k)
+    assert ffn_params(model) == expected_ffn_params(SPEC, config) == 3 * SPEC.hidden * (3 * k + 2 * SPEC.intermediate)
+    saved = 3 * 3 * SPEC.hidden * (SPEC.intermediate - k)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in dense.parameters()) - saved
+    # loaded neurons hold exactly the dense weights of their ids
+    mlp, layer = model.model.layers[2].mlp, dense.model.layers[2].mlp
+    assert torch.equal(mlp.gate_weight, layer.gate_proj.weight[mlp.neuron_ids])
+    assert torch.equal(mlp.down_weight, layer.down_proj.weight[:, mlp.neuron_ids])
+
+
+def test_selection_rule_on_hand_made_activations():
+    # 5 tokens x 10 neurons; keep = top ceil(0.2 * 10) = 2 per token, only if positive
+    h = torch.tensor([
+        [9., 8., 0., 0., 0., 0., 0., 0., 0., 0.],     # keeps 0, 1
+        [9., 0., 7., 0., 0., 0., 0., 0., 0., 0.],     # keeps 0, 2
+        [-1, -1, -1, -1, -1, -1, -1, -1, 3., -2],     # keeps 8 only (the second best is negative)
+        [0., 5., 0., 0., 0., 0., 0., 0., 6., 0.],     # keeps 8, 1
+        [9., 9., 9., 9., 9., 9., 9., 9., 9., 9.],     # padding: counts nothing
+    ])
+    mask = torch.tensor([True, True, True, True, False])
+    counts = count_top_activations(h, token_mask=mask)
+    assert counts.tolist() == [2, 2, 1, 0, 0, 0, 0, 0, 2, 0]
+    base = torch.zeros(10, dtype=torch.bool)
+    base[[5, 9]] = True
+    # m = 5: base {5, 9} + the three most counted of {0, 1, 8} (count 2)
+    assert choose_neurons(counts, base, 5).tolist() == [0, 1, 5, 8, 9]
+    # m = 4: a tie among 0, 1, 8 for two places goes to the better calibration priority (lower)
+    priority = torch.tensor([9, 8, 7, 6, 5, 4, 3, 2, 1, 0])
+    assert choose_neurons(counts, base, 4, priority).tolist() == [1, 5, 8, 9]
+    with pytest.raises(MemfitError, match="base neurons"):
+        choose_neurons(counts, base, 1)
+
+
+def test_partial_mlp_permutes_contiguously_and_restores():
+    k, hidden = 12, 7
+    ids = torch.arange(0, 24, 2)
+    mlp = PartialMLP(hidden, ids, torch.zeros(k, dtype=torch.bool), torch.arange(k), 4, F.silu)
+    for p in mlp.parameters():
+        p.data.normal_()
+    gate, down = mlp.gate_weight.clone(), mlp.down_weight.clone()
+    x = torch.randn(1, 6, hidden)
+    mlp.begin_prompt()
+    full = mlp(x)
+    chosen = mlp.end_prompt()
+    positions = torch.searchsorted(ids, chosen)
+    assert mlp.active == 4 and torch.equal(mlp.gate_weight[:4], gate[positions])
+    assert torch.equal(mlp.down_weight[:, :4], down[:, positions])
+    expected = F.linear(F.silu(F.linear(x, gate[positions])) * F.linear(x, mlp.up_weight[:4]), down[:, positions])
+    assert torch.allclose(mlp(x), expected, atol=1e-6)
+    mlp.restore()
+    assert torch.equal(mlp.gate_weight, gate) and torch.equal(mlp.down_weight, down) and torch.equal(mlp.neuron_ids, ids)
+    assert torch.equal(mlp(x), full)
+
+
+def _masked_reference(dense, config, model, seq, prompt_len):
+    """Dense forward where partial layers use their loaded neurons on the prompt and the selected ones after it."""
+    layers = config.partial_layers(SPEC.num_layers)
+    originals = {}
+    for index, mlp in zip(layers, partial_mlps(model)):
+        loaded = torch.zeros(SPEC.intermediate)
+        loaded[mlp.neuron_ids] = 1
+        selected = torch.zeros(SPEC.intermediate)
+        selected[mlp.neuron_ids[: mlp.active]] = 1
+        dense_mlp = dense.model.layers[index].mlp
+        originals[index] = dense_mlp.forward
+
+        def forward(x, m=dense_mlp, loaded=loaded, selected=selected):
+            h = m.act_fn(m.gate_proj(x)) * m.up_proj(x)
+            h = torch.cat([h[:, :prompt_len] * loaded, h[:, prompt_len:] * selected], dim=1)
+            return m.down_proj(h)
+        dense_mlp.forward = forward
+    try:
+        return dense(seq).logits
+    finally:
+        for index, fn in originals.items():
+            dense.model.layers[index].mlp.forward = fn
+
+
+def test_partial_decode_computes_the_selected_neurons(model_dir, dense):
+    config = PartialConfig(load=0.7, compute=0.4, **PARTIAL)
+    model = load_model(model_dir, config)
+    seq = _ids((1, 16), 6)
+    got = Generator(model, 20).score(seq, 9)
+    ref = _masked_reference(dense, config, model, seq, 9)[:, 8:15]
+    assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
+    # decode really differs from the loaded-neuron model (the test can fail)
+    assert not torch.allclose(got, dense(seq).logits[:, 8:15], atol=1e-3)
+    dense_bytes = weight_bytes_per_token(dense)
+    saved = 3 * 3 * SPEC.hidden * (SPEC.intermediate - 72) * 4   # 3 partial layers computing 72 of 176 neurons, fp32
+    assert weight_bytes_per_token(model) == dense_bytes - saved
+
+
+def test_compute_all_layers_selects_in_full_layers_too(model_dir):
+    config = PartialConfig(load=0.7, compute=0.4, compute_all_layers=True, **PARTIAL)
+    model = load_model(model_dir, config)
+    mlps = partial_mlps(model)
+    assert [m.loaded for m in mlps] == [176, 120, 120, 120, 176] and all(m.compute == 72 for m in mlps)
+    assert ffn_params(model) == expected_ffn_params(SPEC, config)
+    Generator(model, 16).generate(_ids((1, 8), 8), 2)
+    assert all(m.active == 72 for m in mlps)
+
+
+def test_saved_rankings_reload_with_same_selection(model_dir, dense, tmp_path):
+    config = PartialConfig(load=0.7, compute=0.4, task="code", **PARTIAL)
+    first = load_model(model_dir, config)
+    again = load_model(model_dir, config, rankings=Rankings.load(model_dir / "rankings.safetensors"))
+    for a, b in zip(partial_mlps(first), partial_mlps(again)):
+        assert torch.equal(a.neuron_ids, b.neuron_ids) and torch.equal(a.base, b.base)
+    prompt = _ids((1, 10), 7)
+    sel_a = Generator(first, 16).generate(prompt, 3).selected
+    sel_b = Generator(again, 16).generate(prompt, 3).selected
+    assert all(torch.equal(a, b) for a, b in zip(sel_a, sel_b))
+    # the task ranking's top-delta neurons are the base of each layer
+    rank = Rankings.load(model_dir / "rankings.safetensors").rank("code")
+    for index, mlp in zip(config.partial_layers(SPEC.num_layers), partial_mlps(first)):
+        assert set(mlp.neuron_ids[mlp.base].tolist()) == set(rank[index, :56].tolist())
+
+
+def test_loader_never_materialises_discarded_neurons(model_dir, monkeypatch):
+    monkeypatch.setattr(partial_load, "CHUNK_BYTES", 64 * 4 * 2 * 16)   # 16 rows of the FFN at a time
+    reads = []
+    original = partial_load._Reader._slice
+
+    def spy(self, name):
+        sl = original(self, name)
+
+        class Slice:
+            def get_shape(self):
+                return sl.get_shape()
+
+            def __getitem__(self, key):
+                part = sl[key]
+                reads.append((name, tuple(part.shape)))
+                return part
+        return Slice()
+    monkeypatch.setattr(partial_load._Reader, "_slice", spy)
+    model = load_model(model_dir, PartialConfig(load=0.5, compute=0.5, **PARTIAL))
+    ffn_reads = [shape for name, shape in reads if ".mlp." in name and not name.startswith(("model.layers.0.", "model.layers.4."))]
+    assert ffn_reads and max(rows for rows, _ in ffn_reads) <= 16     # discarded rows pass only through small CPU chunks
+    for mlp in partial_mlps(model):                                  # ...and the model holds the kept ones only
+        assert mlp.gate_weight.shape == (88, SPEC.hidden) and mlp.down_weight.shape == (SPEC.hidden, 88)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(load=0.0), "load"), (dict(load=1.5), "load"), (dict(load=0.5, compute=0.7), "cannot exceed"),
+    (dict(load=0.7, compute=0.4, base=0.5), "base"), (dict(full_first=3, full_last=3), "exceeds"),
+    (dict(full_first=-1), "full_first"),
+])
+def test_bad_options_are_memfit_errors(model_dir, kwargs, match):
+    with pytest.raises(MemfitError, match=match):
+        load_model(model_dir, PartialConfig(**kwargs))
+
+
+def test_bad_inputs_are_memfit_errors(model_dir, dense, tmp_path):
+    other = Rankings(scores={"general": torch.rand(3, 100)})
+    with pytest.raises(MemfitError, match="3 layers x 100"):
+        load_model(model_dir, PartialConfig(load=0.5), rankings=other)
+    with pytest.raises(MemfitError, match="memfit calibrate"):
+        load_model(model_dir, PartialConfig(load=0.5), rankings=tmp_path / "none.safetensors")
+    with pytest.raises(MemfitError, match="task 'nope'"):
+        load_model(model_dir, PartialConfig(load=0.5, task="nope"))
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"text": "ok"}\n{"txt": "no"}\n')
+    with pytest.raises(MemfitError, match="p.jsonl:2"):
+        read_prompts(bad)
+    gen = Generator(dense, 8)
+    with pytest.raises(MemfitError, match="fit in max_len"):
+        gen.generate(_ids((1, 8), 0), 1)
+    mask = torch.ones(1, 4, dtype=torch.long)
+    mask[0, -1] = 0
+    with pytest.raises(MemfitError, match="left"):
+        gen.generate(_ids((1, 4), 0), 2, attention_mask=mask)
+
+
+def test_cli_calibrate_then_generate(model_dir, tmp_path, capsys):
+    from memfit.commands import calibrate as calibrate_cmd
+    from memfit.commands import generate as generate_cmd
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t, "task": "qa"}) for t in ("hello there", "what is 2+2?")) + "\n")
+    out = tmp_path / "r.safetensors"
+    args = dict(model=str(model_dir), data=str(data), out=str(out), force=False, max_tokens=64, batch_size=2,
+                device="cpu", dtype=None)
+    assert calibrate_cmd.run(argparse.Namespace(**args)) == 0
+    assert Rankings.load(out).tasks == ["qa"]
+    with pytest.raises(MemfitError, match="--force"):
+        calibrate_cmd.run(argparse.Namespace(**args))
+    gen_args = dict(model=str(model_dir), prompt=["hi"], max_new=4, load=0.7, compute=0.4, base=None, full_first=1,
+                    full_last=1, task="qa", rankings=str(out), compute_all_layers=True, temperature=0.0, device="cpu", dtype=None, no_graphs=False)
+    assert generate_cmd.run(argparse.Namespace(**gen_args)) == 0
+    with pytest.raises(MemfitError, match="not a model directory"):
+        generate_cmd.run(argparse.Namespace(**{**gen_args, "model": "tiny"}))
+
+
+def test_prompt_batches_group_by_task():
+    prompts = [{"text": "ab", "task": None}, {"text": "abcd", "task": "x"}, {"text": "abc", "task": None}]
+    batches = list(prompt_batches(prompts, lambda t: list(t.encode()), max_tokens=3, batch_size=4))
+    assert [(tuple(ids.shape), int(mask.sum()), task) for ids, mask, task in batches] == [((2, 3), 5, None), ((1, 3), 3, "x")]
