@@ -1,1 +1,0 @@
-"""One module per ``memfit`` verb: ``add_parser(subparsers)`` and ``run(args) -> int``."""

@@ -1,1 +1,0 @@
-"""Measurement: peak-memory tracking, timing, roofline, benchmark result files."""
