@@ -92,10 +92,12 @@ def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):
         assert ("two_stage_pdl" in monarch.variants_for(16, 128, 32, False)) == offered
         assert ("z_mixgemm_pdl" in blast.variants_for(16)) == offered
         assert ("bgemm_mix_bgemm_pdl" in blast.variants_for(16)) == offered
+        assert ("mix_bgemm_pdl" in blast.variants_for(16)) == offered
         assert ("bgemm_pdl" in lowrank.variants_for(16)) == offered
     assert "z_mixgemm_pdl" not in blast.variants_for(blr_common.PDL_MAX_N + 1)
     assert blr_common.chain_options(True, True)["launch_pdl"] is True
-    assert "launch_pdl" not in blr_common.chain_options(True, False)
+    assert blr_common.chain_options(True, False) == {"LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False}
+    assert blr_common.chain_options(launch_dependents=True) == {"LAUNCH_DEPENDENTS": True}
 
 
 def test_a_chained_stage_needs_weights_with_a_unit_stride():
@@ -110,7 +112,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from memfit.kernels import blast, blr_common
 
-kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel}
+kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
+           "mix": blast._mix_kernel}
 out = {}
 for name, (kernel, constexprs) in json.loads(sys.argv[1]).items():
     fn = kernels[kernel].fn
@@ -127,9 +130,11 @@ WAITS = {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": True}
 CHAIN_CASES = {
     "bgemm waits, weights row-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True}),
     "bgemm waits, weights k-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": False}),
-    "mixgemm waits": ("mixgemm", {**CHAIN_BASE, **WAITS, "BB": 16}),
+    "mixgemm waits": ("mixgemm", {**CHAIN_BASE, "WAIT_FOR_PREVIOUS": True, "BB": 16}),
     "zmix waits and launches": ("zmix", {"BB": 16, "PRECISION": "tf32", "LAUNCH_DEPENDENTS": True,
                                          "WAIT_FOR_PREVIOUS": True, "BN": 16, "BK": 32}),
+    "mix launches": ("mix", {"BB": 16, "BM": 64, "ONE_K": True, "PRECISION": "tf32", "LAUNCH_DEPENDENTS": True,
+                             "BN": 16, "BK": 32}),
     "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
                                  "B_ROWS_CONTIGUOUS": True}),
 }
@@ -169,8 +174,9 @@ def test_chained_mixing_lets_the_next_start_then_waits_for_z(sm90_ptx):
     assert ptx.rfind("ld.global") > ptx.find("griddepcontrol.wait")
 
 
-def test_first_stage_of_a_chain_lets_the_next_start_before_its_loads(sm90_ptx):
-    ptx = sm90_ptx["bgemm launches"]
+@pytest.mark.parametrize("case", [c for c in CHAIN_CASES if "waits" not in c])
+def test_first_stage_of_a_chain_lets_the_next_start_before_its_loads(sm90_ptx, case):
+    ptx = sm90_ptx[case]
     assert "griddepcontrol.wait" not in ptx and "prefetch.global.L2" not in ptx
     launch = ptx.find("griddepcontrol.launch_dependents")
     assert 0 <= launch < min(ptx.find(op) for op in ("ld.global", "cp.async") if op in ptx)
@@ -253,6 +259,35 @@ def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
     monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
     assert blr_common.pick_variant("op", (16,), candidates, "slow", ()) == "slow"
     assert warned and "capture" in warned[0]
+
+
+def test_pick_times_each_variant_after_an_l2_flush_and_subtracts_the_flush(monkeypatch):
+    """(flush + call) minus the flush alone; the flush writes more than an H200's L2 before every call."""
+    import triton.testing
+
+    from memfit.kernels import blr_common
+
+    calls, medians = [], [5.0, 3.0]                   # flush + call, then the flush alone
+
+    def fake_bench(fn, rep, return_mode):
+        fn()
+        return medians.pop(0)
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", fake_bench)
+    monkeypatch.setattr(blr_common, "_FLUSH_BUFFERS", {})
+    x = torch.ones(4)
+    assert blr_common._time_candidate("op", "v", lambda t: calls.append(t.sum()), (x,)) == 2.0
+    assert len(calls) == 1
+    buffer = blr_common._FLUSH_BUFFERS[x.device]
+    assert buffer.numel() == blr_common.L2_FLUSH_BYTES > 50 * 2**20 and not buffer.any()
+
+    def broken(t):
+        raise RuntimeError("out of resources")
+
+    warned = []
+    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
+    assert blr_common._time_candidate("op", "broken", broken, (x,)) == float("inf")
+    assert "broken" in warned[0]
 
 
 def test_fp32_blr_dots_follow_torch_matmul_precision(monkeypatch, caplog):

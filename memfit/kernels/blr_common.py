@@ -3,7 +3,8 @@
 * ``pick_variant``: each op has several complete kernel pipelines (e.g. Triton GEMMs vs
   a Triton stage plus a cuBLAS stage); which is fastest depends on the shape. The first
   call for a shape times each candidate on the GPU (CUDA-graph replays, as the layers
-  run in decode) and remembers the winner in a JSON
+  run in decode, each after an L2 flush, as a model reads its weights from HBM) and
+  remembers the winner in a JSON
   file (``$MEMFIT_AUTOTUNE_CACHE``, default ``~/.cache/memfit/autotune.json``), keyed by
   GPU, Triton version, a digest of the candidates' source files, op and shape, so a
   second run does not retune and an edited kernel is timed afresh. Off the GPU (the
@@ -53,6 +54,8 @@ from memfit.log import warn_once
 _CACHE: dict | None = None
 TUNE = {"warmup": 5, "rep": 20}  # ms per tile config: short, so a cold run of many shapes stays fast
 PICK_REP_MS = 10                 # ms of graph replays per kernel variant in pick_variant
+L2_FLUSH_BYTES = 64 * 2**20      # written before each timed call in pick_variant: more than the H100/H200 L2 (50 MB)
+_FLUSH_BUFFERS: dict = {}
 
 
 def n_bucket(n: int) -> int:
@@ -121,17 +124,32 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
 
 
 def _time_candidate(op: str, name: str, fn, args: tuple) -> float:
-    """Median ms of ``fn(*args)`` as CUDA-graph replays (so a decode-sized variant's time is its
-    GPU time, not Python's launch overhead, which would favour the variant with fewer launches);
-    a variant that fails to compile, run or be captured here is skipped, with a warning."""
+    """Median ms of ``fn(*args)`` with a cold L2, as CUDA-graph replays (so a decode-sized
+    variant's time is its GPU time, not Python's launch overhead, which would favour the variant
+    with fewer launches). Each replay first writes ``L2_FLUSH_BYTES`` (evicting the weights, which
+    a model reads from HBM: a warm L2 would hide exactly the weight reads that the decode
+    pipelines overlap); the flush's own time, measured alone, is subtracted. A variant that
+    fails to compile, run or be captured here is skipped, with a warning."""
     from triton.testing import do_bench_cudagraph
 
+    def bench(call):
+        return float(do_bench_cudagraph(call, rep=PICK_REP_MS, return_mode="median"))
+
     try:
-        return float(do_bench_cudagraph(lambda: fn(*args), rep=PICK_REP_MS, return_mode="median"))
+        flush = _l2_flush(args)
+        return max(bench(lambda: (flush(), fn(*args))) - bench(flush), 0.0)
     except Exception as err:  # noqa: BLE001 (e.g. a config past this GPU's shared memory: the others still compete)
         warn_once(f"variant-failed:{op}:{name}", f"{op}: variant {name} failed here and is not picked: "
                   f"{type(err).__name__}: {str(err)[:200]}")
         return float("inf")
+
+
+def _l2_flush(args: tuple):
+    """fn() writing ``L2_FLUSH_BYTES`` on the device of the first tensor in ``args`` (buffer kept per device)."""
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    if device not in _FLUSH_BUFFERS:
+        _FLUSH_BUFFERS[device] = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+    return _FLUSH_BUFFERS[device].zero_
 
 
 def recompute_backward(reference, n_tensors: int, n_options: int = 0):
@@ -222,14 +240,19 @@ def pdl_offered() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-def chain_options(launch_dependents: bool, wait_for_previous: bool) -> dict:
-    """Kernel keyword arguments for a stage in a chain: the GDC constexprs and, for a stage that
-    waits, the launch attribute that lets it start before the previous kernel ends (all off
-    under the interpreter, which has no launches to overlap and no inline PTX)."""
-    if interpreting():
-        return {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False}
-    options = {"LAUNCH_DEPENDENTS": launch_dependents, "WAIT_FOR_PREVIOUS": wait_for_previous}
-    return options | ({"launch_pdl": True} if wait_for_previous else {})
+def chain_options(launch_dependents: bool | None = None, wait_for_previous: bool | None = None) -> dict:
+    """Kernel keyword arguments for a stage in a chain: the GDC constexprs the kernel has (None:
+    it has no such flag) and, for a stage that waits, the launch attribute that lets it start
+    before the previous kernel ends (all off under the interpreter, which has no launches to
+    overlap and no inline PTX)."""
+    on = not interpreting()
+    options = {}
+    if launch_dependents is not None:
+        options["LAUNCH_DEPENDENTS"] = launch_dependents and on
+    if wait_for_previous is not None:
+        options["WAIT_FOR_PREVIOUS"] = wait_for_previous and on
+        options |= {"launch_pdl": True} if wait_for_previous and on else {}
+    return options
 
 
 @triton.jit
