@@ -92,7 +92,6 @@ def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):
         assert ("two_stage_pdl" in monarch.variants_for(16, 128, 32, False)) == offered
         assert ("z_mixgemm_pdl" in blast.variants_for(16)) == offered
         assert ("bgemm_mix_bgemm_pdl" in blast.variants_for(16)) == offered
-        assert ("mix_bgemm_pdl" in blast.variants_for(16)) == offered
         assert ("bgemm_pdl" in lowrank.variants_for(16)) == offered
     assert "z_mixgemm_pdl" not in blast.variants_for(blr_common.PDL_MAX_N + 1)
     assert blr_common.chain_options(True, True)["launch_pdl"] is True
@@ -112,8 +111,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from memfit.kernels import blast, blr_common
 
-kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
-           "mix": blast._mix_kernel}
+kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel}
 out = {}
 for name, (kernel, constexprs) in json.loads(sys.argv[1]).items():
     fn = kernels[kernel].fn
@@ -133,8 +131,6 @@ CHAIN_CASES = {
     "mixgemm waits": ("mixgemm", {**CHAIN_BASE, "WAIT_FOR_PREVIOUS": True, "BB": 16}),
     "zmix waits and launches": ("zmix", {"BB": 16, "PRECISION": "tf32", "LAUNCH_DEPENDENTS": True,
                                          "WAIT_FOR_PREVIOUS": True, "BN": 16, "BK": 32}),
-    "mix launches": ("mix", {"BB": 16, "BM": 64, "ONE_K": True, "PRECISION": "tf32", "LAUNCH_DEPENDENTS": True,
-                             "BN": 16, "BK": 32}),
     "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
                                  "B_ROWS_CONTIGUOUS": True}),
 }

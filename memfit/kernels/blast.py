@@ -15,10 +15,6 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   so Z never reaches memory and V is read once per token tile. T (N, b, r) is written
   once and read by the per-block GEMM (:func:`bgemm`) that makes Y. Traffic beyond the
   floor: T's write and read, 2 N b r elements; no recomputed FLOPs.
-* ``mix_bgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``mix_bgemm`` with stage 3 chained to the
-  mixing kernel (blr_common's programmatic dependent launch): at decode the mixing kernel
-  has few programs (one per rank chunk) and reads only V, while stage 3, launched at once,
-  pulls U (the larger factor at every Llama shape but down) into L2 on the other SMs.
 * ``mix_bmm``: the same mixing kernel, then stage 3 on cuBLAS (:func:`per_block_gemm`): T read
   as (b_i, N, r) (lda = b r), U_i^T as a transposed operand, Y written block-major
   through a (b, N, p) view (ldc = b p), no copy. Stage 3 holds most of the FLOPs, so
@@ -118,11 +114,9 @@ def _xv_step(x_ptr, v_ptr, rn, rm, rk, a0, N, M, R, sxn, sva, svk, acc, PRECISIO
 @triton.jit
 def _mix_kernel(x_ptr, v_ptr, s_ptr, t_ptr, N, M, R, B, N_BUCKET,
                 sxn, svj, sva, svk, ssi, ssj, ssk, stn, sti, stk,
-                BB: tl.constexpr, BM: tl.constexpr, ONE_K: tl.constexpr, PRECISION: tl.constexpr,
-                LAUNCH_DEPENDENTS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                BB: tl.constexpr, BM: tl.constexpr, ONE_K: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr):
     """T[n, i, k] = sum_j s[i, j, k] (X_j V_j)[n, k] for a (BN tokens, BK ranks) tile, all i."""
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
     rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     rm = tl.arange(0, BM)
@@ -157,26 +151,20 @@ def _store_t(t_ptr, t, rn, rb, rk, N, B, R, stn, sti, stk):
              t.to(t_ptr.dtype.element_ty), mask=mask)
 
 
-def _mix(x2, v, s, chained=False):
-    """T (N, b, r) = sum_j Z_j diag(s_ij) with Z on chip; ``chained``: the next kernel may start now."""
+def _mix(x2, v, s):
+    """T (N, b, r) = sum_j Z_j diag(s_ij) with Z on chip."""
     b, m, r = v.shape
     n = x2.shape[0]
     t = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
     bm = pow2_at_least(m) if m <= MIX_ONE_TILE_M else MIX_LOOP_BM
     grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
     _mix_kernel[grid](x2, v, s, t, n, m, r, b, n_bucket(n), x2.stride(0), *v.stride(), *s.stride(), *t.stride(),
-                      BB=pow2_at_least(b, 1), BM=bm, ONE_K=bm >= m, PRECISION=blr_precision(x2.dtype),
-                      **chain_options(launch_dependents=chained))
+                      BB=pow2_at_least(b, 1), BM=bm, ONE_K=bm >= m, PRECISION=blr_precision(x2.dtype))
     return t
 
 
-def _mix_bgemm(x2, u, v, s, bias, chained=False):
-    return per_block_gemm(_mix(x2, v, s, chained), u.transpose(1, 2), bias, cublas=False,   # Y_i = T_i U_i^T
-                          wait_for_previous=chained)
-
-
-def _mix_bgemm_pdl(x2, u, v, s, bias):
-    return _mix_bgemm(x2, u, v, s, bias, chained=True)
+def _mix_bgemm(x2, u, v, s, bias):
+    return per_block_gemm(_mix(x2, v, s), u.transpose(1, 2), bias, cublas=False)   # Y_i = T_i U_i^T
 
 
 def _mix_bmm(x2, u, v, s, bias):
@@ -329,14 +317,14 @@ def _z_mixgemm_pdl(x2, u, v, s, bias):
 
 
 VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "z_mixgemm": _z_mixgemm,
-            "z_mixgemm_pdl": _z_mixgemm_pdl, "mix_bgemm_pdl": _mix_bgemm_pdl, "bgemm_mix_bgemm_pdl": _bgemm_mix_bgemm_pdl,
+            "z_mixgemm_pdl": _z_mixgemm_pdl, "bgemm_mix_bgemm_pdl": _bgemm_mix_bgemm_pdl,
             "torch": blast_linear_reference}
 
 
 def variants_for(n: int) -> dict:
     """The pipelines worth timing at ``n`` tokens."""
     names = ["mix_bgemm", "mix_bmm", "bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
-    names += ["z_mixgemm_pdl", "bgemm_mix_bgemm_pdl", "mix_bgemm_pdl"] if n <= min(MIXGEMM_MAX_N, PDL_MAX_N) and pdl_offered() else []
+    names += ["z_mixgemm_pdl", "bgemm_mix_bgemm_pdl"] if n <= min(MIXGEMM_MAX_N, PDL_MAX_N) and pdl_offered() else []
     return {name: VARIANTS[name] for name in names}
 
 
