@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-# name|seconds|command, most pending first (after the fourth 2026-11-30 session: see its closing note)
+# name|seconds|command, most pending first (after the fifth 2026-11-30 session: see its closing note)
 RUNS=(
   "blr_e2e_memfit_attention|280|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
   "decode_profile|240|python3 benchmarks/decode_profile.py --out $OUT"

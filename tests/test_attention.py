@@ -196,6 +196,24 @@ def test_hugging_face_model_matches_sdpa():
     assert _rel(got[mask.bool()], want[mask.bool()]) < 1e-5
 
 
+def test_hugging_face_attention_compiles_to_one_graph_and_says_position_ids_are_not_inspected(caplog):
+    """Under torch.compile the packed-sequence check on position_ids would read a GPU tensor back at
+    every layer (a graph break: the benchmarks' prefill lost its CUDA graphs); it is skipped, said once."""
+    from memfit import log
+    from memfit.train.attention_hf import memfit_attention_forward
+
+    log._said.discard("attention_hf:compiled-position-ids")
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = (torch.randn(1, 2, 9, 16) for _ in range(3))
+    positions = torch.arange(9)[None]
+    want, _ = memfit_attention_forward(module, q, k, v, None, position_ids=positions)
+    compiled = torch.compile(memfit_attention_forward, fullgraph=True, backend="eager")
+    got, _ = compiled(module, q, k, v, None, position_ids=positions)
+    assert _rel(got, want) < 1e-6
+    assert "cu_seq_lens_q" in caplog.text
+
+
 def _patched_lora_step(attention, ids):
     from memfit.models import build_model
     from memfit.models.presets import PRESETS

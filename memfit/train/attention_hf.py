@@ -11,7 +11,9 @@ either no mask or a 2-D padding mask, never an N x N one). After that,
 * a padding mask: the valid tokens are packed (no padding computed) and run with
   ``cu_seqlens``, then scattered back (padded rows get zeros);
 * packed batches (``cu_seq_lens_q`` from a flattening collator, or ``position_ids`` that
-  restart): run packed as they are.
+  restart): run packed as they are. Under ``torch.compile`` the ``position_ids`` are not
+  inspected (reading them back to the host would split the graph, and its CUDA graphs, at
+  every layer), said once: a packed batch must then carry ``cu_seq_lens_q``.
 
 Queries shorter than keys (decoding with a KV cache) and dropout are not handled by the
 kernel: those calls go to transformers' SDPA implementation, said once in the log.
@@ -67,7 +69,7 @@ def memfit_attention_forward(module, query, key, value, attention_mask, dropout:
     max_len = kwargs.get("max_length_q")
     position_ids = kwargs.get("position_ids")
     if cu is None and position_ids is not None and query.shape[0] == 1 and position_ids.shape[-1] > 1 \
-            and bool((position_ids[..., 1:] < position_ids[..., :-1]).any()):
+            and _restart(position_ids):
         from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
         (cu, _), (max_len, _) = prepare_fa_kwargs_from_position_ids(position_ids)
@@ -75,6 +77,23 @@ def memfit_attention_forward(module, query, key, value, attention_mask, dropout:
         return _packed(query, key, value, cu, max_len, causal, scaling, backward), None
     out = attention(query, key, value, causal=causal and query.shape[2] > 1, scale=scaling, backward=backward)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _restart(position_ids: torch.Tensor) -> bool:
+    """Whether ``position_ids`` restart (a packed batch); not inspected under torch.compile."""
+    if torch.compiler.is_compiling():
+        return _not_inspected_when_compiled()
+    return bool((position_ids[..., 1:] < position_ids[..., :-1]).any())
+
+
+@torch.compiler.assume_constant_result
+def _not_inspected_when_compiled() -> bool:
+    """False, said once. torch.compile runs this while tracing and keeps its result as a
+    constant, so the warning costs no graph break."""
+    warn_once("attention_hf:compiled-position-ids", "memfit attention under torch.compile does not check "
+              "position_ids for restarts (that would split the graph at every layer); pass cu_seq_lens_q with a "
+              "packed batch")
+    return False
 
 
 def register() -> str:
