@@ -245,16 +245,16 @@ def time_impls(impls, copies, timer, name, n, d_in, d_out, rank, blocks, kind, f
                layer_cost, layouts=None):
     rows = []
     floor = ceilings.floor_ms(flops, ideal)
-    first = None                                         # the first impl's output (dense eager, or the reference)
+    checker, expected = next(iter(impls)), None         # the first impl (dense eager, or the reference) checks the rest
     for impl, fn in impls.items():
         try:
             out = (layouts or {}).get(impl, lambda y: y)(fn(0)).float()   # also tunes / picks outside the timing
-            first = out if first is None else first
-            rel_err = ((out - first).norm() / first.norm()).item()
+            expected = out if impl == checker else expected
+            rel_err = ((out - expected).norm() / expected.norm()).item() if expected is not None else float("nan")
             ms = timer(lambda fn=fn: [fn(i) for i in range(copies)]) / copies
             error = None
-            if not rel_err <= MAX_REL_ERR:               # a wrong pipeline's time counts for nothing
-                error = f"wrong result: relative error {rel_err:.3g} to {next(iter(impls))} (ran in {ms:.4f} ms)"
+            if rel_err > MAX_REL_ERR:                    # a wrong pipeline's time counts for nothing (NaN: unchecked)
+                error = f"wrong result: relative error {rel_err:.3g} to {checker} (ran in {ms:.4f} ms)"
                 ms = float("nan")
         except Exception as err:  # noqa: BLE001 (a competitor that cannot run here is recorded, not fatal)
             ms, rel_err, error = float("nan"), float("nan"), f"{type(err).__name__}: {err}"[:300]

@@ -196,6 +196,20 @@ def test_hugging_face_model_matches_sdpa():
     assert _rel(got[mask.bool()], want[mask.bool()]) < 1e-5
 
 
+def test_hugging_face_attention_runs_restarting_position_ids_as_separate_sequences():
+    """Eager: position_ids that restart (a packed batch of 5 and 4 tokens) attend within each sequence only."""
+    from memfit.train.attention_hf import memfit_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = (torch.randn(1, 2, 9, 16) for _ in range(3))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])
+    got, _ = memfit_attention_forward(module, q, k, v, None, position_ids=positions)
+    parts = [memfit_attention_forward(module, *(t[:, :, s].contiguous() for t in (q, k, v)), None)[0]
+             for s in (slice(0, 5), slice(5, 9))]
+    assert _rel(got, torch.cat(parts, dim=1)) < 1e-5
+
+
 def test_hugging_face_attention_compiles_to_one_graph_and_says_position_ids_are_not_inspected(caplog):
     """Under torch.compile the packed-sequence check on position_ids would read a GPU tensor back at
     every layer (a graph break: the benchmarks' prefill lost its CUDA graphs); it is skipped, said once."""

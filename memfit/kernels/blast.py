@@ -300,6 +300,8 @@ def _mixgemm_kernel(z_ptr, s_ptr, u_ptr, y_ptr, bias_ptr, N, R, P, B, N_BUCKET,
 
 def _z_mixgemm(x2, u, v, s, bias, chained=False):
     b, p, r = u.shape
+    if chained and u.stride(2) != 1:                                 # the prefetch walks U_i's rows along k
+        raise MemfitError(f"blast_linear: z_mixgemm_pdl needs U with a unit stride along the rank, got {u.stride()}")
     m, n = v.shape[1], x2.shape[0]
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)      # z[n, j, k] = (X_j V_j)[n, k]
     bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1), launch_dependents=chained)
@@ -324,7 +326,8 @@ VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mi
 def variants_for(n: int) -> dict:
     """The pipelines worth timing at ``n`` tokens."""
     names = ["mix_bgemm", "mix_bmm", "bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
-    names += ["z_mixgemm_pdl", "bgemm_mix_bgemm_pdl"] if n <= min(MIXGEMM_MAX_N, PDL_MAX_N) and pdl_offered() else []
+    if n <= PDL_MAX_N and pdl_offered():
+        names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
     return {name: VARIANTS[name] for name in names}
 
 

@@ -26,8 +26,9 @@
 * Chained stages (the ``*_pdl`` pipelines, decode-sized N): a pipeline's second kernel is
   launched with programmatic dependent launch (Hopper+): the first calls
   ``gdc_launch_dependents`` as it starts, so the second is scheduled while the first runs;
-  the second asks L2 for its own weight slice (``prefetch_l2``: no registers held) and only
-  then waits (``gdc_wait``) for the first's output. At decode, where each kernel is a
+  a GEMM stage asks L2 for its own weight slice (``prefetch_l2``: no registers held), the
+  mixing stage loads its S tile, and only then does it wait (``gdc_wait``) for the
+  previous kernel's output. At decode, where each kernel is a
   launch plus one dependent read of its weights, the second stage's launch and weight read
   overlap the first stage instead of following it. Off the GPU (the interpreter) the
   kernels run without it, so the tests cover the same arithmetic.
@@ -54,8 +55,6 @@ from memfit.log import warn_once
 _CACHE: dict | None = None
 TUNE = {"warmup": 5, "rep": 20}  # ms per tile config: short, so a cold run of many shapes stays fast
 PICK_REP_MS = 10                 # ms of graph replays per kernel variant in pick_variant
-L2_FLUSH_BYTES = 64 * 2**20      # written before each timed call in pick_variant: more than the H100/H200 L2 (50 MB)
-_FLUSH_BUFFERS: dict = {}
 
 
 def n_bucket(n: int) -> int:
@@ -115,7 +114,7 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
                   f"so its kernel variant is not timed; using {default!r} (call it once before capturing)")
         return default
     if cache.get(key) not in candidates:
-        times = {name: _time_candidate(op, name, fn, args) for name, fn in candidates.items()}
+        times = _cold_l2_times(op, candidates, args)
         if min(times.values()) == float("inf"):
             raise RuntimeError(f"{op}: no kernel variant of {sorted(candidates)} ran for shape {shape_key}")
         cache[key] = min(times, key=times.get)
@@ -123,33 +122,48 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
     return cache[key]
 
 
+def _cold_l2_times(op: str, candidates: dict, args: tuple) -> dict:
+    """name -> median ms of each candidate with a cold L2: (L2 flush + call) minus the flush alone.
+
+    A model reads its weights from HBM; replaying one copy of them would time them from L2
+    and hide exactly the weight reads that the decode pipelines overlap. The flush reads a
+    buffer of twice the L2 (clean lines: the call pays no write-backs for it), is timed once
+    per pick, and its buffer lives only for the pick. Without memory for it the candidates
+    are timed warm, said once.
+    """
+    device = _cuda_device(args)
+    buffer = None
+    if device is not None:
+        size = 2 * getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 * 2**20)
+        try:
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        except torch.cuda.OutOfMemoryError:
+            warn_once(f"pick-warm-l2:{op}", f"{op}: no memory for the {size >> 20} MiB L2 flush; kernel variants "
+                      "are timed with a warm L2")
+    if buffer is None:
+        return {name: _time_candidate(op, name, fn, args) for name, fn in candidates.items()}
+    flush_ms = _time_candidate(op, "L2 flush", buffer.sum, ())
+    return {name: _time_candidate(op, name, lambda *a, fn=fn: (buffer.sum(), fn(*a)), args) - flush_ms
+            for name, fn in candidates.items()}
+
+
+def _cuda_device(args: tuple) -> torch.device | None:
+    """The device of the first CUDA tensor in ``args``, if any."""
+    return next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+
+
 def _time_candidate(op: str, name: str, fn, args: tuple) -> float:
-    """Median ms of ``fn(*args)`` with a cold L2, as CUDA-graph replays (so a decode-sized
-    variant's time is its GPU time, not Python's launch overhead, which would favour the variant
-    with fewer launches). Each replay first writes ``L2_FLUSH_BYTES`` (evicting the weights, which
-    a model reads from HBM: a warm L2 would hide exactly the weight reads that the decode
-    pipelines overlap); the flush's own time, measured alone, is subtracted. A variant that
-    fails to compile, run or be captured here is skipped, with a warning."""
+    """Median ms of ``fn(*args)`` as CUDA-graph replays (so a decode-sized variant's time is its
+    GPU time, not Python's launch overhead, which would favour the variant with fewer launches);
+    a variant that fails to compile, run or be captured here is skipped, with a warning."""
     from triton.testing import do_bench_cudagraph
 
-    def bench(call):
-        return float(do_bench_cudagraph(call, rep=PICK_REP_MS, return_mode="median"))
-
     try:
-        flush = _l2_flush(args)
-        return max(bench(lambda: (flush(), fn(*args))) - bench(flush), 0.0)
+        return float(do_bench_cudagraph(lambda: fn(*args), rep=PICK_REP_MS, return_mode="median"))
     except Exception as err:  # noqa: BLE001 (e.g. a config past this GPU's shared memory: the others still compete)
         warn_once(f"variant-failed:{op}:{name}", f"{op}: variant {name} failed here and is not picked: "
                   f"{type(err).__name__}: {str(err)[:200]}")
         return float("inf")
-
-
-def _l2_flush(args: tuple):
-    """fn() writing ``L2_FLUSH_BYTES`` on the device of the first tensor in ``args`` (buffer kept per device)."""
-    device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    if device not in _FLUSH_BUFFERS:
-        _FLUSH_BUFFERS[device] = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
-    return _FLUSH_BUFFERS[device].zero_
 
 
 def recompute_backward(reference, n_tensors: int, n_options: int = 0):
@@ -360,7 +374,7 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * triton.cdiv(cols, meta["BC"]), batches)
     _bgemm_kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, batches, n_bucket(n),
                         *a_strides, *b_strides, *c_strides, HAS_BIAS=bias is not None,
-                        PRECISION=blr_precision(a.dtype), B_ROWS_CONTIGUOUS=b_strides[2] == 1,
+                        PRECISION=blr_precision(a.dtype), B_ROWS_CONTIGUOUS=wait_for_previous and b_strides[2] == 1,
                         LINE=line_elements(b), **chain_options(launch_dependents, wait_for_previous))
 
 

@@ -91,8 +91,8 @@ def _not_inspected_when_compiled() -> bool:
     """False, said once. torch.compile runs this while tracing and keeps its result as a
     constant, so the warning costs no graph break."""
     warn_once("attention_hf:compiled-position-ids", "memfit attention under torch.compile does not check "
-              "position_ids for restarts (that would split the graph at every layer); pass cu_seq_lens_q with a "
-              "packed batch")
+              "position_ids for restarts (that would split the graph at every layer): a packed batch that carries "
+              "only position_ids is attended as one sequence; pass cu_seq_lens_q with it")
     return False
 
 
