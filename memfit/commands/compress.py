@@ -21,7 +21,8 @@ def add_parser(sub):
     parser.add_argument("--calib-samples", type=int, default=32, help="calibration windows (default 32)")
     parser.add_argument("--calib-seq", type=int, default=512, help="tokens per calibration window (default 512)")
     parser.add_argument("--activation-aware", action="store_true",
-                        help="minimise each layer's output error on the calibration inputs (whitened projection)")
+                        help="minimise each layer's output error on the calibration inputs (whitened projection; BLAST "
+                             "also refines on the full input covariance, slower)")
     parser.add_argument("--steps", type=int, default=300, help="BLAST descent steps per matrix (default 300)")
     parser.add_argument("--device", default="auto", help="where projections run: auto (cuda if present), cpu, cuda or cuda:N")
     return parser
