@@ -51,7 +51,10 @@ def parse():
                         help=f"only these N (default {TOKENS}); the results file is then blr_layers_subset.json")
     parser.add_argument("--profile", action="store_true",
                         help="also write blr_layers_profile.json: every pipeline's kernels, one by one, at PROFILE_CASES")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.tokens and min(args.tokens) < 1:
+        parser.error(f"--tokens takes positive token counts, got {args.tokens}")
+    return args
 
 
 def main() -> int:

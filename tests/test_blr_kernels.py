@@ -185,6 +185,8 @@ def test_forcing_a_variant_not_offered_is_a_clear_error():
     u, v, s = torch.randn(B, P, 6), torch.randn(B, M, 6), torch.randn(B, B, 6)
     with pytest.raises(MemfitError, match="nope"):
         blast_linear(x, u, v, s, path="triton", variant="nope")
+    with pytest.raises(MemfitError, match="available: cublas"):
+        lowrank_linear(x, torch.randn(P, 6), torch.randn(B * M, 6), path="triton", variant="nope")
 
 
 BLAST_VARIANTS = list(blast.VARIANTS)

@@ -94,12 +94,14 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
     return {name: sums[rep] for name, rep in source.items()}
 
 
-def _chunk_size(method: str, kp: KindPlan, blocks: int) -> int:
+def _chunk_size(method: str, kp: KindPlan, blocks: int, activation_aware: bool = False) -> int:
     """Matrices per batched projection that keep the work space under WORKSPACE_BYTES."""
     fin, fout, r = kp.in_features, kp.out_features, kp.rank
     floats = 4 * fin * fout + fin * fin
     if method == "blast":
         floats += 2 * blocks * (fin + fout) * r + 2 * blocks * blocks * r * r
+        if activation_aware:   # blast_refine_output_error: A C, (A - A^) C, A^, the damped C, V-bar and C V-bar
+            floats += 3 * fin * fout + fin * fin + 2 * blocks * fin * r
     elif method == "monarch":
         floats += 2 * fin * fout
     return max(1, WORKSPACE_BYTES // (8 * floats))
@@ -188,7 +190,7 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
         if not names:
             continue
         kp = plan[kind]
-        step = _chunk_size(method, kp, blocks)
+        step = _chunk_size(method, kp, blocks, activation_aware)
         for start in range(0, len(names), step):
             group = names[start:start + step]
             W = torch.stack([linears[n].weight.detach().to(work, torch.float32) for n in group])

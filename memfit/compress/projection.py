@@ -22,7 +22,8 @@ which keeps the structure (a full ``L^{-1}`` would mix input blocks) and is exac
 input blocks are uncorrelated with each other. Where they are not, BLAST then refines the
 better of its block-whitened and weight-space factors on the true output error with the
 full ``C`` (:func:`blast_refine_output_error`: exact block-coordinate descent, so that error
-never rises); Monarch keeps the block whitening. ``relative_output_error`` reports the true output error either way.
+never rises); Monarch keeps the block whitening. ``relative_output_error`` reports the true
+output error either way.
 """
 from __future__ import annotations
 
@@ -279,7 +280,7 @@ def blast_project(W: torch.Tensor, rank: int, blocks: int, cov: torch.Tensor | N
     # per matrix, the start with the lower true output error (block whitening can lose to weight space)
     worse = relative_output_error(A, blast_dense(*whitened), cov) > relative_output_error(A, blast_dense(*plain), cov)
     start = [torch.where(worse[..., None, None, None], p, w) for w, p in zip(whitened, plain)]
-    return _balance(*blast_refine_output_error(A, *start, cov, refine_sweeps))  # the scale unwhitening put on V, spread
+    return _balance(*blast_refine_output_error(A, *start, cov, refine_sweeps))  # the scale refining put on V, spread
 
 
 def blast_refine_output_error(A: torch.Tensor, U: torch.Tensor, V: torch.Tensor, S: torch.Tensor, cov: torch.Tensor,

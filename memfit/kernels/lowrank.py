@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
     PDL_MAX_N,
     bgemm,
@@ -90,7 +91,11 @@ _lowrank_op.register_autograd(recompute_backward(lowrank_linear_reference, 4),
 
 
 def lowrank_linear(x, u, v, bias=None, path=None, variant="auto"):
-    """y = (x V) U^T + bias by the Triton op where ``use_triton`` allows (``variant``: auto, cublas, bgemm)."""
+    """y = (x V) U^T + bias by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS)."""
     if use_triton("lowrank_linear", x, u, v, path=path):
+        offered = variants_for(x.numel() // max(v.shape[0], 1))
+        if variant != "auto" and variant not in offered:
+            raise MemfitError(f"lowrank_linear: variant {variant!r} is not available at this token count; "
+                              f"available: {', '.join(offered)}")
         return _lowrank_op(x, *[w if w is None else w.to(x.dtype) for w in (u, v, bias)], variant)
     return lowrank_linear_reference(x, u, v, bias)
