@@ -13,8 +13,12 @@ prefill attention through memfit's causal Triton kernel instead (decode, one que
 the cache, stays on SDPA), to show how the speedup moves when the part BLR cannot change
 gets faster for both.
 
-Baselines in the same run: the dense model (eager and compiled) and the roofline floor
-(matmul FLOPs at the measured bf16 rate, weight + KV bytes at the measured bandwidth).
+Baselines in the same run: the dense model (eager and compiled), the roofline floor
+(matmul FLOPs at the measured bf16 rate, weight + KV bytes at the measured bandwidth), and
+the ``free`` model: the dense model with every layer the BLR models compress replaced by
+one that costs nothing (it returns an uninitialised output of the right shape). Its time is
+what the BLR layers cannot change (attention, norms, k/v, the head, launches), so dense /
+free is the most any BLR kernel could speed the step up: the Amdahl bound of the targets.
 Targets: BLAST prefill >= 2.0x and decode >= 1.8x the compiled dense model.
 Writes benchmarks/results/blr_e2e.json and .png.
 
@@ -29,8 +33,10 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from memfit.compress import PAPER_RANKS_LLAMA_1B, structure_model
+from memfit.compress.convert import replace_module
 from memfit.measure.results import target, write_results
 from memfit.models import PRESETS, build_model
 
@@ -90,6 +96,25 @@ def workloads(model, compile_: bool, device: str):
     return prefill, decode
 
 
+class FreeLinear(nn.Module):
+    """A compressed layer's stand-in that costs nothing: an uninitialised output of the right shape
+    (no kernel; under CUDA graphs not even an allocation). Values are garbage, times are not."""
+
+    def __init__(self, out_features: int):
+        super().__init__()
+        self.out_features = out_features
+
+    def forward(self, x):
+        return x.new_empty(*x.shape[:-1], self.out_features)
+
+
+def free_compressed_layers(model, method: str, **plan) -> None:
+    """Replace every layer that ``method`` would compress (same plan) with a :class:`FreeLinear`."""
+    compressed = structure_model(model, method, **plan)
+    for name, config in compressed.layers.items():
+        replace_module(model, name, FreeLinear(config["out_features"]))
+
+
 def linear_params(model) -> int:
     from memfit.compress.convert import KINDS
 
@@ -144,6 +169,8 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-eager", action="store_true", help="time only the compiled models")
+    parser.add_argument("--no-bound", action="store_true",
+                        help="skip the 'free' model (compressed layers at no cost: the most BLR could gain)")
     parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU, eager only")
     parser.add_argument("--attention", choices=("sdpa", "memfit"), default="sdpa",
                         help="attention of every model: transformers' SDPA (what a Hugging Face user gets; the "
@@ -162,7 +189,8 @@ def main(argv=None) -> int:
     ceilings = None if smoke else __import__("memfit.measure.timing", fromlist=["x"]).measure_ceilings()
     bench = timer(smoke)
     rows, results = [], {}
-    variants = ["dense", *[m.strip() for m in args.methods.split(",") if m.strip()]]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    variants = ["dense", *methods] + ([] if args.no_bound else ["free"])
     attention = args.attention
     if attention == "memfit":
         from memfit.train.attention_hf import register
@@ -172,9 +200,11 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         model = build_model(spec, dtype="bfloat16", device=device, attn_implementation=attention)
         ratio = None
-        if variant != "dense":
-            res = structure_model(model, variant, ratio=0.5 if ranks is None else None, blocks=blocks, ranks=ranks)
-            ratio = res.summary()["linear_ratio"]
+        plan = {"ratio": 0.5 if ranks is None else None, "blocks": blocks, "ranks": ranks}
+        if variant == "free":
+            free_compressed_layers(model, methods[0] if methods else "blast", **plan)
+        elif variant != "dense":
+            ratio = structure_model(model, variant, **plan).summary()["linear_ratio"]
         model.eval().requires_grad_(False)
         floor = floors(model, spec, ceilings, 2) if ceilings else {"prefill": None, "decode": None}
         for mode in (["compiled"] if args.no_eager else ["eager", "compiled"]):
@@ -208,6 +238,10 @@ def main(argv=None) -> int:
         row = results[(variant, mode)]
         row["prefill_speedup"] = dense["prefill_ms"] / row["prefill_ms"]
         row["decode_speedup"] = dense["decode_ms"] / row["decode_ms"]
+        if variant == "free":
+            print(f"bound (compressed layers free): prefill {row['prefill_speedup']:.2f}x, "
+                  f"decode {row['decode_speedup']:.2f}x dense")
+            continue
         targets.append(target(f"{variant} prefill speedup vs dense ({mode})", row["prefill_speedup"], 2.0, "x", "higher"))
         targets.append(target(f"{variant} decode speedup vs dense ({mode})", row["decode_speedup"], 1.8, "x", "higher"))
     name = "blr_e2e" + ("_memfit_attention" if args.attention == "memfit" else "") + ("_smoke" if smoke else "")

@@ -214,7 +214,17 @@ def blr_e2e_section(data: dict) -> str:
     for r in data["rows"]:
         out.append(f"| {r['model']} | {r['mode']} | {r['prefill_ms']:.2f} ({r['prefill_floor_ms']:.2f}) "
                    f"| {r['decode_ms']:.3f} ({r['decode_floor_ms']:.3f}) | {r['decode_tokens_per_s']:.0f} |")
-    return "\n".join(out) + "\n\n" + _blr_e2e_profile(data) + _targets(data)
+    return "\n".join(out) + "\n\n" + _blr_e2e_bound(data) + _blr_e2e_profile(data) + _targets(data)
+
+
+def _blr_e2e_bound(data: dict) -> str:
+    """The ``free`` row: the dense model with the compressed layers at no cost, the most BLR could gain."""
+    free = next((r for r in data["rows"] if r["model"] == "free" and "prefill_speedup" in r), None)
+    if free is None:
+        return ""
+    return (f"`free` is the dense model with every layer the BLR models compress replaced by one that costs "
+            f"nothing: the most any BLR kernel could speed these steps up is {free['prefill_speedup']:.2f}x in "
+            f"prefill and {free['decode_speedup']:.2f}x in decode (dense / free, same run).\n\n")
 
 
 def _blr_e2e_profile(data: dict) -> str:

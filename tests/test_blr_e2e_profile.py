@@ -1,5 +1,6 @@
 """benchmarks/blr_e2e.py's kernel classification, which splits a profiled step into the part the
-BLR layers can change (their kernels, cuBLAS) and the part they cannot (attention, the rest)."""
+BLR layers can change (their kernels, cuBLAS) and the part they cannot (attention, the rest), and its
+`free` model, which measures the most the BLR layers could gain."""
 import importlib.util
 from pathlib import Path
 
@@ -29,3 +30,23 @@ def blr_e2e():
 ])
 def test_kernel_kind(blr_e2e, name, kind):
     assert blr_e2e.kernel_kind(name) == kind
+
+
+def test_free_compressed_layers_cost_nothing_and_keep_shapes(blr_e2e):
+    """The Amdahl-bound model: the layers the BLR plan compresses become parameter-free stand-ins with
+    the right output shape; the layers it skips (k/v at these ranks) stay dense."""
+    import torch
+
+    from memfit.models import PRESETS, build_model
+
+    torch.manual_seed(0)
+    model = build_model(PRESETS["tiny"], dtype="float32", device="cpu")
+    attn = model.model.layers[0].self_attn
+    q_out, k_weight = attn.q_proj.out_features, attn.k_proj.weight
+    blr_e2e.free_compressed_layers(model, "blast", ratio=None, blocks=4,
+                                   ranks={"q_proj": 8, "o_proj": 8, "gate_proj": 8, "up_proj": 8, "down_proj": 8})
+    assert isinstance(attn.q_proj, blr_e2e.FreeLinear) and attn.k_proj.weight is k_weight
+    assert isinstance(model.model.layers[0].mlp.down_proj, blr_e2e.FreeLinear)
+    assert attn.q_proj(torch.zeros(2, 3, 7)).shape == (2, 3, q_out) and not list(attn.q_proj.parameters())
+    with torch.no_grad():
+        assert model(input_ids=torch.zeros(1, 5, dtype=torch.long)).logits.shape[:2] == (1, 5)
