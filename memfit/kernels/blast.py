@@ -30,13 +30,6 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   load of Z and s_i by a sum over j, then one dot with U_i^T. The mixing is redone per
   output column tile (ceil(p/BC) times), negligible at decode where Z (a few hundred
   KB) sits in L2 and the kernel is bound by reading U. Two launches, both wide.
-* ``bmm_fmamix_bmm``: ``bmm_mix_bmm`` with the mixing on CUDA cores (``_zmix_fma_kernel``: per
-  input block j, a coalesced (BN, BK) load of Z_j and b^2 BK BN fp32 multiply-adds into all b rows
-  of T at once, no layout shuffles). The tensor-core mixing's batched dots have tiny tiles
-  (BN x b x b per rank) whose operands must be re-laid out through shared memory, k (Z's
-  contiguous axis) being their batch axis; the b^2 multiply-adds per element are cheap enough on
-  CUDA cores (b^2 r N: 4 us of an H200's fp32 rate at Llama-1B's gate, N = 1024) that this pass
-  may stay bound by Z's read and T's write. The pick decides.
 * ``bgemm_mix_bgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``bmm_mix_bmm``'s three stages as one
   chain of Triton kernels (stages 1 and 3 by :func:`bgemm`, the mixing by ``_zmix_kernel``),
   each launched while the one before runs (blr_common's programmatic dependent launch);
@@ -222,29 +215,7 @@ def _zmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szn, szj, ssi, ssj, ssk
              t.to(t_ptr.dtype.element_ty), mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B))
 
 
-# BN * b * BK fp32 accumulators per program: <= 128 registers a thread at b = 16 (pruned as _zmix_kernel's)
-ZMIX_FMA_CONFIGS = [(16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2), (32, 64, 8, 2), (64, 32, 8, 2), (8, 64, 4, 2),
-                    (16, 16, 4, 2)]  # BN, BK, warps, stages
-
-
-@tuned(ZMIX_FMA_CONFIGS, ("BN", "BK"), (16, 16, 4, 1), key=["N_BUCKET", "R", "B"], prune=_prune_zmix)
-@triton.jit
-def _zmix_fma_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szn, szj, ssi, ssj, ssk, stn, sti, stk,
-                     BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """T[n, i, k] = sum_j Z[n, j, k] s[i, j, k] for a (BN tokens, BK ranks) tile on CUDA cores: per j
-    one coalesced load of Z_j's tile, added into all b rows of T (fp32 registers), T stored once."""
-    rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
-    rk = tl.program_id(1) * BK + tl.arange(0, BK)
-    rb = tl.arange(0, BB)
-    t = tl.zeros((BN, BB, BK), dtype=tl.float32)
-    for j in range(B):
-        z = tl.load(z_ptr + rn[:, None] * szn + j * szj + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < R),
-                    other=0.0)
-        t = _mix_step(t, z.to(tl.float32), s_ptr, j, rb, rk, B, R, ssi, ssj, ssk)
-    _store_t(t_ptr, t, rn, rb, rk, N, B, R, stn, sti, stk)
-
-
-def _bmm_mix_bmm(x2, u, v, s, bias, fma=False):
+def _bmm_mix_bmm(x2, u, v, s, bias):
     """Z (N, b, r) by one strided cuBLAS batched GEMM, T = the mixing of Z (``_zmix_kernel``: a
     memory-bound pass on tensor cores, Z read and T written once), Y by cuBLAS per block. Against ``mix_bmm``,
     stage 1 runs on cuBLAS's full-size tiles instead of small per-rank-chunk dots that re-read X
@@ -253,24 +224,15 @@ def _bmm_mix_bmm(x2, u, v, s, bias, fma=False):
     n = x2.shape[0]
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
     bmm_into(x2.view(n, b, m).transpose(0, 1), v, z.transpose(0, 1))         # Z_j = X_j V_j
-    return per_block_gemm(_zmix(z, s, fma=fma), u.transpose(1, 2), bias, cublas=True)     # Y_i = T_i U_i^T
+    return per_block_gemm(_zmix(z, s), u.transpose(1, 2), bias, cublas=True)     # Y_i = T_i U_i^T
 
 
-def _bmm_fmamix_bmm(x2, u, v, s, bias):
-    return _bmm_mix_bmm(x2, u, v, s, bias, fma=True)
-
-
-def _zmix(z, s, chained=False, fma=False):
-    """T (N, b, r) = the mixing of Z (N, b, r) by ``_zmix_kernel`` (tensor cores), or by
-    ``_zmix_fma_kernel`` (CUDA cores) with ``fma``; ``chained``: launched dependent on the kernel
-    that wrote Z, and letting the next one start (tensor-core kernel only)."""
+def _zmix(z, s, chained=False):
+    """T (N, b, r) = the mixing of Z (N, b, r) by ``_zmix_kernel``; ``chained``: launched dependent on
+    the kernel that wrote Z, and letting the next one start."""
     n, b, r = z.shape
     t = torch.empty_like(z)
     grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
-    if fma:
-        _zmix_fma_kernel[grid](z, s, t, n, r, b, n_bucket(n), z.stride(0), z.stride(1), *s.stride(), *t.stride(),
-                               BB=pow2_at_least(b, 1))
-        return t
     _zmix_kernel[grid](z, s, t, n, r, b, n_bucket(n), z.stride(0), z.stride(1), *s.stride(), *t.stride(),
                        BB=pow2_at_least(b), PRECISION=blr_precision(z.dtype),  # BB >= 16: a tensor-core K and N
                        **chain_options(chained, chained))
@@ -356,15 +318,14 @@ def _z_mixgemm_pdl(x2, u, v, s, bias):
     return _z_mixgemm(x2, u, v, s, bias, chained=True)
 
 
-VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "bmm_fmamix_bmm": _bmm_fmamix_bmm,
-            "z_mixgemm": _z_mixgemm,
+VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "z_mixgemm": _z_mixgemm,
             "z_mixgemm_pdl": _z_mixgemm_pdl, "bgemm_mix_bgemm_pdl": _bgemm_mix_bgemm_pdl,
             "torch": blast_linear_reference}
 
 
 def variants_for(n: int) -> dict:
     """The pipelines worth timing at ``n`` tokens."""
-    names = ["mix_bgemm", "mix_bmm", "bmm_mix_bmm", "bmm_fmamix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
+    names = ["mix_bgemm", "mix_bmm", "bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
     if n <= PDL_MAX_N and pdl_offered():
         names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
     return {name: VARIANTS[name] for name in names}
