@@ -47,6 +47,9 @@ def test_free_compressed_layers_cost_nothing_and_keep_shapes(blr_e2e):
                                    ranks={"q_proj": 8, "o_proj": 8, "gate_proj": 8, "up_proj": 8, "down_proj": 8})
     assert isinstance(attn.q_proj, blr_e2e.FreeLinear) and attn.k_proj.weight is k_weight
     assert isinstance(model.model.layers[0].mlp.down_proj, blr_e2e.FreeLinear)
-    assert attn.q_proj(torch.zeros(2, 3, 7)).shape == (2, 3, q_out) and not list(attn.q_proj.parameters())
+    x = torch.randn(2, 3, 7, requires_grad=True)
+    assert attn.q_proj(x).shape == (2, 3, q_out) and not list(attn.q_proj.parameters())
+    attn.q_proj(x).sum().backward()                  # depends on its input: nothing before it is dead code
+    assert x.grad.abs().sum() > 0
     with torch.no_grad():
         assert model(input_ids=torch.zeros(1, 5, dtype=torch.long)).logits.shape[:2] == (1, 5)
