@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from memfit.compress import PAPER_RANKS_LLAMA_1B, structure_model
-from memfit.compress.convert import replace_module
+from memfit.compress.convert import decoder_linears, model_shapes, replace_module
+from memfit.compress.plan import plan_kinds
 from memfit.measure.results import target, write_results
 from memfit.models import PRESETS, build_model
 
@@ -100,7 +101,9 @@ class FreeLinear(nn.Module):
     """A compressed layer's stand-in that costs nothing: its input's first feature broadcast to the
     output's shape (a view, no kernel). It must depend on its input: a stand-in that did not (an
     uninitialised tensor) let torch.compile drop everything before it as dead code (the attention
-    before o_proj, the whole MLP), which timed 0.16 ms prefill steps. Values are garbage, times are not."""
+    before o_proj, the whole MLP), which timed 0.16 ms prefill steps (27344f8, log in
+    benchmarks/results/logs/). Elementwise work next to it may shrink too (a broadcast input), so
+    the bound errs high. Values are garbage, times are not."""
 
     def __init__(self, out_features: int):
         super().__init__()
@@ -110,11 +113,14 @@ class FreeLinear(nn.Module):
         return x[..., :1].expand(*x.shape[:-1], self.out_features)
 
 
-def free_compressed_layers(model, method: str, **plan) -> None:
-    """Replace every layer that ``method`` would compress (same plan) with a :class:`FreeLinear`."""
-    compressed = structure_model(model, method, **plan)
-    for name, config in compressed.layers.items():
-        replace_module(model, name, FreeLinear(config["out_features"]))
+def free_compressed_layers(model, method: str, ratio: float | None, blocks: int, ranks: dict | None) -> None:
+    """Replace every layer that ``method`` would compress (the plan ``structure_model`` follows) with a
+    :class:`FreeLinear`."""
+    linears = decoder_linears(model)
+    plan = plan_kinds(model_shapes(linears), method, ratio, blocks, ranks)
+    for name, linear in linears.items():
+        if plan[name.rsplit(".", 1)[-1]].rank is not None:
+            replace_module(model, name, FreeLinear(linear.out_features))
 
 
 def linear_params(model) -> int:
@@ -192,6 +198,8 @@ def main(argv=None) -> int:
     bench = timer(smoke)
     rows, results = [], {}
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if unknown := [m for m in methods if m not in ("blast", "monarch", "lowrank")]:
+        parser.error(f"--methods: unknown {', '.join(unknown)}; choose from blast, monarch, lowrank")
     variants = ["dense", *methods] + ([] if args.no_bound else ["free"])
     attention = args.attention
     if attention == "memfit":
