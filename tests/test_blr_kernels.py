@@ -19,16 +19,6 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 B, M, P, N = 3, 11, 7, 19
 
 
-@pytest.fixture
-def small_l2_chunks(monkeypatch):
-    """The L2-chunked pipelines offered at every N, in chunks of 4, 8 and 16 tokens (the last one
-    shorter at N = 19), so their chunk loops run at the tests' shapes."""
-    rows = {share: 4 * 2**i for i, share in enumerate(blr_common.L2_CHUNK_SHARES.values())}
-    for module in (blast, monarch):
-        monkeypatch.setattr(module, "L2_CHUNKED_MIN_N", 1)
-        monkeypatch.setattr(module, "l2_chunk_rows", lambda x, bytes_per_token, share: rows[share])
-
-
 @pytest.fixture(autouse=True)
 def poisoned_empty(monkeypatch):
     """Every torch.empty the ops allocate starts as NaN, so unwritten elements show."""
@@ -68,15 +58,14 @@ def drop_bias(tensors, bias):
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", True), ("two_stage_pdl", False),
-                 ("bmm", False), ("bmm_perm_bmm", False), ("fused", True), ("fused", False), ("torch", True),
-                 *[(name, False) for name in monarch.CHUNKED]]
+MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", True), ("two_stage_pdl", False), ("bmm", False), ("bmm_perm_bmm", False), ("fused", True),
+                 ("fused", False), ("torch", True)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant,permute", MONARCH_CASES)
 @pytest.mark.parametrize("lead,bias", [((1,), True), ((2, N), False), ((2, N), True)])
-def test_monarch(dtype, variant, permute, lead, bias, small_l2_chunks):
+def test_monarch(dtype, variant, permute, lead, bias):
     t = 5
     tensors = [torch.randn(*lead, B * M), torch.randn(B, M, B * t) / M**0.5, torch.randn(B, B * t, P) / t**0.5,
                torch.randn(B * P)]
@@ -90,26 +79,8 @@ def test_monarch_variants_offered():
     small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "torch"}
     assert set(monarch.variants_for(16, 128, 32, False)) == small
     assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "two_stage_pdl", "fused", "torch"}
-    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"} | set(monarch.CHUNKED)
-    assert set(monarch.variants_for(8192, 128, 32, True)) == {"two_stage", "fused", "torch"}
+    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"}
     assert "fused" not in monarch.variants_for(1, 688, 93, False)
-
-
-def test_l2_chunked_pipelines_are_offered_from_l2_chunked_min_n():
-    chunked = {f"bmm_mix_bmm_{suffix}" for suffix in blr_common.L2_CHUNK_SHARES}
-    assert chunked <= set(blast.variants_for(blr_common.L2_CHUNKED_MIN_N))
-    assert not chunked & set(blast.variants_for(blr_common.L2_CHUNKED_MIN_N - 1))
-    assert not set(monarch.CHUNKED) & set(monarch.variants_for(blr_common.L2_CHUNKED_MIN_N - 1, 128, 32, False))
-
-
-def test_l2_chunk_rows_fill_the_share_in_whole_tiles():
-    """Llama-1B gate BLAST (b = 16, r = 512, bf16): Z and T take 32 KiB a token; a quarter of a
-    50 MiB L2 holds 400 such tokens, so chunks of 384 (whole 128-token tiles), never fewer than 128."""
-    x = torch.empty(1, 1, dtype=torch.bfloat16)
-    assert blr_common.l2_chunk_rows(x, 2 * 16 * 512 * 2, 1 / 4) == 384
-    assert blr_common.l2_chunk_rows(x, 10**9, 1 / 4) == blr_common.CHUNK_ROWS_MULTIPLE
-    assert blr_common.token_chunks(19, 8) == [slice(0, 8), slice(8, 16), slice(16, 19)]
-    assert blr_common.token_chunks(19, None) == [slice(0, 19)]
 
 
 def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):
@@ -224,7 +195,7 @@ BLAST_VARIANTS = list(blast.VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", BLAST_VARIANTS)
 @pytest.mark.parametrize("n,bias", [(1, True), (N, False), (N, True)])
-def test_blast(dtype, variant, n, bias, small_l2_chunks):
+def test_blast(dtype, variant, n, bias):
     r = 19
     tensors = [torch.randn(n, B * M), torch.randn(B, P, r) / r**0.5, torch.randn(B, M, r) / M**0.5,
                torch.randn(B, B, r) / B**0.5, torch.randn(B * P)]

@@ -24,10 +24,6 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   element as a batched (BN x b) @ (b x b) tensor-core dot per rank). Traffic beyond the
   floor: Z's and T's writes and reads, 4 N b r elements, for full-size tensor-core tiles in
   stage 1 (the mixing kernel above re-reads X once per rank chunk).
-* ``bmm_mix_bmm_l2_8``, ``_l2_4``, ``_l2_2`` (N >= L2_CHUNKED_MIN_N): ``bmm_mix_bmm`` run in
-  token chunks through one Z and one T buffer, each chunk's Z and T filling 1/8, 1/4 or 1/2
-  of the L2 cache (blr_common's ``l2_chunk_rows``), so the intermediates' round trips stay
-  in L2 instead of HBM (at Llama-1B's gate projection, N = 8192, Z and T are 134 MB each).
 * ``z_mixgemm`` (N <= MIXGEMM_MAX_N, decode): Z (N, b, r) by one batched :func:`bgemm`
   (b ceil(r/BC) programs: every SM streams part of V), then ``_mixgemm_kernel``: stage
   3 with the mixing in its operand prologue, T_i's K-chunk formed from a (BN, b, BK)
@@ -53,8 +49,6 @@ import triton.language as tl
 
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
-    L2_CHUNK_SHARES,
-    L2_CHUNKED_MIN_N,
     PDL_MAX_N,
     bgemm,
     blr_precision,
@@ -62,7 +56,6 @@ from memfit.kernels.blr_common import (
     chain_options,
     fits_smem,
     keep_small_n,
-    l2_chunk_rows,
     line_elements,
     mma,
     n_bucket,
@@ -73,7 +66,6 @@ from memfit.kernels.blr_common import (
     prefetch_l2,
     recompute_backward,
     save_for_recompute,
-    token_chunks,
     tuned,
 )
 from memfit.kernels.dispatch import use_triton
@@ -223,40 +215,23 @@ def _zmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szn, szj, ssi, ssj, ssk
              t.to(t_ptr.dtype.element_ty), mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B))
 
 
-def _bmm_mix_bmm(x2, u, v, s, bias, rows=None):
+def _bmm_mix_bmm(x2, u, v, s, bias):
     """Z (N, b, r) by one strided cuBLAS batched GEMM, T = the mixing of Z (``_zmix_kernel``: a
     memory-bound pass on tensor cores, Z read and T written once), Y by cuBLAS per block. Against ``mix_bmm``,
     stage 1 runs on cuBLAS's full-size tiles instead of small per-rank-chunk dots that re-read X
-    ceil(r / BK) times (24 at Llama-1B's down projection), for Z's write and read (2 N b r).
-    ``rows``: the three stages run chunk by chunk of that many tokens through one Z and one T
-    buffer, so Z and T are written and read back in L2 (blr_common's ``l2_chunk_rows``)."""
+    ceil(r / BK) times (24 at Llama-1B's down projection), for Z's write and read (2 N b r)."""
     b, m, r = v.shape
     n = x2.shape[0]
-    chunks = token_chunks(n, rows)
-    z = torch.empty(chunks[0].stop, b, r, device=x2.device, dtype=x2.dtype)
-    t = torch.empty_like(z)
-    y = torch.empty(n, b * u.shape[1], device=x2.device, dtype=x2.dtype)
-    for chunk in chunks:
-        c = chunk.stop - chunk.start
-        bmm_into(x2[chunk].view(c, b, m).transpose(0, 1), v, z[:c].transpose(0, 1))    # Z_j = X_j V_j
-        _zmix(z[:c], s, out=t[:c])
-        per_block_gemm(t[:c], u.transpose(1, 2), bias, cublas=True, out=y[chunk])       # Y_i = T_i U_i^T
-    return y
+    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
+    bmm_into(x2.view(n, b, m).transpose(0, 1), v, z.transpose(0, 1))         # Z_j = X_j V_j
+    return per_block_gemm(_zmix(z, s), u.transpose(1, 2), bias, cublas=True)     # Y_i = T_i U_i^T
 
 
-def _bmm_mix_bmm_in_l2(share: float):
-    """``bmm_mix_bmm`` in token chunks whose Z and T fill ``share`` of the L2 cache."""
-    def run(x2, u, v, s, bias):
-        b, _, r = v.shape
-        return _bmm_mix_bmm(x2, u, v, s, bias, rows=l2_chunk_rows(x2, 2 * b * r * x2.element_size(), share))
-    return run
-
-
-def _zmix(z, s, chained=False, out=None):
-    """T (N, b, r) = the mixing of Z (N, b, r) by ``_zmix_kernel`` (into ``out`` if given); ``chained``:
-    launched dependent on the kernel that wrote Z, and letting the next one start."""
+def _zmix(z, s, chained=False):
+    """T (N, b, r) = the mixing of Z (N, b, r) by ``_zmix_kernel``; ``chained``: launched dependent on
+    the kernel that wrote Z, and letting the next one start."""
     n, b, r = z.shape
-    t = torch.empty_like(z) if out is None else out
+    t = torch.empty_like(z)
     grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
     _zmix_kernel[grid](z, s, t, n, r, b, n_bucket(n), z.stride(0), z.stride(1), *s.stride(), *t.stride(),
                        BB=pow2_at_least(b), PRECISION=blr_precision(z.dtype),  # BB >= 16: a tensor-core K and N
@@ -345,15 +320,12 @@ def _z_mixgemm_pdl(x2, u, v, s, bias):
 
 VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "z_mixgemm": _z_mixgemm,
             "z_mixgemm_pdl": _z_mixgemm_pdl, "bgemm_mix_bgemm_pdl": _bgemm_mix_bgemm_pdl,
-            "torch": blast_linear_reference,
-            **{f"bmm_mix_bmm_{suffix}": _bmm_mix_bmm_in_l2(share) for suffix, share in L2_CHUNK_SHARES.items()}}
+            "torch": blast_linear_reference}
 
 
 def variants_for(n: int) -> dict:
     """The pipelines worth timing at ``n`` tokens."""
     names = ["mix_bgemm", "mix_bmm", "bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
-    if n >= L2_CHUNKED_MIN_N:
-        names += [f"bmm_mix_bmm_{suffix}" for suffix in L2_CHUNK_SHARES]
     if n <= PDL_MAX_N and pdl_offered():
         names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
     return {name: VARIANTS[name] for name in names}

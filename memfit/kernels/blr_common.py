@@ -240,40 +240,6 @@ def pow2_at_least(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(int(n)))
 
 
-# ---- token chunks whose intermediates stay in L2 ----------------------------------
-
-L2_CHUNK_SHARES = {"l2_8": 1 / 8, "l2_4": 1 / 4, "l2_2": 1 / 2}   # variant suffix -> share of L2 a chunk may fill
-L2_CHUNKED_MIN_N = 512       # below this the intermediates of the whole call are already L2-sized
-CHUNK_ROWS_MULTIPLE = 128    # a chunk is whole 128-token GEMM tiles
-NOMINAL_L2_BYTES = 50 * 2**20  # off the GPU (the interpreter): an H100/H200's L2
-
-
-def l2_cache_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).L2_cache_size
-    return NOMINAL_L2_BYTES
-
-
-def l2_chunk_rows(x: torch.Tensor, bytes_per_token: int, share: float) -> int:
-    """Tokens per chunk whose intermediates (``bytes_per_token`` each) fill ``share`` of the L2 cache.
-
-    A Monarch or BLAST pipeline writes an (N, b r) intermediate as wide as its output (up to
-    24K elements a token at Llama-7B), and its next stage reads it back: at N = 8192 that is
-    hundreds of MB through HBM, twice. Run chunk by chunk through one reused buffer, each
-    intermediate is read by the next kernel while it is still in L2, and the next chunk
-    overwrites the same lines there, so it never reaches HBM. The price: smaller GEMMs and
-    more launches, which is why the pick times a few shares against the unchunked pipeline.
-    """
-    rows = int(share * l2_cache_bytes(x.device)) // max(bytes_per_token, 1)
-    return max(CHUNK_ROWS_MULTIPLE, rows // CHUNK_ROWS_MULTIPLE * CHUNK_ROWS_MULTIPLE)
-
-
-def token_chunks(n: int, rows: int | None) -> list[slice]:
-    """Consecutive slices of ``rows`` tokens (the last one shorter) covering ``n``; one slice when ``rows`` is None."""
-    rows = n if rows is None else rows
-    return [slice(start, min(start + rows, n)) for start in range(0, n, max(rows, 1))]
-
-
 # ---- chained stages: programmatic dependent launch and an L2 prefetch of the weights ----
 
 PDL_MAX_N = 128          # token counts where a stage's launch and first read are a visible share of its time
@@ -425,19 +391,17 @@ def bmm_into(a, b, out, bias=None) -> None:
         torch.baddbmm(bias.unsqueeze(1), a, b, out=out)
 
 
-def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_for_previous: bool = False,
-                   out: torch.Tensor | None = None):
+def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_for_previous: bool = False):
     """y (N, b p): output block i = a[:, i, :] @ w[i] (+ bias), the last stage of Monarch and BLAST.
 
     ``a`` (N, b, K) and ``w`` (b, K, p) may be strided views. Block-major output (feature
     i p + s) by cuBLAS (:func:`bmm_into`) or by :func:`bgemm`; ``permute_output`` (bgemm
     only: cuBLAS cannot store a column stride) writes the interleaved feature s b + i, and
-    ``wait_for_previous`` (bgemm only) chains it after the kernel that wrote ``a``. ``out``:
-    a contiguous (N, b p) tensor (e.g. a chunk of rows of a larger y) to write instead.
+    ``wait_for_previous`` (bgemm only) chains it after the kernel that wrote ``a``.
     """
     n, b, k = a.shape
     p = w.shape[2]
-    y = torch.empty(n, b * p, device=a.device, dtype=a.dtype) if out is None else out
+    y = torch.empty(n, b * p, device=a.device, dtype=a.dtype)
     if cublas:
         bmm_into(a.transpose(0, 1), w, y.view(n, b, p).transpose(0, 1), None if bias is None else bias.view(b, p))
     else:

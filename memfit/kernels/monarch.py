@@ -25,10 +25,6 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   P^T as a memory-bound copy between them (:func:`_permute_kernel`): 2 N b r more elements
   of traffic than ``bmm`` for no scattered store, which is slow where t is not a multiple
   of 8 (Llama-7B: t = 93). Block-major layout only.
-* ``bmm_l2_8`` / ``_l2_4`` / ``_l2_2`` and ``bmm_perm_bmm_l2_*`` (N >= L2_CHUNKED_MIN_N, block-major):
-  those two pipelines run in token chunks through reused intermediate buffers that fill
-  1/8, 1/4 or 1/2 of the L2 cache (blr_common's ``l2_chunk_rows``), so z (as wide as the
-  output: N b r elements) is written and read back in L2 instead of HBM.
 * ``fused`` (the decode path, and a candidate at every N): one kernel, z on chip. A program owns
   a token tile, output block i and an output column tile; one loop over the input
   blocks j (both dots in it, so it is software-pipelined) computes
@@ -51,15 +47,12 @@ import triton.language as tl
 
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
-    L2_CHUNK_SHARES,
-    L2_CHUNKED_MIN_N,
     PDL_MAX_N,
     bgemm,
     blr_precision,
     bmm_into,
     fits_smem,
     keep_small_n,
-    l2_chunk_rows,
     mma,
     n_bucket,
     pdl_offered,
@@ -68,7 +61,6 @@ from memfit.kernels.blr_common import (
     pow2_at_least,
     recompute_backward,
     save_for_recompute,
-    token_chunks,
     tuned,
 )
 from memfit.kernels.dispatch import use_triton
@@ -91,11 +83,11 @@ def monarch_linear_reference(x, w1, w2, bias=None, permute_output=False):
     return y if bias is None else y + bias
 
 
-def _stage1(x2, w1, launch_dependents=False, out=None):
-    """z[n, i, j t + s] = (x_j w1[j])[n, i t + s]: stage 1 with P^T folded into the store (into ``out`` if given)."""
+def _stage1(x2, w1, launch_dependents=False):
+    """z[n, i, j t + s] = (x_j w1[j])[n, i t + s]: stage 1 with P^T folded into the store."""
     b, m, r = w1.shape
     t, n = r // b, x2.shape[0]
-    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype) if out is None else out
+    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
     bgemm(x2, w1, z, n, m, r, b, (m, x2.stride(0), 1), w1.stride(), (t, b * r, r, 1), grp=t,
           launch_dependents=launch_dependents)
     return z
@@ -110,18 +102,8 @@ def _two_stage_pdl(x2, w1, w2, bias, permute_output):
                           permute_output=permute_output, wait_for_previous=True)
 
 
-def _bmm(x2, w1, w2, bias, permute_output, rows=None):
-    """The Triton stage 1, stage 2 on cuBLAS; ``rows``: chunk by chunk of that many tokens through
-    one z buffer, so z is written and read back in L2 (blr_common's ``l2_chunk_rows``)."""
-    b, m, r = w1.shape
-    n = x2.shape[0]
-    chunks = token_chunks(n, rows)
-    z = torch.empty(chunks[0].stop, b, r, device=x2.device, dtype=x2.dtype)
-    y = torch.empty(n, b * w2.shape[2], device=x2.device, dtype=x2.dtype)
-    for chunk in chunks:
-        c = chunk.stop - chunk.start
-        per_block_gemm(_stage1(x2[chunk], w1, out=z[:c]), w2, bias, cublas=True, out=y[chunk])
-    return y
+def _bmm(x2, w1, w2, bias, permute_output):
+    return per_block_gemm(_stage1(x2, w1), w2, bias, cublas=True)
 
 
 # ---- both GEMMs on cuBLAS, the permutation as one copy between them -------------------
@@ -140,35 +122,20 @@ def _permute_kernel(z_ptr, out_ptr, N, T, B, N_BUCKET, szn, BT: tl.constexpr, BN
     tl.store(out_ptr + rows + (i * B + j) * T, tile, mask=mask)
 
 
-def _bmm_perm_bmm(x2, w1, w2, bias, permute_output, rows=None):
+def _bmm_perm_bmm(x2, w1, w2, bias, permute_output):
     """Stage 1 as one strided cuBLAS batched GEMM into z (N, b_j, r) in its natural order, P^T
     as a memory-bound copy (:func:`_permute_kernel`), stage 2 on cuBLAS. Against ``bmm``: the
     permutation costs z's write and read once more (2 N b r elements), for cuBLAS in stage 1,
     whose output then needs no scattered store; that wins where the scattered store is slow
-    (a per-block rank t not a multiple of 8, e.g. Llama-7B's 1488 / 16 = 93). ``rows``: chunk by
-    chunk of that many tokens through one z and one permuted-z buffer, kept in L2 (as ``bmm``)."""
+    (a per-block rank t not a multiple of 8, e.g. Llama-7B's 1488 / 16 = 93)."""
     b, m, r = w1.shape
     t, n = r // b, x2.shape[0]
-    chunks = token_chunks(n, rows)
-    z = torch.empty(chunks[0].stop, b, r, device=x2.device, dtype=x2.dtype)
+    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
+    bmm_into(x2.view(n, b, m).transpose(0, 1), w1, z.transpose(0, 1))                 # z[n, j] = x_j w1[j]
     zp = torch.empty_like(z)
-    y = torch.empty(n, b * w2.shape[2], device=x2.device, dtype=x2.dtype)
-    for chunk in chunks:
-        c = chunk.stop - chunk.start
-        bmm_into(x2[chunk].view(c, b, m).transpose(0, 1), w1, z[:c].transpose(0, 1))     # z[n, j] = x_j w1[j]
-        grid = lambda meta, c=c: (triton.cdiv(c, meta["BN"]), b, b)
-        _permute_kernel[grid](z, zp, c, t, b, n_bucket(c), z.stride(0), BT=pow2_at_least(t))
-        per_block_gemm(zp[:c], w2, bias, cublas=True, out=y[chunk])
-    return y
-
-
-def _in_l2(pipeline, share: float, buffers: int):
-    """``pipeline`` in token chunks whose ``buffers`` z-sized intermediates fill ``share`` of the L2 cache."""
-    def run(x2, w1, w2, bias, permute_output):
-        b, _, r = w1.shape
-        rows = l2_chunk_rows(x2, buffers * b * r * x2.element_size(), share)
-        return pipeline(x2, w1, w2, bias, permute_output, rows=rows)
-    return run
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]), b, b)
+    _permute_kernel[grid](z, zp, n, t, b, n_bucket(n), z.stride(0), BT=pow2_at_least(t))
+    return per_block_gemm(zp, w2, bias, cublas=True)
 
 
 # ---- fused kernel (decode; a candidate at every N): both dots in one pipelined loop -----
@@ -236,18 +203,15 @@ def _fused(x2, w1, w2, bias, permute_output):
     return y
 
 
-VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm,
-            "fused": _fused, "torch": monarch_linear_reference,
-            **{f"bmm_{suffix}": _in_l2(_bmm, share, 1) for suffix, share in L2_CHUNK_SHARES.items()},
-            **{f"bmm_perm_bmm_{suffix}": _in_l2(_bmm_perm_bmm, share, 2) for suffix, share in L2_CHUNK_SHARES.items()}}
-CHUNKED = [name for name in VARIANTS if name.endswith(tuple(L2_CHUNK_SHARES))]
+VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm, "fused": _fused,
+            "torch": monarch_linear_reference}
 
 
 def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
     """The pipelines worth timing for ``n`` tokens, block size m, per-block rank t and the layout."""
     names = ["two_stage", "torch"] + (["two_stage_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
     if not permute_output:
-        names += ["bmm", "bmm_perm_bmm"] + (CHUNKED if n >= L2_CHUNKED_MIN_N else [])
+        names += ["bmm", "bmm_perm_bmm"]
     if fused_fits(m, t):
         names.append("fused")
     return {name: VARIANTS[name] for name in names}
