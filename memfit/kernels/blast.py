@@ -227,6 +227,112 @@ def _bmm_mix_bmm(x2, u, v, s, bias):
     return per_block_gemm(_zmix(z, s), u.transpose(1, 2), bias, cublas=True)     # Y_i = T_i U_i^T
 
 
+# ---- large N, token-contiguous intermediates: the mixing as one small 2-D dot per rank ----
+
+TMIX_MIN_N = 128   # below this a token-contiguous row is too short to read whole lines
+
+
+def _prune_tmix(configs, named_args, **kwargs):
+    keep = [c for c in configs if c.kwargs["BN"] <= pow2_at_least(named_args["N"], 64)
+            and c.kwargs["BK"] <= pow2_at_least(named_args["R"], 4)]
+    return keep or configs[-1:]
+
+
+@tuned([(256, 8, 4, 1), (512, 8, 8, 1), (128, 16, 4, 1), (128, 8, 2, 1), (64, 8, 1, 1), (64, 16, 2, 1)],
+       ("BN", "BK"), (64, 4, 4, 1), key=["N_BUCKET", "R", "B"], prune=_prune_tmix)
+@triton.jit
+def _tmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szj, szk, ssi, ssj, ssk, stj, stk,
+                 BB: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """T[i, k, n] = sum_j s[i, j, k] Z[j, k, n] for BK ranks and BN tokens: per rank k one
+    (b x b) @ (b x BN) dot of S_k and Z_k, both loaded and stored as b rows of BN contiguous
+    tokens (whole cache lines), few registers a thread, and a loop over k that Triton pipelines."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rb = tl.arange(0, BB)
+    n_ok = rn[None, :] < N
+    b_ok = rb < B
+    for k in range(tl.program_id(1) * BK, tl.minimum(tl.program_id(1) * BK + BK, R)):
+        sk = tl.load(s_ptr + rb[:, None] * ssi + rb[None, :] * ssj + k * ssk, mask=b_ok[:, None] & b_ok[None, :],
+                     other=0.0)                                                   # (b_i, b_j)
+        zk = tl.load(z_ptr + rb[:, None].to(tl.int64) * szj + k * szk + rn[None, :], mask=b_ok[:, None] & n_ok,
+                     other=0.0)                                                   # (b_j, BN)
+        tk = mma(sk.to(zk.dtype), zk, tl.zeros((BB, BN), dtype=tl.float32), PRECISION)
+        tl.store(t_ptr + rb[:, None].to(tl.int64) * stj + k * stk + rn[None, :], tk.to(t_ptr.dtype.element_ty),
+                 mask=b_ok[:, None] & n_ok)
+
+
+@tuned([(256, 8, 4, 1), (512, 8, 4, 1), (256, 16, 4, 1), (128, 8, 4, 1), (512, 4, 8, 1), (1024, 4, 8, 1)],
+       ("BN", "BK"), (64, 4, 4, 1), key=["N_BUCKET", "R", "B"], prune=_prune_tmix)
+@triton.jit
+def _tmix_fma_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szj, szk, ssi, ssj, ssk, stj, stk,
+                     BB: tl.constexpr, JC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """``_tmix_kernel``'s product on CUDA cores: per rank k, T_k (b x BN) accumulates s[:, j, k]
+    (one value per output row, the same for every thread) times Z's row (j, k) (BN contiguous
+    tokens) over j, unrolled, so all b row loads are in flight at once; b^2 multiply-adds per
+    token and rank, b fp32 accumulators per token a thread holds."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rb = tl.arange(0, BB)
+    n_ok = rn < N
+    b_ok = rb < B
+    for k in range(tl.program_id(1) * BK, tl.minimum(tl.program_id(1) * BK + BK, R)):
+        tk = tl.zeros((BB, BN), dtype=tl.float32)
+        for j0 in range(0, B, JC):
+            for jj in tl.static_range(JC):
+                j_ok = j0 + jj < B
+                sj = tl.load(s_ptr + rb * ssi + (j0 + jj) * ssj + k * ssk, mask=b_ok & j_ok, other=0.0)
+                zj = tl.load(z_ptr + (j0 + jj) * szj + k * szk + rn, mask=n_ok & j_ok, other=0.0)
+                tk += sj.to(tl.float32)[:, None] * zj.to(tl.float32)[None, :]
+        tl.store(t_ptr + rb[:, None].to(tl.int64) * stj + k * stk + rn[None, :], tk.to(t_ptr.dtype.element_ty),
+                 mask=b_ok[:, None] & n_ok[None, :])
+
+
+def _token_major_stage1(x2, v):
+    """Z^T (b, r, N): Z_j^T = V_j^T X_j^T by one cuBLAS batched GEMM on transposed views (no copies)."""
+    b, m, r = v.shape
+    n = x2.shape[0]
+    z = torch.empty(b, r, n, device=x2.device, dtype=x2.dtype)
+    torch.bmm(v.transpose(1, 2), x2.view(n, b, m).permute(1, 2, 0), out=z)
+    return z
+
+
+def _token_major_stage3(t, u, bias):
+    """Y_i = T_i U_i^T from T^T (b, r, N), read by cuBLAS as a transposed operand."""
+    return per_block_gemm(t.permute(2, 0, 1), u.transpose(1, 2), bias, cublas=True)
+
+
+def _tbmm_mix_tbmm(x2, u, v, s, bias):
+    """``bmm_mix_bmm`` with Z and T stored token-contiguous, (b, r, N): the mixing kernel
+    (``_tmix_kernel``) then reads and writes rows of BN contiguous tokens and does one small 2-D
+    dot per rank, where ``_zmix_kernel`` reads rows of BK ranks (64 B at BK = 32) into a batched
+    3-D dot that holds about 200 registers a thread. The cuBLAS stages take transposed views."""
+    z = _token_major_stage1(x2, v)
+    b, r, n = z.shape
+    t = torch.empty_like(z)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
+    _tmix_kernel[grid](z, s, t, n, r, b, n_bucket(n), z.stride(0), z.stride(1), *s.stride(), t.stride(0), t.stride(1),
+                       BB=pow2_at_least(b), PRECISION=blr_precision(z.dtype))
+    return _token_major_stage3(t, u, bias)
+
+
+def _tbmm_fmamix_tbmm(x2, u, v, s, bias):
+    """``_tbmm_mix_tbmm`` with the mixing on CUDA cores (``_tmix_fma_kernel``)."""
+    z = _token_major_stage1(x2, v)
+    b, r, n = z.shape
+    t = torch.empty_like(z)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
+    _tmix_fma_kernel[grid](z, s, t, n, r, b, n_bucket(n), z.stride(0), z.stride(1), *s.stride(), t.stride(0),
+                           t.stride(1), BB=pow2_at_least(b, 1), JC=4)
+    return _token_major_stage3(t, u, bias)
+
+
+def _tbmm_bmm_tbmm(x2, u, v, s, bias):
+    """``_tbmm_mix_tbmm`` with the mixing on cuBLAS too: one batched GEMM over the r ranks,
+    S_k (b x b) @ Z_k (b x N), Z_k and T_k strided views of the token-contiguous Z^T and T^T."""
+    z = _token_major_stage1(x2, v)
+    t = torch.empty_like(z)
+    torch.bmm(s.permute(2, 0, 1), z.transpose(0, 1), out=t.transpose(0, 1))
+    return _token_major_stage3(t, u, bias)
+
+
 def _zmix(z, s, chained=False):
     """T (N, b, r) = the mixing of Z (N, b, r) by ``_zmix_kernel``; ``chained``: launched dependent on
     the kernel that wrote Z, and letting the next one start."""
@@ -318,7 +424,8 @@ def _z_mixgemm_pdl(x2, u, v, s, bias):
     return _z_mixgemm(x2, u, v, s, bias, chained=True)
 
 
-VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "z_mixgemm": _z_mixgemm,
+VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "tbmm_mix_tbmm": _tbmm_mix_tbmm,
+            "tbmm_fmamix_tbmm": _tbmm_fmamix_tbmm, "tbmm_bmm_tbmm": _tbmm_bmm_tbmm, "z_mixgemm": _z_mixgemm,
             "z_mixgemm_pdl": _z_mixgemm_pdl, "bgemm_mix_bgemm_pdl": _bgemm_mix_bgemm_pdl,
             "torch": blast_linear_reference}
 
@@ -326,6 +433,8 @@ VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mi
 def variants_for(n: int) -> dict:
     """The pipelines worth timing at ``n`` tokens."""
     names = ["mix_bgemm", "mix_bmm", "bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
+    if n >= TMIX_MIN_N:
+        names += ["tbmm_mix_tbmm", "tbmm_fmamix_tbmm", "tbmm_bmm_tbmm"]
     if n <= PDL_MAX_N and pdl_offered():
         names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
     return {name: VARIANTS[name] for name in names}
