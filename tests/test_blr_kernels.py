@@ -58,14 +58,16 @@ def drop_bias(tensors, bias):
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", True), ("two_stage_pdl", False), ("bmm", False), ("bmm_perm_bmm", False), ("fused", True),
+MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", True), ("two_stage_pdl", False),
+                 ("bmm", False), ("bmm_perm_bmm", False), ("tbmm", False), ("tbmm_perm_tbmm", False), ("fused", True),
                  ("fused", False), ("torch", True)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant,permute", MONARCH_CASES)
 @pytest.mark.parametrize("lead,bias", [((1,), True), ((2, N), False), ((2, N), True)])
-def test_monarch(dtype, variant, permute, lead, bias):
+def test_monarch(dtype, variant, permute, lead, bias, monkeypatch):
+    monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)  # the token-contiguous pipelines at the tests' N too
     t = 5
     tensors = [torch.randn(*lead, B * M), torch.randn(B, M, B * t) / M**0.5, torch.randn(B, B * t, P) / t**0.5,
                torch.randn(B * P)]
@@ -79,8 +81,17 @@ def test_monarch_variants_offered():
     small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "torch"}
     assert set(monarch.variants_for(16, 128, 32, False)) == small
     assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "two_stage_pdl", "fused", "torch"}
-    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"}
+    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"} | {"tbmm", "tbmm_perm_tbmm"}
+    assert set(monarch.variants_for(8192, 128, 32, True)) == {"two_stage", "fused", "torch"}
     assert "fused" not in monarch.variants_for(1, 688, 93, False)
+
+
+def test_token_major_pipelines_are_offered_from_their_min_n():
+    assert "tbmm_mix_tbmm" in blast.variants_for(blast.TMIX_MIN_N)
+    assert "tbmm_mix_tbmm" not in blast.variants_for(blast.TMIX_MIN_N - 1)
+    assert blast._default(blast.TMIX_MIN_N) == "tbmm_mix_tbmm"
+    big, small = (monarch.variants_for(n, 128, 32, False) for n in (monarch.TOKEN_MAJOR_MIN_N, monarch.TOKEN_MAJOR_MIN_N - 1))
+    assert {"tbmm", "tbmm_perm_tbmm"} <= set(big) and not {"tbmm", "tbmm_perm_tbmm"} & set(small)
 
 
 def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):

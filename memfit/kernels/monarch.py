@@ -25,6 +25,10 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   P^T as a memory-bound copy between them (:func:`_permute_kernel`): 2 N b r more elements
   of traffic than ``bmm`` for no scattered store, which is slow where t is not a multiple
   of 8 (Llama-7B: t = 93). Block-major layout only.
+* ``tbmm`` and ``tbmm_perm_tbmm`` (N >= TOKEN_MAJOR_MIN_N, block-major): ``bmm`` and
+  ``bmm_perm_bmm`` with z stored token-contiguous, (b, r, N): P^T then moves whole rows of
+  tokens (in ``tbmm``'s store, or as a copy of (t x N) slabs), and stage 2 reads z through a
+  transposed view, no copy. The layout that made BLAST's mixing pass run near HBM bandwidth.
 * ``fused`` (the decode path, and a candidate at every N): one kernel, z on chip. A program owns
   a token tile, output block i and an output column tile; one loop over the input
   blocks j (both dots in it, so it is software-pipelined) computes
@@ -138,6 +142,38 @@ def _bmm_perm_bmm(x2, w1, w2, bias, permute_output):
     return per_block_gemm(zp, w2, bias, cublas=True)
 
 
+# ---- large N, token-contiguous z: whole rows of tokens in every store -------------------
+
+TOKEN_MAJOR_MIN_N = 128   # below this a token-contiguous row is too short to write whole lines
+
+
+def _token_major_stage2(zp, w2, bias):
+    """y from the permuted z stored token-contiguous, (b_i, r, N), read by cuBLAS as a transposed operand."""
+    return per_block_gemm(zp.permute(2, 0, 1), w2, bias, cublas=True)
+
+
+def _tbmm(x2, w1, w2, bias, permute_output):
+    """``bmm`` with z stored token-contiguous: zp[i, j t + s, n] = (x_j w1[j])[n, i t + s], P^T folded
+    into the Triton stage's store as whole rows of tokens (``bmm``'s store writes runs of t
+    elements, 186 B at Llama-7B's t = 93), then stage 2 on cuBLAS from a transposed view."""
+    b, m, r = w1.shape
+    t, n = r // b, x2.shape[0]
+    zp = torch.empty(b, r, n, device=x2.device, dtype=x2.dtype)
+    bgemm(x2, w1, zp, n, m, r, b, (m, x2.stride(0), 1), w1.stride(), (t * n, 1, r * n, n), grp=t)
+    return _token_major_stage2(zp, w2, bias)
+
+
+def _tbmm_perm_tbmm(x2, w1, w2, bias, permute_output):
+    """Both stages on cuBLAS with z token-contiguous: z^T_j = w1[j]^T x_j^T into (b_j, r, N), P^T as a
+    copy of whole (t x N) slabs (contiguous runs of t N elements), then stage 2 as in ``tbmm``."""
+    b, m, r = w1.shape
+    t, n = r // b, x2.shape[0]
+    z = torch.empty(b, r, n, device=x2.device, dtype=x2.dtype)
+    torch.bmm(w1.transpose(1, 2), x2.view(n, b, m).permute(1, 2, 0), out=z)
+    zp = z.view(b, b, t, n).transpose(0, 1).reshape(b, r, n)                 # (b_i, b_j t, N): a copy
+    return _token_major_stage2(zp, w2, bias)
+
+
 # ---- fused kernel (decode; a candidate at every N): both dots in one pipelined loop -----
 
 def _prune_fused(configs, named_args, **kwargs):
@@ -203,15 +239,15 @@ def _fused(x2, w1, w2, bias, permute_output):
     return y
 
 
-VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm, "fused": _fused,
-            "torch": monarch_linear_reference}
+VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm,
+            "tbmm": _tbmm, "tbmm_perm_tbmm": _tbmm_perm_tbmm, "fused": _fused, "torch": monarch_linear_reference}
 
 
 def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
     """The pipelines worth timing for ``n`` tokens, block size m, per-block rank t and the layout."""
     names = ["two_stage", "torch"] + (["two_stage_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
     if not permute_output:
-        names += ["bmm", "bmm_perm_bmm"]
+        names += ["bmm", "bmm_perm_bmm"] + (["tbmm", "tbmm_perm_tbmm"] if n >= TOKEN_MAJOR_MIN_N else [])
     if fused_fits(m, t):
         names.append("fused")
     return {name: VARIANTS[name] for name in names}
