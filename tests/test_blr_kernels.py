@@ -59,7 +59,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", True), ("two_stage_pdl", False),
-                 ("bmm", False), ("bmm_perm_bmm", False), ("tbmm", False), ("tbmm_perm_tbmm", False), ("fused", True),
+                 ("bmm", False), ("bmm_perm_bmm", False), ("tbmm", False), ("fused", True),
                  ("fused", False), ("torch", True)]
 
 
@@ -81,7 +81,7 @@ def test_monarch_variants_offered():
     small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "torch"}
     assert set(monarch.variants_for(16, 128, 32, False)) == small
     assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "two_stage_pdl", "fused", "torch"}
-    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"} | {"tbmm", "tbmm_perm_tbmm"}
+    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"} | {"tbmm"}
     assert set(monarch.variants_for(8192, 128, 32, True)) == {"two_stage", "fused", "torch"}
     assert "fused" not in monarch.variants_for(1, 688, 93, False)
 
@@ -91,7 +91,7 @@ def test_token_major_pipelines_are_offered_from_their_min_n():
     assert "tbmm_mix_tbmm" not in blast.variants_for(blast.TMIX_MIN_N - 1)
     assert blast._default(blast.TMIX_MIN_N) == "tbmm_mix_tbmm"
     big, small = (monarch.variants_for(n, 128, 32, False) for n in (monarch.TOKEN_MAJOR_MIN_N, monarch.TOKEN_MAJOR_MIN_N - 1))
-    assert {"tbmm", "tbmm_perm_tbmm"} <= set(big) and not {"tbmm", "tbmm_perm_tbmm"} & set(small)
+    assert "tbmm" in big and "tbmm" not in small
 
 
 def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):
