@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-# name|seconds|command, most pending first (after the sixth 2026-11-30 session: see its closing note)
+# name|seconds|command, most pending first (after the seventh session, 2026-12-01: see its closing note)
 RUNS=(
   "train_small_model|130|python3 benchmarks/train_small_model.py --out /tmp/small_llama --results $OUT --max-seconds 80"
   "partial_ffn_accuracy|150|python3 benchmarks/partial_ffn.py --out $OUT --skip-speed --small-model /tmp/small_llama"
