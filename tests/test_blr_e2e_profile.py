@@ -18,8 +18,9 @@ def blr_e2e():
 
 
 @pytest.mark.parametrize("name,kind", [
-    ("_bgemm_kernel", "blr"), ("_zmix_kernel", "blr"), ("_mixgemm_kernel", "blr"), ("_fused_kernel", "blr"),
-    ("_permute_kernel", "blr"), ("memfit::monarch_linear", "blr"),
+    ("_bgemm_kernel", "blr"), ("_zmix_kernel", "blr"), ("_tmix_kernel", "blr"), ("_mixgemm_kernel", "blr"),
+    ("_fused_kernel", "blr"), ("_permute_kernel", "blr"), ("memfit::monarch_linear", "blr"),
+    ("mma", "other"),                                # a helper jit function's name is not a kernel's
     ("_fwd_kernel", "attention"), ("memfit::attention_fwd", "attention"),      # --attention memfit (GPU, CPU smoke)
     ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "matmul"),
     ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "matmul"),
