@@ -92,6 +92,7 @@ def test_token_major_pipelines_are_offered_from_their_min_n():
     assert blast._default(blast.TMIX_MIN_N) == "tbmm_mix_tbmm"
     big, small = (monarch.variants_for(n, 128, 32, False) for n in (monarch.TOKEN_MAJOR_MIN_N, monarch.TOKEN_MAJOR_MIN_N - 1))
     assert "tbmm" in big and "tbmm" not in small
+    assert monarch._default(monarch.TOKEN_MAJOR_MIN_N) == "tbmm"
 
 
 def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):

@@ -238,6 +238,7 @@ TMIX_MIN_N = 128   # below this a token-contiguous row is too short to read whol
 
 
 def _prune_tmix(configs, named_args, **kwargs):
+    """Token tiles no wider than the tokens (64 at least) and rank slices no wider than the ranks."""
     keep = [c for c in configs if c.kwargs["BN"] <= pow2_at_least(named_args["N"], 64)
             and c.kwargs["BK"] <= pow2_at_least(named_args["R"], 4)]
     return keep or configs[-1:]

@@ -244,8 +244,9 @@ def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
 
 
 def _default(n: int) -> str:
-    """The pick off the GPU timing path (interpreter, CUDA-graph capture): the decode kernel or two GEMMs."""
-    return "fused" if n <= 16 else "two_stage"
+    """The pick off the GPU timing path (interpreter, CUDA-graph capture): the decode kernel, two
+    GEMMs, or from TOKEN_MAJOR_MIN_N ``tbmm`` (``two_stage`` took 3.9x its time at Llama-7B's t = 93, 75317f4)."""
+    return "fused" if n <= 16 else "tbmm" if n >= TOKEN_MAJOR_MIN_N else "two_stage"
 
 
 @torch.library.custom_op("memfit::monarch_linear", mutates_args=())
