@@ -257,6 +257,7 @@ def _tmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szj, szk, ssi, ssj, ssk
     rb = tl.arange(0, BB)
     n_ok = rn[None, :] < N
     b_ok = rb < B
+    szk, stk = szk.to(tl.int64), stk.to(tl.int64)     # k * N passes 2^31 before Z outgrows a GPU
     for k in range(tl.program_id(1) * BK, tl.minimum(tl.program_id(1) * BK + BK, R)):
         sk = tl.load(s_ptr + rb[:, None] * ssi + rb[None, :] * ssj + k * ssk, mask=b_ok[:, None] & b_ok[None, :],
                      other=0.0)                                                   # (b_i, b_j)

@@ -347,7 +347,7 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET
         acc = mma(a, b, acc, PRECISION)
         a_ptrs += BK * sak
         b_ptrs += BK * sbk
-    col = bt * scb + (rc // GRP) * scg + (rc % GRP) * sci
+    col = bt * scb + (rc // GRP).to(tl.int64) * scg + (rc % GRP).to(tl.int64) * sci   # token-major: i r N > 2^31
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col, mask=rc < C, other=0.0).to(tl.float32)[None, :]
     mask = (rn[:, None] < N) & (rc[None, :] < C)
