@@ -20,7 +20,7 @@ def blr_e2e():
 @pytest.mark.parametrize("name,kind", [
     ("_bgemm_kernel", "blr"), ("_zmix_kernel", "blr"), ("_tmix_kernel", "blr"), ("_mixgemm_kernel", "blr"),
     ("_fused_kernel", "blr"), ("_permute_kernel", "blr"), ("memfit::monarch_linear", "blr"),
-    ("mma", "other"),                                # a helper jit function's name is not a kernel's
+    ("mma", "other"),                                # a jit helper (inlined), not a kernel
     ("_fwd_kernel", "attention"), ("memfit::attention_fwd", "attention"),      # --attention memfit (GPU, CPU smoke)
     ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "matmul"),
     ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "matmul"),
@@ -31,6 +31,25 @@ def blr_e2e():
 ])
 def test_kernel_kind(blr_e2e, name, kind):
     assert blr_e2e.kernel_kind(name) == kind
+
+
+def test_blr_kernels_are_read_from_the_modules_autotuned_or_not(blr_e2e, monkeypatch):
+    import triton
+
+    from memfit.kernels import monarch
+
+    @triton.jit
+    def _plain_kernel(x_ptr):
+        pass
+
+    monkeypatch.setattr(monarch, "_plain_kernel", _plain_kernel, raising=False)
+    blr_e2e.blr_kernel_names.cache_clear()
+    try:
+        names = blr_e2e.blr_kernel_names()
+    finally:
+        blr_e2e.blr_kernel_names.cache_clear()
+    assert {"_plain_kernel", "_tmix_kernel", "_bgemm_kernel"} <= names
+    assert all(name.endswith("_kernel") for name in names)
 
 
 def test_free_compressed_layers_cost_nothing_and_keep_shapes(blr_e2e):

@@ -87,12 +87,33 @@ def test_monarch_variants_offered():
 
 
 def test_token_major_pipelines_are_offered_from_their_min_n():
-    assert "tbmm_mix_tbmm" in blast.variants_for(blast.TMIX_MIN_N)
-    assert "tbmm_mix_tbmm" not in blast.variants_for(blast.TMIX_MIN_N - 1)
-    assert blast._default(blast.TMIX_MIN_N) == "tbmm_mix_tbmm"
-    big, small = (monarch.variants_for(n, 128, 32, False) for n in (monarch.TOKEN_MAJOR_MIN_N, monarch.TOKEN_MAJOR_MIN_N - 1))
-    assert "tbmm" in big and "tbmm" not in small
-    assert monarch._default(monarch.TOKEN_MAJOR_MIN_N) == "tbmm"
+    first = blr_common.TOKEN_MAJOR_MIN_N
+    assert "tbmm_mix_tbmm" in blast.variants_for(first) and "tbmm_mix_tbmm" not in blast.variants_for(first - 1)
+    assert blast._default(first) == "tbmm_mix_tbmm"
+    assert "tbmm" in monarch.variants_for(first, 128, 32, False) and "tbmm" not in monarch.variants_for(first - 1, 128, 32, False)
+    assert "tbmm" not in monarch.variants_for(first, 128, 32, True)
+    assert monarch._default(first, False) == "tbmm" and monarch._default(first, True) == "two_stage"
+
+
+@pytest.mark.parametrize("blocks,n", [(3, 130), (17, 70)])
+def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatch, blocks, n):
+    """N past one token tile of the interpreter's configs (64) and not a multiple of it, and b > 16
+    (a 32-wide block tile with masked rows), for both token-contiguous pipelines."""
+    monkeypatch.setattr(blast, "TOKEN_MAJOR_MIN_N", 1)
+    monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)
+    m, p, r, t = 3, 2, 5, 2
+    tensors = [torch.randn(n, blocks * m), torch.randn(blocks, p, r) / r**0.5, torch.randn(blocks, m, r) / m**0.5,
+               torch.randn(blocks, blocks, r) / blocks**0.5, torch.randn(blocks * p)]
+    check(blast_linear, blast_linear_reference, tensors, torch.float32, variant="tbmm_mix_tbmm")
+    tensors = [torch.randn(n, blocks * m), torch.randn(blocks, m, blocks * t) / m**0.5,
+               torch.randn(blocks, blocks * t, p) / t**0.5, torch.randn(blocks * p)]
+    check(monarch_linear, monarch_linear_reference, tensors, torch.float32, permute_output=False, variant="tbmm")
+
+
+def test_tbmm_refuses_the_permuted_layout():
+    x, w1, w2 = torch.randn(N, B * M), torch.randn(B, M, B * 2), torch.randn(B, B * 2, P)
+    with pytest.raises(MemfitError, match="block-major"):
+        monarch._tbmm(x, w1, w2, None, True)
 
 
 def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):
@@ -208,7 +229,7 @@ BLAST_VARIANTS = list(blast.VARIANTS)
 @pytest.mark.parametrize("variant", BLAST_VARIANTS)
 @pytest.mark.parametrize("n,bias", [(1, True), (N, False), (N, True)])
 def test_blast(dtype, variant, n, bias, monkeypatch):
-    monkeypatch.setattr(blast, "TMIX_MIN_N", 1)          # the token-contiguous pipelines at the tests' N too
+    monkeypatch.setattr(blast, "TOKEN_MAJOR_MIN_N", 1)   # the token-contiguous pipelines at the tests' N too
     r = 19
     tensors = [torch.randn(n, B * M), torch.randn(B, P, r) / r**0.5, torch.randn(B, M, r) / M**0.5,
                torch.randn(B, B, r) / B**0.5, torch.randn(B * P)]

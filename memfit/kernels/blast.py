@@ -31,10 +31,11 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   load of Z and s_i by a sum over j, then one dot with U_i^T. The mixing is redone per
   output column tile (ceil(p/BC) times), negligible at decode where Z (a few hundred
   KB) sits in L2 and the kernel is bound by reading U. Two launches, both wide.
-* ``tbmm_mix_tbmm`` (N >= TMIX_MIN_N): ``bmm_mix_bmm`` with Z and T stored token-contiguous,
+* ``tbmm_mix_tbmm`` (N >= TOKEN_MAJOR_MIN_N): ``bmm_mix_bmm`` with Z and T stored token-contiguous,
   (b, r, N), so the mixing pass (``_tmix_kernel``) moves whole rows of tokens, near HBM
   bandwidth, where ``_zmix_kernel`` moves BK-rank runs (64 B) at about 40% of it; the
-  cuBLAS stages read and write transposed views, no copies. The large-N pipeline.
+  cuBLAS stages read and write transposed views, no copies. The fastest pipeline at every
+  shape from N = 1024 (75317f4); at N = 128 ``bmm_mix_bmm`` often beats it.
 * ``bgemm_mix_bgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``bmm_mix_bmm``'s three stages as one
   chain of Triton kernels (stages 1 and 3 by :func:`bgemm`, the mixing by ``_zmix_kernel``),
   each launched while the one before runs (blr_common's programmatic dependent launch);
@@ -55,6 +56,7 @@ import triton.language as tl
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
     PDL_MAX_N,
+    TOKEN_MAJOR_MIN_N,
     bgemm,
     blr_precision,
     bmm_into,
@@ -234,9 +236,6 @@ def _bmm_mix_bmm(x2, u, v, s, bias):
 
 # ---- large N, token-contiguous intermediates: the mixing as one small 2-D dot per rank ----
 
-TMIX_MIN_N = 128   # below this a token-contiguous row is too short to read whole lines
-
-
 def _prune_tmix(configs, named_args, **kwargs):
     """Token tiles no wider than the tokens (64 at least) and rank slices no wider than the ranks."""
     keep = [c for c in configs if c.kwargs["BN"] <= pow2_at_least(named_args["N"], 64)
@@ -257,43 +256,33 @@ def _tmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szj, szk, ssi, ssj, ssk
     rb = tl.arange(0, BB)
     n_ok = rn[None, :] < N
     b_ok = rb < B
-    szk, stk = szk.to(tl.int64), stk.to(tl.int64)     # k * N passes 2^31 before Z outgrows a GPU
+    szk64 = tl.zeros((1, 1), dtype=tl.int64) + szk   # 64-bit: k N passes 2^31 before Z outgrows a GPU
+    stk64 = tl.zeros((1, 1), dtype=tl.int64) + stk   # (a stride equal to 1 arrives as a plain int)
     for k in range(tl.program_id(1) * BK, tl.minimum(tl.program_id(1) * BK + BK, R)):
         sk = tl.load(s_ptr + rb[:, None] * ssi + rb[None, :] * ssj + k * ssk, mask=b_ok[:, None] & b_ok[None, :],
                      other=0.0)                                                   # (b_i, b_j)
-        zk = tl.load(z_ptr + rb[:, None].to(tl.int64) * szj + k * szk + rn[None, :], mask=b_ok[:, None] & n_ok,
+        zk = tl.load(z_ptr + rb[:, None].to(tl.int64) * szj + k * szk64 + rn[None, :], mask=b_ok[:, None] & n_ok,
                      other=0.0)                                                   # (b_j, BN)
         tk = mma(sk.to(zk.dtype), zk, tl.zeros((BB, BN), dtype=tl.float32), PRECISION)
-        tl.store(t_ptr + rb[:, None].to(tl.int64) * stj + k * stk + rn[None, :], tk.to(t_ptr.dtype.element_ty),
+        tl.store(t_ptr + rb[:, None].to(tl.int64) * stj + k * stk64 + rn[None, :], tk.to(t_ptr.dtype.element_ty),
                  mask=b_ok[:, None] & n_ok)
-
-
-def _token_major_stage1(x2, v):
-    """Z^T (b, r, N): Z_j^T = V_j^T X_j^T by one cuBLAS batched GEMM on transposed views (no copies)."""
-    b, m, r = v.shape
-    n = x2.shape[0]
-    z = torch.empty(b, r, n, device=x2.device, dtype=x2.dtype)
-    torch.bmm(v.transpose(1, 2), x2.view(n, b, m).permute(1, 2, 0), out=z)
-    return z
-
-
-def _token_major_stage3(t, u, bias):
-    """Y_i = T_i U_i^T from T^T (b, r, N), read by cuBLAS as a transposed operand."""
-    return per_block_gemm(t.permute(2, 0, 1), u.transpose(1, 2), bias, cublas=True)
 
 
 def _tbmm_mix_tbmm(x2, u, v, s, bias):
     """``bmm_mix_bmm`` with Z and T stored token-contiguous, (b, r, N): the mixing kernel
     (``_tmix_kernel``) then reads and writes rows of BN contiguous tokens and does one small 2-D
-    dot per rank, where ``_zmix_kernel`` reads rows of BK ranks (64 B at BK = 32) into a batched
-    3-D dot that holds about 200 registers a thread. The cuBLAS stages take transposed views."""
-    z = _token_major_stage1(x2, v)
-    b, r, n = z.shape
+    dot per rank, where ``_zmix_kernel`` reads runs of BK ranks (64 B at BK = 32) into a batched
+    3-D dot. The cuBLAS stages take transposed views, no copies: Z_j^T = V_j^T X_j^T into (b, r, N),
+    and Y_i = T_i U_i^T with T_i^T read as a transposed operand."""
+    b, m, r = v.shape
+    n = x2.shape[0]
+    z = torch.empty(b, r, n, device=x2.device, dtype=x2.dtype)
+    torch.bmm(v.transpose(1, 2), x2.view(n, b, m).permute(1, 2, 0), out=z)
     t = torch.empty_like(z)
     grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
     _tmix_kernel[grid](z, s, t, n, r, b, n_bucket(n), z.stride(0), z.stride(1), *s.stride(), t.stride(0), t.stride(1),
                        BB=pow2_at_least(b), PRECISION=blr_precision(z.dtype))
-    return _token_major_stage3(t, u, bias)
+    return per_block_gemm(t.permute(2, 0, 1), u.transpose(1, 2), bias, cublas=True)
 
 
 def _zmix(z, s, chained=False):
@@ -396,7 +385,7 @@ VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mi
 def variants_for(n: int) -> dict:
     """The pipelines worth timing at ``n`` tokens."""
     names = ["mix_bgemm", "mix_bmm", "bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
-    if n >= TMIX_MIN_N:
+    if n >= TOKEN_MAJOR_MIN_N:
         names.append("tbmm_mix_tbmm")
     if n <= PDL_MAX_N and pdl_offered():
         names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
@@ -405,7 +394,7 @@ def variants_for(n: int) -> dict:
 
 def _default(n: int) -> str:
     """The pick off the GPU timing path (interpreter, CUDA-graph capture)."""
-    return "z_mixgemm" if n <= 16 else "tbmm_mix_tbmm" if n >= TMIX_MIN_N else "mix_bgemm"
+    return "z_mixgemm" if n <= 16 else "tbmm_mix_tbmm" if n >= TOKEN_MAJOR_MIN_N else "mix_bgemm"
 
 
 @torch.library.custom_op("memfit::blast_linear", mutates_args=())

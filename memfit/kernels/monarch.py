@@ -53,6 +53,7 @@ import triton.language as tl
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
     PDL_MAX_N,
+    TOKEN_MAJOR_MIN_N,
     bgemm,
     blr_precision,
     bmm_into,
@@ -145,23 +146,18 @@ def _bmm_perm_bmm(x2, w1, w2, bias, permute_output):
 
 # ---- large N, token-contiguous z: whole rows of tokens in every store -------------------
 
-TOKEN_MAJOR_MIN_N = 128   # below this a token-contiguous row is too short to write whole lines
-
-
-def _token_major_stage2(zp, w2, bias):
-    """y from the permuted z stored token-contiguous, (b_i, r, N), read by cuBLAS as a transposed operand."""
-    return per_block_gemm(zp.permute(2, 0, 1), w2, bias, cublas=True)
-
-
 def _tbmm(x2, w1, w2, bias, permute_output):
     """``bmm`` with z stored token-contiguous: zp[i, j t + s, n] = (x_j w1[j])[n, i t + s], P^T folded
     into the Triton stage's store as whole rows of tokens (``bmm``'s store writes runs of t
-    elements, 186 B at Llama-7B's t = 93), then stage 2 on cuBLAS from a transposed view."""
+    elements, 186 B at Llama-7B's t = 93), then stage 2 on cuBLAS reading zp[i]^T as a transposed
+    operand. Block-major output only (cuBLAS cannot store the permuted layout's column stride)."""
+    if permute_output:
+        raise MemfitError("monarch_linear: tbmm writes the block-major layout only (permute_output=False)")
     b, m, r = w1.shape
     t, n = r // b, x2.shape[0]
     zp = torch.empty(b, r, n, device=x2.device, dtype=x2.dtype)
     bgemm(x2, w1, zp, n, m, r, b, (m, x2.stride(0), 1), w1.stride(), (t * n, 1, r * n, n), grp=t)
-    return _token_major_stage2(zp, w2, bias)
+    return per_block_gemm(zp.permute(2, 0, 1), w2, bias, cublas=True)
 
 
 # ---- fused kernel (decode; a candidate at every N): both dots in one pipelined loop -----
@@ -243,10 +239,13 @@ def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
     return {name: VARIANTS[name] for name in names}
 
 
-def _default(n: int) -> str:
+def _default(n: int, permute_output: bool) -> str:
     """The pick off the GPU timing path (interpreter, CUDA-graph capture): the decode kernel, two
-    GEMMs, or from TOKEN_MAJOR_MIN_N ``tbmm`` (``two_stage`` took 3.9x its time at Llama-7B's t = 93, 75317f4)."""
-    return "fused" if n <= 16 else "tbmm" if n >= TOKEN_MAJOR_MIN_N else "two_stage"
+    GEMMs, or from TOKEN_MAJOR_MIN_N (block-major layout) ``tbmm`` (``two_stage`` took 3.9x its
+    time at Llama-7B's t = 93, 75317f4)."""
+    if n <= 16:
+        return "fused"
+    return "tbmm" if n >= TOKEN_MAJOR_MIN_N and not permute_output else "two_stage"
 
 
 @torch.library.custom_op("memfit::monarch_linear", mutates_args=())
@@ -259,7 +258,8 @@ def _monarch_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, bias: torch
     if variant == "auto":
         n = x2.shape[0]
         offered = variants_for(n, m, r // b, permute_output)
-        default = _default(n) if _default(n) in offered else "two_stage"
+        default = _default(n, permute_output)
+        default = default if default in offered else "two_stage"          # the fused tile may not fit
         variant = pick_variant("monarch_linear", (n_bucket(n), *w1.shape, w2.shape[2], permute_output, str(x.dtype)),
                                offered, default, args)
     return VARIANTS[variant](*args).reshape(*x.shape[:-1], -1)
