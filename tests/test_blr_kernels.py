@@ -144,7 +144,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from memfit.kernels import blast, blr_common
 
-kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel}
+kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
+           "tmix": blast._tmix_kernel}
 out = {}
 for name, (kernel, constexprs) in json.loads(sys.argv[1]).items():
     fn = kernels[kernel].fn
@@ -169,20 +170,33 @@ CHAIN_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def sm90_ptx():
-    """PTX of the chained kernels compiled ahead of time for sm_90, outside the interpreter (Triton's
-    ptxas checks the inline PTX; no GPU needed): the GDC and prefetch code never runs in these tests."""
+def compile_sm90(cases: dict) -> dict:
+    """PTX of each (kernel, constexprs) case compiled for sm_90 in a subprocess outside the interpreter."""
     import json
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", SM90_PTX_SCRIPT, json.dumps(CHAIN_CASES)], env=env,
+    done = subprocess.run([sys.executable, "-c", SM90_PTX_SCRIPT, json.dumps(cases)], env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
+
+
+def test_token_major_mixing_compiles_with_unit_strides():
+    """At N = 1 Triton passes the rank strides (N) as the constant 1, a plain int in the kernel: the
+    64-bit offset arithmetic must still compile (the interpreter never specialises, so only this sees it)."""
+    ptx = compile_sm90({"unit strides": ("tmix", {"szk": 1, "stk": 1, "BB": 16, "PRECISION": "tf32", "BN": 64,
+                                                   "BK": 8})})
+    assert "mma.sync" in ptx["unit strides"]
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx():
+    """PTX of the chained kernels compiled ahead of time for sm_90, outside the interpreter (Triton's
+    ptxas checks the inline PTX; no GPU needed): the GDC and prefetch code never runs in these tests."""
+    return compile_sm90(CHAIN_CASES)
 
 
 @pytest.mark.parametrize("case", [c for c in CHAIN_CASES if "waits" in c and "zmix" not in c])
