@@ -277,7 +277,7 @@ def _tbmm_mix_tbmm(x2, u, v, s, bias):
     b, m, r = v.shape
     n = x2.shape[0]
     z = torch.empty(b, r, n, device=x2.device, dtype=x2.dtype)
-    torch.bmm(v.transpose(1, 2), x2.view(n, b, m).permute(1, 2, 0), out=z)
+    bmm_into(v.transpose(1, 2), x2.view(n, b, m).permute(1, 2, 0), z)
     t = torch.empty_like(z)
     grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
     _tmix_kernel[grid](z, s, t, n, r, b, n_bucket(n), z.stride(0), z.stride(1), *s.stride(), t.stride(0), t.stride(1),

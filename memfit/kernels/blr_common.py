@@ -240,10 +240,12 @@ def pow2_at_least(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(int(n)))
 
 
-# ---- chained stages: programmatic dependent launch and an L2 prefetch of the weights ----
-
 TOKEN_MAJOR_MIN_N = 128  # from here Monarch and BLAST also offer intermediates stored token-contiguous, (b, r, N):
                          # below it a row of tokens is too short to fill whole cache lines
+
+
+# ---- chained stages: programmatic dependent launch and an L2 prefetch of the weights ----
+
 PDL_MAX_N = 128          # token counts where a stage's launch and first read are a visible share of its time
 PREFETCH_BLOCK = tl.constexpr(128)  # L2 prefetch requests issued per step (one per thread at 4 warps)
 
