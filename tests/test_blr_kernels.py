@@ -148,7 +148,9 @@ kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, 
            "tmix": blast._tmix_kernel}
 out = {}
 for name, (kernel, constexprs) in json.loads(sys.argv[1]).items():
-    fn = kernels[kernel].fn
+    fn = kernels[kernel]
+    while not hasattr(fn, "params"):                  # through autotune and heuristics to the jit function
+        fn = fn.fn
     signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
                  for p in fn.params}
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
@@ -160,13 +162,13 @@ print(json.dumps(out))
 CHAIN_BASE = {"HAS_BIAS": True, "PRECISION": "tf32", "LINE": 64, "BN": 16, "BC": 64, "BK": 64}
 WAITS = {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": True}
 CHAIN_CASES = {
-    "bgemm waits, weights row-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True}),
-    "bgemm waits, weights k-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": False}),
+    "bgemm waits, weights row-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True, "EVEN_K": False}),
+    "bgemm waits, weights k-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": False, "EVEN_K": True}),
     "mixgemm waits": ("mixgemm", {**CHAIN_BASE, "WAIT_FOR_PREVIOUS": True, "BB": 16}),
     "zmix waits and launches": ("zmix", {"BB": 16, "PRECISION": "tf32", "LAUNCH_DEPENDENTS": True,
                                          "WAIT_FOR_PREVIOUS": True, "BN": 16, "BK": 32}),
     "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
-                                 "B_ROWS_CONTIGUOUS": True}),
+                                 "B_ROWS_CONTIGUOUS": True, "EVEN_K": False}),
 }
 
 

@@ -314,12 +314,14 @@ BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
 
 @tuned(BGEMM_CONFIGS, ("BN", "BC", "BK"), (16, 32, 32, 4, 1), key=["N_BUCKET", "K", "C", "GRP", "BATCHES"],
        prune=_prune_bgemm)
+@triton.heuristics({"EVEN_K": lambda meta: meta["K"] % meta["BK"] == 0})
 @triton.jit
 def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET,
                   sab, san, sak, sbb, sbk, sbc, scb, scn, scg, sci,
                   HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
                   WAIT_FOR_PREVIOUS: tl.constexpr, B_ROWS_CONTIGUOUS: tl.constexpr, LINE: tl.constexpr,
-                  BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr = 8):
+                  BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                  GROUP_N: tl.constexpr = 8):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     n_tiles = tl.cdiv(N, BN)
@@ -345,9 +347,14 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET
             prefetch_l2(b_tile, cols, sbc, K, LINE)
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BN, BC), dtype=tl.float32)
+    a_rows, b_cols = rn[:, None] < N, rc[None, :] < C
     for k0 in range(0, K, BK):
-        a = tl.load(a_ptrs, mask=(rn[:, None] < N) & (rk[None, :] + k0 < K), other=0.0)
-        b = tl.load(b_ptrs, mask=(rk[:, None] + k0 < K) & (rc[None, :] < C), other=0.0)
+        if EVEN_K:                                     # no K mask to build and apply every step
+            a = tl.load(a_ptrs, mask=a_rows, other=0.0)
+            b = tl.load(b_ptrs, mask=b_cols, other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=a_rows & (rk[None, :] + k0 < K), other=0.0)
+            b = tl.load(b_ptrs, mask=(rk[:, None] + k0 < K) & b_cols, other=0.0)
         acc = mma(a, b, acc, PRECISION)
         a_ptrs += BK * sak
         b_ptrs += BK * sbk
