@@ -8,8 +8,8 @@ paper's shapes and N in {128, 1024, 8192} this times, in one run and each alone:
 
 * every tile config of ``CONFIGS`` (BN x BC x BK, warps, stages) that fits, storing z the way
   ``monarch``'s ``tbmm`` does (token-contiguous, P^T folded in), with the K mask and, where K
-  is a multiple of BK, without it (``EVEN_K``), and with A and B read through TMA descriptors;
-* ``bgemm`` as the op calls it (its autotuned pick among ``BGEMM_CONFIGS``), with and without TMA;
+  is a multiple of BK, without it (``EVEN_K``);
+* ``bgemm`` as the op calls it (its autotuned pick among ``BGEMM_CONFIGS``);
 * cuBLAS's strided batched GEMM of the same product into z's natural order (``bmm_into``):
   the rate a regrouping store that cost nothing would have to match.
 
@@ -59,27 +59,23 @@ def stage1_case(torch, d_in, rank, n, copies, device):
             for _ in range(copies)], m, t
 
 
-def launcher(x, w1, zp, n, m, r, t, config, even_k, tma):
-    """fn() running stage 1 through one bgemm kernel (pointer loads, or TMA) with one tile config, no autotuning."""
+def launcher(x, w1, zp, n, m, r, t, config, even_k):
+    """fn() running stage 1 through the bgemm kernel with one tile config, no autotuning."""
     import triton
 
     from memfit.kernels import blr_common
 
     bn, bc, bk, warps, stages = config
-    grid = (triton.cdiv(n, bn) * triton.cdiv(r, bc), BLOCKS)
-    common = dict(HAS_BIAS=False, PRECISION=blr_common.blr_precision(x.dtype), BN=bn, BC=bc, BK=bk, num_warps=warps,
-                  num_stages=stages)
-    head = (n, m, r, t, BLOCKS, blr_common.n_bucket(n))
-    c_strides = (t * n, 1, r * n, n)
-    if tma:
-        a_desc, b_desc = blr_common._tma_descriptors(x, w1, n, m, r, BLOCKS, (m, x.stride(0), 1), w1.stride())
-        blr_common._tma_blocks({"a_desc": a_desc, "b_desc": b_desc, "BN": bn, "BC": bc, "BK": bk})
-        jit = blr_common._bgemm_tma_kernel.fn
-        return lambda: jit[grid](a_desc, b_desc, zp, zp, *head, *c_strides, **common)
     jit = blr_common._bgemm_kernel.fn.fn                     # through autotune and heuristics to the jit function
-    return lambda: jit[grid](x, w1, zp, zp, *head, m, x.stride(0), 1, *w1.stride(), *c_strides,
-                             LAUNCH_DEPENDENTS=False, WAIT_FOR_PREVIOUS=False, B_ROWS_CONTIGUOUS=False,
-                             LINE=blr_common.line_elements(w1), EVEN_K=even_k, **common)
+    grid = (triton.cdiv(n, bn) * triton.cdiv(r, bc), BLOCKS)
+
+    def run():
+        jit[grid](x, w1, zp, zp, n, m, r, t, BLOCKS, blr_common.n_bucket(n), m, x.stride(0), 1, *w1.stride(),
+                  t * n, 1, r * n, n, HAS_BIAS=False, PRECISION=blr_common.blr_precision(x.dtype),
+                  LAUNCH_DEPENDENTS=False, WAIT_FOR_PREVIOUS=False, B_ROWS_CONTIGUOUS=False,
+                  LINE=blr_common.line_elements(w1), BN=bn, BC=bc, BK=bk, EVEN_K=even_k,
+                  num_warps=warps, num_stages=stages)
+    return run
 
 
 def sweep_case(torch, name, d_in, rank, n, device) -> list[dict]:
@@ -110,23 +106,19 @@ def sweep_case(torch, name, d_in, rank, n, device) -> list[dict]:
             continue
         if stages * bk * (bn + bc) * 2 > blr_common.SMEM_BYTES:
             continue
-        for even_k, tma in ([(False, False), (True, False)] if m % bk == 0 else [(False, False)]) + [(False, True)]:
-            label = f"{bn}x{bc}x{bk} w{warps} s{stages}" + (" even_k" if even_k else "") + (" tma" if tma else "")
-            fns = [launcher(x, w1, zp, n, m, r, t, config, even_k, tma) for x, w1, zp, _ in data]
+        for even_k in ([False, True] if m % bk == 0 else [False]):
+            label = f"{bn}x{bc}x{bk} w{warps} s{stages}" + (" even_k" if even_k else "")
+            fns = [launcher(x, w1, zp, n, m, r, t, config, even_k) for x, w1, zp, _ in data]
             try:
-                data[0][2].zero_()                           # a kernel that writes nothing must not pass on the last one's z
                 rows.append(timed(label, fns, check=lambda: data[0][2]))
             except Exception as err:  # noqa: BLE001 (a config this GPU cannot run is recorded, not fatal)
                 rows.append({"shape": name, "n": n, "candidate": label, "ms": float("nan"),
                              "error": f"{type(err).__name__}: {err}"[:300]})
-    for tma, kernel in ((False, blr_common._bgemm_kernel), (True, blr_common._bgemm_tma_kernel)):
-        autotuned = [lambda x=x, w1=w1, zp=zp, tma=tma: blr_common.bgemm(x, w1, zp, n, m, r, BLOCKS, (m, x.stride(0), 1),
-                                                                w1.stride(), (t * n, 1, r * n, n), grp=t, tma=tma)
-                     for x, w1, zp, _ in data]
-        data[0][2].zero_()
-        rows.append(timed("bgemm tma (autotuned)" if tma else "bgemm (autotuned)", autotuned,
-                          check=lambda: data[0][2]))
-        rows[-1]["pick"] = str(kernel.best_config)
+    autotuned = [lambda x=x, w1=w1, zp=zp: blr_common.bgemm(x, w1, zp, n, m, r, BLOCKS, (m, x.stride(0), 1),
+                                                            w1.stride(), (t * n, 1, r * n, n), grp=t)
+                 for x, w1, zp, _ in data]
+    rows.append(timed("bgemm (autotuned)", autotuned, check=lambda: data[0][2]))
+    rows[-1]["pick"] = str(blr_common._bgemm_kernel.best_config)
     cublas = [lambda x=x, w1=w1, z=z: blr_common.bmm_into(x.view(n, BLOCKS, m).transpose(0, 1), w1, z.transpose(0, 1))
               for x, w1, _, z in data]
     rows.append(timed("cublas bmm (natural order)", cublas))
@@ -142,11 +134,9 @@ def summary(rows) -> list[dict]:
         best = min(configs, key=lambda r: r["ms"])
         by_name = {r["candidate"]: r for r in case}
         cublas, pick = by_name["cublas bmm (natural order)"], by_name["bgemm (autotuned)"]
-        tma = by_name.get("bgemm tma (autotuned)", {"ms": float("nan")})
         out.append({"shape": key[0], "n": key[1], "best_config": best["candidate"], "best_ms": best["ms"],
-                    "autotuned_ms": pick["ms"], "autotuned_pick": pick.get("pick"), "tma_autotuned_ms": tma["ms"],
-                    "cublas_ms": cublas["ms"], "best_over_cublas": best["ms"] / cublas["ms"],
-                    "autotuned_over_cublas": pick["ms"] / cublas["ms"], "tma_over_cublas": tma["ms"] / cublas["ms"]})
+                    "autotuned_ms": pick["ms"], "autotuned_pick": pick.get("pick"), "cublas_ms": cublas["ms"],
+                    "best_over_cublas": best["ms"] / cublas["ms"], "autotuned_over_cublas": pick["ms"] / cublas["ms"]})
     return out
 
 
@@ -175,8 +165,7 @@ def main() -> int:
     for s in summary(rows):
         print(f"{s['shape']:20s} N={s['n']:5d} best {s['best_config']:28s} {1e3 * s['best_ms']:8.1f} us  "
               f"autotuned {1e3 * s['autotuned_ms']:8.1f}  cuBLAS {1e3 * s['cublas_ms']:8.1f}  "
-              f"best/cuBLAS {s['best_over_cublas']:.2f}  autotuned/cuBLAS {s['autotuned_over_cublas']:.2f}  "
-              f"TMA autotuned/cuBLAS {s['tma_over_cublas']:.2f}")
+              f"best/cuBLAS {s['best_over_cublas']:.2f}  autotuned/cuBLAS {s['autotuned_over_cublas']:.2f}")
     print(f"wrote {path}")
     return 0
 

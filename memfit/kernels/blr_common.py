@@ -206,16 +206,14 @@ def blr_precision(dtype: torch.dtype) -> str:
     return dot_precision(dtype, "block-low-rank kernels")
 
 
-def tuned(configs: list[tuple], names: tuple[str, ...], interpreter_config: tuple, key: list[str], prune=None,
-          pre_hook=None):
+def tuned(configs: list[tuple], names: tuple[str, ...], interpreter_config: tuple, key: list[str], prune=None):
     """``triton.autotune`` over ``configs`` (tuples of ``names`` values, then warps, stages).
 
     Under the interpreter only ``interpreter_config`` is used (small tiles, no timing).
-    ``pre_hook(args)`` runs before each launch with the config's values among the args.
     """
     def config(values):
         *tiles, warps, stages = values
-        return triton.Config(dict(zip(names, tiles)), num_warps=warps, num_stages=stages, pre_hook=pre_hook)
+        return triton.Config(dict(zip(names, tiles)), num_warps=warps, num_stages=stages)
 
     if interpreting():
         return triton.autotune(configs=[config(interpreter_config)], key=key)
@@ -301,7 +299,7 @@ def _prune_bgemm(configs, named_args, **kwargs):
     """Tiles for the token count (16-token tiles only at decode), no wider than the
     columns or K need, and whose pipeline stages fit shared memory."""
     configs = keep_small_n(configs, named_args["N"])
-    size = named_args["c_ptr"].element_size()
+    size = named_args["a_ptr"].element_size()
     cols, depth = pow2_at_least(named_args["C"]), pow2_at_least(named_args["K"])
     keep = [c for c in configs if c.kwargs["BC"] <= max(32, cols) and c.kwargs["BK"] <= max(32, depth)
             and fits_smem(c, c.kwargs["BK"] * (c.kwargs["BN"] + c.kwargs["BC"]), size)]
@@ -312,32 +310,10 @@ BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
     (16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3),
 ]
-BGEMM_KEY = ["N_BUCKET", "K", "C", "GRP", "BATCHES"]
 
 
-@triton.jit
-def _bgemm_tile(N, C, BN: tl.constexpr, BC: tl.constexpr, GROUP_N: tl.constexpr):
-    """(token tile, column tile) of this program: GROUP_N token tiles sweep all column tiles together,
-    so their A and B tiles are re-read from L2, not HBM."""
-    c_tiles = tl.cdiv(C, BC)
-    pid = tl.program_id(0)
-    per_group = GROUP_N * c_tiles
-    first = (pid // per_group) * GROUP_N
-    rows = tl.minimum(tl.cdiv(N, BN) - first, GROUP_N)
-    return first + (pid % per_group) % rows, (pid % per_group) // rows
-
-
-@triton.jit
-def _bgemm_store(acc, c_ptr, bias_ptr, bt, rn, rc, N, C, GRP, scb, scn, scg, sci, HAS_BIAS: tl.constexpr):
-    """Store the (BN, BC) tile with its columns regrouped (see :func:`bgemm`), plus the bias."""
-    col = bt * scb + (rc // GRP).to(tl.int64) * scg + (rc % GRP).to(tl.int64) * sci   # token-major: i r N > 2^31
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + col, mask=rc < C, other=0.0).to(tl.float32)[None, :]
-    mask = (rn[:, None] < N) & (rc[None, :] < C)
-    tl.store(c_ptr + rn[:, None] * scn + col[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-@tuned(BGEMM_CONFIGS, ("BN", "BC", "BK"), (16, 32, 32, 4, 1), key=BGEMM_KEY, prune=_prune_bgemm)
+@tuned(BGEMM_CONFIGS, ("BN", "BC", "BK"), (16, 32, 32, 4, 1), key=["N_BUCKET", "K", "C", "GRP", "BATCHES"],
+       prune=_prune_bgemm)
 @triton.heuristics({"EVEN_K": lambda meta: meta["K"] % meta["BK"] == 0})
 @triton.jit
 def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET,
@@ -348,7 +324,14 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET
                   GROUP_N: tl.constexpr = 8):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
-    pid_n, pid_c = _bgemm_tile(N, C, BN, BC, GROUP_N)
+    n_tiles = tl.cdiv(N, BN)
+    c_tiles = tl.cdiv(C, BC)
+    pid = tl.program_id(0)
+    per_group = GROUP_N * c_tiles                      # GROUP_N token tiles sweep all column tiles together
+    first = (pid // per_group) * GROUP_N
+    rows = tl.minimum(n_tiles - first, GROUP_N)
+    pid_n = first + (pid % per_group) % rows
+    pid_c = (pid % per_group) // rows
     bt = tl.program_id(1).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rc = pid_c * BC + tl.arange(0, BC)
@@ -375,58 +358,16 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET
         acc = mma(a, b, acc, PRECISION)
         a_ptrs += BK * sak
         b_ptrs += BK * sbk
-    _bgemm_store(acc, c_ptr, bias_ptr, bt, rn, rc, N, C, GRP, scb, scn, scg, sci, HAS_BIAS)
-
-
-def _tma_blocks(args) -> None:
-    """Autotune pre-hook: the descriptors' boxes are the config's A and B tiles."""
-    args["a_desc"].block_shape = [args["BN"], 1, args["BK"]]
-    args["b_desc"].block_shape = [1, args["BK"], args["BC"]]
-
-
-@tuned([c for c in BGEMM_CONFIGS if c[0] > 16], ("BN", "BC", "BK"), (16, 32, 32, 4, 1), key=BGEMM_KEY,
-       prune=_prune_bgemm, pre_hook=_tma_blocks)
-@triton.jit
-def _bgemm_tma_kernel(a_desc, b_desc, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET, scb, scn, scg, sci,
-                      HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
-                      BK: tl.constexpr, GROUP_N: tl.constexpr = 8):
-    """:func:`_bgemm_kernel` with A and B read by the tensor memory accelerator (TMA): one copy
-    instruction per tile instead of per-thread addresses, and out-of-range rows, columns and K
-    zero-filled by the hardware (a 3-D box per batch, so K never runs into the next batch)."""
-    pid_n, pid_c = _bgemm_tile(N, C, BN, BC, GROUP_N)
-    bt = tl.program_id(1)
-    acc = tl.zeros((BN, BC), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        a = a_desc.load([pid_n * BN, bt, k0]).reshape(BN, BK)
-        b = b_desc.load([bt, k0, pid_c * BC]).reshape(BK, BC)
-        acc = mma(a, b, acc, PRECISION)
-    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-    rc = pid_c * BC + tl.arange(0, BC)
-    _bgemm_store(acc, c_ptr, bias_ptr, bt.to(tl.int64), rn, rc, N, C, GRP, scb, scn, scg, sci, HAS_BIAS)
-
-
-def tma_readable(t: torch.Tensor, strides) -> bool:
-    """Whether ``t``'s elements at ``strides`` (last one the unit stride) can be read by TMA: a
-    16-byte aligned base and 16-byte multiples for the other strides."""
-    size = t.element_size()
-    return strides[-1] == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in strides[:-1])
-
-
-def _tma_descriptors(a, b, n, k, cols, batches, a_strides, b_strides):
-    """Host TMA descriptors for bgemm's A (n, batch, k) and B (batch, k, col) (boxes set per config)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    unused = 16 // a.element_size()                    # a batch stride of 0 (one batch) is never stepped
-    sab, san, _ = a_strides
-    sbb, sbk, _ = b_strides
-    a_desc = TensorDescriptor(a, [n, batches, k], [san, sab or unused, 1], [16, 1, 16])
-    b_desc = TensorDescriptor(b, [batches, k, cols], [sbb or unused, sbk, 1], [1, 16, 16])
-    return a_desc, b_desc
+    col = bt * scb + (rc // GRP).to(tl.int64) * scg + (rc % GRP).to(tl.int64) * sci   # token-major: i r N > 2^31
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col, mask=rc < C, other=0.0).to(tl.float32)[None, :]
+    mask = (rn[:, None] < N) & (rc[None, :] < C)
+    tl.store(c_ptr + rn[:, None] * scn + col[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides, c_strides,
           grp: int | None = None, bias=None, launch_dependents: bool = False,
-          wait_for_previous: bool = False, tma: bool = False) -> None:
+          wait_for_previous: bool = False) -> None:
     """c[bt][n, col] = sum_k a[bt][n, k] b[bt][k, col] (+ bias[feature]) for bt < batches.
 
     Strides in elements: a (batch, n, k), b (batch, k, col), c (batch, n, group, in-group):
@@ -437,22 +378,12 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
     In a chain (:func:`chain_options`): ``launch_dependents`` lets the next kernel start now;
     ``wait_for_previous`` prefetches this program's slice of b (the weights) into L2, then
     waits for the previous kernel (which writes a). b needs a unit stride along k or col.
-    ``tma`` reads A and B through TMA descriptors (:func:`tma_readable` for both; not in a chain).
     """
     grp = grp or cols
     if wait_for_previous and 1 not in tuple(b_strides)[1:]:
         raise MemfitError(f"bgemm: a chained stage needs b with a unit stride, got strides {tuple(b_strides)}")
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * triton.cdiv(cols, meta["BC"]), batches)
-    bias_or_c = bias if bias is not None else c
-    if tma:
-        if launch_dependents or wait_for_previous or not (tma_readable(a, a_strides) and tma_readable(b, b_strides)):
-            raise MemfitError(f"bgemm: TMA needs unit inner strides, 16-byte aligned bases and strides and no "
-                              f"chain; got a strides {tuple(a_strides)}, b strides {tuple(b_strides)}")
-        _bgemm_tma_kernel[grid](*_tma_descriptors(a, b, n, k, cols, batches, a_strides, b_strides), c, bias_or_c,
-                                n, k, cols, grp, batches, n_bucket(n), *c_strides, HAS_BIAS=bias is not None,
-                                PRECISION=blr_precision(a.dtype))
-        return
-    _bgemm_kernel[grid](a, b, c, bias_or_c, n, k, cols, grp, batches, n_bucket(n),
+    _bgemm_kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, batches, n_bucket(n),
                         *a_strides, *b_strides, *c_strides, HAS_BIAS=bias is not None,
                         PRECISION=blr_precision(a.dtype), B_ROWS_CONTIGUOUS=wait_for_previous and b_strides[2] == 1,
                         LINE=line_elements(b), **chain_options(launch_dependents, wait_for_previous))
