@@ -1,42 +1,52 @@
 """Tile sweep of bgemm (the BLR kernels' strided batched GEMM with a regrouping store) against cuBLAS.
 
-Monarch's stage 1 (z = x_j @ w1[j] for every input block j, with P^T folded into the
-store) runs on ``blr_common.bgemm`` in every Monarch pipeline but the cuBLAS-only ones, and
-at N >= 1024 it is the stage furthest from cuBLAS (75317f4 profile: 243.5 us at Llama-1B
-down N=8192, where cuBLAS's batched GEMM of the same product takes 170.4 us). For the
-paper's shapes and N in {128, 1024, 8192} this times, in one run and each alone:
+Every Monarch pipeline but the cuBLAS-only ones runs its stage 1 (z = x_j @ w1[j] for every
+input block j, P^T folded into the store) on ``blr_common.bgemm``, and at decode both stages.
+For the paper's shapes this times, in one run and each alone:
 
-* every tile config of ``CONFIGS`` (BN x BC x BK, warps, stages) that fits, storing z the way
-  ``monarch``'s ``tbmm`` does (token-contiguous, P^T folded in), with the K mask and, where K
-  is a multiple of BK, without it (``EVEN_K``);
-* ``bgemm`` as the op calls it (its autotuned pick among ``BGEMM_CONFIGS``);
-* cuBLAS's strided batched GEMM of the same product into z's natural order (``bmm_into``):
+* every tile config of the mode's list (BN x BC x BK, warps, stages) that fits, with the K mask
+  and, where K is a multiple of BK, without it (``EVEN_K``);
+* ``bgemm`` as the ops call it (its autotuned pick among ``BGEMM_CONFIGS``);
+* cuBLAS's strided batched GEMM of the same product into its natural order (``torch.bmm``):
   the rate a regrouping store that cost nothing would have to match.
 
-Times are CUDA-graph replays (median) rotating through copies of x and w1 (> 150 MB) so
-the weights come from HBM. Writes ``bgemm_tiles.json``: one row per (case, candidate) with
-its ms and TFLOP/s, and per case the best config, the autotuned pick and cuBLAS.
+Default mode: stage 1 stored token-contiguous as ``tbmm`` stores it, N in {128, 1024, 8192},
+large tiles (``CONFIGS``); writes ``bgemm_tiles.json``. ``--decode``: both stages as
+``two_stage`` runs them at N in {1, 16}, 16-token tiles (``DECODE_CONFIGS``), each row also
+against the bandwidth floor (operands moved once at the H200's measured HBM rate); writes
+``bgemm_tiles_decode.json``. Times are CUDA-graph replays (median) rotating through copies of
+the operands (> 150 MB) so the weights come from HBM.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
 from blr_layers import BLOCKS, SHAPES, copies_for, gpu_ms
 
-TOKENS = [128, 1024, 8192]
+TOKENS, DECODE_TOKENS = [128, 1024, 8192], [1, 16]
 CONFIGS = [  # BN, BC, BK, warps, stages: BGEMM_CONFIGS' large tiles and candidates beside them
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
     (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 128, 64, 8, 4),
     (64, 256, 64, 8, 4), (128, 128, 32, 4, 5), (128, 64, 128, 4, 3), (64, 128, 128, 4, 3), (256, 64, 64, 8, 4),
 ]
+DECODE_CONFIGS = [  # BGEMM_CONFIGS' 16-token tiles and candidates with fewer columns, more stages or fewer warps
+    (16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3),
+    (16, 16, 256, 4, 3), (16, 16, 512, 4, 3), (16, 32, 128, 4, 4), (16, 32, 512, 4, 2), (16, 32, 256, 2, 4),
+    (16, 64, 128, 2, 4), (16, 64, 64, 4, 6), (16, 32, 128, 2, 6), (16, 128, 64, 4, 5), (16, 64, 256, 8, 3),
+    (16, 16, 128, 2, 6), (16, 32, 64, 2, 8),
+]
+BANDWIDTH_GBS = 4245.5   # the H200's HBM rate as blr_layers measured it (blr_layers.json ceilings, 75317f4)
 
 
 def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help=f"token counts N (default {TOKENS})")
+    parser.add_argument("--decode", action="store_true", help="both stages at decode-sized N with 16-token tiles")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None,
+                        help=f"token counts N (default {TOKENS}, with --decode {DECODE_TOKENS})")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
                         help="only these shapes (default: all of blr_layers.SHAPES)")
     args = parser.parse_args()
@@ -44,97 +54,131 @@ def parse():
     unknown = sorted(set(args.shapes or ()) - set(known))
     if unknown:
         parser.error(f"unknown shape(s) {unknown}; known: {known}")
+    args.tokens = args.tokens or (DECODE_TOKENS if args.decode else TOKENS)
     if min(args.tokens) < 1:
         parser.error(f"--tokens takes positive token counts, got {args.tokens}")
     return args
 
 
-def stage1_case(torch, d_in, rank, n, copies, device):
-    """Inputs of Monarch's stage 1 at one shape: ``copies`` of (x, w1, token-major z, natural z)."""
-    m, t = d_in // BLOCKS, rank // BLOCKS
-    dtype = torch.bfloat16
-    return [(torch.randn(n, d_in, device=device, dtype=dtype), torch.randn(BLOCKS, m, rank, device=device, dtype=dtype),
-             torch.empty(BLOCKS, rank, n, device=device, dtype=dtype), torch.empty(n, BLOCKS, rank, device=device,
-                                                                                   dtype=dtype))
-            for _ in range(copies)], m, t
+class Gemm:
+    """One bgemm call of a Monarch stage: ``copies`` of its operands and how the kernel is called.
+
+    Stage 1 is z = x_j @ w1[j] with P^T folded into the store: token-contiguous z, (b, r, N), as
+    ``tbmm`` stores it (``token_major``), or (N, b, r) as ``two_stage`` does (decode). Stage 2
+    is y_i = z[:, i] @ w2[i], the block-major output, as ``two_stage`` runs it.
+    """
+
+    def __init__(self, torch, stage, d_in, d_out, rank, n, copies, token_major, device="cuda"):
+        b, m, r, p = BLOCKS, d_in // BLOCKS, rank, d_out // BLOCKS
+        t = r // b
+        new = functools.partial(torch.randn, device=device, dtype=torch.bfloat16)
+        if stage == 1:
+            self.k, self.cols, self.grp = m, r, t
+            self.a_strides, self.b_strides = (m, d_in, 1), (m * r, r, 1)
+            self.c_strides = (t * n, 1, r * n, n) if token_major else (t, b * r, r, 1)
+            make = lambda: (new(n, d_in), new(b, m, r), new(b * r * n))                   # noqa: E731
+        else:
+            self.k, self.cols, self.grp = r, p, p
+            self.a_strides, self.b_strides, self.c_strides = (r, b * r, 1), (r * p, p, 1), (p, b * p, 0, 1)
+            make = lambda: (new(n, b * r), new(b, r, p), new(n * b * p))                   # noqa: E731
+        self.n, self.batches = n, b
+        self.operands = [make() for _ in range(copies)]
+        self.bytes = 2 * b * (n * self.k + self.k * self.cols + n * self.cols)
+        self.flops = 2 * b * n * self.k * self.cols
+
+    def views(self, torch, a, b):
+        """A (batches, n, k) and B (batches, k, cols) as the kernel reads them."""
+        return (a.as_strided((self.batches, self.n, self.k), self.a_strides),
+                b.as_strided((self.batches, self.k, self.cols), self.b_strides))
+
+    def stored(self, torch, c):
+        """The (batches, n, cols) product as the kernel's regrouping store laid it out in ``c``."""
+        scb, scn, scg, sci = self.c_strides
+        bt = torch.arange(self.batches, device=c.device)[:, None, None]
+        rows = torch.arange(self.n, device=c.device)[None, :, None]
+        col = torch.arange(self.cols, device=c.device)[None, None, :]
+        return c[bt * scb + rows * scn + (col // self.grp) * scg + (col % self.grp) * sci]
+
+    def args(self, a, b, c):
+        return (a, b, c, self.n, self.k, self.cols, self.batches, self.a_strides, self.b_strides, self.c_strides)
+
+    def launcher(self, a, b, c, config, even_k):
+        """fn() running this call through the bgemm kernel with one tile config, no autotuning."""
+        import triton
+
+        from memfit.kernels import blr_common
+
+        bn, bc, bk, warps, stages = config
+        jit = blr_common._bgemm_kernel.fn.fn                 # through autotune and heuristics to the jit function
+        grid = (triton.cdiv(self.n, bn) * triton.cdiv(self.cols, bc), self.batches)
+        return lambda: jit[grid](a, b, c, c, self.n, self.k, self.cols, self.grp, self.batches,
+                                 blr_common.n_bucket(self.n), *self.a_strides, *self.b_strides, *self.c_strides,
+                                 HAS_BIAS=False, PRECISION=blr_common.blr_precision(a.dtype), LAUNCH_DEPENDENTS=False,
+                                 WAIT_FOR_PREVIOUS=False, B_ROWS_CONTIGUOUS=False,
+                                 LINE=blr_common.line_elements(b), BN=bn, BC=bc, BK=bk, EVEN_K=even_k,
+                                 num_warps=warps, num_stages=stages)
 
 
-def launcher(x, w1, zp, n, m, r, t, config, even_k):
-    """fn() running stage 1 through the bgemm kernel with one tile config, no autotuning."""
-    import triton
-
+def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, device="cuda") -> list[dict]:
+    """Rows for one (shape, N, stage): each config of ``configs`` alone, the autotuned call, cuBLAS."""
     from memfit.kernels import blr_common
 
-    bn, bc, bk, warps, stages = config
-    jit = blr_common._bgemm_kernel.fn.fn                     # through autotune and heuristics to the jit function
-    grid = (triton.cdiv(n, bn) * triton.cdiv(r, bc), BLOCKS)
+    probe = Gemm(torch, stage, d_in, d_out, rank, n, 1, token_major, device)
+    gemm = Gemm(torch, stage, d_in, d_out, rank, n, copies_for(probe.bytes, device), token_major, device)
+    a0, b0, c0 = gemm.operands[0]
+    expected = torch.bmm(*(v.float() for v in gemm.views(torch, a0, b0)))
+    floor_ms = gemm.bytes / BANDWIDTH_GBS / 1e6
 
-    def run():
-        jit[grid](x, w1, zp, zp, n, m, r, t, BLOCKS, blr_common.n_bucket(n), m, x.stride(0), 1, *w1.stride(),
-                  t * n, 1, r * n, n, HAS_BIAS=False, PRECISION=blr_common.blr_precision(x.dtype),
-                  LAUNCH_DEPENDENTS=False, WAIT_FOR_PREVIOUS=False, B_ROWS_CONTIGUOUS=False,
-                  LINE=blr_common.line_elements(w1), BN=bn, BC=bc, BK=bk, EVEN_K=even_k,
-                  num_warps=warps, num_stages=stages)
-    return run
-
-
-def sweep_case(torch, name, d_in, rank, n, device) -> list[dict]:
-    from memfit.kernels import blr_common
-
-    m, r = d_in // BLOCKS, rank
-    copies = copies_for(2 * (n * d_in + d_in * rank + n * rank), device)
-    data, m, t = stage1_case(torch, d_in, rank, n, copies, device)
-    flops = 2 * n * d_in * rank
-    x0, w0 = data[0][0], data[0][1]
-    expected = torch.bmm(x0.view(n, BLOCKS, m).transpose(0, 1).float(), w0.float())   # (b_j, N, b_i t)
-    expected = expected.view(BLOCKS, n, BLOCKS, t).permute(2, 0, 3, 1).reshape(BLOCKS, r, n)
-
-    def timed(label, fns, check=None):
+    def timed(label, fns, checked=True):
+        c0.zero_()                                           # a kernel that writes nothing must not pass on the last one's z
         fns[0]()
         error = None
-        if check is not None:
-            rel = ((check().float() - expected).norm() / expected.norm()).item()
+        if checked:
+            rel = ((gemm.stored(torch, c0).float() - expected).norm() / expected.norm()).item()
             error = None if rel < 2e-2 else f"wrong result: relative error {rel:.3g}"
         ms = gpu_ms(lambda: [fn() for fn in fns]) / len(fns)
-        return {"shape": name, "n": n, "m": m, "r": r, "t": t, "candidate": label, "ms": ms,
-                "tflops": flops / ms / 1e9, "copies": copies, **({"error": error} if error else {})}
+        layout = "block-major output" if stage == 2 else "token-major z" if token_major else "(N, b, r) z"
+        return {"shape": name, "n": n, "stage": stage, "layout": layout,
+                "k": gemm.k, "cols": gemm.cols, "grp": gemm.grp, "candidate": label, "ms": ms,
+                "tflops": gemm.flops / ms / 1e9, "gbs": gemm.bytes / ms / 1e6, "x_bandwidth_floor": ms / floor_ms,
+                "copies": len(fns), **({"error": error} if error else {})}
 
     rows = []
-    for config in CONFIGS:
+    for config in configs:
         bn, bc, bk, warps, stages = config
-        if bc > max(32, blr_common.pow2_at_least(r)) or bk > max(32, blr_common.pow2_at_least(m)):
+        if bc > max(32, blr_common.pow2_at_least(gemm.cols)) or bk > max(32, blr_common.pow2_at_least(gemm.k)):
             continue
         if stages * bk * (bn + bc) * 2 > blr_common.SMEM_BYTES:
             continue
-        for even_k in ([False, True] if m % bk == 0 else [False]):
+        for even_k in ([False, True] if gemm.k % bk == 0 else [False]):
             label = f"{bn}x{bc}x{bk} w{warps} s{stages}" + (" even_k" if even_k else "")
-            fns = [launcher(x, w1, zp, n, m, r, t, config, even_k) for x, w1, zp, _ in data]
             try:
-                rows.append(timed(label, fns, check=lambda: data[0][2]))
+                rows.append(timed(label, [gemm.launcher(*ops, config, even_k) for ops in gemm.operands]))
             except Exception as err:  # noqa: BLE001 (a config this GPU cannot run is recorded, not fatal)
-                rows.append({"shape": name, "n": n, "candidate": label, "ms": float("nan"),
+                rows.append({"shape": name, "n": n, "stage": stage, "candidate": label, "ms": float("nan"),
                              "error": f"{type(err).__name__}: {err}"[:300]})
-    autotuned = [lambda x=x, w1=w1, zp=zp: blr_common.bgemm(x, w1, zp, n, m, r, BLOCKS, (m, x.stride(0), 1),
-                                                            w1.stride(), (t * n, 1, r * n, n), grp=t)
-                 for x, w1, zp, _ in data]
-    rows.append(timed("bgemm (autotuned)", autotuned, check=lambda: data[0][2]))
+    rows.append(timed("bgemm (autotuned)", [lambda ops=ops: blr_common.bgemm(*gemm.args(*ops), grp=gemm.grp)
+                                            for ops in gemm.operands]))
     rows[-1]["pick"] = str(blr_common._bgemm_kernel.best_config)
-    cublas = [lambda x=x, w1=w1, z=z: blr_common.bmm_into(x.view(n, BLOCKS, m).transpose(0, 1), w1, z.transpose(0, 1))
-              for x, w1, _, z in data]
-    rows.append(timed("cublas bmm (natural order)", cublas))
+    natural = [(a, b, torch.empty(gemm.batches, n, gemm.cols, device=device, dtype=a.dtype)) for a, b, _ in gemm.operands]
+    rows.append(timed("cublas bmm (natural order)",
+                      [lambda a=a, b=b, c=c: torch.bmm(*gemm.views(torch, a, b), out=c) for a, b, c in natural],
+                      checked=False))
     return rows
 
 
 def summary(rows) -> list[dict]:
     """Per (shape, N): the best config, the autotuned pick and cuBLAS, with ratios to cuBLAS."""
     out = []
-    for key in dict.fromkeys((r["shape"], r["n"]) for r in rows):
-        case = [r for r in rows if (r["shape"], r["n"]) == key and r["ms"] == r["ms"] and "error" not in r]
+    for key in dict.fromkeys((r["shape"], r["n"], r["stage"]) for r in rows):
+        case = [r for r in rows if (r["shape"], r["n"], r["stage"]) == key and r["ms"] == r["ms"] and "error" not in r]
         configs = [r for r in case if r["candidate"][0].isdigit()]
         best = min(configs, key=lambda r: r["ms"])
         by_name = {r["candidate"]: r for r in case}
         cublas, pick = by_name["cublas bmm (natural order)"], by_name["bgemm (autotuned)"]
-        out.append({"shape": key[0], "n": key[1], "best_config": best["candidate"], "best_ms": best["ms"],
+        out.append({"shape": key[0], "n": key[1], "stage": key[2], "best_config": best["candidate"], "best_ms": best["ms"],
+                    "best_x_bandwidth_floor": best["x_bandwidth_floor"],
+                    "autotuned_x_bandwidth_floor": pick["x_bandwidth_floor"],
                     "autotuned_ms": pick["ms"], "autotuned_pick": pick.get("pick"), "cublas_ms": cublas["ms"],
                     "best_over_cublas": best["ms"] / cublas["ms"], "autotuned_over_cublas": pick["ms"] / cublas["ms"]})
     return out
@@ -152,20 +196,24 @@ def main() -> int:
     from memfit.measure.results import write_results
 
     shapes = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes]
+    stages, configs = ((1, 2), DECODE_CONFIGS) if args.decode else ((1,), CONFIGS)
+    stem = "bgemm_tiles_decode" if args.decode else "bgemm_tiles"
     started, rows = time.time(), []
     with Progress() as progress:
-        task = progress.add_task("bgemm tiles", total=len(shapes) * len(args.tokens))
-        for name, d_in, _, rank in shapes:
+        task = progress.add_task("bgemm tiles", total=len(shapes) * len(args.tokens) * len(stages))
+        for name, d_in, d_out, rank in shapes:
             for n in args.tokens:
-                rows += sweep_case(torch, name, d_in, rank, n, "cuda")
-                progress.advance(task)
-                write_results("bgemm_tiles", rows, [], args.out, summary=summary(rows), complete=False)
-    path = write_results("bgemm_tiles", rows, [], args.out, summary=summary(rows), complete=True,
+                for stage in stages:
+                    rows += sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major=not args.decode)
+                    progress.advance(task)
+                write_results(stem, rows, [], args.out, summary=summary(rows), complete=False)
+    path = write_results(stem, rows, [], args.out, summary=summary(rows), complete=True,
                          seconds=time.time() - started)
     for s in summary(rows):
-        print(f"{s['shape']:20s} N={s['n']:5d} best {s['best_config']:28s} {1e3 * s['best_ms']:8.1f} us  "
-              f"autotuned {1e3 * s['autotuned_ms']:8.1f}  cuBLAS {1e3 * s['cublas_ms']:8.1f}  "
-              f"best/cuBLAS {s['best_over_cublas']:.2f}  autotuned/cuBLAS {s['autotuned_over_cublas']:.2f}")
+        print(f"{s['shape']:20s} N={s['n']:5d} stage {s['stage']} best {s['best_config']:24s} {1e3 * s['best_ms']:8.1f} us"
+              f" (x{s['best_x_bandwidth_floor']:.2f} floor)  autotuned {1e3 * s['autotuned_ms']:8.1f} "
+              f"(x{s['autotuned_x_bandwidth_floor']:.2f})  cuBLAS {1e3 * s['cublas_ms']:8.1f}  "
+              f"autotuned/cuBLAS {s['autotuned_over_cublas']:.2f}")
     print(f"wrote {path}")
     return 0
 
