@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import triton.language as tl
 
 from memfit.errors import MemfitError
 from memfit.kernels import blast, blr_common, lowrank, monarch
@@ -342,6 +343,46 @@ def test_pick_times_each_variant_after_an_l2_flush_and_subtracts_the_flush(monke
     monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
     assert blr_common._cold_l2_times("op", candidates, (torch.ones(1),)) == {"a": 4.0, "b": 6.0}
     assert "warm L2" in warned[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [64, 40])
+def test_bgemm_with_and_without_the_k_mask(dtype, k):
+    """K a multiple of the tile's BK (32 under the interpreter) runs the loop without the K mask (EVEN_K);
+    40 runs it with the mask. Both against torch, with a regrouped store and a bias."""
+    batches, n, cols, grp = 2, 19, 37, 5
+    a, b = torch.randn(batches, n, k, dtype=dtype), torch.randn(batches, k, cols, dtype=dtype)
+    bias = torch.randn(batches * cols, dtype=dtype)
+    c = torch.full((batches * cols * n,), math.nan, dtype=dtype)
+    # column col of batch bt at bt * cols + (col // grp) * grp + col % grp, token stride batches * cols
+    blr_common.bgemm(a, b, c, n, k, cols, batches, a.stride(), b.stride(), (cols, batches * cols, grp, 1), grp=grp,
+                     bias=bias)
+    want = (a.double() @ b.double()).transpose(0, 1).reshape(n, batches * cols) + bias.double()
+    assert rel(c.view(n, batches * cols), want) < TOL[dtype]
+
+
+def test_tile_configs_are_timed_from_hbm_by_graph_replays(monkeypatch):
+    """On the GPU every BLR kernel's autotune times its configs with autotune_bench (graph replays after an
+    L2 flush), not Triton's default (event timing right after a Python launch, weights warm in L2)."""
+    import triton
+
+    monkeypatch.setattr(blr_common, "interpreting", lambda: False)
+
+    @triton.jit
+    def plain(x_ptr, B: tl.constexpr):
+        pass
+
+    tuner = blr_common.tuned([(16, 4, 2), (32, 4, 2)], ("B",), (16, 4, 1), key=[])(plain)
+    assert tuner.do_bench is blr_common.autotune_bench
+    timed = []
+    monkeypatch.setattr(blr_common, "_cold_l2_times",
+                        lambda op, candidates, args, device: timed.append(device) or {"a tile config": 1.5})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert blr_common.autotune_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)) == [1.5, 1.5, 1.5]
+    assert timed == [torch.device("cuda")]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(MemfitError, match="before capturing"):
+        blr_common.autotune_bench(lambda: None, quantiles=(0.5,))
 
 
 def test_a_variant_that_fails_to_run_is_not_picked(monkeypatch):
