@@ -361,6 +361,24 @@ def test_bgemm_with_and_without_the_k_mask(dtype, k):
     assert rel(c.view(n, batches * cols), want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("chain", [{}, {"LAUNCH_DEPENDENTS": True}, {"WAIT_FOR_PREVIOUS": True}])
+def test_decode_bgemm_tiles_depend_on_whether_the_launch_is_in_a_chain(chain):
+    """A bgemm launch on its own tunes over the decode sweep's tiles, a stage in a chain over its own."""
+    import triton
+
+    class Tensor:
+        def element_size(self):
+            return 2
+
+    configs = [triton.Config({"BN": bn, "BC": bc, "BK": bk}, num_warps=w, num_stages=st)
+               for bn, bc, bk, w, st in blr_common.BGEMM_CONFIGS]
+    flags = {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False} | chain
+    kept = blr_common._prune_bgemm(configs, {"N": 1, "C": 512, "K": 512, "a_ptr": Tensor()}, **flags)
+    want = blr_common.BGEMM_CHAINED_DECODE if chain else blr_common.BGEMM_PLAIN_DECODE
+    assert [(*c.kwargs.values(), c.num_warps, c.num_stages) for c in kept] == want
+    assert {"LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"} <= set(blr_common._bgemm_kernel.keys)
+
+
 def test_tile_configs_are_timed_from_hbm_by_graph_replays(monkeypatch):
     """On the GPU every BLR kernel's autotune times its configs with autotune_bench (graph replays after an
     L2 flush), not Triton's default (event timing right after a Python launch, weights warm in L2)."""
@@ -375,11 +393,11 @@ def test_tile_configs_are_timed_from_hbm_by_graph_replays(monkeypatch):
     tuner = blr_common.tuned([(16, 4, 2), (32, 4, 2)], ("B",), (16, 4, 1), key=[])(plain)
     assert tuner.do_bench is blr_common.autotune_bench
     timed = []
-    monkeypatch.setattr(blr_common, "_cold_l2_times",
-                        lambda op, candidates, args, device: timed.append(device) or {"a tile config": 1.5})
+    monkeypatch.setattr(blr_common, "_cold_l2_times", lambda op, candidates, args, device, subtract_flush:
+                        timed.append((device, subtract_flush)) or {"a tile config": 1.5})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert blr_common.autotune_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)) == [1.5, 1.5, 1.5]
-    assert timed == [torch.device("cuda")]
+    assert timed == [(torch.device("cuda"), False)]          # ranks with the flush in: it costs every config the same
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(MemfitError, match="before capturing"):
         blr_common.autotune_bench(lambda: None, quantiles=(0.5,))

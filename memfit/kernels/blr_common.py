@@ -123,13 +123,15 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
     return cache[key]
 
 
-def _cold_l2_times(op: str, candidates: dict, args: tuple, device: torch.device | None = None) -> dict:
+def _cold_l2_times(op: str, candidates: dict, args: tuple, device: torch.device | None = None,
+                   subtract_flush: bool = True) -> dict:
     """name -> median ms of each candidate with a cold L2: (L2 flush + call) minus the flush alone.
 
     A model reads its weights from HBM; replaying one copy of them would time them from L2
     and hide exactly the weight reads that the decode pipelines overlap. The flush reads a
     buffer of twice the L2 (clean lines: the call pays no write-backs for it), is timed once
-    per pick, and its buffer lives only for the pick. Without memory for it the candidates
+    per pick (not at all without ``subtract_flush``: then the times rank the candidates but
+    include it), and its buffer lives only for the pick. Without memory for it the candidates
     are timed warm, said once.
     """
     device = device or _cuda_device(args)
@@ -143,14 +145,15 @@ def _cold_l2_times(op: str, candidates: dict, args: tuple, device: torch.device 
                       "are timed with a warm L2")
     if buffer is None:
         return {name: _time_candidate(op, name, fn, args) for name, fn in candidates.items()}
-    flush_ms = _time_candidate(op, "L2 flush", buffer.sum, ())
+    flush_ms = _time_candidate(op, "L2 flush", buffer.sum, ()) if subtract_flush else 0.0
     return {name: _time_candidate(op, name, lambda *a, fn=fn: (buffer.sum(), fn(*a)), args) - flush_ms
             for name, fn in candidates.items()}
 
 
 def autotune_bench(kernel_call, quantiles=None):
     """``triton.autotune``'s benchmarker for the BLR kernels: a config's median time from CUDA-graph
-    replays, each call after an L2 flush, as :func:`pick_variant` times whole pipelines.
+    replays, each call after an L2 flush, as :func:`pick_variant` times whole pipelines (the flush's
+    own time included: it is the same for every config, and not timing it halves the tuning time).
 
     Triton's default times each call between two events right after its Python launch; at decode
     sizes that launch is most of what it measures, and with the weights in L2 it ranks configs as
@@ -160,7 +163,8 @@ def autotune_bench(kernel_call, quantiles=None):
     if torch.cuda.is_current_stream_capturing():
         raise MemfitError("a BLR kernel is being autotuned inside a CUDA graph capture; run the op once "
                           "before capturing so its tile config is chosen outside")
-    ms = _cold_l2_times("triton.autotune", {"a tile config": kernel_call}, (), torch.device("cuda"))["a tile config"]
+    ms = _cold_l2_times("triton.autotune", {"a tile config": kernel_call}, (), torch.device("cuda"),
+                        subtract_flush=False)["a tile config"]
     return [ms] * len(quantiles) if quantiles else ms
 
 
@@ -313,8 +317,11 @@ def line_elements(t: torch.Tensor) -> int:
 # ---- strided batched GEMM with a regrouping store --------------------------------
 
 def _prune_bgemm(configs, named_args, **kwargs):
-    """Tiles for the token count (16-token tiles only at decode), no wider than the
-    columns or K need, and whose pipeline stages fit shared memory."""
+    """Tiles for the token count (16-token tiles only at decode, a stage in a chain its own), no
+    wider than the columns or K need, and whose pipeline stages fit shared memory."""
+    chained = kwargs.get("LAUNCH_DEPENDENTS") or kwargs.get("WAIT_FOR_PREVIOUS")
+    other = BGEMM_PLAIN_DECODE if chained else BGEMM_CHAINED_DECODE
+    configs = [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages) not in other]
     configs = keep_small_n(configs, named_args["N"])
     size = named_args["a_ptr"].element_size()
     cols, depth = pow2_at_least(named_args["C"]), pow2_at_least(named_args["K"])
@@ -323,18 +330,21 @@ def _prune_bgemm(configs, named_args, **kwargs):
     return keep or configs[:1]
 
 
+# Decode, a launch on its own: six tiles, the best of which is within 0.4% of the best of 16 at every
+# Monarch stage of the paper's shapes, N = 1 and 16 (bgemm_tiles_decode.json, 113a844: few warps, deep
+# pipelines). A stage in a chain keeps the earlier four: with these six its pipelines ran up to 1.4x
+# slower (blr_layers, cba5eee), a waiting stage's many small programs holding SMs the stage before needs.
+BGEMM_PLAIN_DECODE = [(16, 64, 128, 2, 4), (16, 32, 64, 2, 8), (16, 32, 256, 2, 4), (16, 64, 64, 4, 6),
+                      (16, 128, 64, 4, 5), (16, 32, 128, 2, 6)]
+BGEMM_CHAINED_DECODE = [(16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3)]
 BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-    # decode: six tiles, the best of which is within 0.4% of the best of 16 at every Monarch stage of the
-    # paper's shapes, N = 1 and 16 (bgemm_tiles_decode.json, 113a844: few warps, deep pipelines), and the
-    # earlier first choice
-    (16, 64, 128, 2, 4), (16, 32, 64, 2, 8), (16, 32, 256, 2, 4), (16, 64, 64, 4, 6), (16, 128, 64, 4, 5),
-    (16, 32, 128, 2, 6), (16, 32, 256, 4, 3),
+    *BGEMM_PLAIN_DECODE, *BGEMM_CHAINED_DECODE,
 ]
 
 
-@tuned(BGEMM_CONFIGS, ("BN", "BC", "BK"), (16, 32, 32, 4, 1), key=["N_BUCKET", "K", "C", "GRP", "BATCHES"],
-       prune=_prune_bgemm)
+@tuned(BGEMM_CONFIGS, ("BN", "BC", "BK"), (16, 32, 32, 4, 1),
+       key=["N_BUCKET", "K", "C", "GRP", "BATCHES", "LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"], prune=_prune_bgemm)
 @triton.heuristics({"EVEN_K": lambda meta: meta["K"] % meta["BK"] == 0})
 @triton.jit
 def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET,
