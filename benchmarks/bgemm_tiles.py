@@ -13,7 +13,7 @@ For the paper's shapes this times, in one run and each alone:
 Default mode: stage 1 stored token-contiguous as ``tbmm`` stores it, N in {128, 1024, 8192},
 large tiles (``CONFIGS``); writes ``bgemm_tiles.json``. ``--decode``: both stages as
 ``two_stage`` runs them at N in {1, 16}, 16-token tiles (``DECODE_CONFIGS``), each row also
-against the bandwidth floor (operands moved once at the H200's measured HBM rate); writes
+against the bandwidth floor (operands moved once at the HBM rate measured in the run); writes
 ``bgemm_tiles_decode.json``. Times are CUDA-graph replays (median) rotating through copies of
 the operands (> 150 MB) so the weights come from HBM.
 """
@@ -38,7 +38,6 @@ DECODE_CONFIGS = [  # BGEMM_CONFIGS' 16-token tiles and candidates with fewer co
     (16, 64, 128, 2, 4), (16, 64, 64, 4, 6), (16, 32, 128, 2, 6), (16, 128, 64, 4, 5), (16, 64, 256, 8, 3),
     (16, 16, 128, 2, 6), (16, 32, 64, 2, 8),
 ]
-BANDWIDTH_GBS = 4245.5   # the H200's HBM rate as blr_layers measured it (blr_layers.json ceilings, 75317f4)
 
 
 def parse():
@@ -119,7 +118,7 @@ class Gemm:
                                  num_warps=warps, num_stages=stages)
 
 
-def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, device="cuda") -> list[dict]:
+def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, bandwidth, device="cuda") -> list[dict]:
     """Rows for one (shape, N, stage): each config of ``configs`` alone, the autotuned call, cuBLAS."""
     from memfit.kernels import blr_common
 
@@ -127,7 +126,7 @@ def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, d
     gemm = Gemm(torch, stage, d_in, d_out, rank, n, copies_for(probe.bytes, device), token_major, device)
     a0, b0, c0 = gemm.operands[0]
     expected = torch.bmm(*(v.float() for v in gemm.views(torch, a0, b0)))
-    floor_ms = gemm.bytes / BANDWIDTH_GBS / 1e6
+    floor_ms = 1e3 * gemm.bytes / bandwidth
 
     def timed(label, fns, checked=True):
         c0.zero_()                                           # a kernel that writes nothing must not pass on the last one's z
@@ -194,21 +193,23 @@ def main() -> int:
     from rich.progress import Progress
 
     from memfit.measure.results import write_results
+    from memfit.measure.timing import measure_ceilings
 
     shapes = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes]
     stages, configs = ((1, 2), DECODE_CONFIGS) if args.decode else ((1,), CONFIGS)
     stem = "bgemm_tiles_decode" if args.decode else "bgemm_tiles"
-    started, rows = time.time(), []
+    started, rows, bandwidth = time.time(), [], measure_ceilings().bandwidth
     with Progress() as progress:
         task = progress.add_task("bgemm tiles", total=len(shapes) * len(args.tokens) * len(stages))
         for name, d_in, d_out, rank in shapes:
             for n in args.tokens:
                 for stage in stages:
-                    rows += sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major=not args.decode)
+                    rows += sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, not args.decode, bandwidth)
                     progress.advance(task)
-                write_results(stem, rows, [], args.out, summary=summary(rows), complete=False)
+                write_results(stem, rows, [], args.out, summary=summary(rows), complete=False,
+                              bandwidth_gbs=bandwidth / 1e9)
     path = write_results(stem, rows, [], args.out, summary=summary(rows), complete=True,
-                         seconds=time.time() - started)
+                         seconds=time.time() - started, bandwidth_gbs=bandwidth / 1e9)
     for s in summary(rows):
         print(f"{s['shape']:20s} N={s['n']:5d} stage {s['stage']} best {s['best_config']:24s} {1e3 * s['best_ms']:8.1f} us"
               f" (x{s['best_x_bandwidth_floor']:.2f} floor)  autotuned {1e3 * s['autotuned_ms']:8.1f} "

@@ -153,7 +153,7 @@ def _cold_l2_times(op: str, candidates: dict, args: tuple, device: torch.device 
 def autotune_bench(kernel_call, quantiles=None):
     """``triton.autotune``'s benchmarker for the BLR kernels: a config's median time from CUDA-graph
     replays, each call after an L2 flush, as :func:`pick_variant` times whole pipelines (the flush's
-    own time included: it is the same for every config, and not timing it halves the tuning time).
+    own time included: it is the same for every config, so it is not timed apart).
 
     Triton's default times each call between two events right after its Python launch; at decode
     sizes that launch is most of what it measures, and with the weights in L2 it ranks configs as
