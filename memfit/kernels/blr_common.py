@@ -333,7 +333,8 @@ def _prune_bgemm(configs, named_args, **kwargs):
 # Decode, a launch on its own: six tiles, the best of which is within 0.4% of the best of 16 at every
 # Monarch stage of the paper's shapes, N = 1 and 16 (bgemm_tiles_decode.json, 113a844: few warps, deep
 # pipelines). A stage in a chain keeps the earlier four: with these six its pipelines ran up to 1.4x
-# slower (blr_layers, cba5eee), a waiting stage's many small programs holding SMs the stage before needs.
+# slower (blr_layers, cba5eee; not profiled: a waiting stage's many small programs may hold SMs that the
+# stage before it needs).
 BGEMM_PLAIN_DECODE = [(16, 64, 128, 2, 4), (16, 32, 64, 2, 8), (16, 32, 256, 2, 4), (16, 64, 64, 4, 6),
                       (16, 128, 64, 4, 5), (16, 32, 128, 2, 6)]
 BGEMM_CHAINED_DECODE = [(16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3)]
