@@ -49,11 +49,16 @@ def parse():
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
                         help=f"only these N (default {TOKENS}); the results file is then blr_layers_subset.json")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
+                        help="only these shapes (default: all of SHAPES); the results file is then blr_layers_subset.json")
     parser.add_argument("--profile", action="store_true",
                         help="also write blr_layers_profile.json: every pipeline's kernels, one by one, at PROFILE_CASES")
     args = parser.parse_args()
     if args.tokens and min(args.tokens) < 1:
         parser.error(f"--tokens takes positive token counts, got {args.tokens}")
+    unknown = sorted(set(args.shapes or ()) - {name for name, *_ in SHAPES})
+    if unknown:
+        parser.error(f"unknown shape(s) {unknown}; known: {[name for name, *_ in SHAPES]}")
     return args
 
 
@@ -78,12 +83,13 @@ def main() -> int:
     dtype = torch.bfloat16
     shapes, tokens, blocks = (SMOKE_SHAPES, SMOKE_TOKENS, SMOKE_BLOCKS) if args.smoke else (SHAPES, TOKENS, BLOCKS)
     tokens = args.tokens or tokens
+    shapes = [shape for shape in shapes if args.shapes is None or args.smoke or shape[0] in args.shapes]
     ceilings = measure_ceilings() if device == "cuda" else Ceilings(matmul_flops=1e12, bandwidth=1e11)
     empty_ms = empty_kernel_ms() if device == "cuda" else 0.0
     timer = gpu_ms if device == "cuda" else cpu_ms
     started = time.time()
     rows = []
-    stem = "blr_layers" + ("_smoke" if args.smoke else "") + ("_subset" if args.tokens else "")
+    stem = "blr_layers" + ("_smoke" if args.smoke else "") + ("_subset" if args.tokens or args.shapes else "")
 
     def save(complete: bool):
         """Write the JSON (after every shape too, so a run stopped by its time limit keeps what it measured)."""

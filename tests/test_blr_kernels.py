@@ -111,6 +111,18 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
     check(monarch_linear, monarch_linear_reference, tensors, torch.float32, permute_output=False, variant="tbmm")
 
 
+@pytest.mark.parametrize("blocks,t,n", [(5, 7, 9), (3, 6, 1), (17, 1, 6)])
+def test_permute_copy_with_odd_per_block_ranks(blocks, t, n):
+    """bmm_perm_bmm's P^T copy walks whole token rows in column chunks (16 under the interpreter): rows
+    of r = b t not a multiple of the chunk, odd t (Llama-7B's is 93), token counts not a multiple of the
+    row tile (4), and many blocks of rank 1."""
+    m, p = 3, 4
+    tensors = [torch.randn(n, blocks * m), torch.randn(blocks, m, blocks * t) / m**0.5,
+               torch.randn(blocks, blocks * t, p) / t**0.5, torch.randn(blocks * p)]
+    for dtype in DTYPES:
+        check(monarch_linear, monarch_linear_reference, tensors, dtype, permute_output=False, variant="bmm_perm_bmm")
+
+
 def test_tbmm_refuses_the_permuted_layout():
     x, w1, w2 = torch.randn(N, B * M), torch.randn(B, M, B * 2), torch.randn(B, B * 2, P)
     with pytest.raises(MemfitError, match="block-major"):
