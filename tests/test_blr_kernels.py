@@ -113,9 +113,8 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
 
 @pytest.mark.parametrize("blocks,t,n", [(5, 7, 9), (3, 6, 1), (17, 1, 6)])
 def test_permute_copy_with_odd_per_block_ranks(blocks, t, n):
-    """bmm_perm_bmm's P^T copy walks whole token rows in column chunks (16 under the interpreter): rows
-    of r = b t not a multiple of the chunk, odd t (Llama-7B's is 93), token counts not a multiple of the
-    row tile (4), and many blocks of rank 1."""
+    """bmm_perm_bmm's P^T copy at odd per-block ranks t (Llama-7B's is 93, each run of t elements starting
+    misaligned), token counts not a multiple of its token tile, and many blocks of rank 1."""
     m, p = 3, 4
     tensors = [torch.randn(n, blocks * m), torch.randn(blocks, m, blocks * t) / m**0.5,
                torch.randn(blocks, blocks * t, p) / t**0.5, torch.randn(blocks * p)]

@@ -114,23 +114,18 @@ def _bmm(x2, w1, w2, bias, permute_output):
 
 # ---- both GEMMs on cuBLAS, the permutation as one copy between them -------------------
 
-@tuned([(4, 256, 4, 2), (8, 256, 8, 2), (2, 512, 4, 2), (16, 128, 8, 2)], ("BN", "BC"), (4, 16, 4, 1),
-       key=["N_BUCKET", "T", "B", "R"])
+@tuned([(16, 4, 2), (32, 4, 2), (64, 8, 2)], ("BN",), (16, 4, 1), key=["N_BUCKET", "T", "B"])
 @triton.jit
-def _permute_kernel(z_ptr, out_ptr, N, B, R, N_BUCKET, szn, T: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
-    """out[n, i, j T + s] = z[n, j, i T + s] for BN whole token rows: Monarch's P^T as a copy. The
-    program walks its rows' input blocks j in order, reading each as BC-wide runs of a contiguous
-    row (vector loads) and writing runs of T; a row's output is written by one program within a
-    few steps, so L2 assembles whole sectors before they reach HBM, also where T is odd (93)."""
+def _permute_kernel(z_ptr, out_ptr, N, T, B, N_BUCKET, szn, BT: tl.constexpr, BN: tl.constexpr):
+    """out[n, i, j T + s] = z[n, j, i T + s] for a tile of BN tokens and one (j, i): Monarch's P^T
+    as a copy, each row a run of T contiguous elements on both sides."""
     rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
-    rows = rn[:, None] < N
-    for j in range(B):
-        for c0 in range(0, R, BC):
-            c = c0 + tl.arange(0, BC)                  # z column i T + s of block j
-            inside = rows & (c[None, :] < R)
-            tile = tl.load(z_ptr + rn[:, None] * szn + j * R + c[None, :], mask=inside)
-            i = c // T                                 # T is a compile-time constant: no division
-            tl.store(out_ptr + rn[:, None] * szn + (i * R + j * T + (c - i * T))[None, :], tile, mask=inside)
+    j, i = tl.program_id(1), tl.program_id(2)
+    rs = tl.arange(0, BT)
+    mask = (rn[:, None] < N) & (rs[None, :] < T)
+    rows = rn[:, None] * szn + rs[None, :]
+    tile = tl.load(z_ptr + rows + (j * B + i) * T, mask=mask)
+    tl.store(out_ptr + rows + (i * B + j) * T, tile, mask=mask)
 
 
 def _bmm_perm_bmm(x2, w1, w2, bias, permute_output):
@@ -144,8 +139,8 @@ def _bmm_perm_bmm(x2, w1, w2, bias, permute_output):
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
     bmm_into(x2.view(n, b, m).transpose(0, 1), w1, z.transpose(0, 1))                 # z[n, j] = x_j w1[j]
     zp = torch.empty_like(z)
-    grid = lambda meta: (triton.cdiv(n, meta["BN"]),)
-    _permute_kernel[grid](z, zp, n, b, r, n_bucket(n), z.stride(0), T=t)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]), b, b)
+    _permute_kernel[grid](z, zp, n, t, b, n_bucket(n), z.stride(0), BT=pow2_at_least(t))
     return per_block_gemm(zp, w2, bias, cublas=True)
 
 
