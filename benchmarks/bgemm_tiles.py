@@ -108,7 +108,7 @@ class Gemm:
         from memfit.kernels import blr_common
 
         bn, bc, bk, warps, stages = config
-        jit = blr_common._bgemm_kernel.fn.fn                 # through autotune and heuristics to the jit function
+        jit = blr_common.jit_function(blr_common._bgemm_kernel)
         grid = (triton.cdiv(self.n, bn) * triton.cdiv(self.cols, bc), self.batches)
         return lambda: jit[grid](a, b, c, c, self.n, self.k, self.cols, self.grp, self.batches,
                                  blr_common.n_bucket(self.n), *self.a_strides, *self.b_strides, *self.c_strides,
@@ -120,6 +120,8 @@ class Gemm:
 
 def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, bandwidth, device="cuda") -> list[dict]:
     """Rows for one (shape, N, stage): each config of ``configs`` alone, the autotuned call, cuBLAS."""
+    import triton
+
     from memfit.kernels import blr_common
 
     probe = Gemm(torch, stage, d_in, d_out, rank, n, 1, token_major, device)
@@ -145,9 +147,8 @@ def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, b
     rows = []
     for config in configs:
         bn, bc, bk, warps, stages = config
-        if bc > max(32, blr_common.pow2_at_least(gemm.cols)) or bk > max(32, blr_common.pow2_at_least(gemm.k)):
-            continue
-        if stages * bk * (bn + bc) * 2 > blr_common.SMEM_BYTES:
+        tile = triton.Config({"BN": bn, "BC": bc, "BK": bk}, num_warps=warps, num_stages=stages)
+        if not blr_common.bgemm_tile_fits(tile, gemm.cols, gemm.k, a0.element_size()):
             continue
         for even_k in ([False, True] if gemm.k % bk == 0 else [False]):
             label = f"{bn}x{bc}x{bk} w{warps} s{stages}" + (" even_k" if even_k else "")

@@ -156,17 +156,13 @@ def blr_kernel_names() -> frozenset[str]:
     module-level Triton function named ``*_kernel`` (memfit's name for a launched one; its jit
     helpers are not), autotuned, with heuristics or plain, read from the modules so a new kernel is counted without
     being listed here."""
-    from triton.runtime import Autotuner, Heuristics, JITFunction
+    from triton.runtime import JITFunction
     from triton.runtime.interpreter import InterpretedFunction  # what triton.jit makes under TRITON_INTERPRET=1
 
     from memfit.kernels import blast, blr_common, lowrank, monarch
 
-    def unwrapped(value):
-        while isinstance(value, (Autotuner, Heuristics)):
-            value = value.fn
-        return value
-
-    functions = [unwrapped(value) for module in (blast, blr_common, lowrank, monarch) for value in vars(module).values()]
+    functions = [blr_common.jit_function(value) for module in (blast, blr_common, lowrank, monarch)
+                 for value in vars(module).values()]
     return frozenset(fn.__name__ for fn in functions
                      if isinstance(fn, (JITFunction, InterpretedFunction)) and fn.__name__.endswith("_kernel"))
 

@@ -186,7 +186,7 @@ def blr_layers_section(data: dict) -> str:
         out.append(f"| {shape} | {n} | " + " | ".join(row) + " |")
     return ("\n".join(out) + "\n\n" + _decode_floor_note(data) + _targets(data)
             + "\nEvery variant's row, and the roofline plot: `benchmarks/results/blr_layers.json`, "
-              "`blr_layers_roofline.png`; each pipeline split into its kernels at six of these cases: "
+              "`blr_layers_roofline.png`; each pipeline split into its kernels at eight of these cases: "
               "`blr_layers_profile.json` (`--profile`).\n")
 
 

@@ -160,9 +160,7 @@ kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, 
            "tmix": blast._tmix_kernel}
 out = {}
 for name, (kernel, constexprs) in json.loads(sys.argv[1]).items():
-    fn = kernels[kernel]
-    while not hasattr(fn, "params"):                  # through autotune and heuristics to the jit function
-        fn = fn.fn
+    fn = blr_common.jit_function(kernels[kernel])
     signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
                  for p in fn.params}
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
@@ -319,6 +317,16 @@ def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
     assert warned and "capture" in warned[0]
 
 
+def stub_current_stream(monkeypatch, events=None):
+    """torch.cuda.current_stream() as a stream whose synchronize() is noted in ``events`` (no GPU here)."""
+    class Stream:
+        def synchronize(self):
+            if events is not None:
+                events.append("synchronize")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+
+
 def test_pick_times_each_variant_after_an_l2_flush_and_subtracts_the_flush(monkeypatch):
     """The flush (a read of twice the L2) is timed once per pick and subtracted from every (flush + call);
     its buffer is allocated for the pick only, and without memory for it the pick times warm, said once."""
@@ -339,6 +347,7 @@ def test_pick_times_each_variant_after_an_l2_flush_and_subtracts_the_flush(monke
         return medians.pop(0)
 
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", bench)
+    stub_current_stream(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(blr_common, "_cuda_device", lambda args: torch.device("cpu"))  # stands for the GPU here
@@ -358,16 +367,20 @@ def test_pick_times_each_variant_after_an_l2_flush_and_subtracts_the_flush(monke
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [64, 40])
-def test_bgemm_with_and_without_the_k_mask(dtype, k):
+def test_bgemm_with_and_without_the_k_mask(dtype, k, monkeypatch):
     """K a multiple of the tile's BK (32 under the interpreter) runs the loop without the K mask (EVEN_K);
     40 runs it with the mask. Both against torch, with a regrouped store and a bias."""
     batches, n, cols, grp = 2, 19, 37, 5
     a, b = torch.randn(batches, n, k, dtype=dtype), torch.randn(batches, k, cols, dtype=dtype)
     bias = torch.randn(batches * cols, dtype=dtype)
     c = torch.full((batches * cols * n,), math.nan, dtype=dtype)
+    heuristics, even_k = blr_common._bgemm_kernel.fn, []
+    decide = heuristics.values["EVEN_K"]
+    monkeypatch.setitem(heuristics.values, "EVEN_K", lambda meta: even_k.append(decide(meta)) or even_k[-1])
     # column col of batch bt at bt * cols + (col // grp) * grp + col % grp, token stride batches * cols
     blr_common.bgemm(a, b, c, n, k, cols, batches, a.stride(), b.stride(), (cols, batches * cols, grp, 1), grp=grp,
                      bias=bias)
+    assert even_k == [k == 64]
     want = (a.double() @ b.double()).transpose(0, 1).reshape(n, batches * cols) + bias.double()
     assert rel(c.view(n, batches * cols), want) < TOL[dtype]
 
@@ -388,11 +401,13 @@ def test_decode_bgemm_tiles_depend_on_whether_the_launch_is_in_a_chain(chain):
     want = blr_common.BGEMM_CHAINED_DECODE if chain else blr_common.BGEMM_PLAIN_DECODE
     assert [(*c.kwargs.values(), c.num_warps, c.num_stages) for c in kept] == want
     assert {"LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"} <= set(blr_common._bgemm_kernel.keys)
+    assert not set(blr_common.BGEMM_PLAIN_DECODE) & set(blr_common.BGEMM_CHAINED_DECODE)   # else pruned from both
 
 
-def test_tile_configs_are_timed_from_hbm_by_graph_replays(monkeypatch):
-    """On the GPU every BLR kernel's autotune times its configs with autotune_bench (graph replays after an
-    L2 flush), not Triton's default (event timing right after a Python launch, weights warm in L2)."""
+def test_tile_configs_are_tuned_by_autotune_bench(monkeypatch):
+    """On the GPU every BLR kernel's autotune times its configs with autotune_bench, which times each
+    config as pick_variant times pipelines, for ranking only (the flush not timed apart), and refuses
+    to run inside a CUDA graph capture."""
     import triton
 
     monkeypatch.setattr(blr_common, "interpreting", lambda: False)
@@ -404,14 +419,34 @@ def test_tile_configs_are_timed_from_hbm_by_graph_replays(monkeypatch):
     tuner = blr_common.tuned([(16, 4, 2), (32, 4, 2)], ("B",), (16, 4, 1), key=[])(plain)
     assert tuner.do_bench is blr_common.autotune_bench
     timed = []
-    monkeypatch.setattr(blr_common, "_cold_l2_times", lambda op, candidates, args, device, subtract_flush:
-                        timed.append((device, subtract_flush)) or {"a tile config": 1.5})
+    monkeypatch.setattr(blr_common, "_cold_l2_times", lambda op, candidates, args, device, autotuning:
+                        timed.append((device, autotuning)) or {"a tile config": 1.5})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert blr_common.autotune_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)) == [1.5, 1.5, 1.5]
-    assert timed == [(torch.device("cuda"), False)]          # ranks with the flush in: it costs every config the same
+    assert timed == [(torch.device("cuda"), True)]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(MemfitError, match="before capturing"):
         blr_common.autotune_bench(lambda: None, quantiles=(0.5,))
+
+
+def test_autotuning_times_after_the_callers_stream_and_lets_failures_through(monkeypatch):
+    """Graph replays run on Triton's side stream, so the caller's queued work is waited for first; a config
+    that fails goes to triton.autotune (which skips one that does not fit and raises anything else),
+    where a pipeline variant that fails is skipped by the pick itself."""
+    import triton.testing
+
+    events = []
+
+    def bench(fn, rep, return_mode):
+        events.append("bench")
+        raise RuntimeError("a broken config")
+
+    stub_current_stream(monkeypatch, events)
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", bench)
+    with pytest.raises(RuntimeError, match="broken config"):
+        blr_common._cold_l2_times("triton.autotune", {"a tile config": lambda: None}, (), None, autotuning=True)
+    assert events == ["synchronize", "bench"]
+    assert blr_common._cold_l2_times("op", {"variant": lambda: None}, (), None) == {"variant": float("inf")}
 
 
 def test_a_variant_that_fails_to_run_is_not_picked(monkeypatch):
@@ -425,9 +460,10 @@ def test_a_variant_that_fails_to_run_is_not_picked(monkeypatch):
 
     warned = []
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", bench)
+    stub_current_stream(monkeypatch)
     monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
     assert blr_common._time_candidate("op", "broken", broken, (1,)) == float("inf")
-    assert "broken" in warned[0]
+    assert "broken" in warned[0] and "out of resources" in warned[0]
 
 
 def test_fp32_blr_dots_follow_torch_matmul_precision(monkeypatch, caplog):

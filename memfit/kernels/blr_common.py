@@ -14,7 +14,8 @@
   ``cache_results=True`` (Triton's on-disk cache), keyed on the same shapes, and timed the
   same way (:func:`autotune_bench`).
 * ``n_bucket``: the token count rounded up to a power of two, the autotune key for N.
-* Shapes are runtime ints in the kernels, so one compile serves every layer shape
+* Shapes are runtime ints in the kernels, so one compile (two where a loop drops its K mask
+  when K allows) serves every layer shape
   (keeps a cold autotune short); a stride equal to 1 is specialised by Triton to the
   constant 1, so unit-stride loads and stores vectorise.
 * ``bgemm``: one strided batched GEMM kernel whose store can regroup columns, which is
@@ -124,15 +125,16 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
 
 
 def _cold_l2_times(op: str, candidates: dict, args: tuple, device: torch.device | None = None,
-                   subtract_flush: bool = True) -> dict:
+                   autotuning: bool = False) -> dict:
     """name -> median ms of each candidate with a cold L2: (L2 flush + call) minus the flush alone.
 
     A model reads its weights from HBM; replaying one copy of them would time them from L2
     and hide exactly the weight reads that the decode pipelines overlap. The flush reads a
     buffer of twice the L2 (clean lines: the call pays no write-backs for it), is timed once
-    per pick (not at all without ``subtract_flush``: then the times rank the candidates but
-    include it), and its buffer lives only for the pick. Without memory for it the candidates
-    are timed warm, said once.
+    per pick, and its buffer lives only for the pick. Without memory for it the candidates
+    are timed warm, said once. ``autotuning`` (one tile config of a kernel): the flush is not
+    timed apart (it costs every config the same) and a failure goes to ``triton.autotune``,
+    which skips a config that does not fit this GPU and raises anything else.
     """
     device = device or _cuda_device(args)
     buffer = None
@@ -143,10 +145,11 @@ def _cold_l2_times(op: str, candidates: dict, args: tuple, device: torch.device 
         except torch.cuda.OutOfMemoryError:
             warn_once(f"pick-warm-l2:{op}", f"{op}: no memory for the {size >> 20} MiB L2 flush; kernel variants "
                       "are timed with a warm L2")
+    time_one = (lambda op, name, fn, args: _graph_ms(fn, args)) if autotuning else _time_candidate
     if buffer is None:
-        return {name: _time_candidate(op, name, fn, args) for name, fn in candidates.items()}
-    flush_ms = _time_candidate(op, "L2 flush", buffer.sum, ()) if subtract_flush else 0.0
-    return {name: _time_candidate(op, name, lambda *a, fn=fn: (buffer.sum(), fn(*a)), args) - flush_ms
+        return {name: time_one(op, name, fn, args) for name, fn in candidates.items()}
+    flush_ms = 0.0 if autotuning else time_one(op, "L2 flush", buffer.sum, ())
+    return {name: time_one(op, name, lambda *a, fn=fn: (buffer.sum(), fn(*a)), args) - flush_ms
             for name, fn in candidates.items()}
 
 
@@ -155,16 +158,16 @@ def autotune_bench(kernel_call, quantiles=None):
     replays, each call after an L2 flush, as :func:`pick_variant` times whole pipelines (the flush's
     own time included: it is the same for every config, so it is not timed apart).
 
-    Triton's default times each call between two events right after its Python launch; at decode
-    sizes that launch is most of what it measures, and with the weights in L2 it ranks configs as
-    no model step sees them: its bgemm picks ran up to 1.25x the best config's time from HBM
-    (``benchmarks/bgemm_tiles.py --decode``, 113a844).
+    Triton's default times one call at a time between two events, each after a ``zero_()`` of a
+    256 MB buffer, which leaves L2 full of dirty lines the call then writes back: at decode sizes
+    (a few us) its bgemm picks ran up to 1.25x the time of the best tile timed by graph replays
+    from HBM (``benchmarks/bgemm_tiles.py --decode``, 113a844).
     """
     if torch.cuda.is_current_stream_capturing():
         raise MemfitError("a BLR kernel is being autotuned inside a CUDA graph capture; run the op once "
                           "before capturing so its tile config is chosen outside")
     ms = _cold_l2_times("triton.autotune", {"a tile config": kernel_call}, (), torch.device("cuda"),
-                        subtract_flush=False)["a tile config"]
+                        autotuning=True)["a tile config"]
     return [ms] * len(quantiles) if quantiles else ms
 
 
@@ -173,14 +176,22 @@ def _cuda_device(args: tuple) -> torch.device | None:
     return next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
 
 
-def _time_candidate(op: str, name: str, fn, args: tuple) -> float:
-    """Median ms of ``fn(*args)`` as CUDA-graph replays (so a decode-sized variant's time is its
-    GPU time, not Python's launch overhead, which would favour the variant with fewer launches);
-    a variant that fails to compile, run or be captured here is skipped, with a warning."""
+def _graph_ms(fn, args: tuple) -> float:
+    """Median ms of ``fn(*args)`` as CUDA-graph replays (so a decode-sized call's time is its GPU
+    time, not Python's launch overhead, which would favour the variant with fewer launches).
+    Triton replays on a side stream: it first waits for the work queued on the caller's stream,
+    whose buffers the timed calls may reuse."""
     from triton.testing import do_bench_cudagraph
 
+    torch.cuda.current_stream().synchronize()
+    return float(do_bench_cudagraph(lambda: fn(*args), rep=PICK_REP_MS, return_mode="median"))
+
+
+def _time_candidate(op: str, name: str, fn, args: tuple) -> float:
+    """:func:`_graph_ms`, where a variant that fails to compile, run or be captured here is skipped,
+    with a warning."""
     try:
-        return float(do_bench_cudagraph(lambda: fn(*args), rep=PICK_REP_MS, return_mode="median"))
+        return _graph_ms(fn, args)
     except Exception as err:  # noqa: BLE001 (e.g. a config past this GPU's shared memory: the others still compete)
         warn_once(f"variant-failed:{op}:{name}", f"{op}: variant {name} failed here and is not picked: "
                   f"{type(err).__name__}: {str(err)[:200]}")
@@ -324,15 +335,30 @@ def _prune_bgemm(configs, named_args, **kwargs):
     configs = [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages) not in other]
     configs = keep_small_n(configs, named_args["N"])
     size = named_args["a_ptr"].element_size()
-    cols, depth = pow2_at_least(named_args["C"]), pow2_at_least(named_args["K"])
-    keep = [c for c in configs if c.kwargs["BC"] <= max(32, cols) and c.kwargs["BK"] <= max(32, depth)
-            and fits_smem(c, c.kwargs["BK"] * (c.kwargs["BN"] + c.kwargs["BC"]), size)]
+    keep = [c for c in configs if bgemm_tile_fits(c, named_args["C"], named_args["K"], size)]
     return keep or configs[:1]
 
 
-# Decode, a launch on its own: six tiles, the best of which is within 0.4% of the best of 16 at every
+def bgemm_tile_fits(config, cols: int, k: int, elem_bytes: int) -> bool:
+    """Whether a bgemm tile config is worth running: no wider than the columns or K need, and its
+    pipeline stages fit shared memory."""
+    bn, bc, bk = (config.kwargs[name] for name in ("BN", "BC", "BK"))
+    return (bc <= max(32, pow2_at_least(cols)) and bk <= max(32, pow2_at_least(k))
+            and fits_smem(config, bk * (bn + bc), elem_bytes))
+
+
+def jit_function(kernel):
+    """The ``@triton.jit`` function under a kernel's autotune and heuristics wrappers."""
+    from triton.runtime import Autotuner, Heuristics
+
+    while isinstance(kernel, (Autotuner, Heuristics)):
+        kernel = kernel.fn
+    return kernel
+
+
+# Decode, a launch on its own: six tiles, the best of which is within 0.9% of the best of 16 at every
 # Monarch stage of the paper's shapes, N = 1 and 16 (bgemm_tiles_decode.json, 113a844: few warps, deep
-# pipelines). A stage in a chain keeps the earlier four: with these six its pipelines ran up to 1.4x
+# pipelines). A stage in a chain keeps the earlier four: with these six the PDL pipelines ran up to 1.5x
 # slower (blr_layers, cba5eee; not profiled: a waiting stage's many small programs may hold SMs that the
 # stage before it needs).
 BGEMM_PLAIN_DECODE = [(16, 64, 128, 2, 4), (16, 32, 64, 2, 8), (16, 32, 256, 2, 4), (16, 64, 64, 4, 6),
