@@ -1,0 +1,60 @@
+"""benchmarks/bgemm_tiles.py, the sweep behind bgemm's tile configs: every tile and the autotuned call
+run through the regrouping store the Monarch stages use and are checked against torch, so a tile that
+computes the wrong thing enters the results as an error, not as a time. Tiny shapes, the interpreter,
+no timing (the GPU timer is replaced by a counter)."""
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bgemm_tiles():
+    sys.path.insert(0, str(ROOT / "benchmarks"))    # it imports its sibling blr_layers
+    try:
+        yield importlib.import_module("bgemm_tiles")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+@pytest.fixture
+def untimed(bgemm_tiles, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bgemm_tiles, "gpu_ms", lambda fn: calls.append(fn()) or 1.0)
+    return calls
+
+
+TILE = (16, 32, 32, 4, 1)   # the interpreter's bgemm tile
+
+
+@pytest.mark.parametrize("stage,token_major,n", [(1, True, 20), (1, False, 1), (2, False, 7)])
+def test_every_candidate_is_checked_and_timed(bgemm_tiles, untimed, stage, token_major, n):
+    rows = bgemm_tiles.sweep_case(torch, "tiny", 16 * 64, 16 * 24, 16 * 2, n, stage, [TILE], token_major,
+                                  bandwidth=1e11, device="cpu")
+    assert [r["candidate"] for r in rows] == ["16x32x32 w4 s1", "16x32x32 w4 s1 even_k", "bgemm (autotuned)",
+                                              "cublas bmm (natural order)"]
+    assert not [r for r in rows if "error" in r] and len(untimed) == len(rows)
+    assert all(r["stage"] == stage and r["x_bandwidth_floor"] > 0 for r in rows)
+    (summary,) = bgemm_tiles.summary(rows)
+    assert (summary["shape"], summary["n"], summary["stage"]) == ("tiny", n, stage)
+
+
+def test_a_tile_that_stores_the_wrong_layout_is_an_error_row(bgemm_tiles, untimed, monkeypatch):
+    """The check reads the output back through the layout the kernel should have written."""
+    right = bgemm_tiles.Gemm.stored
+    monkeypatch.setattr(bgemm_tiles.Gemm, "stored", lambda self, torch, c: right(self, torch, c).flip(1))
+    rows = bgemm_tiles.sweep_case(torch, "tiny", 16 * 40, 16 * 24, 16 * 3, 20, 1, [TILE], True, bandwidth=1e11,
+                                  device="cpu")
+    assert all("wrong result" in r["error"] for r in rows if r["candidate"] != "cublas bmm (natural order)")
+
+
+def test_tiles_that_do_not_fit_are_skipped(bgemm_tiles, untimed):
+    """A tile wider than the columns need, or past shared memory, is not run (as bgemm's own prune)."""
+    rows = bgemm_tiles.sweep_case(torch, "tiny", 16 * 64, 16 * 24, 16 * 2, 1, 2, [TILE, (16, 256, 32, 4, 1),
+                                                                                  (16, 64, 2048, 4, 8)],
+                                  False, bandwidth=1e11, device="cpu")
+    assert {r["candidate"].split()[0] for r in rows} == {"16x32x32", "bgemm", "cublas"}
