@@ -24,7 +24,7 @@ import functools
 import sys
 import time
 
-from blr_layers import BLOCKS, SHAPES, copies_for, gpu_ms
+from blr_layers import BLOCKS, copies_for, gpu_ms, select_shapes
 
 TOKENS, DECODE_TOKENS = [128, 1024, 8192], [1, 16]
 CONFIGS = [  # BN, BC, BK, warps, stages: BGEMM_CONFIGS' large tiles and candidates beside them
@@ -49,10 +49,7 @@ def parse():
     parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
                         help="only these shapes (default: all of blr_layers.SHAPES)")
     args = parser.parse_args()
-    known = [name for name, *_ in SHAPES]
-    unknown = sorted(set(args.shapes or ()) - set(known))
-    if unknown:
-        parser.error(f"unknown shape(s) {unknown}; known: {known}")
+    args.shapes = select_shapes(parser, args.shapes)
     args.tokens = args.tokens or (DECODE_TOKENS if args.decode else TOKENS)
     if min(args.tokens) < 1:
         parser.error(f"--tokens takes positive token counts, got {args.tokens}")
@@ -168,14 +165,17 @@ def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, b
 
 
 def summary(rows) -> list[dict]:
-    """Per (shape, N): the best config, the autotuned pick and cuBLAS, with ratios to cuBLAS."""
+    """Per (shape, N, stage): the best config, the autotuned pick and cuBLAS, with ratios to cuBLAS (a
+    case where any of the three has no valid time is left out; its rows say why)."""
     out = []
     for key in dict.fromkeys((r["shape"], r["n"], r["stage"]) for r in rows):
         case = [r for r in rows if (r["shape"], r["n"], r["stage"]) == key and r["ms"] == r["ms"] and "error" not in r]
         configs = [r for r in case if r["candidate"][0].isdigit()]
-        best = min(configs, key=lambda r: r["ms"])
         by_name = {r["candidate"]: r for r in case}
-        cublas, pick = by_name["cublas bmm (natural order)"], by_name["bgemm (autotuned)"]
+        cublas, pick = by_name.get("cublas bmm (natural order)"), by_name.get("bgemm (autotuned)")
+        if not configs or cublas is None or pick is None:
+            continue
+        best = min(configs, key=lambda r: r["ms"])
         out.append({"shape": key[0], "n": key[1], "stage": key[2], "best_config": best["candidate"], "best_ms": best["ms"],
                     "best_x_bandwidth_floor": best["x_bandwidth_floor"],
                     "autotuned_x_bandwidth_floor": pick["x_bandwidth_floor"],
@@ -196,7 +196,7 @@ def main() -> int:
     from memfit.measure.results import write_results
     from memfit.measure.timing import measure_ceilings
 
-    shapes = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes]
+    shapes = args.shapes
     stages, configs = ((1, 2), DECODE_CONFIGS) if args.decode else ((1,), CONFIGS)
     stem = "bgemm_tiles_decode" if args.decode else "bgemm_tiles"
     started, rows, bandwidth = time.time(), [], measure_ceilings().bandwidth

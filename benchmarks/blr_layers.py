@@ -58,10 +58,16 @@ def parse():
         parser.error(f"--tokens takes positive token counts, got {args.tokens}")
     if args.shapes and args.smoke:
         parser.error("--shapes picks among the paper's shapes; --smoke runs its own tiny one")
-    unknown = sorted(set(args.shapes or ()) - {name for name, *_ in SHAPES})
-    if unknown:
-        parser.error(f"unknown shape(s) {unknown}; known: {[name for name, *_ in SHAPES]}")
+    args.paper_shapes = select_shapes(parser, args.shapes)
     return args
+
+
+def select_shapes(parser, names: list[str] | None) -> list[tuple]:
+    """The entries of SHAPES named by ``--shapes`` (all without it); an unknown name is a usage error."""
+    known = [name for name, *_ in SHAPES]
+    if unknown := sorted(set(names or ()) - set(known)):
+        parser.error(f"unknown shape(s) {unknown}; known: {known}")
+    return [shape for shape in SHAPES if names is None or shape[0] in names]
 
 
 def main() -> int:
@@ -83,9 +89,9 @@ def main() -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16
-    shapes, tokens, blocks = (SMOKE_SHAPES, SMOKE_TOKENS, SMOKE_BLOCKS) if args.smoke else (SHAPES, TOKENS, BLOCKS)
+    shapes, tokens, blocks = (SMOKE_SHAPES, SMOKE_TOKENS, SMOKE_BLOCKS) if args.smoke else (args.paper_shapes, TOKENS,
+                                                                                             BLOCKS)
     tokens = args.tokens or tokens
-    shapes = [shape for shape in shapes if args.shapes is None or shape[0] in args.shapes]
     ceilings = measure_ceilings() if device == "cuda" else Ceilings(matmul_flops=1e12, bandwidth=1e11)
     empty_ms = empty_kernel_ms() if device == "cuda" else 0.0
     timer = gpu_ms if device == "cuda" else cpu_ms

@@ -158,10 +158,9 @@ def autotune_bench(kernel_call, quantiles=None):
     replays, each call after an L2 flush, as :func:`pick_variant` times whole pipelines (the flush's
     own time included: it is the same for every config, so it is not timed apart).
 
-    Triton's default times one call at a time between two events, each after a ``zero_()`` of a
-    256 MB buffer, which leaves L2 full of dirty lines the call then writes back: at decode sizes
-    (a few us) its bgemm picks ran up to 1.25x the time of the best tile timed by graph replays
-    from HBM (``benchmarks/bgemm_tiles.py --decode``, 113a844).
+    Triton's default times one call at a time between two events, each after zeroing a 256 MB
+    buffer; at decode sizes (a few us) its bgemm picks ran up to 1.25x the time of the best tile
+    timed by graph replays from HBM (``benchmarks/bgemm_tiles.py --decode``, 113a844).
     """
     if torch.cuda.is_current_stream_capturing():
         raise MemfitError("a BLR kernel is being autotuned inside a CUDA graph capture; run the op once "
@@ -419,8 +418,7 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET
     col = bt * scb + (rc // GRP).to(tl.int64) * scg + (rc % GRP).to(tl.int64) * sci   # token-major: i r N > 2^31
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col, mask=rc < C, other=0.0).to(tl.float32)[None, :]
-    mask = (rn[:, None] < N) & (rc[None, :] < C)
-    tl.store(c_ptr + rn[:, None] * scn + col[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+    tl.store(c_ptr + rn[:, None] * scn + col[None, :], acc.to(c_ptr.dtype.element_ty), mask=a_rows & b_cols)
 
 
 def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides, c_strides,
