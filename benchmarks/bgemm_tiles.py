@@ -107,8 +107,8 @@ class Gemm:
         bn, bc, bk, warps, stages = config
         jit = blr_common.jit_function(blr_common._bgemm_kernel)
         grid = (triton.cdiv(self.n, bn) * triton.cdiv(self.cols, bc), self.batches)
-        return lambda: jit[grid](a, b, c, c, self.n, self.k, self.cols, self.grp, self.batches,
-                                 blr_common.n_bucket(self.n), *self.a_strides, *self.b_strides, *self.c_strides,
+        return lambda: jit[grid](a, b, c, c, self.n, self.k, self.cols, self.grp, self.k, self.batches,
+                                 blr_common.n_bucket(self.n), *self.a_strides, 0, *self.b_strides, *self.c_strides,
                                  HAS_BIAS=False, PRECISION=blr_common.blr_precision(a.dtype), LAUNCH_DEPENDENTS=False,
                                  WAIT_FOR_PREVIOUS=False, B_ROWS_CONTIGUOUS=False,
                                  LINE=blr_common.line_elements(b), BN=bn, BC=bc, BK=bk, EVEN_K=even_k,

@@ -60,7 +60,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", True), ("two_stage_pdl", False),
-                 ("bmm", False), ("bmm_perm_bmm", False), ("tbmm", False), ("fused", True),
+                 ("bmm", False), ("bmm_perm_bmm", False), ("bmm_gather", True), ("bmm_gather", False),
+                 ("tbmm", False), ("fused", True),
                  ("fused", False), ("torch", True)]
 
 
@@ -77,13 +78,14 @@ def test_monarch(dtype, variant, permute, lead, bias, monkeypatch):
 
 
 def test_monarch_variants_offered():
-    """bmm and bmm_perm_bmm only for the block-major layout; the fused kernel at every N where its
-    tile fits; the chained two_stage up to PDL_MAX_N; the plain PyTorch pipeline always competes."""
+    """bmm and bmm_perm_bmm only for the block-major layout; bmm_gather for both from
+    TOKEN_MAJOR_MIN_N; the fused kernel at every N where its tile fits; the chained two_stage up to
+    PDL_MAX_N; the plain PyTorch pipeline always competes."""
     small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "torch"}
     assert set(monarch.variants_for(16, 128, 32, False)) == small
     assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "two_stage_pdl", "fused", "torch"}
-    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"} | {"tbmm"}
-    assert set(monarch.variants_for(8192, 128, 32, True)) == {"two_stage", "fused", "torch"}
+    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"} | {"tbmm", "bmm_gather"}
+    assert set(monarch.variants_for(8192, 128, 32, True)) == {"two_stage", "fused", "torch", "bmm_gather"}
     assert "fused" not in monarch.variants_for(1, 688, 93, False)
 
 
@@ -111,15 +113,18 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
     check(monarch_linear, monarch_linear_reference, tensors, torch.float32, permute_output=False, variant="tbmm")
 
 
-@pytest.mark.parametrize("blocks,t,n", [(5, 7, 9), (3, 6, 1), (17, 1, 6)])
-def test_permute_copy_with_odd_per_block_ranks(blocks, t, n):
-    """bmm_perm_bmm's P^T copy at odd per-block ranks t (Llama-7B's is 93, each run of t elements starting
-    misaligned), token counts not a multiple of its token tile, and many blocks of rank 1."""
+@pytest.mark.parametrize("variant", ["bmm_perm_bmm", "bmm_gather"])
+@pytest.mark.parametrize("blocks,t,n", [(5, 7, 9), (3, 6, 1), (17, 1, 6), (2, 32, 5)])
+def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch):
+    """bmm_perm_bmm's P^T copy and bmm_gather's P^T on load at odd per-block ranks t (Llama-7B's is 93,
+    each run of t elements starting misaligned), token counts not a multiple of a token tile, many blocks
+    of rank 1, and runs of one whole K step (t = 32: the gathering loop without its K mask)."""
+    monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)
     m, p = 3, 4
     tensors = [torch.randn(n, blocks * m), torch.randn(blocks, m, blocks * t) / m**0.5,
                torch.randn(blocks, blocks * t, p) / t**0.5, torch.randn(blocks * p)]
     for dtype in DTYPES:
-        check(monarch_linear, monarch_linear_reference, tensors, dtype, permute_output=False, variant="bmm_perm_bmm")
+        check(monarch_linear, monarch_linear_reference, tensors, dtype, permute_output=False, variant=variant)
 
 
 def test_tbmm_refuses_the_permuted_layout():
@@ -385,6 +390,34 @@ def test_bgemm_with_and_without_the_k_mask(dtype, k, monkeypatch):
     assert rel(c.view(n, batches * cols), want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("run", [32, 6])
+def test_bgemm_gathers_runs_of_a(dtype, run, monkeypatch):
+    """a_runs: batch bt's operand is 3 runs of ``run`` columns, run g at g * stride; 32 (the
+    interpreter's BK) runs the gathering loop without the K mask, 6 with it and a masked tail."""
+    batches, n, cols, runs = 2, 9, 11, 3
+    stride = batches * run + 5                          # runs apart by more than the batches' columns
+    store = torch.randn(n, runs * stride, dtype=dtype)
+    b = torch.randn(batches, runs * run, cols, dtype=dtype)
+    c = torch.full((n, batches * cols), math.nan, dtype=dtype)
+    heuristics, grouped = blr_common._bgemm_kernel.fn, []
+    decide = heuristics.values["A_GROUPED"]
+    monkeypatch.setitem(heuristics.values, "A_GROUPED", lambda meta: grouped.append(decide(meta)) or grouped[-1])
+    blr_common.bgemm(store, b, c, n, runs * run, cols, batches, (run, store.stride(0), 1), b.stride(),
+                     (cols, c.stride(0), 0, 1), a_runs=(run, stride))
+    assert grouped == [True]
+    a = torch.stack([torch.cat([store[:, g * stride + bt * run:][:, :run] for g in range(runs)], dim=1)
+                     for bt in range(batches)]).double()
+    want = (a @ b.double()).transpose(0, 1).reshape(n, batches * cols)
+    assert rel(c, want) < TOL[dtype]
+
+
+def test_bgemm_runs_must_divide_k():
+    a, b, c = torch.randn(4, 6), torch.randn(1, 6, 5), torch.empty(4, 5)
+    with pytest.raises(MemfitError, match="runs of 4 do not divide k = 6"):
+        blr_common.bgemm(a, b, c, 4, 6, 5, 1, (0, 6, 1), (0, *b.stride()), (0, 5, 0, 1), a_runs=(4, 6))
+
+
 @pytest.mark.parametrize("chain", [{}, {"LAUNCH_DEPENDENTS": True}, {"WAIT_FOR_PREVIOUS": True}])
 def test_decode_bgemm_tiles_depend_on_whether_the_launch_is_in_a_chain(chain):
     """A bgemm launch on its own tunes over the decode sweep's tiles, a stage in a chain over its own."""
@@ -397,7 +430,7 @@ def test_decode_bgemm_tiles_depend_on_whether_the_launch_is_in_a_chain(chain):
     configs = [triton.Config({"BN": bn, "BC": bc, "BK": bk}, num_warps=w, num_stages=st)
                for bn, bc, bk, w, st in blr_common.BGEMM_CONFIGS]
     flags = {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False} | chain
-    kept = blr_common._prune_bgemm(configs, {"N": 1, "C": 512, "K": 512, "a_ptr": Tensor()}, **flags)
+    kept = blr_common._prune_bgemm(configs, {"N": 1, "C": 512, "K": 512, "AGRP": 512, "a_ptr": Tensor()}, **flags)
     want = blr_common.BGEMM_CHAINED_DECODE if chain else blr_common.BGEMM_PLAIN_DECODE
     assert [(*c.kwargs.values(), c.num_warps, c.num_stages) for c in kept] == want
     assert {"LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"} <= set(blr_common._bgemm_kernel.keys)

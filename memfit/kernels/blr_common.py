@@ -328,13 +328,14 @@ def line_elements(t: torch.Tensor) -> int:
 
 def _prune_bgemm(configs, named_args, **kwargs):
     """Tiles for the token count (16-token tiles only at decode, a stage in a chain its own), no
-    wider than the columns or K need, and whose pipeline stages fit shared memory."""
+    wider than the columns or a run of K (a group of a gathered a) needs, and whose pipeline stages
+    fit shared memory."""
     chained = kwargs.get("LAUNCH_DEPENDENTS") or kwargs.get("WAIT_FOR_PREVIOUS")
     other = BGEMM_PLAIN_DECODE if chained else BGEMM_CHAINED_DECODE
     configs = [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages) not in other]
     configs = keep_small_n(configs, named_args["N"])
     size = named_args["a_ptr"].element_size()
-    keep = [c for c in configs if bgemm_tile_fits(c, named_args["C"], named_args["K"], size)]
+    keep = [c for c in configs if bgemm_tile_fits(c, named_args["C"], named_args["AGRP"], size)]
     return keep or configs[:1]
 
 
@@ -370,15 +371,17 @@ BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
 
 
 @tuned(BGEMM_CONFIGS, ("BN", "BC", "BK"), (16, 32, 32, 4, 1),
-       key=["N_BUCKET", "K", "C", "GRP", "BATCHES", "LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"], prune=_prune_bgemm)
-@triton.heuristics({"EVEN_K": lambda meta: meta["K"] % meta["BK"] == 0})
+       key=["N_BUCKET", "K", "C", "GRP", "AGRP", "BATCHES", "LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"],
+       prune=_prune_bgemm)
+@triton.heuristics({"EVEN_K": lambda meta: meta["AGRP"] % meta["BK"] == 0,
+                    "A_GROUPED": lambda meta: meta["AGRP"] < meta["K"]})
 @triton.jit
-def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET,
-                  sab, san, sak, sbb, sbk, sbc, scb, scn, scg, sci,
+def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_BUCKET,
+                  sab, san, sak, sag, sbb, sbk, sbc, scb, scn, scg, sci,
                   HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
                   WAIT_FOR_PREVIOUS: tl.constexpr, B_ROWS_CONTIGUOUS: tl.constexpr, LINE: tl.constexpr,
                   BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                  GROUP_N: tl.constexpr = 8):
+                  A_GROUPED: tl.constexpr = False, GROUP_N: tl.constexpr = 8):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     n_tiles = tl.cdiv(N, BN)
@@ -405,16 +408,31 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BN, BC), dtype=tl.float32)
     a_rows, b_cols = rn[:, None] < N, rc[None, :] < C
-    for k0 in range(0, K, BK):
-        if EVEN_K:                                     # no K mask to build and apply every step
-            a = tl.load(a_ptrs, mask=a_rows, other=0.0)
-            b = tl.load(b_ptrs, mask=b_cols, other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=a_rows & (rk[None, :] + k0 < K), other=0.0)
-            b = tl.load(b_ptrs, mask=(rk[:, None] + k0 < K) & b_cols, other=0.0)
-        acc = mma(a, b, acc, PRECISION)
-        a_ptrs += BK * sak
-        b_ptrs += BK * sbk
+    if A_GROUPED:                                      # K = (K / AGRP) runs of AGRP, a's runs sag apart
+        steps = tl.cdiv(AGRP, BK)                      # steps per run; a step never crosses a run
+        for step in range(0, (K // AGRP) * steps):
+            run = (step // steps).to(tl.int64)
+            start = (step % steps) * BK                # of this step in its run
+            a_step = a_ptrs + run * sag + start * sak
+            b_step = b_ptrs + (run * AGRP + start) * sbk
+            if EVEN_K:
+                a = tl.load(a_step, mask=a_rows, other=0.0)
+                b = tl.load(b_step, mask=b_cols, other=0.0)
+            else:
+                a = tl.load(a_step, mask=a_rows & (rk[None, :] + start < AGRP), other=0.0)
+                b = tl.load(b_step, mask=(rk[:, None] + start < AGRP) & b_cols, other=0.0)
+            acc = mma(a, b, acc, PRECISION)
+    else:
+        for k0 in range(0, K, BK):
+            if EVEN_K:                                 # no K mask to build and apply every step
+                a = tl.load(a_ptrs, mask=a_rows, other=0.0)
+                b = tl.load(b_ptrs, mask=b_cols, other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=a_rows & (rk[None, :] + k0 < K), other=0.0)
+                b = tl.load(b_ptrs, mask=(rk[:, None] + k0 < K) & b_cols, other=0.0)
+            acc = mma(a, b, acc, PRECISION)
+            a_ptrs += BK * sak
+            b_ptrs += BK * sbk
     col = bt * scb + (rc // GRP).to(tl.int64) * scg + (rc % GRP).to(tl.int64) * sci   # token-major: i r N > 2^31
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col, mask=rc < C, other=0.0).to(tl.float32)[None, :]
@@ -423,7 +441,7 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, N_BUCKET
 
 def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides, c_strides,
           grp: int | None = None, bias=None, launch_dependents: bool = False,
-          wait_for_previous: bool = False) -> None:
+          wait_for_previous: bool = False, a_runs: tuple[int, int] | None = None) -> None:
     """c[bt][n, col] = sum_k a[bt][n, k] b[bt][k, col] (+ bias[feature]) for bt < batches.
 
     Strides in elements: a (batch, n, k), b (batch, k, col), c (batch, n, group, in-group):
@@ -431,16 +449,23 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
     store can scatter column groups (the Monarch P^T) with no copy. The bias is read at
     the stored column offset, so it applies when c is the (N, out) output itself.
 
+    ``a_runs = (length, stride)`` gathers a the same way on load: k in runs of ``length``
+    (a divisor of k), run g of a row starting ``g * stride`` elements after run 0, which the
+    a strides address (so Monarch's stage 2 reads P^T straight from stage 1's natural output).
+
     In a chain (:func:`chain_options`): ``launch_dependents`` lets the next kernel start now;
     ``wait_for_previous`` prefetches this program's slice of b (the weights) into L2, then
     waits for the previous kernel (which writes a). b needs a unit stride along k or col.
     """
     grp = grp or cols
+    run, run_stride = a_runs or (k, 0)
     if wait_for_previous and 1 not in tuple(b_strides)[1:]:
         raise MemfitError(f"bgemm: a chained stage needs b with a unit stride, got strides {tuple(b_strides)}")
+    if run < 1 or k % run:
+        raise MemfitError(f"bgemm: a's runs of {run} do not divide k = {k}")
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * triton.cdiv(cols, meta["BC"]), batches)
-    _bgemm_kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, batches, n_bucket(n),
-                        *a_strides, *b_strides, *c_strides, HAS_BIAS=bias is not None,
+    _bgemm_kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, run, batches, n_bucket(n),
+                        *a_strides, run_stride, *b_strides, *c_strides, HAS_BIAS=bias is not None,
                         PRECISION=blr_precision(a.dtype), B_ROWS_CONTIGUOUS=wait_for_previous and b_strides[2] == 1,
                         LINE=line_elements(b), **chain_options(launch_dependents, wait_for_previous))
 
@@ -458,22 +483,31 @@ def bmm_into(a, b, out, bias=None) -> None:
         torch.baddbmm(bias.unsqueeze(1), a, b, out=out)
 
 
-def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_for_previous: bool = False):
+def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_for_previous: bool = False,
+                   a_runs: tuple[int, int] = (1, 0)):
     """y (N, b p): output block i = a[:, i, :] @ w[i] (+ bias), the last stage of Monarch and BLAST.
 
     ``a`` (N, b, K) and ``w`` (b, K, p) may be strided views. Block-major output (feature
     i p + s) by cuBLAS (:func:`bmm_into`) or by :func:`bgemm`; ``permute_output`` (bgemm
     only: cuBLAS cannot store a column stride) writes the interleaved feature s b + i, and
     ``wait_for_previous`` (bgemm only) chains it after the kernel that wrote ``a``.
+    ``a_runs = (count, stride)`` (bgemm only): block i's operand is ``count`` copies of a's K
+    columns side by side, copy g read ``g * stride`` elements after a[:, i, :] (w has count K rows).
     """
     n, b, k = a.shape
     p = w.shape[2]
+    runs, run_stride = a_runs
+    if w.shape[1] != runs * k:
+        raise MemfitError(f"per_block_gemm: w has {w.shape[1]} rows for {runs} runs of {k}")
     y = torch.empty(n, b * p, device=a.device, dtype=a.dtype)
     if cublas:
+        if runs != 1:
+            raise MemfitError("per_block_gemm: cuBLAS cannot gather runs of a; use bgemm (cublas=False)")
         bmm_into(a.transpose(0, 1), w, y.view(n, b, p).transpose(0, 1), None if bias is None else bias.view(b, p))
     else:
         block_stride, col_stride = (1, b) if permute_output else (p, 1)
-        bgemm(a, w, y, n, k, p, b, (a.stride(1), a.stride(0), a.stride(2)), w.stride(),
-              (block_stride, y.stride(0), 0, col_stride), bias=bias, wait_for_previous=wait_for_previous)
+        bgemm(a, w, y, n, runs * k, p, b, (a.stride(1), a.stride(0), a.stride(2)), w.stride(),
+              (block_stride, y.stride(0), 0, col_stride), bias=bias, wait_for_previous=wait_for_previous,
+              a_runs=(k, run_stride) if runs > 1 else None)
     return y
 

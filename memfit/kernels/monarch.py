@@ -25,6 +25,10 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   P^T as a memory-bound copy between them (:func:`_permute_kernel`): 2 N b r more elements
   of traffic than ``bmm`` for no scattered store, which is slow where t is not a multiple
   of 8 (Llama-7B: t = 93). Block-major layout only.
+* ``bmm_gather`` (N >= TOKEN_MAJOR_MIN_N, both layouts): stage 1 on cuBLAS as in ``bmm_perm_bmm``,
+  stage 2 by :func:`bgemm` reading P^T through its loads (runs of t elements of z per K step,
+  ``a_runs``): z written and read once, no copy, no scattered store. Offered where z's traffic
+  is a visible share of the time; at decode the weights' reads dominate and it is not timed.
 * ``tbmm`` (N >= TOKEN_MAJOR_MIN_N, block-major): ``bmm`` with z stored token-contiguous,
   (b, r, N): the stage-1 store folds P^T in as whole rows of tokens, and stage 2 reads z
   through a transposed view, no copy. Where t is not a multiple of 8 (Llama-7B: 93), it
@@ -144,6 +148,19 @@ def _bmm_perm_bmm(x2, w1, w2, bias, permute_output):
     return per_block_gemm(zp, w2, bias, cublas=True)
 
 
+def _bmm_gather(x2, w1, w2, bias, permute_output):
+    """Stage 1 on cuBLAS into z (N, b_j, r) in its natural order, as in ``bmm_perm_bmm``; stage 2 by
+    :func:`bgemm` gathering P^T in its loads: block i's operand is the b runs z[:, j, i t:(i+1) t]
+    side by side. z is written and read once, with no copy and no scattered store (against
+    ``bmm_perm_bmm``: 2 N b r elements less traffic, for a Triton stage 2), and both layouts work."""
+    b, m, r = w1.shape
+    t, n = r // b, x2.shape[0]
+    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
+    bmm_into(x2.view(n, b, m).transpose(0, 1), w1, z.transpose(0, 1))                 # z[n, j] = x_j w1[j]
+    return per_block_gemm(z[:, 0].view(n, b, t), w2, bias, cublas=False, permute_output=permute_output,
+                          a_runs=(b, r))
+
+
 # ---- large N, token-contiguous z: whole rows of tokens in every store -------------------
 
 def _tbmm(x2, w1, w2, bias, permute_output):
@@ -226,12 +243,14 @@ def _fused(x2, w1, w2, bias, permute_output):
 
 
 VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm,
-            "tbmm": _tbmm, "fused": _fused, "torch": monarch_linear_reference}
+            "bmm_gather": _bmm_gather, "tbmm": _tbmm, "fused": _fused, "torch": monarch_linear_reference}
 
 
 def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
     """The pipelines worth timing for ``n`` tokens, block size m, per-block rank t and the layout."""
     names = ["two_stage", "torch"] + (["two_stage_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
+    if n >= TOKEN_MAJOR_MIN_N:
+        names.append("bmm_gather")
     if not permute_output:
         names += ["bmm", "bmm_perm_bmm"] + (["tbmm"] if n >= TOKEN_MAJOR_MIN_N else [])
     if fused_fits(m, t):
