@@ -437,6 +437,25 @@ def test_decode_bgemm_tiles_depend_on_whether_the_launch_is_in_a_chain(chain):
     assert not set(blr_common.BGEMM_PLAIN_DECODE) & set(blr_common.BGEMM_CHAINED_DECODE)   # else pruned from both
 
 
+@pytest.mark.parametrize("run,want_bk", [(768, {64}), (48, {64, 32, 16}), (16, {32, 16})])
+def test_short_run_tiles_only_for_a_gathered_a(run, want_bk):
+    """At N = 1024 a plain launch (one run: K = 768) tunes over the 64-wide K tiles; a gathered a in runs of
+    48 adds the short-run tiles, and runs of 16 keep only those (a 64-wide step would mask 3/4 of it)."""
+    import triton
+
+    class Tensor:
+        def element_size(self):
+            return 2
+
+    configs = [triton.Config({"BN": bn, "BC": bc, "BK": bk}, num_warps=w, num_stages=st)
+               for bn, bc, bk, w, st in blr_common.BGEMM_CONFIGS]
+    kept = blr_common._prune_bgemm(configs, {"N": 1024, "C": 512, "K": 768, "AGRP": run, "a_ptr": Tensor()},
+                                   LAUNCH_DEPENDENTS=False, WAIT_FOR_PREVIOUS=False)
+    assert {c.kwargs["BK"] for c in kept} == want_bk
+    short = {(*c.kwargs.values(), c.num_warps, c.num_stages) for c in kept} & set(blr_common.BGEMM_SHORT_RUNS)
+    assert bool(short) == (run < 768)
+
+
 def test_tile_configs_are_tuned_by_autotune_bench(monkeypatch):
     """On the GPU every BLR kernel's autotune times its configs with autotune_bench, which times each
     config as pick_variant times pipelines, for ranking only (the flush not timed apart), and refuses

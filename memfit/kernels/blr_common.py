@@ -332,6 +332,8 @@ def _prune_bgemm(configs, named_args, **kwargs):
     fit shared memory."""
     chained = kwargs.get("LAUNCH_DEPENDENTS") or kwargs.get("WAIT_FOR_PREVIOUS")
     other = BGEMM_PLAIN_DECODE if chained else BGEMM_CHAINED_DECODE
+    if named_args["AGRP"] == named_args["K"]:          # a read in one run: the short-run tiles are not for it
+        other = other + BGEMM_SHORT_RUNS
     configs = [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages) not in other]
     configs = keep_small_n(configs, named_args["N"])
     size = named_args["a_ptr"].element_size()
@@ -364,9 +366,12 @@ def jit_function(kernel):
 BGEMM_PLAIN_DECODE = [(16, 64, 128, 2, 4), (16, 32, 64, 2, 8), (16, 32, 256, 2, 4), (16, 64, 64, 4, 6),
                       (16, 128, 64, 4, 5), (16, 32, 128, 2, 6)]
 BGEMM_CHAINED_DECODE = [(16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3)]
+# A gathered a (``a_runs``) in runs shorter than 64 (Monarch's t: 16, 32 and 48 at Llama-1B): K steps of
+# 16 or 32 that do not straddle runs, where a 64-wide step masks 25-75% of its columns.
+BGEMM_SHORT_RUNS = [(128, 128, 32, 4, 4), (128, 128, 16, 4, 5), (128, 256, 32, 8, 3)]
 BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-    *BGEMM_PLAIN_DECODE, *BGEMM_CHAINED_DECODE,
+    *BGEMM_PLAIN_DECODE, *BGEMM_CHAINED_DECODE, *BGEMM_SHORT_RUNS,
 ]
 
 
