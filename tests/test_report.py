@@ -5,10 +5,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_readme_performance_section_matches_the_results_files():
+def load_report():
     spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
+    return report
+
+
+def test_readme_performance_section_matches_the_results_files():
+    report = load_report()
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index(report.START):readme.index(report.END) + len(report.END)]
     assert section == report.render(), "run `python benchmarks/report.py` after adding results"
+
+
+
+def test_blr_e2e_bound_at_the_floor_adds_each_methods_layer_floor_to_the_free_step():
+    """dense / (free + model floor - free floor): prefill 10 / (4 + 3 - 1) = 1.667, decode 2 / (1 + 0.5 - 0.25) = 1.6."""
+    def row(model, prefill, decode, floors, **extra):
+        return {"model": model, "mode": "compiled", "prefill_ms": prefill, "decode_ms": decode,
+                "prefill_floor_ms": floors[0], "decode_floor_ms": floors[1], **extra}
+
+    rows = [row("dense", 10.0, 2.0, (5.0, 1.0)), row("monarch", 8.0, 1.9, (3.0, 0.5), prefill_speedup=1.25),
+            row("free", 4.0, 1.0, (1.0, 0.25), prefill_speedup=2.5, decode_speedup=2.0)]
+    text = load_report()._blr_e2e_bound({"rows": rows})
+    assert "2.50x in prefill and 2.00x in decode" in text
+    assert "monarch 1.667x and 1.600x dense" in text
