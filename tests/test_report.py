@@ -19,7 +19,6 @@ def test_readme_performance_section_matches_the_results_files():
     assert section == report.render(), "run `python benchmarks/report.py` after adding results"
 
 
-
 def test_blr_e2e_bound_at_the_floor_adds_each_methods_layer_floor_to_the_free_step():
     """dense / (free + model floor - free floor): prefill 10 / (4 + 3 - 1) = 1.667, decode 2 / (1 + 0.5 - 0.25) = 1.6."""
     def row(model, prefill, decode, floors, **extra):
