@@ -17,7 +17,8 @@ Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median) so 
 decode-sized kernels are timed, not Python's launch overhead, over several copies of
 the weights and inputs (together > 2x the 50 MB L2) so nothing is served from L2.
 Writes ``blr_layers.json`` (after every shape, ``"complete": false`` until the end) and
-``blr_layers_roofline.png``; ``--smoke`` runs the same
+``blr_layers_roofline.png``; ``--profile`` also, and ``--profile-only`` instead, writes
+``blr_layers_profile.json`` (each pipeline's kernels at PROFILE_CASES). ``--smoke`` runs the same
 code on tiny shapes on the CPU (Triton interpreter) and writes ``blr_layers_smoke.*`` to a temp dir.
 """
 from __future__ import annotations
@@ -53,7 +54,12 @@ def parse():
                         help="only these shapes (default: all of SHAPES); the results file is then blr_layers_subset.json")
     parser.add_argument("--profile", action="store_true",
                         help="also write blr_layers_profile.json: every pipeline's kernels, one by one, at PROFILE_CASES")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="write only blr_layers_profile.json (the full table and the profile together take "
+                             "longer than one 10-minute GPU session call)")
     args = parser.parse_args()
+    if args.profile_only and (args.tokens or args.shapes):
+        parser.error("--profile-only profiles PROFILE_CASES; --tokens and --shapes pick the table's cases")
     if args.tokens and min(args.tokens) < 1:
         parser.error(f"--tokens takes positive token counts, got {args.tokens}")
     if args.shapes and args.smoke:
@@ -79,6 +85,22 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("blr_layers: needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    blocks = SMOKE_BLOCKS if args.smoke else BLOCKS
+    if not args.profile_only:
+        run_table(args, torch, device, blocks)
+    if args.profile or args.profile_only:
+        from memfit.measure.results import write_results
+
+        cases = SMOKE_PROFILE_CASES if args.smoke else PROFILE_CASES
+        profiled = profile_cases(torch, cases, blocks, torch.bfloat16, device)
+        name = "blr_layers_profile" + ("_smoke" if args.smoke else "")
+        print(f"wrote {write_results(name, profiled, [], args.out, blocks=blocks)}")
+    return 0
+
+
+def run_table(args, torch, device: str, blocks: int) -> None:
+    """Time every implementation at every (shape, N) and write blr_layers.json and its roofline plot."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -87,10 +109,8 @@ def main() -> int:
     from memfit.measure.roofline import layer_cost, plot_roofline
     from memfit.measure.timing import Ceilings, empty_kernel_ms, measure_ceilings
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16
-    shapes, tokens, blocks = (SMOKE_SHAPES, SMOKE_TOKENS, SMOKE_BLOCKS) if args.smoke else (args.paper_shapes, TOKENS,
-                                                                                             BLOCKS)
+    shapes, tokens = (SMOKE_SHAPES, SMOKE_TOKENS) if args.smoke else (args.paper_shapes, TOKENS)
     tokens = args.tokens or tokens
     ceilings = measure_ceilings() if device == "cuda" else Ceilings(matmul_flops=1e12, bandwidth=1e11)
     empty_ms = empty_kernel_ms() if device == "cuda" else 0.0
@@ -124,12 +144,6 @@ def main() -> int:
                   title=f"BLR layers, bf16, b={blocks}, N in {tokens}")
     show(Console(), Table, rows, targets)
     print(f"wrote {path} in {elapsed:.0f} s")
-    if args.profile:
-        cases = SMOKE_PROFILE_CASES if args.smoke else PROFILE_CASES
-        profiled = profile_cases(torch, cases, blocks, dtype, device)
-        name = "blr_layers_profile" + ("_smoke" if args.smoke else "")
-        print(f"wrote {write_results(name, profiled, [], args.out, blocks=blocks)}")
-    return 0
 
 
 def decode_floor_check(rows, empty_ms: float) -> list[dict]:

@@ -8,17 +8,19 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-# name|seconds|command, most pending first (after the eighth session, 2026-12-01: see its closing note).
-# The BLR runs tune every tile config from CUDA-graph replays since cba5eee: blr_layers took 489 s at dca1c75.
+# name|seconds|command, most pending first (after the ninth session, 2026-12-01: see its closing note).
+# The BLR runs tune every tile config from CUDA-graph replays since cba5eee: at 18d9a39 blr_layers took 493 s
+# without --profile (its profile, run apart, 161 s), blr_e2e 288 s and blr_e2e_memfit_attention 148 s.
 RUNS=(
   "train_small_model|130|python3 benchmarks/train_small_model.py --out /tmp/small_llama --results $OUT --max-seconds 80"
   "partial_ffn_accuracy|150|python3 benchmarks/partial_ffn.py --out $OUT --skip-speed --small-model /tmp/small_llama"
   "decode_profile|240|python3 benchmarks/decode_profile.py --out $OUT"
   "finetune_memory|600|python3 benchmarks/finetune_memory.py --out $OUT"
   "linear_ce|330|python3 benchmarks/linear_ce.py --out $OUT"
-  "blr_e2e_memfit_attention|560|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
-  "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT --profile"
-  "blr_e2e|560|python3 benchmarks/blr_e2e.py --out $OUT --profile"
+  "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
+  "blr_layers_profile|240|python3 benchmarks/blr_layers.py --out $OUT --profile-only"
+  "blr_e2e|400|python3 benchmarks/blr_e2e.py --out $OUT --profile"
+  "blr_e2e_memfit_attention|300|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
   "blr_accuracy|300|python3 benchmarks/blr_accuracy.py --model /tmp/small_llama --out $OUT"
   "partial_ffn|300|python3 benchmarks/partial_ffn.py --out $OUT --skip-accuracy"
   "attention|360|python3 benchmarks/attention.py --out $OUT"
