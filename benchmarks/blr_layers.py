@@ -16,7 +16,8 @@ For the paper's shapes (Llama-3.2-1B and Llama-7B projections, b = 16) and N in
 Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median) so that
 decode-sized kernels are timed, not Python's launch overhead, over several copies of
 the weights and inputs (together > 2x the 50 MB L2) so nothing is served from L2.
-Writes ``blr_layers.json`` (after every shape, ``"complete": false`` until the end) and
+Writes ``blr_layers.json`` (after every case, ``"complete": false`` until the end; ``--resume``
+continues such a file) and
 ``blr_layers_roofline.png``; ``--profile`` also, and ``--profile-only`` instead, writes
 ``blr_layers_profile.json`` (each pipeline's kernels at PROFILE_CASES). ``--smoke`` runs the same
 code on tiny shapes on the CPU (Triton interpreter) and writes ``blr_layers_smoke.*`` to a temp dir.
@@ -57,9 +58,12 @@ def parse():
     parser.add_argument("--profile-only", action="store_true",
                         help="write only blr_layers_profile.json (the full table and the profile together take "
                              "longer than one 10-minute GPU session call)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the results file a stopped run left (same commit and GPU): keep its rows and "
+                             "ceilings, time only the cases it lacks")
     args = parser.parse_args()
-    if args.profile_only and (args.tokens or args.shapes):
-        parser.error("--profile-only profiles PROFILE_CASES; --tokens and --shapes pick the table's cases")
+    if args.profile_only and (args.tokens or args.shapes or args.resume):
+        parser.error("--profile-only profiles PROFILE_CASES; --tokens, --shapes and --resume are for the table")
     if args.tokens and min(args.tokens) < 1:
         parser.error(f"--tokens takes positive token counts, got {args.tokens}")
     if args.shapes and args.smoke:
@@ -88,7 +92,13 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     blocks = SMOKE_BLOCKS if args.smoke else BLOCKS
     if not args.profile_only:
-        run_table(args, torch, device, blocks)
+        from memfit.errors import MemfitError
+
+        try:
+            run_table(args, torch, device, blocks)
+        except MemfitError as err:                      # e.g. --resume with nothing to resume
+            print(f"blr_layers: {err}", file=sys.stderr)
+            return 2
     if args.profile or args.profile_only:
         from memfit.measure.results import write_results
 
@@ -105,22 +115,30 @@ def run_table(args, torch, device: str, blocks: int) -> None:
     from rich.progress import Progress
     from rich.table import Table
 
-    from memfit.measure.results import target, write_results
+    from memfit.measure.results import partial_results, results_path, target, write_results
     from memfit.measure.roofline import layer_cost, plot_roofline
     from memfit.measure.timing import Ceilings, empty_kernel_ms, measure_ceilings
 
     dtype = torch.bfloat16
     shapes, tokens = (SMOKE_SHAPES, SMOKE_TOKENS) if args.smoke else (args.paper_shapes, TOKENS)
     tokens = args.tokens or tokens
-    ceilings = measure_ceilings() if device == "cuda" else Ceilings(matmul_flops=1e12, bandwidth=1e11)
-    empty_ms = empty_kernel_ms() if device == "cuda" else 0.0
     timer = gpu_ms if device == "cuda" else cpu_ms
-    started = time.time()
-    rows = []
     stem = "blr_layers" + ("_smoke" if args.smoke else "") + ("_subset" if args.tokens or args.shapes else "")
+    rows, started = [], time.time()
+    if args.resume:                                      # the stopped run's rows, time so far and ceilings
+        earlier = partial_results(results_path(stem, args.out))
+        rows, started = earlier["rows"], started - earlier["seconds"]
+        ceilings = Ceilings(matmul_flops=earlier["ceilings"]["matmul_tflops"] * 1e12,
+                            bandwidth=earlier["ceilings"]["bandwidth_gbs"] * 1e9)
+        empty_ms = earlier["ceilings"]["empty_kernel_ms"]
+    elif device == "cuda":
+        ceilings, empty_ms = measure_ceilings(), empty_kernel_ms()
+    else:
+        ceilings, empty_ms = Ceilings(matmul_flops=1e12, bandwidth=1e11), 0.0
+    done = {(r["shape"], r["n"]) for r in rows}
 
     def save(complete: bool):
-        """Write the JSON (after every shape too, so a run stopped by its time limit keeps what it measured)."""
+        """Write the JSON (after every case too, so a run stopped by its time limit keeps what it measured)."""
         return write_results(stem, rows, make_targets(rows, target, smoke=args.smoke), args.out, blocks=blocks,
                              dtype="bfloat16", seconds=time.time() - started, complete=complete,
                              ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
@@ -131,10 +149,11 @@ def run_table(args, torch, device: str, blocks: int) -> None:
         task = progress.add_task("blr layers", total=len(shapes) * len(tokens))
         for name, d_in, d_out, rank in shapes:
             for n in tokens:
-                rows += bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer,
-                                   layer_cost)
+                if (name, n) not in done:
+                    rows += bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer,
+                                       layer_cost)
+                    save(complete=False)
                 progress.advance(task)
-            save(complete=False)
     elapsed = time.time() - started
     path = save(complete=True)
     targets = make_targets(rows, target, smoke=args.smoke)

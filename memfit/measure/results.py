@@ -50,17 +50,42 @@ def environment() -> dict:
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
 
+def results_path(name: str, out_dir: Path | str | None = None) -> Path:
+    """Where :func:`write_results` writes ``name``: ``out_dir``, else benchmarks/results for GPU
+    results and a temp dir for a CPU smoke run (a name ending in ``_smoke``)."""
+    smoke_dir = Path(tempfile.gettempdir()) / "memfit-smoke"
+    directory = Path(out_dir) if out_dir else (smoke_dir if name.endswith("_smoke") else RESULTS_DIR)
+    return directory / f"{name}.json"
+
+
+def partial_results(path: Path) -> dict:
+    """The results file at ``path`` of a run stopped before its end, to resume: refused when the file is
+    complete, or was written at another commit or on another GPU (its rows would not compare)."""
+    from memfit.errors import MemfitError
+
+    if not path.exists():
+        raise MemfitError(f"nothing to resume: {path} does not exist")
+    data = json.loads(path.read_text())
+    here = environment()
+    if data.get("complete", True):
+        raise MemfitError(f"nothing to resume: {path} is a complete run")
+    for key in ("commit", "gpu"):
+        if data.get(key) != here[key]:
+            raise MemfitError(f"cannot resume {path}: it was written with {key} {data.get(key)!r}, this run has "
+                              f"{here[key]!r}")
+    return data
+
+
 def write_results(name: str, rows: list[dict], targets: list[dict], out_dir: Path | str | None = None, **extra) -> Path:
     """Write ``<out_dir>/<name>.json`` in the shared schema and return its path.
 
     Without ``out_dir``, GPU results go to ``benchmarks/results``; a CPU smoke run (a name ending
     in ``_smoke``) goes to a temp dir, so a check of the code path never lands among measurements.
     """
-    smoke_dir = Path(tempfile.gettempdir()) / "memfit-smoke"
-    directory = Path(out_dir) if out_dir else (smoke_dir if name.endswith("_smoke") else RESULTS_DIR)
+    path = results_path(name, out_dir)
+    directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, **environment(), "rows": rows, "targets": targets, **extra}
-    path = directory / f"{name}.json"
     with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as handle:
         json.dump(payload, handle, indent=1, default=float)
         tmp = handle.name
