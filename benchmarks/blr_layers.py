@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import os
 import sys
@@ -91,14 +92,8 @@ def main() -> int:
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     blocks = SMOKE_BLOCKS if args.smoke else BLOCKS
-    if not args.profile_only:
-        from memfit.errors import MemfitError
-
-        try:
-            run_table(args, torch, device, blocks)
-        except MemfitError as err:                      # e.g. --resume with nothing to resume
-            print(f"blr_layers: {err}", file=sys.stderr)
-            return 2
+    if not args.profile_only and run_table(args, torch, device, blocks) != 0:
+        return 2
     if args.profile or args.profile_only:
         from memfit.measure.results import write_results
 
@@ -109,12 +104,14 @@ def main() -> int:
     return 0
 
 
-def run_table(args, torch, device: str, blocks: int) -> None:
-    """Time every implementation at every (shape, N) and write blr_layers.json and its roofline plot."""
+def run_table(args, torch, device: str, blocks: int) -> int:
+    """Time every implementation at every (shape, N) and write blr_layers.json and its roofline plot;
+    2 where ``--resume`` finds nothing it may continue."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
+    from memfit.errors import MemfitError
     from memfit.measure.results import partial_results, results_path, target, write_results
     from memfit.measure.roofline import layer_cost, plot_roofline
     from memfit.measure.timing import Ceilings, empty_kernel_ms, measure_ceilings
@@ -125,8 +122,14 @@ def run_table(args, torch, device: str, blocks: int) -> None:
     timer = gpu_ms if device == "cuda" else cpu_ms
     stem = "blr_layers" + ("_smoke" if args.smoke else "") + ("_subset" if args.tokens or args.shapes else "")
     rows, started = [], time.time()
+    cases = {"shapes": [name for name, *_ in shapes], "tokens": tokens, "blocks": blocks}
+    path = results_path(stem, args.out)
     if args.resume:                                      # the stopped run's rows, time so far and ceilings
-        earlier = partial_results(results_path(stem, args.out))
+        try:
+            earlier = partial_results(path, **cases)
+        except MemfitError as err:
+            print(f"blr_layers: {err}", file=sys.stderr)
+            return 2
         rows, started = earlier["rows"], started - earlier["seconds"]
         ceilings = Ceilings(matmul_flops=earlier["ceilings"]["matmul_tflops"] * 1e12,
                             bandwidth=earlier["ceilings"]["bandwidth_gbs"] * 1e9)
@@ -135,11 +138,13 @@ def run_table(args, torch, device: str, blocks: int) -> None:
         ceilings, empty_ms = measure_ceilings(), empty_kernel_ms()
     else:
         ceilings, empty_ms = Ceilings(matmul_flops=1e12, bandwidth=1e11), 0.0
+    if not args.resume and path.exists() and not json.loads(path.read_text()).get("complete", True):
+        print(f"blr_layers: replacing the stopped run in {path} (--resume would continue it)")
     done = {(r["shape"], r["n"]) for r in rows}
 
     def save(complete: bool):
         """Write the JSON (after every case too, so a run stopped by its time limit keeps what it measured)."""
-        return write_results(stem, rows, make_targets(rows, target, smoke=args.smoke), args.out, blocks=blocks,
+        return write_results(stem, rows, make_targets(rows, target, smoke=args.smoke), args.out, **cases,
                              dtype="bfloat16", seconds=time.time() - started, complete=complete,
                              ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
                                        "bandwidth_gbs": ceilings.bandwidth / 1e9, "empty_kernel_ms": empty_ms},
@@ -163,6 +168,7 @@ def run_table(args, torch, device: str, blocks: int) -> None:
                   title=f"BLR layers, bf16, b={blocks}, N in {tokens}")
     show(Console(), Table, rows, targets)
     print(f"wrote {path} in {elapsed:.0f} s")
+    return 0
 
 
 def decode_floor_check(rows, empty_ms: float) -> list[dict]:

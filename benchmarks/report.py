@@ -222,7 +222,7 @@ def _blr_e2e_bound(data: dict) -> str:
     and the speedup if each compressed layer instead ran at its roofline floor, the rest as measured."""
     compiled = {r["model"]: r for r in data["rows"] if r["mode"] == "compiled"}
     free, dense = compiled.get("free"), compiled.get("dense")
-    if free is None or "prefill_speedup" not in free:
+    if free is None or dense is None or "prefill_speedup" not in free:
         return ""
     text = (f"`free` is the dense model with every layer the BLR models compress replaced by one that costs "
             f"nothing: the most any BLR kernel could speed these steps up is {free['prefill_speedup']:.2f}x in "

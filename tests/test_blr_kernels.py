@@ -5,6 +5,7 @@ variant, both Monarch output layouts, bias on and off, fp32 and bf16, outputs po
 with NaN before the run.
 """
 import math
+import re
 
 import pytest
 import torch
@@ -114,11 +115,12 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
 
 
 @pytest.mark.parametrize("variant", ["bmm_perm_bmm", "bmm_gather"])
-@pytest.mark.parametrize("blocks,t,n", [(5, 7, 9), (3, 6, 1), (17, 1, 6), (2, 32, 5)])
+@pytest.mark.parametrize("blocks,t,n", [(5, 7, 9), (3, 6, 1), (17, 1, 6), (2, 32, 5), (8, 5, 9), (16, 93, 3)])
 def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch):
     """bmm_perm_bmm's P^T copy and bmm_gather's P^T on load at odd per-block ranks t (Llama-7B's is 93,
     each run of t elements starting misaligned), token counts not a multiple of a token tile, many blocks
-    of rank 1, and runs of one whole K step (t = 32: the gathering loop without its K mask)."""
+    of rank 1, runs of one whole K step (t = 32: the gathering loop without its K mask), and odd t in rows
+    of a multiple of 16 B (8 x 5, 16 x 93: bmm_gather's loop over aligned windows)."""
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)
     m, p = 3, 4
     tensors = [torch.randn(n, blocks * m), torch.randn(blocks, m, blocks * t) / m**0.5,
@@ -164,12 +166,13 @@ from memfit.kernels import blast, blr_common
 kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
            "tmix": blast._tmix_kernel}
 out = {}
-for name, (kernel, constexprs) in json.loads(sys.argv[1]).items():
+for name, (kernel, constexprs, *divisible) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
     signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
                  for p in fn.params}
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
-    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=defaults | constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in sum(divisible, [])}
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=defaults | constexprs, attrs=attrs)
     target = GPUTarget("cuda", 90, 32)
     out[name] = triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
 print(json.dumps(out))
@@ -188,7 +191,8 @@ CHAIN_CASES = {
 
 
 def compile_sm90(cases: dict) -> dict:
-    """PTX of each (kernel, constexprs) case compiled for sm_90 in a subprocess outside the interpreter."""
+    """PTX of each (kernel, constexprs[, names of arguments divisible by 16, as Triton specializes them at
+    launch]) case compiled for sm_90 in a subprocess outside the interpreter."""
     import json
     import os
     import subprocess
@@ -391,25 +395,53 @@ def test_bgemm_with_and_without_the_k_mask(dtype, k, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("run", [32, 6])
-def test_bgemm_gathers_runs_of_a(dtype, run, monkeypatch):
-    """a_runs: batch bt's operand is 3 runs of ``run`` columns, run g at g * stride; 32 (the
-    interpreter's BK) runs the gathering loop without the K mask, 6 with it and a masked tail."""
-    batches, n, cols, runs = 2, 9, 11, 3
-    stride = batches * run + 5                          # runs apart by more than the batches' columns
-    store = torch.randn(n, runs * stride, dtype=dtype)
+@pytest.mark.parametrize("run,runs,stride,window", [(32, 3, 69, False), (6, 3, 17, False), (16, 2, 37, False),
+                                                    (6, 3, 16, True)])
+def test_bgemm_gathers_runs_of_a(dtype, run, runs, stride, window, monkeypatch):
+    """a_runs: batch bt's operand is ``runs`` runs of ``run`` columns, run g at g * stride. 32 (the
+    interpreter's BK) runs the gathering loop without the K mask, 6 with it and a masked tail, 2 x 16 with
+    it though K = 32 (the mask follows the run, not K); with runs starting misaligned (6) in aligned rows
+    and runs (stride 16), the loop over aligned windows."""
+    batches, n, cols = 2, 9, 11
+    size = n * runs * stride
+    store = torch.randn(size + blr_common.A_WINDOW_SLACK, dtype=dtype)[:size].view(n, runs * stride)
     b = torch.randn(batches, runs * run, cols, dtype=dtype)
     c = torch.full((n, batches * cols), math.nan, dtype=dtype)
-    heuristics, grouped = blr_common._bgemm_kernel.fn, []
-    decide = heuristics.values["A_GROUPED"]
-    monkeypatch.setitem(heuristics.values, "A_GROUPED", lambda meta: grouped.append(decide(meta)) or grouped[-1])
+    heuristics, taken = blr_common._bgemm_kernel.fn, []
+    for name in ("A_GROUPED", "A_WINDOW"):
+        decide = heuristics.values[name]
+        monkeypatch.setitem(heuristics.values, name,
+                            lambda meta, decide=decide, name=name: taken.append((name, decide(meta))) or taken[-1][1])
     blr_common.bgemm(store, b, c, n, runs * run, cols, batches, (run, store.stride(0), 1), b.stride(),
                      (cols, c.stride(0), 0, 1), a_runs=(run, stride))
-    assert grouped == [True]
+    assert dict(taken)["A_GROUPED"] and bool(dict(taken)["A_WINDOW"]) == window
     a = torch.stack([torch.cat([store[:, g * stride + bt * run:][:, :run] for g in range(runs)], dim=1)
                      for bt in range(batches)]).double()
     want = (a @ b.double()).transpose(0, 1).reshape(n, batches * cols)
     assert rel(c, want) < TOL[dtype]
+
+
+def test_misaligned_runs_load_by_cp_async_only_in_windows():
+    """sm_90 PTX of the gathering loop at Llama-7B's shape (runs of t = 93 at a batch stride of 93, rows and
+    runs 16-B aligned): reading the runs themselves loads a element by element (2-byte loads, no cp.async:
+    nothing to pipeline); the aligned windows load both operands by 16-byte cp.async."""
+    aligned = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "san", "sag", "sbb", "sbk", "scb", "scn", "K", "C"]
+    base = {"HAS_BIAS": False, "PRECISION": "tf32", "LINE": 64, "BN": 128, "BC": 128, "BK": 32, "EVEN_K": False,
+            "LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False, "B_ROWS_CONTIGUOUS": False, "A_GROUPED": True,
+            "sak": 1, "sbc": 1, "sci": 1}
+    ptx = compile_sm90({"runs": ("bgemm", {**base, "A_WINDOW": 0}, aligned),
+                        "windows": ("bgemm", {**base, "A_WINDOW": 8}, aligned)})
+    two_byte_loads = {name: len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.b16", text)) for name, text in ptx.items()}
+    assert two_byte_loads["runs"] > 0 and two_byte_loads["windows"] == 0
+    assert "cp.async.cg" in ptx["windows"]
+
+
+def test_bgemm_windows_need_slack_past_the_last_run():
+    """Runs starting misaligned in aligned rows are read in aligned windows, past the last run: a without
+    that slack is refused instead of read out of bounds."""
+    a, b, c = torch.randn(4, 16), torch.randn(2, 6, 5), torch.empty(4, 10)
+    with pytest.raises(MemfitError, match="slack"):
+        blr_common.bgemm(a, b, c, 4, 6, 5, 2, (3, 16, 1), b.stride(), (5, 10, 0, 1), a_runs=(3, 8))
 
 
 def test_bgemm_runs_must_divide_k():
@@ -433,7 +465,7 @@ def test_decode_bgemm_tiles_depend_on_whether_the_launch_is_in_a_chain(chain):
     kept = blr_common._prune_bgemm(configs, {"N": 1, "C": 512, "K": 512, "AGRP": 512, "a_ptr": Tensor()}, **flags)
     want = blr_common.BGEMM_CHAINED_DECODE if chain else blr_common.BGEMM_PLAIN_DECODE
     assert [(*c.kwargs.values(), c.num_warps, c.num_stages) for c in kept] == want
-    assert {"LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"} <= set(blr_common._bgemm_kernel.keys)
+    assert {"LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS", "AGRP"} <= set(blr_common._bgemm_kernel.keys)
     assert not set(blr_common.BGEMM_PLAIN_DECODE) & set(blr_common.BGEMM_CHAINED_DECODE)   # else pruned from both
 
 

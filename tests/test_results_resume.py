@@ -1,4 +1,4 @@
-"""A stopped benchmark's results file can be resumed only by the same code on the same GPU."""
+"""A stopped benchmark's results file can be resumed only by the same code, GPU, libraries and settings."""
 import json
 
 import pytest
@@ -6,30 +6,47 @@ import pytest
 from memfit.errors import MemfitError
 from memfit.measure import results
 
+HERE = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "commit": "abc1234", "date": "today"}
+
+
+@pytest.fixture(autouse=True)
+def this_machine(monkeypatch):
+    monkeypatch.setattr(results, "environment", lambda: dict(HERE))
+
 
 def write(path, **fields):
-    here = results.environment()
-    path.write_text(json.dumps({"commit": here["commit"], "gpu": here["gpu"], "complete": False, "rows": [],
-                                "seconds": 3.0, **fields}))
+    path.write_text(json.dumps({**HERE, "complete": False, "rows": [], "seconds": 3.0, "tokens": [1, 16],
+                                **fields}))
     return path
 
 
-def test_a_partial_file_of_this_commit_and_gpu_resumes(tmp_path):
+def test_a_partial_file_of_this_commit_gpu_and_settings_resumes(tmp_path):
     rows = [{"shape": "s", "n": 1}]
-    data = results.partial_results(write(tmp_path / "b.json", rows=rows))
+    data = results.partial_results(write(tmp_path / "b.json", rows=rows), tokens=[1, 16])
     assert data["rows"] == rows and data["seconds"] == 3.0
 
 
 @pytest.mark.parametrize("fields,match", [({"complete": True}, "complete run"), ({"commit": "0000000"}, "commit"),
-                                          ({"gpu": "another GPU"}, "gpu")])
-def test_a_complete_file_or_another_commit_or_gpu_is_refused(tmp_path, fields, match):
+                                          ({"gpu": "another GPU"}, "gpu"), ({"triton": "3.5.0"}, "triton"),
+                                          ({"tokens": [1]}, "tokens"), ({"commit": "abc1234-dirty"}, "uncommitted")])
+def test_a_complete_file_or_other_code_gpu_libraries_or_settings_are_refused(tmp_path, fields, match):
     with pytest.raises(MemfitError, match=match):
-        results.partial_results(write(tmp_path / "b.json", **fields))
+        results.partial_results(write(tmp_path / "b.json", **fields), tokens=[1, 16])
 
 
-def test_a_missing_file_is_refused(tmp_path):
-    with pytest.raises(MemfitError, match="does not exist"):
-        results.partial_results(tmp_path / "none.json")
+def test_uncommitted_code_here_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "environment", lambda: {**HERE, "commit": "abc1234-dirty"})
+    with pytest.raises(MemfitError, match="uncommitted"):
+        results.partial_results(write(tmp_path / "b.json", commit="abc1234-dirty"))
+
+
+@pytest.mark.parametrize("text,match", [(None, "does not exist"), ("{not json", "cannot resume")])
+def test_a_missing_or_unreadable_file_is_refused(tmp_path, text, match):
+    path = tmp_path / "b.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(MemfitError, match=match):
+        results.partial_results(path)
 
 
 def test_results_path_is_where_write_results_writes(tmp_path):

@@ -366,8 +366,8 @@ def jit_function(kernel):
 BGEMM_PLAIN_DECODE = [(16, 64, 128, 2, 4), (16, 32, 64, 2, 8), (16, 32, 256, 2, 4), (16, 64, 64, 4, 6),
                       (16, 128, 64, 4, 5), (16, 32, 128, 2, 6)]
 BGEMM_CHAINED_DECODE = [(16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3)]
-# A gathered a (``a_runs``) in runs shorter than 64 (Monarch's t: 16, 32 and 48 at Llama-1B): K steps of
-# 16 or 32 that do not straddle runs, where a 64-wide step masks 25-75% of its columns.
+# Offered to every gathered a (``a_runs``): K steps of 16 or 32 that do not straddle runs, for runs where a
+# 64-wide step masks much of its columns (Monarch's t = 16, 32, 48 at Llama-1B: 75%, 50%, 25%).
 BGEMM_SHORT_RUNS = [(128, 128, 32, 4, 4), (128, 128, 16, 4, 5), (128, 256, 32, 8, 3)]
 BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
@@ -375,18 +375,31 @@ BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
 ]
 
 
+A_WINDOW_SLACK = 512   # elements an a gathered in aligned windows may be read past its last run (BK <= 256, 16 B)
+
+
+def a_window(a, sab: int, san: int, sak: int, sag: int, gathered: bool) -> int:
+    """For a gathered a whose runs start misaligned (a batch stride, Monarch's t, not a multiple of 16 B)
+    while its rows and runs are aligned: the alignment, in elements, of the windows the kernel reads
+    instead (vector loads; the columns outside the run are zeroed in registers). 0: read the runs."""
+    align = 16 // a.element_size()
+    return align if (gathered and sak == 1 and sab % align and not san % align and not sag % align
+                     and not a.data_ptr() % 16) else 0
+
+
 @tuned(BGEMM_CONFIGS, ("BN", "BC", "BK"), (16, 32, 32, 4, 1),
        key=["N_BUCKET", "K", "C", "GRP", "AGRP", "BATCHES", "LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"],
        prune=_prune_bgemm)
 @triton.heuristics({"EVEN_K": lambda meta: meta["AGRP"] % meta["BK"] == 0,
-                    "A_GROUPED": lambda meta: meta["AGRP"] < meta["K"]})
+                    "A_GROUPED": lambda meta: meta["AGRP"] < meta["K"], "A_WINDOW": lambda meta: a_window(meta["a_ptr"], meta["sab"], meta["san"], meta["sak"], meta["sag"],
+                                                      meta["AGRP"] < meta["K"])})
 @triton.jit
 def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_BUCKET,
                   sab, san, sak, sag, sbb, sbk, sbc, scb, scn, scg, sci,
                   HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
                   WAIT_FOR_PREVIOUS: tl.constexpr, B_ROWS_CONTIGUOUS: tl.constexpr, LINE: tl.constexpr,
                   BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                  A_GROUPED: tl.constexpr = False, GROUP_N: tl.constexpr = 8):
+                  A_GROUPED: tl.constexpr = False, A_WINDOW: tl.constexpr = 0, GROUP_N: tl.constexpr = 8):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     n_tiles = tl.cdiv(N, BN)
@@ -413,7 +426,20 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BN, BC), dtype=tl.float32)
     a_rows, b_cols = rn[:, None] < N, rc[None, :] < C
-    if A_GROUPED:                                      # K = (K / AGRP) runs of AGRP, a's runs sag apart
+    if A_WINDOW > 0:                                   # runs of a that start misaligned: aligned windows
+        lead = (bt * sab) % A_WINDOW                    # window column of the run's first element
+        a_win = a_ptr + ((bt * sab) // A_WINDOW) * A_WINDOW + rn[:, None] * san + rk[None, :]
+        b_win = b_ptr + bt * sbb + rc[None, :] * sbc
+        steps = tl.cdiv(AGRP + A_WINDOW - 1, BK)
+        for step in range(0, (K // AGRP) * steps):
+            run = (step // steps).to(tl.int64)
+            q = (step % steps) * BK + rk - lead        # position in the run of each window column
+            in_run = (q >= 0) & (q < AGRP)
+            a = tl.load(a_win + run * sag + (step % steps) * BK, mask=a_rows, other=0.0)
+            a = tl.where(in_run[None, :], a, tl.zeros_like(a))     # neighbours' columns (or slack) out
+            b = tl.load(b_win + (run * AGRP + q)[:, None] * sbk, mask=in_run[:, None] & b_cols, other=0.0)
+            acc = mma(a, b, acc, PRECISION)
+    elif A_GROUPED:                                    # K = (K / AGRP) runs of AGRP, a's runs sag apart
         steps = tl.cdiv(AGRP, BK)                      # steps per run; a step never crosses a run
         for step in range(0, (K // AGRP) * steps):
             run = (step // steps).to(tl.int64)
@@ -457,6 +483,9 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
     ``a_runs = (length, stride)`` gathers a the same way on load: k in runs of ``length``
     (a divisor of k), run g of a row starting ``g * stride`` elements after run 0, which the
     a strides address (so Monarch's stage 2 reads P^T straight from stage 1's natural output).
+    Where the runs start misaligned but rows and runs are 16-B aligned (Monarch's t = 93), the
+    kernel reads aligned windows around each run, up to A_WINDOW_SLACK elements past the last
+    run, which a's storage must hold (checked).
 
     In a chain (:func:`chain_options`): ``launch_dependents`` lets the next kernel start now;
     ``wait_for_previous`` prefetches this program's slice of b (the weights) into L2, then
@@ -468,6 +497,11 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
         raise MemfitError(f"bgemm: a chained stage needs b with a unit stride, got strides {tuple(b_strides)}")
     if run < 1 or k % run:
         raise MemfitError(f"bgemm: a's runs of {run} do not divide k = {k}")
+    if a_window(a, *a_strides, run_stride, run < k):             # reads aligned windows around the runs
+        last = (batches - 1) * a_strides[0] + (n - 1) * a_strides[1] + (k // run - 1) * run_stride + run
+        if (a.storage_offset() + last + A_WINDOW_SLACK) * a.element_size() > a.untyped_storage().nbytes():
+            raise MemfitError(f"bgemm: a's runs start misaligned, so a's storage needs {A_WINDOW_SLACK} elements "
+                              "of slack past its last run (allocate it larger)")
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * triton.cdiv(cols, meta["BC"]), batches)
     _bgemm_kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, run, batches, n_bucket(n),
                         *a_strides, run_stride, *b_strides, *c_strides, HAS_BIAS=bias is not None,
@@ -489,19 +523,19 @@ def bmm_into(a, b, out, bias=None) -> None:
 
 
 def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_for_previous: bool = False,
-                   a_runs: tuple[int, int] = (1, 0)):
+                   gathered_runs: tuple[int, int] = (1, 0)):
     """y (N, b p): output block i = a[:, i, :] @ w[i] (+ bias), the last stage of Monarch and BLAST.
 
     ``a`` (N, b, K) and ``w`` (b, K, p) may be strided views. Block-major output (feature
     i p + s) by cuBLAS (:func:`bmm_into`) or by :func:`bgemm`; ``permute_output`` (bgemm
     only: cuBLAS cannot store a column stride) writes the interleaved feature s b + i, and
     ``wait_for_previous`` (bgemm only) chains it after the kernel that wrote ``a``.
-    ``a_runs = (count, stride)`` (bgemm only): block i's operand is ``count`` copies of a's K
-    columns side by side, copy g read ``g * stride`` elements after a[:, i, :] (w has count K rows).
+    ``gathered_runs = (count, stride)`` (bgemm only): block i's operand is ``count`` runs of K columns
+    side by side, run g read ``g * stride`` elements after a[:, i, :] (w then has count * K rows).
     """
     n, b, k = a.shape
     p = w.shape[2]
-    runs, run_stride = a_runs
+    runs, run_stride = gathered_runs
     if w.shape[1] != runs * k:
         raise MemfitError(f"per_block_gemm: w has {w.shape[1]} rows for {runs} runs of {k}")
     y = torch.empty(n, b * p, device=a.device, dtype=a.dtype)

@@ -56,6 +56,7 @@ import triton.language as tl
 
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
+    A_WINDOW_SLACK,
     PDL_MAX_N,
     TOKEN_MAJOR_MIN_N,
     bgemm,
@@ -152,13 +153,14 @@ def _bmm_gather(x2, w1, w2, bias, permute_output):
     """Stage 1 on cuBLAS into z (N, b_j, r) in its natural order, as in ``bmm_perm_bmm``; stage 2 by
     :func:`bgemm` gathering P^T in its loads: block i's operand is the b runs z[:, j, i t:(i+1) t]
     side by side. z is written and read once, with no copy and no scattered store (against
-    ``bmm_perm_bmm``: 2 N b r elements less traffic, for a Triton stage 2), and both layouts work."""
+    ``bmm_perm_bmm``: 2 N b r elements less traffic, for a Triton stage 2), and both layouts work.
+    z has slack past its end for the aligned windows stage 2 reads where t is not a multiple of 8."""
     b, m, r = w1.shape
     t, n = r // b, x2.shape[0]
-    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
+    z = torch.empty(n * b * r + A_WINDOW_SLACK, device=x2.device, dtype=x2.dtype)[:n * b * r].view(n, b, r)
     bmm_into(x2.view(n, b, m).transpose(0, 1), w1, z.transpose(0, 1))                 # z[n, j] = x_j w1[j]
     return per_block_gemm(z[:, 0].view(n, b, t), w2, bias, cublas=False, permute_output=permute_output,
-                          a_runs=(b, r))
+                          gathered_runs=(b, r))
 
 
 # ---- large N, token-contiguous z: whole rows of tokens in every store -------------------

@@ -58,21 +58,29 @@ def results_path(name: str, out_dir: Path | str | None = None) -> Path:
     return directory / f"{name}.json"
 
 
-def partial_results(path: Path) -> dict:
+def partial_results(path: Path, **settings) -> dict:
     """The results file at ``path`` of a run stopped before its end, to resume: refused when the file is
-    complete, or was written at another commit or on another GPU (its rows would not compare)."""
+    missing, unreadable or complete, was written from uncommitted code, at another commit, on another GPU
+    or other library versions, or with other ``settings`` (e.g. the cases asked for): its rows would not
+    compare with the new ones."""
     from memfit.errors import MemfitError
 
     if not path.exists():
         raise MemfitError(f"nothing to resume: {path} does not exist")
-    data = json.loads(path.read_text())
-    here = environment()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise MemfitError(f"cannot resume {path}: {err}") from err
     if data.get("complete", True):
         raise MemfitError(f"nothing to resume: {path} is a complete run")
-    for key in ("commit", "gpu"):
-        if data.get(key) != here[key]:
+    here = environment()
+    if here["commit"].endswith("-dirty") or str(data.get("commit")).endswith("-dirty"):
+        raise MemfitError(f"cannot resume {path}: uncommitted code on one side cannot be matched; commit first")
+    expected = {key: here[key] for key in ("commit", "gpu", "torch", "triton")} | settings
+    for key, value in expected.items():
+        if data.get(key) != value:
             raise MemfitError(f"cannot resume {path}: it was written with {key} {data.get(key)!r}, this run has "
-                              f"{here[key]!r}")
+                              f"{value!r}")
     return data
 
 
