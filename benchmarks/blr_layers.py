@@ -185,7 +185,8 @@ def decode_floor_check(rows, empty_ms: float) -> list[dict]:
 
 PROFILE_CASES = [("llama-3.2-1b gate", 1), ("llama-7b down", 16), ("llama-3.2-1b gate", 1024),
                  ("llama-3.2-1b down", 1024), ("llama-3.2-1b gate", 8192), ("llama-3.2-1b down", 8192),
-                 ("llama-7b gate/up", 8192), ("llama-7b down", 1024)]
+                 ("llama-7b gate/up", 8192), ("llama-7b down", 1024),
+                 ("llama-3.2-1b up", 128)]   # Monarch's and BLAST's slowest against dense at N = 128 (18d9a39)
 SMOKE_PROFILE_CASES = [("smoke 48->80", 40)]
 
 

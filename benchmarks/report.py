@@ -184,10 +184,12 @@ def blr_layers_section(data: dict) -> str:
     for shape, n in keys:
         row = [f"{1e3 * c['ms']:.0f} ({c['x_floor']:.1f}x)" if (c := cells.get((shape, n, k))) else "-" for k in kinds]
         out.append(f"| {shape} | {n} | " + " | ".join(row) + " |")
+    profile = _load("blr_layers_profile")
+    profiled = len({(r["shape"], r["n"]) for r in profile["rows"]}) if profile else 0
     return ("\n".join(out) + "\n\n" + _decode_floor_note(data) + _targets(data)
             + "\nEvery variant's row, and the roofline plot: `benchmarks/results/blr_layers.json`, "
-              "`blr_layers_roofline.png`; each pipeline split into its kernels at eight of these cases: "
-              "`blr_layers_profile.json` (`--profile`).\n")
+              f"`blr_layers_roofline.png`; each pipeline split into its kernels at {profiled} of these cases "
+              f"(commit {profile['commit'] if profile else '-'}): `blr_layers_profile.json` (`--profile-only`).\n")
 
 
 def _decode_floor_note(data: dict) -> str:
