@@ -115,12 +115,12 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
 
 
 @pytest.mark.parametrize("variant", ["bmm_perm_bmm", "bmm_gather"])
-@pytest.mark.parametrize("blocks,t,n", [(5, 7, 9), (3, 6, 1), (17, 1, 6), (2, 32, 5), (8, 5, 9), (16, 93, 3)])
+@pytest.mark.parametrize("blocks,t,n", [(5, 7, 9), (3, 6, 1), (17, 1, 6), (2, 32, 5), (8, 5, 9), (8, 37, 3)])
 def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch):
     """bmm_perm_bmm's P^T copy and bmm_gather's P^T on load at odd per-block ranks t (Llama-7B's is 93,
     each run of t elements starting misaligned), token counts not a multiple of a token tile, many blocks
     of rank 1, runs of one whole K step (t = 32: the gathering loop without its K mask), and odd t in rows
-    of a multiple of 16 B (8 x 5, 16 x 93: bmm_gather's loop over aligned windows)."""
+    of a multiple of 16 B (8 x 5, and 8 x 37: runs over two window steps; bmm_gather's aligned windows)."""
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)
     m, p = 3, 4
     tensors = [torch.randn(n, blocks * m), torch.randn(blocks, m, blocks * t) / m**0.5,
