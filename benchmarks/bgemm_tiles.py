@@ -14,8 +14,11 @@ Default mode: stage 1 stored token-contiguous as ``tbmm`` stores it, N in {128, 
 large tiles (``CONFIGS``); writes ``bgemm_tiles.json``. ``--decode``: both stages as
 ``two_stage`` runs them at N in {1, 16}, 16-token tiles (``DECODE_CONFIGS``), each row also
 against the bandwidth floor (operands moved once at the HBM rate measured in the run); writes
-``bgemm_tiles_decode.json``. Times are CUDA-graph replays (median) rotating through copies of
-the operands (> 150 MB) so the weights come from HBM.
+``bgemm_tiles_decode.json``. ``--gather``: stage 2 as ``bmm_gather`` runs it (a = stage 1's
+natural (N, b, r) output, P^T gathered by the loads), every tile reading the runs themselves and,
+where they start misaligned (Llama-7B's t = 93), aligned windows around them; cuBLAS runs on a
+P^T-permuted copy; writes ``bgemm_tiles_gather.json``. Times are CUDA-graph replays (median)
+rotating through copies of the operands (> 150 MB) so the weights come from HBM.
 """
 from __future__ import annotations
 
@@ -44,11 +47,15 @@ def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     parser.add_argument("--decode", action="store_true", help="both stages at decode-sized N with 16-token tiles")
+    parser.add_argument("--gather", action="store_true",
+                        help="stage 2 reading P^T through its loads, as bmm_gather runs it (runs and aligned windows)")
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
                         help=f"token counts N (default {TOKENS}, with --decode {DECODE_TOKENS})")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
                         help="only these shapes (default: all of blr_layers.SHAPES)")
     args = parser.parse_args()
+    if args.decode and args.gather:
+        parser.error("--gather times the large-N stage 2 of bmm_gather; --decode the decode stages")
     args.shapes = select_shapes(parser, args.shapes)
     args.tokens = args.tokens or (DECODE_TOKENS if args.decode else TOKENS)
     if min(args.tokens) < 1:
@@ -61,14 +68,23 @@ class Gemm:
 
     Stage 1 is z = x_j @ w1[j] with P^T folded into the store: token-contiguous z, (b, r, N), as
     ``tbmm`` stores it (``token_major``), or (N, b, r) as ``two_stage`` does (decode). Stage 2
-    is y_i = z[:, i] @ w2[i], the block-major output, as ``two_stage`` runs it.
+    is y_i = z[:, i] @ w2[i], the block-major output, as ``two_stage`` runs it; with ``gather``,
+    as ``bmm_gather`` runs it: z in stage 1's natural order, block i's operand gathered from b runs
+    of t elements (``runs`` = (t, r)), z allocated with the slack aligned windows read past its end.
     """
 
-    def __init__(self, torch, stage, d_in, d_out, rank, n, copies, token_major, device="cuda"):
+    def __init__(self, torch, stage, d_in, d_out, rank, n, copies, token_major, device="cuda", gather=False):
+        from memfit.kernels.blr_common import A_WINDOW_SLACK
+
         b, m, r, p = BLOCKS, d_in // BLOCKS, rank, d_out // BLOCKS
         t = r // b
         new = functools.partial(torch.randn, device=device, dtype=torch.bfloat16)
-        if stage == 1:
+        self.runs = (t, r) if gather else None
+        if gather:
+            self.k, self.cols, self.grp = r, p, p
+            self.a_strides, self.b_strides, self.c_strides = (t, b * r, 1), (r * p, p, 1), (p, b * p, 0, 1)
+            make = lambda: (new(n * b * r + A_WINDOW_SLACK), new(b, r, p), new(n * b * p))   # noqa: E731
+        elif stage == 1:
             self.k, self.cols, self.grp = m, r, t
             self.a_strides, self.b_strides = (m, d_in, 1), (m * r, r, 1)
             self.c_strides = (t * n, 1, r * n, n) if token_major else (t, b * r, r, 1)
@@ -83,9 +99,13 @@ class Gemm:
         self.flops = 2 * b * n * self.k * self.cols
 
     def views(self, torch, a, b):
-        """A (batches, n, k) and B (batches, k, cols) as the kernel reads them."""
-        return (a.as_strided((self.batches, self.n, self.k), self.a_strides),
-                b.as_strided((self.batches, self.k, self.cols), self.b_strides))
+        """A (batches, n, k) and B (batches, k, cols) as the kernel reads them (a gathered A: a copy)."""
+        bv = b.as_strided((self.batches, self.k, self.cols), self.b_strides)
+        if self.runs:
+            t, bb = self.runs[0], self.batches
+            z = a[:self.n * bb * self.k].view(self.n, bb, bb, t)                  # (n, j, i, s)
+            return z.permute(2, 0, 1, 3).reshape(bb, self.n, self.k), bv
+        return a.as_strided((self.batches, self.n, self.k), self.a_strides), bv
 
     def stored(self, torch, c):
         """The (batches, n, cols) product as the kernel's regrouping store laid it out in ``c``."""
@@ -98,8 +118,19 @@ class Gemm:
     def args(self, a, b, c):
         return (a, b, c, self.n, self.k, self.cols, self.batches, self.a_strides, self.b_strides, self.c_strides)
 
-    def launcher(self, a, b, c, config, even_k):
-        """fn() running this call through the bgemm kernel with one tile config, no autotuning."""
+    def run_length(self) -> int:
+        """K's run length as the kernel sees it (AGRP): t for a gathered A, else all of K."""
+        return self.runs[0] if self.runs else self.k
+
+    def window(self, a) -> int:
+        """The aligned-window width bgemm would read this call's A in (0: it reads the runs)."""
+        from memfit.kernels import blr_common
+
+        return blr_common.a_window(a, *self.a_strides, self.runs[1], True) if self.runs else 0
+
+    def launcher(self, a, b, c, config, even_k, window=0):
+        """fn() running this call through the bgemm kernel with one tile config, no autotuning; ``window``:
+        a gathered A read in aligned windows of that many elements instead of its runs."""
         import triton
 
         from memfit.kernels import blr_common
@@ -107,22 +138,25 @@ class Gemm:
         bn, bc, bk, warps, stages = config
         jit = blr_common.jit_function(blr_common._bgemm_kernel)
         grid = (triton.cdiv(self.n, bn) * triton.cdiv(self.cols, bc), self.batches)
-        return lambda: jit[grid](a, b, c, c, self.n, self.k, self.cols, self.grp, self.k, self.batches,
-                                 blr_common.n_bucket(self.n), *self.a_strides, 0, *self.b_strides, *self.c_strides,
-                                 HAS_BIAS=False, PRECISION=blr_common.blr_precision(a.dtype), LAUNCH_DEPENDENTS=False,
-                                 WAIT_FOR_PREVIOUS=False, B_ROWS_CONTIGUOUS=False,
+        run_stride = self.runs[1] if self.runs else 0
+        return lambda: jit[grid](a, b, c, c, self.n, self.k, self.cols, self.grp, self.run_length(), self.batches,
+                                 blr_common.n_bucket(self.n), *self.a_strides, run_stride, *self.b_strides,
+                                 *self.c_strides, HAS_BIAS=False, PRECISION=blr_common.blr_precision(a.dtype),
+                                 LAUNCH_DEPENDENTS=False, WAIT_FOR_PREVIOUS=False, B_ROWS_CONTIGUOUS=False,
                                  LINE=blr_common.line_elements(b), BN=bn, BC=bc, BK=bk, EVEN_K=even_k,
-                                 num_warps=warps, num_stages=stages)
+                                 A_GROUPED=self.runs is not None, A_WINDOW=window, num_warps=warps,
+                                 num_stages=stages)
 
 
-def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, bandwidth, device="cuda") -> list[dict]:
+def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, bandwidth, device="cuda",
+               gather=False) -> list[dict]:
     """Rows for one (shape, N, stage): each config of ``configs`` alone, the autotuned call, cuBLAS."""
     import triton
 
     from memfit.kernels import blr_common
 
-    probe = Gemm(torch, stage, d_in, d_out, rank, n, 1, token_major, device)
-    gemm = Gemm(torch, stage, d_in, d_out, rank, n, copies_for(probe.bytes, device), token_major, device)
+    probe = Gemm(torch, stage, d_in, d_out, rank, n, 1, token_major, device, gather)
+    gemm = Gemm(torch, stage, d_in, d_out, rank, n, copies_for(probe.bytes, device), token_major, device, gather)
     a0, b0, c0 = gemm.operands[0]
     expected = torch.bmm(*(v.float() for v in gemm.views(torch, a0, b0)))
     floor_ms = 1e3 * gemm.bytes / bandwidth
@@ -135,7 +169,8 @@ def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, b
             rel = ((gemm.stored(torch, c0).float() - expected).norm() / expected.norm()).item()
             error = None if rel < 2e-2 else f"wrong result: relative error {rel:.3g}"
         ms = gpu_ms(lambda: [fn() for fn in fns]) / len(fns)
-        layout = "block-major output" if stage == 2 else "token-major z" if token_major else "(N, b, r) z"
+        layout = ("P^T gathered, block-major output" if gather else "block-major output" if stage == 2
+                  else "token-major z" if token_major else "(N, b, r) z")
         return {"shape": name, "n": n, "stage": stage, "layout": layout,
                 "k": gemm.k, "cols": gemm.cols, "grp": gemm.grp, "candidate": label, "ms": ms,
                 "tflops": gemm.flops / ms / 1e9, "gbs": gemm.bytes / ms / 1e6, "x_bandwidth_floor": ms / floor_ms,
@@ -145,22 +180,24 @@ def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, b
     for config in configs:
         bn, bc, bk, warps, stages = config
         tile = triton.Config({"BN": bn, "BC": bc, "BK": bk}, num_warps=warps, num_stages=stages)
-        if not blr_common.bgemm_tile_fits(tile, gemm.cols, gemm.k, a0.element_size()):
+        if not blr_common.bgemm_tile_fits(tile, gemm.cols, gemm.run_length(), a0.element_size()):
             continue
-        for even_k in ([False, True] if gemm.k % bk == 0 else [False]):
-            label = f"{bn}x{bc}x{bk} w{warps} s{stages}" + (" even_k" if even_k else "")
+        even = [False, True] if gemm.run_length() % bk == 0 else [False]
+        for even_k, window in [(e, 0) for e in even] + ([(False, gemm.window(a0))] if gemm.window(a0) else []):
+            label = f"{bn}x{bc}x{bk} w{warps} s{stages}" + (" even_k" if even_k else "") + (" windows" if window else "")
             try:
-                rows.append(timed(label, [gemm.launcher(*ops, config, even_k) for ops in gemm.operands]))
+                rows.append(timed(label, [gemm.launcher(*ops, config, even_k, window) for ops in gemm.operands]))
             except Exception as err:  # noqa: BLE001 (a config this GPU cannot run is recorded, not fatal)
                 rows.append({"shape": name, "n": n, "stage": stage, "candidate": label, "ms": float("nan"),
                              "error": f"{type(err).__name__}: {err}"[:300]})
-    rows.append(timed("bgemm (autotuned)", [lambda ops=ops: blr_common.bgemm(*gemm.args(*ops), grp=gemm.grp)
+    rows.append(timed("bgemm (autotuned)", [lambda ops=ops: blr_common.bgemm(*gemm.args(*ops), grp=gemm.grp,
+                                                                             a_runs=gemm.runs)
                                             for ops in gemm.operands]))
     rows[-1]["pick"] = str(blr_common._bgemm_kernel.best_config)
-    natural = [(a, b, torch.empty(gemm.batches, n, gemm.cols, device=device, dtype=a.dtype)) for a, b, _ in gemm.operands]
+    natural = [(*gemm.views(torch, a, b), torch.empty(gemm.batches, n, gemm.cols, device=device, dtype=a.dtype))
+               for a, b, _ in gemm.operands]                       # a gathered A: its P^T copy, made here, untimed
     rows.append(timed("cublas bmm (natural order)",
-                      [lambda a=a, b=b, c=c: torch.bmm(*gemm.views(torch, a, b), out=c) for a, b, c in natural],
-                      checked=False))
+                      [lambda a=a, b=b, c=c: torch.bmm(a, b, out=c) for a, b, c in natural], checked=False))
     return rows
 
 
@@ -197,15 +234,19 @@ def main() -> int:
     from memfit.measure.timing import measure_ceilings
 
     shapes = args.shapes
-    stages, configs = ((1, 2), DECODE_CONFIGS) if args.decode else ((1,), CONFIGS)
-    stem = "bgemm_tiles_decode" if args.decode else "bgemm_tiles"
+    from memfit.kernels.blr_common import BGEMM_SHORT_RUNS
+
+    stages, configs = (((1, 2), DECODE_CONFIGS) if args.decode else ((2,), CONFIGS + BGEMM_SHORT_RUNS) if args.gather
+                       else ((1,), CONFIGS))
+    stem = "bgemm_tiles" + ("_decode" if args.decode else "_gather" if args.gather else "")
     started, rows, bandwidth = time.time(), [], measure_ceilings().bandwidth
     with Progress() as progress:
         task = progress.add_task("bgemm tiles", total=len(shapes) * len(args.tokens) * len(stages))
         for name, d_in, d_out, rank in shapes:
             for n in args.tokens:
                 for stage in stages:
-                    rows += sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, not args.decode, bandwidth)
+                    rows += sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, not args.decode, bandwidth,
+                                       gather=args.gather)
                     progress.advance(task)
                 write_results(stem, rows, [], args.out, summary=summary(rows), complete=False,
                               bandwidth_gbs=bandwidth / 1e9)

@@ -58,3 +58,24 @@ def test_tiles_that_do_not_fit_are_skipped(bgemm_tiles, untimed):
                                                                                   (16, 64, 2048, 4, 8)],
                                   False, bandwidth=1e11, device="cpu")
     assert {r["candidate"].split()[0] for r in rows} == {"16x32x32", "bgemm", "cublas"}
+
+
+def test_gather_mode_times_the_runs_and_the_aligned_windows(bgemm_tiles, untimed):
+    """--gather: stage 2 reading Monarch's P^T from stage 1's natural output; per-block rank t = 3 starts
+    runs misaligned in 16-B aligned rows, so every tile is also run over aligned windows; each is checked."""
+    rows = bgemm_tiles.sweep_case(torch, "tiny", 16 * 64, 16 * 24, 16 * 3, 7, 2, [TILE], False, bandwidth=1e11,
+                                  device="cpu", gather=True)
+    assert [r["candidate"] for r in rows] == ["16x32x32 w4 s1", "16x32x32 w4 s1 windows", "bgemm (autotuned)",
+                                              "cublas bmm (natural order)"]
+    assert not [r for r in rows if "error" in r] and len(untimed) == len(rows)
+    assert all(r["layout"] == "P^T gathered, block-major output" for r in rows)
+
+
+def test_gather_mode_checks_what_the_loads_gathered(bgemm_tiles, untimed, monkeypatch):
+    """A reference gathering the wrong runs (here: reversed) makes every bgemm row an error."""
+    right = bgemm_tiles.Gemm.views
+    monkeypatch.setattr(bgemm_tiles.Gemm, "views", lambda self, torch, a, b: (right(self, torch, a, b)[0].flip(2),
+                                                                               right(self, torch, a, b)[1]))
+    rows = bgemm_tiles.sweep_case(torch, "tiny", 16 * 64, 16 * 24, 16 * 3, 7, 2, [TILE], False, bandwidth=1e11,
+                                  device="cpu", gather=True)
+    assert all("wrong result" in r["error"] for r in rows if r["candidate"] != "cublas bmm (natural order)")
