@@ -387,6 +387,16 @@ def a_window(a, sab: int, san: int, sak: int, sag: int, gathered: bool) -> int:
                      and not a.data_ptr() % 16) else 0
 
 
+@triton.jit
+def _k_step_tiles(a_ptrs, b_ptrs, a_rows, b_cols, rk, k0, k_end, EVEN_K: tl.constexpr):
+    """One K step's a (BN, BK) and b (BK, BC) tiles, at K offset k0 of a run (or of all of K) ending at
+    k_end; EVEN_K: the run is a whole number of steps, so no K mask to build and apply."""
+    if EVEN_K:
+        return tl.load(a_ptrs, mask=a_rows, other=0.0), tl.load(b_ptrs, mask=b_cols, other=0.0)
+    return (tl.load(a_ptrs, mask=a_rows & (rk[None, :] + k0 < k_end), other=0.0),
+            tl.load(b_ptrs, mask=(rk[:, None] + k0 < k_end) & b_cols, other=0.0))
+
+
 @tuned(BGEMM_CONFIGS, ("BN", "BC", "BK"), (16, 32, 32, 4, 1),
        key=["N_BUCKET", "K", "C", "GRP", "AGRP", "BATCHES", "LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"],
        prune=_prune_bgemm)
@@ -444,23 +454,12 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
         for step in range(0, (K // AGRP) * steps):
             run = (step // steps).to(tl.int64)
             start = (step % steps) * BK                # of this step in its run
-            a_step = a_ptrs + run * sag + start * sak
-            b_step = b_ptrs + (run * AGRP + start) * sbk
-            if EVEN_K:
-                a = tl.load(a_step, mask=a_rows, other=0.0)
-                b = tl.load(b_step, mask=b_cols, other=0.0)
-            else:
-                a = tl.load(a_step, mask=a_rows & (rk[None, :] + start < AGRP), other=0.0)
-                b = tl.load(b_step, mask=(rk[:, None] + start < AGRP) & b_cols, other=0.0)
+            a, b = _k_step_tiles(a_ptrs + run * sag + start * sak, b_ptrs + (run * AGRP + start) * sbk, a_rows,
+                                 b_cols, rk, start, AGRP, EVEN_K)
             acc = mma(a, b, acc, PRECISION)
     else:
         for k0 in range(0, K, BK):
-            if EVEN_K:                                 # no K mask to build and apply every step
-                a = tl.load(a_ptrs, mask=a_rows, other=0.0)
-                b = tl.load(b_ptrs, mask=b_cols, other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=a_rows & (rk[None, :] + k0 < K), other=0.0)
-                b = tl.load(b_ptrs, mask=(rk[:, None] + k0 < K) & b_cols, other=0.0)
+            a, b = _k_step_tiles(a_ptrs, b_ptrs, a_rows, b_cols, rk, k0, K, EVEN_K)
             acc = mma(a, b, acc, PRECISION)
             a_ptrs += BK * sak
             b_ptrs += BK * sbk
