@@ -182,8 +182,8 @@ def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, b
         tile = triton.Config({"BN": bn, "BC": bc, "BK": bk}, num_warps=warps, num_stages=stages)
         if not blr_common.bgemm_tile_fits(tile, gemm.cols, gemm.run_length(), a0.element_size()):
             continue
-        even = [False, True] if gemm.run_length() % bk == 0 else [False]
-        for even_k, window in [(e, 0) for e in even] + ([(False, gemm.window(a0))] if gemm.window(a0) else []):
+        even, window_width = [False, True] if gemm.run_length() % bk == 0 else [False], gemm.window(a0)
+        for even_k, window in [(e, 0) for e in even] + ([(False, window_width)] if window_width else []):
             label = f"{bn}x{bc}x{bk} w{warps} s{stages}" + (" even_k" if even_k else "") + (" windows" if window else "")
             try:
                 rows.append(timed(label, [gemm.launcher(*ops, config, even_k, window) for ops in gemm.operands]))
@@ -196,9 +196,13 @@ def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, b
     rows[-1]["pick"] = str(blr_common._bgemm_kernel.best_config)
     natural = [(*gemm.views(torch, a, b), torch.empty(gemm.batches, n, gemm.cols, device=device, dtype=a.dtype))
                for a, b, _ in gemm.operands]                       # a gathered A: its P^T copy, made here, untimed
-    rows.append(timed("cublas bmm (natural order)",
+    rows.append(timed(CUBLAS_GATHERED if gather else CUBLAS,
                       [lambda a=a, b=b, c=c: torch.bmm(a, b, out=c) for a, b, c in natural], checked=False))
     return rows
+
+
+CUBLAS = "cublas bmm (natural order)"                 # the same product, output in cuBLAS's natural order
+CUBLAS_GATHERED = "cublas bmm (P^T copy untimed)"     # and, for a gathered A, from a P^T copy made beforehand
 
 
 def summary(rows) -> list[dict]:
@@ -209,7 +213,7 @@ def summary(rows) -> list[dict]:
         case = [r for r in rows if (r["shape"], r["n"], r["stage"]) == key and r["ms"] == r["ms"] and "error" not in r]
         configs = [r for r in case if r["candidate"][0].isdigit()]
         by_name = {r["candidate"]: r for r in case}
-        cublas, pick = by_name.get("cublas bmm (natural order)"), by_name.get("bgemm (autotuned)")
+        cublas, pick = by_name.get(CUBLAS) or by_name.get(CUBLAS_GATHERED), by_name.get("bgemm (autotuned)")
         if not configs or cublas is None or pick is None:
             continue
         best = min(configs, key=lambda r: r["ms"])

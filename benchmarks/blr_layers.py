@@ -138,8 +138,13 @@ def run_table(args, torch, device: str, blocks: int) -> int:
         ceilings, empty_ms = measure_ceilings(), empty_kernel_ms()
     else:
         ceilings, empty_ms = Ceilings(matmul_flops=1e12, bandwidth=1e11), 0.0
-    if not args.resume and path.exists() and not json.loads(path.read_text()).get("complete", True):
-        print(f"blr_layers: replacing the stopped run in {path} (--resume would continue it)")
+    if not args.resume and path.exists():
+        try:
+            stopped = not json.loads(path.read_text()).get("complete", True)
+        except (OSError, ValueError):                    # unreadable: replaced like any earlier file
+            stopped = False
+        if stopped:
+            print(f"blr_layers: replacing the stopped run in {path} (--resume would continue it)")
     done = {(r["shape"], r["n"]) for r in rows}
 
     def save(complete: bool):

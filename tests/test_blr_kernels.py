@@ -115,12 +115,14 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
 
 
 @pytest.mark.parametrize("variant", ["bmm_perm_bmm", "bmm_gather"])
-@pytest.mark.parametrize("blocks,t,n", [(5, 7, 9), (3, 6, 1), (17, 1, 6), (2, 32, 5), (8, 5, 9), (8, 37, 3)])
+@pytest.mark.parametrize("blocks,t,n", [(5, 7, 9), (3, 6, 1), (17, 1, 6), (2, 32, 5), (8, 5, 9), (8, 37, 3),
+                                        (8, 31, 3)])
 def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch):
     """bmm_perm_bmm's P^T copy and bmm_gather's P^T on load at odd per-block ranks t (Llama-7B's is 93,
     each run of t elements starting misaligned), token counts not a multiple of a token tile, many blocks
     of rank 1, runs of one whole K step (t = 32: the gathering loop without its K mask), and odd t in rows
-    of a multiple of 16 B (8 x 5, and 8 x 37: runs over two window steps; bmm_gather's aligned windows)."""
+    of a multiple of 16 B (bmm_gather's aligned windows: 8 x 5; 8 x 37 over two window steps; 8 x 31, where
+    a run that fits one 32-wide step takes two once its window's lead is added)."""
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)
     m, p = 3, 4
     tensors = [torch.randn(n, blocks * m), torch.randn(blocks, m, blocks * t) / m**0.5,
@@ -396,12 +398,12 @@ def test_bgemm_with_and_without_the_k_mask(dtype, k, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("run,runs,stride,window", [(32, 3, 69, False), (6, 3, 17, False), (16, 2, 37, False),
-                                                    (6, 3, 16, True)])
+                                                    (6, 3, 16, True), (31, 2, 64, True)])
 def test_bgemm_gathers_runs_of_a(dtype, run, runs, stride, window, monkeypatch):
     """a_runs: batch bt's operand is ``runs`` runs of ``run`` columns, run g at g * stride. 32 (the
     interpreter's BK) runs the gathering loop without the K mask, 6 with it and a masked tail, 2 x 16 with
-    it though K = 32 (the mask follows the run, not K); with runs starting misaligned (6) in aligned rows
-    and runs (stride 16), the loop over aligned windows."""
+    it though K = 32 (the mask follows the run, not K); with runs starting misaligned (6, 31) in aligned
+    rows and runs (strides 16, 64), the loop over aligned windows (31 plus a window's lead: two steps)."""
     batches, n, cols = 2, 9, 11
     size = n * runs * stride
     store = torch.randn(size + blr_common.A_WINDOW_SLACK, dtype=dtype)[:size].view(n, runs * stride)
@@ -439,9 +441,14 @@ def test_misaligned_runs_load_by_cp_async_only_in_windows():
 def test_bgemm_windows_need_slack_past_the_last_run():
     """Runs starting misaligned in aligned rows are read in aligned windows, past the last run: a without
     that slack is refused instead of read out of bounds."""
-    a, b, c = torch.randn(4, 16), torch.randn(2, 6, 5), torch.empty(4, 10)
+    b, c = torch.randn(2, 6, 5), torch.empty(4, 10)
+    last_run_end, slack = 3 + 3 * 16 + 8 + 3, blr_common.A_WINDOW_SLACK
     with pytest.raises(MemfitError, match="slack"):
-        blr_common.bgemm(a, b, c, 4, 6, 5, 2, (3, 16, 1), b.stride(), (5, 10, 0, 1), a_runs=(3, 8))
+        blr_common.bgemm(torch.randn(4, 16), b, c, 4, 6, 5, 2, (3, 16, 1), b.stride(), (5, 10, 0, 1), a_runs=(3, 8))
+    room = torch.randn(7 + last_run_end + slack)            # enough from its start, not from a view 8 in
+    blr_common.bgemm(room, b, c, 4, 6, 5, 2, (3, 16, 1), b.stride(), (5, 10, 0, 1), a_runs=(3, 8))
+    with pytest.raises(MemfitError, match="slack"):
+        blr_common.bgemm(room[8:], b, c, 4, 6, 5, 2, (3, 16, 1), b.stride(), (5, 10, 0, 1), a_runs=(3, 8))
 
 
 def test_bgemm_runs_must_divide_k():

@@ -37,7 +37,7 @@ def test_a_complete_file_or_other_code_gpu_libraries_or_settings_are_refused(tmp
 def test_uncommitted_code_here_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(results, "environment", lambda: {**HERE, "commit": "abc1234-dirty"})
     with pytest.raises(MemfitError, match="uncommitted"):
-        results.partial_results(write(tmp_path / "b.json", commit="abc1234-dirty"))
+        results.partial_results(write(tmp_path / "b.json"))
 
 
 @pytest.mark.parametrize("text,match", [(None, "does not exist"), ("{not json", "cannot resume")])

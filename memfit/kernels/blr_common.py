@@ -366,8 +366,8 @@ def jit_function(kernel):
 BGEMM_PLAIN_DECODE = [(16, 64, 128, 2, 4), (16, 32, 64, 2, 8), (16, 32, 256, 2, 4), (16, 64, 64, 4, 6),
                       (16, 128, 64, 4, 5), (16, 32, 128, 2, 6)]
 BGEMM_CHAINED_DECODE = [(16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3)]
-# Offered to every gathered a (``a_runs``): K steps of 16 or 32 that do not straddle runs, for runs where a
-# 64-wide step masks much of its columns (Monarch's t = 16, 32, 48 at Llama-1B: 75%, 50%, 25%).
+# Offered to every gathered a (``a_runs``): K steps of 16 or 32, for runs where 64-wide steps mask much of
+# their columns (Monarch's t = 16, 32, 48 at Llama-1B: 75%, 50%, 25%).
 BGEMM_SHORT_RUNS = [(128, 128, 32, 4, 4), (128, 128, 16, 4, 5), (128, 256, 32, 8, 3)]
 BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
@@ -375,7 +375,9 @@ BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
 ]
 
 
-A_WINDOW_SLACK = 512   # elements an a gathered in aligned windows may be read past its last run (BK <= 256, 16 B)
+# Elements an a gathered in aligned windows may be read past its last run: a step's BK less one, plus a
+# window's lead (at most 16 B less one element).
+A_WINDOW_SLACK = max(bk for _, _, bk, _, _ in BGEMM_CONFIGS) + 16
 
 
 def a_window(a, sab: int, san: int, sak: int, sag: int, gathered: bool) -> int:
@@ -401,7 +403,8 @@ def _k_step_tiles(a_ptrs, b_ptrs, a_rows, b_cols, rk, k0, k_end, EVEN_K: tl.cons
        key=["N_BUCKET", "K", "C", "GRP", "AGRP", "BATCHES", "LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"],
        prune=_prune_bgemm)
 @triton.heuristics({"EVEN_K": lambda meta: meta["AGRP"] % meta["BK"] == 0,
-                    "A_GROUPED": lambda meta: meta["AGRP"] < meta["K"], "A_WINDOW": lambda meta: a_window(meta["a_ptr"], meta["sab"], meta["san"], meta["sak"], meta["sag"],
+                    "A_GROUPED": lambda meta: meta["AGRP"] < meta["K"],
+                    "A_WINDOW": lambda meta: a_window(meta["a_ptr"], meta["sab"], meta["san"], meta["sak"], meta["sag"],
                                                       meta["AGRP"] < meta["K"])})
 @triton.jit
 def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_BUCKET,
@@ -438,14 +441,16 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
     a_rows, b_cols = rn[:, None] < N, rc[None, :] < C
     if A_WINDOW > 0:                                   # runs of a that start misaligned: aligned windows
         lead = (bt * sab) % A_WINDOW                    # window column of the run's first element
-        a_win = a_ptr + ((bt * sab) // A_WINDOW) * A_WINDOW + rn[:, None] * san + rk[None, :]
+        san_w = (san // A_WINDOW) * A_WINDOW            # = san (a_window checked): written so Triton sees the
+        sag_w = (sag // A_WINDOW) * A_WINDOW            # alignment where it did not specialize the stride
+        a_win = a_ptr + ((bt * sab) // A_WINDOW) * A_WINDOW + rn[:, None] * san_w + rk[None, :]
         b_win = b_ptr + bt * sbb + rc[None, :] * sbc
         steps = tl.cdiv(AGRP + A_WINDOW - 1, BK)
         for step in range(0, (K // AGRP) * steps):
             run = (step // steps).to(tl.int64)
             q = (step % steps) * BK + rk - lead        # position in the run of each window column
             in_run = (q >= 0) & (q < AGRP)
-            a = tl.load(a_win + run * sag + (step % steps) * BK, mask=a_rows, other=0.0)
+            a = tl.load(a_win + run * sag_w + (step % steps) * BK, mask=a_rows, other=0.0)
             a = tl.where(in_run[None, :], a, tl.zeros_like(a))     # neighbours' columns (or slack) out
             b = tl.load(b_win + (run * AGRP + q)[:, None] * sbk, mask=in_run[:, None] & b_cols, other=0.0)
             acc = mma(a, b, acc, PRECISION)

@@ -62,7 +62,8 @@ def partial_results(path: Path, **settings) -> dict:
     """The results file at ``path`` of a run stopped before its end, to resume: refused when the file is
     missing, unreadable or complete, was written from uncommitted code, at another commit, on another GPU
     or other library versions, or with other ``settings`` (e.g. the cases asked for): its rows would not
-    compare with the new ones."""
+    compare with the new ones. Where there is no git checkout (a copy on a GPU machine) the commit is
+    MEMFIT_COMMIT's, which the caller vouches for."""
     from memfit.errors import MemfitError
 
     if not path.exists():
