@@ -127,13 +127,16 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     if args.resume:                                      # the stopped run's rows, time so far and ceilings
         try:
             earlier = partial_results(path, **cases)
+            rows, started = earlier["rows"], started - earlier["seconds"]
+            ceilings = Ceilings(matmul_flops=earlier["ceilings"]["matmul_tflops"] * 1e12,
+                                bandwidth=earlier["ceilings"]["bandwidth_gbs"] * 1e9)
+            empty_ms = earlier["ceilings"]["empty_kernel_ms"]
         except MemfitError as err:
             print(f"blr_layers: {err}", file=sys.stderr)
             return 2
-        rows, started = earlier["rows"], started - earlier["seconds"]
-        ceilings = Ceilings(matmul_flops=earlier["ceilings"]["matmul_tflops"] * 1e12,
-                            bandwidth=earlier["ceilings"]["bandwidth_gbs"] * 1e9)
-        empty_ms = earlier["ceilings"]["empty_kernel_ms"]
+        except (KeyError, TypeError) as err:
+            print(f"blr_layers: cannot resume {path}: it lacks {err} (not written by this benchmark?)", file=sys.stderr)
+            return 2
     elif device == "cuda":
         ceilings, empty_ms = measure_ceilings(), empty_kernel_ms()
     else:

@@ -376,6 +376,16 @@ def test_pick_times_each_variant_after_an_l2_flush_and_subtracts_the_flush(monke
     assert "warm L2" in warned[0]
 
 
+def record_bgemm_choices(monkeypatch, *names) -> dict:
+    """name -> the values bgemm's heuristics chose for ``names`` in the launches that follow (which loop ran)."""
+    heuristics, taken = blr_common._bgemm_kernel.fn, {name: [] for name in names}
+    for name in names:
+        decide = heuristics.values[name]
+        monkeypatch.setitem(heuristics.values, name,
+                            lambda meta, decide=decide, name=name: taken[name].append(decide(meta)) or taken[name][-1])
+    return taken
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [64, 40])
 def test_bgemm_with_and_without_the_k_mask(dtype, k, monkeypatch):
@@ -385,13 +395,11 @@ def test_bgemm_with_and_without_the_k_mask(dtype, k, monkeypatch):
     a, b = torch.randn(batches, n, k, dtype=dtype), torch.randn(batches, k, cols, dtype=dtype)
     bias = torch.randn(batches * cols, dtype=dtype)
     c = torch.full((batches * cols * n,), math.nan, dtype=dtype)
-    heuristics, even_k = blr_common._bgemm_kernel.fn, []
-    decide = heuristics.values["EVEN_K"]
-    monkeypatch.setitem(heuristics.values, "EVEN_K", lambda meta: even_k.append(decide(meta)) or even_k[-1])
+    taken = record_bgemm_choices(monkeypatch, "EVEN_K")
     # column col of batch bt at bt * cols + (col // grp) * grp + col % grp, token stride batches * cols
     blr_common.bgemm(a, b, c, n, k, cols, batches, a.stride(), b.stride(), (cols, batches * cols, grp, 1), grp=grp,
                      bias=bias)
-    assert even_k == [k == 64]
+    assert taken["EVEN_K"] == [k == 64]
     want = (a.double() @ b.double()).transpose(0, 1).reshape(n, batches * cols) + bias.double()
     assert rel(c.view(n, batches * cols), want) < TOL[dtype]
 
@@ -409,14 +417,10 @@ def test_bgemm_gathers_runs_of_a(dtype, run, runs, stride, window, monkeypatch):
     store = torch.randn(size + blr_common.A_WINDOW_SLACK, dtype=dtype)[:size].view(n, runs * stride)
     b = torch.randn(batches, runs * run, cols, dtype=dtype)
     c = torch.full((n, batches * cols), math.nan, dtype=dtype)
-    heuristics, taken = blr_common._bgemm_kernel.fn, []
-    for name in ("A_GROUPED", "A_WINDOW"):
-        decide = heuristics.values[name]
-        monkeypatch.setitem(heuristics.values, name,
-                            lambda meta, decide=decide, name=name: taken.append((name, decide(meta))) or taken[-1][1])
+    taken = record_bgemm_choices(monkeypatch, "A_GROUPED", "A_WINDOW")
     blr_common.bgemm(store, b, c, n, runs * run, cols, batches, (run, store.stride(0), 1), b.stride(),
                      (cols, c.stride(0), 0, 1), a_runs=(run, stride))
-    assert dict(taken)["A_GROUPED"] and bool(dict(taken)["A_WINDOW"]) == window
+    assert taken["A_GROUPED"] == [True] and [bool(w) for w in taken["A_WINDOW"]] == [window]
     a = torch.stack([torch.cat([store[:, g * stride + bt * run:][:, :run] for g in range(runs)], dim=1)
                      for bt in range(batches)]).double()
     want = (a @ b.double()).transpose(0, 1).reshape(n, batches * cols)

@@ -35,7 +35,7 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   (b, r, N), so the mixing pass (``_tmix_kernel``) moves whole rows of tokens, near HBM
   bandwidth, where ``_zmix_kernel`` moves BK-rank runs (64 B) at about 40% of it; the
   cuBLAS stages read and write transposed views, no copies. The fastest pipeline at every
-  shape from N = 1024 (75317f4); at N = 128 ``bmm_mix_bmm`` often beats it.
+  shape from N = 1024 (75317f4 and 18d9a39); at N = 128 others win at some shapes.
 * ``bgemm_mix_bgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``bmm_mix_bmm``'s three stages as one
   chain of Triton kernels (stages 1 and 3 by :func:`bgemm`, the mixing by ``_zmix_kernel``),
   each launched while the one before runs (blr_common's programmatic dependent launch);
