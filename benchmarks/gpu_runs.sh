@@ -12,9 +12,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # The BLR runs tune every tile config from CUDA-graph replays since cba5eee: at 18d9a39 blr_layers took 493 s
 # without --profile (its profile, run apart, 161 s), blr_e2e 288 s and blr_e2e_memfit_attention 148 s.
 # A blr_layers run stopped by its limit keeps every finished case: `blr_layers.py --resume` times the rest.
-# bgemm_tiles_gather first: Monarch bmm_gather's aligned windows (604fbd7) have not been timed yet.
 RUNS=(
-  "bgemm_tiles_gather|300|python3 benchmarks/bgemm_tiles.py --out $OUT --gather"
   "train_small_model|130|python3 benchmarks/train_small_model.py --out /tmp/small_llama --results $OUT --max-seconds 80"
   "partial_ffn_accuracy|150|python3 benchmarks/partial_ffn.py --out $OUT --skip-speed --small-model /tmp/small_llama"
   "decode_profile|240|python3 benchmarks/decode_profile.py --out $OUT"
@@ -26,6 +24,7 @@ RUNS=(
   "blr_e2e_memfit_attention|300|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
   "blr_accuracy|300|python3 benchmarks/blr_accuracy.py --model /tmp/small_llama --out $OUT"
   "partial_ffn|300|python3 benchmarks/partial_ffn.py --out $OUT --skip-accuracy"
+  "bgemm_tiles_gather|300|python3 benchmarks/bgemm_tiles.py --out $OUT --gather"
   "attention|360|python3 benchmarks/attention.py --out $OUT"
   "ledger_accuracy|240|python3 benchmarks/ledger_accuracy.py --out $OUT"
 )
