@@ -90,6 +90,13 @@ def test_monarch_variants_offered():
     assert "fused" not in monarch.variants_for(1, 688, 93, False)
 
 
+def test_fused_mixing_is_offered_up_to_its_max_n():
+    last = blast.XVMIX_MAX_N
+    assert "xvmix_bmm" in blast.variants_for(last) and "xvmix_bmm" not in blast.variants_for(last + 1)
+    assert "xvmix_bgemm_pdl" in blast.variants_for(min(last, blr_common.PDL_MAX_N))
+    assert "xvmix_bgemm_pdl" not in blast.variants_for(blr_common.PDL_MAX_N + 1)
+
+
 def test_token_major_pipelines_are_offered_from_their_min_n():
     first = blr_common.TOKEN_MAJOR_MIN_N
     assert "tbmm_mix_tbmm" in blast.variants_for(first) and "tbmm_mix_tbmm" not in blast.variants_for(first - 1)
@@ -146,6 +153,7 @@ def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):
         assert ("two_stage_pdl" in monarch.variants_for(16, 128, 32, False)) == offered
         assert ("z_mixgemm_pdl" in blast.variants_for(16)) == offered
         assert ("bgemm_mix_bgemm_pdl" in blast.variants_for(16)) == offered
+        assert ("xvmix_bgemm_pdl" in blast.variants_for(16)) == offered
         assert ("bgemm_pdl" in lowrank.variants_for(16)) == offered
     assert "z_mixgemm_pdl" not in blast.variants_for(blr_common.PDL_MAX_N + 1)
     assert blr_common.chain_options(True, True)["launch_pdl"] is True
@@ -166,7 +174,7 @@ from triton.backends.compiler import GPUTarget
 from memfit.kernels import blast, blr_common
 
 kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
-           "tmix": blast._tmix_kernel}
+           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel}
 out = {}
 for name, (kernel, constexprs, *divisible) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
@@ -189,6 +197,8 @@ CHAIN_CASES = {
                                          "WAIT_FOR_PREVIOUS": True, "BN": 16, "BK": 32}),
     "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
                                  "B_ROWS_CONTIGUOUS": True, "EVEN_K": False}),
+    "xvmix launches": ("xvmix", {"BB": 16, "PRECISION": "tf32", "LAUNCH_DEPENDENTS": True, "BN": 32, "BK": 32,
+                                 "BM": 32}),
 }
 
 
@@ -273,9 +283,9 @@ def test_blast(dtype, variant, n, bias, monkeypatch):
     check(blast_linear, blast_linear_reference, drop_bias(tensors, bias), dtype, variant=variant)
 
 
-@pytest.mark.parametrize("variant", ["mix_bgemm", "mix_bmm"])
+@pytest.mark.parametrize("variant", ["mix_bgemm", "mix_bmm", "xvmix_bmm"])
 def test_blast_mix_loops_over_wide_blocks(monkeypatch, variant):
-    """Input blocks wider than one K tile take the mixing kernel's inner loop over m (3 steps here)."""
+    """Input blocks wider than one K tile take the fused kernels' inner loop over m (3 steps here)."""
     monkeypatch.setattr(blast, "MIX_ONE_TILE_M", 16)
     monkeypatch.setattr(blast, "MIX_LOOP_BM", 16)
     m, r = 37, 9
@@ -594,3 +604,27 @@ def test_zmix_tiles_fit_the_registers(blocks, rank, n, widest):
         assert c.kwargs["BK"] * c.kwargs["BN"] * pow2_at_least(blocks) <= 128 * 32 * c.num_warps
         assert c.kwargs["BK"] <= pow2_at_least(rank) and c.kwargs["BN"] <= pow2_at_least(n)
     assert max(c.kwargs["BK"] * c.kwargs["BN"] * pow2_at_least(blocks) for c in kept) == widest
+
+
+@pytest.mark.parametrize("blocks,rank,n,m", [(16, 512, 1024, 128), (16, 256, 1, 128), (3, 19, 19, 11), (32, 1488, 128, 344),
+                                             (64, 512, 128, 128)])
+def test_xvmix_tiles_fit_the_registers(blocks, rank, n, m):
+    """The fused stage-1-and-mixing kernel holds a (BB, BN, BK) fp32 result: at most 64 registers a thread
+    (its listed tiles at b = 16, spill-free there), no wider in tokens, ranks or input block than the shape
+    needs; a shape no tile fits (b = 64) still gets one tile."""
+    import triton
+
+    from memfit.kernels.blr_common import pow2_at_least
+
+    configs = [triton.Config({"BN": bn, "BK": bk, "BM": bm}, num_warps=w, num_stages=st)
+               for bn, bk, bm, w, st in blast.XVMIX_CONFIGS]
+    bb = pow2_at_least(blocks)
+    kept = blast._prune_xvmix(configs, {"R": rank, "N": n, "M": m}, BB=bb)
+    assert kept
+    fits = [c.kwargs["BN"] * c.kwargs["BK"] * bb <= 64 * 32 * c.num_warps for c in kept]
+    assert all(fits) or (blocks == 64 and len(kept) == 1)
+    if blocks == 16:
+        assert all(c.kwargs["BN"] <= pow2_at_least(n) and c.kwargs["BK"] <= pow2_at_least(rank)
+                   and c.kwargs["BM"] <= pow2_at_least(m) for c in kept)
+        assert len(kept) == sum(bn <= pow2_at_least(n) and bk <= pow2_at_least(rank) and bm <= pow2_at_least(m)
+                                for bn, bk, bm, *_ in blast.XVMIX_CONFIGS)

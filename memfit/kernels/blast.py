@@ -20,6 +20,13 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   as (b_i, N, r) (lda = b r), U_i^T as a transposed operand, Y written block-major
   through a (b, N, p) view (ldc = b p), no copy. Stage 3 holds most of the FLOPs, so
   at large N this is the likely winner.
+* ``xvmix_bmm`` (N <= XVMIX_MAX_N; the paper's full fusion, which failed for it on a Triton
+  limitation): ``_xvmix_kernel`` makes Z's (BN tokens, BK ranks) tile for every block j by one
+  batched 3-D tensor-core dot, then mixes it on tensor cores as ``_zmix_kernel`` does (per rank a
+  (BN x b) @ (b x b) dot), and writes T; stage 3 on cuBLAS. Z never reaches memory and the mixing
+  leaves the CUDA cores; the price is the b-fold result each program holds (small tiles: X is
+  re-read once per rank chunk). ``xvmix_bgemm_pdl`` (N <= PDL_MAX_N, Hopper+): stage 3 by
+  :func:`bgemm`, chained to the first kernel.
 * ``bmm_mix_bmm``: stages 1 and 3 on cuBLAS, the mixing alone between them as a
   memory-bound kernel (``_zmix_kernel``: Z read once, T written once, the b^2 products per
   element as a batched (BN x b) @ (b x b) tensor-core dot per rank). Traffic beyond the
@@ -176,6 +183,86 @@ def _mix_bgemm(x2, u, v, s, bias):
 
 def _mix_bmm(x2, u, v, s, bias):
     return per_block_gemm(_mix(x2, v, s), u.transpose(1, 2), bias, cublas=True)
+
+
+# ---- full fusion of stages 1 and 2 on tensor cores: Z never leaves the chip -----------
+
+XVMIX_MAX_N = 1024  # X is re-read once per rank chunk and V once per token tile (from L2): the small tiles the
+                    # b-fold result allows hold few FLOPs a byte, so at large N the Z round trip it saves costs less
+XVMIX_RESULT_REGISTERS = 64   # fp32 results a thread may hold (BB * BN * BK a program, Z's then T's); the tiles
+# below are free of spills at b = 16 in bf16 (ptxas -v for sm_90: 79-253 registers), wider ones spill
+XVMIX_CONFIGS = [(16, 16, 32, 8, 2), (16, 16, 16, 4, 2), (16, 32, 16, 8, 3), (32, 16, 32, 8, 2), (64, 16, 16, 8, 3),
+                 (16, 64, 16, 8, 3), (32, 32, 16, 8, 3)]  # BN, BK, BM, warps, stages
+
+
+def _prune_xvmix(configs, named_args, **kwargs):
+    """Tiles whose (BB, BN, BK) fp32 result fits the registers (all listed ones at b <= 16, the smallest
+    at b <= 32), no wider than the tokens, ranks and input block need."""
+    fit = [c for c in configs
+           if kwargs["BB"] * c.kwargs["BN"] * c.kwargs["BK"] <= XVMIX_RESULT_REGISTERS * 32 * c.num_warps]
+    keep = [c for c in fit if c.kwargs["BN"] <= pow2_at_least(named_args["N"])
+            and c.kwargs["BK"] <= pow2_at_least(named_args["R"]) and c.kwargs["BM"] <= pow2_at_least(named_args["M"])]
+    return keep or fit[:1] or configs[:1]
+
+
+@tuned(XVMIX_CONFIGS, ("BN", "BK", "BM"), (16, 16, 16, 4, 1), key=["N_BUCKET", "M", "R", "B"], prune=_prune_xvmix)
+@triton.jit
+def _xvmix_kernel(x_ptr, v_ptr, s_ptr, t_ptr, N, M, R, B, N_BUCKET,
+                  sxn, svj, sva, svk, ssi, ssj, ssk, stn, sti, stk,
+                  BB: tl.constexpr, PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
+    """T[n, i, k] = sum_j s[i, j, k] (X_j V_j)[n, k] for a (BN tokens, BK ranks) tile, all i and j, on
+    tensor cores: Z's tile for every block j by one batched (b: BN x m) @ (b: m x BK) dot, rounded to
+    x's dtype as in the reference, then per rank k the (BN x b) @ (b x b) mixing dot, as ``_zmix_kernel``
+    does it from memory. Z never leaves the chip; X's tile is read once per rank chunk."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
+    rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    rb = tl.arange(0, BB)
+    rm = tl.arange(0, BM)
+    rows_ok = (rb[:, None, None] < B) & (rn[None, :, None] < N)
+    z = tl.zeros((BB, BN, BK), dtype=tl.float32)
+    for a0 in range(0, M, BM):
+        am = a0 + rm
+        xa = tl.load(x_ptr + rn[None, :, None] * sxn + rb[:, None, None] * M + am[None, None, :],
+                     mask=rows_ok & (am[None, None, :] < M), other=0.0)                           # (b_j, BN, BM)
+        va = tl.load(v_ptr + rb[:, None, None] * svj + am[None, :, None] * sva + rk[None, None, :] * svk,
+                     mask=(rb[:, None, None] < B) & (am[None, :, None] < M) & (rk[None, None, :] < R),
+                     other=0.0)                                                                  # (b_j, BM, BK)
+        z = mma(xa, va, z, PRECISION)
+    zt = tl.permute(z.to(x_ptr.dtype.element_ty), (2, 1, 0))                                     # (BK, BN, b_j)
+    k_ok = rk[:, None, None] < R
+    st = tl.load(s_ptr + rk[:, None, None] * ssk + rb[None, :, None] * ssj + rb[None, None, :] * ssi,
+                 mask=k_ok & (rb[None, :, None] < B) & (rb[None, None, :] < B), other=0.0)     # (BK, b_j, b_i)
+    t = mma(zt, st.to(zt.dtype), tl.zeros((BK, BN, BB), dtype=tl.float32), PRECISION)          # (BK, BN, b_i)
+    tl.store(t_ptr + rk[:, None, None] * stk + rn[None, :, None] * stn + rb[None, None, :] * sti,
+             t.to(t_ptr.dtype.element_ty), mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B))
+
+
+def _xvmix(x2, v, s, chained=False):
+    """T (N, b, r) = sum_j Z_j diag(s_ij), Z made and mixed on chip (``_xvmix_kernel``); ``chained``: lets
+    the next kernel launch early."""
+    b, m, r = v.shape
+    n = x2.shape[0]
+    t = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
+    _xvmix_kernel[grid](x2, v, s, t, n, m, r, b, n_bucket(n), x2.stride(0), *v.stride(), *s.stride(), *t.stride(),
+                        BB=pow2_at_least(b), PRECISION=blr_precision(x2.dtype), **chain_options(chained))
+    return t
+
+
+def _xvmix_bmm(x2, u, v, s, bias):
+    """T by ``_xvmix_kernel``, Y_i = T_i U_i^T by cuBLAS: one round trip of an intermediate (T), not
+    ``tbmm_mix_tbmm``'s two (Z and T)."""
+    return per_block_gemm(_xvmix(x2, v, s), u.transpose(1, 2), bias, cublas=True)
+
+
+def _xvmix_bgemm_pdl(x2, u, v, s, bias):
+    """``xvmix_bmm`` as a chain of two Triton kernels: stage 3 (:func:`bgemm`) launched while T is made,
+    its U_i slice pulled into L2 before it waits."""
+    return per_block_gemm(_xvmix(x2, v, s, chained=True), u.transpose(1, 2), bias, cublas=False,
+                          wait_for_previous=True)
 
 
 # ---- large N: stage 1 and 3 on cuBLAS, the mixing alone between them ----------------
@@ -377,7 +464,7 @@ def _z_mixgemm_pdl(x2, u, v, s, bias):
 
 
 VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "tbmm_mix_tbmm": _tbmm_mix_tbmm,
-            "z_mixgemm": _z_mixgemm,
+            "xvmix_bmm": _xvmix_bmm, "xvmix_bgemm_pdl": _xvmix_bgemm_pdl, "z_mixgemm": _z_mixgemm,
             "z_mixgemm_pdl": _z_mixgemm_pdl, "bgemm_mix_bgemm_pdl": _bgemm_mix_bgemm_pdl,
             "torch": blast_linear_reference}
 
@@ -385,10 +472,12 @@ VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mi
 def variants_for(n: int) -> dict:
     """The pipelines worth timing at ``n`` tokens."""
     names = ["mix_bgemm", "mix_bmm", "bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
+    names += ["xvmix_bmm"] if n <= XVMIX_MAX_N else []
     if n >= TOKEN_MAJOR_MIN_N:
         names.append("tbmm_mix_tbmm")
     if n <= PDL_MAX_N and pdl_offered():
         names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
+        names += ["xvmix_bgemm_pdl"] if n <= XVMIX_MAX_N else []
     return {name: VARIANTS[name] for name in names}
 
 
