@@ -90,13 +90,6 @@ def test_monarch_variants_offered():
     assert "fused" not in monarch.variants_for(1, 688, 93, False)
 
 
-def test_fused_mixing_is_offered_up_to_its_max_n():
-    last = blast.XVMIX_MAX_N
-    assert "xvmix_bmm" in blast.variants_for(last) and "xvmix_bmm" not in blast.variants_for(last + 1)
-    assert "xvmix_bgemm_pdl" in blast.variants_for(min(last, blr_common.PDL_MAX_N))
-    assert "xvmix_bgemm_pdl" not in blast.variants_for(blr_common.PDL_MAX_N + 1)
-
-
 def test_token_major_pipelines_are_offered_from_their_min_n():
     first = blr_common.TOKEN_MAJOR_MIN_N
     assert "tbmm_mix_tbmm" in blast.variants_for(first) and "tbmm_mix_tbmm" not in blast.variants_for(first - 1)
@@ -153,7 +146,6 @@ def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):
         assert ("two_stage_pdl" in monarch.variants_for(16, 128, 32, False)) == offered
         assert ("z_mixgemm_pdl" in blast.variants_for(16)) == offered
         assert ("bgemm_mix_bgemm_pdl" in blast.variants_for(16)) == offered
-        assert ("xvmix_bgemm_pdl" in blast.variants_for(16)) == offered
         assert ("bgemm_pdl" in lowrank.variants_for(16)) == offered
     assert "z_mixgemm_pdl" not in blast.variants_for(blr_common.PDL_MAX_N + 1)
     assert blr_common.chain_options(True, True)["launch_pdl"] is True
@@ -197,8 +189,6 @@ CHAIN_CASES = {
                                          "WAIT_FOR_PREVIOUS": True, "BN": 16, "BK": 32}),
     "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
                                  "B_ROWS_CONTIGUOUS": True, "EVEN_K": False}),
-    "xvmix launches": ("xvmix", {"BB": 16, "PRECISION": "tf32", "LAUNCH_DEPENDENTS": True, "BN": 32, "BK": 32,
-                                 "BM": 32}),
 }
 
 
@@ -215,6 +205,12 @@ def compile_sm90(cases: dict) -> dict:
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
+
+
+def test_fused_mixing_compiles_to_tensor_core_dots():
+    """Both of _xvmix_kernel's batched 3-D dots (Z, then the mixing) lower to mma for sm_90 in bf16."""
+    ptx = compile_sm90({"xvmix": ("xvmix", {"BB": 16, "PRECISION": "tf32", "BN": 32, "BK": 16, "BM": 32})})["xvmix"]
+    assert "mma.sync" in ptx and "fma.rn.f32" not in ptx
 
 
 def test_token_major_mixing_compiles_with_unit_strides():
@@ -283,15 +279,12 @@ def test_blast(dtype, variant, n, bias, monkeypatch):
     check(blast_linear, blast_linear_reference, drop_bias(tensors, bias), dtype, variant=variant)
 
 
-@pytest.mark.parametrize("variant", ["mix_bgemm", "mix_bmm", "xvmix_bmm"])
-def test_blast_mix_loops_over_wide_blocks(monkeypatch, variant):
-    """Input blocks wider than one K tile take the fused kernels' inner loop over m (3 steps here)."""
-    monkeypatch.setattr(blast, "MIX_ONE_TILE_M", 16)
-    monkeypatch.setattr(blast, "MIX_LOOP_BM", 16)
+def test_blast_fused_mixing_loops_over_wide_blocks():
+    """Input blocks wider than one K tile take the fused kernel's loop over m (3 steps of the interpreter's 16)."""
     m, r = 37, 9
     tensors = [torch.randn(N, 2 * m), torch.randn(2, P, r) / r**0.5, torch.randn(2, m, r) / m**0.5,
                torch.randn(2, 2, r), torch.randn(2 * P)]
-    check(blast_linear, blast_linear_reference, tensors, torch.float32, variant=variant)
+    check(blast_linear, blast_linear_reference, tensors, torch.float32, variant="xvmix_bmm")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -610,8 +603,8 @@ def test_zmix_tiles_fit_the_registers(blocks, rank, n, widest):
                                              (64, 512, 128, 128)])
 def test_xvmix_tiles_fit_the_registers(blocks, rank, n, m):
     """The fused stage-1-and-mixing kernel holds a (BB, BN, BK) fp32 result: at most 64 registers a thread
-    (its listed tiles at b = 16, spill-free there), no wider in tokens, ranks or input block than the shape
-    needs; a shape no tile fits (b = 64) still gets one tile."""
+    (its listed tiles at b = 16, spill-free there in bf16), no wider in tokens, ranks or input block than the
+    shape needs; a shape no tile fits (b = 64) still gets one tile."""
     import triton
 
     from memfit.kernels.blr_common import pow2_at_least
@@ -619,7 +612,7 @@ def test_xvmix_tiles_fit_the_registers(blocks, rank, n, m):
     configs = [triton.Config({"BN": bn, "BK": bk, "BM": bm}, num_warps=w, num_stages=st)
                for bn, bk, bm, w, st in blast.XVMIX_CONFIGS]
     bb = pow2_at_least(blocks)
-    kept = blast._prune_xvmix(configs, {"R": rank, "N": n, "M": m}, BB=bb)
+    kept = blast._prune_xvmix(configs, {"R": rank, "N": n, "M": m, "x_ptr": torch.empty(0, dtype=torch.bfloat16)}, BB=bb)
     assert kept
     fits = [c.kwargs["BN"] * c.kwargs["BK"] * bb <= 64 * 32 * c.num_warps for c in kept]
     assert all(fits) or (blocks == 64 and len(kept) == 1)

@@ -3,35 +3,28 @@
 Shapes: x (..., in), U (b, p, r), V (b, m, r), S (b, b, r) with in = b m, out = b p;
 bias (out,) or None. Stages: Z_j = X_j V_j, T_i = sum_j Z_j diag(s_ij), Y_i = T_i U_i^T.
 The mixing is b^2 r N multiply-adds, done exactly once per token by every pipeline at
-large N: on CUDA cores where it is fused into a GEMM (``_mix_kernel``, ``_mixgemm_kernel``),
-on tensor cores where it runs alone (``_zmix_kernel``: per rank a (tokens x b) @ (b x b) dot;
-``_tmix_kernel``: per rank a (b x b) @ (b x tokens) dot on token-contiguous Z and T).
+large N: on CUDA cores where it is fused into stage 3's operand prologue (``_mixgemm_kernel``),
+on tensor cores everywhere else (``_xvmix_kernel``, ``_zmix_kernel``: per rank a (tokens x b) @
+(b x b) dot; ``_tmix_kernel``: per rank a (b x b) @ (b x tokens) dot on token-contiguous Z and T).
 
 Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk):
 
-* ``mix_bgemm`` (the paper's partial fusion): ``_mix_kernel`` computes, per token tile
-  and rank chunk, Z_j = X_j V_j for every j on chip (tensor cores; K = m in one tile
-  when m <= 256, so the loop over j holds one dot and is software-pipelined), scales by
-  s_ij and sums over j into all b rows of T at once (a (BN, b, BK) fp32 register tile),
-  so Z never reaches memory and V is read once per token tile. T (N, b, r) is written
-  once and read by the per-block GEMM (:func:`bgemm`) that makes Y. Traffic beyond the
-  floor: T's write and read, 2 N b r elements; no recomputed FLOPs.
-* ``mix_bmm``: the same mixing kernel, then stage 3 on cuBLAS (:func:`per_block_gemm`): T read
-  as (b_i, N, r) (lda = b r), U_i^T as a transposed operand, Y written block-major
-  through a (b, N, p) view (ldc = b p), no copy. Stage 3 holds most of the FLOPs, so
-  at large N this is the likely winner.
-* ``xvmix_bmm`` (N <= XVMIX_MAX_N; the paper's full fusion, which failed for it on a Triton
-  limitation): ``_xvmix_kernel`` makes Z's (BN tokens, BK ranks) tile for every block j by one
-  batched 3-D tensor-core dot, then mixes it on tensor cores as ``_zmix_kernel`` does (per rank a
-  (BN x b) @ (b x b) dot), and writes T; stage 3 on cuBLAS. Z never reaches memory and the mixing
-  leaves the CUDA cores; the price is the b-fold result each program holds (small tiles: X is
-  re-read once per rank chunk). ``xvmix_bgemm_pdl`` (N <= PDL_MAX_N, Hopper+): stage 3 by
-  :func:`bgemm`, chained to the first kernel.
+* ``xvmix_bmm`` (the paper's partial fusion, taken further on tensor cores): ``_xvmix_kernel`` makes
+  Z's (BN tokens, BK ranks) tile for every block j by one batched 3-D dot (b: BN x m @ m x BK), rounds
+  it to x's dtype, mixes it by a second batched dot (per rank a (BN x b) @ (b x b) product) and writes
+  T (N, b, r); stage 3 on cuBLAS (:func:`per_block_gemm`: T read as (b_i, N, r) with lda = b r, U_i^T
+  as a transposed operand, Y written block-major through a (b, N, p) view, no copy). Z never reaches
+  memory and no FLOP is recomputed. The price is the b-fold result each program holds, Z's and then
+  T's (BB, BN, BK) fp32 tile: tiles stay small (16-64 tokens by 16-32 ranks), so X is re-read from L2
+  once per rank chunk and V once per token tile. It replaced the CUDA-core version of this fusion
+  (``mix_bmm``: Z_j's tile scaled by s_ij and summed into a register tile per j), which it beat at
+  every shape and N <= 1024, by 1.1-2.7x (72dedee); on the H200 the three-kernel pipelines below
+  beat both at every shape but a tie at Llama-1B gate and up, N = 128.
 * ``bmm_mix_bmm``: stages 1 and 3 on cuBLAS, the mixing alone between them as a
   memory-bound kernel (``_zmix_kernel``: Z read once, T written once, the b^2 products per
   element as a batched (BN x b) @ (b x b) tensor-core dot per rank). Traffic beyond the
   floor: Z's and T's writes and reads, 4 N b r elements, for full-size tensor-core tiles in
-  stage 1 (the mixing kernel above re-reads X once per rank chunk).
+  stage 1 (the fused kernel above re-reads X once per rank chunk).
 * ``z_mixgemm`` (N <= MIXGEMM_MAX_N, decode): Z (N, b, r) by one batched :func:`bgemm`
   (b ceil(r/BC) programs: every SM streams part of V), then ``_mixgemm_kernel``: stage
   3 with the mixing in its operand prologue, T_i's K-chunk formed from a (BN, b, BK)
@@ -85,8 +78,6 @@ from memfit.kernels.blr_common import (
 from memfit.kernels.dispatch import use_triton
 
 MIXGEMM_MAX_N = 128      # beyond this the mixing prologue's per-column-tile repeats and Z's b-fold reads cost too much
-MIX_ONE_TILE_M = 256     # input blocks up to this size are one K tile in the mixing kernel (pipelined j loop)
-MIX_LOOP_BM = 128        # the K tile for larger input blocks (a loop over m inside the loop over j)
 
 
 def blast_linear_reference(x, u, v, s, bias=None):
@@ -101,94 +92,24 @@ def blast_linear_reference(x, u, v, s, bias=None):
     return y if bias is None else y + bias
 
 
-# ---- partial fusion: Z on chip, mixed into T -------------------------------------
+# ---- the mixing on tensor cores: per rank a (tokens x b) @ (b x b) dot ---------------
 
-def _prune_mix(configs, named_args, **kwargs):
-    configs = keep_small_n(configs, named_args["N"])
-    size = named_args["x_ptr"].element_size()
-    bm = kwargs["BM"]
-    keep = [c for c in configs if c.kwargs["BK"] <= pow2_at_least(named_args["R"])
-            and fits_smem(c, bm * (c.kwargs["BN"] + c.kwargs["BK"]), size)]
-    return keep or configs[:1]
+@triton.jit
+def _load_s_by_rank(s_ptr, rk, rb, B, R, ssi, ssj, ssk):
+    """S's (BK, b_j, b_i) tile: per rank k the (b x b) matrix that mixes Z's blocks j into T's blocks i."""
+    return tl.load(s_ptr + rk[:, None, None] * ssk + rb[None, :, None] * ssj + rb[None, None, :] * ssi,
+                   mask=(rk[:, None, None] < R) & (rb[None, :, None] < B) & (rb[None, None, :] < B), other=0.0)
 
 
 @triton.jit
-def _xv_step(x_ptr, v_ptr, rn, rm, rk, a0, N, M, R, sxn, sva, svk, acc, PRECISION: tl.constexpr):
-    """acc + X_j[:, a0:a0+BM] @ V_j[a0:a0+BM, rk] (pointers already at block j)."""
-    xa = tl.load(x_ptr + rn[:, None] * sxn + (a0 + rm)[None, :], mask=(rn[:, None] < N) & (a0 + rm[None, :] < M),
-                 other=0.0)
-    va = tl.load(v_ptr + (a0 + rm)[:, None] * sva + rk[None, :] * svk,
-                 mask=(a0 + rm[:, None] < M) & (rk[None, :] < R), other=0.0)
-    return mma(xa, va, acc, PRECISION)
-
-
-# BN * b * BK fp32 accumulators per program: <= 128 registers a thread at b = 16
-@tuned([(64, 32, 8, 3), (128, 16, 8, 3), (32, 64, 8, 3), (64, 16, 4, 3), (16, 32, 4, 3), (16, 16, 4, 3)],
-       ("BN", "BK"), (16, 16, 4, 1), key=["N_BUCKET", "M", "R", "B"], prune=_prune_mix)
-@triton.jit
-def _mix_kernel(x_ptr, v_ptr, s_ptr, t_ptr, N, M, R, B, N_BUCKET,
-                sxn, svj, sva, svk, ssi, ssj, ssk, stn, sti, stk,
-                BB: tl.constexpr, BM: tl.constexpr, ONE_K: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr):
-    """T[n, i, k] = sum_j s[i, j, k] (X_j V_j)[n, k] for a (BN tokens, BK ranks) tile, all i."""
-    rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
-    rk = tl.program_id(1) * BK + tl.arange(0, BK)
-    rm = tl.arange(0, BM)
-    rb = tl.arange(0, BB)
-    t = tl.zeros((BN, BB, BK), dtype=tl.float32)
-    for j in range(B):
-        z = tl.zeros((BN, BK), dtype=tl.float32)
-        if ONE_K:                                   # the j loop is the innermost loop: pipelined
-            z = _xv_step(x_ptr + j * M, v_ptr + j * svj, rn, rm, rk, 0, N, M, R, sxn, sva, svk, z, PRECISION)
-        else:
-            for a0 in range(0, M, BM):
-                z = _xv_step(x_ptr + j * M, v_ptr + j * svj, rn, rm, rk, a0, N, M, R, sxn, sva, svk, z,
-                              PRECISION)
-        z = z.to(x_ptr.dtype.element_ty).to(tl.float32)          # Z is rounded to x's dtype, as in the reference
-        t = _mix_step(t, z, s_ptr, j, rb, rk, B, R, ssi, ssj, ssk)
-    _store_t(t_ptr, t, rn, rb, rk, N, B, R, stn, sti, stk)
-
-
-@triton.jit
-def _mix_step(t, z, s_ptr, j, rb, rk, B, R, ssi, ssj, ssk):
-    """t + Z_j diag(s_ij) for every output block i: t (BN, BB, BK) fp32, z = Z_j's (BN, BK) tile in fp32."""
-    sj = tl.load(s_ptr + rb[:, None] * ssi + j * ssj + rk[None, :] * ssk,
-                 mask=(rb[:, None] < B) & (rk[None, :] < R), other=0.0).to(tl.float32)
-    return t + z[:, None, :] * sj[None, :, :]
-
-
-@triton.jit
-def _store_t(t_ptr, t, rn, rb, rk, N, B, R, stn, sti, stk):
-    """T's (BN, BB, BK) tile, rounded to T's dtype."""
-    mask = (rn[:, None, None] < N) & (rb[None, :, None] < B) & (rk[None, None, :] < R)
-    tl.store(t_ptr + rn[:, None, None] * stn + rb[None, :, None] * sti + rk[None, None, :] * stk,
-             t.to(t_ptr.dtype.element_ty), mask=mask)
-
-
-def _mix(x2, v, s):
-    """T (N, b, r) = sum_j Z_j diag(s_ij) with Z on chip."""
-    b, m, r = v.shape
-    n = x2.shape[0]
-    t = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
-    bm = pow2_at_least(m) if m <= MIX_ONE_TILE_M else MIX_LOOP_BM
-    grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
-    _mix_kernel[grid](x2, v, s, t, n, m, r, b, n_bucket(n), x2.stride(0), *v.stride(), *s.stride(), *t.stride(),
-                      BB=pow2_at_least(b, 1), BM=bm, ONE_K=bm >= m, PRECISION=blr_precision(x2.dtype))
-    return t
-
-
-def _mix_bgemm(x2, u, v, s, bias):
-    return per_block_gemm(_mix(x2, v, s), u.transpose(1, 2), bias, cublas=False)   # Y_i = T_i U_i^T
-
-
-def _mix_bmm(x2, u, v, s, bias):
-    return per_block_gemm(_mix(x2, v, s), u.transpose(1, 2), bias, cublas=True)
+def _store_t_by_rank(t_ptr, t, rn, rk, rb, N, B, R, stn, sti, stk):
+    """T's (BK, BN, b_i) fp32 tile, rounded to T's dtype, into T (N, b, r) at any strides."""
+    tl.store(t_ptr + rk[:, None, None] * stk + rn[None, :, None] * stn + rb[None, None, :] * sti,
+             t.to(t_ptr.dtype.element_ty), mask=(rk[:, None, None] < R) & (rn[None, :, None] < N) & (rb[None, None, :] < B))
 
 
 # ---- full fusion of stages 1 and 2 on tensor cores: Z never leaves the chip -----------
 
-XVMIX_MAX_N = 1024  # X is re-read once per rank chunk and V once per token tile (from L2): the small tiles the
-                    # b-fold result allows hold few FLOPs a byte, so at large N the Z round trip it saves costs less
 XVMIX_RESULT_REGISTERS = 64   # fp32 results a thread may hold (BB * BN * BK a program, Z's then T's); the tiles
 # below are free of spills at b = 16 in bf16 (ptxas -v for sm_90: 79-253 registers), wider ones spill
 XVMIX_CONFIGS = [(16, 16, 32, 8, 2), (16, 16, 16, 4, 2), (16, 32, 16, 8, 3), (32, 16, 32, 8, 2), (64, 16, 16, 8, 3),
@@ -197,9 +118,11 @@ XVMIX_CONFIGS = [(16, 16, 32, 8, 2), (16, 16, 16, 4, 2), (16, 32, 16, 8, 3), (32
 
 def _prune_xvmix(configs, named_args, **kwargs):
     """Tiles whose (BB, BN, BK) fp32 result fits the registers (all listed ones at b <= 16, the smallest
-    at b <= 32), no wider than the tokens, ranks and input block need."""
-    fit = [c for c in configs
-           if kwargs["BB"] * c.kwargs["BN"] * c.kwargs["BK"] <= XVMIX_RESULT_REGISTERS * 32 * c.num_warps]
+    at b <= 32) and whose X and V slices fit shared memory at their stage count, no wider than the tokens,
+    ranks and input block need."""
+    bb, size = kwargs["BB"], named_args["x_ptr"].element_size()
+    fit = [c for c in configs if bb * c.kwargs["BN"] * c.kwargs["BK"] <= XVMIX_RESULT_REGISTERS * 32 * c.num_warps
+           and fits_smem(c, bb * c.kwargs["BM"] * (c.kwargs["BN"] + c.kwargs["BK"]), size)]
     keep = [c for c in fit if c.kwargs["BN"] <= pow2_at_least(named_args["N"])
             and c.kwargs["BK"] <= pow2_at_least(named_args["R"]) and c.kwargs["BM"] <= pow2_at_least(named_args["M"])]
     return keep or fit[:1] or configs[:1]
@@ -209,14 +132,11 @@ def _prune_xvmix(configs, named_args, **kwargs):
 @triton.jit
 def _xvmix_kernel(x_ptr, v_ptr, s_ptr, t_ptr, N, M, R, B, N_BUCKET,
                   sxn, svj, sva, svk, ssi, ssj, ssk, stn, sti, stk,
-                  BB: tl.constexpr, PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
+                  BB: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
     """T[n, i, k] = sum_j s[i, j, k] (X_j V_j)[n, k] for a (BN tokens, BK ranks) tile, all i and j, on
     tensor cores: Z's tile for every block j by one batched (b: BN x m) @ (b: m x BK) dot, rounded to
     x's dtype as in the reference, then per rank k the (BN x b) @ (b x b) mixing dot, as ``_zmix_kernel``
     does it from memory. Z never leaves the chip; X's tile is read once per rank chunk."""
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
     rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     rb = tl.arange(0, BB)
@@ -232,23 +152,19 @@ def _xvmix_kernel(x_ptr, v_ptr, s_ptr, t_ptr, N, M, R, B, N_BUCKET,
                      other=0.0)                                                                  # (b_j, BM, BK)
         z = mma(xa, va, z, PRECISION)
     zt = tl.permute(z.to(x_ptr.dtype.element_ty), (2, 1, 0))                                     # (BK, BN, b_j)
-    k_ok = rk[:, None, None] < R
-    st = tl.load(s_ptr + rk[:, None, None] * ssk + rb[None, :, None] * ssj + rb[None, None, :] * ssi,
-                 mask=k_ok & (rb[None, :, None] < B) & (rb[None, None, :] < B), other=0.0)     # (BK, b_j, b_i)
-    t = mma(zt, st.to(zt.dtype), tl.zeros((BK, BN, BB), dtype=tl.float32), PRECISION)          # (BK, BN, b_i)
-    tl.store(t_ptr + rk[:, None, None] * stk + rn[None, :, None] * stn + rb[None, None, :] * sti,
-             t.to(t_ptr.dtype.element_ty), mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B))
+    st = _load_s_by_rank(s_ptr, rk, rb, B, R, ssi, ssj, ssk)
+    _store_t_by_rank(t_ptr, mma(zt, st.to(zt.dtype), tl.zeros((BK, BN, BB), dtype=tl.float32), PRECISION),
+                     rn, rk, rb, N, B, R, stn, sti, stk)
 
 
-def _xvmix(x2, v, s, chained=False):
-    """T (N, b, r) = sum_j Z_j diag(s_ij), Z made and mixed on chip (``_xvmix_kernel``); ``chained``: lets
-    the next kernel launch early."""
+def _xvmix(x2, v, s):
+    """T (N, b, r) = sum_j Z_j diag(s_ij), Z made and mixed on chip (``_xvmix_kernel``)."""
     b, m, r = v.shape
     n = x2.shape[0]
     t = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
     grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(r, meta["BK"]))
     _xvmix_kernel[grid](x2, v, s, t, n, m, r, b, n_bucket(n), x2.stride(0), *v.stride(), *s.stride(), *t.stride(),
-                        BB=pow2_at_least(b), PRECISION=blr_precision(x2.dtype), **chain_options(chained))
+                        BB=pow2_at_least(b), PRECISION=blr_precision(x2.dtype))
     return t
 
 
@@ -256,13 +172,6 @@ def _xvmix_bmm(x2, u, v, s, bias):
     """T by ``_xvmix_kernel``, Y_i = T_i U_i^T by cuBLAS: one round trip of an intermediate (T), not
     ``tbmm_mix_tbmm``'s two (Z and T)."""
     return per_block_gemm(_xvmix(x2, v, s), u.transpose(1, 2), bias, cublas=True)
-
-
-def _xvmix_bgemm_pdl(x2, u, v, s, bias):
-    """``xvmix_bmm`` as a chain of two Triton kernels: stage 3 (:func:`bgemm`) launched while T is made,
-    its U_i slice pulled into L2 before it waits."""
-    return per_block_gemm(_xvmix(x2, v, s, chained=True), u.transpose(1, 2), bias, cublas=False,
-                          wait_for_previous=True)
 
 
 # ---- large N: stage 1 and 3 on cuBLAS, the mixing alone between them ----------------
@@ -297,23 +206,21 @@ def _zmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szn, szj, ssi, ssj, ssk
     rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     rb = tl.arange(0, BB)
-    k_ok = rk[:, None, None] < R
-    st = tl.load(s_ptr + rk[:, None, None] * ssk + rb[None, :, None] * ssj + rb[None, None, :] * ssi,
-                 mask=k_ok & (rb[None, :, None] < B) & (rb[None, None, :] < B), other=0.0)     # (BK, b_j, b_i)
+    st = _load_s_by_rank(s_ptr, rk, rb, B, R, ssi, ssj, ssk)
     if WAIT_FOR_PREVIOUS:                              # S is this op's weights; Z comes from the previous kernel
         tl.extra.cuda.gdc_wait()
     z = tl.load(z_ptr + rk[:, None, None] + rn[None, :, None] * szn + rb[None, None, :] * szj,
-                mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B), other=0.0)       # (BK, BN, b_j)
-    t = mma(z, st.to(z.dtype), tl.zeros((BK, BN, BB), dtype=tl.float32), PRECISION)                          # (BK, BN, b_i)
-    tl.store(t_ptr + rk[:, None, None] * stk + rn[None, :, None] * stn + rb[None, None, :] * sti,
-             t.to(t_ptr.dtype.element_ty), mask=k_ok & (rn[None, :, None] < N) & (rb[None, None, :] < B))
+                mask=(rk[:, None, None] < R) & (rn[None, :, None] < N) & (rb[None, None, :] < B),
+                other=0.0)                                                                      # (BK, BN, b_j)
+    _store_t_by_rank(t_ptr, mma(z, st.to(z.dtype), tl.zeros((BK, BN, BB), dtype=tl.float32), PRECISION),
+                     rn, rk, rb, N, B, R, stn, sti, stk)
 
 
 def _bmm_mix_bmm(x2, u, v, s, bias):
     """Z (N, b, r) by one strided cuBLAS batched GEMM, T = the mixing of Z (``_zmix_kernel``: a
-    memory-bound pass on tensor cores, Z read and T written once), Y by cuBLAS per block. Against ``mix_bmm``,
+    memory-bound pass on tensor cores, Z read and T written once), Y by cuBLAS per block. Against ``xvmix_bmm``,
     stage 1 runs on cuBLAS's full-size tiles instead of small per-rank-chunk dots that re-read X
-    ceil(r / BK) times (24 at Llama-1B's down projection), for Z's write and read (2 N b r)."""
+    ceil(r / BK) times (24 to 48 at Llama-1B's down projection), for Z's write and read (2 N b r)."""
     b, m, r = v.shape
     n = x2.shape[0]
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
@@ -463,27 +370,24 @@ def _z_mixgemm_pdl(x2, u, v, s, bias):
     return _z_mixgemm(x2, u, v, s, bias, chained=True)
 
 
-VARIANTS = {"mix_bgemm": _mix_bgemm, "mix_bmm": _mix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "tbmm_mix_tbmm": _tbmm_mix_tbmm,
-            "xvmix_bmm": _xvmix_bmm, "xvmix_bgemm_pdl": _xvmix_bgemm_pdl, "z_mixgemm": _z_mixgemm,
+VARIANTS = {"xvmix_bmm": _xvmix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "tbmm_mix_tbmm": _tbmm_mix_tbmm, "z_mixgemm": _z_mixgemm,
             "z_mixgemm_pdl": _z_mixgemm_pdl, "bgemm_mix_bgemm_pdl": _bgemm_mix_bgemm_pdl,
             "torch": blast_linear_reference}
 
 
 def variants_for(n: int) -> dict:
     """The pipelines worth timing at ``n`` tokens."""
-    names = ["mix_bgemm", "mix_bmm", "bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
-    names += ["xvmix_bmm"] if n <= XVMIX_MAX_N else []
+    names = ["xvmix_bmm", "bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
     if n >= TOKEN_MAJOR_MIN_N:
         names.append("tbmm_mix_tbmm")
     if n <= PDL_MAX_N and pdl_offered():
         names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
-        names += ["xvmix_bgemm_pdl"] if n <= XVMIX_MAX_N else []
     return {name: VARIANTS[name] for name in names}
 
 
 def _default(n: int) -> str:
     """The pick off the GPU timing path (interpreter, CUDA-graph capture)."""
-    return "z_mixgemm" if n <= 16 else "tbmm_mix_tbmm" if n >= TOKEN_MAJOR_MIN_N else "mix_bgemm"
+    return "z_mixgemm" if n <= 16 else "tbmm_mix_tbmm" if n >= TOKEN_MAJOR_MIN_N else "bmm_mix_bmm"
 
 
 @torch.library.custom_op("memfit::blast_linear", mutates_args=())
