@@ -8,9 +8,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-# name|seconds|command, most pending first (after the ninth session, 2026-12-01: see its closing note).
-# The BLR runs tune every tile config from CUDA-graph replays since cba5eee: at 18d9a39 blr_layers took 493 s
-# without --profile (its profile, run apart, 161 s), blr_e2e 288 s and blr_e2e_memfit_attention 148 s.
+# name|seconds|command, most pending first (after the tenth session, 2026-12-01: see its closing note).
+# The BLR runs tune every tile config from CUDA-graph replays since cba5eee: at 6cfd3c1 blr_layers took 460 s
+# without --profile; at 18d9a39 its profile, run apart, 161 s, blr_e2e 288 s and blr_e2e_memfit_attention 148 s.
 # A blr_layers run stopped by its limit keeps every finished case: `blr_layers.py --resume` times the rest.
 RUNS=(
   "train_small_model|130|python3 benchmarks/train_small_model.py --out /tmp/small_llama --results $OUT --max-seconds 80"

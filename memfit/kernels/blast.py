@@ -18,8 +18,9 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   T's (BB, BN, BK) fp32 tile: tiles stay small (16-64 tokens by 16-32 ranks), so X is re-read from L2
   once per rank chunk and V once per token tile. It replaced the CUDA-core version of this fusion
   (``mix_bmm``: Z_j's tile scaled by s_ij and summed into a register tile per j), which it beat at
-  every shape and N <= 1024, by 1.1-2.7x (72dedee); on the H200 the three-kernel pipelines below
-  beat both at every shape but a tie at Llama-1B gate and up, N = 128.
+  every shape and N <= 1024, by 1.1-2.7x (72dedee). On the H200 the three-kernel pipelines below
+  beat it at every shape but Llama-1B gate and up at N = 128, where it is the pick by 2% or less
+  (6cfd3c1; a tie at 72dedee), and take 0.24-0.62x its time at N = 8192.
 * ``bmm_mix_bmm``: stages 1 and 3 on cuBLAS, the mixing alone between them as a
   memory-bound kernel (``_zmix_kernel``: Z read once, T written once, the b^2 products per
   element as a batched (BN x b) @ (b x b) tensor-core dot per rank). Traffic beyond the
@@ -35,7 +36,7 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   (b, r, N), so the mixing pass (``_tmix_kernel``) moves whole rows of tokens, near HBM
   bandwidth, where ``_zmix_kernel`` moves BK-rank runs (64 B) at about 40% of it; the
   cuBLAS stages read and write transposed views, no copies. The fastest pipeline at every
-  shape from N = 1024 (75317f4 and 18d9a39); at N = 128 others win at some shapes.
+  shape from N = 1024 (75317f4, 18d9a39, 6cfd3c1); at N = 128 others win at some shapes.
 * ``bgemm_mix_bgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``bmm_mix_bmm``'s three stages as one
   chain of Triton kernels (stages 1 and 3 by :func:`bgemm`, the mixing by ``_zmix_kernel``),
   each launched while the one before runs (blr_common's programmatic dependent launch);
