@@ -168,15 +168,15 @@ from memfit.kernels import blast, blr_common
 kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
            "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel}
 out = {}
-for name, (kernel, constexprs, *divisible) in json.loads(sys.argv[1]).items():
+for name, (kernel, constexprs, divisible, stages) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
     signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
                  for p in fn.params}
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in sum(divisible, [])}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in divisible}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=defaults | constexprs, attrs=attrs)
     target = GPUTarget("cuda", 90, 32)
-    out[name] = triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+    out[name] = triton.compile(source, target=target, options={"num_warps": 4, "num_stages": stages}).asm["ptx"]
 print(json.dumps(out))
 """
 CHAIN_BASE = {"HAS_BIAS": True, "PRECISION": "tf32", "LINE": 64, "BN": 16, "BC": 64, "BK": 64}
@@ -194,14 +194,15 @@ CHAIN_CASES = {
 
 def compile_sm90(cases: dict) -> dict:
     """PTX of each (kernel, constexprs[, names of arguments divisible by 16, as Triton specializes them at
-    launch]) case compiled for sm_90 in a subprocess outside the interpreter."""
+    launch[, num_stages (3)]]) case compiled for sm_90 in a subprocess outside the interpreter."""
     import json
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", SM90_PTX_SCRIPT, json.dumps(cases)], env=env,
+    full = {name: (*case, *([], 3)[len(case) - 2:]) for name, case in cases.items()}   # the defaults filled in
+    done = subprocess.run([sys.executable, "-c", SM90_PTX_SCRIPT, json.dumps(full)], env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
@@ -211,6 +212,16 @@ def test_fused_mixing_compiles_to_tensor_core_dots():
     """Both of _xvmix_kernel's batched 3-D dots (Z, then the mixing) lower to mma for sm_90 in bf16."""
     ptx = compile_sm90({"xvmix": ("xvmix", {"BB": 16, "PRECISION": "tf32", "BN": 32, "BK": 16, "BM": 32})})["xvmix"]
     assert "mma.sync" in ptx and "fma.rn.f32" not in ptx
+
+
+def test_pipelined_token_major_mixing_prefetches_by_cp_async():
+    """_tmix_kernel's configs with stages >= 2 load the next ranks' S_k and Z_k by cp.async while the
+    current rank's dot runs; with one stage every load is a plain ld.global after the previous store."""
+    base = {"BB": 16, "PRECISION": "tf32", "BN": 256, "BK": 8}                   # as the (256, 8, 4 warps) tiles
+    assert {(256, 8, 4, 1), (256, 8, 4, 3)} <= set(blast.TMIX_CONFIGS)
+    aligned = ["z_ptr", "s_ptr", "t_ptr", "szj", "szk", "stj", "stk", "N"]      # as Triton specializes N = 8192
+    ptx = compile_sm90({"one stage": ("tmix", base, aligned, 1), "three stages": ("tmix", base, aligned, 3)})
+    assert "cp.async" not in ptx["one stage"] and "cp.async" in ptx["three stages"]
 
 
 def test_token_major_mixing_compiles_with_unit_strides():

@@ -238,8 +238,14 @@ def _prune_tmix(configs, named_args, **kwargs):
     return keep or configs[-1:]
 
 
-@tuned([(256, 8, 4, 1), (512, 8, 8, 1), (128, 16, 4, 1), (128, 8, 2, 1), (64, 8, 1, 1), (64, 16, 2, 1)],
-       ("BN", "BK"), (64, 4, 4, 1), key=["N_BUCKET", "R", "B"], prune=_prune_tmix)
+# (BN, BK, warps, stages). With 1 stage each rank's loads wait for the previous rank's store: at N = 128
+# (one or two token tiles) that chain of BK dependent reads is the pass's time (6.2 us for 6 MB at Llama-1B
+# up, 6cfd3c1). Stages >= 2 let Triton prefetch the next ranks' S_k and Z_k by cp.async (not timed yet).
+TMIX_CONFIGS = [(256, 8, 4, 1), (512, 8, 8, 1), (128, 16, 4, 1), (128, 8, 2, 1), (64, 8, 1, 1), (64, 16, 2, 1),
+                (256, 8, 4, 3), (128, 8, 2, 3), (64, 4, 1, 3)]
+
+
+@tuned(TMIX_CONFIGS, ("BN", "BK"), (64, 4, 4, 1), key=["N_BUCKET", "R", "B"], prune=_prune_tmix)
 @triton.jit
 def _tmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szj, szk, ssi, ssj, ssk, stj, stk,
                  BB: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
