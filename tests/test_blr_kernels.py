@@ -90,6 +90,12 @@ def test_monarch_variants_offered():
     assert "fused" not in monarch.variants_for(1, 688, 93, False)
 
 
+def test_fused_mixing_is_offered_up_to_its_max_n():
+    last = blast.XVMIX_MAX_N
+    assert "xvmix_bmm" in blast.variants_for(1) and "xvmix_bmm" in blast.variants_for(last)
+    assert "xvmix_bmm" not in blast.variants_for(last + 1)
+
+
 def test_token_major_pipelines_are_offered_from_their_min_n():
     first = blr_common.TOKEN_MAJOR_MIN_N
     assert "tbmm_mix_tbmm" in blast.variants_for(first) and "tbmm_mix_tbmm" not in blast.variants_for(first - 1)
@@ -201,6 +207,7 @@ def compile_sm90(cases: dict) -> dict:
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    assert all(2 <= len(case) <= 4 for case in cases.values()), cases
     full = {name: (*case, *([], 3)[len(case) - 2:]) for name, case in cases.items()}   # the defaults filled in
     done = subprocess.run([sys.executable, "-c", SM90_PTX_SCRIPT, json.dumps(full)], env=env,
                           capture_output=True, text=True, timeout=300, check=False)
@@ -209,14 +216,19 @@ def compile_sm90(cases: dict) -> dict:
 
 
 def test_fused_mixing_compiles_to_tensor_core_dots():
-    """Both of _xvmix_kernel's batched 3-D dots (Z, then the mixing) lower to mma for sm_90 in bf16."""
-    ptx = compile_sm90({"xvmix": ("xvmix", {"BB": 16, "PRECISION": "tf32", "BN": 32, "BK": 16, "BM": 32})})["xvmix"]
-    assert "mma.sync" in ptx and "fma.rn.f32" not in ptx
+    """Both of _xvmix_kernel's batched 3-D dots (Z, then the mixing) lower to mma for sm_90 in bf16 (no
+    fp32 FMA anywhere: the mixing is off the CUDA cores), at its listed 4-warp tile, with X's and V's
+    rows loaded by cp.async from the second stage."""
+    assert (16, 16, 16, 4, 2) in blast.XVMIX_CONFIGS
+    aligned = ["x_ptr", "v_ptr", "s_ptr", "t_ptr", "M", "sxn", "svj", "sva", "stn", "sti"]
+    ptx = compile_sm90({"xvmix": ("xvmix", {"BB": 16, "PRECISION": "tf32", "BN": 16, "BK": 16, "BM": 16}, aligned,
+                                  2)})["xvmix"]
+    assert "mma.sync" in ptx and "fma.rn.f32" not in ptx and "cp.async" in ptx
 
 
 def test_pipelined_token_major_mixing_prefetches_by_cp_async():
-    """_tmix_kernel's configs with stages >= 2 load the next ranks' S_k and Z_k by cp.async while the
-    current rank's dot runs; with one stage every load is a plain ld.global after the previous store."""
+    """_tmix_kernel's configs with stages >= 2 load the next ranks' Z_k rows by cp.async while the current
+    rank's dot runs; with one stage every load is a plain ld.global after the previous store."""
     base = {"BB": 16, "PRECISION": "tf32", "BN": 256, "BK": 8}                   # as the (256, 8, 4 warps) tiles
     assert {(256, 8, 4, 1), (256, 8, 4, 3)} <= set(blast.TMIX_CONFIGS)
     aligned = ["z_ptr", "s_ptr", "t_ptr", "szj", "szk", "stj", "stk", "N"]      # as Triton specializes N = 8192
@@ -610,25 +622,30 @@ def test_zmix_tiles_fit_the_registers(blocks, rank, n, widest):
     assert max(c.kwargs["BK"] * c.kwargs["BN"] * pow2_at_least(blocks) for c in kept) == widest
 
 
-@pytest.mark.parametrize("blocks,rank,n,m", [(16, 512, 1024, 128), (16, 256, 1, 128), (3, 19, 19, 11), (32, 1488, 128, 344),
-                                             (64, 512, 128, 128)])
-def test_xvmix_tiles_fit_the_registers(blocks, rank, n, m):
-    """The fused stage-1-and-mixing kernel holds a (BB, BN, BK) fp32 result: at most 64 registers a thread
-    (its listed tiles at b = 16, spill-free there in bf16), no wider in tokens, ranks or input block than the
-    shape needs; a shape no tile fits (b = 64) still gets one tile."""
+XV_ALL = [(16, 16, 32, 8, 2), (16, 16, 16, 4, 2), (16, 32, 16, 8, 3), (32, 16, 32, 8, 2), (64, 16, 16, 8, 3),
+          (16, 64, 16, 8, 3), (32, 32, 16, 8, 3)]
+
+
+@pytest.mark.parametrize("blocks,rank,n,m,dtype,kept", [
+    (16, 512, 1024, 128, torch.bfloat16, XV_ALL),                                   # Llama-1B gate: every tile
+    (16, 256, 1, 128, torch.bfloat16, [c for c in XV_ALL if c[0] == 16]),           # decode: 16-token tiles
+    (3, 19, 19, 11, torch.bfloat16, [(16, 16, 16, 4, 2), (16, 32, 16, 8, 3), (32, 32, 16, 8, 3)]),  # narrow
+    (16, 512, 1024, 128, torch.float32, [c for c in XV_ALL if c not in ((64, 16, 16, 8, 3), (16, 64, 16, 8, 3))]),
+    (32, 1488, 128, 344, torch.bfloat16, XV_ALL[:4]),                               # b = 32: half the registers
+    (64, 512, 128, 128, torch.bfloat16, [(16, 16, 16, 4, 2)]),                       # none fits: the smallest
+])
+def test_xvmix_tiles_fit_registers_and_shared_memory(blocks, rank, n, m, dtype, kept):
+    """The fused stage-1-and-mixing kernel's tiles: a (BB, BN, BK) fp32 result of at most 64 registers a
+    thread (all listed tiles, spill-free at b = 16 in bf16), X and V slices within shared memory at their
+    stage count (fp32 drops the two 3-stage 80-wide ones), no wider than tokens, ranks and input block
+    need; where nothing fits, the tile with the smallest slices."""
     import triton
 
     from memfit.kernels.blr_common import pow2_at_least
 
+    assert blast.XVMIX_CONFIGS == XV_ALL
     configs = [triton.Config({"BN": bn, "BK": bk, "BM": bm}, num_warps=w, num_stages=st)
                for bn, bk, bm, w, st in blast.XVMIX_CONFIGS]
-    bb = pow2_at_least(blocks)
-    kept = blast._prune_xvmix(configs, {"R": rank, "N": n, "M": m, "x_ptr": torch.empty(0, dtype=torch.bfloat16)}, BB=bb)
-    assert kept
-    fits = [c.kwargs["BN"] * c.kwargs["BK"] * bb <= 64 * 32 * c.num_warps for c in kept]
-    assert all(fits) or (blocks == 64 and len(kept) == 1)
-    if blocks == 16:
-        assert all(c.kwargs["BN"] <= pow2_at_least(n) and c.kwargs["BK"] <= pow2_at_least(rank)
-                   and c.kwargs["BM"] <= pow2_at_least(m) for c in kept)
-        assert len(kept) == sum(bn <= pow2_at_least(n) and bk <= pow2_at_least(rank) and bm <= pow2_at_least(m)
-                                for bn, bk, bm, *_ in blast.XVMIX_CONFIGS)
+    chosen = blast._prune_xvmix(configs, {"R": rank, "N": n, "M": m, "x_ptr": torch.empty(0, dtype=dtype)},
+                                BB=pow2_at_least(blocks))
+    assert [(c.kwargs["BN"], c.kwargs["BK"], c.kwargs["BM"], c.num_warps, c.num_stages) for c in chosen] == kept

@@ -9,16 +9,16 @@ on tensor cores everywhere else (``_xvmix_kernel``, ``_zmix_kernel``: per rank a
 
 Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk):
 
-* ``xvmix_bmm`` (the paper's partial fusion, taken further on tensor cores): ``_xvmix_kernel`` makes
+* ``xvmix_bmm`` (N <= XVMIX_MAX_N; the paper's partial fusion, taken further on tensor cores): ``_xvmix_kernel`` makes
   Z's (BN tokens, BK ranks) tile for every block j by one batched 3-D dot (b: BN x m @ m x BK), rounds
   it to x's dtype, mixes it by a second batched dot (per rank a (BN x b) @ (b x b) product) and writes
   T (N, b, r); stage 3 on cuBLAS (:func:`per_block_gemm`: T read as (b_i, N, r) with lda = b r, U_i^T
   as a transposed operand, Y written block-major through a (b, N, p) view, no copy). Z never reaches
   memory and no FLOP is recomputed. The price is the b-fold result each program holds, Z's and then
-  T's (BB, BN, BK) fp32 tile: tiles stay small (16-64 tokens by 16-32 ranks), so X is re-read from L2
+  T's (BB, BN, BK) fp32 tile: tiles stay small (16-64 tokens by 16-64 ranks), so X is re-read from L2
   once per rank chunk and V once per token tile. It replaced the CUDA-core version of this fusion
   (``mix_bmm``: Z_j's tile scaled by s_ij and summed into a register tile per j), which it beat at
-  every shape and N <= 1024, by 1.1-2.7x (72dedee). On the H200 the three-kernel pipelines below
+  every shape and N <= 1024, by 1.03-1.8x (72dedee). On the H200 the three-kernel pipelines below
   beat it at every shape but Llama-1B gate and up at N = 128, where it is the pick by 2% or less
   (6cfd3c1; a tie at 72dedee), and take 0.24-0.62x its time at N = 8192.
 * ``bmm_mix_bmm``: stages 1 and 3 on cuBLAS, the mixing alone between them as a
@@ -46,8 +46,8 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   to the first (blr_common's programmatic dependent launch: it starts while Z is being
   made, pulls its U_i slice into L2, then waits for Z).
 * ``torch`` (the reference: cuBLAS batched GEMMs, the mixing as an einsum) competes
-  too, so the pick is never slower than plain PyTorch (it won at some large-N shapes
-  where the CUDA-core mixing kernel lost).
+  too, so the pick is never slower than plain PyTorch (it was the fastest at no shape in
+  the 6cfd3c1 run).
 Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x.
 """
 import torch
@@ -113,20 +113,22 @@ def _store_t_by_rank(t_ptr, t, rn, rk, rb, N, B, R, stn, sti, stk):
 
 XVMIX_RESULT_REGISTERS = 64   # fp32 results a thread may hold (BB * BN * BK a program, Z's then T's); the tiles
 # below are free of spills at b = 16 in bf16 (ptxas -v for sm_90: 79-253 registers), wider ones spill
+XVMIX_MAX_N = 128   # from N = 1024 the three-kernel pipelines took 0.24-0.83x its time at every shape (6cfd3c1)
 XVMIX_CONFIGS = [(16, 16, 32, 8, 2), (16, 16, 16, 4, 2), (16, 32, 16, 8, 3), (32, 16, 32, 8, 2), (64, 16, 16, 8, 3),
                  (16, 64, 16, 8, 3), (32, 32, 16, 8, 3)]  # BN, BK, BM, warps, stages
 
 
 def _prune_xvmix(configs, named_args, **kwargs):
-    """Tiles whose (BB, BN, BK) fp32 result fits the registers (all listed ones at b <= 16, the smallest
-    at b <= 32) and whose X and V slices fit shared memory at their stage count, no wider than the tokens,
-    ranks and input block need."""
+    """Tiles whose (BB, BN, BK) fp32 result fits the registers (all listed ones at b <= 16, four at b = 32)
+    and whose X and V slices fit shared memory at their stage count, no wider than the tokens, ranks and
+    input block need; where none fits (b = 64), the tile with the smallest shared-memory slices."""
     bb, size = kwargs["BB"], named_args["x_ptr"].element_size()
     fit = [c for c in configs if bb * c.kwargs["BN"] * c.kwargs["BK"] <= XVMIX_RESULT_REGISTERS * 32 * c.num_warps
            and fits_smem(c, bb * c.kwargs["BM"] * (c.kwargs["BN"] + c.kwargs["BK"]), size)]
     keep = [c for c in fit if c.kwargs["BN"] <= pow2_at_least(named_args["N"])
             and c.kwargs["BK"] <= pow2_at_least(named_args["R"]) and c.kwargs["BM"] <= pow2_at_least(named_args["M"])]
-    return keep or fit[:1] or configs[:1]
+    smallest = min(configs, key=lambda c: c.num_stages * c.kwargs["BM"] * (c.kwargs["BN"] + c.kwargs["BK"]))
+    return keep or fit[:1] or [smallest]
 
 
 @tuned(XVMIX_CONFIGS, ("BN", "BK", "BM"), (16, 16, 16, 4, 1), key=["N_BUCKET", "M", "R", "B"], prune=_prune_xvmix)
@@ -221,7 +223,7 @@ def _bmm_mix_bmm(x2, u, v, s, bias):
     """Z (N, b, r) by one strided cuBLAS batched GEMM, T = the mixing of Z (``_zmix_kernel``: a
     memory-bound pass on tensor cores, Z read and T written once), Y by cuBLAS per block. Against ``xvmix_bmm``,
     stage 1 runs on cuBLAS's full-size tiles instead of small per-rank-chunk dots that re-read X
-    ceil(r / BK) times (24 to 48 at Llama-1B's down projection), for Z's write and read (2 N b r)."""
+    ceil(r / BK) times (12 to 48 at Llama-1B's down projection), for Z's write and read (2 N b r)."""
     b, m, r = v.shape
     n = x2.shape[0]
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
@@ -240,7 +242,8 @@ def _prune_tmix(configs, named_args, **kwargs):
 
 # (BN, BK, warps, stages). With 1 stage each rank's loads wait for the previous rank's store: at N = 128
 # (one or two token tiles) that chain of BK dependent reads is the pass's time (6.2 us for 6 MB at Llama-1B
-# up, 6cfd3c1). Stages >= 2 let Triton prefetch the next ranks' S_k and Z_k by cp.async (not timed yet).
+# up, 6cfd3c1). Stages >= 2 let Triton prefetch the next ranks' Z_k rows by cp.async (S_k, b^2 scalars r apart, stays a
+# plain load; not timed yet).
 TMIX_CONFIGS = [(256, 8, 4, 1), (512, 8, 8, 1), (128, 16, 4, 1), (128, 8, 2, 1), (64, 8, 1, 1), (64, 16, 2, 1),
                 (256, 8, 4, 3), (128, 8, 2, 3), (64, 4, 1, 3)]
 
@@ -384,7 +387,8 @@ VARIANTS = {"xvmix_bmm": _xvmix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "tbmm_mix_tbmm
 
 def variants_for(n: int) -> dict:
     """The pipelines worth timing at ``n`` tokens."""
-    names = ["xvmix_bmm", "bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
+    names = ["bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
+    names += ["xvmix_bmm"] if n <= XVMIX_MAX_N else []
     if n >= TOKEN_MAJOR_MIN_N:
         names.append("tbmm_mix_tbmm")
     if n <= PDL_MAX_N and pdl_offered():
