@@ -9,18 +9,19 @@ on tensor cores everywhere else (``_xvmix_kernel``, ``_zmix_kernel``: per rank a
 
 Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk):
 
-* ``xvmix_bmm`` (N <= XVMIX_MAX_N; the paper's partial fusion, taken further on tensor cores): ``_xvmix_kernel`` makes
-  Z's (BN tokens, BK ranks) tile for every block j by one batched 3-D dot (b: BN x m @ m x BK), rounds
-  it to x's dtype, mixes it by a second batched dot (per rank a (BN x b) @ (b x b) product) and writes
-  T (N, b, r); stage 3 on cuBLAS (:func:`per_block_gemm`: T read as (b_i, N, r) with lda = b r, U_i^T
-  as a transposed operand, Y written block-major through a (b, N, p) view, no copy). Z never reaches
-  memory and no FLOP is recomputed. The price is the b-fold result each program holds, Z's and then
-  T's (BB, BN, BK) fp32 tile: tiles stay small (16-64 tokens by 16-64 ranks), so X is re-read from L2
-  once per rank chunk and V once per token tile. It replaced the CUDA-core version of this fusion
-  (``mix_bmm``: Z_j's tile scaled by s_ij and summed into a register tile per j), which it beat at
-  every shape and N <= 1024, by 1.03-1.8x (72dedee). On the H200 the three-kernel pipelines below
-  beat it at every shape but Llama-1B gate and up at N = 128, where it is the pick by 2% or less
-  (6cfd3c1; a tie at 72dedee), and take 0.24-0.62x its time at N = 8192.
+* ``xvmix_bmm`` (N <= XVMIX_MAX_N; the paper's partial fusion, taken further on tensor cores):
+  ``_xvmix_kernel`` makes Z's (BN tokens, BK ranks) tile for every block j by one batched 3-D dot
+  (b: BN x m @ m x BK), rounds it to x's dtype, mixes it by a second batched dot (per rank a
+  (BN x b) @ (b x b) product) and writes T (N, b, r); stage 3 on cuBLAS (:func:`per_block_gemm`:
+  T read as (b_i, N, r) with lda = b r, U_i^T as a transposed operand, Y written block-major
+  through a (b, N, p) view, no copy). Z never reaches memory and no FLOP is recomputed. The price
+  is the b-fold result each program holds, Z's and then T's (BB, BN, BK) fp32 tile: tiles stay
+  small (16-64 tokens by 16-64 ranks), so X is re-read from L2 once per rank chunk and V once per
+  token tile. It replaced the CUDA-core version of this fusion (``mix_bmm``: Z_j's tile scaled by
+  s_ij and summed into a register tile per j), which it beat at every shape and N <= 1024, by
+  1.03-1.8x (72dedee). On the H200 the three-kernel pipelines below beat it at every shape but
+  Llama-1B gate and up at N = 128, where it is the pick by 2% or less (6cfd3c1; a tie at 72dedee),
+  and take 0.24-0.62x its time at N = 8192.
 * ``bmm_mix_bmm``: stages 1 and 3 on cuBLAS, the mixing alone between them as a
   memory-bound kernel (``_zmix_kernel``: Z read once, T written once, the b^2 products per
   element as a batched (BN x b) @ (b x b) tensor-core dot per rank). Traffic beyond the
@@ -241,9 +242,9 @@ def _prune_tmix(configs, named_args, **kwargs):
 
 
 # (BN, BK, warps, stages). With 1 stage each rank's loads wait for the previous rank's store: at N = 128
-# (one or two token tiles) that chain of BK dependent reads is the pass's time (6.2 us for 6 MB at Llama-1B
-# up, 6cfd3c1). Stages >= 2 let Triton prefetch the next ranks' Z_k rows by cp.async (S_k, b^2 scalars r apart, stays a
-# plain load; not timed yet).
+# (one or two token tiles) that chain of BK dependent reads looks like the pass's time (6.2 us for 6 MB at
+# Llama-1B up, 6cfd3c1). Stages >= 2 let Triton prefetch the next ranks' Z_k rows by cp.async (S_k, b^2
+# scalars r apart, stays a plain load). The 3-stage tiles are not timed on a GPU yet.
 TMIX_CONFIGS = [(256, 8, 4, 1), (512, 8, 8, 1), (128, 16, 4, 1), (128, 8, 2, 1), (64, 8, 1, 1), (64, 16, 2, 1),
                 (256, 8, 4, 3), (128, 8, 2, 3), (64, 4, 1, 3)]
 
