@@ -181,26 +181,75 @@ def test_compressed_param_count_matches_a_built_model():
     assert counted["bytes_compressed"] == counted["model_compressed"] * 4  # tiny is float32
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The tiny preset saved as a local model directory (config.json + safetensors), random weights."""
+    from memfit.models import save_model_dir
+
+    return save_model_dir(PRESETS["tiny"], tmp_path_factory.mktemp("tiny"), dtype="float32")
+
+
+def test_one_call_compresses_a_local_model_and_saves_it(tmp_path, tiny_dir):
+    """memfit.compress(MODEL, OUT, ...) (the module is callable) loads a local directory, projects it
+    activation-aware on the built-in corpus and saves it; the saved model loads with Monarch layers and
+    gives the logits of the dense model's projection, not of random layers."""
+    import memfit
+    from memfit.layers import MonarchLinear
+
+    out = tmp_path / "monarch"
+    result = memfit.compress(tiny_dir, out, method="monarch", ratio=0.9, blocks=2, calib_builtin=True,
+                             calib_samples=2, calib_seq=32, activation_aware=True, device="cpu", progress=False)
+    assert result.report and all(r["output_error"] is not None for r in result.report)
+    loaded = load_compressed(out)
+    assert any(isinstance(m, MonarchLinear) for m in loaded.modules())
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True).eval()
+    ids = torch.randint(0, PRESETS["tiny"].vocab, (1, 12))
+    with torch.no_grad():
+        got, want = loaded(ids).logits, dense(ids).logits
+    assert ((got - want).norm() / want.norm()).item() < 0.5
+
+
+def test_cli_compresses_a_preset_and_prints_its_plan(tmp_path, capsys, caplog, monkeypatch):
+    import memfit.log
+    from memfit.cli import main
+
+    monkeypatch.setattr(memfit.log, "_said", set())         # the preset warning, even if said earlier in this run
+    monkeypatch.setenv("COLUMNS", "200")                     # rich's table, unwrapped whatever the terminal
+    out = tmp_path / "lowrank"
+    assert main(["compress", "tiny", "--method", "lowrank", "--ratio", "0.5", "--out", str(out), "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert "memfit compress: lowrank" in captured.out and "q_proj" in captured.out
+    assert f"saved to {out}" in captured.err and "10/10" in captured.err          # the progress bar, on stderr
+    assert "tiny is a preset: compressing random weights" in caplog.text
+    assert load_compressed(out) is not None
+
+
+def test_a_failed_projection_leaves_no_output(tmp_path, monkeypatch):
+    """Nothing is written before the projection is done: a failure in it leaves no directory behind."""
+    import memfit.compress.convert as convert
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("projection failed")
+
+    monkeypatch.setattr(convert, "compress_model", fails)
+    out = tmp_path / "out"
+    import memfit
+
+    with pytest.raises(RuntimeError, match="projection failed"):
+        memfit.compress("tiny", out, method="lowrank", device="cpu", progress=False)
+    assert not out.exists()
+
+
 def test_cli_refuses_to_overwrite(tmp_path, capsys):
     from memfit.cli import main
 
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    argv = ["compress", "tiny", "--method", "lowrank", "--blocks", "4", "--out", str(out)]
-    try:
-        code = main(argv)
-    except SystemExit as exit_:  # verb not registered in memfit.cli yet: call the module directly
-        import argparse
-
-        from memfit.commands import compress
-
-        parser = argparse.ArgumentParser()
-        compress.add_parser(parser.add_subparsers())
-        with pytest.raises(MemfitError, match="already exists"):
-            compress.run(parser.parse_args(argv))
-        code = 2 if exit_.code else exit_.code
-    assert code == 2
+    assert main(["compress", "tiny", "--method", "lowrank", "--blocks", "4", "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "mine"
 
 

@@ -20,51 +20,26 @@ def add_parser(sub):
     return parser
 
 
-def resolve_device(name: str):
-    import torch
-
-    from memfit.errors import MemfitError
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise MemfitError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise MemfitError(f"device {name!r} asked for, but this machine has no CUDA GPU; use --device cpu")
-    return device
-
-
-def check_model_dir(model: str) -> Path:
-    """``model`` as a directory holding config.json and safetensors weights (checked before any work)."""
-    from memfit.errors import MemfitError
-    from memfit.infer.partial_load import check_weight_files
-    from memfit.models import PRESETS
-
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        if model in PRESETS:
-            hint = " (a preset is a shape without weights; save one with memfit.models.save_model_dir)"
-        elif path.is_file():
-            hint = " (it is a file: pass the directory holding config.json and the weights)"
-        else:
-            hint = " (no such directory)"
-        raise MemfitError(f"{model!r} is not a model directory{hint}")
-    if not (path / "config.json").is_file():
-        raise MemfitError(f"{model}: the directory has no config.json")
-    check_weight_files(path)
-    return path
-
-
 def run(args) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from memfit.errors import MemfitError
-    from memfit.infer.calibrate import RANKINGS_FILE, calibrate, prompt_batches, read_prompts
+    from memfit.infer.calibrate import (
+        RANKINGS_FILE,
+        calibrate,
+        prompt_batches,
+        read_prompts,
+    )
     from memfit.infer.partial_load import load_model
     from memfit.infer.text import load_codec
+    from memfit.local import check_model_dir, resolve_device
 
     model_dir = check_model_dir(args.model)
     out = Path(args.out) if args.out else model_dir / RANKINGS_FILE

@@ -1,15 +1,31 @@
 """``memfit compress``: convert a model's linear layers to low-rank, Monarch or BLAST structure."""
 from __future__ import annotations
 
+EXAMPLES = """\
+examples:
+  memfit compress llama-3.2-1b --method monarch --out ./monarch-1b
+  memfit compress ./my-llama --method blast --activation-aware --calib-builtin --out ./my-llama-blast
+  memfit compress ./my-llama --method lowrank --ratio 0.3 --skip none --out ./my-llama-lowrank
+
+A preset has random weights: its result is for shapes and speed, not accuracy. Nothing is
+written until every layer is projected. From Python, memfit.compress(MODEL, OUT, method=...)
+does the same, and memfit.compress.load_compressed(OUT) loads the result.
+"""
+
 
 def add_parser(sub):
+    import argparse
+
     parser = sub.add_parser(
         "compress", help="compress a model's linear layers to block-low-rank structure",
-        description="Replace the q/k/v/o/gate/up/down projections of a Llama-family model by low-rank, "
-                    "Monarch or BLAST layers holding --ratio of their parameters, and save the result "
-                    "(safetensors + memfit_compress.json). MODEL is a preset (random weights) or a local HF directory.")
+        description="Replace the q/k/v/o/gate/up/down projections of a Llama-family model by low-rank,\n"
+                    "Monarch or BLAST layers holding --ratio of their parameters, and save the result\n"
+                    "(safetensors + memfit_compress.json). MODEL is a preset (random weights) or a local\n"
+                    "Hugging Face directory.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", metavar="MODEL", help="preset name or local model directory")
-    parser.add_argument("--method", choices=("blast", "monarch", "lowrank"), default="blast")
+    parser.add_argument("--method", choices=("blast", "monarch", "lowrank"), default="blast",
+                        help="the structure: BLAST (default), Monarch, or plain low-rank U V^T")
     parser.add_argument("--ratio", type=float, default=0.5, help="fraction of the linear parameters kept (default 0.5)")
     parser.add_argument("--blocks", type=int, default=16, help="blocks per side for monarch/blast (default 16)")
     parser.add_argument("--skip", default=None,
@@ -36,51 +52,14 @@ def _skip(text):
 
 def run(args) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from memfit.commands.calibrate import check_model_dir, resolve_device
-    from memfit.compress import compress_model, plan_kinds, save_compressed
-    from memfit.compress.calibration import load_calibration
-    from memfit.compress.convert import decoder_linears, model_shapes
-    from memfit.compress.io import check_output
-    from memfit.errors import MemfitError
-    from memfit.log import warn_once
-    from memfit.models import PRESETS, build_model, load_spec
+    from memfit.compress import compress
 
-    console = Console(stderr=True)
-    check_output(args.out, args.force)  # before any work
-    if args.steps < 1:
-        raise MemfitError(f"--steps must be >= 1, got {args.steps}")
-    skip = _skip(args.skip)
-    spec = load_spec(args.model)
-    plan_kinds(spec.linear_shapes(), args.method, args.ratio, args.blocks, skip=skip)  # shape errors up front
-    if args.activation_aware and not (args.calib or args.calib_builtin):
-        raise MemfitError("--activation-aware needs --calib FILE or --calib-builtin")
-    model_dir = None if args.model in PRESETS else check_model_dir(args.model)
-    device = resolve_device(args.device)
-    calibration = load_calibration(args.calib, args.calib_builtin, model_dir, spec.vocab,
-                                   args.calib_samples, args.calib_seq)
-    if model_dir is None:
-        warn_once("compress:random", f"{args.model} is a preset: compressing random weights (shapes only)")
-        model = build_model(spec, dtype="float32")
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype="auto").eval()
-    model.to(device)
-    linears = decoder_linears(model)
-    plan = plan_kinds(model_shapes(linears), args.method, args.ratio, args.blocks, skip=skip)
-    total = sum(plan[name.rsplit(".", 1)[-1]].rank is not None for name in linears)
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task(f"{args.method} projection", total=total)
-        result = compress_model(model, args.method, args.ratio, args.blocks, skip=skip, calibration=calibration,
-                                activation_aware=args.activation_aware, steps=args.steps, device=device,
-                                progress=lambda kind, n: bar.update(task, advance=n, description=f"{args.method} {kind}"))
-    info = {"source": str(args.model), **result.summary(), "activation_aware": args.activation_aware,
-            "report": result.report}
-    out = save_compressed(model, args.out, result.layers, info, source_dir=model_dir, force=args.force)
+    result = compress(args.model, args.out, args.method, args.ratio, args.blocks, skip=_skip(args.skip),
+                      calib=args.calib, calib_builtin=args.calib_builtin, calib_samples=args.calib_samples,
+                      calib_seq=args.calib_seq, activation_aware=args.activation_aware, steps=args.steps,
+                      device=args.device, force=args.force)
     table = Table(title=f"memfit compress: {args.method}, {result.summary()['linear_ratio']:.1%} of linear params")
     for column in ("kind", "shape", "rank", "params", "weight err", "output err"):
         table.add_column(column, justify="left" if column == "kind" else "right")
@@ -92,5 +71,5 @@ def run(args) -> int:
                       f"{kp.params / kp.dense_params:.0%}", f"{werr:.3f}" if werr is not None else "-",
                       f"{sum(oerrs) / len(oerrs):.3f}" if oerrs else "-")
     Console().print(table)
-    console.print(f"saved to {out}")
+    Console(stderr=True).print(f"saved to {args.out}", soft_wrap=True, markup=False, highlight=False)
     return 0

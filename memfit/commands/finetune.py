@@ -107,8 +107,8 @@ def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, cons
 
 def load_model_and_tokenizer(name: str, dtype: torch.dtype, device: torch.device):
     """A preset (random init, byte tokenizer) or a local HF directory (its tokenizer, or the byte one)."""
-    from memfit.commands.calibrate import check_model_dir
     from memfit.data.tokenizer import ByteTokenizer
+    from memfit.local import check_model_dir
     from memfit.models import PRESETS, build_model, load_spec
 
     spec = load_spec(name)
@@ -141,7 +141,7 @@ def run(args) -> int:
 
     console = Console(stderr=True)
     budget = parse_bytes(args.gpu_memory) if args.gpu_memory else None
-    from memfit.commands.calibrate import resolve_device
+    from memfit.local import resolve_device
 
     device = resolve_device(args.device)
     dtype = dtype_of(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

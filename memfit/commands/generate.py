@@ -37,10 +37,10 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from memfit.commands.calibrate import check_model_dir, resolve_device
     from memfit.errors import MemfitError
     from memfit.infer.generate import Generator, weight_bytes_per_token
     from memfit.infer.partial_load import PartialConfig, describe, load_model
+    from memfit.local import check_model_dir, resolve_device
     from memfit.models import load_spec
     from memfit.units import format_bytes
 

@@ -1,0 +1,88 @@
+"""One call from a model name to a saved compressed model: what ``memfit compress`` runs.
+
+    import memfit
+    result = memfit.compress("llama-3.2-1b", "./blast-1b", method="blast", ratio=0.5, blocks=16)
+    model = memfit.compress.load_compressed("./blast-1b")
+
+Every argument is checked before a model is built or loaded (an existing ``out``, a bad shape
+for the structure, a missing calibration source, an unknown device), so a mistake costs no time
+and leaves nothing behind; the output directory is written only once the projection is done.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from memfit.compress.convert import CompressionResult
+
+
+def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: float = 0.5, blocks: int = 16, *,
+             skip: tuple[str, ...] | None = None, calib: str | Path | None = None, calib_builtin: bool = False,
+             calib_samples: int = 32, calib_seq: int = 512, activation_aware: bool = False, steps: int = 300,
+             device: str = "auto", force: bool = False, progress: bool = True) -> CompressionResult:
+    """Compress ``model`` (a preset, random weights, or a local Hugging Face directory) and save it to ``out``.
+
+    ``method``: blast, monarch or lowrank; ``ratio``: the fraction of each compressed layer's
+    parameters kept; ``blocks``: blocks per side (Monarch, BLAST); ``skip``: projection kinds kept
+    dense (default: k_proj and v_proj of GQA models). ``activation_aware`` minimises each layer's
+    output error on calibration text (``calib``, a text file, or ``calib_builtin``, the built-in
+    Python-docs corpus) instead of its weight error; ``steps``: BLAST's descent steps per matrix.
+    ``force`` replaces an existing ``out``. ``progress``: a progress bar on stderr. Returns the
+    plan and per-layer errors (:class:`CompressionResult`); ``load_compressed(out)`` gives the model back.
+    """
+    from memfit.compress.calibration import load_calibration
+    from memfit.compress.convert import compress_model, decoder_linears, model_shapes
+    from memfit.compress.io import check_output, save_compressed
+    from memfit.compress.plan import plan_kinds
+    from memfit.errors import MemfitError
+    from memfit.local import check_model_dir, resolve_device
+    from memfit.log import warn_once
+    from memfit.models import PRESETS, load_spec
+
+    model = str(model)
+    check_output(out, force)
+    if steps < 1:
+        raise MemfitError(f"--steps must be >= 1, got {steps}")       # errors name the CLI's flags, as load_calibration's
+    spec = load_spec(model)
+    plan_kinds(spec.linear_shapes(), method, ratio, blocks, skip=skip)          # shape errors before any work
+    if activation_aware and not (calib or calib_builtin):
+        raise MemfitError("--activation-aware needs --calib FILE or --calib-builtin")
+    model_dir = None if model in PRESETS else check_model_dir(model)
+    torch_device = resolve_device(device)
+    calibration = load_calibration(calib, calib_builtin, model_dir, spec.vocab, calib_samples, calib_seq)
+    if model_dir is None:
+        warn_once("compress:random", f"{model} is a preset: compressing random weights (shapes only)")
+        import memfit.models
+
+        net = memfit.models.build_model(spec, dtype="float32")
+    else:
+        from transformers import AutoModelForCausalLM
+
+        net = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype="auto").eval()
+    net.to(torch_device)
+    linears = decoder_linears(net)
+    plan = plan_kinds(model_shapes(linears), method, ratio, blocks, skip=skip)
+    total = sum(plan[name.rsplit(".", 1)[-1]].rank is not None for name in linears)
+    with _progress_bar(progress, f"{method} projection", total) as advance:
+        result = compress_model(net, method, ratio, blocks, skip=skip, calibration=calibration,
+                                activation_aware=activation_aware, steps=steps, device=torch_device,
+                                progress=lambda kind, n: advance(n, f"{method} {kind}"))
+    info = {"source": model, **result.summary(), "activation_aware": activation_aware, "report": result.report}
+    save_compressed(net, out, result.layers, info, source_dir=model_dir, force=force)
+    return result
+
+
+@contextlib.contextmanager
+def _progress_bar(show: bool, description: str, total: int):
+    """A rich progress bar on stderr over ``total`` layers, or none when ``show`` is false: yields
+    ``advance(n, description)``."""
+    if not show:
+        yield lambda n, text: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True)) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n, text: bar.update(task, advance=n, description=text)
