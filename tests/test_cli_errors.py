@@ -79,10 +79,12 @@ def test_compress_unknown_device(tmp_path, capsys, no_model_load):
     _fails(capsys, argv, "unknown device 'gpu'")
 
 
-def test_compress_existing_out_names_the_flag(tmp_path, capsys, no_model_load):
+def test_compress_existing_out_names_the_flag_and_is_left_alone(tmp_path, capsys, no_model_load):
     (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
     _fails(capsys, _compress(tmp_path), "already exists; pass --force to replace it")
     assert "force=True" not in capsys.readouterr().err
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize("command", [_compress, _finetune])

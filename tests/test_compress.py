@@ -193,19 +193,23 @@ def test_one_call_compresses_a_local_model_and_saves_it(tmp_path, tiny_dir):
     """memfit.compress(MODEL, OUT, ...) (the module is callable) loads a local directory, projects it
     activation-aware on the built-in corpus and saves it; the saved model loads with Monarch layers and
     gives the logits of the dense model's projection, not of random layers."""
+    import json
+
     import memfit
     from memfit.layers import MonarchLinear
 
     out = tmp_path / "monarch"
     result = memfit.compress(tiny_dir, out, method="monarch", ratio=0.9, blocks=2, calib_builtin=True,
                              calib_samples=2, calib_seq=32, activation_aware=True, device="cpu", progress=False)
-    assert result.report and all(r["output_error"] is not None for r in result.report)
+    assert result.report and all(r["activation_aware"] and r["output_error"] is not None for r in result.report)
+    saved = json.loads((out / "memfit_compress.json").read_text())
+    assert saved["activation_aware"] is True and saved["source"] == str(tiny_dir)
     loaded = load_compressed(out)
     assert any(isinstance(m, MonarchLinear) for m in loaded.modules())
     from transformers import AutoModelForCausalLM
 
     dense = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True).eval()
-    ids = torch.randint(0, PRESETS["tiny"].vocab, (1, 12))
+    ids = torch.randint(0, PRESETS["tiny"].vocab, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = loaded(ids).logits, dense(ids).logits
     assert ((got - want).norm() / want.norm()).item() < 0.5
@@ -226,31 +230,46 @@ def test_cli_compresses_a_preset_and_prints_its_plan(tmp_path, capsys, caplog, m
     assert load_compressed(out) is not None
 
 
-def test_a_failed_projection_leaves_no_output(tmp_path, monkeypatch):
-    """Nothing is written before the projection is done: a failure in it leaves no directory behind."""
+@pytest.mark.parametrize("stage", ["projection", "save"])
+def test_a_failure_leaves_no_output(tmp_path, monkeypatch, stage):
+    """Nothing is written before the projection is done, and the save goes through a temporary
+    directory renamed at the end: a failure in either leaves tmp_path as it was."""
+    import safetensors.torch
+
+    import memfit
     import memfit.compress.convert as convert
 
     def fails(*args, **kwargs):
-        raise RuntimeError("projection failed")
+        raise RuntimeError(f"{stage} failed")
 
-    monkeypatch.setattr(convert, "compress_model", fails)
-    out = tmp_path / "out"
-    import memfit
+    if stage == "projection":
+        monkeypatch.setattr(convert, "compress_model", fails)
+    else:
+        monkeypatch.setattr(safetensors.torch, "save_model", fails)
+    with pytest.raises(RuntimeError, match=f"{stage} failed"):
+        memfit.compress("tiny", tmp_path / "out", method="lowrank", device="cpu", progress=False)
+    assert list(tmp_path.iterdir()) == []
 
-    with pytest.raises(RuntimeError, match="projection failed"):
-        memfit.compress("tiny", out, method="lowrank", device="cpu", progress=False)
-    assert not out.exists()
+
+def test_import_memfit_then_call_memfit_compress():
+    """``import memfit; memfit.compress(...)`` with no import of memfit.compress before it (the lazy
+    attribute), in a fresh interpreter; its signature is compress()'s."""
+    import subprocess
+    import sys
+
+    code = ("import inspect, memfit; assert callable(memfit.compress); "
+            "print(list(inspect.signature(memfit.compress).parameters)[:3])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "['model', 'out', 'method']"
 
 
-def test_cli_refuses_to_overwrite(tmp_path, capsys):
-    from memfit.cli import main
+@pytest.mark.parametrize("text,kinds", [(None, None), ("none", ()), ("", ()), ("k_proj, v_proj", ("k_proj", "v_proj")),
+                                        (("o_proj",), ("o_proj",))])
+def test_skip_is_a_comma_separated_string_or_a_sequence(text, kinds):
+    from memfit.compress.pipeline import parse_skip
 
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    assert main(["compress", "tiny", "--method", "lowrank", "--blocks", "4", "--out", str(out)]) == 2
-    assert "already exists" in capsys.readouterr().err
-    assert (out / "keep.txt").read_text() == "mine"
+    assert parse_skip(text) == kinds
 
 
 @pytest.mark.parametrize("rank", [32, 64, 96])

@@ -22,21 +22,10 @@ def add_parser(sub):
 
 def run(args) -> int:
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from memfit.errors import MemfitError
-    from memfit.infer.calibrate import (
-        RANKINGS_FILE,
-        calibrate,
-        prompt_batches,
-        read_prompts,
-    )
+    from memfit.infer.calibrate import RANKINGS_FILE, calibrate, prompt_batches, read_prompts
     from memfit.infer.partial_load import load_model
     from memfit.infer.text import load_codec
     from memfit.local import check_model_dir, resolve_device

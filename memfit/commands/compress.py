@@ -44,19 +44,15 @@ def add_parser(sub):
     return parser
 
 
-def _skip(text):
-    if text is None:
-        return None
-    return () if text.strip().lower() in ("", "none") else tuple(k.strip() for k in text.split(",") if k.strip())
-
-
 def run(args) -> int:
+    from pathlib import Path
+
     from rich.console import Console
     from rich.table import Table
 
     from memfit.compress import compress
 
-    result = compress(args.model, args.out, args.method, args.ratio, args.blocks, skip=_skip(args.skip),
+    result = compress(args.model, args.out, args.method, args.ratio, args.blocks, skip=args.skip,
                       calib=args.calib, calib_builtin=args.calib_builtin, calib_samples=args.calib_samples,
                       calib_seq=args.calib_seq, activation_aware=args.activation_aware, steps=args.steps,
                       device=args.device, force=args.force)
@@ -71,5 +67,5 @@ def run(args) -> int:
                       f"{kp.params / kp.dense_params:.0%}", f"{werr:.3f}" if werr is not None else "-",
                       f"{sum(oerrs) / len(oerrs):.3f}" if oerrs else "-")
     Console().print(table)
-    Console(stderr=True).print(f"saved to {args.out}", soft_wrap=True, markup=False, highlight=False)
+    Console(stderr=True).print(f"saved to {Path(args.out).expanduser()}", soft_wrap=True, markup=False, highlight=False)
     return 0

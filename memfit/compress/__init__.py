@@ -8,6 +8,7 @@ Face Llama-family model in place; ``save_compressed``/``load_compressed`` store 
 ``compressed_param_count(spec, method, ratio, blocks)`` tells the ledger the result's
 size without building anything.
 """
+import inspect
 import sys
 import types
 
@@ -29,3 +30,4 @@ class _CallableModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallableModule
+__signature__ = inspect.signature(compress)          # what help() and inspect show for memfit.compress(...)

@@ -17,18 +17,21 @@ from memfit.compress.convert import CompressionResult
 
 
 def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: float = 0.5, blocks: int = 16, *,
-             skip: tuple[str, ...] | None = None, calib: str | Path | None = None, calib_builtin: bool = False,
+             skip: str | tuple[str, ...] | None = None, calib: str | Path | None = None, calib_builtin: bool = False,
              calib_samples: int = 32, calib_seq: int = 512, activation_aware: bool = False, steps: int = 300,
              device: str = "auto", force: bool = False, progress: bool = True) -> CompressionResult:
     """Compress ``model`` (a preset, random weights, or a local Hugging Face directory) and save it to ``out``.
 
     ``method``: blast, monarch or lowrank; ``ratio``: the fraction of each compressed layer's
     parameters kept; ``blocks``: blocks per side (Monarch, BLAST); ``skip``: projection kinds kept
-    dense (default: k_proj and v_proj of GQA models). ``activation_aware`` minimises each layer's
+    dense, as a tuple or a comma-separated string ("none" or "" for none; default: k_proj and v_proj
+    of GQA models). ``activation_aware`` minimises each layer's
     output error on calibration text (``calib``, a text file, or ``calib_builtin``, the built-in
     Python-docs corpus) instead of its weight error; ``steps``: BLAST's descent steps per matrix.
-    ``force`` replaces an existing ``out``. ``progress``: a progress bar on stderr. Returns the
-    plan and per-layer errors (:class:`CompressionResult`); ``load_compressed(out)`` gives the model back.
+    ``force`` replaces an existing ``out``. ``progress``: a progress bar on stderr. Errors name the
+    ``memfit compress`` flags, as the calibration loader's do. Returns :class:`CompressionResult`: the
+    plan, per-layer errors and the compressed model itself (``.model``, still on ``device``; drop the
+    result to free it); ``load_compressed(out)`` loads the saved copy.
     """
     from memfit.compress.calibration import load_calibration
     from memfit.compress.convert import compress_model, decoder_linears, model_shapes
@@ -39,10 +42,10 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     from memfit.log import warn_once
     from memfit.models import PRESETS, load_spec
 
-    model = str(model)
+    model, skip = str(model), parse_skip(skip)
     check_output(out, force)
     if steps < 1:
-        raise MemfitError(f"--steps must be >= 1, got {steps}")       # errors name the CLI's flags, as load_calibration's
+        raise MemfitError(f"--steps must be >= 1, got {steps}")
     spec = load_spec(model)
     plan_kinds(spec.linear_shapes(), method, ratio, blocks, skip=skip)          # shape errors before any work
     if activation_aware and not (calib or calib_builtin):
@@ -70,6 +73,14 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     info = {"source": model, **result.summary(), "activation_aware": activation_aware, "report": result.report}
     save_compressed(net, out, result.layers, info, source_dir=model_dir, force=force)
     return result
+
+
+def parse_skip(skip: str | tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """``skip`` as projection kinds: a comma-separated string ("none" or "" for none) or a sequence;
+    None keeps the default (k_proj and v_proj of GQA models)."""
+    if skip is None or not isinstance(skip, str):
+        return None if skip is None else tuple(skip)
+    return () if skip.strip().lower() in ("", "none") else tuple(k.strip() for k in skip.split(",") if k.strip())
 
 
 @contextlib.contextmanager
