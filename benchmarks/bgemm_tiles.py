@@ -1,7 +1,7 @@
 """Tile sweep of bgemm (the BLR kernels' strided batched GEMM with a regrouping store) against cuBLAS.
 
-Every Monarch pipeline but the cuBLAS-only ones runs its stage 1 (z = x_j @ w1[j] for every
-input block j, P^T folded into the store) on ``blr_common.bgemm``, and at decode both stages.
+Most Monarch pipelines run their stage 1 (z = x_j @ w1[j] for every input block j, P^T folded
+into the store) on ``blr_common.bgemm``, at decode both stages, and ``bmm_gather`` its stage 2.
 For the paper's shapes this times, in one run and each alone:
 
 * every tile config of the mode's list (BN x BC x BK, warps, stages) that fits, with the K mask
@@ -234,12 +234,11 @@ def main() -> int:
         return 2
     from rich.progress import Progress
 
+    from memfit.kernels.blr_common import BGEMM_SHORT_RUNS
     from memfit.measure.results import write_results
     from memfit.measure.timing import measure_ceilings
 
     shapes = args.shapes
-    from memfit.kernels.blr_common import BGEMM_SHORT_RUNS
-
     stages, configs = (((1, 2), DECODE_CONFIGS) if args.decode else ((2,), CONFIGS + BGEMM_SHORT_RUNS) if args.gather
                        else ((1,), CONFIGS))
     stem = "bgemm_tiles" + ("_decode" if args.decode else "_gather" if args.gather else "")

@@ -174,7 +174,7 @@ from memfit.kernels import blast, blr_common
 kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
            "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel}
 out = {}
-for name, (kernel, constexprs, divisible, stages) in json.loads(sys.argv[1]).items():
+for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
     signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
                  for p in fn.params}
@@ -182,7 +182,7 @@ for name, (kernel, constexprs, divisible, stages) in json.loads(sys.argv[1]).ite
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in divisible}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=defaults | constexprs, attrs=attrs)
     target = GPUTarget("cuda", 90, 32)
-    out[name] = triton.compile(source, target=target, options={"num_warps": 4, "num_stages": stages}).asm["ptx"]
+    out[name] = triton.compile(source, target=target, options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
 print(json.dumps(out))
 """
 CHAIN_BASE = {"HAS_BIAS": True, "PRECISION": "tf32", "LINE": 64, "BN": 16, "BC": 64, "BK": 64}
@@ -200,15 +200,15 @@ CHAIN_CASES = {
 
 def compile_sm90(cases: dict) -> dict:
     """PTX of each (kernel, constexprs[, names of arguments divisible by 16, as Triton specializes them at
-    launch[, num_stages (3)]]) case compiled for sm_90 in a subprocess outside the interpreter."""
+    launch[, num_stages (3)[, num_warps (4)]]]) case compiled for sm_90 in a subprocess outside the interpreter."""
     import json
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    assert all(2 <= len(case) <= 4 for case in cases.values()), cases
-    full = {name: (*case, *([], 3)[len(case) - 2:]) for name, case in cases.items()}   # the defaults filled in
+    assert all(2 <= len(case) <= 5 for case in cases.values()), cases
+    full = {name: (*case, *([], 3, 4)[len(case) - 2:]) for name, case in cases.items()}   # the defaults filled in
     done = subprocess.run([sys.executable, "-c", SM90_PTX_SCRIPT, json.dumps(full)], env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -224,6 +224,39 @@ def test_fused_mixing_compiles_to_tensor_core_dots():
     ptx = compile_sm90({"xvmix": ("xvmix", {"BB": 16, "PRECISION": "tf32", "BN": 16, "BK": 16, "BM": 16}, aligned,
                                   2)})["xvmix"]
     assert "mma.sync" in ptx and "fma.rn.f32" not in ptx and "cp.async" in ptx
+
+
+def ptxas_spills(ptx: str) -> tuple[int, int]:
+    """(registers, spill-store bytes) of sm_90 PTX as Triton's bundled ptxas reports them (-v)."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "kernel.ptx")
+        with open(source, "w") as handle:
+            handle.write(ptx)
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", source, "-o", os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True, timeout=120, check=True)
+    registers = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
+    return registers, int(re.search(r"(\d+) bytes spill stores", done.stderr).group(1))
+
+
+def test_fused_mixing_tiles_compile_without_spills():
+    """Every listed _xvmix_kernel tile, at b = 16 in bf16 with its warps and stages, compiles for sm_90
+    with at most 8 bytes of register spills (what XVMIX_RESULT_REGISTERS stands for; one tile spills 8 B);
+    a wider tile (32 tokens x 32 ranks, 32-wide K steps, 4 warps) spills kilobytes, so the check can tell."""
+    aligned = ["x_ptr", "v_ptr", "s_ptr", "t_ptr", "M", "sxn", "svj", "sva", "stn", "sti"]
+    base = {"BB": 16, "PRECISION": "tf32"}
+    cases = {f"{bn}x{bk}x{bm} w{w} s{st}": ("xvmix", {**base, "BN": bn, "BK": bk, "BM": bm}, aligned, st, w)
+             for bn, bk, bm, w, st in blast.XVMIX_CONFIGS}
+    cases["too wide"] = ("xvmix", {**base, "BN": 32, "BK": 32, "BM": 32}, aligned, 2, 4)
+    spills = {name: ptxas_spills(ptx)[1] for name, ptx in compile_sm90(cases).items()}
+    assert spills.pop("too wide") > 1024
+    assert max(spills.values()) <= 8, spills
 
 
 def test_pipelined_token_major_mixing_prefetches_by_cp_async():
@@ -636,7 +669,7 @@ XV_ALL = [(16, 16, 32, 8, 2), (16, 16, 16, 4, 2), (16, 32, 16, 8, 3), (32, 16, 3
 ])
 def test_xvmix_tiles_fit_registers_and_shared_memory(blocks, rank, n, m, dtype, kept):
     """The fused stage-1-and-mixing kernel's tiles: a (BB, BN, BK) fp32 result of at most 64 registers a
-    thread (all listed tiles, spill-free at b = 16 in bf16), X and V slices within shared memory at their
+    thread (all listed tiles: at most 8 B of spills at b = 16 in bf16), X and V slices within shared memory at their
     stage count (fp32 drops the two 3-stage 80-wide ones), no wider than tokens, ranks and input block
     need; where nothing fits, the tile with the smallest slices."""
     import triton

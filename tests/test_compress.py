@@ -272,6 +272,14 @@ def test_skip_is_a_comma_separated_string_or_a_sequence(text, kinds):
     assert parse_skip(text) == kinds
 
 
+@pytest.mark.parametrize("bad", [5, ["k_proj", 3]])
+def test_skip_of_another_type_is_a_clear_error(bad):
+    from memfit.compress.pipeline import parse_skip
+
+    with pytest.raises(MemfitError, match="comma-separated string or a sequence"):
+        parse_skip(bad)
+
+
 @pytest.mark.parametrize("rank", [32, 64, 96])
 def test_blast_layer_from_dense_is_never_worse_than_lowrank_of_the_same_rank(rank):
     """Low-rank is the BLAST case S = 1, so projecting to BLAST must reach at least its error. The layer's

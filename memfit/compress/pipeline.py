@@ -78,8 +78,15 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
 def parse_skip(skip: str | tuple[str, ...] | None) -> tuple[str, ...] | None:
     """``skip`` as projection kinds: a comma-separated string ("none" or "" for none) or a sequence;
     None keeps the default (k_proj and v_proj of GQA models)."""
-    if skip is None or not isinstance(skip, str):
-        return None if skip is None else tuple(skip)
+    from memfit.errors import MemfitError
+
+    if skip is None:
+        return None
+    if not isinstance(skip, str):
+        if not all(isinstance(kind, str) for kind in (skip if isinstance(skip, (list, tuple, set)) else [skip])):
+            raise MemfitError(f"skip takes projection kinds as a comma-separated string or a sequence of names, "
+                              f"got {skip!r}")
+        return tuple(skip)
     return () if skip.strip().lower() in ("", "none") else tuple(k.strip() for k in skip.split(",") if k.strip())
 
 

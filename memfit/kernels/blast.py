@@ -112,8 +112,9 @@ def _store_t_by_rank(t_ptr, t, rn, rk, rb, N, B, R, stn, sti, stk):
 
 # ---- full fusion of stages 1 and 2 on tensor cores: Z never leaves the chip -----------
 
-XVMIX_RESULT_REGISTERS = 64   # fp32 results a thread may hold (BB * BN * BK a program, Z's then T's); the tiles
-# below are free of spills at b = 16 in bf16 (ptxas -v for sm_90: 79-253 registers), wider ones spill
+XVMIX_RESULT_REGISTERS = 64   # fp32 results a thread may hold (BB * BN * BK a program, Z's then T's); ptxas
+# compiles the tiles below at b = 16 in bf16 for sm_90 with at most 8 bytes of spill stores, where a
+# 32 x 32 x 32 tile at 4 warps spills kilobytes (tests/test_blr_kernels.py checks both)
 XVMIX_MAX_N = 128   # from N = 1024 the three-kernel pipelines took 0.24-0.83x its time at every shape (6cfd3c1)
 XVMIX_CONFIGS = [(16, 16, 32, 8, 2), (16, 16, 16, 4, 2), (16, 32, 16, 8, 3), (32, 16, 32, 8, 2), (64, 16, 16, 8, 3),
                  (16, 64, 16, 8, 3), (32, 32, 16, 8, 3)]  # BN, BK, BM, warps, stages

@@ -28,10 +28,12 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
 * ``bmm_gather`` (N >= TOKEN_MAJOR_MIN_N, both layouts): stage 1 on cuBLAS as in ``bmm_perm_bmm``,
   stage 2 by :func:`bgemm` reading P^T through its loads (runs of t elements of z per K step,
   ``a_runs``): z written and read once, no copy, no scattered store. The fastest pipeline at
-  Llama-1B down and Llama-7B qkvo from N = 1024 (18d9a39). At Llama-7B's t = 93 the runs start
-  misaligned and its Triton stage 2 took 3-4x cuBLAS's (profile, 18d9a39: a was loaded 2 bytes at
-  a time); since 604fbd7 it reads aligned windows instead (not yet timed). Offered where z's traffic is a visible share of the time; at
-  decode the weights' reads dominate and it is not timed.
+  Llama-1B down and Llama-7B qkvo from N = 1024, and at Llama-7B down, N = 1024 (6cfd3c1). At
+  Llama-7B's t = 93 the runs start misaligned: read as they are, a was loaded 2 bytes at a time
+  (profile, 18d9a39: stage 2 at 3-4x cuBLAS's time); it now reads aligned windows around them,
+  1627 -> 1204 us at Llama-7B gate/up, N = 8192, still 2.5x cuBLAS on a P^T copy
+  (``bgemm_tiles.py --gather``, 3834552). Offered where z's traffic is a visible share of the
+  time; at decode the weights' reads dominate and it is not timed.
 * ``tbmm`` (N >= TOKEN_MAJOR_MIN_N, block-major): ``bmm`` with z stored token-contiguous,
   (b, r, N): the stage-1 store folds P^T in as whole rows of tokens, and stage 2 reads z
   through a transposed view, no copy. Where t is not a multiple of 8 (Llama-7B: 93), it
