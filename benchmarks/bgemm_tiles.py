@@ -17,7 +17,11 @@ against the bandwidth floor (operands moved once at the HBM rate measured in the
 ``bgemm_tiles_decode.json``. ``--gather``: stage 2 as ``bmm_gather`` runs it (a = stage 1's
 natural (N, b, r) output, P^T gathered by the loads), every tile reading the runs themselves and,
 where they start misaligned (Llama-7B's t = 93), aligned windows around them; cuBLAS runs on a
-P^T-permuted copy; writes ``bgemm_tiles_gather.json``. Times are CUDA-graph replays (median)
+P^T-permuted copy; writes ``bgemm_tiles_gather.json``. ``--runs-z``: stage 1 stored (N, b, r) in
+runs of t, as ``bmm`` stores it. ``--groups G ...``: each tile also with G batches (input blocks)
+per program (``BATCH_GROUP``: one flat loop over the batches' K steps, so the next batch's tiles
+load while this one's result is stored); these options add ``_runs_z`` / ``_groups`` to the file
+name, ``--tiles T`` keeps the first T tiles of the list. Times are CUDA-graph replays (median)
 rotating through copies of the operands (> 150 MB) so the weights come from HBM.
 """
 from __future__ import annotations
@@ -53,6 +57,11 @@ def parse():
                         help=f"token counts N (default {TOKENS}, with --decode {DECODE_TOKENS})")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
                         help="only these shapes (default: all of blr_layers.SHAPES)")
+    parser.add_argument("--groups", type=int, nargs="+", default=[1], metavar="G",
+                        help="also time each tile with G batches per program (BATCH_GROUP; not with --gather)")
+    parser.add_argument("--runs-z", action="store_true",
+                        help="stage 1 stored (N, b, r), runs of t, as bmm and two_stage store it (default: token-major)")
+    parser.add_argument("--tiles", type=int, default=None, metavar="T", help="only the first T tiles of the mode's list")
     args = parser.parse_args()
     if args.decode and args.gather:
         parser.error("--gather times the large-N stage 2 of bmm_gather; --decode the decode stages")
@@ -60,6 +69,8 @@ def parse():
     args.tokens = args.tokens or (DECODE_TOKENS if args.decode else TOKENS)
     if min(args.tokens) < 1:
         parser.error(f"--tokens takes positive token counts, got {args.tokens}")
+    if min(args.groups) < 1 or (args.gather and args.groups != [1]):
+        parser.error(f"--groups takes positive batch counts, and not with --gather; got {args.groups}")
     return args
 
 
@@ -128,28 +139,29 @@ class Gemm:
 
         return blr_common.a_window(a, *self.a_strides, self.runs[1], True) if self.runs else 0
 
-    def launcher(self, a, b, c, config, even_k, window=0):
+    def launcher(self, a, b, c, config, even_k, window=0, group=1):
         """fn() running this call through the bgemm kernel with one tile config, no autotuning; ``window``:
-        a gathered A read in aligned windows of that many elements instead of its runs."""
+        a gathered A read in aligned windows of that many elements instead of its runs; ``group``: batches
+        per program (``BATCH_GROUP``)."""
         import triton
 
         from memfit.kernels import blr_common
 
         bn, bc, bk, warps, stages = config
         jit = blr_common.jit_function(blr_common._bgemm_kernel)
-        grid = (triton.cdiv(self.n, bn) * triton.cdiv(self.cols, bc), self.batches)
+        grid = (triton.cdiv(self.n, bn) * triton.cdiv(self.cols, bc), triton.cdiv(self.batches, group))
         run_stride = self.runs[1] if self.runs else 0
         return lambda: jit[grid](a, b, c, c, self.n, self.k, self.cols, self.grp, self.run_length(), self.batches,
                                  blr_common.n_bucket(self.n), *self.a_strides, run_stride, *self.b_strides,
                                  *self.c_strides, HAS_BIAS=False, PRECISION=blr_common.blr_precision(a.dtype),
                                  LAUNCH_DEPENDENTS=False, WAIT_FOR_PREVIOUS=False, B_ROWS_CONTIGUOUS=False,
                                  LINE=blr_common.line_elements(b), BN=bn, BC=bc, BK=bk, EVEN_K=even_k,
-                                 A_GROUPED=self.runs is not None, A_WINDOW=window, num_warps=warps,
-                                 num_stages=stages)
+                                 A_GROUPED=self.runs is not None, A_WINDOW=window, BATCH_GROUP=group,
+                                 num_warps=warps, num_stages=stages)
 
 
 def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, bandwidth, device="cuda",
-               gather=False) -> list[dict]:
+               gather=False, groups=(1,)) -> list[dict]:
     """Rows for one (shape, N, stage): each config of ``configs`` alone, the autotuned call, cuBLAS."""
     import triton
 
@@ -183,10 +195,12 @@ def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, b
         if not blr_common.bgemm_tile_fits(tile, gemm.cols, gemm.run_length(), a0.element_size()):
             continue
         even, window_width = [False, True] if gemm.run_length() % bk == 0 else [False], gemm.window(a0)
-        for even_k, window in [(e, 0) for e in even] + ([(False, window_width)] if window_width else []):
-            label = f"{bn}x{bc}x{bk} w{warps} s{stages}" + (" even_k" if even_k else "") + (" windows" if window else "")
+        variants = [(e, 0, 1) for e in even] + [(even[-1], 0, g) for g in groups if g > 1]   # grouped: as bgemm picks EVEN_K
+        for even_k, window, group in variants + ([(False, window_width, 1)] if window_width else []):
+            label = (f"{bn}x{bc}x{bk} w{warps} s{stages}" + (" even_k" if even_k else "") + (" windows" if window else "")
+                     + (f" g{group}" if group > 1 else ""))
             try:
-                rows.append(timed(label, [gemm.launcher(*ops, config, even_k, window) for ops in gemm.operands]))
+                rows.append(timed(label, [gemm.launcher(*ops, config, even_k, window, group) for ops in gemm.operands]))
             except Exception as err:  # noqa: BLE001 (a config this GPU cannot run is recorded, not fatal)
                 rows.append({"shape": name, "n": n, "stage": stage, "candidate": label, "ms": float("nan"),
                              "error": f"{type(err).__name__}: {err}"[:300]})
@@ -241,15 +255,18 @@ def main() -> int:
     shapes = args.shapes
     stages, configs = (((1, 2), DECODE_CONFIGS) if args.decode else ((2,), CONFIGS + BGEMM_SHORT_RUNS) if args.gather
                        else ((1,), CONFIGS))
-    stem = "bgemm_tiles" + ("_decode" if args.decode else "_gather" if args.gather else "")
+    configs = configs[:args.tiles]
+    stem = ("bgemm_tiles" + ("_decode" if args.decode else "_gather" if args.gather else "")
+            + ("_runs_z" if args.runs_z else "") + ("_groups" if args.groups != [1] else ""))
     started, rows, bandwidth = time.time(), [], measure_ceilings().bandwidth
     with Progress() as progress:
         task = progress.add_task("bgemm tiles", total=len(shapes) * len(args.tokens) * len(stages))
         for name, d_in, d_out, rank in shapes:
             for n in args.tokens:
                 for stage in stages:
-                    rows += sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, not args.decode, bandwidth,
-                                       gather=args.gather)
+                    rows += sweep_case(torch, name, d_in, d_out, rank, n, stage, configs,
+                                       not (args.decode or args.runs_z), bandwidth, gather=args.gather,
+                                       groups=args.groups)
                     progress.advance(task)
                 write_results(stem, rows, [], args.out, summary=summary(rows), complete=False,
                               bandwidth_gbs=bandwidth / 1e9)

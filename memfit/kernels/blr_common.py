@@ -412,7 +412,8 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
                   HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
                   WAIT_FOR_PREVIOUS: tl.constexpr, B_ROWS_CONTIGUOUS: tl.constexpr, LINE: tl.constexpr,
                   BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                  A_GROUPED: tl.constexpr = False, A_WINDOW: tl.constexpr = 0, GROUP_N: tl.constexpr = 8):
+                  A_GROUPED: tl.constexpr = False, A_WINDOW: tl.constexpr = 0, GROUP_N: tl.constexpr = 8,
+                  BATCH_GROUP: tl.constexpr = 1):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     n_tiles = tl.cdiv(N, BN)
@@ -423,7 +424,7 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
     rows = tl.minimum(n_tiles - first, GROUP_N)
     pid_n = first + (pid % per_group) % rows
     pid_c = (pid % per_group) // rows
-    bt = tl.program_id(1).to(tl.int64)
+    bt = tl.program_id(1).to(tl.int64) * BATCH_GROUP    # this program's (first) batch
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rc = pid_c * BC + tl.arange(0, BC)
     rk = tl.arange(0, BK)
@@ -462,16 +463,36 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
             a, b = _k_step_tiles(a_ptrs + run * sag + start * sak, b_ptrs + (run * AGRP + start) * sbk, a_rows,
                                  b_cols, rk, start, AGRP, EVEN_K)
             acc = mma(a, b, acc, PRECISION)
+    elif BATCH_GROUP > 1:                              # BATCH_GROUP batches in one flat loop of K steps: the
+        k_steps = tl.cdiv(K, BK)                       # next batch's tiles load while this one's is stored
+        for step in range(0, BATCH_GROUP * k_steps):
+            g = step // k_steps
+            k0 = (step % k_steps) * BK
+            live = bt + g < BATCHES
+            a, b = _k_step_tiles(a_ptrs + g * sab + k0 * sak, b_ptrs + g * sbb + k0 * sbk, a_rows & live,
+                                 b_cols & live, rk, k0, K, EVEN_K)
+            acc = mma(a, b, acc, PRECISION)
+            if k0 + BK >= K:
+                _store_tile(c_ptr, bias_ptr, acc, bt + g, rn, rc, a_rows & b_cols & live, C, GRP, scb, scn, scg, sci,
+                            HAS_BIAS)
+                acc = tl.zeros((BN, BC), dtype=tl.float32)
     else:
         for k0 in range(0, K, BK):
             a, b = _k_step_tiles(a_ptrs, b_ptrs, a_rows, b_cols, rk, k0, K, EVEN_K)
             acc = mma(a, b, acc, PRECISION)
             a_ptrs += BK * sak
             b_ptrs += BK * sbk
+    if BATCH_GROUP == 1:
+        _store_tile(c_ptr, bias_ptr, acc, bt, rn, rc, a_rows & b_cols, C, GRP, scb, scn, scg, sci, HAS_BIAS)
+
+
+@triton.jit
+def _store_tile(c_ptr, bias_ptr, acc, bt, rn, rc, mask, C, GRP, scb, scn, scg, sci, HAS_BIAS: tl.constexpr):
+    """c[bt][rn, rc] = acc (+ bias), column rc stored at its group's offset (the regrouping store)."""
     col = bt * scb + (rc // GRP).to(tl.int64) * scg + (rc % GRP).to(tl.int64) * sci   # token-major: i r N > 2^31
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col, mask=rc < C, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + rn[:, None] * scn + col[None, :], acc.to(c_ptr.dtype.element_ty), mask=a_rows & b_cols)
+    tl.store(c_ptr + rn[:, None] * scn + col[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides, c_strides,
