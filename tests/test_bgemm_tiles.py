@@ -81,3 +81,12 @@ def test_gather_mode_checks_what_the_loads_gathered(bgemm_tiles, untimed, monkey
     rows = bgemm_tiles.sweep_case(torch, "tiny", 16 * 64, 16 * 24, 16 * 3, 7, 2, [TILE], False, bandwidth=1e11,
                                   device="cpu", gather=True)
     assert all("wrong result" in r["error"] for r in rows if not r["candidate"].startswith("cublas"))
+
+
+def test_batch_groups_are_timed_and_checked_beside_each_tile(bgemm_tiles, untimed):
+    """--groups: each tile also runs with G input blocks per program, in the K form bgemm would pick, through
+    the same check (16 blocks in groups of 3: the last group partial)."""
+    rows = bgemm_tiles.sweep_case(torch, "tiny", 16 * 64, 16 * 24, 16 * 2, 20, 1, [TILE], True, bandwidth=1e11,
+                                  device="cpu", groups=(1, 3))
+    assert [r["candidate"] for r in rows][:3] == ["16x32x32 w4 s1", "16x32x32 w4 s1 even_k", "16x32x32 w4 s1 even_k g3"]
+    assert not [r for r in rows if "error" in r]

@@ -520,21 +520,26 @@ def test_bgemm_runs_must_divide_k():
         blr_common.bgemm(a, b, c, 4, 6, 5, 1, (0, 6, 1), (0, *b.stride()), (0, 5, 0, 1), a_runs=(4, 6))
 
 
-@pytest.mark.parametrize("chain", [{}, {"LAUNCH_DEPENDENTS": True}, {"WAIT_FOR_PREVIOUS": True}])
-def test_decode_bgemm_tiles_depend_on_whether_the_launch_is_in_a_chain(chain):
-    """A bgemm launch on its own tunes over the decode sweep's tiles, a stage in a chain over its own."""
+def pruned_bgemm_tiles(n: int, k: int, run: int | None = None, batches: int = 16, **flags) -> list:
+    """The configs bgemm's autotuner keeps (all of BGEMM_TUNED, pruned) for a launch of this shape, bf16."""
     import triton
 
     class Tensor:
         def element_size(self):
             return 2
 
-    configs = [triton.Config({"BN": bn, "BC": bc, "BK": bk}, num_warps=w, num_stages=st)
-               for bn, bc, bk, w, st in blr_common.BGEMM_CONFIGS]
-    flags = {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False} | chain
-    kept = blr_common._prune_bgemm(configs, {"N": 1, "C": 512, "K": 512, "AGRP": 512, "a_ptr": Tensor()}, **flags)
+    configs = [triton.Config({"BN": bn, "BC": bc, "BK": bk, "BATCH_GROUP": g}, num_warps=w, num_stages=st)
+               for bn, bc, bk, g, w, st in blr_common.BGEMM_TUNED]
+    shape = {"N": n, "C": 512, "K": k, "AGRP": run or k, "BATCHES": batches, "a_ptr": Tensor()}
+    return blr_common._prune_bgemm(configs, shape, **({"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False} | flags))
+
+
+@pytest.mark.parametrize("chain", [{}, {"LAUNCH_DEPENDENTS": True}, {"WAIT_FOR_PREVIOUS": True}])
+def test_decode_bgemm_tiles_depend_on_whether_the_launch_is_in_a_chain(chain):
+    """A bgemm launch on its own tunes over the decode sweep's tiles, a stage in a chain over its own."""
+    kept = pruned_bgemm_tiles(1, 512, **chain)
     want = blr_common.BGEMM_CHAINED_DECODE if chain else blr_common.BGEMM_PLAIN_DECODE
-    assert [(*c.kwargs.values(), c.num_warps, c.num_stages) for c in kept] == want
+    assert [blr_common.bgemm_tile(c) for c in kept] == want
     assert {"LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS", "AGRP"} <= set(blr_common._bgemm_kernel.keys)
     assert not set(blr_common.BGEMM_PLAIN_DECODE) & set(blr_common.BGEMM_CHAINED_DECODE)   # else pruned from both
 
@@ -543,19 +548,60 @@ def test_decode_bgemm_tiles_depend_on_whether_the_launch_is_in_a_chain(chain):
 def test_short_run_tiles_only_for_a_gathered_a(run, want_bk):
     """At N = 1024 a plain launch (one run: K = 768) tunes over the 64-wide K tiles; a gathered a in runs of
     48 adds the short-run tiles, and runs of 16 keep only those (a 64-wide step would mask 3/4 of it)."""
+    kept = pruned_bgemm_tiles(1024, 768, run)
+    assert {c.kwargs["BK"] for c in kept} == want_bk
+    short = {blr_common.bgemm_tile(c) for c in kept} & set(blr_common.BGEMM_SHORT_RUNS)
+    assert bool(short) == (run < 768)
+
+
+@pytest.mark.parametrize("case,grouped", [({"n": 8192, "k": 128}, True), ({"n": 1024, "k": 256}, True),
+                                          ({"n": 512, "k": 128}, False), ({"n": 8192, "k": 512}, False),
+                                          ({"n": 8192, "k": 128, "run": 32}, False),
+                                          ({"n": 8192, "k": 128, "batches": 1}, False),
+                                          ({"n": 8192, "k": 128, "WAIT_FOR_PREVIOUS": True}, False),
+                                          ({"n": 8192, "k": 128, "LAUNCH_DEPENDENTS": True}, False)])
+def test_batch_grouped_tiles_only_for_few_k_steps_at_large_n(case, grouped):
+    """BGEMM_GROUPED's tiles are tuned over for a plain launch (one run of K, no chain, several batches) with
+    K <= BATCH_GROUP_MAX_K at N >= BATCH_GROUP_MIN_N (Monarch's stage 1), beside the one-batch tiles."""
+    groups = {c.kwargs["BATCH_GROUP"] for c in pruned_bgemm_tiles(**case)}
+    assert groups == ({1, 4, 8} if grouped else {1})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batches,group,k,even_k", [(5, 2, 40, False), (5, 3, 32, True), (4, 4, 64, True),
+                                                    (3, 8, 16, True)])
+def test_bgemm_batch_groups(dtype, batches, group, k, even_k):
+    """BATCH_GROUP batches per program in one flat loop of K steps, storing each batch's tile at its last step:
+    every batch written (poisoned output), the last group partial (5 = 2 + 2 + 1, 3 of 8), K masked (40 in
+    16-wide steps) or not, with the regrouping store and a bias, against torch."""
     import triton
 
-    class Tensor:
-        def element_size(self):
-            return 2
+    n, cols, grp, bn, bc, bk = 37, 21, 7, 16, 16, 16
+    a, b = torch.randn(batches, n, k, dtype=dtype), torch.randn(batches, k, cols, dtype=dtype)
+    bias = torch.randn(batches * cols, dtype=dtype)
+    c = torch.full((batches * cols * n,), math.nan, dtype=dtype)
+    grid = (triton.cdiv(n, bn) * triton.cdiv(cols, bc), triton.cdiv(batches, group))
+    blr_common.jit_function(blr_common._bgemm_kernel)[grid](
+        a, b, c, bias, n, k, cols, grp, k, batches, 0, *a.stride(), 0, *b.stride(), cols, batches * cols, grp, 1,
+        HAS_BIAS=True, PRECISION=blr_common.blr_precision(dtype), LAUNCH_DEPENDENTS=False, WAIT_FOR_PREVIOUS=False,
+        B_ROWS_CONTIGUOUS=False, LINE=32, BN=bn, BC=bc, BK=bk, EVEN_K=even_k, A_GROUPED=False, A_WINDOW=0,
+        BATCH_GROUP=group)
+    want = (a.double() @ b.double()).transpose(0, 1).reshape(n, batches * cols) + bias.double()
+    assert rel(c.view(n, batches * cols), want) < TOL[dtype]
 
-    configs = [triton.Config({"BN": bn, "BC": bc, "BK": bk}, num_warps=w, num_stages=st)
-               for bn, bc, bk, w, st in blr_common.BGEMM_CONFIGS]
-    kept = blr_common._prune_bgemm(configs, {"N": 1024, "C": 512, "K": 768, "AGRP": run, "a_ptr": Tensor()},
-                                   LAUNCH_DEPENDENTS=False, WAIT_FOR_PREVIOUS=False)
-    assert {c.kwargs["BK"] for c in kept} == want_bk
-    short = {(*c.kwargs.values(), c.num_warps, c.num_stages) for c in kept} & set(blr_common.BGEMM_SHORT_RUNS)
-    assert bool(short) == (run < 768)
+
+def test_batch_grouped_loop_pipelines_across_batches():
+    """sm_90 PTX of a grouped tile as Monarch's stage 1 runs it (K = 128, token-major store): the flat loop over
+    the batches' K steps loads both operands by cp.async into wgmma, and the store stays 16-byte vectors."""
+    aligned = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "sab", "san", "sbb", "sbk", "K", "C", "N", "AGRP", "scb",
+               "scg", "sci"]
+    tile = {"HAS_BIAS": False, "PRECISION": "tf32", "LINE": 64, "BN": 256, "BC": 128, "BK": 64, "EVEN_K": True,
+            "LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False, "B_ROWS_CONTIGUOUS": False, "A_GROUPED": False,
+            "A_WINDOW": 0, "sak": 1, "sbc": 1, "scn": 1, "BATCH_GROUP": 8}
+    assert (256, 128, 64, 8, 8, 3) in blr_common.BGEMM_GROUPED
+    ptx = compile_sm90({"grouped": ("bgemm", tile, aligned, 3, 8)})["grouped"]
+    assert "cp.async.cg" in ptx and "wgmma.mma_async" in ptx
+    assert set(re.findall(r"st\.global[a-z0-9.]*", ptx)) == {"st.global.v4.b32"}
 
 
 def test_tile_configs_are_tuned_by_autotune_bench(monkeypatch):

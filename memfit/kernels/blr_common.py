@@ -329,16 +329,24 @@ def line_elements(t: torch.Tensor) -> int:
 def _prune_bgemm(configs, named_args, **kwargs):
     """Tiles for the token count (16-token tiles only at decode, a stage in a chain its own), no
     wider than the columns or a run of K (a group of a gathered a) needs, and whose pipeline stages
-    fit shared memory."""
+    fit shared memory; batch-grouped tiles only for a plain launch with few K steps at large N."""
     chained = kwargs.get("LAUNCH_DEPENDENTS") or kwargs.get("WAIT_FOR_PREVIOUS")
     other = BGEMM_PLAIN_DECODE if chained else BGEMM_CHAINED_DECODE
-    if named_args["AGRP"] == named_args["K"]:          # a read in one run: the short-run tiles are not for it
+    one_run = named_args["AGRP"] == named_args["K"]
+    if one_run:                                        # a read in one run: the short-run tiles are not for it
         other = other + BGEMM_SHORT_RUNS
-    configs = [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages) not in other]
+    grouped = (one_run and not chained and named_args["N"] >= BATCH_GROUP_MIN_N
+               and named_args["K"] <= BATCH_GROUP_MAX_K and named_args["BATCHES"] > 1)
+    configs = [c for c in configs if bgemm_tile(c) not in other and (grouped or c.kwargs["BATCH_GROUP"] == 1)]
     configs = keep_small_n(configs, named_args["N"])
     size = named_args["a_ptr"].element_size()
     keep = [c for c in configs if bgemm_tile_fits(c, named_args["C"], named_args["AGRP"], size)]
     return keep or configs[:1]
+
+
+def bgemm_tile(config) -> tuple:
+    """A bgemm config as its tile tuple (BN, BC, BK, warps, stages), the form the tile lists use."""
+    return (config.kwargs["BN"], config.kwargs["BC"], config.kwargs["BK"], config.num_warps, config.num_stages)
 
 
 def bgemm_tile_fits(config, cols: int, k: int, elem_bytes: int) -> bool:
@@ -373,6 +381,14 @@ BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
     *BGEMM_PLAIN_DECODE, *BGEMM_CHAINED_DECODE, *BGEMM_SHORT_RUNS,
 ]
+# Tiles that run BATCH_GROUP batches per program (BN, BC, BK, BATCH_GROUP, warps, stages), offered where K is a
+# few steps (Monarch's stage 1: K = m) at large N. From the sweep `bgemm_tiles.py --groups 2 4 8` (f1b698c,
+# bgemm_tiles_groups.json, bgemm_tiles_runs_z_groups.json): Llama-1B gate, N = 8192, K = 128, stage 1 84.4 ->
+# 72.0 us token-major, q/o 46.2 -> 37.9, up 119.3 -> 107.1; no gain at K >= 512, and a few groups empty the
+# grid at small N.
+BGEMM_GROUPED = [(256, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 256, 64, 4, 8, 4), (64, 128, 64, 4, 4, 4)]
+BATCH_GROUP_MIN_N, BATCH_GROUP_MAX_K = 1024, 256
+BGEMM_TUNED = [(*tile[:3], 1, *tile[3:]) for tile in BGEMM_CONFIGS] + BGEMM_GROUPED   # BN, BC, BK, BATCH_GROUP, w, s
 
 
 # Elements an a gathered in aligned windows may be read past its last run: a step's BK less one, plus a
@@ -399,7 +415,7 @@ def _k_step_tiles(a_ptrs, b_ptrs, a_rows, b_cols, rk, k0, k_end, EVEN_K: tl.cons
             tl.load(b_ptrs, mask=(rk[:, None] + k0 < k_end) & b_cols, other=0.0))
 
 
-@tuned(BGEMM_CONFIGS, ("BN", "BC", "BK"), (16, 32, 32, 4, 1),
+@tuned(BGEMM_TUNED, ("BN", "BC", "BK", "BATCH_GROUP"), (16, 32, 32, 1, 4, 1),
        key=["N_BUCKET", "K", "C", "GRP", "AGRP", "BATCHES", "LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"],
        prune=_prune_bgemm)
 @triton.heuristics({"EVEN_K": lambda meta: meta["AGRP"] % meta["BK"] == 0,
@@ -414,6 +430,7 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
                   BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                   A_GROUPED: tl.constexpr = False, A_WINDOW: tl.constexpr = 0, GROUP_N: tl.constexpr = 8,
                   BATCH_GROUP: tl.constexpr = 1):
+    tl.static_assert(BATCH_GROUP == 1 or not (A_GROUPED or WAIT_FOR_PREVIOUS), "batch groups: plain loop only")
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     n_tiles = tl.cdiv(N, BN)
@@ -527,7 +544,7 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
         if (a.storage_offset() + last + A_WINDOW_SLACK) * a.element_size() > a.untyped_storage().nbytes():
             raise MemfitError(f"bgemm: a's runs start misaligned, so a's storage needs {A_WINDOW_SLACK} elements "
                               "of slack past its last run (allocate it larger)")
-    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * triton.cdiv(cols, meta["BC"]), batches)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * triton.cdiv(cols, meta["BC"]), triton.cdiv(batches, meta["BATCH_GROUP"]))
     _bgemm_kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, run, batches, n_bucket(n),
                         *a_strides, run_stride, *b_strides, *c_strides, HAS_BIAS=bias is not None,
                         PRECISION=blr_precision(a.dtype), B_ROWS_CONTIGUOUS=wait_for_previous and b_strides[2] == 1,
