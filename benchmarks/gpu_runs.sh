@@ -8,11 +8,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-# name|seconds|command, most pending first (after the tenth session, 2026-12-01: see its closing note).
-# The BLR runs tune every tile config from CUDA-graph replays since cba5eee: at 6cfd3c1 blr_layers took 460 s
+# name|seconds|command, most pending first (after the eleventh session, 2026-12-01: see its closing note).
+# The BLR runs tune every tile config from CUDA-graph replays since cba5eee: at 43f911d blr_layers took 467 s
 # without --profile; at 18d9a39 its profile, run apart, 161 s, blr_e2e 288 s and blr_e2e_memfit_attention 148 s.
 # A blr_layers run stopped by its limit keeps every finished case: `blr_layers.py --resume` times the rest.
-# blr_layers first: the mixing pass's pipelined tiles (48059a6) have not been timed yet.
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_profile|240|python3 benchmarks/blr_layers.py --out $OUT --profile-only"

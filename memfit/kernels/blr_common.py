@@ -529,6 +529,9 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
     kernel reads aligned windows around each run, up to A_WINDOW_SLACK elements past the last
     run, which a's storage must hold (checked).
 
+    Where K is a few steps (K <= BATCH_GROUP_MAX_K) at N >= BATCH_GROUP_MIN_N, a plain launch also tunes
+    over tiles that run several batches per program in one flat loop (``BGEMM_GROUPED``).
+
     In a chain (:func:`chain_options`): ``launch_dependents`` lets the next kernel start now;
     ``wait_for_previous`` prefetches this program's slice of b (the weights) into L2, then
     waits for the previous kernel (which writes a). b needs a unit stride along k or col.
