@@ -6,7 +6,7 @@ For the paper's shapes this times, in one run and each alone:
 
 * every tile config of the mode's list (BN x BC x BK, warps, stages) that fits, with the K mask
   and, where K is a multiple of BK, without it (``EVEN_K``);
-* ``bgemm`` as the ops call it (its autotuned pick among ``BGEMM_CONFIGS``);
+* ``bgemm`` as the ops call it (its autotuned pick among ``BGEMM_TUNED``);
 * cuBLAS's strided batched GEMM of the same product into its natural order (``torch.bmm``):
   the rate a regrouping store that cost nothing would have to match.
 
@@ -69,6 +69,8 @@ def parse():
     args.tokens = args.tokens or (DECODE_TOKENS if args.decode else TOKENS)
     if min(args.tokens) < 1:
         parser.error(f"--tokens takes positive token counts, got {args.tokens}")
+    if args.runs_z and (args.decode or args.gather):
+        parser.error("--runs-z chooses the layout of the large-N stage 1; --decode and --gather time other stages")
     if min(args.groups) < 1 or (args.gather and args.groups != [1]):
         parser.error(f"--groups takes positive batch counts, and not with --gather; got {args.groups}")
     return args
@@ -143,13 +145,12 @@ class Gemm:
         """fn() running this call through the bgemm kernel with one tile config, no autotuning; ``window``:
         a gathered A read in aligned windows of that many elements instead of its runs; ``group``: batches
         per program (``BATCH_GROUP``)."""
-        import triton
 
         from memfit.kernels import blr_common
 
         bn, bc, bk, warps, stages = config
         jit = blr_common.jit_function(blr_common._bgemm_kernel)
-        grid = (triton.cdiv(self.n, bn) * triton.cdiv(self.cols, bc), triton.cdiv(self.batches, group))
+        grid = blr_common.bgemm_grid(self.n, self.cols, self.batches, bn, bc, group)
         run_stride = self.runs[1] if self.runs else 0
         return lambda: jit[grid](a, b, c, c, self.n, self.k, self.cols, self.grp, self.run_length(), self.batches,
                                  blr_common.n_bucket(self.n), *self.a_strides, run_stride, *self.b_strides,
@@ -162,7 +163,8 @@ class Gemm:
 
 def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, bandwidth, device="cuda",
                gather=False, groups=(1,)) -> list[dict]:
-    """Rows for one (shape, N, stage): each config of ``configs`` alone, the autotuned call, cuBLAS."""
+    """Rows for one (shape, N, stage): each config of ``configs`` alone (and with each batch group of
+    ``groups`` above 1), the autotuned call, cuBLAS."""
     import triton
 
     from memfit.kernels import blr_common

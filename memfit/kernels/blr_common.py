@@ -329,13 +329,14 @@ def line_elements(t: torch.Tensor) -> int:
 def _prune_bgemm(configs, named_args, **kwargs):
     """Tiles for the token count (16-token tiles only at decode, a stage in a chain its own), no
     wider than the columns or a run of K (a group of a gathered a) needs, and whose pipeline stages
-    fit shared memory; batch-grouped tiles only for a plain launch with few K steps at large N."""
+    fit shared memory; batch-grouped tiles only for a plain launch with few K steps at large N (judged by
+    the N bucket, the autotuner's key, so one rule holds for every N that shares a pick)."""
     chained = kwargs.get("LAUNCH_DEPENDENTS") or kwargs.get("WAIT_FOR_PREVIOUS")
     other = BGEMM_PLAIN_DECODE if chained else BGEMM_CHAINED_DECODE
     one_run = named_args["AGRP"] == named_args["K"]
     if one_run:                                        # a read in one run: the short-run tiles are not for it
         other = other + BGEMM_SHORT_RUNS
-    grouped = (one_run and not chained and named_args["N"] >= BATCH_GROUP_MIN_N
+    grouped = (one_run and not chained and named_args["N_BUCKET"] >= BATCH_GROUP_MIN_N
                and named_args["K"] <= BATCH_GROUP_MAX_K and named_args["BATCHES"] > 1)
     configs = [c for c in configs if bgemm_tile(c) not in other and (grouped or c.kwargs["BATCH_GROUP"] == 1)]
     configs = keep_small_n(configs, named_args["N"])
@@ -381,11 +382,13 @@ BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
     *BGEMM_PLAIN_DECODE, *BGEMM_CHAINED_DECODE, *BGEMM_SHORT_RUNS,
 ]
-# Tiles that run BATCH_GROUP batches per program (BN, BC, BK, BATCH_GROUP, warps, stages), offered where K is a
-# few steps (Monarch's stage 1: K = m) at large N. From the sweep `bgemm_tiles.py --groups 2 4 8` (f1b698c,
-# bgemm_tiles_groups.json, bgemm_tiles_runs_z_groups.json): Llama-1B gate, N = 8192, K = 128, stage 1 84.4 ->
-# 72.0 us token-major, q/o 46.2 -> 37.9, up 119.3 -> 107.1; no gain at K >= 512, and a few groups empty the
-# grid at small N.
+# Tiles that run BATCH_GROUP batches per program (BN, BC, BK, BATCH_GROUP, warps, stages), offered to any plain
+# launch whose K is a few steps (K <= BATCH_GROUP_MAX_K: Monarch's stage 1 at Llama-1B and -7B, BLAST's unchained
+# stage 1, Monarch two_stage's stage 2 at r <= 256) at large N; the autotuner keeps the one-batch tiles where they
+# win. From the sweep `bgemm_tiles.py --groups 2 4 8` (f1b698c, bgemm_tiles_groups.json,
+# bgemm_tiles_runs_z_groups.json): Llama-1B gate, N = 8192, K = 128, stage 1 84.4 -> 72.0 us token-major, q/o
+# 46.2 -> 37.9, up 119.3 -> 107.1; at K = 256 (Llama-7B) they win in the (N, b, r) layout (qkvo, N = 8192: 214.4
+# -> 196.5) and lose token-major; no gain at K >= 512; a few groups empty the grid at small N.
 BGEMM_GROUPED = [(256, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 256, 64, 4, 8, 4), (64, 128, 64, 4, 4, 4)]
 BATCH_GROUP_MIN_N, BATCH_GROUP_MAX_K = 1024, 256
 BGEMM_TUNED = [(*tile[:3], 1, *tile[3:]) for tile in BGEMM_CONFIGS] + BGEMM_GROUPED   # BN, BC, BK, BATCH_GROUP, w, s
@@ -430,7 +433,8 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
                   BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                   A_GROUPED: tl.constexpr = False, A_WINDOW: tl.constexpr = 0, GROUP_N: tl.constexpr = 8,
                   BATCH_GROUP: tl.constexpr = 1):
-    tl.static_assert(BATCH_GROUP == 1 or not (A_GROUPED or WAIT_FOR_PREVIOUS), "batch groups: plain loop only")
+    tl.static_assert(BATCH_GROUP == 1 or not (A_GROUPED or A_WINDOW > 0 or WAIT_FOR_PREVIOUS),
+                     "batch groups: plain loop only")
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     n_tiles = tl.cdiv(N, BN)
@@ -483,15 +487,15 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
     elif BATCH_GROUP > 1:                              # BATCH_GROUP batches in one flat loop of K steps: the
         k_steps = tl.cdiv(K, BK)                       # next batch's tiles load while this one's is stored
         for step in range(0, BATCH_GROUP * k_steps):
-            g = step // k_steps
+            g = (step // k_steps).to(tl.int64)
             k0 = (step % k_steps) * BK
             live = bt + g < BATCHES
             a, b = _k_step_tiles(a_ptrs + g * sab + k0 * sak, b_ptrs + g * sbb + k0 * sbk, a_rows & live,
                                  b_cols & live, rk, k0, K, EVEN_K)
             acc = mma(a, b, acc, PRECISION)
             if k0 + BK >= K:
-                _store_tile(c_ptr, bias_ptr, acc, bt + g, rn, rc, a_rows & b_cols & live, C, GRP, scb, scn, scg, sci,
-                            HAS_BIAS)
+                _store_tile(c_ptr, bias_ptr, acc, bt + g, rn, rc, a_rows & b_cols & live, live, C, GRP, scb, scn, scg,
+                            sci, HAS_BIAS)
                 acc = tl.zeros((BN, BC), dtype=tl.float32)
     else:
         for k0 in range(0, K, BK):
@@ -500,16 +504,22 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
             a_ptrs += BK * sak
             b_ptrs += BK * sbk
     if BATCH_GROUP == 1:
-        _store_tile(c_ptr, bias_ptr, acc, bt, rn, rc, a_rows & b_cols, C, GRP, scb, scn, scg, sci, HAS_BIAS)
+        _store_tile(c_ptr, bias_ptr, acc, bt, rn, rc, a_rows & b_cols, True, C, GRP, scb, scn, scg, sci, HAS_BIAS)
 
 
 @triton.jit
-def _store_tile(c_ptr, bias_ptr, acc, bt, rn, rc, mask, C, GRP, scb, scn, scg, sci, HAS_BIAS: tl.constexpr):
-    """c[bt][rn, rc] = acc (+ bias), column rc stored at its group's offset (the regrouping store)."""
+def _store_tile(c_ptr, bias_ptr, acc, bt, rn, rc, mask, live, C, GRP, scb, scn, scg, sci, HAS_BIAS: tl.constexpr):
+    """c[bt][rn, rc] = acc (+ bias), column rc stored at its group's offset (the regrouping store); ``live``:
+    batch bt exists (a batch group's last may run past the batches: then nothing is read or written)."""
     col = bt * scb + (rc // GRP).to(tl.int64) * scg + (rc % GRP).to(tl.int64) * sci   # token-major: i r N > 2^31
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + col, mask=rc < C, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + col, mask=(rc < C) & live, other=0.0).to(tl.float32)[None, :]
     tl.store(c_ptr + rn[:, None] * scn + col[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def bgemm_grid(n: int, cols: int, batches: int, bn: int, bc: int, batch_group: int) -> tuple[int, int]:
+    """bgemm's launch grid: (token tiles x column tiles, batch groups)."""
+    return triton.cdiv(n, bn) * triton.cdiv(cols, bc), triton.cdiv(batches, batch_group)
 
 
 def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides, c_strides,
@@ -547,7 +557,7 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
         if (a.storage_offset() + last + A_WINDOW_SLACK) * a.element_size() > a.untyped_storage().nbytes():
             raise MemfitError(f"bgemm: a's runs start misaligned, so a's storage needs {A_WINDOW_SLACK} elements "
                               "of slack past its last run (allocate it larger)")
-    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * triton.cdiv(cols, meta["BC"]), triton.cdiv(batches, meta["BATCH_GROUP"]))
+    grid = lambda meta: bgemm_grid(n, cols, batches, meta["BN"], meta["BC"], meta["BATCH_GROUP"])
     _bgemm_kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, run, batches, n_bucket(n),
                         *a_strides, run_stride, *b_strides, *c_strides, HAS_BIAS=bias is not None,
                         PRECISION=blr_precision(a.dtype), B_ROWS_CONTIGUOUS=wait_for_previous and b_strides[2] == 1,
