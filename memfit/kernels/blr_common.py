@@ -383,9 +383,8 @@ BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
     *BGEMM_PLAIN_DECODE, *BGEMM_CHAINED_DECODE, *BGEMM_SHORT_RUNS,
 ]
 # Tiles that run BATCH_GROUP batches per program (BN, BC, BK, BATCH_GROUP, warps, stages), offered to any plain
-# launch whose K is a few steps (K <= BATCH_GROUP_MAX_K: Monarch's stage 1 at Llama-1B and -7B, BLAST's unchained
-# stage 1, Monarch two_stage's stage 2 at r <= 256) at large N; the autotuner keeps the one-batch tiles where they
-# win. From the sweep `bgemm_tiles.py --groups 2 4 8` (f1b698c, bgemm_tiles_groups.json,
+# launch whose K is a few steps (K <= BATCH_GROUP_MAX_K: Monarch's stage 1 at Llama-1B and -7B, two_stage's
+# stage 2 at r <= 256) at large N; the autotuner keeps the one-batch tiles where they win. From the sweep `bgemm_tiles.py --groups 2 4 8` (f1b698c, bgemm_tiles_groups.json,
 # bgemm_tiles_runs_z_groups.json): Llama-1B gate, N = 8192, K = 128, stage 1 84.4 -> 72.0 us token-major, q/o
 # 46.2 -> 37.9, up 119.3 -> 107.1; at K = 256 (Llama-7B) they win in the (N, b, r) layout (qkvo, N = 8192: 214.4
 # -> 196.5) and lose token-major; no gain at K >= 512; a few groups empty the grid at small N.
@@ -539,7 +538,7 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
     kernel reads aligned windows around each run, up to A_WINDOW_SLACK elements past the last
     run, which a's storage must hold (checked).
 
-    Where K is a few steps (K <= BATCH_GROUP_MAX_K) at N >= BATCH_GROUP_MIN_N, a plain launch also tunes
+    Where K is a few steps (K <= BATCH_GROUP_MAX_K) and N's bucket >= BATCH_GROUP_MIN_N, a plain launch also tunes
     over tiles that run several batches per program in one flat loop (``BGEMM_GROUPED``).
 
     In a chain (:func:`chain_options`): ``launch_dependents`` lets the next kernel start now;
