@@ -384,7 +384,8 @@ BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
 ]
 # Tiles that run BATCH_GROUP batches per program (BN, BC, BK, BATCH_GROUP, warps, stages), offered to any plain
 # launch whose K is a few steps (K <= BATCH_GROUP_MAX_K: Monarch's stage 1 at Llama-1B and -7B, two_stage's
-# stage 2 at r <= 256) at large N; the autotuner keeps the one-batch tiles where they win. From the sweep `bgemm_tiles.py --groups 2 4 8` (f1b698c, bgemm_tiles_groups.json,
+# stage 2 at r <= 256) at large N; the autotuner keeps the one-batch tiles where they win. From the sweep
+# `bgemm_tiles.py --groups 2 4 8` (f1b698c, bgemm_tiles_groups.json,
 # bgemm_tiles_runs_z_groups.json): Llama-1B gate, N = 8192, K = 128, stage 1 84.4 -> 72.0 us token-major, q/o
 # 46.2 -> 37.9, up 119.3 -> 107.1; at K = 256 (Llama-7B) they win in the (N, b, r) layout (qkvo, N = 8192: 214.4
 # -> 196.5) and lose token-major; no gain at K >= 512; a few groups empty the grid at small N.
