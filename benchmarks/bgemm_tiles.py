@@ -71,6 +71,8 @@ def parse():
         parser.error(f"--tokens takes positive token counts, got {args.tokens}")
     if args.runs_z and (args.decode or args.gather):
         parser.error("--runs-z chooses the layout of the large-N stage 1; --decode and --gather time other stages")
+    if args.tiles is not None and args.tiles < 1:
+        parser.error(f"--tiles takes a positive count of tiles, got {args.tiles}")
     if min(args.groups) < 1 or (args.gather and args.groups != [1]):
         parser.error(f"--groups takes positive batch counts, and not with --gather; got {args.groups}")
     return args

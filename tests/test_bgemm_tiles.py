@@ -90,3 +90,14 @@ def test_batch_groups_are_timed_and_checked_beside_each_tile(bgemm_tiles, untime
                                   device="cpu", groups=(1, 3))
     assert [r["candidate"] for r in rows][:3] == ["16x32x32 w4 s1", "16x32x32 w4 s1 even_k", "16x32x32 w4 s1 even_k g3"]
     assert not [r for r in rows if "error" in r]
+
+
+@pytest.mark.parametrize("argv,message", [(["--tiles", "0"], "--tiles takes a positive"),
+                                          (["--groups", "0"], "--groups takes positive"),
+                                          (["--gather", "--groups", "4"], "not with --gather"),
+                                          (["--runs-z", "--decode"], "--runs-z chooses")])
+def test_bad_sweep_options_are_usage_errors(bgemm_tiles, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(sys, "argv", ["bgemm_tiles.py", *argv])
+    with pytest.raises(SystemExit):
+        bgemm_tiles.parse()
+    assert message in capsys.readouterr().err
