@@ -62,8 +62,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", True), ("two_stage_pdl", False),
                  ("bmm", False), ("bmm_perm_bmm", False), ("bmm_gather", True), ("bmm_gather", False),
-                 ("tbmm", False), ("fused", True), ("fused", False), ("fused_split", True), ("fused_split", False),
-                 ("torch", True)]
+                 ("tbmm", False), ("fused", True),
+                 ("fused", False), ("torch", True)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -80,19 +80,14 @@ def test_monarch(dtype, variant, permute, lead, bias, monkeypatch):
 
 def test_monarch_variants_offered():
     """bmm and bmm_perm_bmm only for the block-major layout; bmm_gather for both from
-    TOKEN_MAJOR_MIN_N; the fused kernel at every N where its tile fits, split over the input blocks up to
-    SPLIT_MAX_N; the chained two_stage up to PDL_MAX_N; the plain PyTorch pipeline always competes."""
-    small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "fused_split", "torch"}
+    TOKEN_MAJOR_MIN_N; the fused kernel at every N where its tile fits; the chained two_stage up to
+    PDL_MAX_N; the plain PyTorch pipeline always competes."""
+    small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "torch"}
     assert set(monarch.variants_for(16, 128, 32, False)) == small
-    assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "two_stage_pdl", "fused", "fused_split",
-                                                             "torch"}
-    big = small - {"two_stage_pdl", "fused_split"} | {"tbmm", "bmm_gather"}
-    assert set(monarch.variants_for(8192, 128, 32, False)) == big
+    assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "two_stage_pdl", "fused", "torch"}
+    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"} | {"tbmm", "bmm_gather"}
     assert set(monarch.variants_for(8192, 128, 32, True)) == {"two_stage", "fused", "torch", "bmm_gather"}
-    last = monarch.SPLIT_MAX_N
-    assert "fused_split" in monarch.variants_for(last, 128, 32, True)
-    assert "fused_split" not in monarch.variants_for(last + 1, 128, 32, True)
-    assert not {"fused", "fused_split"} & set(monarch.variants_for(1, 688, 93, False))
+    assert "fused" not in monarch.variants_for(1, 688, 93, False)
 
 
 def test_fused_mixing_is_offered_up_to_its_max_n():
@@ -174,16 +169,15 @@ SM90_PTX_SCRIPT = """
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from memfit.kernels import blast, blr_common, monarch
+from memfit.kernels import blast, blr_common
 
 kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
-           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "fused_split": monarch._fused_split_kernel}
-pointers = {"part_ptr": "*fp32", "arrivals_ptr": "*i32"}                  # the others: bf16 tensors
+           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel}
 out = {}
 for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
-    signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "*bf16") if p.name.endswith("_ptr")
-                 else "i32" for p in fn.params}
+    signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
+                 for p in fn.params}
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in divisible}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=defaults | constexprs, attrs=attrs)

@@ -324,27 +324,6 @@ def line_elements(t: torch.Tensor) -> int:
 
 
 
-# ---- split loops: one arrival count per output tile -----------------------------------
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_arrivals(device: torch.device, count: int) -> torch.Tensor:
-    """``count`` int32 arrival counts at 0 for a kernel whose programs split one output tile's loop
-    and let the last to arrive write the tile (it sets its count back to 0, so the counts are 0
-    between calls, CUDA-graph replays included). Kept per device, not per call, so a call costs no
-    memset; a launch must not overlap another on the same counts (memfit's ops run in stream order).
-    A buffer first made inside a CUDA graph capture is not kept: its zeroing belongs to that graph."""
-    device = torch.device(device)
-    counts = _ARRIVALS.get(device)
-    if counts is not None and counts.numel() >= count:
-        return counts
-    counts = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-        _ARRIVALS[device] = counts
-    return counts
-
-
 # ---- strided batched GEMM with a regrouping store --------------------------------
 
 def _prune_bgemm(configs, named_args, **kwargs):

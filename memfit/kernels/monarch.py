@@ -77,7 +77,6 @@ from memfit.kernels.blr_common import (
     pow2_at_least,
     recompute_backward,
     save_for_recompute,
-    split_arrivals,
     tuned,
 )
 from memfit.kernels.dispatch import use_triton
@@ -188,10 +187,7 @@ def _tbmm(x2, w1, w2, bias, permute_output):
 # ---- fused kernel (decode; a candidate at every N): both dots in one pipelined loop -----
 
 def _prune_fused(configs, named_args, **kwargs):
-    """Tiles for the token count (16-token tiles only at decode, 32-token ones only up to SPLIT_MAX_N),
-    no wider than the output block, whose pipeline stages fit shared memory."""
     configs = keep_small_n(configs, named_args["N"])
-    configs = [c for c in configs if c.kwargs["BN"] != 32 or named_args["N_BUCKET"] <= SPLIT_MAX_N] or configs
     size = named_args["x_ptr"].element_size()
     bm, bt = kwargs["BM"], kwargs["BT"]
     keep = [c for c in configs if c.kwargs["BO"] <= pow2_at_least(named_args["P"], 32)
@@ -199,21 +195,18 @@ def _prune_fused(configs, named_args, **kwargs):
     return keep or configs[:1]
 
 
+@tuned([(16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3),
+        (128, 128, 8, 2)],
+       ("BN", "BO"), (16, 16, 4, 1), key=["N_BUCKET", "M", "T", "P", "B"], prune=_prune_fused)
 @triton.jit
-def _fused_body(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, part_ptr, arrivals_ptr, N, M, T, P, B,
-                sxn, s1j, s1a, s1c, s2i, s2c, s2o, syn, syi, syo,
-                HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr,
-                BN: tl.constexpr, BO: tl.constexpr, SPLITS: tl.constexpr):
-    """One program: output block i, a token tile and an output column tile, over the input blocks j
-    of its split (all of them when SPLITS == 1). With SPLITS > 1 the programs of one output tile each
-    store their fp32 sum in ``part_ptr`` and count themselves in ``arrivals_ptr``; the last to arrive
-    adds the SPLITS partial sums in split order (so the result does not depend on the arrival order),
-    writes y and sets the count back to 0 for the next call."""
+def _fused_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M, T, P, B, N_BUCKET,
+                  sxn, s1j, s1a, s1c, s2i, s2c, s2o, syn, syi, syo,
+                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                  BO: tl.constexpr):
     o_tiles = tl.cdiv(P, BO)
-    tile = tl.program_id(0)
-    i = tile % B                                       # the b programs of one token tile run side by side
-    pid_o = (tile // B) % o_tiles
-    pid_n = tile // (B * o_tiles)
+    i = tl.program_id(0) % B                           # the b programs of one token tile run side by side
+    pid_o = (tl.program_id(0) // B) % o_tiles
+    pid_n = tl.program_id(0) // (B * o_tiles)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     ro = pid_o * BO + tl.arange(0, BO)
     rm = tl.arange(0, BM)
@@ -225,60 +218,17 @@ def _fused_body(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, part_ptr, arrivals_ptr, 
     w1_mask = (rm[:, None] < M) & (rt[None, :] < T)
     w2_mask = (rt[:, None] < T) & (ro[None, :] < P)
     acc = tl.zeros((BN, BO), dtype=tl.float32)
-    per_split = tl.cdiv(B, SPLITS)
-    first = tl.program_id(1) * per_split
-    for j in range(first, tl.minimum(first + per_split, B)):
+    for j in range(B):
         xa = tl.load(x_ptrs + j * M, mask=x_mask, other=0.0)
         wa = tl.load(w1_ptrs + j * s1j, mask=w1_mask, other=0.0)
         s = mma(xa, wa, tl.zeros((BN, BT), dtype=tl.float32), PRECISION)
         wb = tl.load(w2_ptrs + j * T * s2c, mask=w2_mask, other=0.0)
         acc = mma(s.to(wb.dtype), wb, acc, PRECISION)               # z rounded to x's dtype, as in the reference
-    last = True
-    if SPLITS > 1:
-        part = part_ptr + tile.to(tl.int64) * SPLITS * BN * BO + tl.arange(0, BN)[:, None] * BO + tl.arange(0, BO)[None, :]
-        tl.store(part + tl.program_id(1) * BN * BO, acc)
-        tl.debug_barrier()                             # every thread's partial stored before the count goes up
-        last = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
-        acc = tl.zeros((BN, BO), dtype=tl.float32)
-        for split in range(SPLITS):                    # only the last program loads (the others' masks are off)
-            acc += tl.load(part + split * BN * BO, mask=last, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(arrivals_ptr + tile, 0, mask=last)
     col = i * syi + ro * syo
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + col, mask=(ro < P) & last, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + col, mask=ro < P, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rn[:, None] * syn + col[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rn[:, None] < N) & (ro[None, :] < P) & last)
-
-
-FUSED_KEY = ["N_BUCKET", "M", "T", "P", "B"]
-
-
-@tuned([(16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2),
-        (64, 128, 8, 3), (128, 128, 8, 2)],
-       ("BN", "BO"), (16, 16, 4, 1), key=FUSED_KEY, prune=_prune_fused)
-@triton.jit
-def _fused_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, part_ptr, arrivals_ptr, N, M, T, P, B, N_BUCKET,
-                  sxn, s1j, s1a, s1c, s2i, s2c, s2o, syn, syi, syo,
-                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                  BO: tl.constexpr):
-    _fused_body(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, part_ptr, arrivals_ptr, N, M, T, P, B,
-                sxn, s1j, s1a, s1c, s2i, s2c, s2o, syn, syi, syo, HAS_BIAS, PRECISION, BM, BT, BN, BO, 1)
-
-
-SPLIT_TILES = [(16, 32, 2, 4, 3), (16, 32, 4, 4, 3), (16, 64, 4, 4, 3), (16, 128, 4, 4, 2), (16, 128, 8, 4, 2),
-               (32, 64, 2, 4, 3), (32, 128, 4, 4, 3), (64, 64, 2, 4, 3), (64, 128, 2, 4, 2), (64, 128, 4, 4, 2)]
-SPLIT_MAX_N = 128      # token counts where one program per output tile leaves most SMs idle (Llama-1B q/o,
-                       # N = 128: 32 programs of 16 serial steps) and the partial sums stay small
-
-
-@tuned(SPLIT_TILES, ("BN", "BO", "SPLITS"), (16, 16, 2, 4, 1), key=FUSED_KEY, prune=_prune_fused)
-@triton.jit
-def _fused_split_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, part_ptr, arrivals_ptr, N, M, T, P, B, N_BUCKET,
-                        sxn, s1j, s1a, s1c, s2i, s2c, s2o, syn, syi, syo,
-                        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr,
-                        BN: tl.constexpr, BO: tl.constexpr, SPLITS: tl.constexpr):
-    _fused_body(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, part_ptr, arrivals_ptr, N, M, T, P, B,
-                sxn, s1j, s1a, s1c, s2i, s2c, s2o, syn, syi, syo, HAS_BIAS, PRECISION, BM, BT, BN, BO, SPLITS)
+             mask=(rn[:, None] < N) & (ro[None, :] < P))
 
 
 def fused_fits(m: int, t: int) -> bool:
@@ -286,40 +236,21 @@ def fused_fits(m: int, t: int) -> bool:
     return pow2_at_least(m) * pow2_at_least(t) <= FUSED_MAX_TILE
 
 
-def _fused_launch(kernel, x2, w1, w2, bias, permute_output, part, arrivals):
+def _fused(x2, w1, w2, bias, permute_output):
     b, m, r = w1.shape
     p, n, t = w2.shape[2], x2.shape[0], r // b
     y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
     block_stride, col_stride = (1, b) if permute_output else (p, 1)
-    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * b * triton.cdiv(p, meta["BO"]), meta.get("SPLITS", 1))
-    kernel[grid](x2, w1, w2, y, bias if bias is not None else y, part, arrivals, n, m, t, p, b, n_bucket(n),
-                 x2.stride(0), *w1.stride(), *w2.stride(), y.stride(0), block_stride, col_stride,
-                 HAS_BIAS=bias is not None, PRECISION=blr_precision(x2.dtype), BM=pow2_at_least(m),
-                 BT=pow2_at_least(t))
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * b * triton.cdiv(p, meta["BO"]),)
+    _fused_kernel[grid](x2, w1, w2, y, bias if bias is not None else y, n, m, t, p, b, n_bucket(n),
+                        x2.stride(0), *w1.stride(), *w2.stride(), y.stride(0), block_stride, col_stride,
+                        HAS_BIAS=bias is not None, PRECISION=blr_precision(x2.dtype), BM=pow2_at_least(m),
+                        BT=pow2_at_least(t))
     return y
 
 
-def _fused(x2, w1, w2, bias, permute_output):
-    return _fused_launch(_fused_kernel, x2, w1, w2, bias, permute_output, x2, x2)   # no partials, no counts
-
-
-def _fused_split(x2, w1, w2, bias, permute_output):
-    """``fused`` with the loop over input blocks split over SPLITS programs per output tile (tuned),
-    for token counts where the unsplit grid leaves SMs idle; the partial sums take an fp32 buffer
-    sized for the largest tile the tuner may pick, and one arrival count per output tile
-    (:func:`split_arrivals`)."""
-    b, r, p = w2.shape
-    n = x2.shape[0]
-    tiles = [tile for tile in SPLIT_TILES if (tile[0] == 16) == (n <= 16)]
-    elements = max(triton.cdiv(n, bn) * bn * triton.cdiv(p, bo) * bo * splits for bn, bo, splits, *_ in tiles) * b
-    part = torch.empty(elements, device=x2.device, dtype=torch.float32)
-    arrivals = split_arrivals(x2.device, triton.cdiv(n, 16) * b * triton.cdiv(p, 32))
-    return _fused_launch(_fused_split_kernel, x2, w1, w2, bias, permute_output, part, arrivals)
-
-
 VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm,
-            "bmm_gather": _bmm_gather, "tbmm": _tbmm, "fused": _fused, "fused_split": _fused_split,
-            "torch": monarch_linear_reference}
+            "bmm_gather": _bmm_gather, "tbmm": _tbmm, "fused": _fused, "torch": monarch_linear_reference}
 
 
 def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
@@ -330,7 +261,7 @@ def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
     if not permute_output:
         names += ["bmm", "bmm_perm_bmm"] + (["tbmm"] if n >= TOKEN_MAJOR_MIN_N else [])
     if fused_fits(m, t):
-        names += ["fused"] + (["fused_split"] if n <= SPLIT_MAX_N else [])
+        names.append("fused")
     return {name: VARIANTS[name] for name in names}
 
 
