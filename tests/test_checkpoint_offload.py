@@ -68,3 +68,40 @@ def test_policy_errors_name_the_bad_value():
     with pytest.raises(MemfitError, match="'ssd'"):
         CheckpointPolicy(("gpu", "ssd"))
     assert CheckpointPolicy.build(4, offload_layers=2).places == ("cpu", "cpu", "gpu", "gpu")
+
+
+def test_recomputed_layer_output_is_freed_before_the_layers_backward():
+    """The recompute's output (batch x tokens x hidden) is not held while the layer's own backward runs,
+    where a checkpointed step peaks: its storage is gone by the time the layer's first op differentiates."""
+    import weakref
+
+    from memfit.train.checkpoint import install
+
+    outputs, alive_in_backward = [], []
+
+    class Probe(torch.autograd.Function):                    # identity; its backward looks at the last output
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            alive_in_backward.append(outputs[-1]() is not None)
+            return grad
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, hidden):
+            out = self.linear(Probe.apply(hidden)) + hidden
+            outputs.append(weakref.ref(out))
+            return out
+
+    layers = [Layer()]
+    install(layers, CheckpointPolicy(("gpu",)))
+    hidden = torch.randn(3, 8, requires_grad=True)
+    layers[0](hidden).sum().backward()
+    assert len(outputs) == 2 and alive_in_backward == [False]  # forward, recompute; freed before Probe ran
+    assert hidden.grad is not None and layers[0].linear.weight.grad is not None

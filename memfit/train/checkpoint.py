@@ -267,6 +267,23 @@ class OffloadRunner:
         self._slots.clear()
 
 
+class _GradientInto(torch.autograd.Function):
+    """``_GradientInto.apply(out, grad)``: a one-element stand-in for ``out`` whose backward hands
+    ``grad`` to ``out``'s graph. Backward through the stand-in instead of ``out`` lets the caller
+    drop ``out`` first, so the recomputed layer output (batch x tokens x hidden) is not held while
+    the layer's backward runs, where the peak of a checkpointed step sits."""
+
+    @staticmethod
+    def forward(ctx, out, grad):
+        ctx.grad = grad
+        return out.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        grad, ctx.grad = ctx.grad, None
+        return grad, None
+
+
 class _CheckpointFunction(torch.autograd.Function):
     """Forward without saving activations; backward recomputes the layer from its stored input."""
 
@@ -291,7 +308,9 @@ class _CheckpointFunction(torch.autograd.Function):
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
             with torch.enable_grad():
                 out = ctx.run(hidden)
-        torch.autograd.backward(out, grad_out)
+                stand_in = _GradientInto.apply(out, grad_out)
+        del out, grad_out                              # nothing else holds them: freed before the layer's backward
+        stand_in.backward()
         ctx.run = None
         return None, None, None, hidden.grad, None
 
