@@ -6,6 +6,8 @@ the largest live total, and prints the live blocks there (size, and the innermos
 of the code that allocated them) beside the ledger's breakdown.
 
     python benchmarks/ledger_snapshot.py llama-3.2-3b full 2048 --optimizer adamw8bit --checkpoint-layers 14
+    python benchmarks/ledger_snapshot.py llama-3.2-3b lora 8192 --dtype float32 --fused-ce \
+        --checkpoint-layers 28 --offload-layers 28 --attention memfit --loss-fraction 0.3
 """
 from __future__ import annotations
 
@@ -50,11 +52,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--checkpoint-layers", type=int, default=0)
+    parser.add_argument("--offload-layers", type=int, default=0)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--fused-ce", action="store_true")
+    parser.add_argument("--four-bit", action="store_true")
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "memfit"])
+    parser.add_argument("--loss-fraction", type=float, default=1.0)
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
-    job = Job(PRESETS[args.model], task=args.task, seq=args.seq, batch=args.batch, device="cuda", new_tokens=64)
-    knobs = Knobs(dtype="bfloat16", optimizer=args.optimizer, checkpoint_layers=args.checkpoint_layers,
-                  micro_batch=args.batch)
+    job = Job(PRESETS[args.model], task=args.task, seq=args.seq, batch=args.batch, device="cuda", new_tokens=64,
+              loss_fraction=args.loss_fraction)
+    knobs = Knobs(dtype=args.dtype, optimizer=args.optimizer, checkpoint_layers=args.checkpoint_layers,
+                  offload_layers=args.offload_layers, fused_ce=args.fused_ce, four_bit=args.four_bit,
+                  attention=args.attention, micro_batch=args.batch)
     ledger = predict(job, knobs)
     torch.cuda.memory._record_memory_history(max_entries=2_000_000)
     measured = measure(job, knobs)

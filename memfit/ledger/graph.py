@@ -14,7 +14,7 @@ Per decoder layer (N tokens, hidden h, intermediate i, dtype size s) that gives:
 * each linear saves its input only when its weight is trained (q/k/v share one input);
   a LoRA adapter saves its input cast to the adapter dtype (peft keeps adapters in fp32)
   and the rank-r intermediate;
-* RoPE saves nothing large (cos/sin are shared and need no gradient);
+* RoPE saves only cos/sin (shared by every layer, so they stay until the first layer's backward);
 * SDPA (flash/cuDNN kernels, and the CPU flash kernel) saves q, k, v, the output (the
   same storage o_proj reads) and the fp32 log-sum-exp (4 bytes per head per token);
 * the SwiGLU MLP saves gate (for silu), silu(gate) and up (for the product), and the
@@ -176,11 +176,12 @@ class ModelGraph:
         return out
 
     def rope(self, x: Sym, per_token: int, name: str) -> Sym:
-        """``x*cos + rotate_half(x)*sin``: four temporaries, nothing saved but cos/sin."""
-        a = self.pointwise([x], per_token, f"{name}.cos")
+        """``x*cos + rotate_half(x)*sin``: four temporaries, nothing saved but cos/sin (the model's shared
+        tables, so they live until the first layer's backward)."""
+        a = self.mul(x, self.rope_tables, per_token, f"{name}.cos")
         neg = self.pointwise([x], per_token // 2, f"{name}.neg")
         cat = self.pointwise([neg, x], per_token, f"{name}.cat")
-        b = self.pointwise([cat], per_token, f"{name}.sin")
+        b = self.mul(cat, self.rope_tables, per_token, f"{name}.sin")
         return self.pointwise([a, b], per_token, f"{name}.add")
 
     def sdpa_uses_math_kernel(self) -> bool:

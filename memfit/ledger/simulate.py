@@ -126,6 +126,22 @@ def _uses(ops: list[Op]) -> dict[int, int]:
     return last
 
 
+def segment_inputs(ops: list[Op], segment: int, offloaded: bool = False) -> list[Sym]:
+    """What a checkpointed segment keeps from the forward: its first op's first input (the layer's
+    hidden states; not when offloaded, then a CPU copy) and every other non-parameter tensor its ops
+    read from outside it (shared tables such as RoPE's cos/sin, which the checkpoint holds by
+    reference until the segment's backward)."""
+    inside = [op for op in ops if op.segment == segment]
+    made = {out.root.uid for op in inside for out in op.outputs}
+    first = inside[0].inputs[0]
+    kept = {} if offloaded else {first.root.uid: first}
+    for op in inside:
+        for sym in op.inputs:
+            if sym.root.uid not in made and not sym.root.persistent and sym.root.uid != first.root.uid:
+                kept.setdefault(sym.root.uid, sym)
+    return list(kept.values())
+
+
 def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], save: bool = True,
                    checkpointed: set[int] = frozenset(), offloaded: set[int] = frozenset()) -> dict[int, int]:
     """Run ``ops`` forward. Returns saved-storage reference counts (uid -> count).
@@ -144,10 +160,10 @@ def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], sa
         memory.mark(phase, op.name, {"workspace": op.forward_workspace} if op.forward_workspace else None)
         if save and op.needs_backward:
             if in_checkpoint:
-                # torch.utils.checkpoint keeps the segment's inputs alive instead of saved tensors.
+                # the checkpoint keeps the segment's inputs alive instead of saved tensors
                 if op.segment not in segments_seen:
                     segments_seen.add(op.segment)
-                    for sym in op.inputs[:1] if op.segment not in offloaded else []:
+                    for sym in segment_inputs(ops, op.segment, op.segment in offloaded):
                         saved[sym.root.uid] = saved.get(sym.root.uid, 0) + 1
                         memory.mark_saved(sym)
             else:
@@ -188,7 +204,8 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             resaved = replay_forward(segment_ops, memory, "recompute", keep=set(saved), save=True)
             for uid, count in resaved.items():
                 saved[uid] = saved.get(uid, 0) + count
-            _release(segment_ops[0].inputs[0], saved, memory)  # the checkpoint frame lets its input go
+            for sym in segment_inputs(ops, op.segment):    # the checkpoint frame lets its inputs go
+                _release(sym, saved, memory)
             segments_done.add(op.segment)
         if op.needs_backward and any(o.root.uid in grad_of for o in op.outputs):
             accumulate = 0  # an existing .grad gets the new gradient added from a transient buffer
