@@ -66,7 +66,7 @@ def main() -> None:
                   offload_layers=args.offload_layers, fused_ce=args.fused_ce, four_bit=args.four_bit,
                   attention=args.attention, micro_batch=args.batch)
     ledger = predict(job, knobs)
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")  # C++ unwinding is slow
     measured = measure(job, knobs)
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
