@@ -126,20 +126,23 @@ def _uses(ops: list[Op]) -> dict[int, int]:
     return last
 
 
-def segment_inputs(ops: list[Op], segment: int, offloaded: bool = False) -> list[Sym]:
-    """What a checkpointed segment keeps from the forward: its first op's first input (the layer's
-    hidden states; not when offloaded, then a CPU copy) and every other non-parameter tensor its ops
-    read from outside it (shared tables such as RoPE's cos/sin, which the checkpoint holds by
-    reference until the segment's backward)."""
-    inside = [op for op in ops if op.segment == segment]
-    made = {out.root.uid for op in inside for out in op.outputs}
-    first = inside[0].inputs[0]
-    kept = {} if offloaded else {first.root.uid: first}
-    for op in inside:
+def segment_inputs(ops: list[Op]) -> dict[int, list[Sym]]:
+    """What each checkpointed segment keeps from the forward: its first op's first input (the layer's
+    hidden states; an offloaded segment keeps a CPU copy instead), then every other non-parameter
+    tensor its ops read from outside it (shared tables such as RoPE's cos/sin, which the checkpoint
+    holds by reference until the segment's backward)."""
+    kept: dict[int, dict[int, Sym]] = {}
+    made: dict[int, set[int]] = {}
+    for op in ops:
+        if op.segment is None:
+            continue
+        inside = made.setdefault(op.segment, set())
+        keep = kept.setdefault(op.segment, {op.inputs[0].root.uid: op.inputs[0]} if op.inputs else {})
         for sym in op.inputs:
-            if sym.root.uid not in made and not sym.root.persistent and sym.root.uid != first.root.uid:
-                kept.setdefault(sym.root.uid, sym)
-    return list(kept.values())
+            if sym.root.uid not in inside and not sym.root.persistent:
+                keep.setdefault(sym.root.uid, sym)
+        inside.update(out.root.uid for out in op.outputs)
+    return {segment: list(syms.values()) for segment, syms in kept.items()}
 
 
 def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], save: bool = True,
@@ -153,6 +156,7 @@ def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], sa
     last_use = _uses(ops)
     saved: dict[int, int] = {}
     segments_seen: set[int] = set()
+    kept = segment_inputs(ops) if checkpointed else {}
     for index, op in enumerate(ops):
         in_checkpoint = op.segment in checkpointed
         for out in op.outputs:
@@ -163,7 +167,7 @@ def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], sa
                 # the checkpoint keeps the segment's inputs alive instead of saved tensors
                 if op.segment not in segments_seen:
                     segments_seen.add(op.segment)
-                    for sym in segment_inputs(ops, op.segment, op.segment in offloaded):
+                    for sym in kept[op.segment][op.segment in offloaded:]:
                         saved[sym.root.uid] = saved.get(sym.root.uid, 0) + 1
                         memory.mark_saved(sym)
             else:
@@ -191,6 +195,7 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
     next offloaded segment's input is prefetched at the same time (one layer ahead).
     """
     segments_done: set[int] = set()
+    kept = segment_inputs(ops) if checkpointed else {}
     for op in reversed(ops):
         if op.segment in checkpointed and op.segment not in segments_done:
             # Replay the segment's forward with saving, right before its backward.
@@ -204,7 +209,7 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             resaved = replay_forward(segment_ops, memory, "recompute", keep=set(saved), save=True)
             for uid, count in resaved.items():
                 saved[uid] = saved.get(uid, 0) + count
-            for sym in segment_inputs(ops, op.segment):    # the checkpoint frame lets its inputs go
+            for sym in kept[op.segment]:                   # the checkpoint frame lets its inputs go
                 _release(sym, saved, memory)
             segments_done.add(op.segment)
         if op.needs_backward and any(o.root.uid in grad_of for o in op.outputs):
