@@ -137,12 +137,22 @@ def _bnb_available(device) -> str | None:
     return None
 
 
-def run_dtype(spec, dtype, contexts, device, ceilings, record, lowest_only: bool = False) -> None:
-    """Every row of the table at ``dtype`` (``lowest_only``: the paper's last row and memfit's lowest)."""
+def run_dtype(spec, dtype, contexts, device, ceilings, record, lowest_only: bool = False,
+              rows: str | None = None) -> None:
+    """Every row of the table at ``dtype`` (``lowest_only``: the paper's last row and memfit's lowest;
+    ``rows``: the 4-bit-model rows whose name contains it, each on a model of its own, so that no row is
+    measured after another one on the same model)."""
     attention = "memfit" if dtype == torch.float32 else "sdpa"
+    if rows is not None:
+        names = [name for name, *_ in _rows_settings(spec.num_layers, spec.vocab, "cpu") if rows in name]
+        if not names:
+            raise SystemExit(f"--rows {rows!r} names none of the 4-bit-model rows")
+        for name in names:
+            _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, record, (name,))
+        return
     if not lowest_only:
         _run_baseline(spec, dtype, attention, contexts, device, ceilings, record)
-    _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, record, lowest_only)
+    _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, record, LOWEST_ROWS if lowest_only else None)
 
 
 def _run_baseline(spec, dtype, attention, contexts, device, ceilings, record) -> None:
@@ -160,8 +170,8 @@ def _run_baseline(spec, dtype, attention, contexts, device, ceilings, record) ->
         torch.cuda.empty_cache()
 
 
-def _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, record, lowest_only: bool) -> None:
-    """The cumulative rows on one 4-bit model, switching techniques between rows."""
+def _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, record, only: tuple | None) -> None:
+    """The cumulative rows on one 4-bit model, switching techniques between rows (``only``: these rows)."""
     why_not = _bnb_available(device)
     model = patch(build_model(spec, dtype=dtype, device=device), four_bit=why_not is None, lora=LORA,
                   attention=attention)
@@ -173,7 +183,7 @@ def _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, recor
               "lora_params_gb": trainable / GB,
               "four_bit": why_not is None, **({"four_bit_unavailable": why_not} if why_not else {})}
     for name, fused, policy, subset, fraction, opt in _rows_settings(spec.num_layers, spec.vocab, device):
-        if lowest_only and name not in LOWEST_ROWS:
+        if only is not None and name not in only:
             continue
         if opt != optimizer_name:
             if opt == "adamw8bit" and why_not:
@@ -220,7 +230,12 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--lowest-only", action="store_true",
                         help="only the paper's last row and memfit's lowest (a short GPU call); own results file")
+    parser.add_argument("--rows", default=None, metavar="TEXT",
+                        help="only the 4-bit-model rows whose name contains TEXT (e.g. 'exact'), each on a fresh "
+                             "model; own results file")
     args = parser.parse_args()
+    if args.rows is not None and args.lowest_only:
+        parser.error("--rows and --lowest-only both choose rows: give one")
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     spec = PRESETS["tiny" if args.smoke else "llama-3.2-3b"]
     contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else ((33, 48) if args.smoke else CONTEXTS)
@@ -234,6 +249,7 @@ def main() -> None:
     out_dir = args.out or (tempfile.mkdtemp(prefix="memfit-smoke-") if args.smoke else None)
     name = "finetune_memory" if args.dtypes == "float32,bfloat16" else "finetune_memory_" + args.dtypes.replace(",", "_")
     name += "_lowest" if args.lowest_only else ""
+    name += "_rows_" + "".join(c if c.isalnum() else "_" for c in args.rows) if args.rows is not None else ""
     rows: list[dict] = []
 
     def save(complete: bool):
@@ -253,7 +269,7 @@ def main() -> None:
         save(complete=False)
 
     for dtype in args.dtypes.split(","):
-        run_dtype(spec, getattr(torch, dtype), contexts, device, ceilings, record, args.lowest_only)
+        run_dtype(spec, getattr(torch, dtype), contexts, device, ceilings, record, args.lowest_only, args.rows)
     path = save(complete=True)
     print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
 
