@@ -285,14 +285,22 @@ def blr_accuracy_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + findings + "\n" + _targets(data)
 
 
-LOWEST = "finetune_memory_float32_lowest"
+def finetune_run_sections(measured: str, title: str, arguments: str) -> list:
+    """A partial fine-tuning run (``finetune_memory.py`` with ``arguments``) and the ledger against it."""
+    ledger = "finetune_ledger" + measured.removeprefix("finetune_memory")
+    return [(measured, lambda data: finetune_section(data, title, f"python benchmarks/finetune_memory.py {arguments}")),
+            (ledger, lambda data: finetune_ledger_section(data, f" --measured benchmarks/results/{measured}.json"))]
+
+
+LOWEST = "the paper's last row and memfit's lowest (8-bit AdamW), peak (GB)"
 SECTIONS = [("ledger_accuracy", ledger_section), ("linear_ce", linear_ce_section), ("attention", attention_section),
             ("finetune_memory", finetune_section), ("finetune_ledger", finetune_ledger_section),
-            (LOWEST, lambda data: finetune_section(
-                data, "fp32: the paper's last row and memfit's lowest (8-bit AdamW), peak (GB)",
-                "python benchmarks/finetune_memory.py --dtypes float32 --lowest-only")),
-            ("finetune_ledger_float32_lowest", lambda data: finetune_ledger_section(
-                data, f" --measured benchmarks/results/{LOWEST}.json")),
+            *finetune_run_sections("finetune_memory_float32_lowest", f"fp32: {LOWEST}", "--dtypes float32 --lowest-only"),
+            *finetune_run_sections("finetune_memory_bfloat16_lowest", f"bf16: {LOWEST}",
+                                   "--dtypes bfloat16 --lowest-only"),
+            *finetune_run_sections("finetune_memory_float32_rows_exact",
+                                   "fp32: the fused linear CE (exact) row alone, on a model of its own, peak (GB)",
+                                   "--dtypes float32 --rows exact --contexts 2048,16384"),
             ("partial_ffn", partial_ffn_section), ("partial_ffn_accuracy", partial_ffn_accuracy_section),
             ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section),
             ("blr_e2e_memfit_attention", blr_e2e_section), ("blr_accuracy", blr_accuracy_section)]
