@@ -18,7 +18,9 @@ Per decoder layer (N tokens, hidden h, intermediate i, dtype size s) that gives:
 * SDPA (flash/cuDNN kernels, and the CPU flash kernel) saves q, k, v, the output (the
   same storage o_proj reads) and the fp32 log-sum-exp (4 bytes per head per token);
 * the SwiGLU MLP saves gate (for silu), silu(gate) and up (for the product), and the
-  product (down_proj's input, when down_proj is trained).
+  product (down_proj's input, when down_proj is trained);
+* a projection's argument lives until the projection returns, even where nothing saves it
+  (the caller's frame holds it: in bf16 the MLP product beside peft's fp32 copy of it).
 
 The loss path follows transformers' ``ForCausalLMLoss``: logits in the model dtype, an
 fp32 copy (``logits.float()``, free when the model is fp32), ``log_softmax`` saves its
@@ -173,7 +175,8 @@ class ModelGraph:
             summed_dtype = FP32 if FP32 in (adtype, self.dtype) else self.dtype
             summed = self.pointwise([out, scaled], per_token_out, f"{layer}.{module}.lora_add", dtype=summed_dtype)
             out = self.cast(summed, self.dtype, per_token_out, f"{layer}.{module}.lora_out")
-        return out
+        self.release(x)  # the caller's frame holds the module's argument until it returns (peft's forward casts
+        return out       # its local copy to the adapter dtype: in bf16 both exist, e.g. down_proj's input)
 
     def rope(self, x: Sym, per_token: int, name: str) -> Sym:
         """``x*cos + rotate_half(x)*sin``: four temporaries, nothing saved but cos/sin (the model's shared
