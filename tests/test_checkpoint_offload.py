@@ -79,29 +79,37 @@ def test_recomputed_layer_output_is_freed_before_the_layers_backward():
 
     outputs, alive_in_backward = [], []
 
-    class Probe(torch.autograd.Function):                    # identity; its backward looks at the last output
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            alive_in_backward.append(outputs[-1]() is not None)
-            return grad
-
     class Layer(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.linear = torch.nn.Linear(8, 8)
 
         def forward(self, hidden):
-            out = self.linear(Probe.apply(hidden)) + hidden
+            out = self.linear(hidden) + hidden
             outputs.append(weakref.ref(out))
+            if out.grad_fn is not None:                      # the recompute: look as the layer's first op differentiates
+                out.grad_fn.register_prehook(lambda grads: alive_in_backward.append(outputs[-1]() is not None))
             return out
 
     layers = [Layer()]
     install(layers, CheckpointPolicy(("gpu",)))
     hidden = torch.randn(3, 8, requires_grad=True)
     layers[0](hidden).sum().backward()
-    assert len(outputs) == 2 and alive_in_backward == [False]  # forward, recompute; freed before Probe ran
+    assert len(outputs) == 2 and alive_in_backward == [False]  # forward, recompute; freed before its backward began
     assert hidden.grad is not None and layers[0].linear.weight.grad is not None
+
+
+def test_a_layer_input_that_needs_no_gradient_gets_none():
+    """Under LoRA the first layer's input (the frozen embeddings' output) needs no gradient: its recompute
+    computes none (no tokens x hidden buffer), the adapters' gradients still come; a layer in which nothing
+    trains at all recomputes nothing."""
+    from memfit.train.checkpoint import install
+
+    layers = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
+    layers[1].requires_grad_(False)
+    install(layers, CheckpointPolicy(("gpu", "gpu")))
+    frozen_input = torch.randn(3, 8)
+    layers[0](frozen_input).sum().backward()
+    assert layers[0].weight.grad is not None and frozen_input.grad is None
+    layers[1](frozen_input).sum().backward()                  # the anchor still calls its backward: nothing to do
+    assert layers[1].weight.grad is None

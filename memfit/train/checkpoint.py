@@ -299,7 +299,8 @@ class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         ctx.runner.prefetch_before(ctx.index)
-        hidden = ctx.runner.load(ctx.index, ctx.store, ctx.slot).detach().requires_grad_(True)
+        wants_input_grad = ctx.needs_input_grad[3]     # not for frozen embeddings (LoRA): layer 0 skips that grad
+        hidden = ctx.runner.load(ctx.index, ctx.store, ctx.slot).detach().requires_grad_(wants_input_grad)
         ctx.store = ctx.slot = None
         devices = [hidden.device] if ctx.cuda_rng is not None else []
         with torch.random.fork_rng(devices=devices, device_type=hidden.device.type if devices else "cuda"):
@@ -308,11 +309,12 @@ class _CheckpointFunction(torch.autograd.Function):
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
             with torch.enable_grad():
                 out = ctx.run(hidden)
-                stand_in = _GradientInto.apply(out, grad_out)
-        del out, grad_out                              # nothing else holds them: freed before the layer's backward
-        stand_in.backward()
+                stand_in = _GradientInto.apply(out, grad_out) if out.requires_grad else None
+        del out                                        # the stand-in holds only the gradient: the output is freed
+        if stand_in is not None:                       # before the layer's backward (None: nothing in it trains)
+            stand_in.backward()
         ctx.run = None
-        return None, None, None, hidden.grad, None
+        return None, None, None, hidden.grad if wants_input_grad else None, None
 
 
 def checkpointed_forward(forward: Callable, index: int, runner: OffloadRunner) -> Callable:
