@@ -169,8 +169,33 @@ def test_checkpointed_layers_hold_their_input_and_the_rope_tables():
     tables = 4096 * 2 * spec.head_dim * 2
     kept = segment_inputs(graph.ops)
     assert sorted(kept) == list(range(28))
-    assert [(s.name, s.nbytes) for s in kept[0]] == [("embed", 4096 * spec.hidden * 2), ("rope_cos_sin", tables)]
-    assert [s.name for s in kept[5]] == ["4.residual2", "rope_cos_sin"]
+    layer_input, others = kept[0]
+    assert (layer_input.name, layer_input.nbytes) == ("embed", 4096 * spec.hidden * 2)
+    assert [(s.name, s.nbytes) for s in others] == [("rope_cos_sin", tables)]
+    assert (kept[5][0].name, [s.name for s in kept[5][1]]) == ("4.residual2", ["rope_cos_sin"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("checkpoint,offload", [(0, 0), (28, 0), (28, 28), (14, 7)])
+def test_replay_ends_with_nothing_saved_and_only_gradients_live(dtype, checkpoint, offload):
+    """After forward and backward every saved reference is dropped (checkpoint inputs and the RoPE tables
+    included) and what is left is the trained parameters' gradients."""
+    from memfit.ledger.predict import _train_graph
+    from memfit.ledger.simulate import Memory, replay_backward, replay_forward
+
+    job = Job(PRESETS["llama-3.2-3b"], task="lora", seq=1024)
+    graph, loss = _train_graph(job, Knobs(dtype=dtype, checkpoint_layers=checkpoint, offload_layers=offload,
+                                          fused_ce=True))
+    memory = Memory({})
+    checkpointed, offloaded = set(range(checkpoint)), set(range(offload))
+    saved = replay_forward(graph.ops, memory, "forward", keep={loss.uid}, checkpointed=checkpointed,
+                           offloaded=offloaded)
+    assert saved                                               # the replay had something to release
+    memory.alloc(loss)
+    replay_backward(graph.ops, memory, saved, {loss.uid: loss}, checkpointed=checkpointed, offloaded=offloaded)
+    assert saved == {}
+    assert {component for component, size in memory.by_component.items() if size} == {"gradients"}
+    assert memory.by_component["gradients"] == sum(p.nbytes for p in graph.params if p.requires_grad)
 
 
 def test_four_bit_base_weights():

@@ -279,7 +279,8 @@ class ModelGraph:
         # twice the gradient it returns (read off the allocator history: benchmarks/ledger_snapshot.py).
         workspace = 2 * s.vocab * s.hidden if self.device == "cuda" and dtype_bytes(self.dtype) == 2 else 0
         self.op("embed", [ids, weight], [x], [ids] if weight.requires_grad else [], backward_workspace=workspace)
-        # RoPE's cos and sin, (1, seq, head_dim) each, live for the whole forward
+        # RoPE's cos and sin, (1, seq, head_dim) each: the whole forward, and in training until the first
+        # layer's backward (every rotation saves them; a checkpoint holds them)
         self.rope_tables = self.act("rope_cos_sin", 2 * s.head_dim, False, tokens=self.seq)
         self.op("rotary_emb", [], [self.rope_tables], [])
         self.inputs_embeds = x

@@ -14,7 +14,8 @@ ops that save the same tensor keep one copy. Each op here states exactly those r
   does); an op's saved tensors and its outputs' gradients are freed once it has run;
   a leaf parameter's gradient becomes its ``.grad`` and stays;
 * **checkpointed segments** keep only their inputs in forward and replay their forward
-  (with saving) right before their backward, as ``torch.utils.checkpoint`` does.
+  (with saving) right before their backward, as ``torch.utils.checkpoint`` and memfit's
+  checkpoint do; the inputs stay until the segment's backward is done.
 
 Every allocation carries a component tag (activations, logits, kv_cache, gradients,
 workspace ...) so the live bytes at the peak break down by component.
@@ -126,23 +127,24 @@ def _uses(ops: list[Op]) -> dict[int, int]:
     return last
 
 
-def segment_inputs(ops: list[Op]) -> dict[int, list[Sym]]:
-    """What each checkpointed segment keeps from the forward: its first op's first input (the layer's
-    hidden states; an offloaded segment keeps a CPU copy instead), then every other non-parameter
-    tensor its ops read from outside it (shared tables such as RoPE's cos/sin, which the checkpoint
-    holds by reference until the segment's backward)."""
-    kept: dict[int, dict[int, Sym]] = {}
+def segment_inputs(ops: list[Op]) -> dict[int, tuple[Sym, list[Sym]]]:
+    """What each checkpointed segment keeps from the forward until its backward is done: the layer's
+    hidden states (its first op's first input; an offloaded segment keeps a CPU copy instead, brought
+    back for the recompute) and every other non-parameter tensor its ops read from outside it (shared
+    tables such as RoPE's cos/sin, which the checkpoint's closure holds by reference)."""
+    kept: dict[int, tuple[Sym, dict[int, Sym]]] = {}
     made: dict[int, set[int]] = {}
     for op in ops:
         if op.segment is None:
             continue
         inside = made.setdefault(op.segment, set())
-        keep = kept.setdefault(op.segment, {op.inputs[0].root.uid: op.inputs[0]} if op.inputs else {})
+        layer_input, others = kept.setdefault(op.segment, (op.inputs[0], {}))
         for sym in op.inputs:
-            if sym.root.uid not in inside and not sym.root.persistent:
-                keep.setdefault(sym.root.uid, sym)
+            uid = sym.root.uid
+            if uid not in inside and uid != layer_input.root.uid and not sym.root.persistent:
+                others.setdefault(uid, sym)
         inside.update(out.root.uid for out in op.outputs)
-    return {segment: list(syms.values()) for segment, syms in kept.items()}
+    return {segment: (layer_input, list(others.values())) for segment, (layer_input, others) in kept.items()}
 
 
 def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], save: bool = True,
@@ -167,7 +169,8 @@ def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], sa
                 # the checkpoint keeps the segment's inputs alive instead of saved tensors
                 if op.segment not in segments_seen:
                     segments_seen.add(op.segment)
-                    for sym in kept[op.segment][op.segment in offloaded:]:
+                    layer_input, others = kept[op.segment]
+                    for sym in others if op.segment in offloaded else [layer_input, *others]:
                         saved[sym.root.uid] = saved.get(sym.root.uid, 0) + 1
                         memory.mark_saved(sym)
             else:
@@ -196,6 +199,10 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
     """
     segments_done: set[int] = set()
     kept = segment_inputs(ops) if checkpointed else {}
+    first_op: dict[int, Op] = {}
+    for op in ops:
+        if op.segment is not None:
+            first_op.setdefault(op.segment, op)
     for op in reversed(ops):
         if op.segment in checkpointed and op.segment not in segments_done:
             # Replay the segment's forward with saving, right before its backward.
@@ -203,14 +210,12 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             if op.segment in offloaded:
                 for segment in (op.segment, op.segment - 1):  # this input, and the prefetch of the next
                     if segment in offloaded:
-                        first = next(o for o in ops if o.segment == segment).inputs[0]
-                        memory.alloc(first)
-                        saved[first.root.uid] = saved.get(first.root.uid, 0) + (segment == op.segment)
+                        layer_input = kept[segment][0]
+                        memory.alloc(layer_input)
+                        saved[layer_input.root.uid] = saved.get(layer_input.root.uid, 0) + (segment == op.segment)
             resaved = replay_forward(segment_ops, memory, "recompute", keep=set(saved), save=True)
             for uid, count in resaved.items():
                 saved[uid] = saved.get(uid, 0) + count
-            for sym in kept[op.segment]:                   # the checkpoint frame lets its inputs go
-                _release(sym, saved, memory)
             segments_done.add(op.segment)
         if op.needs_backward and any(o.root.uid in grad_of for o in op.outputs):
             accumulate = 0  # an existing .grad gets the new gradient added from a transient buffer
@@ -242,6 +247,10 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             if op.segment not in checkpointed or op.segment in segments_done:
                 for sym in op.saves:
                     _release(sym, saved, memory)
+        if op.segment in checkpointed and first_op[op.segment] is op:
+            layer_input, others = kept[op.segment]       # the segment's backward is done: the checkpoint's
+            for sym in (layer_input, *others):            # frame lets its inputs go
+                _release(sym, saved, memory)
 
 
 def _release(sym: Sym, saved: dict[int, int], memory: Memory) -> None:
