@@ -1,0 +1,37 @@
+"""benchmarks/finetune_memory.py's row choice: ``--rows`` picks 4-bit-model rows by name, each measured on a
+model of its own, and a choice that names none (or clashes with ``--lowest-only``) is a usage error before
+any GPU work."""
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def finetune_memory():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        yield importlib.import_module("finetune_memory")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_rows_are_chosen_by_name(finetune_memory):
+    assert finetune_memory.chosen_rows("exact") == ["+ fused linear CE (exact)"]
+    assert finetune_memory.chosen_rows("+") == list(finetune_memory.FOUR_BIT_ROWS)
+    assert finetune_memory.chosen_rows("") == [] and finetune_memory.chosen_rows("nothing") == []
+    names = [name for name, *_ in finetune_memory._rows_settings(2, 64, "cpu")]
+    assert names == list(finetune_memory.FOUR_BIT_ROWS)
+
+
+@pytest.mark.parametrize("arguments,message", [(["--rows", "nothing"], "names none of the 4-bit-model rows"),
+                                               (["--rows", ""], "names none of the 4-bit-model rows"),
+                                               (["--rows", "exact", "--lowest-only"], "both choose rows")])
+def test_bad_row_choices_are_usage_errors(arguments, message):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "finetune_memory.py"), "--smoke", *arguments],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-500:]
