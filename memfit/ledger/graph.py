@@ -118,18 +118,21 @@ class ModelGraph:
         return out
 
     def pointwise(self, inputs: list[Sym], per_token: int, name: str, saves_input: bool = False,
-                  saves_output: bool = False, dtype: str | None = None) -> Sym:
+                  saves_output: bool = False, dtype: str | None = None, **workspace) -> Sym:
         rg = any(s.requires_grad for s in inputs)
         out = self.act(name, per_token, rg, dtype)
         saves = (inputs[:1] if saves_input and rg else []) + ([out] if saves_output and rg else [])
-        self.op(name, inputs, [out], saves)
+        self.op(name, inputs, [out], saves, **workspace)
         return out
 
     # ---- model pieces ------------------------------------------------------------------
     def rms_norm(self, x: Sym, weight: Sym, name: str) -> Sym:
         h = self.spec.hidden
         x32 = self.cast(x, FP32, h, f"{name}.float")
-        square = self.pointwise([x32], h, f"{name}.pow", saves_input=True, dtype=FP32)
+        # pow's backward, grad * (2 * x.pow(1)), holds two temporaries of x's size and then the new gradient,
+        # until it is added to the one the scale's backward (below, so first in backward) gave x
+        square = self.pointwise([x32], h, f"{name}.pow", saves_input=True, dtype=FP32,
+                                backward_workspace=3 * x32.nbytes)
         variance = self.pointwise([square], 1, f"{name}.mean", dtype=FP32)
         shifted = self.pointwise([variance], 1, f"{name}.add_eps", dtype=FP32)
         inv = self.pointwise([shifted], 1, f"{name}.rsqrt", saves_output=True, dtype=FP32)
