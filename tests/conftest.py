@@ -6,7 +6,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib  # noqa: E402
+import pkgutil  # noqa: E402
+
 import pytest  # noqa: E402
+
+import memfit.kernels  # noqa: E402
+
+# Every kernel module imported now, under the interpreter: a module first imported inside a test that unsets
+# TRITON_INTERPRET (test_finetune runs the loss's CPU reference) would build its tuners for a GPU, and later
+# interpreter tests in the same process would fail on them ("0 active drivers").
+for module in pkgutil.iter_modules(memfit.kernels.__path__):
+    importlib.import_module(f"memfit.kernels.{module.name}")
 
 
 @pytest.fixture(autouse=True)

@@ -100,16 +100,24 @@ def test_recomputed_layer_output_is_freed_before_the_layers_backward():
 
 
 def test_a_layer_input_that_needs_no_gradient_gets_none():
-    """Under LoRA the first layer's input (the frozen embeddings' output) needs no gradient: its recompute
-    computes none (no tokens x hidden buffer), the adapters' gradients still come; a layer in which nothing
-    trains at all recomputes nothing."""
+    """Under LoRA the first layer's input (the frozen embeddings' output) needs no gradient: the recompute runs
+    with grad on but that input not requiring one (no tokens x hidden gradient is made), and the adapters'
+    gradients still come; a layer where nothing trains recomputes but skips the backward."""
     from memfit.train.checkpoint import install
 
-    layers = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
+    calls = []
+
+    class Layer(torch.nn.Linear):
+        def forward(self, hidden):
+            calls.append((torch.is_grad_enabled(), hidden.requires_grad))
+            return super().forward(hidden)
+
+    layers = [Layer(8, 8), Layer(8, 8)]
     layers[1].requires_grad_(False)
     install(layers, CheckpointPolicy(("gpu", "gpu")))
     frozen_input = torch.randn(3, 8)
     layers[0](frozen_input).sum().backward()
+    assert calls == [(False, False), (True, False)]          # forward without grad, recompute with it
     assert layers[0].weight.grad is not None and frozen_input.grad is None
-    layers[1](frozen_input).sum().backward()                  # the anchor still calls its backward: nothing to do
+    layers[1](frozen_input).sum().backward()                 # the anchor still calls its backward: nothing to do
     assert layers[1].weight.grad is None

@@ -8,10 +8,6 @@ import torch
 from memfit.data.jsonl import DEFAULT_DATA, IGNORE_INDEX, load_jsonl
 from memfit.data.tokenizer import ByteTokenizer
 from memfit.errors import MemfitError
-
-# imported here, under conftest's interpreter: a first import inside a test, where _quick unsets it, would build
-# its kernels' tuners for a GPU, and later interpreter tests in the same process would fail on them
-from memfit.kernels import linear_ce  # noqa: F401
 from memfit.models import PRESETS, build_model
 from memfit.train.finetune import TrainConfig, train
 from memfit.train.patch import patch

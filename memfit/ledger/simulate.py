@@ -138,7 +138,11 @@ def segment_inputs(ops: list[Op]) -> dict[int, tuple[Sym, list[Sym]]]:
         if op.segment is None:
             continue
         inside = made.setdefault(op.segment, set())
-        layer_input, others = kept.setdefault(op.segment, (op.inputs[0], {}))
+        if op.segment not in kept:
+            if not op.inputs:
+                raise ValueError(f"checkpointed segment {op.segment} starts with {op.name}, which reads no tensor")
+            kept[op.segment] = (op.inputs[0], {})
+        layer_input, others = kept[op.segment]
         for sym in op.inputs:
             uid = sym.root.uid
             if uid not in inside and uid != layer_input.root.uid and not sym.root.persistent:

@@ -311,7 +311,8 @@ class _CheckpointFunction(torch.autograd.Function):
                 out = ctx.run(hidden)
                 stand_in = _GradientInto.apply(out, grad_out) if out.requires_grad else None
         del out                                        # the stand-in holds only the gradient: the output is freed
-        if stand_in is not None:                       # before the layer's backward (None: nothing in it trains)
+        if stand_in is not None:                       # before the layer's backward (None: nothing in it
+                                                       # trains, nothing to differentiate)
             stand_in.backward()
         ctx.run = None
         return None, None, None, hidden.grad if wants_input_grad else None, None
