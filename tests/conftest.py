@@ -7,7 +7,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib  # noqa: E402
+import importlib.util  # noqa: E402
 import pkgutil  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -23,3 +26,20 @@ for module in pkgutil.iter_modules(memfit.kernels.__path__):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module, the folder on ``sys.path`` while it loads (some import their
+    siblings, e.g. bgemm_tiles from blr_layers)."""
+    folder = str(ROOT / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(folder)

@@ -2,23 +2,16 @@
 run through the regrouping store the Monarch stages use and are checked against torch, so a tile that
 computes the wrong thing enters the results as an error, not as a time. Tiny shapes, the interpreter,
 no timing (the GPU timer is replaced by a counter)."""
-import importlib
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bgemm_tiles():
-    sys.path.insert(0, str(ROOT / "benchmarks"))    # it imports its sibling blr_layers
-    try:
-        yield importlib.import_module("bgemm_tiles")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return load_benchmark("bgemm_tiles")
 
 
 @pytest.fixture

@@ -1,20 +1,13 @@
 """benchmarks/blr_e2e.py's kernel classification, which splits a profiled step into the part the
 BLR layers can change (their kernels, cuBLAS) and the part they cannot (attention, the rest), and its
 `free` model, which measures the most the BLR layers could gain."""
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def blr_e2e():
-    spec = importlib.util.spec_from_file_location("blr_e2e", ROOT / "benchmarks" / "blr_e2e.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("blr_e2e")
 
 
 @pytest.mark.parametrize("name,kind", [

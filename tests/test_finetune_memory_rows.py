@@ -1,23 +1,19 @@
 """benchmarks/finetune_memory.py's row choice: ``--rows`` picks 4-bit-model rows by name, each measured on a
 model of its own, and a choice that names none (or clashes with ``--lowest-only``) is a usage error before
 any GPU work."""
-import importlib
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def finetune_memory():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        yield importlib.import_module("finetune_memory")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return load_benchmark("finetune_memory")
 
 
 def test_rows_are_chosen_by_name(finetune_memory):

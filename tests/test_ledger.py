@@ -1,6 +1,9 @@
 """The ledger: hand-computed sizes, the activation derivation against autograd, verify within 5%."""
+import sys
+
 import pytest
 import torch
+from conftest import load_benchmark
 
 from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import predict
@@ -328,3 +331,16 @@ def test_rms_norm_backward_peak_matches_torch(dtype):
     saved = replay_forward(graph.ops, memory, "forward", keep={out.uid})   # the expression holds the output
     replay_backward(graph.ops, memory, saved, {out.uid: Sym("grad", grad.nbytes, False, persistent=True)})
     assert memory.peak.total == pytest.approx(measured, rel=0.01)
+
+
+@pytest.mark.parametrize("argv,message", [(["tiny", "lora", "64", "--dtype", "x"], "unknown dtype"),
+                                          (["tiny", "lora", "64", "--loss-fraction", "2"], "loss_fraction"),
+                                          (["tiny", "lora", "64"], "run this on a GPU machine")])
+def test_ledger_snapshot_bad_inputs_are_usage_errors(argv, message, monkeypatch, capsys):
+    """benchmarks/ledger_snapshot.py: a bad job or knob, or no GPU, ends in one usage line, not a traceback."""
+    snapshot = load_benchmark("ledger_snapshot")
+    monkeypatch.setattr(sys, "argv", ["ledger_snapshot.py", *argv])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        snapshot.main()
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

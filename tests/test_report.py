@@ -1,15 +1,13 @@
 """README's performance section is generated from benchmarks/results, never typed."""
-import importlib.util
 from pathlib import Path
+
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_report():
-    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
-    return report
+    return load_benchmark("report")
 
 
 def test_readme_performance_section_matches_the_results_files():
