@@ -242,7 +242,15 @@ def main() -> None:
         parser.error(f"--rows {args.rows!r} names none of the 4-bit-model rows: {', '.join(FOUR_BIT_ROWS)}")
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     spec = PRESETS["tiny" if args.smoke else "llama-3.2-3b"]
-    contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else ((33, 48) if args.smoke else CONTEXTS)
+    try:
+        default = (33, 48) if args.smoke else CONTEXTS
+        contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else default
+    except ValueError:
+        parser.error(f"--contexts takes comma-separated token counts, got {args.contexts!r}")
+    if min(contexts) < 1:
+        parser.error(f"--contexts takes positive token counts, got {args.contexts!r}")
+    if any(dtype not in ("float32", "bfloat16") for dtype in args.dtypes.split(",")):
+        parser.error(f"--dtypes takes float32 and/or bfloat16, comma-separated, got {args.dtypes!r}")
     torch.backends.cuda.matmul.allow_tf32 = True  # fp32 storage and activations as in the paper; TF32 changes no byte
     started = time.perf_counter()
     ceilings = None

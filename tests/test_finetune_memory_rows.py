@@ -1,6 +1,6 @@
 """benchmarks/finetune_memory.py's row choice: ``--rows`` picks 4-bit-model rows by name, each measured on a
-model of its own, and a choice that names none (or clashes with ``--lowest-only``) is a usage error before
-any GPU work."""
+model of its own; a choice that names none (or clashes with ``--lowest-only``), or bad contexts or dtypes,
+is a usage error before any GPU work."""
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +26,10 @@ def test_rows_are_chosen_by_name(finetune_memory):
 
 @pytest.mark.parametrize("arguments,message", [(["--rows", "nothing"], "names none of the 4-bit-model rows"),
                                                (["--rows", ""], "names none of the 4-bit-model rows"),
-                                               (["--rows", "exact", "--lowest-only"], "both choose rows")])
+                                               (["--rows", "exact", "--lowest-only"], "both choose rows"),
+                                               (["--contexts", "1k"], "comma-separated token counts"),
+                                               (["--contexts", "0"], "positive token counts"),
+                                               (["--dtypes", "fp8"], "float32 and/or bfloat16")])
 def test_bad_row_choices_are_usage_errors(arguments, message):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "finetune_memory.py"), "--smoke", *arguments],
                           capture_output=True, text=True, timeout=120, check=False)
