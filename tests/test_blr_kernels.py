@@ -173,12 +173,11 @@ from memfit.kernels import blast, blr_common
 
 kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
            "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel}
-pointers = {"part_ptr": "*fp32", "arrivals_ptr": "*i32"}                  # the others: bf16 tensors
 out = {}
 for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
-    signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "*bf16") if p.name.endswith("_ptr")
-                 else "i32" for p in fn.params}
+    signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
+                 for p in fn.params}
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in divisible}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=defaults | constexprs, attrs=attrs)
@@ -191,7 +190,7 @@ WAITS = {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": True}
 CHAIN_CASES = {
     "bgemm waits, weights row-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True, "EVEN_K": False}),
     "bgemm waits, weights k-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": False, "EVEN_K": True}),
-    "mixgemm waits": ("mixgemm", {**CHAIN_BASE, "WAIT_FOR_PREVIOUS": True, "BB": 16, "SPLITS": 4}),
+    "mixgemm waits": ("mixgemm", {**CHAIN_BASE, "WAIT_FOR_PREVIOUS": True, "BB": 16}),
     "zmix waits and launches": ("zmix", {"BB": 16, "PRECISION": "tf32", "LAUNCH_DEPENDENTS": True,
                                          "WAIT_FOR_PREVIOUS": True, "BN": 16, "BK": 32}),
     "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
@@ -260,20 +259,6 @@ def test_fused_mixing_tiles_compile_without_spills():
     assert max(spills.values()) <= 8, spills
 
 
-def test_decode_stage_tiles_compile_without_spills():
-    """Every listed _mixgemm_kernel tile, chained, at b = 16 in bf16 with its warps and stages, compiles
-    for sm_90 without register spills; a 64-rank K step at a 128-column tile spills, so the check can tell."""
-    aligned = ["z_ptr", "s_ptr", "u_ptr", "y_ptr", "R", "P", "szn", "szj", "ssi", "ssj", "sui", "suo", "syn"]
-    base = {**CHAIN_BASE, "WAIT_FOR_PREVIOUS": True, "BB": 16}
-    cases = {f"{bn}x{bc}x{bk}/{splits} w{w} s{st}": ("mixgemm", {**base, "BN": bn, "BC": bc, "BK": bk, "SPLITS": splits},
-                                                     aligned, st, w)
-             for bn, bc, bk, splits, w, st in blast.MIXGEMM_CONFIGS}
-    cases["too wide"] = ("mixgemm", {**base, "BN": 16, "BC": 128, "BK": 64, "SPLITS": 4}, aligned, 3, 4)
-    spills = {name: ptxas_spills(ptx)[1] for name, ptx in compile_sm90(cases).items()}
-    assert spills.pop("too wide") > 0
-    assert max(spills.values()) == 0, spills
-
-
 def test_pipelined_token_major_mixing_prefetches_by_cp_async():
     """_tmix_kernel's configs with stages >= 2 load the next ranks' Z_k rows by cp.async while the current
     rank's dot runs; with one stage every load is a plain ld.global after the previous store."""
@@ -310,16 +295,6 @@ def test_chained_stage_prefetches_its_weights_then_waits_then_loads(sm90_ptx, ca
     assert "griddepcontrol.launch_dependents" not in ptx
 
 
-def test_split_mixgemm_counts_itself_after_its_partial_sum_is_stored(sm90_ptx):
-    """The split stage 3 stores its fp32 partial sum, waits at a CTA barrier for every thread's store,
-    then counts itself by one acquire-release atomic at GPU scope; the last to arrive reads the partials
-    through L2 (.cg: not a stale L1 line) and sets its count back to 0."""
-    ptx = sm90_ptx["mixgemm waits"]
-    count = ptx.find("atom.global.gpu.acq_rel.add")
-    assert ptx.rfind("st.global", 0, count) < ptx.rfind("bar.sync", 0, count) < count
-    assert "ld.global.cg" in ptx[count:] and "atom.global.gpu.acq_rel.exch" in ptx[count:]
-
-
 def test_chained_mixing_lets_the_next_start_then_waits_for_z(sm90_ptx):
     """The middle of a three-kernel chain: lets the next start, reads S, waits, then reads Z."""
     ptx = sm90_ptx["zmix waits and launches"]
@@ -354,24 +329,10 @@ BLAST_VARIANTS = list(blast.VARIANTS)
 @pytest.mark.parametrize("n,bias", [(1, True), (N, False), (N, True)])
 def test_blast(dtype, variant, n, bias, monkeypatch):
     monkeypatch.setattr(blast, "TOKEN_MAJOR_MIN_N", 1)   # the token-contiguous pipelines at the tests' N too
-    monkeypatch.setattr(blast, "MIXGEMM_MAX_N", N)       # and the decode ones over two token tiles
     r = 19
     tensors = [torch.randn(n, B * M), torch.randn(B, P, r) / r**0.5, torch.randn(B, M, r) / M**0.5,
                torch.randn(B, B, r) / B**0.5, torch.randn(B * P)]
     check(blast_linear, blast_linear_reference, drop_bias(tensors, bias), dtype, variant=variant)
-
-
-def test_split_decode_stage_leaves_its_counts_at_zero_and_repeats_itself(monkeypatch):
-    """z_mixgemm's split ranks (the interpreter's tile splits them in two: 32 + 8 of 40) over two
-    token tiles: the arrival counts are back at 0 after the call, and a second call gives the same bits."""
-    monkeypatch.setattr(blast, "MIXGEMM_MAX_N", N)
-    r, n = 40, 17
-    x, u, v, s = (torch.randn(n, B * M), torch.randn(B, P, r) / r**0.5, torch.randn(B, M, r) / M**0.5,
-                  torch.randn(B, B, r) / B**0.5)
-    first = blast_linear(x, u, v, s, path="triton", variant="z_mixgemm")
-    assert not blr_common._ARRIVALS[torch.device("cpu")].any()
-    assert torch.equal(first, blast_linear(x, u, v, s, path="triton", variant="z_mixgemm"))
-    assert rel(first, blast_linear_reference(*(t.double() for t in (x, u, v, s)))) < TOL[torch.float32]
 
 
 def test_blast_fused_mixing_loops_over_wide_blocks():

@@ -31,11 +31,8 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   (b ceil(r/BC) programs: every SM streams part of V), then ``_mixgemm_kernel``: stage
   3 with the mixing in its operand prologue, T_i's K-chunk formed from a (BN, b, BK)
   load of Z and s_i by a sum over j, then one dot with U_i^T. The mixing is redone per
-  output column tile (ceil(p/BC) times); Z (a few hundred KB) sits in L2. The ranks can be
-  split over SPLITS programs per output tile (tuned), each mixing and multiplying its share,
-  the last to finish adding the fp32 partial sums in split order: the mixing a program does
-  on CUDA cores (16 b r multiply-adds per column tile, 6.1 M at Llama-7B's down projection)
-  and its chain of dependent K steps shrink SPLITS-fold. Two launches, both wide.
+  output column tile (ceil(p/BC) times), negligible at decode where Z (a few hundred
+  KB) sits in L2 and the kernel is bound by reading U. Two launches, both wide.
 * ``tbmm_mix_tbmm`` (N >= TOKEN_MAJOR_MIN_N): ``bmm_mix_bmm`` with Z and T stored token-contiguous,
   (b, r, N), so the mixing pass (``_tmix_kernel``) moves whole rows of tokens, near HBM
   bandwidth, where ``_zmix_kernel`` moves BK-rank runs (64 B) at about 40% of it; the
@@ -67,6 +64,7 @@ from memfit.kernels.blr_common import (
     bmm_into,
     chain_options,
     fits_smem,
+    keep_small_n,
     line_elements,
     mma,
     n_bucket,
@@ -77,14 +75,11 @@ from memfit.kernels.blr_common import (
     prefetch_l2,
     recompute_backward,
     save_for_recompute,
-    split_arrivals,
-    sum_split_partials,
     tuned,
 )
 from memfit.kernels.dispatch import use_triton
 
-MIXGEMM_MAX_N = 16   # at N = 128 z_mixgemm took 2.3-9.0x the best pipeline's time at every shape (43f911d): each
-                     # output block reads all of Z (b-fold), once per column tile, and mixes it on CUDA cores
+MIXGEMM_MAX_N = 128      # beyond this the mixing prologue's per-column-tile repeats and Z's b-fold reads cost too much
 
 
 def blast_linear_reference(x, u, v, s, bias=None):
@@ -321,82 +316,54 @@ def _bgemm_mix_bgemm_pdl(x2, u, v, s, bias):
 
 # ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------
 
-# BN, BC, BK, SPLITS, warps, stages. A (16, b, BK) Z operand is 64 registers a thread at b = 16, BK = 32 and 4
-# warps; the (16, BC) fp32 accumulator 16 (BC = 128) to 32 (BC = 512, 8 warps). Every tile compiles for sm_90
-# without spills at b = 16 in bf16 (168-255 registers); BK = 64 at BC = 128 spilled. SPLITS > 1 cuts the mixing each program
-# repeats (16 b R / SPLITS multiply-adds on CUDA cores) and the chain of dependent K steps by SPLITS, for an
-# fp32 partial sum per program through L2 and one atomic count per output tile.
-MIXGEMM_CONFIGS = [(16, 64, 32, 1, 4, 3), (16, 128, 32, 1, 4, 3), (16, 128, 32, 2, 4, 3), (16, 128, 32, 4, 4, 3),
-                   (16, 128, 32, 8, 4, 3), (16, 64, 32, 4, 4, 3), (16, 64, 32, 8, 4, 3), (16, 256, 32, 4, 8, 3),
-                   (16, 256, 32, 8, 8, 3), (16, 512, 32, 4, 8, 3), (16, 512, 32, 8, 8, 3)]
-SPLIT_ALIGN = 16          # a split's first rank is a multiple of this: its Z and U rows start on 32-byte boundaries
-
-
-def split_ranks(r: int, splits: int) -> int:
-    """Ranks per split (the last may hold fewer): r / splits rounded up to a multiple of SPLIT_ALIGN."""
-    return triton.cdiv(triton.cdiv(r, splits), SPLIT_ALIGN) * SPLIT_ALIGN
-
-
 def _prune_mixgemm(configs, named_args, **kwargs):
-    """Column tiles no wider than the output block (32 at least), K steps no wider than the ranks, and
-    no split left without ranks."""
-    p, r = named_args["P"], named_args["R"]
-    keep = [c for c in configs if c.kwargs["BC"] <= pow2_at_least(p, 32) and c.kwargs["BK"] <= pow2_at_least(r)
-            and split_ranks(r, c.kwargs["SPLITS"]) * (c.kwargs["SPLITS"] - 1) < r]
+    configs = keep_small_n(configs, named_args["N"])
+    keep = [c for c in configs if c.kwargs["BC"] <= pow2_at_least(named_args["P"], 32)
+            and c.kwargs["BK"] <= pow2_at_least(named_args["R"])]
     return keep or configs[:1]
 
 
-@tuned(MIXGEMM_CONFIGS, ("BN", "BC", "BK", "SPLITS"), (16, 16, 16, 2, 4, 1), key=["N_BUCKET", "R", "P", "B"],
-       prune=_prune_mixgemm)
+# BN * b * BK operand elements per step: <= 128 registers a thread at b = 16
+@tuned([(16, 32, 64, 4, 3), (16, 64, 32, 4, 3), (16, 64, 64, 4, 3), (16, 128, 32, 4, 3),
+        (64, 64, 32, 8, 2), (64, 128, 32, 8, 2)],
+       ("BN", "BC", "BK"), (16, 16, 16, 4, 1), key=["N_BUCKET", "R", "P", "B"], prune=_prune_mixgemm)
 @triton.jit
-def _mixgemm_kernel(z_ptr, s_ptr, u_ptr, y_ptr, bias_ptr, part_ptr, arrivals_ptr, N, R, P, B, N_BUCKET,
+def _mixgemm_kernel(z_ptr, s_ptr, u_ptr, y_ptr, bias_ptr, N, R, P, B, N_BUCKET,
                     szn, szj, ssi, ssj, ssk, sui, suo, suk, syn,
                     HAS_BIAS: tl.constexpr, BB: tl.constexpr, PRECISION: tl.constexpr,
                     WAIT_FOR_PREVIOUS: tl.constexpr, LINE: tl.constexpr,
-                    BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr):
-    """y[n, i p + o] = sum_k (sum_j s[i, j, k] Z[n, j, k]) U[i, o, k] for a (BN, BC) tile of block i, over
-    the ranks of split ``program_id(1)`` (:func:`split_ranks`); the last of the SPLITS programs of a tile
-    to finish adds their sums (:func:`sum_split_partials`) and writes y."""
+                    BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """y[n, i p + o] = sum_k (sum_j s[i, j, k] Z[n, j, k]) U[i, o, k] for a (BN, BC) tile of block i."""
     c_tiles = tl.cdiv(P, BC)
-    tile = tl.program_id(0)
-    i = tile % B
-    pid_c = (tile // B) % c_tiles
-    pid_n = tile // (B * c_tiles)
-    per_split = tl.cdiv(tl.cdiv(R, SPLITS), 16) * 16                 # split_ranks, SPLIT_ALIGN = 16
-    k_first = tl.program_id(1) * per_split
-    k_end = tl.minimum(k_first + per_split, R)
-    if WAIT_FOR_PREVIOUS:                              # U_i's rows of this tile and split (unit stride along k) into L2
-        prefetch_l2(u_ptr + i * sui + pid_c * BC * suo + k_first * suk, tl.minimum(BC, P - pid_c * BC), suo,
-                    tl.maximum(k_end - k_first, 1), LINE)
+    i = tl.program_id(0) % B
+    pid_c = (tl.program_id(0) // B) % c_tiles
+    pid_n = tl.program_id(0) // (B * c_tiles)
+    if WAIT_FOR_PREVIOUS:                              # U_i's rows of this column tile (unit stride along k) into L2
+        prefetch_l2(u_ptr + i * sui + pid_c * BC * suo, tl.minimum(BC, P - pid_c * BC), suo, R, LINE)
         tl.extra.cuda.gdc_wait()                       # then Z, written by the previous kernel
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rc = pid_c * BC + tl.arange(0, BC)
     rk = tl.arange(0, BK)
     rb = tl.arange(0, BB)
     acc = tl.zeros((BN, BC), dtype=tl.float32)
-    for k0 in range(k_first, k_end, BK):
+    for k0 in range(0, R, BK):
         kk = k0 + rk
         z = tl.load(z_ptr + rn[:, None, None] * szn + rb[None, :, None] * szj + kk[None, None, :],
-                    mask=(rn[:, None, None] < N) & (rb[None, :, None] < B) & (kk[None, None, :] < k_end), other=0.0)
+                    mask=(rn[:, None, None] < N) & (rb[None, :, None] < B) & (kk[None, None, :] < R), other=0.0)
         si = tl.load(s_ptr + i * ssi + rb[:, None] * ssj + kk[None, :] * ssk,
-                     mask=(rb[:, None] < B) & (kk[None, :] < k_end), other=0.0).to(tl.float32)
+                     mask=(rb[:, None] < B) & (kk[None, :] < R), other=0.0).to(tl.float32)
         a = tl.sum(z.to(tl.float32) * si[None, :, :], axis=1)
         u = tl.load(u_ptr + i * sui + kk[:, None] * suk + rc[None, :] * suo,
-                    mask=(kk[:, None] < k_end) & (rc[None, :] < P), other=0.0)
+                    mask=(kk[:, None] < R) & (rc[None, :] < P), other=0.0)
         acc = mma(a.to(u.dtype), u, acc, PRECISION)                      # T rounded to x's dtype, as in the reference
-    last = True
-    if SPLITS > 1:
-        acc, last = sum_split_partials(acc, part_ptr, arrivals_ptr, tile, tl.program_id(1), SPLITS, BN, BC)
     col = i * P + rc
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + col, mask=(rc < P) & last, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + col, mask=rc < P, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rn[:, None] * syn + col[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rn[:, None] < N) & (rc[None, :] < P) & last)
+             mask=(rn[:, None] < N) & (rc[None, :] < P))
 
 
 def _z_mixgemm(x2, u, v, s, bias, chained=False):
-    """Z by :func:`bgemm`, then ``_mixgemm_kernel``: the fp32 partial sums take a buffer sized for the
-    widest tile and split the tuner may pick, and one arrival count per output tile (:func:`split_arrivals`)."""
     b, p, r = u.shape
     if chained and u.stride(2) != 1:                                 # the prefetch walks U_i's rows along k
         raise MemfitError(f"blast_linear: z_mixgemm_pdl needs U with a unit stride along the rank, got {u.stride()}")
@@ -404,13 +371,9 @@ def _z_mixgemm(x2, u, v, s, bias, chained=False):
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)      # z[n, j, k] = (X_j V_j)[n, k]
     bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1), launch_dependents=chained)
     y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
-    token_tiles = triton.cdiv(n, 16)
-    part = torch.empty(max(token_tiles * 16 * b * triton.cdiv(p, bc) * bc * splits
-                           for _, bc, _, splits, *_ in MIXGEMM_CONFIGS), device=x2.device, dtype=torch.float32)
-    arrivals = split_arrivals(x2.device, token_tiles * b * triton.cdiv(p, min(c[1] for c in MIXGEMM_CONFIGS)))
-    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * b * triton.cdiv(p, meta["BC"]), meta["SPLITS"])
-    _mixgemm_kernel[grid](z, s, u, y, bias if bias is not None else y, part, arrivals, n, r, p, b, n_bucket(n),
-                          z.stride(0), z.stride(1), *s.stride(), *u.stride(), y.stride(0), HAS_BIAS=bias is not None,
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * b * triton.cdiv(p, meta["BC"]),)
+    _mixgemm_kernel[grid](z, s, u, y, bias if bias is not None else y, n, r, p, b, n_bucket(n), z.stride(0),
+                          z.stride(1), *s.stride(), *u.stride(), y.stride(0), HAS_BIAS=bias is not None,
                           BB=pow2_at_least(b, 1), PRECISION=blr_precision(x2.dtype), LINE=line_elements(u),
                           **chain_options(wait_for_previous=chained))
     return y

@@ -323,48 +323,6 @@ def line_elements(t: torch.Tensor) -> int:
     return 128 // t.element_size()
 
 
-# ---- split loops: the last program of an output tile to arrive writes it --------------
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_arrivals(device: torch.device, count: int) -> torch.Tensor:
-    """``count`` int32 arrival counts at 0 for a kernel whose programs split one output tile's loop
-    and let the last to arrive write the tile (:func:`sum_split_partials`; it sets its count back to 0,
-    so the counts are 0 between calls, CUDA-graph replays included). Kept per device, not per call, so
-    a call costs no memset; a launch must not overlap another on the same counts (memfit's ops run in
-    stream order). A buffer first made inside a CUDA graph capture is not kept: its zeroing belongs
-    to that graph."""
-    device = torch.device(device)
-    counts = _ARRIVALS.get(device)
-    if counts is not None and counts.numel() >= count:
-        return counts
-    counts = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-        _ARRIVALS[device] = counts
-    return counts
-
-
-@triton.jit
-def sum_split_partials(acc, part_ptr, arrivals_ptr, tile, split, SPLITS: tl.constexpr, BN: tl.constexpr,
-                       BC: tl.constexpr):
-    """For the SPLITS programs that share output tile ``tile``, each holding its (BN, BC) fp32 sum
-    ``acc`` over its part of the loop: store it in ``part_ptr`` (tile, split, BN, BC), count the
-    program in ``arrivals_ptr``, and return (the SPLITS sums added in split order, True) to the last to
-    arrive, so the result does not depend on the arrival order, after setting the count back to 0;
-    (zeros, False) to the others."""
-    part = (part_ptr + tile.to(tl.int64) * SPLITS * BN * BC + tl.arange(0, BN)[:, None] * BC
-            + tl.arange(0, BC)[None, :])
-    tl.store(part + split * BN * BC, acc)
-    tl.debug_barrier()                                 # every thread's partial stored before the count goes up
-    last = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
-    total = tl.zeros((BN, BC), dtype=tl.float32)
-    for s in range(SPLITS):                            # only the last program loads (the others' masks are off)
-        total += tl.load(part + s * BN * BC, mask=last, other=0.0, cache_modifier=".cg")
-    tl.atomic_xchg(arrivals_ptr + tile, 0, mask=last)
-    return total, last
-
-
 
 # ---- strided batched GEMM with a regrouping store --------------------------------
 
