@@ -488,9 +488,33 @@ def test_vocab_subset_whole_vocab_is_exact_and_partial_is_lower():
     weight.grad = None
     exact.backward()
     torch.testing.assert_close(g_whole, weight.grad)
-    subset = frequent_token_subset(labels, 50, vocab_size=600)
+    hidden, weight, labels, _ = _inputs((17,), 32, 3 * linear_ce.SUBSET_ROWS_STEP, torch.float32)
+    subset = frequent_token_subset(labels, 50, vocab_size=weight.shape[0])
     report = subset_loss_deviation(hidden, weight, labels, subset, path="reference")
     assert report["abs_dev"] > 0 and report["approx"] < report["exact"] and report["subset_size"] == subset.numel()
+
+
+def test_vocab_subset_size_steps_so_kernels_are_reused():
+    """labels ∪ subset is padded to a multiple of SUBSET_ROWS_STEP ids (the whole vocabulary at most): two
+    batches with different labels give the kernels the same vocabulary size, the subset and the labels are
+    all kept, and every label maps to its own weight row."""
+    step = linear_ce.SUBSET_ROWS_STEP
+    vocab = 3 * step + 5
+    weight = torch.arange(vocab, dtype=torch.float32)[:, None].repeat(1, 4)    # row v holds v: kept ids readable
+    subset = torch.arange(0, 2 * step, 7)
+    sizes = []
+    for seed in range(2):
+        labels = torch.randint(0, vocab, (300,), generator=torch.Generator().manual_seed(seed))
+        labels[::5] = -100
+        rows, _, local = linear_ce._restrict_vocab(weight, None, labels, -100, subset)
+        valid = labels != -100
+        kept = set(rows[:, 0].long().tolist())
+        assert kept >= set(subset.tolist()) | set(labels[valid].tolist()) and len(kept) == rows.shape[0]
+        assert torch.equal(rows[local[valid]], weight[labels[valid]]) and torch.equal(local[~valid], labels[~valid])
+        sizes.append(rows.shape[0])
+    assert sizes[0] == sizes[1] and sizes[0] % step == 0
+    whole, _, _ = linear_ce._restrict_vocab(weight, None, torch.tensor([vocab - 1]), -100, torch.arange(3 * step))
+    assert whole.shape[0] == vocab
 
 
 def test_frequent_token_subset_orders_by_count():

@@ -42,8 +42,8 @@ Cost: 2NVH FLOPs forward, 6NVH backward (recompute, dH, dW), 4NVH when the weigh
 frozen (LoRA), where the weight-gradient matmul is skipped.
 
 Approximate mode (opt-in): ``vocab_subset`` restricts the softmax to the labels plus a
-candidate set (``frequent_token_subset``); ``subset_loss_deviation`` reports what that
-costs in loss on a batch.
+candidate set (``frequent_token_subset``), padded to a multiple of SUBSET_ROWS_STEP ids;
+``subset_loss_deviation`` reports what that costs in loss on a batch.
 
 Layout: PyTorch reference (chunked fp32, the definition used on CPU and in tests), the
 Triton kernels and launchers, then the custom ops with fake and autograd registrations,
@@ -872,12 +872,26 @@ def _check(hidden, weight, labels, reduction, softcap, z_loss, bias, vocab_subse
         raise MemfitError(f"linear_cross_entropy: vocab_chunk must be a positive int or None, got {vocab_chunk!r}")
 
 
+SUBSET_ROWS_STEP = 1024   # the restricted vocabulary's size is a multiple of this (or the whole vocabulary)
+
+
 def _restrict_vocab(weight, bias, labels, ignore_index, vocab_subset):
-    """Weight/bias rows of labels ∪ subset and the labels renumbered into that set."""
+    """Weight/bias rows of labels ∪ subset and the labels renumbered into that set.
+
+    The set is padded with the lowest ids not in it up to a multiple of SUBSET_ROWS_STEP, so that its size
+    takes few values over a run: the kernels compile and tune per vocabulary size, and with the labels'
+    ids in the set that size changed every step (a 3B model's fp32 step took 5-21 s, not 0.5, on an H200,
+    ``finetune_memory.json``). The extra ids only add softmax terms, so the loss moves toward the exact one."""
     valid = labels != ignore_index
     keep = torch.unique(torch.cat([vocab_subset.to(labels.device, torch.int64), labels[valid].to(torch.int64)]))
-    if keep.numel() and (keep[0] < 0 or keep[-1] >= weight.shape[0]):
-        raise MemfitError(f"linear_cross_entropy: vocab_subset and labels must lie in [0, {weight.shape[0]})")
+    vocab = weight.shape[0]
+    if keep.numel() and (keep[0] < 0 or keep[-1] >= vocab):
+        raise MemfitError(f"linear_cross_entropy: vocab_subset and labels must lie in [0, {vocab})")
+    padded = min(vocab, -(-keep.numel() // SUBSET_ROWS_STEP) * SUBSET_ROWS_STEP)
+    if padded > keep.numel():
+        outside = torch.ones(vocab, dtype=torch.bool, device=keep.device)
+        outside[keep] = False
+        keep = torch.cat([keep, outside.nonzero().squeeze(1)[:padded - keep.numel()]]).sort().values
     local = torch.where(valid, torch.searchsorted(keep, labels.to(torch.int64)), labels)
     return weight.index_select(0, keep), None if bias is None else bias.index_select(0, keep), local
 
@@ -894,7 +908,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     ``z_loss * logsumexp**2`` per token. Tokens labelled ``ignore_index`` cost nothing and
     count for nothing; "mean" over zero loss tokens is 0. ``reduction="none"`` returns the
     per-token loss (fp32, 0 at ignored tokens) in ``labels``' shape; "mean"/"sum" an fp32 scalar.
-    ``vocab_subset`` (approximate, opt-in): the softmax runs over labels ∪ subset only.
+    ``vocab_subset`` (approximate, opt-in): the softmax runs over labels ∪ subset only (padded with
+    the lowest other ids to a multiple of SUBSET_ROWS_STEP, so that compiles and tunings are reused).
     ``vocab_chunk``: vocabulary columns per backward step (default TRAINED_VOCAB_CHUNK when the
     weight trains on the Triton path, else VOCAB_CHUNK); with a frozen
     weight the backward holds one N x vocab_chunk logit-gradient chunk, with a trained one the
