@@ -8,15 +8,13 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-# name|seconds|command, most pending first (after the twelfth session, 2026-12-01: see its closing note).
-# The full fine-tuning table and the ledger's accuracy jobs predate the checkpoint fix (61f6f12) and the ledger
-# changes after it; the fp32 and bf16 lowest rows took 100 s and 88 s (--lowest-only, 6bae2ad / f04fc22).
+# name|seconds|command, most pending first (after the thirteenth session, 2026-12-01: see its closing note).
+# The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
+# recompiling every step); the ledger's accuracy jobs about 240 s.
 # The BLR runs tune every tile config from CUDA-graph replays since cba5eee: at 43f911d blr_layers took 467 s
 # without --profile; at 18d9a39 its profile, run apart, 161 s, blr_e2e 288 s and blr_e2e_memfit_attention 148 s.
 # A blr_layers run stopped by its limit keeps every finished case: `blr_layers.py --resume` times the rest.
 RUNS=(
-  "finetune_memory|600|python3 benchmarks/finetune_memory.py --out $OUT"
-  "ledger_accuracy|240|python3 benchmarks/ledger_accuracy.py --out $OUT"
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_profile|240|python3 benchmarks/blr_layers.py --out $OUT --profile-only"
   "train_small_model|130|python3 benchmarks/train_small_model.py --out /tmp/small_llama --results $OUT --max-seconds 80"
@@ -29,6 +27,8 @@ RUNS=(
   "partial_ffn|300|python3 benchmarks/partial_ffn.py --out $OUT --skip-accuracy"
   "bgemm_tiles_gather|300|python3 benchmarks/bgemm_tiles.py --out $OUT --gather"
   "attention|360|python3 benchmarks/attention.py --out $OUT"
+  "finetune_memory|450|python3 benchmarks/finetune_memory.py --out $OUT"
+  "ledger_accuracy|270|python3 benchmarks/ledger_accuracy.py --out $OUT"
 )
 status=0
 for run in "${RUNS[@]}"; do
