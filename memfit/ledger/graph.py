@@ -153,15 +153,14 @@ class ModelGraph:
             inner = self._bytes(transient, self.dtype)
             workspace = {"forward_workspace": inner, "backward_workspace": inner}
         elif self.four_bit and not trained:
-            # bitsandbytes NF4: 4-bit codes plus double-quantised absmax; memfit's Linear4bit dequantises
-            # the weight to the compute dtype a chunk of rows at a time in forward and again in backward
-            # (for the input grad), one chunk live at a time.
-            from memfit.train.four_bit import dequant_workspace_bytes, nf4_bytes
+            # bitsandbytes NF4: 4-bit codes plus double-quantised absmax; matmul_4bit dequantises the
+            # whole weight to the compute dtype in forward and again in backward (for the input grad).
+            from memfit.train.four_bit import nf4_bytes
 
             weight = Sym(f"{layer}.{module}", nf4_bytes(per_token_in, per_token_out), False, "weights",
                          persistent=True, element_size=1)
             self.params.append(weight)
-            dequant = dequant_workspace_bytes(per_token_in, per_token_out, dtype_bytes(self.dtype))
+            dequant = per_token_in * per_token_out * dtype_bytes(self.dtype)
             workspace = {"forward_workspace": dequant, "backward_workspace": dequant}
         else:
             weight = self.param(f"{layer}.{module}", per_token_in * per_token_out, trained)
