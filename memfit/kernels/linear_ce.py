@@ -920,7 +920,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     _check(hidden, weight, labels, reduction, softcap, z_loss, bias, vocab_subset, vocab_chunk)
     if vocab_subset is not None:
         warn_once("linear_ce:vocab_subset", "linear_cross_entropy: vocab_subset restricts the softmax to labels ∪ "
-                  "subset; the loss and gradients are approximate (see subset_loss_deviation)")
+                  f"subset, padded to a multiple of {SUBSET_ROWS_STEP} ids; the loss and gradients are approximate "
+                  "(see subset_loss_deviation)")
         weight, bias, labels = _restrict_vocab(weight, bias, labels, ignore_index, vocab_subset)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     if h2.stride(-1) != 1:
