@@ -7,8 +7,8 @@ approximate vocabulary-subset row has no ledger model and is skipped, as are row
 ran out of memory.
 
     python benchmarks/finetune_ledger.py
-    python benchmarks/finetune_ledger.py --measured benchmarks/results/finetune_memory_float32_lowest.json
-        # -> finetune_ledger_float32_lowest.json
+    python benchmarks/finetune_ledger.py --measured benchmarks/results/earlier/finetune_memory_float32_lowest_6bae2ad.json
+        # a partial run (finetune_memory.py --lowest-only) -> finetune_ledger_float32_lowest_6bae2ad.json
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                for name, dtype, ctx, err in last]
     targets.append(target("max |ledger error| over all rows", max(abs(100 * e[3]) for e in errors), 5.0, "%",
                           "lower"))
-    # finetune_memory_float32_lowest.json -> finetune_ledger_float32_lowest.json
+    # finetune_memory_float32_lowest_6bae2ad.json -> finetune_ledger_float32_lowest_6bae2ad.json
     name = "finetune_ledger" + Path(args.measured).stem.removeprefix("finetune_memory")
     path = write_results(name, rows, targets, out_dir=args.out,
                          measured_in={k: measured[k] for k in ("gpu", "torch", "triton", "commit", "date")})

@@ -82,9 +82,9 @@ def attention_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + _targets(data) + "\nThe contention study: `benchmarks/attention_study.md`.\n"
 
 
-def finetune_section(data: dict, title: str = "LoRA fine-tuning peak memory, Llama-3.2-3B shape, batch 1 (GB)",
-                     command: str = "python benchmarks/finetune_memory.py") -> str:
-    out = [f"### {title}\n", _header(data, command)]
+def finetune_section(data: dict) -> str:
+    out = ["### LoRA fine-tuning peak memory, Llama-3.2-3B shape, batch 1 (GB)\n",
+           _header(data, "python benchmarks/finetune_memory.py")]
     for dtype in sorted({r["dtype"] for r in data["rows"]}):
         rows = [r for r in data["rows"] if r["dtype"] == dtype]
         contexts = sorted({r["context"] for r in rows})
@@ -102,10 +102,10 @@ def finetune_section(data: dict, title: str = "LoRA fine-tuning peak memory, Lla
     return "\n".join(out) + "\n\n" + _targets(data)
 
 
-def finetune_ledger_section(data: dict, arguments: str = "") -> str:
+def finetune_ledger_section(data: dict) -> str:
     src = data.get("measured_in", {})
     out = ["### The ledger on the fine-tuning table (predicted vs measured above)\n",
-           f"_prediction: `python benchmarks/finetune_ledger.py{arguments}` at commit {data['commit']}; measured: "
+           f"_prediction: `python benchmarks/finetune_ledger.py` at commit {data['commit']}; measured: "
            f"{src.get('gpu', '?')}, commit {src.get('commit', '?')}_\n",
            "| dtype | configuration | " + " | ".join(str(c) for c in sorted({r["context"] for r in data["rows"]})) + " |"]
     contexts = sorted({r["context"] for r in data["rows"]})
@@ -285,22 +285,8 @@ def blr_accuracy_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + findings + "\n" + _targets(data)
 
 
-def finetune_run_sections(measured: str, title: str, arguments: str) -> list:
-    """A partial fine-tuning run (``finetune_memory.py`` with ``arguments``) and the ledger against it."""
-    ledger = "finetune_ledger" + measured.removeprefix("finetune_memory")
-    return [(measured, lambda data: finetune_section(data, title, f"python benchmarks/finetune_memory.py {arguments}")),
-            (ledger, lambda data: finetune_ledger_section(data, f" --measured benchmarks/results/{measured}.json"))]
-
-
-LOWEST = "the paper's last row and memfit's lowest (8-bit AdamW), peak (GB)"
 SECTIONS = [("ledger_accuracy", ledger_section), ("linear_ce", linear_ce_section), ("attention", attention_section),
             ("finetune_memory", finetune_section), ("finetune_ledger", finetune_ledger_section),
-            *finetune_run_sections("finetune_memory_float32_lowest", f"fp32: {LOWEST}", "--dtypes float32 --lowest-only"),
-            *finetune_run_sections("finetune_memory_bfloat16_lowest", f"bf16: {LOWEST}",
-                                   "--dtypes bfloat16 --lowest-only"),
-            *finetune_run_sections("finetune_memory_float32_rows_exact",
-                                   "fp32: the fused linear CE (exact) row alone, on a model of its own, peak (GB)",
-                                   "--dtypes float32 --rows exact --contexts 2048,16384"),
             ("partial_ffn", partial_ffn_section), ("partial_ffn_accuracy", partial_ffn_accuracy_section),
             ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section),
             ("blr_e2e_memfit_attention", blr_e2e_section), ("blr_accuracy", blr_accuracy_section)]

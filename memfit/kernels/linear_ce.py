@@ -92,6 +92,9 @@ STEP_ALIGN = 16
 # the op's extra peak under Cut Cross-Entropy's at the benchmark shapes (1 << 20 did not: +1.5 MiB
 # put it 0.2-1 MiB over at all three); the price is more launches where rows shift by a few places.
 FINISH_ELEMENTS = 1 << 18
+# The vocabulary-subset mode's id set (labels ∪ subset) is padded to a multiple of this many ids (or to the
+# whole vocabulary), so that its size, which the kernels compile and tune for, takes few values over a run.
+SUBSET_ROWS_STEP = 1024
 # Backward/forward alternatives kept so one benchmark run can time them (benchmarks/linear_ce.py):
 #   DW_MATMUL  "triton": dW chunk = d.T @ hidden[rows] by ``_dweight_kernel``, reading hidden
 #              rows through the loss-token index; "cublas": torch.mm on a gathered N x H copy
@@ -872,26 +875,26 @@ def _check(hidden, weight, labels, reduction, softcap, z_loss, bias, vocab_subse
         raise MemfitError(f"linear_cross_entropy: vocab_chunk must be a positive int or None, got {vocab_chunk!r}")
 
 
-SUBSET_ROWS_STEP = 1024   # the restricted vocabulary's size is a multiple of this (or the whole vocabulary)
-
-
 def _restrict_vocab(weight, bias, labels, ignore_index, vocab_subset):
     """Weight/bias rows of labels ∪ subset and the labels renumbered into that set.
 
-    The set is padded with the lowest ids not in it up to a multiple of SUBSET_ROWS_STEP, so that its size
-    takes few values over a run: the kernels compile and tune per vocabulary size, and with the labels'
-    ids in the set that size changed every step (a 3B model's fp32 step took 5-21 s, not 0.5, on an H200,
-    ``finetune_memory.json``). The extra ids only add softmax terms, so the loss moves toward the exact one."""
+    The set is padded with the lowest ids not in it up to a multiple of SUBSET_ROWS_STEP (the whole
+    vocabulary at most: with a vocabulary that small the mode is exact), so that its size takes few
+    values over a run: the kernels compile and tune per vocabulary size, and with the labels' ids in the
+    set that size changed every step (on an H200 the 3B fine-tuning table's subset row took 5.2-9.4 s per
+    fp32 step, the exact row 0.7-5.2 s: ``earlier/finetune_memory_78102c4.json``). The extra ids only add
+    softmax terms, so the loss moves toward the exact one."""
     valid = labels != ignore_index
     keep = torch.unique(torch.cat([vocab_subset.to(labels.device, torch.int64), labels[valid].to(torch.int64)]))
     vocab = weight.shape[0]
     if keep.numel() and (keep[0] < 0 or keep[-1] >= vocab):
         raise MemfitError(f"linear_cross_entropy: vocab_subset and labels must lie in [0, {vocab})")
-    padded = min(vocab, -(-keep.numel() // SUBSET_ROWS_STEP) * SUBSET_ROWS_STEP)
+    padded = min(vocab, max(1, -(-keep.numel() // SUBSET_ROWS_STEP)) * SUBSET_ROWS_STEP)
     if padded > keep.numel():
-        outside = torch.ones(vocab, dtype=torch.bool, device=keep.device)
-        outside[keep] = False
-        keep = torch.cat([keep, outside.nonzero().squeeze(1)[:padded - keep.numel()]]).sort().values
+        outside = torch.ones(vocab, dtype=torch.int8, device=keep.device)
+        outside[keep] = 0
+        lowest = torch.argsort(1 - outside, stable=True)[:padded - keep.numel()]   # the ids outside, in order
+        keep = torch.cat([keep, lowest]).sort().values
     local = torch.where(valid, torch.searchsorted(keep, labels.to(torch.int64)), labels)
     return weight.index_select(0, keep), None if bias is None else bias.index_select(0, keep), local
 
