@@ -492,6 +492,7 @@ def test_vocab_subset_whole_vocab_is_exact_and_partial_is_lower():
     subset = frequent_token_subset(labels, 50, vocab_size=weight.shape[0])
     report = subset_loss_deviation(hidden, weight, labels, subset, path="reference")
     assert report["abs_dev"] > 0 and report["approx"] < report["exact"]
+    assert report["softmax_ids"] == linear_ce.SUBSET_ROWS_STEP < weight.shape[0]
 
 
 def test_vocab_subset_is_padded_to_whole_steps_of_the_lowest_other_ids():

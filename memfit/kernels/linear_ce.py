@@ -957,11 +957,14 @@ def subset_loss_deviation(hidden: torch.Tensor, weight: torch.Tensor, labels: to
                           vocab_subset: torch.Tensor, **kwargs) -> dict:
     """Loss of the vocabulary-subset mode against the exact loss on one batch.
 
-    Returns {"exact", "approx", "abs_dev", "rel_dev", "subset_size"}; the subset loss is never
-    above the exact one, since dropping vocabulary terms only lowers the log-sum-exp."""
+    Returns {"exact", "approx", "abs_dev", "rel_dev", "subset_size", "softmax_ids"} (``softmax_ids``: the
+    ids the approximate softmax ran over, labels ∪ subset padded to whole SUBSET_ROWS_STEP); the subset loss
+    is never above the exact one, since dropping vocabulary terms only lowers the log-sum-exp."""
     kwargs = {**kwargs, "reduction": "mean"}
     exact = float(linear_cross_entropy(hidden, weight, labels, **kwargs))
     approx = float(linear_cross_entropy(hidden, weight, labels, vocab_subset=vocab_subset, **kwargs))
     dev = exact - approx
+    ignore_index = kwargs.get("ignore_index", -100)
+    softmax_ids = _restrict_vocab(weight, None, labels, ignore_index, vocab_subset)[0].shape[0]
     return {"exact": exact, "approx": approx, "abs_dev": dev, "rel_dev": dev / max(abs(exact), 1e-12),
-            "subset_size": int(vocab_subset.numel())}
+            "subset_size": int(vocab_subset.numel()), "softmax_ids": softmax_ids}
