@@ -10,8 +10,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # name|seconds|command, most pending first (after the thirteenth session, 2026-12-01: see its closing note).
 # The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
-# recompiling every step); the ledger's accuracy jobs about 90 s (141a414: that call's 413 s less the 320 s
-# the fine-tuning run before it was given).
+# recompiling every step); the ledger's 24 accuracy jobs record their own times, 74 s together at 141a414
+# (ledger_accuracy.json, the models' set-up not included).
 # The BLR runs tune every tile config from CUDA-graph replays since cba5eee: at 43f911d blr_layers took 467 s
 # without --profile; at 18d9a39 its profile, run apart, 161 s, blr_e2e 288 s and blr_e2e_memfit_attention 148 s.
 # A blr_layers run stopped by its limit keeps every finished case: `blr_layers.py --resume` times the rest.

@@ -3,12 +3,9 @@ model of its own; a choice that names none (or clashes with ``--lowest-only``), 
 is a usage error before any GPU work."""
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import load_benchmark
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, load_benchmark
 
 
 @pytest.fixture(scope="module")

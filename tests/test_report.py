@@ -1,9 +1,5 @@
 """README's performance section is generated from benchmarks/results, never typed."""
-from pathlib import Path
-
-from conftest import load_benchmark
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, load_benchmark
 
 
 def load_report():
