@@ -545,14 +545,6 @@ def test_decode_bgemm_tiles_depend_on_whether_the_launch_is_in_a_chain(chain):
     assert not set(blr_common.BGEMM_PLAIN_DECODE) & set(blr_common.BGEMM_CHAINED_DECODE)   # else pruned from both
 
 
-@pytest.mark.parametrize("n,want_rows", [(1, {16}), (16, {16}), (17, {16, 32, 64, 128}), (128, {16, 32, 64, 128}),
-                                         (256, {16, 32, 64, 128}), (257, {64, 128}), (1024, {64, 128, 256})])
-def test_bgemm_token_tiles_by_n(n, want_rows):
-    """Decode-sized N tunes over 16-token tiles only; medium N (up to MEDIUM_MAX_N) over every tile, the 16- and
-    32-token ones giving enough programs to fill the GPU; larger N over tiles of 64 tokens or more."""
-    assert {c.kwargs["BN"] for c in pruned_bgemm_tiles(n, 128)} == want_rows
-
-
 @pytest.mark.parametrize("run,want_bk", [(768, {64}), (48, {64, 32, 16}), (16, {32, 16})])
 def test_short_run_tiles_only_for_a_gathered_a(run, want_bk):
     """At N = 1024 a plain launch (one run: K = 768) tunes over the 64-wide K tiles; a gathered a in runs of

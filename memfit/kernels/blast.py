@@ -64,6 +64,7 @@ from memfit.kernels.blr_common import (
     bmm_into,
     chain_options,
     fits_smem,
+    keep_small_n,
     line_elements,
     mma,
     n_bucket,
@@ -74,7 +75,6 @@ from memfit.kernels.blr_common import (
     prefetch_l2,
     recompute_backward,
     save_for_recompute,
-    tiles_for_n,
     tuned,
 )
 from memfit.kernels.dispatch import use_triton
@@ -317,7 +317,7 @@ def _bgemm_mix_bgemm_pdl(x2, u, v, s, bias):
 # ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------
 
 def _prune_mixgemm(configs, named_args, **kwargs):
-    configs = tiles_for_n(configs, named_args["N"])
+    configs = keep_small_n(configs, named_args["N"])
     keep = [c for c in configs if c.kwargs["BC"] <= pow2_at_least(named_args["P"], 32)
             and c.kwargs["BK"] <= pow2_at_least(named_args["R"])]
     return keep or configs[:1]

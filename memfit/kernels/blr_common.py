@@ -253,21 +253,9 @@ def tuned(configs: list[tuple], names: tuple[str, ...], interpreter_config: tupl
                            cache_results=True, do_bench=autotune_bench)
 
 
-DECODE_MAX_N = 16       # token counts that take only 16-token tiles
-MEDIUM_MAX_N = 256      # up to here every tile competes: at N = 128 the 64- and 128-token tiles alone made
-                        # 32-64 programs at Llama-1B q/o's stages, a quarter to half of the H200's SMs
-
-
-def tiles_for_n(configs, n: int, name: str = "BN"):
-    """The tiles worth tuning at ``n`` tokens: decode-sized N (<= DECODE_MAX_N) keeps only 16-token tiles;
-    medium N (<= MEDIUM_MAX_N) keeps every tile, so small tiles can fill the GPU where large ones leave it
-    half idle; larger N keeps the tiles of 64 tokens or more."""
-    if n <= DECODE_MAX_N:
-        keep = [c for c in configs if c.kwargs[name] == 16]
-    elif n <= MEDIUM_MAX_N:
-        keep = configs
-    else:
-        keep = [c for c in configs if c.kwargs[name] >= 64]
+def keep_small_n(configs, n: int, name: str = "BN"):
+    """Decode-sized N (<= 16) keeps only BN == 16 tiles; larger N drops them."""
+    keep = [c for c in configs if (c.kwargs[name] == 16) == (n <= 16)]
     return keep or configs
 
 
@@ -351,7 +339,7 @@ def _prune_bgemm(configs, named_args, **kwargs):
     grouped = (one_run and not chained and named_args["N_BUCKET"] >= BATCH_GROUP_MIN_N
                and named_args["K"] <= BATCH_GROUP_MAX_K and named_args["BATCHES"] > 1)
     configs = [c for c in configs if bgemm_tile(c) not in other and (grouped or c.kwargs["BATCH_GROUP"] == 1)]
-    configs = tiles_for_n(configs, named_args["N"])
+    configs = keep_small_n(configs, named_args["N"])
     size = named_args["a_ptr"].element_size()
     keep = [c for c in configs if bgemm_tile_fits(c, named_args["C"], named_args["AGRP"], size)]
     return keep or configs[:1]
@@ -390,12 +378,9 @@ BGEMM_CHAINED_DECODE = [(16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 64, 256, 
 # Offered to every gathered a (``a_runs``): K steps of 16 or 32, for runs where 64-wide steps mask much of
 # their columns (Monarch's t = 16, 32, 48 at Llama-1B: 75%, 50%, 25%).
 BGEMM_SHORT_RUNS = [(128, 128, 32, 4, 4), (128, 128, 16, 4, 5), (128, 256, 32, 8, 3)]
-# 32-token tiles, offered with the decode and large ones at medium N (``tiles_for_n``): 4-8x the programs of a
-# 128-token tile at N = 128, each streaming a narrower weight slice.
-BGEMM_MEDIUM = [(32, 64, 128, 4, 4), (32, 32, 128, 4, 4), (32, 64, 64, 4, 4), (32, 128, 64, 4, 4)]
 BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-    *BGEMM_PLAIN_DECODE, *BGEMM_CHAINED_DECODE, *BGEMM_SHORT_RUNS, *BGEMM_MEDIUM,
+    *BGEMM_PLAIN_DECODE, *BGEMM_CHAINED_DECODE, *BGEMM_SHORT_RUNS,
 ]
 # Tiles that run BATCH_GROUP batches per program (BN, BC, BK, BATCH_GROUP, warps, stages), offered to any plain
 # launch whose K is a few steps (K <= BATCH_GROUP_MAX_K: Monarch's stage 1 at Llama-1B and -7B, two_stage's

@@ -68,6 +68,7 @@ from memfit.kernels.blr_common import (
     blr_precision,
     bmm_into,
     fits_smem,
+    keep_small_n,
     mma,
     n_bucket,
     pdl_offered,
@@ -76,7 +77,6 @@ from memfit.kernels.blr_common import (
     pow2_at_least,
     recompute_backward,
     save_for_recompute,
-    tiles_for_n,
     tuned,
 )
 from memfit.kernels.dispatch import use_triton
@@ -187,7 +187,7 @@ def _tbmm(x2, w1, w2, bias, permute_output):
 # ---- fused kernel (decode; a candidate at every N): both dots in one pipelined loop -----
 
 def _prune_fused(configs, named_args, **kwargs):
-    configs = tiles_for_n(configs, named_args["N"])
+    configs = keep_small_n(configs, named_args["N"])
     size = named_args["x_ptr"].element_size()
     bm, bt = kwargs["BM"], kwargs["BT"]
     keep = [c for c in configs if c.kwargs["BO"] <= pow2_at_least(named_args["P"], 32)
