@@ -387,6 +387,32 @@ def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
     assert warned and "capture" in warned[0]
 
 
+def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
+    """Variants within PICK_FINALIST_SLACK of the fastest first timing are timed again in PICK_FINAL_ROUNDS rounds,
+    each in an order rotated by one, and the lowest median wins: here "b" trails "a" once but wins two of the three
+    rounds; "c", 1.5x the fastest, is not timed again. A lone finalist is not re-timed."""
+    first = {"a": 1.0, "b": 1.1, "c": 1.5}
+    again = iter([{"a": 1.0, "b": 0.9}, {"b": 1.2, "a": 1.1}, {"a": 1.3, "b": 0.8}])
+    orders = []
+
+    def timer(op, candidates, args):
+        orders.append(list(candidates))
+        return first if len(orders) == 1 else next(again)
+
+    monkeypatch.setattr(blr_common, "_CACHE", {})
+    monkeypatch.setattr(blr_common, "_save_cache", lambda cache: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(blr_common, "_cold_l2_times", timer)
+    candidates = {"a": lambda: None, "b": lambda: None, "c": lambda: None}
+    assert blr_common.PICK_FINALIST_SLACK < 1.5 and blr_common.PICK_FINAL_ROUNDS == 3
+    assert blr_common.pick_variant("op", (8,), candidates, "c", ()) == "b"
+    assert orders == [["a", "b", "c"], ["a", "b"], ["b", "a"], ["a", "b"]]
+    first, orders[:] = {"a": 1.0, "b": 2.0, "c": 3.0}, []
+    assert blr_common.pick_variant("op", (16,), candidates, "c", ()) == "a"
+    assert orders == [["a", "b", "c"]]
+
+
 def stub_current_stream(monkeypatch, events=None):
     """torch.cuda.current_stream() as a stream whose synchronize() is noted in ``events`` (no GPU here)."""
     class Stream:
