@@ -15,7 +15,12 @@ For the paper's shapes (Llama-3.2-1B and Llama-7B projections, b = 16) and N in
 
 Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median) so that
 decode-sized kernels are timed, not Python's launch overhead, over several copies of
-the weights and inputs (together > 2x the 50 MB L2) so nothing is served from L2.
+the weights and inputs (together > 2x the 50 MB L2) so nothing is served from L2. Every
+implementation of a case is built, run and checked first, then all are timed in
+TIMING_ROUNDS rounds, forward and reverse by turns; a row's ``ms`` is the median of its
+``ms_rounds``, whose spread shows the noise within the run, and a drift of the GPU's speed
+over a case cannot favour whichever implementation is timed first. (Between two runs of the
+same code, 43f911d and 04677cb, dense eager read up to 16% apart at N = 8192.)
 Writes ``blr_layers.json`` (after every case, ``"complete": false`` until the end; ``--resume``
 continues such a file) and
 ``blr_layers_roofline.png``; ``--profile`` also, and ``--profile-only`` instead, writes
@@ -29,6 +34,7 @@ import functools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -43,6 +49,8 @@ TOKENS = [1, 16, 128, 1024, 8192]
 BLOCKS = 16
 SMOKE_SHAPES, SMOKE_TOKENS, SMOKE_BLOCKS = [("smoke 48->80", 48, 80, 12)], [1, 40], 4
 ROTATE_BYTES = 150 * 2**20
+TIMING_ROUNDS = 4        # every implementation of a case is timed this many times, by turns with the others (median),
+ROUND_REP_MS = 2.5       # each time over 2.5 ms of graph replays (together the 10 ms one timing had before)
 MAX_REL_ERR = 2e-2       # bf16: every pipeline must match the first row of its structure to this (a wrong one is an error row)
 
 
@@ -119,7 +127,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     dtype = torch.bfloat16
     shapes, tokens = (SMOKE_SHAPES, SMOKE_TOKENS) if args.smoke else (args.paper_shapes, TOKENS)
     tokens = args.tokens or tokens
-    timer = gpu_ms if device == "cuda" else cpu_ms
+    timer = functools.partial(gpu_ms, rep=ROUND_REP_MS) if device == "cuda" else cpu_ms
     stem = "blr_layers" + ("_smoke" if args.smoke else "") + ("_subset" if args.tokens or args.shapes else "")
     rows, started = [], time.time()
     cases = {"shapes": [name for name, *_ in shapes], "tokens": tokens, "blocks": blocks}
@@ -219,11 +227,11 @@ def profile_cases(torch, cases, blocks, dtype, device) -> list[dict]:
     return rows
 
 
-def gpu_ms(fn) -> float:
-    """Median ms of one ``fn()`` from CUDA-graph replays (no Python launch overhead)."""
+def gpu_ms(fn, rep: float = 10) -> float:
+    """Median ms of one ``fn()`` from CUDA-graph replays (no Python launch overhead), ``rep`` ms of them per replay."""
     from triton.testing import do_bench_cudagraph
 
-    return float(do_bench_cudagraph(fn, rep=10, return_mode="median"))
+    return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
 
 
 def cpu_ms(fn) -> float:
@@ -240,31 +248,87 @@ def copies_for(bytes_per_call: int, device: str) -> int:
 
 
 def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer, layer_cost):
-    """Every implementation of one (shape, N) case; one row each."""
+    """Every implementation of one (shape, N) case; one row each. All are built, run and checked first (which also
+    tunes their kernels and picks their variants), then timed together in rounds (:func:`time_rounds`), so dense
+    and each structure's pipelines are timed side by side, not minutes apart with tuning in between."""
     import torch.nn.functional as F
 
     from memfit.kernels.monarch import monarch_linear
 
-    rows = []
+    groups = []                                           # (kind, impls, copies, flops, ideal bytes, layouts)
     with torch.no_grad():
         dense_flops, dense_bytes = layer_cost("dense", "ideal", n, d_in, d_out)
         k = copies_for(dense_bytes, device)
         xs = [torch.randn(n, d_in, device=device, dtype=dtype) for _ in range(k)]
         weights = [torch.randn(d_out, d_in, device=device, dtype=dtype) / d_in**0.5 for _ in range(k)]
         compiled = torch.compile(F.linear, dynamic=True)
-        impls = {"dense_eager": lambda i: F.linear(xs[i], weights[i]),
-                 "dense_compiled": lambda i: compiled(xs[i], weights[i])}
-        rows += time_impls(impls, k, timer, name, n, d_in, d_out, rank, blocks, "dense", dense_flops, dense_bytes,
-                           dense_bytes, ceilings, layer_cost)
-        xs = weights = None                              # free before the structures allocate theirs
+        groups.append(("dense", {"dense_eager": lambda i: F.linear(xs[i], weights[i]),
+                                 "dense_compiled": lambda i: compiled(xs[i], weights[i])},
+                       k, dense_flops, dense_bytes, {}))
         for kind, (make, call, variants) in structures(d_in, d_out, rank, blocks, n, dtype, device).items():
             flops, ideal = layer_cost(kind, "ideal", n, d_in, d_out, rank, blocks)
             k = copies_for(ideal, device)
-            impls = structure_impls(torch, kind, make, call, variants, k, n, d_in, dtype, device, monarch_linear)
-            rows += time_impls(impls, k, timer, name, n, d_in, d_out, rank, blocks, kind, flops, ideal,
-                               dense_bytes, ceilings, layer_cost, as_block_major(n, d_out, blocks))
-            impls = None
+            groups.append((kind, structure_impls(torch, kind, make, call, variants, k, n, d_in, dtype, device,
+                                                 monarch_linear), k, flops, ideal, as_block_major(n, d_out, blocks)))
+        checks = {impl: result for _, impls, _, _, _, layouts in groups
+                  for impl, result in check_impls(impls, layouts).items()}
+        rounds = time_rounds({impl: (fn, copies) for _, impls, copies, *_ in groups for impl, fn in impls.items()
+                              if checks[impl][1] is None or checks[impl][1].startswith("wrong")}, timer)
+    rows = []
+    for kind, impls, copies, flops, ideal, _ in groups:
+        floor = ceilings.floor_ms(flops, ideal)
+        for impl in impls:
+            rel_err, error = checks[impl]
+            times = rounds.get(impl, [])
+            ms = statistics.median(times) if times and not any(map(math.isnan, times)) else math.nan
+            if error and error.startswith("wrong"):      # a wrong pipeline's time counts for nothing
+                error, ms = f"{error} (ran in {ms:.4f} ms)", math.nan
+            elif error is None and math.isnan(ms):
+                error = "timing failed"
+            row = {"shape": name, "in": d_in, "out": d_out, "rank": rank, "blocks": blocks, "n": n, "structure": kind,
+                   "impl": impl, "ms": ms, "ms_rounds": times, "flops": flops, "ideal_bytes": ideal, "floor_ms": floor,
+                   "x_floor": ms / floor, "copies": copies, "rel_err": rel_err}
+            if kind != "dense":
+                row["unfused_bytes"] = layer_cost(kind, "unfused", n, d_in, d_out, rank, blocks)[1]
+            if kind == "monarch" and impl != "monarch_reference":
+                row["layout"] = "permuted" if impl == "monarch_permuted" else "block-major"
+            if error:
+                row["error"] = error
+            rows.append(row)
     return rows
+
+
+def check_impls(impls: dict, layouts: dict) -> dict:
+    """impl -> (relative error to the group's first impl, None or why it is not timed as correct), each run once on
+    copy 0 (which also tunes its kernels and picks its variant outside the timing). The first impl (dense eager, or a
+    structure's reference) is the one the others are checked against; a relative error past MAX_REL_ERR is "wrong"."""
+    results, expected = {}, None
+    for impl, fn in impls.items():
+        try:
+            out = layouts.get(impl, lambda y: y)(fn(0)).float()
+            expected = out if expected is None else expected
+            rel_err = ((out - expected).norm() / expected.norm()).item()
+            wrong = f"wrong result: relative error {rel_err:.3g} to {next(iter(impls))}" if rel_err > MAX_REL_ERR else None
+            results[impl] = (rel_err, wrong)
+        except Exception as err:  # noqa: BLE001 (a competitor that cannot run here is recorded, not fatal)
+            results[impl] = (math.nan, f"{type(err).__name__}: {err}"[:300])
+    return results
+
+
+def time_rounds(calls: dict, timer) -> dict:
+    """name -> ms of one call, per round: TIMING_ROUNDS rounds over every (fn, copies) of ``calls``, in forward and
+    reverse order by turns, each timing ``timer`` of the calls over all copies (divided by them). A drift of the GPU's
+    speed across the case then reaches every implementation alike; a timing that fails is NaN."""
+    names = list(calls)
+    times = {name: [] for name in names}
+    for turn in range(TIMING_ROUNDS):
+        for name in names if turn % 2 == 0 else names[::-1]:
+            fn, copies = calls[name]
+            try:
+                times[name].append(timer(lambda fn=fn, copies=copies: [fn(i) for i in range(copies)]) / copies)
+            except Exception:  # noqa: BLE001 (e.g. a capture this pipeline does not survive: its row says so)
+                times[name].append(math.nan)
+    return times
 
 
 def structures(d_in, d_out, rank, blocks, n, dtype, device) -> dict:
@@ -305,36 +369,6 @@ def structure_impls(torch, kind, make, call, variants, copies, n, d_in, dtype, d
 def as_block_major(n, d_out, blocks) -> dict:
     """impl -> fn(output) giving the block-major layout every other row of its structure writes (for the check)."""
     return {"monarch_permuted": lambda y: y.view(n, d_out // blocks, blocks).transpose(1, 2).reshape(n, d_out)}
-
-
-def time_impls(impls, copies, timer, name, n, d_in, d_out, rank, blocks, kind, flops, ideal, dense_bytes, ceilings,
-               layer_cost, layouts=None):
-    rows = []
-    floor = ceilings.floor_ms(flops, ideal)
-    checker, expected = next(iter(impls)), None         # the first impl (dense eager, or the reference) checks the rest
-    for impl, fn in impls.items():
-        try:
-            out = (layouts or {}).get(impl, lambda y: y)(fn(0)).float()   # also tunes / picks outside the timing
-            expected = out if impl == checker else expected
-            rel_err = ((out - expected).norm() / expected.norm()).item() if expected is not None else float("nan")
-            ms = timer(lambda fn=fn: [fn(i) for i in range(copies)]) / copies
-            error = None
-            if rel_err > MAX_REL_ERR:                    # a wrong pipeline's time counts for nothing (NaN: unchecked)
-                error = f"wrong result: relative error {rel_err:.3g} to {checker} (ran in {ms:.4f} ms)"
-                ms = float("nan")
-        except Exception as err:  # noqa: BLE001 (a competitor that cannot run here is recorded, not fatal)
-            ms, rel_err, error = float("nan"), float("nan"), f"{type(err).__name__}: {err}"[:300]
-        row = {"shape": name, "in": d_in, "out": d_out, "rank": rank, "blocks": blocks, "n": n, "structure": kind,
-               "impl": impl, "ms": ms, "flops": flops, "ideal_bytes": ideal, "floor_ms": floor,
-               "x_floor": ms / floor, "copies": copies, "rel_err": rel_err}
-        if kind != "dense":
-            row["unfused_bytes"] = layer_cost(kind, "unfused", n, d_in, d_out, rank, blocks)[1]
-        if kind == "monarch" and impl != "monarch_reference":
-            row["layout"] = "permuted" if impl == "monarch_permuted" else "block-major"
-        if error:
-            row["error"] = error
-        rows.append(row)
-    return rows
 
 
 def make_targets(rows, target, smoke: bool):

@@ -135,9 +135,10 @@ def _final_times(op: str, finalists: dict, args: tuple) -> dict:
     """name -> median ms of ``PICK_FINAL_ROUNDS`` rounds that each time every finalist once (cold L2), in an order
     rotated by one per round.
 
-    With one timing each, the pick took a variant 15% slower than the fastest at Llama-7B down, N = 8192 (Monarch:
-    871 against ``tbmm``'s 757 us in blr_layers.json, 43f911d) and 9-10% slower at Llama-1B up, N = 1 and 16. Not
-    traced; the suspects are the first timings themselves: each is where that candidate's Triton kernels are
+    With one timing each, the pick read 15% slower than the fastest variant at Llama-7B down, N = 8192 (Monarch:
+    871 against ``tbmm``'s 757 us in blr_layers.json, 43f911d) and 9-10% slower at Llama-1B up, N = 1 and 16;
+    that benchmark then timed each pipeline once, one after the other, so part of those gaps may be its own noise.
+    The suspects on the pick's side are its first timings: each is where that candidate's Triton kernels are
     autotuned (seconds of GPU work at large N), taken in a fixed order, and at decode one replay median of a few
     microseconds, after a flush's time is subtracted. The finalists, timed again with every kernel tuned and no
     candidate always first, decide.
