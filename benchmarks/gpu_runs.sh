@@ -8,13 +8,15 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-# name|seconds|command, most pending first (after the thirteenth session, 2026-12-01: see its closing note).
+# name|seconds|command, most pending first (after the fourteenth session, 2026-12-01: see its closing note).
 # The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
 # recompiling every step); the ledger's 24 accuracy jobs record their own times, 74 s together at 141a414
 # (ledger_accuracy.json, the models' set-up not included).
 # The BLR runs tune every tile config from CUDA-graph replays since cba5eee: at 43f911d blr_layers took 467 s
 # without --profile; at 18d9a39 its profile, run apart, 161 s, blr_e2e 288 s and blr_e2e_memfit_attention 148 s.
-# A blr_layers run stopped by its limit keeps every finished case: `blr_layers.py --resume` times the rest.
+# Since the variant pick re-times its finalists (04677cb: 547 s) and the table times by turns (9f70ccb: 32 of the
+# 35 cases in 563 s), blr_layers takes two calls: a run stopped by its limit keeps every finished case, and
+# `blr_layers.py --resume` times the rest. Its current results are from 43f911d, older than both changes.
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_profile|240|python3 benchmarks/blr_layers.py --out $OUT --profile-only"
