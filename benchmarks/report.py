@@ -186,7 +186,7 @@ def blr_layers_section(data: dict) -> str:
         out.append(f"| {shape} | {n} | " + " | ".join(row) + " |")
     profile = _load("blr_layers_profile")
     profiled = len({(r["shape"], r["n"]) for r in profile["rows"]}) if profile else 0
-    return ("\n".join(out) + "\n\n" + _decode_floor_note(data) + _targets(data)
+    return ("\n".join(out) + "\n\n" + _decode_floor_note(data) + _pick_note(data) + _targets(data)
             + "\nEvery variant's row, and the roofline plot: `benchmarks/results/blr_layers.json`, "
               f"`blr_layers_roofline.png`; each pipeline split into its kernels at {profiled} of these cases "
               f"(commit {profile['commit'] if profile else '-'}): `blr_layers_profile.json` (`--profile-only`).\n")
@@ -203,6 +203,15 @@ def _decode_floor_note(data: dict) -> str:
     return (f"One empty kernel, replayed back to back in a CUDA graph as these layers are timed, takes "
             f"{1e3 * empty:.2f} us. Twice the floor is below that for {where}: no kernel can meet the "
             "N <= 16 target there.\n\n")
+
+
+def _pick_note(data: dict) -> str:
+    """Where the variant pick (the "ours" rows) read over 2% slower than the fastest pipeline it chooses among."""
+    if "pick_check" not in data:                       # a file written before the table recorded it
+        return ""
+    misses = [f"{c['structure']} {c['shape']} N={c['n']} ({c['ratio']:.3f}x {c['fastest']})" for c in data["pick_check"]]
+    return ("The pick read over 2% slower than the fastest pipeline of its structure at "
+            f"{', '.join(misses) if misses else 'no case'}.\n\n")
 
 
 def blr_e2e_section(data: dict) -> str:

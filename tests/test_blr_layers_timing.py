@@ -37,3 +37,16 @@ def test_check_flags_a_wrong_result_and_a_failure_against_the_first_impl(blr_lay
     assert checks["ref"] == (0.0, None) and checks["close"][1] is None
     assert checks["close"][0] == pytest.approx(1e-3, rel=1e-3)
     assert checks["off"][1].startswith("wrong result") and checks["broken"][1].startswith("ZeroDivisionError")
+
+
+def test_pick_check_lists_the_cases_where_the_pick_trails_its_fastest_pipeline(blr_layers):
+    """Only the pick's own structure's pipelines count (not the reference, not the permuted layout, not another
+    structure, not a failed row), and only past PICK_SLACK."""
+    def row(impl, ms, structure="monarch", n=16):
+        return {"shape": "s", "n": n, "structure": structure, "impl": impl, "ms": ms}
+
+    rows = [row("monarch_reference", 5.0), row("monarch_bmm", 10.0), row("monarch_two_stage", math.nan),
+            row("monarch_permuted", 6.0), row("monarch_ours", 11.0), row("blast_z_mixgemm", 1.0, "blast"),
+            row("blast_ours", 1.01, "blast"), row("monarch_bmm", 10.0, n=1), row("monarch_ours", 10.1, n=1)]
+    assert blr_layers.pick_check(rows) == [{"shape": "s", "n": 16, "structure": "monarch", "ours_ms": 11.0,
+                                            "fastest": "monarch_bmm", "fastest_ms": 10.0, "ratio": 1.1}]

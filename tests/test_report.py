@@ -24,3 +24,11 @@ def test_blr_e2e_bound_at_the_floor_adds_each_methods_layer_floor_to_the_free_st
     text = load_report()._blr_e2e_bound({"rows": rows})
     assert "2.50x in prefill and 2.00x in decode" in text
     assert "monarch 1.667x and 1.600x dense" in text
+
+
+def test_pick_note_names_each_miss_and_says_so_when_there_is_none():
+    report = load_report()
+    miss = {"structure": "monarch", "shape": "llama-7b down", "n": 16, "ratio": 1.086, "fastest": "monarch_bmm_perm_bmm"}
+    assert report._pick_note({}) == ""
+    assert "no case" in report._pick_note({"pick_check": []})
+    assert "monarch llama-7b down N=16 (1.086x monarch_bmm_perm_bmm)" in report._pick_note({"pick_check": [miss]})
