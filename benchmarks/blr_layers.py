@@ -20,7 +20,7 @@ implementation of a case is built, run and checked first, then all are timed in
 TIMING_ROUNDS rounds, forward and reverse by turns; a row's ``ms`` is the median of its
 ``ms_rounds``, whose spread shows the noise within the run, and a drift of the GPU's speed
 over a case cannot favour whichever implementation is timed first. (Between two runs of the
-same code, 43f911d and 04677cb, dense eager read up to 16% apart at N = 8192.)
+same kernels, 43f911d and 04677cb, dense eager read up to 17% apart at N = 8192.)
 Writes ``blr_layers.json`` (after every case, ``"complete": false`` until the end; ``--resume``
 continues such a file) and
 ``blr_layers_roofline.png``; ``--profile`` also, and ``--profile-only`` instead, writes
@@ -132,6 +132,10 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     rows, started = [], time.time()
     cases = {"shapes": [name for name, *_ in shapes], "tokens": tokens, "blocks": blocks}
     path = results_path(stem, args.out)
+    state = run_state(path)
+    if args.resume and state == "complete":              # the run a second call would continue already finished
+        print(f"blr_layers: {path} is a complete run; nothing to resume")
+        return 0
     if args.resume:                                      # the stopped run's rows, time so far and ceilings
         try:
             earlier = partial_results(path, **cases)
@@ -149,13 +153,8 @@ def run_table(args, torch, device: str, blocks: int) -> int:
         ceilings, empty_ms = measure_ceilings(), empty_kernel_ms()
     else:
         ceilings, empty_ms = Ceilings(matmul_flops=1e12, bandwidth=1e11), 0.0
-    if not args.resume and path.exists():
-        try:
-            stopped = not json.loads(path.read_text()).get("complete", True)
-        except (OSError, ValueError):                    # unreadable: replaced like any earlier file
-            stopped = False
-        if stopped:
-            print(f"blr_layers: replacing the stopped run in {path} (--resume would continue it)")
+    if not args.resume and state == "stopped":
+        print(f"blr_layers: replacing the stopped run in {path} (--resume would continue it)")
     done = {(r["shape"], r["n"]) for r in rows}
 
     def save(complete: bool):
@@ -185,6 +184,17 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     show(Console(), Table, rows, targets)
     print(f"wrote {path} in {elapsed:.0f} s")
     return 0
+
+
+def run_state(path) -> str:
+    """What the results file at ``path`` holds: "missing", "unreadable", "complete" or "stopped" (a run cut short)."""
+    if not path.exists():
+        return "missing"
+    try:
+        complete = json.loads(path.read_text()).get("complete", True)
+    except (OSError, ValueError, AttributeError):
+        return "unreadable"
+    return "complete" if complete else "stopped"
 
 
 def decode_floor_check(rows, empty_ms: float) -> list[dict]:
@@ -295,19 +305,16 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
                                                  monarch_linear), k, flops, ideal, as_block_major(n, d_out, blocks)))
         checks = {impl: result for _, impls, _, _, _, layouts in groups
                   for impl, result in check_impls(impls, layouts).items()}
-        rounds = time_rounds({impl: (fn, copies) for _, impls, copies, *_ in groups for impl, fn in impls.items()
-                              if checks[impl][1] is None or checks[impl][1].startswith("wrong")}, timer)
+        rounds, failures = time_rounds({impl: (fn, copies) for _, impls, copies, *_ in groups
+                                        for impl, fn in impls.items()
+                                        if checks[impl][1] is None or checks[impl][1].startswith("wrong")}, timer)
     rows = []
     for kind, impls, copies, flops, ideal, _ in groups:
         floor = ceilings.floor_ms(flops, ideal)
         for impl in impls:
-            rel_err, error = checks[impl]
+            rel_err, checked = checks[impl]
             times = rounds.get(impl, [])
-            ms = statistics.median(times) if times and not any(map(math.isnan, times)) else math.nan
-            if error and error.startswith("wrong"):      # a wrong pipeline's time counts for nothing
-                error, ms = f"{error} (ran in {ms:.4f} ms)", math.nan
-            elif error is None and math.isnan(ms):
-                error = "timing failed"
+            ms, error = row_time(checked, times, failures.get(impl))
             row = {"shape": name, "in": d_in, "out": d_out, "rank": rank, "blocks": blocks, "n": n, "structure": kind,
                    "impl": impl, "ms": ms, "ms_rounds": times, "flops": flops, "ideal_bytes": ideal, "floor_ms": floor,
                    "x_floor": ms / floor, "copies": copies, "rel_err": rel_err}
@@ -324,34 +331,55 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
 def check_impls(impls: dict, layouts: dict) -> dict:
     """impl -> (relative error to the group's first impl, None or why it is not timed as correct), each run once on
     copy 0 (which also tunes its kernels and picks its variant outside the timing). The first impl (dense eager, or a
-    structure's reference) is the one the others are checked against; a relative error past MAX_REL_ERR is "wrong"."""
+    structure's reference) is the one the others are checked against; a relative error past MAX_REL_ERR, or NaN (a
+    NaN or inf in the output), is "wrong". Where the first impl fails, the others are timed unchecked (NaN error)."""
+    checker = next(iter(impls))
     results, expected = {}, None
     for impl, fn in impls.items():
         try:
             out = layouts.get(impl, lambda y: y)(fn(0)).float()
-            expected = out if expected is None else expected
-            rel_err = ((out - expected).norm() / expected.norm()).item()
-            wrong = f"wrong result: relative error {rel_err:.3g} to {next(iter(impls))}" if rel_err > MAX_REL_ERR else None
-            results[impl] = (rel_err, wrong)
         except Exception as err:  # noqa: BLE001 (a competitor that cannot run here is recorded, not fatal)
             results[impl] = (math.nan, f"{type(err).__name__}: {err}"[:300])
+            continue
+        expected = out if impl == checker else expected
+        if expected is None:
+            results[impl] = (math.nan, None)
+            continue
+        rel_err = ((out - expected).norm() / expected.norm()).item()
+        results[impl] = (rel_err, None if rel_err <= MAX_REL_ERR
+                         else f"wrong result: relative error {rel_err:.3g} to {checker}")
     return results
 
 
-def time_rounds(calls: dict, timer) -> dict:
-    """name -> ms of one call, per round: TIMING_ROUNDS rounds over every (fn, copies) of ``calls``, in forward and
-    reverse order by turns, each timing ``timer`` of the calls over all copies (divided by them). A drift of the GPU's
-    speed across the case then reaches every implementation alike; a timing that fails is NaN."""
+def time_rounds(calls: dict, timer) -> tuple[dict, dict]:
+    """(name -> ms of one call per round, name -> why its first failed timing failed): TIMING_ROUNDS rounds over
+    every (fn, copies) of ``calls``, in forward and reverse order by turns, each timing ``timer`` of the calls over
+    all copies (divided by them). A drift of the GPU's speed across the case then reaches every implementation
+    alike. A timing that fails is NaN in its round."""
     names = list(calls)
-    times = {name: [] for name in names}
+    times, failures = {name: [] for name in names}, {}
     for turn in range(TIMING_ROUNDS):
         for name in names if turn % 2 == 0 else names[::-1]:
             fn, copies = calls[name]
             try:
                 times[name].append(timer(lambda fn=fn, copies=copies: [fn(i) for i in range(copies)]) / copies)
-            except Exception:  # noqa: BLE001 (e.g. a capture this pipeline does not survive: its row says so)
+            except Exception as err:  # noqa: BLE001 (e.g. a capture this pipeline does not survive: its row says so)
                 times[name].append(math.nan)
-    return times
+                failures.setdefault(name, f"{type(err).__name__}: {err}"[:300])
+    return times, failures
+
+
+def row_time(checked: str | None, times: list[float], failure: str | None) -> tuple[float, str | None]:
+    """A row's ms, the median of its rounds, and its error: NaN for a pipeline that failed its check (a wrong one's
+    time goes into the message: it counts for nothing), failed to run, or failed a timing in any round."""
+    ms = statistics.median(times) if times and not any(map(math.isnan, times)) else math.nan
+    if checked and checked.startswith("wrong"):
+        return math.nan, checked + ("" if math.isnan(ms) else f" (ran in {ms:.4f} ms)")
+    if checked:
+        return math.nan, checked
+    if math.isnan(ms):
+        return math.nan, f"timing failed: {failure}"
+    return ms, None
 
 
 def structures(d_in, d_out, rank, blocks, n, dtype, device) -> dict:

@@ -16,9 +16,11 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # without --profile; at 18d9a39 its profile, run apart, 161 s, blr_e2e 288 s and blr_e2e_memfit_attention 148 s.
 # Since the variant pick re-times its finalists (04677cb: 547 s) and the table times by turns (9f70ccb: 32 of the
 # 35 cases in 563 s), blr_layers takes two calls: a run stopped by its limit keeps every finished case, and
-# `blr_layers.py --resume` times the rest. Its current results are from 43f911d, older than both changes.
+# blr_layers_resume times the rest (it says "nothing to resume" and exits 0 where the first call finished).
+# The current blr_layers.json is from 43f911d, older than both changes.
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
+  "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
   "blr_layers_profile|240|python3 benchmarks/blr_layers.py --out $OUT --profile-only"
   "train_small_model|130|python3 benchmarks/train_small_model.py --out /tmp/small_llama --results $OUT --max-seconds 80"
   "partial_ffn_accuracy|150|python3 benchmarks/partial_ffn.py --out $OUT --skip-speed --small-model /tmp/small_llama"

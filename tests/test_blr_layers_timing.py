@@ -24,19 +24,54 @@ def test_rounds_alternate_forward_and_reverse_order(blr_layers):
         raise RuntimeError("capture")
 
     impls = {"a": (lambda i: calls.append(("a", i)), 2), "b": (lambda i: calls.append(("b", i)), 1), "c": (failing, 1)}
-    times = blr_layers.time_rounds(impls, timer)
+    times, failures = blr_layers.time_rounds(impls, timer)
     assert [c for c in calls if c[1] == 0] == [("a", 0), ("b", 0), ("b", 0), ("a", 0)] * (blr_layers.TIMING_ROUNDS // 2)
     assert times["a"][:2] == [1 / 2, 4 / 2] and times["b"][:2] == [2.0, 3.0]   # a's clock over its 2 copies
     assert len(times["c"]) == blr_layers.TIMING_ROUNDS and all(map(math.isnan, times["c"]))
+    assert failures == {"c": "RuntimeError: capture"}
 
 
 def test_check_flags_a_wrong_result_and_a_failure_against_the_first_impl(blr_layers):
-    x = torch.ones(4)
+    """Against the first impl: close is right, double is wrong, a NaN in the output is wrong, a raise is recorded; an
+    impl's layout function maps its output to the first impl's layout before the comparison."""
+    x = torch.arange(1.0, 5.0)
     checks = blr_layers.check_impls({"ref": lambda i: x, "close": lambda i: x * 1.001, "off": lambda i: x * 2,
-                                     "broken": lambda i: 1 / 0}, {})
-    assert checks["ref"] == (0.0, None) and checks["close"][1] is None
+                                     "nan": lambda i: x.clone().fill_(math.nan), "broken": lambda i: 1 / 0,
+                                     "reversed": lambda i: x.flip(0)}, {"reversed": lambda y: y.flip(0)})
+    assert checks["ref"] == (0.0, None) and checks["close"][1] is None and checks["reversed"] == (0.0, None)
     assert checks["close"][0] == pytest.approx(1e-3, rel=1e-3)
-    assert checks["off"][1].startswith("wrong result") and checks["broken"][1].startswith("ZeroDivisionError")
+    assert checks["off"][1] == "wrong result: relative error 1 to ref" and checks["nan"][1].startswith("wrong result")
+    assert checks["broken"] == (pytest.approx(math.nan, nan_ok=True), "ZeroDivisionError: division by zero")
+
+
+def test_a_failed_first_impl_leaves_the_others_unchecked_not_checked_against_another(blr_layers):
+    x = torch.ones(4)
+    checks = blr_layers.check_impls({"ref": lambda i: 1 / 0, "a": lambda i: x, "b": lambda i: x * 2}, {})
+    assert checks["ref"][1].startswith("ZeroDivisionError")
+    assert all(math.isnan(checks[k][0]) and checks[k][1] is None for k in ("a", "b"))
+
+
+@pytest.mark.parametrize("checked,times,failure,want", [
+    (None, [3.0, 1.0, 2.0, 4.0], None, (2.5, None)),
+    ("wrong result: x", [1.0, 1.0], None, (math.nan, "wrong result: x (ran in 1.0000 ms)")),
+    ("wrong result: x", [1.0, math.nan], "E: e", (math.nan, "wrong result: x")),
+    ("ValueError: v", [], None, (math.nan, "ValueError: v")),
+    (None, [1.0, math.nan, 1.0, 1.0], "RuntimeError: r", (math.nan, "timing failed: RuntimeError: r")),
+])
+def test_row_time_is_the_median_of_the_rounds_or_nan_with_the_reason(blr_layers, checked, times, failure, want):
+    ms, error = blr_layers.row_time(checked, times, failure)
+    assert (math.isnan(ms) if math.isnan(want[0]) else ms == want[0]) and error == want[1]
+
+
+def test_run_state(blr_layers, tmp_path):
+    path = tmp_path / "blr_layers.json"
+    assert blr_layers.run_state(path) == "missing"
+    path.write_text("{not json")
+    assert blr_layers.run_state(path) == "unreadable"
+    path.write_text('{"complete": false}')
+    assert blr_layers.run_state(path) == "stopped"
+    path.write_text('{"complete": true}')
+    assert blr_layers.run_state(path) == "complete"
 
 
 def test_pick_check_lists_the_cases_where_the_pick_trails_its_fastest_pipeline(blr_layers):
@@ -45,8 +80,9 @@ def test_pick_check_lists_the_cases_where_the_pick_trails_its_fastest_pipeline(b
     def row(impl, ms, structure="monarch", n=16):
         return {"shape": "s", "n": n, "structure": structure, "impl": impl, "ms": ms}
 
-    rows = [row("monarch_reference", 5.0), row("monarch_bmm", 10.0), row("monarch_two_stage", math.nan),
+    rows = [row("monarch_two_stage", math.nan), row("monarch_reference", 5.0), row("monarch_bmm", 10.0),
             row("monarch_permuted", 6.0), row("monarch_ours", 11.0), row("blast_z_mixgemm", 1.0, "blast"),
-            row("blast_ours", 1.01, "blast"), row("monarch_bmm", 10.0, n=1), row("monarch_ours", 10.1, n=1)]
+            row("blast_ours", 1.01, "blast"), row("monarch_bmm", 10.0, n=1), row("monarch_ours", 10.1, n=1),
+            row("monarch_bmm", 1.0, n=128), row("monarch_ours", math.nan, n=128)]
     assert blr_layers.pick_check(rows) == [{"shape": "s", "n": 16, "structure": "monarch", "ours_ms": 11.0,
                                             "fastest": "monarch_bmm", "fastest_ms": 10.0, "ratio": 1.1}]

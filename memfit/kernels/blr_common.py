@@ -142,10 +142,10 @@ def _final_times(op: str, finalists: dict, args: tuple) -> dict:
     autotuned (seconds of GPU work at large N), taken in a fixed order, and at decode one replay median of a few
     microseconds, after a flush's time is subtracted. The finalists, timed again with every kernel tuned and no
     candidate always first, decide. The two table runs since (04677cb; 9f70ccb, which times by turns too; both in
-    results/earlier) did not show the gaps closing: at N = 8192 one pipeline read up to 14% apart between rounds of
-    one run, noise no pick can remove; and at Monarch Llama-7B down, N = 16, the pick read 6-10% slower than
-    ``bmm_perm_bmm`` in all three runs, a ranking that the pick's conditions (one copy of the weights, L2 flushed)
-    and the table's (rotated copies) disagree on.
+    results/earlier) did not show the gaps closing: at N = 8192 a row's rounds read up to 22% apart within one run
+    (dense eager; BLAST's pick 14%), noise no pick can remove; and at Monarch Llama-7B down, N = 16, the pick read
+    6-10% slower than ``bmm_perm_bmm`` in all three runs, a ranking that the pick's conditions (one copy of the
+    weights, L2 flushed) and the table's (rotated copies) disagree on.
     """
     names = list(finalists)
     rounds: dict[str, list[float]] = {name: [] for name in names}
