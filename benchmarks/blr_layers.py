@@ -120,6 +120,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     from rich.table import Table
 
     from memfit.errors import MemfitError
+    from memfit.kernels import blr_common
     from memfit.measure.results import partial_results, results_path, target, write_results
     from memfit.measure.roofline import layer_cost, plot_roofline
     from memfit.measure.timing import Ceilings, empty_kernel_ms, measure_ceilings
@@ -129,7 +130,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     tokens = args.tokens or tokens
     timer = functools.partial(gpu_ms, rep=ROUND_REP_MS) if device == "cuda" else cpu_ms
     stem = "blr_layers" + ("_smoke" if args.smoke else "") + ("_subset" if args.tokens or args.shapes else "")
-    rows, started = [], time.time()
+    rows, started, pick_timings = [], time.time(), {}
     cases = {"shapes": [name for name, *_ in shapes], "tokens": tokens, "blocks": blocks}
     path = results_path(stem, args.out)
     state = run_state(path)
@@ -140,6 +141,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
         try:
             earlier = partial_results(path, **cases)
             rows, started = earlier["rows"], started - earlier["seconds"]
+            pick_timings = earlier.get("pick_timings", {})
             ceilings = Ceilings(matmul_flops=earlier["ceilings"]["matmul_tflops"] * 1e12,
                                 bandwidth=earlier["ceilings"]["bandwidth_gbs"] * 1e9)
             empty_ms = earlier["ceilings"]["empty_kernel_ms"]
@@ -163,7 +165,8 @@ def run_table(args, torch, device: str, blocks: int) -> int:
                              dtype="bfloat16", seconds=time.time() - started, complete=complete,
                              ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
                                        "bandwidth_gbs": ceilings.bandwidth / 1e9, "empty_kernel_ms": empty_ms},
-                             decode_floor_check=decode_floor_check(rows, empty_ms), pick_check=pick_check(rows))
+                             decode_floor_check=decode_floor_check(rows, empty_ms), pick_check=pick_check(rows),
+                             pick_timings=pick_timings | blr_common.PICK_TIMINGS)
 
     with Progress() as progress:
         task = progress.add_task("blr layers", total=len(shapes) * len(tokens))
@@ -216,7 +219,8 @@ def pick_check(rows) -> list[dict]:
     """Per case and structure where the pick (``<kind>_ours``, what a user gets) read over PICK_SLACK times the
     fastest of the pipelines it chooses among, each timed in its own row of the same rounds: the pick's time, that
     pipeline and its time. Noise puts some cases here (the pick is one of the pipelines); a case listed run after
-    run is a ranking that the pick's own timing gets wrong."""
+    run is a ranking that the pick's own timing gets wrong. What the pick measured for each candidate is in the
+    results' ``pick_timings`` (blr_common.PICK_TIMINGS, keyed by op and the op's shape key)."""
     out = []
     for r in rows:
         kind = r["structure"]

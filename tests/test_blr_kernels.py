@@ -406,8 +406,10 @@ def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
     monkeypatch.setattr(blr_common, "_cold_l2_times", timer)
     candidates = {"a": lambda: None, "b": lambda: None, "c": lambda: None}
     assert blr_common.PICK_FINALIST_SLACK < 1.5 and blr_common.PICK_FINAL_ROUNDS == 3
+    monkeypatch.setattr(blr_common, "PICK_TIMINGS", {})
     assert blr_common.pick_variant("op", (8,), candidates, "c", ()) == "b"
     assert orders == [["a", "b", "c"], ["a", "b"], ["b", "a"], ["a", "b"]]
+    assert blr_common.PICK_TIMINGS == {"op (8,)": {"first": first, "final": {"a": 1.1, "b": 0.9}, "pick": "b"}}
     first, orders[:] = {"a": 1.0, "b": 2.0, "c": 3.0}, []
     assert blr_common.pick_variant("op", (16,), candidates, "c", ()) == "a"
     assert orders == [["a", "b", "c"]]

@@ -60,6 +60,8 @@ PICK_REP_MS = 10                 # ms of graph replays per kernel variant or til
                                  # many shapes stays fast)
 PICK_FINALIST_SLACK = 1.25       # variants within this factor of the fastest first timing are timed again,
 PICK_FINAL_ROUNDS = 3            # in this many interleaved rounds (:func:`_final_times`)
+PICK_TIMINGS: dict[str, dict] = {}  # "op shape_key" -> the ms each candidate read, first and final, and the pick, for
+                                    # every pick timed in this process (benchmarks set them beside their own times)
 
 
 def n_bucket(n: int) -> int:
@@ -119,14 +121,14 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
                   f"so its kernel variant is not timed; using {default!r} (call it once before capturing)")
         return default
     if cache.get(key) not in candidates:
-        times = _cold_l2_times(op, candidates, args)
-        best = min(times.values())
+        first = _cold_l2_times(op, candidates, args)
+        best = min(first.values())
         if best == float("inf"):
             raise RuntimeError(f"{op}: no kernel variant of {sorted(candidates)} ran for shape {shape_key}")
-        finalists = {name: candidates[name] for name, ms in times.items() if ms <= best * PICK_FINALIST_SLACK}
-        if len(finalists) > 1:
-            times = _final_times(op, finalists, args)
-        cache[key] = min(times, key=times.get)
+        finalists = {name: candidates[name] for name, ms in first.items() if ms <= best * PICK_FINALIST_SLACK}
+        final = _final_times(op, finalists, args) if len(finalists) > 1 else first
+        cache[key] = min(final, key=final.get)
+        PICK_TIMINGS[f"{op} {shape_key}"] = {"first": first, "final": final, "pick": cache[key]}
         _save_cache(cache)
     return cache[key]
 
