@@ -376,7 +376,8 @@ def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
     monkeypatch.setattr(blr_common, "_CACHE", {})
     monkeypatch.setattr(blr_common, "_save_cache", lambda cache: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
-    monkeypatch.setattr(blr_common, "_time_candidate", lambda op, name, fn, args: {"slow": 2.0, "fast": 1.0}[name])
+    monkeypatch.setattr(blr_common, "_time_candidate",
+                        lambda op, name, fn, args, rep_ms: {"slow": 2.0, "fast": 1.0}[name])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert blr_common.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
@@ -393,10 +394,11 @@ def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
     rounds; "c", 1.5x the fastest, is not timed again. A lone finalist is not re-timed."""
     first = {"a": 1.0, "b": 1.1, "c": 1.5}
     again = iter([{"a": 1.0, "b": 0.9}, {"b": 1.2, "a": 1.1}, {"a": 1.3, "b": 0.8}])
-    orders = []
+    orders, reps = [], []
 
-    def timer(op, candidates, args):
+    def timer(op, candidates, args, rep_ms=blr_common.PICK_REP_MS):
         orders.append(list(candidates))
+        reps.append(rep_ms)
         return first if len(orders) == 1 else next(again)
 
     monkeypatch.setattr(blr_common, "_CACHE", {})
@@ -409,6 +411,7 @@ def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
     monkeypatch.setattr(blr_common, "PICK_TIMINGS", {})
     assert blr_common.pick_variant("op", (8,), candidates, "c", ()) == "b"
     assert orders == [["a", "b", "c"], ["a", "b"], ["b", "a"], ["a", "b"]]
+    assert reps == [blr_common.PICK_REP_MS] + [blr_common.PICK_REP_MS / 3] * 3    # the rounds share one timing's replays
     assert blr_common.PICK_TIMINGS == {"op (8,)": {"first": first, "final": {"a": 1.1, "b": 0.9}, "pick": "b"}}
     first, orders[:] = {"a": 1.0, "b": 2.0, "c": 3.0}, []
     assert blr_common.pick_variant("op", (16,), candidates, "c", ()) == "a"

@@ -59,7 +59,7 @@ _CACHE: dict | None = None
 PICK_REP_MS = 10                 # ms of graph replays per kernel variant or tile config (short: a cold run of
                                  # many shapes stays fast)
 PICK_FINALIST_SLACK = 1.25       # variants within this factor of the fastest first timing are timed again,
-PICK_FINAL_ROUNDS = 3            # in this many interleaved rounds (:func:`_final_times`)
+PICK_FINAL_ROUNDS = 3            # in this many interleaved rounds (:func:`_final_times`), of PICK_REP_MS in all
 PICK_TIMINGS: dict[str, dict] = {}  # "op shape_key" -> the ms each candidate read, first and final, and the pick, for
                                     # every pick timed in this process (benchmarks set them beside their own times)
 
@@ -135,7 +135,8 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
 
 def _final_times(op: str, finalists: dict, args: tuple) -> dict:
     """name -> median ms of ``PICK_FINAL_ROUNDS`` rounds that each time every finalist once (cold L2), in an order
-    rotated by one per round.
+    rotated by one per round, each round over 1 / PICK_FINAL_ROUNDS of a first timing's replays (so the rounds
+    together cost about what one more timing of the finalists would).
 
     With one timing each, the pick read 15% slower than the fastest variant at Llama-7B down, N = 8192 (Monarch:
     871 against ``tbmm``'s 757 us in blr_layers.json, 43f911d) and 9-10% slower at Llama-1B up, N = 1 and 16;
@@ -154,19 +155,21 @@ def _final_times(op: str, finalists: dict, args: tuple) -> dict:
     for turn in range(PICK_FINAL_ROUNDS):
         shift = turn % len(names)
         order = names[shift:] + names[:shift]
-        for name, ms in _cold_l2_times(op, {name: finalists[name] for name in order}, args).items():
+        for name, ms in _cold_l2_times(op, {name: finalists[name] for name in order}, args,
+                                       rep_ms=PICK_REP_MS / PICK_FINAL_ROUNDS).items():
             rounds[name].append(ms)
     return {name: statistics.median(ms) for name, ms in rounds.items()}
 
 
 def _cold_l2_times(op: str, candidates: dict, args: tuple, device: torch.device | None = None,
-                   autotuning: bool = False) -> dict:
+                   autotuning: bool = False, rep_ms: float = PICK_REP_MS) -> dict:
     """name -> median ms of each candidate with a cold L2: (L2 flush + call) minus the flush alone.
 
     A model reads its weights from HBM; replaying one copy of them would time them from L2
     and hide exactly the weight reads that the decode pipelines overlap. The flush reads a
     buffer of twice the L2 (clean lines: the call pays no write-backs for it), is timed once
-    per pick, and its buffer lives only for the pick. Without memory for it the candidates
+    per call here (the first timing of a pick, and each of its finalists' rounds), and its buffer
+    lives only for that call. ``rep_ms``: the graph replays per timing. Without memory for it the candidates
     are timed warm, said once. ``autotuning`` (one tile config of a kernel): the flush is not
     timed apart (it costs every config the same) and a failure goes to ``triton.autotune``,
     which skips a config that does not fit this GPU and raises anything else.
@@ -180,7 +183,12 @@ def _cold_l2_times(op: str, candidates: dict, args: tuple, device: torch.device 
         except torch.cuda.OutOfMemoryError:
             warn_once(f"pick-warm-l2:{op}", f"{op}: no memory for the {size >> 20} MiB L2 flush; kernel variants "
                       "are timed with a warm L2")
-    time_one = (lambda op, name, fn, args: _graph_ms(fn, args)) if autotuning else _time_candidate
+    if autotuning:
+        def time_one(op, name, fn, args):
+            return _graph_ms(fn, args, rep_ms)
+    else:
+        def time_one(op, name, fn, args):
+            return _time_candidate(op, name, fn, args, rep_ms)
     if buffer is None:
         return {name: time_one(op, name, fn, args) for name, fn in candidates.items()}
     flush_ms = 0.0 if autotuning else time_one(op, "L2 flush", buffer.sum, ())
@@ -210,7 +218,7 @@ def _cuda_device(args: tuple) -> torch.device | None:
     return next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
 
 
-def _graph_ms(fn, args: tuple) -> float:
+def _graph_ms(fn, args: tuple, rep_ms: float = PICK_REP_MS) -> float:
     """Median ms of ``fn(*args)`` as CUDA-graph replays (so a decode-sized call's time is its GPU
     time, not Python's launch overhead, which would favour the variant with fewer launches).
     Triton replays on a side stream: it first waits for the work queued on the caller's stream,
@@ -218,14 +226,14 @@ def _graph_ms(fn, args: tuple) -> float:
     from triton.testing import do_bench_cudagraph
 
     torch.cuda.current_stream().synchronize()
-    return float(do_bench_cudagraph(lambda: fn(*args), rep=PICK_REP_MS, return_mode="median"))
+    return float(do_bench_cudagraph(lambda: fn(*args), rep=rep_ms, return_mode="median"))
 
 
-def _time_candidate(op: str, name: str, fn, args: tuple) -> float:
+def _time_candidate(op: str, name: str, fn, args: tuple, rep_ms: float = PICK_REP_MS) -> float:
     """:func:`_graph_ms`, where a variant that fails to compile, run or be captured here is skipped,
     with a warning."""
     try:
-        return _graph_ms(fn, args)
+        return _graph_ms(fn, args, rep_ms)
     except Exception as err:  # noqa: BLE001 (e.g. a config past this GPU's shared memory: the others still compete)
         warn_once(f"variant-failed:{op}:{name}", f"{op}: variant {name} failed here and is not picked: "
                   f"{type(err).__name__}: {str(err)[:200]}")
