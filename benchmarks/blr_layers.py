@@ -130,7 +130,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     tokens = args.tokens or tokens
     timer = functools.partial(gpu_ms, rep=ROUND_REP_MS) if device == "cuda" else cpu_ms
     stem = "blr_layers" + ("_smoke" if args.smoke else "") + ("_subset" if args.tokens or args.shapes else "")
-    rows, started, pick_timings = [], time.time(), {}
+    rows, started, pick_timings, gpu_states = [], time.time(), {}, []
     cases = {"shapes": [name for name, *_ in shapes], "tokens": tokens, "blocks": blocks}
     path = results_path(stem, args.out)
     state = run_state(path)
@@ -141,7 +141,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
         try:
             earlier = partial_results(path, **cases)
             rows, started = earlier["rows"], started - earlier["seconds"]
-            pick_timings = earlier.get("pick_timings", {})
+            pick_timings, gpu_states = earlier.get("pick_timings", {}), earlier.get("gpu_states", [])
             ceilings = Ceilings(matmul_flops=earlier["ceilings"]["matmul_tflops"] * 1e12,
                                 bandwidth=earlier["ceilings"]["bandwidth_gbs"] * 1e9)
             empty_ms = earlier["ceilings"]["empty_kernel_ms"]
@@ -166,15 +166,17 @@ def run_table(args, torch, device: str, blocks: int) -> int:
                              ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
                                        "bandwidth_gbs": ceilings.bandwidth / 1e9, "empty_kernel_ms": empty_ms},
                              decode_floor_check=decode_floor_check(rows, empty_ms), pick_check=pick_check(rows),
-                             pick_timings=pick_timings | blr_common.PICK_TIMINGS)
+                             pick_timings=pick_timings | blr_common.PICK_TIMINGS, gpu_states=gpu_states)
 
     with Progress() as progress:
         task = progress.add_task("blr layers", total=len(shapes) * len(tokens))
         for name, d_in, d_out, rank in shapes:
             for n in tokens:
                 if (name, n) not in done:
-                    rows += bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer,
-                                       layer_cost)
+                    case_rows, state = bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings,
+                                                  timer, layer_cost)
+                    rows += case_rows
+                    gpu_states.append({"shape": name, "n": n, **state})
                     save(complete=False)
                 progress.advance(task)
     elapsed = time.time() - started
@@ -285,12 +287,14 @@ def copies_for(bytes_per_call: int, device: str) -> int:
 
 
 def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer, layer_cost):
-    """Every implementation of one (shape, N) case; one row each. All are built, run and checked first (which also
-    tunes their kernels and picks their variants), then timed together in rounds (:func:`time_rounds`), so dense
-    and each structure's pipelines are timed side by side, not minutes apart with tuning in between."""
+    """(one row per implementation of one (shape, N) case, the GPU's state just before and after their timing).
+    All are built, run and checked first (which also tunes their kernels and picks their variants), then timed
+    together in rounds (:func:`time_rounds`), so dense and each structure's pipelines are timed side by side, not
+    minutes apart with tuning in between."""
     import torch.nn.functional as F
 
     from memfit.kernels.monarch import monarch_linear
+    from memfit.measure.timing import gpu_state
 
     groups = []                                           # (kind, impls, copies, flops, ideal bytes, layouts)
     with torch.no_grad():
@@ -309,9 +313,11 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
                                                  monarch_linear), k, flops, ideal, as_block_major(n, d_out, blocks)))
         checks = {impl: result for _, impls, _, _, _, layouts in groups
                   for impl, result in check_impls(impls, layouts).items()}
+        before = gpu_state()
         rounds, failures = time_rounds({impl: (fn, copies) for _, impls, copies, *_ in groups
                                         for impl, fn in impls.items()
                                         if checks[impl][1] is None or checks[impl][1].startswith("wrong")}, timer)
+        after = gpu_state()
     rows = []
     for kind, impls, copies, flops, ideal, _ in groups:
         floor = ceilings.floor_ms(flops, ideal)
@@ -329,7 +335,7 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
             if error:
                 row["error"] = error
             rows.append(row)
-    return rows
+    return rows, {"before": before, "after": after}
 
 
 def check_impls(impls: dict, layouts: dict) -> dict:

@@ -86,3 +86,29 @@ def test_pick_check_lists_the_cases_where_the_pick_trails_its_fastest_pipeline(b
             row("monarch_bmm", 1.0, n=128), row("monarch_ours", math.nan, n=128)]
     assert blr_layers.pick_check(rows) == [{"shape": "s", "n": 16, "structure": "monarch", "ours_ms": 11.0,
                                             "fastest": "monarch_bmm", "fastest_ms": 10.0, "ratio": 1.1}]
+
+
+def test_gpu_state_reads_nvidia_smi_and_is_none_where_it_cannot(monkeypatch):
+    import subprocess
+
+    from memfit.measure import timing
+
+    asked = []
+
+    def smi(command, **kwargs):
+        asked.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout="1980, 651.25, 55\n")
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(subprocess, "run", smi)
+    assert timing.gpu_state() == {"sm_clock_mhz": 1980.0, "power_w": 651.25, "temperature_c": 55.0}
+    assert asked[0][1:] == ["--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
+                            "--id=0"]
+
+    def missing(command, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert timing.gpu_state() is None
+    monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 0, "[N/A]"))
+    assert timing.gpu_state() is None

@@ -54,3 +54,24 @@ def measure_ceilings(device: str = "cuda") -> Ceilings:
     cp_ms = bench_ms(lambda: dst.copy_(src))
     del a, b, src, dst
     return Ceilings(matmul_flops=2 * n**3 / (mm_ms * 1e-3), bandwidth=2 * 2**30 / (cp_ms * 1e-3))
+
+
+GPU_STATE_FIELDS = {"clocks.sm": "sm_clock_mhz", "power.draw": "power_w", "temperature.gpu": "temperature_c"}
+
+
+def gpu_state() -> dict | None:
+    """The GPU's SM clock (MHz), power draw (W) and temperature (C) as ``nvidia-smi`` reports them now (its
+    sampling period is 1/6 s to 1 s), or None where it cannot say (no nvidia-smi, no GPU). Benchmarks record
+    it around their timings: a card that slows under sustained load would show it here, not in the times alone.
+    The GPU asked for is nvidia-smi's number for torch's current device (the same unless CUDA_VISIBLE_DEVICES
+    renumbers them)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(GPU_STATE_FIELDS)}", "--format=csv,noheader,nounits",
+                              f"--id={torch.cuda.current_device()}"], capture_output=True, text=True, timeout=10,
+                             check=True).stdout
+        values = [float(v) for v in out.strip().splitlines()[0].split(",")]
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, RuntimeError, AssertionError):
+        return None
+    return dict(zip(GPU_STATE_FIELDS.values(), values))
