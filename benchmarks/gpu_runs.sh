@@ -15,8 +15,9 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # The BLR runs tune every tile config from CUDA-graph replays since cba5eee: at 43f911d blr_layers took 467 s
 # without --profile; at 18d9a39 its profile, run apart, 161 s, blr_e2e 288 s and blr_e2e_memfit_attention 148 s.
 # Since the variant pick re-times its finalists (04677cb: 547 s) and the table times by turns (9f70ccb: 32 of the
-# 35 cases in 563 s), blr_layers takes two calls: a run stopped by its limit keeps every finished case, and
-# blr_layers_resume times the rest (it says "nothing to resume" and exits 0 where the first call finished).
+# 35 cases in 563 s), blr_layers may take two calls (the finalist rounds were shortened after both runs, 92121d7):
+# a run stopped by its limit keeps every finished case, and blr_layers_resume times the rest (it says "nothing
+# to resume" and exits 0 where the first call finished).
 # The current blr_layers.json is from 43f911d, older than both changes.
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
