@@ -173,10 +173,10 @@ def run_table(args, torch, device: str, blocks: int) -> int:
         for name, d_in, d_out, rank in shapes:
             for n in tokens:
                 if (name, n) not in done:
-                    case_rows, state = bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings,
-                                                  timer, layer_cost)
+                    case_rows, gpu = bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings,
+                                                timer, layer_cost)
                     rows += case_rows
-                    gpu_states.append({"shape": name, "n": n, **state})
+                    gpu_states.append({"shape": name, "n": n, **gpu})
                     save(complete=False)
                 progress.advance(task)
     elapsed = time.time() - started
@@ -221,8 +221,9 @@ def pick_check(rows) -> list[dict]:
     """Per case and structure where the pick (``<kind>_ours``, what a user gets) read over PICK_SLACK times the
     fastest of the pipelines it chooses among, each timed in its own row of the same rounds: the pick's time, that
     pipeline and its time. Noise puts some cases here (the pick is one of the pipelines); a case listed run after
-    run is a ranking that the pick's own timing gets wrong. What the pick measured for each candidate is in the
-    results' ``pick_timings`` (blr_common.PICK_TIMINGS, keyed by op and the op's shape key)."""
+    run is a ranking that the pick's own timing gets wrong. What the pick measured for each candidate, or that it
+    came from the cache, is in the results' ``pick_timings`` (blr_common.PICK_TIMINGS, keyed by op and the op's
+    shape key: a pick is timed at the first N of its ``pick_bucket``)."""
     out = []
     for r in rows:
         kind = r["structure"]

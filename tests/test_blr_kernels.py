@@ -374,6 +374,7 @@ def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
 
     candidates = {"slow": slow, "fast": fast}
     monkeypatch.setattr(blr_common, "_CACHE", {})
+    monkeypatch.setattr(blr_common, "PICK_TIMINGS", {})
     monkeypatch.setattr(blr_common, "_save_cache", lambda cache: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     monkeypatch.setattr(blr_common, "_time_candidate",
@@ -412,10 +413,47 @@ def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
     assert blr_common.pick_variant("op", (8,), candidates, "c", ()) == "b"
     assert orders == [["a", "b", "c"], ["a", "b"], ["b", "a"], ["a", "b"]]
     assert reps == [blr_common.PICK_REP_MS] + [blr_common.PICK_REP_MS / 3] * 3    # the rounds share one timing's replays
-    assert blr_common.PICK_TIMINGS == {"op (8,)": {"first": first, "final": {"a": 1.1, "b": 0.9}, "pick": "b"}}
+    assert blr_common.PICK_TIMINGS == {"op (8,)": {"first": first, "finalists": {"a": 1.1, "b": 0.9}, "pick": "b"}}
     first, orders[:] = {"a": 1.0, "b": 2.0, "c": 3.0}, []
     assert blr_common.pick_variant("op", (16,), candidates, "c", ()) == "a"
     assert orders == [["a", "b", "c"]]
+    assert blr_common.PICK_TIMINGS["op (16,)"] == {"first": first, "finalists": {"a": 1.0}, "pick": "a"}
+    blr_common.PICK_TIMINGS.clear()                  # a later process: the pick comes from the cache, and says so
+    assert blr_common.pick_variant("op", (16,), candidates, "c", ()) == "a" and len(orders) == 1
+    assert blr_common.PICK_TIMINGS == {"op (16,)": {"pick": "a", "cached": True}}
+
+
+def test_pick_bucket_keeps_one_and_sixteen_tokens_apart():
+    """The pick's N key is a power of two with no floor (n_bucket, the tile key, starts at 16): a pick timed at N = 1
+    is not reused at N = 16."""
+    assert [blr_common.pick_bucket(n) for n in (1, 2, 3, 16, 17, 1024)] == [1, 2, 4, 16, 32, 1024]
+    assert blr_common.n_bucket(1) == blr_common.n_bucket(16) == 16
+
+
+@pytest.mark.parametrize("op", ["monarch", "blast", "lowrank"])
+def test_ops_pick_by_pick_bucket(monkeypatch, op):
+    """Each op asks for its variant under pick_bucket(N): different keys at N = 1 and 16."""
+    class Asked(Exception):
+        pass
+
+    keys = []
+
+    def ask(op_name, shape_key, candidates, default, args):
+        keys.append(shape_key[0])
+        raise Asked
+
+    module = {"monarch": monarch, "blast": blast, "lowrank": lowrank}[op]
+    monkeypatch.setattr(module, "pick_variant", ask)
+    for n in (1, 16):
+        x = torch.randn(n, 12)
+        with pytest.raises(Asked):
+            if op == "monarch":
+                monarch_linear(x, torch.randn(3, 4, 6), torch.randn(3, 6, 5), path="triton")
+            elif op == "blast":
+                blast_linear(x, torch.randn(3, 5, 7), torch.randn(3, 4, 7), torch.randn(3, 3, 7), path="triton")
+            else:
+                lowrank_linear(x, torch.randn(9, 7), torch.randn(12, 7), path="triton")
+    assert keys == [1, 16]
 
 
 def stub_current_stream(monkeypatch, events=None):
@@ -429,14 +467,14 @@ def stub_current_stream(monkeypatch, events=None):
 
 
 def test_pick_times_each_variant_after_an_l2_flush_and_subtracts_the_flush(monkeypatch):
-    """The flush (a read of twice the L2) is timed once per pick and subtracted from every (flush + call);
+    """The flush (a read of twice the L2) is timed once per call here and subtracted from every (flush + call);
     its buffer is allocated for the pick only, and without memory for it the pick times warm, said once."""
     import triton.testing
 
     class Properties:
         L2_cache_size = 2**20
 
-    medians, calls, sizes = [3.0, 5.0, 3.5], [], []
+    medians, calls, sizes, reps = [3.0, 5.0, 3.5], [], [], []
     real_empty = torch.empty
 
     def empty(*shape, **kwargs):                      # the flush buffer, on the CPU here
@@ -445,6 +483,7 @@ def test_pick_times_each_variant_after_an_l2_flush_and_subtracts_the_flush(monke
 
     def bench(fn, rep, return_mode):
         fn()
+        reps.append(rep)
         return medians.pop(0)
 
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", bench)
@@ -455,6 +494,7 @@ def test_pick_times_each_variant_after_an_l2_flush_and_subtracts_the_flush(monke
     candidates = {"a": lambda x: calls.append("a"), "b": lambda x: calls.append("b")}
     times = blr_common._cold_l2_times("op", candidates, (torch.ones(1),))
     assert times == {"a": 2.0, "b": 0.5} and calls == ["a", "b"] and sizes == [(2 * 2**20,)]
+    assert reps == [blr_common.PICK_REP_MS] * 3                  # the flush and each call, at the default replays
 
     def no_memory(*shape, **kwargs):
         raise torch.cuda.OutOfMemoryError("no room")
@@ -462,8 +502,9 @@ def test_pick_times_each_variant_after_an_l2_flush_and_subtracts_the_flush(monke
     warned, medians[:] = [], [4.0, 6.0]
     monkeypatch.setattr(torch, "empty", no_memory)
     monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
-    assert blr_common._cold_l2_times("op", candidates, (torch.ones(1),)) == {"a": 4.0, "b": 6.0}
-    assert "warm L2" in warned[0]
+    reps.clear()
+    assert blr_common._cold_l2_times("op", candidates, (torch.ones(1),), rep_ms=2.5) == {"a": 4.0, "b": 6.0}
+    assert "warm L2" in warned[0] and reps == [2.5, 2.5]         # rep_ms reaches every timing
 
 
 def record_bgemm_choices(monkeypatch, *names) -> dict:

@@ -99,11 +99,15 @@ def test_gpu_state_reads_nvidia_smi_and_is_none_where_it_cannot(monkeypatch):
         asked.append(command)
         return subprocess.CompletedProcess(command, 0, stdout="1980, 651.25, 55\n")
 
+    class Properties:
+        uuid = "5e7f-ab"
+
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
     monkeypatch.setattr(subprocess, "run", smi)
     assert timing.gpu_state() == {"sm_clock_mhz": 1980.0, "power_w": 651.25, "temperature_c": 55.0}
-    assert asked[0][1:] == ["--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
-                            "--id=0"]
+    assert asked[0] == ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                        "--format=csv,noheader,nounits", "--id=GPU-5e7f-ab"]
 
     def missing(command, **kwargs):
         raise FileNotFoundError("nvidia-smi")

@@ -70,6 +70,7 @@ from memfit.kernels.blr_common import (
     n_bucket,
     pdl_offered,
     per_block_gemm,
+    pick_bucket,
     pick_variant,
     pow2_at_least,
     prefetch_l2,
@@ -412,7 +413,7 @@ def _blast_op(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, s: torch.Tensor
     args = (x2, u.contiguous(), v.contiguous(), s.contiguous(), bias)
     if variant == "auto":
         n = x2.shape[0]
-        variant = pick_variant("blast_linear", (n_bucket(n), *u.shape, m, str(x.dtype)), variants_for(n),
+        variant = pick_variant("blast_linear", (pick_bucket(n), *u.shape, m, str(x.dtype)), variants_for(n),
                                _default(n), args)
     return VARIANTS[variant](*args).reshape(*x.shape[:-1], -1)
 

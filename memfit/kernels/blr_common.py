@@ -13,7 +13,9 @@
   The Triton kernels' own tile configs are tuned by ``triton.autotune`` with
   ``cache_results=True`` (Triton's on-disk cache), keyed on the same shapes, and timed the
   same way (:func:`autotune_bench`).
-* ``n_bucket``: the token count rounded up to a power of two, the autotune key for N.
+* ``n_bucket``: the token count rounded up to a power of two, at least 16 (one 16-token tile), the
+  tile autotune key for N; ``pick_bucket``: the same without the floor, the variant pick's key, since
+  which pipeline wins can change between 1 and 16 tokens where the tiles do not.
 * Shapes are runtime ints in the kernels, so one compile (two where a loop drops its K mask
   when K allows) serves every layer shape
   (keeps a cold autotune short); a stride equal to 1 is specialised by Triton to the
@@ -60,8 +62,16 @@ PICK_REP_MS = 10                 # ms of graph replays per kernel variant or til
                                  # many shapes stays fast)
 PICK_FINALIST_SLACK = 1.25       # variants within this factor of the fastest first timing are timed again,
 PICK_FINAL_ROUNDS = 3            # in this many interleaved rounds (:func:`_final_times`), of PICK_REP_MS in all
-PICK_TIMINGS: dict[str, dict] = {}  # "op shape_key" -> the ms each candidate read, first and final, and the pick, for
-                                    # every pick timed in this process (benchmarks set them beside their own times)
+PICK_TIMINGS: dict[str, dict] = {}  # "op shape_key" -> every pick made in this process: the ms each candidate read
+                                    # (first; the finalists' medians) and the pick, or a cache hit (benchmarks set
+                                    # them beside their own times)
+
+
+def pick_bucket(n: int) -> int:
+    """The variant pick's key for N: rounded up to a power of two, 1 and 16 apart. With n_bucket's floor of 16,
+    a table timing N = 1 first reused that pick at N = 16: at Llama-7B down the Monarch pick read 6-10% slower than
+    ``bmm_perm_bmm`` at N = 16 in three runs (43f911d, 04677cb, 9f70ccb), where ``bmm`` leads at N = 1."""
+    return triton.next_power_of_2(max(1, int(n)))
 
 
 def n_bucket(n: int) -> int:
@@ -120,23 +130,27 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
         warn_once(f"pick-in-capture:{key}", f"{op}: first call for shape {shape_key} is inside a CUDA graph capture, "
                   f"so its kernel variant is not timed; using {default!r} (call it once before capturing)")
         return default
+    record = f"{op} {shape_key}"
     if cache.get(key) not in candidates:
         first = _cold_l2_times(op, candidates, args)
         best = min(first.values())
         if best == float("inf"):
             raise RuntimeError(f"{op}: no kernel variant of {sorted(candidates)} ran for shape {shape_key}")
         finalists = {name: candidates[name] for name, ms in first.items() if ms <= best * PICK_FINALIST_SLACK}
-        final = _final_times(op, finalists, args) if len(finalists) > 1 else first
+        final = _final_times(op, finalists, args) if len(finalists) > 1 else {name: first[name] for name in finalists}
         cache[key] = min(final, key=final.get)
-        PICK_TIMINGS[f"{op} {shape_key}"] = {"first": first, "final": final, "pick": cache[key]}
+        PICK_TIMINGS[record] = {"first": first, "finalists": final, "pick": cache[key]}
         _save_cache(cache)
+    elif record not in PICK_TIMINGS:
+        PICK_TIMINGS[record] = {"pick": cache[key], "cached": True}
     return cache[key]
 
 
 def _final_times(op: str, finalists: dict, args: tuple) -> dict:
     """name -> median ms of ``PICK_FINAL_ROUNDS`` rounds that each time every finalist once (cold L2), in an order
-    rotated by one per round, each round over 1 / PICK_FINAL_ROUNDS of a first timing's replays (so the rounds
-    together cost about what one more timing of the finalists would).
+    rotated by one per round, each round over 1 / PICK_FINAL_ROUNDS of a first timing's replays (the rounds
+    together replay about as long as one more timing of the finalists; each round also times the flush again and
+    pays a timing's fixed costs: warm-up, the estimate, the capture).
 
     With one timing each, the pick read 15% slower than the fastest variant at Llama-7B down, N = 8192 (Monarch:
     871 against ``tbmm``'s 757 us in blr_layers.json, 43f911d) and 9-10% slower at Llama-1B up, N = 1 and 16;
@@ -146,9 +160,8 @@ def _final_times(op: str, finalists: dict, args: tuple) -> dict:
     microseconds, after a flush's time is subtracted. The finalists, timed again with every kernel tuned and no
     candidate always first, decide. The two table runs since (04677cb; 9f70ccb, which times by turns too; both in
     results/earlier) did not show the gaps closing: at N = 8192 a row's rounds read up to 22% apart within one run
-    (dense eager; BLAST's pick 14%), noise no pick can remove; and at Monarch Llama-7B down, N = 16, the pick read
-    6-10% slower than ``bmm_perm_bmm`` in all three runs, a ranking that the pick's conditions (one copy of the
-    weights, L2 flushed) and the table's (rotated copies) disagree on.
+    (dense eager; BLAST's pick 14%), noise no pick can remove; and the one gap in all three runs, Monarch at
+    Llama-7B down, N = 16, was a pick made at N = 1 (:func:`pick_bucket`).
     """
     names = list(finalists)
     rounds: dict[str, list[float]] = {name: [] for name in names}

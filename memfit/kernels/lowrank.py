@@ -25,8 +25,8 @@ from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
     PDL_MAX_N,
     bgemm,
-    n_bucket,
     pdl_offered,
+    pick_bucket,
     pick_variant,
     recompute_backward,
     save_for_recompute,
@@ -76,7 +76,7 @@ def _lowrank_op(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, bias: torch.T
     args = (x2, u.contiguous(), v.contiguous(), bias)
     if variant == "auto":
         n = x2.shape[0]
-        variant = pick_variant("lowrank_linear", (n_bucket(n), *u.shape, v.shape[0], str(x.dtype)), variants_for(n),
+        variant = pick_variant("lowrank_linear", (pick_bucket(n), *u.shape, v.shape[0], str(x.dtype)), variants_for(n),
                                "cublas", args)
     return VARIANTS[variant](*args).reshape(*x.shape[:-1], u.shape[0])
 

@@ -73,6 +73,7 @@ from memfit.kernels.blr_common import (
     n_bucket,
     pdl_offered,
     per_block_gemm,
+    pick_bucket,
     pick_variant,
     pow2_at_least,
     recompute_backward,
@@ -286,7 +287,7 @@ def _monarch_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, bias: torch
         offered = variants_for(n, m, r // b, permute_output)
         default = _default(n, permute_output)
         default = default if default in offered else "two_stage"          # the fused tile may not fit
-        variant = pick_variant("monarch_linear", (n_bucket(n), *w1.shape, w2.shape[2], permute_output, str(x.dtype)),
+        variant = pick_variant("monarch_linear", (pick_bucket(n), *w1.shape, w2.shape[2], permute_output, str(x.dtype)),
                                offered, default, args)
     return VARIANTS[variant](*args).reshape(*x.shape[:-1], -1)
 

@@ -63,15 +63,15 @@ def gpu_state() -> dict | None:
     """The GPU's SM clock (MHz), power draw (W) and temperature (C) as ``nvidia-smi`` reports them now (its
     sampling period is 1/6 s to 1 s), or None where it cannot say (no nvidia-smi, no GPU). Benchmarks record
     it around their timings: a card that slows under sustained load would show it here, not in the times alone.
-    The GPU asked for is nvidia-smi's number for torch's current device (the same unless CUDA_VISIBLE_DEVICES
-    renumbers them)."""
+    The GPU is named by its UUID (nvidia-smi and CUDA may number GPUs differently)."""
     import subprocess
 
     try:
+        uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
         out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(GPU_STATE_FIELDS)}", "--format=csv,noheader,nounits",
-                              f"--id={torch.cuda.current_device()}"], capture_output=True, text=True, timeout=10,
-                             check=True).stdout
+                              f"--id=GPU-{uuid}"], capture_output=True, text=True, timeout=10, check=True).stdout
         values = [float(v) for v in out.strip().splitlines()[0].split(",")]
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError, RuntimeError, AssertionError):
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, RuntimeError, AssertionError,
+            AttributeError):
         return None
     return dict(zip(GPU_STATE_FIELDS.values(), values))
