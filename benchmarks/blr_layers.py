@@ -223,7 +223,7 @@ def pick_check(rows) -> list[dict]:
     pipeline and its time. Noise puts some cases here (the pick is one of the pipelines); a case listed run after
     run is a ranking that the pick's own timing gets wrong. What the pick measured for each candidate, or that it
     came from the cache, is in the results' ``pick_timings`` (blr_common.PICK_TIMINGS, keyed by op and the op's
-    shape key: a pick is timed at the first N of its ``pick_bucket``)."""
+    shape key: a pick is timed at the first N called in its ``pick_bucket``)."""
     out = []
     for r in rows:
         kind = r["structure"]

@@ -97,12 +97,14 @@ def test_fused_mixing_is_offered_up_to_its_max_n():
 
 
 def test_token_major_pipelines_are_offered_from_their_min_n():
-    first = blr_common.TOKEN_MAJOR_MIN_N
-    assert "tbmm_mix_tbmm" in blast.variants_for(first) and "tbmm_mix_tbmm" not in blast.variants_for(first - 1)
-    assert blast._default(first) == "tbmm_mix_tbmm"
-    assert "tbmm" in monarch.variants_for(first, 128, 32, False) and "tbmm" not in monarch.variants_for(first - 1, 128, 32, False)
+    """From the pick bucket of TOKEN_MAJOR_MIN_N (128: N = 65-128 share one pick), not in the bucket below."""
+    first, below = blr_common.TOKEN_MAJOR_MIN_N // 2 + 1, blr_common.TOKEN_MAJOR_MIN_N // 2
+    assert "tbmm_mix_tbmm" in blast.variants_for(first) and "tbmm_mix_tbmm" not in blast.variants_for(below)
+    assert blast._default(blr_common.TOKEN_MAJOR_MIN_N) == "tbmm_mix_tbmm"
+    assert "tbmm" in monarch.variants_for(first, 128, 32, False)
+    assert "tbmm" not in monarch.variants_for(below, 128, 32, False)
     assert "tbmm" not in monarch.variants_for(first, 128, 32, True)
-    assert monarch._default(first, False) == "tbmm" and monarch._default(first, True) == "two_stage"
+    assert monarch._default(128, False) == "tbmm" and monarch._default(128, True) == "two_stage"
 
 
 @pytest.mark.parametrize("blocks,n", [(3, 130), (17, 70)])
@@ -432,19 +434,21 @@ def test_pick_bucket_keeps_one_and_sixteen_tokens_apart():
 
 @pytest.mark.parametrize("op", ["monarch", "blast", "lowrank"])
 def test_ops_pick_by_pick_bucket(monkeypatch, op):
-    """Each op asks for its variant under pick_bucket(N): different keys at N = 1 and 16."""
+    """Each op asks for its variant under pick_bucket(N) (different keys at N = 1, 3 and 16), and offers the same
+    candidates at every N of a bucket (N = 100 and 128, across TOKEN_MAJOR_MIN_N's old edge)."""
     class Asked(Exception):
         pass
 
-    keys = []
+    keys, offered = [], []
 
     def ask(op_name, shape_key, candidates, default, args):
         keys.append(shape_key[0])
+        offered.append(set(candidates))
         raise Asked
 
     module = {"monarch": monarch, "blast": blast, "lowrank": lowrank}[op]
     monkeypatch.setattr(module, "pick_variant", ask)
-    for n in (1, 16):
+    for n in (1, 3, 16, 100, 128):
         x = torch.randn(n, 12)
         with pytest.raises(Asked):
             if op == "monarch":
@@ -453,7 +457,7 @@ def test_ops_pick_by_pick_bucket(monkeypatch, op):
                 blast_linear(x, torch.randn(3, 5, 7), torch.randn(3, 4, 7), torch.randn(3, 3, 7), path="triton")
             else:
                 lowrank_linear(x, torch.randn(9, 7), torch.randn(12, 7), path="triton")
-    assert keys == [1, 16]
+    assert keys == [1, 4, 16, 128, 128] and offered[3] == offered[4]      # one bucket, one set of candidates
 
 
 def stub_current_stream(monkeypatch, events=None):

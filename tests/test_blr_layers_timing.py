@@ -91,6 +91,7 @@ def test_pick_check_lists_the_cases_where_the_pick_trails_its_fastest_pipeline(b
 def test_gpu_state_reads_nvidia_smi_and_is_none_where_it_cannot(monkeypatch):
     import subprocess
 
+    import memfit.log
     from memfit.measure import timing
 
     asked = []
@@ -102,6 +103,8 @@ def test_gpu_state_reads_nvidia_smi_and_is_none_where_it_cannot(monkeypatch):
     class Properties:
         uuid = "5e7f-ab"
 
+    assert timing.gpu_state() is None                          # no GPU here: nothing asked, nothing said
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
     monkeypatch.setattr(subprocess, "run", smi)
@@ -112,7 +115,11 @@ def test_gpu_state_reads_nvidia_smi_and_is_none_where_it_cannot(monkeypatch):
     def missing(command, **kwargs):
         raise FileNotFoundError("nvidia-smi")
 
+    warned = []
+    monkeypatch.setattr(memfit.log, "warn_once", lambda key, message: warned.append(message))
     monkeypatch.setattr(subprocess, "run", missing)
-    assert timing.gpu_state() is None
+    assert timing.gpu_state() is None and "FileNotFoundError" in warned[-1]
     monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 0, "[N/A]"))
-    assert timing.gpu_state() is None
+    assert timing.gpu_state() is None and "ValueError" in warned[-1]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: object())     # no uuid
+    assert timing.gpu_state() is None and "AttributeError" in warned[-1] and len(warned) == 3

@@ -390,7 +390,8 @@ VARIANTS = {"xvmix_bmm": _xvmix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "tbmm_mix_tbmm
 
 
 def variants_for(n: int) -> dict:
-    """The pipelines worth timing at ``n`` tokens."""
+    """The pipelines worth timing at ``n`` tokens, the same for every N of one ``pick_bucket`` (which shares a pick)."""
+    n = pick_bucket(n)
     names = ["bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
     names += ["xvmix_bmm"] if n <= XVMIX_MAX_N else []
     if n >= TOKEN_MAJOR_MIN_N:

@@ -69,8 +69,9 @@ PICK_TIMINGS: dict[str, dict] = {}  # "op shape_key" -> every pick made in this 
 
 def pick_bucket(n: int) -> int:
     """The variant pick's key for N: rounded up to a power of two, 1 and 16 apart. With n_bucket's floor of 16,
-    a table timing N = 1 first reused that pick at N = 16: at Llama-7B down the Monarch pick read 6-10% slower than
-    ``bmm_perm_bmm`` at N = 16 in three runs (43f911d, 04677cb, 9f70ccb), where ``bmm`` leads at N = 1."""
+    a table timing N = 1 first reused that pick at N = 16. At Llama-7B down the Monarch pick read 6-10% slower than
+    ``bmm_perm_bmm`` at N = 16 in three runs (43f911d, 04677cb, 9f70ccb), and about as fast as ``bmm``, which leads
+    at N = 1 by 1.4-2.9%; whether a pick timed at N = 16 takes ``bmm_perm_bmm`` is for a run's PICK_TIMINGS."""
     return triton.next_power_of_2(max(1, int(n)))
 
 
@@ -161,7 +162,7 @@ def _final_times(op: str, finalists: dict, args: tuple) -> dict:
     candidate always first, decide. The two table runs since (04677cb; 9f70ccb, which times by turns too; both in
     results/earlier) did not show the gaps closing: at N = 8192 a row's rounds read up to 22% apart within one run
     (dense eager; BLAST's pick 14%), noise no pick can remove; and the one gap in all three runs, Monarch at
-    Llama-7B down, N = 16, was a pick made at N = 1 (:func:`pick_bucket`).
+    Llama-7B down, N = 16, was a pick made at N = 1 (:func:`pick_bucket`), not yet re-measured.
     """
     names = list(finalists)
     rounds: dict[str, list[float]] = {name: [] for name in names}

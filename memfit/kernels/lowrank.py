@@ -64,7 +64,9 @@ VARIANTS = {"cublas": _cublas, "bgemm": _bgemm, "bgemm_pdl": _bgemm_pdl}
 
 
 def variants_for(n: int) -> dict:
-    """The pipelines worth timing at ``n`` tokens: cuBLAS and bgemm at every N, chained at small N."""
+    """The pipelines worth timing at ``n`` tokens: cuBLAS and bgemm at every N, chained at small N; the same for every
+    N of one ``pick_bucket`` (which shares a pick)."""
+    n = pick_bucket(n)
     names = ["cublas", "bgemm"] + (["bgemm_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
     return {name: VARIANTS[name] for name in names}
 

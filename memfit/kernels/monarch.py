@@ -255,7 +255,9 @@ VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bm
 
 
 def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
-    """The pipelines worth timing for ``n`` tokens, block size m, per-block rank t and the layout."""
+    """The pipelines worth timing for ``n`` tokens, block size m, per-block rank t and the layout; the same for every
+    N of one ``pick_bucket`` (which shares a pick: a token-major pipeline picked at N = 128 is offered at N = 100)."""
+    n = pick_bucket(n)
     names = ["two_stage", "torch"] + (["two_stage_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
     if n >= TOKEN_MAJOR_MIN_N:
         names.append("bmm_gather")

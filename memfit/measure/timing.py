@@ -61,17 +61,22 @@ GPU_STATE_FIELDS = {"clocks.sm": "sm_clock_mhz", "power.draw": "power_w", "tempe
 
 def gpu_state() -> dict | None:
     """The GPU's SM clock (MHz), power draw (W) and temperature (C) as ``nvidia-smi`` reports them now (its
-    sampling period is 1/6 s to 1 s), or None where it cannot say (no nvidia-smi, no GPU). Benchmarks record
-    it around their timings: a card that slows under sustained load would show it here, not in the times alone.
-    The GPU is named by its UUID (nvidia-smi and CUDA may number GPUs differently)."""
+    sampling period is 1/6 s to 1 s), or None where it cannot say: no GPU, or (said once) nvidia-smi failed.
+    Benchmarks record it around their timings: a card that slows under sustained load would show it here, not in
+    the times alone. The GPU is named by its UUID (nvidia-smi and CUDA may number GPUs differently)."""
     import subprocess
 
+    from memfit.log import warn_once
+
+    if not torch.cuda.is_available():
+        return None
     try:
         uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
         out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(GPU_STATE_FIELDS)}", "--format=csv,noheader,nounits",
                               f"--id=GPU-{uuid}"], capture_output=True, text=True, timeout=10, check=True).stdout
         values = [float(v) for v in out.strip().splitlines()[0].split(",")]
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError, RuntimeError, AssertionError,
-            AttributeError):
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, RuntimeError, AttributeError) as err:
+        warn_once("gpu-state", f"nvidia-smi gave no clock, power and temperature for this GPU ({type(err).__name__}: "
+                               f"{str(err)[:200]}); the results record none")
         return None
     return dict(zip(GPU_STATE_FIELDS.values(), values))
