@@ -364,13 +364,14 @@ def check_impls(impls: dict, layouts: dict) -> dict:
 
 def time_rounds(calls: dict, timer) -> tuple[dict, dict]:
     """(name -> ms of one call per round, name -> why its first failed timing failed): TIMING_ROUNDS rounds over
-    every (fn, copies) of ``calls``, in forward and reverse order by turns, each timing ``timer`` of the calls over
+    every (fn, copies) of ``calls``, forward and reverse by turns (``turn_orders``), each timing ``timer`` of the calls over
     all copies (divided by them). A drift of the GPU's speed across the case then reaches every implementation
     alike. A timing that fails is NaN in its round."""
-    names = list(calls)
-    times, failures = {name: [] for name in names}, {}
-    for turn in range(TIMING_ROUNDS):
-        for name in names if turn % 2 == 0 else names[::-1]:
+    from memfit.measure.timing import turn_orders
+
+    times, failures = {name: [] for name in calls}, {}
+    for order in turn_orders(list(calls), TIMING_ROUNDS):
+        for name in order:
             fn, copies = calls[name]
             try:
                 times[name].append(timer(lambda fn=fn, copies=copies: [fn(i) for i in range(copies)]) / copies)

@@ -393,7 +393,7 @@ def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
 
 def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
     """Variants within PICK_FINALIST_SLACK of the fastest first timing are timed again in PICK_FINAL_ROUNDS rounds,
-    each in an order rotated by one, and the lowest median wins: here "b" trails "a" once but wins two of the three
+    forward and reverse by turns, and the lowest median wins: here "b" trails "a" once but wins two of the three
     rounds; "c", 1.5x the fastest, is not timed again. A lone finalist is not re-timed."""
     first = {"a": 1.0, "b": 1.1, "c": 1.5}
     again = iter([{"a": 1.0, "b": 0.9}, {"b": 1.2, "a": 1.1}, {"a": 1.3, "b": 0.8}])

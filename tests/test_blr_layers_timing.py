@@ -123,3 +123,10 @@ def test_gpu_state_reads_nvidia_smi_and_is_none_where_it_cannot(monkeypatch):
     assert timing.gpu_state() is None and "ValueError" in warned[-1]
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: object())     # no uuid
     assert timing.gpu_state() is None and "AttributeError" in warned[-1] and len(warned) == 3
+
+
+def test_turn_orders_go_forward_and_back():
+    from memfit.measure.timing import turn_orders
+
+    assert turn_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    assert turn_orders([], 2) == [[], []]

@@ -56,6 +56,7 @@ import triton.language as tl
 from memfit.errors import MemfitError
 from memfit.kernels.dispatch import dot_precision, interpreting
 from memfit.log import warn_once
+from memfit.measure.timing import turn_orders
 
 _CACHE: dict | None = None
 PICK_REP_MS = 10                 # ms of graph replays per kernel variant or tile config (short: a cold run of
@@ -138,7 +139,10 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
         if best == float("inf"):
             raise RuntimeError(f"{op}: no kernel variant of {sorted(candidates)} ran for shape {shape_key}")
         finalists = {name: candidates[name] for name, ms in first.items() if ms <= best * PICK_FINALIST_SLACK}
-        final = _final_times(op, finalists, args) if len(finalists) > 1 else {name: first[name] for name in finalists}
+        if len(finalists) > 1:
+            final = _final_times(op, finalists, args)
+        else:
+            final = {name: first[name] for name in finalists}
         cache[key] = min(final, key=final.get)
         PICK_TIMINGS[record] = {"first": first, "finalists": final, "pick": cache[key]}
         _save_cache(cache)
@@ -148,10 +152,10 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
 
 
 def _final_times(op: str, finalists: dict, args: tuple) -> dict:
-    """name -> median ms of ``PICK_FINAL_ROUNDS`` rounds that each time every finalist once (cold L2), in an order
-    rotated by one per round, each round over 1 / PICK_FINAL_ROUNDS of a first timing's replays (the rounds
-    together replay about as long as one more timing of the finalists; each round also times the flush again and
-    pays a timing's fixed costs: warm-up, the estimate, the capture).
+    """name -> median ms of ``PICK_FINAL_ROUNDS`` rounds that each time every finalist once (cold L2), forward and
+    reverse by turns (:func:`memfit.measure.timing.turn_orders`), each round over 1 / PICK_FINAL_ROUNDS of a first
+    timing's replays (the rounds together replay about as long as one more timing of the finalists; each round
+    also times the flush again and pays a timing's fixed costs: warm-up, the estimate, the capture).
 
     With one timing each, the pick read 15% slower than the fastest variant at Llama-7B down, N = 8192 (Monarch:
     871 against ``tbmm``'s 757 us in blr_layers.json, 43f911d) and 9-10% slower at Llama-1B up, N = 1 and 16;
@@ -164,11 +168,8 @@ def _final_times(op: str, finalists: dict, args: tuple) -> dict:
     (dense eager; BLAST's pick 14%), noise no pick can remove; and the one gap in all three runs, Monarch at
     Llama-7B down, N = 16, was a pick made at N = 1 (:func:`pick_bucket`), not yet re-measured.
     """
-    names = list(finalists)
-    rounds: dict[str, list[float]] = {name: [] for name in names}
-    for turn in range(PICK_FINAL_ROUNDS):
-        shift = turn % len(names)
-        order = names[shift:] + names[:shift]
+    rounds: dict[str, list[float]] = {name: [] for name in finalists}
+    for order in turn_orders(list(finalists), PICK_FINAL_ROUNDS):
         for name, ms in _cold_l2_times(op, {name: finalists[name] for name in order}, args,
                                        rep_ms=PICK_REP_MS / PICK_FINAL_ROUNDS).items():
             rounds[name].append(ms)

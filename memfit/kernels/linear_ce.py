@@ -884,9 +884,16 @@ def _restrict_vocab(weight, bias, labels, ignore_index, vocab_subset):
     set that size changed every step (on an H200 the 3B fine-tuning table's subset row took 5.2-9.4 s per
     fp32 step, the exact row 0.7-5.2 s: ``earlier/finetune_memory_78102c4.json``). The extra ids only add
     softmax terms, so the loss moves toward the exact one."""
+    keep = _softmax_ids(weight.shape[0], labels, ignore_index, vocab_subset)
+    local = torch.where(labels != ignore_index, torch.searchsorted(keep, labels.to(torch.int64)), labels)
+    return weight.index_select(0, keep), None if bias is None else bias.index_select(0, keep), local
+
+
+def _softmax_ids(vocab, labels, ignore_index, vocab_subset):
+    """The sorted ids the subset mode's softmax runs over: labels ∪ subset, padded with the lowest other ids to a
+    multiple of SUBSET_ROWS_STEP (the whole vocabulary at most)."""
     valid = labels != ignore_index
     keep = torch.unique(torch.cat([vocab_subset.to(labels.device, torch.int64), labels[valid].to(torch.int64)]))
-    vocab = weight.shape[0]
     if keep.numel() and (keep[0] < 0 or keep[-1] >= vocab):
         raise MemfitError(f"linear_cross_entropy: vocab_subset and labels must lie in [0, {vocab})")
     padded = min(vocab, max(1, -(-keep.numel() // SUBSET_ROWS_STEP)) * SUBSET_ROWS_STEP)
@@ -895,8 +902,7 @@ def _restrict_vocab(weight, bias, labels, ignore_index, vocab_subset):
         outside[keep] = 0
         lowest = torch.argsort(1 - outside, stable=True)[:padded - keep.numel()]   # the ids outside, in order
         keep = torch.cat([keep, lowest]).sort().values
-    local = torch.where(valid, torch.searchsorted(keep, labels.to(torch.int64)), labels)
-    return weight.index_select(0, keep), None if bias is None else bias.index_select(0, keep), local
+    return keep
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -965,6 +971,6 @@ def subset_loss_deviation(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     approx = float(linear_cross_entropy(hidden, weight, labels, vocab_subset=vocab_subset, **kwargs))
     dev = exact - approx
     ignore_index = kwargs.get("ignore_index", -100)
-    softmax_ids = _restrict_vocab(weight, None, labels, ignore_index, vocab_subset)[0].shape[0]
+    softmax_ids = _softmax_ids(weight.shape[0], labels, ignore_index, vocab_subset).numel()
     return {"exact": exact, "approx": approx, "abs_dev": dev, "rel_dev": dev / max(abs(exact), 1e-12),
             "subset_size": int(vocab_subset.numel()), "softmax_ids": softmax_ids}

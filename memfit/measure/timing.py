@@ -56,6 +56,13 @@ def measure_ceilings(device: str = "cuda") -> Ceilings:
     return Ceilings(matmul_flops=2 * n**3 / (mm_ms * 1e-3), bandwidth=2 * 2**30 / (cp_ms * 1e-3))
 
 
+def turn_orders(names: list, rounds: int) -> list[list]:
+    """The order of each of ``rounds`` rounds that time every one of ``names`` once: forward and reverse by turns,
+    so that a steady drift of the GPU's speed over the rounds reaches every name alike (none is always first).
+    Used wherever candidates are compared by timing (the BLR variant pick, the layer benchmark)."""
+    return [list(names) if turn % 2 == 0 else list(reversed(names)) for turn in range(rounds)]
+
+
 GPU_STATE_FIELDS = {"clocks.sm": "sm_clock_mhz", "power.draw": "power_w", "temperature.gpu": "temperature_c"}
 
 
