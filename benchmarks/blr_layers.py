@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 PAPER_MS_N8192_GATE = {"blast": 0.76, "monarch": 0.60}   # arXiv 2512.20861's Triton kernels on an H200
 SHAPES = [  # name, in, out, rank
@@ -70,7 +72,13 @@ def parse():
     parser.add_argument("--resume", action="store_true",
                         help="continue the results file a stopped run left (same commit and GPU): keep its rows and "
                              "ceilings, time only the cases it lacks")
+    parser.add_argument("--summarize", nargs="+", default=None, metavar="FILE",
+                        help="time nothing: print the timing noise and pick misses of these finished results files "
+                             "(the figures the notes quote) and how far dense eager read apart between them")
     args = parser.parse_args()
+    if args.summarize and (args.smoke or args.tokens or args.shapes or args.profile or args.profile_only
+                           or args.resume):
+        parser.error("--summarize reads results files; it takes no other option")
     if args.profile_only and (args.tokens or args.shapes or args.resume):
         parser.error("--profile-only profiles PROFILE_CASES; --tokens, --shapes and --resume are for the table")
     if args.tokens and min(args.tokens) < 1:
@@ -91,6 +99,14 @@ def select_shapes(parser, names: list[str] | None) -> list[tuple]:
 
 def main() -> int:
     args = parse()
+    if args.summarize:
+        try:
+            runs = {path: json.loads(Path(path).read_text()) for path in args.summarize}
+        except (OSError, ValueError) as err:
+            print(f"blr_layers: cannot read a results file: {err}", file=sys.stderr)
+            return 2
+        print(summarize(runs))
+        return 0
     import torch
 
     if args.smoke and not torch.cuda.is_available():
@@ -189,6 +205,41 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     show(Console(), Table, rows, targets)
     print(f"wrote {path} in {elapsed:.0f} s")
     return 0
+
+
+def summarize(runs: dict) -> str:
+    """Per results file (path -> its JSON): the spread of each row's timing rounds (largest over smallest, less
+    one; its median and 90th percentile, over all rows and from N = 1024, and the largest at N = 8192), where the
+    file keeps rounds, and the cases where the pick trails its fastest pipeline (``pick_check``, recomputed for
+    files written before it was recorded); then, across the files, the largest ratio of one case's dense eager
+    time in two of them at N = 8192."""
+    def spread(rows):
+        values = sorted(max(r["ms_rounds"]) / min(r["ms_rounds"]) - 1 for r in rows
+                        if r.get("ms_rounds") and not any(map(math.isnan, r["ms_rounds"])))
+        return values and (statistics.median(values), values[int(0.9 * len(values))], values[-1])
+
+    lines = []
+    for path, data in runs.items():
+        rows = data["rows"]
+        lines.append(f"{path} (commit {data.get('commit')}, {len(rows)} rows, complete: {data.get('complete')})")
+        for label, subset in (("all N", rows), ("N >= 1024", [r for r in rows if r["n"] >= 1024]),
+                              ("N = 8192", [r for r in rows if r["n"] == 8192])):
+            if figures := spread(subset):
+                lines.append(f"  rounds' spread, {label}: median {figures[0]:.1%}, 90th percentile {figures[1]:.1%}, "
+                             f"largest {figures[2]:.1%}")
+        misses = pick_check(rows)
+        lines.append(f"  pick over {PICK_SLACK - 1:.0%} slower than its fastest pipeline at {len(misses)} cases"
+                     + "".join(f"\n    {m['structure']} {m['shape']} N={m['n']}: {m['ratio'] - 1:.1%} ({m['fastest']})"
+                               for m in misses))
+    dense = {path: {r["shape"]: r["ms"] for r in data["rows"] if r["impl"] == "dense_eager" and r["n"] == 8192}
+             for path, data in runs.items()}
+    pairs = [(max(a[s], b[s]) / min(a[s], b[s]) - 1, s, pa, pb) for (pa, a), (pb, b) in
+             itertools.combinations(dense.items(), 2) for s in a.keys() & b.keys()]
+    if pairs:
+        gap, shape, first, second = max(pairs)
+        lines.append(f"dense eager at N = 8192 read up to {gap:.1%} apart between two files ({shape}: {first}, "
+                     f"{second})")
+    return "\n".join(lines)
 
 
 def run_state(path) -> str:

@@ -130,3 +130,19 @@ def test_turn_orders_go_forward_and_back():
 
     assert turn_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
     assert turn_orders([], 2) == [[], []]
+
+
+def test_summarize_reads_the_noise_and_pick_misses_of_results_files(blr_layers):
+    def row(impl, ms, n=8192, rounds=None, structure="monarch"):
+        return {"shape": "s", "n": n, "structure": structure, "impl": impl, "ms": ms, "ms_rounds": rounds or []}
+
+    first = {"commit": "a", "complete": True, "rows": [row("dense_eager", 10.0, structure="dense"),
+                                                        row("monarch_bmm", 1.0), row("monarch_ours", 1.5)]}
+    second = {"commit": "b", "complete": False,
+              "rows": [row("dense_eager", 12.0, rounds=[1.0, 1.1, 1.2, 1.0], structure="dense"),
+                       row("monarch_bmm", 1.0, rounds=[1.0, 1.0, 1.0, 1.0]), row("monarch_ours", 1.0)]}
+    text = blr_layers.summarize({"one.json": first, "two.json": second})
+    assert "one.json (commit a, 3 rows, complete: True)" in text and "rounds' spread" not in text.split("two.json")[0]
+    assert "monarch s N=8192: 50.0% (monarch_bmm)" in text and "at 0 cases" in text.split("two.json")[1]
+    assert "rounds' spread, N = 8192: median 10.0%, 90th percentile 20.0%, largest 20.0%" in text
+    assert "dense eager at N = 8192 read up to 20.0% apart between two files (s: one.json, two.json)" in text
