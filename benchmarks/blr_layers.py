@@ -30,6 +30,7 @@ code on tiny shapes on the CPU (Triton interpreter) and writes ``blr_layers_smok
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import itertools
 import json
@@ -50,7 +51,6 @@ SHAPES = [  # name, in, out, rank
 TOKENS = [1, 16, 128, 1024, 8192]
 BLOCKS = 16
 SMOKE_SHAPES, SMOKE_TOKENS, SMOKE_BLOCKS = [("smoke 48->80", 48, 80, 12)], [1, 40], 4
-ROTATE_BYTES = 150 * 2**20
 TIMING_ROUNDS = 4        # every implementation of a case is timed this many times, by turns with the others (median),
 ROUND_REP_MS = 2.5       # each time over 2.5 ms of graph replays (together the 10 ms one timing had before)
 MAX_REL_ERR = 2e-2       # bf16: every pipeline must match the first row of its structure to this (a wrong one is an error row)
@@ -211,8 +211,9 @@ def summarize(runs: dict) -> str:
     """Per results file (path -> its JSON): the spread of each row's timing rounds (largest over smallest, less
     one; its median and 90th percentile, over all rows and from N = 1024, and the largest at N = 8192), where the
     file keeps rounds, and the cases where the pick trails its fastest pipeline (``pick_check``, recomputed for
-    files written before it was recorded); then, across the files, the largest ratio of one case's dense eager
-    time in two of them at N = 8192."""
+    files written before it was recorded), and how the pick's own timings of its finalists (``pick_timings``)
+    compare with the table's time of the same pipelines; then, across the files, the largest ratio of one case's
+    dense eager time in two of them at N = 8192."""
     def spread(rows):
         values = sorted(max(r["ms_rounds"]) / min(r["ms_rounds"]) - 1 for r in rows
                         if r.get("ms_rounds") and not any(map(math.isnan, r["ms_rounds"])))
@@ -231,6 +232,9 @@ def summarize(runs: dict) -> str:
         lines.append(f"  pick over {PICK_SLACK - 1:.0%} slower than its fastest pipeline at {len(misses)} cases"
                      + "".join(f"\n    {m['structure']} {m['shape']} N={m['n']}: {m['ratio'] - 1:.1%} ({m['fastest']})"
                                for m in misses))
+        if ratios := sorted(pick_over_table(data)):
+            lines.append(f"  the pick's finalists over the table's time of the same pipeline, {len(ratios)} timings: "
+                         f"median {statistics.median(ratios):.3f}, from {ratios[0]:.3f} to {ratios[-1]:.3f}")
     dense = {path: {r["shape"]: r["ms"] for r in data["rows"] if r["impl"] == "dense_eager" and r["n"] == 8192}
              for path, data in runs.items()}
     pairs = [(max(a[s], b[s]) / min(a[s], b[s]) - 1, s, pa, pb) for (pa, a), (pb, b) in
@@ -240,6 +244,36 @@ def summarize(runs: dict) -> str:
         lines.append(f"dense eager at N = 8192 read up to {gap:.1%} apart between two files ({shape}: {first}, "
                      f"{second})")
     return "\n".join(lines)
+
+
+def pick_case(record: str) -> tuple[str, int, int, int, int] | None:
+    """(structure, N, in, out, rank) of a ``pick_timings`` record ("op shape_key", as each op keys its pick), or
+    None for Monarch's permuted layout, which the table times only as the pick."""
+    op, key = record.split(" ", 1)
+    key = ast.literal_eval(key)
+    if op == "monarch_linear":                       # (N, b, in / b, rank, out / b, permute_output, dtype)
+        return None if key[5] else ("monarch", key[0], key[1] * key[2], key[1] * key[4], key[3])
+    if op == "blast_linear":                         # (N, b, out / b, rank, in / b, dtype)
+        return "blast", key[0], key[1] * key[4], key[1] * key[2], key[3]
+    if op == "lowrank_linear":                       # (N, out, rank, in, dtype)
+        return "lowrank", key[0], key[3], key[1], key[2]
+    return None
+
+
+def pick_over_table(data: dict) -> list[float]:
+    """For every finalist the pick timed again (``pick_timings``), its median there over the table's time of the
+    same pipeline in the same case: how far the pick's view of a pipeline stands from the table's."""
+    if not data.get("pick_timings"):
+        return []
+    table = {(r["structure"], r["n"], r["in"], r["out"], r["rank"], r["impl"]): r["ms"] for r in data["rows"]}
+    ratios = []
+    for record, timing in data["pick_timings"].items():
+        case = pick_case(record)
+        for name, ms in timing.get("finalists", {}).items() if case else ():
+            ms_table = table.get((*case, f"{case[0]}_{name}"), math.nan)
+            if ms_table > 0:
+                ratios.append(ms / ms_table)
+    return ratios
 
 
 def run_state(path) -> str:
@@ -332,10 +366,11 @@ def cpu_ms(fn) -> float:
 
 
 def copies_for(bytes_per_call: int, device: str) -> int:
-    """Copies of inputs and weights to rotate through so nothing is served from L2 (one on the CPU smoke run)."""
-    if device != "cuda":
-        return 1
-    return max(1, min(64, math.ceil(ROTATE_BYTES / max(bytes_per_call, 1))))
+    """Copies of inputs and weights to rotate through so nothing is served from L2, by the variant pick's rule
+    (one on the CPU smoke run)."""
+    from memfit.kernels.blr_common import rotation_copies
+
+    return rotation_copies(bytes_per_call) if device == "cuda" else 1
 
 
 def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer, layer_cost):

@@ -397,9 +397,10 @@ def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
     rounds; "c", 1.5x the fastest, is not timed again. A lone finalist is not re-timed."""
     first = {"a": 1.0, "b": 1.1, "c": 1.5}
     again = iter([{"a": 1.0, "b": 0.9}, {"b": 1.2, "a": 1.1}, {"a": 1.3, "b": 0.8}])
-    orders, reps = [], []
+    orders, reps, rotations = [], [], set()
 
-    def timer(op, candidates, args, rep_ms=blr_common.PICK_REP_MS):
+    def timer(op, candidates, copies, rep_ms=blr_common.PICK_REP_MS):
+        rotations.add(id(copies))
         orders.append(list(candidates))
         reps.append(rep_ms)
         return first if len(orders) == 1 else next(again)
@@ -408,12 +409,12 @@ def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
     monkeypatch.setattr(blr_common, "_save_cache", lambda cache: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(blr_common, "_cold_l2_times", timer)
+    monkeypatch.setattr(blr_common, "_rotated_times", timer)
     candidates = {"a": lambda: None, "b": lambda: None, "c": lambda: None}
     assert blr_common.PICK_FINALIST_SLACK < 1.5 and blr_common.PICK_FINAL_ROUNDS == 3
     monkeypatch.setattr(blr_common, "PICK_TIMINGS", {})
     assert blr_common.pick_variant("op", (8,), candidates, "c", ()) == "b"
-    assert orders == [["a", "b", "c"], ["a", "b"], ["b", "a"], ["a", "b"]]
+    assert orders == [["a", "b", "c"], ["a", "b"], ["b", "a"], ["a", "b"]] and len(rotations) == 1   # one set of copies
     assert reps == [blr_common.PICK_REP_MS] + [blr_common.PICK_REP_MS / 3] * 3    # the rounds share one timing's replays
     assert blr_common.PICK_TIMINGS == {"op (8,)": {"first": first, "finalists": {"a": 1.1, "b": 0.9}, "pick": "b"}}
     first, orders[:] = {"a": 1.0, "b": 2.0, "c": 3.0}, []
@@ -470,20 +471,14 @@ def stub_current_stream(monkeypatch, events=None):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
 
 
-def test_pick_times_each_variant_after_an_l2_flush_and_subtracts_the_flush(monkeypatch):
-    """The flush (a read of twice the L2) is timed once per call here and subtracted from every (flush + call);
-    its buffer is allocated for the pick only, and without memory for it the pick times warm, said once."""
+def test_pick_times_each_variant_over_rotating_copies_of_its_arguments(monkeypatch):
+    """The pick calls each candidate on copies of its arguments in turn (tensors cloned, also inside lists and
+    tuples; other values shared), enough to hold ROTATE_BYTES, and divides a replay's time by the copies (made once
+    for the first timing and the finalists' rounds: the interleaving test). Without memory for them it times one
+    copy, said once."""
     import triton.testing
 
-    class Properties:
-        L2_cache_size = 2**20
-
-    medians, calls, sizes, reps = [3.0, 5.0, 3.5], [], [], []
-    real_empty = torch.empty
-
-    def empty(*shape, **kwargs):                      # the flush buffer, on the CPU here
-        sizes.append(shape)
-        return real_empty(*shape, dtype=kwargs["dtype"])
+    medians, calls, reps = [8.0, 4.0], [], []
 
     def bench(fn, rep, return_mode):
         fn()
@@ -492,23 +487,31 @@ def test_pick_times_each_variant_after_an_l2_flush_and_subtracts_the_flush(monke
 
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", bench)
     stub_current_stream(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
-    monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(blr_common, "_cuda_device", lambda args: torch.device("cpu"))  # stands for the GPU here
-    candidates = {"a": lambda x: calls.append("a"), "b": lambda x: calls.append("b")}
-    times = blr_common._cold_l2_times("op", candidates, (torch.ones(1),))
-    assert times == {"a": 2.0, "b": 0.5} and calls == ["a", "b"] and sizes == [(2 * 2**20,)]
-    assert reps == [blr_common.PICK_REP_MS] * 3                  # the flush and each call, at the default replays
+    monkeypatch.setattr(blr_common, "ROTATE_BYTES", 10)
+    x = torch.ones(1)                                                  # 4 bytes: 3 copies hold 10
+    copies = blr_common.rotation("op", (x, "option"))
+    assert len(copies) == 3 and copies[0][0] is x and all(c[1] == "option" for c in copies)
+    assert len({c[0].data_ptr() for c in copies}) == 3 and all(torch.equal(c[0], x) for c in copies)
+    candidates = {"a": lambda x, option: calls.append(("a", x.data_ptr())),
+                  "b": lambda x, option: calls.append(("b", x.data_ptr()))}
+    assert blr_common._rotated_times("op", candidates, copies, rep_ms=2.5) == {"a": 8.0 / 3, "b": 4.0 / 3}
+    assert calls == [(name, c[0].data_ptr()) for name in "ab" for c in copies] and reps == [2.5, 2.5]
+    weights = [(torch.ones(1), None)]                                  # a gemv pick's group: 8 bytes with x
+    nested = blr_common.rotation("op", (x, weights))
+    assert len(nested) == 2 and nested[1][1][0][0] is not weights[0][0] and nested[1][1][0][1] is None
+    assert isinstance(nested[1][1], list) and torch.equal(nested[1][1][0][0], weights[0][0])
+    assert [blr_common.rotation_copies(size) for size in (0, 1, 5, 11)] == [10, 10, 2, 1]
+    monkeypatch.setattr(blr_common, "ROTATE_BYTES", 10**6)
+    assert blr_common.rotation_copies(1) == blr_common.ROTATE_MAX_COPIES
 
-    def no_memory(*shape, **kwargs):
+    def no_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("no room")
 
-    warned, medians[:] = [], [4.0, 6.0]
-    monkeypatch.setattr(torch, "empty", no_memory)
+    warned = []
+    monkeypatch.setattr(torch.Tensor, "clone", no_memory)
     monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
-    reps.clear()
-    assert blr_common._cold_l2_times("op", candidates, (torch.ones(1),), rep_ms=2.5) == {"a": 4.0, "b": 6.0}
-    assert "warm L2" in warned[0] and reps == [2.5, 2.5]         # rep_ms reaches every timing
+    assert blr_common.rotation("op", (x,)) == [(x,)] and "partly from L2" in warned[0]
 
 
 def record_bgemm_choices(monkeypatch, *names) -> dict:
@@ -684,9 +687,9 @@ def test_batch_grouped_loop_pipelines_across_batches():
 
 
 def test_tile_configs_are_tuned_by_autotune_bench(monkeypatch):
-    """On the GPU every BLR kernel's autotune times its configs with autotune_bench, which times each
-    config as pick_variant times pipelines, for ranking only (the flush not timed apart), and refuses
-    to run inside a CUDA graph capture."""
+    """On the GPU every BLR kernel's autotune times its configs with autotune_bench: graph replays of each call
+    after a flush of twice the L2 (for ranking only: the flush is not timed apart); it refuses to run inside a
+    CUDA graph capture."""
     import triton
 
     monkeypatch.setattr(blr_common, "interpreting", lambda: False)
@@ -697,15 +700,27 @@ def test_tile_configs_are_tuned_by_autotune_bench(monkeypatch):
 
     tuner = blr_common.tuned([(16, 4, 2), (32, 4, 2)], ("B",), (16, 4, 1), key=[])(plain)
     assert tuner.do_bench is blr_common.autotune_bench
-    timed = []
-    monkeypatch.setattr(blr_common, "_cold_l2_times", lambda op, candidates, args, device, autotuning:
-                        timed.append((device, autotuning)) or {"a tile config": 1.5})
+
+    sizes, timed = stub_l2_flush(monkeypatch), []
+    monkeypatch.setattr(blr_common, "_graph_ms", lambda fn, args: fn() and timed.append("timed") or 1.5)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert blr_common.autotune_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)) == [1.5, 1.5, 1.5]
-    assert timed == [(torch.device("cuda"), True)]
+    calls = []
+    assert blr_common.autotune_bench(lambda: calls.append("call"), quantiles=(0.5, 0.2, 0.8)) == [1.5, 1.5, 1.5]
+    assert sizes == [2 * 2**20] and calls == ["call"] and timed == ["timed"]     # flush and call in one timing
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(MemfitError, match="before capturing"):
         blr_common.autotune_bench(lambda: None, quantiles=(0.5,))
+
+
+def stub_l2_flush(monkeypatch) -> list:
+    """A GPU with a 1 MiB L2 whose flush buffer is allocated on the CPU; returns the sizes allocated."""
+    class Properties:
+        L2_cache_size = 2**20
+
+    real_empty, sizes = torch.empty, []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(torch, "empty", lambda size, dtype, device: sizes.append(size) or real_empty(size, dtype=dtype))
+    return sizes
 
 
 def test_autotuning_times_after_the_callers_stream_and_lets_failures_through(monkeypatch):
@@ -721,11 +736,13 @@ def test_autotuning_times_after_the_callers_stream_and_lets_failures_through(mon
         raise RuntimeError("a broken config")
 
     stub_current_stream(monkeypatch, events)
+    stub_l2_flush(monkeypatch)
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", bench)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with pytest.raises(RuntimeError, match="broken config"):
-        blr_common._cold_l2_times("triton.autotune", {"a tile config": lambda: None}, (), None, autotuning=True)
+        blr_common.autotune_bench(lambda: None)
     assert events == ["synchronize", "bench"]
-    assert blr_common._cold_l2_times("op", {"variant": lambda: None}, (), None) == {"variant": float("inf")}
+    assert blr_common._rotated_times("op", {"variant": lambda: None}, [()]) == {"variant": float("inf")}
 
 
 def test_a_variant_that_fails_to_run_is_not_picked(monkeypatch):

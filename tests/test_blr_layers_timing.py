@@ -134,15 +134,24 @@ def test_turn_orders_go_forward_and_back():
 
 def test_summarize_reads_the_noise_and_pick_misses_of_results_files(blr_layers):
     def row(impl, ms, n=8192, rounds=None, structure="monarch"):
-        return {"shape": "s", "n": n, "structure": structure, "impl": impl, "ms": ms, "ms_rounds": rounds or []}
+        return {"shape": "s", "n": n, "structure": structure, "impl": impl, "ms": ms, "ms_rounds": rounds or [],
+                "in": 4, "out": 6, "rank": 4}
 
     first = {"commit": "a", "complete": True, "rows": [row("dense_eager", 10.0, structure="dense"),
                                                         row("monarch_bmm", 1.0), row("monarch_ours", 1.5)]}
     second = {"commit": "b", "complete": False,
               "rows": [row("dense_eager", 12.0, rounds=[1.0, 1.1, 1.2, 1.0], structure="dense"),
-                       row("monarch_bmm", 1.0, rounds=[1.0, 1.0, 1.0, 1.0]), row("monarch_ours", 1.0)]}
+                       row("monarch_bmm", 1.0, rounds=[1.0, 1.0, 1.0, 1.0]), row("monarch_ours", 1.0)],
+              "pick_timings": {                       # Monarch's key: (N, b, in / b, rank, out / b, permuted, dtype)
+                  "monarch_linear (8192, 2, 2, 4, 3, False, 'torch.bfloat16')": {"finalists": {"bmm": 1.1}},
+                  "monarch_linear (8192, 2, 2, 4, 3, True, 'torch.bfloat16')": {"finalists": {"bmm": 9.0}},
+                  "monarch_linear (16, 2, 2, 4, 3, False, 'torch.bfloat16')": {"pick": "bmm", "cached": True}}}
     text = blr_layers.summarize({"one.json": first, "two.json": second})
     assert "one.json (commit a, 3 rows, complete: True)" in text and "rounds' spread" not in text.split("two.json")[0]
     assert "monarch s N=8192: 50.0% (monarch_bmm)" in text and "at 0 cases" in text.split("two.json")[1]
     assert "rounds' spread, N = 8192: median 10.0%, 90th percentile 20.0%, largest 20.0%" in text
+    assert "finalists over the table's time of the same pipeline, 1 timings: median 1.100, from 1.100 to" in text
+    assert blr_layers.pick_case("blast_linear (1, 2, 3, 4, 5, 'torch.bfloat16')") == ("blast", 1, 10, 6, 4)
+    assert blr_layers.pick_case("lowrank_linear (1, 6, 4, 10, 'torch.bfloat16')") == ("lowrank", 1, 10, 6, 4)
+    assert blr_layers.pick_case("gemv ('x', 'x1')") is None
     assert "dense eager at N = 8192 read up to 20.0% apart between two files (s: one.json, two.json)" in text

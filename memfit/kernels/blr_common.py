@@ -3,7 +3,8 @@
 * ``pick_variant``: each op has several complete kernel pipelines (e.g. Triton GEMMs vs
   a Triton stage plus a cuBLAS stage); which is fastest depends on the shape. The first
   call for a shape times each candidate on the GPU (CUDA-graph replays, as the layers
-  run in decode, each after an L2 flush, as a model reads its weights from HBM), times those
+  run in decode, calling in turn copies of its arguments that together exceed the L2, as a model
+  reads its weights from HBM: :func:`rotation`), times those
   within 25% of the fastest again in three interleaved rounds, and remembers the winner in a JSON
   file (``$MEMFIT_AUTOTUNE_CACHE``, default ``~/.cache/memfit/autotune.json``), keyed by
   GPU, Triton version, a digest of the candidates' source files, op and shape, so a
@@ -11,8 +12,8 @@
   interpreter) the op's default is taken; inside a CUDA graph capture the cached winner
   is used, or, for a shape never timed before, the default (said once).
   The Triton kernels' own tile configs are tuned by ``triton.autotune`` with
-  ``cache_results=True`` (Triton's on-disk cache), keyed on the same shapes, and timed the
-  same way (:func:`autotune_bench`).
+  ``cache_results=True`` (Triton's on-disk cache), keyed on the same shapes, and timed from
+  graph replays too, each call after an L2 flush (:func:`autotune_bench`).
 * ``n_bucket``: the token count rounded up to a power of two, at least 16 (one 16-token tile), the
   tile autotune key for N; ``pick_bucket``: the same without the floor, the variant pick's key, since
   which pipeline wins can change between 1 and 16 tokens where the tiles do not.
@@ -44,6 +45,7 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -63,6 +65,8 @@ PICK_REP_MS = 10                 # ms of graph replays per kernel variant or til
                                  # many shapes stays fast)
 PICK_FINALIST_SLACK = 1.25       # variants within this factor of the fastest first timing are timed again,
 PICK_FINAL_ROUNDS = 3            # in this many interleaved rounds (:func:`_final_times`), of PICK_REP_MS in all
+ROTATE_BYTES = 150 * 2**20       # the copies a timing calls in turn hold at least this (3x an H100's 50 MB L2),
+ROTATE_MAX_COPIES = 64           # at most this many copies
 PICK_TIMINGS: dict[str, dict] = {}  # "op shape_key" -> every pick made in this process: the ms each candidate read
                                     # (first; the finalists' medians) and the pick, or a cache hit (benchmarks set
                                     # them beside their own times)
@@ -134,13 +138,14 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
         return default
     record = f"{op} {shape_key}"
     if cache.get(key) not in candidates:
-        first = _cold_l2_times(op, candidates, args)
+        copies = rotation(op, args)
+        first = _rotated_times(op, candidates, copies)
         best = min(first.values())
         if best == float("inf"):
             raise RuntimeError(f"{op}: no kernel variant of {sorted(candidates)} ran for shape {shape_key}")
         finalists = {name: candidates[name] for name, ms in first.items() if ms <= best * PICK_FINALIST_SLACK}
         if len(finalists) > 1:
-            final = _final_times(op, finalists, args)
+            final = _final_times(op, finalists, copies)
         else:
             final = {name: first[name] for name in finalists}
         cache[key] = min(final, key=final.get)
@@ -151,70 +156,79 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
     return cache[key]
 
 
-def _final_times(op: str, finalists: dict, args: tuple) -> dict:
-    """name -> median ms of ``PICK_FINAL_ROUNDS`` rounds that each time every finalist once (cold L2), forward and
-    reverse by turns (:func:`memfit.measure.timing.turn_orders`), each round over 1 / PICK_FINAL_ROUNDS of a first
-    timing's replays (the rounds together replay about as long as one more timing of the finalists; each round
-    also times the flush again and pays a timing's fixed costs: warm-up, the estimate, the capture).
+def _final_times(op: str, finalists: dict, copies: list[tuple]) -> dict:
+    """name -> median ms of ``PICK_FINAL_ROUNDS`` rounds that each time every finalist once, forward and reverse by
+    turns (:func:`memfit.measure.timing.turn_orders`), each round over 1 / PICK_FINAL_ROUNDS of a first timing's
+    replays (the rounds together replay about as long as one more timing of the finalists, and each pays a
+    timing's fixed costs: warm-up, the estimate, the capture).
 
-    With one timing each, the pick read 15% slower than the fastest variant at Llama-7B down, N = 8192 (Monarch:
-    871 against ``tbmm``'s 757 us in blr_layers.json, 43f911d) and 9-10% slower at Llama-1B up, N = 1 and 16;
-    that benchmark then timed each pipeline once, one after the other, so part of those gaps may be its own noise.
-    The suspects on the pick's side are its first timings: each is where that candidate's Triton kernels are
-    autotuned (seconds of GPU work at large N), taken in a fixed order, and at decode one replay median of a few
-    microseconds, after a flush's time is subtracted. The finalists, timed again with every kernel tuned and no
-    candidate always first, decide. The two table runs since (04677cb; 9f70ccb, which times by turns too; both in
-    results/earlier) did not show the gaps closing: at N = 8192 a row's rounds read up to 22% apart within one run
-    (dense eager; BLAST's pick 14%), noise no pick can remove; and the one gap in all three runs, Monarch at
-    Llama-7B down, N = 16, was a pick made at N = 1 (:func:`pick_bucket`), not yet re-measured.
+    The first timings are where each candidate's Triton kernels are autotuned (seconds of GPU work at large N), in
+    a fixed order; the finalists, timed again with every kernel tuned and no candidate always first, decide.
     """
     rounds: dict[str, list[float]] = {name: [] for name in finalists}
     for order in turn_orders(list(finalists), PICK_FINAL_ROUNDS):
-        for name, ms in _cold_l2_times(op, {name: finalists[name] for name in order}, args,
+        for name, ms in _rotated_times(op, {name: finalists[name] for name in order}, copies,
                                        rep_ms=PICK_REP_MS / PICK_FINAL_ROUNDS).items():
             rounds[name].append(ms)
     return {name: statistics.median(ms) for name, ms in rounds.items()}
 
 
-def _cold_l2_times(op: str, candidates: dict, args: tuple, device: torch.device | None = None,
-                   autotuning: bool = False, rep_ms: float = PICK_REP_MS) -> dict:
-    """name -> median ms of each candidate with a cold L2: (L2 flush + call) minus the flush alone.
+def rotation_copies(bytes_per_call: int) -> int:
+    """How many copies of a call's inputs and weights to call in turn so that none is read from L2: enough to hold
+    ROTATE_BYTES, at most ROTATE_MAX_COPIES, at least one (``blr_layers`` times its table the same way)."""
+    return max(1, min(ROTATE_MAX_COPIES, math.ceil(ROTATE_BYTES / max(bytes_per_call, 1))))
 
-    A model reads its weights from HBM; replaying one copy of them would time them from L2
-    and hide exactly the weight reads that the decode pipelines overlap. The flush reads a
-    buffer of twice the L2 (clean lines: the call pays no write-backs for it), is timed once
-    per call here (the first timing of a pick, and each of its finalists' rounds), and its buffer
-    lives only for that call. ``rep_ms``: the graph replays per timing. Without memory for it the candidates
-    are timed warm, said once. ``autotuning`` (one tile config of a kernel): the flush is not
-    timed apart (it costs every config the same) and a failure goes to ``triton.autotune``,
-    which skips a config that does not fit this GPU and raises anything else.
+
+def rotation(op: str, args: tuple) -> list[tuple]:
+    """``args`` and copies of it (tensors cloned, also inside lists and tuples, such as the per-layer weights a
+    gemv pick times together; other values shared), :func:`rotation_copies` in all, for a timing to call in turn,
+    so each call reads its weights and inputs from HBM, as a model's layers do.
+
+    Until 6a18df8 the pick timed (L2 flush + call) minus the flush: at decode sizes a few us left from two
+    timings of some 30 us each. In the full layer table at 6a18df8 (``blr_layers.py --summarize``), at N <= 128,
+    its finalists read 0.88x to 1.27x the table's time of the same pipeline (10th to 90th percentile 0.92x to
+    1.09x), where a row's four rounds in the table spread by a median 1.2-1.6%; at Llama-1B q/o and gate, N = 128,
+    it took pipelines the table read 8.6% and 10.3% slower than the fastest. Rotating copies takes no difference
+    of two timings and measures as the table does. Without memory for the copies the pick times the arguments
+    alone (partly from L2), said once.
     """
-    device = device or _cuda_device(args)
-    buffer = None
-    if device is not None:
-        size = 2 * getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 * 2**20)
-        try:
-            buffer = torch.empty(size, dtype=torch.uint8, device=device)
-        except torch.cuda.OutOfMemoryError:
-            warn_once(f"pick-warm-l2:{op}", f"{op}: no memory for the {size >> 20} MiB L2 flush; kernel variants "
-                      "are timed with a warm L2")
-    if autotuning:
-        def time_one(op, name, fn, args):
-            return _graph_ms(fn, args, rep_ms)
-    else:
-        def time_one(op, name, fn, args):
-            return _time_candidate(op, name, fn, args, rep_ms)
-    if buffer is None:
-        return {name: time_one(op, name, fn, args) for name, fn in candidates.items()}
-    flush_ms = 0.0 if autotuning else time_one(op, "L2 flush", buffer.sum, ())
-    return {name: time_one(op, name, lambda *a, fn=fn: (buffer.sum(), fn(*a)), args) - flush_ms
+    size = _nbytes(args)
+    count = rotation_copies(size) if _cuda_device(args) is not None else 1
+    try:
+        return [args] + [_clone(args) for _ in range(count - 1)]
+    except torch.cuda.OutOfMemoryError:
+        warn_once(f"pick-warm-l2:{op}", f"{op}: no memory for {count} copies of its {size >> 20} MiB of arguments; "
+                  "kernel variants are timed on one copy, partly from L2")
+        return [args]
+
+
+def _nbytes(value) -> int:
+    """Bytes of the tensors in ``value``, also inside lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    return sum(map(_nbytes, value)) if isinstance(value, (list, tuple)) else 0
+
+
+def _clone(value):
+    """``value`` with its tensors cloned, also inside lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return type(value)(map(_clone, value)) if isinstance(value, (list, tuple)) else value
+
+
+def _rotated_times(op: str, candidates: dict, copies: list[tuple], rep_ms: float = PICK_REP_MS) -> dict:
+    """name -> median ms of one call of each candidate: graph replays of it called on every copy in turn
+    (:func:`rotation`), divided by the copies. A candidate that fails here is skipped, said once."""
+    return {name: _time_candidate(op, name, lambda fn=fn: [fn(*args) for args in copies], (), rep_ms) / len(copies)
             for name, fn in candidates.items()}
 
 
 def autotune_bench(kernel_call, quantiles=None):
     """``triton.autotune``'s benchmarker for the BLR kernels: a config's median time from CUDA-graph
-    replays, each call after an L2 flush, as :func:`pick_variant` times whole pipelines (the flush's
-    own time included: it is the same for every config, so it is not timed apart).
+    replays, each call after an L2 flush (a read of twice the L2, clean lines: the call pays no write-backs for
+    it). The flush's own time is included: it is the same for every config, and a ranking needs no more. A tile
+    config's call has fixed arguments, so :func:`rotation`'s copies are not open to it. Without memory for the
+    flush the configs are timed warm, said once.
 
     Triton's default times one call at a time between two events, each after zeroing a 256 MB
     buffer; at decode sizes (a few us) its bgemm picks ran up to 1.25x the time of the best tile
@@ -223,8 +237,15 @@ def autotune_bench(kernel_call, quantiles=None):
     if torch.cuda.is_current_stream_capturing():
         raise MemfitError("a BLR kernel is being autotuned inside a CUDA graph capture; run the op once "
                           "before capturing so its tile config is chosen outside")
-    ms = _cold_l2_times("triton.autotune", {"a tile config": kernel_call}, (), torch.device("cuda"),
-                        autotuning=True)["a tile config"]
+    size = 2 * getattr(torch.cuda.get_device_properties(torch.device("cuda")), "L2_cache_size", 64 * 2**20)
+    call = kernel_call
+    try:
+        flush = torch.empty(size, dtype=torch.uint8, device="cuda")
+        call = lambda: (flush.sum(), kernel_call())  # noqa: E731
+    except torch.cuda.OutOfMemoryError:
+        warn_once("autotune-warm-l2", f"triton.autotune: no memory for the {size >> 20} MiB L2 flush; tile configs "
+                  "are timed with a warm L2")
+    ms = _graph_ms(call, ())
     return [ms] * len(quantiles) if quantiles else ms
 
 
