@@ -8,17 +8,16 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-# name|seconds|command, most pending first (after the fourteenth session, 2026-12-01: see its closing note).
+# name|seconds|command, most pending first (after the fifteenth session, 2026-12-01: see its closing note).
 # The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
 # recompiling every step); the ledger's 24 accuracy jobs record their own times, 74 s together at 141a414
 # (ledger_accuracy.json, the models' set-up not included).
 # The BLR runs tune every tile config from CUDA-graph replays since cba5eee: at 43f911d blr_layers took 467 s
 # without --profile; at 18d9a39 its profile, run apart, 161 s, blr_e2e 288 s and blr_e2e_memfit_attention 148 s.
-# Since the variant pick re-times its finalists (04677cb: 547 s) and the table times by turns (9f70ccb: 32 of the
-# 35 cases in 563 s), blr_layers may take two calls (the finalist rounds were shortened after both runs, 92121d7):
-# a run stopped by its limit keeps every finished case, and blr_layers_resume times the rest (it says "nothing
-# to resume" and exits 0 where the first call finished).
-# The current blr_layers.json is from 43f911d, older than both changes.
+# Since the variant pick re-times its finalists and the table times by turns, blr_layers takes two calls: at
+# 6a18df8 the first timed 28 of the 35 cases in 565 s, and blr_layers_resume the other 7 in about 150 s (a run stopped by
+# its limit keeps every finished case; the resume says "nothing to resume" and exits 0 where the first finished).
+# blr_e2e --profile took 287 s at 1deb9e7.
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"

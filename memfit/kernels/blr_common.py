@@ -76,7 +76,8 @@ def pick_bucket(n: int) -> int:
     """The variant pick's key for N: rounded up to a power of two, 1 and 16 apart. With n_bucket's floor of 16,
     a table timing N = 1 first reused that pick at N = 16. At Llama-7B down the Monarch pick read 6-10% slower than
     ``bmm_perm_bmm`` at N = 16 in three runs (43f911d, 04677cb, 9f70ccb), and about as fast as ``bmm``, which leads
-    at N = 1 by 1.4-2.9%; whether a pick timed at N = 16 takes ``bmm_perm_bmm`` is for a run's PICK_TIMINGS."""
+    at N = 1 by 1.4-2.9%. Keyed apart (6a18df8), the pick there takes ``bmm`` at N = 1 and ``bmm_perm_bmm`` at
+    N = 16, which the table read at 20.03 us against that pipeline's own row's 19.89."""
     return triton.next_power_of_2(max(1, int(n)))
 
 
