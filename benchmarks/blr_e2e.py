@@ -39,6 +39,7 @@ from torch import nn
 from memfit.compress import PAPER_RANKS_LLAMA_1B, structure_model
 from memfit.compress.convert import decoder_linears, model_shapes, replace_module
 from memfit.compress.plan import plan_kinds
+from memfit.kernels import blr_common
 from memfit.measure.results import target, write_results
 from memfit.models import PRESETS, build_model
 
@@ -159,7 +160,7 @@ def blr_kernel_names() -> frozenset[str]:
     from triton.runtime import JITFunction
     from triton.runtime.interpreter import InterpretedFunction  # what triton.jit makes under TRITON_INTERPRET=1
 
-    from memfit.kernels import blast, blr_common, lowrank, monarch
+    from memfit.kernels import blast, lowrank, monarch
 
     functions = [blr_common.jit_function(value) for module in (blast, blr_common, lowrank, monarch)
                  for value in vars(module).values()]
@@ -274,8 +275,9 @@ def main(argv=None) -> int:
         targets.append(target(f"{variant} prefill speedup vs dense ({mode})", row["prefill_speedup"], 2.0, "x", "higher"))
         targets.append(target(f"{variant} decode speedup vs dense ({mode})", row["decode_speedup"], 1.8, "x", "higher"))
     name = "blr_e2e" + ("_memfit_attention" if args.attention == "memfit" else "") + ("_smoke" if smoke else "")
+    # the kernel variant each BLR layer shape took, with what the pick measured (or that it came from the cache)
     path = write_results(name, rows, targets, out_dir=args.out, model=spec.name, blocks=blocks, ranks=ranks,
-                         attention=args.attention)
+                         attention=args.attention, pick_timings=blr_common.PICK_TIMINGS)
     plot(rows, path.with_suffix(".png"))
     for t in targets:
         print(f"{t['name']}: {t['measured']:.2f}x (target {t['target']}x) {'met' if t['met'] else 'NOT met'}")

@@ -211,8 +211,9 @@ def summarize(runs: dict) -> str:
     """Per results file (path -> its JSON): the spread of each row's timing rounds (largest over smallest, less
     one; its median and 90th percentile, over all rows and from N = 1024, and the largest at N = 8192), where the
     file keeps rounds, and the cases where the pick trails its fastest pipeline (``pick_check``, recomputed for
-    files written before it was recorded), and how the pick's own timings of its finalists (``pick_timings``)
-    compare with the table's time of the same pipelines; then, across the files, the largest ratio of one case's
+    files written before it was recorded), how the pick's own timings of its finalists (``pick_timings``)
+    compare with the table's time of the same pipelines, and the GPU's SM clock read after timing rounds
+    (``gpu_states``); then, across the files, the largest ratio of one case's
     dense eager time in two of them at N = 8192."""
     def spread(rows):
         values = sorted(max(r["ms_rounds"]) / min(r["ms_rounds"]) - 1 for r in rows
@@ -235,6 +236,7 @@ def summarize(runs: dict) -> str:
         if ratios := sorted(pick_over_table(data)):
             lines.append(f"  the pick's finalists over the table's time of the same pipeline, {len(ratios)} timings: "
                          f"median {statistics.median(ratios):.3f}, from {ratios[0]:.3f} to {ratios[-1]:.3f}")
+        lines += clock_lines(data.get("gpu_states", []))
     dense = {path: {r["shape"]: r["ms"] for r in data["rows"] if r["impl"] == "dense_eager" and r["n"] == 8192}
              for path, data in runs.items()}
     pairs = [(max(a[s], b[s]) / min(a[s], b[s]) - 1, s, pa, pb) for (pa, a), (pb, b) in
@@ -244,6 +246,24 @@ def summarize(runs: dict) -> str:
         lines.append(f"dense eager at N = 8192 read up to {gap:.1%} apart between two files ({shape}: {first}, "
                      f"{second})")
     return "\n".join(lines)
+
+
+def clock_lines(states: list[dict]) -> list[str]:
+    """The SM clock nvidia-smi read after a case's timing rounds (``between_rounds``, where recorded, and
+    ``after``), its range at N <= 128 and at N >= 1024, and its largest change within one case's rounds."""
+    def clocks(state):
+        readings = [*state.get("between_rounds", []), state.get("after")]
+        return [r["sm_clock_mhz"] for r in readings if r and r.get("sm_clock_mhz") is not None]
+
+    lines = []
+    for label, subset in (("N <= 128", [g for g in states if g["n"] <= 128]),
+                          ("N >= 1024", [g for g in states if g["n"] >= 1024])):
+        if readings := [mhz for g in subset for mhz in clocks(g)]:
+            lines.append(f"  SM clock after timing rounds, {label}: {min(readings):.0f}-{max(readings):.0f} MHz "
+                         f"({len(readings)} readings)")
+    if changes := [max(c) - min(c) for g in states if len(c := clocks(g)) > 1]:
+        lines.append(f"  largest SM clock change within one case's rounds: {max(changes):.0f} MHz")
+    return lines
 
 
 def pick_case(record: str) -> tuple[str, int, int, int, int] | None:
@@ -374,7 +394,8 @@ def copies_for(bytes_per_call: int, device: str) -> int:
 
 
 def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer, layer_cost):
-    """(one row per implementation of one (shape, N) case, the GPU's state just before and after their timing).
+    """(one row per implementation of one (shape, N) case, the GPU's state just before their timing rounds,
+    between them and after them).
     All are built, run and checked first (which also tunes their kernels and picks their variants), then timed
     together in rounds (:func:`time_rounds`), so dense and each structure's pipelines are timed side by side, not
     minutes apart with tuning in between."""
@@ -400,10 +421,11 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
                                                  monarch_linear), k, flops, ideal, as_block_major(n, d_out, blocks)))
         checks = {impl: result for _, impls, _, _, _, layouts in groups
                   for impl, result in check_impls(impls, layouts).items()}
-        before = gpu_state()
+        before, between = gpu_state(), []
         rounds, failures = time_rounds({impl: (fn, copies) for _, impls, copies, *_ in groups
                                         for impl, fn in impls.items()
-                                        if checks[impl][1] is None or checks[impl][1].startswith("wrong")}, timer)
+                                        if checks[impl][1] is None or checks[impl][1].startswith("wrong")}, timer,
+                                       lambda: between.append(gpu_state()))
         after = gpu_state()
     rows = []
     for kind, impls, copies, flops, ideal, _ in groups:
@@ -422,7 +444,7 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
             if error:
                 row["error"] = error
             rows.append(row)
-    return rows, {"before": before, "after": after}
+    return rows, {"before": before, "between_rounds": between, "after": after}
 
 
 def check_impls(impls: dict, layouts: dict) -> dict:
@@ -448,15 +470,18 @@ def check_impls(impls: dict, layouts: dict) -> dict:
     return results
 
 
-def time_rounds(calls: dict, timer) -> tuple[dict, dict]:
+def time_rounds(calls: dict, timer, between_rounds=None) -> tuple[dict, dict]:
     """(name -> ms of one call per round, name -> why its first failed timing failed): TIMING_ROUNDS rounds over
     every (fn, copies) of ``calls``, forward and reverse by turns (``turn_orders``), each timing ``timer`` of the calls over
     all copies (divided by them). A drift of the GPU's speed across the case then reaches every implementation
-    alike. A timing that fails is NaN in its round."""
+    alike. A timing that fails is NaN in its round. ``between_rounds()``, if given, is called after every round
+    but the last (to read the GPU's clock there)."""
     from memfit.measure.timing import turn_orders
 
     times, failures = {name: [] for name in calls}, {}
-    for order in turn_orders(list(calls), TIMING_ROUNDS):
+    for turn, order in enumerate(turn_orders(list(calls), TIMING_ROUNDS)):
+        if turn and between_rounds:
+            between_rounds()
         for name in order:
             fn, copies = calls[name]
             try:

@@ -24,8 +24,11 @@ def test_rounds_alternate_forward_and_reverse_order(blr_layers):
         raise RuntimeError("capture")
 
     impls = {"a": (lambda i: calls.append(("a", i)), 2), "b": (lambda i: calls.append(("b", i)), 1), "c": (failing, 1)}
-    times, failures = blr_layers.time_rounds(impls, timer)
-    assert [c for c in calls if c[1] == 0] == [("a", 0), ("b", 0), ("b", 0), ("a", 0)] * (blr_layers.TIMING_ROUNDS // 2)
+    times, failures = blr_layers.time_rounds(impls, timer, lambda: calls.append(("between rounds", 0)))
+    one_round, back = [("a", 0), ("b", 0)], [("b", 0), ("a", 0)]
+    pause = [("between rounds", 0)]
+    assert [c for c in calls if c[1] == 0] == (one_round + pause + back + pause) * (blr_layers.TIMING_ROUNDS // 2 - 1) \
+        + one_round + pause + back
     assert times["a"][:2] == [1 / 2, 4 / 2] and times["b"][:2] == [2.0, 3.0]   # a's clock over its 2 copies
     assert len(times["c"]) == blr_layers.TIMING_ROUNDS and all(map(math.isnan, times["c"]))
     assert failures == {"c": "RuntimeError: capture"}
@@ -145,12 +148,18 @@ def test_summarize_reads_the_noise_and_pick_misses_of_results_files(blr_layers):
               "pick_timings": {                       # Monarch's key: (N, b, in / b, rank, out / b, permuted, dtype)
                   "monarch_linear (8192, 2, 2, 4, 3, False, 'torch.bfloat16')": {"finalists": {"bmm": 1.1}},
                   "monarch_linear (8192, 2, 2, 4, 3, True, 'torch.bfloat16')": {"finalists": {"bmm": 9.0}},
-                  "monarch_linear (16, 2, 2, 4, 3, False, 'torch.bfloat16')": {"pick": "bmm", "cached": True}}}
+                  "monarch_linear (16, 2, 2, 4, 3, False, 'torch.bfloat16')": {"pick": "bmm", "cached": True}},
+              "gpu_states": [{"shape": "s", "n": 8192, "before": None, "after": {"sm_clock_mhz": 1600.0},
+                              "between_rounds": [{"sm_clock_mhz": 1980.0}, None, {"sm_clock_mhz": 1700.0}]},
+                             {"shape": "s", "n": 16, "before": None, "after": {"sm_clock_mhz": 1950.0}}]}
     text = blr_layers.summarize({"one.json": first, "two.json": second})
     assert "one.json (commit a, 3 rows, complete: True)" in text and "rounds' spread" not in text.split("two.json")[0]
     assert "monarch s N=8192: 50.0% (monarch_bmm)" in text and "at 0 cases" in text.split("two.json")[1]
     assert "rounds' spread, N = 8192: median 10.0%, 90th percentile 20.0%, largest 20.0%" in text
     assert "finalists over the table's time of the same pipeline, 1 timings: median 1.100, from 1.100 to" in text
+    assert "SM clock after timing rounds, N <= 128: 1950-1950 MHz (1 readings)" in text
+    assert "SM clock after timing rounds, N >= 1024: 1600-1980 MHz (3 readings)" in text
+    assert "largest SM clock change within one case's rounds: 380 MHz" in text and "SM clock" not in text.split("two")[0]
     assert blr_layers.pick_case("blast_linear (1, 2, 3, 4, 5, 'torch.bfloat16')") == ("blast", 1, 10, 6, 4)
     assert blr_layers.pick_case("lowrank_linear (1, 6, 4, 10, 'torch.bfloat16')") == ("lowrank", 1, 10, 6, 4)
     assert blr_layers.pick_case("gemv ('x', 'x1')") is None
