@@ -233,9 +233,14 @@ def summarize(runs: dict) -> str:
         lines.append(f"  pick over {PICK_SLACK - 1:.0%} slower than its fastest pipeline at {len(misses)} cases"
                      + "".join(f"\n    {m['structure']} {m['shape']} N={m['n']}: {m['ratio'] - 1:.1%} ({m['fastest']})"
                                for m in misses))
-        if ratios := sorted(pick_over_table(data)):
-            lines.append(f"  the pick's finalists over the table's time of the same pipeline, {len(ratios)} timings: "
-                         f"median {statistics.median(ratios):.3f}, from {ratios[0]:.3f} to {ratios[-1]:.3f}")
+        ratios = pick_over_table(data)
+        for label, subset in (("N <= 128", [r for n, r in ratios if n <= 128]), ("N >= 1024", [r for n, r in ratios
+                                                                                            if n >= 1024])):
+            if subset := sorted(subset):
+                lines.append(f"  the pick's finalists over the table's time of the same pipeline, {label}, {len(subset)} "
+                             f"timings: median {statistics.median(subset):.3f}, 10th-90th percentile "
+                             f"{subset[int(0.1 * len(subset))]:.3f}-{subset[int(0.9 * len(subset))]:.3f}, "
+                             f"from {subset[0]:.3f} to {subset[-1]:.3f}")
         lines += clock_lines(data.get("gpu_states", []))
     dense = {path: {r["shape"]: r["ms"] for r in data["rows"] if r["impl"] == "dense_eager" and r["n"] == 8192}
              for path, data in runs.items()}
@@ -280,9 +285,9 @@ def pick_case(record: str) -> tuple[str, int, int, int, int] | None:
     return None
 
 
-def pick_over_table(data: dict) -> list[float]:
-    """For every finalist the pick timed again (``pick_timings``), its median there over the table's time of the
-    same pipeline in the same case: how far the pick's view of a pipeline stands from the table's."""
+def pick_over_table(data: dict) -> list[tuple[int, float]]:
+    """(N, ratio) for every finalist the pick timed again (``pick_timings``): its median there over the table's time
+    of the same pipeline in the same case, how far the pick's view of a pipeline stands from the table's."""
     if not data.get("pick_timings"):
         return []
     table = {(r["structure"], r["n"], r["in"], r["out"], r["rank"], r["impl"]): r["ms"] for r in data["rows"]}
@@ -292,7 +297,7 @@ def pick_over_table(data: dict) -> list[float]:
         for name, ms in timing.get("finalists", {}).items() if case else ():
             ms_table = table.get((*case, f"{case[0]}_{name}"), math.nan)
             if ms_table > 0:
-                ratios.append(ms / ms_table)
+                ratios.append((case[1], ms / ms_table))
     return ratios
 
 

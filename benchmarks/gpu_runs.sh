@@ -17,7 +17,9 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # Since the variant pick re-times its finalists and the table times by turns, blr_layers takes two calls: at
 # 6a18df8 the first timed 28 of the 35 cases in 565 s, and blr_layers_resume the other 7 in about 150 s (a run stopped by
 # its limit keeps every finished case; the resume says "nothing to resume" and exits 0 where the first finished).
-# blr_e2e --profile took 287 s at 1deb9e7.
+# blr_e2e --profile took 287 s at 1deb9e7. Since 1deb9e7 every variant pick (the BLR layers, gemv, decode attention)
+# times over rotating copies of its arguments: the full layer table, its profile, blr_e2e_memfit_attention,
+# decode_profile and partial_ffn have not run with it (a Llama-1B subset of the table has).
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"

@@ -397,10 +397,10 @@ def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
     rounds; "c", 1.5x the fastest, is not timed again. A lone finalist is not re-timed."""
     first = {"a": 1.0, "b": 1.1, "c": 1.5}
     again = iter([{"a": 1.0, "b": 0.9}, {"b": 1.2, "a": 1.1}, {"a": 1.3, "b": 0.8}])
-    orders, reps, rotations = [], [], set()
+    orders, reps, rotations = [], [], []
 
     def timer(op, candidates, copies, rep_ms=blr_common.PICK_REP_MS):
-        rotations.add(id(copies))
+        rotations.append(copies)
         orders.append(list(candidates))
         reps.append(rep_ms)
         return first if len(orders) == 1 else next(again)
@@ -414,7 +414,8 @@ def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
     assert blr_common.PICK_FINALIST_SLACK < 1.5 and blr_common.PICK_FINAL_ROUNDS == 3
     monkeypatch.setattr(blr_common, "PICK_TIMINGS", {})
     assert blr_common.pick_variant("op", (8,), candidates, "c", ()) == "b"
-    assert orders == [["a", "b", "c"], ["a", "b"], ["b", "a"], ["a", "b"]] and len(rotations) == 1   # one set of copies
+    assert orders == [["a", "b", "c"], ["a", "b"], ["b", "a"], ["a", "b"]]
+    assert len(rotations) == 4 and all(r is rotations[0] for r in rotations)          # one set of copies
     assert reps == [blr_common.PICK_REP_MS] + [blr_common.PICK_REP_MS / 3] * 3    # the rounds share one timing's replays
     assert blr_common.PICK_TIMINGS == {"op (8,)": {"first": first, "finalists": {"a": 1.1, "b": 0.9}, "pick": "b"}}
     first, orders[:] = {"a": 1.0, "b": 2.0, "c": 3.0}, []
@@ -472,10 +473,8 @@ def stub_current_stream(monkeypatch, events=None):
 
 
 def test_pick_times_each_variant_over_rotating_copies_of_its_arguments(monkeypatch):
-    """The pick calls each candidate on copies of its arguments in turn (tensors cloned, also inside lists and
-    tuples; other values shared), enough to hold ROTATE_BYTES, and divides a replay's time by the copies (made once
-    for the first timing and the finalists' rounds: the interleaving test). Without memory for them it times one
-    copy, said once."""
+    """The pick calls each candidate on copies of its arguments in turn, enough to hold ROTATE_BYTES, and divides a
+    replay's time by the copies (made once for the first timing and the finalists' rounds: the interleaving test)."""
     import triton.testing
 
     medians, calls, reps = [8.0, 4.0], [], []
@@ -497,21 +496,47 @@ def test_pick_times_each_variant_over_rotating_copies_of_its_arguments(monkeypat
                   "b": lambda x, option: calls.append(("b", x.data_ptr()))}
     assert blr_common._rotated_times("op", candidates, copies, rep_ms=2.5) == {"a": 8.0 / 3, "b": 4.0 / 3}
     assert calls == [(name, c[0].data_ptr()) for name in "ab" for c in copies] and reps == [2.5, 2.5]
-    weights = [(torch.ones(1), None)]                                  # a gemv pick's group: 8 bytes with x
-    nested = blr_common.rotation("op", (x, weights))
-    assert len(nested) == 2 and nested[1][1][0][0] is not weights[0][0] and nested[1][1][0][1] is None
-    assert isinstance(nested[1][1], list) and torch.equal(nested[1][1][0][0], weights[0][0])
     assert [blr_common.rotation_copies(size) for size in (0, 1, 5, 11)] == [10, 10, 2, 1]
+    monkeypatch.setattr(blr_common, "_l2_bytes", lambda: 10)          # three times the L2 when that is more
+    assert blr_common.rotation_copies(5) == 6
     monkeypatch.setattr(blr_common, "ROTATE_BYTES", 10**6)
     assert blr_common.rotation_copies(1) == blr_common.ROTATE_MAX_COPIES
+
+
+def test_rotation_copies_nested_and_strided_arguments_as_they_are(monkeypatch):
+    """Copies keep what the timed call sees: tensors inside lists and tuples are copied (a gemv pick's per-layer
+    weights), a row-strided view keeps its strides (gemv keys its pick by them), a tensor passed twice stays one
+    tensor, other values are shared; arguments on the CPU are not copied at all."""
+    x = torch.ones(2, 3)
+    assert blr_common.rotation("op", (x,)) == [(x,)]                  # no GPU tensor: one copy, nothing cloned
+    monkeypatch.setattr(blr_common, "_cuda_device", lambda args: torch.device("cpu"))  # stands for the GPU here
+    monkeypatch.setattr(blr_common, "ROTATE_BYTES", 10**6)
+    down = torch.randn(4, 8)[:, :3]                                    # a partial FFN's down[:, :a]
+    weights = [(down, None), (down, torch.ones(4))]
+    copy = blr_common.rotation("op", (x, weights))[1]
+    assert isinstance(copy[1], list) and isinstance(copy[1][0], tuple) and copy[1][0][1] is None
+    assert copy[1][0][0] is not down and copy[1][0][0].stride() == down.stride() == (8, 1)
+    assert torch.equal(copy[1][0][0], down) and copy[1][1][0] is copy[1][0][0]     # passed twice, copied once
+    assert blr_common._nbytes((x, weights)) == x.nbytes + down.nbytes + 16
+
+
+def test_rotation_says_when_it_times_partly_from_l2(monkeypatch):
+    """Copies that together stay under twice the L2 (the copy cap reached), or no memory for them, are said once."""
+    warned = []
+    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(blr_common, "_cuda_device", lambda args: torch.device("cpu"))
+    monkeypatch.setattr(blr_common, "_l2_bytes", lambda: 2**20)
+    x = torch.ones(16)                                                 # 64 bytes: 64 copies hold 4 KiB
+    assert len(blr_common.rotation("op", (x,))) == blr_common.ROTATE_MAX_COPIES
+    assert "less than twice the L2" in warned[0]
+    real_empty_strided = torch.empty_strided
 
     def no_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("no room")
 
-    warned = []
-    monkeypatch.setattr(torch.Tensor, "clone", no_memory)
-    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
-    assert blr_common.rotation("op", (x,)) == [(x,)] and "partly from L2" in warned[0]
+    monkeypatch.setattr(torch, "empty_strided", no_memory)
+    assert blr_common.rotation("op", (x,)) == [(x,)] and "no memory" in warned[1] and "partly from L2" in warned[1]
+    monkeypatch.setattr(torch, "empty_strided", real_empty_strided)
 
 
 def record_bgemm_choices(monkeypatch, *names) -> dict:
@@ -721,6 +746,24 @@ def stub_l2_flush(monkeypatch) -> list:
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
     monkeypatch.setattr(torch, "empty", lambda size, dtype, device: sizes.append(size) or real_empty(size, dtype=dtype))
     return sizes
+
+
+def test_autotuning_without_memory_for_the_flush_times_warm_and_says_so(monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("no room")
+
+    stub_l2_flush(monkeypatch)
+    monkeypatch.setattr(torch, "empty", no_memory)
+    timed, warned = [], []
+    monkeypatch.setattr(blr_common, "_graph_ms", lambda fn, args: timed.append(fn) or 2.0)
+    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def kernel_call():
+        return None
+
+    assert blr_common.autotune_bench(kernel_call) == 2.0
+    assert timed == [kernel_call] and "warm L2" in warned[0]
 
 
 def test_autotuning_times_after_the_callers_stream_and_lets_failures_through(monkeypatch):

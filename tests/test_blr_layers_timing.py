@@ -156,7 +156,8 @@ def test_summarize_reads_the_noise_and_pick_misses_of_results_files(blr_layers):
     assert "one.json (commit a, 3 rows, complete: True)" in text and "rounds' spread" not in text.split("two.json")[0]
     assert "monarch s N=8192: 50.0% (monarch_bmm)" in text and "at 0 cases" in text.split("two.json")[1]
     assert "rounds' spread, N = 8192: median 10.0%, 90th percentile 20.0%, largest 20.0%" in text
-    assert "finalists over the table's time of the same pipeline, 1 timings: median 1.100, from 1.100 to" in text
+    assert ("finalists over the table's time of the same pipeline, N >= 1024, 1 timings: median 1.100, 10th-90th "
+            "percentile 1.100-1.100, from 1.100 to 1.100") in text and "pipeline, N <= 128" not in text
     assert "SM clock after timing rounds, N <= 128: 1950-1950 MHz (1 readings)" in text
     assert "SM clock after timing rounds, N >= 1024: 1600-1980 MHz (3 readings)" in text
     assert "largest SM clock change within one case's rounds: 380 MHz" in text and "SM clock" not in text.split("two")[0]

@@ -126,7 +126,7 @@ def _digest_files(files: tuple[str, ...]) -> str:
 
 def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args: tuple) -> str:
     """Name of the fastest of ``candidates`` (name -> fn(*args)) for this shape, cached on disk."""
-    on_gpu = all(not isinstance(a, torch.Tensor) or a.is_cuda for a in args)
+    on_gpu = all(t.is_cuda for t in _tensors(args))
     if not on_gpu or len(candidates) == 1:
         return default
     key = "|".join([torch.cuda.get_device_name(), triton.__version__, _source_digest(tuple(candidates.values())), op,
@@ -176,45 +176,73 @@ def _final_times(op: str, finalists: dict, copies: list[tuple]) -> dict:
 
 def rotation_copies(bytes_per_call: int) -> int:
     """How many copies of a call's inputs and weights to call in turn so that none is read from L2: enough to hold
-    ROTATE_BYTES, at most ROTATE_MAX_COPIES, at least one (``blr_layers`` times its table the same way)."""
-    return max(1, min(ROTATE_MAX_COPIES, math.ceil(ROTATE_BYTES / max(bytes_per_call, 1))))
+    ROTATE_BYTES or three times this GPU's L2, whichever is more, at most ROTATE_MAX_COPIES, at least one
+    (``blr_layers`` rotates its table's copies by the same rule)."""
+    return max(1, min(ROTATE_MAX_COPIES, math.ceil(max(ROTATE_BYTES, 3 * _l2_bytes()) / max(bytes_per_call, 1))))
 
 
 def rotation(op: str, args: tuple) -> list[tuple]:
-    """``args`` and copies of it (tensors cloned, also inside lists and tuples, such as the per-layer weights a
-    gemv pick times together; other values shared), :func:`rotation_copies` in all, for a timing to call in turn,
-    so each call reads its weights and inputs from HBM, as a model's layers do.
+    """``args`` and copies of it, :func:`rotation_copies` in all, for a timing to call in turn, so each call reads
+    its weights and inputs from HBM, as a model's layers do. Tensors are copied also inside lists and tuples (the
+    per-layer weights a gemv pick times together), with their strides (a row-strided view stays one) and with a
+    tensor passed twice copied once; other values are shared.
 
-    Until 6a18df8 the pick timed (L2 flush + call) minus the flush: at decode sizes a few us left from two
+    Until 1deb9e7 the pick timed (L2 flush + call) minus the flush: at decode sizes a few us left from two
     timings of some 30 us each. In the full layer table at 6a18df8 (``blr_layers.py --summarize``), at N <= 128,
-    its finalists read 0.88x to 1.27x the table's time of the same pipeline (10th to 90th percentile 0.92x to
-    1.09x), where a row's four rounds in the table spread by a median 1.2-1.6%; at Llama-1B q/o and gate, N = 128,
+    its finalists read 0.875x to 1.265x the table's time of the same pipeline (10th to 90th percentile 0.931x to
+    1.084x), where a row's four rounds in the table spread by a median 1.2-1.6%; at Llama-1B q/o and gate, N = 128,
     it took pipelines the table read 8.6% and 10.3% slower than the fastest. Rotating copies takes no difference
-    of two timings and measures as the table does. Without memory for the copies the pick times the arguments
-    alone (partly from L2), said once.
+    of two timings, and rotates as the table does (which also counts the output's bytes). Where the copies cannot
+    exceed the L2 (arguments of under 1/32 of it) or do not fit in memory, the pick says once that it times partly
+    from L2.
     """
     size = _nbytes(args)
     count = rotation_copies(size) if _cuda_device(args) is not None else 1
     try:
-        return [args] + [_clone(args) for _ in range(count - 1)]
+        copies = [args] + [_clone(args, {}) for _ in range(count - 1)]
     except torch.cuda.OutOfMemoryError:
         warn_once(f"pick-warm-l2:{op}", f"{op}: no memory for {count} copies of its {size >> 20} MiB of arguments; "
                   "kernel variants are timed on one copy, partly from L2")
         return [args]
+    if count > 1 and count * size < 2 * _l2_bytes():
+        warn_once(f"pick-small-rotation:{op}", f"{op}: {count} copies of its {size >> 10} KiB of arguments are less "
+                  "than twice the L2; kernel variants are timed partly from L2")
+    return copies
+
+
+def _tensors(value):
+    """The tensors in ``value``, also inside lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
 
 
 def _nbytes(value) -> int:
-    """Bytes of the tensors in ``value``, also inside lists and tuples."""
-    if isinstance(value, torch.Tensor):
-        return value.nbytes
-    return sum(map(_nbytes, value)) if isinstance(value, (list, tuple)) else 0
+    """Bytes of the tensors in ``value`` (each counted once)."""
+    return sum({id(t): t.nbytes for t in _tensors(value)}.values())
 
 
-def _clone(value):
-    """``value`` with its tensors cloned, also inside lists and tuples."""
+def _clone(value, memo: dict):
+    """``value`` with its tensors copied, also inside lists and tuples, each with its own strides; ``memo`` (id ->
+    copy) makes a tensor passed twice one copy."""
     if isinstance(value, torch.Tensor):
-        return value.clone()
-    return type(value)(map(_clone, value)) if isinstance(value, (list, tuple)) else value
+        if id(value) not in memo:
+            memo[id(value)] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                                  device=value.device).copy_(value)
+        return memo[id(value)]
+    if isinstance(value, (list, tuple)):
+        items = [_clone(item, memo) for item in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
+def _l2_bytes() -> int:
+    """This GPU's L2 size in bytes (0 without a GPU)."""
+    if not torch.cuda.is_available():
+        return 0
+    return getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0)
 
 
 def _rotated_times(op: str, candidates: dict, copies: list[tuple], rep_ms: float = PICK_REP_MS) -> dict:
@@ -251,8 +279,8 @@ def autotune_bench(kernel_call, quantiles=None):
 
 
 def _cuda_device(args: tuple) -> torch.device | None:
-    """The device of the first CUDA tensor in ``args``, if any."""
-    return next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+    """The device of the first CUDA tensor in ``args`` (also inside lists and tuples), if any."""
+    return next((t.device for t in _tensors(args) if t.is_cuda), None)
 
 
 def _graph_ms(fn, args: tuple, rep_ms: float = PICK_REP_MS) -> float:
