@@ -146,7 +146,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     tokens = args.tokens or tokens
     timer = functools.partial(gpu_ms, rep=ROUND_REP_MS) if device == "cuda" else cpu_ms
     stem = "blr_layers" + ("_smoke" if args.smoke else "") + ("_subset" if args.tokens or args.shapes else "")
-    rows, started, pick_timings, gpu_states = [], time.time(), {}, []
+    rows, started, pick_timings, gpu_states, case_seconds = [], time.time(), {}, [], []
     cases = {"shapes": [name for name, *_ in shapes], "tokens": tokens, "blocks": blocks}
     path = results_path(stem, args.out)
     state = run_state(path)
@@ -158,6 +158,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
             earlier = partial_results(path, **cases)
             rows, started = earlier["rows"], started - earlier["seconds"]
             pick_timings, gpu_states = earlier.get("pick_timings", {}), earlier.get("gpu_states", [])
+            case_seconds = earlier.get("case_seconds", [])
             ceilings = Ceilings(matmul_flops=earlier["ceilings"]["matmul_tflops"] * 1e12,
                                 bandwidth=earlier["ceilings"]["bandwidth_gbs"] * 1e9)
             empty_ms = earlier["ceilings"]["empty_kernel_ms"]
@@ -182,18 +183,22 @@ def run_table(args, torch, device: str, blocks: int) -> int:
                              ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
                                        "bandwidth_gbs": ceilings.bandwidth / 1e9, "empty_kernel_ms": empty_ms},
                              decode_floor_check=decode_floor_check(rows, empty_ms), pick_check=pick_check(rows),
-                             pick_timings=pick_timings | blr_common.PICK_TIMINGS, gpu_states=gpu_states)
+                             pick_timings=pick_timings | blr_common.PICK_TIMINGS, gpu_states=gpu_states,
+                             case_seconds=case_seconds)
 
     with Progress() as progress:
         task = progress.add_task("blr layers", total=len(shapes) * len(tokens))
         for name, d_in, d_out, rank in shapes:
             for n in tokens:
                 if (name, n) not in done:
-                    case_rows, gpu = bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings,
-                                                timer, layer_cost)
+                    case_rows, gpu, seconds = bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device,
+                                                         ceilings, timer, layer_cost)
                     rows += case_rows
                     gpu_states.append({"shape": name, "n": n, **gpu})
+                    case_seconds.append({"shape": name, "n": n, **seconds})
                     save(complete=False)
+                    progress.console.print(f"{name} N={n}: {seconds['prepare_s']:.0f} s to build, check, tune and "
+                                           f"pick, {seconds['rounds_s']:.0f} s to time")
                 progress.advance(task)
     elapsed = time.time() - started
     path = save(complete=True)
@@ -212,8 +217,8 @@ def summarize(runs: dict) -> str:
     one; its median and 90th percentile, over all rows and from N = 1024, and the largest at N = 8192), where the
     file keeps rounds, and the cases where the pick trails its fastest pipeline (``pick_check``, recomputed for
     files written before it was recorded), how the pick's own timings of its finalists (``pick_timings``)
-    compare with the table's time of the same pipelines, and the GPU's SM clock read after timing rounds
-    (``gpu_states``); then, across the files, the largest ratio of one case's
+    compare with the table's time of the same pipelines, the GPU's SM clock read after timing rounds
+    (``gpu_states``) and where the run's time went (``case_seconds``); then, across the files, the largest ratio of one case's
     dense eager time in two of them at N = 8192."""
     def spread(rows):
         values = sorted(max(r["ms_rounds"]) / min(r["ms_rounds"]) - 1 for r in rows
@@ -242,6 +247,11 @@ def summarize(runs: dict) -> str:
                              f"{subset[int(0.1 * len(subset))]:.3f}-{subset[int(0.9 * len(subset))]:.3f}, "
                              f"from {subset[0]:.3f} to {subset[-1]:.3f}")
         lines += clock_lines(data.get("gpu_states", []))
+        if spent := data.get("case_seconds"):
+            slowest = max(spent, key=lambda c: c["prepare_s"] + c["rounds_s"])
+            lines.append(f"  {len(spent)} cases took {sum(c['prepare_s'] for c in spent):.0f} s to build, check, tune "
+                         f"and pick and {sum(c['rounds_s'] for c in spent):.0f} s to time; the slowest, "
+                         f"{slowest['shape']} N={slowest['n']}, {slowest['prepare_s']:.0f} s and {slowest['rounds_s']:.0f} s")
     dense = {path: {r["shape"]: r["ms"] for r in data["rows"] if r["impl"] == "dense_eager" and r["n"] == 8192}
              for path, data in runs.items()}
     pairs = [(max(a[s], b[s]) / min(a[s], b[s]) - 1, s, pa, pb) for (pa, a), (pb, b) in
@@ -400,7 +410,8 @@ def copies_for(bytes_per_call: int, device: str) -> int:
 
 def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer, layer_cost):
     """(one row per implementation of one (shape, N) case, the GPU's state just before their timing rounds,
-    between them and after them).
+    between them and after them, the seconds spent preparing them (build, check, which also tunes and picks) and
+    timing them).
     All are built, run and checked first (which also tunes their kernels and picks their variants), then timed
     together in rounds (:func:`time_rounds`), so dense and each structure's pipelines are timed side by side, not
     minutes apart with tuning in between."""
@@ -410,6 +421,7 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
     from memfit.measure.timing import gpu_state
 
     groups = []                                           # (kind, impls, copies, flops, ideal bytes, layouts)
+    started = time.perf_counter()
     with torch.no_grad():
         dense_flops, dense_bytes = layer_cost("dense", "ideal", n, d_in, d_out)
         k = copies_for(dense_bytes, device)
@@ -426,12 +438,14 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
                                                  monarch_linear), k, flops, ideal, as_block_major(n, d_out, blocks)))
         checks = {impl: result for _, impls, _, _, _, layouts in groups
                   for impl, result in check_impls(impls, layouts).items()}
+        prepared = time.perf_counter()
         before, between = gpu_state(), []
         rounds, failures = time_rounds({impl: (fn, copies) for _, impls, copies, *_ in groups
                                         for impl, fn in impls.items()
                                         if checks[impl][1] is None or checks[impl][1].startswith("wrong")}, timer,
                                        lambda: between.append(gpu_state()))
         after = gpu_state()
+    seconds = {"prepare_s": prepared - started, "rounds_s": time.perf_counter() - prepared}
     rows = []
     for kind, impls, copies, flops, ideal, _ in groups:
         floor = ceilings.floor_ms(flops, ideal)
@@ -449,7 +463,7 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
             if error:
                 row["error"] = error
             rows.append(row)
-    return rows, {"before": before, "between_rounds": between, "after": after}
+    return rows, {"before": before, "between_rounds": between, "after": after}, seconds
 
 
 def check_impls(impls: dict, layouts: dict) -> dict:

@@ -151,13 +151,16 @@ def test_summarize_reads_the_noise_and_pick_misses_of_results_files(blr_layers):
                   "monarch_linear (16, 2, 2, 4, 3, False, 'torch.bfloat16')": {"pick": "bmm", "cached": True}},
               "gpu_states": [{"shape": "s", "n": 8192, "before": None, "after": {"sm_clock_mhz": 1600.0},
                               "between_rounds": [{"sm_clock_mhz": 1980.0}, None, {"sm_clock_mhz": 1700.0}]},
-                             {"shape": "s", "n": 16, "before": None, "after": {"sm_clock_mhz": 1950.0}}]}
+                             {"shape": "s", "n": 16, "before": None, "after": {"sm_clock_mhz": 1950.0}}],
+              "case_seconds": [{"shape": "s", "n": 16, "prepare_s": 4.0, "rounds_s": 1.0},
+                               {"shape": "s", "n": 8192, "prepare_s": 30.0, "rounds_s": 6.0}]}
     text = blr_layers.summarize({"one.json": first, "two.json": second})
     assert "one.json (commit a, 3 rows, complete: True)" in text and "rounds' spread" not in text.split("two.json")[0]
     assert "monarch s N=8192: 50.0% (monarch_bmm)" in text and "at 0 cases" in text.split("two.json")[1]
     assert "rounds' spread, N = 8192: median 10.0%, 90th percentile 20.0%, largest 20.0%" in text
     assert ("finalists over the table's time of the same pipeline, N >= 1024, 1 timings: median 1.100, 10th-90th "
             "percentile 1.100-1.100, from 1.100 to 1.100") in text and "pipeline, N <= 128" not in text
+    assert "2 cases took 34 s to build, check, tune and pick and 7 s to time; the slowest, s N=8192, 30 s and 6 s" in text
     assert "SM clock after timing rounds, N <= 128: 1950-1950 MHz (1 readings)" in text
     assert "SM clock after timing rounds, N >= 1024: 1600-1980 MHz (3 readings)" in text
     assert "largest SM clock change within one case's rounds: 380 MHz" in text and "SM clock" not in text.split("two")[0]
