@@ -218,8 +218,8 @@ def summarize(runs: dict) -> str:
     file keeps rounds, and the cases where the pick trails its fastest pipeline (``pick_check``, recomputed for
     files written before it was recorded), how the pick's own timings of its finalists (``pick_timings``)
     compare with the table's time of the same pipelines, the GPU's SM clock read after timing rounds
-    (``gpu_states``) and where the run's time went (``case_seconds``); then, across the files, the largest ratio of one case's
-    dense eager time in two of them at N = 8192."""
+    (``gpu_states``) and where the run's time went (``case_seconds``); then, across the files, the largest ratio
+    of one case's dense eager time in two of them at N = 8192."""
     def spread(rows):
         values = sorted(max(r["ms_rounds"]) / min(r["ms_rounds"]) - 1 for r in rows
                         if r.get("ms_rounds") and not any(map(math.isnan, r["ms_rounds"])))
@@ -251,7 +251,8 @@ def summarize(runs: dict) -> str:
             slowest = max(spent, key=lambda c: c["prepare_s"] + c["rounds_s"])
             lines.append(f"  {len(spent)} cases took {sum(c['prepare_s'] for c in spent):.0f} s to build, check, tune "
                          f"and pick and {sum(c['rounds_s'] for c in spent):.0f} s to time; the slowest, "
-                         f"{slowest['shape']} N={slowest['n']}, {slowest['prepare_s']:.0f} s and {slowest['rounds_s']:.0f} s")
+                         f"{slowest['shape']} N={slowest['n']}, {slowest['prepare_s']:.0f} s and "
+                         f"{slowest['rounds_s']:.0f} s")
     dense = {path: {r["shape"]: r["ms"] for r in data["rows"] if r["impl"] == "dense_eager" and r["n"] == 8192}
              for path, data in runs.items()}
     pairs = [(max(a[s], b[s]) / min(a[s], b[s]) - 1, s, pa, pb) for (pa, a), (pb, b) in
