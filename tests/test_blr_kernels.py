@@ -497,7 +497,7 @@ def test_pick_times_each_variant_over_rotating_copies_of_its_arguments(monkeypat
     assert blr_common._rotated_times("op", candidates, copies, rep_ms=2.5) == {"a": 8.0 / 3, "b": 4.0 / 3}
     assert calls == [(name, c[0].data_ptr()) for name in "ab" for c in copies] and reps == [2.5, 2.5]
     assert [blr_common.rotation_copies(size) for size in (0, 1, 5, 11)] == [10, 10, 2, 1]
-    monkeypatch.setattr(blr_common, "_l2_bytes", lambda: 10)          # three times the L2 when that is more
+    monkeypatch.setattr(blr_common, "_l2_bytes", lambda device=None: 10)   # three times the L2 when that is more
     assert blr_common.rotation_copies(5) == 6
     monkeypatch.setattr(blr_common, "ROTATE_BYTES", 10**6)
     assert blr_common.rotation_copies(1) == blr_common.ROTATE_MAX_COPIES
@@ -525,7 +525,7 @@ def test_rotation_says_when_it_times_partly_from_l2(monkeypatch):
     warned = []
     monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
     monkeypatch.setattr(blr_common, "_cuda_device", lambda args: torch.device("cpu"))
-    monkeypatch.setattr(blr_common, "_l2_bytes", lambda: 2**20)
+    monkeypatch.setattr(blr_common, "_l2_bytes", lambda device: 2**20)
     x = torch.ones(16)                                                 # 64 bytes: 64 copies hold 4 KiB
     assert len(blr_common.rotation("op", (x,))) == blr_common.ROTATE_MAX_COPIES
     assert "less than twice the L2" in warned[0]

@@ -174,11 +174,12 @@ def _final_times(op: str, finalists: dict, copies: list[tuple]) -> dict:
     return {name: statistics.median(ms) for name, ms in rounds.items()}
 
 
-def rotation_copies(bytes_per_call: int) -> int:
+def rotation_copies(bytes_per_call: int, device: torch.device | None = None) -> int:
     """How many copies of a call's inputs and weights to call in turn so that none is read from L2: enough to hold
-    ROTATE_BYTES or three times this GPU's L2, whichever is more, at most ROTATE_MAX_COPIES, at least one
+    ROTATE_BYTES or three times the GPU's L2, whichever is more, at most ROTATE_MAX_COPIES, at least one
     (``blr_layers`` rotates its table's copies by the same rule)."""
-    return max(1, min(ROTATE_MAX_COPIES, math.ceil(max(ROTATE_BYTES, 3 * _l2_bytes()) / max(bytes_per_call, 1))))
+    target = max(ROTATE_BYTES, 3 * _l2_bytes(device))
+    return max(1, min(ROTATE_MAX_COPIES, math.ceil(target / max(bytes_per_call, 1))))
 
 
 def rotation(op: str, args: tuple) -> list[tuple]:
@@ -196,15 +197,15 @@ def rotation(op: str, args: tuple) -> list[tuple]:
     exceed the L2 (arguments of under 1/32 of it) or do not fit in memory, the pick says once that it times partly
     from L2.
     """
-    size = _nbytes(args)
-    count = rotation_copies(size) if _cuda_device(args) is not None else 1
+    size, device = _nbytes(args), _cuda_device(args)
+    count = rotation_copies(size, device) if device is not None else 1
     try:
         copies = [args] + [_clone(args, {}) for _ in range(count - 1)]
     except torch.cuda.OutOfMemoryError:
         warn_once(f"pick-warm-l2:{op}", f"{op}: no memory for {count} copies of its {size >> 20} MiB of arguments; "
                   "kernel variants are timed on one copy, partly from L2")
         return [args]
-    if count > 1 and count * size < 2 * _l2_bytes():
+    if count > 1 and count * size < 2 * _l2_bytes(device):
         warn_once(f"pick-small-rotation:{op}", f"{op}: {count} copies of its {size >> 10} KiB of arguments are less "
                   "than twice the L2; kernel variants are timed partly from L2")
     return copies
@@ -238,11 +239,15 @@ def _clone(value, memo: dict):
     return value
 
 
-def _l2_bytes() -> int:
-    """This GPU's L2 size in bytes (0 without a GPU)."""
-    if not torch.cuda.is_available():
+def _l2_bytes(device: torch.device | None = None) -> int:
+    """The L2 size in bytes of ``device`` (by default the current GPU; 0 without one, or off the GPU)."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return 0
+        device = torch.cuda.current_device()
+    elif torch.device(device).type != "cuda":
         return 0
-    return getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0)
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
 
 
 def _rotated_times(op: str, candidates: dict, copies: list[tuple], rep_ms: float = PICK_REP_MS) -> dict:
@@ -266,7 +271,7 @@ def autotune_bench(kernel_call, quantiles=None):
     if torch.cuda.is_current_stream_capturing():
         raise MemfitError("a BLR kernel is being autotuned inside a CUDA graph capture; run the op once "
                           "before capturing so its tile config is chosen outside")
-    size = 2 * getattr(torch.cuda.get_device_properties(torch.device("cuda")), "L2_cache_size", 64 * 2**20)
+    size = 2 * (_l2_bytes(torch.device("cuda")) or 64 * 2**20)
     call = kernel_call
     try:
         flush = torch.empty(size, dtype=torch.uint8, device="cuda")
