@@ -518,6 +518,8 @@ def test_rotation_copies_nested_and_strided_arguments_as_they_are(monkeypatch):
     assert copy[1][0][0] is not down and copy[1][0][0].stride() == down.stride() == (8, 1)
     assert torch.equal(copy[1][0][0], down) and copy[1][1][0] is copy[1][0][0]     # passed twice, copied once
     assert blr_common._nbytes((x, weights)) == x.nbytes + down.nbytes + 16
+    row = torch.ones(3).expand(4, 3)                                   # overlapping: copied whole, values kept
+    assert torch.equal(blr_common.rotation("op", (x, row))[1][1], row)
 
 
 def test_rotation_says_when_it_times_partly_from_l2(monkeypatch):

@@ -230,8 +230,9 @@ def _clone(value, memo: dict):
     copy) makes a tensor passed twice one copy."""
     if isinstance(value, torch.Tensor):
         if id(value) not in memo:
-            memo[id(value)] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                                                  device=value.device).copy_(value)
+            expanded = any(stride == 0 and size > 1 for stride, size in zip(value.stride(), value.shape))
+            memo[id(value)] = value.clone() if expanded else torch.empty_strided(    # an expanded view is materialised
+                value.shape, value.stride(), dtype=value.dtype, device=value.device).copy_(value)
         return memo[id(value)]
     if isinstance(value, (list, tuple)):
         items = [_clone(item, memo) for item in value]
