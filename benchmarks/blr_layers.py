@@ -174,6 +174,8 @@ def run_table(args, torch, device: str, blocks: int) -> int:
         ceilings, empty_ms = Ceilings(matmul_flops=1e12, bandwidth=1e11), 0.0
     if not args.resume and state == "stopped":
         print(f"blr_layers: replacing the stopped run in {path} (--resume would continue it)")
+    if picks := own_pick_cache(path, args.resume):
+        print(f"blr_layers: the variant picks go to {picks}")
     done = {(r["shape"], r["n"]) for r in rows}
 
     def save(complete: bool):
@@ -210,6 +212,20 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     show(Console(), Table, rows, targets)
     print(f"wrote {path} in {elapsed:.0f} s")
     return 0
+
+
+def own_pick_cache(results: Path, resume: bool) -> Path | None:
+    """Point the variant pick's cache at a file beside the results (``<stem>_picks.json``), so the table's picks are
+    its own: run after another benchmark on the same machine, it took the picks that one had cached (at 1deb9e7 a
+    BLAST pick made during blr_e2e's warm-up read 16.3% slower than the fastest pipeline). A fresh run starts the
+    file afresh, ``--resume`` keeps it; where MEMFIT_AUTOTUNE_CACHE is set, that cache is used and None returned."""
+    if os.environ.get("MEMFIT_AUTOTUNE_CACHE"):
+        return None
+    picks = results.with_name(f"{results.stem}_picks.json")
+    if not resume:
+        picks.unlink(missing_ok=True)
+    os.environ["MEMFIT_AUTOTUNE_CACHE"] = str(picks)
+    return picks
 
 
 def summarize(runs: dict) -> str:

@@ -1,5 +1,6 @@
 """blr_layers' case timing: every implementation checked first, then timed by turns in rounds."""
 import math
+import os
 
 import pytest
 import torch
@@ -168,3 +169,18 @@ def test_summarize_reads_the_noise_and_pick_misses_of_results_files(blr_layers):
     assert blr_layers.pick_case("lowrank_linear (1, 6, 4, 10, 'torch.bfloat16')") == ("lowrank", 1, 10, 6, 4)
     assert blr_layers.pick_case("gemv ('x', 'x1')") is None
     assert "dense eager at N = 8192 read up to 20.0% apart between two files (s: one.json, two.json)" in text
+
+
+def test_the_table_keeps_its_own_pick_cache(blr_layers, tmp_path, monkeypatch):
+    """Beside the results, started afresh by a new run and kept by --resume; a cache the user names is left alone."""
+    results = tmp_path / "blr_layers.json"
+    picks = tmp_path / "blr_layers_picks.json"
+    picks.write_text("{}")
+    monkeypatch.delenv("MEMFIT_AUTOTUNE_CACHE", raising=False)
+    assert blr_layers.own_pick_cache(results, resume=True) == picks and picks.exists()
+    assert os.environ["MEMFIT_AUTOTUNE_CACHE"] == str(picks)
+    monkeypatch.delenv("MEMFIT_AUTOTUNE_CACHE")
+    assert blr_layers.own_pick_cache(results, resume=False) == picks and not picks.exists()
+    monkeypatch.setenv("MEMFIT_AUTOTUNE_CACHE", "/users/cache.json")
+    assert blr_layers.own_pick_cache(results, resume=False) is None
+    assert os.environ["MEMFIT_AUTOTUNE_CACHE"] == "/users/cache.json"
