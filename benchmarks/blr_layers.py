@@ -174,7 +174,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
         ceilings, empty_ms = Ceilings(matmul_flops=1e12, bandwidth=1e11), 0.0
     if not args.resume and state == "stopped":
         print(f"blr_layers: replacing the stopped run in {path} (--resume would continue it)")
-    if picks := own_pick_cache(path, args.resume):
+    if device == "cuda" and (picks := own_pick_cache(path, args.resume)):
         print(f"blr_layers: the variant picks go to {picks}")
     done = {(r["shape"], r["n"]) for r in rows}
 
@@ -215,16 +215,21 @@ def run_table(args, torch, device: str, blocks: int) -> int:
 
 
 def own_pick_cache(results: Path, resume: bool) -> Path | None:
-    """Point the variant pick's cache at a file beside the results (``<stem>_picks.json``), so the table's picks are
-    its own: run after another benchmark on the same machine, it took the picks that one had cached (at 1deb9e7 a
-    BLAST pick made during blr_e2e's warm-up read 16.3% slower than the fastest pipeline). A fresh run starts the
-    file afresh, ``--resume`` keeps it; where MEMFIT_AUTOTUNE_CACHE is set, that cache is used and None returned."""
+    """Point the variant pick's cache at a file beside the results (``<stem>_picks.json``), so the table's variant
+    picks are its own: run after another benchmark on the same machine, it took the picks that one had cached (at
+    1deb9e7 a BLAST pick made during blr_e2e's warm-up read 16.3% slower than the fastest pipeline). The kernels'
+    tile configs stay in Triton's own cache, shared. A fresh run starts the file afresh, ``--resume`` keeps it; a
+    cache this process had loaded is dropped; where MEMFIT_AUTOTUNE_CACHE is set, that cache is used and None
+    returned."""
+    from memfit.kernels import blr_common
+
     if os.environ.get("MEMFIT_AUTOTUNE_CACHE"):
         return None
     picks = results.with_name(f"{results.stem}_picks.json")
     if not resume:
         picks.unlink(missing_ok=True)
     os.environ["MEMFIT_AUTOTUNE_CACHE"] = str(picks)
+    blr_common._CACHE = None                        # loaded again from the new path at the next pick
     return picks
 
 

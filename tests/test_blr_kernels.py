@@ -519,18 +519,20 @@ def test_rotation_copies_nested_and_strided_arguments_as_they_are(monkeypatch):
     assert torch.equal(copy[1][0][0], down) and copy[1][1][0] is copy[1][0][0]     # passed twice, copied once
     assert blr_common._nbytes((x, weights)) == x.nbytes + down.nbytes + 16
     row = torch.ones(3).expand(4, 3)                                   # overlapping: copied whole, values kept
-    assert torch.equal(blr_common.rotation("op", (x, row))[1][1], row)
+    copied = blr_common.rotation("op", (x, row))[1][1]
+    assert copied is not row and torch.equal(copied, row)
 
 
 def test_rotation_says_when_it_times_partly_from_l2(monkeypatch):
     """Copies that together stay under twice the L2 (the copy cap reached), or no memory for them, are said once."""
     warned = []
     monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
-    monkeypatch.setattr(blr_common, "_cuda_device", lambda args: torch.device("cpu"))
-    monkeypatch.setattr(blr_common, "_l2_bytes", lambda device: 2**20)
+    stand_in, asked = torch.device("cpu"), []                          # stands for the arguments' GPU
+    monkeypatch.setattr(blr_common, "_cuda_device", lambda args: stand_in)
+    monkeypatch.setattr(blr_common, "_l2_bytes", lambda device: asked.append(device) or 2**20)
     x = torch.ones(16)                                                 # 64 bytes: 64 copies hold 4 KiB
     assert len(blr_common.rotation("op", (x,))) == blr_common.ROTATE_MAX_COPIES
-    assert "less than twice the L2" in warned[0]
+    assert "less than twice the L2" in warned[0] and asked and all(device is stand_in for device in asked)
     real_empty_strided = torch.empty_strided
 
     def no_memory(*args, **kwargs):
@@ -745,6 +747,7 @@ def stub_l2_flush(monkeypatch) -> list:
         L2_cache_size = 2**20
 
     real_empty, sizes = torch.empty, []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
     monkeypatch.setattr(torch, "empty", lambda size, dtype, device: sizes.append(size) or real_empty(size, dtype=dtype))
     return sizes

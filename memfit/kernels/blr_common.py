@@ -185,8 +185,8 @@ def rotation_copies(bytes_per_call: int, device: torch.device | None = None) -> 
 def rotation(op: str, args: tuple) -> list[tuple]:
     """``args`` and copies of it, :func:`rotation_copies` in all, for a timing to call in turn, so each call reads
     its weights and inputs from HBM, as a model's layers do. Tensors are copied also inside lists and tuples (the
-    per-layer weights a gemv pick times together), with their strides (a row-strided view stays one) and with a
-    tensor passed twice copied once; other values are shared.
+    per-layer weights a gemv pick times together), with their strides (a row-strided view stays one; an expanded,
+    stride-0 view is materialised) and with a tensor passed twice copied once; other values are shared.
 
     Until 1deb9e7 the pick timed (L2 flush + call) minus the flush: at decode sizes a few us left from two
     timings of some 30 us each. In the full layer table at 6a18df8 (``blr_layers.py --summarize``), at N <= 128,
@@ -226,8 +226,9 @@ def _nbytes(value) -> int:
 
 
 def _clone(value, memo: dict):
-    """``value`` with its tensors copied, also inside lists and tuples, each with its own strides; ``memo`` (id ->
-    copy) makes a tensor passed twice one copy."""
+    """``value`` with its tensors copied, also inside lists and tuples, each with its own strides (an expanded view
+    contiguous: torch will not copy into overlapping memory); ``memo`` (id -> copy) makes a tensor passed twice one
+    copy."""
     if isinstance(value, torch.Tensor):
         if id(value) not in memo:
             expanded = any(stride == 0 and size > 1 for stride, size in zip(value.stride(), value.shape))
@@ -242,9 +243,9 @@ def _clone(value, memo: dict):
 
 def _l2_bytes(device: torch.device | None = None) -> int:
     """The L2 size in bytes of ``device`` (by default the current GPU; 0 without one, or off the GPU)."""
+    if not torch.cuda.is_available():
+        return 0
     if device is None:
-        if not torch.cuda.is_available():
-            return 0
         device = torch.cuda.current_device()
     elif torch.device(device).type != "cuda":
         return 0
