@@ -19,8 +19,9 @@ the weights and inputs (together > 2x the 50 MB L2) so nothing is served from L2
 implementation of a case is built, run and checked first, then all are timed in
 TIMING_ROUNDS rounds, forward and reverse by turns; a row's ``ms`` is the median of its
 ``ms_rounds``, whose spread shows the noise within the run, and a drift of the GPU's speed
-over a case cannot favour whichever implementation is timed first. (Between two runs of the
-same kernels, 43f911d and 04677cb, dense eager read up to 17% apart at N = 8192.)
+over a case cannot favour whichever implementation is timed first. (Between runs of the same
+kernels dense eager read up to 19.8% apart at N = 8192: ``--summarize`` with this table and the
+43f911d, 04677cb and 9f70ccb runs in results/earlier.)
 Writes ``blr_layers.json`` (after every case, ``"complete": false`` until the end; ``--resume``
 continues such a file) and
 ``blr_layers_roofline.png``; ``--profile`` also, and ``--profile-only`` instead, writes
@@ -104,6 +105,11 @@ def main() -> int:
             runs = {path: json.loads(Path(path).read_text()) for path in args.summarize}
         except (OSError, ValueError) as err:
             print(f"blr_layers: cannot read a results file: {err}", file=sys.stderr)
+            return 2
+        tables = ("blr_layers", "blr_layers_subset", "blr_layers_smoke")
+        if wrong := [path for path, data in runs.items()
+                     if not isinstance(data, dict) or data.get("benchmark") not in tables]:
+            print(f"blr_layers: not a layer table written by this benchmark: {', '.join(wrong)}", file=sys.stderr)
             return 2
         print(summarize(runs))
         return 0
@@ -244,7 +250,7 @@ def summarize(runs: dict) -> str:
     def spread(rows):
         values = sorted(max(r["ms_rounds"]) / min(r["ms_rounds"]) - 1 for r in rows
                         if r.get("ms_rounds") and not any(map(math.isnan, r["ms_rounds"])))
-        return values and (statistics.median(values), values[int(0.9 * len(values))], values[-1])
+        return values and (statistics.median(values), percentile(values, 0.9), values[-1])
 
     lines = []
     for path, data in runs.items():
@@ -265,7 +271,7 @@ def summarize(runs: dict) -> str:
             if subset := sorted(subset):
                 lines.append(f"  the pick's finalists over the table's time of the same pipeline, {label}, {len(subset)} "
                              f"timings: median {statistics.median(subset):.3f}, 10th-90th percentile "
-                             f"{subset[int(0.1 * len(subset))]:.3f}-{subset[int(0.9 * len(subset))]:.3f}, "
+                             f"{percentile(subset, 0.1):.3f}-{percentile(subset, 0.9):.3f}, "
                              f"from {subset[0]:.3f} to {subset[-1]:.3f}")
         lines += clock_lines(data.get("gpu_states", []))
         if spent := data.get("case_seconds"):
@@ -283,6 +289,11 @@ def summarize(runs: dict) -> str:
         lines.append(f"dense eager at N = 8192 read up to {gap:.1%} apart between two files ({shape}: {first}, "
                      f"{second})")
     return "\n".join(lines)
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The value at fraction ``q`` of ``ordered`` (sorted ascending), by rank, without interpolation."""
+    return ordered[int(q * len(ordered))]
 
 
 def clock_lines(states: list[dict]) -> list[str]:

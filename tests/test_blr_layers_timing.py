@@ -189,3 +189,10 @@ def test_the_table_keeps_its_own_pick_cache(blr_layers, tmp_path, monkeypatch):
     monkeypatch.setenv("MEMFIT_AUTOTUNE_CACHE", "/users/cache.json")
     assert blr_layers.own_pick_cache(results, resume=False) is None
     assert os.environ["MEMFIT_AUTOTUNE_CACHE"] == "/users/cache.json"
+
+
+def test_summarize_refuses_a_file_this_benchmark_did_not_write(blr_layers, tmp_path, monkeypatch, capsys):
+    other = tmp_path / "linear_ce.json"
+    other.write_text('{"benchmark": "linear_ce", "rows": [{"impl": "x"}]}')
+    monkeypatch.setattr("sys.argv", ["blr_layers.py", "--summarize", str(other)])
+    assert blr_layers.main() == 2 and "not a layer table written by this benchmark" in capsys.readouterr().err
