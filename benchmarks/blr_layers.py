@@ -245,8 +245,9 @@ def summarize(runs: dict) -> str:
     file keeps rounds, and the cases where the pick trails its fastest pipeline (``pick_check``, recomputed for
     files written before it was recorded), how the pick's own timings of its finalists (``pick_timings``)
     compare with the table's time of the same pipelines, the GPU's SM clock read after timing rounds
-    (``gpu_states``) and where the run's time went (``case_seconds``); then, across the files, the largest ratio
-    of one case's dense eager time in two of them at N = 8192."""
+    (``gpu_states``) and where the run's time went (``case_seconds``); then, across the files, the pipelines never
+    close to their case's fastest (:func:`never_close`) and the largest ratio of one case's dense eager time in
+    two of them at N = 8192."""
     def spread(rows):
         values = sorted(max(r["ms_rounds"]) / min(r["ms_rounds"]) - 1 for r in rows
                         if r.get("ms_rounds") and not any(map(math.isnan, r["ms_rounds"])))
@@ -280,6 +281,9 @@ def summarize(runs: dict) -> str:
                          f"and pick and {sum(c['rounds_s'] for c in spent):.0f} s to time; the slowest, "
                          f"{slowest['shape']} N={slowest['n']}, {slowest['prepare_s']:.0f} s and "
                          f"{slowest['rounds_s']:.0f} s")
+    if never := never_close(runs):
+        lines.append(f"never fastest nor within {NEVER_CLOSE - 1:.0%} of it in these {len(runs)} files: "
+                     + ", ".join(f"{impl} ({cases} cases)" for impl, cases in never))
     dense = {path: {r["shape"]: r["ms"] for r in data["rows"] if r["impl"] == "dense_eager" and r["n"] == 8192}
              for path, data in runs.items()}
     pairs = [(max(a[s], b[s]) / min(a[s], b[s]) - 1, s, pa, pb) for (pa, a), (pb, b) in
@@ -378,18 +382,46 @@ def pick_check(rows) -> list[dict]:
     came from the cache, is in the results' ``pick_timings`` (blr_common.PICK_TIMINGS, keyed by op and the op's
     shape key: a pick is timed at the first N called in its ``pick_bucket``)."""
     out = []
+    pipelines = case_pipelines(rows)
     for r in rows:
         kind = r["structure"]
         if r["impl"] != f"{kind}_ours" or math.isnan(r["ms"]):
             continue
-        pipelines = [q for q in rows if (q["shape"], q["n"], q["structure"]) == (r["shape"], r["n"], kind)
-                     and q["impl"] not in (f"{kind}_ours", f"{kind}_reference", "monarch_permuted")
-                     and not math.isnan(q["ms"])]
-        fastest = min(pipelines, key=lambda q: q["ms"], default=None)
+        fastest = min(pipelines.get((r["shape"], r["n"], kind), []), key=lambda q: q["ms"], default=None)
         if fastest and r["ms"] > PICK_SLACK * fastest["ms"]:
             out.append({"shape": r["shape"], "n": r["n"], "structure": kind, "ours_ms": r["ms"],
                         "fastest": fastest["impl"], "fastest_ms": fastest["ms"], "ratio": r["ms"] / fastest["ms"]})
     return out
+
+
+def case_pipelines(rows) -> dict:
+    """(shape, n, structure) -> the rows of the pipelines the pick chooses among (each variant the op offered,
+    timed on its own; not the pick, the reference or the permuted layout), those that ran."""
+    out = {}
+    for q in rows:
+        kind = q["structure"]
+        if kind != "dense" and q["impl"] not in (f"{kind}_ours", f"{kind}_reference", "monarch_permuted") \
+                and not math.isnan(q["ms"]):
+            out.setdefault((q["shape"], q["n"], kind), []).append(q)
+    return out
+
+
+NEVER_CLOSE = 1.05       # a pipeline never within this factor of its case's fastest, in every file, is listed
+
+
+def never_close(runs: dict) -> list[tuple[str, int]]:
+    """The pipelines that no case of any file in ``runs`` (path -> its JSON) had as its fastest or within
+    NEVER_CLOSE of it, each with the number of cases that timed it: the evidence an op's UNPICKED_WITH_PDL (the
+    pipelines its pick does not time where PDL is offered) rests on."""
+    offered, close = {}, set()
+    for data in runs.values():
+        for pipelines in case_pipelines(data["rows"]).values():
+            fastest = min(q["ms"] for q in pipelines)
+            for q in pipelines:
+                offered[q["impl"]] = offered.get(q["impl"], 0) + 1
+                if q["ms"] <= NEVER_CLOSE * fastest:
+                    close.add(q["impl"])
+    return sorted((impl, cases) for impl, cases in offered.items() if impl not in close)
 
 
 PROFILE_CASES = [("llama-3.2-1b gate", 1), ("llama-7b down", 16), ("llama-3.2-1b gate", 1024),

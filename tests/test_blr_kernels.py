@@ -161,6 +161,40 @@ def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):
     assert blr_common.chain_options(launch_dependents=True) == {"LAUNCH_DEPENDENTS": True}
 
 
+def test_the_pick_leaves_out_what_the_chained_pipelines_superseded(monkeypatch):
+    """Where PDL is offered the pick does not time the pipelines an op names in UNPICKED_WITH_PDL, and its decode
+    default is the chained pipeline; without PDL it times them all and the default is the unchained one. The
+    names stay available (the layer table times them, ``variant=`` takes them)."""
+    monkeypatch.setattr(blr_common, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, pdl in ((8, False), (9, True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda c=capability: (c, 0))
+        for module, available in ((monarch, monarch.variants_for(16, 128, 32, False)), (blast, blast.variants_for(16)),
+                                  (lowrank, lowrank.variants_for(16))):
+            assert set(module.UNPICKED_WITH_PDL) < set(available)
+            timed = blr_common.pick_candidates(available, module.UNPICKED_WITH_PDL)
+            assert set(timed) == set(available) - (set(module.UNPICKED_WITH_PDL) if pdl else set())
+        assert monarch._default(16, False) == ("two_stage_pdl" if pdl else "fused")
+        assert blast._default(1) == ("z_mixgemm_pdl" if pdl else "z_mixgemm")
+
+
+@pytest.mark.parametrize("op,module,shapes", [
+    (monarch_linear, monarch, [(N, B * M), (B, M, B * 5), (B, B * 5, P)]),
+    (blast_linear, blast, [(N, B * M), (B, P, 5), (B, M, 5), (B, B, 5)]),
+    (lowrank_linear, lowrank, [(N, M), (P, 5), (M, 5)])])
+def test_the_ops_hand_the_pick_its_candidates(op, module, shapes, monkeypatch):
+    """Each op's auto path passes pick_candidates' set (not every available pipeline) to the pick."""
+    seen = {}
+
+    def pick(name, key, candidates, default, args):
+        seen["names"] = set(candidates)
+        return "torch" if "torch" in candidates else "cublas"
+
+    monkeypatch.setattr(module, "pick_variant", pick)
+    op(*(torch.randn(*shape) for shape in shapes), path="triton")
+    assert seen["names"] and not seen["names"] & set(module.UNPICKED_WITH_PDL)    # the interpreter offers PDL
+
+
 def test_a_chained_stage_needs_weights_with_a_unit_stride():
     a, b, c = torch.randn(1, 4, 6), torch.randn(6, 10)[:, ::2], torch.empty(1, 4, 5)
     with pytest.raises(MemfitError, match="unit stride"):

@@ -92,6 +92,22 @@ def test_pick_check_lists_the_cases_where_the_pick_trails_its_fastest_pipeline(b
                                             "fastest": "monarch_bmm", "fastest_ms": 10.0, "ratio": 1.1}]
 
 
+def test_never_close_lists_pipelines_no_case_of_any_file_had_near_its_fastest(blr_layers):
+    """A pipeline within NEVER_CLOSE of its case's fastest in one case of one file is not listed; the pick, the
+    reference, the permuted layout, dense and failed rows are not pipelines; a listed one counts its cases."""
+    def row(impl, ms, n=16, structure="monarch"):
+        return {"shape": "s", "n": n, "structure": structure, "impl": impl, "ms": ms}
+
+    first = {"rows": [row("monarch_bmm", 1.0), row("monarch_fused", 1.2), row("monarch_torch", 1.3),
+                      row("monarch_ours", 9.0), row("monarch_reference", 9.0), row("monarch_permuted", 9.0),
+                      row("dense_eager", 0.1, structure="dense"), row("monarch_tbmm", math.nan)]}
+    second = {"rows": [row("monarch_bmm", 1.0, n=1), row("monarch_fused", 1.06, n=1), row("monarch_torch", 1.04, n=1),
+                       row("blast_torch", 2.0, structure="blast"), row("blast_bmm_mix_bmm", 1.0, structure="blast")]}
+    assert blr_layers.never_close({"a": first, "b": second}) == [("blast_torch", 1), ("monarch_fused", 2)]
+    assert "never fastest nor within 5% of it in these 2 files: blast_torch (1 cases), monarch_fused (2 cases)" in \
+        blr_layers.summarize({"a": {**first, "commit": "x"}, "b": {**second, "commit": "y"}})
+
+
 def test_gpu_state_reads_nvidia_smi_and_is_none_where_it_cannot(monkeypatch):
     import subprocess
 

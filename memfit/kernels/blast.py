@@ -45,7 +45,9 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   and dependent reads of ``bmm_mix_bmm`` are most of its time.
 * ``z_mixgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``z_mixgemm`` with the second kernel chained
   to the first (blr_common's programmatic dependent launch: it starts while Z is being
-  made, pulls its U_i slice into L2, then waits for Z).
+  made, pulls its U_i slice into L2, then waits for Z). On a GPU that offers it the pick does
+  not time ``z_mixgemm``: on the H200 it never came within 5% of the fastest
+  (:func:`blr_common.pick_candidates`).
 * ``torch`` (the reference: cuBLAS batched GEMMs, the mixing as an einsum) competes
   too, so the pick is never slower than plain PyTorch (it was the fastest at no shape in
   the 6cfd3c1 run).
@@ -71,6 +73,7 @@ from memfit.kernels.blr_common import (
     pdl_offered,
     per_block_gemm,
     pick_bucket,
+    pick_candidates,
     pick_variant,
     pow2_at_least,
     prefetch_l2,
@@ -401,9 +404,15 @@ def variants_for(n: int) -> dict:
     return {name: VARIANTS[name] for name in names}
 
 
+UNPICKED_WITH_PDL = ("z_mixgemm",)  # never within 5% of the fastest on the H200 (blr_common.pick_candidates)
+
+
 def _default(n: int) -> str:
-    """The pick off the GPU timing path (interpreter, CUDA-graph capture)."""
-    return "z_mixgemm" if n <= 16 else "tbmm_mix_tbmm" if n >= TOKEN_MAJOR_MIN_N else "bmm_mix_bmm"
+    """The pick off the GPU timing path (interpreter, CUDA-graph capture): at decode the two-launch ``z_mixgemm``,
+    chained where PDL is offered."""
+    if n <= 16:
+        return "z_mixgemm_pdl" if pdl_offered() else "z_mixgemm"
+    return "tbmm_mix_tbmm" if n >= TOKEN_MAJOR_MIN_N else "bmm_mix_bmm"
 
 
 @torch.library.custom_op("memfit::blast_linear", mutates_args=())
@@ -414,8 +423,8 @@ def _blast_op(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, s: torch.Tensor
     args = (x2, u.contiguous(), v.contiguous(), s.contiguous(), bias)
     if variant == "auto":
         n = x2.shape[0]
-        variant = pick_variant("blast_linear", (pick_bucket(n), *u.shape, m, str(x.dtype)), variants_for(n),
-                               _default(n), args)
+        variant = pick_variant("blast_linear", (pick_bucket(n), *u.shape, m, str(x.dtype)),
+                               pick_candidates(variants_for(n), UNPICKED_WITH_PDL), _default(n), args)
     return VARIANTS[variant](*args).reshape(*x.shape[:-1], -1)
 
 

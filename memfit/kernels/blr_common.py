@@ -404,6 +404,20 @@ def pdl_offered() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
+def pick_candidates(available: dict, superseded_where_pdl: tuple[str, ...]) -> dict:
+    """The pipelines ``pick_variant`` times: ``available`` (what the op can run, and what the layer table times),
+    less ``superseded_where_pdl`` on a GPU that offers the chained (``*_pdl``) pipelines (:func:`pdl_offered`),
+    at every N. An op names there the pipelines that in the five full layer tables on the H200 from 43f911d to
+    89a2ab1 were never the fastest nor within 5% of it at any N (``blr_layers.py --summarize`` over those files
+    lists them): each cost every cold pick its compiles, tile tuning and timings for nothing. The plain-PyTorch
+    pipelines are kept although some never came close either: they are cheap to time and guard the pick against
+    a Triton stage that runs badly on a new shape. The names stay available (``variant=...``); without PDL they
+    are the decode pipelines and the pick times them."""
+    if not pdl_offered():
+        return available
+    return {name: fn for name, fn in available.items() if name not in superseded_where_pdl}
+
+
 def chain_options(launch_dependents: bool | None = None, wait_for_previous: bool | None = None) -> dict:
     """Kernel keyword arguments for a stage in a chain: the GDC constexprs the kernel has (None:
     it has no such flag) and, for a stage that waits, the launch attribute that lets it start

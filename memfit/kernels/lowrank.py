@@ -12,7 +12,8 @@ Three pipelines, all two GEMMs with z = x V (N r elements) written and read once
   tiles to cover the SMs: a decode competitor, and a check on cuBLAS at large N.
 * ``bgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``bgemm`` with the second GEMM chained to the first
   (blr_common's programmatic dependent launch: it starts early, pulls its U slice into
-  L2, then waits for z).
+  L2, then waits for z). On a GPU that offers it the pick does not time ``bgemm`` at any N: on
+  the H200 it never came within 5% of the fastest (:func:`blr_common.pick_candidates`).
 A chained single kernel (z on chip) is not offered: each output tile would recompute
 its z, repeating the first GEMM out/BO times, which lost by 50-170x on the H200.
 Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x.
@@ -27,6 +28,7 @@ from memfit.kernels.blr_common import (
     bgemm,
     pdl_offered,
     pick_bucket,
+    pick_candidates,
     pick_variant,
     recompute_backward,
     save_for_recompute,
@@ -61,6 +63,7 @@ def _cublas(x2, u, v, bias):
 
 
 VARIANTS = {"cublas": _cublas, "bgemm": _bgemm, "bgemm_pdl": _bgemm_pdl}
+UNPICKED_WITH_PDL = ("bgemm",)   # never within 5% of the fastest on the H200 (blr_common.pick_candidates)
 
 
 def variants_for(n: int) -> dict:
@@ -78,8 +81,8 @@ def _lowrank_op(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, bias: torch.T
     args = (x2, u.contiguous(), v.contiguous(), bias)
     if variant == "auto":
         n = x2.shape[0]
-        variant = pick_variant("lowrank_linear", (pick_bucket(n), *u.shape, v.shape[0], str(x.dtype)), variants_for(n),
-                               "cublas", args)
+        variant = pick_variant("lowrank_linear", (pick_bucket(n), *u.shape, v.shape[0], str(x.dtype)),
+                               pick_candidates(variants_for(n), UNPICKED_WITH_PDL), "cublas", args)
     return VARIANTS[variant](*args).reshape(*x.shape[:-1], u.shape[0])
 
 

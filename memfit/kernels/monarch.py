@@ -39,7 +39,9 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   through a transposed view, no copy. Where t is not a multiple of 8 (Llama-7B: 93), it
   replaces ``bmm``'s slow scattered store (Llama-7B gate/up, N=8192: 908.9 against 3442.4 us,
   75317f4). (Both stages on cuBLAS with P^T as a copy of (t x N) slabs lost at every shape.)
-* ``fused`` (the decode path, and a candidate at every N): one kernel, z on chip. A program owns
+* ``fused`` (the decode path where PDL is not offered, and there a candidate at every N; on a GPU that
+  offers it ``two_stage_pdl`` is, and the pick does not time ``fused`` at any N: on the H200 it never came
+  within 5% of the fastest, :func:`blr_common.pick_candidates`): one kernel, z on chip. A program owns
   a token tile, output block i and an output column tile; one loop over the input
   blocks j (both dots in it, so it is software-pipelined) computes
   s = X_j @ w1[j][:, i t:(i+1) t] (K = m, all of it in one tile) and at once
@@ -47,7 +49,7 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   slice is re-read from L2 per column tile), x re-read from L2 per program, stage 1
   recomputed once per output column tile (ceil(p / BO) times). Cheap at decode; at large
   N it can only win where p is one or two column tiles (Llama-1B q/o: p = 128, where z's
-  round trip through memory costs more than the stage-2 FLOPs), so the pick times it at
+  round trip through memory costs more than the stage-2 FLOPs), so where it is timed it is timed at
   every N. Needs pow2(m) * pow2(t) small enough for a pipelined tile (:func:`fused_fits`).
 * ``torch`` (the reference: two cuBLAS batched GEMMs with the permutations as copies)
   competes too, so the pick is never slower than plain PyTorch on a shape where the
@@ -74,6 +76,7 @@ from memfit.kernels.blr_common import (
     pdl_offered,
     per_block_gemm,
     pick_bucket,
+    pick_candidates,
     pick_variant,
     pow2_at_least,
     recompute_backward,
@@ -185,7 +188,7 @@ def _tbmm(x2, w1, w2, bias, permute_output):
     return per_block_gemm(zp.permute(2, 0, 1), w2, bias, cublas=True)
 
 
-# ---- fused kernel (decode; a candidate at every N): both dots in one pipelined loop -----
+# ---- fused kernel (decode without PDL; then a candidate at every N): both dots in one pipelined loop -----
 
 def _prune_fused(configs, named_args, **kwargs):
     configs = keep_small_n(configs, named_args["N"])
@@ -252,6 +255,7 @@ def _fused(x2, w1, w2, bias, permute_output):
 
 VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm,
             "bmm_gather": _bmm_gather, "tbmm": _tbmm, "fused": _fused, "torch": monarch_linear_reference}
+UNPICKED_WITH_PDL = ("fused",)  # never within 5% of the fastest on the H200 (blr_common.pick_candidates)
 
 
 def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
@@ -269,11 +273,11 @@ def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
 
 
 def _default(n: int, permute_output: bool) -> str:
-    """The pick off the GPU timing path (interpreter, CUDA-graph capture): the decode kernel, two
-    GEMMs, or from TOKEN_MAJOR_MIN_N (block-major layout) ``tbmm`` (``two_stage`` took 3.9x its
-    time at Llama-7B's t = 93, 75317f4)."""
+    """The pick off the GPU timing path (interpreter, CUDA-graph capture): at decode the chained two GEMMs where
+    PDL is offered, else the fused kernel; two GEMMs; or from TOKEN_MAJOR_MIN_N (block-major layout) ``tbmm``
+    (``two_stage`` took 3.9x its time at Llama-7B's t = 93, 75317f4)."""
     if n <= 16:
-        return "fused"
+        return "two_stage_pdl" if pdl_offered() else "fused"
     return "tbmm" if n >= TOKEN_MAJOR_MIN_N and not permute_output else "two_stage"
 
 
@@ -286,7 +290,7 @@ def _monarch_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, bias: torch
     args = (x2, w1, w2, bias, permute_output)
     if variant == "auto":
         n = x2.shape[0]
-        offered = variants_for(n, m, r // b, permute_output)
+        offered = pick_candidates(variants_for(n, m, r // b, permute_output), UNPICKED_WITH_PDL)
         default = _default(n, permute_output)
         default = default if default in offered else "two_stage"          # the fused tile may not fit
         variant = pick_variant("monarch_linear", (pick_bucket(n), *w1.shape, w2.shape[2], permute_output, str(x.dtype)),
