@@ -212,3 +212,21 @@ def test_summarize_refuses_a_file_this_benchmark_did_not_write(blr_layers, tmp_p
     other.write_text('{"benchmark": "linear_ce", "rows": [{"impl": "x"}]}')
     monkeypatch.setattr("sys.argv", ["blr_layers.py", "--summarize", str(other)])
     assert blr_layers.main() == 2 and "not a layer table written by this benchmark" in capsys.readouterr().err
+
+
+def test_pick_cost_smoke_run_writes_a_row_per_structure_shape_and_n(tmp_path):
+    """benchmarks/pick_cost.py on the CPU (interpreter): every first and second call timed and written."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "pick_cost.py"), "--smoke", "--tokens", "1", "40",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    written = json.loads((tmp_path / "pick_cost_smoke.json").read_text())
+    rows = written["rows"]
+    assert written["complete"] is True
+    assert {(r["structure"], r["n"]) for r in rows} == {(k, n) for k in ("lowrank", "monarch", "blast") for n in (1, 40)}
+    assert all(r["first_call_s"] > 0 and r["second_call_s"] > 0 and r["candidates_timed"] == 0 for r in rows)
