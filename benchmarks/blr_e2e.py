@@ -226,6 +226,13 @@ def main(argv=None) -> int:
         from memfit.train.attention_hf import register
 
         attention = register()
+    name = "blr_e2e" + ("_memfit_attention" if args.attention == "memfit" else "") + ("_smoke" if smoke else "")
+
+    def save(targets: list[dict], complete: bool) -> Path:
+        # the kernel variant each BLR layer shape took, with what the pick measured (or that it came from the cache)
+        return write_results(name, rows, targets, out_dir=args.out, model=spec.name, blocks=blocks, ranks=ranks,
+                             attention=args.attention, pick_timings=blr_common.PICK_TIMINGS, complete=complete)
+
     for variant in variants:
         torch.manual_seed(0)
         model = build_model(spec, dtype="bfloat16", device=device, attn_implementation=attention)
@@ -257,6 +264,7 @@ def main(argv=None) -> int:
             results[(variant, mode)] = row
             print(f"{variant:8s} {mode:8s} prefill {prefill_ms:8.3f} ms  decode {decode_ms:7.3f} ms "
                   f"({row['decode_tokens_per_s']:.0f} tok/s)  floors {floor['prefill']} / {floor['decode']}", flush=True)
+        save([], complete=False)                  # a run stopped by a time limit keeps the models it measured
         del model
         torch._dynamo.reset()
         if device == "cuda":
@@ -274,10 +282,7 @@ def main(argv=None) -> int:
             continue
         targets.append(target(f"{variant} prefill speedup vs dense ({mode})", row["prefill_speedup"], 2.0, "x", "higher"))
         targets.append(target(f"{variant} decode speedup vs dense ({mode})", row["decode_speedup"], 1.8, "x", "higher"))
-    name = "blr_e2e" + ("_memfit_attention" if args.attention == "memfit" else "") + ("_smoke" if smoke else "")
-    # the kernel variant each BLR layer shape took, with what the pick measured (or that it came from the cache)
-    path = write_results(name, rows, targets, out_dir=args.out, model=spec.name, blocks=blocks, ranks=ranks,
-                         attention=args.attention, pick_timings=blr_common.PICK_TIMINGS)
+    path = save(targets, complete=True)
     plot(rows, path.with_suffix(".png"))
     for t in targets:
         print(f"{t['name']}: {t['measured']:.2f}x (target {t['target']}x) {'met' if t['met'] else 'NOT met'}")

@@ -128,9 +128,10 @@ def main() -> int:
         from memfit.measure.results import write_results
 
         cases = SMOKE_PROFILE_CASES if args.smoke else PROFILE_CASES
-        profiled = profile_cases(torch, cases, blocks, torch.bfloat16, device)
         name = "blr_layers_profile" + ("_smoke" if args.smoke else "")
-        print(f"wrote {write_results(name, profiled, [], args.out, blocks=blocks)}")
+        stopped = functools.partial(write_results, name, targets=[], out_dir=args.out, blocks=blocks, complete=False)
+        profiled = profile_cases(torch, cases, blocks, torch.bfloat16, device, save=stopped)
+        print(f"wrote {write_results(name, profiled, [], args.out, blocks=blocks, complete=True)}")
     return 0
 
 
@@ -431,9 +432,10 @@ PROFILE_CASES = [("llama-3.2-1b gate", 1), ("llama-7b down", 16), ("llama-3.2-1b
 SMOKE_PROFILE_CASES = [("smoke 48->80", 40)]
 
 
-def profile_cases(torch, cases, blocks, dtype, device) -> list[dict]:
+def profile_cases(torch, cases, blocks, dtype, device, save=None) -> list[dict]:
     """One row per (case, structure, pipeline): the pipeline's kernels with their GPU ms, so a
-    pipeline's time splits into its stages (which stage misses its floor)."""
+    pipeline's time splits into its stages (which stage misses its floor). ``save(rows)``, if given, is
+    called after each case, so a run stopped by a time limit keeps the cases it profiled."""
     from memfit.measure.kernel_profile import kernel_profile
 
     shapes = {name: (d_in, d_out, rank) for name, d_in, d_out, rank in (SHAPES + SMOKE_SHAPES)}
@@ -449,6 +451,8 @@ def profile_cases(torch, cases, blocks, dtype, device) -> list[dict]:
                     kernels, _, idle = kernel_profile(step, device, name_chars=80)
                 rows.append({"shape": name, "n": n, "structure": kind, "variant": variant, "kernels": kernels,
                              "span_ms": idle["span_ms"], "idle_ms": idle["idle_ms"]})
+        if save:
+            save(rows)
     return rows
 
 

@@ -230,3 +230,18 @@ def test_pick_cost_smoke_run_writes_a_row_per_structure_shape_and_n(tmp_path):
     assert written["complete"] is True
     assert {(r["structure"], r["n"]) for r in rows} == {(k, n) for k in ("lowrank", "monarch", "blast") for n in (1, 40)}
     assert all(r["first_call_s"] > 0 and r["second_call_s"] > 0 and r["candidates_timed"] == 0 for r in rows)
+
+
+def test_the_profile_is_saved_after_each_case(blr_layers, monkeypatch):
+    """profile_cases hands its rows to ``save`` after every case, so a run stopped by a limit keeps them."""
+    from memfit.measure import kernel_profile
+
+    monkeypatch.setattr(blr_layers, "structures", lambda *args: {
+        "lowrank": (lambda: torch.nn.Linear(48, 80), lambda layer, x, **options: layer(x), ["cublas", "bgemm"])})
+    monkeypatch.setattr(kernel_profile, "kernel_profile", lambda step, device, name_chars: (
+        {"k": {"ms": 1.0, "launches": 1}}, None, {"span_ms": 1.0, "idle_ms": 0.0}))
+    saved = []
+    rows = blr_layers.profile_cases(torch, [("smoke 48->80", 1), ("smoke 48->80", 3)], 4, torch.float32, "cpu",
+                                    save=lambda rows: saved.append(len(rows)))
+    assert saved == [2, 4] and [(r["n"], r["variant"]) for r in rows] == [(1, "cublas"), (1, "bgemm"), (3, "cublas"),
+                                                                         (3, "bgemm")]
