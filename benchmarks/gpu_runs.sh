@@ -13,16 +13,16 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # recompiling every step); the ledger's 24 accuracy jobs record their own times, 74 s together at 141a414
 # (ledger_accuracy.json, the models' set-up not included).
 # Not yet run since the variant picks time over rotating copies (1deb9e7): blr_e2e_memfit_attention (stopped by a
-# 225 s limit at 0a7cc7e before its last model; 148 s at 18d9a39) and blr_layers_profile (stopped by a 165 s limit
-# at 0a7cc7e, after blr_e2e in the same call; 161 s at 18d9a39). Both now write after each model or case.
+# 225 s limit at 0a7cc7e before its last model; 148 s at 18d9a39); it now writes after each model.
+# blr_layers_profile took 197 s at 36c466b (run alone; a first try after blr_e2e in one call ran past 165 s).
 # The full layer table took one call at 89a2ab1 (558 s); where it runs past its limit, blr_layers_resume times the
 # cases it lacks (a stopped run keeps every finished case; the resume says "nothing to resume" where it finished).
 # blr_e2e --profile took 287 s at 1deb9e7, pick_cost 107 s at 11b0a19, partial_ffn 115 s at 0a7cc7e.
 RUNS=(
   "blr_e2e_memfit_attention|330|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
-  "blr_layers_profile|240|python3 benchmarks/blr_layers.py --out $OUT --profile-only"
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
+  "blr_layers_profile|240|python3 benchmarks/blr_layers.py --out $OUT --profile-only"
   "pick_cost|200|python3 benchmarks/pick_cost.py --out $OUT"
   "decode_profile|240|python3 benchmarks/decode_profile.py --out $OUT"
   "partial_ffn|300|python3 benchmarks/partial_ffn.py --out $OUT --skip-accuracy"
