@@ -284,7 +284,7 @@ def summarize(runs: dict) -> str:
                          f"{slowest['rounds_s']:.0f} s")
     if never := never_close(runs):
         lines.append(f"never fastest nor within {NEVER_CLOSE - 1:.0%} of it in these {len(runs)} files: "
-                     + ", ".join(f"{impl} ({cases} cases)" for impl, cases in never))
+                     + ", ".join(f"{impl} ({rows} rows)" for impl, rows in never))
     dense = {path: {r["shape"]: r["ms"] for r in data["rows"] if r["impl"] == "dense_eager" and r["n"] == 8192}
              for path, data in runs.items()}
     pairs = [(max(a[s], b[s]) / min(a[s], b[s]) - 1, s, pa, pb) for (pa, a), (pb, b) in
@@ -377,7 +377,8 @@ PICK_SLACK = 1.02        # the pick reading over this factor of its fastest pipe
 
 def pick_check(rows) -> list[dict]:
     """Per case and structure where the pick (``<kind>_ours``, what a user gets) read over PICK_SLACK times the
-    fastest of the pipelines it chooses among, each timed in its own row of the same rounds: the pick's time, that
+    fastest of the pipelines the op offers (:func:`case_pipelines`: on Hopper also those the pick leaves out, so one
+    that became the fastest would show here), each timed in its own row of the same rounds: the pick's time, that
     pipeline and its time. Noise puts some cases here (the pick is one of the pipelines); a case listed run after
     run is a ranking that the pick's own timing gets wrong. What the pick measured for each candidate, or that it
     came from the cache, is in the results' ``pick_timings`` (blr_common.PICK_TIMINGS, keyed by op and the op's
@@ -396,8 +397,8 @@ def pick_check(rows) -> list[dict]:
 
 
 def case_pipelines(rows) -> dict:
-    """(shape, n, structure) -> the rows of the pipelines the pick chooses among (each variant the op offered,
-    timed on its own; not the pick, the reference or the permuted layout), those that ran."""
+    """(shape, n, structure) -> the rows of the pipelines the op offered (each variant timed on its own, the ones
+    the pick leaves out on Hopper included; not the pick, the reference or the permuted layout), those that ran."""
     out = {}
     for q in rows:
         kind = q["structure"]
@@ -412,8 +413,8 @@ NEVER_CLOSE = 1.05       # a pipeline never within this factor of its case's fas
 
 def never_close(runs: dict) -> list[tuple[str, int]]:
     """The pipelines that no case of any file in ``runs`` (path -> its JSON) had as its fastest or within
-    NEVER_CLOSE of it, each with the number of cases that timed it: the evidence an op's UNPICKED_WITH_PDL (the
-    pipelines its pick does not time where PDL is offered) rests on."""
+    NEVER_CLOSE of it, each with the number of rows that timed it over the files (a case in two files counts
+    twice): the evidence an op's UNPICKED_WITH_PDL (the pipelines its pick does not time on Hopper) rests on."""
     offered, close = {}, set()
     for data in runs.values():
         for pipelines in case_pipelines(data["rows"]).values():

@@ -27,32 +27,43 @@ import blr_layers  # noqa: E402  (the shapes and layer builders of the layer tab
 DEFAULT_TOKENS = [1, 16]
 
 
-def parse():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through the Triton interpreter")
-    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=DEFAULT_TOKENS,
-                        help=f"token counts to pick for (default {DEFAULT_TOKENS})")
-    return parser.parse_args()
+def parser() -> argparse.ArgumentParser:
+    parse = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parse.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through the Triton interpreter")
+    parse.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    parse.add_argument("--tokens", type=int, nargs="+", default=DEFAULT_TOKENS,
+                       help=f"token counts to pick for, one per pick bucket (default {DEFAULT_TOKENS})")
+    return parse
 
 
-def seconds_of(torch, layer, x) -> float:
-    """Wall-clock seconds of ``layer(x)``, the GPU's work included."""
+def first_call(torch, layer, x, pick_timings: dict) -> tuple[float, dict]:
+    """Wall-clock seconds of ``layer(x)``, the GPU's work included, and the record of the variant pick it made
+    (``pick_timings`` is blr_common.PICK_TIMINGS; {} where the call made none: a cached or untimed pick)."""
+    before = set(pick_timings)
     start = time.perf_counter()
     layer(x)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    made = [pick_timings[key] for key in pick_timings.keys() - before]
+    if len(made) > 1:
+        raise RuntimeError(f"pick_cost: one layer call made {len(made)} variant picks, expected one")
+    return seconds, (made[0] if made else {})
 
 
 def main() -> int:
-    args = parse()
-    if min(args.tokens) < 1:
-        print("pick_cost: --tokens must be positive", file=sys.stderr)
-        return 2
-    scratch = tempfile.mkdtemp(prefix="memfit_pick_cost_")
-    os.environ["TRITON_CACHE_DIR"] = str(Path(scratch) / "triton")         # before triton is imported
-    os.environ["MEMFIT_AUTOTUNE_CACHE"] = str(Path(scratch) / "picks.json")
+    parse = parser()
+    args = parse.parse_args()
+    if bad := [n for n in args.tokens if n < 1]:
+        parse.error(f"--tokens must be positive, got {bad}")
+    with tempfile.TemporaryDirectory(prefix="memfit_pick_cost_") as scratch:
+        os.environ["TRITON_CACHE_DIR"] = str(Path(scratch) / "triton")         # before triton is imported
+        os.environ["MEMFIT_AUTOTUNE_CACHE"] = str(Path(scratch) / "picks.json")
+        return run(parse, args)
+
+
+def run(parse, args) -> int:
+    """Every first and second call, from the empty caches main set up."""
     import torch
 
     if args.smoke and not torch.cuda.is_available():
@@ -63,6 +74,9 @@ def main() -> int:
     from memfit.kernels import blr_common
     from memfit.measure.results import write_results
 
+    buckets = [blr_common.pick_bucket(n) for n in args.tokens]
+    if len(set(buckets)) < len(buckets):
+        parse.error(f"--tokens {args.tokens} share pick buckets {buckets}: a later one would reuse the pick")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes, blocks = (blr_layers.SMOKE_SHAPES, blr_layers.SMOKE_BLOCKS) if args.smoke else (blr_layers.SHAPES,
                                                                                               blr_layers.BLOCKS)
@@ -74,15 +88,13 @@ def main() -> int:
             built = blr_layers.structures(d_in, d_out, rank, blocks, n, torch.bfloat16, device)
             for kind, (make, _, _) in built.items():
                 layer, x = make(), torch.randn(n, d_in, device=device, dtype=torch.bfloat16)
-                before = set(blr_common.PICK_TIMINGS)
-                first_s = seconds_of(torch, layer, x)
-                pick = next((blr_common.PICK_TIMINGS[key] for key in set(blr_common.PICK_TIMINGS) - before), {})
+                first_s, pick = first_call(torch, layer, x, blr_common.PICK_TIMINGS)
                 rows.append({"structure": kind, "shape": name, "n": n, "first_call_s": first_s,
-                             "second_call_s": seconds_of(torch, layer, x),
+                             "second_call_s": first_call(torch, layer, x, blr_common.PICK_TIMINGS)[0],
                              "candidates_timed": len(pick.get("first", {})), "pick": pick.get("pick")})
                 print(f"{kind} {name} N={n}: first call {first_s:.1f} s, {rows[-1]['candidates_timed']} "
                       f"candidates timed, pick {rows[-1]['pick']}", flush=True)
-                path = save(rows, complete=False)                          # a run stopped by a limit keeps its rows
+                save(rows, complete=False)                                 # a run stopped by a limit keeps its rows
     path = save(rows, complete=True)
     print(f"{len(rows)} first calls took {sum(r['first_call_s'] for r in rows):.1f} s; wrote {path}")
     return 0

@@ -24,8 +24,12 @@ def _load(name: str) -> dict | None:
 
 
 def _header(data: dict, command: str) -> str:
+    """The section's run: GPU, versions, commit, date and command; a run that stopped before it finished (its file
+    says ``"complete": false``: the benchmarks that write as they go) is marked, its missing rows and targets
+    otherwise silent."""
+    stopped = " **A stopped run: its file is incomplete.**" if data.get("complete") is False else ""
     return (f"_{data['gpu']}, torch {data['torch']}, triton {data['triton']}, commit {data['commit']}, "
-            f"{data.get('date', '')[:10]}; `{command}`_\n")
+            f"{data.get('date', '')[:10]}; `{command}`_{stopped}\n")
 
 
 def _targets(data: dict) -> str:

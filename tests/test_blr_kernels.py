@@ -161,10 +161,11 @@ def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):
     assert blr_common.chain_options(launch_dependents=True) == {"LAUNCH_DEPENDENTS": True}
 
 
-def test_the_pick_leaves_out_what_the_chained_pipelines_superseded(monkeypatch):
+def test_the_pick_leaves_out_what_never_came_close_where_pdl_is_offered(monkeypatch):
     """Where PDL is offered the pick does not time the pipelines an op names in UNPICKED_WITH_PDL, and its decode
-    default is the chained pipeline; without PDL it times them all and the default is the unchained one. The
-    names stay available (the layer table times them, ``variant=`` takes them)."""
+    default is a chained pipeline; without PDL it times them all and the default is an unchained one. Either way
+    the default is among the candidates. The names stay available (the layer table times them, ``variant=``
+    takes them)."""
     monkeypatch.setattr(blr_common, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, pdl in ((8, False), (9, True)):
@@ -174,8 +175,12 @@ def test_the_pick_leaves_out_what_the_chained_pipelines_superseded(monkeypatch):
             assert set(module.UNPICKED_WITH_PDL) < set(available)
             timed = blr_common.pick_candidates(available, module.UNPICKED_WITH_PDL)
             assert set(timed) == set(available) - (set(module.UNPICKED_WITH_PDL) if pdl else set())
-        assert monarch._default(16, False) == ("two_stage_pdl" if pdl else "fused")
-        assert blast._default(1) == ("z_mixgemm_pdl" if pdl else "z_mixgemm")
+        for n in (1, 16):
+            assert monarch._default(n, False) == ("two_stage_pdl" if pdl else "fused")
+            assert blast._default(n) == ("bgemm_mix_bgemm_pdl" if pdl else "z_mixgemm")
+            assert monarch._default(n, False) in blr_common.pick_candidates(monarch.variants_for(n, 128, 32, False),
+                                                                              monarch.UNPICKED_WITH_PDL)
+            assert blast._default(n) in blr_common.pick_candidates(blast.variants_for(n), blast.UNPICKED_WITH_PDL)
 
 
 @pytest.mark.parametrize("op,module,shapes", [
@@ -183,7 +188,10 @@ def test_the_pick_leaves_out_what_the_chained_pipelines_superseded(monkeypatch):
     (blast_linear, blast, [(N, B * M), (B, P, 5), (B, M, 5), (B, B, 5)]),
     (lowrank_linear, lowrank, [(N, M), (P, 5), (M, 5)])])
 def test_the_ops_hand_the_pick_its_candidates(op, module, shapes, monkeypatch):
-    """Each op's auto path passes pick_candidates' set (not every available pipeline) to the pick."""
+    """Each op's auto path passes pick_candidates' set (not every available pipeline) to the pick, on a GPU that
+    offers PDL (the interpreter runs the kernels)."""
+    for where in (blr_common, module):
+        monkeypatch.setattr(where, "pdl_offered", lambda: True)
     seen = {}
 
     def pick(name, key, candidates, default, args):
@@ -192,7 +200,7 @@ def test_the_ops_hand_the_pick_its_candidates(op, module, shapes, monkeypatch):
 
     monkeypatch.setattr(module, "pick_variant", pick)
     op(*(torch.randn(*shape) for shape in shapes), path="triton")
-    assert seen["names"] and not seen["names"] & set(module.UNPICKED_WITH_PDL)    # the interpreter offers PDL
+    assert seen["names"] and not seen["names"] & set(module.UNPICKED_WITH_PDL)
 
 
 def test_a_chained_stage_needs_weights_with_a_unit_stride():

@@ -94,7 +94,7 @@ def test_pick_check_lists_the_cases_where_the_pick_trails_its_fastest_pipeline(b
 
 def test_never_close_lists_pipelines_no_case_of_any_file_had_near_its_fastest(blr_layers):
     """A pipeline within NEVER_CLOSE of its case's fastest in one case of one file is not listed; the pick, the
-    reference, the permuted layout, dense and failed rows are not pipelines; a listed one counts its cases."""
+    reference, the permuted layout, dense and failed rows are not pipelines; a listed one counts its rows."""
     def row(impl, ms, n=16, structure="monarch"):
         return {"shape": "s", "n": n, "structure": structure, "impl": impl, "ms": ms}
 
@@ -104,7 +104,7 @@ def test_never_close_lists_pipelines_no_case_of_any_file_had_near_its_fastest(bl
     second = {"rows": [row("monarch_bmm", 1.0, n=1), row("monarch_fused", 1.06, n=1), row("monarch_torch", 1.04, n=1),
                        row("blast_torch", 2.0, structure="blast"), row("blast_bmm_mix_bmm", 1.0, structure="blast")]}
     assert blr_layers.never_close({"a": first, "b": second}) == [("blast_torch", 1), ("monarch_fused", 2)]
-    assert "never fastest nor within 5% of it in these 2 files: blast_torch (1 cases), monarch_fused (2 cases)" in \
+    assert "never fastest nor within 5% of it in these 2 files: blast_torch (1 rows), monarch_fused (2 rows)" in \
         blr_layers.summarize({"a": {**first, "commit": "x"}, "b": {**second, "commit": "y"}})
 
 
@@ -245,3 +245,31 @@ def test_the_profile_is_saved_after_each_case(blr_layers, monkeypatch):
                                     save=lambda rows: saved.append(len(rows)))
     assert saved == [2, 4] and [(r["n"], r["variant"]) for r in rows] == [(1, "cublas"), (1, "bgemm"), (3, "cublas"),
                                                                          (3, "bgemm")]
+
+
+def test_pick_cost_reads_the_pick_a_first_call_made():
+    """first_call returns the one pick record the call added ({} where it added none) and refuses two."""
+    pick_cost = load_benchmark("pick_cost")
+    timings = {"earlier": {"pick": "old"}}
+
+    def layer(new: dict):
+        return lambda x: timings.update(new)
+
+    seconds, record = pick_cost.first_call(torch, layer({"op (1,)": {"first": {"a": 1.0, "b": 2.0}, "pick": "a"}}),
+                                           None, timings)
+    assert seconds >= 0 and record == {"first": {"a": 1.0, "b": 2.0}, "pick": "a"}
+    assert pick_cost.first_call(torch, layer({}), None, timings)[1] == {}
+    with pytest.raises(RuntimeError, match="2 variant picks"):
+        pick_cost.first_call(torch, layer({"op (2,)": {}, "op (3,)": {}}), None, timings)
+
+
+def test_pick_cost_refuses_token_counts_that_share_a_pick(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "pick_cost.py"
+    for tokens, message in ((["12", "16"], "share pick buckets"), (["0"], "must be positive")):
+        done = subprocess.run([sys.executable, str(script), "--smoke", "--tokens", *tokens, "--out", str(tmp_path)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr

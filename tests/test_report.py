@@ -32,3 +32,13 @@ def test_pick_note_names_each_miss_and_says_so_when_there_is_none():
     assert report._pick_note({}) == ""
     assert "no case" in report._pick_note({"pick_check": []})
     assert "monarch llama-7b down N=16 (1.086x monarch_bmm_perm_bmm)" in report._pick_note({"pick_check": [miss]})
+
+
+def test_a_stopped_run_is_marked_in_its_section_header():
+    """A results file written as the run went (``"complete": false``) says so in README; a finished one, or one
+    from a benchmark that does not record it, does not."""
+    report = load_report()
+    run = {"gpu": "H200", "torch": "2.11", "triton": "3.6", "commit": "abc", "date": "2026-12-01T00:00"}
+    assert "stopped run" in report._header({**run, "complete": False}, "python x.py")
+    assert "stopped run" not in report._header({**run, "complete": True}, "python x.py")
+    assert "stopped run" not in report._header(run, "python x.py")

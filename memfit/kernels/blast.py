@@ -393,7 +393,8 @@ VARIANTS = {"xvmix_bmm": _xvmix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "tbmm_mix_tbmm
 
 
 def variants_for(n: int) -> dict:
-    """The pipelines worth timing at ``n`` tokens, the same for every N of one ``pick_bucket`` (which shares a pick)."""
+    """The pipelines offered at ``n`` tokens (the pick times those :func:`blr_common.pick_candidates` keeps), the same
+    for every N of one ``pick_bucket`` (which shares a pick)."""
     n = pick_bucket(n)
     names = ["bmm_mix_bmm", "torch"] + (["z_mixgemm"] if n <= MIXGEMM_MAX_N else [])
     names += ["xvmix_bmm"] if n <= XVMIX_MAX_N else []
@@ -408,10 +409,11 @@ UNPICKED_WITH_PDL = ("z_mixgemm",)  # never within 5% of the fastest on the H200
 
 
 def _default(n: int) -> str:
-    """The pick off the GPU timing path (interpreter, CUDA-graph capture): at decode the two-launch ``z_mixgemm``,
-    chained where PDL is offered."""
+    """The pick off the GPU timing path (interpreter, CUDA-graph capture): at decode the three-kernel chain where PDL
+    is offered (at most 1.56x, 1.16x and 1.43x the fastest pipeline at N <= 16 in the 43f911d, 6a18df8 and 89a2ab1
+    tables, where ``z_mixgemm_pdl`` reached 2.15x, 2.07x and 2.38x), else the two-launch ``z_mixgemm``."""
     if n <= 16:
-        return "z_mixgemm_pdl" if pdl_offered() else "z_mixgemm"
+        return "bgemm_mix_bgemm_pdl" if pdl_offered() else "z_mixgemm"
     return "tbmm_mix_tbmm" if n >= TOKEN_MAJOR_MIN_N else "bmm_mix_bmm"
 
 

@@ -404,18 +404,19 @@ def pdl_offered() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-def pick_candidates(available: dict, superseded_where_pdl: tuple[str, ...]) -> dict:
+def pick_candidates(available: dict, never_close_on_h200: tuple[str, ...]) -> dict:
     """The pipelines ``pick_variant`` times: ``available`` (what the op can run, and what the layer table times),
-    less ``superseded_where_pdl`` on a GPU that offers the chained (``*_pdl``) pipelines (:func:`pdl_offered`),
-    at every N. An op names there the pipelines that in the five full layer tables on the H200 from 43f911d to
-    89a2ab1 were never the fastest nor within 5% of it at any N (``blr_layers.py --summarize`` over those files
-    lists them): each cost every cold pick its compiles, tile tuning and timings for nothing. The plain-PyTorch
-    pipelines are kept although some never came close either: they are cheap to time and guard the pick against
-    a Triton stage that runs badly on a new shape. The names stay available (``variant=...``); without PDL they
+    less ``never_close_on_h200`` on a GPU that offers the chained (``*_pdl``) pipelines (:func:`pdl_offered`),
+    at every N (above PDL_MAX_N too, where no chained pipeline runs: the rule rests on the H200's tables alone).
+    An op names there the pipelines that in four full layer tables on the H200 from 43f911d to 89a2ab1 and one
+    stopped run (9f70ccb) were never the fastest nor within 5% of it at any N (``blr_layers.py --summarize``
+    over those files lists them): each cost every cold pick its compiles, tile tuning and timings for nothing.
+    The plain-PyTorch pipelines are kept although some never came close either: they are cheap to time and
+    guard the pick against a Triton stage that runs badly on a new shape. The names stay available (``variant=...``); without PDL they
     are the decode pipelines and the pick times them."""
     if not pdl_offered():
         return available
-    return {name: fn for name, fn in available.items() if name not in superseded_where_pdl}
+    return {name: fn for name, fn in available.items() if name not in never_close_on_h200}
 
 
 def chain_options(launch_dependents: bool | None = None, wait_for_previous: bool | None = None) -> dict:

@@ -67,8 +67,8 @@ UNPICKED_WITH_PDL = ("bgemm",)   # never within 5% of the fastest on the H200 (b
 
 
 def variants_for(n: int) -> dict:
-    """The pipelines worth timing at ``n`` tokens: cuBLAS and bgemm at every N, chained at small N; the same for every
-    N of one ``pick_bucket`` (which shares a pick)."""
+    """The pipelines offered at ``n`` tokens: cuBLAS and bgemm at every N, chained at small N (the pick times those
+    :func:`blr_common.pick_candidates` keeps); the same for every N of one ``pick_bucket`` (which shares a pick)."""
     n = pick_bucket(n)
     names = ["cublas", "bgemm"] + (["bgemm_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
     return {name: VARIANTS[name] for name in names}

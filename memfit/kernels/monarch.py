@@ -259,8 +259,9 @@ UNPICKED_WITH_PDL = ("fused",)  # never within 5% of the fastest on the H200 (bl
 
 
 def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
-    """The pipelines worth timing for ``n`` tokens, block size m, per-block rank t and the layout; the same for every
-    N of one ``pick_bucket`` (which shares a pick: a token-major pipeline picked at N = 128 is offered at N = 100)."""
+    """The pipelines offered for ``n`` tokens, block size m, per-block rank t and the layout (the pick times those
+    :func:`blr_common.pick_candidates` keeps); the same for every N of one ``pick_bucket`` (which shares a pick: a
+    token-major pipeline picked at N = 128 is offered at N = 100)."""
     n = pick_bucket(n)
     names = ["two_stage", "torch"] + (["two_stage_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
     if n >= TOKEN_MAJOR_MIN_N:
