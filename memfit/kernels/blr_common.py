@@ -412,8 +412,8 @@ def pick_candidates(available: dict, never_close_on_h200: tuple[str, ...]) -> di
     stopped run (9f70ccb) were never the fastest nor within 5% of it at any N (``blr_layers.py --summarize``
     over those files lists them): each cost every cold pick its compiles, tile tuning and timings for nothing.
     The plain-PyTorch pipelines are kept although some never came close either: they are cheap to time and
-    guard the pick against a Triton stage that runs badly on a new shape. The names stay available (``variant=...``); without PDL they
-    are the decode pipelines and the pick times them."""
+    guard the pick against a Triton stage that runs badly on a new shape. The names stay available
+    (``variant=...``); without PDL they are the decode pipelines and the pick times them."""
     if not pdl_offered():
         return available
     return {name: fn for name, fn in available.items() if name not in never_close_on_h200}
