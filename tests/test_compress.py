@@ -172,6 +172,22 @@ def test_plan_skips_gqa_kv_and_break_even():
     assert plan["q_proj"].rank is None and "break-even" in plan["q_proj"].reason and plan["o_proj"].rank == 256
 
 
+def test_plan_takes_the_smallest_rank_where_a_kind_cannot_go_lower():
+    """A kind whose smallest rank holds more than the shared fraction takes that rank (the bisection used to read
+    it as a plan too big, and refused every ratio of the tiny model's Monarch plan at blocks=16 up to 0.8); a ratio
+    below the smallest ranks' total is refused with that total."""
+    shapes = PRESETS["tiny"].linear_shapes()
+    total = sum(a * b for a, b in shapes.values())
+    plan = plan_kinds(shapes, "monarch", 0.5, 16, skip=())
+    assert all(p.rank == 16 for p in plan.values()) and sum(p.params for p in plan.values()) <= 0.5 * total
+    assert plan_kinds(shapes, "monarch", 0.7, 16, skip=())["gate_proj"].rank == 32
+    with pytest.raises(MemfitError, match=r"at the smallest ranks the linear layers keep 40\.6%") as refused:
+        plan_kinds(shapes, "monarch", 0.3, 16, skip=())
+    assert "--skip none" not in str(refused.value)                       # nothing is kept dense to compress
+    with pytest.raises(MemfitError, match=r"the ones kept dense hold 8\.9%: --skip none"):
+        plan_kinds(shapes, "monarch", 0.3, 16)
+
+
 def test_compressed_param_count_matches_a_built_model():
     spec = PRESETS["tiny"]
     counted = compressed_param_count(spec, "blast", 0.5, 4)

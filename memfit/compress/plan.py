@@ -103,10 +103,7 @@ def plan_kinds(shapes: dict[str, tuple[int, int]], method: str, ratio: float | N
                 if method == "monarch" and rank % blocks:
                     raise MemfitError(f"monarch: rank {rank} for {kind} must be a multiple of blocks={blocks}")
             else:
-                try:
-                    rank = cls.rank_for_ratio(fin, fout, fraction, blocks)
-                except MemfitError:
-                    return {}
+                rank = _rank_at(cls, fin, fout, fraction, blocks)
             params = cls.params_for_rank(fin, fout, rank, blocks)
             if params >= dense:
                 out[kind] = KindPlan(kind, fin, fout, None, dense, dense, f"rank {rank} is past break-even")
@@ -118,19 +115,30 @@ def plan_kinds(shapes: dict[str, tuple[int, int]], method: str, ratio: float | N
         return plan_at(None)
     total = sum(fin * fout for fin, fout in shapes.values())
     lo, hi, best = 0.0, 1.0, None
-    for _ in range(40):  # largest shared fraction whose plan fits ratio * total
+    for _ in range(40):  # largest shared fraction whose plan fits ratio * total (its size grows with the fraction)
         mid = (lo + hi) / 2
         plan = plan_at(mid)
-        if plan and sum(p.params for p in plan.values()) <= ratio * total:
+        if sum(p.params for p in plan.values()) <= ratio * total:
             lo, best = mid, plan
         else:
             hi = mid
     if best is None or all(p.rank is None for p in best.values()):
-        kept = sum(shapes[k][0] * shapes[k][1] for k in shapes if k not in candidates)
-        raise MemfitError(f"ratio={ratio} is out of reach for {method} with blocks={blocks}: the layers kept dense "
-                          f"alone hold {kept / total:.1%} of the linear parameters and the smallest ranks do not fit; "
-                          f"raise the ratio, lower blocks, or pass skip=() / --skip none")
+        smallest = sum(p.params for p in plan_at(0.0).values()) / total
+        kept = sum(shapes[k][0] * shapes[k][1] for k in shapes if k not in candidates) / total
+        hint = f", or compress more kinds (the ones kept dense hold {kept:.1%}: --skip none)" if kept else ""
+        raise MemfitError(f"ratio={ratio} is out of reach for {method} with blocks={blocks}: at the smallest ranks "
+                          f"the linear layers keep {smallest:.1%} of their parameters; raise the ratio to at least "
+                          f"that, or lower blocks{hint}")
     return best
+
+
+def _rank_at(cls, fin: int, fout: int, fraction: float, blocks: int) -> int:
+    """The largest rank whose factors hold at most ``fraction`` of the dense weight, or the smallest rank where even
+    that holds more (so a plan's size only grows with the fraction, which the bisection needs)."""
+    step = cls.rank_multiple_for(blocks)
+    if cls.params_for_rank(fin, fout, step, blocks) > fraction * fin * fout:
+        return step
+    return cls.rank_for_ratio(fin, fout, fraction, blocks)
 
 
 def compressed_param_count(spec: ModelSpec, method: str, ratio: float | None = 0.5, blocks: int = 16,
