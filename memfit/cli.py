@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     except MemfitError as err:
         print(f"memfit {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:                             # the disk or the file system (full, permissions): one line
+        print(f"memfit {args.command}: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("memfit: interrupted", file=sys.stderr)
         return 130

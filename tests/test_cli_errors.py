@@ -191,3 +191,76 @@ def test_rankings_save_leaves_no_temp_file_on_failure(tmp_path, monkeypatch):
         rankings.save(tmp_path / "r.safetensors")
     assert [p.name for p in tmp_path.iterdir()] == ["r.safetensors"]
     assert Rankings.load(tmp_path / "r.safetensors").tokens["general"] == 5
+
+
+@pytest.fixture(scope="module")
+def compressed_dir(tmp_path_factory, tiny_dir):
+    """The tiny model compressed by memfit (low-rank): a directory whose config.json is the dense model's."""
+    import memfit
+
+    out = tmp_path_factory.mktemp("compressed") / "lowrank"
+    memfit.compress(str(tiny_dir), out, method="lowrank", ratio=0.5, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("verb", ["plan", "compress", "generate", "finetune"])
+def test_a_compressed_directory_is_refused_where_a_dense_model_is_read(tmp_path, capsys, no_model_load, compressed_dir,
+                                                                        verb):
+    """transformers would build the dense model from its config.json and run on random weights."""
+    argv = {"plan": ["plan", "--model", str(compressed_dir)],
+            "compress": _compress(tmp_path, model=compressed_dir),
+            "generate": ["generate", str(compressed_dir), "--prompt", "hi", "--device", "cpu"],
+            "finetune": _finetune(tmp_path, model=compressed_dir)}[verb]
+    _fails(capsys, argv, f"{compressed_dir} is a memfit-compressed model (lowrank, ")
+
+
+def test_compress_refuses_weights_that_lack_tensors(tmp_path, capsys, tiny_dir):
+    """A checkpoint missing a projection would be compressed from transformers' random initialisation."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    weights = next(broken.glob("*.safetensors"))
+    tensors = load_file(weights)
+    tensors.pop("model.layers.1.mlp.down_proj.weight")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    _fails(capsys, _compress(tmp_path, "--method", "lowrank", model=broken),
+           "lack 1 tensor(s) the model needs, or hold them in another shape (first: model.layers.1.mlp.down_proj.weight)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_compress_out_is_checked_before_any_work(tmp_path, capsys, no_model_load):
+    """A name, a parent that is a directory, and --force only over an earlier memfit output (never other data)."""
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "thesis.tex").write_text("keep me")
+    for out, extra, message in ((".", (), "--out needs a directory name"),
+                                (tmp_path / "afile" / "sub", (), "is a file, not a directory"),
+                                (tmp_path / "data", ("--force",), "is not the output of an earlier memfit compress")):
+        _fails(capsys, ["compress", "tiny", "--out", str(out), "--device", "cpu", *extra], message)
+    assert (tmp_path / "data" / "thesis.tex").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--blr-ratio", "0.3"), "--blr-ratio: only for a --blr model"),
+    (("--blr", "blast", "--task", "infer", "--partial-load", "0.5"), "do not apply to a --blr model"),
+    (("--blr", "blast", "--task", "lora", "--lora-targets", "q_proj,k_proj"),
+     "--lora-targets q_proj: those layers are block-low-rank"),
+])
+def test_plan_blr_options_that_cannot_go_together(capsys, extra, message):
+    _fails(capsys, ["plan", "--model", "llama-3.2-1b", *extra], message)
+
+
+def test_plan_blr_lora_adapts_the_layers_kept_dense(capsys):
+    """With --blr, LoRA's default targets are the projections the plan keeps dense (peft wraps nn.Linear only), and
+    the planner proposes no partial-FFN loading (it reads dense FFN rows)."""
+    assert main(["plan", "--model", "llama-3.2-1b", "--blr", "blast", "--task", "lora", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["asked"]["knobs"]["lora_targets"] == ["k_proj", "v_proj"]
+    assert main(["plan", "--model", "llama-3.2-1b", "--blr", "blast", "--task", "infer", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans and all(p["knobs"]["partial_load"] == 1.0 for p in plans)
+    assert main(["plan", "--model", "llama-3.2-1b", "--task", "infer", "--json"]) == 0    # dense: it is proposed
+    assert any(p["knobs"]["partial_load"] < 1.0 for p in json.loads(capsys.readouterr().out)["plans"])

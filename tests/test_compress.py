@@ -351,3 +351,34 @@ def test_activation_aware_blast_is_never_worse_than_weight_space_on_the_output(e
               for sweeps in (0, 10)}
     plain = proj.relative_output_error(W, proj.blast_dense(*proj.blast_project(W, 6, b, steps=60)), cov)
     assert errors[0] <= plain * (1 + 1e-9) and errors[10] < errors[0]
+
+
+def test_a_saved_model_loads_in_its_saved_dtype_with_the_umasks_permissions(tmp_path):
+    """load_compressed without a dtype (or "auto") builds the dtype the weights were saved in, not float32; the
+    output directory is readable as the umask allows (the private temporary directory it was written in is not)."""
+    import os
+
+    model = build_model(PRESETS["tiny"], dtype="bfloat16")
+    result = compress_model(model, "lowrank", 0.5, device="cpu")
+    out = save_compressed(model, tmp_path / "m", result.layers)
+    assert next(load_compressed(out).parameters()).dtype == torch.bfloat16
+    assert next(load_compressed(out, dtype="auto").parameters()).dtype == torch.bfloat16
+    assert next(load_compressed(out, dtype="float32").parameters()).dtype == torch.float32
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask
+
+
+def test_too_few_calibration_tokens_are_said(monkeypatch):
+    """Fewer calibration tokens than a layer has inputs leave its covariance rank-deficient and its output error,
+    measured on the same tokens, low: compress_model says so; enough tokens say nothing."""
+    from memfit.compress import convert
+
+    said = []
+    monkeypatch.setattr(convert, "warn_once", lambda key, message: said.append(message))
+    model = build_model(PRESETS["tiny"])
+    compress_model(model, "lowrank", 0.5, calibration=[torch.randint(0, 512, (1, 16))], device="cpu")
+    assert len(said) == 1 and "16 tokens for layers up to 176 inputs wide" in said[0]
+    compress_model(build_model(PRESETS["tiny"]), "lowrank", 0.5, calibration=[torch.randint(0, 512, (2, 100))],
+                   device="cpu")
+    assert len(said) == 1

@@ -31,8 +31,9 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
     setup = parser.add_argument_group("how it runs (the planner may add techniques on top)")
     setup.add_argument("--dtype", default=None, help="weights/activations dtype: float32, bfloat16, float16 (default: the model's)")
     setup.add_argument("--lora-rank", type=_int, default=16, help="LoRA rank (default 16)")
-    setup.add_argument("--lora-targets", default=",".join(LORA_TARGETS_ALL),
-                       help="comma-separated linear layers that get adapters (default: all seven)")
+    setup.add_argument("--lora-targets", default=None,
+                       help="comma-separated linear layers that get adapters (default: all seven; with --blr, the "
+                            "ones kept dense: peft wraps nn.Linear layers only)")
     setup.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default adamw")
     setup.add_argument("--checkpoint-layers", type=_int, default=0,
                        help="decoder layers with activation checkpointing, counted from the first (default 0)")
@@ -49,8 +50,9 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
                        help="infer: share of FFN neurons computed per decoded token (default: --partial-load)")
     setup.add_argument("--blr", default=None, choices=("blast", "monarch", "lowrank"),
                        help="the model compressed to block-low-rank layers by `memfit compress` (default: dense)")
-    setup.add_argument("--blr-ratio", type=float, default=0.5, help="with --blr: share of linear parameters kept")
-    setup.add_argument("--blr-blocks", type=_int, default=16, help="with --blr: blocks (default 16)")
+    setup.add_argument("--blr-ratio", type=float, default=None,
+                       help="with --blr: share of linear parameters kept (default 0.5)")
+    setup.add_argument("--blr-blocks", type=_int, default=None, help="with --blr: blocks (default 16)")
     setup.add_argument("--attention", default="sdpa", choices=("sdpa", "memfit"),
                        help="attention kernel: torch SDPA or memfit's Triton kernel (default sdpa)")
     job.add_argument("--loss-fraction", type=float, default=1.0,
@@ -67,15 +69,47 @@ def job_from_args(args) -> tuple[Job, Knobs]:
     micro = args.micro_batch or args.batch
     if args.batch % micro:
         raise MemfitError(f"--batch {args.batch} is not a multiple of --micro-batch {micro}")
-    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
     if args.four_bit and args.task == "full":
         raise MemfitError("--four-bit freezes the base weights: it goes with --task lora or infer")
     partial_compute = args.partial_compute if args.partial_compute is not None else args.partial_load
     if args.task != "infer" and (args.partial_load, partial_compute) != (1.0, 1.0):
         raise MemfitError("--partial-load/--partial-compute are for --task infer")
+    blr_ratio, blr_blocks, dense_kinds = _blr_options(args, spec)
+    if args.lora_targets is None:
+        targets = LORA_TARGETS_ALL if dense_kinds is None else tuple(k for k in LORA_TARGETS_ALL if k in dense_kinds)
+    else:
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    if args.task == "lora" and dense_kinds is not None:
+        if wrapped := [t for t in targets if t not in dense_kinds]:
+            raise MemfitError(f"--lora-targets {','.join(wrapped)}: those layers are block-low-rank with --blr, and "
+                              f"peft wraps nn.Linear layers only; the ones kept dense are "
+                              f"{', '.join(dense_kinds) or 'none'}")
+        if not targets:
+            raise MemfitError("--task lora with --blr: every projection is block-low-rank, so no layer can take a "
+                              "LoRA adapter (peft wraps nn.Linear layers only)")
     knobs = Knobs(dtype=args.dtype or spec.dtype, lora_rank=args.lora_rank, lora_targets=targets,
                   checkpoint_layers=args.checkpoint_layers, optimizer=args.optimizer, micro_batch=micro,
                   offload_layers=args.offload_layers, fused_ce=args.fused_ce, four_bit=args.four_bit,
                   attention=args.attention, partial_load=args.partial_load, partial_compute=partial_compute,
-                  blr_method=args.blr, blr_ratio=args.blr_ratio, blr_blocks=args.blr_blocks)
+                  blr_method=args.blr, blr_ratio=blr_ratio, blr_blocks=blr_blocks)
     return job, knobs
+
+
+def _blr_options(args, spec) -> tuple[float, int, tuple[str, ...] | None]:
+    """--blr's ratio and blocks (defaults filled in), and the projection kinds its plan keeps dense (None without
+    --blr). Its options without --blr, and partial FFN loading with it (which reads dense FFN rows), are errors."""
+    from memfit.compress.plan import plan_kinds
+
+    given = [flag for flag, value in (("--blr-ratio", args.blr_ratio), ("--blr-blocks", args.blr_blocks))
+             if value is not None]
+    if args.blr is None:
+        if given:
+            raise MemfitError(f"{' and '.join(given)}: only for a --blr model; pass --blr blast|monarch|lowrank too")
+        return 0.5, 16, None
+    if (args.partial_load, args.partial_compute) not in ((1.0, None), (1.0, 1.0)):
+        raise MemfitError("--partial-load/--partial-compute select rows of dense FFN weights: they do not apply "
+                          "to a --blr model")
+    ratio = 0.5 if args.blr_ratio is None else args.blr_ratio
+    blocks = 16 if args.blr_blocks is None else args.blr_blocks
+    plan = plan_kinds(spec.linear_shapes(), args.blr, ratio, blocks)
+    return ratio, blocks, tuple(kind for kind, p in plan.items() if p.rank is None)

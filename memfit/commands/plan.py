@@ -58,7 +58,7 @@ def run(args) -> int:
         print(json.dumps({"job": job.to_dict(), "budget_bytes": budget, "asked": asked.to_dict(),
                           "plans": [p.to_dict() for p in plans]}, indent=1))
         return 0
-    _print(job, asked, plans, budget)
+    _print(job, knobs, asked, plans, budget)
     return 0
 
 
@@ -68,7 +68,7 @@ def _stderr():
     return Console(stderr=True)
 
 
-def _print(job, asked: Ledger, plans, budget: int) -> None:
+def _print(job, knobs, asked: Ledger, plans, budget: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -76,6 +76,11 @@ def _print(job, asked: Ledger, plans, budget: int) -> None:
     spec = job.spec
     console.print(f"[bold]{spec.name}[/] ({spec.num_params() / 1e9:.2f}B params), task [bold]{job.task}[/], "
                   f"batch {job.batch} x seq {job.seq} on {job.device}; budget {format_bytes(budget)}")
+    if knobs.blr_method:
+        console.print(f"block-low-rank model ({knobs.blr_method}, {knobs.blr_ratio:g} of the decoder's linear "
+                      f"parameters, {knobs.blr_blocks} blocks). Not in the ledger: a layer shape's first call times "
+                      "its kernel variants over copies of its arguments (up to 150 MiB more, or three times the L2 "
+                      "where that is larger) and one output per copy, all freed when the pick is made.")
     table = Table(title="ledger of the job as asked (at its peak)")
     table.add_column("component")
     table.add_column("bytes", justify="right")

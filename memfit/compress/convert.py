@@ -17,6 +17,7 @@ from torch import nn
 from memfit.compress import projection as proj
 from memfit.compress.plan import KINDS, KindPlan, plan_kinds, structure_class
 from memfit.errors import MemfitError
+from memfit.log import warn_once
 
 # Projections that read the same input: their calibration covariance is gathered once.
 SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
@@ -83,14 +84,20 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
         return fn
 
     handles = [modules[rep].register_forward_pre_hook(hook(rep)) for rep in set(source.values())]
+    tokens = 0
     try:
         for ids in batches:
             model(input_ids=ids.to(device))
+            tokens += ids.numel()
     finally:
         for h in handles:
             h.remove()
     if not sums:
         raise MemfitError("the calibration data produced no tokens")
+    if tokens < (width := max(cov.shape[0] for cov in sums.values())):
+        warn_once("calibration-short", f"calibration: {tokens} tokens for layers up to {width} inputs wide: their "
+                  "input covariance is rank-deficient, and the output errors, measured on the same tokens, read "
+                  "low; give more (--calib-samples, --calib-seq)")
     return {name: sums[rep] for name, rep in source.items()}
 
 

@@ -4,7 +4,7 @@ Layout of the directory: the Hugging Face ``config.json`` of the original model,
 weights in ``model.safetensors`` (structured factors under their module names, tied
 weights stored once), ``memfit_compress.json`` recording each replaced module's structure
 (method, shape, rank, blocks, bias) plus the per-layer error report, and the source
-model's tokenizer files when it had any.
+model's tokenizer and generation files (SOURCE_FILES) when it had any.
 
 Writes go to a temporary sibling directory that is renamed into place at the end, so
 an interrupted save never leaves a half-written output; an existing output is replaced
@@ -13,6 +13,7 @@ only with ``force=True``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -26,17 +27,31 @@ from memfit.errors import MemfitError
 CONFIG_NAME = "memfit_compress.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "memfit_tokenizer.json")
+SOURCE_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "memfit_tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
 
 
 def check_output(out: str | Path, force: bool) -> Path:
-    """Refuse an existing ``out`` unless ``force`` (call before any work starts)."""
+    """``out`` as a directory this run can write (call before any work starts): it needs a name and a parent it can
+    create and write in; an existing ``out`` is replaced only with ``force``, and only if an earlier run wrote it
+    (it holds memfit_compress.json), so a mistyped --out never deletes a source model or other data."""
     out = Path(out).expanduser()
-    if out.exists() and not force:
-        raise MemfitError(f"{out} already exists; pass --force to replace it, or choose another --out")
-    if out.exists() and not out.is_dir():
-        raise MemfitError(f"{out} exists and is not a directory")
+    if not out.name or out.name in (".", ".."):
+        raise MemfitError(f"--out needs a directory name, got {str(out)!r}")
+    if out.exists():
+        if not force:
+            raise MemfitError(f"{out} already exists; pass --force to replace it, or choose another --out")
+        if not out.is_dir():
+            raise MemfitError(f"{out} exists and is not a directory")
+        if not is_compressed_dir(out):
+            raise MemfitError(f"{out} is not the output of an earlier memfit compress (it has no {CONFIG_NAME}), "
+                              "so --force will not replace it; remove it yourself or choose another --out")
+    parent = next(p for p in out.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise MemfitError(f"--out {out}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise MemfitError(f"--out {out}: cannot write in {parent}")
     return out
 
 
@@ -54,9 +69,10 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
         meta = {"format": FORMAT_VERSION, "layers": layers, **(info or {})}
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=1))
         if source_dir is not None:
-            for name in TOKENIZER_FILES:
+            for name in SOURCE_FILES:
                 if (Path(source_dir) / name).is_file():
                     shutil.copy2(Path(source_dir) / name, tmp / name)
+        tmp.chmod(0o777 & ~_umask())                   # mkdtemp makes it private; the output follows the umask
         old = None
         if out.exists():
             old = out.with_name(f".{out.name}.old-{tmp.name}")
@@ -70,12 +86,37 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
     return out
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def is_compressed_dir(path: str | Path) -> bool:
     return (Path(path) / CONFIG_NAME).is_file()
 
 
+def refuse_compressed_dir(path: str | Path) -> None:
+    """Where a dense Hugging Face model directory is expected (plan, verify, finetune, generate, compress), refuse
+    one ``memfit compress`` wrote: its config.json is the dense model's, so transformers would build the dense
+    model, find the factors unexpected and the dense weights missing, and run on random weights."""
+    path = Path(path).expanduser()
+    if not is_compressed_dir(path):
+        return
+    try:
+        meta = json.loads((path / CONFIG_NAME).read_text())
+        blocks = "" if meta["method"] == "lowrank" else f" --blr-blocks {meta['blocks']}"
+        what = (f" ({meta['method']}, {meta['linear_ratio']:.1%} of its linear parameters kept; plan its jobs from "
+                f"the source model with --blr {meta['method']}{blocks} and the ratio it was compressed at)")
+    except (OSError, ValueError, KeyError, TypeError):
+        what = ""
+    raise MemfitError(f"{path} is a memfit-compressed model{what}: memfit's commands read dense Hugging Face "
+                      "models; load it in Python with memfit.compress.load_compressed")
+
+
 def _build_skeleton(directory: Path, dtype: torch.dtype | None) -> nn.Module:
-    """The original architecture from ``config.json``, with no weight initialisation work."""
+    """The original architecture from ``config.json``, with no weight initialisation work, in ``dtype`` or else the
+    dtype the config records (the one the weights were saved in)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -84,6 +125,8 @@ def _build_skeleton(directory: Path, dtype: torch.dtype | None) -> nn.Module:
         from transformers.modeling_utils import no_init_weights
 
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # skipped with the initialisation
@@ -92,7 +135,8 @@ def _build_skeleton(directory: Path, dtype: torch.dtype | None) -> nn.Module:
 
 def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
                     dtype: str | torch.dtype | None = None) -> nn.Module:
-    """A working ``*ForCausalLM`` from a directory written by ``save_compressed``."""
+    """A working ``*ForCausalLM`` from a directory written by ``save_compressed``, in ``dtype`` (None or "auto": the
+    dtype it was saved in)."""
     from safetensors.torch import load_model
 
     from memfit.compress.convert import replace_module
@@ -107,7 +151,7 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
         raise MemfitError(f"{directory / CONFIG_NAME}: malformed JSON ({err})") from None
     if meta.get("format") != FORMAT_VERSION:
         raise MemfitError(f"{directory}: compressed format {meta.get('format')!r}; this memfit reads {FORMAT_VERSION}")
-    torch_dtype = dtype_of(dtype) if dtype is not None else None
+    torch_dtype = dtype_of(dtype) if dtype not in (None, "auto") else None      # None / "auto": the saved dtype
     model = _build_skeleton(directory, torch_dtype)
     for name, cfg in meta["layers"].items():
         old = model.get_submodule(name)

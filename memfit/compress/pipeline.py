@@ -60,8 +60,22 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
         net = memfit.models.build_model(spec, dtype="float32")
     else:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
-        net = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype="auto").eval()
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()               # its load report and bar: the check below says what matters,
+        hf_logging.disable_progress_bar()              # and memfit's own bar follows
+        try:
+            net, loading = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype="auto",
+                                                                output_loading_info=True)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
+        if bad := sorted(loading.get("missing_keys", ())) + sorted(str(k) for k in loading.get("mismatched_keys", ())):
+            raise MemfitError(f"{model_dir}: its weights lack {len(bad)} tensor(s) the model needs, or hold them in "
+                              f"another shape (first: {bad[0]}); compressing would project random weights")
+        net.eval()
     net.to(torch_device)
     linears = decoder_linears(net)
     plan = plan_kinds(model_shapes(linears), method, ratio, blocks, skip=skip)

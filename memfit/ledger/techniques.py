@@ -182,7 +182,7 @@ register(Technique(
             "decode with phi of them; approximate",
     variants=lambda job, knobs: [{"partial_load": 1.0, "partial_compute": 1.0},
                                  {"partial_load": 0.7, "partial_compute": 0.4}]
-    if job.task == "infer" and _has_partial_layers(job.spec) else [],
+    if job.task == "infer" and _has_partial_layers(job.spec) and knobs.blr_method is None else [],
     # decode reads the weights once per token: time follows the bytes read
     cost=lambda job, knobs: Cost(overhead=_decode_bytes(job, knobs) / _decode_bytes(job, Knobs(dtype=knobs.dtype)) - 1),
     describe=lambda knobs, base: f"partial FFN (load {knobs.partial_load:g}, compute {knobs.partial_compute:g}; "
