@@ -82,7 +82,7 @@ def test_compress_unknown_device(tmp_path, capsys, no_model_load):
 def test_compress_existing_out_names_the_flag_and_is_left_alone(tmp_path, capsys, no_model_load):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
-    _fails(capsys, _compress(tmp_path), "already exists; pass --force to replace it")
+    _fails(capsys, _compress(tmp_path), "exists and is not the output of an earlier memfit compress")
     assert "force=True" not in capsys.readouterr().err
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
@@ -203,19 +203,26 @@ def compressed_dir(tmp_path_factory, tiny_dir):
     return out
 
 
-@pytest.mark.parametrize("verb", ["plan", "compress", "generate", "finetune"])
+@pytest.mark.parametrize("verb", ["plan", "plan config.json", "verify", "compress", "generate", "finetune", "calibrate"])
 def test_a_compressed_directory_is_refused_where_a_dense_model_is_read(tmp_path, capsys, no_model_load, compressed_dir,
                                                                         verb):
     """transformers would build the dense model from its config.json and run on random weights."""
+    (tmp_path / "prompts.jsonl").write_text('{"text": "def f(): pass"}\n')
     argv = {"plan": ["plan", "--model", str(compressed_dir)],
+            "plan config.json": ["plan", "--model", str(compressed_dir / "config.json")],
+            "verify": ["verify", "--model", str(compressed_dir), "--device", "cpu"],
+            "calibrate": ["calibrate", str(compressed_dir), "--data", str(tmp_path / "prompts.jsonl"), "--device", "cpu"],
             "compress": _compress(tmp_path, model=compressed_dir),
             "generate": ["generate", str(compressed_dir), "--prompt", "hi", "--device", "cpu"],
             "finetune": _finetune(tmp_path, model=compressed_dir)}[verb]
-    _fails(capsys, argv, f"{compressed_dir} is a memfit-compressed model (lowrank, ")
+    _fails(capsys, argv, f"{compressed_dir} is a memfit-compressed model (lowrank of ")
 
 
-def test_compress_refuses_weights_that_lack_tensors(tmp_path, capsys, tiny_dir):
-    """A checkpoint missing a projection would be compressed from transformers' random initialisation."""
+@pytest.mark.parametrize("damage, shown", [
+    ("drop", "(first: model.layers.1.mlp.down_proj.weight)"),
+    ("reshape", "(first: model.layers.1.mlp.down_proj.weight saved as (64, 100), needed (64, 176))")])
+def test_compress_refuses_weights_that_lack_tensors_or_change_their_shape(tmp_path, capsys, tiny_dir, damage, shown):
+    """Such a checkpoint would be compressed from transformers' random initialisation (a reshaped one raised)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -224,10 +231,14 @@ def test_compress_refuses_weights_that_lack_tensors(tmp_path, capsys, tiny_dir):
     shutil.copytree(tiny_dir, broken)
     weights = next(broken.glob("*.safetensors"))
     tensors = load_file(weights)
-    tensors.pop("model.layers.1.mlp.down_proj.weight")
+    name = "model.layers.1.mlp.down_proj.weight"
+    if damage == "drop":
+        tensors.pop(name)
+    else:
+        tensors[name] = tensors[name][:, :100].contiguous()
     save_file(tensors, weights, metadata={"format": "pt"})
     _fails(capsys, _compress(tmp_path, "--method", "lowrank", model=broken),
-           "lack 1 tensor(s) the model needs, or hold them in another shape (first: model.layers.1.mlp.down_proj.weight)")
+           f"lack 1 tensor(s) the model needs, or hold them in another shape {shown}")
     assert not (tmp_path / "out").exists()
 
 
@@ -236,9 +247,12 @@ def test_compress_out_is_checked_before_any_work(tmp_path, capsys, no_model_load
     (tmp_path / "afile").write_text("x")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "thesis.tex").write_text("keep me")
+    (tmp_path / "link").symlink_to(tmp_path / "data")
     for out, extra, message in ((".", (), "--out needs a directory name"),
                                 (tmp_path / "afile" / "sub", (), "is a file, not a directory"),
-                                (tmp_path / "data", ("--force",), "is not the output of an earlier memfit compress")):
+                                (tmp_path / "data", ("--force",), "is not the output of an earlier memfit compress"),
+                                (tmp_path / "data", (), "is not the output of an earlier memfit compress"),
+                                (tmp_path / "link", ("--force",), "is a symbolic link")):
         _fails(capsys, ["compress", "tiny", "--out", str(out), "--device", "cpu", *extra], message)
     assert (tmp_path / "data" / "thesis.tex").read_text() == "keep me"
 
@@ -264,3 +278,16 @@ def test_plan_blr_lora_adapts_the_layers_kept_dense(capsys):
     assert plans and all(p["knobs"]["partial_load"] == 1.0 for p in plans)
     assert main(["plan", "--model", "llama-3.2-1b", "--task", "infer", "--json"]) == 0    # dense: it is proposed
     assert any(p["knobs"]["partial_load"] < 1.0 for p in json.loads(capsys.readouterr().out)["plans"])
+
+
+def test_an_os_error_is_one_line_with_status_1(capsys, monkeypatch):
+    """A full disk or a permission the checks could not foresee: the system's message, no traceback."""
+    from memfit.commands import plan
+
+    def disk_full(args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plan, "run", disk_full)
+    assert main(["plan"]) == 1
+    err = capsys.readouterr().err
+    assert err == "memfit plan: error: [Errno 28] No space left on device\n"

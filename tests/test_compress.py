@@ -135,7 +135,7 @@ def test_save_load_roundtrip_identical(tmp_path, method, tied):
     loaded = load_compressed(tmp_path / "m")
     assert type(loaded.model.layers[1].mlp.down_proj) is type(model.model.layers[1].mlp.down_proj)
     torch.testing.assert_close(loaded(input_ids=ids).logits, out, rtol=0, atol=0)
-    with pytest.raises(MemfitError, match="already exists"):
+    with pytest.raises(MemfitError, match="already holds a compressed model; pass --force"):
         save_compressed(model, tmp_path / "m", result.layers)
     save_compressed(model, tmp_path / "m", result.layers, force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"], "no temp or old directories may be left behind"

@@ -30,8 +30,9 @@ def add_parser(sub):
     parser.add_argument("--blocks", type=int, default=16, help="blocks per side for monarch/blast (default 16)")
     parser.add_argument("--skip", default=None,
                         help="comma-separated kinds kept dense (default: k_proj,v_proj for GQA models; 'none' for none)")
-    parser.add_argument("--out", required=True, help="output directory (refused if it exists, unless --force)")
-    parser.add_argument("--force", action="store_true", help="replace an existing --out")
+    parser.add_argument("--out", required=True,
+                        help="output directory (refused if it exists, unless it holds an earlier compress and --force)")
+    parser.add_argument("--force", action="store_true", help="replace an earlier memfit compress output at --out")
     parser.add_argument("--calib", metavar="FILE", help="calibration text file")
     parser.add_argument("--calib-builtin", action="store_true", help="calibrate on the built-in Python-docs corpus")
     parser.add_argument("--calib-samples", type=int, default=32, help="calibration windows (default 32)")

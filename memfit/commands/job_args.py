@@ -85,8 +85,8 @@ def job_from_args(args) -> tuple[Job, Knobs]:
                               f"peft wraps nn.Linear layers only; the ones kept dense are "
                               f"{', '.join(dense_kinds) or 'none'}")
         if not targets:
-            raise MemfitError("--task lora with --blr: every projection is block-low-rank, so no layer can take a "
-                              "LoRA adapter (peft wraps nn.Linear layers only)")
+            raise MemfitError("--task lora with --blr: no layer takes a LoRA adapter (--lora-targets names none, or "
+                              "every projection is block-low-rank: peft wraps nn.Linear layers only)")
     knobs = Knobs(dtype=args.dtype or spec.dtype, lora_rank=args.lora_rank, lora_targets=targets,
                   checkpoint_layers=args.checkpoint_layers, optimizer=args.optimizer, micro_batch=micro,
                   offload_layers=args.offload_layers, fused_ce=args.fused_ce, four_bit=args.four_bit,

@@ -77,8 +77,9 @@ def _print(job, knobs, asked: Ledger, plans, budget: int) -> None:
     console.print(f"[bold]{spec.name}[/] ({spec.num_params() / 1e9:.2f}B params), task [bold]{job.task}[/], "
                   f"batch {job.batch} x seq {job.seq} on {job.device}; budget {format_bytes(budget)}")
     if knobs.blr_method:
+        blocks = "" if knobs.blr_method == "lowrank" else f", {knobs.blr_blocks} blocks"
         console.print(f"block-low-rank model ({knobs.blr_method}, {knobs.blr_ratio:g} of the decoder's linear "
-                      f"parameters, {knobs.blr_blocks} blocks). Not in the ledger: a layer shape's first call times "
+                      f"parameters{blocks}). Not in the ledger: a layer shape's first call times "
                       "its kernel variants over copies of its arguments (up to 150 MiB more, or three times the L2 "
                       "where that is larger) and one output per copy, all freed when the pick is made.")
     table = Table(title="ledger of the job as asked (at its peak)")

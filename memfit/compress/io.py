@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -28,8 +28,8 @@ CONFIG_NAME = "memfit_compress.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
 SOURCE_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "memfit_tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-                   "generation_config.json")
+                "memfit_tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                "generation_config.json")
 
 
 def check_output(out: str | Path, force: bool) -> Path:
@@ -39,14 +39,17 @@ def check_output(out: str | Path, force: bool) -> Path:
     out = Path(out).expanduser()
     if not out.name or out.name in (".", ".."):
         raise MemfitError(f"--out needs a directory name, got {str(out)!r}")
+    if out.is_symlink():
+        raise MemfitError(f"--out {out} is a symbolic link: name the directory itself")
     if out.exists():
-        if not force:
-            raise MemfitError(f"{out} already exists; pass --force to replace it, or choose another --out")
         if not out.is_dir():
-            raise MemfitError(f"{out} exists and is not a directory")
+            raise MemfitError(f"{out} exists and is not a directory; choose another --out")
         if not is_compressed_dir(out):
-            raise MemfitError(f"{out} is not the output of an earlier memfit compress (it has no {CONFIG_NAME}), "
-                              "so --force will not replace it; remove it yourself or choose another --out")
+            raise MemfitError(f"{out} exists and is not the output of an earlier memfit compress (it has no "
+                              f"{CONFIG_NAME}), so it is never replaced; remove it yourself or choose another --out")
+        if not force:
+            raise MemfitError(f"{out} already holds a compressed model; pass --force to replace it, or choose "
+                              "another --out")
     parent = next(p for p in out.absolute().parents if p.exists())
     if not parent.is_dir():
         raise MemfitError(f"--out {out}: {parent} is a file, not a directory")
@@ -62,8 +65,9 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
 
     out = check_output(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(8)}.tmp")
+    tmp.mkdir()                                        # (not mkdtemp: its 0700 would outlive the rename; this follows
+    try:                                               # the umask)
         model.config.save_pretrained(tmp)
         save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "memfit": "compressed"})
         meta = {"format": FORMAT_VERSION, "layers": layers, **(info or {})}
@@ -72,7 +76,6 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
             for name in SOURCE_FILES:
                 if (Path(source_dir) / name).is_file():
                     shutil.copy2(Path(source_dir) / name, tmp / name)
-        tmp.chmod(0o777 & ~_umask())                   # mkdtemp makes it private; the output follows the umask
         old = None
         if out.exists():
             old = out.with_name(f".{out.name}.old-{tmp.name}")
@@ -84,12 +87,6 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def is_compressed_dir(path: str | Path) -> bool:
@@ -106,8 +103,9 @@ def refuse_compressed_dir(path: str | Path) -> None:
     try:
         meta = json.loads((path / CONFIG_NAME).read_text())
         blocks = "" if meta["method"] == "lowrank" else f" --blr-blocks {meta['blocks']}"
-        what = (f" ({meta['method']}, {meta['linear_ratio']:.1%} of its linear parameters kept; plan its jobs from "
-                f"the source model with --blr {meta['method']}{blocks} and the ratio it was compressed at)")
+        what = (f" ({meta['method']} of {meta['source']}, {meta['linear_ratio']:.1%} of its linear parameters "
+                f"kept; plan its jobs from {meta['source']} with --blr {meta['method']}{blocks} --blr-ratio "
+                f"{meta['linear_ratio']:.3g})")
     except (OSError, ValueError, KeyError, TypeError):
         what = ""
     raise MemfitError(f"{path} is a memfit-compressed model{what}: memfit's commands read dense Hugging Face "

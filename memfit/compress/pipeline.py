@@ -28,8 +28,8 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     of GQA models). ``activation_aware`` minimises each layer's
     output error on calibration text (``calib``, a text file, or ``calib_builtin``, the built-in
     Python-docs corpus) instead of its weight error; ``steps``: BLAST's descent steps per matrix.
-    ``force`` replaces an existing ``out``. ``progress``: a progress bar on stderr. Errors name the
-    ``memfit compress`` flags, as the calibration loader's do. Returns :class:`CompressionResult`: the
+    ``force`` replaces an earlier compress output at ``out`` (nothing else). ``progress``: a progress bar on
+    stderr. Errors name the ``memfit compress`` flags, as the calibration loader's do. Returns :class:`CompressionResult`: the
     plan, per-layer errors and the compressed model itself (``.model``, still on ``device``; drop the
     result to free it); ``load_compressed(out)`` loads the saved copy.
     """
@@ -67,12 +67,14 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
         hf_logging.disable_progress_bar()              # and memfit's own bar follows
         try:
             net, loading = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype="auto",
-                                                                output_loading_info=True)
+                                                                output_loading_info=True, ignore_mismatched_sizes=True)
         finally:
             hf_logging.set_verbosity(verbosity)
             if bars:
                 hf_logging.enable_progress_bar()
-        if bad := sorted(loading.get("missing_keys", ())) + sorted(str(k) for k in loading.get("mismatched_keys", ())):
+        reshaped = [f"{key} saved as {tuple(saved)}, needed {tuple(needed)}"
+                    for key, saved, needed in loading.get("mismatched_keys", ())]
+        if bad := sorted(loading.get("missing_keys", ())) + reshaped:
             raise MemfitError(f"{model_dir}: its weights lack {len(bad)} tensor(s) the model needs, or hold them in "
                               f"another shape (first: {bad[0]}); compressing would project random weights")
         net.eval()
