@@ -259,9 +259,10 @@ def test_compress_out_is_checked_before_any_work(tmp_path, capsys, no_model_load
 
 @pytest.mark.parametrize("extra, message", [
     (("--blr-ratio", "0.3"), "--blr-ratio: only for a --blr model"),
-    (("--blr", "blast", "--task", "infer", "--partial-load", "0.5"), "do not apply to a --blr model"),
+    (("--blr", "blast", "--task", "infer", "--partial-load", "0.5"), "does not apply to a block-low-rank model"),
     (("--blr", "blast", "--task", "lora", "--lora-targets", "q_proj,k_proj"),
-     "--lora-targets q_proj: those layers are block-low-rank"),
+     "LoRA targets (--lora-targets) q_proj are block-low-rank in this --blr model"),
+    (("--blr", "blast", "--task", "lora", "--lora-targets", ","), "LoRA on this --blr model has no target"),
 ])
 def test_plan_blr_options_that_cannot_go_together(capsys, extra, message):
     _fails(capsys, ["plan", "--model", "llama-3.2-1b", *extra], message)
@@ -291,3 +292,18 @@ def test_an_os_error_is_one_line_with_status_1(capsys, monkeypatch):
     assert main(["plan"]) == 1
     err = capsys.readouterr().err
     assert err == "memfit plan: error: [Errno 28] No space left on device\n"
+
+
+def test_the_ledger_refuses_what_a_blr_model_cannot_run():
+    """The rules hold for library callers too: memfit.plan / predict with Knobs(blr_method=...) refuse LoRA on the
+    BLR layers (Knobs' default targets all seven) and partial FFN loading; LoRA on the kept-dense ones is planned."""
+    from memfit.errors import MemfitError
+    from memfit.ledger.job import Job, Knobs
+    from memfit.ledger.predict import predict
+
+    spec = PRESETS["llama-3.2-1b"]
+    with pytest.raises(MemfitError, match=r"LoRA targets \(--lora-targets\) q_proj,o_proj,gate_proj"):
+        predict(Job(spec, task="lora", seq=256), Knobs(blr_method="blast"))
+    with pytest.raises(MemfitError, match="partial FFN loading"):
+        predict(Job(spec, task="infer", seq=256), Knobs(blr_method="blast", partial_load=0.7, partial_compute=0.4))
+    assert predict(Job(spec, task="lora", seq=256), Knobs(blr_method="blast", lora_targets=("k_proj", "v_proj"))).total

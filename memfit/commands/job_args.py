@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from memfit.errors import MemfitError
 from memfit.ledger.job import LORA_TARGETS_ALL, OPTIMIZERS, TASKS, Job, Knobs
+from memfit.ledger.predict import blr_dense_kinds, check_blr
 from memfit.models import load_spec
 
 DEFAULT_MODEL = "llama-3.2-3b"
@@ -74,42 +76,20 @@ def job_from_args(args) -> tuple[Job, Knobs]:
     partial_compute = args.partial_compute if args.partial_compute is not None else args.partial_load
     if args.task != "infer" and (args.partial_load, partial_compute) != (1.0, 1.0):
         raise MemfitError("--partial-load/--partial-compute are for --task infer")
-    blr_ratio, blr_blocks, dense_kinds = _blr_options(args, spec)
-    if args.lora_targets is None:
-        targets = LORA_TARGETS_ALL if dense_kinds is None else tuple(k for k in LORA_TARGETS_ALL if k in dense_kinds)
-    else:
+    if args.blr is None and (given := [flag for flag, value in (("--blr-ratio", args.blr_ratio),
+                                                                ("--blr-blocks", args.blr_blocks)) if value is not None]):
+        raise MemfitError(f"{' and '.join(given)}: only for a --blr model; pass --blr blast|monarch|lowrank too")
+    knobs = Knobs(dtype=args.dtype or spec.dtype, lora_rank=args.lora_rank, checkpoint_layers=args.checkpoint_layers,
+                  optimizer=args.optimizer, micro_batch=micro, offload_layers=args.offload_layers,
+                  fused_ce=args.fused_ce, four_bit=args.four_bit, attention=args.attention,
+                  partial_load=args.partial_load, partial_compute=partial_compute, blr_method=args.blr,
+                  blr_ratio=0.5 if args.blr_ratio is None else args.blr_ratio,
+                  blr_blocks=16 if args.blr_blocks is None else args.blr_blocks)
+    dense = blr_dense_kinds(spec, knobs)
+    if args.lora_targets is not None:
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    if args.task == "lora" and dense_kinds is not None:
-        if wrapped := [t for t in targets if t not in dense_kinds]:
-            raise MemfitError(f"--lora-targets {','.join(wrapped)}: those layers are block-low-rank with --blr, and "
-                              f"peft wraps nn.Linear layers only; the ones kept dense are "
-                              f"{', '.join(dense_kinds) or 'none'}")
-        if not targets:
-            raise MemfitError("--task lora with --blr: no layer takes a LoRA adapter (--lora-targets names none, or "
-                              "every projection is block-low-rank: peft wraps nn.Linear layers only)")
-    knobs = Knobs(dtype=args.dtype or spec.dtype, lora_rank=args.lora_rank, lora_targets=targets,
-                  checkpoint_layers=args.checkpoint_layers, optimizer=args.optimizer, micro_batch=micro,
-                  offload_layers=args.offload_layers, fused_ce=args.fused_ce, four_bit=args.four_bit,
-                  attention=args.attention, partial_load=args.partial_load, partial_compute=partial_compute,
-                  blr_method=args.blr, blr_ratio=blr_ratio, blr_blocks=blr_blocks)
+    else:                                              # with --blr: the projections kept dense (peft wraps nn.Linear)
+        targets = LORA_TARGETS_ALL if dense is None else tuple(k for k in LORA_TARGETS_ALL if k in dense)
+    knobs = replace(knobs, lora_targets=targets)
+    check_blr(job, knobs)                              # before any work (the ledger checks it again)
     return job, knobs
-
-
-def _blr_options(args, spec) -> tuple[float, int, tuple[str, ...] | None]:
-    """--blr's ratio and blocks (defaults filled in), and the projection kinds its plan keeps dense (None without
-    --blr). Its options without --blr, and partial FFN loading with it (which reads dense FFN rows), are errors."""
-    from memfit.compress.plan import plan_kinds
-
-    given = [flag for flag, value in (("--blr-ratio", args.blr_ratio), ("--blr-blocks", args.blr_blocks))
-             if value is not None]
-    if args.blr is None:
-        if given:
-            raise MemfitError(f"{' and '.join(given)}: only for a --blr model; pass --blr blast|monarch|lowrank too")
-        return 0.5, 16, None
-    if (args.partial_load, args.partial_compute) not in ((1.0, None), (1.0, 1.0)):
-        raise MemfitError("--partial-load/--partial-compute select rows of dense FFN weights: they do not apply "
-                          "to a --blr model")
-    ratio = 0.5 if args.blr_ratio is None else args.blr_ratio
-    blocks = 16 if args.blr_blocks is None else args.blr_blocks
-    plan = plan_kinds(spec.linear_shapes(), args.blr, ratio, blocks)
-    return ratio, blocks, tuple(kind for kind, p in plan.items() if p.rank is None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from memfit.errors import MemfitError
 from memfit.ledger.graph import ModelGraph, Trainable
 from memfit.ledger.job import Job, Knobs
 from memfit.ledger.simulate import Memory, Sym, replay_backward, replay_forward
@@ -126,6 +127,7 @@ def _train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
 
 def predict(job: Job, knobs: Knobs) -> Ledger:
     """The ledger of ``job`` run with ``knobs`` (a fresh copy: callers may change it)."""
+    check_blr(job, knobs)
     ledger = _cached_predict(job, knobs)
     return replace(ledger, peak=dict(ledger.peak), phases=dict(ledger.phases), notes=list(ledger.notes))
 
@@ -150,7 +152,6 @@ def _persistent(graph: ModelGraph) -> tuple[int, list[tuple[int, int]]]:
 def _predict_train(job: Job, knobs: Knobs) -> Ledger:
     micro = knobs.micro_batch or job.batch
     if job.batch % micro:
-        from memfit.errors import MemfitError
         raise MemfitError(f"batch {job.batch} is not a multiple of micro_batch {micro}")
     steps = job.batch // micro
     workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
@@ -194,6 +195,37 @@ def _predict_train(job: Job, knobs: Knobs) -> Ledger:
         notes.append("8-bit AdamW needs bitsandbytes on CUDA")
     return Ledger(job, knobs, dict(peak), phase, where, phases, int(FRAGMENTATION * transient),
                   CUDA_CONTEXT if job.device == "cuda" else 0, trainable_numel, notes)
+
+
+def blr_dense_kinds(spec, knobs: Knobs) -> tuple[str, ...] | None:
+    """The projection kinds a block-low-rank model (``knobs.blr_method``) keeps as nn.Linear, or None for a dense
+    model."""
+    if knobs.blr_method is None:
+        return None
+    from memfit.compress.plan import plan_kinds
+
+    plans = plan_kinds(spec.linear_shapes(), knobs.blr_method, knobs.blr_ratio, knobs.blr_blocks)
+    return tuple(kind for kind, p in plans.items() if p.rank is None)
+
+
+def check_blr(job: Job, knobs: Knobs) -> None:
+    """Refuse what a block-low-rank model cannot run: partial FFN loading (it selects rows of dense FFN weights) and
+    LoRA adapters on its BLR layers (peft wraps nn.Linear layers only; the CLI's default targets the kept-dense
+    ones)."""
+    dense = blr_dense_kinds(job.spec, knobs)
+    if dense is None:
+        return
+    if (knobs.partial_load, knobs.partial_compute) != (1.0, 1.0):
+        raise MemfitError("partial FFN loading (--partial-load/--partial-compute) selects rows of dense FFN weights: "
+                          "it does not apply to a block-low-rank model (--blr)")
+    if job.task != "lora":
+        return
+    if wrapped := [t for t in knobs.lora_targets if t not in dense]:
+        raise MemfitError(f"LoRA targets (--lora-targets) {','.join(wrapped)} are block-low-rank in this --blr model, "
+                          f"and peft wraps nn.Linear layers only; the ones kept dense are {', '.join(dense) or 'none'}")
+    if not knobs.lora_targets:
+        raise MemfitError("LoRA on this --blr model has no target (--lora-targets names none, or every projection is "
+                          "block-low-rank: peft wraps nn.Linear layers only)")
 
 
 def structured_kinds(spec, knobs: Knobs) -> dict[str, tuple[int, int]]:
