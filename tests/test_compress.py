@@ -382,3 +382,32 @@ def test_too_few_calibration_tokens_are_said(monkeypatch):
     compress_model(build_model(PRESETS["tiny"]), "lowrank", 0.5, calibration=[torch.randint(0, 512, (2, 100))],
                    device="cpu")
     assert len(said) == 1
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("no layers", "its layer records do not describe this model (KeyError: 'layers')"),
+    ("no rank", "its layer records do not describe this model (KeyError: 'rank')"),
+    ("no weights", "its weights file model.safetensors is missing"),
+    ("truncated weights", "model.safetensors: unreadable (SafetensorError"),
+])
+def test_a_damaged_compressed_directory_gets_a_clear_error(tmp_path, damage, message):
+    import json
+
+    model = build_model(PRESETS["tiny"])
+    out = save_compressed(model, tmp_path / "m", compress_model(model, "lowrank", 0.5, device="cpu").layers)
+    meta_path, weights = out / "memfit_compress.json", out / "model.safetensors"
+    meta = json.loads(meta_path.read_text())
+    if damage == "no layers":
+        del meta["layers"]
+    elif damage == "no rank":
+        del meta["layers"][next(iter(meta["layers"]))]["rank"]
+    elif damage == "no weights":
+        weights.unlink()
+    else:
+        weights.write_bytes(weights.read_bytes()[:1000])
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(MemfitError) as refused:
+        load_compressed(out)
+    assert message in str(refused.value)
+    with pytest.raises(MemfitError, match="no such directory"):
+        load_compressed(tmp_path / "nothing")

@@ -141,8 +141,12 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
     from memfit.models import dtype_of
 
     directory = Path(directory).expanduser()
+    if not directory.is_dir():
+        raise MemfitError(f"{directory}: no such directory")
     if not is_compressed_dir(directory):
         raise MemfitError(f"{directory} has no {CONFIG_NAME}: not a memfit-compressed model directory")
+    if not (directory / WEIGHTS_NAME).is_file():
+        raise MemfitError(f"{directory}: its weights file {WEIGHTS_NAME} is missing")
     try:
         meta = json.loads((directory / CONFIG_NAME).read_text())
     except json.JSONDecodeError as err:
@@ -151,13 +155,20 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
         raise MemfitError(f"{directory}: compressed format {meta.get('format')!r}; this memfit reads {FORMAT_VERSION}")
     torch_dtype = dtype_of(dtype) if dtype not in (None, "auto") else None      # None / "auto": the saved dtype
     model = _build_skeleton(directory, torch_dtype)
-    for name, cfg in meta["layers"].items():
-        old = model.get_submodule(name)
-        kwargs = {k: cfg[k] for k in ("blocks", "permute_output") if k in cfg}
-        layer = structure_class(cfg["structure"])(cfg["in_features"], cfg["out_features"], cfg["rank"],
-                                                  bias=cfg["bias"], dtype=old.weight.dtype, **kwargs)
-        replace_module(model, name, layer)
-    missing, unexpected = load_model(model, str(directory / WEIGHTS_NAME), strict=False)
+    try:
+        for name, cfg in meta["layers"].items():
+            old = model.get_submodule(name)
+            kwargs = {k: cfg[k] for k in ("blocks", "permute_output") if k in cfg}
+            layer = structure_class(cfg["structure"])(cfg["in_features"], cfg["out_features"], cfg["rank"],
+                                                      bias=cfg["bias"], dtype=old.weight.dtype, **kwargs)
+            replace_module(model, name, layer)
+    except (KeyError, TypeError, AttributeError) as err:   # a field missing or of the wrong kind, a module it lacks
+        raise MemfitError(f"{directory / CONFIG_NAME}: its layer records do not describe this model "
+                          f"({type(err).__name__}: {err})") from None
+    try:
+        missing, unexpected = load_model(model, str(directory / WEIGHTS_NAME), strict=False)
+    except Exception as err:  # noqa: BLE001 - safetensors' errors (a truncated or foreign file) have no common base
+        raise MemfitError(f"{directory / WEIGHTS_NAME}: unreadable ({type(err).__name__}: {err})") from None
     missing, unexpected = sorted(_untied(model, missing)), sorted(unexpected)
     if missing or unexpected:
         raise MemfitError(f"{directory}: weights do not match the recorded structure "
