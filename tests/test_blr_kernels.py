@@ -914,3 +914,26 @@ def test_xvmix_tiles_fit_registers_and_shared_memory(blocks, rank, n, m, dtype, 
     chosen = blast._prune_xvmix(configs, {"R": rank, "N": n, "M": m, "x_ptr": torch.empty(0, dtype=dtype)},
                                 BB=pow2_at_least(blocks))
     assert [(c.kwargs["BN"], c.kwargs["BK"], c.kwargs["BM"], c.num_warps, c.num_stages) for c in chosen] == kept
+
+
+@pytest.mark.parametrize("op,reference,shapes", [
+    (lowrank_linear, lowrank_linear_reference, [(2, N, B * M), (P, 5), (B * M, 5), (P,)]),
+    (monarch_linear, monarch_linear_reference, [(2, N, B * M), (B, M, B * 5), (B, B * 5, P), (B * P,)]),
+    (blast_linear, blast_linear_reference, [(2, N, B * M), (B, P, 5), (B, M, 5), (B, B, 5), (B * P,)])])
+def test_a_frozen_layer_keeps_no_input_for_its_backward(op, reference, shapes):
+    """With no weight needing a gradient (LoRA elsewhere), the op saves only its weights, not x, and still gives
+    x's gradient: every reference is linear in x, so the backward differentiates it at x = 0. With a weight that
+    needs one, x is saved."""
+    tensors = [torch.randn(*shape) for shape in shapes]
+    for frozen in (True, False):
+        x = tensors[0].clone().requires_grad_()
+        weights = [t.clone().requires_grad_(not frozen) for t in tensors[1:]]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, kept=saved: kept.append(t) or t, lambda t: t):
+            y = op(x, *weights, path="triton")
+        assert any(t.shape == x.shape for t in saved) != frozen
+        grad = torch.randn_like(y)
+        got, = torch.autograd.grad(y, x, grad)
+        xr = x.detach().double().requires_grad_()
+        want, = torch.autograd.grad(reference(xr, *(w.detach().double() for w in weights)), xr, grad.double())
+        assert rel(got, want) < TOL[torch.float32]

@@ -51,7 +51,8 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
 * ``torch`` (the reference: cuBLAS batched GEMMs, the mixing as an einsum) competes
   too, so the pick is never slower than plain PyTorch (it was the fastest at no shape in
   the 6cfd3c1 run).
-Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x.
+Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x (nothing where the
+weights are frozen: blr_common.save_for_recompute).
 """
 import torch
 import triton

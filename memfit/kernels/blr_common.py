@@ -39,7 +39,8 @@
   kernels run without it, so the tests cover the same arithmetic.
 * ``recompute_backward``: the custom ops' backward. It recomputes the op's reference
   forward in PyTorch ops and differentiates it, so the forward saves only x and the
-  weights (no intermediates); the price is one extra forward in the backward.
+  weights (no intermediates; not x either where no weight needs a gradient); the price is one
+  extra forward in the backward.
 """
 import functools
 import hashlib
@@ -321,7 +322,9 @@ def recompute_backward(reference, n_tensors: int, n_options: int = 0):
     """
 
     def backward(ctx, grad):
-        saved = ctx.saved_tensors
+        saved = list(ctx.saved_tensors)
+        if ctx.x_like is not None:                     # frozen weights: x was not saved (see save_for_recompute)
+            saved[0] = ctx.x_like.expand(ctx.x_shape)
         inputs = [t.detach().requires_grad_(need) if t is not None else None
                   for t, need in zip(saved, ctx.needs_input_grad[:n_tensors])]
         wanted = [t for t in inputs if t is not None and t.requires_grad]
@@ -337,7 +340,14 @@ def recompute_backward(reference, n_tensors: int, n_options: int = 0):
 
 
 def save_for_recompute(ctx, inputs, output, n_tensors: int) -> None:
-    ctx.save_for_backward(*inputs[:n_tensors])
+    """Save the op's tensors for :func:`recompute_backward`, but not x (the first) where no weight needs a gradient
+    (a frozen BLR layer under LoRA elsewhere): every BLR reference is linear in x, so the gradient for x does not
+    depend on it, and the backward differentiates the reference at x = 0 (one zero element, expanded) instead of
+    keeping each layer's input alive from its forward to its backward, as the ledger assumes of a frozen layer."""
+    x, weights = inputs[0], inputs[1:n_tensors]
+    frozen = not any(ctx.needs_input_grad[1:n_tensors])
+    ctx.x_like, ctx.x_shape = (x.new_zeros(()), x.shape) if frozen else (None, None)
+    ctx.save_for_backward(None if frozen else x, *weights)
     ctx.rest = tuple(inputs[n_tensors:])
 
 

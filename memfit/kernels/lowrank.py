@@ -16,7 +16,8 @@ Three pipelines, all two GEMMs with z = x V (N r elements) written and read once
   the H200 it never came within 5% of the fastest (:func:`blr_common.pick_candidates`).
 A chained single kernel (z on chip) is not offered: each output tile would recompute
 its z, repeating the first GEMM out/BO times, which lost by 50-170x on the H200.
-Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x.
+Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x (nothing where the
+weights are frozen: blr_common.save_for_recompute).
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   competes too, so the pick is never slower than plain PyTorch on a shape where the
   Triton stage 1 stores badly (e.g. a per-block rank t = 93, not a multiple of 8).
 Backward: PyTorch ops (recompute-and-differentiate of the reference, see blr_common);
-the forward saves only x.
+the forward saves only x (nothing where the weights are frozen: blr_common.save_for_recompute).
 """
 import torch
 import triton
