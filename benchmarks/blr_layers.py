@@ -129,9 +129,12 @@ def main() -> int:
 
         cases = SMOKE_PROFILE_CASES if args.smoke else PROFILE_CASES
         name = "blr_layers_profile" + ("_smoke" if args.smoke else "")
+        start = time.perf_counter()
         stopped = functools.partial(write_results, name, targets=[], out_dir=args.out, blocks=blocks, complete=False)
         profiled = profile_cases(torch, cases, blocks, torch.bfloat16, device, save=stopped)
-        print(f"wrote {write_results(name, profiled, [], args.out, blocks=blocks, complete=True)}")
+        path = write_results(name, profiled, [], args.out, blocks=blocks, complete=True,
+                             seconds=time.perf_counter() - start)
+        print(f"wrote {path}")
     return 0
 
 

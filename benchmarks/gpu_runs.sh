@@ -14,10 +14,11 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # (ledger_accuracy.json, the models' set-up not included).
 # Not yet run since the variant picks time over rotating copies (1deb9e7): blr_e2e_memfit_attention (stopped by a
 # 225 s limit at 0a7cc7e before its last model; 148 s at 18d9a39); it now writes after each model.
-# blr_layers_profile took 197 s at 36c466b (run alone; a first try after blr_e2e in one call ran past 165 s).
+# blr_layers_profile: its device call took 197 s at 36c466b, run alone (the file did not yet record its seconds; a
+# first try after blr_e2e in one call ran past 165 s). blr_layers_profile.json now records them.
 # The full layer table took one call at 89a2ab1 (558 s); where it runs past its limit, blr_layers_resume times the
 # cases it lacks (a stopped run keeps every finished case; the resume says "nothing to resume" where it finished).
-# blr_e2e --profile took 287 s at 1deb9e7, pick_cost 107 s at 11b0a19, partial_ffn 115 s at 0a7cc7e.
+# blr_e2e --profile took 287 s at 1deb9e7; pick_cost's 42 first calls 107 s at 11b0a19; partial_ffn 115 s at 0a7cc7e.
 RUNS=(
   "blr_e2e_memfit_attention|330|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"

@@ -94,10 +94,14 @@ def is_compressed_dir(path: str | Path) -> bool:
 
 
 def refuse_compressed_dir(path: str | Path) -> None:
-    """Where a dense Hugging Face model directory is expected (plan, verify, finetune, generate, compress), refuse
-    one ``memfit compress`` wrote: its config.json is the dense model's, so transformers would build the dense
-    model, find the factors unexpected and the dense weights missing, and run on random weights."""
+    """Where a dense Hugging Face model directory is expected (plan, verify, finetune, generate, calibrate,
+    compress: their argument checks call this), refuse one ``memfit compress`` wrote, given as the directory or its
+    config.json: that config.json is the dense model's, so transformers would build the dense model, find the
+    factors unexpected and the dense weights missing, and run on random weights. (``memfit.models.load_spec``,
+    below this package, reads such a directory's config.json as the dense model's spec.)"""
     path = Path(path).expanduser()
+    if path.is_file():
+        path = path.parent
     if not is_compressed_dir(path):
         return
     try:

@@ -83,7 +83,7 @@ def pick_bucket(n: int) -> int:
 
 
 def n_bucket(n: int) -> int:
-    return max(16, triton.next_power_of_2(int(n)))
+    return max(16, pick_bucket(n))
 
 
 def _cache_path() -> Path:

@@ -190,16 +190,10 @@ def load_spec(model: str | Path | ModelSpec) -> ModelSpec:
         return PRESETS[text]
     path = Path(text).expanduser()
     if path.is_dir():
-        from memfit.compress.io import refuse_compressed_dir
-
-        refuse_compressed_dir(path)
         path = path / "config.json"
         if not path.is_file():
             raise MemfitError(f"{text}: the directory has no config.json")
     if path.is_file():
-        from memfit.compress.io import refuse_compressed_dir
-
-        refuse_compressed_dir(path.parent)
         try:
             config = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
