@@ -221,7 +221,7 @@ kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, 
 out = {}
 for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
-    signature = {p.name: "constexpr" if p.is_constexpr else "*i32" if p.name == "state_ptr"
+    signature = {p.name: "constexpr" if p.is_constexpr else "*i64" if p.name == "state_ptr"
                  else "*bf16" if p.name.endswith("_ptr") else "i32" for p in fn.params}
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in divisible}
@@ -357,14 +357,13 @@ def test_first_stage_of_a_chain_lets_the_next_start_before_its_loads(sm90_ptx, c
 
 def test_one_launch_barrier_compiles_to_release_acquire_atomics_and_l2_reads():
     """For sm_90, BLAST's one launch (two barriers): each barrier is a block barrier, then one thread's acq_rel
-    arrival (the last one's release of the next generation) and an acquire spin; the intermediates are read back
-    from L2 (ld.global.cg), past the L1 a stale line could sit in."""
+    arrival and an acquire spin on the same 64-bit counter; the intermediates are read back from L2
+    (ld.global.cg), past the L1 a stale line could sit in."""
     constexprs = {"HAS_BIAS": True, "MIX": True, "ONLY": 0, "PRECISION": "tf32", "BK1": 128, "BC1": 32, "BK2": 128,
                   "BC2": 32}
     ptx = compile_sm90({"one launch": ("one_launch", constexprs)})["one launch"]
-    arrivals = [m.start() for m in re.finditer(r"atom\.global\.gpu\.acq_rel\.add", ptx)]
-    assert len(arrivals) == 2
-    assert ptx.count("atom.global.gpu.release.add") == 2 and "ld.global.gpu.acquire" in ptx
+    arrivals = [m.start() for m in re.finditer(r"atom\.global\.gpu\.acq_rel\.add\.u64", ptx)]
+    assert len(arrivals) == 2 and ptx.count("ld.global.gpu.acquire.b64") == 2
     assert all(ptx.rfind("bar.sync", 0, arrival) > ptx.rfind("st.global", 0, arrival) for arrival in arrivals)
     assert "ld.global.cg" in ptx[arrivals[0]:]
 
@@ -456,7 +455,7 @@ def test_one_launch_barrier_state_is_not_made_inside_a_graph_capture(monkeypatch
         one_launch.barrier_state(torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     state = one_launch.barrier_state(torch.device("cpu"))
-    assert state.tolist() == [0, 0] and one_launch.barrier_state(torch.device("cpu")) is state
+    assert state.tolist() == [0] and one_launch.barrier_state(torch.device("cpu")) is state
 
 
 def test_fake_tensor_shapes():

@@ -3,18 +3,19 @@
 At decode (N <= ONE_LAUNCH_MAX_N) each BLR pipeline is two or three kernels, and each kernel is a launch, a ramp
 and one dependent read of its weights: at Llama-7B the fastest pipelines read 1.8-2.1x (Monarch) and 2.0-2.1x
 (BLAST) their floor in the 89a2ab1 table, and chaining the launches (the ``*_pdl`` pipelines) did not close the
-gap. Here one launch runs them all: a grid of at most one program per SM runs stage 1's tiles (a strided batched
+gap. Here one launch runs them all: a grid of one program per SM runs stage 1's tiles (a strided batched
 GEMM whose store regroups columns, as :func:`blr_common.bgemm`'s: Monarch's P^T), waits at a grid-wide barrier
 until every program's tiles are stored, then runs the next stage's (BLAST: the mixing, a second barrier, then
 stage 3). The intermediates make one round trip through L2 (read back with ``.cg`` loads, which skip the L1 that
 could hold a stale line).
 
-The barrier needs every program resident at once. A grid of at most one program per SM is: a compiled kernel
+The barrier needs every program resident at once. A grid of one program per SM is: a compiled kernel
 fits one block on an SM, and a program that waits for an SM held by another stream's kernel gets one when that
 kernel ends. It would hang where fewer SMs are this process's than the device reports (an MPS client limited
 by ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``); those are not detected. The barrier's state (arrivals, generation) is
-one small buffer per device, which the last program to arrive resets, so a launch leaves it as it found it. Two
-streams running these kernels at the same time would share it: the pipelines are for one decode stream.
+one int64 counter per device that only grows, and every launch has one program per SM (those without a tile
+only arrive), so each barrier of each launch ends at the next multiple of that count. Two streams running these
+kernels at the same time would share it: the pipelines are for one decode stream.
 
 Under the interpreter, which runs programs one after another (a barrier would wait forever), each stage is its
 own launch of the same kernel (``ONLY``), so the tests check the same tile arithmetic.
@@ -51,20 +52,18 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _grid_barrier(state_ptr, programs):
+def _grid_barrier(count_ptr, programs):
     """Wait until all ``programs`` programs have arrived; every store before it is visible to every load after
     it (as cooperative groups' grid sync: a block barrier, one release-acquire atomic per program, a block
-    barrier). state: [arrivals, generation]; the last to arrive resets the arrivals and bumps the generation."""
+    barrier). ``count`` (int64) only grows: every launch on the device has the same number of programs, so
+    barrier e of all launches so far is complete when it reaches (e + 1) * programs. Its critical path is two
+    round trips to L2: the last arrival, then each waiting program's next read."""
     tl.debug_barrier()
-    generation = tl.atomic_add(state_ptr + 1, 0, sem="relaxed", scope="gpu")
-    arrived = tl.atomic_add(state_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == programs - 1:
-        tl.atomic_xchg(state_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_add(state_ptr + 1, 1, sem="release", scope="gpu")
-    else:
-        seen = generation
-        while seen == generation:
-            seen = tl.atomic_add(state_ptr + 1, 0, sem="acquire", scope="gpu")
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    target = (arrived // programs + 1) * programs
+    seen = arrived + 1
+    while seen < target:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
@@ -74,26 +73,32 @@ def _gemm_tiles(a_ptr, w_ptr, c_ptr, bias_ptr, N, K, C, GRP, BATCHES, sab, san, 
                 BK: tl.constexpr, BC: tl.constexpr):
     """Tiles first, first + step, ... of one stage: c[bt][n, col] = a[bt][n, :] @ w[bt][:, col] (+ bias), a tile
     being all N tokens by BC columns of one batch; column col stored at (col // GRP) * scg + col % GRP (the
-    regrouping store: Monarch's P^T). a has a unit k stride; ``A_CACHE``: its loads' cache modifier."""
+    regrouping store: Monarch's P^T). a has a unit k stride; ``A_CACHE``: its loads' cache modifier.
+    The program's tiles run as one flat loop of K steps, so the software pipeline keeps loading the next tile's
+    weights while a tile is stored (a loop per tile drained the pipeline at every tile: one DRAM latency each)."""
     c_tiles = tl.cdiv(C, BC)
+    k_steps = tl.cdiv(K, BK)
     rn = tl.arange(0, 16).to(tl.int64)
     rk = tl.arange(0, BK)
     a_rows = rn[:, None] < N
-    for tile in range(first, BATCHES * c_tiles, step):
+    acc = tl.zeros((16, BC), dtype=tl.float32)
+    for it in range(0, tl.cdiv(BATCHES * c_tiles - first, step) * k_steps):
+        tile = first + (it // k_steps) * step
+        k0 = (it % k_steps) * BK
         bt = (tile // c_tiles).to(tl.int64)
         rc = (tile % c_tiles) * BC + tl.arange(0, BC)
         w_cols = rc[None, :] < C
-        a_ptrs = a_ptr + bt * sab + rn[:, None] * san + rk[None, :]
-        w_ptrs = w_ptr + bt * swb + rk[:, None] * swk + rc[None, :] * swc
-        acc = tl.zeros((16, BC), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            a = tl.load(a_ptrs + k0, mask=a_rows & (rk[None, :] + k0 < K), other=0.0, cache_modifier=A_CACHE)
-            w = tl.load(w_ptrs + k0 * swk, mask=(rk[:, None] + k0 < K) & w_cols, other=0.0)
-            acc = mma(a, w, acc, PRECISION)
-        col = bt * scb + (rc // GRP).to(tl.int64) * scg + (rc % GRP).to(tl.int64)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + col, mask=rc < C, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptr + rn[:, None] * scn + col[None, :], acc.to(c_ptr.dtype.element_ty), mask=a_rows & w_cols)
+        a = tl.load(a_ptr + bt * sab + rn[:, None] * san + (k0 + rk)[None, :], mask=a_rows & (rk[None, :] + k0 < K),
+                    other=0.0, cache_modifier=A_CACHE)
+        w = tl.load(w_ptr + bt * swb + (k0 + rk)[:, None].to(tl.int64) * swk + rc[None, :] * swc,
+                    mask=(rk[:, None] + k0 < K) & w_cols, other=0.0)
+        acc = mma(a, w, acc, PRECISION)
+        if k0 + BK >= K:
+            col = bt * scb + (rc // GRP).to(tl.int64) * scg + (rc % GRP).to(tl.int64)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + col, mask=rc < C, other=0.0).to(tl.float32)[None, :]
+            tl.store(c_ptr + rn[:, None] * scn + col[None, :], acc.to(c_ptr.dtype.element_ty), mask=a_rows & w_cols)
+            acc = tl.zeros((16, BC), dtype=tl.float32)
 
 
 @triton.jit
@@ -149,14 +154,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 def barrier_state(device: torch.device) -> torch.Tensor:
-    """The device's barrier state, made on first use, which must not be inside a CUDA-graph capture (its
+    """The device's barrier counter, made on first use, which must not be inside a CUDA-graph capture (its
     allocation and zeroing would be captured, not run)."""
     state = _BARRIER_STATES.get(device)
     if state is None:
         if torch.cuda.is_current_stream_capturing():
             raise MemfitError("one-launch BLR kernel: its first call on this device is inside a CUDA graph capture; "
                               "call the layer once before capturing")
-        state = _BARRIER_STATES[device] = torch.zeros(2, dtype=torch.int32, device=device)
+        state = _BARRIER_STATES[device] = torch.zeros(1, dtype=torch.int64, device=device)
     return state
 
 
@@ -179,14 +184,12 @@ def one_launch(x, w1, z, w2, y, *, n: int, k1: int, c1: int, grp1: int, batches:
     strides = (*x_strides, *w1_strides, *z_strides, *a2_strides, *(s.stride() if mix is not None else (0, 0, 0)),
                *w2_strides, *y_strides)
     flags = dict(HAS_BIAS=bias is not None, MIX=mix is not None, PRECISION=blr_precision(x.dtype))
-    tiles = lambda meta: (batches * triton.cdiv(c1, meta["BC1"]),
-                          batches * triton.cdiv(c1, meta["BC2"]) if mix is not None else 0,
-                          batches * triton.cdiv(c2, meta["BC2"]))
     if interpreting():                                 # programs run in turn: each stage a launch of its own
+        tiles = {1: lambda meta: batches * triton.cdiv(c1, meta["BC1"]),
+                 2: lambda meta: batches * triton.cdiv(c1, meta["BC2"]),
+                 3: lambda meta: batches * triton.cdiv(c2, meta["BC2"])}
         for only in (1, 2, 3) if mix is not None else (1, 3):
-            grid = lambda meta, stage=only: (tiles(meta)[stage - 1],)
-            _one_launch_kernel[grid](*args, y, *sizes, *strides, ONLY=only, **flags)
+            _one_launch_kernel[lambda meta, stage=only: (tiles[stage](meta),)](*args, y, *sizes, *strides, ONLY=only,
+                                                                               **flags)
         return
-    programs = _sm_count(x.device)
-    _one_launch_kernel[lambda meta: (min(programs, max(tiles(meta))),)](*args, barrier_state(x.device), *sizes,
-                                                                        *strides, ONLY=0, **flags)
+    _one_launch_kernel[(_sm_count(x.device),)](*args, barrier_state(x.device), *sizes, *strides, ONLY=0, **flags)
