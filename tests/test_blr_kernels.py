@@ -81,12 +81,11 @@ def test_monarch(dtype, variant, permute, lead, bias, monkeypatch):
 def test_monarch_variants_offered():
     """bmm and bmm_perm_bmm only for the block-major layout; bmm_gather for both from
     TOKEN_MAJOR_MIN_N; the fused kernel at every N where its tile fits; the chained two_stage up to
-    PDL_MAX_N, one launch up to ONE_LAUNCH_MAX_N; the plain PyTorch pipeline always competes."""
-    small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "one_launch", "torch"}
+    PDL_MAX_N; the plain PyTorch pipeline always competes."""
+    small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "torch"}
     assert set(monarch.variants_for(16, 128, 32, False)) == small
-    assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "two_stage_pdl", "fused", "one_launch", "torch"}
-    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl", "one_launch"} | {"tbmm",
-                                                                                                          "bmm_gather"}
+    assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "two_stage_pdl", "fused", "torch"}
+    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"} | {"tbmm", "bmm_gather"}
     assert set(monarch.variants_for(8192, 128, 32, True)) == {"two_stage", "fused", "torch", "bmm_gather"}
     assert "fused" not in monarch.variants_for(1, 688, 93, False)
 
@@ -214,15 +213,15 @@ SM90_PTX_SCRIPT = """
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from memfit.kernels import blast, blr_common, one_launch
+from memfit.kernels import blast, blr_common
 
 kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
-           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "one_launch": one_launch._one_launch_kernel}
+           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel}
 out = {}
 for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
-    signature = {p.name: "constexpr" if p.is_constexpr else "*i64" if p.name == "state_ptr"
-                 else "*bf16" if p.name.endswith("_ptr") else "i32" for p in fn.params}
+    signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
+                 for p in fn.params}
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in divisible}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=defaults | constexprs, attrs=attrs)
@@ -355,19 +354,6 @@ def test_first_stage_of_a_chain_lets_the_next_start_before_its_loads(sm90_ptx, c
     assert 0 <= launch < min(ptx.find(op) for op in ("ld.global", "cp.async") if op in ptx)
 
 
-def test_one_launch_barrier_compiles_to_release_acquire_atomics_and_l2_reads():
-    """For sm_90, BLAST's one launch (two barriers): each barrier is a block barrier, then one thread's acq_rel
-    arrival and an acquire spin on the same 64-bit counter; the intermediates are read back from L2
-    (ld.global.cg), past the L1 a stale line could sit in."""
-    constexprs = {"HAS_BIAS": True, "MIX": True, "ONLY": 0, "PRECISION": "tf32", "BK1": 128, "BC1": 32, "BK2": 128,
-                  "BC2": 32}
-    ptx = compile_sm90({"one launch": ("one_launch", constexprs)})["one launch"]
-    arrivals = [m.start() for m in re.finditer(r"atom\.global\.gpu\.acq_rel\.add\.u64", ptx)]
-    assert len(arrivals) == 2 and ptx.count("ld.global.gpu.acquire.b64") == 2
-    assert all(ptx.rfind("bar.sync", 0, arrival) > ptx.rfind("st.global", 0, arrival) for arrival in arrivals)
-    assert "ld.global.cg" in ptx[arrivals[0]:]
-
-
 def test_forcing_a_variant_not_offered_is_a_clear_error():
     x, w1, w2 = torch.randn(3, B * M), torch.randn(B, M, B * 5), torch.randn(B, B * 5, P)
     with pytest.raises(MemfitError, match="bmm"):
@@ -379,7 +365,7 @@ def test_forcing_a_variant_not_offered_is_a_clear_error():
         lowrank_linear(x, torch.randn(P, 6), torch.randn(B * M, 6), path="triton", variant="nope")
 
 
-BLAST_VARIANTS = [name for name in blast.VARIANTS if name != "one_launch"]   # test_one_launch: N <= 16
+BLAST_VARIANTS = list(blast.VARIANTS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -402,60 +388,11 @@ def test_blast_fused_mixing_loops_over_wide_blocks():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant", [name for name in lowrank.VARIANTS if name != "one_launch"])
+@pytest.mark.parametrize("variant", list(lowrank.VARIANTS))
 @pytest.mark.parametrize("n,bias", [(1, True), (N, False)])
 def test_lowrank(dtype, variant, n, bias):
     tensors = [torch.randn(n, 33), torch.randn(17, 20) / 20**0.5, torch.randn(33, 20) / 33**0.5, torch.randn(17)]
     check(lowrank_linear, lowrank_linear_reference, drop_bias(tensors, bias), dtype, variant=variant)
-
-
-ONE_LAUNCH_CASES = [  # (op, reference, tensors for n tokens, options): odd blocks, ranks and widths
-    (monarch_linear, monarch_linear_reference,
-     lambda n: [torch.randn(n, B * M), torch.randn(B, M, B * 5) / M**0.5, torch.randn(B, B * 5, P) / 5**0.5,
-                torch.randn(B * P)], {"permute_output": False}),
-    (monarch_linear, monarch_linear_reference,
-     lambda n: [torch.randn(n, 2 * 37), torch.randn(2, 37, 2 * 9) / 37**0.5, torch.randn(2, 2 * 9, 41) / 3,
-                torch.randn(2 * 41)], {"permute_output": True}),
-    (blast_linear, blast_linear_reference,
-     lambda n: [torch.randn(n, B * M), torch.randn(B, P, 19) / 19**0.5, torch.randn(B, M, 19) / M**0.5,
-                torch.randn(B, B, 19) / B**0.5, torch.randn(B * P)], {}),
-    (lowrank_linear, lowrank_linear_reference,
-     lambda n: [torch.randn(n, 70), torch.randn(45, 20) / 20**0.5, torch.randn(70, 20) / 70**0.5, torch.randn(45)], {}),
-]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", range(len(ONE_LAUNCH_CASES)))
-@pytest.mark.parametrize("n,bias", [(1, True), (7, False), (16, True)])
-def test_one_launch(dtype, case, n, bias):
-    """Each structure's stages in one launch (run stage by stage under the interpreter), up to one token tile,
-    with K and columns past one tile (the interpreter's tiles are 32 deep, 16 wide)."""
-    op, reference, tensors, options = ONE_LAUNCH_CASES[case]
-    check(op, reference, drop_bias(tensors(n), bias), dtype, variant="one_launch", **options)
-
-
-def test_one_launch_is_offered_up_to_one_token_tile():
-    from memfit.kernels.one_launch import ONE_LAUNCH_MAX_N
-
-    last = ONE_LAUNCH_MAX_N
-    for offered in (lambda n: monarch.variants_for(n, 128, 32, True), blast.variants_for, lowrank.variants_for):
-        assert "one_launch" in offered(1) and "one_launch" in offered(last)
-        assert "one_launch" not in offered(last + 1)
-    with pytest.raises(MemfitError, match="one_launch"):
-        lowrank_linear(torch.randn(last + 1, 8), torch.randn(5, 4), torch.randn(8, 4), path="triton",
-                       variant="one_launch")
-
-
-def test_one_launch_barrier_state_is_not_made_inside_a_graph_capture(monkeypatch):
-    from memfit.kernels import one_launch
-
-    monkeypatch.setattr(one_launch, "_BARRIER_STATES", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(MemfitError, match="call the layer once before capturing"):
-        one_launch.barrier_state(torch.device("cpu"))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    state = one_launch.barrier_state(torch.device("cpu"))
-    assert state.tolist() == [0] and one_launch.barrier_state(torch.device("cpu")) is state
 
 
 def test_fake_tensor_shapes():

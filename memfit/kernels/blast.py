@@ -48,8 +48,6 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   made, pulls its U_i slice into L2, then waits for Z). On a GPU that offers it the pick does
   not time ``z_mixgemm``: on the H200 it never came within 5% of the fastest
   (:func:`blr_common.pick_candidates`).
-* ``one_launch`` (N <= ONE_LAUNCH_MAX_N): the three stages in one persistent kernel, grid barriers between
-  them (:mod:`memfit.kernels.one_launch`): one launch and ramp, Z and T through L2.
 * ``torch`` (the reference: cuBLAS batched GEMMs, the mixing as an einsum) competes
   too, so the pick is never slower than plain PyTorch (it was the fastest at no shape in
   the 6cfd3c1 run).
@@ -85,7 +83,6 @@ from memfit.kernels.blr_common import (
     tuned,
 )
 from memfit.kernels.dispatch import use_triton
-from memfit.kernels.one_launch import ONE_LAUNCH_MAX_N, one_launch
 
 MIXGEMM_MAX_N = 128      # beyond this the mixing prologue's per-column-tile repeats and Z's b-fold reads cost too much
 
@@ -391,21 +388,9 @@ def _z_mixgemm_pdl(x2, u, v, s, bias):
     return _z_mixgemm(x2, u, v, s, bias, chained=True)
 
 
-def _one_launch(x2, u, v, s, bias):
-    b, m, r = v.shape
-    p, n = u.shape[1], x2.shape[0]
-    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
-    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
-    one_launch(x2, v, z, u, y, n=n, k1=m, c1=r, grp1=r, batches=b, k2=r, c2=p, x_strides=(m, x2.stride(0)),
-               w1_strides=v.stride(), z_strides=(r, b * r, 0), a2_strides=(r, b * r),
-               w2_strides=(u.stride(0), u.stride(2), u.stride(1)), y_strides=(p, y.stride(0), 1), bias=bias,
-               mix=(s, torch.empty_like(z)))
-    return y
-
-
 VARIANTS = {"xvmix_bmm": _xvmix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "tbmm_mix_tbmm": _tbmm_mix_tbmm, "z_mixgemm": _z_mixgemm,
             "z_mixgemm_pdl": _z_mixgemm_pdl, "bgemm_mix_bgemm_pdl": _bgemm_mix_bgemm_pdl,
-            "one_launch": _one_launch, "torch": blast_linear_reference}
+            "torch": blast_linear_reference}
 
 
 def variants_for(n: int) -> dict:
@@ -418,7 +403,6 @@ def variants_for(n: int) -> dict:
         names.append("tbmm_mix_tbmm")
     if n <= PDL_MAX_N and pdl_offered():
         names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
-    names += ["one_launch"] if n <= ONE_LAUNCH_MAX_N else []
     return {name: VARIANTS[name] for name in names}
 
 

@@ -2,7 +2,7 @@
 
 Shapes: x (..., in), V (in, r), U (out, r), bias (out,) or None.
 
-Four pipelines, all two GEMMs with z = x V (N r elements) written and read once;
+Three pipelines, all two GEMMs with z = x V (N r elements) written and read once;
 ``pick_variant`` times them per shape on the GPU (cached on disk):
 
 * ``cublas``: two cuBLAS matmuls (``addmm`` folds the bias). Near the matmul rate at
@@ -14,8 +14,6 @@ Four pipelines, all two GEMMs with z = x V (N r elements) written and read once;
   (blr_common's programmatic dependent launch: it starts early, pulls its U slice into
   L2, then waits for z). On a GPU that offers it the pick does not time ``bgemm`` at any N: on
   the H200 it never came within 5% of the fastest (:func:`blr_common.pick_candidates`).
-* ``one_launch`` (N <= ONE_LAUNCH_MAX_N): both GEMMs in one persistent kernel, a grid barrier between them
-  (:mod:`memfit.kernels.one_launch`).
 A chained single kernel (z on chip) is not offered: each output tile would recompute
 its z, repeating the first GEMM out/BO times, which lost by 50-170x on the H200.
 Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x (nothing where the
@@ -37,7 +35,6 @@ from memfit.kernels.blr_common import (
     save_for_recompute,
 )
 from memfit.kernels.dispatch import use_triton
-from memfit.kernels.one_launch import ONE_LAUNCH_MAX_N, one_launch
 
 
 def lowrank_linear_reference(x, u, v, bias=None):
@@ -66,27 +63,15 @@ def _cublas(x2, u, v, bias):
     return torch.addmm(bias, z, u.T) if bias is not None else z @ u.T
 
 
-def _one_launch(x2, u, v, bias):
-    (out, r), (n, d_in) = u.shape, x2.shape
-    z = torch.empty(n, r, device=x2.device, dtype=x2.dtype)
-    y = torch.empty(n, out, device=x2.device, dtype=x2.dtype)
-    one_launch(x2, v, z, u, y, n=n, k1=d_in, c1=r, grp1=r, batches=1, k2=r, c2=out, x_strides=(0, x2.stride(0)),
-               w1_strides=(0, *v.stride()), z_strides=(0, r, 0), a2_strides=(0, r),
-               w2_strides=(0, u.stride(1), u.stride(0)), y_strides=(0, y.stride(0), 1), bias=bias)
-    return y
-
-
-VARIANTS = {"cublas": _cublas, "bgemm": _bgemm, "bgemm_pdl": _bgemm_pdl, "one_launch": _one_launch}
+VARIANTS = {"cublas": _cublas, "bgemm": _bgemm, "bgemm_pdl": _bgemm_pdl}
 UNPICKED_WITH_PDL = ("bgemm",)   # never within 5% of the fastest on the H200 (blr_common.pick_candidates)
 
 
 def variants_for(n: int) -> dict:
-    """The pipelines offered at ``n`` tokens: cuBLAS and bgemm at every N, chained at small N, one launch at decode
-    (the pick times those :func:`blr_common.pick_candidates` keeps); the same for every N of one ``pick_bucket``
-    (which shares a pick)."""
+    """The pipelines offered at ``n`` tokens: cuBLAS and bgemm at every N, chained at small N (the pick times those
+    :func:`blr_common.pick_candidates` keeps); the same for every N of one ``pick_bucket`` (which shares a pick)."""
     n = pick_bucket(n)
     names = ["cublas", "bgemm"] + (["bgemm_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
-    names += ["one_launch"] if n <= ONE_LAUNCH_MAX_N else []
     return {name: VARIANTS[name] for name in names}
 
 

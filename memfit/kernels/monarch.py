@@ -51,8 +51,6 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   N it can only win where p is one or two column tiles (Llama-1B q/o: p = 128, where z's
   round trip through memory costs more than the stage-2 FLOPs), so where it is timed it is timed at
   every N. Needs pow2(m) * pow2(t) small enough for a pipelined tile (:func:`fused_fits`).
-* ``one_launch`` (N <= ONE_LAUNCH_MAX_N): both stages in one persistent kernel, a grid barrier between them
-  (:mod:`memfit.kernels.one_launch`): one launch and ramp for the two dependent weight reads. Both layouts.
 * ``torch`` (the reference: two cuBLAS batched GEMMs with the permutations as copies)
   competes too, so the pick is never slower than plain PyTorch on a shape where the
   Triton stage 1 stores badly (e.g. a per-block rank t = 93, not a multiple of 8).
@@ -86,7 +84,6 @@ from memfit.kernels.blr_common import (
     tuned,
 )
 from memfit.kernels.dispatch import use_triton
-from memfit.kernels.one_launch import ONE_LAUNCH_MAX_N, one_launch
 
 FUSED_MAX_TILE = 16384  # pow2(m) * pow2(t) elements of w1 slice per step: 32 KB in bf16, so 2-3 stages fit
 
@@ -256,21 +253,8 @@ def _fused(x2, w1, w2, bias, permute_output):
     return y
 
 
-def _one_launch(x2, w1, w2, bias, permute_output):
-    b, m, r = w1.shape
-    p, n, t = w2.shape[2], x2.shape[0], r // b
-    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
-    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
-    block_stride, col_stride = (1, b) if permute_output else (p, 1)
-    one_launch(x2, w1, z, w2, y, n=n, k1=m, c1=r, grp1=t, batches=b, k2=r, c2=p, x_strides=(m, x2.stride(0)),
-               w1_strides=w1.stride(), z_strides=(t, b * r, r), a2_strides=(r, b * r), w2_strides=w2.stride(),
-               y_strides=(block_stride, y.stride(0), col_stride), bias=bias)       # z[n, i, j t + s]: P^T in the store
-    return y
-
-
 VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm,
-            "bmm_gather": _bmm_gather, "tbmm": _tbmm, "fused": _fused, "one_launch": _one_launch,
-            "torch": monarch_linear_reference}
+            "bmm_gather": _bmm_gather, "tbmm": _tbmm, "fused": _fused, "torch": monarch_linear_reference}
 UNPICKED_WITH_PDL = ("fused",)  # never within 5% of the fastest on the H200 (blr_common.pick_candidates)
 
 
@@ -286,8 +270,6 @@ def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
         names += ["bmm", "bmm_perm_bmm"] + (["tbmm"] if n >= TOKEN_MAJOR_MIN_N else [])
     if fused_fits(m, t):
         names.append("fused")
-    if n <= ONE_LAUNCH_MAX_N:
-        names.append("one_launch")
     return {name: VARIANTS[name] for name in names}
 
 
