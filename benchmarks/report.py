@@ -42,12 +42,15 @@ def _targets(data: dict) -> str:
 
 def ledger_section(data: dict) -> str:
     rows = [r for r in data["rows"] if "error" in r]
-    out = ["### Memory ledger: predicted vs measured peak\n", _header(data, "python benchmarks/ledger_accuracy.py"),
+    blr = data["benchmark"] == "ledger_accuracy_blr"
+    title = "### Memory ledger: predicted vs measured peak" + (", block-low-rank models" if blr else "")
+    out = [title + "\n", _header(data, "python benchmarks/ledger_accuracy.py" + (" --blr" if blr else "")),
            "| model | task | seq x batch | techniques | predicted GiB | measured GiB | error |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
         job, knobs = r["job"], r["knobs"]
-        extra = [f"ckpt {knobs['checkpoint_layers']}" if knobs["checkpoint_layers"] else "",
+        extra = [f"{knobs['blr_method']} {knobs['blr_ratio']:g}" if knobs.get("blr_method") else "",
+                 f"ckpt {knobs['checkpoint_layers']}" if knobs["checkpoint_layers"] else "",
                  knobs["optimizer"] if job["task"] != "infer" and knobs["optimizer"] != "adamw" else "",
                  f"micro-batch {knobs['micro_batch']}" if knobs["micro_batch"] != job["batch"] else ""]
         out.append(f"| {job['model']} | {job['task']} | {job['seq']} x {job['batch']} | {', '.join(e for e in extra if e) or '-'} "
@@ -298,7 +301,7 @@ def blr_accuracy_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + findings + "\n" + _targets(data)
 
 
-SECTIONS = [("ledger_accuracy", ledger_section), ("linear_ce", linear_ce_section), ("attention", attention_section),
+SECTIONS = [("ledger_accuracy", ledger_section), ("ledger_accuracy_blr", ledger_section), ("linear_ce", linear_ce_section), ("attention", attention_section),
             ("finetune_memory", finetune_section), ("finetune_ledger", finetune_ledger_section),
             ("partial_ffn", partial_ffn_section), ("partial_ffn_accuracy", partial_ffn_accuracy_section),
             ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section),

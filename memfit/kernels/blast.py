@@ -79,6 +79,7 @@ from memfit.kernels.blr_common import (
     pow2_at_least,
     prefetch_l2,
     recompute_backward,
+    recomputing,
     save_for_recompute,
     tuned,
 )
@@ -440,12 +441,17 @@ _blast_op.register_autograd(recompute_backward(blast_linear_reference, 5),
                             setup_context=lambda ctx, inputs, output: save_for_recompute(ctx, inputs, output, 5))
 
 
+_blast_recomputing = recomputing(blast_linear_reference, 5, 0)
+
+
 def blast_linear(x, u, v, s, bias=None, path=None, variant="auto"):
-    """BLAST forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS)."""
-    if use_triton("blast_linear", x, u, v, s, path=path):
-        offered = variants_for(x.numel() // max(v.shape[0] * v.shape[1], 1))
-        if variant != "auto" and variant not in offered:
-            raise MemfitError(f"blast_linear: variant {variant!r} is not available at this token count; "
-                              f"available: {', '.join(offered)}")
-        return _blast_op(x, *[w if w is None else w.to(x.dtype) for w in (u, v, s, bias)], variant)
-    return blast_linear_reference(x, u, v, s, bias)
+    """BLAST forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS), else the
+    reference with the op's memory behaviour (:func:`blr_common.recomputing`)."""
+    cast = [w if w is None else w.to(x.dtype) for w in (u, v, s, bias)]
+    if not use_triton("blast_linear", x, u, v, s, path=path):
+        return _blast_recomputing(x, *cast)
+    offered = variants_for(x.numel() // max(v.shape[0] * v.shape[1], 1))
+    if variant != "auto" and variant not in offered:
+        raise MemfitError(f"blast_linear: variant {variant!r} is not available at this token count; "
+                          f"available: {', '.join(offered)}")
+    return _blast_op(x, *cast, variant)

@@ -339,6 +339,29 @@ def recompute_backward(reference, n_tensors: int, n_options: int = 0):
     return backward
 
 
+def recomputing(reference, n_tensors: int, n_options: int = 0):
+    """``reference`` as an autograd function with the custom ops' memory behaviour (:func:`save_for_recompute`,
+    :func:`recompute_backward`): the path where no Triton kernel runs (CPU). Run as plain autograd, a reference
+    kept its intermediates for the backward (z and its copies), which the ledger does not count; run inside a
+    custom op, its forward's temporaries were hidden from the CPU memory tracker, which sees an op as one call."""
+    backward = recompute_backward(reference, n_tensors, n_options)
+
+    class Recomputing(torch.autograd.Function):
+        @staticmethod
+        def forward(*inputs):
+            return reference(*inputs[:n_tensors + n_options])
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            save_for_recompute(ctx, inputs, output, n_tensors)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(ctx, grad)
+
+    return Recomputing.apply
+
+
 def save_for_recompute(ctx, inputs, output, n_tensors: int) -> None:
     """Save the op's tensors for :func:`recompute_backward`, but not x (the first) where no weight needs a gradient
     (a frozen BLR layer under LoRA elsewhere): every BLR reference is linear in x, so the gradient for x does not

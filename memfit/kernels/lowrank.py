@@ -32,6 +32,7 @@ from memfit.kernels.blr_common import (
     pick_candidates,
     pick_variant,
     recompute_backward,
+    recomputing,
     save_for_recompute,
 )
 from memfit.kernels.dispatch import use_triton
@@ -96,12 +97,17 @@ _lowrank_op.register_autograd(recompute_backward(lowrank_linear_reference, 4),
                               setup_context=lambda ctx, inputs, output: save_for_recompute(ctx, inputs, output, 4))
 
 
+_lowrank_recomputing = recomputing(lowrank_linear_reference, 4, 0)
+
+
 def lowrank_linear(x, u, v, bias=None, path=None, variant="auto"):
-    """y = (x V) U^T + bias by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS)."""
-    if use_triton("lowrank_linear", x, u, v, path=path):
-        offered = variants_for(x.numel() // max(v.shape[0], 1))
-        if variant != "auto" and variant not in offered:
-            raise MemfitError(f"lowrank_linear: variant {variant!r} is not available at this token count; "
-                              f"available: {', '.join(offered)}")
-        return _lowrank_op(x, *[w if w is None else w.to(x.dtype) for w in (u, v, bias)], variant)
-    return lowrank_linear_reference(x, u, v, bias)
+    """y = (x V) U^T + bias by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS), else
+    the reference with the op's memory behaviour (:func:`blr_common.recomputing`)."""
+    cast = [w if w is None else w.to(x.dtype) for w in (u, v, bias)]
+    if not use_triton("lowrank_linear", x, u, v, path=path):
+        return _lowrank_recomputing(x, *cast)
+    offered = variants_for(x.numel() // max(v.shape[0], 1))
+    if variant != "auto" and variant not in offered:
+        raise MemfitError(f"lowrank_linear: variant {variant!r} is not available at this token count; "
+                          f"available: {', '.join(offered)}")
+    return _lowrank_op(x, *cast, variant)

@@ -80,6 +80,7 @@ from memfit.kernels.blr_common import (
     pick_variant,
     pow2_at_least,
     recompute_backward,
+    recomputing,
     save_for_recompute,
     tuned,
 )
@@ -308,15 +309,20 @@ _monarch_op.register_autograd(recompute_backward(monarch_linear_reference, 4, 1)
                               setup_context=lambda ctx, inputs, output: save_for_recompute(ctx, inputs, output, 4))
 
 
+_monarch_recomputing = recomputing(monarch_linear_reference, 4, 1)
+
+
 def monarch_linear(x, w1, w2, bias=None, permute_output=False, path=None, variant="auto"):
-    """Monarch forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS)."""
-    if use_triton("monarch_linear", x, w1, w2, path=path):
-        if variant != "auto":
-            b, m, r = w1.shape
-            offered = variants_for(x.numel() // max(b * m, 1), m, r // b, permute_output)
-            if variant not in offered:
-                raise MemfitError(f"monarch_linear: variant {variant!r} is not available for this shape and layout "
-                                  f"(permute_output={permute_output}); available: {', '.join(offered)}")
-        cast = [w if w is None else w.to(x.dtype) for w in (w1, w2, bias)]
-        return _monarch_op(x, *cast, permute_output, variant)
-    return monarch_linear_reference(x, w1, w2, bias, permute_output)
+    """Monarch forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS), else the
+    reference with the op's memory behaviour (:func:`blr_common.recomputing`: only x kept, the backward recomputes,
+    as the ledger counts on every device)."""
+    cast = [w if w is None else w.to(x.dtype) for w in (w1, w2, bias)]
+    if not use_triton("monarch_linear", x, w1, w2, path=path):
+        return _monarch_recomputing(x, *cast, permute_output)
+    if variant != "auto":
+        b, m, r = w1.shape
+        offered = variants_for(x.numel() // max(b * m, 1), m, r // b, permute_output)
+        if variant not in offered:
+            raise MemfitError(f"monarch_linear: variant {variant!r} is not available for this shape and layout "
+                              f"(permute_output={permute_output}); available: {', '.join(offered)}")
+    return _monarch_op(x, *cast, permute_output, variant)

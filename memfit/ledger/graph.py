@@ -148,10 +148,10 @@ class ModelGraph:
         if module in self.structured:
             # BlastLinear/MonarchLinear/LowRankLinear: their ops save only the input (backward recomputes
             # the intermediates, which forward and backward hold transiently: predict.blr_transient_per_token).
-            params, transient = self.structured[module]
+            params, forward, backward = self.structured[module]
             weight = self.param(f"{layer}.{module}", params, trained)
-            inner = self._bytes(transient, self.dtype)
-            workspace = {"forward_workspace": inner, "backward_workspace": inner}
+            workspace = {"forward_workspace": self._bytes(forward, self.dtype),
+                         "backward_workspace": self._bytes(backward, self.dtype)}
         elif self.four_bit and not trained:
             # bitsandbytes NF4: 4-bit codes plus double-quantised absmax; matmul_4bit dequantises the
             # whole weight to the compute dtype in forward and again in backward (for the input grad).
