@@ -4,6 +4,7 @@ Odd shapes (blocks 3, block sizes 7 and 11, per-block rank 5, N 1 and 2 x 19), e
 variant, both Monarch output layouts, bias on and off, fp32 and bf16, outputs poisoned
 with NaN before the run.
 """
+import contextlib
 import math
 import re
 
@@ -504,30 +505,17 @@ def test_ops_pick_by_pick_bucket(monkeypatch, op):
     assert keys == [1, 4, 16, 128, 128] and offered[3] == offered[4]      # one bucket, one set of candidates
 
 
-def stub_current_stream(monkeypatch, events=None):
-    """torch.cuda.current_stream() as a stream whose synchronize() is noted in ``events`` (no GPU here)."""
-    class Stream:
-        def synchronize(self):
-            if events is not None:
-                events.append("synchronize")
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
-
-
 def test_pick_times_each_variant_over_rotating_copies_of_its_arguments(monkeypatch):
     """The pick calls each candidate on copies of its arguments in turn, enough to hold ROTATE_BYTES, and divides a
     replay's time by the copies (made once for the first timing and the finalists' rounds: the interleaving test)."""
-    import triton.testing
-
     medians, calls, reps = [8.0, 4.0], [], []
 
-    def bench(fn, rep, return_mode):
+    def bench(fn, rep_ms):
         fn()
-        reps.append(rep)
+        reps.append(rep_ms)
         return medians.pop(0)
 
-    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", bench)
-    stub_current_stream(monkeypatch)
+    monkeypatch.setattr(blr_common, "graph_ms", bench)
     monkeypatch.setattr(blr_common, "_cuda_device", lambda args: torch.device("cpu"))  # stands for the GPU here
     monkeypatch.setattr(blr_common, "ROTATE_BYTES", 10)
     x = torch.ones(1)                                                  # 4 bytes: 3 copies hold 10
@@ -813,40 +801,77 @@ def test_autotuning_without_memory_for_the_flush_times_warm_and_says_so(monkeypa
     assert timed == [kernel_call] and "warm L2" in warned[0]
 
 
-def test_autotuning_times_after_the_callers_stream_and_lets_failures_through(monkeypatch):
-    """Graph replays run on Triton's side stream, so the caller's queued work is waited for first; a config
-    that fails goes to triton.autotune (which skips one that does not fit and raises anything else),
+def test_autotuning_lets_failures_through(monkeypatch):
+    """A config that fails goes to triton.autotune (which skips one that does not fit and raises anything else),
     where a pipeline variant that fails is skipped by the pick itself."""
-    import triton.testing
-
-    events = []
-
-    def bench(fn, rep, return_mode):
-        events.append("bench")
+    def bench(fn, rep_ms):
         raise RuntimeError("a broken config")
 
-    stub_current_stream(monkeypatch, events)
     stub_l2_flush(monkeypatch)
-    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", bench)
+    monkeypatch.setattr(blr_common, "graph_ms", bench)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with pytest.raises(RuntimeError, match="broken config"):
         blr_common.autotune_bench(lambda: None)
-    assert events == ["synchronize", "bench"]
     assert blr_common._rotated_times("op", {"variant": lambda: None}, [()]) == {"variant": float("inf")}
 
 
-def test_a_variant_that_fails_to_run_is_not_picked(monkeypatch):
-    import triton.testing
+def test_graph_timings_reuse_one_side_stream_after_the_callers_work(monkeypatch):
+    """Every timing runs on one side stream per device (each new stream cuBLAS runs on gets a workspace that torch
+    keeps: about 1 GiB after one model's picks when each timing took a new one), which first waits for the work
+    queued on the caller's stream."""
+    from memfit.measure import timing
 
-    def bench(fn, rep, return_mode):
+    events, made = [], []
+
+    class Stream:
+        def __init__(self):
+            made.append(self)
+
+        def wait_stream(self, other):
+            events.append(("wait", other))
+
+    class Event:
+        def record(self):
+            events.append("record")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 5.0
+
+    class Graph:
+        def replay(self):
+            events.append("replay")
+
+    class Caller:
+        def wait_stream(self, other):
+            events.append("caller waits")
+
+    caller = Caller()
+    monkeypatch.setattr(timing, "_TIMING_STREAMS", {})
+    for name, value in {"Stream": Stream, "Event": lambda enable_timing: Event(), "CUDAGraph": Graph,
+                        "current_device": lambda: 0, "current_stream": lambda: caller,
+                        "stream": lambda stream: contextlib.nullcontext(),
+                        "graph": lambda graph, stream: contextlib.nullcontext()}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    calls = []
+    assert timing.graph_ms(lambda: calls.append(1), rep_ms=10) == 0.5    # 1 ms a call estimated: 10 in the graph
+    assert timing.graph_ms(lambda: None) == 0.25                             # 20 ms by default
+    assert len(made) == 1 and events[0] == ("wait", caller) and events.count("replay") == 2 * timing.GRAPH_REPLAYS
+    assert events[-1] == "caller waits"                                       # for the timed calls' last writes
+    assert len(calls) == 1 + 5 + 10                                            # warm-up, estimate, captured
+
+
+def test_a_variant_that_fails_to_run_is_not_picked(monkeypatch):
+    def bench(fn, rep_ms):
         return fn()
 
     def broken(x):
         raise RuntimeError("out of resources")
 
     warned = []
-    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", bench)
-    stub_current_stream(monkeypatch)
+    monkeypatch.setattr(blr_common, "graph_ms", bench)
     monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
     assert blr_common._time_candidate("op", "broken", broken, (1,)) == float("inf")
     assert "broken" in warned[0] and "out of resources" in warned[0]

@@ -59,7 +59,7 @@ import triton.language as tl
 from memfit.errors import MemfitError
 from memfit.kernels.dispatch import dot_precision, interpreting
 from memfit.log import warn_once
-from memfit.measure.timing import turn_orders
+from memfit.measure.timing import graph_ms, turn_orders
 
 _CACHE: dict | None = None
 PICK_REP_MS = 10                 # ms of graph replays per kernel variant or tile config (short: a cold run of
@@ -293,13 +293,10 @@ def _cuda_device(args: tuple) -> torch.device | None:
 
 def _graph_ms(fn, args: tuple, rep_ms: float = PICK_REP_MS) -> float:
     """Median ms of ``fn(*args)`` as CUDA-graph replays (so a decode-sized call's time is its GPU
-    time, not Python's launch overhead, which would favour the variant with fewer launches).
-    Triton replays on a side stream: it first waits for the work queued on the caller's stream,
-    whose buffers the timed calls may reuse."""
-    from triton.testing import do_bench_cudagraph
-
-    torch.cuda.current_stream().synchronize()
-    return float(do_bench_cudagraph(lambda: fn(*args), rep=rep_ms, return_mode="median"))
+    time, not Python's launch overhead, which would favour the variant with fewer launches), on
+    :func:`memfit.measure.timing.graph_ms`'s side stream, which first waits for the work queued on the
+    caller's stream, whose buffers the timed calls may reuse."""
+    return graph_ms(lambda: fn(*args), rep_ms)
 
 
 def _time_candidate(op: str, name: str, fn, args: tuple, rep_ms: float = PICK_REP_MS) -> float:
