@@ -434,6 +434,22 @@ def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
     assert warned and "capture" in warned[0]
 
 
+def test_a_pick_where_no_variant_could_be_timed_runs_the_default_and_says_so(monkeypatch):
+    """E.g. every candidate out of memory while timed (each failure is said by _time_candidate): the layer still
+    runs, on its default, and the next call times again (nothing cached)."""
+    monkeypatch.setattr(blr_common, "_CACHE", {})
+    monkeypatch.setattr(blr_common, "_save_cache", lambda cache: pytest.fail("nothing to cache"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    timed, warned = [], []
+    monkeypatch.setattr(blr_common, "_time_candidate", lambda op, name, fn, args, rep_ms: timed.append(name) or math.inf)
+    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
+    candidates = {"a": lambda: None, "b": lambda: None}
+    assert blr_common.pick_variant("op", (8,), candidates, "b", ()) == "b"
+    assert "untimed" in warned[0] and "'b'" in warned[0]
+    assert blr_common.pick_variant("op", (8,), candidates, "b", ()) == "b" and timed == ["a", "b", "a", "b"]
+
+
 def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
     """Variants within PICK_FINALIST_SLACK of the fastest first timing are timed again in PICK_FINAL_ROUNDS rounds,
     forward and reverse by turns, and the lowest median wins: here "b" trails "a" once but wins two of the three
