@@ -1,4 +1,5 @@
 """The ledger: hand-computed sizes, the activation derivation against autograd, verify within 5%."""
+import re
 import sys
 
 import pytest
@@ -392,3 +393,20 @@ def test_ledger_snapshot_bad_inputs_are_usage_errors(argv, message, monkeypatch,
     with pytest.raises(SystemExit) as exit_info:
         snapshot.main()
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_blr_plan_errors_suggest_skipping_kinds_only_where_the_user_can():
+    """memfit compress takes --skip, so its planner's errors suggest it; memfit plan --blr plans the default kinds and
+    has no such option, so the same errors there do not."""
+    from memfit.compress.plan import plan_kinds
+    from memfit.errors import MemfitError
+    from memfit.ledger.predict import blr_dense_kinds
+
+    spec = PRESETS["llama-3.2-1b"]
+    for changes, compress_hint in (({"blr_blocks": 7}, "(--skip q_proj)"), ({"blr_ratio": 0.01}, "--skip none")):
+        knobs = Knobs(blr_method="monarch").with_(**changes)
+        with pytest.raises(MemfitError, match=re.escape(compress_hint)):
+            plan_kinds(spec.linear_shapes(), "monarch", knobs.blr_ratio, knobs.blr_blocks)
+        with pytest.raises(MemfitError, match="--blr monarch") as refused:
+            blr_dense_kinds(spec, knobs)
+        assert "skip" not in str(refused.value)

@@ -71,8 +71,11 @@ def _check_args(method, ratio, blocks, ranks):
 
 
 def plan_kinds(shapes: dict[str, tuple[int, int]], method: str, ratio: float | None = 0.5, blocks: int = 16,
-               ranks: dict[str, int] | None = None, skip: tuple[str, ...] | None = None) -> dict[str, KindPlan]:
-    """Rank per kind (``shapes``: kind -> (in, out)) for ``ratio``, or the explicit ``ranks``."""
+               ranks: dict[str, int] | None = None, skip: tuple[str, ...] | None = None,
+               skip_option: str | None = "--skip") -> dict[str, KindPlan]:
+    """Rank per kind (``shapes``: kind -> (in, out)) for ``ratio``, or the explicit ``ranks``. ``skip_option``: how
+    the caller's user names the kinds to keep dense, which the errors suggest (None: they cannot, as in `memfit plan
+    --blr`, which plans the default kinds)."""
     cls = _check_args(method, ratio, blocks, ranks)  # before the divisibility test divides by blocks
     blocks = 1 if method == "lowrank" else blocks
     skip = default_skip(shapes) if skip is None else tuple(skip)
@@ -85,8 +88,9 @@ def plan_kinds(shapes: dict[str, tuple[int, int]], method: str, ratio: float | N
             fin, fout = shapes[kind]
             for name, size in (("in_features", fin), ("out_features", fout)):
                 if size % blocks:
+                    skip_it = f", or skip {kind} ({skip_option} {kind})" if skip_option else ""
                     raise MemfitError(f"{method}: {kind} {name}={size} is not divisible by blocks={blocks}; "
-                                      f"pick blocks dividing {fin} and {fout}, or skip {kind}")
+                                      f"pick blocks dividing {fin} and {fout}{skip_it}")
 
     def plan_at(fraction: float | None) -> dict[str, KindPlan]:
         out = {}
@@ -125,7 +129,8 @@ def plan_kinds(shapes: dict[str, tuple[int, int]], method: str, ratio: float | N
     if best is None or all(p.rank is None for p in best.values()):
         smallest = sum(p.params for p in plan_at(0.0).values()) / total
         kept = sum(shapes[k][0] * shapes[k][1] for k in shapes if k not in candidates) / total
-        hint = f", or compress more kinds (the ones kept dense hold {kept:.1%}: --skip none)" if kept else ""
+        hint = (f", or compress more kinds (the ones kept dense hold {kept:.1%}: {skip_option} none)"
+                if kept and skip_option else "")
         raise MemfitError(f"ratio={ratio} is out of reach for {method} with blocks={blocks}: at the smallest ranks "
                           f"the linear layers keep {smallest:.1%} of their parameters; raise the ratio to at least "
                           f"that, or lower blocks{hint}")

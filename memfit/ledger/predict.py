@@ -205,8 +205,8 @@ def blr_dense_kinds(spec, knobs: Knobs) -> tuple[str, ...] | None:
     from memfit.compress.plan import plan_kinds
 
     try:
-        plans = plan_kinds(spec.linear_shapes(), knobs.blr_method, knobs.blr_ratio, knobs.blr_blocks)
-    except MemfitError as err:                         # name the options it came from (the planner has no --skip)
+        plans = plan_kinds(spec.linear_shapes(), knobs.blr_method, knobs.blr_ratio, knobs.blr_blocks, skip_option=None)
+    except MemfitError as err:                         # name the options it came from
         raise MemfitError(f"--blr {knobs.blr_method} --blr-ratio {knobs.blr_ratio:g} --blr-blocks {knobs.blr_blocks}: "
                           f"{err}") from None
     return tuple(kind for kind, p in plans.items() if p.rank is None)
