@@ -8,12 +8,12 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-# name|seconds|command, most pending first (after the sixteenth session, 2026-12-01: see its closing note).
+# name|seconds|command, most pending first (after the seventeenth session, 2026-12-01: see its closing note).
 # The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
 # recompiling every step); the ledger's 24 accuracy jobs record their own times, 74 s together at 141a414
 # (ledger_accuracy.json, the models' set-up not included).
-# Not yet run since the variant picks time over rotating copies (1deb9e7): blr_e2e_memfit_attention (stopped by a
-# 225 s limit at 0a7cc7e before its last model; 148 s at 18d9a39); it now writes after each model.
+# blr_e2e_memfit_attention took 330 s at most (the device call, with a layer subset before it, 397 s at 7bcc172).
+# ledger_accuracy_blr: 8 jobs took 133 s of their own at d8e8e50 (141 s device call).
 # blr_layers_profile: its device call took 197 s at 36c466b, run alone (the file did not yet record its seconds; a
 # first try after blr_e2e in one call ran past 165 s). blr_layers_profile.json now records them.
 # The full layer table took one call at 89a2ab1 (558 s); where it runs past its limit, blr_layers_resume times the
@@ -21,6 +21,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # blr_e2e --profile took 287 s at 1deb9e7; pick_cost's 42 first calls 107 s at 11b0a19; partial_ffn 115 s at 0a7cc7e.
 RUNS=(
   "blr_e2e_memfit_attention|330|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
+  "ledger_accuracy_blr|300|python3 benchmarks/ledger_accuracy.py --out $OUT --blr"
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
   "blr_layers_profile|240|python3 benchmarks/blr_layers.py --out $OUT --profile-only"

@@ -65,6 +65,9 @@ BLR_JOBS = [  # LoRA adapters on the projections the plan keeps dense (k, v): pe
     ("llama-3.2-1b", "full", 1024, 1, {"blr_method": "monarch"}),
     ("llama-3.2-1b", "full", 1024, 1, {"blr_method": "blast", "checkpoint_layers": 8}),
     ("llama-3.2-1b", "full", 1024, 1, {"blr_method": "lowrank"}),
+    ("llama-3.2-3b", "infer", 4096, 1, {"blr_method": "blast"}),
+    ("llama-3.2-3b", "lora", 4096, 1, {"blr_method": "monarch", "checkpoint_layers": 28}),
+    ("qwen2.5-1.5b", "full", 1024, 1, {"blr_method": "monarch"}),        # BLR layers with a bias (q, k, v)
 ]
 BLR_SMOKE_JOBS = [("tiny", "infer", 64, 2, {"blr_method": "monarch", "blr_blocks": 4}),
                   ("tiny", "lora", 64, 2, {"blr_method": "blast", "blr_blocks": 4})]
