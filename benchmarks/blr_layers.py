@@ -195,6 +195,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
                              ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
                                        "bandwidth_gbs": ceilings.bandwidth / 1e9, "empty_kernel_ms": empty_ms},
                              decode_floor_check=decode_floor_check(rows, empty_ms), pick_check=pick_check(rows),
+                             pick_slack=PICK_SLACK,
                              pick_timings=pick_timings | blr_common.PICK_TIMINGS, gpu_states=gpu_states,
                              case_seconds=case_seconds)
 
