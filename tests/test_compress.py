@@ -411,3 +411,25 @@ def test_a_damaged_compressed_directory_gets_a_clear_error(tmp_path, damage, mes
     assert message in str(refused.value)
     with pytest.raises(MemfitError, match="no such directory"):
         load_compressed(tmp_path / "nothing")
+
+
+def test_load_spec_refuses_a_compressed_directory_and_says_how_to_load_and_plan_it(tmp_path):
+    """Its config.json is the dense model's: load_spec read it as the dense spec, silently. It now refuses the
+    directory or its config.json, naming load_compressed and the plan flags; load_compressed (which reads that
+    config.json itself) still loads it, and a dense directory still gives its spec."""
+    from memfit.models import load_spec, save_model_dir
+
+    model = build_model(PRESETS["tiny"])
+    result = compress_model(model, "monarch", 0.5, 4, device="cpu")
+    out = save_compressed(model, tmp_path / "m", result.layers, {"source": "tiny", **result.summary()})
+    for path in (out, out / "config.json"):
+        with pytest.raises(MemfitError) as refused:
+            load_spec(path)
+        assert f"{out} is a memfit-compressed model (monarch of tiny" in str(refused.value)
+        assert f"memfit plan --model tiny --blr monarch --blr-blocks 4 --blr-ratio {result.summary()['linear_ratio']:.3g}" \
+            in str(refused.value)
+        assert "load it in Python with memfit.compress.load_compressed" in str(refused.value)
+    assert load_compressed(out) is not None
+    dense = save_model_dir(PRESETS["tiny"], tmp_path / "dense", dtype="float32")
+    assert load_spec(dense).hidden == PRESETS["tiny"].hidden
+

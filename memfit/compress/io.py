@@ -23,8 +23,10 @@ from torch import nn
 
 from memfit.compress.plan import structure_class
 from memfit.errors import MemfitError
+from memfit.models.spec import COMPRESSED_MARKER as CONFIG_NAME
+from memfit.models.spec import is_compressed_dir
+from memfit.models.spec import refuse_compressed_dir as refuse_compressed_dir  # the CLI's checks import it from here
 
-CONFIG_NAME = "memfit_compress.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
 SOURCE_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -87,33 +89,6 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def is_compressed_dir(path: str | Path) -> bool:
-    return (Path(path) / CONFIG_NAME).is_file()
-
-
-def refuse_compressed_dir(path: str | Path) -> None:
-    """Where a dense Hugging Face model directory is expected (plan, verify, finetune, generate, calibrate,
-    compress: their argument checks call this), refuse one ``memfit compress`` wrote, given as the directory or its
-    config.json: that config.json is the dense model's, so transformers would build the dense model, find the
-    factors unexpected and the dense weights missing, and run on random weights. (``memfit.models.load_spec``,
-    below this package, reads such a directory's config.json as the dense model's spec.)"""
-    path = Path(path).expanduser()
-    if path.is_file():
-        path = path.parent
-    if not is_compressed_dir(path):
-        return
-    try:
-        meta = json.loads((path / CONFIG_NAME).read_text())
-        blocks = "" if meta["method"] == "lowrank" else f" --blr-blocks {meta['blocks']}"
-        what = (f" ({meta['method']} of {meta['source']}, {meta['linear_ratio']:.1%} of its linear parameters "
-                f"kept; plan its jobs from {meta['source']} with --blr {meta['method']}{blocks} --blr-ratio "
-                f"{meta['linear_ratio']:.3g})")
-    except (OSError, ValueError, KeyError, TypeError):
-        what = ""
-    raise MemfitError(f"{path} is a memfit-compressed model{what}: memfit's commands read dense Hugging Face "
-                      "models; load it in Python with memfit.compress.load_compressed")
 
 
 def _build_skeleton(directory: Path, dtype: torch.dtype | None) -> nn.Module:

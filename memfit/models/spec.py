@@ -179,8 +179,41 @@ class ModelSpec:
         return config
 
 
+COMPRESSED_MARKER = "memfit_compress.json"  # what `memfit compress` writes beside the dense config.json (memfit.compress)
+
+
+def is_compressed_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a directory ``memfit compress`` wrote (it holds COMPRESSED_MARKER). Defined here, below
+    memfit.compress, so that load_spec can tell one without importing it."""
+    return (Path(path) / COMPRESSED_MARKER).is_file()
+
+
+def refuse_compressed_dir(path: str | Path) -> None:
+    """Where a dense Hugging Face model directory is expected (load_spec; plan, verify, finetune, generate,
+    calibrate, compress: their argument checks call this), refuse one ``memfit compress`` wrote, given as the
+    directory or its config.json: that config.json is the dense model's, so load_spec would read the dense model's
+    spec and transformers would build the dense model, find the factors unexpected and the dense weights missing,
+    and run on random weights. The message says how to load it and how to plan its jobs."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        path = path.parent
+    if not is_compressed_dir(path):
+        return
+    try:
+        meta = json.loads((path / COMPRESSED_MARKER).read_text())
+        blocks = "" if meta["method"] == "lowrank" else f" --blr-blocks {meta['blocks']}"
+        what = (f" ({meta['method']} of {meta['source']}, {meta['linear_ratio']:.1%} of its linear parameters "
+                f"kept; plan its jobs with memfit plan --model {meta['source']} --blr {meta['method']}{blocks} "
+                f"--blr-ratio {meta['linear_ratio']:.3g})")
+    except (OSError, ValueError, KeyError, TypeError):
+        what = ""
+    raise MemfitError(f"{path} is a memfit-compressed model{what}: memfit's commands and load_spec read dense "
+                      "Hugging Face models; load it in Python with memfit.compress.load_compressed")
+
+
 def load_spec(model: str | Path | ModelSpec) -> ModelSpec:
-    """A spec from a preset name, a model directory or a ``config.json`` path."""
+    """A spec from a preset name, a model directory or a ``config.json`` path; a directory ``memfit compress`` wrote
+    is refused (its config.json is the dense model's)."""
     from memfit.models.presets import PRESETS
 
     if isinstance(model, ModelSpec):
@@ -189,6 +222,7 @@ def load_spec(model: str | Path | ModelSpec) -> ModelSpec:
     if text in PRESETS:
         return PRESETS[text]
     path = Path(text).expanduser()
+    refuse_compressed_dir(path)
     if path.is_dir():
         path = path / "config.json"
         if not path.is_file():
