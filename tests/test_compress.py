@@ -433,3 +433,26 @@ def test_load_spec_refuses_a_compressed_directory_and_says_how_to_load_and_plan_
     dense = save_model_dir(PRESETS["tiny"], tmp_path / "dense", dtype="float32")
     assert load_spec(dense).hidden == PRESETS["tiny"].hidden
 
+
+def test_cli_table_shows_each_kinds_mean_and_max_errors(tmp_path, capsys, monkeypatch):
+    """The per-layer errors were only in memfit_compress.json (the table had a kind's mean alone): each projection
+    kind's row now shows the mean and max of its layers' weight errors and, with calibration, output errors."""
+    import json
+
+    from memfit.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "lowrank"
+    assert main(["compress", "tiny", "--method", "lowrank", "--calib-builtin", "--calib-samples", "2", "--calib-seq",
+                 "32", "--out", str(out), "--device", "cpu"]) == 0
+    table = capsys.readouterr().out
+    assert "weight err mean/max" in table and "output err mean/max" in table
+    cells = {row[0]: row[4:6] for line in table.splitlines()
+             if len(row := [cell.strip() for cell in line.strip("│ ").split("│")]) == 6}
+    report = json.loads((out / "memfit_compress.json").read_text())["report"]
+    for kind in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        for cell, key in zip(cells[kind], ("weight_error", "output_error")):
+            errors = [r[key] for r in report if r["kind"] == kind]
+            assert len(errors) == 2 and cell == f"{sum(errors) / len(errors):.3f}/{max(errors):.3f}"
+    assert cells["k_proj"] == ["-", "-"]                                     # kept dense
+

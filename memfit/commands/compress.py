@@ -52,21 +52,31 @@ def run(args) -> int:
     from rich.table import Table
 
     from memfit.compress import compress
+    from memfit.compress.io import CONFIG_NAME
 
     result = compress(args.model, args.out, args.method, args.ratio, args.blocks, skip=args.skip,
                       calib=args.calib, calib_builtin=args.calib_builtin, calib_samples=args.calib_samples,
                       calib_seq=args.calib_seq, activation_aware=args.activation_aware, steps=args.steps,
                       device=args.device, force=args.force)
-    table = Table(title=f"memfit compress: {args.method}, {result.summary()['linear_ratio']:.1%} of linear params")
-    for column in ("kind", "shape", "rank", "params", "weight err", "output err"):
+    labels = {"weight_error": "weight err"}
+    if any(r["output_error"] is not None for r in result.report):          # calibration was given
+        labels["output_error"] = "output err"
+    table = Table(title=f"memfit compress: {args.method}, {result.summary()['linear_ratio']:.1%} of linear params",
+                  caption=f"relative errors, mean and max over the layers of each kind (each layer's: "
+                          f"{Path(args.out).expanduser() / CONFIG_NAME})")
+    for column in ("kind", "shape", "rank", "params", *(f"{label} mean/max" for label in labels.values())):
         table.add_column(column, justify="left" if column == "kind" else "right")
     for kind, kp in result.plan.items():
         rows = [r for r in result.report if r["kind"] == kind]
-        werr = sum(r["weight_error"] for r in rows) / len(rows) if rows else None
-        oerrs = [r["output_error"] for r in rows if r["output_error"] is not None]
         table.add_row(kind, f"{kp.in_features}->{kp.out_features}", str(kp.rank) if kp.rank else f"dense ({kp.reason})",
-                      f"{kp.params / kp.dense_params:.0%}", f"{werr:.3f}" if werr is not None else "-",
-                      f"{sum(oerrs) / len(oerrs):.3f}" if oerrs else "-")
+                      f"{kp.params / kp.dense_params:.0%}",
+                      *(_mean_max([r[key] for r in rows if r[key] is not None]) for key in labels))
     Console().print(table)
     Console(stderr=True).print(f"saved to {Path(args.out).expanduser()}", soft_wrap=True, markup=False, highlight=False)
     return 0
+
+
+def _mean_max(values: list[float]) -> str:
+    """The mean and max of a kind's per-layer errors as one table cell (the table then fits 80 columns): the mean
+    says what the kind lost, the max whether one layer lost much more; "-" where there are none (a kind kept dense)."""
+    return f"{sum(values) / len(values):.3f}/{max(values):.3f}" if values else "-"
