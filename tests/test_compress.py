@@ -1,4 +1,6 @@
 """memfit.compress: projections, rank planning, model conversion, save/load and the CLI verb."""
+import os
+
 import pytest
 import torch
 
@@ -456,3 +458,32 @@ def test_cli_table_shows_each_kinds_mean_and_max_errors(tmp_path, capsys, monkey
             assert len(errors) == 2 and cell == f"{sum(errors) / len(errors):.3f}/{max(errors):.3f}"
     assert cells["k_proj"] == ["-", "-"]                                     # kept dense
 
+
+def test_a_later_compress_removes_temporary_directories_a_killed_one_left(tmp_path, caplog):
+    """A SIGKILL mid-save left its temporary directory (.<out>.memfit-tmp-*) forever. The next compress to that out
+    removes one whose recorded owner process is gone, and says so once; it keeps one whose owner lives, one with no
+    owner record (not known to be compress's) and the leftover of another out."""
+    import socket
+    import subprocess
+    import sys
+
+    import memfit
+    from memfit.compress.io import OWNER_NAME
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "out"
+    leftovers = {}
+    for name, pid in (("dead", dead.pid), ("live", os.getpid()), ("unowned", None), ("other", dead.pid)):
+        path = tmp_path / f".{'other' if name == 'other' else 'out'}.memfit-tmp-{name}"
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"partial")
+        if pid is not None:
+            (path / OWNER_NAME).write_text(f"{pid} {socket.gethostname()}")
+        leftovers[name] = path
+    memfit.compress("tiny", out, method="lowrank", device="cpu", progress=False)
+    assert not leftovers["dead"].exists()
+    assert all(leftovers[name].exists() for name in ("live", "unowned", "other"))
+    said = [r.getMessage() for r in caplog.records if "interrupted memfit compress" in r.getMessage()]
+    assert said == [f"removed 1 temporary directory left by an interrupted memfit compress: {leftovers['dead']}"]
+    assert OWNER_NAME not in {p.name for p in out.iterdir()}                  # the owner record stays behind

@@ -8,7 +8,10 @@ model's tokenizer and generation files (SOURCE_FILES) when it had any.
 
 Writes go to a temporary sibling directory that is renamed into place at the end, so
 an interrupted save never leaves a half-written output; an existing output is replaced
-only with ``force=True``.
+only with ``force=True``. The temporary directory is named after the output
+(``.<out>.memfit-tmp-<random>``) and holds its owner's process id and host (OWNER_NAME): a
+save killed before its rename leaves it behind, and the next save to the same output
+removes it once that process is gone.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 from pathlib import Path
 
 import torch
@@ -23,6 +27,7 @@ from torch import nn
 
 from memfit.compress.plan import structure_class
 from memfit.errors import MemfitError
+from memfit.log import logger
 from memfit.models.spec import COMPRESSED_MARKER as CONFIG_NAME
 from memfit.models.spec import is_compressed_dir
 from memfit.models.spec import refuse_compressed_dir as refuse_compressed_dir  # the CLI's checks import it from here
@@ -32,6 +37,7 @@ FORMAT_VERSION = 1
 SOURCE_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                 "memfit_tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                 "generation_config.json")
+OWNER_NAME = ".memfit_owner"       # in a temporary save directory: "<pid> <host>" of the process writing it
 
 
 def check_output(out: str | Path, force: bool) -> Path:
@@ -60,6 +66,44 @@ def check_output(out: str | Path, force: bool) -> Path:
     return out
 
 
+def _temp_prefix(out: Path) -> str:
+    """The name prefix of ``out``'s temporary save directories, beside it."""
+    return f".{out.name}.memfit-tmp-"
+
+
+def _owner_gone(directory: Path) -> bool:
+    """Whether ``directory`` records an owner (OWNER_NAME) that was a process of this host no longer alive. Anything
+    else -- no or unreadable record, another host, a live process or one of another user -- counts as in use."""
+    try:
+        pid, host = (directory / OWNER_NAME).read_text().split()
+        pid = int(pid)
+    except (OSError, ValueError):
+        return False
+    if pid <= 0 or host != socket.gethostname() or os.name != "posix":   # (Windows' os.kill(pid, 0) is a Ctrl-C)
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):                   # PermissionError: alive, another user's; a pid out of range
+        pass
+    return False
+
+
+def remove_leftovers(out: Path) -> None:
+    """Remove the temporary save directories beside ``out`` that a killed save left (a SIGKILL skips the cleanup):
+    only those named with ``out``'s prefix whose recorded owner is gone; say what was removed (a warning on the
+    memfit logger: stderr)."""
+    removed = []
+    for path in sorted(out.parent.iterdir()):
+        if path.name.startswith(_temp_prefix(out)) and path.is_dir() and not path.is_symlink() and _owner_gone(path):
+            shutil.rmtree(path)
+            removed.append(path)
+    if removed:
+        logger.warning(f"removed {len(removed)} temporary director{'y' if len(removed) == 1 else 'ies'} left by an "
+                       f"interrupted memfit compress: {', '.join(map(str, removed))}")
+
+
 def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], info: dict | None = None,
                     source_dir: str | Path | None = None, force: bool = False) -> Path:
     """Write ``model`` (whose ``layers`` -- module name -> structure config -- are structured) to ``out``."""
@@ -67,9 +111,11 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
 
     out = check_output(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{secrets.token_hex(8)}.tmp")
+    remove_leftovers(out)
+    tmp = out.with_name(f"{_temp_prefix(out)}{secrets.token_hex(8)}")
     tmp.mkdir()                                        # (not mkdtemp: its 0700 would outlive the rename; this follows
     try:                                               # the umask)
+        (tmp / OWNER_NAME).write_text(f"{os.getpid()} {socket.gethostname()}")
         model.config.save_pretrained(tmp)
         save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "memfit": "compressed"})
         meta = {"format": FORMAT_VERSION, "layers": layers, **(info or {})}
@@ -83,6 +129,7 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
             old = out.with_name(f".{out.name}.old-{tmp.name}")
             out.rename(old)
         tmp.rename(out)
+        (out / OWNER_NAME).unlink()                    # after the rename: a temporary directory is never unowned
         if old is not None:
             shutil.rmtree(old)
     except BaseException:
