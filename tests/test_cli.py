@@ -55,6 +55,19 @@ def test_verify_tiny_on_cpu(capsys):
     assert code == 0 and data["ok"] and abs(data["error"]) < 0.05
 
 
+def test_verify_a_block_low_rank_model_on_cpu(capsys, monkeypatch):
+    """verify --blr measures the BLR model the plan describes: its weights as predicted, the title names it."""
+    monkeypatch.setenv("MEMFIT_KERNELS", "reference")    # the CPU tracker does not see inside the interpreter's ops
+    code, out, _ = run(capsys, "verify", "--model", "tiny", "--task", "full", "--seq", "64", "--device", "cpu",
+                       "--blr", "monarch", "--blr-blocks", "4", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["ok"] and data["knobs"]["blr_method"] == "monarch"
+    assert abs(data["measured"]["weights"] - data["components"]["weights"]) <= 64        # the rotary buffer
+    code, out, _ = run(capsys, "verify", "--model", "tiny", "--task", "infer", "--seq", "32", "--new-tokens", "2",
+                       "--device", "cpu", "--blr", "lowrank")
+    assert code == 0 and "lowrank block-low-rank, 0.5" in out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["plan", "--model", "meta-llama/Llama-3.2-1B"], "unknown model"),
     (["plan", "--seq", "-5"], "seq must be a positive integer"),

@@ -13,6 +13,7 @@ examples:
   memfit verify --model tiny --task lora --seq 256 --device cpu
   memfit verify --model llama-3.2-1b --task full --seq 2048 --checkpoint-layers 8 --optimizer adamw8bit
   memfit verify --model qwen2.5-1.5b --task infer --seq 4096 --json
+  memfit verify --model llama-3.2-1b --task lora --seq 2048 --blr monarch   # random-init BLR layers, planned ranks
 
 The model is random-init (memory does not depend on values). On CUDA the peak is
 torch.cuda.max_memory_allocated over one step after a warm-up step; on CPU a tracker
@@ -43,7 +44,8 @@ def run(args) -> int:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"{job.spec.name} {job.task} batch {job.batch} x seq {job.seq} on {job.device}")
+        blr = f" ({knobs.blr_method} block-low-rank, {knobs.blr_ratio:g})" if knobs.blr_method else ""
+        table = Table(title=f"{job.spec.name}{blr} {job.task} batch {job.batch} x seq {job.seq} on {job.device}")
         for column in ("component", "predicted", "measured"):
             table.add_column(column, justify="left" if column == "component" else "right")
         for name, predicted, measured in result.rows():
