@@ -121,3 +121,24 @@ def test_a_layer_input_that_needs_no_gradient_gets_none():
     assert layers[0].weight.grad is not None and frozen_input.grad is None
     layers[1](frozen_input).sum().backward()                 # the anchor still calls its backward: nothing to do
     assert layers[1].weight.grad is None
+
+
+def test_disk_offload_leaves_no_directory_behind():
+    """The disk store's own directory goes with it, closed or not (a patched model dropped never closes it)."""
+    import gc
+    import os
+
+    from memfit.train.checkpoint import DiskStore
+
+    for close in (True, False):
+        store = DiskStore(None)
+        store.take(store.put(0, torch.ones(3)))
+        directory = store.directory
+        assert os.listdir(directory) == ["layer0000.pt"]
+        if close:
+            store.close()
+        else:
+            store.pool.shutdown(wait=True)
+            del store
+            gc.collect()
+        assert not os.path.exists(directory)
