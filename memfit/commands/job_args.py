@@ -62,11 +62,8 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
 
 
 def job_from_args(args) -> tuple[Job, Knobs]:
-    """Build and validate the job and its knobs; bad values raise MemfitError before any work."""
-    # imported here, not at the top: `memfit --help` loads no torch
-    from memfit.compress.io import refuse_compressed_dir
-
-    refuse_compressed_dir(args.model)
+    """Build and validate the job and its knobs; bad values raise MemfitError before any work (load_spec refuses a
+    directory memfit compress wrote)."""
     spec = load_spec(args.model)
     job = Job(spec, task=args.task, seq=args.seq, batch=args.batch, new_tokens=args.new_tokens, device=args.device,
               loss_fraction=args.loss_fraction)
