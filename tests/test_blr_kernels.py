@@ -436,8 +436,9 @@ def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
 
 def test_a_pick_where_no_variant_could_be_timed_runs_the_default_and_says_so(monkeypatch):
     """E.g. every candidate out of memory while timed (each failure is said by _time_candidate): the layer still
-    runs, on its default, and the next call times again (nothing cached)."""
+    runs, on its default, which later calls in the process take without timing again; nothing goes to disk."""
     monkeypatch.setattr(blr_common, "_CACHE", {})
+    monkeypatch.setattr(blr_common, "_UNTIMED", {})
     monkeypatch.setattr(blr_common, "_save_cache", lambda cache: pytest.fail("nothing to cache"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -447,7 +448,7 @@ def test_a_pick_where_no_variant_could_be_timed_runs_the_default_and_says_so(mon
     candidates = {"a": lambda: None, "b": lambda: None}
     assert blr_common.pick_variant("op", (8,), candidates, "b", ()) == "b"
     assert "untimed" in warned[0] and "'b'" in warned[0]
-    assert blr_common.pick_variant("op", (8,), candidates, "b", ()) == "b" and timed == ["a", "b", "a", "b"]
+    assert blr_common.pick_variant("op", (8,), candidates, "b", ()) == "b" and timed == ["a", "b"]
 
 
 def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
@@ -862,20 +863,27 @@ def test_graph_timings_reuse_one_side_stream_after_the_callers_work(monkeypatch)
 
     class Caller:
         def wait_stream(self, other):
-            events.append("caller waits")
+            events.append(("caller waits for", other))
 
     caller = Caller()
     monkeypatch.setattr(timing, "_TIMING_STREAMS", {})
     for name, value in {"Stream": Stream, "Event": lambda enable_timing: Event(), "CUDAGraph": Graph,
                         "current_device": lambda: 0, "current_stream": lambda: caller,
-                        "stream": lambda stream: contextlib.nullcontext(),
-                        "graph": lambda graph, stream: contextlib.nullcontext()}.items():
+                        "stream": lambda stream: events.append(("on", stream)) or contextlib.nullcontext(),
+                        "graph": lambda graph, stream: events.append(("capture on", stream)) or contextlib.nullcontext()
+                        }.items():
         monkeypatch.setattr(torch.cuda, name, value)
     calls = []
     assert timing.graph_ms(lambda: calls.append(1), rep_ms=10) == 0.5    # 1 ms a call estimated: 10 in the graph
     assert timing.graph_ms(lambda: None) == 0.25                             # 20 ms by default
     assert len(made) == 1 and events[0] == ("wait", caller) and events.count("replay") == 2 * timing.GRAPH_REPLAYS
-    assert events[-1] == "caller waits"                                       # for the timed calls' last writes
+    side = made[0]
+    assert [e for e in events if isinstance(e, tuple) and e[0] != "wait"] == [
+        ("on", side), ("capture on", side), ("caller waits for", side)] * 2
+    events.clear()
+    with pytest.raises(RuntimeError, match="broken"):
+        timing.graph_ms(lambda: (_ for _ in ()).throw(RuntimeError("broken")))
+    assert events[-1] == ("caller waits for", side)                          # also when the timed call fails
     assert len(calls) == 1 + 5 + 10                                            # warm-up, estimate, captured
 
 

@@ -1,6 +1,4 @@
 """memfit.compress: projections, rank planning, model conversion, save/load and the CLI verb."""
-import os
-
 import pytest
 import torch
 
@@ -459,31 +457,49 @@ def test_cli_table_shows_each_kinds_mean_and_max_errors(tmp_path, capsys, monkey
     assert cells["k_proj"] == ["-", "-"]                                     # kept dense
 
 
-def test_a_later_compress_removes_temporary_directories_a_killed_one_left(tmp_path, caplog):
-    """A SIGKILL mid-save left its temporary directory (.<out>.memfit-tmp-*) forever. The next compress to that out
-    removes one whose recorded owner process is gone, and says so once; it keeps one whose owner lives, one with no
-    owner record (not known to be compress's) and the leftover of another out."""
-    import socket
+def test_a_later_compress_removes_temporary_directories_a_killed_one_left(tmp_path, caplog, monkeypatch):
+    """A SIGKILL mid-save left its temporary directory (.<out>.memfit-tmp-<16 hex>) forever. The next compress to that
+    out removes one whose recorded owner process is gone, and says so once; it keeps one whose owner lives, one
+    with no owner record (not known to be compress's), one of another pid namespace (a container sharing the host
+    name), the leftover of another out, and that of an out named like out's prefix. A leftover it cannot remove is
+    said, and the save goes on."""
+    import shutil
     import subprocess
     import sys
 
     import memfit
+    from memfit.compress import io
     from memfit.compress.io import OWNER_NAME
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    out = tmp_path / "out"
+    pid, host, namespace = io._owner().split()
+    records = {"dead": f"{dead.pid} {host} {namespace}", "live": f"{pid} {host} {namespace}", "unowned": None,
+               "namespace": f"{dead.pid} {host} {namespace}0", "other": f"{dead.pid} {host} {namespace}",
+               "lookalike": f"{dead.pid} {host} {namespace}"}
+    names = {"dead": ".out.memfit-tmp-" + "a" * 16, "live": ".out.memfit-tmp-" + "b" * 16,
+             "unowned": ".out.memfit-tmp-" + "c" * 16, "namespace": ".out.memfit-tmp-" + "d" * 16,
+             "other": ".other.memfit-tmp-" + "e" * 16, "lookalike": ".out.memfit-tmp-x.memfit-tmp-" + "f" * 16}
     leftovers = {}
-    for name, pid in (("dead", dead.pid), ("live", os.getpid()), ("unowned", None), ("other", dead.pid)):
-        path = tmp_path / f".{'other' if name == 'other' else 'out'}.memfit-tmp-{name}"
+    for name, record in records.items():
+        path = tmp_path / names[name]
         path.mkdir()
         (path / "model.safetensors").write_bytes(b"partial")
-        if pid is not None:
-            (path / OWNER_NAME).write_text(f"{pid} {socket.gethostname()}")
+        if record is not None:
+            (path / OWNER_NAME).write_text(record)
         leftovers[name] = path
+    out = tmp_path / "out"
     memfit.compress("tiny", out, method="lowrank", device="cpu", progress=False)
     assert not leftovers["dead"].exists()
-    assert all(leftovers[name].exists() for name in ("live", "unowned", "other"))
+    assert all(leftovers[name].exists() for name in records if name != "dead")
     said = [r.getMessage() for r in caplog.records if "interrupted memfit compress" in r.getMessage()]
     assert said == [f"removed 1 temporary directory left by an interrupted memfit compress: {leftovers['dead']}"]
     assert OWNER_NAME not in {p.name for p in out.iterdir()}                  # the owner record stays behind
+    leftovers["dead"].mkdir()
+    (leftovers["dead"] / OWNER_NAME).write_text(records["dead"])
+    monkeypatch.setattr(io.shutil, "rmtree", lambda path, onerror=None, **kw: onerror(shutil.rmtree, path,
+                                                                                         (OSError, OSError(), None)))
+    caplog.clear()
+    io.remove_leftovers(out)                                                 # says so, and raises nothing
+    assert any("could not remove" in r.getMessage() and str(leftovers["dead"]) in r.getMessage()
+               for r in caplog.records)

@@ -37,7 +37,7 @@ FORMAT_VERSION = 1
 SOURCE_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                 "memfit_tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                 "generation_config.json")
-OWNER_NAME = ".memfit_owner"       # in a temporary save directory: "<pid> <host>" of the process writing it
+OWNER_NAME = ".memfit_owner"       # in a temporary save directory: "<pid> <host> <pid namespace>" of its writer
 
 
 def check_output(out: str | Path, force: bool) -> Path:
@@ -67,19 +67,41 @@ def check_output(out: str | Path, force: bool) -> Path:
 
 
 def _temp_prefix(out: Path) -> str:
-    """The name prefix of ``out``'s temporary save directories, beside it."""
+    """The name prefix of ``out``'s temporary save directories, beside it (then TEMP_HEX hex digits)."""
     return f".{out.name}.memfit-tmp-"
 
 
-def _owner_gone(directory: Path) -> bool:
-    """Whether ``directory`` records an owner (OWNER_NAME) that was a process of this host no longer alive. Anything
-    else -- no or unreadable record, another host, a live process or one of another user -- counts as in use."""
+TEMP_HEX = 16
+
+
+def _is_temp_of(path: Path, out: Path) -> bool:
+    """Whether ``path`` is named as one of ``out``'s temporary save directories (not another --out's whose name
+    starts like it: the prefix, then exactly TEMP_HEX hex digits)."""
+    suffix = path.name[len(_temp_prefix(out)):]
+    return (path.name.startswith(_temp_prefix(out)) and len(suffix) == TEMP_HEX
+            and all(c in "0123456789abcdef" for c in suffix))
+
+
+def _owner() -> str:
+    """This process as an owner record: pid, host and pid namespace (containers sharing a host name and a volume
+    number their processes apart)."""
     try:
-        pid, host = (directory / OWNER_NAME).read_text().split()
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        namespace = "-"
+    return f"{os.getpid()} {socket.gethostname()} {namespace}"
+
+
+def _owner_gone(directory: Path) -> bool:
+    """Whether ``directory`` records an owner (OWNER_NAME) that was a process of this host and pid namespace no
+    longer alive. Anything else -- no or unreadable record, another host or namespace, a live process or one of
+    another user -- counts as in use."""
+    try:
+        pid, host, namespace = (directory / OWNER_NAME).read_text().split()
         pid = int(pid)
     except (OSError, ValueError):
         return False
-    if pid <= 0 or host != socket.gethostname() or os.name != "posix":   # (Windows' os.kill(pid, 0) is a Ctrl-C)
+    if pid <= 0 or [host, namespace] != _owner().split()[1:] or os.name != "posix":   # (Windows' os.kill is a Ctrl-C)
         return False
     try:
         os.kill(pid, 0)
@@ -94,14 +116,18 @@ def remove_leftovers(out: Path) -> None:
     """Remove the temporary save directories beside ``out`` that a killed save left (a SIGKILL skips the cleanup):
     only those named with ``out``'s prefix whose recorded owner is gone; say what was removed (a warning on the
     memfit logger: stderr)."""
-    removed = []
+    removed, failed = [], []
     for path in sorted(out.parent.iterdir()):
-        if path.name.startswith(_temp_prefix(out)) and path.is_dir() and not path.is_symlink() and _owner_gone(path):
-            shutil.rmtree(path)
-            removed.append(path)
+        if _is_temp_of(path, out) and path.is_dir() and not path.is_symlink() and _owner_gone(path):
+            errors = []
+            shutil.rmtree(path, onerror=lambda *args, found=errors: found.append(args[2]))
+            (failed if errors else removed).append(path)
     if removed:
         logger.warning(f"removed {len(removed)} temporary director{'y' if len(removed) == 1 else 'ies'} left by an "
                        f"interrupted memfit compress: {', '.join(map(str, removed))}")
+    if failed:                                         # the save goes on: only leftovers are at stake
+        logger.warning(f"could not remove all of {', '.join(map(str, failed))}, left by an interrupted memfit "
+                       "compress; remove it by hand")
 
 
 def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], info: dict | None = None,
@@ -112,10 +138,10 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
     out = check_output(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out)
-    tmp = out.with_name(f"{_temp_prefix(out)}{secrets.token_hex(8)}")
+    tmp = out.with_name(f"{_temp_prefix(out)}{secrets.token_hex(TEMP_HEX // 2)}")
     tmp.mkdir()                                        # (not mkdtemp: its 0700 would outlive the rename; this follows
     try:                                               # the umask)
-        (tmp / OWNER_NAME).write_text(f"{os.getpid()} {socket.gethostname()}")
+        (tmp / OWNER_NAME).write_text(_owner())
         model.config.save_pretrained(tmp)
         save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "memfit": "compressed"})
         meta = {"format": FORMAT_VERSION, "layers": layers, **(info or {})}

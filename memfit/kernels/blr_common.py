@@ -62,6 +62,7 @@ from memfit.log import warn_once
 from memfit.measure.timing import graph_ms, turn_orders
 
 _CACHE: dict | None = None
+_UNTIMED: dict[str, str] = {}    # pick key -> the default run where no candidate could be timed (this process only)
 PICK_REP_MS = 10                 # ms of graph replays per kernel variant or tile config (short: a cold run of
                                  # many shapes stays fast)
 PICK_FINALIST_SLACK = 1.25       # variants within this factor of the fastest first timing are timed again,
@@ -139,13 +140,16 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
                   f"so its kernel variant is not timed; using {default!r} (call it once before capturing)")
         return default
     record = f"{op} {shape_key}"
+    if key in _UNTIMED:
+        return _UNTIMED[key]
     if cache.get(key) not in candidates:
         copies = rotation(op, args)
         first = _rotated_times(op, candidates, copies)
         best = min(first.values())
         if best == float("inf"):                        # each failure was said (e.g. no memory to time in)
             warn_once(f"pick-none-ran:{key}", f"{op}: none of its kernel variants could be timed for shape "
-                      f"{shape_key}; running {default!r} untimed (timed again in the next process)")
+                      f"{shape_key}; running {default!r} untimed in this process (timed again in the next)")
+            _UNTIMED[key] = default
             return default
         finalists = {name: candidates[name] for name, ms in first.items() if ms <= best * PICK_FINALIST_SLACK}
         if len(finalists) > 1:

@@ -35,6 +35,14 @@ def graph_ms(fn, rep_ms: float = 20) -> float:
         _TIMING_STREAMS[device] = torch.cuda.Stream()
     stream = _TIMING_STREAMS[device]
     stream.wait_stream(torch.cuda.current_stream())
+    try:
+        return _replayed_ms(fn, rep_ms, stream)
+    finally:                                           # the caller's later work waits for the timed calls
+        torch.cuda.current_stream().wait_stream(stream)
+
+
+def _replayed_ms(fn, rep_ms: float, stream) -> float:
+    """:func:`graph_ms`'s timing on ``stream``: warm-up, estimate, capture (on that stream), replays."""
     with torch.cuda.stream(stream):
         fn()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -56,7 +64,6 @@ def graph_ms(fn, rep_ms: float = 20) -> float:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / calls)
-    torch.cuda.current_stream().wait_stream(stream)
     return float(statistics.median(times))
 
 

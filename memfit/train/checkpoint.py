@@ -185,6 +185,14 @@ class HostCopyStore(GpuStore):
         return super().put(index, tensor.detach().clone())
 
 
+def _remove_own_directory(directory: str, owner_pid: int, pool: ThreadPoolExecutor) -> None:
+    """A disk store's cleanup: let its pending writes finish, then remove its directory, only in the process that
+    made it (a forked child exiting normally runs the parent's finalizers too)."""
+    if os.getpid() == owner_pid:
+        pool.shutdown(wait=True)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 class DiskStore:
     """Files in a private directory, written and read ahead by one background thread. A directory it made itself
     is removed when the store is closed, collected, or the interpreter exits (nothing calls the runner's close
@@ -195,7 +203,8 @@ class DiskStore:
         self.directory = directory or tempfile.mkdtemp(prefix="memfit-ckpt-")
         os.makedirs(self.directory, exist_ok=True)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-disk")
-        self._remove = weakref.finalize(self, shutil.rmtree, self.directory, True) if self.owned else None
+        self._remove = (weakref.finalize(self, _remove_own_directory, self.directory, os.getpid(), self.pool)
+                        if self.owned else None)
 
     def _path(self, index: int) -> str:
         return os.path.join(self.directory, f"layer{index:04d}.pt")
