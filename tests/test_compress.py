@@ -426,10 +426,16 @@ def test_load_spec_refuses_a_compressed_directory_and_says_how_to_load_and_plan_
         with pytest.raises(MemfitError) as refused:
             load_spec(path)
         assert f"{out} is a memfit-compressed model (monarch of tiny" in str(refused.value)
-        assert f"memfit plan --model tiny --blr monarch --blr-blocks 4 --blr-ratio {result.summary()['linear_ratio']:.3g}" \
-            in str(refused.value)
+        assert "memfit plan --model tiny --blr monarch --blr-blocks 4 --blr-ratio 0.5)" in str(refused.value)
         assert "load it in Python with memfit.compress.load_compressed" in str(refused.value)
     assert load_compressed(out) is not None
+    planned = plan_kinds(PRESETS["tiny"].linear_shapes(), "monarch", 0.5, 4)        # what that command plans
+    assert {kind: p.rank for kind, p in planned.items()} == result.summary()["ranks"]
+    assert result.summary()["linear_ratio"] != 0.5                                   # (which the reached ratio would not)
+    result = compress_model(build_model(PRESETS["tiny"]), "lowrank", 0.5, skip=("q_proj",), device="cpu")
+    skipped = save_compressed(result.model, tmp_path / "s", result.layers, {"source": "tiny", **result.summary()})
+    with pytest.raises(MemfitError, match=r"--blr lowrank --blr-ratio 0\.5; it kept q_proj dense \(--skip\)"):
+        load_spec(skipped)
     dense = save_model_dir(PRESETS["tiny"], tmp_path / "dense", dtype="float32")
     assert load_spec(dense).hidden == PRESETS["tiny"].hidden
 

@@ -33,11 +33,16 @@ class CompressionResult:
     plan: dict[str, KindPlan]
     layers: dict[str, dict] = field(default_factory=dict)   # module name -> structure config
     report: list[dict] = field(default_factory=list)         # per-layer errors
+    ratio: float | None = None                               # the ratio asked for (None: explicit ranks)
+    skip: tuple[str, ...] | None = None                      # the kinds asked to stay dense (None: the default)
 
     def summary(self) -> dict:
+        """What the saved model records of its compression: ``ratio`` and ``skip`` as asked (a plan made with them
+        has these ranks), ``linear_ratio`` as reached."""
         dense = sum(p.dense_params for p in self.plan.values())
         new = sum(p.params for p in self.plan.values())
         return {"method": self.method, "blocks": self.blocks, "linear_ratio": new / dense,
+                "ratio": self.ratio, "skip": None if self.skip is None else list(self.skip),
                 "ranks": {k: p.rank for k, p in self.plan.items()}}
 
 
@@ -191,7 +196,7 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
     covs = {}
     if calibration is not None:
         covs = input_covariances(model, chosen, calibration, model_device)
-    result = CompressionResult(model, method, blocks, plan)
+    result = CompressionResult(model, method, blocks, plan, ratio=None if ranks else ratio, skip=skip)
     for kind in KINDS:
         names = [n for n in chosen if n.rsplit(".", 1)[-1] == kind]
         if not names:
@@ -231,7 +236,7 @@ def structure_model(model: nn.Module, method: str, ratio: float | None = 0.5, bl
     plan = plan_kinds(model_shapes(linears), method, ratio, blocks, ranks, skip)
     blocks = 1 if method == "lowrank" else blocks
     cls = structure_class(method)
-    result = CompressionResult(model, method, blocks, plan)
+    result = CompressionResult(model, method, blocks, plan, ratio=None if ranks else ratio, skip=skip)
     for name, linear in linears.items():
         kp = plan[name.rsplit(".", 1)[-1]]
         if kp.rank is None:

@@ -202,9 +202,14 @@ def refuse_compressed_dir(path: str | Path) -> None:
     try:
         meta = json.loads((path / COMPRESSED_MARKER).read_text())
         blocks = "" if meta["method"] == "lowrank" else f" --blr-blocks {meta['blocks']}"
+        ratio = meta.get("ratio")          # as asked: the reached linear_ratio, rounded, planned other ranks
+        ratio = f"{ratio:g}" if isinstance(ratio, (int, float)) else "RATIO (the --ratio it was compressed with)"
+        skip = meta.get("skip")
+        near = (f"; it kept {','.join(skip) or 'no kind'} dense (--skip), where memfit plan --blr keeps the default "
+                "kinds: the plan is of that model" if skip is not None else "")
         what = (f" ({meta['method']} of {meta['source']}, {meta['linear_ratio']:.1%} of its linear parameters "
                 f"kept; plan its jobs with memfit plan --model {meta['source']} --blr {meta['method']}{blocks} "
-                f"--blr-ratio {meta['linear_ratio']:.3g})")
+                f"--blr-ratio {ratio}{near})")
     except (OSError, ValueError, KeyError, TypeError):
         what = ""
     raise MemfitError(f"{path} is a memfit-compressed model{what}: memfit's commands and load_spec read dense "
