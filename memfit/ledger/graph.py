@@ -55,7 +55,7 @@ class ModelGraph:
 
     def __init__(self, spec: ModelSpec, batch: int, seq: int, dtype: str, trainable: Trainable | None,
                  device: str = "cuda", four_bit: bool = False, attention: str = "sdpa",
-                 ffn_widths: list[int] | None = None, structured: dict[str, tuple[int, int]] | None = None):
+                 ffn_widths: list[int] | None = None, structured: dict[str, tuple] | None = None):
         self.spec, self.batch, self.seq, self.dtype = spec, batch, seq, dtype
         # FFN neurons per layer (partial loading keeps fewer in the middle layers)
         self.ffn_widths = ffn_widths or [spec.intermediate] * spec.num_layers
@@ -148,7 +148,8 @@ class ModelGraph:
         if module in self.structured:
             # BlastLinear/MonarchLinear/LowRankLinear: their ops save only the input (backward recomputes
             # the intermediates, which forward and backward hold transiently: predict.blr_transient_per_token).
-            params, forward, backward = self.structured[module]
+            params, transients = self.structured[module]
+            forward, backward = transients[bias]
             weight = self.param(f"{layer}.{module}", params, trained)
             workspace = {"forward_workspace": self._bytes(forward, self.dtype),
                          "backward_workspace": self._bytes(backward, self.dtype)}

@@ -232,31 +232,33 @@ def check_blr(job: Job, knobs: Knobs) -> None:
                           "block-low-rank: peft wraps nn.Linear layers only)")
 
 
-def structured_kinds(spec, knobs: Knobs) -> dict[str, tuple[int, int, int]]:
-    """Projection kind -> (parameters per layer, forward and backward transient elements per token) of the
-    block-low-rank model, or {}."""
+def structured_kinds(spec, knobs: Knobs) -> dict[str, tuple[int, dict[bool, tuple[int, int]]]]:
+    """Projection kind -> (parameters per layer, {bias: (forward, backward) transient elements per token}) of the
+    block-low-rank model, or {} (the graph knows which projections have a bias)."""
     if knobs.blr_method is None:
         return {}
     from memfit.compress.plan import plan_kinds
 
     plans = plan_kinds(spec.linear_shapes(), knobs.blr_method, knobs.blr_ratio, knobs.blr_blocks)
-    return {kind: (p.params, *blr_transient_per_token(knobs.blr_method, p.rank, knobs.blr_blocks, p.in_features,
-                                                       p.out_features))
+    return {kind: (p.params, {bias: blr_transient_per_token(knobs.blr_method, p.rank, knobs.blr_blocks, p.in_features,
+                                                            p.out_features, bias) for bias in (False, True)})
             for kind, p in plans.items() if p.rank is not None}
 
 
-def blr_transient_per_token(method: str, rank: int, blocks: int, in_features: int, out_features: int) -> tuple[int, int]:
+def blr_transient_per_token(method: str, rank: int, blocks: int, in_features: int, out_features: int,
+                            bias: bool = False) -> tuple[int, int]:
     """Elements per token a block-low-rank op holds besides its input, output and gradients: (forward, backward).
 
-    Forward, for its most demanding pipeline (the PyTorch reference, which the pick may take; the Triton ones hold
-    less): low-rank z (r) and, with a bias, the product before it (out); Monarch z (b r) and either its P^T copy or
-    the output before its layout copy; BLAST z and T (b r each) and the output before its layout copy.
+    Forward, for its most demanding pipeline: the PyTorch reference, which runs where Triton does not and which
+    the Monarch and BLAST picks may take (low-rank's GPU pipelines hold z alone). Low-rank holds z (r), or with a
+    bias the larger of z and the product before the bias is added (out); Monarch z (b r) and either its P^T copy
+    or the output before its layout copy; BLAST z and T (b r each) and the output before its layout copy.
     Backward, on every device the reference recomputed under autograd (blr_common.recompute_backward): its
     intermediates and their gradients, or an input-sized copy (a transposed input gradient; x itself where the
     weights are frozen, an expanded zero the reference's reshape or matmul materialises) beside the output's
     gradient. Measured on CPU by tests/test_ledger.py (every formula is reached at one of its shapes)."""
     if method == "lowrank":
-        return rank + out_features, rank + out_features + in_features
+        return max(rank, out_features) if bias else rank, rank + out_features + in_features
     zr = blocks * rank
     if method == "monarch":
         return zr + max(zr, out_features), max(2 * zr, in_features) + out_features
