@@ -13,7 +13,7 @@ For the paper's shapes (Llama-3.2-1B and Llama-7B projections, b = 16) and N in
 * the roofline floor of each structure (x + weights + y moved once, all FLOPs at the
   measured matmul rate; memfit.measure.roofline), with the ceilings measured here.
 
-Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median) so that
+Times are CUDA-graph replays (``memfit.measure.timing.graph_ms``, do_bench_cudagraph's median) so that
 decode-sized kernels are timed, not Python's launch overhead, over several copies of
 the weights and inputs (together > 2x the 50 MB L2) so nothing is served from L2. Every
 implementation of a case is built, run and checked first, then all are timed in
@@ -462,10 +462,11 @@ def profile_cases(torch, cases, blocks, dtype, device, save=None) -> list[dict]:
 
 
 def gpu_ms(fn, rep: float = 10) -> float:
-    """Median ms of one ``fn()`` from CUDA-graph replays (no Python launch overhead), ``rep`` ms of them per replay."""
-    from triton.testing import do_bench_cudagraph
+    """Median ms of one ``fn()`` from CUDA-graph replays (no Python launch overhead), ``rep`` ms of them per replay
+    (memfit.measure.timing.graph_ms: do_bench_cudagraph's method on one stream)."""
+    from memfit.measure.timing import graph_ms
 
-    return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+    return graph_ms(fn, rep)
 
 
 def cpu_ms(fn) -> float:

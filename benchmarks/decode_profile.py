@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,13 +34,14 @@ from memfit.infer.partial_load import PartialConfig, load_model
 from memfit.kernels import decode, gemv
 from memfit.measure.kernel_profile import kernel_profile
 from memfit.measure.results import write_results
+from memfit.measure.timing import graph_ms
 from memfit.models import PRESETS
 
 STEPS = 20
 
 
 def _us(fn) -> float:
-    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+    return 1e3 * graph_ms(fn, 20)
 
 
 def variant_rows(name: str, gen: Generator) -> list[dict]:

@@ -13,7 +13,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # recompiling every step); the ledger's 24 accuracy jobs record their own times, 74 s together at 141a414
 # (ledger_accuracy.json, the models' set-up not included).
 # blr_e2e_memfit_attention took 330 s at most (the device call, with a layer subset before it, 397 s at 7bcc172).
-# ledger_accuracy_blr: 8 jobs took 133 s of their own at d8e8e50 (141 s device call).
+# ledger_accuracy_blr: its 11 jobs took 228 s of their own at 074d5b1 (238 s device call; 8 jobs, 133 s, at d8e8e50).
 # blr_layers_profile: its device call took 197 s at 36c466b, run alone (the file did not yet record its seconds; a
 # first try after blr_e2e in one call ran past 165 s). blr_layers_profile.json now records them.
 # The full layer table took one call at 89a2ab1 (558 s); where it runs past its limit, blr_layers_resume times the

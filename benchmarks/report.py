@@ -212,7 +212,7 @@ def _decode_floor_note(data: dict) -> str:
             "N <= 16 target there.\n\n")
 
 
-EARLY_PICK_SLACK = 1.02  # blr_layers' PICK_SLACK in the files written before they recorded it (89a2ab1 and earlier)
+EARLY_PICK_SLACK = 1.02  # blr_layers' PICK_SLACK in every file written before the table recorded it (dbc9619)
 
 
 def _pick_note(data: dict) -> str:

@@ -43,7 +43,7 @@ def check_model_dir(model: str | Path) -> Path:
         raise MemfitError(f"{model!r} is not a model directory{hint}")
     if not (path / "config.json").is_file():
         raise MemfitError(f"{model}: the directory has no config.json")
-    from memfit.compress.io import refuse_compressed_dir
+    from memfit.models.spec import refuse_compressed_dir
 
     refuse_compressed_dir(path)
     check_weight_files(path)

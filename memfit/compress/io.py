@@ -30,7 +30,6 @@ from memfit.errors import MemfitError
 from memfit.log import logger
 from memfit.models.spec import COMPRESSED_MARKER as CONFIG_NAME
 from memfit.models.spec import is_compressed_dir
-from memfit.models.spec import refuse_compressed_dir as refuse_compressed_dir  # the CLI's checks import it from here
 
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1

@@ -346,7 +346,9 @@ def recomputing(reference, n_tensors: int, n_options: int = 0):
     """``reference`` as an autograd function with the custom ops' memory behaviour (:func:`save_for_recompute`,
     :func:`recompute_backward`): the path where no Triton kernel runs (CPU). Run as plain autograd, a reference
     kept its intermediates for the backward (z and its copies), which the ledger does not count; run inside a
-    custom op, its forward's temporaries were hidden from the CPU memory tracker, which sees an op as one call."""
+    custom op, its forward's temporaries were hidden from the CPU memory tracker, which sees an op as one call.
+    Not twice differentiable (said if asked), as the custom ops; ``torch.compile`` cannot trace its backward's
+    ``autograd.grad`` (a graph break; ``fullgraph=True`` refuses it)."""
     backward = recompute_backward(reference, n_tensors, n_options)
 
     class Recomputing(torch.autograd.Function):
@@ -359,6 +361,7 @@ def recomputing(reference, n_tensors: int, n_options: int = 0):
             save_for_recompute(ctx, inputs, output, n_tensors)
 
         @staticmethod
+        @torch.autograd.function.once_differentiable
         def backward(ctx, grad):
             return backward(ctx, grad)
 
