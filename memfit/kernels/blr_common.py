@@ -347,7 +347,7 @@ def recomputing(reference, n_tensors: int, n_options: int = 0):
     :func:`recompute_backward`): the path where no Triton kernel runs (CPU). Run as plain autograd, a reference
     kept its intermediates for the backward (z and its copies), which the ledger does not count; run inside a
     custom op, its forward's temporaries were hidden from the CPU memory tracker, which sees an op as one call.
-    Not twice differentiable (said if asked), as the custom ops; ``torch.compile`` cannot trace its backward's
+    Not twice differentiable (an error says so if asked); ``torch.compile`` cannot trace its backward's
     ``autograd.grad`` (a graph break; ``fullgraph=True`` refuses it)."""
     backward = recompute_backward(reference, n_tensors, n_options)
 
