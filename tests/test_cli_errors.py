@@ -265,6 +265,7 @@ def test_compress_out_is_checked_before_any_work(tmp_path, capsys, no_model_load
     (("--blr", "blast", "--task", "lora", "--lora-targets", ","), "LoRA on this --blr model has no target"),
     (("--blr", "monarch", "--blr-blocks", "7"), "--blr monarch --blr-ratio 0.5 --blr-blocks 7: monarch: q_proj "
                                                 "in_features=2048 is not divisible by blocks=7"),
+    (("--blr", "lowrank", "--blr-ratio", "1.5"), "--blr lowrank --blr-ratio 1.5: ratio must be"),   # no blocks
 ])
 def test_plan_blr_options_that_cannot_go_together(capsys, extra, message):
     _fails(capsys, ["plan", "--model", "llama-3.2-1b", *extra], message)

@@ -207,8 +207,8 @@ def blr_dense_kinds(spec, knobs: Knobs) -> tuple[str, ...] | None:
     try:
         plans = plan_kinds(spec.linear_shapes(), knobs.blr_method, knobs.blr_ratio, knobs.blr_blocks, skip_option=None)
     except MemfitError as err:                         # name the options it came from
-        raise MemfitError(f"--blr {knobs.blr_method} --blr-ratio {knobs.blr_ratio:g} --blr-blocks {knobs.blr_blocks}: "
-                          f"{err}") from None
+        blocks = "" if knobs.blr_method == "lowrank" else f" --blr-blocks {knobs.blr_blocks}"
+        raise MemfitError(f"--blr {knobs.blr_method} --blr-ratio {knobs.blr_ratio:g}{blocks}: {err}") from None
     return tuple(kind for kind, p in plans.items() if p.rank is None)
 
 
@@ -256,7 +256,8 @@ def blr_transient_per_token(method: str, rank: int, blocks: int, in_features: in
     Backward, on every device the reference recomputed under autograd (blr_common.recompute_backward): its
     intermediates and their gradients, or an input-sized copy (a transposed input gradient; x itself where the
     weights are frozen, an expanded zero the reference's reshape or matmul materialises) beside the output's
-    gradient. Measured on CPU by tests/test_ledger.py (every formula is reached at one of its shapes)."""
+    gradient. Measured on CPU by tests/test_ledger.py (each bound holds at its shapes and is reached within 20% at
+    one of them)."""
     if method == "lowrank":
         return max(rank, out_features) if bias else rank, rank + out_features + in_features
     zr = blocks * rank

@@ -205,8 +205,8 @@ def refuse_compressed_dir(path: str | Path) -> None:
         ratio = meta.get("ratio")          # as asked: the reached linear_ratio, rounded, planned other ranks
         ratio = f"{ratio:g}" if isinstance(ratio, (int, float)) else "RATIO (the --ratio it was compressed with)"
         skip = meta.get("skip")
-        near = (f"; it kept {','.join(skip) or 'no kind'} dense (--skip), where memfit plan --blr keeps the default "
-                "kinds: the plan is of that model" if skip is not None else "")
+        near = (f"; it was compressed with --skip {','.join(skip) or 'none'}, and memfit plan --blr keeps the default "
+                "kinds dense, so that plan is of a model compressed without it" if skip is not None else "")
         what = (f" ({meta['method']} of {meta['source']}, {meta['linear_ratio']:.1%} of its linear parameters "
                 f"kept; plan its jobs with memfit plan --model {meta['source']} --blr {meta['method']}{blocks} "
                 f"--blr-ratio {ratio}{near})")
