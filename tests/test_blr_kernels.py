@@ -63,7 +63,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", True), ("two_stage_pdl", False),
                  ("bmm", False), ("bmm_perm_bmm", False), ("bmm_gather", True), ("bmm_gather", False),
-                 ("tbmm", False), ("fused", True),
+                 ("tbmm", False), ("tbmm_tbmm", False), ("fused", True),
                  ("fused", False), ("torch", True)]
 
 
@@ -86,7 +86,7 @@ def test_monarch_variants_offered():
     small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "torch"}
     assert set(monarch.variants_for(16, 128, 32, False)) == small
     assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "two_stage_pdl", "fused", "torch"}
-    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"} | {"tbmm", "bmm_gather"}
+    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"} | {"tbmm", "tbmm_tbmm", "bmm_gather"}
     assert set(monarch.variants_for(8192, 128, 32, True)) == {"two_stage", "fused", "torch", "bmm_gather"}
     assert "fused" not in monarch.variants_for(1, 688, 93, False)
 
@@ -105,6 +105,8 @@ def test_token_major_pipelines_are_offered_from_their_min_n():
     assert "tbmm" in monarch.variants_for(first, 128, 32, False)
     assert "tbmm" not in monarch.variants_for(below, 128, 32, False)
     assert "tbmm" not in monarch.variants_for(first, 128, 32, True)
+    assert "tbmm_tbmm" in monarch.variants_for(first, 128, 32, False)
+    assert "tbmm_tbmm" not in monarch.variants_for(below, 128, 32, False)
     assert monarch._default(128, False) == "tbmm" and monarch._default(128, True) == "two_stage"
 
 
@@ -120,7 +122,9 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
     check(blast_linear, blast_linear_reference, tensors, torch.float32, variant="tbmm_mix_tbmm")
     tensors = [torch.randn(n, blocks * m), torch.randn(blocks, m, blocks * t) / m**0.5,
                torch.randn(blocks, blocks * t, p) / t**0.5, torch.randn(blocks * p)]
-    check(monarch_linear, monarch_linear_reference, tensors, torch.float32, permute_output=False, variant="tbmm")
+    for variant in ("tbmm", "tbmm_tbmm"):
+        check(monarch_linear, monarch_linear_reference, tensors, torch.float32, permute_output=False,
+              variant=variant)
 
 
 @pytest.mark.parametrize("variant", ["bmm_perm_bmm", "bmm_gather"])
@@ -140,10 +144,11 @@ def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch
         check(monarch_linear, monarch_linear_reference, tensors, dtype, permute_output=False, variant=variant)
 
 
-def test_tbmm_refuses_the_permuted_layout():
+@pytest.mark.parametrize("variant", ["tbmm", "tbmm_tbmm"])
+def test_token_major_monarch_refuses_the_permuted_layout(variant):
     x, w1, w2 = torch.randn(N, B * M), torch.randn(B, M, B * 2), torch.randn(B, B * 2, P)
     with pytest.raises(MemfitError, match="block-major"):
-        monarch._tbmm(x, w1, w2, None, True)
+        monarch.VARIANTS[variant](x, w1, w2, None, True)
 
 
 def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):

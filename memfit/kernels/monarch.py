@@ -39,6 +39,9 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   through a transposed view, no copy. Where t is not a multiple of 8 (Llama-7B: 93), it
   replaces ``bmm``'s slow scattered store (Llama-7B gate/up, N=8192: 908.9 against 3442.4 us,
   75317f4). (Both stages on cuBLAS with P^T as a copy of (t x N) slabs lost at every shape.)
+* ``tbmm_tbmm`` (N >= TOKEN_MAJOR_MIN_N, block-major): both stages as plain cuBLAS batched GEMMs with
+  no activation copy: z stored token-contiguous in (i, s, j) order, so that output block i's operand is one
+  contiguous slab, and P^T moved into a reordering of w2's rows (a weight-sized copy per call).
 * ``fused`` (the decode path where PDL is not offered, and there a candidate at every N; on a GPU that
   offers it ``two_stage_pdl`` is, and the pick does not time ``fused`` at any N: on the H200 it never came
   within 5% of the fastest, :func:`blr_common.pick_candidates`): one kernel, z on chip. A program owns
@@ -189,6 +192,26 @@ def _tbmm(x2, w1, w2, bias, permute_output):
     return per_block_gemm(zp.permute(2, 0, 1), w2, bias, cublas=True)
 
 
+def _tbmm_tbmm(x2, w1, w2, bias, permute_output):
+    """Both stages as plain cuBLAS strided batched GEMMs, no copy of an activation: z stored
+    token-contiguous in (i, s, j) order, zs[i, s, j, n] = (x_j w1[j])[n, i t + s]. Stage 1's batch j
+    writes its r rows of tokens with a row stride of b N and a batch stride of N, so output block i's
+    operand is one contiguous (t b, N) slab; P^T moves to w2, whose rows are reordered from (j, s) to
+    (s, j) once per call (a weight-sized copy: 2 r p b elements). Against ``tbmm``: cuBLAS instead of
+    the Triton stage 1. Block-major output only (cuBLAS cannot store the permuted layout's column stride)."""
+    if permute_output:
+        raise MemfitError("monarch_linear: tbmm_tbmm writes the block-major layout only (permute_output=False)")
+    b, m, r = w1.shape
+    t, n, p = r // b, x2.shape[0], w2.shape[2]
+    zs = torch.empty(r, b, n, device=x2.device, dtype=x2.dtype)                      # [i t + s, j, n]
+    bmm_into(w1.transpose(1, 2), x2.view(n, b, m).permute(1, 2, 0), zs.transpose(0, 1))
+    w2s = w2.view(b, b, t, p).transpose(1, 2).reshape(b, t * b, p)                    # rows (s, j)
+    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
+    bmm_into(w2s.transpose(1, 2), zs.view(b, t * b, n), y.view(n, b, p).permute(1, 2, 0),
+             None if bias is None else bias.view(b, p, 1), bias_broadcast=False)
+    return y
+
+
 # ---- fused kernel (decode without PDL; then a candidate at every N): both dots in one pipelined loop -----
 
 def _prune_fused(configs, named_args, **kwargs):
@@ -255,7 +278,8 @@ def _fused(x2, w1, w2, bias, permute_output):
 
 
 VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm,
-            "bmm_gather": _bmm_gather, "tbmm": _tbmm, "fused": _fused, "torch": monarch_linear_reference}
+            "bmm_gather": _bmm_gather, "tbmm": _tbmm, "tbmm_tbmm": _tbmm_tbmm, "fused": _fused,
+            "torch": monarch_linear_reference}
 UNPICKED_WITH_PDL = ("fused",)  # never within 5% of the fastest on the H200 (blr_common.pick_candidates)
 
 
@@ -268,7 +292,7 @@ def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
     if n >= TOKEN_MAJOR_MIN_N:
         names.append("bmm_gather")
     if not permute_output:
-        names += ["bmm", "bmm_perm_bmm"] + (["tbmm"] if n >= TOKEN_MAJOR_MIN_N else [])
+        names += ["bmm", "bmm_perm_bmm"] + (["tbmm", "tbmm_tbmm"] if n >= TOKEN_MAJOR_MIN_N else [])
     if fused_fits(m, t):
         names.append("fused")
     return {name: VARIANTS[name] for name in names}
