@@ -144,6 +144,14 @@ def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch
         check(monarch_linear, monarch_linear_reference, tensors, dtype, permute_output=False, variant=variant)
 
 
+@pytest.mark.parametrize("blocks,t,p", [(16, 3, 5), (3, 93, 130), (1, 4, 1)])
+def test_w2_reorder_for_tbmm_tbmm(blocks, t, p):
+    """Rows past one tile in both directions and ranks that are not powers of two."""
+    w2 = torch.randn(blocks, blocks * t, p)
+    want = w2.view(blocks, blocks, t, p).transpose(1, 2).reshape(blocks, t * blocks, p)
+    assert torch.equal(monarch._w2_in_s_j_order(w2), want)
+
+
 @pytest.mark.parametrize("variant", ["tbmm", "tbmm_tbmm"])
 def test_token_major_monarch_refuses_the_permuted_layout(variant):
     x, w1, w2 = torch.randn(N, B * M), torch.randn(B, M, B * 2), torch.randn(B, B * 2, P)

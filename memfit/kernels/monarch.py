@@ -192,12 +192,35 @@ def _tbmm(x2, w1, w2, bias, permute_output):
     return per_block_gemm(zp.permute(2, 0, 1), w2, bias, cublas=True)
 
 
+@triton.jit
+def _w2_rows_kernel(src_ptr, dst_ptr, P, T, B, ROWS, BR: tl.constexpr, BP: tl.constexpr):
+    """dst[i, s, j, :] = src[i, j, s, :] (rows of P contiguous elements): w2's rows from (j, s) to (s, j) order,
+    a tile of BR destination rows by BP columns per program. torch's copy of the same transposed view ran at
+    about a third of the memory bandwidth on the H200 (a throwaway timing at 6671149)."""
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    i, s, j = rows // (T * B), (rows // B) % T, rows % B
+    src_rows = (i * B + j) * T + s
+    cols = tl.program_id(1) * BP + tl.arange(0, BP)
+    mask = (rows[:, None] < ROWS) & (cols[None, :] < P)
+    tile = tl.load(src_ptr + src_rows[:, None] * P + cols[None, :], mask=mask)
+    tl.store(dst_ptr + rows[:, None] * P + cols[None, :], tile, mask=mask)
+
+
+def _w2_in_s_j_order(w2):
+    """w2 (b, r, p) with each block's rows reordered from j t + s to s b + j (contiguous)."""
+    b, r, p = w2.shape
+    out = torch.empty_like(w2)
+    br, bp = 16, min(pow2_at_least(p), 128)
+    _w2_rows_kernel[(triton.cdiv(b * r, br), triton.cdiv(p, bp))](w2, out, p, r // b, b, b * r, BR=br, BP=bp)
+    return out
+
+
 def _tbmm_tbmm(x2, w1, w2, bias, permute_output):
     """Both stages as plain cuBLAS strided batched GEMMs, no copy of an activation: z stored
     token-contiguous in (i, s, j) order, zs[i, s, j, n] = (x_j w1[j])[n, i t + s]. Stage 1's batch j
     writes its r rows of tokens with a row stride of b N and a batch stride of N, so output block i's
     operand is one contiguous (t b, N) slab; P^T moves to w2, whose rows are reordered from (j, s) to
-    (s, j) once per call (a weight-sized copy: 2 r p b elements). Against ``tbmm``: cuBLAS instead of
+    (s, j) once per call (a weight-sized copy, :func:`_w2_in_s_j_order`). Against ``tbmm``: cuBLAS instead of
     the Triton stage 1. Block-major output only (cuBLAS cannot store the permuted layout's column stride)."""
     if permute_output:
         raise MemfitError("monarch_linear: tbmm_tbmm writes the block-major layout only (permute_output=False)")
@@ -205,7 +228,7 @@ def _tbmm_tbmm(x2, w1, w2, bias, permute_output):
     t, n, p = r // b, x2.shape[0], w2.shape[2]
     zs = torch.empty(r, b, n, device=x2.device, dtype=x2.dtype)                      # [i t + s, j, n]
     bmm_into(w1.transpose(1, 2), x2.view(n, b, m).permute(1, 2, 0), zs.transpose(0, 1))
-    w2s = w2.view(b, b, t, p).transpose(1, 2).reshape(b, t * b, p)                    # rows (s, j)
+    w2s = _w2_in_s_j_order(w2)
     y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
     bmm_into(w2s.transpose(1, 2), zs.view(b, t * b, n), y.view(n, b, p).permute(1, 2, 0),
              None if bias is None else bias.view(b, p, 1), bias_broadcast=False)
