@@ -72,6 +72,7 @@ MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", Tr
 @pytest.mark.parametrize("lead,bias", [((1,), True), ((2, N), False), ((2, N), True)])
 def test_monarch(dtype, variant, permute, lead, bias, monkeypatch):
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)  # the token-contiguous pipelines at the tests' N too
+    monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
     t = 5
     tensors = [torch.randn(*lead, B * M), torch.randn(B, M, B * t) / M**0.5, torch.randn(B, B * t, P) / t**0.5,
                torch.randn(B * P)]
@@ -105,8 +106,10 @@ def test_token_major_pipelines_are_offered_from_their_min_n():
     assert "tbmm" in monarch.variants_for(first, 128, 32, False)
     assert "tbmm" not in monarch.variants_for(below, 128, 32, False)
     assert "tbmm" not in monarch.variants_for(first, 128, 32, True)
-    assert "tbmm_tbmm" in monarch.variants_for(first, 128, 32, False)
-    assert "tbmm_tbmm" not in monarch.variants_for(below, 128, 32, False)
+    first_both_cublas = monarch.TBMM_TBMM_MIN_N // 2 + 1
+    assert "tbmm_tbmm" in monarch.variants_for(first_both_cublas, 128, 32, False)
+    assert "tbmm_tbmm" not in monarch.variants_for(first_both_cublas - 1, 128, 32, False)
+    assert "tbmm_tbmm" not in monarch.variants_for(first_both_cublas, 128, 32, True)
     assert monarch._default(128, False) == "tbmm" and monarch._default(128, True) == "two_stage"
 
 
@@ -116,6 +119,7 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
     (a 32-wide block tile with masked rows), for both token-contiguous pipelines."""
     monkeypatch.setattr(blast, "TOKEN_MAJOR_MIN_N", 1)
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)
+    monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
     m, p, r, t = 3, 2, 5, 2
     tensors = [torch.randn(n, blocks * m), torch.randn(blocks, p, r) / r**0.5, torch.randn(blocks, m, r) / m**0.5,
                torch.randn(blocks, blocks, r) / blocks**0.5, torch.randn(blocks * p)]

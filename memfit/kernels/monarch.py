@@ -28,7 +28,8 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
 * ``bmm_gather`` (N >= TOKEN_MAJOR_MIN_N, both layouts): stage 1 on cuBLAS as in ``bmm_perm_bmm``,
   stage 2 by :func:`bgemm` reading P^T through its loads (runs of t elements of z per K step,
   ``a_runs``): z written and read once, no copy, no scattered store. The fastest pipeline at
-  Llama-1B down and Llama-7B qkvo from N = 1024, and at Llama-7B down, N = 1024 (6cfd3c1). At
+  Llama-1B down and Llama-7B qkvo from N = 1024, and at Llama-7B down, N = 1024 (6cfd3c1); with ``tbmm_tbmm``
+  offered, at Llama-7B qkvo, N = 1024 only (1476f91). At
   Llama-7B's t = 93 the runs start misaligned: read as they are, a was loaded 2 bytes at a time
   (profile, 18d9a39: stage 2 at 3-4x cuBLAS's time); it now reads aligned windows around them,
   1627 -> 1204 us at Llama-7B gate/up, N = 8192, still 2.5x cuBLAS on a P^T copy
@@ -39,9 +40,12 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   through a transposed view, no copy. Where t is not a multiple of 8 (Llama-7B: 93), it
   replaces ``bmm``'s slow scattered store (Llama-7B gate/up, N=8192: 908.9 against 3442.4 us,
   75317f4). (Both stages on cuBLAS with P^T as a copy of (t x N) slabs lost at every shape.)
-* ``tbmm_tbmm`` (N >= TOKEN_MAJOR_MIN_N, block-major): both stages as plain cuBLAS batched GEMMs with
+* ``tbmm_tbmm`` (N >= TBMM_TBMM_MIN_N, block-major): both stages as plain cuBLAS batched GEMMs with
   no activation copy: z stored token-contiguous in (i, s, j) order, so that output block i's operand is one
-  contiguous slab, and P^T moved into a reordering of w2's rows (a weight-sized copy per call).
+  contiguous slab, and P^T moved into a reordering of w2's rows (a weight-sized copy per call). In the layer
+  table (1476f91) the fastest pipeline at all seven shapes at N = 8192, 0.73-0.93x the next one's time, and at
+  three at N = 1024 (Llama-1B down, Llama-7B gate/up and down); at N = 128, where the copy of w2 weighs, it
+  read 1.07-1.63x the fastest.
 * ``fused`` (the decode path where PDL is not offered, and there a candidate at every N; on a GPU that
   offers it ``two_stage_pdl`` is, and the pick does not time ``fused`` at any N: on the H200 it never came
   within 5% of the fastest, :func:`blr_common.pick_candidates`): one kernel, z on chip. A program owns
@@ -89,6 +93,7 @@ from memfit.kernels.blr_common import (
 )
 from memfit.kernels.dispatch import use_triton
 
+TBMM_TBMM_MIN_N = 256  # tbmm_tbmm read 1.07-1.63x the fastest pipeline at N = 128 on all seven shapes (1476f91)
 FUSED_MAX_TILE = 16384  # pow2(m) * pow2(t) elements of w1 slice per step: 32 KB in bf16, so 2-3 stages fit
 
 
@@ -315,7 +320,8 @@ def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
     if n >= TOKEN_MAJOR_MIN_N:
         names.append("bmm_gather")
     if not permute_output:
-        names += ["bmm", "bmm_perm_bmm"] + (["tbmm", "tbmm_tbmm"] if n >= TOKEN_MAJOR_MIN_N else [])
+        names += ["bmm", "bmm_perm_bmm"] + (["tbmm"] if n >= TOKEN_MAJOR_MIN_N else [])
+        names += ["tbmm_tbmm"] if n >= TBMM_TBMM_MIN_N else []
     if fused_fits(m, t):
         names.append("fused")
     return {name: VARIANTS[name] for name in names}
