@@ -615,7 +615,7 @@ def structures(d_in, d_out, rank, blocks, n, dtype, device) -> dict:
                     lambda l, x, **o: lowrank_linear(x, l.U, l.V, **o), lowrank_variants(n)),
         "monarch": (lambda: MonarchLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
                     lambda l, x, **o: monarch_linear(x, l.w1, l.w2, None, l.permute_output, **o),
-                    monarch_variants(n, m, t, permute_output=False)),
+                    monarch_variants(n, blocks, m, t, d_out // blocks, permute_output=False)),
         "blast": (lambda: BlastLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
                   lambda l, x, **o: blast_linear(x, l.U, l.V, l.S, **o), blast_variants(n)),
     }

@@ -17,6 +17,7 @@ from memfit.kernels import blast, blr_common, lowrank, monarch
 from memfit.kernels.blast import blast_linear, blast_linear_reference
 from memfit.kernels.lowrank import lowrank_linear, lowrank_linear_reference
 from memfit.kernels.monarch import monarch_linear, monarch_linear_reference
+from memfit.ledger.predict import blr_transient_per_token
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 B, M, P, N = 3, 11, 7, 19
@@ -73,6 +74,7 @@ MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", Tr
 def test_monarch(dtype, variant, permute, lead, bias, monkeypatch):
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)  # the token-contiguous pipelines at the tests' N too
     monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
+    monkeypatch.setattr(monarch, "tbmm_tbmm_within_ledger", lambda *shape: True)  # its w2 copy is larger than z here
     t = 5
     tensors = [torch.randn(*lead, B * M), torch.randn(B, M, B * t) / M**0.5, torch.randn(B, B * t, P) / t**0.5,
                torch.randn(B * P)]
@@ -85,11 +87,12 @@ def test_monarch_variants_offered():
     TOKEN_MAJOR_MIN_N; the fused kernel at every N where its tile fits; the chained two_stage up to
     PDL_MAX_N; the plain PyTorch pipeline always competes."""
     small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "torch"}
-    assert set(monarch.variants_for(16, 128, 32, False)) == small
-    assert set(monarch.variants_for(16, 128, 32, True)) == {"two_stage", "two_stage_pdl", "fused", "torch"}
-    assert set(monarch.variants_for(8192, 128, 32, False)) == small - {"two_stage_pdl"} | {"tbmm", "tbmm_tbmm", "bmm_gather"}
-    assert set(monarch.variants_for(8192, 128, 32, True)) == {"two_stage", "fused", "torch", "bmm_gather"}
-    assert "fused" not in monarch.variants_for(1, 688, 93, False)
+    assert set(monarch.variants_for(16, 16, 128, 32, 128, False)) == small
+    assert set(monarch.variants_for(16, 16, 128, 32, 128, True)) == {"two_stage", "two_stage_pdl", "fused", "torch"}
+    large = small - {"two_stage_pdl"} | {"tbmm", "tbmm_tbmm", "bmm_gather"}
+    assert set(monarch.variants_for(8192, 16, 128, 32, 128, False)) == large
+    assert set(monarch.variants_for(8192, 16, 128, 32, 128, True)) == {"two_stage", "fused", "torch", "bmm_gather"}
+    assert "fused" not in monarch.variants_for(1, 16, 688, 93, 256, False)
 
 
 def test_fused_mixing_is_offered_up_to_its_max_n():
@@ -103,13 +106,13 @@ def test_token_major_pipelines_are_offered_from_their_min_n():
     first, below = blr_common.TOKEN_MAJOR_MIN_N // 2 + 1, blr_common.TOKEN_MAJOR_MIN_N // 2
     assert "tbmm_mix_tbmm" in blast.variants_for(first) and "tbmm_mix_tbmm" not in blast.variants_for(below)
     assert blast._default(blr_common.TOKEN_MAJOR_MIN_N) == "tbmm_mix_tbmm"
-    assert "tbmm" in monarch.variants_for(first, 128, 32, False)
-    assert "tbmm" not in monarch.variants_for(below, 128, 32, False)
-    assert "tbmm" not in monarch.variants_for(first, 128, 32, True)
+    assert "tbmm" in monarch.variants_for(first, 16, 128, 32, 128, False)
+    assert "tbmm" not in monarch.variants_for(below, 16, 128, 32, 128, False)
+    assert "tbmm" not in monarch.variants_for(first, 16, 128, 32, 128, True)
     first_both_cublas = monarch.TBMM_TBMM_MIN_N // 2 + 1
-    assert "tbmm_tbmm" in monarch.variants_for(first_both_cublas, 128, 32, False)
-    assert "tbmm_tbmm" not in monarch.variants_for(first_both_cublas - 1, 128, 32, False)
-    assert "tbmm_tbmm" not in monarch.variants_for(first_both_cublas, 128, 32, True)
+    assert "tbmm_tbmm" in monarch.variants_for(first_both_cublas, 16, 128, 32, 128, False)
+    assert "tbmm_tbmm" not in monarch.variants_for(first_both_cublas - 1, 16, 128, 32, 128, False)
+    assert "tbmm_tbmm" not in monarch.variants_for(first_both_cublas, 16, 128, 32, 128, True)
     assert monarch._default(128, False) == "tbmm" and monarch._default(128, True) == "two_stage"
 
 
@@ -120,6 +123,7 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
     monkeypatch.setattr(blast, "TOKEN_MAJOR_MIN_N", 1)
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)
     monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
+    monkeypatch.setattr(monarch, "tbmm_tbmm_within_ledger", lambda *shape: True)  # its w2 copy is larger than z here
     m, p, r, t = 3, 2, 5, 2
     tensors = [torch.randn(n, blocks * m), torch.randn(blocks, p, r) / r**0.5, torch.randn(blocks, m, r) / m**0.5,
                torch.randn(blocks, blocks, r) / blocks**0.5, torch.randn(blocks * p)]
@@ -148,6 +152,26 @@ def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch
         check(monarch_linear, monarch_linear_reference, tensors, dtype, permute_output=False, variant=variant)
 
 
+LLAMA_SHAPES = [(2048, 2048, 256), (2048, 8192, 512), (2048, 8192, 768), (8192, 2048, 768), (4096, 4096, 1024),
+                (4096, 11008, 1488), (11008, 4096, 1488)]  # in, out, rank: blr_layers.py's SHAPES
+
+
+def test_tbmm_tbmm_is_offered_only_where_the_ledger_counts_what_it_holds():
+    """At every N of each pick bucket that offers tbmm_tbmm, its z and reordered w2 fit the ledger's Monarch forward
+    transient (it is still offered at N = 8192 at every shape, and Llama-7B gate/up is kept out of the 1024 bucket,
+    whose smallest N, 513, is below its p = 688)."""
+    b = 16
+    for in_f, out_f, r in LLAMA_SHAPES:
+        forward_per_token, _ = blr_transient_per_token("monarch", r, b, in_f, out_f)
+        for bucket in (2 ** k for k in range(15)):
+            for n in (bucket // 2 + 1, bucket):
+                if "tbmm_tbmm" in monarch.variants_for(n, b, in_f // b, r // b, out_f // b, False):
+                    assert n * b * r + r * out_f <= n * forward_per_token, (in_f, out_f, n)
+        assert "tbmm_tbmm" in monarch.variants_for(8192, b, in_f // b, r // b, out_f // b, False)
+    assert "tbmm_tbmm" not in monarch.variants_for(1024, b, 4096 // b, 1488 // b, 11008 // b, False)
+    assert "tbmm_tbmm" in monarch.variants_for(2048, b, 4096 // b, 1488 // b, 11008 // b, False)
+
+
 @pytest.mark.parametrize("blocks,t,p", [(16, 3, 5), (3, 93, 130), (1, 4, 1)])
 def test_w2_reorder_for_tbmm_tbmm(blocks, t, p):
     """Rows past one tile in both directions and ranks that are not powers of two."""
@@ -169,7 +193,7 @@ def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, offered in ((8, False), (9, True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda c=capability: (c, 0))
-        assert ("two_stage_pdl" in monarch.variants_for(16, 128, 32, False)) == offered
+        assert ("two_stage_pdl" in monarch.variants_for(16, 16, 128, 32, 128, False)) == offered
         assert ("z_mixgemm_pdl" in blast.variants_for(16)) == offered
         assert ("bgemm_mix_bgemm_pdl" in blast.variants_for(16)) == offered
         assert ("bgemm_pdl" in lowrank.variants_for(16)) == offered
@@ -188,15 +212,15 @@ def test_the_pick_leaves_out_what_never_came_close_where_pdl_is_offered(monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, pdl in ((8, False), (9, True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda c=capability: (c, 0))
-        for module, available in ((monarch, monarch.variants_for(16, 128, 32, False)), (blast, blast.variants_for(16)),
-                                  (lowrank, lowrank.variants_for(16))):
+        for module, available in ((monarch, monarch.variants_for(16, 16, 128, 32, 128, False)),
+                                  (blast, blast.variants_for(16)), (lowrank, lowrank.variants_for(16))):
             assert set(module.UNPICKED_WITH_PDL) < set(available)
             timed = blr_common.pick_candidates(available, module.UNPICKED_WITH_PDL)
             assert set(timed) == set(available) - (set(module.UNPICKED_WITH_PDL) if pdl else set())
         for n in (1, 16):
             assert monarch._default(n, False) == ("two_stage_pdl" if pdl else "fused")
             assert blast._default(n) == ("bgemm_mix_bgemm_pdl" if pdl else "z_mixgemm")
-            assert monarch._default(n, False) in blr_common.pick_candidates(monarch.variants_for(n, 128, 32, False),
+            assert monarch._default(n, False) in blr_common.pick_candidates(monarch.variants_for(n, 16, 128, 32, 128, False),
                                                                               monarch.UNPICKED_WITH_PDL)
             assert blast._default(n) in blr_common.pick_candidates(blast.variants_for(n), blast.UNPICKED_WITH_PDL)
 

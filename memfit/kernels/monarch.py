@@ -40,12 +40,13 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   through a transposed view, no copy. Where t is not a multiple of 8 (Llama-7B: 93), it
   replaces ``bmm``'s slow scattered store (Llama-7B gate/up, N=8192: 908.9 against 3442.4 us,
   75317f4). (Both stages on cuBLAS with P^T as a copy of (t x N) slabs lost at every shape.)
-* ``tbmm_tbmm`` (N >= TBMM_TBMM_MIN_N, block-major): both stages as plain cuBLAS batched GEMMs with
-  no activation copy: z stored token-contiguous in (i, s, j) order, so that output block i's operand is one
-  contiguous slab, and P^T moved into a reordering of w2's rows (a weight-sized copy per call). In the layer
-  table (1476f91) the fastest pipeline at all seven shapes at N = 8192, 0.73-0.93x the next one's time, and at
-  three at N = 1024 (Llama-1B down, Llama-7B gate/up and down); at N = 128, where the copy of w2 weighs, it
-  read 1.07-1.63x the fastest.
+* ``tbmm_tbmm`` (N >= TBMM_TBMM_MIN_N, block-major, where :func:`tbmm_tbmm_within_ledger`): both stages as
+  plain cuBLAS batched GEMMs with no activation copy: z stored token-contiguous in (i, s, j) order, so that
+  output block i's operand is one contiguous slab, and P^T moved into a reordering of w2's rows (a weight-
+  sized copy per call). In the layer table (1476f91) the fastest pipeline at all seven shapes at N = 8192,
+  0.73-0.93x the next one's time, and at three at N = 1024 (Llama-1B down, Llama-7B gate/up and down); at N =
+  128, where the copy of w2 weighs, it read 1.07-1.63x the fastest. Kept out where its w2 copy would pass the
+  ledger's Monarch forward transient (Llama-7B gate/up in the 1024 bucket, where it had been 0.93x).
 * ``fused`` (the decode path where PDL is not offered, and there a candidate at every N; on a GPU that
   offers it ``two_stage_pdl`` is, and the pick does not time ``fused`` at any N: on the H200 it never came
   within 5% of the fastest, :func:`blr_common.pick_candidates`): one kernel, z on chip. A program owns
@@ -311,17 +312,25 @@ VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bm
 UNPICKED_WITH_PDL = ("fused",)  # never within 5% of the fastest on the H200 (blr_common.pick_candidates)
 
 
-def variants_for(n: int, m: int, t: int, permute_output: bool) -> dict:
-    """The pipelines offered for ``n`` tokens, block size m, per-block rank t and the layout (the pick times those
-    :func:`blr_common.pick_candidates` keeps); the same for every N of one ``pick_bucket`` (which shares a pick: a
-    token-major pipeline picked at N = 128 is offered at N = 100)."""
+def tbmm_tbmm_within_ledger(fewest_tokens: int, b: int, t: int, p: int) -> bool:
+    """Whether ``tbmm_tbmm`` holds no more than the ledger counts for a Monarch forward
+    (memfit.ledger.predict.blr_transient_per_token: N (b r + max(b r, b p)) elements besides x and y) at every N from
+    ``fewest_tokens``: it holds z (N b r) and the reordered w2 (r p b), so N >= min(r, p) where r = b t."""
+    return fewest_tokens >= min(b * t, p)
+
+
+def variants_for(n: int, b: int, m: int, t: int, p: int, permute_output: bool) -> dict:
+    """The pipelines offered for ``n`` tokens, b blocks of m inputs and p outputs, per-block rank t and the layout
+    (the pick times those :func:`blr_common.pick_candidates` keeps); the same for every N of one ``pick_bucket``
+    (which shares a pick: a token-major pipeline picked at N = 128 is offered at N = 100)."""
     n = pick_bucket(n)
     names = ["two_stage", "torch"] + (["two_stage_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
     if n >= TOKEN_MAJOR_MIN_N:
         names.append("bmm_gather")
     if not permute_output:
         names += ["bmm", "bmm_perm_bmm"] + (["tbmm"] if n >= TOKEN_MAJOR_MIN_N else [])
-        names += ["tbmm_tbmm"] if n >= TBMM_TBMM_MIN_N else []
+        fewest = n // 2 + 1                                          # the bucket's smallest N
+        names += ["tbmm_tbmm"] if n >= TBMM_TBMM_MIN_N and tbmm_tbmm_within_ledger(fewest, b, t, p) else []
     if fused_fits(m, t):
         names.append("fused")
     return {name: VARIANTS[name] for name in names}
@@ -345,7 +354,7 @@ def _monarch_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, bias: torch
     args = (x2, w1, w2, bias, permute_output)
     if variant == "auto":
         n = x2.shape[0]
-        offered = pick_candidates(variants_for(n, m, r // b, permute_output), UNPICKED_WITH_PDL)
+        offered = pick_candidates(variants_for(n, b, m, r // b, w2.shape[2], permute_output), UNPICKED_WITH_PDL)
         default = _default(n, permute_output)
         default = default if default in offered else "two_stage"          # the fused tile may not fit
         variant = pick_variant("monarch_linear", (pick_bucket(n), *w1.shape, w2.shape[2], permute_output, str(x.dtype)),
@@ -374,7 +383,7 @@ def monarch_linear(x, w1, w2, bias=None, permute_output=False, path=None, varian
         return _monarch_recomputing(x, *cast, permute_output)
     if variant != "auto":
         b, m, r = w1.shape
-        offered = variants_for(x.numel() // max(b * m, 1), m, r // b, permute_output)
+        offered = variants_for(x.numel() // max(b * m, 1), b, m, r // b, w2.shape[2], permute_output)
         if variant not in offered:
             raise MemfitError(f"monarch_linear: variant {variant!r} is not available for this shape and layout "
                               f"(permute_output={permute_output}); available: {', '.join(offered)}")
