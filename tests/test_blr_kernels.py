@@ -135,7 +135,7 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
               variant=variant)
 
 
-@pytest.mark.parametrize("variant", ["bmm_perm_bmm", "bmm_gather"])
+@pytest.mark.parametrize("variant", ["bmm_perm_bmm", "bmm_gather", "tbmm_tbmm"])
 @pytest.mark.parametrize("blocks,t,n", [(5, 7, 9), (3, 6, 1), (17, 1, 6), (2, 32, 5), (8, 5, 9), (8, 37, 3),
                                         (8, 31, 3)])
 def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch):
@@ -143,13 +143,33 @@ def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch
     each run of t elements starting misaligned), token counts not a multiple of a token tile, many blocks
     of rank 1, runs of one whole K step (t = 32: the gathering loop without its K mask), and odd t in rows
     of a multiple of 16 B (bmm_gather's aligned windows: 8 x 5; 8 x 37 over two window steps; 8 x 31, where
-    a run that fits one 32-wide step takes two once its window's lead is added)."""
+    a run that fits one 32-wide step takes two once its window's lead is added); tbmm_tbmm's reorder of w2 at
+    the same ranks."""
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)
+    monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
+    monkeypatch.setattr(monarch, "tbmm_tbmm_within_ledger", lambda *shape: True)
     m, p = 3, 4
     tensors = [torch.randn(n, blocks * m), torch.randn(blocks, m, blocks * t) / m**0.5,
                torch.randn(blocks, blocks * t, p) / t**0.5, torch.randn(blocks * p)]
     for dtype in DTYPES:
         check(monarch_linear, monarch_linear_reference, tensors, dtype, permute_output=False, variant=variant)
+
+
+@pytest.mark.parametrize("d_in,d_out,b,r", [(96, 160, 4, 16), (160, 96, 4, 32), (128, 128, 8, 64), (256, 64, 4, 8)])
+def test_tbmm_tbmm_holds_z_and_the_reordered_w2(d_in, d_out, b, r):
+    """What tbmm_tbmm allocates besides its output (CPU tracker): z and one copy of w2, and that is within the ledger's
+    Monarch forward transient exactly where tbmm_tbmm_within_ledger says so (N on both sides of min(r, p))."""
+    from memfit.measure.memory import TensorLifetimeTracker
+
+    m, t, p = d_in // b, r // b, d_out // b
+    forward_per_token, _ = blr_transient_per_token("monarch", r, b, d_in, d_out)
+    for n in (min(r, p) - 1, min(r, p), 3 * min(r, p)):
+        x, w1, w2 = torch.randn(n, d_in), torch.randn(b, m, r), torch.randn(b, r, p)
+        with torch.no_grad(), TensorLifetimeTracker([x, w1, w2]) as tracker:
+            y = monarch.VARIANTS["tbmm_tbmm"](x, w1, w2, None, False)
+        held = tracker.peak - tracker.baseline - y.nbytes
+        assert held == (n * b * r + b * r * p) * x.element_size()
+        assert (held <= n * forward_per_token * x.element_size()) == monarch.tbmm_tbmm_within_ledger(n, b, t, p)
 
 
 LLAMA_SHAPES = [(2048, 2048, 256), (2048, 8192, 512), (2048, 8192, 768), (8192, 2048, 768), (4096, 4096, 1024),

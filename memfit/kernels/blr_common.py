@@ -733,19 +733,18 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
                         LINE=line_elements(b), **chain_options(launch_dependents, wait_for_previous))
 
 
-def bmm_into(a, b, out, bias=None, bias_broadcast=True) -> None:
+def bmm_into(a, b, out, bias=None) -> None:
     """out = a @ b (+ bias) by cuBLAS, written straight into ``out``.
 
     ``a`` (batch, n, k), ``b`` (batch, k, col) and ``out`` (batch, n, col) may be strided
     views (e.g. ``y.view(n, b, p).transpose(0, 1)``): cuBLAS takes a row stride as its
     leading dimension and any batch stride, so the block-major output needs no copy.
-    ``bias`` (batch, col) is broadcast over rows; with ``bias_broadcast=False`` it is passed
-    as it is, already broadcastable to ``out`` (e.g. (batch, n, 1) for a transposed output).
+    ``bias`` broadcasts to ``out``: (batch, 1, col) over rows, (batch, n, 1) over columns.
     """
     if bias is None:
         torch.bmm(a, b, out=out)
     else:
-        torch.baddbmm(bias.unsqueeze(1) if bias_broadcast else bias, a, b, out=out)
+        torch.baddbmm(bias, a, b, out=out)
 
 
 def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_for_previous: bool = False,
@@ -768,7 +767,7 @@ def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_
     if cublas:
         if runs != 1:
             raise MemfitError("per_block_gemm: cuBLAS cannot gather runs of a; use bgemm (cublas=False)")
-        bmm_into(a.transpose(0, 1), w, y.view(n, b, p).transpose(0, 1), None if bias is None else bias.view(b, p))
+        bmm_into(a.transpose(0, 1), w, y.view(n, b, p).transpose(0, 1), None if bias is None else bias.view(b, 1, p))
     else:
         block_stride, col_stride = (1, b) if permute_output else (p, 1)
         bgemm(a, w, y, n, runs * k, p, b, (a.stride(1), a.stride(0), a.stride(2)), w.stride(),

@@ -184,13 +184,18 @@ def _bmm_gather(x2, w1, w2, bias, permute_output):
 
 # ---- large N, token-contiguous z: whole rows of tokens in every store -------------------
 
+def _refuse_permuted_output(variant: str, permute_output: bool) -> None:
+    """The cuBLAS-stored pipelines write the block-major layout only (cuBLAS cannot store a column stride)."""
+    if permute_output:
+        raise MemfitError(f"monarch_linear: {variant} writes the block-major layout only (permute_output=False)")
+
+
 def _tbmm(x2, w1, w2, bias, permute_output):
     """``bmm`` with z stored token-contiguous: zp[i, j t + s, n] = (x_j w1[j])[n, i t + s], P^T folded
     into the Triton stage's store as whole rows of tokens (``bmm``'s store writes runs of t
     elements, 186 B at Llama-7B's t = 93), then stage 2 on cuBLAS reading zp[i]^T as a transposed
     operand. Block-major output only (cuBLAS cannot store the permuted layout's column stride)."""
-    if permute_output:
-        raise MemfitError("monarch_linear: tbmm writes the block-major layout only (permute_output=False)")
+    _refuse_permuted_output("tbmm", permute_output)
     b, m, r = w1.shape
     t, n = r // b, x2.shape[0]
     zp = torch.empty(b, r, n, device=x2.device, dtype=x2.dtype)
@@ -201,8 +206,7 @@ def _tbmm(x2, w1, w2, bias, permute_output):
 @triton.jit
 def _w2_rows_kernel(src_ptr, dst_ptr, P, T, B, ROWS, BR: tl.constexpr, BP: tl.constexpr):
     """dst[i, s, j, :] = src[i, j, s, :] (rows of P contiguous elements): w2's rows from (j, s) to (s, j) order,
-    a tile of BR destination rows by BP columns per program. torch's copy of the same transposed view ran at
-    about a third of the memory bandwidth on the H200 (a throwaway timing at 6671149)."""
+    a tile of BR destination rows by BP columns per program (its time: ``_w2_rows_kernel`` in the layer profile)."""
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     i, s, j = rows // (T * B), (rows // B) % T, rows % B
     src_rows = (i * B + j) * T + s
@@ -213,7 +217,8 @@ def _w2_rows_kernel(src_ptr, dst_ptr, P, T, B, ROWS, BR: tl.constexpr, BP: tl.co
 
 
 def _w2_in_s_j_order(w2):
-    """w2 (b, r, p) with each block's rows reordered from j t + s to s b + j (contiguous)."""
+    """w2 (b, r, p), contiguous, with each block's rows reordered from j t + s to s b + j."""
+    assert w2.is_contiguous(), "the row copy indexes w2 as contiguous (monarch's op makes it so)"
     b, r, p = w2.shape
     out = torch.empty_like(w2)
     br, bp = 16, min(pow2_at_least(p), 128)
@@ -228,8 +233,7 @@ def _tbmm_tbmm(x2, w1, w2, bias, permute_output):
     operand is one contiguous (t b, N) slab; P^T moves to w2, whose rows are reordered from (j, s) to
     (s, j) once per call (a weight-sized copy, :func:`_w2_in_s_j_order`). Against ``tbmm``: cuBLAS instead of
     the Triton stage 1. Block-major output only (cuBLAS cannot store the permuted layout's column stride)."""
-    if permute_output:
-        raise MemfitError("monarch_linear: tbmm_tbmm writes the block-major layout only (permute_output=False)")
+    _refuse_permuted_output("tbmm_tbmm", permute_output)
     b, m, r = w1.shape
     t, n, p = r // b, x2.shape[0], w2.shape[2]
     zs = torch.empty(r, b, n, device=x2.device, dtype=x2.dtype)                      # [i t + s, j, n]
@@ -237,7 +241,7 @@ def _tbmm_tbmm(x2, w1, w2, bias, permute_output):
     w2s = _w2_in_s_j_order(w2)
     y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
     bmm_into(w2s.transpose(1, 2), zs.view(b, t * b, n), y.view(n, b, p).permute(1, 2, 0),
-             None if bias is None else bias.view(b, p, 1), bias_broadcast=False)
+             None if bias is None else bias.view(b, p, 1))
     return y
 
 
