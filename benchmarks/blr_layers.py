@@ -50,6 +50,7 @@ SHAPES = [  # name, in, out, rank
     ("llama-7b down", 11008, 4096, 1488),
 ]
 TOKENS = [1, 16, 128, 1024, 8192]
+STRUCTURES = ["lowrank", "monarch", "blast"]
 BLOCKS = 16
 SMOKE_SHAPES, SMOKE_TOKENS, SMOKE_BLOCKS = [("smoke 48->80", 48, 80, 12)], [1, 40], 4
 TIMING_ROUNDS = 4        # every implementation of a case is timed this many times, by turns with the others (median),
@@ -65,6 +66,10 @@ def parse():
                         help=f"only these N (default {TOKENS}); the results file is then blr_layers_subset.json")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
                         help="only these shapes (default: all of SHAPES); the results file is then blr_layers_subset.json")
+    parser.add_argument("--structures", nargs="+", default=None, choices=STRUCTURES, metavar="KIND",
+                        help=f"only these block-low-rank structures, of {', '.join(STRUCTURES)} (dense is always "
+                             "timed, as the baseline); the table's file is then blr_layers_subset.json, and the "
+                             "profile profiles only these")
     parser.add_argument("--profile", action="store_true",
                         help="also write blr_layers_profile.json: every pipeline's kernels, one by one, at PROFILE_CASES")
     parser.add_argument("--profile-only", action="store_true",
@@ -77,8 +82,8 @@ def parse():
                         help="time nothing: print the timing noise and pick misses of these finished results files "
                              "(the figures the notes quote) and how far dense eager read apart between them")
     args = parser.parse_args()
-    if args.summarize and (args.smoke or args.tokens or args.shapes or args.profile or args.profile_only
-                           or args.resume):
+    if args.summarize and (args.smoke or args.tokens or args.shapes or args.structures or args.profile
+                           or args.profile_only or args.resume):
         parser.error("--summarize reads results files; it takes no other option")
     if args.profile_only and (args.tokens or args.shapes or args.resume):
         parser.error("--profile-only profiles PROFILE_CASES; --tokens, --shapes and --resume are for the table")
@@ -87,6 +92,7 @@ def parse():
     if args.shapes and args.smoke:
         parser.error("--shapes picks among the paper's shapes; --smoke runs its own tiny one")
     args.paper_shapes = select_shapes(parser, args.shapes)
+    args.kinds = [kind for kind in STRUCTURES if kind in (args.structures or STRUCTURES)]
     return args
 
 
@@ -131,7 +137,7 @@ def main() -> int:
         name = "blr_layers_profile" + ("_smoke" if args.smoke else "")
         start = time.perf_counter()
         stopped = functools.partial(write_results, name, targets=[], out_dir=args.out, blocks=blocks, complete=False)
-        profiled = profile_cases(torch, cases, blocks, torch.bfloat16, device, save=stopped)
+        profiled = profile_cases(torch, cases, blocks, torch.bfloat16, device, args.kinds, save=stopped)
         path = write_results(name, profiled, [], args.out, blocks=blocks, complete=True,
                              seconds=time.perf_counter() - start)
         print(f"wrote {path}")
@@ -155,9 +161,10 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     shapes, tokens = (SMOKE_SHAPES, SMOKE_TOKENS) if args.smoke else (args.paper_shapes, TOKENS)
     tokens = args.tokens or tokens
     timer = functools.partial(gpu_ms, rep=ROUND_REP_MS) if device == "cuda" else cpu_ms
-    stem = "blr_layers" + ("_smoke" if args.smoke else "") + ("_subset" if args.tokens or args.shapes else "")
+    subset = args.tokens or args.shapes or args.structures
+    stem = "blr_layers" + ("_smoke" if args.smoke else "") + ("_subset" if subset else "")
     rows, started, pick_timings, gpu_states, case_seconds = [], time.time(), {}, [], []
-    cases = {"shapes": [name for name, *_ in shapes], "tokens": tokens, "blocks": blocks}
+    cases = {"shapes": [name for name, *_ in shapes], "tokens": tokens, "blocks": blocks, "structures": args.kinds}
     path = results_path(stem, args.out)
     state = run_state(path)
     if args.resume and state == "complete":              # the run a second call would continue already finished
@@ -205,7 +212,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
             for n in tokens:
                 if (name, n) not in done:
                     case_rows, gpu, seconds = bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device,
-                                                         ceilings, timer, layer_cost)
+                                                         ceilings, timer, layer_cost, args.kinds)
                     rows += case_rows
                     gpu_states.append({"shape": name, "n": n, **gpu})
                     case_seconds.append({"shape": name, "n": n, **seconds})
@@ -437,8 +444,8 @@ PROFILE_CASES = [("llama-3.2-1b gate", 1), ("llama-7b down", 16), ("llama-3.2-1b
 SMOKE_PROFILE_CASES = [("smoke 48->80", 40)]
 
 
-def profile_cases(torch, cases, blocks, dtype, device, save=None) -> list[dict]:
-    """One row per (case, structure, pipeline): the pipeline's kernels with their GPU ms, so a
+def profile_cases(torch, cases, blocks, dtype, device, kinds, save=None) -> list[dict]:
+    """One row per (case, structure of ``kinds``, pipeline): the pipeline's kernels with their GPU ms, so a
     pipeline's time splits into its stages (which stage misses its floor). ``save(rows)``, if given, is
     called after each case, so a run stopped by a time limit keeps the cases it profiled."""
     from memfit.measure.kernel_profile import kernel_profile
@@ -447,7 +454,7 @@ def profile_cases(torch, cases, blocks, dtype, device, save=None) -> list[dict]:
     rows = []
     for name, n in cases:
         d_in, d_out, rank = shapes[name]
-        for kind, (make, call, variants) in structures(d_in, d_out, rank, blocks, n, dtype, device).items():
+        for kind, (make, call, variants) in structures(d_in, d_out, rank, blocks, n, dtype, device, kinds).items():
             layer, x = make(), torch.randn(n, d_in, device=device, dtype=dtype)
             for variant in variants:
                 step = functools.partial(call, layer, x, path="triton", variant=variant)
@@ -483,10 +490,10 @@ def copies_for(bytes_per_call: int, device: str) -> int:
     return rotation_copies(bytes_per_call) if device == "cuda" else 1
 
 
-def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer, layer_cost):
-    """(one row per implementation of one (shape, N) case, the GPU's state just before their timing rounds,
-    between them and after them, the seconds spent preparing them (build, check, which also tunes and picks) and
-    timing them).
+def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer, layer_cost, kinds):
+    """(one row per implementation of one (shape, N) case, dense and the structures of ``kinds``; the GPU's state
+    just before their timing rounds, between them and after them; the seconds spent preparing them (build, check,
+    which also tunes and picks) and timing them).
     All are built, run and checked first (which also tunes their kernels and picks their variants), then timed
     together in rounds (:func:`time_rounds`), so dense and each structure's pipelines are timed side by side, not
     minutes apart with tuning in between."""
@@ -506,7 +513,7 @@ def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceiling
         groups.append(("dense", {"dense_eager": lambda i: F.linear(xs[i], weights[i]),
                                  "dense_compiled": lambda i: compiled(xs[i], weights[i])},
                        k, dense_flops, dense_bytes, {}))
-        for kind, (make, call, variants) in structures(d_in, d_out, rank, blocks, n, dtype, device).items():
+        for kind, (make, call, variants) in structures(d_in, d_out, rank, blocks, n, dtype, device, kinds).items():
             flops, ideal = layer_cost(kind, "ideal", n, d_in, d_out, rank, blocks)
             k = copies_for(ideal, device)
             groups.append((kind, structure_impls(torch, kind, make, call, variants, k, n, d_in, dtype, device,
@@ -599,8 +606,9 @@ def row_time(checked: str | None, times: list[float], failure: str | None) -> tu
     return ms, None
 
 
-def structures(d_in, d_out, rank, blocks, n, dtype, device) -> dict:
-    """kind -> (make a layer, call(layer, x, **op options), the op's pipelines at this N)."""
+def structures(d_in, d_out, rank, blocks, n, dtype, device, kinds) -> dict:
+    """kind -> (make a layer, call(layer, x, **op options), the op's pipelines at this N), for the structures
+    named in ``kinds``."""
     from memfit.kernels.blast import blast_linear
     from memfit.kernels.blast import variants_for as blast_variants
     from memfit.kernels.lowrank import lowrank_linear
@@ -610,7 +618,7 @@ def structures(d_in, d_out, rank, blocks, n, dtype, device) -> dict:
     from memfit.layers import BlastLinear, LowRankLinear, MonarchLinear
 
     m, t = d_in // blocks, rank // blocks
-    return {
+    every = {
         "lowrank": (lambda: LowRankLinear(d_in, d_out, rank, device=device, dtype=dtype),
                     lambda l, x, **o: lowrank_linear(x, l.U, l.V, **o), lowrank_variants(n)),
         "monarch": (lambda: MonarchLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
@@ -619,6 +627,7 @@ def structures(d_in, d_out, rank, blocks, n, dtype, device) -> dict:
         "blast": (lambda: BlastLinear(d_in, d_out, rank, blocks, device=device, dtype=dtype),
                   lambda l, x, **o: blast_linear(x, l.U, l.V, l.S, **o), blast_variants(n)),
     }
+    return {kind: every[kind] for kind in kinds}
 
 
 def structure_impls(torch, kind, make, call, variants, copies, n, d_in, dtype, device, monarch_linear):
@@ -649,6 +658,8 @@ def make_targets(rows, target, smoke: bool):
     for kind in ("monarch", "blast"):
         for n in sorted({r["n"] for r in rows}):
             ours = [r for r in rows if r["impl"] == f"{kind}_ours" and r["n"] == n]
+            if not ours:                                     # a --structures run without this one
+                continue
             worst = max(math.inf if math.isnan(r["x_floor"]) else r["x_floor"] for r in ours)  # failed: unmet
             if n >= 1024 or smoke and n > 16:
                 targets.append(target(f"{kind} ours / floor, N={n}, worst shape", worst, 1.5, "x", "lower"))
@@ -665,6 +676,11 @@ def make_targets(rows, target, smoke: bool):
     return targets
 
 
+def cell(rows_by_impl: dict, impl: str, key: str, spec: str) -> str:
+    """One figure of the console table, or "-" for a structure the run did not time (--structures)."""
+    return format(rows_by_impl[impl][key], spec) if impl in rows_by_impl else "-"
+
+
 def show(console, Table, rows, targets):
     table = Table(title="BLR layers (ms; x floor)")
     for col in ("shape", "N", "dense", "lowrank", "monarch", "blast", "monarch x floor", "blast x floor"):
@@ -672,9 +688,9 @@ def show(console, Table, rows, targets):
     cases = sorted({(r["shape"], r["n"]) for r in rows}, key=lambda c: (c[0], c[1]))
     for shape, n in cases:
         get = {r["impl"]: r for r in rows if r["shape"] == shape and r["n"] == n}
-        table.add_row(shape, str(n), f"{get['dense_eager']['ms']:.4f}",
-                      *(f"{get[f'{k}_ours']['ms']:.4f}" for k in ("lowrank", "monarch", "blast")),
-                      *(f"{get[f'{k}_ours']['x_floor']:.2f}" for k in ("monarch", "blast")))
+        table.add_row(shape, str(n), cell(get, "dense_eager", "ms", ".4f"),
+                      *(cell(get, f"{k}_ours", "ms", ".4f") for k in STRUCTURES),
+                      *(cell(get, f"{k}_ours", "x_floor", ".2f") for k in ("monarch", "blast")))
     console.print(table)
     for t in targets:
         console.print(f"{'met ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3f} (target {t['target']:.3f} {t['unit']})")

@@ -85,7 +85,8 @@ def run(parse, args) -> int:
                              out_dir=args.out, blocks=blocks, tokens=args.tokens)
     for name, d_in, d_out, rank in shapes:
         for n in args.tokens:
-            built = blr_layers.structures(d_in, d_out, rank, blocks, n, torch.bfloat16, device)
+            built = blr_layers.structures(d_in, d_out, rank, blocks, n, torch.bfloat16, device,
+                                          blr_layers.STRUCTURES)
             for kind, (make, _, _) in built.items():
                 layer, x = make(), torch.randn(n, d_in, device=device, dtype=torch.bfloat16)
                 first_s, pick = first_call(torch, layer, x, blr_common.PICK_TIMINGS)

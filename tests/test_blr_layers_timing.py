@@ -242,7 +242,7 @@ def test_the_profile_is_saved_after_each_case(blr_layers, monkeypatch):
         {"k": {"ms": 1.0, "launches": 1}}, None, {"span_ms": 1.0, "idle_ms": 0.0}))
     saved = []
     rows = blr_layers.profile_cases(torch, [("smoke 48->80", 1), ("smoke 48->80", 3)], 4, torch.float32, "cpu",
-                                    save=lambda rows: saved.append(len(rows)))
+                                    ["lowrank"], save=lambda rows: saved.append(len(rows)))
     assert saved == [2, 4] and [(r["n"], r["variant"]) for r in rows] == [(1, "cublas"), (1, "bgemm"), (3, "cublas"),
                                                                          (3, "bgemm")]
 
@@ -273,3 +273,26 @@ def test_pick_cost_refuses_token_counts_that_share_a_pick(tmp_path):
         done = subprocess.run([sys.executable, str(script), "--smoke", "--tokens", *tokens, "--out", str(tmp_path)],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr
+
+
+def test_structures_times_dense_and_only_the_structures_asked_for(blr_layers, monkeypatch):
+    """--structures: the case builds only those structures, the targets skip the others (not a failure), the console
+    table shows "-" for them, and --summarize refuses it (it reads files, it times nothing)."""
+    from memfit.measure.results import target
+
+    built = blr_layers.structures(48, 80, 12, 4, 1, torch.float32, "cpu", ["monarch"])
+    assert list(built) == ["monarch"]
+
+    def row(impl, structure, ms=1.0, x_floor=2.0, n=16):
+        return {"shape": "s", "n": n, "structure": structure, "impl": impl, "ms": ms, "x_floor": x_floor}
+
+    rows = [row("dense_eager", "dense"), row("monarch_ours", "monarch")]
+    names = [t["name"] for t in blr_layers.make_targets(rows, target, smoke=False)]
+    assert names and all(name.startswith("monarch") for name in names)
+    assert blr_layers.cell({r["impl"]: r for r in rows}, "blast_ours", "ms", ".4f") == "-"
+    assert blr_layers.cell({r["impl"]: r for r in rows}, "monarch_ours", "x_floor", ".2f") == "2.00"
+    monkeypatch.setattr("sys.argv", ["blr_layers.py", "--structures", "monarch", "blast"])
+    assert blr_layers.parse().kinds == ["monarch", "blast"]
+    monkeypatch.setattr("sys.argv", ["blr_layers.py", "--summarize", "f.json", "--structures", "monarch"])
+    with pytest.raises(SystemExit):
+        blr_layers.parse()
