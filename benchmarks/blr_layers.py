@@ -68,8 +68,8 @@ def parse():
                         help="only these shapes (default: all of SHAPES); the results file is then blr_layers_subset.json")
     parser.add_argument("--structures", nargs="+", default=None, choices=STRUCTURES, metavar="KIND",
                         help=f"only these block-low-rank structures, of {', '.join(STRUCTURES)} (dense is always "
-                             "timed, as the baseline); the table's file is then blr_layers_subset.json, and the "
-                             "profile profiles only these")
+                             "timed, as the baseline); the files are then blr_layers_subset.json and "
+                             "blr_layers_profile_subset.json")
     parser.add_argument("--profile", action="store_true",
                         help="also write blr_layers_profile.json: every pipeline's kernels, one by one, at PROFILE_CASES")
     parser.add_argument("--profile-only", action="store_true",
@@ -134,7 +134,7 @@ def main() -> int:
         from memfit.measure.results import write_results
 
         cases = SMOKE_PROFILE_CASES if args.smoke else PROFILE_CASES
-        name = "blr_layers_profile" + ("_smoke" if args.smoke else "")
+        name = "blr_layers_profile" + ("_smoke" if args.smoke else "") + ("_subset" if args.structures else "")
         start = time.perf_counter()
         stopped = functools.partial(write_results, name, targets=[], out_dir=args.out, blocks=blocks, complete=False)
         profiled = profile_cases(torch, cases, blocks, torch.bfloat16, device, args.kinds, save=stopped)
