@@ -12,12 +12,13 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
 # recompiling every step); the ledger's 24 accuracy jobs record their own times, 74 s together at 141a414
 # (ledger_accuracy.json, the models' set-up not included).
-# At 1476f91: the full layer table stopped at its 590 s limit with three cases left (Llama-7B down, N >= 128) and
-# blr_layers_resume timed them in a 63 s call (the file records 627 s: 495 s to build, check, tune and pick, 129 s to
-# time); blr_layers_profile's call took 15.5 s (its file: 9 s), on the machine the table had just run on (against 197
-# s alone at 36c466b); the calls of blr_e2e took 304 s, of blr_e2e_memfit_attention 188 s; ledger_accuracy_blr's 11
-# jobs took 219 s of their own at 6671149 (228 s at 074d5b1), in a call that also ran a throwaway timing first.
-# blr_e2e --profile took 287 s at 1deb9e7; pick_cost's 42 first calls 107 s at 11b0a19; partial_ffn 115 s at 0a7cc7e.
+# At 1476f91 (the figures the result files and logs record): the full layer table stopped at its 590 s limit with
+# three cases left (Llama-7B down, N >= 128; its log ends there) and blr_layers_resume timed them; the file records
+# 627 s, 495 s to build, check, tune and pick and 129 s to time. blr_layers_profile's file records 9 s, run on the
+# machine the table had just used. The models of blr_e2e record 281 s of set-up and timing, those of
+# blr_e2e_memfit_attention 166 s (each call also starts CUDA and measures the ceilings; 264 s at 1deb9e7).
+# ledger_accuracy_blr's 11 jobs record 219 s at 6671149 (228 s at 074d5b1). pick_cost's 42 first calls took 107 s at
+# 11b0a19; partial_ffn 115 s at 0a7cc7e.
 RUNS=(
   "pick_cost|200|python3 benchmarks/pick_cost.py --out $OUT"
   "decode_profile|240|python3 benchmarks/decode_profile.py --out $OUT"

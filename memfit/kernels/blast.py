@@ -80,6 +80,7 @@ from memfit.kernels.blr_common import (
     prefetch_l2,
     recompute_backward,
     recomputing,
+    require_offered,
     save_for_recompute,
     tuned,
 )
@@ -450,8 +451,6 @@ def blast_linear(x, u, v, s, bias=None, path=None, variant="auto"):
     cast = [w if w is None else w.to(x.dtype) for w in (u, v, s, bias)]
     if not use_triton("blast_linear", x, u, v, s, path=path):
         return _blast_recomputing(x, *cast)
-    offered = variants_for(x.numel() // max(v.shape[0] * v.shape[1], 1))
-    if variant != "auto" and variant not in offered:
-        raise MemfitError(f"blast_linear: variant {variant!r} is not available at this token count; "
-                          f"available: {', '.join(offered)}")
+    require_offered("blast_linear", variant, variants_for(x.numel() // max(v.shape[0] * v.shape[1], 1)),
+                    "at this token count")
     return _blast_op(x, *cast, variant)

@@ -126,6 +126,12 @@ def _digest_files(files: tuple[str, ...]) -> str:
     return digest.hexdigest()[:12]
 
 
+def require_offered(op: str, variant: str, offered: dict, where: str) -> None:
+    """Refuse a ``variant=`` an op does not offer ``where`` (e.g. "at this token count"), naming the ones it does."""
+    if variant != "auto" and variant not in offered:
+        raise MemfitError(f"{op}: variant {variant!r} is not available {where}; available: {', '.join(offered)}")
+
+
 def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args: tuple) -> str:
     """Name of the fastest of ``candidates`` (name -> fn(*args)) for this shape, cached on disk."""
     on_gpu = all(t.is_cuda for t in _tensors(args))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
     PDL_MAX_N,
     bgemm,
@@ -33,6 +32,7 @@ from memfit.kernels.blr_common import (
     pick_variant,
     recompute_backward,
     recomputing,
+    require_offered,
     save_for_recompute,
 )
 from memfit.kernels.dispatch import use_triton
@@ -106,8 +106,5 @@ def lowrank_linear(x, u, v, bias=None, path=None, variant="auto"):
     cast = [w if w is None else w.to(x.dtype) for w in (u, v, bias)]
     if not use_triton("lowrank_linear", x, u, v, path=path):
         return _lowrank_recomputing(x, *cast)
-    offered = variants_for(x.numel() // max(v.shape[0], 1))
-    if variant != "auto" and variant not in offered:
-        raise MemfitError(f"lowrank_linear: variant {variant!r} is not available at this token count; "
-                          f"available: {', '.join(offered)}")
+    require_offered("lowrank_linear", variant, variants_for(x.numel() // max(v.shape[0], 1)), "at this token count")
     return _lowrank_op(x, *cast, variant)

@@ -89,6 +89,7 @@ from memfit.kernels.blr_common import (
     pow2_at_least,
     recompute_backward,
     recomputing,
+    require_offered,
     save_for_recompute,
     tuned,
 )
@@ -385,10 +386,8 @@ def monarch_linear(x, w1, w2, bias=None, permute_output=False, path=None, varian
     cast = [w if w is None else w.to(x.dtype) for w in (w1, w2, bias)]
     if not use_triton("monarch_linear", x, w1, w2, path=path):
         return _monarch_recomputing(x, *cast, permute_output)
-    if variant != "auto":
-        b, m, r = w1.shape
-        offered = variants_for(x.numel() // max(b * m, 1), b, m, r // b, w2.shape[2], permute_output)
-        if variant not in offered:
-            raise MemfitError(f"monarch_linear: variant {variant!r} is not available for this shape and layout "
-                              f"(permute_output={permute_output}); available: {', '.join(offered)}")
+    b, m, r = w1.shape
+    require_offered("monarch_linear", variant,
+                    variants_for(x.numel() // max(b * m, 1), b, m, r // b, w2.shape[2], permute_output),
+                    f"for this shape, token count and layout (permute_output={permute_output})")
     return _monarch_op(x, *cast, permute_output, variant)

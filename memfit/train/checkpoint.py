@@ -196,7 +196,7 @@ def _remove_own_directory(directory: str, owner_pid: int, pool: ThreadPoolExecut
 class DiskStore:
     """Files in a private directory, written and read ahead by one background thread. A directory it made itself
     is removed when the store is closed, collected, or the interpreter exits (nothing calls the runner's close
-    when a patched model is dropped: the test suite had left 120 of them in /tmp)."""
+    when a patched model is dropped, so the test suite alone had left many in /tmp)."""
 
     def __init__(self, directory: str | None):
         self.owned = directory is None
