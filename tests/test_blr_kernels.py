@@ -1047,3 +1047,34 @@ def test_a_frozen_layer_keeps_no_input_for_its_backward(op, reference, shapes):
         xr = x.detach().double().requires_grad_()
         want, = torch.autograd.grad(reference(xr, *(w.detach().double() for w in weights)), xr, grad.double())
         assert rel(got, want) < TOL[torch.float32]
+
+
+def _monarch_factors(b=4, m=8, r=8, p=12):
+    return torch.randn(b, m, r), torch.randn(b, r, p)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda x: monarch_linear(x, torch.randn(4, 8, 8), torch.randn(3, 8, 12)), r"w2 has shape \(3, 8, 12\).*b = 4"),
+    (lambda x: monarch_linear(x, *_monarch_factors(), torch.randn(7)), r"bias has shape \(7,\); expected \(48,\)"),
+    (lambda x: monarch_linear(x, *_monarch_factors(r=7)), "not a multiple of blocks"),
+    (lambda x: monarch_linear(x[:, :31], *_monarch_factors()), "last dimension must be b \\* m = 32"),
+    (lambda x: monarch_linear(x, torch.randn(4, 8), torch.randn(4, 8, 12)), r"w1 has shape \(4, 8\); expected"),
+    (lambda x: blast_linear(x, torch.randn(4, 3, 6), torch.randn(4, 8, 6), torch.randn(4, 3, 6)), "s has shape"),
+    (lambda x: lowrank_linear(x, torch.randn(10, 4), torch.randn(32, 5)), r"v has shape \(32, 5\).*r = 4"),
+])
+def test_blr_ops_refuse_factors_that_do_not_fit(call, message):
+    """Shapes are checked before any kernel: unchecked, a w2 with fewer blocks was read out of bounds and a rank not
+    a multiple of blocks corrupted the interpreter's memory."""
+    with pytest.raises(MemfitError, match=message):
+        call(torch.randn(5, 32))
+
+
+def test_blr_ops_refuse_a_variant_where_the_reference_runs_and_take_no_tokens():
+    x, (w1, w2) = torch.randn(5, 32), _monarch_factors()
+    with pytest.raises(MemfitError, match="names a Triton pipeline"):
+        monarch_linear(x, w1, w2, path="reference", variant="tbmm")
+    with pytest.raises(MemfitError, match="names a Triton pipeline"):
+        lowrank_linear(x, torch.randn(10, 4), torch.randn(32, 4), path="reference", variant="cublas")
+    assert monarch_linear(x[:0], w1, w2).shape == (0, 48)
+    assert blast_linear(x[:0], torch.randn(4, 3, 6), torch.randn(4, 8, 6), torch.randn(4, 4, 6)).shape == (0, 12)
+    assert lowrank_linear(x[:0], torch.randn(10, 4), torch.randn(32, 4)).shape == (0, 10)

@@ -63,6 +63,7 @@ from memfit.kernels.blr_common import (
     PDL_MAX_N,
     TOKEN_MAJOR_MIN_N,
     bgemm,
+    bind_shapes,
     blr_precision,
     bmm_into,
     chain_options,
@@ -81,10 +82,10 @@ from memfit.kernels.blr_common import (
     recompute_backward,
     recomputing,
     require_offered,
+    runs_triton,
     save_for_recompute,
     tuned,
 )
-from memfit.kernels.dispatch import use_triton
 
 MIXGEMM_MAX_N = 128      # beyond this the mixing prologue's per-column-tile repeats and Z's b-fold reads cost too much
 
@@ -448,9 +449,10 @@ _blast_recomputing = recomputing(blast_linear_reference, 5, 0)
 def blast_linear(x, u, v, s, bias=None, path=None, variant="auto"):
     """BLAST forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS), else the
     reference with the op's memory behaviour (:func:`blr_common.recomputing`)."""
+    size = bind_shapes("blast_linear", x, bias, {"u": (u, "b p r"), "v": (v, "b m r"), "s": (s, "b b r")}, "b m",
+                       "b p")
     cast = [w if w is None else w.to(x.dtype) for w in (u, v, s, bias)]
-    if not use_triton("blast_linear", x, u, v, s, path=path):
+    if not runs_triton("blast_linear", x, (u, v, s), path, variant):
         return _blast_recomputing(x, *cast)
-    require_offered("blast_linear", variant, variants_for(x.numel() // max(v.shape[0] * v.shape[1], 1)),
-                    "at this token count")
+    require_offered("blast_linear", variant, variants_for(x.numel() // (size["b"] * size["m"])), "at this token count")
     return _blast_op(x, *cast, variant)

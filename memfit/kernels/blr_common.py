@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from memfit.errors import MemfitError
-from memfit.kernels.dispatch import dot_precision, interpreting
+from memfit.kernels.dispatch import dot_precision, interpreting, use_triton
 from memfit.log import warn_once
 from memfit.measure.timing import graph_ms, turn_orders
 
@@ -124,6 +124,46 @@ def _digest_files(files: tuple[str, ...]) -> str:
     for name in files:
         digest.update(Path(name).read_bytes())
     return digest.hexdigest()[:12]
+
+
+def bind_shapes(op: str, x: torch.Tensor, bias: torch.Tensor | None, factors: dict[str, tuple[torch.Tensor, str]],
+                x_letters: str, bias_letters: str) -> dict[str, int]:
+    """The sizes of the letters in the factors' shape patterns (name -> (tensor, e.g. "b m r")), refusing a factor
+    with another number of dimensions or a letter two places give different sizes; x's last dimension must be the
+    product of ``x_letters``' sizes and ``bias``, if given, a vector of the product of ``bias_letters``'. A BLR op's
+    kernels index its factors by these sizes, so a mismatch read out of bounds (or corrupted memory) unchecked."""
+    sizes, source = {}, {}
+    for name, (tensor, pattern) in factors.items():
+        letters = pattern.split()
+        if tensor.dim() != len(letters):
+            raise MemfitError(f"{op}: {name} has shape {tuple(tensor.shape)}; expected ({', '.join(letters)})")
+        for letter, size in zip(letters, tensor.shape):
+            if sizes.setdefault(letter, size) != size:
+                raise MemfitError(f"{op}: {name} has shape {tuple(tensor.shape)}, expected ({', '.join(letters)}) "
+                                  f"with {letter} = {sizes[letter]} as in {source[letter]}")
+            source.setdefault(letter, name)
+
+    def product(letters: str) -> int:
+        return math.prod(sizes[letter] for letter in letters.split())
+
+    if x.dim() == 0 or x.shape[-1] != product(x_letters):
+        raise MemfitError(f"{op}: x has shape {tuple(x.shape)}; its last dimension must be "
+                          f"{' * '.join(x_letters.split())} = {product(x_letters)}")
+    if bias is not None and tuple(bias.shape) != (product(bias_letters),):
+        raise MemfitError(f"{op}: bias has shape {tuple(bias.shape)}; expected ({product(bias_letters)},)")
+    return sizes
+
+
+def runs_triton(op: str, x: torch.Tensor, tensors: tuple, path: str | None, variant: str) -> bool:
+    """Whether a BLR op runs its Triton op (:func:`memfit.kernels.dispatch.use_triton`) rather than its reference; no
+    tokens run the reference (which returns an empty output). A ``variant=`` names a Triton pipeline: asked where
+    the reference runs, it is refused rather than ignored."""
+    if x.numel() and use_triton(op, x, *tensors, path=path):
+        return True
+    if variant != "auto" and x.numel():
+        raise MemfitError(f"{op}: variant={variant!r} names a Triton pipeline, and this call runs the PyTorch "
+                          f"reference (path={path or 'auto'}, tensors on {x.device.type}); leave variant='auto'")
+    return False
 
 
 def require_offered(op: str, variant: str, offered: dict, where: str) -> None:

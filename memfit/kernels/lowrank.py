@@ -26,6 +26,7 @@ import torch
 from memfit.kernels.blr_common import (
     PDL_MAX_N,
     bgemm,
+    bind_shapes,
     pdl_offered,
     pick_bucket,
     pick_candidates,
@@ -33,9 +34,9 @@ from memfit.kernels.blr_common import (
     recompute_backward,
     recomputing,
     require_offered,
+    runs_triton,
     save_for_recompute,
 )
-from memfit.kernels.dispatch import use_triton
 
 
 def lowrank_linear_reference(x, u, v, bias=None):
@@ -103,8 +104,9 @@ _lowrank_recomputing = recomputing(lowrank_linear_reference, 4, 0)
 def lowrank_linear(x, u, v, bias=None, path=None, variant="auto"):
     """y = (x V) U^T + bias by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS), else
     the reference with the op's memory behaviour (:func:`blr_common.recomputing`)."""
+    size = bind_shapes("lowrank_linear", x, bias, {"u": (u, "o r"), "v": (v, "i r")}, "i", "o")
     cast = [w if w is None else w.to(x.dtype) for w in (u, v, bias)]
-    if not use_triton("lowrank_linear", x, u, v, path=path):
+    if not runs_triton("lowrank_linear", x, (u, v), path, variant):
         return _lowrank_recomputing(x, *cast)
-    require_offered("lowrank_linear", variant, variants_for(x.numel() // max(v.shape[0], 1)), "at this token count")
+    require_offered("lowrank_linear", variant, variants_for(x.numel() // size["i"]), "at this token count")
     return _lowrank_op(x, *cast, variant)

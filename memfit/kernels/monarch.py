@@ -75,6 +75,7 @@ from memfit.kernels.blr_common import (
     PDL_MAX_N,
     TOKEN_MAJOR_MIN_N,
     bgemm,
+    bind_shapes,
     blr_precision,
     bmm_into,
     fits_smem,
@@ -90,10 +91,10 @@ from memfit.kernels.blr_common import (
     recompute_backward,
     recomputing,
     require_offered,
+    runs_triton,
     save_for_recompute,
     tuned,
 )
-from memfit.kernels.dispatch import use_triton
 
 TBMM_TBMM_MIN_N = 256  # tbmm_tbmm read 1.07-1.63x the fastest pipeline at N = 128 on all seven shapes (1476f91)
 FUSED_MAX_TILE = 16384  # pow2(m) * pow2(t) elements of w1 slice per step: 32 KB in bf16, so 2-3 stages fit
@@ -383,11 +384,13 @@ def monarch_linear(x, w1, w2, bias=None, permute_output=False, path=None, varian
     """Monarch forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS), else the
     reference with the op's memory behaviour (:func:`blr_common.recomputing`: only x kept, the backward recomputes,
     as the ledger counts on every device)."""
+    size = bind_shapes("monarch_linear", x, bias, {"w1": (w1, "b m r"), "w2": (w2, "b r p")}, "b m", "b p")
+    b, m, r, p = size["b"], size["m"], size["r"], size["p"]
+    if r % b:
+        raise MemfitError(f"monarch_linear: rank r = {r} (w1's last dimension) is not a multiple of blocks b = {b}")
     cast = [w if w is None else w.to(x.dtype) for w in (w1, w2, bias)]
-    if not use_triton("monarch_linear", x, w1, w2, path=path):
+    if not runs_triton("monarch_linear", x, (w1, w2), path, variant):
         return _monarch_recomputing(x, *cast, permute_output)
-    b, m, r = w1.shape
-    require_offered("monarch_linear", variant,
-                    variants_for(x.numel() // max(b * m, 1), b, m, r // b, w2.shape[2], permute_output),
+    require_offered("monarch_linear", variant, variants_for(x.numel() // (b * m), b, m, r // b, p, permute_output),
                     f"for this shape, token count and layout (permute_output={permute_output})")
     return _monarch_op(x, *cast, permute_output, variant)
