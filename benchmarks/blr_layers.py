@@ -89,6 +89,8 @@ def parse():
         parser.error("--profile-only profiles PROFILE_CASES; --tokens, --shapes and --resume are for the table")
     if args.tokens and min(args.tokens) < 1:
         parser.error(f"--tokens takes positive token counts, got {args.tokens}")
+    if args.tokens and len(set(args.tokens)) < len(args.tokens):
+        parser.error(f"--tokens names a token count twice: {args.tokens}")
     if args.shapes and args.smoke:
         parser.error("--shapes picks among the paper's shapes; --smoke runs its own tiny one")
     args.paper_shapes = select_shapes(parser, args.shapes)
@@ -112,7 +114,7 @@ def main() -> int:
         except (OSError, ValueError) as err:
             print(f"blr_layers: cannot read a results file: {err}", file=sys.stderr)
             return 2
-        tables = ("blr_layers", "blr_layers_subset", "blr_layers_smoke")
+        tables = ("blr_layers", "blr_layers_subset", "blr_layers_smoke", "blr_layers_smoke_subset")
         if wrong := [path for path, data in runs.items()
                      if not isinstance(data, dict) or data.get("benchmark") not in tables]:
             print(f"blr_layers: not a layer table written by this benchmark: {', '.join(wrong)}", file=sys.stderr)

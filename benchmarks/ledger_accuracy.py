@@ -19,6 +19,7 @@ import gc
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -112,6 +113,8 @@ def main(argv=None) -> int:
     parser.add_argument("--blr", action="store_true", help="the block-low-rank jobs (BLR_JOBS) instead")
     parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
     args = parser.parse_args(argv)
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out} is a file; the results go into a directory")
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU: run with --smoke on CPU", file=sys.stderr)

@@ -296,3 +296,9 @@ def test_structures_times_dense_and_only_the_structures_asked_for(blr_layers, mo
     monkeypatch.setattr("sys.argv", ["blr_layers.py", "--summarize", "f.json", "--structures", "monarch"])
     with pytest.raises(SystemExit):
         blr_layers.parse()
+
+
+def test_tokens_named_twice_are_refused(blr_layers, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["blr_layers.py", "--smoke", "--tokens", "1", "1"])
+    with pytest.raises(SystemExit):
+        blr_layers.parse()

@@ -151,3 +151,17 @@ def test_disk_offload_leaves_no_directory_behind():
     assert os.path.isdir(store.directory)
     store.close()
     assert not os.path.exists(store.directory)
+
+
+def test_disk_store_takes_an_empty_directory_name_as_its_own_and_refuses_a_file(tmp_path):
+    import os
+
+    from memfit.train.checkpoint import DiskStore
+
+    store = DiskStore("")
+    assert store.owned and os.path.isdir(store.directory)
+    store.close()
+    assert not os.path.exists(store.directory)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(MemfitError, match="exists and is not a directory"):
+        DiskStore(str(tmp_path / "afile"))

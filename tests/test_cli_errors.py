@@ -266,9 +266,16 @@ def test_compress_out_is_checked_before_any_work(tmp_path, capsys, no_model_load
     (("--blr", "monarch", "--blr-blocks", "7"), "--blr monarch --blr-ratio 0.5 --blr-blocks 7: monarch: q_proj "
                                                 "in_features=2048 is not divisible by blocks=7"),
     (("--blr", "lowrank", "--blr-ratio", "1.5"), "--blr lowrank --blr-ratio 1.5: ratio must be"),   # no blocks
+    (("--blr", "lowrank", "--blr-blocks", "5"), "--blr-blocks: a low-rank layer has no blocks"),
+    (("--model", "llama-2-7b", "--blr", "monarch"), "plan --task full or --task infer for it"),     # no GQA: no dense kind
 ])
 def test_plan_blr_options_that_cannot_go_together(capsys, extra, message):
     _fails(capsys, ["plan", "--model", "llama-3.2-1b", *extra], message)
+
+
+def test_compress_lowrank_refuses_blocks(capsys, no_model_load, tmp_path):
+    _fails(capsys, ["compress", "tiny", "--method", "lowrank", "--blocks", "5", "--out", str(tmp_path / "o"),
+                    "--device", "cpu"], "--blocks: a low-rank layer has no blocks")
 
 
 def test_plan_blr_lora_adapts_the_layers_kept_dense(capsys):

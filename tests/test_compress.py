@@ -389,6 +389,8 @@ def test_too_few_calibration_tokens_are_said(monkeypatch):
     ("no rank", "its layer records do not describe this model (KeyError: 'rank')"),
     ("no weights", "its weights file model.safetensors is missing"),
     ("truncated weights", "model.safetensors: unreadable (SafetensorError"),
+    ("a list", "compressed format 'list'"),
+    ("no config.json", "config.json: cannot build the model from it"),
 ])
 def test_a_damaged_compressed_directory_gets_a_clear_error(tmp_path, damage, message):
     import json
@@ -403,6 +405,10 @@ def test_a_damaged_compressed_directory_gets_a_clear_error(tmp_path, damage, mes
         del meta["layers"][next(iter(meta["layers"]))]["rank"]
     elif damage == "no weights":
         weights.unlink()
+    elif damage == "a list":
+        meta = [1, 2]
+    elif damage == "no config.json":
+        (out / "config.json").unlink()
     else:
         weights.write_bytes(weights.read_bytes()[:1000])
     meta_path.write_text(json.dumps(meta))
@@ -411,6 +417,37 @@ def test_a_damaged_compressed_directory_gets_a_clear_error(tmp_path, damage, mes
     assert message in str(refused.value)
     with pytest.raises(MemfitError, match="no such directory"):
         load_compressed(tmp_path / "nothing")
+
+
+def test_load_compressed_takes_its_config_json_and_refuses_a_device_it_cannot_use(tmp_path, monkeypatch):
+    model = build_model(PRESETS["tiny"])
+    out = save_compressed(model, tmp_path / "m", compress_model(model, "lowrank", 0.5, device="cpu").layers)
+    assert load_compressed(out / "config.json") is not None                     # as load_spec takes it
+    with pytest.raises(MemfitError, match="'gpu' is not a torch device"):
+        load_compressed(out, device="gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(MemfitError, match="no CUDA GPU"):
+        load_compressed(out, device="cuda")
+
+
+def test_compress_refuses_unreadable_weights_and_records_its_source_absolute(tmp_path, tiny_dir, monkeypatch):
+    """A truncated checkpoint is one MemfitError, not transformers' traceback; the source is recorded as an absolute
+    path, so the plan line a compressed directory's refusal gives works from any directory."""
+    import json
+    import shutil
+
+    import memfit
+
+    monkeypatch.chdir(tiny_dir.parent)
+    out = memfit.compress(tiny_dir.name, tmp_path / "m", method="lowrank", ratio=0.5, device="cpu", progress=False)
+    assert json.loads((tmp_path / "m" / "memfit_compress.json").read_text())["source"] == str(tiny_dir.resolve())
+    assert out.report
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:2000])
+    with pytest.raises(MemfitError, match="its weights cannot be read"):
+        memfit.compress(broken, tmp_path / "m2", method="lowrank", ratio=0.5, device="cpu", progress=False)
 
 
 def test_load_spec_refuses_a_compressed_directory_and_says_how_to_load_and_plan_it(tmp_path):

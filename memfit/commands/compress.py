@@ -27,12 +27,14 @@ def add_parser(sub):
     parser.add_argument("--method", choices=("blast", "monarch", "lowrank"), default="blast",
                         help="the structure: BLAST (default), Monarch, or plain low-rank U V^T")
     parser.add_argument("--ratio", type=float, default=0.5, help="fraction of the linear parameters kept (default 0.5)")
-    parser.add_argument("--blocks", type=int, default=16, help="blocks per side for monarch/blast (default 16)")
+    parser.add_argument("--blocks", type=int, default=None, help="blocks per side for monarch/blast (default 16)")
     parser.add_argument("--skip", default=None,
                         help="comma-separated kinds kept dense (default: k_proj,v_proj for GQA models; 'none' for none)")
     parser.add_argument("--out", required=True,
                         help="output directory (refused if it exists, unless it holds an earlier compress and --force)")
-    parser.add_argument("--force", action="store_true", help="replace an earlier memfit compress output at --out")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an earlier memfit compress output at --out: the whole directory, with "
+                             "anything added to it since")
     parser.add_argument("--calib", metavar="FILE", help="calibration text file")
     parser.add_argument("--calib-builtin", action="store_true", help="calibrate on the built-in Python-docs corpus")
     parser.add_argument("--calib-samples", type=int, default=32, help="calibration windows (default 32)")
@@ -53,8 +55,12 @@ def run(args) -> int:
 
     from memfit.compress import compress
     from memfit.compress.io import CONFIG_NAME
+    from memfit.errors import MemfitError
 
-    result = compress(args.model, args.out, args.method, args.ratio, args.blocks, skip=args.skip,
+    if args.method == "lowrank" and args.blocks is not None:
+        raise MemfitError("--blocks: a low-rank layer has no blocks (it is for monarch and blast)")
+    blocks = 16 if args.blocks is None else args.blocks
+    result = compress(args.model, args.out, args.method, args.ratio, blocks, skip=args.skip,
                       calib=args.calib, calib_builtin=args.calib_builtin, calib_samples=args.calib_samples,
                       calib_seq=args.calib_seq, activation_aware=args.activation_aware, steps=args.steps,
                       device=args.device, force=args.force)

@@ -80,6 +80,8 @@ def job_from_args(args) -> tuple[Job, Knobs]:
     if args.blr is None and (given := [flag for flag, value in (("--blr-ratio", args.blr_ratio),
                                                                 ("--blr-blocks", args.blr_blocks)) if value is not None]):
         raise MemfitError(f"{' and '.join(given)}: only for a --blr model; pass --blr blast|monarch|lowrank too")
+    if args.blr == "lowrank" and args.blr_blocks is not None:
+        raise MemfitError("--blr-blocks: a low-rank layer has no blocks (it is for --blr monarch and blast)")
     knobs = Knobs(dtype=args.dtype or spec.dtype, lora_rank=args.lora_rank, checkpoint_layers=args.checkpoint_layers,
                   optimizer=args.optimizer, micro_batch=micro, offload_layers=args.offload_layers,
                   fused_ce=args.fused_ce, four_bit=args.four_bit, attention=args.attention,

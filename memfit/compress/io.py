@@ -192,8 +192,16 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
     from memfit.models import dtype_of
 
     directory = Path(directory).expanduser()
+    if directory.is_file() and directory.name in ("config.json", CONFIG_NAME):   # as load_spec takes a config.json
+        directory = directory.parent
     if not directory.is_dir():
         raise MemfitError(f"{directory}: no such directory")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise MemfitError(f"load_compressed: device {device!r} is not a torch device ({err})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MemfitError("load_compressed: device cuda asked, and this machine has no CUDA GPU")
     if not is_compressed_dir(directory):
         raise MemfitError(f"{directory} has no {CONFIG_NAME}: not a memfit-compressed model directory")
     if not (directory / WEIGHTS_NAME).is_file():
@@ -202,10 +210,14 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
         meta = json.loads((directory / CONFIG_NAME).read_text())
     except json.JSONDecodeError as err:
         raise MemfitError(f"{directory / CONFIG_NAME}: malformed JSON ({err})") from None
-    if meta.get("format") != FORMAT_VERSION:
-        raise MemfitError(f"{directory}: compressed format {meta.get('format')!r}; this memfit reads {FORMAT_VERSION}")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise MemfitError(f"{directory}: compressed format {found!r}; this memfit reads {FORMAT_VERSION}")
     torch_dtype = dtype_of(dtype) if dtype not in (None, "auto") else None      # None / "auto": the saved dtype
-    model = _build_skeleton(directory, torch_dtype)
+    try:
+        model = _build_skeleton(directory, torch_dtype)
+    except (OSError, ValueError) as err:               # config.json missing, malformed or of an unknown model type
+        raise MemfitError(f"{directory / 'config.json'}: cannot build the model from it ({err})") from None
     try:
         for name, cfg in meta["layers"].items():
             old = model.get_submodule(name)

@@ -68,6 +68,8 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
         try:
             net, loading = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype="auto",
                                                                 output_loading_info=True, ignore_mismatched_sizes=True)
+        except Exception as err:  # noqa: BLE001 - transformers' and safetensors' errors (a truncated file) share no base
+            raise MemfitError(f"{model_dir}: its weights cannot be read ({type(err).__name__}: {err})") from None
         finally:
             hf_logging.set_verbosity(verbosity)
             if bars:
@@ -86,7 +88,8 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
         result = compress_model(net, method, ratio, blocks, skip=skip, calibration=calibration,
                                 activation_aware=activation_aware, steps=steps, device=torch_device,
                                 progress=lambda kind, n: advance(n, f"{method} {kind}"))
-    info = {"source": model, **result.summary(), "activation_aware": activation_aware, "report": result.report}
+    source = model if model_dir is None else str(model_dir.resolve())     # a plan names it from any directory
+    info = {"source": source, **result.summary(), "activation_aware": activation_aware, "report": result.report}
     save_compressed(net, out, result.layers, info, source_dir=model_dir, force=force)
     return result
 

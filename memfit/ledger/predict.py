@@ -228,8 +228,9 @@ def check_blr(job: Job, knobs: Knobs) -> None:
         raise MemfitError(f"LoRA targets (--lora-targets) {','.join(wrapped)} are block-low-rank in this --blr model, "
                           f"and peft wraps nn.Linear layers only; the ones kept dense are {', '.join(dense) or 'none'}")
     if not knobs.lora_targets:
-        raise MemfitError("LoRA on this --blr model has no target (--lora-targets names none, or every projection is "
-                          "block-low-rank: peft wraps nn.Linear layers only)")
+        raise MemfitError("LoRA on this --blr model has no target: --lora-targets names none, or every projection is "
+                          "block-low-rank (the plan keeps none dense) and peft wraps nn.Linear layers only; plan "
+                          "--task full or --task infer for it")
 
 
 def structured_kinds(spec, knobs: Knobs) -> dict[str, tuple[int, dict[bool, tuple[int, int]]]]:

@@ -199,7 +199,9 @@ class DiskStore:
     when a patched model is dropped, so the test suite alone had left many in /tmp)."""
 
     def __init__(self, directory: str | None):
-        self.owned = directory is None
+        self.owned = not directory                     # None or "": a private directory of its own
+        if directory and os.path.exists(directory) and not os.path.isdir(directory):
+            raise MemfitError(f"checkpoint offload directory {directory} exists and is not a directory")
         self.directory = directory or tempfile.mkdtemp(prefix="memfit-ckpt-")
         os.makedirs(self.directory, exist_ok=True)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-disk")
