@@ -14,7 +14,10 @@ Default mode: stage 1 stored token-contiguous as ``tbmm`` stores it, N in {128, 
 large tiles (``CONFIGS``); writes ``bgemm_tiles.json``. ``--decode``: both stages as
 ``two_stage`` runs them at N in {1, 16}, 16-token tiles (``DECODE_CONFIGS``), each row also
 against the bandwidth floor (operands moved once at the HBM rate measured in the run); writes
-``bgemm_tiles_decode.json``. ``--gather``: stage 2 as ``bmm_gather`` runs it (a = stage 1's
+``bgemm_tiles_decode.json``. ``--mid``: both stages as ``two_stage`` runs them at N in {128, 512}
+(the pick buckets between decode and the large tiles), with 32- and 64-token tiles of few columns
+(``MID_CONFIGS``): at N = 128 the large tiles leave most SMs idle (Llama-1B q/o's stage 2, 128 x 128
+tiles: 16 programs on 132 SMs); writes ``bgemm_tiles_mid.json``. ``--gather``: stage 2 as ``bmm_gather`` runs it (a = stage 1's
 natural (N, b, r) output, P^T gathered by the loads), every tile reading the runs themselves and,
 where they start misaligned (Llama-7B's t = 93), aligned windows around them; cuBLAS runs on a
 P^T-permuted copy; writes ``bgemm_tiles_gather.json``. ``--runs-z``: stage 1 stored (N, b, r) in
@@ -46,15 +49,25 @@ DECODE_CONFIGS = [  # BGEMM_CONFIGS' 16-token tiles and candidates with fewer co
     (16, 16, 128, 2, 6), (16, 32, 64, 2, 8),
 ]
 
+MID_TOKENS = [128, 512]
+MID_CONFIGS = [  # 32- and 64-token tiles, few columns: more programs where N and the columns are small
+    (32, 32, 64, 2, 4), (32, 32, 128, 4, 3), (32, 64, 64, 4, 4), (32, 64, 128, 4, 3), (32, 128, 64, 4, 4),
+    (32, 128, 128, 4, 3), (32, 64, 64, 2, 5), (32, 256, 64, 4, 3), (64, 32, 64, 4, 4), (64, 32, 128, 4, 3),
+    (64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 64, 64, 2, 5), (64, 128, 128, 4, 3),
+]
+
 
 def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     parser.add_argument("--decode", action="store_true", help="both stages at decode-sized N with 16-token tiles")
+    parser.add_argument("--mid", action="store_true",
+                        help="both stages at N between decode and the large tiles, with 32- and 64-token tiles")
     parser.add_argument("--gather", action="store_true",
                         help="stage 2 reading P^T through its loads, as bmm_gather runs it (runs and aligned windows)")
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
-                        help=f"token counts N (default {TOKENS}, with --decode {DECODE_TOKENS})")
+                        help=f"token counts N (default {TOKENS}, with --decode {DECODE_TOKENS}, with --mid "
+                             f"{MID_TOKENS})")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
                         help="only these shapes (default: all of blr_layers.SHAPES)")
     parser.add_argument("--groups", type=int, nargs="+", default=[1], metavar="G",
@@ -63,14 +76,15 @@ def parse():
                         help="stage 1 stored (N, b, r), runs of t, as bmm and two_stage store it (default: token-major)")
     parser.add_argument("--tiles", type=int, default=None, metavar="T", help="only the first T tiles of the mode's list")
     args = parser.parse_args()
-    if args.decode and args.gather:
-        parser.error("--gather times the large-N stage 2 of bmm_gather; --decode the decode stages")
+    if args.decode + args.gather + args.mid > 1:
+        parser.error("--decode, --mid and --gather each time other stages: give one")
     args.shapes = select_shapes(parser, args.shapes)
-    args.tokens = args.tokens or (DECODE_TOKENS if args.decode else TOKENS)
+    args.tokens = args.tokens or (DECODE_TOKENS if args.decode else MID_TOKENS if args.mid else TOKENS)
     if min(args.tokens) < 1:
         parser.error(f"--tokens takes positive token counts, got {args.tokens}")
-    if args.runs_z and (args.decode or args.gather):
-        parser.error("--runs-z chooses the layout of the large-N stage 1; --decode and --gather time other stages")
+    if args.runs_z and (args.decode or args.gather or args.mid):
+        parser.error("--runs-z chooses the layout of the large-N stage 1; --decode, --mid and --gather time other "
+                     "stages")
     if args.tiles is not None and args.tiles < 1:
         parser.error(f"--tiles takes a positive count of tiles, got {args.tiles}")
     if min(args.groups) < 1 or (args.gather and args.groups != [1]):
@@ -257,10 +271,10 @@ def main() -> int:
     from memfit.measure.timing import measure_ceilings
 
     shapes = args.shapes
-    stages, configs = (((1, 2), DECODE_CONFIGS) if args.decode else ((2,), CONFIGS + BGEMM_SHORT_RUNS) if args.gather
-                       else ((1,), CONFIGS))
+    stages, configs = (((1, 2), DECODE_CONFIGS) if args.decode else ((1, 2), MID_CONFIGS) if args.mid
+                       else ((2,), CONFIGS + BGEMM_SHORT_RUNS) if args.gather else ((1,), CONFIGS))
     configs = configs[:args.tiles]
-    stem = ("bgemm_tiles" + ("_decode" if args.decode else "_gather" if args.gather else "")
+    stem = ("bgemm_tiles" + ("_decode" if args.decode else "_mid" if args.mid else "_gather" if args.gather else "")
             + ("_runs_z" if args.runs_z else "") + ("_groups" if args.groups != [1] else ""))
     started, rows, bandwidth = time.time(), [], measure_ceilings().bandwidth
     with Progress() as progress:
@@ -269,7 +283,7 @@ def main() -> int:
             for n in args.tokens:
                 for stage in stages:
                     rows += sweep_case(torch, name, d_in, d_out, rank, n, stage, configs,
-                                       not (args.decode or args.runs_z), bandwidth, gather=args.gather,
+                                       not (args.decode or args.mid or args.runs_z), bandwidth, gather=args.gather,
                                        groups=args.groups)
                     progress.advance(task)
                 write_results(stem, rows, [], args.out, summary=summary(rows), complete=False,
