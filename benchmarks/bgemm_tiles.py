@@ -10,16 +10,16 @@ For the paper's shapes this times, in one run and each alone:
 * cuBLAS's strided batched GEMM of the same product into its natural order (``torch.bmm``):
   the rate a regrouping store that cost nothing would have to match.
 
-Default mode: stage 1 stored token-contiguous as ``tbmm`` stores it, N in {128, 1024, 8192},
-large tiles (``CONFIGS``); writes ``bgemm_tiles.json``. ``--decode``: both stages as
-``two_stage`` runs them at N in {1, 16}, 16-token tiles (``DECODE_CONFIGS``), each row also
-against the bandwidth floor (operands moved once at the HBM rate measured in the run); writes
-``bgemm_tiles_decode.json``. ``--mid``: both stages as ``two_stage`` runs them at N in {128, 512}
-(the pick buckets between decode and the large tiles), with 32- and 64-token tiles of few columns
-(``MID_CONFIGS``): at N = 128 the large tiles leave most SMs idle (Llama-1B q/o's stage 2, 128 x 128
-tiles: 16 programs on 132 SMs); writes ``bgemm_tiles_mid.json``. ``--gather``: stage 2 as ``bmm_gather`` runs it (a = stage 1's
-natural (N, b, r) output, P^T gathered by the loads), every tile reading the runs themselves and,
-where they start misaligned (Llama-7B's t = 93), aligned windows around them; cuBLAS runs on a
+Default mode: stage 1 stored token-contiguous as ``tbmm`` stores it, N in {128, 1024, 8192}, large
+tiles (``CONFIGS``); writes ``bgemm_tiles.json``. ``--decode``: both stages as ``two_stage`` runs
+them at N in {1, 16}, 16-token tiles (``DECODE_CONFIGS``), each row also against the bandwidth floor
+(operands moved once at the HBM rate measured in the run); writes ``bgemm_tiles_decode.json``.
+``--mid``: both stages as ``two_stage`` runs them at N in {128, 512} (the pick buckets between
+decode and the large tiles), with 32- and 64-token tiles of few columns (``MID_CONFIGS``): at N =
+128 the large tiles leave most SMs idle (Llama-1B q/o's stage 2, 128 x 128 tiles: 16 programs on 132
+SMs); writes ``bgemm_tiles_mid.json``. ``--gather``: stage 2 as ``bmm_gather`` runs it (a = stage
+1's natural (N, b, r) output, P^T gathered by the loads), every tile reading the runs themselves
+and, where they start misaligned (Llama-7B's t = 93), aligned windows around them; cuBLAS runs on a
 P^T-permuted copy; writes ``bgemm_tiles_gather.json``. ``--runs-z``: stage 1 stored (N, b, r) in
 runs of t, as ``bmm`` stores it. ``--groups G ...``: each tile also with G batches (input blocks)
 per program (``BATCH_GROUP``: one flat loop over the batches' K steps, so the next batch's tiles
@@ -274,7 +274,8 @@ def main() -> int:
     stages, configs = (((1, 2), DECODE_CONFIGS) if args.decode else ((1, 2), MID_CONFIGS) if args.mid
                        else ((2,), CONFIGS + BGEMM_SHORT_RUNS) if args.gather else ((1,), CONFIGS))
     configs = configs[:args.tiles]
-    stem = ("bgemm_tiles" + ("_decode" if args.decode else "_mid" if args.mid else "_gather" if args.gather else "")
+    mode = "_decode" if args.decode else "_mid" if args.mid else "_gather" if args.gather else ""
+    stem = ("bgemm_tiles" + mode
             + ("_runs_z" if args.runs_z else "") + ("_groups" if args.groups != [1] else ""))
     started, rows, bandwidth = time.time(), [], measure_ceilings().bandwidth
     with Progress() as progress:

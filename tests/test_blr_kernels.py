@@ -761,6 +761,15 @@ def test_decode_bgemm_tiles_depend_on_whether_the_launch_is_in_a_chain(chain):
     assert not set(blr_common.BGEMM_PLAIN_DECODE) & set(blr_common.BGEMM_CHAINED_DECODE)   # else pruned from both
 
 
+@pytest.mark.parametrize("n,mid", [(16, False), (17, True), (128, True), (256, True), (257, False), (8192, False)])
+def test_mid_tiles_only_between_decode_and_mid_max_n(n, mid):
+    """The 64-token tiles of few columns are tuned over in the N buckets above decode up to MID_MAX_N (256: N = 257
+    shares 512's bucket, where the large tiles won), chained or not."""
+    for chain in ({}, {"WAIT_FOR_PREVIOUS": True}):
+        kept = {blr_common.bgemm_tile(c) for c in pruned_bgemm_tiles(n, 128, **chain)}
+        assert (set(blr_common.BGEMM_MID) <= kept) == mid and bool(kept & set(blr_common.BGEMM_MID)) == mid
+
+
 @pytest.mark.parametrize("run,want_bk", [(768, {64}), (48, {64, 32, 16}), (16, {32, 16})])
 def test_short_run_tiles_only_for_a_gathered_a(run, want_bk):
     """At N = 1024 a plain launch (one run: K = 768) tunes over the 64-wide K tiles; a gathered a in runs of
