@@ -736,17 +736,20 @@ def test_bgemm_runs_must_divide_k():
         blr_common.bgemm(a, b, c, 4, 6, 5, 1, (0, 6, 1), (0, *b.stride()), (0, 5, 0, 1), a_runs=(4, 6))
 
 
-def pruned_bgemm_tiles(n: int, k: int, run: int | None = None, batches: int = 16, **flags) -> list:
-    """The configs bgemm's autotuner keeps (all of BGEMM_TUNED, pruned) for a launch of this shape, bf16."""
+def pruned_bgemm_tiles(n: int, k: int, run: int | None = None, batches: int = 16, cols: int = 512, **flags) -> list:
+    """The configs bgemm's autotuner keeps (all of BGEMM_TUNED, pruned) for a launch of this shape, bf16, on a GPU
+    of 132 SMs."""
     import triton
 
     class Tensor:
+        device = "cuda"
+
         def element_size(self):
             return 2
 
     configs = [triton.Config({"BN": bn, "BC": bc, "BK": bk, "BATCH_GROUP": g}, num_warps=w, num_stages=st)
                for bn, bc, bk, g, w, st in blr_common.BGEMM_TUNED]
-    shape = {"N": n, "N_BUCKET": blr_common.n_bucket(n), "C": 512, "K": k, "AGRP": run or k, "BATCHES": batches,
+    shape = {"N": n, "N_BUCKET": blr_common.n_bucket(n), "C": cols, "K": k, "AGRP": run or k, "BATCHES": batches,
              "a_ptr": Tensor()}
     return blr_common._prune_bgemm(configs, shape, **({"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False} | flags))
 
@@ -761,12 +764,16 @@ def test_decode_bgemm_tiles_depend_on_whether_the_launch_is_in_a_chain(chain):
     assert not set(blr_common.BGEMM_PLAIN_DECODE) & set(blr_common.BGEMM_CHAINED_DECODE)   # else pruned from both
 
 
-@pytest.mark.parametrize("n,mid", [(16, False), (17, True), (128, True), (256, True), (257, False), (8192, False)])
-def test_mid_tiles_only_between_decode_and_mid_max_n(n, mid):
+@pytest.mark.parametrize("n,cols,mid", [(16, 128, False), (17, 128, True), (128, 128, True), (128, 256, True),
+                                        (128, 512, False), (256, 128, True), (256, 256, False), (257, 128, False),
+                                        (8192, 128, False)])
+def test_mid_tiles_only_where_the_large_tiles_leave_most_sms_idle(monkeypatch, n, cols, mid):
     """The 64-token tiles of few columns are tuned over in the N buckets above decode up to MID_MAX_N (256: N = 257
-    shares 512's bucket, where the large tiles won), chained or not."""
+    shares 512's bucket, where the large tiles won) where 64 x 128 tiles give fewer programs than half the SMs (16
+    batches on 132 SMs: at N = 128, 256 columns make 64 programs, 512 make 128), chained or not."""
+    monkeypatch.setattr(blr_common, "sm_count", lambda device: 132)
     for chain in ({}, {"WAIT_FOR_PREVIOUS": True}):
-        kept = {blr_common.bgemm_tile(c) for c in pruned_bgemm_tiles(n, 128, **chain)}
+        kept = {blr_common.bgemm_tile(c) for c in pruned_bgemm_tiles(n, 128, cols=cols, **chain)}
         assert (set(blr_common.BGEMM_MID) <= kept) == mid and bool(kept & set(blr_common.BGEMM_MID)) == mid
 
 

@@ -542,13 +542,14 @@ def line_elements(t: torch.Tensor) -> int:
 # ---- strided batched GEMM with a regrouping store --------------------------------
 
 def _prune_bgemm(configs, named_args, **kwargs):
-    """Tiles for the token count (16-token tiles only at decode, a stage in a chain its own; the mid tiles up to
-    MID_MAX_N), no wider than the columns or a run of K (a group of a gathered a) needs, and whose pipeline stages
-    fit shared memory; batch-grouped tiles only for a plain launch with few K steps at large N (judged by
-    the N bucket, the autotuner's key, so one rule holds for every N that shares a pick)."""
+    """Tiles for the token count (16-token tiles only at decode, a stage in a chain its own; the mid tiles where
+    :func:`mid_tiles_offered`), no wider than the columns or a run of K (a group of a gathered a) needs, and whose
+    pipeline stages fit shared memory; batch-grouped tiles only for a plain launch with few K steps at large N (judged
+    by the N bucket, the autotuner's key, so one rule holds for every N that shares a pick)."""
     chained = kwargs.get("LAUNCH_DEPENDENTS") or kwargs.get("WAIT_FOR_PREVIOUS")
     other = BGEMM_PLAIN_DECODE if chained else BGEMM_CHAINED_DECODE
-    if named_args["N_BUCKET"] > MID_MAX_N:
+    if not mid_tiles_offered(named_args["N_BUCKET"], named_args["C"], named_args["BATCHES"],
+                             named_args["a_ptr"].device):
         other = other + BGEMM_MID
     one_run = named_args["AGRP"] == named_args["K"]
     if one_run:                                        # a read in one run: the short-run tiles are not for it
@@ -560,6 +561,18 @@ def _prune_bgemm(configs, named_args, **kwargs):
     size = named_args["a_ptr"].element_size()
     keep = [c for c in configs if bgemm_tile_fits(c, named_args["C"], named_args["AGRP"], size)]
     return keep or configs[:1]
+
+
+def mid_tiles_offered(n_bucket: int, cols: int, batches: int, device: torch.device) -> bool:
+    """Whether bgemm tunes over BGEMM_MID: for an N bucket above decode up to MID_MAX_N where the smallest large tile
+    (64 x 128) gives fewer programs than half the SMs of ``device``."""
+    return (16 < n_bucket <= MID_MAX_N
+            and triton.cdiv(n_bucket, 64) * triton.cdiv(cols, 128) * batches < sm_count(device) / 2)
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of CUDA ``device``."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def bgemm_tile(config) -> tuple:
@@ -595,12 +608,15 @@ BGEMM_CHAINED_DECODE = [(16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 64, 256, 
 # Offered to every gathered a (``a_runs``): K steps of 16 or 32, for runs where 64-wide steps mask much of
 # their columns (Monarch's t = 16, 32, 48 at Llama-1B: 75%, 50%, 25%).
 BGEMM_SHORT_RUNS = [(128, 128, 32, 4, 4), (128, 128, 16, 4, 5), (128, 256, 32, 8, 3)]
-# Offered at the N buckets between decode and MID_MAX_N: 64-token tiles of few columns, which give the small N
-# enough programs (Llama-1B q/o's stage 2 at N = 128 ran 16 programs of 128 x 128 on 132 SMs). From
-# `bgemm_tiles.py --mid` (d1edfef, bgemm_tiles_mid.json): at N = 128 one of these three was the best of the
-# sweep's 14 mid tiles at 13 of the 14 Monarch stages (Llama-7B qkvo's stage 1, 1.14x, is won by a large tile);
-# they take 0.81-1.0x the time of the large tiles' pick (Llama-1B q/o: 3.57 / 3.59 us against 3.97 / 4.43,
-# stages 1 / 2); at N = 512 the large tiles beat every mid tile.
+# 64-token tiles of few columns, offered at the N buckets between decode and MID_MAX_N to a launch that the large
+# tiles leave with few programs (:func:`mid_tiles_offered`; Llama-1B q/o's stage 2 at N = 128 ran 16 programs of
+# 128 x 128 on 132 SMs). From `bgemm_tiles.py --mid` (d1edfef, bgemm_tiles_mid.json): at N = 128 one of these three
+# was the best of the sweep's 14 mid tiles at 13 of the 14 Monarch stages (Llama-7B qkvo's stage 1, 1.14x, is won by
+# a large tile); they take 0.81-1.0x the time of the large tiles' pick (Llama-1B q/o: 3.57 / 3.59 us against 3.97 /
+# 4.43, stages 1 / 2); at N = 512 the large tiles beat every mid tile. Offered wherever N <= 256 (273092a's layer
+# table), the autotuner, timing each launch alone, took them also where the large tiles already fill the GPU, and
+# the pipelines ran slower there: Monarch at Llama-1B up, N = 128, 11.15 -> 12.69 us (two_stage_pdl), Llama-7B
+# gate/up 25.29 -> 28.61 (tbmm's stage 1), while q/o went 6.43 -> 5.48.
 BGEMM_MID = [(64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 32, 128, 4, 3)]
 MID_MAX_N = 256
 BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
