@@ -22,10 +22,9 @@ TIMING_ROUNDS rounds, forward and reverse by turns; a row's ``ms`` is the median
 over a case cannot favour whichever implementation is timed first. (Between runs of the same
 kernels dense eager read up to 19.8% apart at N = 8192: ``--summarize`` with this table and the
 43f911d, 04677cb and 9f70ccb runs in results/earlier.)
-Writes ``blr_layers.json`` (after every case, ``"complete": false`` until the end; ``--resume``
-continues such a file) and
-``blr_layers_roofline.png``; ``--profile`` also, and ``--profile-only`` instead, writes
-``blr_layers_profile.json`` (each pipeline's kernels at PROFILE_CASES). ``--smoke`` runs the same
+Writes ``blr_layers.json`` and ``blr_layers_roofline.png`` (both after every case, the JSON
+``"complete": false`` until the end; ``--resume`` continues such a file); ``--profile`` also, and
+``--profile-only`` instead, writes ``blr_layers_profile.json`` (each pipeline's kernels at PROFILE_CASES). ``--smoke`` runs the same
 code on tiny shapes on the CPU (Triton interpreter) and writes ``blr_layers_smoke.*`` to a temp dir.
 """
 from __future__ import annotations
@@ -198,15 +197,21 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     done = {(r["shape"], r["n"]) for r in rows}
 
     def save(complete: bool):
-        """Write the JSON (after every case too, so a run stopped by its time limit keeps what it measured)."""
-        return write_results(stem, rows, make_targets(rows, target, smoke=args.smoke), args.out, **cases,
-                             dtype="bfloat16", seconds=time.time() - started, complete=complete,
-                             ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
-                                       "bandwidth_gbs": ceilings.bandwidth / 1e9, "empty_kernel_ms": empty_ms},
-                             decode_floor_check=decode_floor_check(rows, empty_ms), pick_check=pick_check(rows),
-                             pick_slack=PICK_SLACK,
-                             pick_timings=pick_timings | blr_common.PICK_TIMINGS, gpu_states=gpu_states,
-                             case_seconds=case_seconds)
+        """Write the JSON and its roofline plot (after every case too, so a run stopped by its time limit keeps what
+        it measured)."""
+        written = write_results(stem, rows, make_targets(rows, target, smoke=args.smoke), args.out, **cases,
+                                dtype="bfloat16", seconds=time.time() - started, complete=complete,
+                                ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
+                                          "bandwidth_gbs": ceilings.bandwidth / 1e9, "empty_kernel_ms": empty_ms},
+                                decode_floor_check=decode_floor_check(rows, empty_ms), pick_check=pick_check(rows),
+                                pick_slack=PICK_SLACK,
+                                pick_timings=pick_timings | blr_common.PICK_TIMINGS, gpu_states=gpu_states,
+                                case_seconds=case_seconds)
+        points = [{"label": r["impl"], "flops": r["flops"], "bytes": r["ideal_bytes"], "ms": r["ms"]}
+                  for r in rows if r["impl"] in ("dense_eager", "lowrank_ours", "monarch_ours", "blast_ours")]
+        plot_roofline(points, ceilings.matmul_flops, ceilings.bandwidth, written.with_name(f"{stem}_roofline.png"),
+                      title=f"BLR layers, bf16, b={blocks}, N in {tokens}")
+        return written
 
     with Progress() as progress:
         task = progress.add_task("blr layers", total=len(shapes) * len(tokens))
@@ -225,10 +230,6 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     elapsed = time.time() - started
     path = save(complete=True)
     targets = make_targets(rows, target, smoke=args.smoke)
-    points = [{"label": r["impl"], "flops": r["flops"], "bytes": r["ideal_bytes"], "ms": r["ms"]}
-              for r in rows if r["impl"] in ("dense_eager", "lowrank_ours", "monarch_ours", "blast_ours")]
-    plot_roofline(points, ceilings.matmul_flops, ceilings.bandwidth, path.with_name(f"{stem}_roofline.png"),
-                  title=f"BLR layers, bf16, b={blocks}, N in {tokens}")
     show(Console(), Table, rows, targets)
     print(f"wrote {path} in {elapsed:.0f} s")
     return 0

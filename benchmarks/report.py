@@ -193,9 +193,11 @@ def blr_layers_section(data: dict) -> str:
         out.append(f"| {shape} | {n} | " + " | ".join(row) + " |")
     profile = _load("blr_layers_profile")
     profiled = len({(r["shape"], r["n"]) for r in profile["rows"]}) if profile else 0
+    plotted = (RESULTS / "blr_layers_roofline.png").exists()   # f969028's stopped run drew none (drawn at the end then)
     return ("\n".join(out) + "\n\n" + _decode_floor_note(data) + _pick_note(data) + _targets(data)
-            + "\nEvery variant's row, and the roofline plot: `benchmarks/results/blr_layers.json`, "
-              f"`blr_layers_roofline.png`; each pipeline split into its kernels at {profiled} of these cases "
+            + "\nEvery variant's row" + (", and the roofline plot" if plotted else "")
+            + ": `benchmarks/results/blr_layers.json`" + (", `blr_layers_roofline.png`" if plotted else "")
+            + f"; each pipeline split into its kernels at {profiled} of these cases "
               f"(commit {profile['commit'] if profile else '-'}): `blr_layers_profile.json` (`--profile-only`).\n")
 
 

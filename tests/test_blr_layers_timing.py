@@ -302,3 +302,29 @@ def test_tokens_named_twice_are_refused(blr_layers, monkeypatch):
     monkeypatch.setattr("sys.argv", ["blr_layers.py", "--smoke", "--tokens", "1", "1"])
     with pytest.raises(SystemExit):
         blr_layers.parse()
+
+
+def test_a_stopped_table_keeps_its_rows_and_its_roofline_plot(blr_layers, monkeypatch, tmp_path):
+    """The table writes its JSON and roofline plot after every case: a run stopped by its time limit (here the
+    second case raises) leaves both, the file marked incomplete, as ``--resume`` expects."""
+    import json
+
+    class Stopped(Exception):
+        pass
+
+    def one_case(torch, name, d_in, d_out, rank, blocks, n, *rest):
+        if n != 1:
+            raise Stopped
+        cost = {"flops": 2 * n * d_in * d_out, "ideal_bytes": 2 * d_in * d_out, "floor_ms": 1e-3, "copies": 1}
+        rows = [{"shape": name, "n": n, "structure": structure, "impl": impl, "ms": ms, "ms_rounds": [ms],
+                 "x_floor": ms / 1e-3, "rel_err": 0.0, **cost}
+                for structure, impl, ms in [("dense", "dense_eager", 2e-3), ("monarch", "monarch_ours", 3e-3)]]
+        return rows, {}, {"prepare_s": 0.0, "rounds_s": 0.0}
+
+    monkeypatch.setattr(blr_layers, "bench_case", one_case)
+    monkeypatch.setattr("sys.argv", ["blr_layers.py", "--smoke", "--tokens", "1", "16", "--out", str(tmp_path)])
+    with pytest.raises(Stopped):
+        blr_layers.main()
+    written = json.loads((tmp_path / "blr_layers_smoke_subset.json").read_text())
+    assert written["complete"] is False and {r["n"] for r in written["rows"]} == {1}
+    assert (tmp_path / "blr_layers_smoke_subset_roofline.png").stat().st_size > 0

@@ -613,10 +613,10 @@ BGEMM_SHORT_RUNS = [(128, 128, 32, 4, 4), (128, 128, 16, 4, 5), (128, 256, 32, 8
 # 128 x 128 on 132 SMs). From `bgemm_tiles.py --mid` (d1edfef, bgemm_tiles_mid.json): at N = 128 one of these three
 # was the best of the sweep's 14 mid tiles at 13 of the 14 Monarch stages (Llama-7B qkvo's stage 1, 1.14x, is won by
 # a large tile); they take 0.81-1.0x the time of the large tiles' pick (Llama-1B q/o: 3.57 / 3.59 us against 3.97 /
-# 4.43, stages 1 / 2); at N = 512 the large tiles beat every mid tile. Offered wherever N <= 256 (273092a's layer
-# table), the autotuner, timing each launch alone, took them also where the large tiles already fill the GPU, and
-# the pipelines ran slower there: Monarch at Llama-1B up, N = 128, 11.15 -> 12.69 us (two_stage_pdl), Llama-7B
-# gate/up 25.29 -> 28.61 (tbmm's stage 1), while q/o went 6.43 -> 5.48.
+# 4.43, stages 1 / 2); at N = 512 the large tiles beat every mid tile. In the layer table at N = 128 Monarch's q/o
+# went from 6.43 us (1476f91) to 5.48 (273092a) and 5.43 (f969028). Offered to every launch up to 256 tokens
+# (273092a), they slowed `tbmm` at Llama-7B gate/up, 25.29 -> 28.61 us, whose stage 1 the large tiles already
+# give 384 programs (as 32-token tiles had in 04453a1's trial, results/earlier/README.md); kept out there, 25.60.
 BGEMM_MID = [(64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 32, 128, 4, 3)]
 MID_MAX_N = 256
 BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
