@@ -24,8 +24,9 @@ kernels dense eager read up to 19.8% apart at N = 8192: ``--summarize`` with thi
 43f911d, 04677cb and 9f70ccb runs in results/earlier.)
 Writes ``blr_layers.json`` and ``blr_layers_roofline.png`` (both after every case, the JSON
 ``"complete": false`` until the end; ``--resume`` continues such a file); ``--profile`` also, and
-``--profile-only`` instead, writes ``blr_layers_profile.json`` (each pipeline's kernels at PROFILE_CASES). ``--smoke`` runs the same
-code on tiny shapes on the CPU (Triton interpreter) and writes ``blr_layers_smoke.*`` to a temp dir.
+``--profile-only`` instead, writes ``blr_layers_profile.json`` (each pipeline's kernels at PROFILE_CASES).
+``--smoke`` runs the same code on tiny shapes on the CPU (Triton interpreter) and writes
+``blr_layers_smoke.*`` to a temp dir.
 """
 from __future__ import annotations
 
