@@ -8,7 +8,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-# name|seconds|command, most pending first (after the eighteenth session, 2026-12-01: see its closing note).
+# name|seconds|command, most pending first (after the nineteenth session, 2026-12-01: see its closing note). The
+# layer table comes first: f969028's stopped with Llama-7B down at N >= 128 untimed (30 cases in its first 596 s
+# call, two more in a 68 s resume before the device time ran out; 273092a's ran all 35 in 573 s in one call).
 # The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
 # recompiling every step); the ledger's 24 accuracy jobs record their own times, 74 s together at 141a414
 # (ledger_accuracy.json, the models' set-up not included).
@@ -18,9 +20,10 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # machine the table had just used. The models of blr_e2e record 281 s of set-up and timing, those of
 # blr_e2e_memfit_attention 166 s (each call also starts CUDA and measures the ceilings; 264 s at 1deb9e7).
 # ledger_accuracy_blr's 11 jobs record 219 s at 6671149 (228 s at 074d5b1). pick_cost's 42 first calls took 107 s at
-# 11b0a19; partial_ffn 115 s at 0a7cc7e.
+# 11b0a19, 92.3 s at d1edfef; partial_ffn 115 s at 0a7cc7e.
 RUNS=(
-  "pick_cost|200|python3 benchmarks/pick_cost.py --out $OUT"
+  "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
+  "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
   "decode_profile|240|python3 benchmarks/decode_profile.py --out $OUT"
   "partial_ffn|300|python3 benchmarks/partial_ffn.py --out $OUT --skip-accuracy"
   "train_small_model|130|python3 benchmarks/train_small_model.py --out /tmp/small_llama --results $OUT --max-seconds 80"
@@ -31,12 +34,11 @@ RUNS=(
   "attention|360|python3 benchmarks/attention.py --out $OUT"
   "finetune_memory|450|python3 benchmarks/finetune_memory.py --out $OUT"
   "ledger_accuracy|240|python3 benchmarks/ledger_accuracy.py --out $OUT"
-  "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
-  "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
   "blr_layers_profile|240|python3 benchmarks/blr_layers.py --out $OUT --profile-only"
   "blr_e2e|400|python3 benchmarks/blr_e2e.py --out $OUT --profile"
   "blr_e2e_memfit_attention|330|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
   "ledger_accuracy_blr|300|python3 benchmarks/ledger_accuracy.py --out $OUT --blr"
+  "pick_cost|200|python3 benchmarks/pick_cost.py --out $OUT"
 )
 status=0
 for run in "${RUNS[@]}"; do
