@@ -229,9 +229,11 @@ def main(argv=None) -> int:
     name = "blr_e2e" + ("_memfit_attention" if args.attention == "memfit" else "") + ("_smoke" if smoke else "")
 
     def save(targets: list[dict], complete: bool) -> Path:
-        # the kernel variant each BLR layer shape took, with what the pick measured (or that it came from the cache)
+        # the kernel variant each BLR layer shape took, with what the pick measured (or that it came from the cache),
+        # and the tile each kernel's autotuner took
         return write_results(name, rows, targets, out_dir=args.out, model=spec.name, blocks=blocks, ranks=ranks,
-                             attention=args.attention, pick_timings=blr_common.PICK_TIMINGS, complete=complete)
+                             attention=args.attention, pick_timings=blr_common.PICK_TIMINGS,
+                             tile_picks=blr_common.tile_picks(), complete=complete)
 
     for variant in variants:
         torch.manual_seed(0)

@@ -165,7 +165,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     timer = functools.partial(gpu_ms, rep=ROUND_REP_MS) if device == "cuda" else cpu_ms
     subset = args.tokens or args.shapes or args.structures
     stem = "blr_layers" + ("_smoke" if args.smoke else "") + ("_subset" if subset else "")
-    rows, started, pick_timings, gpu_states, case_seconds = [], time.time(), {}, [], []
+    rows, started, pick_timings, tile_picks, gpu_states, case_seconds = [], time.time(), {}, {}, [], []
     cases = {"shapes": [name for name, *_ in shapes], "tokens": tokens, "blocks": blocks, "structures": args.kinds}
     path = results_path(stem, args.out)
     state = run_state(path)
@@ -177,6 +177,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
             earlier = partial_results(path, **cases)
             rows, started = earlier["rows"], started - earlier["seconds"]
             pick_timings, gpu_states = earlier.get("pick_timings", {}), earlier.get("gpu_states", [])
+            tile_picks = earlier.get("tile_picks", {})
             case_seconds = earlier.get("case_seconds", [])
             ceilings = Ceilings(matmul_flops=earlier["ceilings"]["matmul_tflops"] * 1e12,
                                 bandwidth=earlier["ceilings"]["bandwidth_gbs"] * 1e9)
@@ -206,7 +207,8 @@ def run_table(args, torch, device: str, blocks: int) -> int:
                                           "bandwidth_gbs": ceilings.bandwidth / 1e9, "empty_kernel_ms": empty_ms},
                                 decode_floor_check=decode_floor_check(rows, empty_ms), pick_check=pick_check(rows),
                                 pick_slack=PICK_SLACK,
-                                pick_timings=pick_timings | blr_common.PICK_TIMINGS, gpu_states=gpu_states,
+                                pick_timings=pick_timings | blr_common.PICK_TIMINGS,
+                                tile_picks=merged_tile_picks(tile_picks, blr_common.tile_picks()), gpu_states=gpu_states,
                                 case_seconds=case_seconds)
         points = [{"label": r["impl"], "flops": r["flops"], "bytes": r["ideal_bytes"], "ms": r["ms"]}
                   for r in rows if r["impl"] in ("dense_eager", "lowrank_ours", "monarch_ours", "blast_ours")]
@@ -492,6 +494,11 @@ def copies_for(bytes_per_call: int, device: str) -> int:
     from memfit.kernels.blr_common import rotation_copies
 
     return rotation_copies(bytes_per_call) if device == "cuda" else 1
+
+
+def merged_tile_picks(earlier: dict, now: dict) -> dict:
+    """A resumed run's tile picks (kernel -> {autotuning key: config}) with this process's added."""
+    return {kernel: earlier.get(kernel, {}) | now.get(kernel, {}) for kernel in earlier.keys() | now.keys()}
 
 
 def bench_case(torch, name, d_in, d_out, rank, blocks, n, dtype, device, ceilings, timer, layer_cost, kinds):

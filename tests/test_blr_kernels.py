@@ -777,6 +777,26 @@ def test_mid_tiles_only_where_the_large_tiles_leave_most_sms_idle(monkeypatch, n
         assert (set(blr_common.BGEMM_MID) <= kept) == mid and bool(kept & set(blr_common.BGEMM_MID)) == mid
 
 
+def test_tile_picks_read_every_tuned_kernels_autotuning_cache(monkeypatch):
+    """What each BLR kernel's autotuner took, by kernel and autotuning key, for the benchmarks to record; kernels that
+    have not tuned are left out."""
+    import triton
+
+    from memfit.kernels import blast, monarch
+
+    names = {kernel.base_fn.__name__ for kernel in blr_common.TUNED_KERNELS}
+    assert {"_bgemm_kernel", "_fused_kernel", "_permute_kernel", "_tmix_kernel", "_zmix_kernel"} <= names
+    for kernel in blr_common.TUNED_KERNELS:
+        monkeypatch.setattr(kernel, "cache", {})
+    monkeypatch.setattr(blr_common._bgemm_kernel, "cache", {(128, "torch.bfloat16"): triton.Config({"BN": 64},
+                                                                                                    num_warps=4)})
+    monkeypatch.setattr(monarch._fused_kernel, "cache", {})
+    picks = blr_common.tile_picks()
+    assert list(picks) == ["_bgemm_kernel"] and blast._tmix_kernel in blr_common.TUNED_KERNELS
+    assert picks["_bgemm_kernel"] == {"(128, 'torch.bfloat16')": str(triton.Config({"BN": 64}, num_warps=4))}
+    assert "BN: 64" in picks["_bgemm_kernel"]["(128, 'torch.bfloat16')"]
+
+
 @pytest.mark.parametrize("run,want_bk", [(768, {64}), (48, {64, 32, 16}), (16, {32, 16})])
 def test_short_run_tiles_only_for_a_gathered_a(run, want_bk):
     """At N = 1024 a plain launch (one run: K = 768) tunes over the 64-wide K tiles; a gathered a in runs of

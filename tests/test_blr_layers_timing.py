@@ -326,5 +326,12 @@ def test_a_stopped_table_keeps_its_rows_and_its_roofline_plot(blr_layers, monkey
     with pytest.raises(Stopped):
         blr_layers.main()
     written = json.loads((tmp_path / "blr_layers_smoke_subset.json").read_text())
-    assert written["complete"] is False and {r["n"] for r in written["rows"]} == {1}
+    assert written["complete"] is False and {r["n"] for r in written["rows"]} == {1} and "tile_picks" in written
     assert (tmp_path / "blr_layers_smoke_subset_roofline.png").stat().st_size > 0
+
+
+def test_a_resumed_run_keeps_the_tile_picks_it_read_and_adds_its_own(blr_layers):
+    earlier = {"_bgemm_kernel": {"(1,)": "a", "(2,)": "b"}, "_fused_kernel": {"(3,)": "c"}}
+    now = {"_bgemm_kernel": {"(2,)": "B", "(4,)": "d"}, "_tmix_kernel": {"(5,)": "e"}}
+    assert blr_layers.merged_tile_picks(earlier, now) == {"_bgemm_kernel": {"(1,)": "a", "(2,)": "B", "(4,)": "d"},
+                                                          "_fused_kernel": {"(3,)": "c"}, "_tmix_kernel": {"(5,)": "e"}}

@@ -437,6 +437,9 @@ def blr_precision(dtype: torch.dtype) -> str:
     return dot_precision(dtype, "block-low-rank kernels")
 
 
+TUNED_KERNELS: list = []   # the autotuner of every kernel :func:`tuned` made, for :func:`tile_picks`
+
+
 def tuned(configs: list[tuple], names: tuple[str, ...], interpreter_config: tuple, key: list[str], prune=None):
     """``triton.autotune`` over ``configs`` (tuples of ``names`` values, then warps, stages).
 
@@ -447,10 +450,26 @@ def tuned(configs: list[tuple], names: tuple[str, ...], interpreter_config: tupl
         return triton.Config(dict(zip(names, tiles)), num_warps=warps, num_stages=stages)
 
     if interpreting():
-        return triton.autotune(configs=[config(interpreter_config)], key=key)
-    pruning = {"early_config_prune": prune} if prune else None
-    return triton.autotune(configs=[config(c) for c in configs], key=key, prune_configs_by=pruning,
-                           cache_results=True, do_bench=autotune_bench)
+        tuner = triton.autotune(configs=[config(interpreter_config)], key=key)
+    else:
+        pruning = {"early_config_prune": prune} if prune else None
+        tuner = triton.autotune(configs=[config(c) for c in configs], key=key, prune_configs_by=pruning,
+                                cache_results=True, do_bench=autotune_bench)
+
+    def registered(fn):
+        kernel = tuner(fn)
+        TUNED_KERNELS.append(kernel)
+        return kernel
+    return registered
+
+
+def tile_picks() -> dict[str, dict[str, str]]:
+    """Kernel name -> {autotuning key: the tile config taken} for every kernel :func:`tuned` made that has tuned in
+    this process (or read its pick from Triton's disk cache). The benchmarks record it beside the variant picks: the
+    same pipeline has read 11.15 and 13.32 us in two layer tables offered the same tiles (Monarch two_stage_pdl,
+    Llama-1B up, N = 128, 1476f91 and f969028), and neither recorded which tiles its autotuner took."""
+    return {kernel.base_fn.__name__: {str(key): str(config) for key, config in kernel.cache.items()}
+            for kernel in TUNED_KERNELS if kernel.cache}
 
 
 def keep_small_n(configs, n: int, name: str = "BN"):
