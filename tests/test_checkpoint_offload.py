@@ -70,6 +70,17 @@ def test_policy_errors_name_the_bad_value():
     assert CheckpointPolicy.build(4, offload_layers=2).places == ("cpu", "cpu", "gpu", "gpu")
 
 
+@pytest.mark.parametrize("knobs,match", [({"offload_layers": 2.5}, "offload_layers=2.5: use"),
+                                         ({"offload_layers": [0, 1.0]}, "offload_layers=\\[0, 1.0\\]: use"),
+                                         ({"offload_layers": ["0"]}, "a list of indices"),
+                                         ({"prefetch": 1.5}, "prefetch must be a whole number"),
+                                         ({"prefetch": "2"}, "got '2'"), ({"prefetch": 0}, "at least 1")])
+def test_offload_knobs_of_the_wrong_type_are_memfit_errors(knobs, match):
+    """A float, a string or an object that is no list of layer indices is refused with the usage, not a TypeError."""
+    with pytest.raises(MemfitError, match=match):
+        CheckpointPolicy.build(4, **knobs)
+
+
 def test_recomputed_layer_output_is_freed_before_the_layers_backward():
     """The recompute's output (batch x tokens x hidden) is not held while the layer's own backward runs,
     where a checkpointed step peaks: its storage is gone by the time the layer's first op differentiates."""

@@ -1,4 +1,6 @@
 """memfit.compress: projections, rank planning, model conversion, save/load and the CLI verb."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -246,6 +248,39 @@ def test_cli_compresses_a_preset_and_prints_its_plan(tmp_path, capsys, caplog, m
     assert load_compressed(out) is not None
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_where_nothing_can_be_written_is_refused_before_any_work(tmp_path):
+    """A directory that passes a permission check but refuses a new entry (/proc, even to root; a read-only mount)
+    is refused by check_output, which compress calls before loading or projecting anything."""
+    from memfit.compress.io import check_output
+
+    with pytest.raises(MemfitError, match="--out /proc/memfit-out: cannot write in /proc"):
+        check_output("/proc/memfit-out", force=False)
+    assert check_output(tmp_path / "a" / "b", force=False) == tmp_path / "a" / "b"
+    assert list(tmp_path.iterdir()) == []                   # the probe leaves nothing behind
+
+
+def test_weights_the_config_does_not_describe_are_named(tmp_path, tiny_dir, caplog, monkeypatch):
+    """A local model whose config.json has fewer layers than its weights (an edited config) compresses what the
+    config describes, and says that the rest of its weights are left out."""
+    import json
+    import shutil
+
+    import memfit
+    import memfit.log
+
+    monkeypatch.setattr(memfit.log, "_said", set())
+    fewer = tmp_path / "fewer"
+    shutil.copytree(tiny_dir, fewer)
+    config = json.loads((fewer / "config.json").read_text())
+    config["num_hidden_layers"] -= 1
+    (fewer / "config.json").write_text(json.dumps(config))
+    memfit.compress(fewer, tmp_path / "out", method="lowrank", ratio=0.5, device="cpu", progress=False)
+    last = config["num_hidden_layers"]
+    assert f"config.json does not describe (first: model.layers.{last}." in caplog.text
+    assert "the compressed model leaves them out" in caplog.text
+
+
 @pytest.mark.parametrize("stage", ["projection", "save"])
 def test_a_failure_leaves_no_output(tmp_path, monkeypatch, stage):
     """Nothing is written before the projection is done, and the save goes through a temporary
@@ -448,6 +483,14 @@ def test_compress_refuses_unreadable_weights_and_records_its_source_absolute(tmp
     weights.write_bytes(weights.read_bytes()[:2000])
     with pytest.raises(MemfitError, match="its weights cannot be read"):
         memfit.compress(broken, tmp_path / "m2", method="lowrank", ratio=0.5, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_load_spec_of_no_name_says_what_to_give(empty):
+    from memfit.models import load_spec
+
+    with pytest.raises(MemfitError, match="no model given: name a preset"):
+        load_spec(empty)
 
 
 def test_load_spec_refuses_a_compressed_directory_and_says_how_to_load_and_plan_it(tmp_path):

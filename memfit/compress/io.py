@@ -20,6 +20,7 @@ import os
 import secrets
 import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 import torch
@@ -60,8 +61,10 @@ def check_output(out: str | Path, force: bool) -> Path:
     parent = next(p for p in out.absolute().parents if p.exists())
     if not parent.is_dir():
         raise MemfitError(f"--out {out}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise MemfitError(f"--out {out}: cannot write in {parent}")
+    try:                                   # a probe, not os.access: root passes that check on /proc or a read-only mount
+        os.rmdir(tempfile.mkdtemp(prefix=".memfit-probe-", dir=parent))
+    except OSError as err:
+        raise MemfitError(f"--out {out}: cannot write in {parent} ({err.strerror})") from None
     return out
 
 

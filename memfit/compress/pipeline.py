@@ -79,6 +79,9 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
         if bad := sorted(loading.get("missing_keys", ())) + reshaped:
             raise MemfitError(f"{model_dir}: its weights lack {len(bad)} tensor(s) the model needs, or hold them in "
                               f"another shape (first: {bad[0]}); compressing would project random weights")
+        if unused := sorted(loading.get("unexpected_keys", ())):
+            warn_once(f"compress:unused:{model_dir}", f"{model_dir}: its weights hold {len(unused)} tensor(s) its "
+                      f"config.json does not describe (first: {unused[0]}); the compressed model leaves them out")
         net.eval()
     net.to(torch_device)
     linears = decoder_linears(net)

@@ -226,6 +226,8 @@ def load_spec(model: str | Path | ModelSpec) -> ModelSpec:
     text = str(model)
     if text in PRESETS:
         return PRESETS[text]
+    if not text.strip():
+        raise MemfitError(f"no model given: name a preset ({', '.join(PRESETS)}) or a local directory with config.json")
     path = Path(text).expanduser()
     refuse_compressed_dir(path)
     if path.is_dir():

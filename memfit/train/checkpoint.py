@@ -22,6 +22,7 @@ masks match.
 """
 from __future__ import annotations
 
+import operator
 import os
 import shutil
 import tempfile
@@ -50,8 +51,8 @@ class CheckpointPolicy:
         bad = [p for p in self.places if p not in PLACES]
         if bad:
             raise MemfitError(f"checkpoint place {bad[0]!r} is not one of {', '.join(PLACES)}")
-        if self.prefetch < 1:
-            raise MemfitError(f"prefetch must be at least 1 layer, got {self.prefetch}")
+        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 1:
+            raise MemfitError(f"prefetch must be a whole number of layers, at least 1, got {self.prefetch!r}")
 
     @classmethod
     def build(cls, num_layers: int, checkpoint: str = "layer", offload_layers="none", offload_to: str = "cpu",
@@ -96,9 +97,13 @@ def _offload_set(spec, num_layers: int) -> frozenset[int]:
         if not 0 <= spec <= num_layers:
             raise MemfitError(f"offload_layers={spec}: the model has {num_layers} layers")
         return frozenset(range(spec))
+    usage = f"offload_layers={spec!r}: use 'none', 'all', a number of layers or a list of indices"
     if isinstance(spec, str):
-        raise MemfitError(f"offload_layers={spec!r}: use 'none', 'all', a number of layers or a list of indices")
-    indices = frozenset(int(i) for i in spec)
+        raise MemfitError(usage)
+    try:
+        indices = frozenset(operator.index(i) for i in spec)
+    except TypeError:                       # not iterable, or an item that is no integer (a float, a string)
+        raise MemfitError(usage) from None
     wrong = sorted(i for i in indices if not 0 <= i < num_layers)
     if wrong:
         raise MemfitError(f"offload_layers names layer {wrong[0]}, but the model has layers 0..{num_layers - 1}")
