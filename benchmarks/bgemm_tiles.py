@@ -16,7 +16,7 @@ them at N in {1, 16}, 16-token tiles (``DECODE_CONFIGS``), each row also against
 (operands moved once at the HBM rate measured in the run); writes ``bgemm_tiles_decode.json``.
 ``--mid``: both stages as ``two_stage`` runs them at N in {128, 512} (the pick buckets between
 decode and the large tiles), with 32- and 64-token tiles of few columns (``MID_CONFIGS``): at N =
-128 the large tiles leave most SMs idle (Llama-1B q/o's stage 2, 128 x 128 tiles: 16 programs on 132
+128 the large tiles leave most SMs idle (Llama-1B q/o's stage 2 in 128 x 64 tiles: 32 programs on 132
 SMs); writes ``bgemm_tiles_mid.json``. ``--gather``: stage 2 as ``bmm_gather`` runs it (a = stage
 1's natural (N, b, r) output, P^T gathered by the loads), every tile reading the runs themselves
 and, where they start misaligned (Llama-7B's t = 93), aligned windows around them; cuBLAS runs on a

@@ -20,7 +20,7 @@ implementation of a case is built, run and checked first, then all are timed in
 TIMING_ROUNDS rounds, forward and reverse by turns; a row's ``ms`` is the median of its
 ``ms_rounds``, whose spread shows the noise within the run, and a drift of the GPU's speed
 over a case cannot favour whichever implementation is timed first. (Between runs of the same
-kernels dense eager read up to 19.8% apart at N = 8192: ``--summarize`` with this table and the
+kernels dense eager read up to 19.8% apart at N = 8192: ``--summarize`` with the 89a2ab1,
 43f911d, 04677cb and 9f70ccb runs in results/earlier.)
 Writes ``blr_layers.json`` and ``blr_layers_roofline.png`` (both after every case, the JSON
 ``"complete": false`` until the end; ``--resume`` continues such a file); ``--profile`` also, and

@@ -628,12 +628,14 @@ BGEMM_CHAINED_DECODE = [(16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 64, 256, 
 # their columns (Monarch's t = 16, 32, 48 at Llama-1B: 75%, 50%, 25%).
 BGEMM_SHORT_RUNS = [(128, 128, 32, 4, 4), (128, 128, 16, 4, 5), (128, 256, 32, 8, 3)]
 # 64-token tiles of few columns, offered at the N buckets between decode and MID_MAX_N to a launch that the large
-# tiles leave with few programs (:func:`mid_tiles_offered`; Llama-1B q/o's stage 2 at N = 128 ran 16 programs of
-# 128 x 128 on 132 SMs). From `bgemm_tiles.py --mid` (d1edfef, bgemm_tiles_mid.json): at N = 128 one of these three
-# was the best of the sweep's 14 mid tiles at 13 of the 14 Monarch stages (Llama-7B qkvo's stage 1, 1.14x, is won by
-# a large tile); they take 0.81-1.0x the time of the large tiles' pick (Llama-1B q/o: 3.57 / 3.59 us against 3.97 /
-# 4.43, stages 1 / 2); at N = 512 the large tiles beat every mid tile. In the layer table at N = 128 Monarch's q/o
-# went from 6.43 us (1476f91) to 5.48 (273092a) and 5.43 (f969028). Offered to every launch up to 256 tokens
+# tiles leave with few programs (:func:`mid_tiles_offered`; the large tiles' pick, 128 x 64, gave Llama-1B q/o's stage
+# 2 at N = 128 32 programs on 132 SMs). From `bgemm_tiles.py --mid` (d1edfef, bgemm_tiles_mid.json): at N = 128 one of
+# these three was the best of the sweep's 14 mid tiles at 13 of the 14 Monarch stages (at Llama-7B qkvo's stage 1,
+# 1.14x that best, and a large tile faster than all); the best of the three took 0.81-1.06x the time of the large
+# tiles' pick, below 1.0x at 11 stages (Llama-1B q/o: 3.57 / 3.59 us against 3.97 / 4.43, stages 1 / 2); at N = 512
+# a mid tile was faster at two stages (Llama-1B q/o and down, stage 2, 0.95-0.96x), which the large tiles fill with
+# 128 programs. In the layer table at N = 128 Monarch's q/o went from 6.42 us (1476f91) to 5.48 (273092a) and 5.43
+# (f969028). Offered to every launch up to 256 tokens
 # (273092a), they slowed `tbmm` at Llama-7B gate/up, 25.29 -> 28.61 us, whose stage 1 the large tiles already
 # give 384 programs (as 32-token tiles had in 04453a1's trial, results/earlier/README.md); kept out there, 25.60.
 BGEMM_MID = [(64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 32, 128, 4, 3)]
