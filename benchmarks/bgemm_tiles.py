@@ -80,15 +80,15 @@ def parse():
         parser.error("--decode, --mid and --gather each time other stages: give one")
     args.shapes = select_shapes(parser, args.shapes)
     args.tokens = args.tokens or (DECODE_TOKENS if args.decode else MID_TOKENS if args.mid else TOKENS)
-    if min(args.tokens) < 1:
-        parser.error(f"--tokens takes positive token counts, got {args.tokens}")
+    if min(args.tokens) < 1 or len(set(args.tokens)) < len(args.tokens):
+        parser.error(f"--tokens takes positive token counts, each once, got {args.tokens}")
     if args.runs_z and (args.decode or args.gather or args.mid):
         parser.error("--runs-z chooses the layout of the large-N stage 1; --decode, --mid and --gather time other "
                      "stages")
     if args.tiles is not None and args.tiles < 1:
         parser.error(f"--tiles takes a positive count of tiles, got {args.tiles}")
-    if min(args.groups) < 1 or (args.gather and args.groups != [1]):
-        parser.error(f"--groups takes positive batch counts, and not with --gather; got {args.groups}")
+    if min(args.groups) < 1 or ((args.gather or args.mid) and args.groups != [1]):
+        parser.error(f"--groups takes positive batch counts, and not with --gather or --mid; got {args.groups}")
     return args
 
 

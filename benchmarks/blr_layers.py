@@ -178,6 +178,8 @@ def run_table(args, torch, device: str, blocks: int) -> int:
             rows, started = earlier["rows"], started - earlier["seconds"]
             pick_timings, gpu_states = earlier.get("pick_timings", {}), earlier.get("gpu_states", [])
             tile_picks = earlier.get("tile_picks", {})
+            if not (isinstance(tile_picks, dict) and all(isinstance(keys, dict) for keys in tile_picks.values())):
+                raise MemfitError(f"cannot resume {path}: its tile_picks is not kernel -> {{key: tile}} (edited?)")
             case_seconds = earlier.get("case_seconds", [])
             ceilings = Ceilings(matmul_flops=earlier["ceilings"]["matmul_tflops"] * 1e12,
                                 bandwidth=earlier["ceilings"]["bandwidth_gbs"] * 1e9)

@@ -89,7 +89,9 @@ def test_batch_groups_are_timed_and_checked_beside_each_tile(bgemm_tiles, untime
                                           (["--groups", "0"], "--groups takes positive"),
                                           (["--gather", "--groups", "4"], "not with --gather"),
                                           (["--runs-z", "--decode"], "--runs-z chooses"),
-                                          (["--mid", "--decode"], "give one")])
+                                          (["--mid", "--decode"], "give one"),
+                                          (["--mid", "--groups", "2"], "not with --gather or --mid"),
+                                          (["--tokens", "128", "128"], "each once")])
 def test_bad_sweep_options_are_usage_errors(bgemm_tiles, monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["bgemm_tiles.py", *argv])
     with pytest.raises(SystemExit):

@@ -304,7 +304,7 @@ def test_tokens_named_twice_are_refused(blr_layers, monkeypatch):
         blr_layers.parse()
 
 
-def test_a_stopped_table_keeps_its_rows_and_its_roofline_plot(blr_layers, monkeypatch, tmp_path):
+def test_a_stopped_table_keeps_its_rows_and_its_roofline_plot(blr_layers, monkeypatch, tmp_path, capsys):
     """The table writes its JSON and roofline plot after every case: a run stopped by its time limit (here the
     second case raises) leaves both, the file marked incomplete, as ``--resume`` expects."""
     import json
@@ -322,12 +322,18 @@ def test_a_stopped_table_keeps_its_rows_and_its_roofline_plot(blr_layers, monkey
         return rows, {}, {"prepare_s": 0.0, "rounds_s": 0.0}
 
     monkeypatch.setattr(blr_layers, "bench_case", one_case)
+    monkeypatch.setenv("MEMFIT_COMMIT", "0123abc")                     # a resume continues its own commit's run only
     monkeypatch.setattr("sys.argv", ["blr_layers.py", "--smoke", "--tokens", "1", "16", "--out", str(tmp_path)])
     with pytest.raises(Stopped):
         blr_layers.main()
     written = json.loads((tmp_path / "blr_layers_smoke_subset.json").read_text())
     assert written["complete"] is False and {r["n"] for r in written["rows"]} == {1} and "tile_picks" in written
     assert (tmp_path / "blr_layers_smoke_subset_roofline.png").stat().st_size > 0
+    written["tile_picks"] = ["edited"]                                   # a hand-edited file is refused up front
+    (tmp_path / "blr_layers_smoke_subset.json").write_text(json.dumps(written))
+    monkeypatch.setattr("sys.argv", ["blr_layers.py", "--smoke", "--tokens", "1", "16", "--out", str(tmp_path),
+                                     "--resume"])
+    assert blr_layers.main() == 2 and "its tile_picks is not kernel -> {key: tile}" in capsys.readouterr().err
 
 
 def test_a_resumed_run_keeps_the_tile_picks_it_read_and_adds_its_own(blr_layers):

@@ -74,11 +74,27 @@ def test_policy_errors_name_the_bad_value():
                                          ({"offload_layers": [0, 1.0]}, "offload_layers=\\[0, 1.0\\]: use"),
                                          ({"offload_layers": ["0"]}, "a list of indices"),
                                          ({"prefetch": 1.5}, "prefetch must be a whole number"),
-                                         ({"prefetch": "2"}, "got '2'"), ({"prefetch": 0}, "at least 1")])
+                                         ({"prefetch": "2"}, "got '2'"), ({"prefetch": 0}, "at least 1"),
+                                         ({"offload_layers": [True]}, "a list of indices"),
+                                         ({"offload_layers": {0: 1}}, "a list of indices"),
+                                         ({"offload_layers": b"ab"}, "a list of indices")])
 def test_offload_knobs_of_the_wrong_type_are_memfit_errors(knobs, match):
     """A float, a string or an object that is no list of layer indices is refused with the usage, not a TypeError."""
     with pytest.raises(MemfitError, match=match):
         CheckpointPolicy.build(4, **knobs)
+
+
+def test_numpy_integers_and_arrays_are_layer_counts_and_lists():
+    np = pytest.importorskip("numpy")
+    assert CheckpointPolicy.build(4, offload_layers=np.array([0, 2])).places == ("cpu", "gpu", "cpu", "gpu")
+    assert CheckpointPolicy.build(4, offload_layers=np.array([], dtype=int)).places == ("gpu",) * 4
+    assert CheckpointPolicy.build(4, offload_layers=np.int64(1), prefetch=np.int64(2)).places[:2] == ("cpu", "gpu")
+
+
+@pytest.mark.parametrize("checkpointed,offloaded", [(-1, 0), (1, 3), (5, 0), (2, -1)])
+def test_first_layers_refuses_counts_that_do_not_fit(checkpointed, offloaded):
+    with pytest.raises(MemfitError, match="need 0 <= offloaded <= checkpointed <= 4 layers"):
+        CheckpointPolicy.first_layers(4, checkpointed, offloaded)
 
 
 def test_recomputed_layer_output_is_freed_before_the_layers_backward():

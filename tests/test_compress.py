@@ -258,6 +258,9 @@ def test_an_out_where_nothing_can_be_written_is_refused_before_any_work(tmp_path
         check_output("/proc/memfit-out", force=False)
     assert check_output(tmp_path / "a" / "b", force=False) == tmp_path / "a" / "b"
     assert list(tmp_path.iterdir()) == []                   # the probe leaves nothing behind
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(MemfitError, match="dangling is a symbolic link to nothing"):
+        check_output(tmp_path / "dangling" / "x" / "y", force=False)
 
 
 def test_weights_the_config_does_not_describe_are_named(tmp_path, tiny_dir, caplog, monkeypatch):

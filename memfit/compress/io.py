@@ -58,7 +58,9 @@ def check_output(out: str | Path, force: bool) -> Path:
         if not force:
             raise MemfitError(f"{out} already holds a compressed model; pass --force to replace it, or choose "
                               "another --out")
-    parent = next(p for p in out.absolute().parents if p.exists())
+    parent = next(p for p in out.absolute().parents if p.exists() or p.is_symlink())
+    if not parent.exists():
+        raise MemfitError(f"--out {out}: {parent} is a symbolic link to nothing")
     if not parent.is_dir():
         raise MemfitError(f"--out {out}: {parent} is a file, not a directory")
     try:                                   # a probe, not os.access: root passes that check on /proc or a read-only mount

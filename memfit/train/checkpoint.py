@@ -51,7 +51,7 @@ class CheckpointPolicy:
         bad = [p for p in self.places if p not in PLACES]
         if bad:
             raise MemfitError(f"checkpoint place {bad[0]!r} is not one of {', '.join(PLACES)}")
-        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 1:
+        if _whole_number(self.prefetch) is None or self.prefetch < 1:
             raise MemfitError(f"prefetch must be a whole number of layers, at least 1, got {self.prefetch!r}")
 
     @classmethod
@@ -80,6 +80,9 @@ class CheckpointPolicy:
                      prefetch: int = 1) -> "CheckpointPolicy":
         """Checkpoint the first ``checkpointed`` layers, the first ``offloaded`` of them in pinned CPU memory
         (the shape of a ledger plan: the earliest inputs wait longest for their backward)."""
+        if not 0 <= offloaded <= checkpointed <= num_layers:
+            raise MemfitError(f"{offloaded} offloaded of {checkpointed} checkpointed layers: need 0 <= offloaded <= "
+                              f"checkpointed <= {num_layers} layers")
         return cls(tuple("cpu" if i < offloaded else "gpu" if i < checkpointed else "none" for i in range(num_layers)),
                    prefetch)
 
@@ -88,22 +91,35 @@ class CheckpointPolicy:
         return any(p != "none" for p in self.places)
 
 
+def _whole_number(value) -> int | None:
+    """``value`` as an int where it is an integer (a Python or numpy int; not a bool, a float or an array), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _offload_set(spec, num_layers: int) -> frozenset[int]:
-    if spec is None or spec == "none":
+    if spec is None or isinstance(spec, str) and spec == "none":
         return frozenset()
-    if spec == "all":
+    if isinstance(spec, str) and spec == "all":
         return frozenset(range(num_layers))
-    if isinstance(spec, int) and not isinstance(spec, bool):
-        if not 0 <= spec <= num_layers:
+    if (count := _whole_number(spec)) is not None:
+        if not 0 <= count <= num_layers:
             raise MemfitError(f"offload_layers={spec}: the model has {num_layers} layers")
-        return frozenset(range(spec))
+        return frozenset(range(count))
     usage = f"offload_layers={spec!r}: use 'none', 'all', a number of layers or a list of indices"
-    if isinstance(spec, str):
+    if isinstance(spec, (str, bytes, bytearray, dict, bool)):
         raise MemfitError(usage)
     try:
-        indices = frozenset(operator.index(i) for i in spec)
-    except TypeError:                       # not iterable, or an item that is no integer (a float, a string)
+        listed = list(spec)
+    except TypeError:                       # not iterable (a float)
         raise MemfitError(usage) from None
+    indices = frozenset(_whole_number(i) for i in listed)
+    if None in indices:                     # an item that is no integer (a float, a string, a bool)
+        raise MemfitError(usage)
     wrong = sorted(i for i in indices if not 0 <= i < num_layers)
     if wrong:
         raise MemfitError(f"offload_layers names layer {wrong[0]}, but the model has layers 0..{num_layers - 1}")
