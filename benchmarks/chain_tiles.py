@@ -1,0 +1,161 @@
+"""Monarch's chained pipeline (``two_stage_pdl``) with each pair of stage tiles, timed together.
+
+bgemm's autotuner picks each stage's tile from that launch timed alone, after an L2 flush. In a chain the
+second stage starts early and waits (programmatic dependent launch), so its programs share the GPU with
+the first stage's: the two tiles that are each fastest alone need not be the fastest pair. The layer
+tables read ``two_stage_pdl`` at Llama-1B up, N = 128, at 11.15, 12.69 and 13.32 us (1476f91, 273092a,
+f969028; the first and the last offered the same tiles), and none of them recorded the tiles taken. For
+the paper's shapes at the token counts given (default N = 128) this times, in one run:
+
+* every pair (stage-1 tile, stage-2 tile) of the tiles bgemm's autotuner chooses between for the two
+  chained launches (``blr_common._prune_bgemm``), each pair's output checked against torch;
+* ``two_stage_pdl`` as the op runs it (each stage autotuned alone), with the tiles it took (``tile_picks``).
+
+Times are CUDA-graph replays (median) rotating through copies of the operands (> 150 MB), so the weights
+come from HBM. Writes ``chain_tiles.json``.
+
+    python benchmarks/chain_tiles.py [--tokens 128] [--shapes NAME ...] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from bgemm_tiles import Gemm
+from blr_layers import BLOCKS, copies_for, gpu_ms, select_shapes
+
+TOKENS = [128]
+OP = "two_stage_pdl (autotuned)"
+MAX_REL_ERR = 2e-2
+
+
+def parse():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help=f"token counts N (default {TOKENS})")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
+                        help="only these shapes (default: all of blr_layers.SHAPES)")
+    args = parser.parse_args()
+    if min(args.tokens) < 1 or len(set(args.tokens)) < len(args.tokens):
+        parser.error(f"--tokens takes positive token counts, each once, got {args.tokens}")
+    args.shapes = select_shapes(parser, args.shapes)
+    return args
+
+
+class Chain:
+    """``copies`` of one Monarch layer's operands as ``two_stage_pdl`` runs it: stage 1 writes z (N, b, r) in P^T
+    order, stage 2 reads it and writes the block-major y; the stages' strides are :class:`bgemm_tiles.Gemm`'s."""
+
+    def __init__(self, torch, d_in, d_out, rank, n, copies, device="cuda"):
+        self.stage1 = Gemm(torch, 1, d_in, d_out, rank, n, 1, False, device)
+        self.stage2 = Gemm(torch, 2, d_in, d_out, rank, n, 1, False, device)
+        b, m, p = BLOCKS, d_in // BLOCKS, d_out // BLOCKS
+        new = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16)   # noqa: E731
+        self.operands = [(new(n, d_in), new(b, m, rank), new(n * b * rank), new(b, rank, p), new(n * b * p))
+                         for _ in range(copies)]
+        self.bytes = 2 * (n * d_in + d_in * rank + 2 * n * b * rank + rank * d_out + n * d_out)
+
+    def launcher(self, x, w1, z, w2, y, tile1, tile2):
+        """fn() running both chained stages with these tiles (each as bgemm would pick EVEN_K for it)."""
+        first = self.stage1.launcher(x, w1, z, tile1, self.stage1.k % tile1[2] == 0, launch_dependents=True)
+        second = self.stage2.launcher(z, w2, y, tile2, self.stage2.k % tile2[2] == 0, wait_for_previous=True)
+        return lambda: (first(), second())
+
+
+def chained_tiles(torch, n: int, k: int, cols: int, first: bool, device: str) -> list[tuple]:
+    """The tiles (BN, BC, BK, warps, stages) bgemm's autotuner chooses between for a chained stage: the first
+    (``LAUNCH_DEPENDENTS``) or the second (``WAIT_FOR_PREVIOUS``) of ``BLOCKS`` batches."""
+    from memfit.kernels import blr_common
+
+    probe = torch.empty(1, device=device, dtype=torch.bfloat16)
+    shape = {"N": n, "N_BUCKET": blr_common.n_bucket(n), "C": cols, "K": k, "AGRP": k, "BATCHES": BLOCKS,
+             "a_ptr": probe}
+    kept = blr_common._prune_bgemm(blr_common._bgemm_kernel.configs, shape, LAUNCH_DEPENDENTS=first,
+                                   WAIT_FOR_PREVIOUS=not first)
+    return sorted({blr_common.bgemm_tile(c) for c in kept if c.kwargs["BATCH_GROUP"] == 1})
+
+
+def sweep_pairs(torch, name, d_in, d_out, rank, n, tiles1, tiles2, device="cuda") -> list[dict]:
+    """Rows for one (shape, N): each pair of ``tiles1`` x ``tiles2`` and the op as it runs (autotuned)."""
+    from memfit.kernels.monarch import monarch_linear, monarch_linear_reference
+
+    probe = Chain(torch, d_in, d_out, rank, n, 1, device)
+    chain = Chain(torch, d_in, d_out, rank, n, copies_for(probe.bytes, device), device)
+    x0, w10, _, w20, y0 = chain.operands[0]
+    expected = monarch_linear_reference(x0.float(), w10.float(), w20.float())
+
+    def timed(label, fns, output=None):
+        """The row of ``fns`` (one per copy): checked on the first copy's output (``output``, else what fns[0]
+        returns), then timed over all copies."""
+        if output is not None:
+            output.zero_()                                   # a launch that writes nothing must not pass on an earlier y
+        returned = fns[0]()
+        got = output if output is not None else returned
+        rel = ((got.view(n, -1).float() - expected).norm() / expected.norm()).item()
+        row = {"shape": name, "n": n, "candidate": label, "rel_err": rel, "copies": len(fns)}
+        if rel >= MAX_REL_ERR:
+            return row | {"ms": float("nan"), "error": f"wrong result: relative error {rel:.3g}"}
+        return row | {"ms": gpu_ms(lambda: [fn() for fn in fns]) / len(fns)}
+
+    rows = []
+    for tile1 in tiles1:
+        for tile2 in tiles2:
+            label = " + ".join("{}x{}x{} w{} s{}".format(*tile) for tile in (tile1, tile2))
+            try:
+                rows.append(timed(label, [chain.launcher(*ops, tile1, tile2) for ops in chain.operands], y0))
+            except Exception as err:  # noqa: BLE001 (a pair this GPU cannot run is recorded, not fatal)
+                rows.append({"shape": name, "n": n, "candidate": label, "ms": float("nan"),
+                             "error": f"{type(err).__name__}: {err}"[:300]})
+    rows.append(timed(OP, [lambda x=x, w1=w1, w2=w2: monarch_linear(x, w1, w2, variant="two_stage_pdl")
+                           for x, w1, _, w2, _ in chain.operands]))
+    return rows
+
+
+def summary(rows) -> list[dict]:
+    """Per (shape, N): the fastest pair and the op as it runs, with their ratio (a case without both is left out)."""
+    out = []
+    for key in dict.fromkeys((r["shape"], r["n"]) for r in rows):
+        case = [r for r in rows if (r["shape"], r["n"]) == key and "error" not in r]
+        pairs, op = [r for r in case if r["candidate"] != OP], next((r for r in case if r["candidate"] == OP), None)
+        if pairs and op:
+            best = min(pairs, key=lambda r: r["ms"])
+            out.append({"shape": key[0], "n": key[1], "best_pair": best["candidate"], "best_ms": best["ms"],
+                        "op_ms": op["ms"], "op_over_best": op["ms"] / best["ms"], "pairs": len(pairs)})
+    return out
+
+
+def main() -> int:
+    args = parse()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("chain_tiles: needs a CUDA GPU (programmatic dependent launch)", file=sys.stderr)
+        return 2
+    from rich.progress import Progress
+
+    from memfit.kernels import blr_common
+    from memfit.measure.results import write_results
+
+    started, rows = time.time(), []
+    with Progress() as progress:
+        task = progress.add_task("chained tile pairs", total=len(args.shapes) * len(args.tokens))
+        for name, d_in, d_out, rank in args.shapes:
+            for n in args.tokens:
+                tiles1 = chained_tiles(torch, n, d_in // BLOCKS, rank, True, "cuda")
+                tiles2 = chained_tiles(torch, n, rank, d_out // BLOCKS, False, "cuda")
+                rows += sweep_pairs(torch, name, d_in, d_out, rank, n, tiles1, tiles2)
+                write_results("chain_tiles", rows, [], args.out, summary=summary(rows), complete=False,
+                              tile_picks=blr_common.tile_picks())
+                progress.advance(task)
+    path = write_results("chain_tiles", rows, [], args.out, summary=summary(rows), complete=True,
+                         seconds=time.time() - started, tile_picks=blr_common.tile_picks())
+    for s in summary(rows):
+        print(f"{s['shape']:20s} N={s['n']:5d} best pair {s['best_pair']:40s} {1e3 * s['best_ms']:7.2f} us  "
+              f"op {1e3 * s['op_ms']:7.2f} us (x{s['op_over_best']:.2f}, {s['pairs']} pairs)")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""benchmarks/chain_tiles.py, Monarch's chained two_stage_pdl with each pair of stage tiles: every pair and the
+op as it runs are checked against torch before they are timed, so a pair that computes the wrong thing is an
+error row, not a time. Tiny shapes, the interpreter (no launch to chain), no timing (the GPU timer is a counter)."""
+import pytest
+import torch
+from conftest import load_benchmark
+
+TILE = (16, 32, 32, 4, 1)   # the interpreter's bgemm tile
+
+
+@pytest.fixture(scope="module")
+def chain_tiles():
+    return load_benchmark("chain_tiles")
+
+
+@pytest.fixture
+def untimed(chain_tiles, monkeypatch):
+    calls = []
+    monkeypatch.setattr(chain_tiles, "gpu_ms", lambda fn: calls.append(fn()) or 1.0)
+    return calls
+
+
+def test_every_pair_and_the_op_are_checked_then_timed(chain_tiles, untimed):
+    rows = chain_tiles.sweep_pairs(torch, "tiny", 16 * 8, 16 * 6, 16 * 2, 20, [TILE], [TILE, (16, 32, 16, 4, 1)],
+                                   device="cpu")
+    assert [r["candidate"] for r in rows] == ["16x32x32 w4 s1 + 16x32x32 w4 s1", "16x32x32 w4 s1 + 16x32x16 w4 s1",
+                                              chain_tiles.OP]
+    assert not [r for r in rows if "error" in r] and len(untimed) == len(rows)
+    (summary,) = chain_tiles.summary(rows)
+    assert summary["pairs"] == 2 and summary["op_over_best"] == 1.0
+
+
+def test_a_pair_whose_output_is_wrong_is_an_error_row(chain_tiles, untimed, monkeypatch):
+    """The check compares y with the reference Monarch layer: stage 1 reading other weights fails it."""
+    right = chain_tiles.Chain.launcher
+    monkeypatch.setattr(chain_tiles.Chain, "launcher",
+                        lambda self, x, w1, z, w2, y, t1, t2: right(self, x, w1.flip(1), z, w2, y, t1, t2))
+    rows = chain_tiles.sweep_pairs(torch, "tiny", 16 * 8, 16 * 6, 16 * 2, 20, [TILE], [TILE], device="cpu")
+    assert "wrong result" in rows[0]["error"] and "error" not in rows[1]
+    assert chain_tiles.summary(rows) == []
+
+
+@pytest.mark.parametrize("argv,message", [(["--tokens", "128", "128"], "each once"),
+                                          (["--tokens", "0"], "positive"), (["--shapes", "nope"], "unknown shape")])
+def test_bad_options_are_usage_errors(chain_tiles, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr("sys.argv", ["chain_tiles.py", *argv])
+    with pytest.raises(SystemExit):
+        chain_tiles.parse()
+    assert message in capsys.readouterr().err
+
+
+def test_the_pairs_are_the_tiles_the_autotuner_chooses_between_in_a_chain(chain_tiles, monkeypatch):
+    """Each stage's candidates are bgemm's own pruned list for a chained launch (on a GPU of 132 SMs here): at
+    N = 128 with 128 columns the mid tiles, no 16-token decode tile and no batch-grouped one."""
+    import triton
+
+    from memfit.kernels import blr_common
+
+    configs = [triton.Config({"BN": bn, "BC": bc, "BK": bk, "BATCH_GROUP": g}, num_warps=w, num_stages=st)
+               for bn, bc, bk, g, w, st in blr_common.BGEMM_TUNED]
+    monkeypatch.setattr(blr_common._bgemm_kernel, "configs", configs)
+    monkeypatch.setattr(blr_common, "sm_count", lambda device: 132)
+    for first in (True, False):
+        tiles = chain_tiles.chained_tiles(torch, 128, 128, 128, first, "cpu")
+        assert set(blr_common.BGEMM_MID) <= set(tiles) and all(tile[0] > 16 for tile in tiles)
+        assert len(tiles) == len(set(tiles)) and all(len(tile) == 5 for tile in tiles)
