@@ -635,9 +635,9 @@ BGEMM_SHORT_RUNS = [(128, 128, 32, 4, 4), (128, 128, 16, 4, 5), (128, 256, 32, 8
 # tiles' pick, below 1.0x at 11 stages (Llama-1B q/o: 3.57 / 3.59 us against 3.97 / 4.43, stages 1 / 2); at N = 512
 # a mid tile was faster at two stages (Llama-1B q/o and down, stage 2, 0.95-0.96x), which the large tiles fill with
 # 128 programs. In the layer table at N = 128 Monarch's q/o went from 6.42 us (1476f91) to 5.48 (273092a) and 5.43
-# (f969028). Offered to every launch up to 256 tokens
-# (273092a), they slowed `tbmm` at Llama-7B gate/up, 25.29 -> 28.61 us, whose stage 1 the large tiles already
-# give 384 programs (as 32-token tiles had in 04453a1's trial, results/earlier/README.md); kept out there, 25.60.
+# (f969028). Offered to every launch up to 256 tokens (273092a), they slowed `tbmm` at Llama-7B gate/up, 25.29 ->
+# 28.61 us, whose stage 1 the large tiles already give 384 programs (as 32-token tiles had in 04453a1's trial,
+# results/earlier/README.md); kept out there, 25.60.
 BGEMM_MID = [(64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 32, 128, 4, 3)]
 MID_MAX_N = 256
 BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
