@@ -58,6 +58,8 @@ MID_CONFIGS = [  # 32- and 64-token tiles, few columns: more programs where N an
 
 
 def parse():
+    from memfit.measure.results import out_dir_problem
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     parser.add_argument("--decode", action="store_true", help="both stages at decode-sized N with 16-token tiles")
@@ -76,6 +78,8 @@ def parse():
                         help="stage 1 stored (N, b, r), runs of t, as bmm and two_stage store it (default: token-major)")
     parser.add_argument("--tiles", type=int, default=None, metavar="T", help="only the first T tiles of the mode's list")
     args = parser.parse_args()
+    if problem := out_dir_problem(args.out):
+        parser.error(problem)
     if args.decode + args.gather + args.mid > 1:
         parser.error("--decode, --mid and --gather each time other stages: give one")
     args.shapes = select_shapes(parser, args.shapes)

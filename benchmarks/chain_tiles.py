@@ -31,12 +31,16 @@ MAX_REL_ERR = 2e-2
 
 
 def parse():
+    from memfit.measure.results import out_dir_problem
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help=f"token counts N (default {TOKENS})")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
                         help="only these shapes (default: all of blr_layers.SHAPES)")
     args = parser.parse_args()
+    if problem := out_dir_problem(args.out):
+        parser.error(problem)
     if min(args.tokens) < 1 or len(set(args.tokens)) < len(args.tokens):
         parser.error(f"--tokens takes positive token counts, each once, got {args.tokens}")
     args.shapes = select_shapes(parser, args.shapes)

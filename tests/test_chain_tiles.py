@@ -64,3 +64,15 @@ def test_the_pairs_are_the_tiles_the_autotuner_chooses_between_in_a_chain(chain_
         tiles = chain_tiles.chained_tiles(torch, 128, 128, 128, first, "cpu")
         assert set(blr_common.BGEMM_MID) <= set(tiles) and all(tile[0] > 16 for tile in tiles)
         assert len(tiles) == len(set(tiles)) and all(len(tile) == 5 for tile in tiles)
+
+
+def test_an_out_that_cannot_hold_results_is_a_usage_error_before_any_case(chain_tiles, monkeypatch, capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    for out, message in [(tmp_path / "file", "is a file; the results go into a directory"),
+                         (tmp_path / "file" / "sub", "file is a file")]:
+        monkeypatch.setattr("sys.argv", ["chain_tiles.py", "--out", str(out)])
+        with pytest.raises(SystemExit):
+            chain_tiles.parse()
+        assert message in capsys.readouterr().err
+    monkeypatch.setattr("sys.argv", ["chain_tiles.py", "--out", str(tmp_path / "new" / "dir")])
+    assert chain_tiles.parse().out == str(tmp_path / "new" / "dir")

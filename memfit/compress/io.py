@@ -45,7 +45,7 @@ def check_output(out: str | Path, force: bool) -> Path:
     create and write in; an existing ``out`` is replaced only with ``force``, and only if an earlier run wrote it
     (it holds memfit_compress.json), so a mistyped --out never deletes a source model or other data."""
     out = Path(out).expanduser()
-    if not out.name or out.name in (".", ".."):
+    if not out.name.strip() or out.name in (".", ".."):
         raise MemfitError(f"--out needs a directory name, got {str(out)!r}")
     if out.is_symlink():
         raise MemfitError(f"--out {out} is a symbolic link: name the directory itself")

@@ -58,6 +58,20 @@ def results_path(name: str, out_dir: Path | str | None = None) -> Path:
     return directory / f"{name}.json"
 
 
+def out_dir_problem(out_dir: Path | str | None) -> str | None:
+    """Why ``out_dir`` cannot take results files, or None (None: the default directory). A benchmark asks before
+    its first case, so a mistyped --out fails in a second instead of after the first case's minutes of GPU time."""
+    if not out_dir:
+        return None
+    path = Path(out_dir).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"--out {out_dir}: {existing} is a file; the results go into a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--out {out_dir}: cannot write in {existing}"
+    return None
+
+
 def partial_results(path: Path, **settings) -> dict:
     """The results file at ``path`` of a run stopped before its end, to resume: refused when the file is
     missing, unreadable or complete, was written from uncommitted code, at another commit, on another GPU
