@@ -34,7 +34,7 @@ import functools
 import sys
 import time
 
-from blr_layers import BLOCKS, copies_for, gpu_ms, select_shapes
+from blr_layers import BLOCKS, check_tokens, copies_for, gpu_ms, select_shapes
 
 TOKENS, DECODE_TOKENS = [128, 1024, 8192], [1, 16]
 CONFIGS = [  # BN, BC, BK, warps, stages: BGEMM_CONFIGS' large tiles and candidates beside them
@@ -84,8 +84,7 @@ def parse():
         parser.error("--decode, --mid and --gather each time other stages: give one")
     args.shapes = select_shapes(parser, args.shapes)
     args.tokens = args.tokens or (DECODE_TOKENS if args.decode else MID_TOKENS if args.mid else TOKENS)
-    if min(args.tokens) < 1 or len(set(args.tokens)) < len(args.tokens):
-        parser.error(f"--tokens takes positive token counts, each once, got {args.tokens}")
+    check_tokens(parser, args.tokens)
     if args.runs_z and (args.decode or args.gather or args.mid):
         parser.error("--runs-z chooses the layout of the large-N stage 1; --decode, --mid and --gather time other "
                      "stages")

@@ -91,15 +91,20 @@ def parse():
         parser.error("--summarize reads results files; it takes no other option")
     if args.profile_only and (args.tokens or args.shapes or args.resume):
         parser.error("--profile-only profiles PROFILE_CASES; --tokens, --shapes and --resume are for the table")
-    if args.tokens and min(args.tokens) < 1:
-        parser.error(f"--tokens takes positive token counts, got {args.tokens}")
-    if args.tokens and len(set(args.tokens)) < len(args.tokens):
-        parser.error(f"--tokens names a token count twice: {args.tokens}")
+    if args.tokens:
+        check_tokens(parser, args.tokens)
     if args.shapes and args.smoke:
         parser.error("--shapes picks among the paper's shapes; --smoke runs its own tiny one")
     args.paper_shapes = select_shapes(parser, args.shapes)
     args.kinds = [kind for kind in STRUCTURES if kind in (args.structures or STRUCTURES)]
     return args
+
+
+def check_tokens(parser, tokens: list[int]) -> None:
+    """A usage error unless ``--tokens`` names positive token counts, each once (a repeated one is a case timed
+    twice)."""
+    if min(tokens) < 1 or len(set(tokens)) < len(tokens):
+        parser.error(f"--tokens takes positive token counts, each once, got {tokens}")
 
 
 def select_shapes(parser, names: list[str] | None) -> list[tuple]:

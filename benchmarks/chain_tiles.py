@@ -23,7 +23,7 @@ import sys
 import time
 
 from bgemm_tiles import Gemm
-from blr_layers import BLOCKS, copies_for, gpu_ms, select_shapes
+from blr_layers import BLOCKS, check_tokens, copies_for, gpu_ms, select_shapes
 
 TOKENS = [128]
 OP = "two_stage_pdl (autotuned)"
@@ -41,8 +41,7 @@ def parse():
     args = parser.parse_args()
     if problem := out_dir_problem(args.out):
         parser.error(problem)
-    if min(args.tokens) < 1 or len(set(args.tokens)) < len(args.tokens):
-        parser.error(f"--tokens takes positive token counts, each once, got {args.tokens}")
+    check_tokens(parser, args.tokens)
     args.shapes = select_shapes(parser, args.shapes)
     return args
 

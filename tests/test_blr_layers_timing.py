@@ -298,10 +298,12 @@ def test_structures_times_dense_and_only_the_structures_asked_for(blr_layers, mo
         blr_layers.parse()
 
 
-def test_tokens_named_twice_are_refused(blr_layers, monkeypatch):
-    monkeypatch.setattr("sys.argv", ["blr_layers.py", "--smoke", "--tokens", "1", "1"])
+@pytest.mark.parametrize("tokens", [["1", "1"], ["0"]])
+def test_tokens_named_twice_or_not_positive_are_refused(blr_layers, monkeypatch, capsys, tokens):
+    monkeypatch.setattr("sys.argv", ["blr_layers.py", "--smoke", "--tokens", *tokens])
     with pytest.raises(SystemExit):
         blr_layers.parse()
+    assert "--tokens takes positive token counts, each once" in capsys.readouterr().err
 
 
 def test_a_stopped_table_keeps_its_rows_and_its_roofline_plot(blr_layers, monkeypatch, tmp_path, capsys):
