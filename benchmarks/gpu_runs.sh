@@ -9,9 +9,9 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # name|seconds|command, most pending first (after the nineteenth session, 2026-12-01: see its closing note). The
-# layer table comes first: f969028's stopped with Llama-7B down at N >= 128 untimed (its file records 579.7 s for the
-# 30 cases of its first call and 27.7 s for the two a resume timed before the device time ran out; 273092a's
-# records 573 s for all 35, in one call).
+# layer table comes first: f969028's stopped with Llama-7B down at N >= 128 untimed (its file's case times sum to
+# 579.7 s for the 30 cases of its first call and 27.7 s for the two a resume timed before the device time ran out;
+# 273092a's records 573 s for all 35, in one call).
 # The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
 # recompiling every step); the ledger's 24 accuracy jobs record their own times, 74 s together at 141a414
 # (ledger_accuracy.json, the models' set-up not included).

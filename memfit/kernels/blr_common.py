@@ -631,7 +631,7 @@ BGEMM_SHORT_RUNS = [(128, 128, 32, 4, 4), (128, 128, 16, 4, 5), (128, 256, 32, 8
 # tiles leave with few programs (:func:`mid_tiles_offered`; the large tiles' pick, 128 x 64, gave Llama-1B q/o's stage
 # 2 at N = 128 32 programs on 132 SMs). From `bgemm_tiles.py --mid` (d1edfef, bgemm_tiles_mid.json): at N = 128 one of
 # these three was the best of the sweep's 14 mid tiles at 13 of the 14 Monarch stages (at Llama-7B qkvo's stage 1,
-# 1.14x that best, and a large tile faster than all); the best of the three took 0.81-1.06x the time of the large
+# 1.14x that best, and a large tile faster than all); the best of the three took 0.81-1.32x the time of the large
 # tiles' pick, below 1.0x at 11 stages (Llama-1B q/o: 3.57 / 3.59 us against 3.97 / 4.43, stages 1 / 2); at N = 512
 # a mid tile was faster at two stages (Llama-1B q/o and down, stage 2, 0.95-0.96x), which the large tiles fill with
 # 128 programs. In the layer table at N = 128 Monarch's q/o went from 6.42 us (1476f91) to 5.48 (273092a) and 5.43
