@@ -797,6 +797,127 @@ def test_tile_picks_read_every_tuned_kernels_autotuning_cache(monkeypatch):
     assert "BN: 64" in picks["_bgemm_kernel"]["(128, 'torch.bfloat16')"]
 
 
+def tuned_bgemm_configs():
+    """Every bgemm config a GPU's autotuner holds (the interpreter's holds one)."""
+    import triton
+
+    return [triton.Config({"BN": bn, "BC": bc, "BK": bk, "BATCH_GROUP": g}, num_warps=w, num_stages=st)
+            for bn, bc, bk, g, w, st in blr_common.BGEMM_TUNED]
+
+
+def test_the_tiles_offered_a_chained_launch_are_the_autotuners_own(monkeypatch):
+    """bgemm_tiles_offered lists what the autotuner would choose between (on a GPU of 132 SMs here): at N = 128 with
+    128 columns the mid tiles, no 16-token decode tile and no batch-grouped one; at N = 16 only the chained decode
+    tiles for a chained launch and only the plain ones for a plain launch (K = 512: none too deep for it)."""
+    monkeypatch.setattr(blr_common._bgemm_kernel, "configs", tuned_bgemm_configs())
+    monkeypatch.setattr(blr_common, "sm_count", lambda device: 132)
+    a = torch.empty(1, dtype=torch.bfloat16)
+    for flags in ({"launch_dependents": True}, {"wait_for_previous": True}):
+        tiles = blr_common.bgemm_tiles_offered(a, 128, 128, 128, 16, **flags)
+        assert set(blr_common.BGEMM_MID) <= set(tiles) and all(tile[0] > 16 for tile in tiles)
+        assert len(tiles) == len(set(tiles)) and all(len(tile) == 5 for tile in tiles)
+        assert set(blr_common.bgemm_tiles_offered(a, 16, 512, 128, 16, **flags)) == set(blr_common.BGEMM_CHAINED_DECODE)
+    assert set(blr_common.bgemm_tiles_offered(a, 16, 512, 128, 16)) == set(blr_common.BGEMM_PLAIN_DECODE)
+
+
+def test_bgemm_runs_the_tile_it_is_given(monkeypatch):
+    """A tile given to bgemm is the one launched (not the autotuner's), with the heuristics still applied: K = 40 is
+    no multiple of its BK = 16, so the masked K loop must run for the product to be right."""
+    launched = []
+    heuristics = blr_common._bgemm_kernel.fn
+    run = heuristics.run
+    monkeypatch.setattr(heuristics, "run", lambda *args, **kwargs: launched.append(kwargs) or run(*args, **kwargs))
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(2, 24, 40, generator=gen), torch.randn(2, 40, 20, generator=gen)
+    c = torch.empty(2, 24, 20)
+    blr_common.bgemm(a, b, c, 24, 40, 20, 2, a.stride(), b.stride(), (c.stride(0), c.stride(1), 0, 1),
+                     tile=(16, 32, 16, 2, 1))
+    assert rel(c, torch.bmm(a, b)) < 1e-5
+    assert [(k["BN"], k["BC"], k["BK"], k["num_warps"], k["num_stages"], k["BATCH_GROUP"]) for k in launched] == [
+        (16, 32, 16, 2, 1, 1)]
+
+
+@pytest.mark.parametrize("structure", ["monarch", "blast", "lowrank"])
+def test_each_chained_pipeline_computes_its_layer_with_the_tiles_it_is_given(structure):
+    """The pipelines whose two GEMMs pick their tiles together, run with a pair of small tiles of uneven K steps."""
+    gen = torch.Generator().manual_seed(5)
+    new = lambda *shape: torch.randn(*shape, generator=gen)   # noqa: E731
+    tiles = ((16, 32, 16, 4, 1), (16, 16, 32, 4, 1))
+    x = new(21, 3 * 12)
+    if structure == "monarch":
+        w1, w2 = new(3, 12, 6), new(3, 6, 10)
+        got, want = monarch._chained_two_stage(x, w1, w2, None, False, tiles=tiles), monarch_linear_reference(x, w1, w2)
+    elif structure == "blast":
+        u, v, s = new(3, 10, 7), new(3, 12, 7), new(3, 3, 7)
+        got, want = blast._chained_bgemm_mix_bgemm(x, u, v, s, None, tiles=tiles), blast_linear_reference(x, u, v, s)
+    else:
+        u, v, bias = new(30, 7), new(36, 7), new(30)
+        got, want = lowrank._chained_bgemm(x, u, v, bias, tiles=tiles), lowrank_linear_reference(x, u, v, bias)
+    assert rel(got, want) < 1e-5
+
+
+@pytest.fixture
+def fake_gpu_chain(monkeypatch):
+    """pick_chain_tiles as on a GPU of 132 SMs with every bgemm config, the copies being the arguments themselves and
+    each pair's time given by ``times`` (label -> ms; unlisted pairs read 10 ms); nothing written to disk."""
+    monkeypatch.setattr(blr_common, "_CACHE", {})
+    monkeypatch.setattr(blr_common, "_CHAIN_TILES", {})
+    monkeypatch.setattr(blr_common, "CHAIN_TILE_PICKS", {})
+    monkeypatch.setattr(blr_common, "_save_cache", lambda cache: None)
+    monkeypatch.setattr(blr_common, "_cuda_device", lambda args: "cuda:0")
+    monkeypatch.setattr(blr_common, "rotation", lambda op, args: [args])
+    monkeypatch.setattr(blr_common, "sm_count", lambda device: 132)
+    monkeypatch.setattr(blr_common._bgemm_kernel, "configs", tuned_bgemm_configs())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    times, timed = {}, []
+
+    def time_candidate(op, name, fn, args, rep_ms):
+        timed.append(name)
+        fn()
+        return times.get(name, 10.0)
+
+    monkeypatch.setattr(blr_common, "_time_candidate", time_candidate)
+    return times, timed
+
+
+def test_a_chain_takes_the_pair_of_tiles_fastest_together_and_caches_it(fake_gpu_chain, monkeypatch):
+    """Every pair of the two launches' offered tiles is timed as the whole pipeline (run_with given the pair), the
+    fastest wins; the pick goes to the cache and into tile_picks, and a later process takes it without timing."""
+    times, timed = fake_gpu_chain
+    ran = []
+    run_with = lambda x, tiles: ran.append(tiles)               # noqa: E731
+    x = torch.empty(128, 256, dtype=torch.bfloat16)
+    stages = ((128, 256, 16), (256, 128, 16))
+    firsts = blr_common.bgemm_tiles_offered(x, 128, 128, 256, 16, launch_dependents=True)
+    seconds = blr_common.bgemm_tiles_offered(x, 128, 256, 128, 16, wait_for_previous=True)
+    best = (firsts[-1], seconds[0])
+    times[f"{best[0]} + {best[1]}"] = 1.0
+    assert blr_common.pick_chain_tiles("op", (128,), stages, run_with, (x,)) == best
+    assert len(timed) == len(firsts) * len(seconds) and len(set(ran)) == len(timed)
+    assert blr_common.tile_picks()["chained bgemm pairs"] == {"op (128,)": f"{best[0]} + {best[1]}"}
+    timed.clear()
+    monkeypatch.setattr(blr_common, "_CHAIN_TILES", {})                   # a later process, the same disk cache
+    assert blr_common.pick_chain_tiles("op", (128,), stages, run_with, (x,)) == best and timed == []
+
+
+def test_a_chain_first_called_inside_a_capture_leaves_its_tiles_to_the_autotuner_and_says_so(fake_gpu_chain,
+                                                                                                 monkeypatch):
+    _, timed = fake_gpu_chain
+    warned = []
+    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x = torch.empty(16, 256, dtype=torch.bfloat16)
+    run_with = lambda x, tiles: pytest.fail("nothing is timed inside a capture")   # noqa: E731
+    assert blr_common.pick_chain_tiles("op", (16,), ((128, 256, 16), (256, 128, 16)), run_with, (x,)) is None
+    assert timed == [] and "capture" in warned[0] and "alone" in warned[0]
+
+
+def test_off_the_gpu_a_chain_leaves_its_tiles_to_the_autotuner():
+    x = torch.empty(16, 256)
+    assert blr_common.pick_chain_tiles("op", (16,), ((128, 256, 16), (256, 128, 16)), None, (x,)) is None
+
+
 @pytest.mark.parametrize("run,want_bk", [(768, {64}), (48, {64, 32, 16}), (16, {32, 16})])
 def test_short_run_tiles_only_for_a_gathered_a(run, want_bk):
     """At N = 1024 a plain launch (one run: K = 768) tunes over the 64-wide K tiles; a gathered a in runs of

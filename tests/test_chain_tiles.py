@@ -49,23 +49,6 @@ def test_bad_options_are_usage_errors(chain_tiles, monkeypatch, capsys, argv, me
     assert message in capsys.readouterr().err
 
 
-def test_the_pairs_are_the_tiles_the_autotuner_chooses_between_in_a_chain(chain_tiles, monkeypatch):
-    """Each stage's candidates are bgemm's own pruned list for a chained launch (on a GPU of 132 SMs here): at
-    N = 128 with 128 columns the mid tiles, no 16-token decode tile and no batch-grouped one."""
-    import triton
-
-    from memfit.kernels import blr_common
-
-    configs = [triton.Config({"BN": bn, "BC": bc, "BK": bk, "BATCH_GROUP": g}, num_warps=w, num_stages=st)
-               for bn, bc, bk, g, w, st in blr_common.BGEMM_TUNED]
-    monkeypatch.setattr(blr_common._bgemm_kernel, "configs", configs)
-    monkeypatch.setattr(blr_common, "sm_count", lambda device: 132)
-    for first in (True, False):
-        tiles = chain_tiles.chained_tiles(torch, 128, 128, 128, first, "cpu")
-        assert set(blr_common.BGEMM_MID) <= set(tiles) and all(tile[0] > 16 for tile in tiles)
-        assert len(tiles) == len(set(tiles)) and all(len(tile) == 5 for tile in tiles)
-
-
 def test_an_out_that_cannot_hold_results_is_a_usage_error_before_any_case(chain_tiles, monkeypatch, capsys, tmp_path):
     (tmp_path / "file").write_text("")
     for out, message in [(tmp_path / "file", "is a file; the results go into a directory"),

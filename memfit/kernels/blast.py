@@ -42,7 +42,8 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   chain of Triton kernels (stages 1 and 3 by :func:`bgemm`, the mixing by ``_zmix_kernel``),
   each launched while the one before runs (blr_common's programmatic dependent launch);
   stage 3 pulls its U_i slice into L2 before it waits for T. At decode the three launches
-  and dependent reads of ``bmm_mix_bmm`` are most of its time.
+  and dependent reads of ``bmm_mix_bmm`` are most of its time. The two GEMMs' tiles are picked
+  together (blr_common.pick_chain_tiles).
 * ``z_mixgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``z_mixgemm`` with the second kernel chained
   to the first (blr_common's programmatic dependent launch: it starts while Z is being
   made, pulls its U_i slice into L2, then waits for Z). On a GPU that offers it the pick does
@@ -76,6 +77,7 @@ from memfit.kernels.blr_common import (
     per_block_gemm,
     pick_bucket,
     pick_candidates,
+    pick_chain_tiles,
     pick_variant,
     pow2_at_least,
     prefetch_l2,
@@ -312,14 +314,25 @@ def _zmix(z, s, chained=False):
     return t
 
 
-def _bgemm_mix_bgemm_pdl(x2, u, v, s, bias):
-    """The three stages of ``bmm_mix_bmm`` as a chain of Triton kernels, each launched while the
-    previous one runs; stage 3 prefetches its U_i slice before waiting for T."""
+def _chained_bgemm_mix_bgemm(x2, u, v, s, bias, tiles=(None, None)):
     b, m, r = v.shape
     n = x2.shape[0]
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
-    bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1), launch_dependents=True)
-    return per_block_gemm(_zmix(z, s, chained=True), u.transpose(1, 2), bias, cublas=False, wait_for_previous=True)
+    bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1), launch_dependents=True,
+          tile=tiles[0])
+    return per_block_gemm(_zmix(z, s, chained=True), u.transpose(1, 2), bias, cublas=False, wait_for_previous=True,
+                          tile=tiles[1])
+
+
+def _bgemm_mix_bgemm_pdl(x2, u, v, s, bias):
+    """The three stages of ``bmm_mix_bmm`` as a chain of Triton kernels, each launched while the
+    previous one runs; stage 3 prefetches its U_i slice before waiting for T. The two GEMMs' tiles are
+    picked together (:func:`blr_common.pick_chain_tiles`; the mixing's alone, by its autotuner)."""
+    (b, m, r), p = v.shape, u.shape[1]
+    args = (x2, u, v, s, bias)
+    tiles = pick_chain_tiles("blast_linear bgemm_mix_bgemm_pdl", (pick_bucket(x2.shape[0]), b, p, r, m, str(x2.dtype)),
+                             ((m, r, b), (r, p, b)), _chained_bgemm_mix_bgemm, args)
+    return _chained_bgemm_mix_bgemm(*args, tiles=tiles or (None, None))
 
 
 # ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------

@@ -189,25 +189,32 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
     if key in _UNTIMED:
         return _UNTIMED[key]
     if cache.get(key) not in candidates:
-        copies = rotation(op, args)
-        first = _rotated_times(op, candidates, copies)
-        best = min(first.values())
-        if best == float("inf"):                        # each failure was said (e.g. no memory to time in)
+        timings = _timed_fastest(op, candidates, args)
+        if "pick" not in timings:                       # each failure was said (e.g. no memory to time in)
             warn_once(f"pick-none-ran:{key}", f"{op}: none of its kernel variants could be timed for shape "
                       f"{shape_key}; running {default!r} untimed in this process (timed again in the next)")
             _UNTIMED[key] = default
             return default
-        finalists = {name: candidates[name] for name, ms in first.items() if ms <= best * PICK_FINALIST_SLACK}
-        if len(finalists) > 1:
-            final = _final_times(op, finalists, copies)
-        else:
-            final = {name: first[name] for name in finalists}
-        cache[key] = min(final, key=final.get)
-        PICK_TIMINGS[record] = {"first": first, "finalists": final, "pick": cache[key]}
+        cache[key] = timings["pick"]
+        PICK_TIMINGS[record] = timings
         _save_cache(cache)
     elif record not in PICK_TIMINGS:
         PICK_TIMINGS[record] = {"pick": cache[key], "cached": True}
     return cache[key]
+
+
+def _timed_fastest(op: str, candidates: dict, args: tuple) -> dict:
+    """The timings of ``candidates`` (name -> fn(*args)) over :func:`rotation`'s copies of ``args``: every one once
+    ("first"), those within PICK_FINALIST_SLACK of the fastest again (:func:`_final_times`, "finalists"), and the
+    fastest finalist ("pick"; no pick where none could be timed)."""
+    copies = rotation(op, args)
+    first = _rotated_times(op, candidates, copies)
+    best = min(first.values())
+    if best == float("inf"):
+        return {"first": first}
+    finalists = {name: candidates[name] for name, ms in first.items() if ms <= best * PICK_FINALIST_SLACK}
+    final = _final_times(op, finalists, copies) if len(finalists) > 1 else {name: first[name] for name in finalists}
+    return {"first": first, "finalists": final, "pick": min(final, key=final.get)}
 
 
 def _final_times(op: str, finalists: dict, copies: list[tuple]) -> dict:
@@ -465,11 +472,13 @@ def tuned(configs: list[tuple], names: tuple[str, ...], interpreter_config: tupl
 
 def tile_picks() -> dict[str, dict[str, str]]:
     """Kernel name -> {autotuning key: the tile config taken} for every kernel :func:`tuned` made that has tuned in
-    this process (or read its pick from Triton's disk cache). The benchmarks record it beside the variant picks: the
-    same pipeline has read 11.15 and 13.32 us in two layer tables offered the same tiles (Monarch two_stage_pdl,
-    Llama-1B up, N = 128, 1476f91 and f969028), and neither recorded which tiles its autotuner took."""
-    return {kernel.base_fn.__name__: {str(key): str(config) for key, config in kernel.cache.items()}
-            for kernel in TUNED_KERNELS if kernel.cache}
+    this process (or read its pick from Triton's disk cache), and under "chained bgemm pairs" the tiles each chain
+    took together (:func:`pick_chain_tiles`). The benchmarks record it beside the variant picks: the same pipeline
+    has read 11.15 and 13.32 us in two layer tables offered the same tiles (Monarch two_stage_pdl, Llama-1B up,
+    N = 128, 1476f91 and f969028), and neither recorded which tiles its autotuner took."""
+    picks = {kernel.base_fn.__name__: {str(key): str(config) for key, config in kernel.cache.items()}
+             for kernel in TUNED_KERNELS if kernel.cache}
+    return picks | ({"chained bgemm pairs": dict(CHAIN_TILE_PICKS)} if CHAIN_TILE_PICKS else {})
 
 
 def keep_small_n(configs, n: int, name: str = "BN"):
@@ -786,7 +795,7 @@ def bgemm_grid(n: int, cols: int, batches: int, bn: int, bc: int, batch_group: i
 
 def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides, c_strides,
           grp: int | None = None, bias=None, launch_dependents: bool = False,
-          wait_for_previous: bool = False, a_runs: tuple[int, int] | None = None) -> None:
+          wait_for_previous: bool = False, a_runs: tuple[int, int] | None = None, tile: tuple | None = None) -> None:
     """c[bt][n, col] = sum_k a[bt][n, k] b[bt][k, col] (+ bias[feature]) for bt < batches.
 
     Strides in elements: a (batch, n, k), b (batch, k, col), c (batch, n, group, in-group):
@@ -807,6 +816,9 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
     In a chain (:func:`chain_options`): ``launch_dependents`` lets the next kernel start now;
     ``wait_for_previous`` prefetches this program's slice of b (the weights) into L2, then
     waits for the previous kernel (which writes a). b needs a unit stride along k or col.
+
+    ``tile`` (BN, BC, BK, warps, stages), one of :func:`bgemm_tiles_offered`, runs that tile instead of the
+    autotuner's pick (a chain's tiles are picked together: :func:`pick_chain_tiles`).
     """
     grp = grp or cols
     run, run_stride = a_runs or (k, 0)
@@ -820,10 +832,71 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
             raise MemfitError(f"bgemm: a's runs start misaligned, so a's storage needs {A_WINDOW_SLACK} elements "
                               "of slack past its last run (allocate it larger)")
     grid = lambda meta: bgemm_grid(n, cols, batches, meta["BN"], meta["BC"], meta["BATCH_GROUP"])
-    _bgemm_kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, run, batches, n_bucket(n),
-                        *a_strides, run_stride, *b_strides, *c_strides, HAS_BIAS=bias is not None,
-                        PRECISION=blr_precision(a.dtype), B_ROWS_CONTIGUOUS=wait_for_previous and b_strides[2] == 1,
-                        LINE=line_elements(b), **chain_options(launch_dependents, wait_for_previous))
+    kernel, fixed = _bgemm_kernel, {}
+    if tile is not None:                                          # the heuristics still set EVEN_K and the a reads
+        kernel = _bgemm_kernel.fn
+        fixed = dict(zip(("BN", "BC", "BK", "num_warps", "num_stages"), tile), BATCH_GROUP=1)
+    kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, run, batches, n_bucket(n),
+                 *a_strides, run_stride, *b_strides, *c_strides, HAS_BIAS=bias is not None,
+                 PRECISION=blr_precision(a.dtype), B_ROWS_CONTIGUOUS=wait_for_previous and b_strides[2] == 1,
+                 LINE=line_elements(b), **chain_options(launch_dependents, wait_for_previous), **fixed)
+
+
+def bgemm_tiles_offered(a, n: int, k: int, cols: int, batches: int, launch_dependents: bool = False,
+                        wait_for_previous: bool = False) -> list[tuple]:
+    """The one-batch tiles (BN, BC, BK, warps, stages) bgemm's autotuner chooses between for this launch (a plain,
+    ungathered a of ``a``'s dtype and device; :func:`_prune_bgemm`)."""
+    shape = {"N": n, "N_BUCKET": n_bucket(n), "C": cols, "K": k, "AGRP": k, "BATCHES": batches, "a_ptr": a}
+    kept = _prune_bgemm(_bgemm_kernel.configs, shape, LAUNCH_DEPENDENTS=launch_dependents,
+                        WAIT_FOR_PREVIOUS=wait_for_previous)
+    return sorted({bgemm_tile(c) for c in kept if c.kwargs["BATCH_GROUP"] == 1})
+
+
+CHAIN_TILE_PICKS: dict[str, str] = {}   # "op shape_key" -> the tile pair a chain took in this process (tile_picks)
+_CHAIN_TILES: dict[tuple, tuple] = {}   # (op, shape_key, device) -> that pair: later calls skip the lookup
+
+
+def pick_chain_tiles(op: str, shape_key: tuple, stages: tuple[tuple[int, int, int], tuple[int, int, int]],
+                     run_with, args: tuple) -> tuple[tuple, tuple] | None:
+    """The tiles of a chain of two bgemm launches (the first launching its dependents, the second waiting for it),
+    picked together: every pair of the tiles each launch is offered (:func:`bgemm_tiles_offered`), the whole
+    pipeline ``run_with(*args, tiles=pair)`` timed as the variant pick times pipelines (rotating copies, CUDA-graph
+    replays, finalists again), cached on disk beside the variant picks. ``stages``: each launch's (K, columns,
+    batches); args[0] is the (N, in) input. None where the stages are left to the autotuner: off the GPU, where
+    nothing is timed, or at a first call inside a CUDA graph capture (said once).
+
+    Why: the autotuner times each launch alone, but in a chain the second runs beside the first. At Llama-1B up,
+    N = 128, its picks gave Monarch's ``two_stage_pdl`` 11.15 us where the best of 25 pairs took 10.88, and one
+    stage-2 tile it can take alone (128 x 128 for 128 x 64) made the chain 13.33 us, the time the f969028 layer
+    table read (``benchmarks/chain_tiles.py``, 19084f9)."""
+    x, device = args[0], _cuda_device(args)
+    if device is None:
+        return None
+    if (known := _CHAIN_TILES.get((op, shape_key, device))) is not None:
+        return known
+    n = x.shape[0]
+    (k1, cols1, batches1), (k2, cols2, batches2) = stages
+    pairs = {f"{t1} + {t2}": (t1, t2)
+             for t1 in bgemm_tiles_offered(x, n, k1, cols1, batches1, launch_dependents=True)
+             for t2 in bgemm_tiles_offered(x, n, k2, cols2, batches2, wait_for_previous=True)}
+    key = "|".join([torch.cuda.get_device_name(), triton.__version__, _source_digest((run_with,)), op, "chained tiles",
+                    *map(str, shape_key)])
+    record, cache = f"{op} {shape_key}", _load_cache()
+    if cache.get(key) not in pairs:
+        if torch.cuda.is_current_stream_capturing():
+            warn_once(f"chain-in-capture:{key}", f"{op}: first call for shape {shape_key} is inside a CUDA graph "
+                      "capture, so its chained launches take the tiles each is fastest with alone (call it once "
+                      "before capturing)")
+            return None
+        timings = _timed_fastest(op, {label: functools.partial(run_with, tiles=tiles)
+                                      for label, tiles in pairs.items()}, args)
+        if "pick" not in timings:                                  # each failure was said
+            return None
+        cache[key] = timings["pick"]
+        _save_cache(cache)
+    CHAIN_TILE_PICKS[record] = cache[key]
+    _CHAIN_TILES[op, shape_key, device] = pairs[cache[key]]
+    return pairs[cache[key]]
 
 
 def bmm_into(a, b, out, bias=None) -> None:
@@ -841,7 +914,7 @@ def bmm_into(a, b, out, bias=None) -> None:
 
 
 def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_for_previous: bool = False,
-                   gathered_runs: tuple[int, int] = (1, 0)):
+                   gathered_runs: tuple[int, int] = (1, 0), tile: tuple | None = None):
     """y (N, b p): output block i = a[:, i, :] @ w[i] (+ bias), the last stage of Monarch and BLAST.
 
     ``a`` (N, b, K) and ``w`` (b, K, p) may be strided views. Block-major output (feature
@@ -850,6 +923,7 @@ def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_
     ``wait_for_previous`` (bgemm only) chains it after the kernel that wrote ``a``.
     ``gathered_runs = (count, stride)`` (bgemm only): block i's operand is ``count`` runs of K columns
     side by side, run g read ``g * stride`` elements after a[:, i, :] (w then has count * K rows).
+    ``tile``: bgemm's tile, where not autotuned (:func:`bgemm`).
     """
     n, b, k = a.shape
     p = w.shape[2]
@@ -865,6 +939,6 @@ def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_
         block_stride, col_stride = (1, b) if permute_output else (p, 1)
         bgemm(a, w, y, n, runs * k, p, b, (a.stride(1), a.stride(0), a.stride(2)), w.stride(),
               (block_stride, y.stride(0), 0, col_stride), bias=bias, wait_for_previous=wait_for_previous,
-              a_runs=(k, run_stride) if runs > 1 else None)
+              a_runs=(k, run_stride) if runs > 1 else None, tile=tile)
     return y
 

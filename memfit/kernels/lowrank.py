@@ -12,8 +12,9 @@ Three pipelines, all two GEMMs with z = x V (N r elements) written and read once
   tiles to cover the SMs: a decode competitor, and a check on cuBLAS at large N.
 * ``bgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``bgemm`` with the second GEMM chained to the first
   (blr_common's programmatic dependent launch: it starts early, pulls its U slice into
-  L2, then waits for z). On a GPU that offers it the pick does not time ``bgemm`` at any N: on
-  the H200 it never came within 5% of the fastest (:func:`blr_common.pick_candidates`).
+  L2, then waits for z), the two GEMMs' tiles picked together (blr_common.pick_chain_tiles). On a GPU
+  that offers it the pick does not time ``bgemm`` at any N: on the H200 it never came within 5% of the
+  fastest (:func:`blr_common.pick_candidates`).
 A chained single kernel (z on chip) is not offered: each output tile would recompute
 its z, repeating the first GEMM out/BO times, which lost by 50-170x on the H200.
 Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x (nothing where the
@@ -30,6 +31,7 @@ from memfit.kernels.blr_common import (
     pdl_offered,
     pick_bucket,
     pick_candidates,
+    pick_chain_tiles,
     pick_variant,
     recompute_backward,
     recomputing,
@@ -45,19 +47,28 @@ def lowrank_linear_reference(x, u, v, bias=None):
     return y if bias is None else y + bias
 
 
-def _bgemm(x2, u, v, bias, chained=False):
+def _bgemm(x2, u, v, bias, chained=False, tiles=(None, None)):
     (out, r), (n, d_in) = u.shape, x2.shape
     z = torch.empty(n, r, device=x2.device, dtype=x2.dtype)
     bgemm(x2, v, z, n, d_in, r, 1, (0, x2.stride(0), 1), (0, *v.stride()), (0, z.stride(0), 0, 1),
-          launch_dependents=chained)
+          launch_dependents=chained, tile=tiles[0])
     y = torch.empty(n, out, device=x2.device, dtype=x2.dtype)
     bgemm(z, u, y, n, r, out, 1, (0, z.stride(0), 1), (0, u.stride(1), u.stride(0)), (0, y.stride(0), 0, 1),
-          bias=bias, wait_for_previous=chained)
+          bias=bias, wait_for_previous=chained, tile=tiles[1])
     return y
 
 
+def _chained_bgemm(x2, u, v, bias, tiles=(None, None)):
+    return _bgemm(x2, u, v, bias, chained=True, tiles=tiles)
+
+
 def _bgemm_pdl(x2, u, v, bias):
-    return _bgemm(x2, u, v, bias, chained=True)
+    """``bgemm`` chained, the two GEMMs' tiles picked together (:func:`blr_common.pick_chain_tiles`)."""
+    (out, r), d_in = u.shape, v.shape[0]
+    args = (x2, u, v, bias)
+    tiles = pick_chain_tiles("lowrank_linear bgemm_pdl", (pick_bucket(x2.shape[0]), out, r, d_in, str(x2.dtype)),
+                             ((d_in, r, 1), (r, out, 1)), _chained_bgemm, args)
+    return _chained_bgemm(*args, tiles=tiles or (None, None))
 
 
 def _cublas(x2, u, v, bias):

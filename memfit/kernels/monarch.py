@@ -15,7 +15,8 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
 * ``two_stage_pdl`` (N <= PDL_MAX_N, Hopper+): ``two_stage`` with stage 2 chained to stage 1
   (blr_common's programmatic dependent launch: stage 2 starts while stage 1 runs, pulls
   its w2 slice into L2, then waits for z). At decode each stage is a launch plus one
-  dependent weight read, so overlapping them is most of what is left to gain. Both layouts.
+  dependent weight read, so overlapping them is most of what is left to gain. The two stages' tiles
+  are picked together (blr_common.pick_chain_tiles). Both layouts.
 * ``bmm``: the same Triton stage 1, then stage 2 on cuBLAS (:func:`per_block_gemm`), a
   strided batched GEMM reading z as (b_i, N, r) (lda = b r) and writing the block-major
   y through a (b, N, p) view (ldc = b p): no copy. Expected to win at large N, where
@@ -86,6 +87,7 @@ from memfit.kernels.blr_common import (
     per_block_gemm,
     pick_bucket,
     pick_candidates,
+    pick_chain_tiles,
     pick_variant,
     pow2_at_least,
     recompute_backward,
@@ -115,13 +117,13 @@ def monarch_linear_reference(x, w1, w2, bias=None, permute_output=False):
     return y if bias is None else y + bias
 
 
-def _stage1(x2, w1, launch_dependents=False):
+def _stage1(x2, w1, launch_dependents=False, tile=None):
     """z[n, i, j t + s] = (x_j w1[j])[n, i t + s]: stage 1 with P^T folded into the store."""
     b, m, r = w1.shape
     t, n = r // b, x2.shape[0]
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
     bgemm(x2, w1, z, n, m, r, b, (m, x2.stride(0), 1), w1.stride(), (t, b * r, r, 1), grp=t,
-          launch_dependents=launch_dependents)
+          launch_dependents=launch_dependents, tile=tile)
     return z
 
 
@@ -129,9 +131,19 @@ def _two_stage(x2, w1, w2, bias, permute_output):
     return per_block_gemm(_stage1(x2, w1), w2, bias, cublas=False, permute_output=permute_output)
 
 
+def _chained_two_stage(x2, w1, w2, bias, permute_output, tiles=(None, None)):
+    return per_block_gemm(_stage1(x2, w1, launch_dependents=True, tile=tiles[0]), w2, bias, cublas=False,
+                          permute_output=permute_output, wait_for_previous=True, tile=tiles[1])
+
+
 def _two_stage_pdl(x2, w1, w2, bias, permute_output):
-    return per_block_gemm(_stage1(x2, w1, launch_dependents=True), w2, bias, cublas=False,
-                          permute_output=permute_output, wait_for_previous=True)
+    """``two_stage`` chained, with the two stages' tiles picked together (:func:`blr_common.pick_chain_tiles`)."""
+    (b, m, r), p = w1.shape, w2.shape[2]
+    args = (x2, w1, w2, bias, permute_output)
+    tiles = pick_chain_tiles("monarch_linear two_stage_pdl", (pick_bucket(x2.shape[0]), b, m, r, p, permute_output,
+                                                              str(x2.dtype)), ((m, r, b), (r, p, b)),
+                             _chained_two_stage, args)
+    return _chained_two_stage(*args, tiles=tiles or (None, None))
 
 
 def _bmm(x2, w1, w2, bias, permute_output):
