@@ -90,9 +90,19 @@ def parse():
                      "stages")
     if args.tiles is not None and args.tiles < 1:
         parser.error(f"--tiles takes a positive count of tiles, got {args.tiles}")
+    if args.tiles is not None and args.tiles > (offered := len(mode_tiles(args)[1])):
+        parser.error(f"--tiles {args.tiles}: this mode offers {offered} tiles")
     if min(args.groups) < 1 or ((args.gather or args.mid) and args.groups != [1]):
         parser.error(f"--groups takes positive batch counts, and not with --gather or --mid; got {args.groups}")
     return args
+
+
+def mode_tiles(args) -> tuple[tuple[int, ...], list[tuple]]:
+    """The stages the mode of ``args`` times and its list of tiles, of which --tiles keeps the first T."""
+    from memfit.kernels.blr_common import BGEMM_SHORT_RUNS
+
+    return (((1, 2), DECODE_CONFIGS) if args.decode else ((1, 2), MID_CONFIGS) if args.mid
+            else ((2,), CONFIGS + BGEMM_SHORT_RUNS) if args.gather else ((1,), CONFIGS))
 
 
 class Gemm:
@@ -271,13 +281,11 @@ def main() -> int:
         return 2
     from rich.progress import Progress
 
-    from memfit.kernels.blr_common import BGEMM_SHORT_RUNS
     from memfit.measure.results import write_results
     from memfit.measure.timing import measure_ceilings
 
     shapes = args.shapes
-    stages, configs = (((1, 2), DECODE_CONFIGS) if args.decode else ((1, 2), MID_CONFIGS) if args.mid
-                       else ((2,), CONFIGS + BGEMM_SHORT_RUNS) if args.gather else ((1,), CONFIGS))
+    stages, configs = mode_tiles(args)
     configs = configs[:args.tiles]
     mode = "_decode" if args.decode else "_mid" if args.mid else "_gather" if args.gather else ""
     stem = ("bgemm_tiles" + mode
