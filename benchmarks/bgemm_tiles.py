@@ -58,7 +58,7 @@ MID_CONFIGS = [  # 32- and 64-token tiles, few columns: more programs where N an
 
 
 def parse():
-    from memfit.measure.results import out_dir_problem
+    from memfit.measure.results import check_out_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
@@ -78,8 +78,7 @@ def parse():
                         help="stage 1 stored (N, b, r), runs of t, as bmm and two_stage store it (default: token-major)")
     parser.add_argument("--tiles", type=int, default=None, metavar="T", help="only the first T tiles of the mode's list")
     args = parser.parse_args()
-    if problem := out_dir_problem(args.out):
-        parser.error(problem)
+    check_out_dir(parser, args.out)
     if args.decode + args.gather + args.mid > 1:
         parser.error("--decode, --mid and --gather each time other stages: give one")
     args.shapes = select_shapes(parser, args.shapes)
