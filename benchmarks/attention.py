@@ -33,7 +33,7 @@ if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is imp
 import torch  # noqa: E402
 
 from memfit.kernels.attention import VARIANTS, attention, attention_recompute_backward, partial_slots  # noqa: E402
-from memfit.measure.results import target, write_results  # noqa: E402
+from memfit.measure.results import check_out_dir, target, write_results  # noqa: E402
 from memfit.measure.timing import Ceilings, bench_ms, measure_ceilings  # noqa: E402
 
 SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
@@ -226,6 +226,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU through the Triton interpreter")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default benchmarks/results)")
     args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)
     cuda = torch.cuda.is_available() and not args.smoke
     if args.smoke:
         device, dtype, heads, dim, tokens, seqs = "cpu", torch.float16, 2, 16, 64, (16, 32)

@@ -58,7 +58,7 @@ MID_CONFIGS = [  # 32- and 64-token tiles, few columns: more programs where N an
 
 
 def parse():
-    from memfit.measure.results import out_dir_problem
+    from memfit.measure.results import check_out_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
@@ -78,8 +78,7 @@ def parse():
                         help="stage 1 stored (N, b, r), runs of t, as bmm and two_stage store it (default: token-major)")
     parser.add_argument("--tiles", type=int, default=None, metavar="T", help="only the first T tiles of the mode's list")
     args = parser.parse_args()
-    if problem := out_dir_problem(args.out):
-        parser.error(problem)
+    check_out_dir(parser, args.out)
     if args.decode + args.gather + args.mid > 1:
         parser.error("--decode, --mid and --gather each time other stages: give one")
     args.shapes = select_shapes(parser, args.shapes)
@@ -90,9 +89,19 @@ def parse():
                      "stages")
     if args.tiles is not None and args.tiles < 1:
         parser.error(f"--tiles takes a positive count of tiles, got {args.tiles}")
+    if args.tiles is not None and args.tiles > (offered := len(mode_tiles(args)[1])):
+        parser.error(f"--tiles {args.tiles}: this mode offers {offered} tiles")
     if min(args.groups) < 1 or ((args.gather or args.mid) and args.groups != [1]):
         parser.error(f"--groups takes positive batch counts, and not with --gather or --mid; got {args.groups}")
     return args
+
+
+def mode_tiles(args) -> tuple[tuple[int, ...], list[tuple]]:
+    """The stages the mode of ``args`` times and its list of tiles, of which --tiles keeps the first T."""
+    from memfit.kernels.blr_common import BGEMM_SHORT_RUNS
+
+    return (((1, 2), DECODE_CONFIGS) if args.decode else ((1, 2), MID_CONFIGS) if args.mid
+            else ((2,), CONFIGS + BGEMM_SHORT_RUNS) if args.gather else ((1,), CONFIGS))
 
 
 class Gemm:
@@ -271,13 +280,11 @@ def main() -> int:
         return 2
     from rich.progress import Progress
 
-    from memfit.kernels.blr_common import BGEMM_SHORT_RUNS
     from memfit.measure.results import write_results
     from memfit.measure.timing import measure_ceilings
 
     shapes = args.shapes
-    stages, configs = (((1, 2), DECODE_CONFIGS) if args.decode else ((1, 2), MID_CONFIGS) if args.mid
-                       else ((2,), CONFIGS + BGEMM_SHORT_RUNS) if args.gather else ((1,), CONFIGS))
+    stages, configs = mode_tiles(args)
     configs = configs[:args.tiles]
     mode = "_decode" if args.decode else "_mid" if args.mid else "_gather" if args.gather else ""
     stem = ("bgemm_tiles" + mode

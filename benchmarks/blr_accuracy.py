@@ -31,7 +31,7 @@ from memfit.compress import compress_model
 from memfit.data import dev_test_split, token_splits
 from memfit.data.lm import perplexity, train_lm
 from memfit.layers import StructuredLinear
-from memfit.measure.results import RESULTS_DIR, target, write_results
+from memfit.measure.results import RESULTS_DIR, check_out_dir, target, write_results
 
 METHODS = ("lowrank", "monarch", "blast")
 
@@ -159,6 +159,7 @@ def main(argv=None) -> int:
                         help="recovery steps between dev-set scores; each model ends at its best")
     parser.add_argument("--smoke", action="store_true", help="tiny model, few steps, CPU")
     args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)
     if args.smoke:
         args.blocks, args.blast_steps, args.recovery_steps, args.batch, args.seq, args.calib_samples = 4, 10, 4, 4, 64, 4
         if args.model == RESULTS_DIR / "small_llama":

@@ -40,7 +40,7 @@ from memfit.compress import PAPER_RANKS_LLAMA_1B, structure_model
 from memfit.compress.convert import decoder_linears, model_shapes, replace_module
 from memfit.compress.plan import plan_kinds
 from memfit.kernels import blr_common
-from memfit.measure.results import target, write_results
+from memfit.measure.results import check_out_dir, target, write_results
 from memfit.models import PRESETS, build_model
 
 PREFILL = 1024
@@ -206,6 +206,7 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also split each timed step's GPU time by kernel kind (matmul, BLR, attention, other, idle)")
     args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)
     global PREFILL, DECODE_CACHE
     smoke = args.smoke or not torch.cuda.is_available()
     device = "cpu" if smoke else "cuda"

@@ -59,7 +59,7 @@ MAX_REL_ERR = 2e-2       # bf16: every pipeline must match the first row of its 
 
 
 def parse():
-    from memfit.measure.results import out_dir_problem
+    from memfit.measure.results import check_out_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through the Triton interpreter")
@@ -84,8 +84,7 @@ def parse():
                         help="time nothing: print the timing noise and pick misses of these finished results files "
                              "(the figures the notes quote) and how far dense eager read apart between them")
     args = parser.parse_args()
-    if problem := out_dir_problem(args.out):
-        parser.error(problem)
+    check_out_dir(parser, args.out)
     if args.summarize and (args.smoke or args.tokens or args.shapes or args.structures or args.profile
                            or args.profile_only or args.resume):
         parser.error("--summarize reads results files; it takes no other option")

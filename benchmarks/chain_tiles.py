@@ -35,7 +35,7 @@ MAX_REL_ERR = 2e-2
 
 
 def parse():
-    from memfit.measure.results import out_dir_problem
+    from memfit.measure.results import check_out_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
@@ -43,8 +43,7 @@ def parse():
     parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
                         help="only these shapes (default: all of blr_layers.SHAPES)")
     args = parser.parse_args()
-    if problem := out_dir_problem(args.out):
-        parser.error(problem)
+    check_out_dir(parser, args.out)
     check_tokens(parser, args.tokens)
     args.shapes = select_shapes(parser, args.shapes)
     return args

@@ -33,7 +33,7 @@ from memfit.infer.generate import Generator, weight_bytes_per_token
 from memfit.infer.partial_load import PartialConfig, load_model
 from memfit.kernels import decode, gemv
 from memfit.measure.kernel_profile import kernel_profile
-from memfit.measure.results import write_results
+from memfit.measure.results import check_out_dir, write_results
 from memfit.measure.timing import graph_ms
 from memfit.models import PRESETS
 
@@ -100,6 +100,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     args = parser.parse_args()
+    check_out_dir(parser, args.out)
     if not torch.cuda.is_available():
         print("decode_profile: needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ from finetune_memory import EIGHT_BIT_ROW, LOWEST_ROWS
 
 from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import predict
-from memfit.measure.results import RESULTS_DIR, target, write_results
+from memfit.measure.results import RESULTS_DIR, check_out_dir, target, write_results
 from memfit.models import PRESETS
 
 GB = 1e9
@@ -45,6 +45,7 @@ def main(argv=None) -> int:
                         help="a results file of benchmarks/finetune_memory.py (default: the full table)")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)
     try:
         measured = json.loads(Path(args.measured).read_text())
     except (OSError, ValueError) as exc:

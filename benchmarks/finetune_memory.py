@@ -30,7 +30,7 @@ import time
 import torch
 
 from memfit.ledger.verify import make_optimizer
-from memfit.measure.results import target, write_results
+from memfit.measure.results import check_out_dir, target, write_results
 from memfit.models import PRESETS, build_model
 from memfit.train.checkpoint import CheckpointPolicy
 from memfit.train.patch import patch, patch_state
@@ -236,6 +236,7 @@ def main() -> None:
                         help="only the 4-bit-model rows whose name contains TEXT (e.g. 'exact'), each on a fresh "
                              "model; own results file")
     args = parser.parse_args()
+    check_out_dir(parser, args.out)
     if args.rows is not None and args.lowest_only:
         parser.error("--rows and --lowest-only both choose rows: give one")
     if args.rows is not None and not chosen_rows(args.rows):

@@ -26,7 +26,7 @@ from memfit.errors import MemfitError
 from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import blr_dense_kinds
 from memfit.ledger.verify import verify
-from memfit.measure.results import out_dir_problem, target, write_results
+from memfit.measure.results import check_out_dir, target, write_results
 from memfit.models import PRESETS
 
 # (preset, task, seq, batch, knobs) -- bf16, as these models ship
@@ -112,8 +112,7 @@ def main(argv=None) -> int:
     parser.add_argument("--blr", action="store_true", help="the block-low-rank jobs (BLR_JOBS) instead")
     parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
     args = parser.parse_args(argv)
-    if problem := out_dir_problem(args.out):
-        parser.error(problem)
+    check_out_dir(parser, args.out)
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU: run with --smoke on CPU", file=sys.stderr)

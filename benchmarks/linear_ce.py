@@ -59,7 +59,7 @@ import torch.nn.functional as F  # noqa: E402
 from memfit.kernels import linear_ce  # noqa: E402
 from memfit.kernels.linear_ce import backward_memory, linear_cross_entropy  # noqa: E402
 from memfit.measure.kernel_profile import kernel_profile  # noqa: E402
-from memfit.measure.results import target, write_results  # noqa: E402
+from memfit.measure.results import check_out_dir, target, write_results  # noqa: E402
 
 IGNORE = -100
 LOGIT_STD = 0.02 * math.sqrt(2048)  # the logit std of the first shape with weight std 0.02, kept at every shape
@@ -407,6 +407,7 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="memfit only: per-kernel CUDA time of each backward setting (linear_ce_profile.json)")
     args = parser.parse_args()
+    check_out_dir(parser, args.out)
     if args.profile:
         if args.smoke:
             path = profile_run([(64, 48)], 1037, "cpu", args.out)

@@ -43,7 +43,7 @@ from memfit.data.corpus import token_splits                                 # no
 from memfit.infer.calibrate import calibrate                               # noqa: E402
 from memfit.infer.generate import Generator, weight_bytes_per_token         # noqa: E402
 from memfit.infer.partial_load import PartialConfig, load_model             # noqa: E402
-from memfit.measure.results import target, write_results                    # noqa: E402
+from memfit.measure.results import check_out_dir, target, write_results     # noqa: E402
 from memfit.measure.timing import Ceilings, measure_ceilings                # noqa: E402
 from memfit.models import PRESETS, build_model                              # noqa: E402
 
@@ -333,6 +333,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-speed", action="store_true",
                         help="accuracy grid only, written to partial_ffn_accuracy.json (the speed results stay)")
     args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type == "cuda":
         ceilings = measure_ceilings()

@@ -52,8 +52,11 @@ def first_call(torch, layer, x, pick_timings: dict) -> tuple[float, dict]:
 
 
 def main() -> int:
+    from memfit.measure.results import check_out_dir
+
     parse = parser()
     args = parse.parse_args()
+    check_out_dir(parse, args.out)
     if bad := [n for n in args.tokens if n < 1]:
         parse.error(f"--tokens must be positive, got {bad}")
     with tempfile.TemporaryDirectory(prefix="memfit_pick_cost_") as scratch:

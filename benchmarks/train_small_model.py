@@ -28,7 +28,7 @@ import torch
 from memfit.data import ByteTokenizer, dev_test_split, token_splits
 from memfit.data.corpus import python_version
 from memfit.data.lm import perplexity, train_lm
-from memfit.measure.results import RESULTS_DIR, target, write_results
+from memfit.measure.results import RESULTS_DIR, check_out_dir, target, write_results
 from memfit.models import ModelSpec, build_model
 
 DEFAULT_OUT = RESULTS_DIR / "small_llama"
@@ -74,6 +74,7 @@ def main(argv=None) -> int:
                         help="steps between dev-set scores; the saved model is the best-scoring one")
     parser.add_argument("--smoke", action="store_true", help="tiny model, a few steps, CPU")
     args = parser.parse_args(argv)
+    check_out_dir(parser, args.results, "--results")
     if args.smoke:
         args.steps, args.batch, args.seq = 20, 4, 64
     out = args.out or (Path(tempfile.mkdtemp()) / "small_llama" if args.smoke else DEFAULT_OUT)

@@ -97,3 +97,17 @@ def test_bad_sweep_options_are_usage_errors(bgemm_tiles, monkeypatch, capsys, ar
     with pytest.raises(SystemExit):
         bgemm_tiles.parse()
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode,tiles", [([], "CONFIGS"), (["--decode"], "DECODE_CONFIGS"), (["--mid"], "MID_CONFIGS"),
+                                        (["--gather"], "CONFIGS")])
+def test_tiles_past_the_modes_list_are_a_usage_error(bgemm_tiles, monkeypatch, capsys, mode, tiles):
+    from memfit.kernels.blr_common import BGEMM_SHORT_RUNS
+
+    offered = len(getattr(bgemm_tiles, tiles)) + (len(BGEMM_SHORT_RUNS) if mode == ["--gather"] else 0)
+    monkeypatch.setattr(sys, "argv", ["bgemm_tiles.py", *mode, "--tiles", str(offered)])
+    assert bgemm_tiles.parse().tiles == offered
+    monkeypatch.setattr(sys, "argv", ["bgemm_tiles.py", *mode, "--tiles", str(offered + 1)])
+    with pytest.raises(SystemExit):
+        bgemm_tiles.parse()
+    assert f"--tiles {offered + 1}: this mode offers {offered} tiles" in capsys.readouterr().err

@@ -58,18 +58,26 @@ def results_path(name: str, out_dir: Path | str | None = None) -> Path:
     return directory / f"{name}.json"
 
 
-def out_dir_problem(out_dir: Path | str | None) -> str | None:
+def out_dir_problem(out_dir: Path | str | None, option: str = "--out") -> str | None:
     """Why ``out_dir`` cannot take results files, or None (None: the default directory). A benchmark asks before
-    its first case, so a mistyped --out fails in a second instead of after the first case's minutes of GPU time."""
+    its first case, so a mistyped --out fails in a second instead of after the first case's minutes of GPU time.
+    ``option`` is the command-line option the message names."""
     if not out_dir:
         return None
     path = Path(out_dir).expanduser().absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        return f"--out {out_dir}: {existing} is a file; the results go into a directory"
+        return f"{option} {out_dir}: {existing} is a file; the results go into a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return f"--out {out_dir}: cannot write in {existing}"
+        return f"{option} {out_dir}: cannot write in {existing}"
     return None
+
+
+def check_out_dir(parser, out_dir: Path | str | None, option: str = "--out") -> None:
+    """``parser.error(...)`` (usage message, exit 2) where ``out_dir`` cannot take results files: what every
+    benchmark with a results directory option calls right after parsing its arguments (see out_dir_problem)."""
+    if problem := out_dir_problem(out_dir, option):
+        parser.error(problem)
 
 
 def partial_results(path: Path, **settings) -> dict:

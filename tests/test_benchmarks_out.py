@@ -1,0 +1,27 @@
+"""Every benchmark that writes results refuses, while it parses its arguments, a results directory that cannot
+hold them (measure.results.check_out_dir): a mistyped --out fails in a second, not after minutes of GPU time."""
+import sys
+
+import pytest
+from conftest import ROOT, load_benchmark
+
+RESULTS_OPTION = {"attention": "--out", "bgemm_tiles": "--out", "blr_accuracy": "--out", "blr_e2e": "--out",
+                  "blr_layers": "--out", "chain_tiles": "--out", "decode_profile": "--out", "finetune_ledger": "--out",
+                  "finetune_memory": "--out", "ledger_accuracy": "--out", "linear_ce": "--out", "partial_ffn": "--out",
+                  "pick_cost": "--out", "train_small_model": "--results"}
+
+
+@pytest.mark.parametrize("name,option", RESULTS_OPTION.items())
+def test_a_results_dir_under_a_file_is_a_usage_error_before_any_work(name, option, monkeypatch, capsys, tmp_path):
+    benchmark = load_benchmark(name)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", option, str(tmp_path / "file" / "sub")])
+    with pytest.raises(SystemExit) as raised:
+        getattr(benchmark, "parse", benchmark.main)()          # main parses sys.argv where there is no parse()
+    assert raised.value.code == 2
+    assert f"{option} {tmp_path / 'file' / 'sub'}: {tmp_path / 'file'} is a file" in capsys.readouterr().err
+
+
+def test_every_benchmark_with_an_out_option_is_checked_above():
+    scripts = (ROOT / "benchmarks").glob("*.py")
+    assert {p.stem for p in scripts if 'add_argument("--out"' in p.read_text()} <= set(RESULTS_OPTION)
