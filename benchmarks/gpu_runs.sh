@@ -8,10 +8,11 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-# name|seconds|command, most pending first (after the nineteenth session, 2026-12-01: see its closing note). The
-# layer table comes first: f969028's stopped with Llama-7B down at N >= 128 untimed (its file's case times sum to
-# 579.7 s for the 30 cases of its first call and 27.7 s for the two a resume timed before the device time ran out;
-# 273092a's records 573 s for all 35, in one call).
+# name|seconds|command, most pending first (after the twentieth session, 2026-12-02: see its closing note). The
+# layer table needs two calls since the chained pipelines time every pair of their tiles: at af7a5bc its file records
+# 779 s: the first call stopped at a 385 s limit after 13 cases, whose case times sum to 372.1 s, and
+# blr_layers_resume timed the other 22, 386.5 s (f969028's first call timed 30 cases in 579.7 s of case times).
+# chain_tiles records 72 s at af7a5bc.
 # The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
 # recompiling every step); the ledger's 24 accuracy jobs record their own times, 74 s together at 141a414
 # (ledger_accuracy.json, the models' set-up not included).
@@ -21,11 +22,10 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # machine the table had just used. The models of blr_e2e record 281 s of set-up and timing, those of
 # blr_e2e_memfit_attention 166 s (each call also starts CUDA and measures the ceilings; 264 s at 1deb9e7).
 # ledger_accuracy_blr's 11 jobs record 219 s at 6671149 (228 s at 074d5b1). pick_cost's 42 first calls took 107 s at
-# 11b0a19, 92.3 s at d1edfef; partial_ffn 115 s at 0a7cc7e.
+# 11b0a19, 92.3 s at d1edfef, 142.5 s at af7a5bc; partial_ffn 115 s at 0a7cc7e.
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
-  "chain_tiles|400|python3 benchmarks/chain_tiles.py --out $OUT"
   "decode_profile|240|python3 benchmarks/decode_profile.py --out $OUT"
   "partial_ffn|300|python3 benchmarks/partial_ffn.py --out $OUT --skip-accuracy"
   "train_small_model|130|python3 benchmarks/train_small_model.py --out /tmp/small_llama --results $OUT --max-seconds 80"
@@ -41,6 +41,7 @@ RUNS=(
   "blr_e2e_memfit_attention|330|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
   "ledger_accuracy_blr|300|python3 benchmarks/ledger_accuracy.py --out $OUT --blr"
   "pick_cost|200|python3 benchmarks/pick_cost.py --out $OUT"
+  "chain_tiles|300|python3 benchmarks/chain_tiles.py --out $OUT"
 )
 status=0
 for run in "${RUNS[@]}"; do
