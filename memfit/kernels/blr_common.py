@@ -28,7 +28,7 @@
   re-read from L2, not HBM) and 64-bit offsets.
 * ``bmm_into``: the cuBLAS alternative for a stage that is a plain strided batched GEMM
   writing a strided view of the output (ldc = the row stride), so no copy is made.
-* Chained stages (the ``*_pdl`` pipelines, decode-sized N): a pipeline's second kernel is
+* Chained stages (the ``*_pdl`` pipelines, N <= PDL_MAX_N): a pipeline's second kernel is
   launched with programmatic dependent launch (Hopper+): the first calls
   ``gdc_launch_dependents`` as it starts, so the second is scheduled while the first runs;
   a GEMM stage asks L2 for its own weight slice (``prefetch_l2``: no registers held), the
@@ -505,7 +505,9 @@ TOKEN_MAJOR_MIN_N = 128  # from here Monarch and BLAST also offer intermediates 
 
 # ---- chained stages: programmatic dependent launch and an L2 prefetch of the weights ----
 
-PDL_MAX_N = 128          # token counts where a stage's launch and first read are a visible share of its time
+PDL_MAX_N = 256          # token counts where a stage's launch and first read are a visible share of its time: up to
+                         # 128 until af7a5bc, where Monarch's pick read 0.873-0.978x dense at four shapes at N = 256
+                         # (blr_layers_subset_256_512.json, 19084f9) and its chained pipeline had gained most at 128
 PREFETCH_BLOCK = tl.constexpr(128)  # L2 prefetch requests issued per step (one per thread at 4 warps)
 
 
