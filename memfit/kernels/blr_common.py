@@ -507,7 +507,10 @@ TOKEN_MAJOR_MIN_N = 128  # from here Monarch and BLAST also offer intermediates 
 
 PDL_MAX_N = 256          # token counts where a stage's launch and first read are a visible share of its time: up to
                          # 128 until af7a5bc, where Monarch's pick read 0.873-0.978x dense at four shapes at N = 256
-                         # (blr_layers_subset_256_512.json, 19084f9) and its chained pipeline had gained most at 128
+                         # (blr_layers_subset_256_512.json, 19084f9); offered at 256 (ba0a9d7, five of the seven
+                         # shapes timed, blr_layers_subset_256_chained.json) Monarch's chained pipeline took Llama-1B
+                         # q/o from 7.89 to 6.56 us (0.873x -> 1.064x dense), and BLAST's and low-rank's were the
+                         # fastest of their structure at none of the five
 PREFETCH_BLOCK = tl.constexpr(128)  # L2 prefetch requests issued per step (one per thread at 4 warps)
 
 
