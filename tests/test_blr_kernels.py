@@ -913,6 +913,23 @@ def test_a_chain_first_called_inside_a_capture_leaves_its_tiles_to_the_autotuner
     assert timed == [] and "capture" in warned[0] and "alone" in warned[0]
 
 
+def test_a_chain_whose_pairs_all_fail_leaves_its_tiles_to_the_autotuner_says_so_and_does_not_time_again(
+        fake_gpu_chain, monkeypatch):
+    """E.g. no memory to time in: each failure is said where it happens (_time_candidate), then once that the stages
+    take their own tiles; later calls in the process neither time again nor write the cache."""
+    times, timed = fake_gpu_chain
+    warned = []
+    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(blr_common, "_save_cache", lambda cache: pytest.fail("nothing to cache"))
+    monkeypatch.setattr(blr_common, "_time_candidate", lambda op, name, fn, args, rep_ms: timed.append(name) or math.inf)
+    x = torch.empty(16, 256, dtype=torch.bfloat16)
+    stages = ((128, 256, 16), (256, 128, 16))
+    assert blr_common.pick_chain_tiles("op", (16,), stages, lambda x, tiles: None, (x,)) is None
+    assert len(warned) == 1 and "none of its tile pairs" in warned[0] and timed
+    timed.clear()
+    assert blr_common.pick_chain_tiles("op", (16,), stages, lambda x, tiles: None, (x,)) is None and timed == []
+
+
 def test_off_the_gpu_a_chain_leaves_its_tiles_to_the_autotuner():
     x = torch.empty(16, 256)
     assert blr_common.pick_chain_tiles("op", (16,), ((128, 256, 16), (256, 128, 16)), None, (x,)) is None

@@ -858,7 +858,8 @@ def bgemm_tiles_offered(a, n: int, k: int, cols: int, batches: int, launch_depen
 
 
 CHAIN_TILE_PICKS: dict[str, str] = {}   # "op shape_key" -> the tile pair a chain took in this process (tile_picks)
-_CHAIN_TILES: dict[tuple, tuple] = {}   # (op, shape_key, device) -> that pair: later calls skip the lookup
+_CHAIN_TILES: dict[tuple, tuple | None] = {}   # (op, shape_key, device) -> that pair, or None where no pair could
+                                               # be timed: later calls in this process skip the lookup and the timing
 
 
 def pick_chain_tiles(op: str, shape_key: tuple, stages: tuple[tuple[int, int, int], tuple[int, int, int]],
@@ -873,12 +874,14 @@ def pick_chain_tiles(op: str, shape_key: tuple, stages: tuple[tuple[int, int, in
     Why: the autotuner times each launch alone, but in a chain the second runs beside the first. At Llama-1B up,
     N = 128, its picks gave Monarch's ``two_stage_pdl`` 11.15 us where the best of 25 pairs took 10.88, and one
     stage-2 tile it can take alone (128 x 128 for 128 x 64) made the chain 13.33 us, the time the f969028 layer
-    table read (``benchmarks/chain_tiles.py``, 19084f9)."""
+    table read (``benchmarks/chain_tiles.py``, 19084f9). The price is paid once per shape and N bucket (the pick is
+    cached on disk): a layer's first calls at N = 1 and 16, three structures at the seven shapes, took 142.5 s
+    against 92.3 s before (``benchmarks/pick_cost.py``, af7a5bc and d1edfef)."""
     x, device = args[0], _cuda_device(args)
     if device is None:
         return None
-    if (known := _CHAIN_TILES.get((op, shape_key, device))) is not None:
-        return known
+    if (op, shape_key, device) in _CHAIN_TILES:
+        return _CHAIN_TILES[op, shape_key, device]
     n = x.shape[0]
     (k1, cols1, batches1), (k2, cols2, batches2) = stages
     pairs = {f"{t1} + {t2}": (t1, t2)
@@ -896,6 +899,9 @@ def pick_chain_tiles(op: str, shape_key: tuple, stages: tuple[tuple[int, int, in
         timings = _timed_fastest(op, {label: functools.partial(run_with, tiles=tiles)
                                       for label, tiles in pairs.items()}, args)
         if "pick" not in timings:                                  # each failure was said
+            warn_once(f"chain-none-ran:{key}", f"{op}: none of its tile pairs could be timed for shape {shape_key}; "
+                      "its chained launches take the tiles each is fastest with alone in this process")
+            _CHAIN_TILES[op, shape_key, device] = None
             return None
         cache[key] = timings["pick"]
         _save_cache(cache)
