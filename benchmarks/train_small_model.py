@@ -41,10 +41,9 @@ def small_spec(smoke: bool) -> ModelSpec:
     return ModelSpec("small-bytes", "llama", 6, 384, 1024, 6, 2, 64, vocab, dtype="float32", max_position=1024)
 
 
-def save_dir(model, out: Path, info: dict, force: bool) -> Path:
-    """Write the model directory to a temp sibling and rename it into place."""
-    if out.exists() and not force:
-        sys.exit(f"{out} exists; pass --force to replace it")
+def save_dir(model, out: Path, info: dict) -> Path:
+    """Write the model directory to a temp sibling and rename it into place (replacing one there: main refused it
+    without --force before training)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -78,6 +77,9 @@ def main(argv=None) -> int:
     if args.smoke:
         args.steps, args.batch, args.seq = 20, 4, 64
     out = args.out or (Path(tempfile.mkdtemp()) / "small_llama" if args.smoke else DEFAULT_OUT)
+    check_out_dir(parser, out, "--out")                       # before minutes of training, not at the save
+    if out.exists() and not (args.force or args.smoke):
+        parser.error(f"--out {out} exists; pass --force to replace it")
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     torch.manual_seed(0)
     spec = small_spec(args.smoke)
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
     info = {"spec": spec.to_dict(), "params": params, "python": python_version(), "train_tokens": train.numel(),
             "val_tokens": test.numel(), "dev_tokens": dev.numel(), "seq_len": args.seq, "val_ppl": val_ppl,
             "train_ppl": train_ppl, **stats}
-    save_dir(model, out, info, force=args.force or args.smoke)
+    save_dir(model, out, info)
     print(f"{params / 1e6:.1f}M params, {stats['steps']} steps in {stats['seconds']:.0f}s "
           f"({stats['tokens_per_s'] / 1e3:.0f}k tok/s), kept step {stats['best_step']} (dev ppl "
           f"{stats['best_validation']:.3f}); test ppl {val_ppl:.3f} (train {train_ppl:.3f}); saved {out}")

@@ -25,3 +25,16 @@ def test_a_results_dir_under_a_file_is_a_usage_error_before_any_work(name, optio
 def test_every_benchmark_with_an_out_option_is_checked_above():
     scripts = (ROOT / "benchmarks").glob("*.py")
     assert {p.stem for p in scripts if 'add_argument("--out"' in p.read_text()} <= set(RESULTS_OPTION)
+
+
+def test_the_small_models_directory_is_checked_before_it_trains(monkeypatch, capsys, tmp_path):
+    """train_small_model's --out (the model, not the results) under a file, or already there without --force: a
+    usage error before the model is built, where these had failed at the save, after the training."""
+    benchmark = load_benchmark("train_small_model")
+    monkeypatch.setattr(benchmark, "build_model", lambda *a, **k: pytest.fail("refused before building the model"))
+    (tmp_path / "file").write_text("")
+    (tmp_path / "model").mkdir()
+    for out, message in [(tmp_path / "file" / "sub", "is a file"), (tmp_path / "model", "exists; pass --force")]:
+        with pytest.raises(SystemExit) as raised:
+            benchmark.main(["--out", str(out)])
+        assert raised.value.code == 2 and message in capsys.readouterr().err
