@@ -263,6 +263,9 @@ def test_an_out_where_nothing_can_be_written_is_refused_before_any_work(tmp_path
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     with pytest.raises(MemfitError, match="dangling is a symbolic link to nothing"):
         check_output(tmp_path / "dangling" / "x" / "y", force=False)
+    for length, message in [(300, "File name too long"), (240, "too long for its temporary save directory")]:
+        with pytest.raises(MemfitError, match=message):      # had been an OSError from the Python API
+            check_output(tmp_path / ("x" * length), force=False)
 
 
 def test_weights_the_config_does_not_describe_are_named(tmp_path, tiny_dir, caplog, monkeypatch):

@@ -41,10 +41,18 @@ OWNER_NAME = ".memfit_owner"       # in a temporary save directory: "<pid> <host
 
 
 def check_output(out: str | Path, force: bool) -> Path:
-    """``out`` as a directory this run can write (call before any work starts): it needs a name and a parent it can
-    create and write in; an existing ``out`` is replaced only with ``force``, and only if an earlier run wrote it
-    (it holds memfit_compress.json), so a mistyped --out never deletes a source model or other data."""
-    out = Path(out).expanduser()
+    """``out`` as a directory this run can write (call before any work starts): it needs a name short enough for
+    its temporary save directory beside it, and a parent it can create and write in; an existing ``out`` is replaced
+    only with ``force``, and only if an earlier run wrote it (it holds memfit_compress.json), so a mistyped --out
+    never deletes a source model or other data. What the file system refuses is a MemfitError too (e.g. a name
+    too long), as on the command line."""
+    try:
+        return _checked_output(Path(out).expanduser(), force)
+    except OSError as err:
+        raise MemfitError(f"--out {out}: {err.strerror or err}") from None
+
+
+def _checked_output(out: Path, force: bool) -> Path:
     if not out.name.strip() or out.name in (".", ".."):
         raise MemfitError(f"--out needs a directory name, got {str(out)!r}")
     if out.is_symlink():
@@ -67,6 +75,10 @@ def check_output(out: str | Path, force: bool) -> Path:
         os.rmdir(tempfile.mkdtemp(prefix=".memfit-probe-", dir=parent))
     except OSError as err:
         raise MemfitError(f"--out {out}: cannot write in {parent} ({err.strerror})") from None
+    longest, name_max = len(os.fsencode(_temp_prefix(out))) + TEMP_HEX, os.pathconf(parent, "PC_NAME_MAX")
+    if longest > name_max:
+        raise MemfitError(f"--out {out}: the name is too long for its temporary save directory beside it ({longest} "
+                          f"bytes; {parent} takes names of up to {name_max})")
     return out
 
 
