@@ -143,6 +143,18 @@ def test_save_load_roundtrip_identical(tmp_path, method, tied):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"], "no temp or old directories may be left behind"
 
 
+def test_a_long_output_name_is_replaced_with_force(tmp_path):
+    """The previous output moves aside under a name no longer than the temporary save directory's, which
+    check_output fits to the file system: with the temporary name inside it had passed NAME_MAX (255 bytes) from a
+    name of about 110 bytes, after all the work."""
+    model = build_model(PRESETS["tiny"])
+    result = compress_model(model, "lowrank", 0.5, 4, device="cpu")
+    out = tmp_path / ("m" * 200)
+    save_compressed(model, out, result.layers)
+    save_compressed(model, out, result.layers, force=True)
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
 def test_bad_shapes_get_clear_errors():
     W = torch.randn(48, 80)
     with pytest.raises(MemfitError, match="in_features=80 is not divisible by blocks=3"):

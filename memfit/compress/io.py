@@ -168,7 +168,7 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
                     shutil.copy2(Path(source_dir) / name, tmp / name)
         old = None
         if out.exists():
-            old = out.with_name(f".{out.name}.old-{tmp.name}")
+            old = out.with_name(f".{out.name}.old-{secrets.token_hex(TEMP_HEX // 2)}")   # no longer than tmp's name
             out.rename(old)
         tmp.rename(out)
         (out / OWNER_NAME).unlink()                    # after the rename: a temporary directory is never unowned
