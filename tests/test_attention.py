@@ -196,6 +196,35 @@ def test_hugging_face_model_matches_sdpa():
     assert _rel(got[mask.bool()], want[mask.bool()]) < 1e-5
 
 
+@pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
+def test_hugging_face_model_decodes_from_a_kv_cache_as_a_full_forward_does(cache_kind):
+    """With attn_implementation="memfit", a token decoded against a KV cache (SDPA's path) gets the logits of a full
+    forward over the same tokens (the kernel's path). A static cache holds unfilled positions past the prompt: the
+    FlashAttention-style mask left them unmasked, and the decode logits were 0.1 off."""
+    from transformers import DynamicCache, StaticCache
+
+    from memfit.models import build_model
+    from memfit.models.presets import PRESETS
+    from memfit.train.attention_hf import register
+
+    register()
+    spec = PRESETS["tiny"]
+    model = build_model(spec, dtype="float32", attn_implementation="memfit").eval()
+    ids, token = torch.randint(0, spec.vocab, (1, 10)), torch.tensor([[7]])
+    if cache_kind == "static":
+        try:
+            cache = StaticCache(config=model.config, max_cache_len=16)
+        except TypeError:                                            # transformers 4.x
+            cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=16, dtype=torch.float32)
+    else:
+        cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, cache_position=torch.arange(10), use_cache=True, past_key_values=cache)
+        got = model(input_ids=token, cache_position=torch.tensor([10]), use_cache=True, past_key_values=cache).logits
+        want = model(input_ids=torch.cat([ids, token], 1), use_cache=False).logits[:, -1:]
+    assert _rel(got, want) < 1e-5
+
+
 def test_hugging_face_attention_runs_restarting_position_ids_as_separate_sequences():
     """Eager: position_ids that restart (a packed batch of 5 and 4 tokens) attend within each sequence only."""
     from memfit.train.attention_hf import memfit_attention_forward

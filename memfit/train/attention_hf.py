@@ -1,8 +1,9 @@
 """memfit attention as a Hugging Face attention implementation (``attn_implementation="memfit"``).
 
-``register()`` adds ``"memfit"`` to transformers' ``AttentionInterface`` (and the
-FlashAttention-style mask builder to ``AttentionMaskInterface``, so the model hands over
-either no mask or a 2-D padding mask, never an N x N one). After that,
+``register()`` adds ``"memfit"`` to transformers' ``AttentionInterface``, and to
+``AttentionMaskInterface`` a mask builder (:func:`memfit_attention_mask`) that hands the kernel
+either no mask or a 2-D padding mask, never an N x N one, and a call with a KV cache (keys other
+than the queries' own) SDPA's full mask. After that,
 ``build_model(spec, attn_implementation="memfit")`` or
 ``model.set_attn_implementation("memfit")`` runs every attention layer through
 ``memfit.kernels.attention.attention``:
@@ -16,7 +17,11 @@ either no mask or a 2-D padding mask, never an N x N one). After that,
   every layer), said once: a packed batch must then carry ``cu_seq_lens_q``.
 
 Queries shorter than keys (decoding with a KV cache) and dropout are not handled by the
-kernel: those calls go to transformers' SDPA implementation, said once in the log.
+kernel: those calls go to transformers' SDPA implementation, said once in the log. With a
+static cache they need SDPA's mask: the cache's keys include its unfilled positions. Until
+this builder the FlashAttention one gave them none, so decoding attended over those
+positions too (a tiny Llama's decode logits 0.1 off; the end-to-end benchmark's
+memfit-attention runs decoded that way).
 """
 from __future__ import annotations
 
@@ -96,13 +101,24 @@ def _not_inspected_when_compiled() -> bool:
     return False
 
 
+def memfit_attention_mask(**kwargs):
+    """transformers' mask-builder signature (keywords only). Where the keys are the queries' own (no cache), the
+    FlashAttention-style mask: None or the 2-D padding mask, which the kernel takes. Otherwise the keys come from a
+    KV cache, and the call goes to SDPA (:func:`memfit_attention_forward`), which needs SDPA's own mask: a static
+    cache's keys include the positions it has not filled yet."""
+    from transformers.masking_utils import flash_attention_mask, sdpa_mask
+
+    q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]   # transformers 4.x
+    return (flash_attention_mask if q_length == kwargs["kv_length"] else sdpa_mask)(**kwargs)
+
+
 def register() -> str:
     """Make ``attn_implementation="memfit"`` available to every transformers model; returns the name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, memfit_attention_forward)
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    AttentionMaskInterface.register(NAME, memfit_attention_mask)
     return NAME
 
 
