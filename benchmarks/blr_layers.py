@@ -252,8 +252,8 @@ def own_pick_cache(results: Path, resume: bool) -> Path | None:
     """Point the variant pick's cache at a file beside the results (``<stem>_picks.json``), so the table's variant
     picks are its own: run after another benchmark on the same machine, it took the picks that one had cached (at
     1deb9e7 a BLAST pick made during blr_e2e's warm-up read 16.3% slower than the fastest pipeline). The kernels'
-    tile configs stay in Triton's own cache, shared. A fresh run starts the file afresh, ``--resume`` keeps it; a
-    cache this process had loaded is dropped; where MEMFIT_AUTOTUNE_CACHE is set, that cache is used and None
+    tile configs stay in Triton's own cache, shared. A fresh run starts the file afresh, ``--resume`` keeps it; what
+    this process held of the picks is dropped; where MEMFIT_AUTOTUNE_CACHE is set, that cache is used and None
     returned."""
     from memfit.kernels import blr_common
 
@@ -263,7 +263,7 @@ def own_pick_cache(results: Path, resume: bool) -> Path | None:
     if not resume:
         picks.unlink(missing_ok=True)
     os.environ["MEMFIT_AUTOTUNE_CACHE"] = str(picks)
-    blr_common._CACHE = None                        # loaded again from the new path at the next pick
+    blr_common.forget_picks()                       # the next pick reads the new path
     return picks
 
 

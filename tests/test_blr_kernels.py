@@ -5,6 +5,7 @@ variant, both Monarch output layouts, bias on and off, fp32 and bf16, outputs po
 with NaN before the run.
 """
 import contextlib
+import functools
 import math
 import re
 
@@ -93,6 +94,21 @@ def test_monarch_variants_offered():
     assert set(monarch.variants_for(8192, 16, 128, 32, 128, False)) == large
     assert set(monarch.variants_for(8192, 16, 128, 32, 128, True)) == {"two_stage", "fused", "torch", "bmm_gather"}
     assert "fused" not in monarch.variants_for(1, 16, 688, 93, 256, False)
+
+
+def test_monarchs_chain_is_offered_further_than_the_others(monkeypatch):
+    """Monarch's chained two_stage up to TWO_STAGE_PDL_MAX_N (256), BLAST's and low-rank's chains up to PDL_MAX_N
+    (128): at N = 256 only Monarch's chain won anything (blr_layers_subset_256_chained.json)."""
+    monkeypatch.setattr(blr_common, "pdl_offered", lambda: True)
+    monkeypatch.setattr(monarch, "pdl_offered", lambda: True)
+    monkeypatch.setattr(blast, "pdl_offered", lambda: True)
+    monkeypatch.setattr(lowrank, "pdl_offered", lambda: True)
+    assert monarch.TWO_STAGE_PDL_MAX_N == 256 and blr_common.PDL_MAX_N == 128
+    chained = lambda n: ("two_stage_pdl" in monarch.variants_for(n, 16, 128, 32, 128, False),   # noqa: E731
+                         "bgemm_mix_bgemm_pdl" in blast.variants_for(n), "bgemm_pdl" in lowrank.variants_for(n))
+    assert chained(128) == (True, True, True)
+    assert chained(129) == chained(256) == (True, False, False)
+    assert chained(257) == (False, False, False)
 
 
 def test_fused_mixing_is_offered_up_to_its_max_n():
@@ -820,40 +836,72 @@ def test_the_tiles_offered_a_chained_launch_are_the_autotuners_own(monkeypatch):
     assert set(blr_common.bgemm_tiles_offered(a, 16, 512, 128, 16)) == set(blr_common.BGEMM_PLAIN_DECODE)
 
 
-def test_bgemm_runs_the_tile_it_is_given(monkeypatch):
-    """A tile given to bgemm is the one launched (not the autotuner's), with the heuristics still applied: K = 40 is
-    no multiple of its BK = 16, so the masked K loop must run for the product to be right."""
+@pytest.fixture
+def launched_tiles(monkeypatch):
+    """The (BN, BC, BK, warps, stages) of every bgemm launch made with a fixed tile, in order (the autotuner's own
+    launches go through it too, so they would show as extra entries)."""
     launched = []
     heuristics = blr_common._bgemm_kernel.fn
     run = heuristics.run
-    monkeypatch.setattr(heuristics, "run", lambda *args, **kwargs: launched.append(kwargs) or run(*args, **kwargs))
+
+    def spy(*args, **kwargs):
+        assert kwargs["BATCH_GROUP"] == 1
+        launched.append(tuple(kwargs[name] for name in ("BN", "BC", "BK", "num_warps", "num_stages")))
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(heuristics, "run", spy)
+    return launched
+
+
+def test_bgemm_runs_the_tile_it_is_given(launched_tiles):
+    """A tile given to bgemm is the one launched (not the autotuner's), with the heuristics still applied: K = 40 is
+    no multiple of its BK = 64, so the masked K loop must run for the product to be right. A tile outside its list,
+    or one given to cuBLAS, is refused."""
     gen = torch.Generator().manual_seed(3)
     a, b = torch.randn(2, 24, 40, generator=gen), torch.randn(2, 40, 20, generator=gen)
     c = torch.empty(2, 24, 20)
-    blr_common.bgemm(a, b, c, 24, 40, 20, 2, a.stride(), b.stride(), (c.stride(0), c.stride(1), 0, 1),
-                     tile=(16, 32, 16, 2, 1))
-    assert rel(c, torch.bmm(a, b)) < 1e-5
-    assert [(k["BN"], k["BC"], k["BK"], k["num_warps"], k["num_stages"], k["BATCH_GROUP"]) for k in launched] == [
-        (16, 32, 16, 2, 1, 1)]
+    tile = blr_common.BGEMM_PLAIN_DECODE[1]
+    assert tile[2] == 64
+    launch = lambda tile: blr_common.bgemm(a, b, c, 24, 40, 20, 2, a.stride(), b.stride(),   # noqa: E731
+                                           (c.stride(0), c.stride(1), 0, 1), tile=tile)
+    launch(tile)
+    assert rel(c, torch.bmm(a, b)) < 1e-5 and launched_tiles == [tile]
+    for wrong in [(16, 32, 64, 2), (16, 32, 64, 1, 2, 8), (24, 32, 64, 2, 8)]:   # short, BGEMM_TUNED's order, not one
+        with pytest.raises(MemfitError, match="none of its"):
+            launch(wrong)
+    with pytest.raises(MemfitError, match="cuBLAS takes no bgemm tile"):
+        blr_common.per_block_gemm(torch.randn(24, 2, 8), torch.randn(2, 8, 5), None, cublas=True, tile=tile)
 
 
-@pytest.mark.parametrize("structure", ["monarch", "blast", "lowrank"])
-def test_each_chained_pipeline_computes_its_layer_with_the_tiles_it_is_given(structure):
-    """The pipelines whose two GEMMs pick their tiles together, run with a pair of small tiles of uneven K steps."""
+CHAINED_TILES = (blr_common.BGEMM_PLAIN_DECODE[1], blr_common.BGEMM_CHAINED_DECODE[1])   # K steps of 64 and 128
+
+
+def chained_layer(structure: str, tiles=None):
+    """(y by the structure's chained pipeline, with ``tiles`` or as the op picks them, y by the reference): a small
+    layer of awkward sizes, 21 tokens."""
     gen = torch.Generator().manual_seed(5)
     new = lambda *shape: torch.randn(*shape, generator=gen)   # noqa: E731
-    tiles = ((16, 32, 16, 4, 1), (16, 16, 32, 4, 1))
     x = new(21, 3 * 12)
     if structure == "monarch":
         w1, w2 = new(3, 12, 6), new(3, 6, 10)
-        got, want = monarch._chained_two_stage(x, w1, w2, None, False, tiles=tiles), monarch_linear_reference(x, w1, w2)
-    elif structure == "blast":
+        run = monarch._two_stage_pdl if tiles is None else functools.partial(monarch._chained_two_stage, tiles=tiles)
+        return run(x, w1, w2, None, False), monarch_linear_reference(x, w1, w2)
+    if structure == "blast":
         u, v, s = new(3, 10, 7), new(3, 12, 7), new(3, 3, 7)
-        got, want = blast._chained_bgemm_mix_bgemm(x, u, v, s, None, tiles=tiles), blast_linear_reference(x, u, v, s)
-    else:
-        u, v, bias = new(30, 7), new(36, 7), new(30)
-        got, want = lowrank._chained_bgemm(x, u, v, bias, tiles=tiles), lowrank_linear_reference(x, u, v, bias)
-    assert rel(got, want) < 1e-5
+        run = blast._bgemm_mix_bgemm_pdl if tiles is None else functools.partial(blast._chained_bgemm_mix_bgemm,
+                                                                                   tiles=tiles)
+        return run(x, u, v, s, None), blast_linear_reference(x, u, v, s)
+    u, v, bias = new(30, 7), new(36, 7), new(30)
+    run = lowrank._bgemm_pdl if tiles is None else functools.partial(lowrank._chained_bgemm, tiles=tiles)
+    return run(x, u, v, bias), lowrank_linear_reference(x, u, v, bias)
+
+
+@pytest.mark.parametrize("structure", ["monarch", "blast", "lowrank"])
+def test_each_chained_pipeline_computes_its_layer_with_the_tiles_it_is_given(structure, launched_tiles):
+    """The pipelines whose two GEMMs pick their tiles together, run with a pair of small tiles of uneven K steps: the
+    first GEMM launched with the first tile, the last with the second."""
+    got, want = chained_layer(structure, CHAINED_TILES)
+    assert rel(got, want) < 1e-5 and launched_tiles == list(CHAINED_TILES)
 
 
 @pytest.fixture
@@ -861,7 +909,7 @@ def fake_gpu_chain(monkeypatch):
     """pick_chain_tiles as on a GPU of 132 SMs with every bgemm config, the copies being the arguments themselves and
     each pair's time given by ``times`` (label -> ms; unlisted pairs read 10 ms); nothing written to disk."""
     monkeypatch.setattr(blr_common, "_CACHE", {})
-    monkeypatch.setattr(blr_common, "_CHAIN_TILES", {})
+    monkeypatch.setattr(blr_common, "_CHAIN_TILE_MEMO", {})
     monkeypatch.setattr(blr_common, "CHAIN_TILE_PICKS", {})
     monkeypatch.setattr(blr_common, "_save_cache", lambda cache: None)
     monkeypatch.setattr(blr_common, "_cuda_device", lambda args: "cuda:0")
@@ -897,8 +945,29 @@ def test_a_chain_takes_the_pair_of_tiles_fastest_together_and_caches_it(fake_gpu
     assert len(timed) == len(firsts) * len(seconds) and len(set(ran)) == len(timed)
     assert blr_common.tile_picks()["chained bgemm pairs"] == {"op (128,)": f"{best[0]} + {best[1]}"}
     timed.clear()
-    monkeypatch.setattr(blr_common, "_CHAIN_TILES", {})                   # a later process, the same disk cache
+    monkeypatch.setattr(blr_common, "_CHAIN_TILE_MEMO", {})                   # a later process, the same disk cache
     assert blr_common.pick_chain_tiles("op", (128,), stages, run_with, (x,)) == best and timed == []
+
+
+@pytest.mark.parametrize("structure", ["monarch", "blast", "lowrank"])
+def test_each_chained_op_runs_the_pair_its_pick_took(structure, fake_gpu_chain, launched_tiles, monkeypatch):
+    """Through its chained pipeline as the op calls it, each structure times its pairs, each run in full (its two
+    GEMMs launched with the pair's tiles), then runs the pair the pick took."""
+    import ast
+
+    timed = []
+
+    def time_candidate(op, name, fn, args, rep_ms):          # each timing reads faster than the one before
+        timed.append(name)
+        fn()
+        return 1000.0 - len(timed)
+
+    monkeypatch.setattr(blr_common, "_time_candidate", time_candidate)
+    got, want = chained_layer(structure)
+    (label,) = blr_common.CHAIN_TILE_PICKS.values()
+    assert rel(got, want) < 1e-5 and label in timed
+    assert len(launched_tiles) == 2 * len(timed) + 2
+    assert launched_tiles[-2:] == [ast.literal_eval(tile) for tile in label.split(" + ")]
 
 
 def test_a_chain_first_called_inside_a_capture_leaves_its_tiles_to_the_autotuner_and_says_so(fake_gpu_chain,
@@ -909,8 +978,8 @@ def test_a_chain_first_called_inside_a_capture_leaves_its_tiles_to_the_autotuner
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     x = torch.empty(16, 256, dtype=torch.bfloat16)
     run_with = lambda x, tiles: pytest.fail("nothing is timed inside a capture")   # noqa: E731
-    assert blr_common.pick_chain_tiles("op", (16,), ((128, 256, 16), (256, 128, 16)), run_with, (x,)) is None
-    assert timed == [] and "capture" in warned[0] and "alone" in warned[0]
+    assert blr_common.pick_chain_tiles("op", (16,), ((128, 256, 16), (256, 128, 16)), run_with, (x,)) == (None, None)
+    assert timed == [] and "capture" in warned[0] and "not timed together" in warned[0]
 
 
 def test_a_chain_whose_pairs_all_fail_leaves_its_tiles_to_the_autotuner_says_so_and_does_not_time_again(
@@ -924,15 +993,16 @@ def test_a_chain_whose_pairs_all_fail_leaves_its_tiles_to_the_autotuner_says_so_
     monkeypatch.setattr(blr_common, "_time_candidate", lambda op, name, fn, args, rep_ms: timed.append(name) or math.inf)
     x = torch.empty(16, 256, dtype=torch.bfloat16)
     stages = ((128, 256, 16), (256, 128, 16))
-    assert blr_common.pick_chain_tiles("op", (16,), stages, lambda x, tiles: None, (x,)) is None
+    assert blr_common.pick_chain_tiles("op", (16,), stages, lambda x, tiles: None, (x,)) == (None, None)
     assert len(warned) == 1 and "none of its tile pairs" in warned[0] and timed
     timed.clear()
-    assert blr_common.pick_chain_tiles("op", (16,), stages, lambda x, tiles: None, (x,)) is None and timed == []
+    assert blr_common.pick_chain_tiles("op", (16,), stages, lambda x, tiles: None, (x,)) == (None, None)
+    assert timed == []
 
 
 def test_off_the_gpu_a_chain_leaves_its_tiles_to_the_autotuner():
     x = torch.empty(16, 256)
-    assert blr_common.pick_chain_tiles("op", (16,), ((128, 256, 16), (256, 128, 16)), None, (x,)) is None
+    assert blr_common.pick_chain_tiles("op", (16,), ((128, 256, 16), (256, 128, 16)), None, (x,)) == (None, None)
 
 
 @pytest.mark.parametrize("run,want_bk", [(768, {64}), (48, {64, 32, 16}), (16, {32, 16})])

@@ -332,7 +332,7 @@ def _bgemm_mix_bgemm_pdl(x2, u, v, s, bias):
     args = (x2, u, v, s, bias)
     tiles = pick_chain_tiles("blast_linear bgemm_mix_bgemm_pdl", (pick_bucket(x2.shape[0]), b, p, r, m, str(x2.dtype)),
                              ((m, r, b), (r, p, b)), _chained_bgemm_mix_bgemm, args)
-    return _chained_bgemm_mix_bgemm(*args, tiles=tiles or (None, None))
+    return _chained_bgemm_mix_bgemm(*args, tiles=tiles)
 
 
 # ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------

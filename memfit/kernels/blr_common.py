@@ -28,7 +28,7 @@
   re-read from L2, not HBM) and 64-bit offsets.
 * ``bmm_into``: the cuBLAS alternative for a stage that is a plain strided batched GEMM
   writing a strided view of the output (ldc = the row stride), so no copy is made.
-* Chained stages (the ``*_pdl`` pipelines, N <= PDL_MAX_N): a pipeline's second kernel is
+* Chained stages (the ``*_pdl`` pipelines, small N): a pipeline's second kernel is
   launched with programmatic dependent launch (Hopper+): the first calls
   ``gdc_launch_dependents`` as it starts, so the second is scheduled while the first runs;
   a GEMM stage asks L2 for its own weight slice (``prefetch_l2``: no registers held), the
@@ -505,12 +505,10 @@ TOKEN_MAJOR_MIN_N = 128  # from here Monarch and BLAST also offer intermediates 
 
 # ---- chained stages: programmatic dependent launch and an L2 prefetch of the weights ----
 
-PDL_MAX_N = 256          # token counts where a stage's launch and first read are a visible share of its time: up to
-                         # 128 until af7a5bc, where Monarch's pick read 0.873-0.978x dense at four shapes at N = 256
-                         # (blr_layers_subset_256_512.json, 19084f9); offered at 256 (ba0a9d7, five of the seven
-                         # shapes timed, blr_layers_subset_256_chained.json) Monarch's chained pipeline took Llama-1B
-                         # q/o from 7.89 to 6.56 us (0.873x -> 1.064x dense), and BLAST's and low-rank's were the
-                         # fastest of their structure at none of the five
+PDL_MAX_N = 128          # token counts where a stage's launch and first read are a visible share of its time (Monarch's
+                         # chain goes further: monarch.TWO_STAGE_PDL_MAX_N); offered up to 256 at ba0a9d7, BLAST's and
+                         # low-rank's chains were the fastest of their structure at none of the five shapes timed
+                         # there (blr_layers_subset_256_chained.json)
 PREFETCH_BLOCK = tl.constexpr(128)  # L2 prefetch requests issued per step (one per thread at 4 warps)
 
 
@@ -839,6 +837,8 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
     grid = lambda meta: bgemm_grid(n, cols, batches, meta["BN"], meta["BC"], meta["BATCH_GROUP"])
     kernel, fixed = _bgemm_kernel, {}
     if tile is not None:                                          # the heuristics still set EVEN_K and the a reads
+        if tuple(tile) not in BGEMM_CONFIGS:
+            raise MemfitError(f"bgemm: tile {tile} is none of its (BN, BC, BK, warps, stages) tiles (BGEMM_CONFIGS)")
         kernel = _bgemm_kernel.fn
         fixed = dict(zip(("BN", "BC", "BK", "num_warps", "num_stages"), tile), BATCH_GROUP=1)
     kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, run, batches, n_bucket(n),
@@ -858,30 +858,33 @@ def bgemm_tiles_offered(a, n: int, k: int, cols: int, batches: int, launch_depen
 
 
 CHAIN_TILE_PICKS: dict[str, str] = {}   # "op shape_key" -> the tile pair a chain took in this process (tile_picks)
-_CHAIN_TILES: dict[tuple, tuple | None] = {}   # (op, shape_key, device) -> that pair, or None where no pair could
-                                               # be timed: later calls in this process skip the lookup and the timing
+AUTOTUNED_PAIR = (None, None)           # a chain's two launches left to the autotuner, each tuned alone
+_CHAIN_TILE_MEMO: dict[tuple, tuple] = {}   # (op, shape_key, device) -> the pair pick_chain_tiles returned: later
+                                            # calls in this process skip the lookup (and a failed timing)
 
 
 def pick_chain_tiles(op: str, shape_key: tuple, stages: tuple[tuple[int, int, int], tuple[int, int, int]],
-                     run_with, args: tuple) -> tuple[tuple, tuple] | None:
-    """The tiles of a chain of two bgemm launches (the first launching its dependents, the second waiting for it),
-    picked together: every pair of the tiles each launch is offered (:func:`bgemm_tiles_offered`), the whole
-    pipeline ``run_with(*args, tiles=pair)`` timed as the variant pick times pipelines (rotating copies, CUDA-graph
-    replays, finalists again), cached on disk beside the variant picks. ``stages``: each launch's (K, columns,
-    batches); args[0] is the (N, in) input. None where the stages are left to the autotuner: off the GPU, where
-    nothing is timed, or at a first call inside a CUDA graph capture (said once).
+                     run_with, args: tuple) -> tuple:
+    """The tiles of a pipeline's two chained bgemm launches (the first launching its dependents, the last waiting
+    for the kernel before it), picked together: every pair of the tiles each launch is offered
+    (:func:`bgemm_tiles_offered`), the whole pipeline ``run_with(*args, tiles=pair)`` timed as the variant pick times
+    pipelines (rotating copies, CUDA-graph replays, finalists again), cached on disk beside the variant picks.
+    ``stages``: each launch's (K, columns, batches); args[0] is the (N, in) input. AUTOTUNED_PAIR where the launches
+    are left to the autotuner: off the GPU, where nothing is timed; at a first call inside a CUDA graph capture, or
+    where no pair could be timed (each said once).
 
     Why: the autotuner times each launch alone, but in a chain the second runs beside the first. At Llama-1B up,
-    N = 128, its picks gave Monarch's ``two_stage_pdl`` 11.15 us where the best of 25 pairs took 10.88, and one
-    stage-2 tile it can take alone (128 x 128 for 128 x 64) made the chain 13.33 us, the time the f969028 layer
-    table read (``benchmarks/chain_tiles.py``, 19084f9). The price is paid once per shape and N bucket (the pick is
-    cached on disk): a layer's first calls at N = 1 and 16, three structures at the seven shapes, took 142.5 s
-    against 92.3 s before (``benchmarks/pick_cost.py``, af7a5bc and d1edfef)."""
+    N = 128, the pair of its picks read 11.15 us in Monarch's ``two_stage_pdl`` (the op 11.40) where the best of 25
+    pairs took 10.88, and one stage-2 tile it can take alone (128 x 128 for 128 x 64) made the chain 13.33 us, the
+    time the f969028 layer table read (``benchmarks/chain_tiles.py``, 19084f9). The price is paid once per shape and
+    N bucket (the pick is cached on disk): a layer's first calls at N = 1 and 16, three structures at the seven
+    shapes, took 142.5 s against 92.3 s before (``benchmarks/pick_cost.py``, af7a5bc and d1edfef)."""
     x, device = args[0], _cuda_device(args)
     if device is None:
-        return None
-    if (op, shape_key, device) in _CHAIN_TILES:
-        return _CHAIN_TILES[op, shape_key, device]
+        return AUTOTUNED_PAIR
+    memo = (op, shape_key, device)
+    if memo in _CHAIN_TILE_MEMO:
+        return _CHAIN_TILE_MEMO[memo]
     n = x.shape[0]
     (k1, cols1, batches1), (k2, cols2, batches2) = stages
     pairs = {f"{t1} + {t2}": (t1, t2)
@@ -893,21 +896,30 @@ def pick_chain_tiles(op: str, shape_key: tuple, stages: tuple[tuple[int, int, in
     if cache.get(key) not in pairs:
         if torch.cuda.is_current_stream_capturing():
             warn_once(f"chain-in-capture:{key}", f"{op}: first call for shape {shape_key} is inside a CUDA graph "
-                      "capture, so its chained launches take the tiles each is fastest with alone (call it once "
-                      "before capturing)")
-            return None
+                      "capture, so its chained launches are not timed together: each takes its autotuner's tile, "
+                      "which must be tuned already (call the op once before capturing)")
+            return AUTOTUNED_PAIR
         timings = _timed_fastest(op, {label: functools.partial(run_with, tiles=tiles)
                                       for label, tiles in pairs.items()}, args)
         if "pick" not in timings:                                  # each failure was said
             warn_once(f"chain-none-ran:{key}", f"{op}: none of its tile pairs could be timed for shape {shape_key}; "
                       "its chained launches take the tiles each is fastest with alone in this process")
-            _CHAIN_TILES[op, shape_key, device] = None
-            return None
+            _CHAIN_TILE_MEMO[memo] = AUTOTUNED_PAIR
+            return AUTOTUNED_PAIR
         cache[key] = timings["pick"]
         _save_cache(cache)
     CHAIN_TILE_PICKS[record] = cache[key]
-    _CHAIN_TILES[op, shape_key, device] = pairs[cache[key]]
+    _CHAIN_TILE_MEMO[memo] = pairs[cache[key]]
     return pairs[cache[key]]
+
+
+def forget_picks() -> None:
+    """Drop what this process holds of the picks (the disk cache it loaded, the picks it could not time, the chains'
+    pairs), so the next pick reads the cache file MEMFIT_AUTOTUNE_CACHE now names (a benchmark's own picks file)."""
+    global _CACHE
+    _CACHE = None
+    _UNTIMED.clear()
+    _CHAIN_TILE_MEMO.clear()
 
 
 def bmm_into(a, b, out, bias=None) -> None:
@@ -943,8 +955,9 @@ def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_
         raise MemfitError(f"per_block_gemm: w has {w.shape[1]} rows for {runs} runs of {k}")
     y = torch.empty(n, b * p, device=a.device, dtype=a.dtype)
     if cublas:
-        if runs != 1:
-            raise MemfitError("per_block_gemm: cuBLAS cannot gather runs of a; use bgemm (cublas=False)")
+        if runs != 1 or tile is not None:
+            raise MemfitError("per_block_gemm: cuBLAS takes no bgemm tile and cannot gather runs of a; use bgemm "
+                              "(cublas=False)")
         bmm_into(a.transpose(0, 1), w, y.view(n, b, p).transpose(0, 1), None if bias is None else bias.view(b, 1, p))
     else:
         block_stride, col_stride = (1, b) if permute_output else (p, 1)

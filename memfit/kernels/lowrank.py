@@ -68,7 +68,7 @@ def _bgemm_pdl(x2, u, v, bias):
     args = (x2, u, v, bias)
     tiles = pick_chain_tiles("lowrank_linear bgemm_pdl", (pick_bucket(x2.shape[0]), out, r, d_in, str(x2.dtype)),
                              ((d_in, r, 1), (r, out, 1)), _chained_bgemm, args)
-    return _chained_bgemm(*args, tiles=tiles or (None, None))
+    return _chained_bgemm(*args, tiles=tiles)
 
 
 def _cublas(x2, u, v, bias):

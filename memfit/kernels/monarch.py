@@ -12,7 +12,7 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   elements), the second writing y with the output layout folded into its store. Z costs
   2 N b r elements of traffic; stage 1 (K = m) is bound by that write, stage 2
   (K = r, the bulk of the FLOPs) by the tensor cores. Both layouts.
-* ``two_stage_pdl`` (N <= PDL_MAX_N, Hopper+): ``two_stage`` with stage 2 chained to stage 1
+* ``two_stage_pdl`` (N <= TWO_STAGE_PDL_MAX_N, Hopper+): ``two_stage`` with stage 2 chained to stage 1
   (blr_common's programmatic dependent launch: stage 2 starts while stage 1 runs, pulls
   its w2 slice into L2, then waits for z). At decode each stage is a launch plus one
   dependent weight read, so overlapping them is most of what is left to gain. The two stages' tiles
@@ -73,7 +73,6 @@ import triton.language as tl
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import (
     A_WINDOW_SLACK,
-    PDL_MAX_N,
     TOKEN_MAJOR_MIN_N,
     bgemm,
     bind_shapes,
@@ -99,6 +98,10 @@ from memfit.kernels.blr_common import (
 )
 
 TBMM_TBMM_MIN_N = 256  # tbmm_tbmm read 1.07-1.63x the fastest pipeline at N = 128 on all seven shapes (1476f91)
+# Up to this N the chained two_stage is offered, past blr_common.PDL_MAX_N: at 19084f9 Monarch's pick read 0.873-0.978x
+# dense at four shapes at N = 256 (blr_layers_subset_256_512.json); offered the chain there (ba0a9d7, five of the seven
+# shapes timed, blr_layers_subset_256_chained.json) it took Llama-1B q/o from 7.89 to 6.56 us (0.873x -> 1.064x dense)
+TWO_STAGE_PDL_MAX_N = 256
 FUSED_MAX_TILE = 16384  # pow2(m) * pow2(t) elements of w1 slice per step: 32 KB in bf16, so 2-3 stages fit
 
 
@@ -143,7 +146,7 @@ def _two_stage_pdl(x2, w1, w2, bias, permute_output):
     tiles = pick_chain_tiles("monarch_linear two_stage_pdl", (pick_bucket(x2.shape[0]), b, m, r, p, permute_output,
                                                               str(x2.dtype)), ((m, r, b), (r, p, b)),
                              _chained_two_stage, args)
-    return _chained_two_stage(*args, tiles=tiles or (None, None))
+    return _chained_two_stage(*args, tiles=tiles)
 
 
 def _bmm(x2, w1, w2, bias, permute_output):
@@ -342,7 +345,7 @@ def variants_for(n: int, b: int, m: int, t: int, p: int, permute_output: bool) -
     (the pick times those :func:`blr_common.pick_candidates` keeps); the same for every N of one ``pick_bucket``
     (which shares a pick: a token-major pipeline picked at N = 128 is offered at N = 100)."""
     n = pick_bucket(n)
-    names = ["two_stage", "torch"] + (["two_stage_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
+    names = ["two_stage", "torch"] + (["two_stage_pdl"] if n <= TWO_STAGE_PDL_MAX_N and pdl_offered() else [])
     if n >= TOKEN_MAJOR_MIN_N:
         names.append("bmm_gather")
     if not permute_output:
