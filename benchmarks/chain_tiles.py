@@ -35,6 +35,7 @@ MAX_REL_ERR = 2e-2
 
 
 def parse():
+    from memfit.kernels.monarch import TWO_STAGE_PDL_MAX_N
     from memfit.measure.results import check_out_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,6 +46,8 @@ def parse():
     args = parser.parse_args()
     check_out_dir(parser, args.out)
     check_tokens(parser, args.tokens)
+    if too_many := [n for n in args.tokens if n > TWO_STAGE_PDL_MAX_N]:
+        parser.error(f"--tokens {too_many}: the chained pipeline runs up to {TWO_STAGE_PDL_MAX_N} tokens")
     args.shapes = select_shapes(parser, args.shapes)
     return args
 
@@ -70,7 +73,7 @@ class Chain:
 
 
 def sweep_pairs(torch, name, d_in, d_out, rank, n, tiles1, tiles2, device="cuda") -> list[dict]:
-    """Rows for one (shape, N): each pair of ``tiles1`` x ``tiles2`` and the op as it runs (autotuned)."""
+    """Rows for one (shape, N): each pair of ``tiles1`` x ``tiles2`` and the op as it runs (its own pick of a pair)."""
     from memfit.kernels.monarch import monarch_linear, monarch_linear_reference
 
     probe = Chain(torch, d_in, d_out, rank, n, 1, device)

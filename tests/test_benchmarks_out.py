@@ -38,3 +38,15 @@ def test_the_small_models_directory_is_checked_before_it_trains(monkeypatch, cap
         with pytest.raises(SystemExit) as raised:
             benchmark.main(["--out", str(out)])
         assert raised.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_empty_or_dangling_results_dir_is_refused(tmp_path):
+    """'' had meant the default directory (the committed results); a symbolic link to nothing on the way had passed
+    the check and failed at the results' mkdir, after the work."""
+    from memfit.measure.results import out_dir_problem
+
+    assert "names no directory" in out_dir_problem("")
+    assert "names no directory" in out_dir_problem("  ", "--results")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    assert f"{tmp_path / 'link'} is a symbolic link to nothing" in out_dir_problem(tmp_path / "link" / "sub")
+    assert out_dir_problem(None) is None and out_dir_problem(tmp_path / "new") is None

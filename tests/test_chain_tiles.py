@@ -40,7 +40,7 @@ def test_a_pair_whose_output_is_wrong_is_an_error_row(chain_tiles, untimed, monk
     assert chain_tiles.summary(rows) == []
 
 
-@pytest.mark.parametrize("argv,message", [(["--tokens", "128", "128"], "each once"),
+@pytest.mark.parametrize("argv,message", [(["--tokens", "128", "128"], "each once"), (["--tokens", "512"], "up to 256"),
                                           (["--tokens", "0"], "positive"), (["--shapes", "nope"], "unknown shape")])
 def test_bad_options_are_usage_errors(chain_tiles, monkeypatch, capsys, argv, message):
     monkeypatch.setattr("sys.argv", ["chain_tiles.py", *argv])

@@ -61,10 +61,16 @@ def results_path(name: str, out_dir: Path | str | None = None) -> Path:
 def out_dir_problem(out_dir: Path | str | None, option: str = "--out") -> str | None:
     """Why ``out_dir`` cannot take results files, or None (None: the default directory). A benchmark asks before
     its first case, so a mistyped --out fails in a second instead of after the first case's minutes of GPU time.
-    ``option`` is the command-line option the message names."""
-    if not out_dir:
+    ``option`` is the command-line option the message names. An empty name is refused (it had meant the default
+    directory, where the committed results are), and so is a symbolic link to nothing on the way (the results'
+    mkdir fails on it)."""
+    if out_dir is None:
         return None
+    if not str(out_dir).strip():
+        return f"{option} {str(out_dir)!r} names no directory; leave {option} out for the default"
     path = Path(out_dir).expanduser().absolute()
+    if dangling := next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None):
+        return f"{option} {out_dir}: {dangling} is a symbolic link to nothing"
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         return f"{option} {out_dir}: {existing} is a file; the results go into a directory"
