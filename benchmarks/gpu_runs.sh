@@ -9,9 +9,9 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # name|seconds|command, most pending first (after the twentieth session, 2026-12-02: see its closing note). The
-# layer table needs two calls since the chained pipelines time every pair of their tiles: at af7a5bc its file records
-# 779 s: the first call stopped at a 385 s limit after 13 cases, whose case times sum to 372.1 s, and
-# blr_layers_resume timed the other 22, 386.5 s (f969028's first call timed 30 cases in 579.7 s of case times).
+# layer table needs two calls (as at 1476f91 and f969028): at af7a5bc, where the chained pipelines time every pair of
+# their tiles, its file records 779 s, 372.1 s of case times for the 13 cases of a first call stopped at its limit and
+# 386.5 s for the 22 blr_layers_resume timed (f969028's first call timed 30 cases in 579.7 s of case times).
 # chain_tiles records 72 s at af7a5bc.
 # The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
 # recompiling every step); the ledger's 24 accuracy jobs record their own times, 74 s together at 141a414
