@@ -197,17 +197,20 @@ def test_hugging_face_model_matches_sdpa():
 
 
 @pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
-def test_hugging_face_model_decodes_from_a_kv_cache_as_a_full_forward_does(cache_kind):
-    """With attn_implementation="memfit", a token decoded against a KV cache (SDPA's path) gets the logits of a full
-    forward over the same tokens (the kernel's path). A static cache holds unfilled positions past the prompt: the
-    FlashAttention-style mask left them unmasked, and the decode logits were 0.1 off."""
+def test_hugging_face_model_decodes_from_a_kv_cache_as_a_full_forward_does(cache_kind, monkeypatch):
+    """With attn_implementation="memfit", a token decoded against a KV cache (the decode kernel, in every layer) gets
+    the logits of a full forward over the same tokens (the attention kernel). A static cache holds unfilled positions
+    past the prompt: the FlashAttention-style mask had left them unmasked, and the decode logits were 0.1 off."""
     from transformers import DynamicCache, StaticCache
 
     from memfit.models import build_model
     from memfit.models.presets import PRESETS
-    from memfit.train.attention_hf import register
+    from memfit.train import attention_hf
 
-    register()
+    decoded = []
+    run = attention_hf.decode_attention
+    monkeypatch.setattr(attention_hf, "decode_attention", lambda *args: decoded.append(args[3]) or run(*args))
+    attention_hf.register()
     spec = PRESETS["tiny"]
     model = build_model(spec, dtype="float32", attn_implementation="memfit").eval()
     ids, token = torch.randint(0, spec.vocab, (1, 10)), torch.tensor([[7]])
@@ -223,6 +226,7 @@ def test_hugging_face_model_decodes_from_a_kv_cache_as_a_full_forward_does(cache
         got = model(input_ids=token, cache_position=torch.tensor([10]), use_cache=True, past_key_values=cache).logits
         want = model(input_ids=torch.cat([ids, token], 1), use_cache=False).logits[:, -1:]
     assert _rel(got, want) < 1e-5
+    assert len(decoded) == spec.num_layers and all((mask is None) == (cache_kind == "dynamic") for mask in decoded)
 
 
 def test_hugging_face_attention_runs_restarting_position_ids_as_separate_sequences():
