@@ -208,8 +208,8 @@ def test_hugging_face_model_decodes_from_a_kv_cache_as_a_full_forward_does(cache
     from memfit.train import attention_hf
 
     decoded = []
-    run = attention_hf.decode_attention
-    monkeypatch.setattr(attention_hf, "decode_attention", lambda *args: decoded.append(args[3]) or run(*args))
+    run = attention_hf.cache_attention
+    monkeypatch.setattr(attention_hf, "cache_attention", lambda *args: decoded.append(args[3]) or run(*args))
     attention_hf.register()
     spec = PRESETS["tiny"]
     model = build_model(spec, dtype="float32", attn_implementation="memfit").eval()

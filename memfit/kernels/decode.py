@@ -1,4 +1,5 @@
-"""Decode-step kernels over a static KV cache: rope + cache write + attention in one kernel, and argmax.
+"""Decode-step kernels over a static KV cache: rope + cache write + attention in one kernel, attention over a
+cache the caller keeps (``cache_attention``: the decode of ``attn_implementation="memfit"``), and argmax.
 
 **Attention of one new token** (``decode_attention``). At decode each sequence brings
 one query per head; the step before this kernel had three compiled kernels a layer
@@ -35,6 +36,7 @@ bandwidth. Ties go to the lowest index, as ``torch.argmax``; NaN logits are not 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -42,7 +44,7 @@ import triton.language as tl
 
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import pick_variant
-from memfit.kernels.dispatch import dot_precision
+from memfit.kernels.dispatch import dot_precision, use_triton
 
 LOG2E = 1.4426950408889634
 # name -> (chunk of cache slots per program, 0 = the whole cache in one program; keys per block; warps)
@@ -141,11 +143,22 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_p
     l_i = tl.where(first, 1.0, 0.0) + tl.zeros((GP,), tl.float32)
     acc = tl.where(first, 1.0, 0.0) * v_new.to(tl.float32) + tl.zeros((GP, D), tl.float32)
     start = split * CHUNK
-    end = tl.minimum(start + CHUNK, slot)
+    m_i, l_i, acc = _attend_cache(q, kc_ptr, vc_ptr, valid_ptr + b * sval_b, cache, sc_n, start,
+                                  tl.minimum(start + CHUNK, slot), m_i, l_i, acc, qk_scale, D, BLOCK_N, True, DOT_PREC)
+    _store_heads(out_ptr, m_ptr, l_ptr, acc_ptr, b, kv * G + g, g < G, split, m_i, l_i, acc, H, S, D, SPLIT)
+
+
+@triton.jit
+def _attend_cache(q, kc_ptr, vc_ptr, valid_row_ptr, cache, sc_n, start, end, m_i, l_i, acc, qk_scale,
+                  D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_VALID: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The running (max, sum, output) of q's rows (GP, D) after online softmax (base 2) over cache slots
+    [start, end) (where ``valid_row_ptr[j]`` is nonzero, with HAS_VALID), from the running values given."""
+    d = tl.arange(0, D)
     for j0 in range(start, end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        inside = j < end
-        ok = inside & (tl.load(valid_ptr + b * sval_b + j, mask=inside, other=0) != 0)
+        ok = j < end
+        if HAS_VALID:
+            ok = ok & (tl.load(valid_row_ptr + j, mask=ok, other=0) != 0)
         kv_offsets = cache + j.to(tl.int64)[:, None] * sc_n + d[None, :]
         keys = tl.load(kc_ptr + kv_offsets, mask=ok[:, None], other=0.0)                    # (BLOCK_N, D)
         s = tl.dot(q, tl.trans(keys), input_precision=DOT_PREC)
@@ -158,24 +171,57 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_p
         values = tl.load(vc_ptr + kv_offsets, mask=ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=DOT_PREC)
         m_i = m_new
-    heads = kv * G + g
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_heads(out_ptr, m_ptr, l_ptr, acc_ptr, b, heads, live, split, m_i, l_i, acc, H, S,
+                 D: tl.constexpr, SPLIT: tl.constexpr):
+    """A program's rows (query heads ``heads``, those ``live``): with SPLIT its partials (B, H, S[, D]) for
+    ``_combine_kernel``, else the normalised output rows of out (B * H, D)."""
+    d = tl.arange(0, D)
     if SPLIT:
-        part = (b * H + heads) * S + split                          # partials (B, H, S[, D])
-        tl.store(m_ptr + part, m_i, mask=g < G)
-        tl.store(l_ptr + part, l_i, mask=g < G)
-        tl.store(acc_ptr + part.to(tl.int64)[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
+        part = (b * H + heads) * S + split
+        tl.store(m_ptr + part, m_i, mask=live)
+        tl.store(l_ptr + part, l_i, mask=live)
+        tl.store(acc_ptr + part.to(tl.int64)[:, None] * D + d[None, :], acc, mask=live[:, None])
     else:
-        out = acc / l_i[:, None]
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]          # a row with every key masked: zeros
         tl.store(out_ptr + (b * H + heads).to(tl.int64)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(g < G)[:, None])
+                 mask=live[:, None])
+
+
+@triton.jit
+def _cache_attention_kernel(q_ptr, kc_ptr, vc_ptr, valid_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                            sq_b, sq_h, sc_b, sc_h, sc_n, sval_b, qk_scale, G, H, S, L,
+                            D: tl.constexpr, GP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                            SPLIT: tl.constexpr, HAS_VALID: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``cache_attention``: per (sequence, KV head, split of the cache) its G query heads against the split's
+    slots, the cache as it is (written and roped by the caller)."""
+    b = tl.program_id(0).to(tl.int64)
+    kv = tl.program_id(1)
+    split = tl.program_id(2)
+    d = tl.arange(0, D)
+    g = tl.arange(0, GP)
+    q = tl.load(q_ptr + b * sq_b + (kv * G + g)[:, None] * sq_h + d[None, :], mask=(g < G)[:, None], other=0.0)
+    start = split * CHUNK
+    m_i, l_i, acc = _attend_cache(q, kc_ptr, vc_ptr, valid_ptr + b * sval_b, b * sc_b + kv * sc_h, sc_n, start,
+                                  tl.minimum(start + CHUNK, L), tl.full((GP,), float("-inf"), tl.float32),
+                                  tl.zeros((GP,), tl.float32), tl.zeros((GP, D), tl.float32), qk_scale, D, BLOCK_N,
+                                  HAS_VALID, DOT_PREC)
+    _store_heads(out_ptr, m_ptr, l_ptr, acc_ptr, b, kv * G + g, g < G, split, m_i, l_i, acc, H, S, D, SPLIT)
 
 
 @triton.jit
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, slot_ptr, S,
-                    D: tl.constexpr, CHUNK: tl.constexpr, SP: tl.constexpr):
+                    D: tl.constexpr, CHUNK: tl.constexpr, SP: tl.constexpr, EVERY_SPLIT: tl.constexpr = False):
+    """The output row of the splits' partials; with EVERY_SPLIT all S splits count (``slot_ptr`` unread), else
+    those that saw a slot before the new token's."""
     row = tl.program_id(0).to(tl.int64)                            # b * H + head
-    slot = tl.load(slot_ptr)
-    active = tl.maximum(tl.cdiv(slot, CHUNK), 1)                  # splits that saw a key (split 0 always)
+    if EVERY_SPLIT:
+        active = S
+    else:
+        active = tl.maximum(tl.cdiv(tl.load(slot_ptr), CHUNK), 1)  # splits that saw a key (split 0 always)
     s = tl.arange(0, SP)
     on = (s < active) & (s < S)
     m = tl.load(m_ptr + row * S + s, mask=on, other=float("-inf"))
@@ -184,7 +230,7 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, slot_ptr, S,
     l_sum = tl.sum(w * tl.load(l_ptr + row * S + s, mask=on, other=0.0), axis=0)
     d = tl.arange(0, D)
     acc = tl.load(acc_ptr + (row * S + s)[:, None] * D + d[None, :], mask=on[:, None], other=0.0)
-    out = tl.sum(w[:, None] * acc, axis=0) / l_sum
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_sum == 0.0, 1.0, l_sum)
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -286,6 +332,93 @@ def decode_attention(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale: fl
     _check_attention(q, k, v, cos, sin, k_cache, v_cache, valid)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _decode_attention_op(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, variant)
+
+
+def cache_attention_reference(q, k_cache, v_cache, key_mask=None, scale=None):
+    """The definition of ``cache_attention``: K and V repeated per query head, scores in fp32, masked keys at -inf."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[1] // k_cache.shape[1]
+    keys, values = (_wide(t.repeat_interleave(group, dim=1)) for t in (k_cache, v_cache))
+    scores = (_wide(q) @ keys.transpose(-1, -2)) * scale
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask, float("-inf"))
+    return (scores.softmax(-1) @ values).to(q.dtype)
+
+
+def cache_attention_problem(q, k_cache, v_cache, key_mask) -> str | None:
+    """Why ``cache_attention`` cannot take these, or None: q (B, H, 1, D), caches (B, Hkv, L, D) of one dtype with
+    the same strides and unit stride along D (heads and D as ``shape_problem`` needs), key_mask None or bool
+    (B or 1, 1, 1, L)."""
+    if q.dim() != 4 or q.shape[2] != 1 or k_cache.dim() != 4 or k_cache.shape[::3] != q.shape[::3]:
+        return f"q {tuple(q.shape)} must be (B, H, 1, D) and the caches {tuple(k_cache.shape)} (B, Hkv, L, D)"
+    if (heads := shape_problem(q.shape[1], k_cache.shape[1], q.shape[3])) is not None:
+        return heads
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
+        return (f"the caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} need one shape, the same strides and "
+                "unit stride along D")
+    if len({t.dtype for t in (q, k_cache, v_cache)}) > 1 or q.dtype not in (torch.float16, torch.bfloat16,
+                                                                            torch.float32):
+        return "q and the caches must share one dtype of float16, bfloat16, float32"
+    want = (q.shape[0], 1, 1, k_cache.shape[2])
+    if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.dim() != 4
+                                 or key_mask.shape[0] not in (1, want[0]) or tuple(key_mask.shape[1:]) != want[1:]):
+        return f"key_mask {key_mask.dtype} {tuple(key_mask.shape)} must be bool {want} (or batch 1), True: attend"
+    return None
+
+
+def _cache_attention_launch(q, k_cache, v_cache, key_mask, scale):
+    B, H, _, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    chunk, block_n, warps = launch_config(ATTENTION_DEFAULT, L)
+    S = triton.cdiv(L, chunk)
+    out = torch.empty(B, H, 1, D, dtype=q.dtype, device=q.device)
+    f32 = torch.float32
+    m = torch.empty(B * H * S if S > 1 else 1, dtype=f32, device=q.device)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(B * H * S * D if S > 1 else 1, dtype=f32, device=q.device)
+    valid = (key_mask if key_mask.stride(-1) == 1 else key_mask.contiguous()).view(torch.uint8) \
+        if key_mask is not None else m                                                  # (unread without a mask)
+    valid_b = valid.stride(0) if key_mask is not None and valid.shape[0] > 1 else 0
+    _cache_attention_kernel[(B, Hkv, S)](
+        q, k_cache, v_cache, valid, out, m, l_, acc, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), valid_b, scale * LOG2E, H // Hkv, H, S, L, D=D,
+        GP=max(MIN_DOT, triton.next_power_of_2(H // Hkv)), CHUNK=chunk, BLOCK_N=block_n, SPLIT=S > 1,
+        HAS_VALID=key_mask is not None, DOT_PREC=dot_precision(q.dtype, "cache attention"), num_warps=warps)
+    if S > 1:
+        _combine_kernel[(B * H,)](m, l_, acc, out, m, S, D=D, CHUNK=chunk, SP=triton.next_power_of_2(S),
+                                  EVERY_SPLIT=True)
+    return out
+
+
+@torch.library.custom_op("memfit::cache_attention", mutates_args=())
+def _cache_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        key_mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    return _cache_attention_launch(q, k_cache, v_cache, key_mask, scale)
+
+
+@_cache_attention_op.register_fake
+def _(q, k_cache, v_cache, key_mask, scale):
+    return q.new_empty(q.shape)
+
+
+def cache_attention(q, k_cache, v_cache, key_mask=None, scale: float | None = None,
+                    path: str | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v (B, H, 1, D) of one query token per sequence against caches (B, Hkv, L, D) that
+    already hold it (written and roped by the caller: transformers' cache update), keys where ``key_mask``
+    (B or 1, 1, 1, L) is False left out; no gradient. The decode step of ``attn_implementation="memfit"``.
+
+    Where ``decode_attention`` serves memfit's own decode loop (rope and the cache write fused in), this serves
+    any caller that keeps its own cache. Given a static cache's mask, transformers' SDPA path repeats K and V for
+    every query head before SDPA, a copy of the cache per layer and step (0.156 ms of the 0.261 ms a step of decode
+    attention in the end-to-end benchmark's profile at 1476f91); here each program reads its KV head's slots once
+    for the head's G query heads, and the mask as it is (one byte a slot). Cut into chunks as ``decode_attention``'s
+    default variant (not timed per shape; not yet timed on a GPU at all)."""
+    if problem := cache_attention_problem(q, k_cache, v_cache, key_mask):
+        raise MemfitError(f"cache_attention: {problem}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not use_triton("cache_attention", q, k_cache, v_cache, path=path):
+        return cache_attention_reference(q, k_cache, v_cache, key_mask, scale)
+    return _cache_attention_op(q if q.stride(-1) == 1 else q.contiguous(), k_cache, v_cache, key_mask, scale)
 
 
 def over_layers(variant: str):

@@ -16,21 +16,21 @@ than the queries' own) SDPA's full mask. After that,
   inspected (reading them back to the host would split the graph, and its CUDA graphs, at
   every layer), said once: a packed batch must then carry ``cu_seq_lens_q``.
 
-A decode step (one query token against a KV cache, no gradient) runs memfit's decode kernel
-(:func:`memfit.kernels.decode_attention.decode_attention`: K and V read once per group of query
-heads, the key mask as it is). Other queries shorter than their keys (a chunk against a cache), a
-gradient through a cache, and dropout go to transformers' SDPA implementation, said once in the
-log. With a cache the mask is SDPA's: a static cache's keys include its unfilled positions. Until
-this builder the FlashAttention one gave them none, so decoding attended over those positions too
-(a tiny Llama's decode logits 0.1 off; the end-to-end benchmark's memfit-attention runs decoded
-that way).
+A decode step (one query token against a KV cache, no gradient) runs memfit's kernel for it
+(:func:`memfit.kernels.decode.cache_attention`: K and V read once per group of query heads, the
+key mask as it is), where its shapes allow (a head dim that is a power of two). Other queries
+shorter than their keys (a chunk against a cache), a gradient through a cache, and dropout go to
+transformers' SDPA implementation, said once in the log. With a cache the mask is SDPA's: a
+static cache's keys include its unfilled positions. Until this builder the FlashAttention one
+gave them none, so decoding attended over those positions too (a tiny Llama's decode logits 0.1
+off; the end-to-end benchmark's memfit-attention runs decoded that way).
 """
 from __future__ import annotations
 
 import torch
 
 from memfit.kernels.attention import attention
-from memfit.kernels.decode_attention import decode_attention, decode_mask_problem
+from memfit.kernels.decode import cache_attention, cache_attention_problem
 from memfit.log import warn_once
 
 NAME = "memfit"
@@ -65,13 +65,14 @@ def memfit_attention_forward(module, query, key, value, attention_mask, dropout:
     backward = getattr(module, "memfit_attention_backward", "two_pass")
     training_dropout = dropout and module.training
     if (query.shape[2] == 1 < key.shape[2] and not training_dropout and not torch.is_grad_enabled()
-            and decode_mask_problem(query, key, attention_mask) is None):
-        return decode_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+            and cache_attention_problem(query, key, value, attention_mask) is None):
+        return cache_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
     if query.shape[2] != key.shape[2] or training_dropout or (attention_mask is not None and attention_mask.dim() != 2):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        warn_once("attention_hf:fallback", "memfit attention: a query chunk against a KV cache, a gradient through "
-                  "a cache, dropout, or a non-padding mask; these calls use transformers' SDPA attention")
+        warn_once("attention_hf:fallback", "memfit attention: a query chunk against a KV cache, a decode step its "
+                  "cache kernel cannot take (e.g. a head dim not a power of two), a gradient through a cache, "
+                  "dropout, or a non-padding mask; these calls use transformers' SDPA attention")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     if attention_mask is not None:
