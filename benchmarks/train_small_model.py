@@ -28,7 +28,7 @@ import torch
 from memfit.data import ByteTokenizer, dev_test_split, token_splits
 from memfit.data.corpus import python_version
 from memfit.data.lm import perplexity, train_lm
-from memfit.measure.results import RESULTS_DIR, check_out_dir, target, write_results
+from memfit.measure.results import RESULTS_DIR, check_out_dir, out_dir_problem, target, write_results
 from memfit.models import ModelSpec, build_model
 
 DEFAULT_OUT = RESULTS_DIR / "small_llama"
@@ -39,6 +39,21 @@ def small_spec(smoke: bool) -> ModelSpec:
     if smoke:
         return ModelSpec("small-bytes-smoke", "llama", 2, 64, 176, 4, 2, 16, vocab, dtype="float32", max_position=1024)
     return ModelSpec("small-bytes", "llama", 6, 384, 1024, 6, 2, 64, vocab, dtype="float32", max_position=1024)
+
+
+def model_dir_problem(out: Path, force: bool) -> str | None:
+    """Why ``out`` cannot take the model, or None: it needs a name of its own (not '.', '..' or empty, which the save
+    would replace with the model), no symbolic link there, a parent where results can go (results.out_dir_problem),
+    and where it exists, ``force`` and a train_info.json in it: only a directory an earlier run wrote is replaced."""
+    if out.name in ("", ".", "..") or out.is_symlink():
+        return f"--out {out}: name the model directory itself (not '.', '..', or a symbolic link)"
+    if problem := out_dir_problem(out, "--out"):
+        return problem
+    if out.exists() and not force:
+        return f"--out {out} exists; pass --force to replace it"
+    if out.exists() and not (out / "train_info.json").is_file():
+        return f"--out {out} exists and holds no train_info.json, so no earlier run wrote it; it is never replaced"
+    return None
 
 
 def save_dir(model, out: Path, info: dict) -> Path:
@@ -77,9 +92,8 @@ def main(argv=None) -> int:
     if args.smoke:
         args.steps, args.batch, args.seq = 20, 4, 64
     out = args.out or (Path(tempfile.mkdtemp()) / "small_llama" if args.smoke else DEFAULT_OUT)
-    check_out_dir(parser, out, "--out")                       # before minutes of training, not at the save
-    if out.exists() and not (args.force or args.smoke):
-        parser.error(f"--out {out} exists; pass --force to replace it")
+    if problem := model_dir_problem(out, args.force):          # before minutes of training, not at the save
+        parser.error(problem)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     torch.manual_seed(0)
     spec = small_spec(args.smoke)

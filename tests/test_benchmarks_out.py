@@ -28,16 +28,28 @@ def test_every_benchmark_with_an_out_option_is_checked_above():
 
 
 def test_the_small_models_directory_is_checked_before_it_trains(monkeypatch, capsys, tmp_path):
-    """train_small_model's --out (the model, not the results) under a file, or already there without --force: a
-    usage error before the model is built, where these had failed at the save, after the training."""
+    """train_small_model's --out (the model, not the results) under a file, already there without --force, a
+    directory no earlier run wrote, '.', '' or a symbolic link: a usage error before the model is built (these had
+    failed at the save, after the training, or replaced the directory: --out . --smoke emptied the working one)."""
     benchmark = load_benchmark("train_small_model")
     monkeypatch.setattr(benchmark, "build_model", lambda *a, **k: pytest.fail("refused before building the model"))
     (tmp_path / "file").write_text("")
     (tmp_path / "model").mkdir()
-    for out, message in [(tmp_path / "file" / "sub", "is a file"), (tmp_path / "model", "exists; pass --force")]:
-        with pytest.raises(SystemExit) as raised:
-            benchmark.main(["--out", str(out)])
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "keep.txt").write_text("not a model")
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    (tmp_path / "model" / "train_info.json").write_text("{}")
+    monkeypatch.chdir(tmp_path / "data")
+    for argv, message in [(["--out", str(tmp_path / "file" / "sub")], "is a file"),
+                          (["--out", str(tmp_path / "model")], "exists; pass --force"),
+                          (["--out", str(tmp_path / "data"), "--force"], "no earlier run wrote it"),
+                          (["--out", ".", "--smoke"], "name the model directory itself"),
+                          (["--out", "", "--force"], "name the model directory itself"),
+                          (["--out", str(tmp_path / "link"), "--force"], "symbolic link")]:
+        with pytest.raises(SystemExit) as raised:              # --out . had replaced the working directory
+            benchmark.main(argv)
         assert raised.value.code == 2 and message in capsys.readouterr().err
+    assert (tmp_path / "data" / "keep.txt").exists()
 
 
 def test_an_empty_or_dangling_results_dir_is_refused(tmp_path):
