@@ -62,3 +62,4 @@ def test_an_empty_or_dangling_results_dir_is_refused(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")
     assert f"{tmp_path / 'link'} is a symbolic link to nothing" in out_dir_problem(tmp_path / "link" / "sub")
     assert out_dir_problem(None) is None and out_dir_problem(tmp_path / "new") is None
+    assert "too long" in out_dir_problem(tmp_path / ("x" * 300))

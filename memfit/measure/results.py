@@ -61,15 +61,20 @@ def results_path(name: str, out_dir: Path | str | None = None) -> Path:
 def out_dir_problem(out_dir: Path | str | None, option: str = "--out") -> str | None:
     """Why ``out_dir`` cannot take results files, or None (None: the default directory). A benchmark asks before
     its first case, so a mistyped --out fails in a second instead of after the first case's minutes of GPU time.
-    ``option`` is the command-line option the message names. An empty name is refused (it had meant the default
-    directory, where the committed results are), and so is a symbolic link to nothing on the way (the results'
-    mkdir fails on it)."""
+    ``option`` is the command-line option the message names. An empty string is refused (it had meant the default
+    directory, where the committed results are; an option parsed with ``type=Path`` makes it '.', the working
+    directory, before this sees it), and so is a symbolic link to nothing on the way (the results' mkdir fails on
+    it) and a path the file system refuses (a name over NAME_MAX)."""
     if out_dir is None:
         return None
     if not str(out_dir).strip():
         return f"{option} {str(out_dir)!r} names no directory; leave {option} out for the default"
     path = Path(out_dir).expanduser().absolute()
-    if dangling := next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None):
+    try:
+        dangling = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+    except OSError as err:                                       # e.g. a name over NAME_MAX
+        return f"{option} {out_dir}: {err.strerror or err}"
+    if dangling:
         return f"{option} {out_dir}: {dangling} is a symbolic link to nothing"
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
