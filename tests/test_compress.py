@@ -275,6 +275,9 @@ def test_an_out_where_nothing_can_be_written_is_refused_before_any_work(tmp_path
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     with pytest.raises(MemfitError, match="dangling is a symbolic link to nothing"):
         check_output(tmp_path / "dangling" / "x" / "y", force=False)
+    from memfit.compress import io
+
+    assert io._name_max(tmp_path) > 0 and io._name_max(tmp_path / "missing") == 255    # no answer: the common limit
     for length, message in [(300, "File name too long"), (240, "too long for its temporary save directory")]:
         with pytest.raises(MemfitError, match=message):      # had been an OSError from the Python API
             check_output(tmp_path / ("x" * length), force=False)

@@ -75,11 +75,21 @@ def _checked_output(out: Path, force: bool) -> Path:
         os.rmdir(tempfile.mkdtemp(prefix=".memfit-probe-", dir=parent))
     except OSError as err:
         raise MemfitError(f"--out {out}: cannot write in {parent} ({err.strerror})") from None
-    longest, name_max = len(os.fsencode(_temp_prefix(out))) + TEMP_HEX, os.pathconf(parent, "PC_NAME_MAX")
+    longest, name_max = len(os.fsencode(_temp_prefix(out))) + TEMP_HEX, _name_max(parent)
     if longest > name_max:
         raise MemfitError(f"--out {out}: the name is too long for its temporary save directory beside it ({longest} "
                           f"bytes; {parent} takes names of up to {name_max})")
     return out
+
+
+def _name_max(directory: Path) -> int:
+    """The longest name (bytes) ``directory``'s file system takes: its PC_NAME_MAX, or 255 (the common limit) where
+    the platform or file system does not say (no os.pathconf on Windows; -1 or an error from some file systems)."""
+    try:
+        limit = os.pathconf(directory, "PC_NAME_MAX")
+    except (AttributeError, OSError, ValueError):
+        return 255
+    return limit if limit > 0 else 255
 
 
 def _temp_prefix(out: Path) -> str:
