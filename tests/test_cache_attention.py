@@ -55,9 +55,42 @@ def test_chunks_whose_slots_are_all_masked_do_not_spoil_the_rest():
     ((1, 4, 1, 16), (1, 2, 9, 16), torch.zeros(1, 1, 1, 9), "must be bool"),
     ((1, 4, 1, 16), (1, 2, 9, 16), torch.ones(1, 4, 1, 9, dtype=torch.bool), "must be bool"),
     ((1, 4, 1, 16), (1, 2, 9, 16), torch.ones(1, 1, 1, 8, dtype=torch.bool), "must be bool"),
+    ((1, 4, 1, 16), (1, 2, 0, 16), None, "L >= 1"),
+    ((1, 4, 1, 16), (1, 2, 9, 16), torch.ones(1, 1, 1, 9, dtype=torch.bool, device="meta"), "key_mask is on meta"),
 ])
 def test_bad_inputs_are_refused(q_shape, k_shape, mask, message):
     with pytest.raises(MemfitError, match=message):
         decode.cache_attention(torch.randn(q_shape), torch.randn(k_shape), torch.randn(k_shape), mask)
+
+
+def test_mixed_dtypes_and_a_gradient_are_refused():
     with pytest.raises(MemfitError, match="one dtype"):
         decode.cache_attention(torch.randn(1, 4, 1, 16), torch.randn(1, 2, 9, 16).half(), torch.randn(1, 2, 9, 16).half())
+    with pytest.raises(MemfitError, match="no backward"):
+        decode.cache_attention(torch.randn(1, 4, 1, 16, requires_grad=True), torch.randn(1, 2, 9, 16),
+                               torch.randn(1, 2, 9, 16))
+
+
+@pytest.mark.parametrize("slots", [20, 300])
+def test_a_row_with_every_key_masked_is_zeros_in_one_chunk_or_many(slots):
+    """Not NaN, in the kernel (one chunk: the output store; many: the combine) as in the reference; the other
+    sequence of the batch is untouched."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    k, v = torch.randn(2, 2, slots, 16, generator=gen), torch.randn(2, 2, slots, 16, generator=gen)
+    mask = torch.ones(2, 1, 1, slots, dtype=torch.bool)
+    mask[0] = False
+    got = decode.cache_attention(q, k, v, mask, path="triton")
+    want = decode.cache_attention_reference(q, k, v, mask)
+    assert (got[0] == 0).all() and (want[0] == 0).all() and rel(got[1], want[1]) < 1e-5
+
+
+def test_a_mask_strided_along_the_slots_is_read_right():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 70, 16, generator=gen), \
+        torch.randn(1, 2, 70, 16, generator=gen)
+    mask = (torch.rand(1, 1, 1, 140, generator=gen) < 0.6)[..., ::2]
+    mask[..., 0] = True
+    assert mask.stride(-1) == 2
+    got = decode.cache_attention(q, k, v, mask, path="triton")
+    assert rel(got, decode.cache_attention_reference(q, k, v, mask)) < 1e-5

@@ -178,7 +178,7 @@ def _attend_cache(q, kc_ptr, vc_ptr, valid_row_ptr, cache, sc_n, start, end, m_i
 def _store_heads(out_ptr, m_ptr, l_ptr, acc_ptr, b, heads, live, split, m_i, l_i, acc, H, S,
                  D: tl.constexpr, SPLIT: tl.constexpr):
     """A program's rows (query heads ``heads``, those ``live``): with SPLIT its partials (B, H, S[, D]) for
-    ``_combine_kernel``, else the normalised output rows of out (B * H, D)."""
+    ``_attention_combine_kernel``, else the normalised output rows of out (B * H, D)."""
     d = tl.arange(0, D)
     if SPLIT:
         part = (b * H + heads) * S + split
@@ -213,7 +213,7 @@ def _cache_attention_kernel(q_ptr, kc_ptr, vc_ptr, valid_ptr, out_ptr, m_ptr, l_
 
 
 @triton.jit
-def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, slot_ptr, S,
+def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, slot_ptr, S,
                     D: tl.constexpr, CHUNK: tl.constexpr, SP: tl.constexpr, EVERY_SPLIT: tl.constexpr = False):
     """The output row of the splits' partials; with EVERY_SPLIT all S splits count (``slot_ptr`` unread), else
     those that saw a slot before the new token's."""
@@ -226,6 +226,7 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, slot_ptr, S,
     on = (s < active) & (s < S)
     m = tl.load(m_ptr + row * S + s, mask=on, other=float("-inf"))
     top = tl.max(m, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)                 # a row with every key masked: zeros, no NaN
     w = tl.where(on, tl.exp2(m - top), 0.0)
     l_sum = tl.sum(w * tl.load(l_ptr + row * S + s, mask=on, other=0.0), axis=0)
     d = tl.arange(0, D)
@@ -304,7 +305,7 @@ def _attention_launch(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, v
         scale * LOG2E, G, H, S, D=D, GP=max(MIN_DOT, triton.next_power_of_2(G)), CHUNK=chunk, BLOCK_N=block_n,
         SPLIT=split, DOT_PREC=dot_precision(q.dtype, "decode attention"), num_warps=warps)
     if split:
-        _combine_kernel[(B * H,)](m, l_, acc, out, slot, S, D=D, CHUNK=chunk, SP=triton.next_power_of_2(S))
+        _attention_combine_kernel[(B * H,)](m, l_, acc, out, slot, S, D=D, CHUNK=chunk, SP=triton.next_power_of_2(S))
     return out
 
 
@@ -342,15 +343,21 @@ def cache_attention_reference(q, k_cache, v_cache, key_mask=None, scale=None):
     scores = (_wide(q) @ keys.transpose(-1, -2)) * scale
     if key_mask is not None:
         scores = scores.masked_fill(~key_mask, float("-inf"))
-    return (scores.softmax(-1) @ values).to(q.dtype)
+    return (scores.softmax(-1).nan_to_num(0.0) @ values).to(q.dtype)       # a row with every key masked: zeros
 
 
 def cache_attention_problem(q, k_cache, v_cache, key_mask) -> str | None:
-    """Why ``cache_attention`` cannot take these, or None: q (B, H, 1, D), caches (B, Hkv, L, D) of one dtype with
-    the same strides and unit stride along D (heads and D as ``shape_problem`` needs), key_mask None or bool
-    (B or 1, 1, 1, L)."""
-    if q.dim() != 4 or q.shape[2] != 1 or k_cache.dim() != 4 or k_cache.shape[::3] != q.shape[::3]:
-        return f"q {tuple(q.shape)} must be (B, H, 1, D) and the caches {tuple(k_cache.shape)} (B, Hkv, L, D)"
+    """Why ``cache_attention`` cannot take these, or None: q (B, H, 1, D), caches (B, Hkv, L, D), L >= 1, of one dtype
+    with the same strides and unit stride along D (heads and D as ``shape_problem`` needs), no gradient asked for,
+    key_mask None or bool (B or 1, 1, 1, L) on q's device."""
+    if q.dim() != 4 or q.shape[2] != 1 or k_cache.dim() != 4 or k_cache.shape[::3] != q.shape[::3] \
+            or k_cache.shape[2] < 1:
+        return (f"q {tuple(q.shape)} must be (B, H, 1, D) and the caches {tuple(k_cache.shape)} (B, Hkv, L, D) "
+                "with L >= 1")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        return "it has no backward (decode): call it under torch.no_grad() or with tensors that need no gradient"
+    if key_mask is not None and key_mask.device != q.device:
+        return f"key_mask is on {key_mask.device}, q on {q.device}"
     if (heads := shape_problem(q.shape[1], k_cache.shape[1], q.shape[3])) is not None:
         return heads
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
@@ -385,7 +392,7 @@ def _cache_attention_launch(q, k_cache, v_cache, key_mask, scale):
         GP=max(MIN_DOT, triton.next_power_of_2(H // Hkv)), CHUNK=chunk, BLOCK_N=block_n, SPLIT=S > 1,
         HAS_VALID=key_mask is not None, DOT_PREC=dot_precision(q.dtype, "cache attention"), num_warps=warps)
     if S > 1:
-        _combine_kernel[(B * H,)](m, l_, acc, out, m, S, D=D, CHUNK=chunk, SP=triton.next_power_of_2(S),
+        _attention_combine_kernel[(B * H,)](m, l_, acc, out, m, S, D=D, CHUNK=chunk, SP=triton.next_power_of_2(S),
                                   EVERY_SPLIT=True)
     return out
 
