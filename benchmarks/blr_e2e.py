@@ -9,9 +9,9 @@ memfit.compress.structure_model. Each is run eager and torch.compile'd with CUDA
 * decode: one token at batch 1 against a static KV cache of 1024 + 64 positions.
 
 Attention is transformers' SDPA by default; ``--attention memfit`` runs every model's
-prefill attention through memfit's causal Triton kernel instead (decode, one query against
-the cache, stays on SDPA), to show how the speedup moves when the part BLR cannot change
-gets faster for both.
+attention through memfit's kernels instead (prefill: the causal Triton kernel; decode, one
+query against the cache: ``memfit.kernels.decode.cache_attention``, from b8f83d3; SDPA before),
+to show how the speedup moves when the part BLR cannot change gets faster for both.
 
 Baselines in the same run: the dense model (eager and compiled), the roofline floor
 (matmul FLOPs at the measured bf16 rate, weight + KV bytes at the measured bandwidth), and
@@ -202,7 +202,8 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU, eager only")
     parser.add_argument("--attention", choices=("sdpa", "memfit"), default="sdpa",
                         help="attention of every model: transformers' SDPA (what a Hugging Face user gets; the "
-                             "default) or memfit's causal Triton kernel for prefill (writes blr_e2e_memfit_attention.json)")
+                             "default) or memfit's attention kernels, prefill and decode (writes "
+                             "blr_e2e_memfit_attention.json)")
     parser.add_argument("--profile", action="store_true",
                         help="also split each timed step's GPU time by kernel kind (matmul, BLR, attention, other, idle)")
     args = parser.parse_args(argv)

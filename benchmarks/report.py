@@ -239,7 +239,7 @@ E2E_FAULTS = {("memfit", "1476f91"): "**Its decode rows, decode bound and decode
 def blr_e2e_section(data: dict) -> str:
     memfit_attention = data.get("attention") == "memfit"
     command = "python benchmarks/blr_e2e.py" + (" --attention memfit" if memfit_attention else "")
-    attention = "memfit's attention kernel in prefill" if memfit_attention else "transformers' SDPA attention"
+    attention = "memfit's attention" if memfit_attention else "transformers' SDPA attention"
     fault = E2E_FAULTS.get((data.get("attention", "sdpa"), data["commit"]))
     out = [f"### Block-low-rank end to end, {data.get('model', '?')} shape, bf16, batch 1, {attention} "
            "(targets not met)\n", _header(data, command) + (f"\n{fault}\n" if fault else ""),

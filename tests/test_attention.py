@@ -214,19 +214,47 @@ def test_hugging_face_model_decodes_from_a_kv_cache_as_a_full_forward_does(cache
     spec = PRESETS["tiny"]
     model = build_model(spec, dtype="float32", attn_implementation="memfit").eval()
     ids, token = torch.randint(0, spec.vocab, (1, 10)), torch.tensor([[7]])
-    if cache_kind == "static":
-        try:
-            cache = StaticCache(config=model.config, max_cache_len=16)
-        except TypeError:                                            # transformers 4.x
-            cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=16, dtype=torch.float32)
-    else:
-        cache = DynamicCache()
+
+    def decode(grad: bool):
+        """The token's logits decoded against a new cache of the prompt, with gradients enabled or not."""
+        if cache_kind == "static":
+            try:
+                cache = StaticCache(config=model.config, max_cache_len=16)
+            except TypeError:                                        # transformers 4.x
+                cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=16, dtype=torch.float32)
+        else:
+            cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=ids, cache_position=torch.arange(10), use_cache=True, past_key_values=cache)
+        with torch.set_grad_enabled(grad):
+            return model(input_ids=token, cache_position=torch.tensor([10]), use_cache=True, past_key_values=cache).logits
+
     with torch.no_grad():
-        model(input_ids=ids, cache_position=torch.arange(10), use_cache=True, past_key_values=cache)
-        got = model(input_ids=token, cache_position=torch.tensor([10]), use_cache=True, past_key_values=cache).logits
         want = model(input_ids=torch.cat([ids, token], 1), use_cache=False).logits[:, -1:]
-    assert _rel(got, want) < 1e-5
+    assert _rel(decode(grad=False), want) < 1e-5
     assert len(decoded) == spec.num_layers and all((mask is None) == (cache_kind == "dynamic") for mask in decoded)
+    assert _rel(decode(grad=True), want) < 1e-5                   # no backward in the decode kernel: SDPA takes it
+    assert len(decoded) == spec.num_layers
+
+
+def test_hugging_face_padded_batch_without_a_cache_runs_memfits_kernel(monkeypatch):
+    """No cache: the FlashAttention-style mask (a 2-D padding mask), which memfit's kernel takes (packed), not
+    SDPA's N x N one."""
+    from memfit.models import build_model
+    from memfit.models.presets import PRESETS
+    from memfit.train import attention_hf
+
+    calls = []
+    run = attention_hf.attention
+    monkeypatch.setattr(attention_hf, "attention", lambda *a, **k: calls.append(k.get("cu_seqlens")) or run(*a, **k))
+    attention_hf.register()
+    spec = PRESETS["tiny"]
+    model = build_model(spec, dtype="float32", attn_implementation="memfit").eval()
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        model(torch.randint(0, spec.vocab, (2, 9)), attention_mask=mask)
+    assert len(calls) == spec.num_layers and all(cu is not None for cu in calls)
 
 
 def test_hugging_face_attention_runs_restarting_position_ids_as_separate_sequences():

@@ -914,8 +914,9 @@ def pick_chain_tiles(op: str, shape_key: tuple, stages: tuple[tuple[int, int, in
 
 
 def forget_picks() -> None:
-    """Drop what this process holds of the picks (the disk cache it loaded, the picks it could not time, the chains'
-    pairs), so the next pick reads the cache file MEMFIT_AUTOTUNE_CACHE now names (a benchmark's own picks file)."""
+    """Drop what a later pick in this process would reuse (the disk cache it loaded, the picks it could not time, the
+    chains' pairs), so the next pick reads the cache file MEMFIT_AUTOTUNE_CACHE now names (a benchmark's own picks
+    file). The records of picks made (PICK_TIMINGS, CHAIN_TILE_PICKS) stay: call it before the first pick."""
     global _CACHE
     _CACHE = None
     _UNTIMED.clear()

@@ -18,7 +18,8 @@ than the queries' own) SDPA's full mask. After that,
 
 A decode step (one query token against a KV cache, no gradient) runs memfit's kernel for it
 (:func:`memfit.kernels.decode.cache_attention`: K and V read once per group of query heads, the
-key mask as it is), where its shapes allow (a head dim that is a power of two). Other queries
+key mask as it is), where it takes the call (``cache_attention_problem``: e.g. a head dim that
+is a power of two, at least 16). Other queries
 shorter than their keys (a chunk against a cache), a gradient through a cache, and dropout go to
 transformers' SDPA implementation, said once in the log. With a cache the mask is SDPA's: a
 static cache's keys include its unfilled positions. Until this builder the FlashAttention one
@@ -111,8 +112,8 @@ def _not_inspected_when_compiled() -> bool:
 def memfit_attention_mask(**kwargs):
     """transformers' mask-builder signature (keywords only). Where the keys are the queries' own (no cache), the
     FlashAttention-style mask: None or the 2-D padding mask, which the kernel takes. Otherwise the keys come from a
-    KV cache, and the call goes to SDPA (:func:`memfit_attention_forward`), which needs SDPA's own mask: a static
-    cache's keys include the positions it has not filled yet."""
+    KV cache, and the call goes to the decode kernel or to SDPA (:func:`memfit_attention_forward`), which take SDPA's
+    own mask: a static cache's keys include the positions it has not filled yet."""
     from transformers.masking_utils import flash_attention_mask, sdpa_mask
 
     q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]   # transformers 4.x
