@@ -242,7 +242,7 @@ def _measure_step(name, loss_fn, hidden, weight, labels, ref, device, frozen):
     return {"method": name, "ms": ms, "extra_peak_mib": peak, **errors, **model}
 
 
-def run(shapes, vocab, device, out_dir):
+def run(shapes, vocab, device, out_dir, results_name: str = "linear_ce"):
     ceilings = None
     if device == "cuda":
         from memfit.measure.timing import measure_ceilings
@@ -301,7 +301,7 @@ def run(shapes, vocab, device, out_dir):
                                   "hidden_acc": linear_ce.HIDDEN_ACC, "copy_min_width": linear_ce.COPY_MIN_WIDTH,
                                   "tail_elements": linear_ce.TAIL_ELEMENTS, "why": DEFAULT_WHY,
                                   "variants": {name: {**kw, **knobs} for name, (kw, knobs) in VARIANTS.items()}}}
-    path = write_results("linear_ce", rows, targets, out_dir, **extra)
+    path = write_results(results_name, rows, targets, out_dir, **extra)
     _plot(rows, path.with_suffix(".png"))
     return path
 
@@ -414,7 +414,7 @@ def main():
         else:
             path = profile_run(SHAPES, VOCAB, "cuda", args.out)
     elif args.smoke:
-        path = run([(64, 48)], 1037, "cpu", args.out or "/tmp/memfit_smoke")
+        path = run([(64, 48)], 1037, "cpu", args.out, results_name="linear_ce_smoke")        # default: the smoke directory
     else:
         if not torch.cuda.is_available():
             raise SystemExit("benchmarks/linear_ce.py needs a CUDA GPU (use --smoke on CPU)")
