@@ -285,6 +285,15 @@ def launch_config(variant: str, L: int) -> tuple[int, int, int]:
     return chunk, max(MIN_DOT, min(block_n, chunk)), warps
 
 
+def _split_partials(rows: int, splits: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 (max, sum, unnormalised output) of every split of every output row, for ``_attention_combine_kernel``;
+    one-element placeholders where the cache is one split (the kernel then writes the output itself)."""
+    many = splits > 1
+    m = torch.empty(rows * splits if many else 1, dtype=torch.float32, device=device)
+    return m, torch.empty_like(m), torch.empty(rows * splits * head_dim if many else 1, dtype=torch.float32,
+                                               device=device)
+
+
 def _attention_launch(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, variant):
     B, H, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
@@ -293,10 +302,7 @@ def _attention_launch(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, v
     S = triton.cdiv(L, chunk)
     out = torch.empty(B, H * D, dtype=q.dtype, device=q.device)
     split = S > 1
-    f32 = torch.float32
-    m = torch.empty(B * H * S if split else 1, dtype=f32, device=q.device)
-    l_ = torch.empty_like(m)
-    acc = torch.empty(B * H * S * D if split else 1, dtype=f32, device=q.device)
+    m, l_, acc = _split_partials(B * H, S, D, q.device)
     valid8 = valid.view(torch.uint8)
     _decode_attention_kernel[(B, Hkv, S)](
         q, k, v, cos, sin, k_cache, v_cache, valid8, slot, out, m, l_, acc,
@@ -379,10 +385,7 @@ def _cache_attention_launch(q, k_cache, v_cache, key_mask, scale):
     chunk, block_n, warps = launch_config(ATTENTION_DEFAULT, L)
     S = triton.cdiv(L, chunk)
     out = torch.empty(B, H, 1, D, dtype=q.dtype, device=q.device)
-    f32 = torch.float32
-    m = torch.empty(B * H * S if S > 1 else 1, dtype=f32, device=q.device)
-    l_ = torch.empty_like(m)
-    acc = torch.empty(B * H * S * D if S > 1 else 1, dtype=f32, device=q.device)
+    m, l_, acc = _split_partials(B * H, S, D, q.device)
     valid = (key_mask if key_mask.stride(-1) == 1 else key_mask.contiguous()).view(torch.uint8) \
         if key_mask is not None else m                                                  # (unread without a mask)
     valid_b = valid.stride(0) if key_mask is not None and valid.shape[0] > 1 else 0
