@@ -1,15 +1,19 @@
-"""What a local run checks before any work: the model directory it was given, the device it was asked for.
+"""What a local run checks before any work: the model directory it was given, the device it was asked for, the
+directory its output will go into.
 
 Shared by the commands and by library entry points such as :func:`memfit.compress.compress`, so a bad
 path or device fails with the same one-line :class:`~memfit.errors.MemfitError` before a model loads.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 
-def resolve_device(name: str):
-    """``name`` (auto, cpu, cuda or cuda:N) as a torch device; auto takes the GPU when there is one."""
+def resolve_device(name):
+    """``name`` (auto, cpu, cuda or cuda:N, or a torch.device) as a torch device; auto takes the GPU when there is
+    one."""
     import torch
 
     from memfit.errors import MemfitError
@@ -18,7 +22,7 @@ def resolve_device(name: str):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
-    except RuntimeError:
+    except (RuntimeError, TypeError):
         raise MemfitError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MemfitError(f"device {name!r} asked for, but this machine has no CUDA GPU; use --device cpu")
@@ -48,3 +52,25 @@ def check_model_dir(model: str | Path) -> Path:
     refuse_compressed_dir(path)
     check_weight_files(path)
     return path
+
+
+def output_dir_problem(path: str | Path) -> str | None:
+    """Why no directory can be made and written at ``path``, or None: a symbolic link to nothing on the way, a file
+    where a directory must be, a directory nothing can be written in, or a path the file system refuses (a name
+    over NAME_MAX). Writing is probed (a directory made and removed in the nearest one that exists): os.access lets
+    root through on /proc or a read-only mount, where the output would fail after the work."""
+    path = Path(path).expanduser().absolute()
+    try:
+        dangling = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+        existing = next(p for p in (path, *path.parents) if p.exists())
+    except OSError as err:                                        # e.g. a name over NAME_MAX
+        return str(err.strerror or err)
+    if dangling:
+        return f"{dangling} is a symbolic link to nothing"
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".memfit-probe-", dir=existing))
+    except OSError as err:
+        return f"cannot write in {existing} ({err.strerror or err})"
+    return None

@@ -1,6 +1,7 @@
 """Every benchmark that writes results refuses, while it parses its arguments, a results directory that cannot
 hold them (measure.results.check_out_dir): a mistyped --out fails in a second, not after minutes of GPU time."""
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, load_benchmark
@@ -63,3 +64,5 @@ def test_an_empty_or_dangling_results_dir_is_refused(tmp_path):
     assert f"{tmp_path / 'link'} is a symbolic link to nothing" in out_dir_problem(tmp_path / "link" / "sub")
     assert out_dir_problem(None) is None and out_dir_problem(tmp_path / "new") is None
     assert "too long" in out_dir_problem(tmp_path / ("x" * 300))
+    if Path("/proc/self").is_dir():                       # writing is probed: os.access lets root through on /proc
+        assert "cannot write in /proc" in out_dir_problem("/proc/memfit-results")

@@ -51,7 +51,7 @@ def test_bad_options_are_usage_errors(chain_tiles, monkeypatch, capsys, argv, me
 
 def test_an_out_that_cannot_hold_results_is_a_usage_error_before_any_case(chain_tiles, monkeypatch, capsys, tmp_path):
     (tmp_path / "file").write_text("")
-    for out, message in [(tmp_path / "file", "is a file; the results go into a directory"),
+    for out, message in [(tmp_path / "file", "is a file, not a directory"),
                          (tmp_path / "file" / "sub", "file is a file")]:
         monkeypatch.setattr("sys.argv", ["chain_tiles.py", "--out", str(out)])
         with pytest.raises(SystemExit):

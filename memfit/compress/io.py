@@ -20,7 +20,6 @@ import os
 import secrets
 import shutil
 import socket
-import tempfile
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 
 from memfit.compress.plan import structure_class
 from memfit.errors import MemfitError
+from memfit.local import output_dir_problem, resolve_device
 from memfit.log import logger
 from memfit.models.spec import COMPRESSED_MARKER as CONFIG_NAME
 from memfit.models.spec import is_compressed_dir
@@ -66,15 +66,9 @@ def _checked_output(out: Path, force: bool) -> Path:
         if not force:
             raise MemfitError(f"{out} already holds a compressed model; pass --force to replace it, or choose "
                               "another --out")
-    parent = next(p for p in out.absolute().parents if p.exists() or p.is_symlink())
-    if not parent.exists():
-        raise MemfitError(f"--out {out}: {parent} is a symbolic link to nothing")
-    if not parent.is_dir():
-        raise MemfitError(f"--out {out}: {parent} is a file, not a directory")
-    try:                                   # a probe, not os.access: root passes that check on /proc or a read-only mount
-        os.rmdir(tempfile.mkdtemp(prefix=".memfit-probe-", dir=parent))
-    except OSError as err:
-        raise MemfitError(f"--out {out}: cannot write in {parent} ({err.strerror})") from None
+    if problem := output_dir_problem(out.parent):
+        raise MemfitError(f"--out {out}: {problem}")
+    parent = next(p for p in out.absolute().parents if p.exists())
     longest, name_max = len(os.fsencode(_temp_prefix(out))) + TEMP_HEX, _name_max(parent)
     if longest > name_max:
         raise MemfitError(f"--out {out}: the name is too long for its temporary save directory beside it ({longest} "
@@ -223,12 +217,7 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
         directory = directory.parent
     if not directory.is_dir():
         raise MemfitError(f"{directory}: no such directory")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise MemfitError(f"load_compressed: device {device!r} is not a torch device ({err})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise MemfitError("load_compressed: device cuda asked, and this machine has no CUDA GPU")
+    device = resolve_device(device)
     if not is_compressed_dir(directory):
         raise MemfitError(f"{directory} has no {CONFIG_NAME}: not a memfit-compressed model directory")
     if not (directory / WEIGHTS_NAME).is_file():

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from memfit.local import output_dir_problem
+
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
@@ -64,23 +66,13 @@ def out_dir_problem(out_dir: Path | str | None, option: str = "--out") -> str | 
     ``option`` is the command-line option the message names. An empty string is refused (it had meant the default
     directory, where the committed results are; an option parsed with ``type=Path`` makes it '.', the working
     directory, before this sees it), and so is a symbolic link to nothing on the way (the results' mkdir fails on
-    it) and a path the file system refuses (a name over NAME_MAX)."""
+    it) and whatever else :func:`memfit.local.output_dir_problem` finds."""
     if out_dir is None:
         return None
     if not str(out_dir).strip():
         return f"{option} {str(out_dir)!r} names no directory; leave {option} out for the default"
-    path = Path(out_dir).expanduser().absolute()
-    try:
-        dangling = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
-    except OSError as err:                                       # e.g. a name over NAME_MAX
-        return f"{option} {out_dir}: {err.strerror or err}"
-    if dangling:
-        return f"{option} {out_dir}: {dangling} is a symbolic link to nothing"
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        return f"{option} {out_dir}: {existing} is a file; the results go into a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{option} {out_dir}: cannot write in {existing}"
+    if problem := output_dir_problem(out_dir):
+        return f"{option} {out_dir}: {problem}"
     return None
 
 
