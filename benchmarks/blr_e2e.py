@@ -20,6 +20,9 @@ one that costs nothing (its input broadcast to the output's shape, a view). Its 
 what the BLR layers cannot change (attention, norms, k/v, the head, launches), so dense /
 free is the most any BLR kernel could speed the step up: the Amdahl bound of the targets.
 Targets: BLAST prefill >= 2.0x and decode >= 1.8x the compiled dense model.
+Each row records the graph breaks its compilation met, and a model that passes dynamo's recompile limit stops the
+run (``fail_on_recompile_limit_hit``): past it dynamo runs frames eagerly, which at fd16a94, where every BLR
+layer's wrapper broke the graph, timed the compiled BLR models at 0.02-0.23x dense.
 Writes benchmarks/results/blr_e2e.json and .png.
 
     python benchmarks/blr_e2e.py            # H200: ~3 min, mostly compilation
@@ -35,6 +38,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 from memfit.compress import PAPER_RANKS_LLAMA_1B, structure_model
 from memfit.compress.convert import decoder_linears, model_shapes, replace_module
@@ -218,6 +222,7 @@ def main(argv=None) -> int:
         spec, blocks, ranks = PRESETS["llama-3.2-1b"], args.blocks, PAPER_RANKS_LLAMA_1B
     ceilings = None if smoke else __import__("memfit.measure.timing", fromlist=["x"]).measure_ceilings()
     bench = timer(smoke)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True     # a frame run eagerly past the limit is not "compiled"
     rows, results = [], {}
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if unknown := [m for m in methods if m not in ("blast", "monarch", "lowrank")]:
@@ -253,13 +258,18 @@ def main(argv=None) -> int:
                 continue
             t0 = time.perf_counter()
             prefill, decode = workloads(model, mode == "compiled", device)
+            breaks = dict(counters["graph_break"])
             with torch.no_grad():
                 prefill_ms = bench(prefill)
                 decode_ms = bench(decode)
+            breaks = {reason: n - breaks.get(reason, 0) for reason, n in counters["graph_break"].items()
+                      if n > breaks.get(reason, 0)}
             row = {"model": variant, "mode": mode, "linear_params": linear_params(model), "linear_ratio": ratio,
                    "prefill_tokens": PREFILL, "prefill_ms": prefill_ms, "prefill_floor_ms": floor["prefill"],
                    "decode_ms": decode_ms, "decode_tokens_per_s": 1e3 / decode_ms, "decode_floor_ms": floor["decode"],
-                   "setup_and_bench_s": time.perf_counter() - t0}
+                   "setup_and_bench_s": time.perf_counter() - t0, "graph_breaks": sum(breaks.values())}
+            for reason, n in breaks.items():
+                print(f"{variant} {mode}: {n} graph break(s): {reason.splitlines()[0]}", flush=True)
             if args.profile and (mode == "compiled" or smoke):       # an eager step is mostly Python, not kernels
                 with torch.no_grad():
                     row["prefill_profile"] = step_profile(prefill, device)

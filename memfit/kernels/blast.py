@@ -467,5 +467,6 @@ def blast_linear(x, u, v, s, bias=None, path=None, variant="auto"):
     cast = [w if w is None else w.to(x.dtype) for w in (u, v, s, bias)]
     if not runs_triton("blast_linear", x, (u, v, s), path, variant):
         return _blast_recomputing(x, *cast)
-    require_offered("blast_linear", variant, variants_for(x.numel() // (size["b"] * size["m"])), "at this token count")
+    require_offered("blast_linear", variant, lambda: variants_for(x.numel() // (size["b"] * size["m"])),
+                    "at this token count")
     return _blast_op(x, *cast, variant)

@@ -50,6 +50,7 @@ import math
 import os
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -144,7 +145,10 @@ def bind_shapes(op: str, x: torch.Tensor, bias: torch.Tensor | None, factors: di
             source.setdefault(letter, name)
 
     def product(letters: str) -> int:
-        return math.prod(sizes[letter] for letter in letters.split())
+        total = 1
+        for letter in letters.split():       # a loop, not math.prod over a generator: torch.compile breaks its graph there
+            total *= sizes[letter]
+        return total
 
     if x.dim() == 0 or x.shape[-1] != product(x_letters):
         raise MemfitError(f"{op}: x has shape {tuple(x.shape)}; its last dimension must be "
@@ -166,10 +170,15 @@ def runs_triton(op: str, x: torch.Tensor, tensors: tuple, path: str | None, vari
     return False
 
 
-def require_offered(op: str, variant: str, offered: dict, where: str) -> None:
-    """Refuse a ``variant=`` an op does not offer ``where`` (e.g. "at this token count"), naming the ones it does."""
-    if variant != "auto" and variant not in offered:
-        raise MemfitError(f"{op}: variant {variant!r} is not available {where}; available: {', '.join(offered)}")
+def require_offered(op: str, variant: str, offered: Callable[[], dict], where: str) -> None:
+    """Refuse a ``variant=`` an op does not offer ``where`` (e.g. "at this token count"), naming the ones it does.
+    ``offered`` is called only for a named variant: an op's Python wrapper runs inside torch.compile'd models, and
+    working out the offer there (e.g. :func:`pdl_offered`) had split the graph at every BLR layer."""
+    if variant == "auto":
+        return
+    names = offered()
+    if variant not in names:
+        raise MemfitError(f"{op}: variant {variant!r} is not available {where}; available: {', '.join(names)}")
 
 
 def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args: tuple) -> str:
@@ -517,7 +526,9 @@ def pdl_offered() -> bool:
     (compute capability 9.0+), and under the interpreter, which runs them without it."""
     if interpreting():
         return True
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    # get_device_properties, not get_device_capability: torch.compile folds the first to a constant and breaks the
+    # graph at the second (it returns a tuple)
+    return torch.cuda.is_available() and torch.cuda.get_device_properties().major >= 9
 
 
 def pick_candidates(available: dict, never_close_on_h200: tuple[str, ...]) -> dict:

@@ -119,5 +119,5 @@ def lowrank_linear(x, u, v, bias=None, path=None, variant="auto"):
     cast = [w if w is None else w.to(x.dtype) for w in (u, v, bias)]
     if not runs_triton("lowrank_linear", x, (u, v), path, variant):
         return _lowrank_recomputing(x, *cast)
-    require_offered("lowrank_linear", variant, variants_for(x.numel() // size["i"]), "at this token count")
+    require_offered("lowrank_linear", variant, lambda: variants_for(x.numel() // size["i"]), "at this token count")
     return _lowrank_op(x, *cast, variant)

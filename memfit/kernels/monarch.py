@@ -406,6 +406,6 @@ def monarch_linear(x, w1, w2, bias=None, permute_output=False, path=None, varian
     cast = [w if w is None else w.to(x.dtype) for w in (w1, w2, bias)]
     if not runs_triton("monarch_linear", x, (w1, w2), path, variant):
         return _monarch_recomputing(x, *cast, permute_output)
-    require_offered("monarch_linear", variant, variants_for(x.numel() // (b * m), b, m, r // b, p, permute_output),
+    require_offered("monarch_linear", variant, lambda: variants_for(x.numel() // (b * m), b, m, r // b, p, permute_output),
                     f"for this shape, token count and layout (permute_output={permute_output})")
     return _monarch_op(x, *cast, permute_output, variant)
