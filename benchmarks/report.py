@@ -228,26 +228,18 @@ def _pick_note(data: dict) -> str:
             f"{', '.join(misses) if misses else 'no case'}.\n\n")
 
 
-# End-to-end runs in which a fault was found after they ran, by (attention, commit): what of the run does not stand.
-# Shown with the run's section until a new run replaces the file.
-E2E_FAULTS = {("memfit", "1476f91"): "**Its decode rows, decode bound and decode targets are not valid**: memfit's "
-              "attention gave a static cache's decode no mask until 9f4821e, so decode attended over the cache's "
-              "unfilled positions too (and, with no mask, SDPA took K and V without repeating them per query head). "
-              "Its prefill rows stand."}
-
-
 def blr_e2e_section(data: dict) -> str:
     memfit_attention = data.get("attention") == "memfit"
     command = "python benchmarks/blr_e2e.py" + (" --attention memfit" if memfit_attention else "")
     attention = "memfit's attention" if memfit_attention else "transformers' SDPA attention"
-    fault = E2E_FAULTS.get((data.get("attention", "sdpa"), data["commit"]))
     out = [f"### Block-low-rank end to end, {data.get('model', '?')} shape, bf16, batch 1, {attention} "
-           "(targets not met)\n", _header(data, command) + (f"\n{fault}\n" if fault else ""),
-           "| model | mode | prefill 1024 tokens ms (floor) | decode ms/token (floor) | decode tokens/s |",
-           "|---|---|---|---|---|"]
+           "(targets not met)\n", _header(data, command),
+           "| model | mode | prefill 1024 tokens ms (floor) | decode ms/token (floor) | decode tokens/s | graph breaks |",
+           "|---|---|---|---|---|---|"]
     for r in data["rows"]:
         out.append(f"| {r['model']} | {r['mode']} | {r['prefill_ms']:.2f} ({r['prefill_floor_ms']:.2f}) "
-                   f"| {r['decode_ms']:.3f} ({r['decode_floor_ms']:.3f}) | {r['decode_tokens_per_s']:.0f} |")
+                   f"| {r['decode_ms']:.3f} ({r['decode_floor_ms']:.3f}) | {r['decode_tokens_per_s']:.0f} "
+                   f"| {r['graph_breaks'] if r['mode'] == 'compiled' else '-'} |")
     return "\n".join(out) + "\n\n" + _blr_e2e_bound(data) + _blr_e2e_profile(data) + _targets(data)
 
 
