@@ -486,59 +486,6 @@ def test_fake_tensor_shapes():
     assert y.shape == z.shape == (4, 6, 15) and w.shape == (4, 6, 9)
 
 
-def _blr_calls():
-    x = torch.randn(5, 12)
-    return {"monarch": lambda: monarch_linear(x, torch.randn(3, 4, 6), torch.randn(3, 6, 5), path="triton"),
-            "blast": lambda: blast_linear(x, torch.randn(3, 5, 7), torch.randn(3, 4, 7), torch.randn(3, 3, 7),
-                                          path="triton"),
-            "lowrank": lambda: lowrank_linear(x, torch.randn(9, 7), torch.randn(12, 7), path="triton")}
-
-
-@pytest.mark.parametrize("op", ["monarch", "blast", "lowrank"])
-def test_the_auto_path_leaves_the_offer_to_the_op(op, monkeypatch):
-    """variant="auto" leaves working out the offer (variants_for) to the op: in the wrapper, which torch.compile
-    traces, it asked for the device capability, and that split the graph at every BLR layer of a compiled model
-    (8930a91 to 2026-12-02). A named variant is still checked against the offer."""
-    module = {"monarch": monarch, "blast": blast, "lowrank": lowrank}[op]
-
-    def no_offer(*args):
-        raise AssertionError("the wrapper worked out the offer")
-
-    monkeypatch.setattr(module, "variants_for", no_offer)
-    monkeypatch.setattr(module, f"_{op}_op", lambda x, *rest: x)
-    _blr_calls()[op]()
-    with pytest.raises(AssertionError, match="worked out the offer"):
-        module.require_offered(op, "two_stage", no_offer, "here")
-
-
-@pytest.mark.parametrize("op", ["monarch", "blast", "lowrank"])
-def test_the_ops_compile_into_one_graph(op):
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(_blr_calls()[op])()
-    assert explained.graph_break_count == 0, explained.break_reasons
-
-
-def _graph_breaks(method):
-    from memfit.compress import structure_model
-    from memfit.models import PRESETS, build_model
-
-    torch.manual_seed(0)
-    model = build_model(PRESETS["tiny"], dtype="float32", device="cpu").eval()
-    if method != "dense":
-        structure_model(model, method, ratio=0.5, blocks=4)
-    torch._dynamo.reset()
-    with torch.no_grad():
-        return torch._dynamo.explain(model)(torch.randint(0, 100, (1, 8)), logits_to_keep=1).graph_break_count
-
-
-@pytest.mark.parametrize("method", ["monarch", "blast", "lowrank"])
-def test_a_compressed_model_compiles_with_no_more_graph_breaks_than_the_dense_one(method):
-    """A graph break in a BLR layer's forward splits a compiled model at every layer. At fd16a94 this tiny model
-    broke 13 times compressed and never dense (math.prod over a generator in bind_shapes; on a GPU also the device
-    capability the wrapper asked for), and the end-to-end benchmark's compiled BLR models ran at 0.02-0.23x dense."""
-    assert _graph_breaks(method) <= _graph_breaks("dense")
-
-
 def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
     """A shape timed before capture keeps its winner inside the capture (the bug: the default ran instead);
     a shape never timed gets the default, and a warning says so."""

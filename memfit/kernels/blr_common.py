@@ -410,7 +410,10 @@ def recomputing(reference, n_tensors: int, n_options: int = 0):
     kept its intermediates for the backward (z and its copies), which the ledger does not count; run inside a
     custom op, its forward's temporaries were hidden from the CPU memory tracker, which sees an op as one call.
     Not twice differentiable (an error says so if asked); ``torch.compile`` cannot trace its backward's
-    ``autograd.grad`` (a graph break; ``fullgraph=True`` refuses it)."""
+    ``autograd.grad`` (a graph break; ``fullgraph=True`` refuses it). Where no gradient is wanted (no_grad, or
+    no input that requires one) the reference runs as it is: nothing is kept for a backward either way, and
+    torch.compile then traces it whole (through the autograd function it broke the graph at every layer, and
+    crashed inside dynamo on the low-rank reference)."""
     backward = recompute_backward(reference, n_tensors, n_options)
 
     class Recomputing(torch.autograd.Function):
@@ -427,7 +430,12 @@ def recomputing(reference, n_tensors: int, n_options: int = 0):
         def backward(ctx, grad):
             return backward(ctx, grad)
 
-    return Recomputing.apply
+    def run(*inputs):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs[:n_tensors]):
+            return Recomputing.apply(*inputs)
+        return reference(*inputs[:n_tensors + n_options])
+
+    return run
 
 
 def save_for_recompute(ctx, inputs, output, n_tensors: int) -> None:
