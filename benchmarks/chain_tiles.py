@@ -11,7 +11,9 @@ times the pairs itself (``blr_common.pick_chain_tiles``). For the paper's shapes
 (default N = 128) this times, in one run:
 
 * every pair (stage-1 tile, stage-2 tile) of the tiles bgemm offers the two chained launches
-  (``blr_common.bgemm_tiles_offered``), each pair's output checked against torch;
+  (``blr_common.bgemm_tiles_offered``), run through the op's own pipeline with that pair fixed
+  (``monarch._chained_two_stage``, which allocates z and y as the op does), each pair's output checked against
+  torch (until 2026-12-02 the pairs ran through bgemm_tiles' launcher into preallocated z and y);
 * ``two_stage_pdl`` as the op runs it, with the tiles it took (``tile_picks``): its own pick among the same
   pairs, so it should read as the best pair, within the timing noise.
 
@@ -26,7 +28,6 @@ import argparse
 import sys
 import time
 
-from bgemm_tiles import Gemm
 from blr_layers import BLOCKS, check_tokens, copies_for, gpu_ms, select_shapes
 
 TOKENS = [128]
@@ -53,23 +54,20 @@ def parse():
 
 
 class Chain:
-    """``copies`` of one Monarch layer's operands as ``two_stage_pdl`` runs it: stage 1 writes z (N, b, r) in P^T
-    order, stage 2 reads it and writes the block-major y; the stages' strides are :class:`bgemm_tiles.Gemm`'s."""
+    """``copies`` of one Monarch layer's operands (x, w1, w2), bf16, and the bytes one chained call moves."""
 
     def __init__(self, torch, d_in, d_out, rank, n, copies, device="cuda"):
-        self.stage1 = Gemm(torch, 1, d_in, d_out, rank, n, 1, False, device)
-        self.stage2 = Gemm(torch, 2, d_in, d_out, rank, n, 1, False, device)
         b, m, p = BLOCKS, d_in // BLOCKS, d_out // BLOCKS
         new = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16)   # noqa: E731
-        self.operands = [(new(n, d_in), new(b, m, rank), new(n * b * rank), new(b, rank, p), new(n * b * p))
-                         for _ in range(copies)]
+        self.operands = [(new(n, d_in), new(b, m, rank), new(b, rank, p)) for _ in range(copies)]
         self.bytes = 2 * (n * d_in + d_in * rank + 2 * n * b * rank + rank * d_out + n * d_out)
 
-    def launcher(self, x, w1, z, w2, y, tile1, tile2):
-        """fn() running both chained stages with these tiles (each as bgemm would pick EVEN_K for it)."""
-        first = self.stage1.launcher(x, w1, z, tile1, self.stage1.k % tile1[2] == 0, launch_dependents=True)
-        second = self.stage2.launcher(z, w2, y, tile2, self.stage2.k % tile2[2] == 0, wait_for_previous=True)
-        return lambda: (first(), second())
+
+def chained(x, w1, w2, tiles):
+    """fn() running ``two_stage_pdl``'s pipeline as the op does, with this pair of tiles instead of its pick."""
+    from memfit.kernels.monarch import _chained_two_stage
+
+    return lambda: _chained_two_stage(x, w1, w2, None, False, tiles=tiles)
 
 
 def sweep_pairs(torch, name, d_in, d_out, rank, n, tiles1, tiles2, device="cuda") -> list[dict]:
@@ -78,17 +76,12 @@ def sweep_pairs(torch, name, d_in, d_out, rank, n, tiles1, tiles2, device="cuda"
 
     probe = Chain(torch, d_in, d_out, rank, n, 1, device)
     chain = Chain(torch, d_in, d_out, rank, n, copies_for(probe.bytes, device), device)
-    x0, w10, _, w20, y0 = chain.operands[0]
+    x0, w10, w20 = chain.operands[0]
     expected = monarch_linear_reference(x0.float(), w10.float(), w20.float())
 
-    def timed(label, fns, output=None):
-        """The row of ``fns`` (one per copy): checked on the first copy's output (``output``, else what fns[0]
-        returns), then timed over all copies."""
-        if output is not None:
-            output.zero_()                                   # a launch that writes nothing must not pass on an earlier y
-        returned = fns[0]()
-        got = output if output is not None else returned
-        rel = ((got.view(n, -1).float() - expected).norm() / expected.norm()).item()
+    def timed(label, fns):
+        """The row of ``fns`` (one per copy): checked on the first copy's output, then timed over all copies."""
+        rel = ((fns[0]().view(n, -1).float() - expected).norm() / expected.norm()).item()
         row = {"shape": name, "n": n, "candidate": label, "rel_err": rel, "copies": len(fns)}
         if rel >= MAX_REL_ERR:
             return row | {"ms": float("nan"), "error": f"wrong result: relative error {rel:.3g}"}
@@ -99,12 +92,12 @@ def sweep_pairs(torch, name, d_in, d_out, rank, n, tiles1, tiles2, device="cuda"
         for tile2 in tiles2:
             label = " + ".join("{}x{}x{} w{} s{}".format(*tile) for tile in (tile1, tile2))
             try:
-                rows.append(timed(label, [chain.launcher(*ops, tile1, tile2) for ops in chain.operands], y0))
+                rows.append(timed(label, [chained(*ops, (tile1, tile2)) for ops in chain.operands]))
             except Exception as err:  # noqa: BLE001 (a pair this GPU cannot run is recorded, not fatal)
                 rows.append({"shape": name, "n": n, "candidate": label, "ms": float("nan"),
                              "error": f"{type(err).__name__}: {err}"[:300]})
     rows.append(timed(OP, [lambda x=x, w1=w1, w2=w2: monarch_linear(x, w1, w2, variant="two_stage_pdl")
-                           for x, w1, _, w2, _ in chain.operands]))
+                           for x, w1, w2 in chain.operands]))
     return rows
 
 

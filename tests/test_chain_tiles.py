@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import load_benchmark
 
-TILE = (16, 32, 32, 4, 1)   # the interpreter's bgemm tile
+TILE, OTHER = (16, 32, 64, 2, 8), (16, 64, 64, 4, 6)   # two of bgemm's tiles (BGEMM_CONFIGS), small for the interpreter
 
 
 @pytest.fixture(scope="module")
@@ -20,10 +20,17 @@ def untimed(chain_tiles, monkeypatch):
     return calls
 
 
-def test_every_pair_and_the_op_are_checked_then_timed(chain_tiles, untimed):
-    rows = chain_tiles.sweep_pairs(torch, "tiny", 16 * 8, 16 * 6, 16 * 2, 20, [TILE], [TILE, (16, 32, 16, 4, 1)],
-                                   device="cpu")
-    assert [r["candidate"] for r in rows] == ["16x32x32 w4 s1 + 16x32x32 w4 s1", "16x32x32 w4 s1 + 16x32x16 w4 s1",
+def test_every_pair_and_the_op_are_checked_then_timed(chain_tiles, untimed, monkeypatch):
+    """Each pair runs its own two tiles (checked, then timed: two calls), then the op runs its pick."""
+    from memfit.kernels import blr_common
+
+    launched, heuristics = [], blr_common._bgemm_kernel.fn
+    run = heuristics.run
+    monkeypatch.setattr(heuristics, "run", lambda *args, **kwargs: launched.append(
+        tuple(kwargs[name] for name in ("BN", "BC", "BK", "num_warps", "num_stages"))) or run(*args, **kwargs))
+    rows = chain_tiles.sweep_pairs(torch, "tiny", 16 * 8, 16 * 6, 16 * 2, 20, [TILE], [TILE, OTHER], device="cpu")
+    assert launched[:8] == [TILE, TILE] * 2 + [TILE, OTHER] * 2
+    assert [r["candidate"] for r in rows] == ["16x32x64 w2 s8 + 16x32x64 w2 s8", "16x32x64 w2 s8 + 16x64x64 w4 s6",
                                               chain_tiles.OP]
     assert not [r for r in rows if "error" in r] and len(untimed) == len(rows)
     (summary,) = chain_tiles.summary(rows)
@@ -32,9 +39,8 @@ def test_every_pair_and_the_op_are_checked_then_timed(chain_tiles, untimed):
 
 def test_a_pair_whose_output_is_wrong_is_an_error_row(chain_tiles, untimed, monkeypatch):
     """The check compares y with the reference Monarch layer: stage 1 reading other weights fails it."""
-    right = chain_tiles.Chain.launcher
-    monkeypatch.setattr(chain_tiles.Chain, "launcher",
-                        lambda self, x, w1, z, w2, y, t1, t2: right(self, x, w1.flip(1), z, w2, y, t1, t2))
+    right = chain_tiles.chained
+    monkeypatch.setattr(chain_tiles, "chained", lambda x, w1, w2, tiles: right(x, w1.flip(1), w2, tiles))
     rows = chain_tiles.sweep_pairs(torch, "tiny", 16 * 8, 16 * 6, 16 * 2, 20, [TILE], [TILE], device="cpu")
     assert "wrong result" in rows[0]["error"] and "error" not in rows[1]
     assert chain_tiles.summary(rows) == []
