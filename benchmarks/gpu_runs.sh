@@ -12,7 +12,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # layer table needs two calls (as at 1476f91 and f969028): at af7a5bc, where the chained pipelines time every pair of
 # their tiles, its file records 779 s, 372.1 s of case times for the 13 cases of a first call stopped at its limit and
 # 386.5 s for the 22 blr_layers_resume timed (f969028's first call timed 30 cases in 579.7 s of case times).
-# chain_tiles records 72 s at af7a5bc. At cd59de1 the models of blr_e2e_memfit_attention, run first on a fresh
+# chain_tiles records 72 s at af7a5bc, 75 s at 34f6713. At cd59de1 the models of blr_e2e_memfit_attention, run first on a fresh
 # machine, record 276.9 s of set-up and timing (their cold tile and variant picks included), then blr_e2e's 194.5 s
 # (both in one 522 s call); pick_cost stopped at a 190 s limit after 41 of its 42 first calls.
 # The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
