@@ -99,7 +99,6 @@ def measure_ceilings(device: str = "cuda") -> Ceilings:
     src = torch.randn(2**28, device=device, dtype=torch.float32)  # 1 GiB
     dst = torch.empty_like(src)
     cp_ms = bench_ms(lambda: dst.copy_(src))
-    del a, b, src, dst
     return Ceilings(matmul_flops=2 * n**3 / (mm_ms * 1e-3), bandwidth=2 * 2**30 / (cp_ms * 1e-3))
 
 
