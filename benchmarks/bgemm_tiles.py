@@ -169,11 +169,11 @@ class Gemm:
 
         return blr_common.a_window(a, *self.a_strides, self.runs[1], True) if self.runs else 0
 
-    def launcher(self, a, b, c, config, even_k, window=0, group=1, launch_dependents=False, wait_for_previous=False):
+    def launcher(self, a, b, c, config, even_k, window=0, group=1):
         """fn() running this call through the bgemm kernel with one tile config, no autotuning; ``window``:
         a gathered A read in aligned windows of that many elements instead of its runs; ``group``: batches
-        per program (``BATCH_GROUP``); ``launch_dependents`` / ``wait_for_previous``: a stage in a chain, as
-        ``bgemm`` launches it (blr_common.chain_options)."""
+        per program (``BATCH_GROUP``). An unchained launch (chains time their tile pairs through the op's own
+        pipeline: chain_tiles.py)."""
 
         from memfit.kernels import blr_common
 
@@ -181,14 +181,14 @@ class Gemm:
         jit = blr_common.jit_function(blr_common._bgemm_kernel)
         grid = blr_common.bgemm_grid(self.n, self.cols, self.batches, bn, bc, group)
         run_stride = self.runs[1] if self.runs else 0
-        chain = blr_common.chain_options(launch_dependents, wait_for_previous)
+        unchained = blr_common.chain_options(launch_dependents=False, wait_for_previous=False)
         return lambda: jit[grid](a, b, c, c, self.n, self.k, self.cols, self.grp, self.run_length(), self.batches,
                                  blr_common.n_bucket(self.n), *self.a_strides, run_stride, *self.b_strides,
                                  *self.c_strides, HAS_BIAS=False, PRECISION=blr_common.blr_precision(a.dtype),
-                                 B_ROWS_CONTIGUOUS=wait_for_previous and self.b_strides[2] == 1,
+                                 B_ROWS_CONTIGUOUS=False,
                                  LINE=blr_common.line_elements(b), BN=bn, BC=bc, BK=bk, EVEN_K=even_k,
                                  A_GROUPED=self.runs is not None, A_WINDOW=window, BATCH_GROUP=group,
-                                 num_warps=warps, num_stages=stages, **chain)
+                                 num_warps=warps, num_stages=stages, **unchained)
 
 
 def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, bandwidth, device="cuda",

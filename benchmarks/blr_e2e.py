@@ -195,6 +195,7 @@ def step_profile(step, device: str) -> dict:
     return {"ms_by_kind": by_kind, "idle_ms": idle["idle_ms"], "span_ms": idle["span_ms"], "top": top}
 
 
+@torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)    # a frame run eagerly past the limit is not "compiled"
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default="blast,monarch", help="comma-separated BLR methods to compare with dense")
@@ -222,7 +223,6 @@ def main(argv=None) -> int:
         spec, blocks, ranks = PRESETS["llama-3.2-1b"], args.blocks, PAPER_RANKS_LLAMA_1B
     ceilings = None if smoke else __import__("memfit.measure.timing", fromlist=["x"]).measure_ceilings()
     bench = timer(smoke)
-    torch._dynamo.config.fail_on_recompile_limit_hit = True     # a frame run eagerly past the limit is not "compiled"
     rows, results = [], {}
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if unknown := [m for m in methods if m not in ("blast", "monarch", "lowrank")]:

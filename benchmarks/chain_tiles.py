@@ -13,7 +13,7 @@ times the pairs itself (``blr_common.pick_chain_tiles``). For the paper's shapes
 * every pair (stage-1 tile, stage-2 tile) of the tiles bgemm offers the two chained launches
   (``blr_common.bgemm_tiles_offered``), run through the op's own pipeline with that pair fixed
   (``monarch._chained_two_stage``, which allocates z and y as the op does), each pair's output checked against
-  torch (until 2026-12-02 the pairs ran through bgemm_tiles' launcher into preallocated z and y);
+  torch (until 34f6713 the pairs ran through bgemm_tiles' launcher into preallocated z and y);
 * ``two_stage_pdl`` as the op runs it, with the tiles it took (``tile_picks``): its own pick among the same
   pairs, so it should read as the best pair, within the timing noise.
 

@@ -12,14 +12,14 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # layer table needs two calls (as at 1476f91 and f969028): at af7a5bc, where the chained pipelines time every pair of
 # their tiles, its file records 779 s, 372.1 s of case times for the 13 cases of a first call stopped at its limit and
 # 386.5 s for the 22 blr_layers_resume timed (f969028's first call timed 30 cases in 579.7 s of case times).
-# chain_tiles records 72 s at af7a5bc, 75 s at 34f6713. At cd59de1 the models of blr_e2e_memfit_attention, run first on a fresh
-# machine, record 276.9 s of set-up and timing (their cold tile and variant picks included), then blr_e2e's 194.5 s
-# (both in one 522 s call); pick_cost stopped at a 190 s limit after 41 of its 42 first calls.
+# chain_tiles records 72 s at af7a5bc, 75 s at 34f6713. At cd59de1 the models of blr_e2e_memfit_attention, run
+# first, record 276.9 s of set-up and timing (their tile and variant picks included), then blr_e2e's 194.5 s;
+# pick_cost stopped after 41 of its 42 first calls (earlier/pick_cost_stopped_cd59de1.json).
 # The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
 # recompiling every step); the ledger's 24 accuracy jobs record their own times, 74 s together at 141a414
 # (ledger_accuracy.json, the models' set-up not included).
-# At 1476f91 (the figures the result files and logs record): the full layer table stopped at its 590 s limit with
-# three cases left (Llama-7B down, N >= 128; its log ends there) and blr_layers_resume timed them; the file records
+# At 1476f91 (the figures its result files and logs, some now in earlier/, record): the full layer table stopped at
+# its 590 s limit with three cases left (Llama-7B down, N >= 128; its log ends there) and blr_layers_resume timed them; the file records
 # 627 s, 495 s to build, check, tune and pick and 129 s to time. blr_layers_profile's file records 9 s, run on the
 # machine the table had just used. The models of blr_e2e record 281 s of set-up and timing, those of
 # blr_e2e_memfit_attention 166 s (each call also starts CUDA and measures the ceilings; 264 s at 1deb9e7).

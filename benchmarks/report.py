@@ -239,7 +239,7 @@ def blr_e2e_section(data: dict) -> str:
     for r in data["rows"]:
         out.append(f"| {r['model']} | {r['mode']} | {r['prefill_ms']:.2f} ({r['prefill_floor_ms']:.2f}) "
                    f"| {r['decode_ms']:.3f} ({r['decode_floor_ms']:.3f}) | {r['decode_tokens_per_s']:.0f} "
-                   f"| {r['graph_breaks'] if r['mode'] == 'compiled' else '-'} |")
+                   f"| {r.get('graph_breaks', 'not recorded') if r['mode'] == 'compiled' else '-'} |")
     return "\n".join(out) + "\n\n" + _blr_e2e_bound(data) + _blr_e2e_profile(data) + _targets(data)
 
 

@@ -21,9 +21,9 @@ def _blr_calls():
 
 @pytest.mark.parametrize("op", ["monarch", "blast", "lowrank"])
 def test_the_auto_path_leaves_the_offer_to_the_op(op, monkeypatch):
-    """variant="auto" leaves working out the offer (variants_for) to the op: in the wrapper, which torch.compile
-    traces, it asked for the device capability, and that split the graph at every BLR layer of a compiled model
-    (8930a91 to 2026-12-02). A named variant is still checked against the offer."""
+    """variant="auto" leaves working out the offer (variants_for) to the op: the wrapper, which torch.compile traces,
+    worked it out at every call (Monarch's from 8930a91, BLAST's and low-rank's from 4893418 to cd59de1), asking
+    the device its capability. A named variant is still checked against the offer."""
     module = {"monarch": monarch, "blast": blast, "lowrank": lowrank}[op]
 
     def no_offer(*args):
@@ -61,8 +61,8 @@ def _graph_breaks(method):
 def test_a_compressed_model_compiles_with_no_more_graph_breaks_than_the_dense_one(method, path, monkeypatch):
     """A graph break in a BLR layer's forward splits a compiled model at every layer; this tiny model never breaks
     dense. On the Triton path it broke 13 times compressed at fd16a94, at math.prod over a generator in bind_shapes
-    (on a GPU also at the device capability the wrapper asked for), and the end-to-end benchmark's compiled BLR
-    models ran at 0.02-0.23x dense. On the reference path (CPU) it still broke 13 times at cd59de1, at the
-    recomputing autograd function, which no_grad inference now skips; the low-rank model crashed inside dynamo."""
+    (from 084c10d), and the end-to-end benchmark's compiled BLR models ran at 0.02-0.23x dense. On the reference
+    path (CPU) it still broke 13 times at cd59de1, at the recomputing autograd function (from b85a879), which
+    no_grad inference now skips; the low-rank model crashed inside dynamo."""
     monkeypatch.setenv("MEMFIT_KERNELS", path)
     assert _graph_breaks(method) <= _graph_breaks("dense")

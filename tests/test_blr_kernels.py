@@ -229,7 +229,8 @@ def test_chained_pipelines_need_programmatic_dependent_launch(monkeypatch):
     monkeypatch.setattr(blr_common, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, offered in ((8, False), (9, True)):
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda c=capability: types.SimpleNamespace(major=c))
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device=None, c=capability: types.SimpleNamespace(major=c))
         assert ("two_stage_pdl" in monarch.variants_for(16, 16, 128, 32, 128, False)) == offered
         assert ("z_mixgemm_pdl" in blast.variants_for(16)) == offered
         assert ("bgemm_mix_bgemm_pdl" in blast.variants_for(16)) == offered
@@ -248,7 +249,8 @@ def test_the_pick_leaves_out_what_never_came_close_where_pdl_is_offered(monkeypa
     monkeypatch.setattr(blr_common, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, pdl in ((8, False), (9, True)):
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda c=capability: types.SimpleNamespace(major=c))
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device=None, c=capability: types.SimpleNamespace(major=c))
         for module, available in ((monarch, monarch.variants_for(16, 16, 128, 32, 128, False)),
                                   (blast, blast.variants_for(16)), (lowrank, lowrank.variants_for(16))):
             assert set(module.UNPICKED_WITH_PDL) < set(available)
