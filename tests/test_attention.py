@@ -257,6 +257,68 @@ def test_hugging_face_padded_batch_without_a_cache_runs_memfits_kernel(monkeypat
     assert len(calls) == spec.num_layers and all(cu is not None for cu in calls)
 
 
+def _padding_mask(padding):
+    mask = torch.ones(2, 9, dtype=torch.long)
+    if padding == "left":
+        mask[1, :3] = 0
+    elif padding == "right":
+        mask[0, 6:] = 0
+    elif padding == "both rows, one empty":
+        mask[0, 7:], mask[1] = 0, 0
+    return mask
+
+
+@pytest.mark.parametrize("padding", ["left", "right", "none", "both rows, one empty"])
+def test_padding_in_place_equals_packing(padding):
+    """The compiled path's padding (every token in place, each row as leading padding | valid | trailing padding)
+    gives what packing the valid tokens gives, zeros at padded positions included, forward and backward."""
+    from memfit.train.attention_hf import _padded_in_place, _unpadded
+
+    mask = _padding_mask(padding)
+    q, k, v = (torch.randn(2, 4, 9, 16, requires_grad=True) for _ in range(3))
+    do = torch.randn(2, 9, 4, 16)
+    results = []
+    for run in (_unpadded, _padded_in_place):
+        out = run(q, k, v, mask, True, None, "two_pass")
+        results.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    for got, want in zip(results[1], results[0]):
+        assert _rel(got, want) < 1e-5
+
+
+def test_padding_in_place_refuses_a_mask_with_a_hole():
+    from memfit.train.attention_hf import _padded_in_place
+
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, 4] = 0
+    q, k, v = (torch.randn(2, 4, 9, 16) for _ in range(3))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        _padded_in_place(q, k, v, mask, True, None, "two_pass")
+
+
+@pytest.mark.parametrize("padding", ["left", "none"])
+def test_hugging_face_padded_batch_compiles_to_one_graph(padding):
+    """Under torch.compile a padding mask (all true or not) costs no graph break: the mask builder passes it on
+    without reading it, and the kernel runs it in place. Packing, and the builder's check for an all-true mask, had
+    broken the graph (an all-true mask 5 times, a padded one 14 in this model on the Triton path, 9f4821e). The valid
+    positions' logits match the eager run's."""
+    from memfit.models import build_model
+    from memfit.models.presets import PRESETS
+    from memfit.train import attention_hf
+
+    attention_hf.register()
+    spec = PRESETS["tiny"]
+    model = build_model(spec, dtype="float32", attn_implementation="memfit").eval()
+    ids, mask = torch.randint(0, spec.vocab, (2, 9)), _padding_mask(padding)
+    forward = lambda ids: model(input_ids=ids, attention_mask=mask).logits * mask[..., None]   # noqa: E731
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = forward(ids)
+        explained = torch._dynamo.explain(forward)(ids)
+        got = torch.compile(forward, backend="eager")(ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert _rel(got, want) < 1e-5
+
+
 def test_hugging_face_attention_runs_restarting_position_ids_as_separate_sequences():
     """Eager: position_ids that restart (a packed batch of 5 and 4 tokens) attend within each sequence only."""
     from memfit.train.attention_hf import memfit_attention_forward

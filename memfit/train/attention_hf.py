@@ -10,7 +10,10 @@ than the queries' own) SDPA's full mask. After that,
 
 * no mask: dense causal attention on (B, H, N, D);
 * a padding mask: the valid tokens are packed (no padding computed) and run with
-  ``cu_seqlens``, then scattered back (padded rows get zeros);
+  ``cu_seqlens``, then scattered back (padded rows get zeros). Under ``torch.compile``, where
+  packing's data-dependent shape would split the graph at every layer, the tokens stay in place
+  and each row runs as its leading padding, its valid tokens and its trailing padding
+  (:func:`_padded_in_place`: left or right padding; a mask with a hole is an error);
 * packed batches (``cu_seq_lens_q`` from a flattening collator, or ``position_ids`` that
   restart): run packed as they are. Under ``torch.compile`` the ``position_ids`` are not
   inspected (reading them back to the host would split the graph, and its CUDA graphs, at
@@ -59,6 +62,29 @@ def _unpadded(query, key, value, mask, causal, scale, backward):
     return full.view(b, n, h, d)
 
 
+def _padded_in_place(query, key, value, mask, causal, scale, backward):
+    """:func:`_unpadded` for torch.compile: packing has a data-dependent shape (and its longest sequence is read
+    back to the host), which split the graph at every layer. Here every token stays where it is: each of the B
+    rows runs as three sequences, its leading padding, its valid tokens and its trailing padding (3B + 1 fixed
+    offsets), so the valid tokens attend only to each other, and the padded positions are zeroed after. Padding
+    is computed (as an unpadded kernel would compute it). Each row's valid tokens must be contiguous (left or right
+    padding, as tokenizers pad); a mask with a hole stops the run with an error from the device."""
+    b, h, n, d = query.shape
+    valid = mask.bool()
+    position = torch.arange(n, device=valid.device)
+    end = torch.where(valid, position + 1, 0).amax(1)                 # one past each row's last valid token
+    first = torch.minimum(torch.where(valid, position, n).amin(1), end)
+    torch._assert_async((valid.sum(1) == end - first).all(),
+                        "memfit attention under torch.compile takes a padding mask whose valid tokens are contiguous "
+                        "in each row (left or right padding)")
+    row = torch.arange(b, device=valid.device) * n
+    cu = torch.nn.functional.pad(torch.stack([row + first, row + end, row + n], 1).reshape(-1), (1, 0))
+    q, k, v = (t.transpose(1, 2).reshape(b * n, t.shape[1], d) for t in (query, key, value))
+    out = attention(q, k, v, causal=causal, scale=scale, cu_seqlens=cu.to(torch.int32), max_seqlen=n,
+                    backward=backward)
+    return out.view(b, n, h, d) * valid[:, :, None, None].to(out.dtype)
+
+
 def memfit_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """transformers attention-function signature; returns ``(output (B, N, H, D), None)``."""
@@ -77,7 +103,8 @@ def memfit_attention_forward(module, query, key, value, attention_mask, dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     if attention_mask is not None:
-        return _unpadded(query, key, value, attention_mask, causal, scaling, backward), None
+        unpad = _padded_in_place if torch.compiler.is_compiling() else _unpadded
+        return unpad(query, key, value, attention_mask, causal, scaling, backward), None
     cu = kwargs.get("cu_seq_lens_q")
     max_len = kwargs.get("max_length_q")
     position_ids = kwargs.get("position_ids")
@@ -111,13 +138,21 @@ def _not_inspected_when_compiled() -> bool:
 
 def memfit_attention_mask(**kwargs):
     """transformers' mask-builder signature (keywords only). Where the keys are the queries' own (no cache), the
-    FlashAttention-style mask: None or the 2-D padding mask, which the kernel takes. Otherwise the keys come from a
+    FlashAttention-style mask: None or the 2-D padding mask, which the kernel takes (under torch.compile the mask as
+    given, even all true: dropping it would read its values, a graph break). Otherwise the keys come from a
     KV cache, and the call goes to the decode kernel or to SDPA (:func:`memfit_attention_forward`), which take SDPA's
     own mask: a static cache's keys include the positions it has not filled yet."""
     from transformers.masking_utils import flash_attention_mask, sdpa_mask
 
     q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]   # transformers 4.x
-    return (flash_attention_mask if q_length == kwargs["kv_length"] else sdpa_mask)(**kwargs)
+    if q_length != kwargs["kv_length"]:
+        return sdpa_mask(**kwargs)
+    mask = kwargs.get("attention_mask")
+    if torch.compiler.is_compiling() and mask is not None:
+        # flash_attention_mask drops an all-true mask after reading its values, a graph break under torch.compile;
+        # the mask goes on as it is (the kernel's compiled padding path takes it)
+        return mask[:, -kwargs["kv_length"]:]
+    return flash_attention_mask(**kwargs)
 
 
 def register() -> str:
