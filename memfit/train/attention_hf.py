@@ -13,7 +13,8 @@ than the queries' own) SDPA's full mask. After that,
   ``cu_seqlens``, then scattered back (padded rows get zeros). Under ``torch.compile``, where
   packing's data-dependent shape would split the graph at every layer, the tokens stay in place
   and each row runs as its leading padding, its valid tokens and its trailing padding
-  (:func:`_padded_in_place`: left or right padding; a mask with a hole is an error);
+  (:func:`_padded_in_place`: left or right padding; a mask with a hole is a device-side error).
+  The mask builder still reads the mask to drop an all-true one: a few breaks per forward;
 * packed batches (``cu_seq_lens_q`` from a flattening collator, or ``position_ids`` that
   restart): run packed as they are. Under ``torch.compile`` the ``position_ids`` are not
   inspected (reading them back to the host would split the graph, and its CUDA graphs, at
@@ -68,7 +69,8 @@ def _padded_in_place(query, key, value, mask, causal, scale, backward):
     rows runs as three sequences, its leading padding, its valid tokens and its trailing padding (3B + 1 fixed
     offsets), so the valid tokens attend only to each other, and the padded positions are zeroed after. Padding
     is computed (as an unpadded kernel would compute it). Each row's valid tokens must be contiguous (left or right
-    padding, as tokenizers pad); a mask with a hole stops the run with an error from the device."""
+    padding, as tokenizers pad); a mask with a hole stops the run by an assert on the device (on CUDA a device-side
+    assert, which leaves the process's CUDA context unusable). Eager runs take any mask (:func:`_unpadded`)."""
     b, h, n, d = query.shape
     valid = mask.bool()
     position = torch.arange(n, device=valid.device)
@@ -82,7 +84,7 @@ def _padded_in_place(query, key, value, mask, causal, scale, backward):
     q, k, v = (t.transpose(1, 2).reshape(b * n, t.shape[1], d) for t in (query, key, value))
     out = attention(q, k, v, causal=causal, scale=scale, cu_seqlens=cu.to(torch.int32), max_seqlen=n,
                     backward=backward)
-    return out.view(b, n, h, d) * valid[:, :, None, None].to(out.dtype)
+    return torch.where(valid[:, :, None, None], out.view(b, n, h, d), 0)
 
 
 def memfit_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -138,21 +140,16 @@ def _not_inspected_when_compiled() -> bool:
 
 def memfit_attention_mask(**kwargs):
     """transformers' mask-builder signature (keywords only). Where the keys are the queries' own (no cache), the
-    FlashAttention-style mask: None or the 2-D padding mask, which the kernel takes (under torch.compile the mask as
-    given, even all true: dropping it would read its values, a graph break). Otherwise the keys come from a
-    KV cache, and the call goes to the decode kernel or to SDPA (:func:`memfit_attention_forward`), which take SDPA's
-    own mask: a static cache's keys include the positions it has not filled yet."""
+    FlashAttention-style mask: None or the 2-D padding mask, which the kernel takes. It reads the mask to drop an
+    all-true one: under torch.compile a few graph breaks per forward, not per layer (passing an all-true mask on
+    instead sent it where None had gone: a packed batch's ``cu_seq_lens_q`` and dropout's SDPA fallback). Otherwise
+    the keys come from a KV cache, and the call goes to the decode kernel or to SDPA
+    (:func:`memfit_attention_forward`), which take SDPA's own mask: a static cache's keys include the positions it
+    has not filled yet."""
     from transformers.masking_utils import flash_attention_mask, sdpa_mask
 
     q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]   # transformers 4.x
-    if q_length != kwargs["kv_length"]:
-        return sdpa_mask(**kwargs)
-    mask = kwargs.get("attention_mask")
-    if torch.compiler.is_compiling() and mask is not None:
-        # flash_attention_mask drops an all-true mask after reading its values, a graph break under torch.compile;
-        # the mask goes on as it is (the kernel's compiled padding path takes it)
-        return mask[:, -kwargs["kv_length"]:]
-    return flash_attention_mask(**kwargs)
+    return (flash_attention_mask if q_length == kwargs["kv_length"] else sdpa_mask)(**kwargs)
 
 
 def register() -> str:
