@@ -324,6 +324,21 @@ def test_hugging_face_padded_batch_compiles_without_a_break_per_layer():
     assert _rel(got, want) < 1e-5
 
 
+def test_hugging_face_attention_refuses_a_sliding_window_shorter_than_its_keys():
+    """Neither kernel has a sliding window: a layer that has one shorter than its keys is refused, not attended
+    over every key (a tiny Mistral with a window of 4 read 0.42 off SDPA over 10 tokens, the review of 682b889)."""
+    from memfit.errors import MemfitError
+    from memfit.train.attention_hf import memfit_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = (torch.randn(1, 2, 10, 16) for _ in range(3))
+    with pytest.raises(MemfitError, match="sliding window"):
+        memfit_attention_forward(module, q, k, v, None, sliding_window=4)
+    got, _ = memfit_attention_forward(module, q, k, v, None, sliding_window=10)
+    assert _rel(got, memfit_attention_forward(module, q, k, v, None)[0]) == 0
+
+
 def test_hugging_face_attention_runs_restarting_position_ids_as_separate_sequences():
     """Eager: position_ids that restart (a packed batch of 5 and 4 tokens) attend within each sequence only."""
     from memfit.train.attention_hf import memfit_attention_forward

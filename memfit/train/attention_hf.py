@@ -20,6 +20,9 @@ than the queries' own) SDPA's full mask. After that,
   inspected (reading them back to the host would split the graph, and its CUDA graphs, at
   every layer), said once: a packed batch must then carry ``cu_seq_lens_q``.
 
+A layer with a sliding window shorter than its keys (Mistral, some Qwen2 layers) is refused: neither
+kernel has the window (found in a review on 2026-12-02: such a layer had attended over every key).
+
 A decode step (one query token against a KV cache, no gradient) runs memfit's kernel for it
 (:func:`memfit.kernels.decode.cache_attention`: K and V read once per group of query heads, the
 key mask as it is), where it takes the call (``cache_attention_problem``: e.g. a head dim that
@@ -90,6 +93,12 @@ def _padded_in_place(query, key, value, mask, causal, scale, backward):
 def memfit_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """transformers attention-function signature; returns ``(output (B, N, H, D), None)``."""
+    window = kwargs.get("sliding_window")
+    if window is not None and key.shape[2] > window:
+        from memfit.errors import MemfitError
+
+        raise MemfitError(f"memfit attention has no sliding window: this layer attends over the last {window} keys "
+                          f"and has {key.shape[2]}; load the model with attn_implementation='sdpa'")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     backward = getattr(module, "memfit_attention_backward", "two_pass")
     training_dropout = dropout and module.training
