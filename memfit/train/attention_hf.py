@@ -27,8 +27,9 @@ A decode step (one query token against a KV cache, no gradient) runs memfit's ke
 (:func:`memfit.kernels.decode.cache_attention`: K and V read once per group of query heads, the
 key mask as it is), where it takes the call (``cache_attention_problem``: e.g. a head dim that
 is a power of two, at least 16). Other queries
-shorter than their keys (a chunk against a cache), a gradient through a cache, and dropout go to
-transformers' SDPA implementation, said once in the log. With a cache the mask is SDPA's: a
+shorter than their keys (a chunk against a cache) and a gradient through a cache go to
+transformers' SDPA implementation, said once in the log; so does attention dropout, with the padding or the
+packed sequences made an explicit N x N mask (:func:`_with_dropout`). With a cache the mask is SDPA's: a
 static cache's keys include its unfilled positions. Until this builder the FlashAttention one
 gave them none, so decoding attended over those positions too (a tiny Llama's decode logits 0.1
 off; the end-to-end benchmark's memfit-attention runs decoded that way).
@@ -105,29 +106,62 @@ def memfit_attention_forward(module, query, key, value, attention_mask, dropout:
     if (query.shape[2] == 1 < key.shape[2] and not training_dropout and not torch.is_grad_enabled()
             and cache_attention_problem(query, key, value, attention_mask) is None):
         return cache_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
-    if query.shape[2] != key.shape[2] or training_dropout or (attention_mask is not None and attention_mask.dim() != 2):
+    if query.shape[2] != key.shape[2] or (attention_mask is not None and attention_mask.dim() != 2):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         warn_once("attention_hf:fallback", "memfit attention: a query chunk against a KV cache, a decode step its "
                   "cache kernel cannot take (e.g. a head dim not a power of two), a gradient through a cache, "
-                  "dropout, or a non-padding mask; these calls use transformers' SDPA attention")
+                  "or a non-padding mask; these calls use transformers' SDPA attention")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    cu, max_len = _packed_offsets(query, kwargs) if attention_mask is None else (None, None)
+    if training_dropout:
+        return _with_dropout(module, query, key, value, attention_mask, cu, causal, dropout, scaling, kwargs), None
     if attention_mask is not None:
         unpad = _padded_in_place if torch.compiler.is_compiling() else _unpadded
         return unpad(query, key, value, attention_mask, causal, scaling, backward), None
-    cu = kwargs.get("cu_seq_lens_q")
-    max_len = kwargs.get("max_length_q")
+    if cu is not None:
+        return _packed(query, key, value, cu, max_len, causal, scaling, backward), None
+    out = attention(query, key, value, causal=causal and query.shape[2] > 1, scale=scaling, backward=backward)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_offsets(query, kwargs) -> tuple:
+    """(cu_seqlens, longest sequence) of a packed batch: ``cu_seq_lens_q`` from the collator, or offsets made from
+    ``position_ids`` that restart; (None, None) for one sequence per row."""
+    cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     position_ids = kwargs.get("position_ids")
     if cu is None and position_ids is not None and query.shape[0] == 1 and position_ids.shape[-1] > 1 \
             and _restart(position_ids):
         from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
         (cu, _), (max_len, _) = prepare_fa_kwargs_from_position_ids(position_ids)
+    return cu, max_len
+
+
+def _with_dropout(module, query, key, value, attention_mask, cu, causal, dropout, scaling, kwargs):
+    """Attention with dropout, which memfit's kernels do not have, by transformers' SDPA attention with the mask
+    made explicit: SDPA takes neither a 2-D padding mask (it would broadcast a (B, N) mask over the query rows) nor
+    packed offsets (it would attend across the sequences), and until this function both went to it as they were.
+    The (B, 1, N, N) mask costs N^2 booleans per row, said once. Padded query rows attend to every key (no row is
+    empty, so none is NaN) and are zeroed after, as the kernels' padded rows are."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    warn_once("attention_hf:dropout", "memfit attention: attention dropout runs by transformers' SDPA attention "
+              "with an explicit N x N mask (memfit's kernels have no dropout)")
+    n = query.shape[2]
+    position = torch.arange(n, device=query.device)
+    allowed = position[None, :] <= position[:, None] if causal else torch.ones(n, n, dtype=torch.bool,
+                                                                              device=query.device)
     if cu is not None:
-        return _packed(query, key, value, cu, max_len, causal, scaling, backward), None
-    out = attention(query, key, value, causal=causal and query.shape[2] > 1, scale=scaling, backward=backward)
-    return out.transpose(1, 2).contiguous(), None
+        sequence = torch.bucketize(position, cu[1:].to(query.device), right=True)
+        allowed = allowed & (sequence[:, None] == sequence[None, :])
+    allowed = allowed[None, None]
+    valid = None if attention_mask is None else attention_mask.bool()
+    if valid is not None:
+        allowed = allowed & valid[:, None, None, :] | ~valid[:, None, :, None]
+    out, _ = sdpa_attention_forward(module, query, key, value, allowed, dropout=dropout, scaling=scaling, **kwargs)
+    return out if valid is None else torch.where(valid[:, :, None, None], out, 0)
 
 
 def _restart(position_ids: torch.Tensor) -> bool:
