@@ -67,7 +67,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", True), ("two_stage_pdl", False),
                  ("bmm", False), ("bmm_perm_bmm", False), ("bmm_gather", True), ("bmm_gather", False),
                  ("tbmm", False), ("tbmm_tbmm", False), ("fused", True),
-                 ("fused", False), ("fused_split", True), ("fused_split", False), ("torch", True)]
+                 ("fused", False), ("torch", True)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -77,7 +77,6 @@ def test_monarch(dtype, variant, permute, lead, bias, monkeypatch):
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)  # the token-contiguous pipelines at the tests' N too
     monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
     monkeypatch.setattr(monarch, "tbmm_tbmm_within_ledger", lambda *shape: True)  # its w2 copy is larger than z here
-    monkeypatch.setattr(monarch, "FUSED_SPLIT_MAX_N", 64)  # fused_split over several token tiles too
     t = 5
     tensors = [torch.randn(*lead, B * M), torch.randn(B, M, B * t) / M**0.5, torch.randn(B, B * t, P) / t**0.5,
                torch.randn(B * P)]
@@ -87,14 +86,12 @@ def test_monarch(dtype, variant, permute, lead, bias, monkeypatch):
 
 def test_monarch_variants_offered():
     """bmm and bmm_perm_bmm only for the block-major layout; bmm_gather for both from
-    TOKEN_MAJOR_MIN_N; the fused kernel at every N where its tile fits, fused_split up to FUSED_SPLIT_MAX_N; the
-    chained two_stage up to PDL_MAX_N; the plain PyTorch pipeline always competes."""
-    small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "fused_split", "torch"}
+    TOKEN_MAJOR_MIN_N; the fused kernel at every N where its tile fits; the chained two_stage up to
+    PDL_MAX_N; the plain PyTorch pipeline always competes."""
+    small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "torch"}
     assert set(monarch.variants_for(16, 16, 128, 32, 128, False)) == small
-    assert set(monarch.variants_for(16, 16, 128, 32, 128, True)) == {"two_stage", "two_stage_pdl", "fused",
-                                                                      "fused_split", "torch"}
-    assert "fused_split" not in monarch.variants_for(monarch.FUSED_SPLIT_MAX_N + 1, 16, 128, 32, 128, False)
-    large = small - {"two_stage_pdl", "fused_split"} | {"tbmm", "tbmm_tbmm", "bmm_gather"}
+    assert set(monarch.variants_for(16, 16, 128, 32, 128, True)) == {"two_stage", "two_stage_pdl", "fused", "torch"}
+    large = small - {"two_stage_pdl"} | {"tbmm", "tbmm_tbmm", "bmm_gather"}
     assert set(monarch.variants_for(8192, 16, 128, 32, 128, False)) == large
     assert set(monarch.variants_for(8192, 16, 128, 32, 128, True)) == {"two_stage", "fused", "torch", "bmm_gather"}
     assert "fused" not in monarch.variants_for(1, 16, 688, 93, 256, False)
@@ -155,7 +152,7 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
               variant=variant)
 
 
-@pytest.mark.parametrize("variant", ["bmm_perm_bmm", "bmm_gather", "tbmm_tbmm", "fused_split"])
+@pytest.mark.parametrize("variant", ["bmm_perm_bmm", "bmm_gather", "tbmm_tbmm"])
 @pytest.mark.parametrize("blocks,t,n", [(5, 7, 9), (3, 6, 1), (17, 1, 6), (2, 32, 5), (8, 5, 9), (8, 37, 3),
                                         (8, 31, 3)])
 def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch):
@@ -163,8 +160,8 @@ def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch
     each run of t elements starting misaligned), token counts not a multiple of a token tile, many blocks
     of rank 1, runs of one whole K step (t = 32: the gathering loop without its K mask), and odd t in rows
     of a multiple of 16 B (bmm_gather's aligned windows: 8 x 5; 8 x 37 over two window steps; 8 x 31, where
-    a run that fits one 32-wide step takes two once its window's lead is added); tbmm_tbmm's reorder of w2 and
-    fused_split's aligned windows of w1 columns at the same ranks."""
+    a run that fits one 32-wide step takes two once its window's lead is added); tbmm_tbmm's reorder of w2 at
+    the same ranks."""
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)
     monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
     monkeypatch.setattr(monarch, "tbmm_tbmm_within_ledger", lambda *shape: True)
@@ -173,36 +170,6 @@ def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch
                torch.randn(blocks, blocks * t, p) / t**0.5, torch.randn(blocks * p)]
     for dtype in DTYPES:
         check(monarch_linear, monarch_linear_reference, tensors, dtype, permute_output=False, variant=variant)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_split_loops_over_input_and_output_columns(dtype, monkeypatch):
-    """fused_split where one program's w1 slice takes several steps of input rows (m = 40 in steps of 16) and its w2
-    rows several steps of output columns (p = 40 in the interpreter's 16), at 2 x 9 tokens."""
-    monkeypatch.setattr(monarch, "FUSED_SPLIT_MAX_TILE", 64)
-    monkeypatch.setattr(monarch, "FUSED_SPLIT_MAX_N", 64)
-    b, m, t, p = 3, 40, 6, 40
-    tensors = [torch.randn(2, 9, b * m), torch.randn(b, m, b * t) / m**0.5, torch.randn(b, b * t, p) / t**0.5,
-               torch.randn(b * p)]
-    check(monarch_linear, monarch_linear_reference, tensors, dtype, permute_output=True, variant="fused_split")
-
-
-def test_fused_split_partials_are_what_the_ledger_counts_at_decode():
-    """The ledger's Monarch forward at N <= FUSED_SPLIT_MAX_N holds fused_split's fp32 partials (b per output)."""
-    from memfit.ledger.predict import blr_decode_workspace_bytes
-
-    b, m, t, p, n = 3, 4, 2, 5, 7
-    x, w1, w2 = torch.randn(n, b * m), torch.randn(b, m, b * t), torch.randn(b, b * t, p)
-    allocated = []
-    real = torch.empty
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch, "empty", lambda *a, **k: allocated.append(real(*a, **k)) or allocated[-1])
-        monarch.VARIANTS["fused_split"](x, w1, w2, None, False)
-    partials = max(t.nbytes for t in allocated)
-    assert partials == monarch.fused_split_partials_bytes(n, b, p) == b * n * b * p * 4
-    assert blr_decode_workspace_bytes("monarch", b, b * p, n) == partials
-    assert blr_decode_workspace_bytes("monarch", b, b * p, monarch.FUSED_SPLIT_MAX_N + 1) == 0
-    assert blr_decode_workspace_bytes("blast", b, b * p, n) == 0
 
 
 @pytest.mark.parametrize("d_in,d_out,b,r", [(96, 160, 4, 16), (160, 96, 4, 32), (128, 128, 8, 64), (256, 64, 4, 8)])
@@ -327,11 +294,10 @@ SM90_PTX_SCRIPT = """
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from memfit.kernels import blast, blr_common, monarch
+from memfit.kernels import blast, blr_common
 
 kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
-           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "fused_split": monarch._fused_split_kernel,
-           "sum_over_j": monarch._sum_over_j_kernel}
+           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel}
 out = {}
 for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
@@ -383,25 +349,6 @@ def test_fused_mixing_compiles_to_tensor_core_dots():
     ptx = compile_sm90({"xvmix": ("xvmix", {"BB": 16, "PRECISION": "tf32", "BN": 16, "BK": 16, "BM": 16}, aligned,
                                   2)})["xvmix"]
     assert "mma.sync" in ptx and "fma.rn.f32" not in ptx and "cp.async" in ptx
-
-
-def test_fused_split_compiles_to_vector_loads_and_chains_its_sum():
-    """fused_split for sm_90 in bf16 at Llama-7B gate/up's per-block rank (t = 93, a 128-column window from an
-    aligned start) and its widest tile: lets the sum start before its loads, asks L2 for its w2 rows, reads w1 and w2
-    16 B at a time, runs both products on tensor cores and spills nothing; the sum waits before it reads a partial."""
-    aligned = ["x_ptr", "w1_ptr", "w2_ptr", "part_ptr", "M", "P", "B", "sxn", "s1j", "s1a", "s2i", "s2c"]
-    constexprs = {"PRECISION": "tf32", "LAUNCH_DEPENDENTS": True, "ALIGN": 8, "LINE": 64, "BN": 16, "BM": 128,
-                  "BTW": 128, "BO": 128, "PREFETCH": True}
-    ptx = compile_sm90({"split": ("fused_split", constexprs, aligned, 2, 4),
-                        "sum": ("sum_over_j", {"HAS_BIAS": True, "WAIT_FOR_PREVIOUS": True, "BJ": 16, "BLOCK": 256},
-                                ["part_ptr", "y_ptr", "bias_ptr", "P", "B", "syn"], 1, 4)})
-    split, total = ptx["split"], ptx["sum"]
-    first_load = min(m.start() for m in re.finditer(r"cp\.async|ld\.global", split))
-    assert 0 <= split.find("griddepcontrol.launch_dependents") < split.find("prefetch.global.L2") < first_load
-    copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], (\w+)", split)
-    assert "mma.sync" in split and copies and set(copies) == {"0x10"} and "ld.global.b16" not in split
-    assert ptxas_spills(split)[1] == 0
-    assert 0 <= total.find("griddepcontrol.wait") < total.find("ld.global")
 
 
 def ptxas_spills(ptx: str) -> tuple[int, int]:

@@ -293,27 +293,6 @@ def test_block_low_rank_model_weights_follow_the_compression_plan():
                                                                    blr_blocks=7))
 
 
-def test_monarch_decode_counts_the_fused_split_partials(monkeypatch):
-    """A Monarch model's decode step, and a prefill of at most FUSED_SPLIT_MAX_N tokens, holds fused_split's fp32
-    partials (one output per input block) while a projection runs: beside a short cache they are more than the
-    cache's torch.cat, and the ledger counts them; with the pipeline not offered it does not."""
-    from memfit.kernels import monarch
-
-    spec = PRESETS["llama-3.2-1b"]
-    job, knobs = Job(spec, task="infer", seq=4, new_tokens=4, batch=2), Knobs(blr_method="monarch", blr_ratio=0.5)
-    from memfit.ledger.predict import _cached_predict
-
-    counted = predict(job, knobs)
-    monkeypatch.setattr(monarch, "FUSED_SPLIT_MAX_N", 0)
-    _cached_predict.cache_clear()
-    uncounted = predict(job, knobs)
-    _cached_predict.cache_clear()
-    layer_cat = job.batch * spec.kv_dim * 2 * (job.seq + job.new_tokens)
-    widest = monarch.fused_split_partials_bytes(job.batch, 16, spec.intermediate // 16)
-    assert counted.phases["decode"] - uncounted.phases["decode"] == widest - layer_cat > 0
-    assert counted.phases["prefill"] > uncounted.phases["prefill"]          # 8 tokens: fused_split runs there too
-
-
 BLR_TRANSIENT_SHAPES = [(96, 160, 4, 16), (160, 96, 4, 32), (128, 128, 8, 64), (256, 64, 4, 8)]  # in, out, b, r
 
 

@@ -60,12 +60,11 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   N it can only win where p is one or two column tiles (Llama-1B q/o: p = 128, where z's
   round trip through memory costs more than the stage-2 FLOPs), so where it is timed it is timed at
   every N. Needs pow2(m) * pow2(t) small enough for a pipelined tile (:func:`fused_fits`).
-* ``fused_split`` (N <= FUSED_SPLIT_MAX_N, both layouts): the decode alternative to ``fused`` and the chain. One
-  program per block pair (i, j) and token tile computes s = X_j @ w1[j][:, i t:(i+1) t] and s @ w2[i][j t:(j+1) t, :]
-  into an fp32 partial output of its own j, so each weight element is read by exactly one of b^2 programs, all
-  streaming at once, with no z in memory and no stage waiting for another; a second small kernel (chained by PDL)
-  sums the b partials. The partials cost b x N x out fp32 elements, which the ledger counts at decode
-  (memfit.ledger.predict.blr_decode_workspace_bytes); beyond 16 tokens they weigh as much as the weights.
+* Tried and taken out, ``fused_split`` (4fa42b0): at decode, one program per block pair (i, j) read its w1 slice and
+  w2 rows once into an fp32 partial output of its own j (every weight element read by one of b^2 programs, no z in
+  memory), and a second kernel, chained by PDL, summed the b partials. At four of the paper's shapes it took
+  1.03-1.27x the pick's time at N = 1 and 1.10-1.55x at N = 16 (results/earlier/blr_layers_subset_fused_split_4fa42b0.json):
+  the sum's launch and the partials' round trip cost more than the chain's wait for z.
 * ``torch`` (the reference: two cuBLAS batched GEMMs with the permutations as copies)
   competes too, so the pick is never slower than plain PyTorch on a shape where the
   Triton stage 1 stores badly (e.g. a per-block rank t = 93, not a multiple of 8).
@@ -84,10 +83,8 @@ from memfit.kernels.blr_common import (
     bind_shapes,
     blr_precision,
     bmm_into,
-    chain_options,
     fits_smem,
     keep_small_n,
-    line_elements,
     mma,
     n_bucket,
     pdl_offered,
@@ -97,7 +94,6 @@ from memfit.kernels.blr_common import (
     pick_chain_tiles,
     pick_variant,
     pow2_at_least,
-    prefetch_l2,
     recompute_backward,
     recomputing,
     require_offered,
@@ -336,115 +332,9 @@ def _fused(x2, w1, w2, bias, permute_output):
     return y
 
 
-# ---- decode: one program per block pair (i, j), the sum over j in a second, small kernel ------------------------
-
-FUSED_SPLIT_MAX_N = 16   # offered up to this N: its fp32 partials (b per output) grow with N as the weights do not
-FUSED_SPLIT_MAX_TILE = 16384  # elements of one w1 or w2 tile a program holds (32 KB in bf16)
-
-
-def _prune_fused_split(configs, named_args, **kwargs):
-    keep = [c for c in configs if c.kwargs["BO"] <= pow2_at_least(named_args["P"])
-            and kwargs["BTW"] * c.kwargs["BO"] <= FUSED_SPLIT_MAX_TILE]
-    return keep or configs[:1]
-
-
-@tuned([(64, False, 4, 2), (128, False, 4, 2), (256, False, 8, 2), (32, True, 4, 1), (64, True, 4, 2),
-        (128, True, 4, 2), (128, True, 8, 3), (256, True, 8, 2)], ("BO", "PREFETCH"), (16, False, 4, 1),
-       key=["N_PICK", "M", "T", "P", "B"], prune=_prune_fused_split)
-@triton.jit
-def _fused_split_kernel(x_ptr, w1_ptr, w2_ptr, part_ptr, N, M, T, P, B, N_PICK, sxn, s1j, s1a, s2i, s2c,
-                        PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, ALIGN: tl.constexpr,
-                        LINE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BTW: tl.constexpr, BO: tl.constexpr,
-                        PREFETCH: tl.constexpr):
-    """part[j, n, i P + o] = ((x_j w1[j])[:, i T:(i+1) T] rounded to x's dtype) @ w2[i][j T:(j+1) T, o]: program
-    (token tile, i, j) reads its w1 slice and its w2 rows once, nothing else of the weights, so every weight
-    element is read by one program and the b^2 programs stream them side by side. The w1 slice is read as a window
-    of BTW columns starting at i T rounded down to ALIGN (16 B: vector loads where T is not a multiple of 8, as
-    Llama-7B's 93); the window's columns outside the slice are zeroed (and meet w2 rows masked to zero). PREFETCH (a tuned
-    option, on the GPU only) first asks L2 for the program's w2 rows, so their read overlaps stage 1's instead of
-    following it."""
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
-    i = tl.program_id(0) % B
-    j = (tl.program_id(0) // B) % B
-    pid_n = tl.program_id(0) // (B * B)
-    if PREFETCH:
-        prefetch_l2(w2_ptr + i * s2i + j * T * s2c, T, s2c, P, LINE)
-    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-    col0 = i * T
-    start = tl.multiple_of(col0 - col0 % ALIGN, ALIGN)
-    rc = start + tl.arange(0, BTW)                      # w1 columns of the window
-    in_slice = (rc >= col0) & (rc < col0 + T)
-    rm = tl.arange(0, BM)
-    s = tl.zeros((BN, BTW), dtype=tl.float32)
-    for a0 in range(0, M, BM):
-        xa = tl.load(x_ptr + rn[:, None] * sxn + j * M + a0 + rm[None, :],
-                     mask=(rn[:, None] < N) & (a0 + rm[None, :] < M), other=0.0)
-        wa = tl.load(w1_ptr + j * s1j + (a0 + rm[:, None]) * s1a + rc[None, :],
-                     mask=(a0 + rm[:, None] < M) & (rc[None, :] < B * T), other=0.0)
-        s = mma(xa, wa, s, PRECISION)
-    s = tl.where(in_slice[None, :], s, 0.0).to(x_ptr.dtype.element_ty)   # z rounded to x's dtype, as in the reference
-    w2_rows = j * T + rc - col0                         # w2[i] row of each window column (masked outside the slice)
-    ro = tl.arange(0, BO)
-    part_rows = part_ptr + (j * N + rn[:, None]) * (B * P) + i * P
-    for o0 in range(0, P, BO):
-        wb = tl.load(w2_ptr + i * s2i + w2_rows[:, None] * s2c + o0 + ro[None, :],
-                     mask=in_slice[:, None] & (o0 + ro[None, :] < P), other=0.0)
-        out = mma(s, wb, tl.zeros((BN, BO), dtype=tl.float32), PRECISION)
-        tl.store(part_rows + o0 + ro[None, :], out, mask=(rn[:, None] < N) & (o0 + ro[None, :] < P))
-
-
-@triton.jit
-def _sum_over_j_kernel(part_ptr, y_ptr, bias_ptr, N, P, B, syn, syi, syo, HAS_BIAS: tl.constexpr,
-                       WAIT_FOR_PREVIOUS: tl.constexpr, BJ: tl.constexpr, BLOCK: tl.constexpr):
-    """y[n, block i, column o] = sum over j of part[j, n, i P + o] (+ bias), in fp32, stored in the output layout.
-    The b partials of an output are loaded as one (BJ, BLOCK) tile, so their reads are in flight together."""
-    if WAIT_FOR_PREVIOUS:
-        tl.extra.cuda.gdc_wait()
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)   # over (n, i P + o)
-    width = B * P
-    live = idx < N * width
-    rj = tl.arange(0, BJ)
-    parts = tl.load(part_ptr + rj[:, None] * (N * width) + idx[None, :], mask=(rj[:, None] < B) & live[None, :],
-                    other=0.0)
-    acc = tl.sum(parts, axis=0)
-    n, f = idx // width, idx % width
-    col = (f // P) * syi + (f % P) * syo               # the output feature of block i, column o
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + col, mask=live, other=0.0).to(tl.float32)
-    tl.store(y_ptr + n * syn + col, acc.to(y_ptr.dtype.element_ty), mask=live)
-
-
-def fused_split_partials_bytes(n: int, b: int, p: int) -> int:
-    """Bytes of ``fused_split``'s fp32 partials for n tokens: b per output (the ledger counts them at decode)."""
-    return b * n * b * p * 4
-
-
-def _fused_split(x2, w1, w2, bias, permute_output):
-    b, m, r = w1.shape
-    p, n, t = w2.shape[2], x2.shape[0], r // b
-    align = 16 // x2.element_size() if t % (16 // x2.element_size()) else 1
-    btw = pow2_at_least(t + align - 1)
-    part = torch.empty(b, n, b * p, device=x2.device, dtype=torch.float32)
-    bn = 16
-    grid = (triton.cdiv(n, bn) * b * b,)
-    _fused_split_kernel[grid](x2, w1, w2, part, n, m, t, p, b, pick_bucket(n), x2.stride(0), w1.stride(0),
-                              w1.stride(1), w2.stride(0), w2.stride(1), PRECISION=blr_precision(x2.dtype),
-                              **chain_options(launch_dependents=True), ALIGN=align, LINE=line_elements(x2), BN=bn,
-                              BM=max(16, min(pow2_at_least(m), FUSED_SPLIT_MAX_TILE // btw)), BTW=btw)
-    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
-    block_stride, col_stride = (1, b) if permute_output else (p, 1)
-    bj = pow2_at_least(b, 1)
-    block = max(32, 4096 // bj)                         # a (BJ, BLOCK) tile of 4096 partials
-    _sum_over_j_kernel[(triton.cdiv(n * b * p, block),)](
-        part, y, bias if bias is not None else y, n, p, b, y.stride(0), block_stride, col_stride,
-        HAS_BIAS=bias is not None, **chain_options(wait_for_previous=True), BJ=bj, BLOCK=block)
-    return y
-
-
 VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm,
             "bmm_gather": _bmm_gather, "tbmm": _tbmm, "tbmm_tbmm": _tbmm_tbmm, "fused": _fused,
-            "fused_split": _fused_split, "torch": monarch_linear_reference}
+            "torch": monarch_linear_reference}
 UNPICKED_WITH_PDL = ("fused",)  # never within 5% of the fastest on the H200 (blr_common.pick_candidates)
 
 
@@ -469,8 +359,6 @@ def variants_for(n: int, b: int, m: int, t: int, p: int, permute_output: bool) -
         names += ["tbmm_tbmm"] if n >= TBMM_TBMM_MIN_N and tbmm_tbmm_within_ledger(fewest, b, t, p) else []
     if fused_fits(m, t):
         names.append("fused")
-    if n <= FUSED_SPLIT_MAX_N:
-        names.append("fused_split")
     return {name: VARIANTS[name] for name in names}
 
 

@@ -59,7 +59,7 @@ class ModelGraph:
         self.spec, self.batch, self.seq, self.dtype = spec, batch, seq, dtype
         # FFN neurons per layer (partial loading keeps fewer in the middle layers)
         self.ffn_widths = ffn_widths or [spec.intermediate] * spec.num_layers
-        # block-low-rank projections: kind -> (parameters per layer, transients, decode bytes) (predict.structured_kinds)
+        # block-low-rank projections: kind -> (parameters per layer, rank) (memfit.compress.plan_kinds)
         self.structured = structured or {}
         self.attention_impl = attention
         self.four_bit = four_bit  # frozen base linears stored in NF4, dequantised per use
@@ -148,11 +148,10 @@ class ModelGraph:
         if module in self.structured:
             # BlastLinear/MonarchLinear/LowRankLinear: their ops save only the input (backward recomputes
             # the intermediates, which forward and backward hold transiently: predict.blr_transient_per_token).
-            params, transients, decode_bytes = self.structured[module]
+            params, transients = self.structured[module]
             forward, backward = transients[bias]
             weight = self.param(f"{layer}.{module}", params, trained)
-            workspace = {"forward_workspace": max(self._bytes(forward, self.dtype),
-                                                  decode_bytes(self.tokens)),
+            workspace = {"forward_workspace": self._bytes(forward, self.dtype),
                          "backward_workspace": self._bytes(backward, self.dtype)}
         elif self.four_bit and not trained:
             # bitsandbytes NF4: 4-bit codes plus double-quantised absmax; matmul_4bit dequantises the

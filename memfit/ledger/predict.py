@@ -16,9 +16,8 @@ temporaries (forward intermediates and activation gradients in flight), workspac
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import lru_cache, partial
+from functools import lru_cache
 
 from memfit.errors import MemfitError
 from memfit.ledger.graph import ModelGraph, Trainable
@@ -234,30 +233,17 @@ def check_blr(job: Job, knobs: Knobs) -> None:
                           "--task full or --task infer for it")
 
 
-def structured_kinds(spec, knobs: Knobs) -> dict[str, tuple[int, dict[bool, tuple[int, int]], Callable[[int], int]]]:
-    """Projection kind -> (parameters per layer, {bias: (forward, backward) transient elements per token},
-    fn(tokens) -> forward bytes held at decode, :func:`blr_decode_workspace_bytes`) of the block-low-rank model, or
-    {} (the graph knows which projections have a bias)."""
+def structured_kinds(spec, knobs: Knobs) -> dict[str, tuple[int, dict[bool, tuple[int, int]]]]:
+    """Projection kind -> (parameters per layer, {bias: (forward, backward) transient elements per token}) of the
+    block-low-rank model, or {} (the graph knows which projections have a bias)."""
     if knobs.blr_method is None:
         return {}
     from memfit.compress.plan import plan_kinds
 
     plans = plan_kinds(spec.linear_shapes(), knobs.blr_method, knobs.blr_ratio, knobs.blr_blocks)
     return {kind: (p.params, {bias: blr_transient_per_token(knobs.blr_method, p.rank, knobs.blr_blocks, p.in_features,
-                                                            p.out_features, bias) for bias in (False, True)},
-                   partial(blr_decode_workspace_bytes, knobs.blr_method, knobs.blr_blocks, p.out_features))
+                                                            p.out_features, bias) for bias in (False, True)})
             for kind, p in plans.items() if p.rank is not None}
-
-
-def blr_decode_workspace_bytes(method: str, blocks: int, out_features: int, tokens: int) -> int:
-    """Bytes a block-low-rank forward of ``tokens`` tokens may hold where that is more than
-    :func:`blr_transient_per_token` counts: Monarch's ``fused_split`` pipeline (memfit.kernels.monarch, offered up to
-    its FUSED_SPLIT_MAX_N tokens) keeps one fp32 partial output per input block."""
-    if method != "monarch":
-        return 0
-    from memfit.kernels.monarch import FUSED_SPLIT_MAX_N, fused_split_partials_bytes
-
-    return fused_split_partials_bytes(tokens, blocks, out_features // blocks) if tokens <= FUSED_SPLIT_MAX_N else 0
 
 
 def blr_transient_per_token(method: str, rank: int, blocks: int, in_features: int, out_features: int,
@@ -294,9 +280,9 @@ def ffn_widths(spec, knobs: Knobs) -> list[int]:
 def _predict_infer(job: Job, knobs: Knobs) -> Ledger:
     spec = job.spec
     workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
-    structured = structured_kinds(spec, knobs)
     graph = ModelGraph(spec, job.batch, job.seq, knobs.dtype, None, job.device, four_bit=knobs.four_bit,
-                       attention=knobs.attention, ffn_widths=ffn_widths(spec, knobs), structured=structured)
+                       attention=knobs.attention, ffn_widths=ffn_widths(spec, knobs),
+                       structured=structured_kinds(spec, knobs))
     cache: list = []
     x, embedding = graph.embed()
     for layer in range(spec.num_layers):
@@ -307,15 +293,12 @@ def _predict_infer(job: Job, knobs: Knobs) -> Ledger:
     replay_forward(graph.ops, memory, "prefill", keep={logits.uid} | {c.uid for c in cache}, save=False)
     phases = {"prefill": memory.phase_peaks["prefill"].total}
     # Decode: the cache grows to seq + new_tokens; each step's torch.cat holds one layer's old
-    # and new key (or value) cache at once. One token's activations are negligible beside it, but not
-    # Monarch's fused_split partials (blr_decode_workspace_bytes), held while its projection runs.
+    # and new key (or value) cache at once. One token's activations are negligible beside it.
     layer_kv = job.batch * spec.kv_dim * dtype_bytes(knobs.dtype)  # bytes per token, per layer, for K (or V)
     final = job.seq + job.new_tokens
     logits_bytes = job.batch * spec.vocab * dtype_bytes(knobs.dtype)
     decode = {"weights": weights, "workspace": workspace, "kv_cache": 2 * spec.num_layers * layer_kv * final,
-              "temporaries": max([layer_kv * final] + [decode_bytes(job.batch) for *_, decode_bytes in
-                                                         structured.values()]),
-              "logits": logits_bytes}
+              "temporaries": layer_kv * final, "logits": logits_bytes}
     phases["decode"] = sum(decode.values())
     prefill_peak = memory.phase_peaks["prefill"]
     if phases["decode"] > prefill_peak.total:
