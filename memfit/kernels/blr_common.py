@@ -63,7 +63,7 @@ from memfit.log import warn_once
 from memfit.measure.timing import graph_ms, turn_orders
 
 _CACHE: dict | None = None
-_UNTIMED: dict[str, str] = {}    # pick key -> the default run where no candidate could be timed (this process only)
+_UNTIMED: set[str] = set()      # pick keys where no candidate could be timed (this process only)
 PICK_REP_MS = 10                 # ms of graph replays per kernel variant or tile config (short: a cold run of
                                  # many shapes stays fast)
 PICK_FINALIST_SLACK = 1.25       # variants within this factor of the fastest first timing are timed again,
@@ -182,34 +182,44 @@ def require_offered(op: str, variant: str, offered: Callable[[], dict], where: s
 
 
 def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args: tuple) -> str:
-    """Name of the fastest of ``candidates`` (name -> fn(*args)) for this shape, cached on disk."""
+    """Name of the fastest of ``candidates`` (name -> fn(*args)) for this shape, cached on disk (:func:`_disk_pick`);
+    ``default`` off the GPU, or where the pick cannot be timed."""
     on_gpu = all(t.is_cuda for t in _tensors(args))
     if not on_gpu or len(candidates) == 1:
         return default
     key = "|".join([torch.cuda.get_device_name(), triton.__version__, _source_digest(tuple(candidates.values())), op,
                     *map(str, shape_key)])
-    cache = _load_cache()
-    if cache.get(key) not in candidates and torch.cuda.is_current_stream_capturing():
-        # timing would launch work into the graph being captured: run the default, and say so
+    picked = _disk_pick(op, shape_key, key, candidates, args, PICK_TIMINGS, f"running {default!r} untimed")
+    return default if picked is None else picked
+
+
+def _disk_pick(op: str, shape_key: tuple, key: str, candidates: dict, args: tuple, records: dict,
+               instead: str) -> str | None:
+    """The name of the fastest of ``candidates`` under the disk-cache ``key``: the cached one, or else all timed now
+    (:func:`_timed_fastest`) and the winner saved. ``records["op shape_key"]`` gets the timings of a pick made here
+    ({"pick", "cached": True} for one read from the cache). None where nothing can be timed, each case said once
+    with ``instead`` (what runs instead): a first call inside a CUDA graph capture (timing would launch work into
+    the graph), or no candidate ran (e.g. each out of memory), which later calls in this process then skip too."""
+    cache, record = _load_cache(), f"{op} {shape_key}"
+    if cache.get(key) in candidates:
+        records.setdefault(record, {"pick": cache[key], "cached": True})
+        return cache[key]
+    if torch.cuda.is_current_stream_capturing():
         warn_once(f"pick-in-capture:{key}", f"{op}: first call for shape {shape_key} is inside a CUDA graph capture, "
-                  f"so its kernel variant is not timed; using {default!r} (call it once before capturing)")
-        return default
-    record = f"{op} {shape_key}"
+                  f"so it is not timed: {instead} (call it once before capturing)")
+        return None
     if key in _UNTIMED:
-        return _UNTIMED[key]
-    if cache.get(key) not in candidates:
-        timings = _timed_fastest(op, candidates, args)
-        if "pick" not in timings:                       # each failure was said (e.g. no memory to time in)
-            warn_once(f"pick-none-ran:{key}", f"{op}: none of its kernel variants could be timed for shape "
-                      f"{shape_key}; running {default!r} untimed in this process (timed again in the next)")
-            _UNTIMED[key] = default
-            return default
-        cache[key] = timings["pick"]
-        PICK_TIMINGS[record] = timings
-        _save_cache(cache)
-    elif record not in PICK_TIMINGS:
-        PICK_TIMINGS[record] = {"pick": cache[key], "cached": True}
-    return cache[key]
+        return None
+    timings = _timed_fastest(op, candidates, args)
+    if "pick" not in timings:                       # each failure was said (e.g. no memory to time in)
+        warn_once(f"pick-none-ran:{key}", f"{op}: nothing could be timed for shape {shape_key}; {instead} in this "
+                  "process (timed again in the next)")
+        _UNTIMED.add(key)
+        return None
+    cache[key] = timings["pick"]
+    records[record] = timings
+    _save_cache(cache)
+    return timings["pick"]
 
 
 def _timed_fastest(op: str, candidates: dict, args: tuple) -> dict:
@@ -487,12 +497,13 @@ def tuned(configs: list[tuple], names: tuple[str, ...], interpreter_config: tupl
     return registered
 
 
-def tile_picks() -> dict[str, dict[str, str]]:
+def tile_picks() -> dict[str, dict]:
     """Kernel name -> {autotuning key: the tile config taken} for every kernel :func:`tuned` made that has tuned in
-    this process (or read its pick from Triton's disk cache), and under "chained bgemm pairs" the tiles each chain
-    took together (:func:`pick_chain_tiles`). The benchmarks record it beside the variant picks: the same pipeline
-    has read 11.15 and 13.32 us in two layer tables offered the same tiles (Monarch two_stage_pdl, Llama-1B up,
-    N = 128, 1476f91 and f969028), and neither recorded which tiles its autotuner took."""
+    this process (or read its pick from Triton's disk cache), and under "chained bgemm pairs" the pair of tiles each
+    chain took together with the timings of every pair (:func:`pick_chain_tiles`). The benchmarks record it beside
+    the variant picks: the same pipeline has read 11.15 and 13.32 us in two layer tables offered the same tiles
+    (Monarch two_stage_pdl, Llama-1B up, N = 128, 1476f91 and f969028), and neither recorded which tiles its
+    autotuner took."""
     picks = {kernel.base_fn.__name__: {str(key): str(config) for key, config in kernel.cache.items()}
              for kernel in TUNED_KERNELS if kernel.cache}
     return picks | ({"chained bgemm pairs": dict(CHAIN_TILE_PICKS)} if CHAIN_TILE_PICKS else {})
@@ -877,7 +888,8 @@ def bgemm_tiles_offered(a, n: int, k: int, cols: int, batches: int, launch_depen
     return sorted({bgemm_tile(c) for c in kept if c.kwargs["BATCH_GROUP"] == 1})
 
 
-CHAIN_TILE_PICKS: dict[str, str] = {}   # "op shape_key" -> the tile pair a chain took in this process (tile_picks)
+CHAIN_TILE_PICKS: dict[str, dict] = {}  # "op shape_key" -> a chain's pair pick in this process: its timings, or the
+                                        # pair read from the cache (_disk_pick's records; in tile_picks)
 AUTOTUNED_PAIR = (None, None)           # a chain's two launches left to the autotuner, each tuned alone
 _CHAIN_TILE_MEMO: dict[tuple, tuple] = {}   # (op, shape_key, device) -> the pair pick_chain_tiles returned: later
                                             # calls in this process skip the lookup (and a failed timing)
@@ -888,9 +900,10 @@ def pick_chain_tiles(op: str, shape_key: tuple, stages: tuple[tuple[int, int, in
     """The tiles of a pipeline's two chained bgemm launches (the first launching its dependents, the last waiting
     for the kernel before it), picked together: every pair of the tiles each launch is offered
     (:func:`bgemm_tiles_offered`), the whole pipeline ``run_with(*args, tiles=pair)`` timed as the variant pick times
-    pipelines (rotating copies, CUDA-graph replays, finalists again), cached on disk beside the variant picks.
-    ``stages``: each launch's (K, columns, batches); args[0] is the (N, in) input. AUTOTUNED_PAIR where the launches
-    are left to the autotuner: off the GPU, where nothing is timed; at a first call inside a CUDA graph capture, or
+    pipelines, by the same :func:`_disk_pick` (rotating copies, CUDA-graph replays, finalists again; cached on disk
+    beside the variant picks; every pair's timing recorded in CHAIN_TILE_PICKS, so in ``tile_picks``). ``stages``:
+    each launch's (K, columns, batches); args[0] is the (N, in) input. AUTOTUNED_PAIR where the launches are left
+    to the autotuner: off the GPU, where nothing is timed; at a first call inside a CUDA graph capture, or
     where no pair could be timed (each said once).
 
     Why: the autotuner times each launch alone, but in a chain the second runs beside the first. At Llama-1B up,
@@ -912,25 +925,13 @@ def pick_chain_tiles(op: str, shape_key: tuple, stages: tuple[tuple[int, int, in
              for t2 in bgemm_tiles_offered(x, n, k2, cols2, batches2, wait_for_previous=True)}
     key = "|".join([torch.cuda.get_device_name(), triton.__version__, _source_digest((run_with,)), op, "chained tiles",
                     *map(str, shape_key)])
-    record, cache = f"{op} {shape_key}", _load_cache()
-    if cache.get(key) not in pairs:
-        if torch.cuda.is_current_stream_capturing():
-            warn_once(f"chain-in-capture:{key}", f"{op}: first call for shape {shape_key} is inside a CUDA graph "
-                      "capture, so its chained launches are not timed together: each takes its autotuner's tile, "
-                      "which must be tuned already (call the op once before capturing)")
-            return AUTOTUNED_PAIR
-        timings = _timed_fastest(op, {label: functools.partial(run_with, tiles=tiles)
-                                      for label, tiles in pairs.items()}, args)
-        if "pick" not in timings:                                  # each failure was said
-            warn_once(f"chain-none-ran:{key}", f"{op}: none of its tile pairs could be timed for shape {shape_key}; "
-                      "its chained launches take the tiles each is fastest with alone in this process")
-            _CHAIN_TILE_MEMO[memo] = AUTOTUNED_PAIR
-            return AUTOTUNED_PAIR
-        cache[key] = timings["pick"]
-        _save_cache(cache)
-    CHAIN_TILE_PICKS[record] = cache[key]
-    _CHAIN_TILE_MEMO[memo] = pairs[cache[key]]
-    return pairs[cache[key]]
+    picked = _disk_pick(op, shape_key, key, {label: functools.partial(run_with, tiles=tiles)
+                                              for label, tiles in pairs.items()}, args, CHAIN_TILE_PICKS,
+                        "each chained launch takes the tile its autotuner picks alone")
+    if picked is None and torch.cuda.is_current_stream_capturing():
+        return AUTOTUNED_PAIR                       # not remembered: the next call outside a capture times the pairs
+    _CHAIN_TILE_MEMO[memo] = AUTOTUNED_PAIR if picked is None else pairs[picked]
+    return _CHAIN_TILE_MEMO[memo]
 
 
 def forget_picks() -> None:
