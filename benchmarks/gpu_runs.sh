@@ -12,7 +12,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # layer table needs two calls (as at 1476f91 and f969028): at af7a5bc, where the chained pipelines time every pair of
 # their tiles, its file records 779 s, 372.1 s of case times for the 13 cases of a first call stopped at its limit and
 # 386.5 s for the 22 blr_layers_resume timed (f969028's first call timed 30 cases in 579.7 s of case times).
-# chain_tiles records 72 s at af7a5bc, 75 s at 34f6713. At cd59de1 the models of blr_e2e_memfit_attention, run
+# chain_tiles records 72 s at af7a5bc, 75 s at 34f6713, 83.5 s at 491a2d6. At cd59de1 the models of blr_e2e_memfit_attention, run
 # first, record 276.9 s of set-up and timing (their tile and variant picks included), then blr_e2e's 194.5 s;
 # pick_cost stopped after 41 of its 42 first calls (earlier/pick_cost_stopped_cd59de1.json).
 # The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
@@ -24,7 +24,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # machine the table had just used. The models of blr_e2e record 281 s of set-up and timing, those of
 # blr_e2e_memfit_attention 166 s (each call also starts CUDA and measures the ceilings; 264 s at 1deb9e7).
 # ledger_accuracy_blr's 11 jobs record 219 s at 6671149 (228 s at 074d5b1). pick_cost's 42 first calls took 107 s at
-# 11b0a19, 92.3 s at d1edfef, 142.5 s at af7a5bc (give it 240 s); partial_ffn 115 s at 0a7cc7e.
+# 11b0a19, 92.3 s at d1edfef, 142.5 s at af7a5bc, 179.2 s at 491a2d6 (give it 240 s); partial_ffn 115 s at 0a7cc7e.
 RUNS=(
   "blr_e2e_memfit_attention|400|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
   "blr_e2e|400|python3 benchmarks/blr_e2e.py --out $OUT --profile"
