@@ -172,36 +172,6 @@ def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch
         check(monarch_linear, monarch_linear_reference, tensors, dtype, permute_output=False, variant=variant)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,chunk,bias", [(19, 8, True), (38, 5, False), (7, 16, True)])
-def test_tbmm_tbmm_in_l2_sized_chunks(dtype, n, chunk, bias, monkeypatch):
-    """tbmm_tbmm_l2 a chunk of tokens at a time through one z buffer: whole chunks and a partial last one (19 = 8 + 8
-    + 3, 38 = 7 x 5 + 3), and one chunk where N is smaller; offered only where its chunk splits the bucket's fewest
-    tokens."""
-    monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
-    monkeypatch.setattr(monarch, "tbmm_tbmm_within_ledger", lambda *shape: True)
-    monkeypatch.setattr(monarch, "l2_chunk_tokens", lambda bytes_per_token, device=None: chunk)
-    tensors = [torch.randn(n, B * M), torch.randn(B, M, B * 5) / M**0.5, torch.randn(B, B * 5, P) / 5**0.5,
-               torch.randn(B * P)]
-    offered = "tbmm_tbmm_l2" in monarch.variants_for(n, B, M, 5, P, False)
-    assert offered == (chunk < monarch.pick_bucket(n) // 2 + 1)
-    if offered:
-        check(monarch_linear, monarch_linear_reference, drop_bias(tensors, bias), dtype, permute_output=False,
-              variant="tbmm_tbmm_l2")
-    with torch.no_grad():                                        # the op's own path, offered or not
-        y = monarch._tbmm_tbmm_l2(*[t if t is None else t.to(dtype) for t in drop_bias(tensors, bias)], False)
-    want = monarch_linear_reference(*[t if t is None else t.double() for t in drop_bias(tensors, bias)])
-    assert rel(y, want) < TOL[dtype]
-
-
-def test_l2_chunks_hold_half_the_l2_in_a_power_of_two_of_tokens(monkeypatch):
-    monkeypatch.setattr(monarch, "l2_bytes", lambda device=None: 50 * 2**20)
-    assert monarch.l2_chunk_tokens(16 * 2**10) == 1024                     # Llama-1B q/o in bf16: 16 KB a token
-    assert monarch.l2_chunk_tokens(2**20) == monarch.L2_CHUNK_MIN_N        # never fewer tokens than that
-    monkeypatch.setattr(monarch, "l2_bytes", lambda device=None: 0)
-    assert monarch.l2_chunk_tokens(16 * 2**10) is None                     # off the GPU
-
-
 @pytest.mark.parametrize("d_in,d_out,b,r", [(96, 160, 4, 16), (160, 96, 4, 32), (128, 128, 8, 64), (256, 64, 4, 8)])
 def test_tbmm_tbmm_holds_z_and_the_reordered_w2(d_in, d_out, b, r):
     """What tbmm_tbmm allocates besides its output (CPU tracker): z and one copy of w2, and that is within the ledger's
@@ -654,7 +624,7 @@ def test_pick_times_each_variant_over_rotating_copies_of_its_arguments(monkeypat
     assert blr_common._rotated_times("op", candidates, copies, rep_ms=2.5) == {"a": 8.0 / 3, "b": 4.0 / 3}
     assert calls == [(name, c[0].data_ptr()) for name in "ab" for c in copies] and reps == [2.5, 2.5]
     assert [blr_common.rotation_copies(size) for size in (0, 1, 5, 11)] == [10, 10, 2, 1]
-    monkeypatch.setattr(blr_common, "l2_bytes", lambda device=None: 10)   # three times the L2 when that is more
+    monkeypatch.setattr(blr_common, "_l2_bytes", lambda device=None: 10)   # three times the L2 when that is more
     assert blr_common.rotation_copies(5) == 6
     monkeypatch.setattr(blr_common, "ROTATE_BYTES", 10**6)
     assert blr_common.rotation_copies(1) == blr_common.ROTATE_MAX_COPIES
@@ -686,7 +656,7 @@ def test_rotation_says_when_it_times_partly_from_l2(monkeypatch):
     monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
     stand_in, asked = torch.device("cpu"), []                          # stands for the arguments' GPU
     monkeypatch.setattr(blr_common, "_cuda_device", lambda args: stand_in)
-    monkeypatch.setattr(blr_common, "l2_bytes", lambda device: asked.append(device) or 2**20)
+    monkeypatch.setattr(blr_common, "_l2_bytes", lambda device: asked.append(device) or 2**20)
     x = torch.ones(16)                                                 # 64 bytes: 64 copies hold 4 KiB
     assert len(blr_common.rotation("op", (x,))) == blr_common.ROTATE_MAX_COPIES
     assert "less than twice the L2" in warned[0] and asked and all(device is stand_in for device in asked)

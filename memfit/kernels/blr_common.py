@@ -257,7 +257,7 @@ def rotation_copies(bytes_per_call: int, device: torch.device | None = None) -> 
     """How many copies of a call's inputs and weights to call in turn so that none is read from L2: enough to hold
     ROTATE_BYTES or three times the GPU's L2, whichever is more, at most ROTATE_MAX_COPIES, at least one
     (``blr_layers`` rotates its table's copies by the same rule)."""
-    target = max(ROTATE_BYTES, 3 * l2_bytes(device))
+    target = max(ROTATE_BYTES, 3 * _l2_bytes(device))
     return max(1, min(ROTATE_MAX_COPIES, math.ceil(target / max(bytes_per_call, 1))))
 
 
@@ -284,7 +284,7 @@ def rotation(op: str, args: tuple) -> list[tuple]:
         warn_once(f"pick-warm-l2:{op}", f"{op}: no memory for {count} copies of its {size >> 20} MiB of arguments; "
                   "kernel variants are timed on one copy, partly from L2")
         return [args]
-    if count > 1 and count * size < 2 * l2_bytes(device):
+    if count > 1 and count * size < 2 * _l2_bytes(device):
         warn_once(f"pick-small-rotation:{op}", f"{op}: {count} copies of its {size >> 10} KiB of arguments are less "
                   "than twice the L2; kernel variants are timed partly from L2")
     return copies
@@ -320,7 +320,7 @@ def _clone(value, memo: dict):
     return value
 
 
-def l2_bytes(device: torch.device | None = None) -> int:
+def _l2_bytes(device: torch.device | None = None) -> int:
     """The L2 size in bytes of ``device`` (by default the current GPU; 0 without one, or off the GPU)."""
     if not torch.cuda.is_available():
         return 0
@@ -352,7 +352,7 @@ def autotune_bench(kernel_call, quantiles=None):
     if torch.cuda.is_current_stream_capturing():
         raise MemfitError("a BLR kernel is being autotuned inside a CUDA graph capture; run the op once "
                           "before capturing so its tile config is chosen outside")
-    size = 2 * (l2_bytes(torch.device("cuda")) or 64 * 2**20)
+    size = 2 * (_l2_bytes(torch.device("cuda")) or 64 * 2**20)
     call = kernel_call
     try:
         flush = torch.empty(size, dtype=torch.uint8, device="cuda")

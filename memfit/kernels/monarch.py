@@ -47,10 +47,12 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   sized copy per call). In the layer table (1476f91) the fastest pipeline at all seven shapes at N = 8192,
   0.73-0.93x the next one's time, and at three at N = 1024 (Llama-1B down, Llama-7B gate/up and down); at N =
   128, where the copy of w2 weighs, it read 1.07-1.63x the fastest. Kept out where its w2 copy would pass the
-  ledger's Monarch forward transient (Llama-7B gate/up in the 1024 bucket, where it had been 0.93x).
-* ``tbmm_tbmm_l2`` (where ``tbmm_tbmm`` is and its chunks split the N bucket): ``tbmm_tbmm`` a chunk of tokens at a
-  time, the chunk sized so its x, z and y take half the L2 and every chunk's z written into the same buffer, so z
-  goes from stage 1 to stage 2 through the L2 instead of HBM (:func:`_tbmm_tbmm_l2`). Untimed on a GPU as written.
+  ledger's Monarch forward transient (Llama-7B gate/up in the 1024 bucket, where it had been 0.93x). Tried and
+  taken out, ``tbmm_tbmm_l2`` (702ebb8): the same a chunk of tokens at a time through one z buffer, each chunk's x,
+  z and y half the L2, so that z would pass between the stages through the L2 instead of HBM. It took 1.08-1.57x
+  ``tbmm_tbmm``'s time at N = 1024 and 8192 (1.39-1.57x at 8192; Llama-1B q/o 98.8 against 63.8 us;
+  results/earlier/blr_layers_subset_tbmm_tbmm_l2_702ebb8.json). Not profiled: the chunks' smaller GEMMs and extra
+  launches cost more than z's round trip, or z did not stay in the L2.
 * ``fused`` (the decode path where PDL is not offered, and there a candidate at every N; on a GPU that
   offers it ``two_stage_pdl`` is, and the pick does not time ``fused`` at any N: on the H200 it never came
   within 5% of the fastest, :func:`blr_common.pick_candidates`): one kernel, z on chip. A program owns
@@ -88,7 +90,6 @@ from memfit.kernels.blr_common import (
     bmm_into,
     fits_smem,
     keep_small_n,
-    l2_bytes,
     mma,
     n_bucket,
     pdl_offered,
@@ -107,7 +108,6 @@ from memfit.kernels.blr_common import (
 )
 
 TBMM_TBMM_MIN_N = 256  # tbmm_tbmm read 1.07-1.63x the fastest pipeline at N = 128 on all seven shapes (1476f91)
-L2_CHUNK_MIN_N = 128   # tbmm_tbmm_l2's chunks: fewer tokens than tbmm_tbmm is offered at (a chunk's launches cost more)
 # Up to this N the chained two_stage is offered, past blr_common.PDL_MAX_N: at 19084f9 Monarch's pick read 0.873-0.978x
 # dense at four shapes at N = 256 (blr_layers_subset_256_512.json); offered the chain there (ba0a9d7, five of the seven
 # shapes timed, blr_layers_subset_256_chained.json) it took Llama-1B q/o from 7.89 to 6.56 us (0.873x -> 1.064x dense)
@@ -260,41 +260,15 @@ def _tbmm_tbmm(x2, w1, w2, bias, permute_output):
     operand is one contiguous (t b, N) slab; P^T moves to w2, whose rows are reordered from (j, s) to
     (s, j) once per call (a weight-sized copy, :func:`_w2_in_s_j_order`). Against ``tbmm``: cuBLAS instead of
     the Triton stage 1. Block-major output only (cuBLAS cannot store the permuted layout's column stride)."""
-    return _tbmm_tbmm_in_chunks(x2, w1, w2, bias, permute_output, chunk=x2.shape[0])
-
-
-def _tbmm_tbmm_l2(x2, w1, w2, bias, permute_output):
-    """``tbmm_tbmm`` over chunks of :func:`l2_chunk_tokens` tokens, each chunk's z written into the same buffer: a
-    chunk's x, z and y take at most half the L2, so stage 2 reads z back from L2, and the next chunk's stage 1
-    overwrites those lines there, so z need not travel to HBM (2 N b r elements of traffic in ``tbmm_tbmm``, the
-    largest share at N = 8192: 128 MB of 192 at Llama-1B q/o). Costs two cuBLAS launches per chunk."""
-    (b, m, r), p = w1.shape, w2.shape[2]
-    chunk = l2_chunk_tokens((b * m + b * r + b * p) * x2.element_size(), x2.device) or x2.shape[0]
-    return _tbmm_tbmm_in_chunks(x2, w1, w2, bias, permute_output, chunk)
-
-
-def l2_chunk_tokens(bytes_per_token: int, device: torch.device | None = None) -> int | None:
-    """The most tokens, a power of two and at least L2_CHUNK_MIN_N, whose ``bytes_per_token`` (a token's x, z and y)
-    fit half the L2 of ``device`` (the current GPU by default); None off the GPU."""
-    l2 = l2_bytes(device)
-    if not l2:
-        return None
-    return max(L2_CHUNK_MIN_N, 1 << max(0, (l2 // 2 // bytes_per_token).bit_length() - 1))
-
-
-def _tbmm_tbmm_in_chunks(x2, w1, w2, bias, permute_output, chunk: int):
     _refuse_permuted_output("tbmm_tbmm", permute_output)
     b, m, r = w1.shape
     t, n, p = r // b, x2.shape[0], w2.shape[2]
-    z_buffer = torch.empty(r * b * min(chunk, n), device=x2.device, dtype=x2.dtype)
+    zs = torch.empty(r, b, n, device=x2.device, dtype=x2.dtype)                      # [i t + s, j, n]
+    bmm_into(w1.transpose(1, 2), x2.view(n, b, m).permute(1, 2, 0), zs.transpose(0, 1))
     w2s = _w2_in_s_j_order(w2)
     y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
-    for start in range(0, n, chunk):
-        c = min(chunk, n - start)
-        zs = z_buffer[:r * b * c].view(r, b, c)                                    # [i t + s, j, n]
-        bmm_into(w1.transpose(1, 2), x2[start:start + c].view(c, b, m).permute(1, 2, 0), zs.transpose(0, 1))
-        bmm_into(w2s.transpose(1, 2), zs.view(b, t * b, c), y[start:start + c].view(c, b, p).permute(1, 2, 0),
-                 None if bias is None else bias.view(b, p, 1))
+    bmm_into(w2s.transpose(1, 2), zs.view(b, t * b, n), y.view(n, b, p).permute(1, 2, 0),
+             None if bias is None else bias.view(b, p, 1))
     return y
 
 
@@ -364,8 +338,7 @@ def _fused(x2, w1, w2, bias, permute_output):
 
 
 VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm,
-            "bmm_gather": _bmm_gather, "tbmm": _tbmm, "tbmm_tbmm": _tbmm_tbmm, "tbmm_tbmm_l2": _tbmm_tbmm_l2,
-            "fused": _fused,
+            "bmm_gather": _bmm_gather, "tbmm": _tbmm, "tbmm_tbmm": _tbmm_tbmm, "fused": _fused,
             "torch": monarch_linear_reference}
 UNPICKED_WITH_PDL = ("fused",)  # never within 5% of the fastest on the H200 (blr_common.pick_candidates)
 
@@ -377,11 +350,10 @@ def tbmm_tbmm_within_ledger(fewest_tokens: int, b: int, t: int, p: int) -> bool:
     return fewest_tokens >= min(b * t, p)
 
 
-def variants_for(n: int, b: int, m: int, t: int, p: int, permute_output: bool, elem_bytes: int = 2) -> dict:
-    """The pipelines offered for ``n`` tokens, b blocks of m inputs and p outputs, per-block rank t, the layout and
-    ``elem_bytes`` per element (the pick times those :func:`blr_common.pick_candidates` keeps); the same for every N
-    of one ``pick_bucket`` (which shares a pick: a token-major pipeline picked at N = 128 is offered at N = 100).
-    ``tbmm_tbmm_l2`` where its chunks, sized to the current GPU's L2, split the bucket's smallest N."""
+def variants_for(n: int, b: int, m: int, t: int, p: int, permute_output: bool) -> dict:
+    """The pipelines offered for ``n`` tokens, b blocks of m inputs and p outputs, per-block rank t and the layout
+    (the pick times those :func:`blr_common.pick_candidates` keeps); the same for every N of one ``pick_bucket``
+    (which shares a pick: a token-major pipeline picked at N = 128 is offered at N = 100)."""
     n = pick_bucket(n)
     names = ["two_stage", "torch"] + (["two_stage_pdl"] if n <= TWO_STAGE_PDL_MAX_N and pdl_offered() else [])
     if n >= TOKEN_MAJOR_MIN_N:
@@ -389,10 +361,7 @@ def variants_for(n: int, b: int, m: int, t: int, p: int, permute_output: bool, e
     if not permute_output:
         names += ["bmm", "bmm_perm_bmm"] + (["tbmm"] if n >= TOKEN_MAJOR_MIN_N else [])
         fewest = n // 2 + 1                                          # the bucket's smallest N
-        if n >= TBMM_TBMM_MIN_N and tbmm_tbmm_within_ledger(fewest, b, t, p):
-            names.append("tbmm_tbmm")
-            chunk = l2_chunk_tokens(b * (m + b * t + p) * elem_bytes)
-            names += ["tbmm_tbmm_l2"] if chunk is not None and chunk < fewest else []
+        names += ["tbmm_tbmm"] if n >= TBMM_TBMM_MIN_N and tbmm_tbmm_within_ledger(fewest, b, t, p) else []
     if fused_fits(m, t):
         names.append("fused")
     return {name: VARIANTS[name] for name in names}
@@ -416,8 +385,7 @@ def _monarch_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, bias: torch
     args = (x2, w1, w2, bias, permute_output)
     if variant == "auto":
         n = x2.shape[0]
-        offered = pick_candidates(variants_for(n, b, m, r // b, w2.shape[2], permute_output, x.element_size()),
-                                  UNPICKED_WITH_PDL)
+        offered = pick_candidates(variants_for(n, b, m, r // b, w2.shape[2], permute_output), UNPICKED_WITH_PDL)
         default = _default(n, permute_output)
         default = default if default in offered else "two_stage"          # the fused tile may not fit
         variant = pick_variant("monarch_linear", (pick_bucket(n), *w1.shape, w2.shape[2], permute_output, str(x.dtype)),
@@ -448,7 +416,6 @@ def monarch_linear(x, w1, w2, bias=None, permute_output=False, path=None, varian
     cast = [w if w is None else w.to(x.dtype) for w in (w1, w2, bias)]
     if not runs_triton("monarch_linear", x, (w1, w2), path, variant):
         return _monarch_recomputing(x, *cast, permute_output)
-    require_offered("monarch_linear", variant,
-                    lambda: variants_for(x.numel() // (b * m), b, m, r // b, p, permute_output, x.element_size()),
+    require_offered("monarch_linear", variant, lambda: variants_for(x.numel() // (b * m), b, m, r // b, p, permute_output),
                     f"for this shape, token count and layout (permute_output={permute_output})")
     return _monarch_op(x, *cast, permute_output, variant)
