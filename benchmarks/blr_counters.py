@@ -7,7 +7,8 @@ This runs each case of CASES once, after warm-up (compile, tune), under ``ncu`` 
 and the caches left alone (so a stage reads what the stage before it left in L2, as in a real run), and records
 per kernel its time and the bytes it read from and wrote to DRAM, per case their sums against the ideal bytes.
 Under ncu the kernels run one at a time (no programmatic dependent launch overlaps them): the times are the
-kernels' own, not the pipeline's as the layer table reads it.
+kernels' own, not the pipeline's as the layer table reads it. A write still in L2 when the case ends is not counted
+(L2 writes back lazily), so a case whose output fits L2 can read below its ideal bytes.
 
     python benchmarks/blr_counters.py [--out DIR]        # on the GPU: writes blr_counters.json and .csv
     python benchmarks/blr_counters.py --parse FILE.csv   # the JSON again from a saved CSV and the
