@@ -61,6 +61,11 @@ def parse_args():
     parser.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)   # the process ncu runs
     args = parser.parse_args()
     check_out_dir(parser, args.out)
+    if args.parse:
+        missing = [f for f in (Path(args.parse), Path(args.parse).with_name("blr_counters_env.json")) if not f.is_file()]
+        if missing:
+            parser.error(f"--parse {args.parse}: no file {missing[0]} (a run writes the CSV and, beside it, "
+                         "blr_counters_env.json)")
     return args
 
 

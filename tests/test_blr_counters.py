@@ -50,3 +50,12 @@ def test_a_profile_that_does_not_hold_the_cases_is_an_error():
     stray = _csv([1] * len(blr_counters.CASES)).replace('"0","_case_marker"', '"0","stray_kernel"', 1)
     with pytest.raises(ValueError, match="before the first"):
         blr_counters.read_profile(stray)
+
+
+def test_parse_needs_the_csv_and_the_runs_environment_beside_it(monkeypatch, capsys, tmp_path):
+    (tmp_path / "run.csv").write_text("")
+    for path, missing in ((tmp_path / "none.csv", "none.csv"), (tmp_path / "run.csv", "blr_counters_env.json")):
+        monkeypatch.setattr(sys, "argv", ["blr_counters.py", "--parse", str(path)])
+        with pytest.raises(SystemExit) as raised:
+            blr_counters.parse_args()
+        assert raised.value.code == 2 and missing in capsys.readouterr().err
