@@ -431,39 +431,41 @@ def test_fp32_dots_follow_torch_matmul_precision():
         torch.set_float32_matmul_precision(before)
 
 
-@pytest.mark.parametrize("layout", ["left padding", "right padding", "packed by cu_seq_lens_q", "packed by position_ids"])
-def test_hugging_face_attention_with_dropout_keeps_the_padding_and_the_sequences(layout):
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "not causal"])
+@pytest.mark.parametrize("layout", ["one sequence", "left padding", "right padding", "packed by cu_seq_lens_q",
+                                    "packed by position_ids"])
+def test_hugging_face_attention_with_dropout_keeps_the_padding_and_the_sequences(layout, causal):
     """Training with attention dropout goes to SDPA, which takes neither a 2-D padding mask nor packed offsets: until
-    the fix both went to it as they were (a (B, N) mask broadcast over the query rows; packed sequences attended as
-    one). With the dropout off the fallback equals memfit's own kernel; with it on, a valid token's output does not
-    change when the padding's or another sequence's keys and values do."""
+    the fix a padded batch of two rows raised, one padded row lost its causal mask, and packed sequences were
+    attended as one. With the dropout all but off, the fallback equals memfit's own kernel (GQA: 4 query heads on
+    2 key heads); with it at 0.5, a token's output does not change when keys and values it must not see change (the
+    padding's, or the other packed sequence's), and padded positions are zeros."""
     from memfit.train.attention_hf import memfit_attention_forward
 
     module = torch.nn.Module()
-    module.is_causal = True
-    rows = 1 if layout.startswith("packed") else 2
-    q, k, v = (torch.randn(rows, 2, 9, 16) for _ in range(3))
+    module.is_causal, module.num_key_value_groups = causal, 2
+    rows = 1 if layout.startswith(("packed", "one")) else 2
+    q = torch.randn(rows, 4, 9, 16)
+    k, v = (torch.randn(rows, 2, 9, 16) for _ in range(2))
     mask, kwargs, valid = None, {}, torch.ones(rows, 9, dtype=torch.bool)
     if layout.endswith("padding"):
-        mask = _padding_mask(layout.split()[0])
-        valid = mask.bool()
+        mask = _padding_mask(layout.split()[0]).bool()             # transformers' builder hands a bool mask
+        valid = mask
     elif layout.endswith("cu_seq_lens_q"):
         kwargs = {"cu_seq_lens_q": torch.tensor([0, 5, 9], dtype=torch.int32), "max_length_q": 5}
-    else:
+    elif layout.endswith("position_ids"):
         kwargs = {"position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])}
     own, _ = memfit_attention_forward(module, q, k, v, mask, **kwargs)
     module.training = True
-    zero_dropout, _ = memfit_attention_forward(module, q, k, v, mask, dropout=1e-30, **kwargs)
-    assert _rel(zero_dropout, own) < 1e-5
-    # keys and values outside the first row's valid tokens (or outside the first packed sequence) changed
-    outside = ~valid.clone()
+    almost_none, _ = memfit_attention_forward(module, q, k, v, mask, dropout=1e-30, **kwargs)
+    assert _rel(almost_none, own) < 1e-5
+    unseen, checked = ~valid, valid.clone()                        # keys changed; outputs that must not change
     if layout.startswith("packed"):
-        outside[0, 5:] = True
-    k2, v2 = (torch.where(outside[:, None, :, None], torch.randn_like(t), t) for t in (k, v))
+        unseen[0, :5], checked[0, :5] = True, False                # the first sequence's keys, the second's outputs
+    k2, v2 = (torch.where(unseen[:, None, :, None], torch.randn_like(t), t) for t in (k, v))
     torch.manual_seed(0)
     first, _ = memfit_attention_forward(module, q, k, v, mask, dropout=0.5, **kwargs)
     torch.manual_seed(0)
     second, _ = memfit_attention_forward(module, q, k2, v2, mask, dropout=0.5, **kwargs)
-    keep = ~outside
-    assert (first[keep] != 0).any() and torch.equal(first[keep], second[keep])
+    assert (first[checked] != 0).any() and torch.equal(first[checked], second[checked])
     assert (first[~valid] == 0).all()

@@ -28,8 +28,8 @@ A decode step (one query token against a KV cache, no gradient) runs memfit's ke
 key mask as it is), where it takes the call (``cache_attention_problem``: e.g. a head dim that
 is a power of two, at least 16). Other queries
 shorter than their keys (a chunk against a cache) and a gradient through a cache go to
-transformers' SDPA implementation, said once in the log; so does attention dropout, with the padding or the
-packed sequences made an explicit N x N mask (:func:`_with_dropout`). With a cache the mask is SDPA's: a
+transformers' SDPA implementation, said once in the log; so does attention dropout, a padded or packed batch
+with an explicit N x N mask (:func:`_with_dropout`). With a cache the mask is SDPA's: a
 static cache's keys include its unfilled positions. Until this builder the FlashAttention one
 gave them none, so decoding attended over those positions too (a tiny Llama's decode logits 0.1
 off; the end-to-end benchmark's memfit-attention runs decoded that way).
@@ -140,15 +140,20 @@ def _packed_offsets(query, kwargs) -> tuple:
 
 
 def _with_dropout(module, query, key, value, attention_mask, cu, causal, dropout, scaling, kwargs):
-    """Attention with dropout, which memfit's kernels do not have, by transformers' SDPA attention with the mask
-    made explicit: SDPA takes neither a 2-D padding mask (it would broadcast a (B, N) mask over the query rows) nor
-    packed offsets (it would attend across the sequences), and until this function both went to it as they were.
-    The (B, 1, N, N) mask costs N^2 booleans per row, said once. Padded query rows attend to every key (no row is
-    empty, so none is NaN) and are zeroed after, as the kernels' padded rows are."""
+    """Attention with dropout, which memfit's kernels do not have, by transformers' SDPA attention. One sequence per
+    row, no padding: SDPA as it is (causal by its flag). Padding or packed sequences: SDPA takes neither a 2-D
+    padding mask nor packed offsets, so they become a (B, 1, N, N) mask, N^2 booleans per row (said once). Until
+    this function both went to SDPA as they were: a padded batch of more than one row raised (the (B, N) mask does
+    not broadcast against the scores), one padded row was attended without its causal mask (SDPA turns is_causal
+    off when given a mask), and packed sequences were attended as one. Padded query rows attend to every key (no
+    row is empty, so none is NaN) and are zeroed after, as the kernels' padded rows are."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     warn_once("attention_hf:dropout", "memfit attention: attention dropout runs by transformers' SDPA attention "
-              "with an explicit N x N mask (memfit's kernels have no dropout)")
+              "(memfit's kernels have no dropout), with an explicit N x N mask where the batch is padded or packed")
+    if attention_mask is None and cu is None:
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                      is_causal=causal, **kwargs)[0]
     n = query.shape[2]
     position = torch.arange(n, device=query.device)
     allowed = position[None, :] <= position[:, None] if causal else torch.ones(n, n, dtype=torch.bool,
