@@ -96,7 +96,7 @@ def profiled_run() -> None:
     """What ncu runs: every case warmed up, then once each between cudaProfilerStart and Stop, after a marker, each
     after an unprofiled read of twice the L2, which writes back the dirty lines earlier work left there. In a first
     run without it (results/earlier/blr_counters_no_flush_80c60c8.json) cuBLAS at Llama-1B gate, N = 1, whose output
-    is 16 KB, wrote 9.04 MB to DRAM, taken to be such lines."""
+    is 16 KB, wrote 9.04 MB to DRAM, and 2.27 MB with it (c191615): the flush accounts for part of it only."""
     import torch
     import triton
     import triton.language as tl
@@ -124,7 +124,8 @@ def profiled_run() -> None:
 
 
 def ncu_path() -> str:
-    found = shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))), None)
+    found = shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"), reverse=True)),
+                                        None)                      # else the newest installed
     if found is None:
         raise SystemExit("blr_counters: Nsight Compute (ncu) is not installed here")
     return found
@@ -147,38 +148,41 @@ def number(text: str) -> float:
     return float(text.replace(",", "")) if text.strip() else float("nan")
 
 
-def read_profile(csv_text: str) -> list[dict]:
-    """Per case of CASES, in order: its kernels (name, us, DRAM bytes read and written), their sums, the ideal bytes.
-    ``csv_text``: ncu's raw page, a header row, a units row, then one row per kernel in launch order; each case's
-    kernels follow a MARKER kernel."""
+def read_profile(csv_text: str, cases: list = CASES) -> list[dict]:
+    """Per case of ``cases`` (those of the run profiled), in order: its kernels (name, us, DRAM bytes read and
+    written), their sums, the ideal bytes. ``csv_text``: ncu's raw page, a header row, a units row, then one row per
+    kernel in launch order; each case's kernels follow a MARKER kernel."""
     from memfit.measure.roofline import layer_cost
 
     table = list(csv.reader(io.StringIO(csv_text)))
-    start = next(i for i, row in enumerate(table) if "Kernel Name" in row)
+    start = next((i for i, row in enumerate(table) if "Kernel Name" in row), None)
+    if start is None:
+        raise ValueError("blr_counters: the profile has no kernel table (no 'Kernel Name' header)")
     header, units = table[start], table[start + 1]
     col = {name: header.index(name) for name in ["Kernel Name", *METRICS]}
     scale = {"gpu__time_duration.sum": TIME_US[units[col["gpu__time_duration.sum"]]],
              "dram__bytes_read.sum": BYTES[units[col["dram__bytes_read.sum"]]],
              "dram__bytes_write.sum": BYTES[units[col["dram__bytes_write.sum"]]]}
-    cases: list[list[dict]] = []
+    kernels_by_case: list[list[dict]] = []
     for row in table[start + 2:]:
         if len(row) < len(header):
             continue
         name = row[col["Kernel Name"]]
         if MARKER in name:
-            cases.append([])
+            kernels_by_case.append([])
             continue
-        if not cases:
+        if not kernels_by_case:
             raise ValueError(f"blr_counters: kernel {name!r} before the first {MARKER}")
-        cases[-1].append({"kernel": name[:120],
-                          "us": number(row[col["gpu__time_duration.sum"]]) * scale["gpu__time_duration.sum"],
-                          "dram_read": number(row[col["dram__bytes_read.sum"]]) * scale["dram__bytes_read.sum"],
-                          "dram_write": number(row[col["dram__bytes_write.sum"]]) * scale["dram__bytes_write.sum"]})
-    if len(cases) != len(CASES):
-        raise ValueError(f"blr_counters: the profile holds {len(cases)} cases, CASES {len(CASES)}")
+        kernels_by_case[-1].append({
+            "kernel": name[:120],
+            "us": number(row[col["gpu__time_duration.sum"]]) * scale["gpu__time_duration.sum"],
+            "dram_read": number(row[col["dram__bytes_read.sum"]]) * scale["dram__bytes_read.sum"],
+            "dram_write": number(row[col["dram__bytes_write.sum"]]) * scale["dram__bytes_write.sum"]})
+    if len(kernels_by_case) != len(cases):
+        raise ValueError(f"blr_counters: the profile holds {len(kernels_by_case)} cases, the run {len(cases)}")
     shapes = {name: (d_in, d_out, rank) for name, d_in, d_out, rank in blr_layers.SHAPES}
     rows = []
-    for (kind, shape, n, variant), kernels in zip(CASES, cases):
+    for (kind, shape, n, variant), kernels in zip(cases, kernels_by_case):
         d_in, d_out, rank = shapes[shape]
         ideal = layer_cost(kind, "ideal", n, d_in, d_out, rank, blr_layers.BLOCKS)[1]
         moved = sum(k["dram_read"] + k["dram_write"] for k in kernels)
@@ -195,15 +199,16 @@ def main() -> int:
         return 0
     from memfit.measure.results import environment, results_path, write_results
 
-    if args.parse:                         # the run's GPU, versions and commit, from the file saved beside its CSV
+    if args.parse:                         # the run's GPU, versions, commit and cases, saved beside its CSV
         csv_text = Path(args.parse).read_text()
         run = json.loads(Path(args.parse).with_name("blr_counters_env.json").read_text())
     else:                                  # the CSV and the run's environment saved first: a parse error loses neither
-        csv_text, run = profile(), environment()
+        csv_text, run = profile(), environment() | {"cases": CASES}
         saved = results_path("blr_counters", args.out)
+        saved.parent.mkdir(parents=True, exist_ok=True)
         saved.with_suffix(".csv").write_text(csv_text)
         saved.with_name("blr_counters_env.json").write_text(json.dumps(run))
-    rows = read_profile(csv_text)
+    rows = read_profile(csv_text, [tuple(case) for case in run.get("cases", CASES)])
     path = write_results("blr_counters", rows, [], args.out, **run, metrics=METRICS,
                          method="ncu --replay-mode application --cache-control none --clock-control none")
     for r in rows:

@@ -12,9 +12,9 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # layer table needs two calls (as at 1476f91 and f969028): at af7a5bc, where the chained pipelines time every pair of
 # their tiles, its file records 779 s, 372.1 s of case times for the 13 cases of a first call stopped at its limit and
 # 386.5 s for the 22 blr_layers_resume timed (f969028's first call timed 30 cases in 579.7 s of case times).
-# chain_tiles records 72 s at af7a5bc, 75 s at 34f6713, 83.5 s at 491a2d6. At cd59de1 the models of blr_e2e_memfit_attention, run
-# first, record 276.9 s of set-up and timing (their tile and variant picks included), then blr_e2e's 194.5 s;
-# pick_cost stopped after 41 of its 42 first calls (earlier/pick_cost_stopped_cd59de1.json).
+# chain_tiles records 72 s at af7a5bc, 75 s at 34f6713, 83.5 s at 491a2d6. At cd59de1 the models of
+# blr_e2e_memfit_attention, run first, record 276.9 s of set-up and timing (their tile and variant picks included),
+# then blr_e2e's 194.5 s; pick_cost stopped after 41 of its 42 first calls (earlier/pick_cost_stopped_cd59de1.json).
 # The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
 # recompiling every step); the ledger's 24 accuracy jobs record their own times, 74 s together at 141a414
 # (ledger_accuracy.json, the models' set-up not included).
@@ -44,6 +44,7 @@ RUNS=(
   "ledger_accuracy_blr|300|python3 benchmarks/ledger_accuracy.py --out $OUT --blr"
   "pick_cost|240|python3 benchmarks/pick_cost.py --out $OUT"
   "chain_tiles|300|python3 benchmarks/chain_tiles.py --out $OUT"
+  "blr_counters|200|python3 benchmarks/blr_counters.py --out $OUT"
 )
 status=0
 for run in "${RUNS[@]}"; do

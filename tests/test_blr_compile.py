@@ -78,7 +78,7 @@ def _training_step(model, ids):
 @pytest.mark.parametrize("method", ["monarch", "blast", "lowrank"])
 def test_a_compressed_model_trains_under_compile_in_one_graph_with_the_eager_gradients(method, monkeypatch):
     """A training step (forward, loss, backward) of a compressed tiny Llama through the Triton ops (their autograd:
-    blr_common.recompute_backward) compiles with no graph break, as the dense model does, and gives eager's loss
+    blr_common.recompute_backward) compiles with no graph break and gives eager's loss
     and gradients. (The CPU reference path breaks the graph in training: its recomputing autograd function, kept
     where gradients are wanted.)"""
     from memfit.compress import structure_model

@@ -47,6 +47,10 @@ def test_the_raw_csv_becomes_per_case_traffic():
 def test_a_profile_that_does_not_hold_the_cases_is_an_error():
     with pytest.raises(ValueError, match="cases"):
         blr_counters.read_profile(_csv([1] * (len(blr_counters.CASES) - 1)))
+    with pytest.raises(ValueError, match="no kernel table"):
+        blr_counters.read_profile("==ERROR== the profiler could not start\n")
+    run_cases = blr_counters.CASES[:2]                         # a --parse reads the cases its run recorded
+    assert [r["variant"] for r in blr_counters.read_profile(_csv([1, 2]), run_cases)] == ["cublas", "two_stage"]
     stray = _csv([1] * len(blr_counters.CASES)).replace('"0","_case_marker"', '"0","stray_kernel"', 1)
     with pytest.raises(ValueError, match="before the first"):
         blr_counters.read_profile(stray)

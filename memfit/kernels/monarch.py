@@ -65,11 +65,12 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   N it can only win where p is one or two column tiles (Llama-1B q/o: p = 128, where z's
   round trip through memory costs more than the stage-2 FLOPs), so where it is timed it is timed at
   every N. Needs pow2(m) * pow2(t) small enough for a pipelined tile (:func:`fused_fits`).
-* Tried and taken out, ``fused_split`` (4fa42b0): at decode, one program per block pair (i, j) read its w1 slice and
-  w2 rows once into an fp32 partial output of its own j (every weight element read by one of b^2 programs, no z in
+* Tried and taken out, ``fused_split`` (4fa42b0; the twelfth session's pipeline of that name was another, split
+  differently: results/earlier/README.md): at decode, one program per block pair (i, j) read its w1 slice and w2
+  rows once into an fp32 partial output of its own j (every weight element read by one of b^2 programs, no z in
   memory), and a second kernel, chained by PDL, summed the b partials. At four of the paper's shapes it took
-  1.03-1.27x the pick's time at N = 1 and 1.10-1.55x at N = 16 (results/earlier/blr_layers_subset_fused_split_4fa42b0.json):
-  the sum's launch and the partials' round trip cost more than the chain's wait for z.
+  1.03-1.27x the pick's time at N = 1 and 1.10-1.55x at N = 16
+  (results/earlier/blr_layers_subset_fused_split_4fa42b0.json); not profiled.
 * ``torch`` (the reference: two cuBLAS batched GEMMs with the permutations as copies)
   competes too, so the pick is never slower than plain PyTorch on a shape where the
   Triton stage 1 stores badly (e.g. a per-block rank t = 93, not a multiple of 8).
