@@ -35,12 +35,16 @@ CASES = [  # structure, shape, N, variant (dense: cuBLAS through F.linear)
     ("dense", "llama-3.2-1b gate", 1, None),
     ("monarch", "llama-3.2-1b gate", 1, "two_stage"),
     ("monarch", "llama-3.2-1b gate", 1, "two_stage_pdl"),
+    ("monarch", "llama-3.2-1b q/o", 1, "two_stage_pdl"),       # decode's furthest from its floor
+    ("monarch", "llama-7b gate/up", 1, "bmm"),
+    ("monarch", "llama-7b qkvo", 16, "two_stage_pdl"),
     ("dense", "llama-3.2-1b q/o", 8192, None),
     ("monarch", "llama-3.2-1b q/o", 8192, "tbmm_tbmm"),
     ("monarch", "llama-3.2-1b q/o", 8192, "tbmm"),
     ("monarch", "llama-3.2-1b q/o", 8192, "fused"),              # z on chip: x re-read per output block
     ("monarch", "llama-3.2-1b gate", 8192, "tbmm_tbmm"),
     ("blast", "llama-3.2-1b gate", 1, "bgemm_mix_bgemm_pdl"),
+    ("blast", "llama-3.2-1b q/o", 1, "bgemm_mix_bgemm_pdl"),
     ("blast", "llama-3.2-1b q/o", 1024, "tbmm_mix_tbmm"),
     ("blast", "llama-3.2-1b gate", 128, "tbmm_mix_tbmm"),
     ("blast", "llama-3.2-1b gate", 128, "z_mixgemm"),           # the mixing folded into the last GEMM's loads: no T
