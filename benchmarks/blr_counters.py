@@ -100,7 +100,7 @@ def profiled_run() -> None:
     """What ncu runs: every case warmed up, then once each between cudaProfilerStart and Stop, after a marker, each
     after an unprofiled read of twice the L2, which writes back the dirty lines earlier work left there. In a first
     run without it (results/earlier/blr_counters_no_flush_80c60c8.json) cuBLAS at Llama-1B gate, N = 1, whose output
-    is 16 KB, wrote 9.04 MB to DRAM, and 2.27 MB with it (c191615): the flush accounts for part of it only."""
+    is 16 KB, wrote 9.04 MB to DRAM, and 2.25 MB with it (3ce8478): the flush accounts for part of it only."""
     import torch
     import triton
     import triton.language as tl
