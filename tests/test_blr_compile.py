@@ -75,16 +75,20 @@ def _training_step(model, ids):
     return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+@pytest.mark.parametrize("path", ["triton", "reference"])
 @pytest.mark.parametrize("method", ["monarch", "blast", "lowrank"])
-def test_a_compressed_model_trains_under_compile_in_one_graph_with_the_eager_gradients(method, monkeypatch):
-    """A training step (forward, loss, backward) of a compressed tiny Llama through the Triton ops (their autograd:
-    blr_common.recompute_backward) compiles with no graph break and gives eager's loss
-    and gradients. (The CPU reference path breaks the graph in training: its recomputing autograd function, kept
-    where gradients are wanted.)"""
+def test_a_compressed_model_trains_under_compile_in_one_graph_with_the_eager_gradients(method, path, monkeypatch,
+                                                                                         caplog):
+    """A training step (forward, loss, backward) of a compressed tiny Llama compiles with no graph break and gives
+    eager's loss and gradients: through the Triton ops (their autograd: blr_common.recompute_backward), and on the
+    CPU reference path, whose recomputing autograd function broke the graph in training (its backward's
+    autograd.grad) and which torch.compile now differentiates as it is, said once."""
+    from memfit import log
     from memfit.compress import structure_model
     from memfit.models import PRESETS, build_model
 
-    monkeypatch.setenv("MEMFIT_KERNELS", "triton")
+    monkeypatch.setenv("MEMFIT_KERNELS", path)
+    log._said.discard("blr:compiled-reference")
     torch.manual_seed(0)
     model = build_model(PRESETS["tiny"], dtype="float32", device="cpu")
     structure_model(model, method, ratio=0.5, blocks=4)
@@ -96,3 +100,4 @@ def test_a_compressed_model_trains_under_compile_in_one_graph_with_the_eager_gra
     loss, grads = _training_step(torch.compile(model, backend="aot_eager"), ids)
     assert torch.allclose(loss, eager_loss, rtol=1e-6) and len(grads) == len(eager_grads) > 0
     assert all(torch.allclose(g, e, rtol=1e-5, atol=1e-7) for g, e in zip(grads, eager_grads))
+    assert ("differentiated as it is" in caplog.text) == (path == "reference")

@@ -419,8 +419,9 @@ def recomputing(reference, n_tensors: int, n_options: int = 0):
     :func:`recompute_backward`): the path where no Triton kernel runs (CPU). Run as plain autograd, a reference
     kept its intermediates for the backward (z and its copies), which the ledger does not count; run inside a
     custom op, its forward's temporaries were hidden from the CPU memory tracker, which sees an op as one call.
-    Not twice differentiable (an error says so if asked); ``torch.compile`` cannot trace its backward's
-    ``autograd.grad`` (a graph break; ``fullgraph=True`` refuses it). Where no gradient is wanted (no_grad, or
+    Not twice differentiable (an error says so if asked). ``torch.compile`` cannot trace its backward's
+    ``autograd.grad`` (it broke the graph in training), so under torch.compile the reference is differentiated as
+    it is (:func:`_reference_differentiated_when_compiled`, said once). Where no gradient is wanted (no_grad, or
     no input that requires one) the reference runs as it is: nothing is kept for a backward either way, and
     torch.compile then traces it whole (through the autograd function it broke the graph at every layer, and
     crashed inside dynamo on the low-rank reference)."""
@@ -441,11 +442,24 @@ def recomputing(reference, n_tensors: int, n_options: int = 0):
             return backward(ctx, grad)
 
     def run(*inputs):
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs[:n_tensors]):
+        wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs[:n_tensors])
+        if wanted and not (torch.compiler.is_compiling() and _reference_differentiated_when_compiled()):
             return Recomputing.apply(*inputs)
         return reference(*inputs[:n_tensors + n_options])
 
     return run
+
+
+@torch.compiler.assume_constant_result
+def _reference_differentiated_when_compiled() -> bool:
+    """True, said once: under torch.compile the BLR reference path differentiates the reference as it is, since the
+    recomputing autograd function's backward (``autograd.grad``) splits the graph at every layer; what the compiled
+    graph keeps for the backward is then torch.compile's choice, not the recompute the ledger counts. torch.compile
+    runs this while tracing and keeps the result as a constant, so the warning costs no graph break."""
+    warn_once("blr:compiled-reference", "block-low-rank layers on the PyTorch reference path under torch.compile: "
+              "the reference is differentiated as it is (torch.compile chooses what to keep for the backward), not "
+              "recomputed in the backward as eagerly")
+    return True
 
 
 def save_for_recompute(ctx, inputs, output, n_tensors: int) -> None:
