@@ -104,3 +104,26 @@ def test_a_compressed_model_trains_under_compile_in_one_graph_with_the_eager_gra
     assert torch.allclose(loss, eager_loss, rtol=1e-6) and len(grads) == len(eager_grads) > 0
     assert all(torch.allclose(g, e, rtol=1e-5, atol=1e-7) for g, e in zip(grads, eager_grads))
     assert ("differentiated as it is" in caplog.text) == (path == "reference")
+
+
+def test_the_constant_mark_is_torchs_own():
+    """blr_common.constant_when_compiled sets the mark torch.compiler.assume_constant_result sets (without importing
+    dynamo at memfit's import), and importing memfit's decode kernels does not import dynamo."""
+    import subprocess
+    import sys
+
+    from memfit.kernels.blr_common import constant_when_compiled
+
+    def ours():
+        return True
+
+    def torchs():
+        return True
+
+    constant_when_compiled(ours)
+    torch.compiler.assume_constant_result(torchs)
+    marks = lambda fn: {k: v for k, v in vars(fn).items()}  # noqa: E731
+    assert marks(ours) == marks(torchs) and marks(ours)
+    probe = "import sys, memfit.kernels.gemv, memfit.kernels.monarch; print('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"

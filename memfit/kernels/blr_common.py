@@ -450,7 +450,15 @@ def recomputing(reference, n_tensors: int, n_options: int = 0):
     return run
 
 
-@torch.compiler.assume_constant_result
+def constant_when_compiled(fn):
+    """``torch.compiler.assume_constant_result`` without what it costs at import: it imports torch._dynamo (3 s added
+    to every memfit command, ``memfit plan`` included, where this module is imported through the decode kernels) to
+    set one mark on ``fn``, which this sets itself (tests/test_blr_compile.py checks that it is torch's mark)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@constant_when_compiled
 def _reference_differentiated_when_compiled() -> bool:
     """True, said once: under torch.compile the BLR reference path differentiates the reference as it is, since the
     recomputing autograd function's backward (``autograd.grad``) splits the graph at every layer; what the compiled
