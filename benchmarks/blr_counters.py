@@ -11,8 +11,10 @@ kernels' own, not the pipeline's as the layer table reads it. A write still in L
 (L2 writes back lazily), so a case whose output fits L2 can read below its ideal bytes.
 
     python benchmarks/blr_counters.py [--out DIR]        # on the GPU: writes blr_counters.json and .csv
-    python benchmarks/blr_counters.py --parse FILE.csv   # the JSON again from a saved CSV and the
-                                                         # blr_counters_env.json beside it (no GPU)
+    python benchmarks/blr_counters.py --parse FILE.csv   # the JSON again from a saved CSV (no GPU)
+
+The CSV is ncu's raw page after one line of the run's own (RUN_LINE: GPU, versions, commit and cases as JSON), so
+a saved CSV is enough to make the JSON again.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ CASES = [  # structure, shape, N, variant (dense: cuBLAS through F.linear)
     ("blast", "llama-3.2-1b gate", 8192, "tbmm_mix_tbmm"),
 ]
 METRICS = ["gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum"]
+RUN_LINE = "# memfit run: "   # the CSV's first line: the run's environment and cases, JSON
 MARKER = "_case_marker"   # the kernel launched before each case's own, so the profile splits into cases
 TIME_US = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6, "nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
 BYTES = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
@@ -66,10 +69,12 @@ def parse_args():
     args = parser.parse_args()
     check_out_dir(parser, args.out)
     if args.parse:
-        missing = [f for f in (Path(args.parse), Path(args.parse).with_name("blr_counters_env.json")) if not f.is_file()]
-        if missing:
-            parser.error(f"--parse {args.parse}: no file {missing[0]} (a run writes the CSV and, beside it, "
-                         "blr_counters_env.json)")
+        if not Path(args.parse).is_file():
+            parser.error(f"--parse {args.parse}: no such file")
+        with open(args.parse) as handle:
+            if not handle.readline().startswith(RUN_LINE):
+                parser.error(f"--parse {args.parse}: not a CSV this benchmark saved (its first line starts with "
+                             f"{RUN_LINE.strip()!r})")
     return args
 
 
@@ -203,16 +208,18 @@ def main() -> int:
         return 0
     from memfit.measure.results import environment, results_path, write_results
 
-    if args.parse:                         # the run's GPU, versions, commit and cases, saved beside its CSV
-        csv_text = Path(args.parse).read_text()
-        run = json.loads(Path(args.parse).with_name("blr_counters_env.json").read_text())
-    else:                                  # the CSV and the run's environment saved first: a parse error loses neither
+    if args.parse:                         # the run's GPU, versions, commit and cases: the CSV's first line
+        run_line, csv_text = Path(args.parse).read_text().split("\n", 1)
+        run = json.loads(run_line.removeprefix(RUN_LINE))
+    else:                                  # the CSV, with the run's environment, saved first: a parse error loses neither
         csv_text, run = profile(), environment() | {"cases": CASES}
         saved = results_path("blr_counters", args.out)
         saved.parent.mkdir(parents=True, exist_ok=True)
-        saved.with_suffix(".csv").write_text(csv_text)
-        saved.with_name("blr_counters_env.json").write_text(json.dumps(run))
-    rows = read_profile(csv_text, [tuple(case) for case in run.get("cases", CASES)])
+        saved.with_suffix(".csv").write_text(RUN_LINE + json.dumps(run) + "\n" + csv_text)
+    try:
+        rows = read_profile(csv_text, [tuple(case) for case in run.get("cases", CASES)])
+    except ValueError as err:              # a profile that does not hold the run's cases: said, not a traceback
+        raise SystemExit(str(err)) from None
     path = write_results("blr_counters", rows, [], args.out, **run, metrics=METRICS,
                          method="ncu --replay-mode application --cache-control none --clock-control none")
     for r in rows:

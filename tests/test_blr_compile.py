@@ -107,12 +107,12 @@ def test_a_compressed_model_trains_under_compile_in_one_graph_with_the_eager_gra
 
 
 def test_the_constant_mark_is_torchs_own():
-    """blr_common.constant_when_compiled sets the mark torch.compiler.assume_constant_result sets (without importing
+    """dispatch.constant_when_compiled sets the mark torch.compiler.assume_constant_result sets (without importing
     dynamo at memfit's import), and importing memfit's decode kernels does not import dynamo."""
     import subprocess
     import sys
 
-    from memfit.kernels.blr_common import constant_when_compiled
+    from memfit.kernels.dispatch import constant_when_compiled
 
     def ours():
         return True

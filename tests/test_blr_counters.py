@@ -1,5 +1,6 @@
 """benchmarks/blr_counters.py off the GPU: its cases are pipelines the ops offer, and ncu's raw CSV is read into
 per-case DRAM traffic (units converted, kernels grouped by the marker before each case)."""
+import json
 import sys
 from pathlib import Path
 
@@ -56,10 +57,27 @@ def test_a_profile_that_does_not_hold_the_cases_is_an_error():
         blr_counters.read_profile(stray)
 
 
-def test_parse_needs_the_csv_and_the_runs_environment_beside_it(monkeypatch, capsys, tmp_path):
-    (tmp_path / "run.csv").write_text("")
-    for path, missing in ((tmp_path / "none.csv", "none.csv"), (tmp_path / "run.csv", "blr_counters_env.json")):
+def test_parse_takes_only_a_csv_this_benchmark_saved(monkeypatch, capsys, tmp_path):
+    """--parse needs the file, and its first line the run's environment (blr_counters.RUN_LINE); a profile that does
+    not hold the run's cases is a one-line error too."""
+    (tmp_path / "bare.csv").write_text(_csv([1]))
+    for path, said in ((tmp_path / "none.csv", "no such file"), (tmp_path / "bare.csv", "not a CSV this benchmark")):
         monkeypatch.setattr(sys, "argv", ["blr_counters.py", "--parse", str(path)])
         with pytest.raises(SystemExit) as raised:
             blr_counters.parse_args()
-        assert raised.value.code == 2 and missing in capsys.readouterr().err
+        assert raised.value.code == 2 and said in capsys.readouterr().err
+    short = tmp_path / "short.csv"
+    short.write_text(blr_counters.RUN_LINE + '{"gpu": "H200"}\n' + _csv([1]))
+    monkeypatch.setattr(sys, "argv", ["blr_counters.py", "--parse", str(short), "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="the profile holds 1 cases"):
+        blr_counters.main()
+
+
+def test_the_saved_csv_makes_the_committed_json_again(tmp_path, monkeypatch):
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    monkeypatch.setattr(sys, "argv", ["blr_counters.py", "--parse", str(results / "blr_counters.csv"),
+                                      "--out", str(tmp_path)])
+    assert blr_counters.main() == 0
+    made, committed = (json.loads(p.read_text()) for p in (tmp_path / "blr_counters.json", results / "blr_counters.json"))
+    assert made["commit"] == committed["commit"] and made["gpu"] == committed["gpu"]
+    assert [r["dram_bytes"] for r in made["rows"]] == [r["dram_bytes"] for r in committed["rows"]]

@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from memfit.errors import MemfitError
-from memfit.kernels.dispatch import dot_precision, interpreting, use_triton
+from memfit.kernels.dispatch import constant_when_compiled, dot_precision, interpreting, use_triton
 from memfit.log import warn_once
 from memfit.measure.timing import graph_ms, turn_orders
 
@@ -448,14 +448,6 @@ def recomputing(reference, n_tensors: int, n_options: int = 0):
         return reference(*inputs[:n_tensors + n_options])
 
     return run
-
-
-def constant_when_compiled(fn):
-    """``torch.compiler.assume_constant_result`` without what it costs at import: it imports torch._dynamo (3 s added
-    to every memfit command, ``memfit plan`` included, where this module is imported through the decode kernels) to
-    set one mark on ``fn``, which this sets itself (tests/test_blr_compile.py checks that it is torch's mark)."""
-    fn._dynamo_marked_constant = True
-    return fn
 
 
 @constant_when_compiled

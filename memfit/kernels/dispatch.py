@@ -81,3 +81,11 @@ def dot_precision(dtype: torch.dtype, op: str) -> str:
     warn_once(f"tf32:{op}", f"{op}: fp32 inputs use TF32 dots, as torch's float32 matmul precision allows "
                             "(set it to 'highest' for IEEE fp32)")
     return "tf32"
+
+
+def constant_when_compiled(fn):
+    """``torch.compiler.assume_constant_result`` without what it costs at import: it imports torch._dynamo (3 s added
+    to every memfit command, ``memfit plan`` included, which imports the kernels through the decode path) to
+    set one mark on ``fn``, which this sets itself (tests/test_blr_compile.py checks that it is torch's mark)."""
+    fn._dynamo_marked_constant = True
+    return fn

@@ -40,6 +40,7 @@ import torch
 
 from memfit.kernels.attention import attention
 from memfit.kernels.decode import cache_attention, cache_attention_problem
+from memfit.kernels.dispatch import constant_when_compiled
 from memfit.log import warn_once
 
 NAME = "memfit"
@@ -176,7 +177,7 @@ def _restart(position_ids: torch.Tensor) -> bool:
     return bool((position_ids[..., 1:] < position_ids[..., :-1]).any())
 
 
-@torch.compiler.assume_constant_result
+@constant_when_compiled
 def _not_inspected_when_compiled() -> bool:
     """False, said once. torch.compile runs this while tracing and keeps its result as a
     constant, so the warning costs no graph break."""
