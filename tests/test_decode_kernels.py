@@ -38,6 +38,41 @@ def test_gemv_matches_linear(dtype, rows, out, inner, ld):
     assert _rel(gemv.gemv(x, w, None, "gemv_n4_k512_w4"), x.double() @ w.double().T) < TOL[dtype]
 
 
+def _block_reference(x, w, bias, blocks, x_block_stride):
+    """y[:, i P + o] = x[:, i stride : i stride + K] . w[i P + o] (+ bias), block by block in float64."""
+    p, k = w.shape[0] // blocks, w.shape[1]
+    y = torch.cat([x[:, i * x_block_stride:i * x_block_stride + k].double() @ w[i * p:(i + 1) * p].double().T
+                   for i in range(blocks)], dim=1)
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, blocks, p, k, stride, tile", [
+    (1, 3, 7, 19, 19, None),          # BLAST's T (N, b, r) as x: the slices side by side; odd rows a block
+    (3, 4, 8, 24, 40, (4, 16, 4, 1)),  # slices with gaps between them, 16-byte rows (VEC > 1), K not a chunk multiple
+    (4, 2, 6, 64, 64, (2, 32, 4, 1)),  # K a whole number of chunks: no masked tail
+])
+def test_block_gemv_matches_blocks(dtype, rows, blocks, p, k, stride, tile):
+    """Each block of W's rows meets its own slice of x, bias added per row, with the autotuner's tile (the
+    interpreter's one row a program) and with wider ones whose rows must stay inside one block."""
+    x = torch.randn(rows, (blocks - 1) * stride + k).to(dtype)
+    w, bias = torch.randn(blocks * p, k).to(dtype), torch.randn(blocks * p).to(dtype)
+    assert gemv._vector_width(x, w, stride) == (16 // w.element_size() if k % 8 == 0 and stride % 8 == 0 else 1)
+    got = gemv.block_gemv(x, w, bias, blocks, stride, tile=tile)
+    assert _rel(got, _block_reference(x, w, bias, blocks, stride)) < TOL[dtype]
+    assert _rel(gemv.block_gemv(x, w, None, blocks, stride), _block_reference(x, w, None, blocks, stride)) < TOL[dtype]
+
+
+def test_block_gemv_refuses_what_it_cannot_take():
+    x, w = torch.randn(1, 3 * 8), torch.randn(6, 8)
+    for bad in ((torch.randn(5, 24), w, 3, 8), (x, torch.randn(7, 8), 3, 8), (x, w, 3, 9),
+                (x, torch.randn(8, 6).T, 3, 8)):
+        with pytest.raises(MemfitError, match="block_gemv takes"):
+            gemv.block_gemv(*bad[:2], None, *bad[2:])
+    with pytest.raises(MemfitError, match="do not divide"):
+        gemv.block_gemv(x, w, None, 3, 8, tile=(4, 32, 4, 1))
+
+
 def test_gemv_refuses_what_it_cannot_take():
     assert gemv.takes(torch.randn(4, 8), torch.randn(3, 8)) and not gemv.takes(torch.randn(5, 8), torch.randn(3, 8))
     assert not gemv.takes(torch.randn(1, 8), torch.randn(8, 3).T)        # inner stride != 1

@@ -44,6 +44,10 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   stage 3 pulls its U_i slice into L2 before it waits for T. At decode the three launches
   and dependent reads of ``bmm_mix_bmm`` are most of its time. The two GEMMs' tiles are picked
   together (blr_common.pick_chain_tiles).
+* ``bgemm_mix_gemv_pdl`` (N <= gemv.MAX_ROWS, Hopper+): ``bgemm_mix_bgemm_pdl`` with stage 3 as a GEMV
+  (:func:`gemv.block_gemv`): U stored (b, p, r) has each output feature's ranks contiguous, so a program streams
+  whole rows of U_i with 16-byte loads and sums on CUDA cores, where ``bgemm``'s tensor-core tile pads the
+  one to four tokens to 16 rows and reads U_i^T as a transposed operand.
 * ``z_mixgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``z_mixgemm`` with the second kernel chained
   to the first (blr_common's programmatic dependent launch: it starts while Z is being
   made, pulls its U_i slice into L2, then waits for Z). On a GPU that offers it the pick does
@@ -60,6 +64,7 @@ import triton
 import triton.language as tl
 
 from memfit.errors import MemfitError
+from memfit.kernels import gemv
 from memfit.kernels.blr_common import (
     PDL_MAX_N,
     TOKEN_MAJOR_MIN_N,
@@ -335,6 +340,17 @@ def _bgemm_mix_bgemm_pdl(x2, u, v, s, bias):
     return _chained_bgemm_mix_bgemm(*args, tiles=tiles)
 
 
+def _bgemm_mix_gemv_pdl(x2, u, v, s, bias):
+    """Z by ``bgemm``, T by ``_zmix_kernel``, Y by :func:`gemv.block_gemv`, each kernel launched while the one before
+    runs; the GEMV streams U (b p, r) row by row, block i times T_i. Each kernel's tile is autotuned on its own."""
+    b, m, r = v.shape
+    n = x2.shape[0]
+    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
+    bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1), launch_dependents=True)
+    t = _zmix(z, s, chained=True)
+    return gemv.block_gemv(t.view(n, b * r), u.view(-1, r), bias, b, r, wait_for_previous=True)
+
+
 # ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------
 
 def _prune_mixgemm(configs, named_args, **kwargs):
@@ -406,6 +422,7 @@ def _z_mixgemm_pdl(x2, u, v, s, bias):
 
 VARIANTS = {"xvmix_bmm": _xvmix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "tbmm_mix_tbmm": _tbmm_mix_tbmm, "z_mixgemm": _z_mixgemm,
             "z_mixgemm_pdl": _z_mixgemm_pdl, "bgemm_mix_bgemm_pdl": _bgemm_mix_bgemm_pdl,
+            "bgemm_mix_gemv_pdl": _bgemm_mix_gemv_pdl,
             "torch": blast_linear_reference}
 
 
@@ -419,6 +436,7 @@ def variants_for(n: int) -> dict:
         names.append("tbmm_mix_tbmm")
     if n <= PDL_MAX_N and pdl_offered():
         names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
+        names += ["bgemm_mix_gemv_pdl"] if n <= gemv.MAX_ROWS else []
     return {name: VARIANTS[name] for name in names}
 
 

@@ -14,6 +14,11 @@ W may be a row-strided view (``down[:, :a]`` of a partial FFN): the row stride i
 divided by the vector width and multiplied back in the kernel, so Triton can prove every
 row 16-byte aligned (the loader rounds neuron counts to 8) and still vectorise.
 
+The same kernel runs the last stage of a block-low-rank layer at decode (:func:`block_gemv`): W's rows in
+blocks of P, block i multiplied by its own slice of the x row (BLAST's Y_i = T_i U_i^T, U stored (b, p, r)
+with the rank contiguous), optionally chained after the kernel that writes x (it pulls its rows of W into L2,
+then waits). Its tile is autotuned there, as the BLR kernels' are.
+
 Which path is fastest depends on the shape, so ``pick_path`` times cuBLAS (``F.linear``)
 against every tile variant over a whole group of same-shaped weights (all layers' q/k/v,
 say: more than L2 holds, as in a real decode step) with ``blr_common.pick_variant``,
@@ -27,7 +32,7 @@ import triton
 import triton.language as tl
 
 from memfit.errors import MemfitError
-from memfit.kernels.blr_common import pick_variant
+from memfit.kernels.blr_common import chain_options, line_elements, pick_variant, prefetch_l2, tuned
 
 MAX_ROWS = 4                     # x rows (batch x tokens) the GEMV path takes; more is a GEMM
 CUBLAS = "cublas"
@@ -51,15 +56,22 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx_vec, sw_vec,
-                 HAS_BIAS: tl.constexpr, VEC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, P, sx_vec, sx_block_vec, sw_vec,
+                 HAS_BIAS: tl.constexpr, VEC: tl.constexpr, WAIT_FOR_PREVIOUS: tl.constexpr, LINE: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr):
+    """y[m, n] = sum_k x[m, (n // P) sx_block + k] w[n, k]: W's rows in blocks of P (P = N: one block), each block
+    times its own slice of the x row; a program's BN rows lie in one block (BN divides P, or P = N)."""
     pid = tl.program_id(0)
     m = pid % M                                      # the M programs of one W tile are neighbours
-    rn = (pid // M) * BN + tl.arange(0, BN)
+    first = (pid // M) * BN
+    rn = first + tl.arange(0, BN)
     rows = tl.minimum(rn, N - 1).to(tl.int64)        # clamp, not mask: loads stay unmasked (vectorised)
     rk = tl.arange(0, BK)
     w_ptrs = w_ptr + rows[:, None] * (sw_vec * VEC) + rk[None, :]
-    x_ptrs = x_ptr + m.to(tl.int64) * (sx_vec * VEC) + rk
+    if WAIT_FOR_PREVIOUS:                            # this program's rows of W into L2, then x from the kernel before
+        prefetch_l2(w_ptr + first.to(tl.int64) * (sw_vec * VEC), tl.minimum(BN, N - first), sw_vec * VEC, K, LINE)
+        tl.extra.cuda.gdc_wait()
+    x_ptrs = x_ptr + m.to(tl.int64) * (sx_vec * VEC) + (first // P).to(tl.int64) * (sx_block_vec * VEC) + rk
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     k_full = K - K % BK
     for k0 in range(0, k_full, BK):
@@ -77,10 +89,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx_vec, sw_vec,
     tl.store(y_ptr + m.to(tl.int64) * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
-def _vector_width(x: torch.Tensor, w: torch.Tensor) -> int:
-    """Elements per 16-byte load when every row of x and W starts 16-byte aligned, else 1."""
+def _vector_width(x: torch.Tensor, w: torch.Tensor, x_block_stride: int = 0) -> int:
+    """Elements per 16-byte load when every row of x and W (and every block's slice of x) starts 16-byte aligned,
+    else 1."""
     vec = 16 // w.element_size()
-    aligned = all(s % vec == 0 for s in (x.stride(0), w.stride(0), w.shape[1])) and \
+    aligned = all(s % vec == 0 for s in (x.stride(0), x_block_stride, w.stride(0), w.shape[1])) and \
         all(t.data_ptr() % 16 == 0 for t in (x, w))
     return vec if aligned else 1
 
@@ -91,8 +104,9 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, varian
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     vec = _vector_width(x2, w)
     grid = (triton.cdiv(n, bn) * m,)
-    _gemv_kernel[grid](x2, w, bias if bias is not None else w, y, m, n, k, x2.stride(0) // vec, w.stride(0) // vec,
-                       HAS_BIAS=bias is not None, VEC=vec, BN=bn, BK=bk, num_warps=warps)
+    _gemv_kernel[grid](x2, w, bias if bias is not None else w, y, m, n, k, n, x2.stride(0) // vec, 0, w.stride(0) // vec,
+                       HAS_BIAS=bias is not None, VEC=vec, WAIT_FOR_PREVIOUS=False, LINE=line_elements(w), BN=bn, BK=bk,
+                       num_warps=warps)
     return y
 
 
@@ -127,6 +141,51 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, var
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, path: str) -> torch.Tensor:
     """``F.linear`` through ``path``: ``"cublas"`` or a GEMV variant."""
     return F.linear(x, w, bias) if path == CUBLAS else gemv(x, w, bias, path)
+
+
+# The block GEMV's tiles (BN rows, BK inputs a chunk, warps, stages): the gemv tiles that read 256 to 1024 inputs a
+# chunk, and one row a program for blocks of an odd number of rows. Autotuned per shape (tile_picks records the pick).
+BLOCK_TILES = [(8, 256, 4, 1), (4, 256, 2, 1), (4, 512, 4, 1), (2, 1024, 4, 1), (8, 512, 8, 1), (2, 512, 4, 1),
+               (1, 512, 4, 1)]
+
+
+def _prune_block_tiles(configs, named_args, **kwargs):
+    """Tiles whose rows stay in one block (BN divides P) and whose chunk is no wider along K than K needs."""
+    p, k = named_args["P"], named_args["K"]
+    keep = [c for c in configs if p % c.kwargs["BN"] == 0 and c.kwargs["BK"] <= max(256, triton.next_power_of_2(k))]
+    return keep or [c for c in configs if c.kwargs["BN"] == 1]
+
+
+_block_gemv_kernel = tuned(BLOCK_TILES, ("BN", "BK"), (1, 32, 4, 1), key=["M", "N", "K", "P", "WAIT_FOR_PREVIOUS"],
+                           prune=_prune_block_tiles)(_gemv_kernel)
+
+
+def block_gemv(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, blocks: int, x_block_stride: int,
+               wait_for_previous: bool = False, tile: tuple | None = None) -> torch.Tensor:
+    """y (M, N): y[m, i P + o] = x2[m, i x_block_stride : i x_block_stride + K] . w[i P + o] (+ bias[i P + o]),
+    P = N / blocks. A block-diagonal product at decode: block i of W's rows (N, K) times its own slice of each of
+    x2's M <= MAX_ROWS rows. ``wait_for_previous``: chained after the kernel that writes x2 (each program pulls its
+    rows of W into L2 first; :func:`blr_common.chain_options`). ``tile`` (BN, BK, warps, stages), with BN dividing P:
+    run that tile instead of the autotuner's pick."""
+    (m, width), (n, k) = x2.shape, w.shape
+    if not (0 < m <= MAX_ROWS and blocks > 0 and n % blocks == 0 and w.stride(1) == 1 and x2.stride(1) == 1
+            and width >= (blocks - 1) * x_block_stride + k):
+        raise MemfitError(f"block_gemv takes at most {MAX_ROWS} rows of x holding {blocks} slices of {k}, "
+                          f"{x_block_stride} apart, and W rows in {blocks} equal blocks, unit inner strides; got x "
+                          f"{tuple(x2.shape)} stride {x2.stride()}, W {tuple(w.shape)} stride {w.stride()}")
+    kernel, fixed = _block_gemv_kernel, {}
+    if tile is not None:
+        if (n // blocks) % tile[0]:
+            raise MemfitError(f"block_gemv: tile {tile} takes {tile[0]} rows a program, which blocks of "
+                              f"{n // blocks} rows do not divide")
+        kernel, fixed = _gemv_kernel, dict(zip(("BN", "BK", "num_warps", "num_stages"), tile))
+    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    vec = _vector_width(x2, w, x_block_stride)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * m,)  # noqa: E731
+    kernel[grid](x2, w, bias if bias is not None else w, y, m, n, k, n // blocks, x2.stride(0) // vec, x_block_stride // vec,
+                 w.stride(0) // vec, HAS_BIAS=bias is not None, VEC=vec, LINE=line_elements(w),
+                 **chain_options(wait_for_previous=wait_for_previous), **fixed)
+    return y
 
 
 def shape_key(rows: int, w: torch.Tensor, bias: torch.Tensor | None) -> str:
