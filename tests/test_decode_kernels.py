@@ -63,6 +63,15 @@ def test_block_gemv_matches_blocks(dtype, rows, blocks, p, k, stride, tile):
     assert _rel(gemv.block_gemv(x, w, None, blocks, stride), _block_reference(x, w, None, blocks, stride)) < TOL[dtype]
 
 
+def test_chained_block_gemv_loops_over_tiles(monkeypatch):
+    """A chained launch caps its grid (every program resident while it waits): each program then takes every
+    second tile here, across block boundaries, and each row of x keeps its own programs."""
+    monkeypatch.setattr(gemv, "_chained_programs", lambda device: 2)
+    x, w, bias = torch.randn(3, 2 * 24), torch.randn(2 * 10, 24), torch.randn(2 * 10)
+    got = gemv.block_gemv(x, w, bias, 2, 24, wait_for_previous=True, tile=(2, 16, 4, 1))
+    assert _rel(got, _block_reference(x, w, bias, 2, 24)) < TOL[torch.float32]
+
+
 def test_block_gemv_refuses_what_it_cannot_take():
     x, w = torch.randn(1, 3 * 8), torch.randn(6, 8)
     for bad in ((torch.randn(5, 24), w, 3, 8), (x, torch.randn(7, 8), 3, 8), (x, w, 3, 9),

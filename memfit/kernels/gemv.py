@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from memfit.errors import MemfitError
-from memfit.kernels.blr_common import chain_options, line_elements, pick_variant, prefetch_l2, tuned
+from memfit.kernels.blr_common import chain_options, line_elements, pick_variant, prefetch_l2, sm_count, tuned
 
 MAX_ROWS = 4                     # x rows (batch x tokens) the GEMV path takes; more is a GEMM
 CUBLAS = "cublas"
@@ -56,21 +56,13 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, P, sx_vec, sx_block_vec, sw_vec,
-                 HAS_BIAS: tl.constexpr, VEC: tl.constexpr, WAIT_FOR_PREVIOUS: tl.constexpr, LINE: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
-    """y[m, n] = sum_k x[m, (n // P) sx_block + k] w[n, k]: W's rows in blocks of P (P = N: one block), each block
-    times its own slice of the x row; a program's BN rows lie in one block (BN divides P, or P = N)."""
-    pid = tl.program_id(0)
-    m = pid % M                                      # the M programs of one W tile are neighbours
-    first = (pid // M) * BN
+def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, m, first, N, K, P, sx_vec, sx_block_vec, sw_vec,
+               HAS_BIAS: tl.constexpr, VEC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y[m, first:first + BN] from rows first.. of W (in one block of P rows) and block first // P's slice of x row m."""
     rn = first + tl.arange(0, BN)
     rows = tl.minimum(rn, N - 1).to(tl.int64)        # clamp, not mask: loads stay unmasked (vectorised)
     rk = tl.arange(0, BK)
     w_ptrs = w_ptr + rows[:, None] * (sw_vec * VEC) + rk[None, :]
-    if WAIT_FOR_PREVIOUS:                            # this program's rows of W into L2, then x from the kernel before
-        prefetch_l2(w_ptr + first.to(tl.int64) * (sw_vec * VEC), tl.minimum(BN, N - first), sw_vec * VEC, K, LINE)
-        tl.extra.cuda.gdc_wait()
     x_ptrs = x_ptr + m.to(tl.int64) * (sx_vec * VEC) + (first // P).to(tl.int64) * (sx_block_vec * VEC) + rk
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     k_full = K - K % BK
@@ -87,6 +79,29 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, P, sx_vec, sx_block_vec, s
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
     tl.store(y_ptr + m.to(tl.int64) * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, P, sx_vec, sx_block_vec, sw_vec,
+                 HAS_BIAS: tl.constexpr, VEC: tl.constexpr, WAIT_FOR_PREVIOUS: tl.constexpr, LINE: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr):
+    """y[m, n] = sum_k x[m, (n // P) sx_block + k] w[n, k]: W's rows in blocks of P (P = N: one block), each block
+    times its own slice of the x row; a tile's BN rows lie in one block (BN divides P, or P = N).
+
+    Program pid takes x row pid % M and the row tiles pid // M, pid // M + G, ... (G programs a row): one tile a
+    program where the grid covers them all (a plain launch), several where a chained launch caps the grid, so that
+    its programs can all be resident and pull all of W into L2 while the kernel before runs."""
+    pid = tl.program_id(0)
+    m = pid % M                                      # the M programs of one W tile are neighbours
+    step = tl.num_programs(0) // M
+    tiles = tl.cdiv(N, BN)
+    if WAIT_FOR_PREVIOUS:                            # this program's rows of W into L2, then x from the kernel before
+        for t in range(pid // M, tiles, step):
+            prefetch_l2(w_ptr + (t * BN).to(tl.int64) * (sw_vec * VEC), tl.minimum(BN, N - t * BN), sw_vec * VEC,
+                        K, LINE)
+        tl.extra.cuda.gdc_wait()
+    for t in range(pid // M, tiles, step):
+        _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, m, t * BN, N, K, P, sx_vec, sx_block_vec, sw_vec, HAS_BIAS, VEC, BN, BK)
 
 
 def _vector_width(x: torch.Tensor, w: torch.Tensor, x_block_stride: int = 0) -> int:
@@ -156,6 +171,14 @@ def _prune_block_tiles(configs, named_args, **kwargs):
     return keep or [c for c in configs if c.kwargs["BN"] == 1]
 
 
+CHAINED_PROGRAMS_PER_SM = 8   # a chained block GEMV's grid: at most this many programs a row of x per SM, each
+# looping over row tiles, so that all of them can be resident while they wait and prefetch all of W (a program
+# a tile left most tiles unprefetched where W has thousands of tiles: Llama-7B's U has 5504 pairs of rows)
+def _chained_programs(device: torch.device) -> int:
+    """A chained block GEMV's programs per row of x: CHAINED_PROGRAMS_PER_SM for each SM (the interpreter: all)."""
+    return sm_count(device) * CHAINED_PROGRAMS_PER_SM if device.type == "cuda" else 2**31
+
+
 _block_gemv_kernel = tuned(BLOCK_TILES, ("BN", "BK"), (1, 32, 4, 1), key=["M", "N", "K", "P", "WAIT_FOR_PREVIOUS"],
                            prune=_prune_block_tiles)(_gemv_kernel)
 
@@ -181,7 +204,8 @@ def block_gemv(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, blo
         kernel, fixed = _gemv_kernel, dict(zip(("BN", "BK", "num_warps", "num_stages"), tile))
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     vec = _vector_width(x2, w, x_block_stride)
-    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * m,)  # noqa: E731
+    cap = _chained_programs(x2.device) if wait_for_previous else n
+    grid = lambda meta: (min(triton.cdiv(n, meta["BN"]), cap) * m,)  # noqa: E731
     kernel[grid](x2, w, bias if bias is not None else w, y, m, n, k, n // blocks, x2.stride(0) // vec, x_block_stride // vec,
                  w.stride(0) // vec, HAS_BIAS=bias is not None, VEC=vec, LINE=line_elements(w),
                  **chain_options(wait_for_previous=wait_for_previous), **fixed)
