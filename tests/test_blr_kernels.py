@@ -112,6 +112,15 @@ def test_monarchs_chain_is_offered_further_than_the_others(monkeypatch):
     assert chained(257) == (False, False, False)
 
 
+def test_blasts_gemv_chain_is_offered_at_one_token(monkeypatch):
+    """At N = 4 the GEMV chain was the fastest at no shape (blr_layers_subset_gemv_chain_n4.json), and it needs PDL."""
+    monkeypatch.setattr(blast, "pdl_offered", lambda: True)
+    assert "bgemm_mix_gemv_pdl" in blast.variants_for(1)
+    assert not any("bgemm_mix_gemv_pdl" in blast.variants_for(n) for n in (2, 3, 4, 16))
+    monkeypatch.setattr(blast, "pdl_offered", lambda: False)
+    assert "bgemm_mix_gemv_pdl" not in blast.variants_for(1)
+
+
 def test_fused_mixing_is_offered_up_to_its_max_n():
     last = blast.XVMIX_MAX_N
     assert "xvmix_bmm" in blast.variants_for(1) and "xvmix_bmm" in blast.variants_for(last)
@@ -454,8 +463,8 @@ BLAST_VARIANTS = list(blast.VARIANTS)
 @pytest.mark.parametrize("n,bias", [(1, True), (N, False), (N, True)])
 def test_blast(dtype, variant, n, bias, monkeypatch):
     monkeypatch.setattr(blast, "TOKEN_MAJOR_MIN_N", 1)   # the token-contiguous pipelines at the tests' N too
-    if variant == "bgemm_mix_gemv_pdl":                   # a GEMV: at most gemv.MAX_ROWS tokens
-        n = min(n, 3)
+    if variant == "bgemm_mix_gemv_pdl":                   # offered at one token only
+        n = 1
     r = 19
     tensors = [torch.randn(n, B * M), torch.randn(B, P, r) / r**0.5, torch.randn(B, M, r) / M**0.5,
                torch.randn(B, B, r) / B**0.5, torch.randn(B * P)]
@@ -474,8 +483,6 @@ def test_blast_fused_mixing_loops_over_wide_blocks():
 @pytest.mark.parametrize("variant", list(lowrank.VARIANTS))
 @pytest.mark.parametrize("n,bias", [(1, True), (N, False)])
 def test_lowrank(dtype, variant, n, bias):
-    if variant == "bgemm_gemv_pdl":                       # a GEMV: at most gemv.MAX_ROWS tokens
-        n = min(n, 3)
     tensors = [torch.randn(n, 33), torch.randn(17, 20) / 20**0.5, torch.randn(33, 20) / 33**0.5, torch.randn(17)]
     check(lowrank_linear, lowrank_linear_reference, drop_bias(tensors, bias), dtype, variant=variant)
 

@@ -44,10 +44,17 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   stage 3 pulls its U_i slice into L2 before it waits for T. At decode the three launches
   and dependent reads of ``bmm_mix_bmm`` are most of its time. The two GEMMs' tiles are picked
   together (blr_common.pick_chain_tiles).
-* ``bgemm_mix_gemv_pdl`` (N <= gemv.MAX_ROWS, Hopper+): ``bgemm_mix_bgemm_pdl`` with stage 3 as a GEMV
+* ``bgemm_mix_gemv_pdl`` (N = 1, Hopper+): ``bgemm_mix_bgemm_pdl`` with stage 3 as a GEMV
   (:func:`gemv.block_gemv`): U stored (b, p, r) has each output feature's ranks contiguous, so a program streams
   whole rows of U_i with 16-byte loads and sums on CUDA cores, where ``bgemm``'s tensor-core tile pads the
-  one to four tokens to 16 rows and reads U_i^T as a transposed operand.
+  one token to 16 rows and reads U_i^T as a transposed operand. On the H200 at N = 1
+  (``blr_layers_subset_gemv_chain.json``, ce2e15c) it was the fastest pipeline at Llama-1B q/o, gate, up and
+  down (5.81 us against ``bgemm_mix_bgemm_pdl``'s 6.33 at q/o; 10.63 against 11.28 at down) and slower at
+  Llama-7B, most at gate/up (28.20 against 21.51: not profiled; stage 3 alone, U's 33 MB, should take
+  about what bgemm's does). At N = 4 it was the fastest at no shape, 1.02-1.96x the fastest pipeline
+  (Llama-7B gate/up: 41.38 against ``bmm_mix_bmm``'s 21.15 us; ``blr_layers_subset_gemv_chain_n4.json``; not
+  profiled: each of the four rows of x has its own programs, which read U_i again, from L2 at best). So it is
+  offered at one token only.
 * ``z_mixgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``z_mixgemm`` with the second kernel chained
   to the first (blr_common's programmatic dependent launch: it starts while Z is being
   made, pulls its U_i slice into L2, then waits for Z). On a GPU that offers it the pick does
@@ -436,7 +443,7 @@ def variants_for(n: int) -> dict:
         names.append("tbmm_mix_tbmm")
     if n <= PDL_MAX_N and pdl_offered():
         names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
-        names += ["bgemm_mix_gemv_pdl"] if n <= gemv.MAX_ROWS else []
+        names += ["bgemm_mix_gemv_pdl"] if n == 1 else []
     return {name: VARIANTS[name] for name in names}
 
 

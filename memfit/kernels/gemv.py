@@ -172,8 +172,11 @@ def _prune_block_tiles(configs, named_args, **kwargs):
 
 
 CHAINED_PROGRAMS_PER_SM = 8   # a chained block GEMV's grid: at most this many programs a row of x per SM, each
-# looping over row tiles, so that all of them can be resident while they wait and prefetch all of W (a program
-# a tile left most tiles unprefetched where W has thousands of tiles: Llama-7B's U has 5504 pairs of rows)
+# looping over row tiles, so that all of them can be resident while they wait and ask L2 for all of W, as bgemm's
+# chained stage does with its few wide programs (one program a tile gives Llama-7B's U 1376 to 11008 programs; what
+# the cap changed on the H200 was not isolated: results/earlier/README.md, 9462638)
+
+
 def _chained_programs(device: torch.device) -> int:
     """A chained block GEMV's programs per row of x: CHAINED_PROGRAMS_PER_SM for each SM (the interpreter: all)."""
     return sm_count(device) * CHAINED_PROGRAMS_PER_SM if device.type == "cuda" else 2**31

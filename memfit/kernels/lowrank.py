@@ -2,7 +2,7 @@
 
 Shapes: x (..., in), V (in, r), U (out, r), bias (out,) or None.
 
-Four pipelines, all two GEMMs with z = x V (N r elements) written and read once;
+Three pipelines, all two GEMMs with z = x V (N r elements) written and read once;
 ``pick_variant`` times them per shape on the GPU (cached on disk):
 
 * ``cublas``: two cuBLAS matmuls (``addmm`` folds the bias). Near the matmul rate at
@@ -15,9 +15,6 @@ Four pipelines, all two GEMMs with z = x V (N r elements) written and read once;
   L2, then waits for z), the two GEMMs' tiles picked together (blr_common.pick_chain_tiles). On a GPU
   that offers it the pick does not time ``bgemm`` at any N: on the H200 it never came within 5% of the
   fastest (:func:`blr_common.pick_candidates`).
-* ``bgemm_gemv_pdl`` (N <= gemv.MAX_ROWS, Hopper+): ``bgemm_pdl`` with the second GEMM as a GEMV
-  (:func:`gemv.block_gemv`, one block): U (out, r) has each output feature's ranks contiguous, so a program
-  streams whole rows of U with 16-byte loads, where ``bgemm``'s tile pads the one to four tokens to 16 rows.
 A chained single kernel (z on chip) is not offered: each output tile would recompute
 its z, repeating the first GEMM out/BO times, which lost by 50-170x on the H200.
 Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x (nothing where the
@@ -27,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from memfit.kernels import gemv
 from memfit.kernels.blr_common import (
     PDL_MAX_N,
     bgemm,
@@ -75,31 +71,20 @@ def _bgemm_pdl(x2, u, v, bias):
     return _chained_bgemm(*args, tiles=tiles)
 
 
-def _bgemm_gemv_pdl(x2, u, v, bias):
-    """z by ``bgemm``, then y by :func:`gemv.block_gemv` chained to it; each kernel's tile autotuned on its own."""
-    (n, d_in), r = x2.shape, u.shape[1]
-    z = torch.empty(n, r, device=x2.device, dtype=x2.dtype)
-    bgemm(x2, v, z, n, d_in, r, 1, (0, x2.stride(0), 1), (0, *v.stride()), (0, z.stride(0), 0, 1),
-          launch_dependents=True)
-    return gemv.block_gemv(z, u, bias, 1, 0, wait_for_previous=True)
-
-
 def _cublas(x2, u, v, bias):
     z = x2 @ v
     return torch.addmm(bias, z, u.T) if bias is not None else z @ u.T
 
 
-VARIANTS = {"cublas": _cublas, "bgemm": _bgemm, "bgemm_pdl": _bgemm_pdl, "bgemm_gemv_pdl": _bgemm_gemv_pdl}
+VARIANTS = {"cublas": _cublas, "bgemm": _bgemm, "bgemm_pdl": _bgemm_pdl}
 UNPICKED_WITH_PDL = ("bgemm",)   # never within 5% of the fastest on the H200 (blr_common.pick_candidates)
 
 
 def variants_for(n: int) -> dict:
-    """The pipelines offered at ``n`` tokens: cuBLAS and bgemm at every N, chained at small N, the GEMV chain at
-    decode (the pick times those
+    """The pipelines offered at ``n`` tokens: cuBLAS and bgemm at every N, chained at small N (the pick times those
     :func:`blr_common.pick_candidates` keeps); the same for every N of one ``pick_bucket`` (which shares a pick)."""
     n = pick_bucket(n)
     names = ["cublas", "bgemm"] + (["bgemm_pdl"] if n <= PDL_MAX_N and pdl_offered() else [])
-    names += ["bgemm_gemv_pdl"] if n <= gemv.MAX_ROWS and pdl_offered() else []
     return {name: VARIANTS[name] for name in names}
 
 
