@@ -160,13 +160,14 @@ def blr_kernel_names() -> frozenset[str]:
     """The Triton kernels of memfit's BLR kernel modules, by the name the profiler gives them: every
     module-level Triton function named ``*_kernel`` (memfit's name for a launched one; its jit
     helpers are not), autotuned, with heuristics or plain, read from the modules so a new kernel is counted without
-    being listed here."""
+    being listed here. The GEMV module is one: its kernel runs BLAST's last stage at one token (the models here run
+    their dense layers through cuBLAS)."""
     from triton.runtime import JITFunction
     from triton.runtime.interpreter import InterpretedFunction  # what triton.jit makes under TRITON_INTERPRET=1
 
-    from memfit.kernels import blast, lowrank, monarch
+    from memfit.kernels import blast, gemv, lowrank, monarch
 
-    functions = [blr_common.jit_function(value) for module in (blast, blr_common, lowrank, monarch)
+    functions = [blr_common.jit_function(value) for module in (blast, blr_common, gemv, lowrank, monarch)
                  for value in vars(module).values()]
     return frozenset(fn.__name__ for fn in functions
                      if isinstance(fn, (JITFunction, InterpretedFunction)) and fn.__name__.endswith("_kernel"))

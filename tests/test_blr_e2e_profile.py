@@ -13,6 +13,7 @@ def blr_e2e():
 @pytest.mark.parametrize("name,kind", [
     ("_bgemm_kernel", "blr"), ("_zmix_kernel", "blr"), ("_tmix_kernel", "blr"), ("_mixgemm_kernel", "blr"),
     ("_fused_kernel", "blr"), ("_permute_kernel", "blr"), ("memfit::monarch_linear", "blr"),
+    ("_gemv_kernel", "blr"),                         # BLAST's last stage at one token (bgemm_mix_gemv_pdl)
     ("mma", "other"),                                # a jit helper (inlined), not a kernel
     ("_fwd_kernel", "attention"), ("memfit::attention_fwd", "attention"),      # --attention memfit (GPU, CPU smoke)
     ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "matmul"),
