@@ -463,7 +463,9 @@ BLAST_VARIANTS = list(blast.VARIANTS)
 @pytest.mark.parametrize("n,bias", [(1, True), (N, False), (N, True)])
 def test_blast(dtype, variant, n, bias, monkeypatch):
     monkeypatch.setattr(blast, "TOKEN_MAJOR_MIN_N", 1)   # the token-contiguous pipelines at the tests' N too
-    if variant == "bgemm_mix_gemv_pdl":                   # offered at one token only
+    if variant == "bgemm_mix_gemv_pdl":                   # offered at one token only: (1, bias) and (1, no bias)
+        if n == N and bias:
+            pytest.skip("one token with a bias is the first case")
         n = 1
     r = 19
     tensors = [torch.randn(n, B * M), torch.randn(B, P, r) / r**0.5, torch.randn(B, M, r) / M**0.5,

@@ -57,29 +57,29 @@ def test_block_gemv_matches_blocks(dtype, rows, blocks, p, k, stride, tile):
     interpreter's one row a program) and with wider ones whose rows must stay inside one block."""
     x = torch.randn(rows, (blocks - 1) * stride + k).to(dtype)
     w, bias = torch.randn(blocks * p, k).to(dtype), torch.randn(blocks * p).to(dtype)
-    assert gemv._vector_width(x, w, stride) == (16 // w.element_size() if k % 8 == 0 and stride % 8 == 0 else 1)
+    vec = 16 // w.element_size()
+    assert gemv._vector_width(x, w, stride) == (vec if k % vec == 0 and stride % vec == 0 else 1)
     got = gemv.block_gemv(x, w, bias, blocks, stride, tile=tile)
     assert _rel(got, _block_reference(x, w, bias, blocks, stride)) < TOL[dtype]
     assert _rel(gemv.block_gemv(x, w, None, blocks, stride), _block_reference(x, w, None, blocks, stride)) < TOL[dtype]
 
 
-def test_chained_block_gemv_loops_over_tiles(monkeypatch):
-    """A chained launch caps its grid (every program resident while it waits): each program then takes every
-    second tile here, across block boundaries, and each row of x keeps its own programs."""
-    monkeypatch.setattr(gemv, "_chained_programs", lambda device: 2)
-    x, w, bias = torch.randn(3, 2 * 24), torch.randn(2 * 10, 24), torch.randn(2 * 10)
-    got = gemv.block_gemv(x, w, bias, 2, 24, wait_for_previous=True, tile=(2, 16, 4, 1))
-    assert _rel(got, _block_reference(x, w, bias, 2, 24)) < TOL[torch.float32]
-
-
 def test_block_gemv_refuses_what_it_cannot_take():
+    """Each bad argument gets a MemfitError naming it, before anything is launched."""
     x, w = torch.randn(1, 3 * 8), torch.randn(6, 8)
-    for bad in ((torch.randn(5, 24), w, 3, 8), (x, torch.randn(7, 8), 3, 8), (x, w, 3, 9),
-                (x, torch.randn(8, 6).T, 3, 8)):
-        with pytest.raises(MemfitError, match="block_gemv takes"):
-            gemv.block_gemv(*bad[:2], None, *bad[2:])
-    with pytest.raises(MemfitError, match="do not divide"):
-        gemv.block_gemv(x, w, None, 3, 8, tile=(4, 32, 4, 1))
+    bad = {"2-D": dict(x2=torch.randn(1, 1, 24)), "dtype": dict(x2=x.double()), "rows": dict(x2=torch.randn(5, 24)),
+           "equal blocks": dict(w=torch.randn(7, 8)), "unit inner": dict(w=torch.randn(8, 6).T),
+           "slice of K": dict(x_block_stride=9), "bias": dict(bias=torch.randn(2)),
+           "tile": dict(tile=(4, 32, 4, 1))}
+    for problem, change in bad.items():
+        args = dict(x2=x, w=w, bias=None, blocks=3, x_block_stride=8) | change
+        with pytest.raises(MemfitError, match=problem):
+            gemv.block_gemv(**args)
+    for tile in [(0, 32, 4, 1), (3, 32, 4, 1), (2, 32)]:
+        with pytest.raises(MemfitError, match="tile"):
+            gemv.block_gemv(x, w, None, 3, 8, tile=tile)
+    with pytest.raises(MemfitError, match="slice of K"):
+        gemv.block_gemv(x, w, None, 3, -8)
 
 
 def test_gemv_refuses_what_it_cannot_take():

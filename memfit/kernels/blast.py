@@ -44,17 +44,16 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   stage 3 pulls its U_i slice into L2 before it waits for T. At decode the three launches
   and dependent reads of ``bmm_mix_bmm`` are most of its time. The two GEMMs' tiles are picked
   together (blr_common.pick_chain_tiles).
-* ``bgemm_mix_gemv_pdl`` (N = 1, Hopper+): ``bgemm_mix_bgemm_pdl`` with stage 3 as a GEMV
-  (:func:`gemv.block_gemv`): U stored (b, p, r) has each output feature's ranks contiguous, so a program streams
-  whole rows of U_i with 16-byte loads and sums on CUDA cores, where ``bgemm``'s tensor-core tile pads the
-  one token to 16 rows and reads U_i^T as a transposed operand. On the H200 at N = 1
-  (``blr_layers_subset_gemv_chain.json``, ce2e15c) it was the fastest pipeline at Llama-1B q/o, gate, up and
-  down (5.81 us against ``bgemm_mix_bgemm_pdl``'s 6.33 at q/o; 10.63 against 11.28 at down) and slower at
-  Llama-7B, most at gate/up (28.20 against 21.51: not profiled; stage 3 alone, U's 33 MB, should take
-  about what bgemm's does). At N = 4 it was the fastest at no shape, 1.02-1.96x the fastest pipeline
-  (Llama-7B gate/up: 41.38 against ``bmm_mix_bmm``'s 21.15 us; ``blr_layers_subset_gemv_chain_n4.json``; not
-  profiled: each of the four rows of x has its own programs, which read U_i again, from L2 at best). So it is
-  offered at one token only.
+* ``bgemm_mix_gemv_pdl`` (N = 1, Hopper+): ``bgemm_mix_bgemm_pdl`` with stage 3 as a GEMV (:func:`gemv.block_gemv`):
+  U stored (b, p, r) has each output feature's ranks contiguous, so a program streams whole rows of U_i with 16-byte
+  loads and sums on CUDA cores, where ``bgemm``'s tensor-core tile pads the one token to 16 rows and reads U_i^T as
+  a transposed operand. On the H200 at N = 1 (``blr_layers_subset_gemv_chain.json``, ce2e15c) it was the fastest
+  pipeline at Llama-1B q/o, gate, up and down (5.81 us against ``bgemm_mix_bgemm_pdl``'s 6.33 at q/o; 10.63 against
+  11.28 at down) and slower at Llama-7B, most at gate/up (28.20 against 21.51; not profiled). Its stage 1's tile is
+  autotuned alone, not picked with the GEMV's, and it changed between two runs of the table (9462638, ce2e15c). At N
+  = 4 it was the fastest at no shape, 1.02-1.96x the fastest pipeline (Llama-7B gate/up: 41.38 against
+  ``bmm_mix_bmm``'s 21.15 us; ``blr_layers_subset_gemv_chain_n4.json``; not profiled: each of the four rows of x has
+  its own programs, which read U_i again, from L2 at best). So it is offered at one token only.
 * ``z_mixgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``z_mixgemm`` with the second kernel chained
   to the first (blr_common's programmatic dependent launch: it starts while Z is being
   made, pulls its U_i slice into L2, then waits for Z). On a GPU that offers it the pick does
@@ -326,12 +325,18 @@ def _zmix(z, s, chained=False):
     return t
 
 
-def _chained_bgemm_mix_bgemm(x2, u, v, s, bias, tiles=(None, None)):
+def _z_by_bgemm(x2, v, launch_dependents: bool, tile=None):
+    """Z (N, b, r), z[n, j, k] = (X_j V_j)[n, k], by ``bgemm``; ``launch_dependents``: the first kernel of a chain."""
     b, m, r = v.shape
     n = x2.shape[0]
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
-    bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1), launch_dependents=True,
-          tile=tiles[0])
+    bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1), launch_dependents=launch_dependents,
+          tile=tile)
+    return z
+
+
+def _chained_bgemm_mix_bgemm(x2, u, v, s, bias, tiles=(None, None)):
+    z = _z_by_bgemm(x2, v, launch_dependents=True, tile=tiles[0])
     return per_block_gemm(_zmix(z, s, chained=True), u.transpose(1, 2), bias, cublas=False, wait_for_previous=True,
                           tile=tiles[1])
 
@@ -349,12 +354,10 @@ def _bgemm_mix_bgemm_pdl(x2, u, v, s, bias):
 
 def _bgemm_mix_gemv_pdl(x2, u, v, s, bias):
     """Z by ``bgemm``, T by ``_zmix_kernel``, Y by :func:`gemv.block_gemv`, each kernel launched while the one before
-    runs; the GEMV streams U (b p, r) row by row, block i times T_i. Each kernel's tile is autotuned on its own."""
-    b, m, r = v.shape
-    n = x2.shape[0]
-    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
-    bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1), launch_dependents=True)
-    t = _zmix(z, s, chained=True)
+    runs; the GEMV streams U (b p, r) row by row, block i times T_i. Each kernel's tile is autotuned on its own (not
+    picked with the next one's, as ``bgemm_mix_bgemm_pdl``'s two GEMMs are)."""
+    (b, _, r), n = v.shape, x2.shape[0]
+    t = _zmix(_z_by_bgemm(x2, v, launch_dependents=True), s, chained=True)
     return gemv.block_gemv(t.view(n, b * r), u.view(-1, r), bias, b, r, wait_for_previous=True)
 
 
@@ -411,9 +414,8 @@ def _z_mixgemm(x2, u, v, s, bias, chained=False):
     b, p, r = u.shape
     if chained and u.stride(2) != 1:                                 # the prefetch walks U_i's rows along k
         raise MemfitError(f"blast_linear: z_mixgemm_pdl needs U with a unit stride along the rank, got {u.stride()}")
-    m, n = v.shape[1], x2.shape[0]
-    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)      # z[n, j, k] = (X_j V_j)[n, k]
-    bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1), launch_dependents=chained)
+    n = x2.shape[0]
+    z = _z_by_bgemm(x2, v, launch_dependents=chained)
     y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * b * triton.cdiv(p, meta["BC"]),)
     _mixgemm_kernel[grid](z, s, u, y, bias if bias is not None else y, n, r, p, b, n_bucket(n), z.stride(0),

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from memfit.errors import MemfitError
-from memfit.kernels.blr_common import chain_options, line_elements, pick_variant, prefetch_l2, sm_count, tuned
+from memfit.kernels.blr_common import chain_options, line_elements, pick_variant, prefetch_l2, tuned
 
 MAX_ROWS = 4                     # x rows (batch x tokens) the GEMV path takes; more is a GEMM
 CUBLAS = "cublas"
@@ -56,13 +56,21 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 
 
 @triton.jit
-def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, m, first, N, K, P, sx_vec, sx_block_vec, sw_vec,
-               HAS_BIAS: tl.constexpr, VEC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """y[m, first:first + BN] from rows first.. of W (in one block of P rows) and block first // P's slice of x row m."""
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, P, sx_vec, sx_block_vec, sw_vec,
+                 HAS_BIAS: tl.constexpr, VEC: tl.constexpr, WAIT_FOR_PREVIOUS: tl.constexpr, LINE: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr):
+    """y[m, n] = sum_k x[m, (n // P) sx_block + k] w[n, k]: W's rows in blocks of P (P = N: one block), each block
+    times its own slice of the x row; a program's BN rows lie in one block (BN divides P, or P = N)."""
+    pid = tl.program_id(0)
+    m = pid % M                                      # the M programs of one W tile are neighbours
+    first = (pid // M) * BN
     rn = first + tl.arange(0, BN)
     rows = tl.minimum(rn, N - 1).to(tl.int64)        # clamp, not mask: loads stay unmasked (vectorised)
     rk = tl.arange(0, BK)
     w_ptrs = w_ptr + rows[:, None] * (sw_vec * VEC) + rk[None, :]
+    if WAIT_FOR_PREVIOUS:                            # this program's rows of W into L2, then x from the kernel before
+        prefetch_l2(w_ptr + first.to(tl.int64) * (sw_vec * VEC), tl.minimum(BN, N - first), sw_vec * VEC, K, LINE)
+        tl.extra.cuda.gdc_wait()
     x_ptrs = x_ptr + m.to(tl.int64) * (sx_vec * VEC) + (first // P).to(tl.int64) * (sx_block_vec * VEC) + rk
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     k_full = K - K % BK
@@ -79,29 +87,6 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, m, first, N, K, P, sx_vec, sx_block_v
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
     tl.store(y_ptr + m.to(tl.int64) * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, P, sx_vec, sx_block_vec, sw_vec,
-                 HAS_BIAS: tl.constexpr, VEC: tl.constexpr, WAIT_FOR_PREVIOUS: tl.constexpr, LINE: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
-    """y[m, n] = sum_k x[m, (n // P) sx_block + k] w[n, k]: W's rows in blocks of P (P = N: one block), each block
-    times its own slice of the x row; a tile's BN rows lie in one block (BN divides P, or P = N).
-
-    Program pid takes x row pid % M and the row tiles pid // M, pid // M + G, ... (G programs a row): one tile a
-    program where the grid covers them all (a plain launch), several where a chained launch caps the grid, so that
-    its programs can all be resident and pull all of W into L2 while the kernel before runs."""
-    pid = tl.program_id(0)
-    m = pid % M                                      # the M programs of one W tile are neighbours
-    step = tl.num_programs(0) // M
-    tiles = tl.cdiv(N, BN)
-    if WAIT_FOR_PREVIOUS:                            # this program's rows of W into L2, then x from the kernel before
-        for t in range(pid // M, tiles, step):
-            prefetch_l2(w_ptr + (t * BN).to(tl.int64) * (sw_vec * VEC), tl.minimum(BN, N - t * BN), sw_vec * VEC,
-                        K, LINE)
-        tl.extra.cuda.gdc_wait()
-    for t in range(pid // M, tiles, step):
-        _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, m, t * BN, N, K, P, sx_vec, sx_block_vec, sw_vec, HAS_BIAS, VEC, BN, BK)
 
 
 def _vector_width(x: torch.Tensor, w: torch.Tensor, x_block_stride: int = 0) -> int:
@@ -158,8 +143,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, path: st
     return F.linear(x, w, bias) if path == CUBLAS else gemv(x, w, bias, path)
 
 
-# The block GEMV's tiles (BN rows, BK inputs a chunk, warps, stages): the gemv tiles that read 256 to 1024 inputs a
-# chunk, and one row a program for blocks of an odd number of rows. Autotuned per shape (tile_picks records the pick).
+# The block GEMV's tiles for the autotuner (BN rows a program, BK inputs a chunk, warps, stages): two to eight rows
+# by 256 to 1024 inputs, and one row a program for blocks whose rows no wider tile divides. tile_picks records the pick.
 BLOCK_TILES = [(8, 256, 4, 1), (4, 256, 2, 1), (4, 512, 4, 1), (2, 1024, 4, 1), (8, 512, 8, 1), (2, 512, 4, 1),
                (1, 512, 4, 1)]
 
@@ -171,17 +156,6 @@ def _prune_block_tiles(configs, named_args, **kwargs):
     return keep or [c for c in configs if c.kwargs["BN"] == 1]
 
 
-CHAINED_PROGRAMS_PER_SM = 8   # a chained block GEMV's grid: at most this many programs a row of x per SM, each
-# looping over row tiles, so that all of them can be resident while they wait and ask L2 for all of W, as bgemm's
-# chained stage does with its few wide programs (one program a tile gives Llama-7B's U 1376 to 11008 programs; what
-# the cap changed on the H200 was not isolated: results/earlier/README.md, 9462638)
-
-
-def _chained_programs(device: torch.device) -> int:
-    """A chained block GEMV's programs per row of x: CHAINED_PROGRAMS_PER_SM for each SM (the interpreter: all)."""
-    return sm_count(device) * CHAINED_PROGRAMS_PER_SM if device.type == "cuda" else 2**31
-
-
 _block_gemv_kernel = tuned(BLOCK_TILES, ("BN", "BK"), (1, 32, 4, 1), key=["M", "N", "K", "P", "WAIT_FOR_PREVIOUS"],
                            prune=_prune_block_tiles)(_gemv_kernel)
 
@@ -191,28 +165,47 @@ def block_gemv(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, blo
     """y (M, N): y[m, i P + o] = x2[m, i x_block_stride : i x_block_stride + K] . w[i P + o] (+ bias[i P + o]),
     P = N / blocks. A block-diagonal product at decode: block i of W's rows (N, K) times its own slice of each of
     x2's M <= MAX_ROWS rows. ``wait_for_previous``: chained after the kernel that writes x2 (each program pulls its
-    rows of W into L2 first; :func:`blr_common.chain_options`). ``tile`` (BN, BK, warps, stages), with BN dividing P:
-    run that tile instead of the autotuner's pick."""
-    (m, width), (n, k) = x2.shape, w.shape
-    if not (0 < m <= MAX_ROWS and blocks > 0 and n % blocks == 0 and w.stride(1) == 1 and x2.stride(1) == 1
-            and width >= (blocks - 1) * x_block_stride + k):
-        raise MemfitError(f"block_gemv takes at most {MAX_ROWS} rows of x holding {blocks} slices of {k}, "
-                          f"{x_block_stride} apart, and W rows in {blocks} equal blocks, unit inner strides; got x "
-                          f"{tuple(x2.shape)} stride {x2.stride()}, W {tuple(w.shape)} stride {w.stride()}")
+    rows of W into L2 first; :func:`blr_common.chain_options`). ``tile`` (BN, BK, warps, stages), powers of two with
+    BN dividing P: run that tile instead of the autotuner's pick."""
+    if problem := _block_problem(x2, w, bias, blocks, x_block_stride, tile):
+        raise MemfitError(f"block_gemv: {problem}; got x {tuple(x2.shape)} {x2.dtype} stride {tuple(x2.stride())}, "
+                          f"W {tuple(w.shape)} {w.dtype} stride {tuple(w.stride())}, {blocks} blocks, x slices "
+                          f"{x_block_stride} apart")
+    (m, _), (n, k) = x2.shape, w.shape
     kernel, fixed = _block_gemv_kernel, {}
     if tile is not None:
-        if (n // blocks) % tile[0]:
-            raise MemfitError(f"block_gemv: tile {tile} takes {tile[0]} rows a program, which blocks of "
-                              f"{n // blocks} rows do not divide")
         kernel, fixed = _gemv_kernel, dict(zip(("BN", "BK", "num_warps", "num_stages"), tile))
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     vec = _vector_width(x2, w, x_block_stride)
-    cap = _chained_programs(x2.device) if wait_for_previous else n
-    grid = lambda meta: (min(triton.cdiv(n, meta["BN"]), cap) * m,)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * m,)  # noqa: E731
     kernel[grid](x2, w, bias if bias is not None else w, y, m, n, k, n // blocks, x2.stride(0) // vec, x_block_stride // vec,
                  w.stride(0) // vec, HAS_BIAS=bias is not None, VEC=vec, LINE=line_elements(w),
                  **chain_options(wait_for_previous=wait_for_previous), **fixed)
     return y
+
+
+def _block_problem(x2, w, bias, blocks: int, x_block_stride: int, tile: tuple | None) -> str | None:
+    """Why :func:`block_gemv` cannot take these arguments, or None."""
+    if x2.dim() != 2 or w.dim() != 2:
+        return "x and W must be 2-D"
+    (m, width), (n, k) = x2.shape, w.shape
+    if x2.dtype != w.dtype or w.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x2.device != w.device:
+        return "x and W need one float dtype (float16, bfloat16 or float32) and one device"
+    if not (0 < m <= MAX_ROWS):
+        return f"x needs 1 to {MAX_ROWS} rows"
+    if not (n > 0 and k > 0 and blocks > 0 and n % blocks == 0):
+        return "W's rows must split into equal blocks, and W must not be empty"
+    if w.stride(1) != 1 or x2.stride(1) != 1:
+        return "x and W need unit inner strides"
+    if x_block_stride < 0 or width < (blocks - 1) * x_block_stride + k:
+        return "each row of x must hold every block's slice of K"
+    if bias is not None and (bias.shape != (n,) or bias.dtype != w.dtype or bias.device != w.device
+                             or bias.stride(0) != 1):
+        return f"the bias must be ({n},), contiguous, in W's dtype and on its device"
+    if tile is not None and not (len(tile) == 4 and all(v > 0 and v & (v - 1) == 0 for v in tile[:2])
+                                 and (n // blocks) % tile[0] == 0 and tile[2] > 0 and tile[3] > 0):
+        return f"tile {tile} must be (BN, BK, warps, stages), BN and BK powers of two, BN dividing a block's rows"
+    return None
 
 
 def shape_key(rows: int, w: torch.Tensor, bias: torch.Tensor | None) -> str:
