@@ -47,13 +47,15 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
 * ``bgemm_mix_gemv_pdl`` (N = 1, Hopper+): ``bgemm_mix_bgemm_pdl`` with stage 3 as a GEMV (:func:`gemv.block_gemv`):
   U stored (b, p, r) has each output feature's ranks contiguous, so a program streams whole rows of U_i with 16-byte
   loads and sums on CUDA cores, where ``bgemm``'s tensor-core tile pads the one token to 16 rows and reads U_i^T as
-  a transposed operand. On the H200 at N = 1 (``blr_layers_subset_gemv_chain.json``, ce2e15c) it was the fastest
-  pipeline at Llama-1B q/o, gate, up and down (5.81 us against ``bgemm_mix_bgemm_pdl``'s 6.33 at q/o; 10.63 against
-  11.28 at down) and slower at Llama-7B, most at gate/up (28.20 against 21.51; not profiled). Its stage 1's tile is
-  autotuned alone, not picked with the GEMV's, and it changed between two runs of the table (9462638, ce2e15c). At N
-  = 4 it was the fastest at no shape, 1.02-1.96x the fastest pipeline (Llama-7B gate/up: 41.38 against
-  ``bmm_mix_bmm``'s 21.15 us; ``blr_layers_subset_gemv_chain_n4.json``; not profiled: each of the four rows of x has
-  its own programs, which read U_i again, from L2 at best). So it is offered at one token only.
+  a transposed operand. On the H200 at N = 1 (``blr_layers_subset_gemv_chain.json``, d777153) it took 0.904x and
+  0.952x ``bgemm_mix_bgemm_pdl``'s time at Llama-1B q/o and gate (5.69 against 6.29 us at q/o) and 0.985x at
+  Llama-7B qkvo, the pick there, and 1.131-1.213x at the other four shapes (not profiled). Its stage 1's tile is
+  autotuned alone (as ``z_mixgemm_pdl``'s, which shares its key), not picked with the GEMV's as the GEMM chain picks
+  its pair, and the runs differ with it: in the ce2e15c run (``results/earlier/``) the chain also won at Llama-1B up
+  and down (0.992x, 0.942x), where ``z_mixgemm_pdl``, unchanged, read 15.88 us at down against 24.64 here. At N = 4
+  it was the fastest at no shape, 1.02-1.96x the fastest pipeline (Llama-7B gate/up: 41.38 against ``bmm_mix_bmm``'s
+  21.15 us; ``blr_layers_subset_gemv_chain_n4.json``, ce2e15c; not profiled: each of the four rows of x has its own
+  programs, which read U_i again, from L2 at best). So it is offered at one token only.
 * ``z_mixgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``z_mixgemm`` with the second kernel chained
   to the first (blr_common's programmatic dependent launch: it starts while Z is being
   made, pulls its U_i slice into L2, then waits for Z). On a GPU that offers it the pick does
