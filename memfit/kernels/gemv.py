@@ -165,8 +165,8 @@ def block_gemv(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, blo
     """y (M, N): y[m, i P + o] = x2[m, i x_block_stride : i x_block_stride + K] . w[i P + o] (+ bias[i P + o]),
     P = N / blocks. A block-diagonal product at decode: block i of W's rows (N, K) times its own slice of each of
     x2's M <= MAX_ROWS rows. ``wait_for_previous``: chained after the kernel that writes x2 (each program pulls its
-    rows of W into L2 first; :func:`blr_common.chain_options`). ``tile`` (BN, BK, warps, stages), powers of two with
-    BN dividing P: run that tile instead of the autotuner's pick."""
+    rows of W into L2 first; :func:`blr_common.chain_options`). ``tile`` (BN, BK, warps, stages), the first three
+    powers of two, BN dividing P: run that tile instead of the autotuner's pick."""
     if problem := _block_problem(x2, w, bias, blocks, x_block_stride, tile):
         raise MemfitError(f"block_gemv: {problem}; got x {tuple(x2.shape)} {x2.dtype} stride {tuple(x2.stride())}, "
                           f"W {tuple(w.shape)} {w.dtype} stride {tuple(w.stride())}, {blocks} blocks, x slices "
@@ -202,9 +202,10 @@ def _block_problem(x2, w, bias, blocks: int, x_block_stride: int, tile: tuple | 
     if bias is not None and (bias.shape != (n,) or bias.dtype != w.dtype or bias.device != w.device
                              or bias.stride(0) != 1):
         return f"the bias must be ({n},), contiguous, in W's dtype and on its device"
-    if tile is not None and not (len(tile) == 4 and all(v > 0 and v & (v - 1) == 0 for v in tile[:2])
-                                 and (n // blocks) % tile[0] == 0 and tile[2] > 0 and tile[3] > 0):
-        return f"tile {tile} must be (BN, BK, warps, stages), BN and BK powers of two, BN dividing a block's rows"
+    if tile is not None and not (len(tile) == 4 and all(v > 0 and v & (v - 1) == 0 for v in tile[:3])
+                                 and (n // blocks) % tile[0] == 0 and tile[3] > 0):
+        return (f"tile {tile} must be (BN, BK, warps, stages), BN, BK and warps powers of two, BN dividing a block's "
+                "rows")
     return None
 
 
