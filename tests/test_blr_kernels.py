@@ -987,6 +987,19 @@ def test_each_chained_op_runs_the_pair_its_pick_took(structure, fake_gpu_chain, 
     assert launched_tiles[-2:] == [ast.literal_eval(tile) for tile in label.split(" + ")]
 
 
+def test_blasts_gemv_chain_runs_stage_one_with_the_gemm_chains_tile(fake_gpu_chain, launched_tiles):
+    """At one token the GEMV chain's stage 1 (the GEMM chain's first launch) runs the tile the GEMM chain's pair gave
+    it, timed in a chain, not its autotuner's pick of it alone."""
+    import ast
+
+    gen = torch.Generator().manual_seed(5)
+    x, u, v, s = (torch.randn(*shape, generator=gen) for shape in [(1, 3 * 12), (3, 10, 7), (3, 12, 7), (3, 3, 7)])
+    y = blast._bgemm_mix_gemv_pdl(x, u, v, s, None)
+    label = next(iter(blr_common.CHAIN_TILE_PICKS.values()))["pick"]
+    assert rel(y, blast_linear_reference(x, u, v, s)) < 1e-5
+    assert launched_tiles[-1] == ast.literal_eval(label.split(" + ")[0])
+
+
 def test_a_chain_first_called_inside_a_capture_leaves_its_tiles_to_the_autotuner_and_says_so(fake_gpu_chain,
                                                                                                  monkeypatch):
     _, timed = fake_gpu_chain

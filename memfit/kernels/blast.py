@@ -49,13 +49,14 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   loads and sums on CUDA cores, where ``bgemm``'s tensor-core tile pads the one token to 16 rows and reads U_i^T as
   a transposed operand. On the H200 at N = 1 (``blr_layers_subset_gemv_chain.json``, d777153) it took 0.904x and
   0.952x ``bgemm_mix_bgemm_pdl``'s time at Llama-1B q/o and gate (5.69 against 6.29 us at q/o) and 0.985x at
-  Llama-7B qkvo, the pick there, and 1.131-1.213x at the other four shapes (not profiled). Its stage 1's tile is
-  autotuned alone (as ``z_mixgemm_pdl``'s, which shares its key), not picked with the GEMV's as the GEMM chain picks
-  its pair, and the runs differ with it: in the ce2e15c run (``results/earlier/``) the chain also won at Llama-1B up
-  and down (0.992x, 0.942x), where ``z_mixgemm_pdl``, unchanged, read 15.88 us at down against 24.64 here. At N = 4
-  it was the fastest at no shape, 1.02-1.96x the fastest pipeline (Llama-7B gate/up: 41.38 against ``bmm_mix_bmm``'s
-  21.15 us; ``blr_layers_subset_gemv_chain_n4.json``, ce2e15c; not profiled: each of the four rows of x has its own
-  programs, which read U_i again, from L2 at best). So it is offered at one token only.
+  Llama-7B qkvo, the pick there, and 1.131-1.213x at the other four shapes (not profiled). In those runs its stage
+  1's tile was autotuned alone (as ``z_mixgemm_pdl``'s, which shares its key), and the runs differ with it: in the
+  ce2e15c run (``results/earlier/``) the chain also won at Llama-1B up and down (0.992x, 0.942x), where
+  ``z_mixgemm_pdl``, unchanged, read 15.88 us at down against 24.64 here. Stage 1 now takes the GEMM chain's tile
+  for it (:func:`_bgemm_mix_gemv_pdl`; not yet timed on a GPU). At N = 4 it was the fastest at no shape, 1.02-1.96x
+  the fastest pipeline (Llama-7B gate/up: 41.38 against ``bmm_mix_bmm``'s 21.15 us;
+  ``blr_layers_subset_gemv_chain_n4.json``, ce2e15c; not profiled: each of the four rows of x has its own programs,
+  which read U_i again, from L2 at best). So it is offered at one token only.
 * ``z_mixgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``z_mixgemm`` with the second kernel chained
   to the first (blr_common's programmatic dependent launch: it starts while Z is being
   made, pulls its U_i slice into L2, then waits for Z). On a GPU that offers it the pick does
@@ -343,23 +344,30 @@ def _chained_bgemm_mix_bgemm(x2, u, v, s, bias, tiles=(None, None)):
                           tile=tiles[1])
 
 
+def _gemm_chain_tiles(x2, u, v, s, bias) -> tuple:
+    """The tiles of ``bgemm_mix_bgemm_pdl``'s two GEMMs, picked together (:func:`blr_common.pick_chain_tiles`)."""
+    (b, m, r), p = v.shape, u.shape[1]
+    return pick_chain_tiles("blast_linear bgemm_mix_bgemm_pdl", (pick_bucket(x2.shape[0]), b, p, r, m, str(x2.dtype)),
+                            ((m, r, b), (r, p, b)), _chained_bgemm_mix_bgemm, (x2, u, v, s, bias))
+
+
 def _bgemm_mix_bgemm_pdl(x2, u, v, s, bias):
     """The three stages of ``bmm_mix_bmm`` as a chain of Triton kernels, each launched while the
     previous one runs; stage 3 prefetches its U_i slice before waiting for T. The two GEMMs' tiles are
     picked together (:func:`blr_common.pick_chain_tiles`; the mixing's alone, by its autotuner)."""
-    (b, m, r), p = v.shape, u.shape[1]
-    args = (x2, u, v, s, bias)
-    tiles = pick_chain_tiles("blast_linear bgemm_mix_bgemm_pdl", (pick_bucket(x2.shape[0]), b, p, r, m, str(x2.dtype)),
-                             ((m, r, b), (r, p, b)), _chained_bgemm_mix_bgemm, args)
-    return _chained_bgemm_mix_bgemm(*args, tiles=tiles)
+    return _chained_bgemm_mix_bgemm(x2, u, v, s, bias, tiles=_gemm_chain_tiles(x2, u, v, s, bias))
 
 
 def _bgemm_mix_gemv_pdl(x2, u, v, s, bias):
     """Z by ``bgemm``, T by ``_zmix_kernel``, Y by :func:`gemv.block_gemv`, each kernel launched while the one before
-    runs; the GEMV streams U (b p, r) row by row, block i times T_i. Each kernel's tile is autotuned on its own (not
-    picked with the next one's, as ``bgemm_mix_bgemm_pdl``'s two GEMMs are)."""
+    runs; the GEMV streams U (b p, r) row by row, block i times T_i. Stage 1, the same launch as the GEMM chain's,
+    takes the tile that chain's pick timed for it in a chain (:func:`_gemm_chain_tiles`): its autotuner, timing it
+    alone, took different tiles in different runs, and the chain's time moved with them (at Llama-1B down, 16 x 32 x
+    256 in the 9462638 and d777153 tables, 16 x 64 x 128 in ce2e15c's, the GEMM chain's pair there in all three);
+    the GEMV's and the mixing's tiles are their autotuners' picks."""
     (b, _, r), n = v.shape, x2.shape[0]
-    t = _zmix(_z_by_bgemm(x2, v, launch_dependents=True), s, chained=True)
+    stage1 = _gemm_chain_tiles(x2, u, v, s, bias)[0]
+    t = _zmix(_z_by_bgemm(x2, v, launch_dependents=True, tile=stage1), s, chained=True)
     return gemv.block_gemv(t.view(n, b * r), u.view(-1, r), bias, b, r, wait_for_previous=True)
 
 
