@@ -75,7 +75,7 @@ def test_block_gemv_refuses_what_it_cannot_take():
         args = dict(x2=x, w=w, bias=None, blocks=3, x_block_stride=8) | change
         with pytest.raises(MemfitError, match=problem):
             gemv.block_gemv(**args)
-    for tile in [(0, 32, 4, 1), (3, 32, 4, 1), (2, 32, 3, 1), (2, 32)]:
+    for tile in [(0, 32, 4, 1), (3, 32, 4, 1), (2, 32, 3, 1), (2, 32), (2.0, 32, 4, 1)]:
         with pytest.raises(MemfitError, match="tile"):
             gemv.block_gemv(x, w, None, 3, 8, tile=tile)
     with pytest.raises(MemfitError, match="slice of K"):

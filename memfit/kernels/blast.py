@@ -49,14 +49,15 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   loads and sums on CUDA cores, where ``bgemm``'s tensor-core tile pads the one token to 16 rows and reads U_i^T as
   a transposed operand. On the H200 at N = 1 (``blr_layers_subset_gemv_chain.json``, d777153) it took 0.904x and
   0.952x ``bgemm_mix_bgemm_pdl``'s time at Llama-1B q/o and gate (5.69 against 6.29 us at q/o) and 0.985x at
-  Llama-7B qkvo, the pick there, and 1.131-1.213x at the other four shapes (not profiled). In those runs its stage
-  1's tile was autotuned alone (as ``z_mixgemm_pdl``'s, which shares its key), and the runs differ with it: in the
-  ce2e15c run (``results/earlier/``) the chain also won at Llama-1B up and down (0.992x, 0.942x), where
-  ``z_mixgemm_pdl``, unchanged, read 15.88 us at down against 24.64 here. Stage 1 now takes the GEMM chain's tile
-  for it (:func:`_bgemm_mix_gemv_pdl`; not yet timed on a GPU). At N = 4 it was the fastest at no shape, 1.02-1.96x
-  the fastest pipeline (Llama-7B gate/up: 41.38 against ``bmm_mix_bmm``'s 21.15 us;
-  ``blr_layers_subset_gemv_chain_n4.json``, ce2e15c; not profiled: each of the four rows of x has its own programs,
-  which read U_i again, from L2 at best). So it is offered at one token only.
+  Llama-7B qkvo, the pick there, and 1.131-1.213x at the other four shapes (not profiled). In the ce2e15c run
+  (``results/earlier/``, with a grid cap since taken out) the chain also won at Llama-1B up and down (0.992x,
+  0.942x). At down its stage 1, autotuned alone there (as ``z_mixgemm_pdl``'s, which shares its key), had another
+  tile than in the two runs where it lost (16 x 64 x 128 against 16 x 32 x 256), and ``z_mixgemm_pdl``, unchanged,
+  read 15.88 us against 24.64 here; at up stage 1 had the same tile in the ce2e15c run as in this one and the GEMV's
+  own pick differed. Stage 1 now takes the GEMM chain's tile for it (:func:`_bgemm_mix_gemv_pdl`; not yet timed on a
+  GPU). At N = 4 it was the fastest at no shape, 1.02-1.96x the fastest pipeline (Llama-7B gate/up: 41.38 against
+  ``bmm_mix_bmm``'s 21.15 us; ``blr_layers_subset_gemv_chain_n4.json``, ce2e15c; not profiled: each of the four rows
+  of x has its own programs, which read U_i again, from L2 at best). So it is offered at one token only.
 * ``z_mixgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``z_mixgemm`` with the second kernel chained
   to the first (blr_common's programmatic dependent launch: it starts while Z is being
   made, pulls its U_i slice into L2, then waits for Z). On a GPU that offers it the pick does
@@ -82,6 +83,7 @@ from memfit.kernels.blr_common import (
     blr_precision,
     bmm_into,
     chain_options,
+    contiguous_bias,
     fits_smem,
     keep_small_n,
     line_elements,
@@ -364,7 +366,8 @@ def _bgemm_mix_gemv_pdl(x2, u, v, s, bias):
     takes the tile that chain's pick timed for it in a chain (:func:`_gemm_chain_tiles`): its autotuner, timing it
     alone, took different tiles in different runs, and the chain's time moved with them (at Llama-1B down, 16 x 32 x
     256 in the 9462638 and d777153 tables, 16 x 64 x 128 in ce2e15c's, the GEMM chain's pair there in all three);
-    the GEMV's and the mixing's tiles are their autotuners' picks."""
+    the GEMV's and the mixing's tiles are their autotuners' picks. So a first call that names this variant also times
+    the GEMM chain's pairs, where the pick has not (variants_for lists that chain first, so the pick times it first)."""
     (b, _, r), n = v.shape, x2.shape[0]
     stage1 = _gemm_chain_tiles(x2, u, v, s, bias)[0]
     t = _zmix(_z_by_bgemm(x2, v, launch_dependents=True, tile=stage1), s, chained=True)
@@ -455,7 +458,7 @@ def variants_for(n: int) -> dict:
         names.append("tbmm_mix_tbmm")
     if n <= PDL_MAX_N and pdl_offered():
         names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
-        names += ["bgemm_mix_gemv_pdl"] if n == 1 else []
+        names += ["bgemm_mix_gemv_pdl"] if n == 1 else []      # after the GEMM chain, whose stage-1 tile it takes
     return {name: VARIANTS[name] for name in names}
 
 
@@ -476,7 +479,7 @@ def _blast_op(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, s: torch.Tensor
               variant: str) -> torch.Tensor:
     b, m, _ = v.shape
     x2 = x.reshape(-1, b * m).contiguous()
-    args = (x2, u.contiguous(), v.contiguous(), s.contiguous(), bias)
+    args = (x2, u.contiguous(), v.contiguous(), s.contiguous(), contiguous_bias(bias))
     if variant == "auto":
         n = x2.shape[0]
         variant = pick_variant("blast_linear", (pick_bucket(n), *u.shape, m, str(x.dtype)),

@@ -127,6 +127,12 @@ def _digest_files(files: tuple[str, ...]) -> str:
     return digest.hexdigest()[:12]
 
 
+def contiguous_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias as the BLR kernels read it, with a unit stride: a strided view is copied (the Triton pipelines read
+    one as if it were contiguous, which gave wrong outputs and no error before the ops called this)."""
+    return None if bias is None else bias.contiguous()
+
+
 def bind_shapes(op: str, x: torch.Tensor, bias: torch.Tensor | None, factors: dict[str, tuple[torch.Tensor, str]],
                 x_letters: str, bias_letters: str) -> dict[str, int]:
     """The sizes of the letters in the factors' shape patterns (name -> (tensor, e.g. "b m r")), refusing a factor

@@ -143,8 +143,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, path: st
     return F.linear(x, w, bias) if path == CUBLAS else gemv(x, w, bias, path)
 
 
-# The block GEMV's tiles for the autotuner (BN rows a program, BK inputs a chunk, warps, stages): two to eight rows
-# by 256 to 1024 inputs, and one row a program for blocks whose rows no wider tile divides. tile_picks records the pick.
+# The block GEMV's tiles for the autotuner (BN rows a program, BK inputs a chunk, warps, stages): one to eight rows by
+# 256 to 1024 inputs (one row a program is the only tile for blocks of an odd number of rows). tile_picks records the
+# pick.
 BLOCK_TILES = [(8, 256, 4, 1), (4, 256, 2, 1), (4, 512, 4, 1), (2, 1024, 4, 1), (8, 512, 8, 1), (2, 512, 4, 1),
                (1, 512, 4, 1)]
 
@@ -202,7 +203,8 @@ def _block_problem(x2, w, bias, blocks: int, x_block_stride: int, tile: tuple | 
     if bias is not None and (bias.shape != (n,) or bias.dtype != w.dtype or bias.device != w.device
                              or bias.stride(0) != 1):
         return f"the bias must be ({n},), contiguous, in W's dtype and on its device"
-    if tile is not None and not (len(tile) == 4 and all(v > 0 and v & (v - 1) == 0 for v in tile[:3])
+    if tile is not None and not (len(tile) == 4 and all(isinstance(v, int) for v in tile)
+                                 and all(v > 0 and v & (v - 1) == 0 for v in tile[:3])
                                  and (n // blocks) % tile[0] == 0 and tile[3] > 0):
         return (f"tile {tile} must be (BN, BK, warps, stages), BN, BK and warps powers of two, BN dividing a block's "
                 "rows")

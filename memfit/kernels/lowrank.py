@@ -28,6 +28,7 @@ from memfit.kernels.blr_common import (
     PDL_MAX_N,
     bgemm,
     bind_shapes,
+    contiguous_bias,
     pdl_offered,
     pick_bucket,
     pick_candidates,
@@ -92,7 +93,7 @@ def variants_for(n: int) -> dict:
 def _lowrank_op(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                 variant: str) -> torch.Tensor:
     x2 = x.reshape(-1, v.shape[0]).contiguous()
-    args = (x2, u.contiguous(), v.contiguous(), bias)
+    args = (x2, u.contiguous(), v.contiguous(), contiguous_bias(bias))
     if variant == "auto":
         n = x2.shape[0]
         variant = pick_variant("lowrank_linear", (pick_bucket(n), *u.shape, v.shape[0], str(x.dtype)),

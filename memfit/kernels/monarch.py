@@ -89,6 +89,7 @@ from memfit.kernels.blr_common import (
     bind_shapes,
     blr_precision,
     bmm_into,
+    contiguous_bias,
     fits_smem,
     keep_small_n,
     mma,
@@ -153,7 +154,7 @@ def _chained_two_stage(x2, w1, w2, bias, permute_output, tiles=(None, None)):
 def _two_stage_pdl(x2, w1, w2, bias, permute_output):
     """``two_stage`` chained, with the two stages' tiles picked together (:func:`blr_common.pick_chain_tiles`)."""
     (b, m, r), p = w1.shape, w2.shape[2]
-    args = (x2, w1, w2, bias, permute_output)
+    args = (x2, w1, w2, contiguous_bias(bias), permute_output)
     tiles = pick_chain_tiles("monarch_linear two_stage_pdl", (pick_bucket(x2.shape[0]), b, m, r, p, permute_output,
                                                               str(x2.dtype)), ((m, r, b), (r, p, b)),
                              _chained_two_stage, args)
@@ -383,7 +384,7 @@ def _monarch_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, bias: torch
     b, m, r = w1.shape
     x2 = x.reshape(-1, b * m).contiguous()
     w1, w2 = w1.contiguous(), w2.contiguous()
-    args = (x2, w1, w2, bias, permute_output)
+    args = (x2, w1, w2, contiguous_bias(bias), permute_output)
     if variant == "auto":
         n = x2.shape[0]
         offered = pick_candidates(variants_for(n, b, m, r // b, w2.shape[2], permute_output), UNPICKED_WITH_PDL)
