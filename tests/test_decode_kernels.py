@@ -29,7 +29,7 @@ def test_gemv_matches_linear(dtype, rows, out, inner, ld):
     the last shape's rows are not 16-byte multiples, so it runs the scalar loads (VEC = 1)."""
     x = torch.randn(rows, inner).to(dtype)
     w = torch.randn(out, ld).to(dtype)[:, :inner]
-    bias = torch.randn(out).to(dtype)
+    bias = torch.randn(2 * out).to(dtype)[::2]                         # a strided view: read as its own values
     assert gemv._vector_width(x, w) == (1 if inner % 8 else 16 // w.element_size())
     ref = x.double() @ w.double().T + bias.double()
     for variant in ("gemv_n2_k1024_w4", "gemv_n8_k256_w4", "gemv_n16_k512_w8"):
@@ -56,7 +56,7 @@ def test_block_gemv_matches_blocks(dtype, rows, blocks, p, k, stride, tile):
     """Each block of W's rows meets its own slice of x, bias added per row, with the autotuner's tile (the
     interpreter's one row a program) and with wider ones whose rows must stay inside one block."""
     x = torch.randn(rows, (blocks - 1) * stride + k).to(dtype)
-    w, bias = torch.randn(blocks * p, k).to(dtype), torch.randn(blocks * p).to(dtype)
+    w, bias = torch.randn(blocks * p, k).to(dtype), torch.randn(2 * blocks * p).to(dtype)[::2]     # a strided bias
     vec = 16 // w.element_size()
     assert gemv._vector_width(x, w, stride) == (vec if k % vec == 0 and stride % vec == 0 else 1)
     got = gemv.block_gemv(x, w, bias, blocks, stride, tile=tile)

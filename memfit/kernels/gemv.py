@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from memfit.errors import MemfitError
-from memfit.kernels.blr_common import chain_options, line_elements, pick_variant, prefetch_l2, tuned
+from memfit.kernels.blr_common import chain_options, contiguous_bias, line_elements, pick_variant, prefetch_l2, tuned
 
 MAX_ROWS = 4                     # x rows (batch x tokens) the GEMV path takes; more is a GEMM
 CUBLAS = "cublas"
@@ -135,7 +135,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, var
         raise MemfitError(f"gemv takes at most {MAX_ROWS} rows with unit inner strides and one float dtype; got x "
                           f"{tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} stride {w.stride()} {w.dtype}")
     x2 = x.reshape(-1, x.shape[-1])
-    return _gemv_op(x2, w, bias, variant).view(*x.shape[:-1], w.shape[0])
+    return _gemv_op(x2, w, contiguous_bias(bias), variant).view(*x.shape[:-1], w.shape[0])
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, path: str) -> torch.Tensor:
@@ -172,7 +172,7 @@ def block_gemv(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, blo
         raise MemfitError(f"block_gemv: {problem}; got x {tuple(x2.shape)} {x2.dtype} stride {tuple(x2.stride())}, "
                           f"W {tuple(w.shape)} {w.dtype} stride {tuple(w.stride())}, {blocks} blocks, x slices "
                           f"{x_block_stride} apart")
-    (m, _), (n, k) = x2.shape, w.shape
+    (m, _), (n, k), bias = x2.shape, w.shape, contiguous_bias(bias)
     kernel, fixed = _block_gemv_kernel, {}
     if tile is not None:
         kernel, fixed = _gemv_kernel, dict(zip(("BN", "BK", "num_warps", "num_stages"), tile))
@@ -200,9 +200,8 @@ def _block_problem(x2, w, bias, blocks: int, x_block_stride: int, tile: tuple | 
         return "x and W need unit inner strides"
     if x_block_stride < 0 or width < (blocks - 1) * x_block_stride + k:
         return "each row of x must hold every block's slice of K"
-    if bias is not None and (bias.shape != (n,) or bias.dtype != w.dtype or bias.device != w.device
-                             or bias.stride(0) != 1):
-        return f"the bias must be ({n},), contiguous, in W's dtype and on its device"
+    if bias is not None and (bias.shape != (n,) or bias.dtype != w.dtype or bias.device != w.device):
+        return f"the bias must be ({n},), in W's dtype and on its device"
     if tile is not None and not (len(tile) == 4 and all(isinstance(v, int) for v in tile)
                                  and all(v > 0 and v & (v - 1) == 0 for v in tile[:3])
                                  and (n // blocks) % tile[0] == 0 and tile[3] > 0):
