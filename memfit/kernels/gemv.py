@@ -100,13 +100,20 @@ def _vector_width(x: torch.Tensor, w: torch.Tensor, x_block_stride: int = 0) -> 
 
 def _launch(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, variant: str) -> torch.Tensor:
     bn, bk, warps = VARIANTS[variant]
-    (m, k), n = x2.shape, w.shape[0]
+    return _run(_gemv_kernel, x2, w, bias, w.shape[0], 0, BN=bn, BK=bk, num_warps=warps)
+
+
+def _run(kernel, x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, p: int, x_block_stride: int,
+         wait_for_previous: bool = False, **tile) -> torch.Tensor:
+    """y (M, N) by ``kernel`` (``_gemv_kernel`` or its autotuner): W's rows in blocks of ``p``, block i times x's
+    slice ``x_block_stride`` i onwards; ``tile``: BN, BK, num_warps, num_stages where the autotuner does not pick."""
+    m, (n, k) = x2.shape[0], w.shape
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    vec = _vector_width(x2, w)
-    grid = (triton.cdiv(n, bn) * m,)
-    _gemv_kernel[grid](x2, w, bias if bias is not None else w, y, m, n, k, n, x2.stride(0) // vec, 0, w.stride(0) // vec,
-                       HAS_BIAS=bias is not None, VEC=vec, WAIT_FOR_PREVIOUS=False, LINE=line_elements(w), BN=bn, BK=bk,
-                       num_warps=warps)
+    vec = _vector_width(x2, w, x_block_stride)
+    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * m,)  # noqa: E731
+    kernel[grid](x2, w, bias if bias is not None else w, y, m, n, k, p, x2.stride(0) // vec, x_block_stride // vec,
+                 w.stride(0) // vec, HAS_BIAS=bias is not None, VEC=vec, LINE=line_elements(w),
+                 **chain_options(wait_for_previous=wait_for_previous), **tile)
     return y
 
 
@@ -172,17 +179,10 @@ def block_gemv(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, blo
         raise MemfitError(f"block_gemv: {problem}; got x {tuple(x2.shape)} {x2.dtype} stride {tuple(x2.stride())}, "
                           f"W {tuple(w.shape)} {w.dtype} stride {tuple(w.stride())}, {blocks} blocks, x slices "
                           f"{x_block_stride} apart")
-    (m, _), (n, k), bias = x2.shape, w.shape, contiguous_bias(bias)
-    kernel, fixed = _block_gemv_kernel, {}
+    kernel, tiles = _block_gemv_kernel, {}
     if tile is not None:
-        kernel, fixed = _gemv_kernel, dict(zip(("BN", "BK", "num_warps", "num_stages"), tile))
-    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    vec = _vector_width(x2, w, x_block_stride)
-    grid = lambda meta: (triton.cdiv(n, meta["BN"]) * m,)  # noqa: E731
-    kernel[grid](x2, w, bias if bias is not None else w, y, m, n, k, n // blocks, x2.stride(0) // vec, x_block_stride // vec,
-                 w.stride(0) // vec, HAS_BIAS=bias is not None, VEC=vec, LINE=line_elements(w),
-                 **chain_options(wait_for_previous=wait_for_previous), **fixed)
-    return y
+        kernel, tiles = _gemv_kernel, dict(zip(("BN", "BK", "num_warps", "num_stages"), tile))
+    return _run(kernel, x2, w, contiguous_bias(bias), w.shape[0] // blocks, x_block_stride, wait_for_previous, **tiles)
 
 
 def _block_problem(x2, w, bias, blocks: int, x_block_stride: int, tile: tuple | None) -> str | None:
