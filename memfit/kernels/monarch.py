@@ -154,7 +154,7 @@ def _chained_two_stage(x2, w1, w2, bias, permute_output, tiles=(None, None)):
 def _two_stage_pdl(x2, w1, w2, bias, permute_output):
     """``two_stage`` chained, with the two stages' tiles picked together (:func:`blr_common.pick_chain_tiles`)."""
     (b, m, r), p = w1.shape, w2.shape[2]
-    args = (x2, w1, w2, contiguous_bias(bias), permute_output)
+    args = (x2, w1, w2, bias, permute_output)
     tiles = pick_chain_tiles("monarch_linear two_stage_pdl", (pick_bucket(x2.shape[0]), b, m, r, p, permute_output,
                                                               str(x2.dtype)), ((m, r, b), (r, p, b)),
                              _chained_two_stage, args)
