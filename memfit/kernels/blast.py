@@ -374,6 +374,74 @@ def _bgemm_mix_gemv_pdl(x2, u, v, s, bias):
     return gemv.block_gemv(t.view(n, b * r), u.view(-1, r), bias, b, r, wait_for_previous=True)
 
 
+# ---- one token: stages 1 and 2 on CUDA cores in one kernel, chained into the GEMV ----------
+
+XVMIX_ROW_RESULT_REGISTERS = 64   # fp32 products a thread holds per step (BJ * BM * BK a program)
+XVMIX_ROW_CONFIGS = [(16, 128, 8, 8, 1), (8, 128, 8, 4, 1), (16, 64, 8, 4, 1), (4, 128, 16, 4, 1), (8, 64, 16, 4, 1),
+                     (2, 256, 16, 4, 1), (16, 128, 4, 4, 1), (8, 128, 16, 8, 1)]   # BJ, BM, BK, warps, stages
+
+
+def _prune_xvmix_row(configs, named_args, **kwargs):
+    """Tiles whose (BJ, BM, BK) step fits the registers and is no wider than the blocks, input block and ranks."""
+    step = lambda c: c.kwargs["BJ"] * c.kwargs["BM"] * c.kwargs["BK"]  # noqa: E731
+    keep = [c for c in configs if step(c) <= XVMIX_ROW_RESULT_REGISTERS * 32 * c.num_warps and c.kwargs["BJ"] <= kwargs["BB"]
+            and c.kwargs["BM"] <= pow2_at_least(named_args["M"], 64) and c.kwargs["BK"] <= pow2_at_least(named_args["R"], 4)]
+    return keep or configs[-1:]
+
+
+@tuned(XVMIX_ROW_CONFIGS, ("BJ", "BM", "BK"), (2, 16, 4, 4, 1), key=["M", "R", "B"], prune=_prune_xvmix_row)
+@triton.jit
+def _xvmix_row_kernel(x_ptr, v_ptr, s_ptr, t_ptr, M, R, B, svj, sva, ssi, ssj,
+                      BB: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr,
+                      BK: tl.constexpr):
+    """One token: T[i, k] = sum_j s[i, j, k] (x_j . V_j[:, k]) for BK ranks k, all i and j. Z[j, k] is summed on
+    CUDA cores from (BJ blocks, BM inputs, BK ranks) steps of V (rank-contiguous rows, BK elements each), rounded to
+    x's dtype as in the reference, and mixed in registers: Z never leaves the chip, V and s are read once."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
+    rk = tl.program_id(0) * BK + tl.arange(0, BK)
+    rj = tl.arange(0, BJ)
+    ra = tl.arange(0, BM)
+    rb = tl.arange(0, BB)
+    k_ok = rk < R
+    z = tl.zeros((BB, BK), dtype=tl.float32)
+    for j0 in range(0, B, BJ):
+        j = j0 + rj
+        zj = tl.zeros((BJ, BK), dtype=tl.float32)
+        for a0 in range(0, M, BM):
+            a = a0 + ra
+            in_block = (j[:, None] < B) & (a[None, :] < M)
+            xa = tl.load(x_ptr + j[:, None] * M + a[None, :], mask=in_block, other=0.0)               # (BJ, BM)
+            va = tl.load(v_ptr + j[:, None, None] * svj + a[None, :, None] * sva + rk[None, None, :],
+                         mask=in_block[:, :, None] & k_ok[None, None, :], other=0.0)                # (BJ, BM, BK)
+            zj += tl.sum(xa.to(tl.float32)[:, :, None] * va.to(tl.float32), axis=1)
+        zj = zj.to(x_ptr.dtype.element_ty).to(tl.float32)
+        z += tl.sum(tl.where(rb[:, None, None] == j[None, :, None], zj[None, :, :], 0.0), axis=1)   # rows j0.. of z
+    s = tl.load(s_ptr + rb[:, None, None] * ssi + rb[None, :, None] * ssj + rk[None, None, :],
+                mask=(rb[:, None, None] < B) & (rb[None, :, None] < B) & k_ok[None, None, :], other=0.0)  # (b_i, b_j, BK)
+    t = tl.sum(s.to(tl.float32) * z[None, :, :], axis=1)
+    tl.store(t_ptr + rb[:, None] * R + rk[None, :], t.to(t_ptr.dtype.element_ty), mask=(rb[:, None] < B) & k_ok[None, :])
+
+
+def _xvmix_row(x2, v, s, launch_dependents: bool):
+    """T (1, b, r) for the one row of x2 by ``_xvmix_row_kernel``; ``launch_dependents``: the first kernel of a chain."""
+    b, m, r = v.shape
+    t = torch.empty(1, b, r, device=x2.device, dtype=x2.dtype)
+    grid = lambda meta: (triton.cdiv(r, meta["BK"]),)
+    _xvmix_row_kernel[grid](x2, v, s, t, m, r, b, v.stride(0), v.stride(1), s.stride(0), s.stride(1),
+                            BB=pow2_at_least(b), **chain_options(launch_dependents))
+    return t
+
+
+def _xvmix_gemv_pdl(x2, u, v, s, bias):
+    """One token in two chained kernels: T by ``_xvmix_row_kernel`` (stages 1 and 2, Z on chip), then Y by
+    :func:`gemv.block_gemv` streaming U (b p, r), launched while the first runs (it prefetches its rows of U, then
+    waits for T): ``bgemm_mix_gemv_pdl`` with one dependent step fewer."""
+    (b, _, r), n = v.shape, x2.shape[0]
+    t = _xvmix_row(x2, v, s, launch_dependents=True)
+    return gemv.block_gemv(t.view(n, b * r), u.view(-1, r), bias, b, r, wait_for_previous=True)
+
+
 # ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------
 
 def _prune_mixgemm(configs, named_args, **kwargs):
@@ -444,8 +512,11 @@ def _z_mixgemm_pdl(x2, u, v, s, bias):
 
 VARIANTS = {"xvmix_bmm": _xvmix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "tbmm_mix_tbmm": _tbmm_mix_tbmm, "z_mixgemm": _z_mixgemm,
             "z_mixgemm_pdl": _z_mixgemm_pdl, "bgemm_mix_bgemm_pdl": _bgemm_mix_bgemm_pdl,
-            "bgemm_mix_gemv_pdl": _bgemm_mix_gemv_pdl,
+            "bgemm_mix_gemv_pdl": _bgemm_mix_gemv_pdl, "xvmix_gemv_pdl": _xvmix_gemv_pdl,
             "torch": blast_linear_reference}
+
+
+ONE_TOKEN_CHAINS = ("bgemm_mix_gemv_pdl", "xvmix_gemv_pdl")   # offered at N = 1 only, where PDL is
 
 
 def variants_for(n: int) -> dict:
@@ -458,7 +529,7 @@ def variants_for(n: int) -> dict:
         names.append("tbmm_mix_tbmm")
     if n <= PDL_MAX_N and pdl_offered():
         names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
-        names += ["bgemm_mix_gemv_pdl"] if n == 1 else []      # after the GEMM chain, whose stage-1 tile it takes
+        names += list(ONE_TOKEN_CHAINS) if n == 1 else []   # after the GEMM chain, whose stage-1 tile the first takes
     return {name: VARIANTS[name] for name in names}
 
 
