@@ -312,8 +312,8 @@ kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, 
 out = {}
 for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
-    signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
-                 for p in fn.params}
+    signature = {p.name: "constexpr" if p.is_constexpr else "*i32" if p.name == "arrived_ptr"   # counters
+                 else "*bf16" if p.name.endswith("_ptr") else "i32" for p in fn.params}
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in divisible}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=defaults | constexprs, attrs=attrs)
@@ -486,6 +486,23 @@ def test_blast(dtype, variant, n, bias, monkeypatch):
     tensors = [torch.randn(n, B * M), torch.randn(B, P, r) / r**0.5, torch.randn(B, M, r) / M**0.5,
                torch.randn(B, B, r) / B**0.5, torch.randn(B * P)]
     check(blast_linear, blast_linear_reference, drop_bias(tensors, bias), dtype, variant=variant)
+
+
+def test_the_one_token_mixing_leaves_its_counters_at_zero():
+    """Each rank slice's last program resets its arrival counter: a second call finds them all at zero again and
+    mixes as the first did (a counter left over would make no program the last, and T would stay unwritten)."""
+    b, m, r = 5, 12, 9
+    x, v, s = torch.randn(1, b * m), torch.randn(b, m, r), torch.randn(b, b, r)
+    first = blast._xvmix_row(x, v, s, launch_dependents=False)
+    assert not blast._ARRIVALS[x.device].any()
+    assert torch.equal(blast._xvmix_row(x, v, s, launch_dependents=False), first)
+
+
+def test_the_one_token_mixings_counters_are_not_made_inside_a_graph_capture(monkeypatch):
+    monkeypatch.setattr(blast, "_ARRIVALS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(MemfitError, match="before a CUDA-graph capture"):
+        blast._arrival_counters(torch.device("cuda", 0), 16)
 
 
 @pytest.mark.parametrize("variant,n", [("xvmix_bmm", N), ("xvmix_gemv_pdl", 1)])

@@ -374,11 +374,11 @@ def _bgemm_mix_gemv_pdl(x2, u, v, s, bias):
     return gemv.block_gemv(t.view(n, b * r), u.view(-1, r), bias, b, r, wait_for_previous=True)
 
 
-# ---- one token: stages 1 and 2 on CUDA cores in one kernel, chained into the GEMV ----------
+# ---- one token: stages 1 and 2 in one kernel, chained into the GEMV ------------------------
 
 XVMIX_ROW_RESULT_REGISTERS = 64   # fp32 products a thread holds per step (BJ * BM * BK a program)
-XVMIX_ROW_CONFIGS = [(16, 128, 8, 8, 1), (8, 128, 8, 4, 1), (16, 64, 8, 4, 1), (4, 128, 16, 4, 1), (8, 64, 16, 4, 1),
-                     (2, 256, 16, 4, 1), (16, 128, 4, 4, 1), (8, 128, 16, 8, 1)]   # BJ, BM, BK, warps, stages
+XVMIX_ROW_CONFIGS = [(1, 128, 16, 4, 1), (2, 128, 16, 4, 1), (4, 128, 8, 4, 1), (4, 128, 16, 4, 1), (1, 256, 16, 4, 1),
+                     (2, 256, 8, 4, 1), (8, 128, 8, 4, 1), (1, 512, 8, 4, 1)]   # BJ, BM, BK, warps, stages
 
 
 def _prune_xvmix_row(configs, named_args, **kwargs):
@@ -391,52 +391,73 @@ def _prune_xvmix_row(configs, named_args, **kwargs):
 
 @tuned(XVMIX_ROW_CONFIGS, ("BJ", "BM", "BK"), (2, 16, 4, 4, 1), key=["M", "R", "B"], prune=_prune_xvmix_row)
 @triton.jit
-def _xvmix_row_kernel(x_ptr, v_ptr, s_ptr, t_ptr, M, R, B, svj, sva, ssi, ssj,
+def _xvmix_row_kernel(x_ptr, v_ptr, s_ptr, z_ptr, t_ptr, arrived_ptr, M, R, B, svj, sva, ssi, ssj,
                       BB: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr,
                       BK: tl.constexpr):
-    """One token: T[i, k] = sum_j s[i, j, k] (x_j . V_j[:, k]) for BK ranks k, all i and j. Z[j, k] is summed on
-    CUDA cores from (BJ blocks, BM inputs, BK ranks) steps of V (rank-contiguous rows, BK elements each), rounded to
-    x's dtype as in the reference, and mixed in registers: Z never leaves the chip, V and s are read once."""
+    """One token: T[i, k] = sum_j s[i, j, k] (x_j . V_j[:, k]). A program sums Z[j, k] = x_j . V_j[:, k] on CUDA
+    cores for BJ blocks and BK ranks, from (BJ, BM, BK) steps of V (rank-contiguous rows), and stores it rounded to
+    x's dtype as in the reference; the last program of a rank slice to arrive (``arrived``: one self-resetting
+    counter a slice) mixes the slice, whose Z is all in L2 by then. One launch makes T, with the whole GPU on V."""
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
-    rk = tl.program_id(0) * BK + tl.arange(0, BK)
-    rj = tl.arange(0, BJ)
+    pid_k = tl.program_id(0)
+    rk = pid_k * BK + tl.arange(0, BK)
+    j = tl.program_id(1) * BJ + tl.arange(0, BJ)
     ra = tl.arange(0, BM)
-    rb = tl.arange(0, BB)
     k_ok = rk < R
-    z = tl.zeros((BB, BK), dtype=tl.float32)
-    for j0 in range(0, B, BJ):
-        j = j0 + rj
-        zj = tl.zeros((BJ, BK), dtype=tl.float32)
-        for a0 in range(0, M, BM):
-            a = a0 + ra
-            in_block = (j[:, None] < B) & (a[None, :] < M)
-            xa = tl.load(x_ptr + j[:, None] * M + a[None, :], mask=in_block, other=0.0)               # (BJ, BM)
-            va = tl.load(v_ptr + j[:, None, None] * svj + a[None, :, None] * sva + rk[None, None, :],
-                         mask=in_block[:, :, None] & k_ok[None, None, :], other=0.0)                # (BJ, BM, BK)
-            zj += tl.sum(xa.to(tl.float32)[:, :, None] * va.to(tl.float32), axis=1)
-        zj = zj.to(x_ptr.dtype.element_ty).to(tl.float32)
-        z += tl.sum(tl.where(rb[:, None, None] == j[None, :, None], zj[None, :, :], 0.0), axis=1)   # rows j0.. of z
-    s = tl.load(s_ptr + rb[:, None, None] * ssi + rb[None, :, None] * ssj + rk[None, None, :],
-                mask=(rb[:, None, None] < B) & (rb[None, :, None] < B) & k_ok[None, None, :], other=0.0)  # (b_i, b_j, BK)
-    t = tl.sum(s.to(tl.float32) * z[None, :, :], axis=1)
-    tl.store(t_ptr + rb[:, None] * R + rk[None, :], t.to(t_ptr.dtype.element_ty), mask=(rb[:, None] < B) & k_ok[None, :])
+    z = tl.zeros((BJ, BK), dtype=tl.float32)
+    for a0 in range(0, M, BM):
+        a = a0 + ra
+        in_block = (j[:, None] < B) & (a[None, :] < M)
+        xa = tl.load(x_ptr + j[:, None] * M + a[None, :], mask=in_block, other=0.0)                   # (BJ, BM)
+        va = tl.load(v_ptr + j[:, None, None] * svj + a[None, :, None] * sva + rk[None, None, :],
+                     mask=in_block[:, :, None] & k_ok[None, None, :], other=0.0)                    # (BJ, BM, BK)
+        z += tl.sum(xa.to(tl.float32)[:, :, None] * va.to(tl.float32), axis=1)
+    tl.store(z_ptr + j[:, None] * R + rk[None, :], z.to(z_ptr.dtype.element_ty), mask=(j[:, None] < B) & k_ok[None, :])
+    tl.debug_barrier()                                  # every thread's stores precede the release below
+    if tl.atomic_add(arrived_ptr + pid_k, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+        rb = tl.arange(0, BB)
+        zk = tl.load(z_ptr + rb[:, None] * R + rk[None, :], mask=(rb[:, None] < B) & k_ok[None, :], other=0.0,
+                     cache_modifier=".cg")             # from L2: other SMs wrote it
+        s = tl.load(s_ptr + rb[:, None, None] * ssi + rb[None, :, None] * ssj + rk[None, None, :],
+                    mask=(rb[:, None, None] < B) & (rb[None, :, None] < B) & k_ok[None, None, :], other=0.0)
+        t = tl.sum(s.to(tl.float32) * zk.to(tl.float32)[None, :, :], axis=1)                            # (b_i, BK)
+        tl.store(t_ptr + rb[:, None] * R + rk[None, :], t.to(t_ptr.dtype.element_ty),
+                 mask=(rb[:, None] < B) & k_ok[None, :])
+        tl.atomic_xchg(arrived_ptr + pid_k, 0)          # ready for the next call
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """``count`` zeroed int32 counters on ``device``, one buffer for every call there (each kernel leaves its
+    counters at zero; calls run one after another on a stream). Made outside a CUDA-graph capture, so that it
+    outlives the graph: a first call inside one is refused."""
+    have = _ARRIVALS.get(device)
+    if have is None or have.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise MemfitError("blast_linear xvmix_gemv_pdl: its first call on a device (or at a wider rank) must come "
+                              "before a CUDA-graph capture, which cannot keep the counters it makes; call it once first")
+        _ARRIVALS[device] = have = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    return have
 
 
 def _xvmix_row(x2, v, s, launch_dependents: bool):
     """T (1, b, r) for the one row of x2 by ``_xvmix_row_kernel``; ``launch_dependents``: the first kernel of a chain."""
     b, m, r = v.shape
-    t = torch.empty(1, b, r, device=x2.device, dtype=x2.dtype)
-    grid = lambda meta: (triton.cdiv(r, meta["BK"]),)
-    _xvmix_row_kernel[grid](x2, v, s, t, m, r, b, v.stride(0), v.stride(1), s.stride(0), s.stride(1),
+    z, t = (torch.empty(1, b, r, device=x2.device, dtype=x2.dtype) for _ in range(2))
+    arrived = _arrival_counters(x2.device, r)                          # at least one a rank slice, whatever BK
+    grid = lambda meta: (triton.cdiv(r, meta["BK"]), triton.cdiv(b, meta["BJ"]))
+    _xvmix_row_kernel[grid](x2, v, s, z, t, arrived, m, r, b, v.stride(0), v.stride(1), s.stride(0), s.stride(1),
                             BB=pow2_at_least(b), **chain_options(launch_dependents))
     return t
 
 
 def _xvmix_gemv_pdl(x2, u, v, s, bias):
-    """One token in two chained kernels: T by ``_xvmix_row_kernel`` (stages 1 and 2, Z on chip), then Y by
+    """One token in two chained kernels: T by ``_xvmix_row_kernel`` (stages 1 and 2 in one launch), then Y by
     :func:`gemv.block_gemv` streaming U (b p, r), launched while the first runs (it prefetches its rows of U, then
-    waits for T): ``bgemm_mix_gemv_pdl`` with one dependent step fewer."""
+    waits for T): ``bgemm_mix_gemv_pdl`` with one dependent launch fewer."""
     (b, _, r), n = v.shape, x2.shape[0]
     t = _xvmix_row(x2, v, s, launch_dependents=True)
     return gemv.block_gemv(t.view(n, b * r), u.view(-1, r), bias, b, r, wait_for_previous=True)
