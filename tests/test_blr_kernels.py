@@ -112,15 +112,13 @@ def test_monarchs_chain_is_offered_further_than_the_others(monkeypatch):
     assert chained(257) == (False, False, False)
 
 
-@pytest.mark.parametrize("chain", blast.ONE_TOKEN_CHAINS)
-def test_blasts_gemv_chains_are_offered_at_one_token(chain, monkeypatch):
-    """At N = 4 the GEMV chain was the fastest at no shape (blr_layers_subset_gemv_chain_n4.json); the row kernel
-    takes one token; both need PDL."""
+def test_blasts_gemv_chain_is_offered_at_one_token(monkeypatch):
+    """At N = 4 the GEMV chain was the fastest at no shape (blr_layers_subset_gemv_chain_n4.json), and it needs PDL."""
     monkeypatch.setattr(blast, "pdl_offered", lambda: True)
-    assert chain in blast.variants_for(1)
-    assert not any(chain in blast.variants_for(n) for n in (2, 3, 4, 16))
+    assert "bgemm_mix_gemv_pdl" in blast.variants_for(1)
+    assert not any("bgemm_mix_gemv_pdl" in blast.variants_for(n) for n in (2, 3, 4, 16))
     monkeypatch.setattr(blast, "pdl_offered", lambda: False)
-    assert chain not in blast.variants_for(1)
+    assert "bgemm_mix_gemv_pdl" not in blast.variants_for(1)
 
 
 def test_fused_mixing_is_offered_up_to_its_max_n():
@@ -308,12 +306,12 @@ from triton.backends.compiler import GPUTarget
 from memfit.kernels import blast, blr_common
 
 kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
-           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "xvmix_row": blast._xvmix_row_kernel}
+           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel}
 out = {}
 for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
-    signature = {p.name: "constexpr" if p.is_constexpr else "*i32" if p.name == "arrived_ptr"   # counters
-                 else "*bf16" if p.name.endswith("_ptr") else "i32" for p in fn.params}
+    signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
+                 for p in fn.params}
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in divisible}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=defaults | constexprs, attrs=attrs)
@@ -331,7 +329,6 @@ CHAIN_CASES = {
                                          "WAIT_FOR_PREVIOUS": True, "BN": 16, "BK": 32}),
     "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
                                  "B_ROWS_CONTIGUOUS": True, "EVEN_K": False}),
-    "xvmix_row launches": ("xvmix_row", {"BB": 16, "LAUNCH_DEPENDENTS": True, "BJ": 8, "BM": 128, "BK": 8}),
 }
 
 
@@ -394,18 +391,6 @@ def test_fused_mixing_tiles_compile_without_spills():
     spills = {name: ptxas_spills(ptx)[1] for name, ptx in compile_sm90(cases).items()}
     assert spills.pop("too wide") > 1024
     assert max(spills.values()) <= 8, spills
-
-
-def test_one_token_fused_mixing_tiles_compile_without_spills():
-    """Every listed _xvmix_row_kernel tile, at b = 16 in bf16, compiles for sm_90 without register spills (each holds
-    XVMIX_ROW_RESULT_REGISTERS fp32 products a thread per step), where a step of eight times that spills."""
-    aligned = ["x_ptr", "v_ptr", "s_ptr", "t_ptr", "M", "R", "svj", "sva", "ssi", "ssj"]
-    cases = {f"{bj}x{bm}x{bk} w{w}": ("xvmix_row", {"BB": 16, "LAUNCH_DEPENDENTS": True, "BJ": bj, "BM": bm, "BK": bk},
-                                      aligned, st, w) for bj, bm, bk, w, st in blast.XVMIX_ROW_CONFIGS}
-    cases["too wide"] = ("xvmix_row", {"BB": 16, "LAUNCH_DEPENDENTS": True, "BJ": 16, "BM": 256, "BK": 16}, aligned, 1, 4)
-    spills = {name: ptxas_spills(ptx)[1] for name, ptx in compile_sm90(cases).items()}
-    assert spills.pop("too wide") > 0
-    assert max(spills.values()) == 0, spills
 
 
 def test_pipelined_token_major_mixing_prefetches_by_cp_async():
@@ -478,7 +463,7 @@ BLAST_VARIANTS = list(blast.VARIANTS)
 @pytest.mark.parametrize("n,bias", [(1, True), (N, False), (N, True)])
 def test_blast(dtype, variant, n, bias, monkeypatch):
     monkeypatch.setattr(blast, "TOKEN_MAJOR_MIN_N", 1)   # the token-contiguous pipelines at the tests' N too
-    if variant in blast.ONE_TOKEN_CHAINS:                 # offered at one token only: (1, bias) and (1, no bias)
+    if variant == "bgemm_mix_gemv_pdl":                   # offered at one token only: (1, bias) and (1, no bias)
         if n == N and bias:
             pytest.skip("one token with a bias is the first case")
         n = 1
@@ -488,31 +473,12 @@ def test_blast(dtype, variant, n, bias, monkeypatch):
     check(blast_linear, blast_linear_reference, drop_bias(tensors, bias), dtype, variant=variant)
 
 
-def test_the_one_token_mixing_leaves_its_counters_at_zero():
-    """Each rank slice's last program resets its arrival counter: a second call finds them all at zero again and
-    mixes as the first did (a counter left over would make no program the last, and T would stay unwritten)."""
-    b, m, r = 5, 12, 9
-    x, v, s = torch.randn(1, b * m), torch.randn(b, m, r), torch.randn(b, b, r)
-    first = blast._xvmix_row(x, v, s, launch_dependents=False)
-    assert not blast._ARRIVALS[x.device].any()
-    assert torch.equal(blast._xvmix_row(x, v, s, launch_dependents=False), first)
-
-
-def test_the_one_token_mixings_counters_are_not_made_inside_a_graph_capture(monkeypatch):
-    monkeypatch.setattr(blast, "_ARRIVALS", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(MemfitError, match="before a CUDA-graph capture"):
-        blast._arrival_counters(torch.device("cuda", 0), 16)
-
-
-@pytest.mark.parametrize("variant,n", [("xvmix_bmm", N), ("xvmix_gemv_pdl", 1)])
-def test_blast_fused_mixing_loops_over_wide_blocks(variant, n):
-    """Input blocks wider than one K tile take the fused kernels' loop over m (3 steps of the interpreter's 16), and
-    five blocks take the row kernel's loop over blocks in three steps of two, the last one short."""
-    b, m, r = 5, 37, 9
-    tensors = [torch.randn(n, b * m), torch.randn(b, P, r) / r**0.5, torch.randn(b, m, r) / m**0.5,
-               torch.randn(b, b, r), torch.randn(b * P)]
-    check(blast_linear, blast_linear_reference, tensors, torch.float32, variant=variant)
+def test_blast_fused_mixing_loops_over_wide_blocks():
+    """Input blocks wider than one K tile take the fused kernel's loop over m (3 steps of the interpreter's 16)."""
+    m, r = 37, 9
+    tensors = [torch.randn(N, 2 * m), torch.randn(2, P, r) / r**0.5, torch.randn(2, m, r) / m**0.5,
+               torch.randn(2, 2, r), torch.randn(2 * P)]
+    check(blast_linear, blast_linear_reference, tensors, torch.float32, variant="xvmix_bmm")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

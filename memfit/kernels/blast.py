@@ -47,17 +47,26 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
 * ``bgemm_mix_gemv_pdl`` (N = 1, Hopper+): ``bgemm_mix_bgemm_pdl`` with stage 3 as a GEMV (:func:`gemv.block_gemv`):
   U stored (b, p, r) has each output feature's ranks contiguous, so a program streams whole rows of U_i with 16-byte
   loads and sums on CUDA cores, where ``bgemm``'s tensor-core tile pads the one token to 16 rows and reads U_i^T as
-  a transposed operand. On the H200 at N = 1 (``blr_layers_subset_gemv_chain.json``, d777153) it took 0.904x and
-  0.952x ``bgemm_mix_bgemm_pdl``'s time at Llama-1B q/o and gate (5.69 against 6.29 us at q/o) and 0.985x at
-  Llama-7B qkvo, the pick there, and 1.131-1.213x at the other four shapes (not profiled). In the ce2e15c run
-  (``results/earlier/``, with a grid cap since taken out) the chain also won at Llama-1B up and down (0.992x,
-  0.942x). At down its stage 1, autotuned alone there (as ``z_mixgemm_pdl``'s, which shares its key), had another
-  tile than in the two runs where it lost (16 x 64 x 128 against 16 x 32 x 256), and ``z_mixgemm_pdl``, unchanged,
-  read 15.88 us against 24.64 here; at up stage 1 had the same tile in the ce2e15c run as in this one and the GEMV's
-  own pick differed. Stage 1 now takes the GEMM chain's tile for it (:func:`_bgemm_mix_gemv_pdl`; not yet timed on a
-  GPU). At N = 4 it was the fastest at no shape, 1.02-1.96x the fastest pipeline (Llama-7B gate/up: 41.38 against
-  ``bmm_mix_bmm``'s 21.15 us; ``blr_layers_subset_gemv_chain_n4.json``, ce2e15c; not profiled: each of the four rows
-  of x has its own programs, which read U_i again, from L2 at best). So it is offered at one token only.
+  a transposed operand. Stage 1 runs the tile the GEMM chain's pick timed for it in a chain
+  (:func:`_gemm_chain_tiles`): autotuned alone, it took different tiles in different runs, and the chain's time moved
+  with them (Llama-1B down: 16 x 32 x 256 in the 9462638 and d777153 tables, 1.216x and 1.208x the GEMM chain's
+  time; 16 x 64 x 128 in ce2e15c's, 0.942x; ``results/earlier/blr_layers_subset_gemv_chain_*``). So run (7eeb2bd,
+  ``blr_layers_subset_gemv_chain.json``), it took 0.905-0.966x ``bgemm_mix_bgemm_pdl``'s time at six of the seven
+  shapes (Llama-1B q/o 5.68 against 6.28 us, down 10.31 against 11.17) and was the fastest pipeline at the four
+  Llama-1B shapes and Llama-7B qkvo; at Llama-7B gate/up 1.057x. Under Nsight Compute, one kernel at a time
+  (``blr_counters.json``, 7eeb2bd), its GEMV stage reads U there at 2.37 TB/s against ``bgemm``'s 2.04 (13.86
+  against 16.03 us) and its stage 1 takes 7.90 us against 7.04 in the GEMM chain. At N = 4 it was the fastest at no
+  shape, 1.02-1.96x the fastest pipeline (Llama-7B gate/up: 41.38 against ``bmm_mix_bmm``'s 21.15 us;
+  ``blr_layers_subset_gemv_chain_n4.json``, ce2e15c; not profiled: each of the four rows of x has its own programs,
+  which read U_i again, from L2 at best). So it is offered at one token only.
+* Tried and taken out, ``xvmix_gemv_pdl`` (f366b36, 2e1fb9b): at one token, stages 1 and 2 in one kernel (Z summed
+  on CUDA cores from V's rank-contiguous rows and mixed on chip), chained into the same GEMV: two dependent launches
+  where ``bgemm_mix_gemv_pdl`` has three. With one program a rank slice, every block in it (f366b36), it took
+  1.056-1.828x ``bgemm_mix_gemv_pdl``'s time at the seven shapes; with the blocks spread over programs and the last
+  program of a rank slice to arrive (an atomic counter a slice) mixing that slice from L2 (2e1fb9b), 1.140-1.355x
+  (Llama-1B q/o 6.67 against 5.73 us; ``results/earlier/blr_layers_subset_xvmix_row_*.json``; not profiled). Its
+  counters, one buffer kept across calls, also stopped ``blr_e2e.py``: torch.compile's CUDA-graph trees found a live
+  tensor in their pool that no output tracked (``results/logs/blr_e2e_memfit_attention_stopped_2e1fb9b.log``).
 * ``z_mixgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``z_mixgemm`` with the second kernel chained
   to the first (blr_common's programmatic dependent launch: it starts while Z is being
   made, pulls its U_i slice into L2, then waits for Z). On a GPU that offers it the pick does
@@ -374,95 +383,6 @@ def _bgemm_mix_gemv_pdl(x2, u, v, s, bias):
     return gemv.block_gemv(t.view(n, b * r), u.view(-1, r), bias, b, r, wait_for_previous=True)
 
 
-# ---- one token: stages 1 and 2 in one kernel, chained into the GEMV ------------------------
-
-XVMIX_ROW_RESULT_REGISTERS = 64   # fp32 products a thread holds per step (BJ * BM * BK a program)
-XVMIX_ROW_CONFIGS = [(1, 128, 16, 4, 1), (2, 128, 16, 4, 1), (4, 128, 8, 4, 1), (4, 128, 16, 4, 1), (1, 256, 16, 4, 1),
-                     (2, 256, 8, 4, 1), (8, 128, 8, 4, 1), (1, 512, 8, 4, 1)]   # BJ, BM, BK, warps, stages
-
-
-def _prune_xvmix_row(configs, named_args, **kwargs):
-    """Tiles whose (BJ, BM, BK) step fits the registers and is no wider than the blocks, input block and ranks."""
-    step = lambda c: c.kwargs["BJ"] * c.kwargs["BM"] * c.kwargs["BK"]  # noqa: E731
-    keep = [c for c in configs if step(c) <= XVMIX_ROW_RESULT_REGISTERS * 32 * c.num_warps and c.kwargs["BJ"] <= kwargs["BB"]
-            and c.kwargs["BM"] <= pow2_at_least(named_args["M"], 64) and c.kwargs["BK"] <= pow2_at_least(named_args["R"], 4)]
-    return keep or configs[-1:]
-
-
-@tuned(XVMIX_ROW_CONFIGS, ("BJ", "BM", "BK"), (2, 16, 4, 4, 1), key=["M", "R", "B"], prune=_prune_xvmix_row)
-@triton.jit
-def _xvmix_row_kernel(x_ptr, v_ptr, s_ptr, z_ptr, t_ptr, arrived_ptr, M, R, B, svj, sva, ssi, ssj,
-                      BB: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr,
-                      BK: tl.constexpr):
-    """One token: T[i, k] = sum_j s[i, j, k] (x_j . V_j[:, k]). A program sums Z[j, k] = x_j . V_j[:, k] on CUDA
-    cores for BJ blocks and BK ranks, from (BJ, BM, BK) steps of V (rank-contiguous rows), and stores it rounded to
-    x's dtype as in the reference; the last program of a rank slice to arrive (``arrived``: one self-resetting
-    counter a slice) mixes the slice, whose Z is all in L2 by then. One launch makes T, with the whole GPU on V."""
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid_k = tl.program_id(0)
-    rk = pid_k * BK + tl.arange(0, BK)
-    j = tl.program_id(1) * BJ + tl.arange(0, BJ)
-    ra = tl.arange(0, BM)
-    k_ok = rk < R
-    z = tl.zeros((BJ, BK), dtype=tl.float32)
-    for a0 in range(0, M, BM):
-        a = a0 + ra
-        in_block = (j[:, None] < B) & (a[None, :] < M)
-        xa = tl.load(x_ptr + j[:, None] * M + a[None, :], mask=in_block, other=0.0)                   # (BJ, BM)
-        va = tl.load(v_ptr + j[:, None, None] * svj + a[None, :, None] * sva + rk[None, None, :],
-                     mask=in_block[:, :, None] & k_ok[None, None, :], other=0.0)                    # (BJ, BM, BK)
-        z += tl.sum(xa.to(tl.float32)[:, :, None] * va.to(tl.float32), axis=1)
-    tl.store(z_ptr + j[:, None] * R + rk[None, :], z.to(z_ptr.dtype.element_ty), mask=(j[:, None] < B) & k_ok[None, :])
-    tl.debug_barrier()                                  # every thread's stores precede the release below
-    if tl.atomic_add(arrived_ptr + pid_k, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
-        rb = tl.arange(0, BB)
-        zk = tl.load(z_ptr + rb[:, None] * R + rk[None, :], mask=(rb[:, None] < B) & k_ok[None, :], other=0.0,
-                     cache_modifier=".cg")             # from L2: other SMs wrote it
-        s = tl.load(s_ptr + rb[:, None, None] * ssi + rb[None, :, None] * ssj + rk[None, None, :],
-                    mask=(rb[:, None, None] < B) & (rb[None, :, None] < B) & k_ok[None, None, :], other=0.0)
-        t = tl.sum(s.to(tl.float32) * zk.to(tl.float32)[None, :, :], axis=1)                            # (b_i, BK)
-        tl.store(t_ptr + rb[:, None] * R + rk[None, :], t.to(t_ptr.dtype.element_ty),
-                 mask=(rb[:, None] < B) & k_ok[None, :])
-        tl.atomic_xchg(arrived_ptr + pid_k, 0)          # ready for the next call
-
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """``count`` zeroed int32 counters on ``device``, one buffer for every call there (each kernel leaves its
-    counters at zero; calls run one after another on a stream). Made outside a CUDA-graph capture, so that it
-    outlives the graph: a first call inside one is refused."""
-    have = _ARRIVALS.get(device)
-    if have is None or have.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise MemfitError("blast_linear xvmix_gemv_pdl: its first call on a device (or at a wider rank) must come "
-                              "before a CUDA-graph capture, which cannot keep the counters it makes; call it once first")
-        _ARRIVALS[device] = have = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-    return have
-
-
-def _xvmix_row(x2, v, s, launch_dependents: bool):
-    """T (1, b, r) for the one row of x2 by ``_xvmix_row_kernel``; ``launch_dependents``: the first kernel of a chain."""
-    b, m, r = v.shape
-    z, t = (torch.empty(1, b, r, device=x2.device, dtype=x2.dtype) for _ in range(2))
-    arrived = _arrival_counters(x2.device, r)                          # at least one a rank slice, whatever BK
-    grid = lambda meta: (triton.cdiv(r, meta["BK"]), triton.cdiv(b, meta["BJ"]))
-    _xvmix_row_kernel[grid](x2, v, s, z, t, arrived, m, r, b, v.stride(0), v.stride(1), s.stride(0), s.stride(1),
-                            BB=pow2_at_least(b), **chain_options(launch_dependents))
-    return t
-
-
-def _xvmix_gemv_pdl(x2, u, v, s, bias):
-    """One token in two chained kernels: T by ``_xvmix_row_kernel`` (stages 1 and 2 in one launch), then Y by
-    :func:`gemv.block_gemv` streaming U (b p, r), launched while the first runs (it prefetches its rows of U, then
-    waits for T): ``bgemm_mix_gemv_pdl`` with one dependent launch fewer."""
-    (b, _, r), n = v.shape, x2.shape[0]
-    t = _xvmix_row(x2, v, s, launch_dependents=True)
-    return gemv.block_gemv(t.view(n, b * r), u.view(-1, r), bias, b, r, wait_for_previous=True)
-
-
 # ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------
 
 def _prune_mixgemm(configs, named_args, **kwargs):
@@ -533,11 +453,8 @@ def _z_mixgemm_pdl(x2, u, v, s, bias):
 
 VARIANTS = {"xvmix_bmm": _xvmix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "tbmm_mix_tbmm": _tbmm_mix_tbmm, "z_mixgemm": _z_mixgemm,
             "z_mixgemm_pdl": _z_mixgemm_pdl, "bgemm_mix_bgemm_pdl": _bgemm_mix_bgemm_pdl,
-            "bgemm_mix_gemv_pdl": _bgemm_mix_gemv_pdl, "xvmix_gemv_pdl": _xvmix_gemv_pdl,
+            "bgemm_mix_gemv_pdl": _bgemm_mix_gemv_pdl,
             "torch": blast_linear_reference}
-
-
-ONE_TOKEN_CHAINS = ("bgemm_mix_gemv_pdl", "xvmix_gemv_pdl")   # offered at N = 1 only, where PDL is
 
 
 def variants_for(n: int) -> dict:
@@ -550,7 +467,7 @@ def variants_for(n: int) -> dict:
         names.append("tbmm_mix_tbmm")
     if n <= PDL_MAX_N and pdl_offered():
         names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
-        names += list(ONE_TOKEN_CHAINS) if n == 1 else []   # after the GEMM chain, whose stage-1 tile the first takes
+        names += ["bgemm_mix_gemv_pdl"] if n == 1 else []      # after the GEMM chain, whose stage-1 tile it takes
     return {name: VARIANTS[name] for name in names}
 
 
