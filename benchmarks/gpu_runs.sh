@@ -8,7 +8,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-# name|seconds|command, most pending first (after the twenty-first session, 2026-12-02: see its closing note). The
+# name|seconds|command, most pending first (after the twenty-fourth session, 2026-12-02: the layer table predates
+# BLAST's GEMV chain, and blr_e2e stopped at db2a64c when the device time ran out, after 249 s and before its free
+# rows). At 7eeb2bd the models of blr_e2e_memfit_attention record 215.9 s of set-up and timing, blr_counters took
+# 72 s (its log's real time) and blr_layers --tokens 1 --structures blast records 72.9 s. The
 # layer table needs two calls (as at 1476f91 and f969028): at af7a5bc, where the chained pipelines time every pair of
 # their tiles, its file records 779 s, 372.1 s of case times for the 13 cases of a first call stopped at its limit and
 # 386.5 s for the 22 blr_layers_resume timed (f969028's first call timed 30 cases in 579.7 s of case times).
@@ -26,11 +29,12 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # ledger_accuracy_blr's 11 jobs record 219 s at 6671149 (228 s at 074d5b1). pick_cost's 42 first calls took 107 s at
 # 11b0a19, 92.3 s at d1edfef, 142.5 s at af7a5bc, 179.2 s at 491a2d6 (give it 240 s); partial_ffn 115 s at 0a7cc7e.
 RUNS=(
-  "blr_e2e_memfit_attention|400|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
-  "blr_e2e|400|python3 benchmarks/blr_e2e.py --out $OUT --profile"
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
+  "blr_e2e|400|python3 benchmarks/blr_e2e.py --out $OUT --profile"
+  "blr_layers_profile|240|python3 benchmarks/blr_layers.py --out $OUT --profile-only"
   "decode_profile|240|python3 benchmarks/decode_profile.py --out $OUT"
+  "blr_e2e_memfit_attention|400|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
   "partial_ffn|300|python3 benchmarks/partial_ffn.py --out $OUT --skip-accuracy"
   "train_small_model|130|python3 benchmarks/train_small_model.py --out /tmp/small_llama --results $OUT --max-seconds 80"
   "partial_ffn_accuracy|150|python3 benchmarks/partial_ffn.py --out $OUT --skip-speed --small-model /tmp/small_llama"
@@ -40,7 +44,6 @@ RUNS=(
   "attention|360|python3 benchmarks/attention.py --out $OUT"
   "finetune_memory|450|python3 benchmarks/finetune_memory.py --out $OUT"
   "ledger_accuracy|240|python3 benchmarks/ledger_accuracy.py --out $OUT"
-  "blr_layers_profile|240|python3 benchmarks/blr_layers.py --out $OUT --profile-only"
   "ledger_accuracy_blr|300|python3 benchmarks/ledger_accuracy.py --out $OUT --blr"
   "pick_cost|240|python3 benchmarks/pick_cost.py --out $OUT"
   "chain_tiles|300|python3 benchmarks/chain_tiles.py --out $OUT"
