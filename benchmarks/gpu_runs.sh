@@ -9,8 +9,8 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # name|seconds|command, most pending first (after the twenty-fourth session, 2026-12-02: the layer table predates
-# BLAST's GEMV chain, and blr_e2e stopped at db2a64c when the device time ran out, after 249 s and before its free
-# rows). At 7eeb2bd the models of blr_e2e_memfit_attention record 215.9 s of set-up and timing, blr_counters took
+# BLAST's GEMV chain, and blr_e2e stopped at db2a64c when the device time ran out, while it built its compiled free
+# model). At 7eeb2bd the models of blr_e2e_memfit_attention record 215.9 s of set-up and timing, blr_counters took
 # 72 s (its log's real time) and blr_layers --tokens 1 --structures blast records 72.9 s. The
 # layer table needs two calls (as at 1476f91 and f969028): at af7a5bc, where the chained pipelines time every pair of
 # their tiles, its file records 779 s, 372.1 s of case times for the 13 cases of a first call stopped at its limit and
@@ -27,7 +27,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # machine the table had just used. The models of blr_e2e record 281 s of set-up and timing, those of
 # blr_e2e_memfit_attention 166 s (each call also starts CUDA and measures the ceilings; 264 s at 1deb9e7).
 # ledger_accuracy_blr's 11 jobs record 219 s at 6671149 (228 s at 074d5b1). pick_cost's 42 first calls took 107 s at
-# 11b0a19, 92.3 s at d1edfef, 142.5 s at af7a5bc, 179.2 s at 491a2d6 (give it 240 s); partial_ffn 115 s at 0a7cc7e.
+# 11b0a19, 92.3 s at d1edfef, 142.5 s at af7a5bc, 179.2 s at 491a2d6, 177.1 s at 83e4b53 (give it 240 s); partial_ffn
+# 115 s at 0a7cc7e, 128.5 s at 83e4b53.
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"

@@ -53,20 +53,23 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   time; 16 x 64 x 128 in ce2e15c's, 0.942x; ``results/earlier/blr_layers_subset_gemv_chain_*``). So run (7eeb2bd,
   ``blr_layers_subset_gemv_chain.json``), it took 0.905-0.966x ``bgemm_mix_bgemm_pdl``'s time at six of the seven
   shapes (Llama-1B q/o 5.68 against 6.28 us, down 10.31 against 11.17) and was the fastest pipeline at the four
-  Llama-1B shapes and Llama-7B qkvo; at Llama-7B gate/up 1.057x. Under Nsight Compute, one kernel at a time
-  (``blr_counters.json``, 7eeb2bd), its GEMV stage reads U there at 2.37 TB/s against ``bgemm``'s 2.04 (13.86
-  against 16.03 us) and its stage 1 takes 7.90 us against 7.04 in the GEMM chain. At N = 4 it was the fastest at no
-  shape, 1.02-1.96x the fastest pipeline (Llama-7B gate/up: 41.38 against ``bmm_mix_bmm``'s 21.15 us;
-  ``blr_layers_subset_gemv_chain_n4.json``, ce2e15c; not profiled: each of the four rows of x has its own programs,
-  which read U_i again, from L2 at best). So it is offered at one token only.
+  Llama-1B shapes and Llama-7B qkvo; at Llama-7B gate/up 1.057x. There, under Nsight Compute, one kernel at a time
+  (``blr_counters.json``, 7eeb2bd), its three kernels sum to 26.14 us against the GEMM chain's 27.52 (its GEMV stage
+  reads U at 2.37 TB/s against ``bgemm``'s 2.04, 13.86 against 16.03 us; stage 1, the same tile in both, 7.90 against
+  7.04): the kernels timed one at a time do not explain the loss (their overlap when chained, or tiles picked
+  differently in the two processes, might; not traced). At N = 4 it was the fastest at no shape, 1.02-1.96x the
+  fastest pipeline (Llama-7B gate/up: 41.38 against ``bmm_mix_bmm``'s 21.15 us; ``blr_layers_subset_gemv_chain_n4.json``,
+  ce2e15c; not profiled: each of the four rows of x has its own programs, which read U_i again, from L2 at best). So
+  it is offered at one token only.
 * Tried and taken out, ``xvmix_gemv_pdl`` (f366b36, 2e1fb9b): at one token, stages 1 and 2 in one kernel (Z summed
   on CUDA cores from V's rank-contiguous rows and mixed on chip), chained into the same GEMV: two dependent launches
   where ``bgemm_mix_gemv_pdl`` has three. With one program a rank slice, every block in it (f366b36), it took
   1.056-1.828x ``bgemm_mix_gemv_pdl``'s time at the seven shapes; with the blocks spread over programs and the last
   program of a rank slice to arrive (an atomic counter a slice) mixing that slice from L2 (2e1fb9b), 1.140-1.355x
-  (Llama-1B q/o 6.67 against 5.73 us; ``results/earlier/blr_layers_subset_xvmix_row_*.json``; not profiled). Its
-  counters, one buffer kept across calls, also stopped ``blr_e2e.py``: torch.compile's CUDA-graph trees found a live
-  tensor in their pool that no output tracked (``results/logs/blr_e2e_memfit_attention_stopped_2e1fb9b.log``).
+  (Llama-1B q/o 6.67 against 5.73 us; ``results/earlier/blr_layers_subset_xvmix_row_*.json``; not profiled). At
+  2e1fb9b ``blr_e2e.py`` also stopped: torch.compile's CUDA-graph trees found a live tensor in their pool that no
+  output tracked (``results/logs/blr_e2e_memfit_attention_stopped_2e1fb9b.log``), most likely its counters, one
+  buffer kept across calls (the log does not name the tensor).
 * ``z_mixgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``z_mixgemm`` with the second kernel chained
   to the first (blr_common's programmatic dependent launch: it starts while Z is being
   made, pulls its U_i slice into L2, then waits for Z). On a GPU that offers it the pick does
