@@ -30,9 +30,9 @@ def resolve_device(name):
 
 
 def check_model_dir(model: str | Path) -> Path:
-    """``model`` as a directory holding config.json and safetensors weights (checked before any work)."""
+    """``model`` as a directory holding config.json and readable safetensors weights (checked before any work)."""
     from memfit.errors import MemfitError
-    from memfit.infer.partial_load import check_weight_files
+    from memfit.infer.partial_load import weight_files
     from memfit.models import PRESETS
 
     model = str(model)
@@ -50,8 +50,30 @@ def check_model_dir(model: str | Path) -> Path:
     from memfit.models.spec import refuse_compressed_dir
 
     refuse_compressed_dir(path)
-    check_weight_files(path)
+    weight_files(path)                                 # its index or header read: a truncated file fails here
     return path
+
+
+def unreadable_weights(model_dir: str | Path, err: Exception):
+    """The one-line :class:`~memfit.errors.MemfitError` for weights that are there but cannot be read (a truncated or
+    garbage safetensors file, an index that is no JSON or has no weight map). Loaders catch broadly for it: json's,
+    safetensors' and transformers' errors share no base class."""
+    from memfit.errors import MemfitError
+
+    return MemfitError(f"{model_dir}: its weights cannot be read ({type(err).__name__}: {err})")
+
+
+def load_hf_tokenizer(model_dir: str | Path):
+    """The model directory's Hugging Face tokenizer; a one-line MemfitError where its files cannot be read (a garbage
+    tokenizer.json), not the tokenizers library's traceback."""
+    from transformers import AutoTokenizer
+
+    from memfit.errors import MemfitError
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - tokenizers', json's and transformers' errors share no base
+        raise MemfitError(f"{model_dir}: its tokenizer cannot be read ({type(err).__name__}: {err})") from None
 
 
 def output_dir_problem(path: str | Path) -> str | None:

@@ -18,7 +18,8 @@ MiB = 2**20
 
 
 def parse_bytes(text: str | int | float) -> int:
-    """Parse a memory size. A bare number is bytes. Raises MemfitError when malformed or not positive."""
+    """Parse a memory size. A bare number is bytes, but a string one under 1 MiB ("24") is refused as a missing unit.
+    Raises MemfitError when malformed or not positive."""
     if isinstance(text, (int, float)):
         value, unit = float(text), "b"
     else:
@@ -35,6 +36,9 @@ def parse_bytes(text: str | int | float) -> int:
     size = value * _UNITS[unit]
     if not math.isfinite(size) or size < 1:
         raise MemfitError(f"memory size must be a positive, finite number of bytes, got {text!r}")
+    if isinstance(text, str) and not match.group(2) and size < MiB:       # "24": surely not 24 bytes of GPU
+        raise MemfitError(f"memory size {text!r} has no unit, so it reads as {int(size)} bytes: write one, e.g. "
+                          f"{text.strip()}GiB")
     return int(size)
 
 

@@ -262,7 +262,7 @@ def test_compress_out_is_checked_before_any_work(tmp_path, capsys, no_model_load
     (("--blr", "blast", "--task", "infer", "--partial-load", "0.5"), "does not apply to a block-low-rank model"),
     (("--blr", "blast", "--task", "lora", "--lora-targets", "q_proj,k_proj"),
      "LoRA targets (--lora-targets) q_proj are block-low-rank in this --blr model"),
-    (("--blr", "blast", "--task", "lora", "--lora-targets", ","), "LoRA on this --blr model has no target"),
+    (("--blr", "blast", "--task", "lora", "--lora-targets", ","), "--lora-targets ',' names no module"),
     (("--blr", "monarch", "--blr-blocks", "7"), "--blr monarch --blr-ratio 0.5 --blr-blocks 7: monarch: q_proj "
                                                 "in_features=2048 is not divisible by blocks=7"),
     (("--blr", "lowrank", "--blr-ratio", "1.5"), "--blr lowrank --blr-ratio 1.5: ratio must be"),   # no blocks
@@ -317,3 +317,82 @@ def test_the_ledger_refuses_what_a_blr_model_cannot_run():
     with pytest.raises(MemfitError, match="partial FFN loading"):
         predict(Job(spec, task="infer", seq=256), Knobs(blr_method="blast", partial_load=0.7, partial_compute=0.4))
     assert predict(Job(spec, task="lora", seq=256), Knobs(blr_method="blast", lora_targets=("k_proj", "v_proj"))).total
+
+
+@pytest.fixture
+def broken_weights(tmp_path, tiny_dir):
+    """The tiny model with its model.safetensors cut to its first 1000 bytes."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_dir / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes((tiny_dir / "model.safetensors").read_bytes()[:1000])
+    return broken
+
+
+@pytest.mark.parametrize("verb", ["generate", "calibrate", "finetune"])
+def test_a_truncated_weights_file_is_one_line(verb, broken_weights, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "hello"}\n')
+    argv = {"generate": ["generate", str(broken_weights), "--prompt", "hi", "--device", "cpu"],
+            "calibrate": ["calibrate", str(broken_weights), "--data", str(prompts), "--out", str(tmp_path / "r.st"),
+                          "--device", "cpu"],
+            "finetune": _finetune(tmp_path, model=broken_weights)}[verb]
+    _fails(capsys, argv, "its weights cannot be read")
+
+
+def test_a_sharded_index_without_a_weight_map_is_one_line(tmp_path, tiny_dir, capsys):
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((tiny_dir / "config.json").read_text())
+    (sharded / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    _fails(capsys, ["generate", str(sharded), "--prompt", "hi", "--device", "cpu"], "its weights cannot be read")
+
+
+def test_a_garbage_tokenizer_is_one_line(tmp_path, tiny_dir):
+    from memfit.errors import MemfitError
+    from memfit.local import load_hf_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text("not json")
+    with pytest.raises(MemfitError, match="its tokenizer cannot be read"):
+        load_hf_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["under a file", "a file"])
+def test_finetune_checks_its_output_before_training(where, tmp_path, capsys, no_model_load):
+    (tmp_path / "afile").write_text("")
+    out = tmp_path / "afile" / "sub" if where == "under a file" else tmp_path / "afile"
+    _fails(capsys, ["finetune", "tiny", "--out", str(out), "--device", "cpu", "--steps", "1"], str(tmp_path / "afile"))
+
+
+def test_calibrate_refuses_a_directory_as_its_output_before_loading(tiny_dir, tmp_path, capsys, no_model_load):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "hello"}\n')
+    _fails(capsys, ["calibrate", str(tiny_dir), "--data", str(prompts), "--out", str(tmp_path), "--device", "cpu"],
+           "is a directory: name the rankings file")
+
+
+def test_data_files_may_start_with_a_byte_order_mark_and_must_be_utf8(tmp_path):
+    from memfit.data.jsonl import text_lines
+    from memfit.errors import MemfitError
+
+    marked, utf16 = tmp_path / "bom.jsonl", tmp_path / "u16.jsonl"
+    marked.write_bytes('{"text": "hi"}\n'.encode("utf-8-sig"))
+    utf16.write_bytes('{"text": "hi"}\n'.encode("utf-16"))
+    assert text_lines(marked) == ['{"text": "hi"}']
+    with pytest.raises(MemfitError, match="is not UTF-8 text"):
+        text_lines(utf16)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--gpu-memory", "24"), "has no unit, so it reads as 24 bytes"),
+    (("--lora-targets", ",,"), "names no module"),
+    (("--micro-batch", "0"), "--micro-batch must be at least 1, got 0"),
+])
+def test_plan_refuses_what_it_used_to_take_silently(extra, message, capsys):
+    _fails(capsys, ["plan", "--model", "tiny", *extra], message)
+
+
+@pytest.mark.parametrize("tolerance", ["nan", "inf"])
+def test_verify_needs_a_finite_tolerance(tolerance, capsys):
+    _fails(capsys, ["verify", "--model", "tiny", "--seq", "64", "--device", "cpu", "--tolerance", tolerance],
+           "tolerance must be a positive, finite fraction")

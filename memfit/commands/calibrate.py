@@ -28,12 +28,16 @@ def run(args) -> int:
     from memfit.infer.calibrate import RANKINGS_FILE, calibrate, prompt_batches, read_prompts
     from memfit.infer.partial_load import load_model
     from memfit.infer.text import load_codec
-    from memfit.local import check_model_dir, resolve_device
+    from memfit.local import check_model_dir, output_dir_problem, resolve_device
 
     model_dir = check_model_dir(args.model)
     out = Path(args.out) if args.out else model_dir / RANKINGS_FILE
+    if out.is_dir():
+        raise MemfitError(f"--out {out} is a directory: name the rankings file (e.g. {out / RANKINGS_FILE})")
     if out.exists() and not args.force:
         raise MemfitError(f"{out} exists; pass --force to overwrite it or --out to write elsewhere")
+    if problem := output_dir_problem(out.parent):      # before the model loads, not at the save
+        raise MemfitError(f"--out {out}: {problem}")
     if args.max_tokens < 1 or args.batch_size < 1:
         raise MemfitError(f"--max-tokens and --batch-size must be >= 1, got {args.max_tokens} and {args.batch_size}")
     prompts = read_prompts(args.data)

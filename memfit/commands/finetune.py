@@ -108,21 +108,25 @@ def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, cons
 def load_model_and_tokenizer(name: str, dtype: torch.dtype, device: torch.device):
     """A preset (random init, byte tokenizer) or a local HF directory (its tokenizer, or the byte one)."""
     from memfit.data.tokenizer import ByteTokenizer
-    from memfit.local import check_model_dir
+    from memfit.local import check_model_dir, load_hf_tokenizer, unreadable_weights
     from memfit.models import PRESETS, build_model, load_spec
 
     spec = load_spec(name)
     if name in PRESETS:  # only a preset is built with random weights
         model, tokenizer = build_model(spec, dtype=dtype, device=device), ByteTokenizer()
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         path = check_model_dir(name)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        except Exception as err:  # noqa: BLE001 - transformers' and safetensors' errors (a truncated file) share no base
+            raise unreadable_weights(path, err) from None
+        model = model.to(device)
         if ByteTokenizer.saved_in(path) or not any(path.glob("tokenizer*")):
             tokenizer = ByteTokenizer()
         else:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tokenizer = load_hf_tokenizer(path)
     if tokenizer.eos_token_id is None:
         raise MemfitError(f"{name}: the tokenizer has no end-of-sequence token")
     if len(tokenizer) > spec.vocab:
@@ -141,13 +145,15 @@ def run(args) -> int:
 
     console = Console(stderr=True)
     budget = parse_bytes(args.gpu_memory) if args.gpu_memory else None
-    from memfit.local import resolve_device
+    from memfit.local import output_dir_problem, resolve_device
 
     device = resolve_device(args.device)
     dtype = dtype_of(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise MemfitError(f"--out {out} exists and is not a directory; choose another --out")
+    if problem := output_dir_problem(out):             # before the training, not at its first checkpoint
+        raise MemfitError(f"--out {out}: {problem}")
     if not args.resume and latest_checkpoint(out) is not None:
         raise MemfitError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     lr = args.lr if args.lr is not None else (5e-2 if args.model == DEFAULT_MODEL else 2e-4)

@@ -69,6 +69,8 @@ def job_from_args(args) -> tuple[Job, Knobs]:
               loss_fraction=args.loss_fraction)
     if args.checkpoint_layers > spec.num_layers:
         raise MemfitError(f"--checkpoint-layers {args.checkpoint_layers} exceeds the model's {spec.num_layers} layers")
+    if args.micro_batch is not None and args.micro_batch < 1:       # 0 would read as "not given"
+        raise MemfitError(f"--micro-batch must be at least 1, got {args.micro_batch}")
     micro = args.micro_batch or args.batch
     if args.batch % micro:
         raise MemfitError(f"--batch {args.batch} is not a multiple of --micro-batch {micro}")
@@ -91,6 +93,9 @@ def job_from_args(args) -> tuple[Job, Knobs]:
     dense = blr_dense_kinds(spec, knobs)
     if args.lora_targets is not None:
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+        if not targets:
+            raise MemfitError(f"--lora-targets {args.lora_targets!r} names no module: give a comma-separated list, "
+                              f"e.g. q_proj,v_proj")
     else:                                              # with --blr: the projections kept dense (peft wraps nn.Linear)
         targets = LORA_TARGETS_ALL if dense is None else tuple(k for k in LORA_TARGETS_ALL if k in dense)
     knobs = replace(knobs, lora_targets=targets)

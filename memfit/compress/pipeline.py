@@ -38,7 +38,7 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     from memfit.compress.io import check_output, save_compressed
     from memfit.compress.plan import plan_kinds
     from memfit.errors import MemfitError
-    from memfit.local import check_model_dir, resolve_device
+    from memfit.local import check_model_dir, resolve_device, unreadable_weights
     from memfit.log import warn_once
     from memfit.models import PRESETS, load_spec
 
@@ -69,7 +69,7 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
             net, loading = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype="auto",
                                                                 output_loading_info=True, ignore_mismatched_sizes=True)
         except Exception as err:  # noqa: BLE001 - transformers' and safetensors' errors (a truncated file) share no base
-            raise MemfitError(f"{model_dir}: its weights cannot be read ({type(err).__name__}: {err})") from None
+            raise unreadable_weights(model_dir, err) from None
         finally:
             hf_logging.set_verbosity(verbosity)
             if bars:

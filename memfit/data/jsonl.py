@@ -91,24 +91,32 @@ def check_source(path: str | Path, max_len: int) -> Path:
     return path
 
 
+def text_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file, a byte-order mark first allowed (Windows Notepad writes one); a one-line
+    MemfitError where the file is not UTF-8 (a PowerShell ``>`` redirect writes UTF-16)."""
+    try:
+        return path.read_text(encoding="utf-8-sig").splitlines()
+    except UnicodeDecodeError as err:
+        raise MemfitError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from None
+
+
 def load_jsonl(path: str | Path, tokenizer, max_len: int) -> list[Example]:
     """All examples of a JSONL file, tokenized. Raises MemfitError naming the first bad line."""
     path = check_source(path, max_len)
     examples, dropped = [], 0
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise MemfitError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-            example = tokenize_record(record, tokenizer, max_len, where)
-            if example is None:
-                dropped += 1
-            else:
-                examples.append(example)
+    for number, line in enumerate(text_lines(path), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise MemfitError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+        example = tokenize_record(record, tokenizer, max_len, where)
+        if example is None:
+            dropped += 1
+        else:
+            examples.append(example)
     if dropped:
         warn_once(f"jsonl:dropped:{path}", f"{path}: {dropped} example(s) lost all response tokens to "
                   f"truncation at {max_len} tokens and were skipped")

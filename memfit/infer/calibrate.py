@@ -21,6 +21,7 @@ from typing import Iterable
 
 import torch
 
+from memfit.data.jsonl import text_lines
 from memfit.errors import MemfitError
 
 RANKINGS_FILE = "rankings.safetensors"
@@ -99,7 +100,7 @@ def read_prompts(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise MemfitError(f"calibration data {path} does not exist (expected a .jsonl file, one JSON object a line)")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text_lines(path), 1):
         if not line.strip():
             continue
         try:

@@ -34,6 +34,7 @@ from memfit.errors import MemfitError
 from memfit.infer.calibrate import RANKINGS_FILE, Rankings
 from memfit.infer.fused import share_gate_up, share_qkv
 from memfit.infer.selection import PartialMLP
+from memfit.local import unreadable_weights
 from memfit.models.spec import dtype_of, load_spec
 
 CHUNK_BYTES = 64 * 2**20
@@ -120,18 +121,21 @@ def check_weight_files(model_dir: Path) -> None:
                           "(memfit loads safetensors only)")
 
 
-def _weight_files(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file of a model directory (single file or sharded with an index)."""
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file of a model directory (single file or sharded with an index); a one-line
+    MemfitError where there are none, or the index or the single file's header cannot be read."""
     check_weight_files(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
-    single = model_dir / "model.safetensors"
     from safetensors import safe_open
 
-    with safe_open(str(single), framework="pt") as handle:
-        return {name: single for name in handle.keys()}
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    try:
+        if index.is_file():
+            return {name: model_dir / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        with safe_open(str(single), framework="pt") as handle:
+            return {name: single for name in handle.keys()}
+    except Exception as err:  # noqa: BLE001 - json's, safetensors' and a missing key's errors share no base
+        raise unreadable_weights(model_dir, err) from None
 
 
 class _Reader:
@@ -141,7 +145,10 @@ class _Reader:
         from safetensors import safe_open
 
         self.files = files
-        self.handles = {path: safe_open(str(path), framework="pt") for path in set(files.values())}
+        try:
+            self.handles = {path: safe_open(str(path), framework="pt") for path in set(files.values())}
+        except Exception as err:  # noqa: BLE001 - a shard the index names, missing or truncated
+            raise unreadable_weights(next(iter(files.values())).parent, err) from None
 
     def _slice(self, name: str):
         if name not in self.files:
@@ -207,7 +214,7 @@ def load_model(model_dir: str | Path, partial: PartialConfig | None = None, *, d
         raise MemfitError(f"{model_dir}: FFN biases (mlp_bias=true) are not supported by partial loading")
     torch_dtype = dtype_of(dtype or spec.dtype)
     device = torch.device(device)
-    files = _weight_files(model_dir)
+    files = weight_files(model_dir)
 
     plan: dict[int, tuple] = {}
     if partial is not None:

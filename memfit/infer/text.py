@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from memfit.errors import MemfitError
+from memfit.local import load_hf_tokenizer
 from memfit.log import warn_once
 
 _HF_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -44,9 +45,7 @@ def _memfit_bytes():
 def load_codec(model_dir: str | Path | None, vocab: int) -> TextCodec:
     """The tokenizer for ``model_dir`` (see module doc)."""
     if model_dir is not None and any((Path(model_dir) / name).is_file() for name in _HF_FILES):
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        tok = load_hf_tokenizer(model_dir)
         return TextCodec(lambda text: tok.encode(text), lambda ids: tok.decode(ids, skip_special_tokens=True),
                          tok.eos_token_id, "hf")
     codec = _memfit_bytes()

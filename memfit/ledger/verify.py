@@ -10,6 +10,7 @@ tensor-lifetime tracker.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -191,8 +192,8 @@ def _measure_infer(job: Job, model, ids, warmup: int) -> Measurement:
 
 def verify(job: Job, knobs: Knobs, tolerance: float = 0.05, warmup: int = 1) -> VerifyResult:
     """Predict, measure, compare. ``result.ok`` is False when the total is off by more than ``tolerance``."""
-    if tolerance <= 0:
-        raise MemfitError(f"tolerance must be positive, got {tolerance}")
+    if not 0 < tolerance < math.inf:                   # NaN fails both comparisons
+        raise MemfitError(f"tolerance must be a positive, finite fraction (0.05 is 5%), got {tolerance}")
     check_runnable(job, knobs)
     ledger = predict(job, knobs)
     return VerifyResult(ledger, measure(job, knobs, warmup), tolerance)
