@@ -86,11 +86,11 @@ def test_loss_only_on_response_tokens(tmp_path):
     assert [t for t in chat.labels if t != IGNORE_INDEX] == [ord("r"), tok.eos_token_id]
 
 
-def _run(tmp_path, steps, resume=False):
+def _run(tmp_path, steps, resume=False, rank=4, lr=1e-2):
     tok = ByteTokenizer()
     examples = load_jsonl(DEFAULT_DATA, tok, 128)[:40]
-    model = patch(build_model(PRESETS["tiny"], dtype="float32"), lora={"r": 4})
-    config = TrainConfig(steps=steps, batch_size=4, lr=1e-2, save_every=3)
+    model = patch(build_model(PRESETS["tiny"], dtype="float32"), lora={"r": rank})
+    config = TrainConfig(steps=steps, batch_size=4, lr=lr, save_every=3)
     return train(model, examples, tok.pad_token_id, config, tmp_path, resume=resume)
 
 
@@ -101,6 +101,31 @@ def test_resumed_run_continues_exactly(tmp_path):
     assert first == straight[:3]
     assert resumed == straight  # bit-identical losses, the resumed steps included
     assert len(set(straight)) == 6
+
+
+def test_a_resume_with_another_lora_rank_or_a_broken_checkpoint_is_one_clear_error(tmp_path):
+    _run(tmp_path, 3)
+    with pytest.raises(MemfitError, match=r"another --lora-r"):
+        _run(tmp_path, 6, resume=True, rank=8)
+    state = next((tmp_path / "checkpoints").glob("step-*")) / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.raises(MemfitError, match="the checkpoint cannot be read"):
+        _run(tmp_path, 6, resume=True)
+
+
+def test_a_diverged_loss_stops_training_before_anything_is_saved(tmp_path):
+    with pytest.raises(MemfitError, match="training diverged"):
+        _run(tmp_path, 6, lr=1e30)
+    assert not list((tmp_path / "checkpoints").glob("step-*"))
+
+
+def test_a_resume_past_the_asked_steps_says_there_is_nothing_to_train(tmp_path, monkeypatch):
+    from memfit.train import finetune as loop
+
+    said = []
+    monkeypatch.setattr(loop, "warn_once", lambda key, message: said.append(message))
+    _run(tmp_path, 3)
+    assert len(_run(tmp_path, 2, resume=True)) == 3 and "nothing to train" in said[0]
 
 
 def _cli(argv):

@@ -10,6 +10,7 @@ all of it, and the loss sequence continues exactly as an uninterrupted run's wou
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import resource
@@ -24,6 +25,7 @@ import torch
 
 from memfit.data.jsonl import Example, collate
 from memfit.errors import MemfitError
+from memfit.log import warn_once
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -42,8 +44,8 @@ class TrainConfig:
         for key in ("steps", "batch_size", "save_every"):
             if getattr(self, key) < 1:
                 raise MemfitError(f"{key} must be at least 1, got {getattr(self, key)}")
-        if not self.lr > 0:
-            raise MemfitError(f"learning rate must be positive, got {self.lr}")
+        if not 0 < self.lr < float("inf"):             # NaN fails both comparisons
+            raise MemfitError(f"learning rate must be positive and finite, got {self.lr}")
 
 
 @dataclass(frozen=True)
@@ -129,24 +131,32 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> tuple[int, list[float]]:
-    """Restore parameters, optimizer and RNG from ``path``; return (step, losses)."""
+    """Restore parameters, optimizer and RNG from ``path``; return (step, losses). A checkpoint that cannot be read
+    (a truncated file) or whose parameters have other shapes (another --lora-r) is a MemfitError saying so."""
     from safetensors.torch import load_file
 
-    progress = json.loads((path / "progress.json").read_text())
-    saved = progress["config"]
+    try:
+        progress = json.loads((path / "progress.json").read_text())
+        saved = progress["config"]
+        tensors = load_file(str(path / "trainable.safetensors"))
+        state = torch.load(path / "state.pt", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - json's, safetensors' and torch.load's errors share no base
+        raise MemfitError(f"cannot resume {path}: the checkpoint cannot be read ({type(err).__name__}: {err}); "
+                          "start again in a new --out") from None
     for key in ("batch_size", "seed"):
         if saved[key] != getattr(config, key):
             raise MemfitError(f"cannot resume {path}: it was trained with {key}={saved[key]}, "
                               f"this run asks for {getattr(config, key)}")
     params = trainable_parameters(model)
-    tensors = load_file(str(path / "trainable.safetensors"))
     if set(tensors) != set(params):
         raise MemfitError(f"cannot resume {path}: its trainable parameters do not match this model's "
                           "(different model or LoRA settings?)")
+    if reshaped := next((name for name, value in tensors.items() if value.shape != params[name].shape), None):
+        raise MemfitError(f"cannot resume {path}: it holds {reshaped} as {tuple(tensors[reshaped].shape)}, this run "
+                          f"makes it {tuple(params[reshaped].shape)} (another --lora-r?)")
     with torch.no_grad():
         for name, value in tensors.items():
             params[name].copy_(value)
-    state = torch.load(path / "state.pt", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
     _set_rng_state(state["rng"])
     return progress["step"], progress["losses"]
@@ -168,6 +178,9 @@ def train(model, examples: list[Example], pad_id: int, config: TrainConfig, out_
             raise MemfitError(f"--resume: {out_dir} holds no checkpoint to resume from")
         step, losses = load_checkpoint(checkpoint, model, optimizer, config)
     if step >= config.steps:
+        if resume:
+            warn_once("finetune:resume-done", f"--resume: the checkpoint is at step {step}, --steps asks for "
+                                              f"{config.steps}: nothing to train")
         return losses
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -182,6 +195,9 @@ def train(model, examples: list[Example], pad_id: int, config: TrainConfig, out_
         optimizer.zero_grad(set_to_none=True)
         step += 1
         losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):               # before a checkpoint or adapter of NaN weights is saved
+            raise MemfitError(f"the loss is {losses[-1]} at step {step}: training diverged; lower --lr "
+                              f"({config.lr:g}) or check the data")
         if on_step is not None:
             on_step(StepReport(step, losses[-1], int(batch["attention_mask"].sum()), time.perf_counter() - start,
                                peak_bytes(device)))
