@@ -397,3 +397,24 @@ def test_plan_refuses_what_it_used_to_take_silently(extra, message, capsys):
 def test_verify_needs_a_finite_tolerance(tolerance, capsys):
     _fails(capsys, ["verify", "--model", "tiny", "--seq", "64", "--device", "cpu", "--tolerance", tolerance],
            "tolerance must be a positive, finite fraction")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rms_norm_eps": None}, "config.json's rms_norm_eps is None, not a number"),
+    ({"rope_theta": "abc"}, "config.json's rope_theta is 'abc', not a number"),
+    ({"max_position_embeddings": None}, "config.json's max_position_embeddings is None, not a number"),
+    ({"hidden_size": 65, "head_dim": None}, "hidden_size 65 is not a multiple of num_attention_heads"),
+])
+def test_plan_names_a_config_value_it_cannot_read(change, message, tmp_path, tiny_dir, capsys):
+    config = json.loads((tiny_dir / "config.json").read_text()) | change
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _fails(capsys, ["plan", "--model", str(tmp_path)], message)
+
+
+def test_a_rope_parameters_value_that_is_no_mapping_keeps_the_default_theta(tmp_path, tiny_dir):
+    from memfit.models import load_spec
+
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config.pop("rope_theta", None)
+    (tmp_path / "config.json").write_text(json.dumps(config | {"rope_parameters": "default"}))
+    assert load_spec(tmp_path).rope_theta == 10000.0

@@ -137,7 +137,21 @@ class ModelSpec:
             raise MemfitError(f"{name}: config.json lacks {', '.join(missing)}")
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
-        head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0)
+        whole = isinstance(hidden, int) and isinstance(heads, int) and heads > 0
+        if not config.get("head_dim") and whole and hidden % heads:
+            raise MemfitError(f"{name}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and "
+                              "config.json gives no head_dim")
+        head_dim = config.get("head_dim") or (hidden // heads if whole else 0)
+
+        def number(key, default, kind):
+            value = config.get(key, default)
+            try:
+                return kind(value)
+            except (TypeError, ValueError, OverflowError):
+                raise MemfitError(f"{name}: config.json's {key} is {value!r}, not a number") from None
+
+        rope = config.get("rope_parameters")
+        rope_theta = rope.get("rope_theta", 10000.0) if isinstance(rope, dict) else 10000.0
         dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
         return cls(
             name=name,
@@ -153,9 +167,9 @@ class ModelSpec:
             activation=config.get("hidden_act", "silu"),
             dtype=str(dtype).replace("torch.", ""),
             attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            max_position=int(config.get("max_position_embeddings", 4096)),
+            rms_norm_eps=number("rms_norm_eps", 1e-5, float),
+            rope_theta=number("rope_theta", rope_theta, float),
+            max_position=number("max_position_embeddings", 4096, int),
             extra={k: config[k] for k in ("rope_scaling", "sliding_window") if config.get(k) is not None},
         )
 
