@@ -132,7 +132,7 @@ def test_generate_full_load_on_a_two_layer_model(tiny_dir, capsys):
 
 def test_generate_partial_load_still_needs_the_layers(tiny_dir, capsys):
     _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--load", "0.5", "--device", "cpu"],
-           "full_first + full_last = 4 exceeds the model's 2 layers")
+           "full_first + full_last (--full-first, --full-last) = 4 exceeds the model's 2 layers")
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-0.5"])
@@ -418,3 +418,9 @@ def test_a_rope_parameters_value_that_is_no_mapping_keeps_the_default_theta(tmp_
     config.pop("rope_theta", None)
     (tmp_path / "config.json").write_text(json.dumps(config | {"rope_parameters": "default"}))
     assert load_spec(tmp_path).rope_theta == 10000.0
+
+
+def test_calibration_data_given_as_a_directory_is_called_one(tiny_dir, tmp_path, capsys):
+    _fails(capsys, ["calibrate", str(tiny_dir), "--data", str(tmp_path), "--out", str(tmp_path / "r.st"),
+                    "--device", "cpu"], "is a directory")
+    _fails(capsys, _compress(tmp_path, "--calib", str(tmp_path)), "is a directory: pass a text file")

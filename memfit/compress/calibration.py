@@ -50,7 +50,8 @@ def load_calibration(calib_file: str | None, builtin: bool, model_dir: str | Pat
     if calib_file:
         path = Path(calib_file).expanduser()
         if not path.is_file():
-            raise MemfitError(f"calibration file {calib_file} does not exist")
+            what = "is a directory: pass a text file" if path.is_dir() else "does not exist"
+            raise MemfitError(f"calibration file {calib_file} {what}")
         text = path.read_text(encoding="utf-8", errors="replace")
     else:
         from memfit.data import build_corpus

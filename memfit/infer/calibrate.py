@@ -98,7 +98,8 @@ def read_prompts(path: str | Path) -> list[dict]:
     """Lines of ``{"text": ..., "task": optional label}`` (``prompt`` is accepted for ``text``)."""
     path = Path(path)
     if not path.is_file():
-        raise MemfitError(f"calibration data {path} does not exist (expected a .jsonl file, one JSON object a line)")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise MemfitError(f"calibration data {path} {what} (expected a .jsonl file, one JSON object a line)")
     prompts = []
     for number, line in enumerate(text_lines(path), 1):
         if not line.strip():

@@ -75,7 +75,8 @@ class PartialConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise MemfitError(f"{name} must be a non-negative integer, got {value!r}")
         if self.full_first + self.full_last > num_layers:
-            raise MemfitError(f"full_first + full_last = {self.full_first + self.full_last} exceeds the model's {num_layers} layers")
+            raise MemfitError(f"full_first + full_last (--full-first, --full-last) = {self.full_first + self.full_last} "
+                              f"exceeds the model's {num_layers} layers")
         if not isinstance(self.align, int) or self.align < 1:
             raise MemfitError(f"align must be a positive integer, got {self.align!r}")
 
