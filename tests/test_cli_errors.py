@@ -424,3 +424,8 @@ def test_calibration_data_given_as_a_directory_is_called_one(tiny_dir, tmp_path,
     _fails(capsys, ["calibrate", str(tiny_dir), "--data", str(tmp_path), "--out", str(tmp_path / "r.st"),
                     "--device", "cpu"], "is a directory")
     _fails(capsys, _compress(tmp_path, "--calib", str(tmp_path)), "is a directory: pass a text file")
+
+
+def test_finetune_refuses_an_empty_out_or_the_model_directory(tiny_dir, tmp_path, capsys, no_model_load):
+    _fails(capsys, ["finetune", "tiny", "--out", "", "--device", "cpu"], "--out is empty")
+    _fails(capsys, ["finetune", str(tiny_dir), "--out", str(tiny_dir), "--device", "cpu"], "is the model directory")

@@ -149,7 +149,11 @@ def run(args) -> int:
 
     device = resolve_device(args.device)
     dtype = dtype_of(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    if not args.out.strip():                            # Path("") is the current directory
+        raise MemfitError("--out is empty: name the directory the run writes into")
     out = Path(args.out).expanduser()
+    if Path(args.model).expanduser().is_dir() and out.resolve() == Path(args.model).expanduser().resolve():
+        raise MemfitError(f"--out {out} is the model directory: the run's checkpoints and adapter go elsewhere")
     if out.exists() and not out.is_dir():
         raise MemfitError(f"--out {out} exists and is not a directory; choose another --out")
     if problem := output_dir_problem(out):             # before the training, not at its first checkpoint
