@@ -429,3 +429,37 @@ def test_calibration_data_given_as_a_directory_is_called_one(tiny_dir, tmp_path,
 def test_finetune_refuses_an_empty_out_or_the_model_directory(tiny_dir, tmp_path, capsys, no_model_load):
     _fails(capsys, ["finetune", "tiny", "--out", "", "--device", "cpu"], "--out is empty")
     _fails(capsys, ["finetune", str(tiny_dir), "--out", str(tiny_dir), "--device", "cpu"], "is the model directory")
+
+
+def test_a_truncated_shard_is_named(tmp_path, tiny_dir, capsys):
+    from safetensors import safe_open
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((tiny_dir / "config.json").read_text())
+    with safe_open(str(tiny_dir / "model.safetensors"), framework="pt") as handle:
+        names = list(handle.keys())
+    shard = "model-00001-of-00001.safetensors"
+    (sharded / shard).write_bytes((tiny_dir / "model.safetensors").read_bytes()[:1000])
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: shard for n in names}}))
+    _fails(capsys, ["generate", str(sharded), "--prompt", "hi", "--device", "cpu"], f"{shard}: its weights cannot be read")
+
+
+def test_jsonl_lines_split_at_newlines_only(tmp_path):
+    """A JSON string may hold U+2028 or NEL unescaped (json.dumps(..., ensure_ascii=False) writes them so)."""
+    from memfit.data.jsonl import text_lines
+
+    record = json.dumps({"prompt": "a\u2028b", "response": "c\x85d"}, ensure_ascii=False)
+    (tmp_path / "x.jsonl").write_text(record + "\n", encoding="utf-8")
+    assert [json.loads(line) for line in text_lines(tmp_path / "x.jsonl") if line.strip()][0]["prompt"] == "a\u2028b"
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_a_hidden_size_the_heads_do_not_divide_is_taken_where_transformers_takes_it(model_type, tmp_path, tiny_dir):
+    from memfit.models import load_spec
+
+    config = json.loads((tiny_dir / "config.json").read_text()) | {"model_type": model_type, "hidden_size": 66,
+                                                                    "head_dim": None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = load_spec(tmp_path)
+    assert spec.head_dim == 66 // spec.num_heads

@@ -152,7 +152,8 @@ def run(args) -> int:
     if not args.out.strip():                            # Path("") is the current directory
         raise MemfitError("--out is empty: name the directory the run writes into")
     out = Path(args.out).expanduser()
-    if Path(args.model).expanduser().is_dir() and out.resolve() == Path(args.model).expanduser().resolve():
+    source = Path(args.model).expanduser()
+    if source.is_dir() and out.resolve() == source.resolve():
         raise MemfitError(f"--out {out} is the model directory: the run's checkpoints and adapter go elsewhere")
     if out.exists() and not out.is_dir():
         raise MemfitError(f"--out {out} exists and is not a directory; choose another --out")

@@ -94,8 +94,8 @@ def check_source(path: str | Path, max_len: int) -> Path:
 def text_lines(path: Path) -> list[str]:
     """The lines of a UTF-8 text file, a byte-order mark first allowed (Windows Notepad writes one); a one-line
     MemfitError where the file is not UTF-8 (a PowerShell ``>`` redirect writes UTF-16)."""
-    try:
-        return path.read_text(encoding="utf-8-sig").splitlines()
+    try:                                                # split at newlines only: a JSON string may hold U+2028
+        return path.read_text(encoding="utf-8-sig").removesuffix("\n").split("\n")
     except UnicodeDecodeError as err:
         raise MemfitError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from None
 

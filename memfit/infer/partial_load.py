@@ -124,19 +124,26 @@ def check_weight_files(model_dir: Path) -> None:
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file of a model directory (single file or sharded with an index); a one-line
-    MemfitError where there are none, or the index or the single file's header cannot be read."""
+    MemfitError where there are none, or the index or a file's header cannot be read."""
     check_weight_files(model_dir)
     from safetensors import safe_open
 
     index = model_dir / "model.safetensors.index.json"
     single = model_dir / "model.safetensors"
     try:
-        if index.is_file():
-            return {name: model_dir / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-        with safe_open(str(single), framework="pt") as handle:
-            return {name: single for name in handle.keys()}
+        if not index.is_file():
+            with safe_open(str(single), framework="pt") as handle:
+                return {name: single for name in handle.keys()}
+        files = {name: model_dir / file for name, file in json.loads(index.read_text())["weight_map"].items()}
     except Exception as err:  # noqa: BLE001 - json's, safetensors' and a missing key's errors share no base
         raise unreadable_weights(model_dir, err) from None
+    for shard in sorted(set(files.values())):          # each shard's header: a missing or truncated one, named
+        try:
+            with safe_open(str(shard), framework="pt"):
+                pass
+        except Exception as err:  # noqa: BLE001 - as above
+            raise unreadable_weights(shard, err) from None
+    return files
 
 
 class _Reader:

@@ -138,7 +138,8 @@ class ModelSpec:
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
         whole = isinstance(hidden, int) and isinstance(heads, int) and heads > 0
-        if not config.get("head_dim") and whole and hidden % heads:
+        # transformers' LlamaConfig refuses this (its Qwen2Config and MistralConfig take hidden // heads)
+        if model_type == "llama" and not config.get("head_dim") and whole and hidden % heads:
             raise MemfitError(f"{name}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and "
                               "config.json gives no head_dim")
         head_dim = config.get("head_dim") or (hidden // heads if whole else 0)

@@ -44,7 +44,7 @@ class TrainConfig:
         for key in ("steps", "batch_size", "save_every"):
             if getattr(self, key) < 1:
                 raise MemfitError(f"{key} must be at least 1, got {getattr(self, key)}")
-        if not 0 < self.lr < float("inf"):             # NaN fails both comparisons
+        if not 0 < self.lr < math.inf:                 # NaN fails both comparisons
             raise MemfitError(f"learning rate must be positive and finite, got {self.lr}")
 
 
@@ -137,15 +137,16 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> tuple[
 
     try:
         progress = json.loads((path / "progress.json").read_text())
-        saved = progress["config"]
+        saved, step, losses = progress["config"], progress["step"], progress["losses"]
+        saved_batch, saved_seed = saved["batch_size"], saved["seed"]
         tensors = load_file(str(path / "trainable.safetensors"))
-        state = torch.load(path / "state.pt", weights_only=False)
+        state = torch.load(path / "state.pt", weights_only=False, map_location="cpu")   # the optimizer moves it
+        optimizer_state, rng = state["optimizer"], state["rng"]
     except Exception as err:  # noqa: BLE001 - json's, safetensors' and torch.load's errors share no base
-        raise MemfitError(f"cannot resume {path}: the checkpoint cannot be read ({type(err).__name__}: {err}); "
-                          "start again in a new --out") from None
-    for key in ("batch_size", "seed"):
-        if saved[key] != getattr(config, key):
-            raise MemfitError(f"cannot resume {path}: it was trained with {key}={saved[key]}, "
+        raise MemfitError(f"cannot resume {path}: the checkpoint cannot be read ({type(err).__name__}: {err})") from None
+    for key, was in (("batch_size", saved_batch), ("seed", saved_seed)):
+        if was != getattr(config, key):
+            raise MemfitError(f"cannot resume {path}: it was trained with {key}={was}, "
                               f"this run asks for {getattr(config, key)}")
     params = trainable_parameters(model)
     if set(tensors) != set(params):
@@ -157,9 +158,9 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> tuple[
     with torch.no_grad():
         for name, value in tensors.items():
             params[name].copy_(value)
-    optimizer.load_state_dict(state["optimizer"])
-    _set_rng_state(state["rng"])
-    return progress["step"], progress["losses"]
+    optimizer.load_state_dict(optimizer_state)
+    _set_rng_state(rng)
+    return step, losses
 
 
 # ---- the loop -------------------------------------------------------------------------
@@ -190,14 +191,14 @@ def train(model, examples: list[Example], pad_id: int, config: TrainConfig, out_
         batch = {k: v.to(device) for k, v in collate(batch_at(examples, config.batch_size, config.seed, step), pad_id).items()}
         loss = model(**batch, use_cache=False).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params.values(), config.max_grad_norm)
+        norm = float(torch.nn.utils.clip_grad_norm_(params.values(), config.max_grad_norm))
+        losses.append(float(loss.detach()))
+        if not (math.isfinite(losses[-1]) and math.isfinite(norm)):   # before the step makes the weights NaN
+            raise MemfitError(f"at step {step + 1} the loss is {losses[-1]} and the gradient norm {norm}: training "
+                              f"diverged; lower --lr ({config.lr:g}) or check the data")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        losses.append(float(loss.detach()))
-        if not math.isfinite(losses[-1]):               # before a checkpoint or adapter of NaN weights is saved
-            raise MemfitError(f"the loss is {losses[-1]} at step {step}: training diverged; lower --lr "
-                              f"({config.lr:g}) or check the data")
         if on_step is not None:
             on_step(StepReport(step, losses[-1], int(batch["attention_mask"].sum()), time.perf_counter() - start,
                                peak_bytes(device)))
