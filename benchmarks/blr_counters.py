@@ -50,7 +50,7 @@ CASES = [  # structure, shape, N, variant (dense: cuBLAS through F.linear)
     ("blast", "llama-3.2-1b q/o", 1, "bgemm_mix_gemv_pdl"),       # stage 3 a GEMV over U's rank-contiguous rows
     ("blast", "llama-7b gate/up", 1, "bgemm_mix_bgemm_pdl"),
     ("blast", "llama-7b gate/up", 1, "bgemm_mix_gemv_pdl"),       # where that chain lost most
-    # (the last three not profiled yet: added after the 3ce8478 run)
+    # (the last three added after the 3ce8478 run; first counted at 7eeb2bd)
     ("blast", "llama-3.2-1b q/o", 1024, "tbmm_mix_tbmm"),
     ("blast", "llama-3.2-1b gate", 128, "tbmm_mix_tbmm"),
     ("blast", "llama-3.2-1b gate", 128, "z_mixgemm"),           # the mixing folded into the last GEMM's loads: no T
