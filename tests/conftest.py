@@ -1,10 +1,17 @@
-"""Tests run on the CPU: Triton kernels go through the interpreter at small shapes."""
+"""Tests run on the CPU: Triton kernels go through the interpreter at small shapes.
+
+On a CUDA machine, ``MEMFIT_TEST_DEVICE=cuda`` makes CUDA torch's default device, so the tests that build their
+tensors without naming a device run the compiled kernels on the GPU at the same awkward shapes (a study, not part
+of ``make test``: tests that name the CPU, or read results back as NumPy, are expected to fail there).
+"""
 import os
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+elif os.environ.get("MEMFIT_TEST_DEVICE") == "cuda":
+    torch.set_default_device("cuda")
 
 import importlib  # noqa: E402
 import importlib.util  # noqa: E402
