@@ -38,6 +38,13 @@ def _seed():
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def seeded(seed: int) -> torch.Generator:
+    """A generator on torch's default device, seeded: the CPU's in ``make test`` (the same numbers as
+    ``torch.Generator().manual_seed(seed)``), CUDA's under ``MEMFIT_TEST_DEVICE=cuda``, where a CPU generator
+    cannot draw the tests' tensors."""
+    return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
+
+
 def load_benchmark(name: str):
     """``benchmarks/<name>.py`` as a module, the folder on ``sys.path`` while it loads (some import their
     siblings, e.g. bgemm_tiles from blr_layers)."""

@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 import triton.language as tl
+from conftest import seeded
 
 from memfit.errors import MemfitError
 from memfit.kernels import blast, blr_common, lowrank, monarch
@@ -498,7 +499,7 @@ def test_a_strided_bias_is_read_as_its_values(structure, n, monkeypatch):
         monkeypatch.setattr(module, "TOKEN_MAJOR_MIN_N", 1)
     monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
     monkeypatch.setattr(monarch, "tbmm_tbmm_within_ledger", lambda *shape: True)
-    gen = torch.Generator().manual_seed(7)
+    gen = seeded(7)
     new = lambda *shape: torch.randn(*shape, generator=gen)   # noqa: E731
     x, bias = new(n, B * M), new(2 * B * P)[::2]
     if structure == "monarch":
@@ -899,7 +900,7 @@ def test_bgemm_runs_the_tile_it_is_given(launched_tiles):
     """A tile given to bgemm is the one launched (not the autotuner's), with the heuristics still applied: K = 40 is
     no multiple of its BK = 64, so the masked K loop must run for the product to be right. A tile outside its list,
     or one given to cuBLAS, is refused."""
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     a, b = torch.randn(2, 24, 40, generator=gen), torch.randn(2, 40, 20, generator=gen)
     c = torch.empty(2, 24, 20)
     tile = blr_common.BGEMM_PLAIN_DECODE[1]
@@ -921,7 +922,7 @@ CHAINED_TILES = (blr_common.BGEMM_PLAIN_DECODE[1], blr_common.BGEMM_CHAINED_DECO
 def chained_layer(structure: str, tiles=None):
     """(y by the structure's chained pipeline, with ``tiles`` or as the op picks them, y by the reference): a small
     layer of awkward sizes, 21 tokens."""
-    gen = torch.Generator().manual_seed(5)
+    gen = seeded(5)
     new = lambda *shape: torch.randn(*shape, generator=gen)   # noqa: E731
     x = new(21, 3 * 12)
     if structure == "monarch":
@@ -1017,7 +1018,7 @@ def test_blasts_gemv_chain_runs_stage_one_with_the_gemm_chains_tile(fake_gpu_cha
     """At one token the GEMV chain's stage 1 (the GEMM chain's first launch) runs the tile the GEMM chain's pair gave
     it, timed in a chain, not its autotuner's pick of it alone."""
     times, _ = fake_gpu_chain
-    gen = torch.Generator().manual_seed(5)
+    gen = seeded(5)
     x, u, v, s = (torch.randn(*shape, generator=gen) / 8 for shape in [(1, 3 * 128), (3, 10, 128), (3, 128, 128),
                                                                        (3, 3, 128)])   # K = 128: two stage-1 tiles fit
     firsts = blr_common.bgemm_tiles_offered(x, 1, 128, 128, 3, launch_dependents=True)

@@ -4,6 +4,7 @@ with and without a key mask (per sequence or one for the batch), chunks whose sl
 refused. The Triton kernels run under the interpreter."""
 import pytest
 import torch
+from conftest import seeded
 
 from memfit.errors import MemfitError
 from memfit.kernels import decode
@@ -20,7 +21,7 @@ CASES = [(1, 4, 1, 200, 64), (2, 6, 2, 37, 16), (1, 8, 8, 130, 16), (2, 12, 2, 1
 @pytest.mark.parametrize("b,hq,hkv,slots,d", CASES)
 @pytest.mark.parametrize("masked", ["none", "mask", "batch-1 mask"])
 def test_cache_attention_matches_its_reference(b, hq, hkv, slots, d, dtype, masked):
-    gen = torch.Generator().manual_seed(slots + d)
+    gen = seeded(slots + d)
     q = torch.randn(b, hq, 1, d, generator=gen).to(dtype)
     k, v = (torch.randn(b, hkv, slots, d, generator=gen).to(dtype) for _ in range(2))
     mask = None
@@ -36,7 +37,7 @@ def test_cache_attention_matches_its_reference(b, hq, hkv, slots, d, dtype, mask
 def test_chunks_whose_slots_are_all_masked_do_not_spoil_the_rest():
     """A static cache at its first positions: the slots past them are masked, whole chunks of them (no NaN from a
     chunk whose max is -inf)."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     q = torch.randn(1, 4, 1, 32, generator=gen)
     k, v = torch.randn(1, 1, 300, 32, generator=gen), torch.randn(1, 1, 300, 32, generator=gen)
     mask = torch.zeros(1, 1, 1, 300, dtype=torch.bool)
@@ -75,7 +76,7 @@ def test_mixed_dtypes_and_a_gradient_are_refused():
 def test_a_row_with_every_key_masked_is_zeros_in_one_chunk_or_many(slots):
     """Not NaN, in the kernel (one chunk: the output store; many: the combine) as in the reference; the other
     sequence of the batch is untouched."""
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     q = torch.randn(2, 4, 1, 16, generator=gen)
     k, v = torch.randn(2, 2, slots, 16, generator=gen), torch.randn(2, 2, slots, 16, generator=gen)
     mask = torch.ones(2, 1, 1, slots, dtype=torch.bool)
@@ -86,7 +87,7 @@ def test_a_row_with_every_key_masked_is_zeros_in_one_chunk_or_many(slots):
 
 
 def test_a_mask_strided_along_the_slots_is_read_right():
-    gen = torch.Generator().manual_seed(2)
+    gen = seeded(2)
     q, k, v = torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 70, 16, generator=gen), \
         torch.randn(1, 2, 70, 16, generator=gen)
     mask = (torch.rand(1, 1, 1, 140, generator=gen) < 0.6)[..., ::2]

@@ -2,6 +2,7 @@
 import pytest
 import torch
 import triton
+from conftest import seeded
 
 from memfit import log
 from memfit.errors import MemfitError
@@ -93,7 +94,7 @@ def test_gemv_refuses_what_it_cannot_take():
 
 
 def _attention_case(dtype, B, H, Hkv, D, L, slot, seed):
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     qkv = torch.randn(B, H + 2 * Hkv, D, generator=gen).to(dtype)     # views of one fused output, as in decode
     angle = torch.rand(B, D, generator=gen) * 6
     caches = [torch.randn(B, Hkv, L, D, generator=gen).to(dtype) for _ in range(2)]

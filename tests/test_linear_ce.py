@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from conftest import seeded
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -189,7 +190,7 @@ IGNORED = {  # label patterns of fine-tuning: which tokens carry no loss
     "last of 8 sequences": torch.arange(FINISH_TOKENS) % (FINISH_TOKENS // 8) == FINISH_TOKENS // 8 - 1,
     "100-token prefix": torch.arange(FINISH_TOKENS) < 100,
     "long prompt": torch.arange(FINISH_TOKENS) < FINISH_TOKENS * 3 // 5,  # 16-bit: accumulator in dH, offset
-    "random half": torch.rand(FINISH_TOKENS, generator=torch.Generator().manual_seed(1)) < 0.5,
+    "random half": torch.rand(FINISH_TOKENS, generator=seeded(1)) < 0.5,
 }
 
 
@@ -506,7 +507,7 @@ def test_vocab_subset_is_padded_to_whole_steps_of_the_lowest_other_ids():
     subset = torch.arange(step // 2, 2 * step, 7)
     sizes = []
     for seed in range(2):
-        labels = torch.randint(0, vocab, (300,), generator=torch.Generator().manual_seed(seed))
+        labels = torch.randint(0, vocab, (300,), generator=seeded(seed))
         labels[::5] = -100
         rows, bias_rows, local = linear_ce._restrict_vocab(weight, bias, labels, -100, subset)
         valid = labels != -100
