@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from memfit.cli import main
+from memfit.cli import COMMANDS, main
 
 
 def run(capsys, *argv):
@@ -111,3 +111,18 @@ def test_help_and_import_do_not_load_torch():
     code = ("import sys, memfit; from memfit.cli import build_parser; build_parser().format_help(); "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('memfit'))")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+REQUIRED = {"compress": ["tiny", "--out", "x"], "calibrate": ["m", "--data", "d"], "generate": ["m", "--prompt", "hi"]}
+
+
+@pytest.mark.parametrize("verb", COMMANDS)
+def test_verbose_goes_before_or_after_the_verb(verb, monkeypatch):
+    """`memfit -v VERB` and `memfit VERB -v` both turn on debug messages; leaving it out leaves them off."""
+    import importlib
+
+    seen = []
+    monkeypatch.setattr(importlib.import_module(f"memfit.commands.{verb}"), "run", lambda args: seen.append(args.verbose))
+    for argv in (["-v", verb], [verb, "-v"], [verb, "--verbose"], [verb]):
+        assert main([*argv, *REQUIRED.get(verb, [])]) == 0
+    assert seen == [True, True, True, False]
