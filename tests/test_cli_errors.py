@@ -161,6 +161,7 @@ def test_save_adapter_replaces_a_leftover_old_adapter(tmp_path):
 
 def test_byte_tokenizer_save_is_atomic(tmp_path, monkeypatch):
     import memfit.data.tokenizer as tokenizer
+    import memfit.files
 
     path = tokenizer.ByteTokenizer().save_pretrained(tmp_path)
     assert json.loads(path.read_text())["tokenizer"] == "memfit-bytes"
@@ -169,7 +170,7 @@ def test_byte_tokenizer_save_is_atomic(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(tokenizer.os, "replace", crash)
+    monkeypatch.setattr(memfit.files.os, "replace", crash)
     with pytest.raises(OSError, match="disk full"):
         tokenizer.ByteTokenizer().save_pretrained(tmp_path)
     assert path.read_text() == before
