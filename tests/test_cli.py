@@ -70,8 +70,8 @@ def test_verify_a_block_low_rank_model_on_cpu(capsys, monkeypatch):
 
 @pytest.mark.parametrize("argv,message", [
     (["plan", "--model", "meta-llama/Llama-3.2-1B"], "unknown model"),
-    (["plan", "--seq", "-5"], "seq must be a positive integer"),
-    (["plan", "--batch", "0"], "batch must be a positive integer"),
+    (["plan", "--seq", "-5"], "seq (--seq) must be a positive integer"),
+    (["plan", "--batch", "0"], "batch (--batch) must be a positive integer"),
     (["plan", "--gpu-memory", "eight gigs"], "cannot read the memory size"),
     (["plan", "--gpu-memory", "2GiB", "--model", "llama-3.1-8b"], "no plan fits 2.00 GiB; the smallest needs"),
     (["plan", "--batch", "3", "--micro-batch", "2"], "not a multiple"),

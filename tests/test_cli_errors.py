@@ -397,7 +397,26 @@ def test_plan_refuses_what_it_used_to_take_silently(extra, message, capsys):
 @pytest.mark.parametrize("tolerance", ["nan", "inf"])
 def test_verify_needs_a_finite_tolerance(tolerance, capsys):
     _fails(capsys, ["verify", "--model", "tiny", "--seq", "64", "--device", "cpu", "--tolerance", tolerance],
-           "tolerance must be a positive, finite fraction")
+           "tolerance (--tolerance) must be a positive, finite fraction")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--seq", "0"), "seq (--seq) must be a positive integer, got 0"),
+    (("--task", "infer", "--new-tokens", "0"), "new_tokens (--new-tokens) must be a positive integer, got 0"),
+    (("--lora-rank", "0"), "lora_rank (--lora-rank) must be a positive integer, got 0"),
+    (("--loss-fraction", "0"), "loss_fraction (--loss-fraction) must be in (0, 1], got 0.0"),
+    (("--checkpoint-layers=-1",), "checkpoint_layers (--checkpoint-layers) must be >= 0, got -1"),
+    (("--checkpoint-layers", "1", "--offload-layers", "2"),
+     "offload_layers (--offload-layers) must be between 0 and checkpoint_layers (--checkpoint-layers), got 2 and 1"),
+    (("--task", "infer", "--partial-load", "1.5"),
+     "need 0 < partial_compute (--partial-compute) <= partial_load (--partial-load) <= 1, got 1.5 and 1.5"),
+    (("--lora-targets", "q_proj,qkv"), "unknown lora_targets (--lora-targets) ['qkv']"),
+])
+@pytest.mark.parametrize("verb", ["plan", "verify"])
+def test_plan_and_verify_errors_name_the_flags(verb, extra, message, capsys, no_model_load):
+    """The job's checks live in the library (memfit.Job, memfit.Knobs), whose callers set fields: each message names
+    the field and the option that sets it."""
+    _fails(capsys, [verb, "--model", "tiny", "--device", "cpu", *extra], message)
 
 
 @pytest.mark.parametrize("change, message", [

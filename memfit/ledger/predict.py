@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from memfit.errors import MemfitError
 from memfit.ledger.graph import ModelGraph, Trainable
-from memfit.ledger.job import Job, Knobs
+from memfit.ledger.job import Job, Knobs, field_flag
 from memfit.ledger.simulate import Memory, Sym, replay_backward, replay_forward
 from memfit.models.spec import dtype_bytes
 from memfit.units import MiB
@@ -152,7 +152,7 @@ def _persistent(graph: ModelGraph) -> tuple[int, list[tuple[int, int]]]:
 def _predict_train(job: Job, knobs: Knobs) -> Ledger:
     micro = knobs.micro_batch or job.batch
     if job.batch % micro:
-        raise MemfitError(f"batch {job.batch} is not a multiple of micro_batch {micro}")
+        raise MemfitError(f"{field_flag('batch')} {job.batch} is not a multiple of {field_flag('micro_batch')} {micro}")
     steps = job.batch // micro
     workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from memfit.errors import MemfitError
-from memfit.ledger.job import Job, Knobs
+from memfit.ledger.job import Job, Knobs, field_flag
 from memfit.ledger.predict import Ledger, predict
 from memfit.measure.memory import PeakMeter, storage_bytes
 from memfit.models.build import build_model
@@ -193,7 +193,7 @@ def _measure_infer(job: Job, model, ids, warmup: int) -> Measurement:
 def verify(job: Job, knobs: Knobs, tolerance: float = 0.05, warmup: int = 1) -> VerifyResult:
     """Predict, measure, compare. ``result.ok`` is False when the total is off by more than ``tolerance``."""
     if not 0 < tolerance < math.inf:                   # NaN fails both comparisons
-        raise MemfitError(f"tolerance must be a positive, finite fraction (0.05 is 5%), got {tolerance}")
+        raise MemfitError(f"{field_flag('tolerance')} must be a positive, finite fraction (0.05 is 5%), got {tolerance}")
     check_runnable(job, knobs)
     ledger = predict(job, knobs)
     return VerifyResult(ledger, measure(job, knobs, warmup), tolerance)
