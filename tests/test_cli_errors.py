@@ -483,3 +483,8 @@ def test_a_hidden_size_the_heads_do_not_divide_is_taken_where_transformers_takes
     (tmp_path / "config.json").write_text(json.dumps(config))
     spec = load_spec(tmp_path)
     assert spec.head_dim == 66 // spec.num_heads
+
+
+def test_a_plan_that_fits_nothing_is_one_line(capsys):
+    """The progress bar is drawn on a terminal only: elsewhere rich ended it with an empty line before the error."""
+    _fails(capsys, ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "2GiB"], "no plan fits 2.00 GiB")

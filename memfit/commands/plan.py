@@ -45,8 +45,10 @@ def run(args) -> int:
 
     job, knobs = job_from_args(args)
     budget = parse_bytes(args.gpu_memory)
+    console = _stderr()
     try:
-        with Progress(transient=True, console=_stderr()) as bar:
+        # a bar only on a terminal: elsewhere rich still ends it with a newline, ahead of any error line
+        with Progress(transient=True, console=console, disable=not console.is_terminal) as bar:
             task = bar.add_task("replaying technique combinations", total=None)
             asked, plans = plan(job, knobs, budget, limit=args.limit,
                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
