@@ -485,6 +485,26 @@ def test_a_hidden_size_the_heads_do_not_divide_is_taken_where_transformers_takes
     assert spec.head_dim == 66 // spec.num_heads
 
 
+@pytest.mark.parametrize("extra, message", [
+    (("--four-bit",), "four_bit (--four-bit): the 4-bit NF4 base (bitsandbytes) runs on CUDA only"),
+    (("--task", "infer", "--four-bit"), "four_bit (--four-bit): the 4-bit NF4 base (bitsandbytes) runs on CUDA only"),
+    (("--checkpoint-layers", "2", "--offload-layers", "1"), "offload_layers (--offload-layers): checkpoint inputs are"),
+    (("--task", "full", "--optimizer", "adamw8bit"), "8-bit AdamW (bitsandbytes) runs on CUDA only"),
+    (("--attention", "memfit"), "attention (--attention) memfit is modelled as its Triton kernel"),
+])
+@pytest.mark.parametrize("verb", ["plan", "verify"])
+def test_what_runs_on_cuda_only_is_refused_on_cpu(verb, extra, message, capsys, no_model_load):
+    """plan used to predict these on cpu (e.g. NF4 weights memfit's 4-bit base refuses to build off CUDA) without a
+    word; verify refused them. The ledger refuses them now, for library callers too."""
+    from memfit.errors import MemfitError
+    from memfit.ledger.job import Job, Knobs
+    from memfit.ledger.predict import predict
+
+    _fails(capsys, [verb, "--model", "tiny", "--device", "cpu", *extra], message)
+    with pytest.raises(MemfitError, match="runs on CUDA only"):
+        predict(Job(PRESETS["tiny"], device="cpu"), Knobs(four_bit=True))
+
+
 def test_a_plan_that_fits_nothing_is_one_line(capsys):
     """The progress bar is drawn on a terminal only: elsewhere rich ended it with an empty line before the error."""
     _fails(capsys, ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "2GiB"], "no plan fits 2.00 GiB")

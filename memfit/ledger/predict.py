@@ -127,6 +127,7 @@ def _train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
 
 def predict(job: Job, knobs: Knobs) -> Ledger:
     """The ledger of ``job`` run with ``knobs`` (a fresh copy: callers may change it)."""
+    check_device(job, knobs)
     check_blr(job, knobs)
     ledger = _cached_predict(job, knobs)
     return replace(ledger, peak=dict(ledger.peak), phases=dict(ledger.phases), notes=list(ledger.notes))
@@ -210,6 +211,25 @@ def blr_dense_kinds(spec, knobs: Knobs) -> tuple[str, ...] | None:
         blocks = "" if knobs.blr_method == "lowrank" else f" --blr-blocks {knobs.blr_blocks}"
         raise MemfitError(f"--blr {knobs.blr_method} --blr-ratio {knobs.blr_ratio:g}{blocks}: {err}") from None
     return tuple(kind for kind, p in plans.items() if p.rank is None)
+
+
+def check_device(job: Job, knobs: Knobs) -> None:
+    """Refuse on the CPU what runs on CUDA only. The ledger models each as it runs there, so a CPU job's ledger would
+    describe a run that cannot happen (the planner proposes none of them on the CPU; memfit verify runs none)."""
+    if job.device == "cuda":
+        return
+    if knobs.four_bit:
+        raise MemfitError(f"{field_flag('four_bit')}: the 4-bit NF4 base (bitsandbytes) runs on CUDA only; drop it "
+                          "on cpu")
+    if knobs.offload_layers:
+        raise MemfitError(f"{field_flag('offload_layers')}: checkpoint inputs are offloaded from a GPU to pinned CPU "
+                          "memory, which runs on CUDA only; drop it on cpu")
+    if knobs.optimizer == "adamw8bit" and job.training:
+        raise MemfitError(f"{field_flag('optimizer')} adamw8bit: 8-bit AdamW (bitsandbytes) runs on CUDA only; use "
+                          "adamw on cpu")
+    if knobs.attention == "memfit":
+        raise MemfitError(f"{field_flag('attention')} memfit is modelled as its Triton kernel, which runs on CUDA only; "
+                          "on cpu it falls back to a reference that holds the scores")
 
 
 def check_blr(job: Job, knobs: Knobs) -> None:
