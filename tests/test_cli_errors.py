@@ -508,3 +508,16 @@ def test_what_runs_on_cuda_only_is_refused_on_cpu(verb, extra, message, capsys, 
 def test_a_plan_that_fits_nothing_is_one_line(capsys):
     """The progress bar is drawn on a terminal only: elsewhere rich ended it with an empty line before the error."""
     _fails(capsys, ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "2GiB"], "no plan fits 2.00 GiB")
+
+
+@pytest.mark.parametrize("option, task", [
+    (("--lora-targets", "q_proj,v_proj"), "full"), (("--lora-rank", "8"), "infer"), (("--optimizer", "sgd"), "infer"),
+    (("--checkpoint-layers", "1"), "infer"), (("--offload-layers", "0"), "infer"), (("--micro-batch", "1"), "infer"),
+    (("--fused-ce",), "infer"), (("--loss-fraction", "0.5"), "infer"), (("--new-tokens", "4"), "lora"),
+    (("--partial-load", "1"), "full"), (("--partial-compute", "0.5"), "lora"),
+])
+@pytest.mark.parametrize("verb", ["plan", "verify"])
+def test_an_option_the_task_does_not_use_is_refused(verb, option, task, capsys, no_model_load):
+    """Each was taken and dropped without a word (--task infer --optimizer adamw8bit planned plain inference)."""
+    _fails(capsys, [verb, "--model", "tiny", "--device", "cpu", "--task", task, *option],
+           f"{option[0]} does nothing with --task {task}: ")
