@@ -38,6 +38,25 @@ def test_plan_json_schema(capsys):
         assert {"techniques", "phases", "peak_phase", "knobs", "recompute_fraction"} <= set(plan)
 
 
+@pytest.mark.parametrize("extra, message, built", [
+    (("--gpu-memory", "eight gigs"), "cannot read the memory size 'eight gigs'", True),
+    (("--seq", "0"), "seq (--seq) must be a positive integer, got 0", False),
+    (("--model", "nope"), "unknown model 'nope'", False),
+    (("--task", "infer", "--optimizer", "sgd"), "--optimizer does nothing with --task infer", False),
+    (("--model", "llama-3.1-8b", "--gpu-memory", "2GiB"), "no plan fits 2.00 GiB", True),
+])
+def test_plan_json_reports_every_error_on_stdout(capsys, extra, message, built):
+    """Not only the planner's own: a bad budget, job or model is a JSON object too, the job null where it could not
+    be built; stderr and the exit status are as without --json."""
+    code, out, err = run(capsys, "plan", "--json", *extra)
+    assert code == 2 and err.startswith("memfit plan: error: ") and message in err
+    data = json.loads(out)
+    assert data == {"job": data["job"], "budget_bytes": data["budget_bytes"], "plans": [],
+                    "error": err.removeprefix("memfit plan: error: ").rstrip("\n")}
+    assert (data["job"] is not None) == built
+    assert data["budget_bytes"] == (2 * 2**30 if "no plan fits" in message else None)
+
+
 def test_plan_default_job_runs(capsys):
     code, out, _ = run(capsys)
     assert code == 0 and "plans that fit" in out
