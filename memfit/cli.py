@@ -27,14 +27,21 @@ Run `memfit VERB --help` for each verb's options.
 """
 
 
+def _add_global_options(parser: argparse.ArgumentParser, default) -> None:
+    """The options every verb takes, before the verb (``default`` False) or after it (``default`` SUPPRESS: a verb's
+    parser writes its defaults over what was parsed before the verb, so it must set none)."""
+    parser.add_argument("-v", "--verbose", action="store_true", default=default, help="show debug messages")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfit", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="show debug messages")
+    _add_global_options(parser, default=False)
     sub = parser.add_subparsers(dest="command", metavar="VERB")
     for name in COMMANDS:
         module = importlib.import_module(f"memfit.commands.{name}")
         command = module.add_parser(sub)
+        _add_global_options(command, default=argparse.SUPPRESS)
         command.set_defaults(handler=module.run)
     return parser
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from memfit.cli import main
+from memfit.cli import COMMANDS, main
 
 
 def run(capsys, *argv):
@@ -38,6 +38,25 @@ def test_plan_json_schema(capsys):
         assert {"techniques", "phases", "peak_phase", "knobs", "recompute_fraction"} <= set(plan)
 
 
+@pytest.mark.parametrize("extra, message, built", [
+    (("--gpu-memory", "eight gigs"), "cannot read the memory size 'eight gigs'", True),
+    (("--seq", "0"), "seq (--seq) must be a positive integer, got 0", False),
+    (("--model", "nope"), "unknown model 'nope'", False),
+    (("--task", "infer", "--optimizer", "sgd"), "--optimizer does nothing with --task infer", False),
+    (("--model", "llama-3.1-8b", "--gpu-memory", "2GiB"), "no plan fits 2.00 GiB", True),
+])
+def test_plan_json_reports_every_error_on_stdout(capsys, extra, message, built):
+    """Not only the planner's own: a bad budget, job or model is a JSON object too, the job null where it could not
+    be built; stderr and the exit status are as without --json."""
+    code, out, err = run(capsys, "plan", "--json", *extra)
+    assert code == 2 and err.startswith("memfit plan: error: ") and message in err
+    data = json.loads(out)
+    assert data == {"job": data["job"], "budget_bytes": data["budget_bytes"], "plans": [],
+                    "error": err.removeprefix("memfit plan: error: ").rstrip("\n")}
+    assert (data["job"] is not None) == built
+    assert data["budget_bytes"] == (2 * 2**30 if "no plan fits" in message else None)
+
+
 def test_plan_default_job_runs(capsys):
     code, out, _ = run(capsys)
     assert code == 0 and "plans that fit" in out
@@ -70,8 +89,8 @@ def test_verify_a_block_low_rank_model_on_cpu(capsys, monkeypatch):
 
 @pytest.mark.parametrize("argv,message", [
     (["plan", "--model", "meta-llama/Llama-3.2-1B"], "unknown model"),
-    (["plan", "--seq", "-5"], "seq must be a positive integer"),
-    (["plan", "--batch", "0"], "batch must be a positive integer"),
+    (["plan", "--seq", "-5"], "seq (--seq) must be a positive integer"),
+    (["plan", "--batch", "0"], "batch (--batch) must be a positive integer"),
     (["plan", "--gpu-memory", "eight gigs"], "cannot read the memory size"),
     (["plan", "--gpu-memory", "2GiB", "--model", "llama-3.1-8b"], "no plan fits 2.00 GiB; the smallest needs"),
     (["plan", "--batch", "3", "--micro-batch", "2"], "not a multiple"),
@@ -111,3 +130,18 @@ def test_help_and_import_do_not_load_torch():
     code = ("import sys, memfit; from memfit.cli import build_parser; build_parser().format_help(); "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('memfit'))")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+REQUIRED = {"compress": ["tiny", "--out", "x"], "calibrate": ["m", "--data", "d"], "generate": ["m", "--prompt", "hi"]}
+
+
+@pytest.mark.parametrize("verb", COMMANDS)
+def test_verbose_goes_before_or_after_the_verb(verb, monkeypatch):
+    """`memfit -v VERB` and `memfit VERB -v` both turn on debug messages; leaving it out leaves them off."""
+    import importlib
+
+    seen = []
+    monkeypatch.setattr(importlib.import_module(f"memfit.commands.{verb}"), "run", lambda args: seen.append(args.verbose))
+    for argv in (["-v", verb], [verb, "-v"], [verb, "--verbose"], [verb]):
+        assert main([*argv, *REQUIRED.get(verb, [])]) == 0
+    assert seen == [True, True, True, False]

@@ -161,6 +161,7 @@ def test_save_adapter_replaces_a_leftover_old_adapter(tmp_path):
 
 def test_byte_tokenizer_save_is_atomic(tmp_path, monkeypatch):
     import memfit.data.tokenizer as tokenizer
+    import memfit.files
 
     path = tokenizer.ByteTokenizer().save_pretrained(tmp_path)
     assert json.loads(path.read_text())["tokenizer"] == "memfit-bytes"
@@ -169,7 +170,7 @@ def test_byte_tokenizer_save_is_atomic(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(tokenizer.os, "replace", crash)
+    monkeypatch.setattr(memfit.files.os, "replace", crash)
     with pytest.raises(OSError, match="disk full"):
         tokenizer.ByteTokenizer().save_pretrained(tmp_path)
     assert path.read_text() == before
@@ -396,7 +397,26 @@ def test_plan_refuses_what_it_used_to_take_silently(extra, message, capsys):
 @pytest.mark.parametrize("tolerance", ["nan", "inf"])
 def test_verify_needs_a_finite_tolerance(tolerance, capsys):
     _fails(capsys, ["verify", "--model", "tiny", "--seq", "64", "--device", "cpu", "--tolerance", tolerance],
-           "tolerance must be a positive, finite fraction")
+           "tolerance (--tolerance) must be a positive, finite fraction")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--seq", "0"), "seq (--seq) must be a positive integer, got 0"),
+    (("--task", "infer", "--new-tokens", "0"), "new_tokens (--new-tokens) must be a positive integer, got 0"),
+    (("--lora-rank", "0"), "lora_rank (--lora-rank) must be a positive integer, got 0"),
+    (("--loss-fraction", "0"), "loss_fraction (--loss-fraction) must be in (0, 1], got 0.0"),
+    (("--checkpoint-layers=-1",), "checkpoint_layers (--checkpoint-layers) must be >= 0, got -1"),
+    (("--checkpoint-layers", "1", "--offload-layers", "2"),
+     "offload_layers (--offload-layers) must be between 0 and checkpoint_layers (--checkpoint-layers), got 2 and 1"),
+    (("--task", "infer", "--partial-load", "1.5"),
+     "need 0 < partial_compute (--partial-compute) <= partial_load (--partial-load) <= 1, got 1.5 and 1.5"),
+    (("--lora-targets", "q_proj,qkv"), "unknown lora_targets (--lora-targets) ['qkv']"),
+])
+@pytest.mark.parametrize("verb", ["plan", "verify"])
+def test_plan_and_verify_errors_name_the_flags(verb, extra, message, capsys, no_model_load):
+    """The job's checks live in the library (memfit.Job, memfit.Knobs), whose callers set fields: each message names
+    the field and the option that sets it."""
+    _fails(capsys, [verb, "--model", "tiny", "--device", "cpu", *extra], message)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -463,3 +483,41 @@ def test_a_hidden_size_the_heads_do_not_divide_is_taken_where_transformers_takes
     (tmp_path / "config.json").write_text(json.dumps(config))
     spec = load_spec(tmp_path)
     assert spec.head_dim == 66 // spec.num_heads
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--four-bit",), "four_bit (--four-bit): the 4-bit NF4 base (bitsandbytes) runs on CUDA only"),
+    (("--task", "infer", "--four-bit"), "four_bit (--four-bit): the 4-bit NF4 base (bitsandbytes) runs on CUDA only"),
+    (("--checkpoint-layers", "2", "--offload-layers", "1"), "offload_layers (--offload-layers): checkpoint inputs are"),
+    (("--task", "full", "--optimizer", "adamw8bit"), "8-bit AdamW (bitsandbytes) runs on CUDA only"),
+    (("--attention", "memfit"), "attention (--attention) memfit is modelled as its Triton kernel"),
+])
+@pytest.mark.parametrize("verb", ["plan", "verify"])
+def test_what_runs_on_cuda_only_is_refused_on_cpu(verb, extra, message, capsys, no_model_load):
+    """plan used to predict these on cpu (e.g. NF4 weights memfit's 4-bit base refuses to build off CUDA) without a
+    word; verify refused them. The ledger refuses them now, for library callers too."""
+    from memfit.errors import MemfitError
+    from memfit.ledger.job import Job, Knobs
+    from memfit.ledger.predict import predict
+
+    _fails(capsys, [verb, "--model", "tiny", "--device", "cpu", *extra], message)
+    with pytest.raises(MemfitError, match="runs on CUDA only"):
+        predict(Job(PRESETS["tiny"], device="cpu"), Knobs(four_bit=True))
+
+
+def test_a_plan_that_fits_nothing_is_one_line(capsys):
+    """The progress bar is drawn on a terminal only: elsewhere rich ended it with an empty line before the error."""
+    _fails(capsys, ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "2GiB"], "no plan fits 2.00 GiB")
+
+
+@pytest.mark.parametrize("option, task", [
+    (("--lora-targets", "q_proj,v_proj"), "full"), (("--lora-rank", "8"), "infer"), (("--optimizer", "sgd"), "infer"),
+    (("--checkpoint-layers", "1"), "infer"), (("--offload-layers", "0"), "infer"), (("--micro-batch", "1"), "infer"),
+    (("--fused-ce",), "infer"), (("--loss-fraction", "0.5"), "infer"), (("--new-tokens", "4"), "lora"),
+    (("--partial-load", "1"), "full"), (("--partial-compute", "0.5"), "lora"),
+])
+@pytest.mark.parametrize("verb", ["plan", "verify"])
+def test_an_option_the_task_does_not_use_is_refused(verb, option, task, capsys, no_model_load):
+    """Each was taken and dropped without a word (--task infer --optimizer adamw8bit planned plain inference)."""
+    _fails(capsys, [verb, "--model", "tiny", "--device", "cpu", "--task", task, *option],
+           f"{option[0]} does nothing with --task {task}: ")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memfit.errors import MemfitError
+from memfit.files import follow_umask
 
 if TYPE_CHECKING:  # the annotations only; torch loads when a run starts, not for `memfit --help`
     import torch
@@ -219,6 +220,7 @@ def _save_adapter(model, out: Path) -> Path:
     final, tmp = out / "adapter", out / ".adapter.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    follow_umask(*tmp.glob("*.safetensors"))           # peft's weights, which safetensors writes 0600
     old = out / ".adapter.old"
     shutil.rmtree(old, ignore_errors=True)  # left over from a run that crashed mid-swap
     if final.exists():

@@ -10,6 +10,22 @@ from memfit.ledger.predict import blr_dense_kinds, check_blr
 from memfit.models import load_spec
 
 DEFAULT_MODEL = "llama-3.2-3b"
+TRAINING = ("full", "lora")
+# Options the ledger reads for some tasks only: the tasks, and why the others ignore it. Their parser default is None,
+# so an option given for another task, where it would do nothing, is refused rather than dropped without a word.
+TASK_OPTIONS = {
+    "--new-tokens": (("infer",), "only inference generates tokens"),
+    "--partial-load": (("infer",), "only inference loads part of the FFN"),
+    "--partial-compute": (("infer",), "only inference computes part of the FFN"),
+    "--lora-rank": (("lora",), "only LoRA has adapters"),
+    "--lora-targets": (("lora",), "only LoRA has adapters"),
+    "--optimizer": (TRAINING, "inference takes no optimizer step"),
+    "--checkpoint-layers": (TRAINING, "inference keeps no activations for a backward pass"),
+    "--offload-layers": (TRAINING, "inference keeps no activations for a backward pass"),
+    "--micro-batch": (TRAINING, "inference accumulates no gradients"),
+    "--fused-ce": (TRAINING, "inference computes no loss"),
+    "--loss-fraction": (TRAINING, "inference computes no loss"),
+}
 
 
 def _int(text: str) -> int:
@@ -27,28 +43,31 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
                      help="full fine-tune, LoRA fine-tune, or inference = prefill + decode (default lora)")
     job.add_argument("--seq", type=_int, default=2048, help="tokens per sequence (prompt length for infer; default 2048)")
     job.add_argument("--batch", type=_int, default=1, help="sequences per step (default 1)")
-    job.add_argument("--new-tokens", type=_int, default=128, help="infer: tokens generated after the prompt (default 128)")
+    job.add_argument("--new-tokens", type=_int, help="infer: tokens generated after the prompt (default 128)")
     job.add_argument("--device", default=default_device, choices=("cuda", "cpu"),
                      help=f"where the job runs (default {default_device})")
     setup = parser.add_argument_group("how it runs (the planner may add techniques on top)")
     setup.add_argument("--dtype", default=None, help="weights/activations dtype: float32, bfloat16, float16 (default: the model's)")
-    setup.add_argument("--lora-rank", type=_int, default=16, help="LoRA rank (default 16)")
-    setup.add_argument("--lora-targets", default=None,
-                       help="comma-separated linear layers that get adapters (default: all seven; with --blr, the "
-                            "ones kept dense: peft wraps nn.Linear layers only)")
-    setup.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default adamw")
-    setup.add_argument("--checkpoint-layers", type=_int, default=0,
-                       help="decoder layers with activation checkpointing, counted from the first (default 0)")
-    setup.add_argument("--micro-batch", type=_int, default=None,
-                       help="sequences per forward/backward; the rest is gradient accumulation (default: the batch)")
-    setup.add_argument("--offload-layers", type=_int, default=0,
-                       help="of the checkpointed layers, how many keep their input in pinned CPU memory (default 0)")
-    setup.add_argument("--fused-ce", action="store_true",
-                       help="loss by memfit's fused linear cross-entropy: logits are never built")
-    setup.add_argument("--four-bit", action="store_true", help="LoRA on a frozen 4-bit NF4 base (bitsandbytes, CUDA)")
-    setup.add_argument("--partial-load", type=float, default=1.0,
+    setup.add_argument("--lora-rank", type=_int, help="lora: LoRA rank (default 16)")
+    setup.add_argument("--lora-targets",
+                       help="lora: comma-separated linear layers that get adapters (default: all seven; with --blr, "
+                            "the ones kept dense: peft wraps nn.Linear layers only)")
+    setup.add_argument("--optimizer", choices=OPTIMIZERS, help="full, lora: the optimizer (default adamw)")
+    setup.add_argument("--checkpoint-layers", type=_int,
+                       help="full, lora: decoder layers with activation checkpointing, counted from the first (default 0)")
+    setup.add_argument("--micro-batch", type=_int,
+                       help="full, lora: sequences per forward/backward; the rest is gradient accumulation (default: "
+                            "the batch)")
+    setup.add_argument("--offload-layers", type=_int,
+                       help="full, lora: of the checkpointed layers, how many keep their input in pinned CPU memory "
+                            "(default 0)")
+    setup.add_argument("--fused-ce", action="store_true", default=None,
+                       help="full, lora: loss by memfit's fused linear cross-entropy: logits are never built")
+    setup.add_argument("--four-bit", action="store_true",
+                       help="lora, infer: a frozen 4-bit NF4 base (bitsandbytes, CUDA)")
+    setup.add_argument("--partial-load", type=float,
                        help="infer: share of FFN neurons loaded in the middle layers (default 1: all)")
-    setup.add_argument("--partial-compute", type=float, default=None,
+    setup.add_argument("--partial-compute", type=float,
                        help="infer: share of FFN neurons computed per decoded token (default: --partial-load)")
     setup.add_argument("--blr", default=None, choices=("blast", "monarch", "lowrank"),
                        help="the model compressed to block-low-rank layers by `memfit compress` (default: dense)")
@@ -57,17 +76,29 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
     setup.add_argument("--blr-blocks", type=_int, default=None, help="with --blr: blocks (default 16)")
     setup.add_argument("--attention", default="sdpa", choices=("sdpa", "memfit"),
                        help="attention kernel: torch SDPA or memfit's Triton kernel (default sdpa)")
-    job.add_argument("--loss-fraction", type=float, default=1.0,
-                     help="share of tokens that carry a loss, e.g. 0.3 when prompts are 70%% of the text (default 1)")
+    job.add_argument("--loss-fraction", type=float,
+                     help="full, lora: share of tokens that carry a loss, e.g. 0.3 when prompts are 70%% of the text "
+                          "(default 1)")
+
+
+def _given(args, *flags: str) -> dict:
+    """The options among ``flags`` given on the command line, by their field names (argparse's dest); those left out
+    take the defaults of Job and Knobs."""
+    dests = (flag[2:].replace("-", "_") for flag in flags)
+    return {dest: getattr(args, dest) for dest in dests if getattr(args, dest) is not None}
 
 
 def job_from_args(args) -> tuple[Job, Knobs]:
     """Build and validate the job and its knobs; bad values raise MemfitError before any work (load_spec refuses a
     directory memfit compress wrote)."""
     spec = load_spec(args.model)
-    job = Job(spec, task=args.task, seq=args.seq, batch=args.batch, new_tokens=args.new_tokens, device=args.device,
-              loss_fraction=args.loss_fraction)
-    if args.checkpoint_layers > spec.num_layers:
+    for flag, (tasks, why) in TASK_OPTIONS.items():
+        if args.task not in tasks and _given(args, flag):
+            raise MemfitError(f"{flag} does nothing with --task {args.task}: {why}; it is for --task "
+                              f"{' or '.join(tasks)}")
+    job = Job(spec, task=args.task, seq=args.seq, batch=args.batch, device=args.device,
+              **_given(args, "--new-tokens", "--loss-fraction"))
+    if (args.checkpoint_layers or 0) > spec.num_layers:
         raise MemfitError(f"--checkpoint-layers {args.checkpoint_layers} exceeds the model's {spec.num_layers} layers")
     if args.micro_batch is not None and args.micro_batch < 1:       # 0 would read as "not given"
         raise MemfitError(f"--micro-batch must be at least 1, got {args.micro_batch}")
@@ -76,20 +107,18 @@ def job_from_args(args) -> tuple[Job, Knobs]:
         raise MemfitError(f"--batch {args.batch} is not a multiple of --micro-batch {micro}")
     if args.four_bit and args.task == "full":
         raise MemfitError("--four-bit freezes the base weights: it goes with --task lora or infer")
-    partial_compute = args.partial_compute if args.partial_compute is not None else args.partial_load
-    if args.task != "infer" and (args.partial_load, partial_compute) != (1.0, 1.0):
-        raise MemfitError("--partial-load/--partial-compute are for --task infer")
     if args.blr is None and (given := [flag for flag, value in (("--blr-ratio", args.blr_ratio),
                                                                 ("--blr-blocks", args.blr_blocks)) if value is not None]):
         raise MemfitError(f"{' and '.join(given)}: only for a --blr model; pass --blr blast|monarch|lowrank too")
     if args.blr == "lowrank" and args.blr_blocks is not None:
         raise MemfitError("--blr-blocks: a low-rank layer has no blocks (it is for --blr monarch and blast)")
-    knobs = Knobs(dtype=args.dtype or spec.dtype, lora_rank=args.lora_rank, checkpoint_layers=args.checkpoint_layers,
-                  optimizer=args.optimizer, micro_batch=micro, offload_layers=args.offload_layers,
-                  fused_ce=args.fused_ce, four_bit=args.four_bit, attention=args.attention,
-                  partial_load=args.partial_load, partial_compute=partial_compute, blr_method=args.blr,
-                  blr_ratio=0.5 if args.blr_ratio is None else args.blr_ratio,
-                  blr_blocks=16 if args.blr_blocks is None else args.blr_blocks)
+    options = _given(args, "--lora-rank", "--checkpoint-layers", "--optimizer", "--offload-layers", "--fused-ce",
+                     "--partial-load", "--partial-compute")
+    if "partial_load" in options:                      # --partial-compute defaults to --partial-load
+        options.setdefault("partial_compute", options["partial_load"])
+    knobs = Knobs(dtype=args.dtype or spec.dtype, micro_batch=micro, four_bit=args.four_bit, attention=args.attention,
+                  blr_method=args.blr, blr_ratio=0.5 if args.blr_ratio is None else args.blr_ratio,
+                  blr_blocks=16 if args.blr_blocks is None else args.blr_blocks, **options)
     dense = blr_dense_kinds(spec, knobs)
     if args.lora_targets is not None:
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from memfit.commands.job_args import add_job_arguments, job_from_args
+from memfit.errors import MemfitError
 from memfit.ledger.predict import COMPONENTS, Ledger
 from memfit.units import format_bytes, parse_bytes
 
@@ -34,25 +35,32 @@ def add_parser(sub):
     add_job_arguments(parser)
     parser.add_argument("--gpu-memory", default="16GiB", help="the budget: 8GiB, 8GB, 8000MiB, 0.5TiB (default 16GiB)")
     parser.add_argument("--limit", type=_positive_int, default=5, help="how many fitting plans to show (default 5)")
-    parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    parser.add_argument("--json", action="store_true",
+                        help="machine-readable output on stdout; an error (exit 2) too, with its message under \"error\"")
     return parser
 
 
 def run(args) -> int:
-    from memfit.ledger.planner import plan
-
+    """Plan the job; with --json, an error that ends the command (exit 2) is a JSON object on stdout too, whatever
+    raised it, with the job and the budget as far as they were read (null before)."""
     from rich.progress import Progress
 
-    job, knobs = job_from_args(args)
-    budget = parse_bytes(args.gpu_memory)
+    from memfit.ledger.planner import plan
+
+    job = budget = None
     try:
-        with Progress(transient=True, console=_stderr()) as bar:
+        job, knobs = job_from_args(args)
+        budget = parse_bytes(args.gpu_memory)
+        console = _stderr()
+        # a bar only on a terminal: elsewhere rich still ends it with a newline, ahead of any error line
+        with Progress(transient=True, console=console, disable=not console.is_terminal) as bar:
             task = bar.add_task("replaying technique combinations", total=None)
             asked, plans = plan(job, knobs, budget, limit=args.limit,
                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
-    except Exception as err:
-        if args.json and err.__class__.__name__ == "MemfitError":
-            print(json.dumps({"job": job.to_dict(), "budget_bytes": budget, "plans": [], "error": str(err)}, indent=1))
+    except MemfitError as err:
+        if args.json:
+            print(json.dumps({"job": None if job is None else job.to_dict(), "budget_bytes": budget, "plans": [],
+                              "error": str(err)}, indent=1))
         raise
     if args.json:
         print(json.dumps({"job": job.to_dict(), "budget_bytes": budget, "asked": asked.to_dict(),

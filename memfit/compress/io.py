@@ -27,6 +27,7 @@ from torch import nn
 
 from memfit.compress.plan import structure_class
 from memfit.errors import MemfitError
+from memfit.files import follow_umask
 from memfit.local import output_dir_problem, resolve_device
 from memfit.log import logger
 from memfit.models.spec import COMPRESSED_MARKER as CONFIG_NAME
@@ -164,6 +165,7 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
         (tmp / OWNER_NAME).write_text(_owner())
         model.config.save_pretrained(tmp)
         save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "memfit": "compressed"})
+        follow_umask(tmp / WEIGHTS_NAME)               # safetensors writes it 0600
         meta = {"format": FORMAT_VERSION, "layers": layers, **(info or {})}
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=1))
         if source_dir is not None:

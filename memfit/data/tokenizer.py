@@ -7,11 +7,10 @@ tokenizer (``encode``/``decode``/``__call__``/``batch_decode``, ``pad_token_id``
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from memfit.errors import MemfitError
+from memfit.files import atomic_path
 
 CONFIG_NAME = "memfit_tokenizer.json"
 
@@ -91,14 +90,8 @@ class ByteTokenizer:
         Written to a temp file and renamed, so a crash never leaves a truncated marker in the directory.
         """
         path = Path(directory) / CONFIG_NAME
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{CONFIG_NAME}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump({"tokenizer": "memfit-bytes", "vocab_size": self.vocab_size, **self.special_tokens}, handle)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps({"tokenizer": "memfit-bytes", "vocab_size": self.vocab_size, **self.special_tokens}))
         return path
 
     @classmethod

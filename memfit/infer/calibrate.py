@@ -13,8 +13,6 @@ counts and the shape, so a file for another model is refused.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -23,6 +21,7 @@ import torch
 
 from memfit.data.jsonl import text_lines
 from memfit.errors import MemfitError
+from memfit.files import atomic_path
 
 RANKINGS_FILE = "rankings.safetensors"
 FORMAT = "memfit-rankings-v1"
@@ -66,14 +65,8 @@ class Rankings:
             tensors[f"{name}.rank"] = torch.sort(score, dim=-1, descending=True, stable=True).indices.to(torch.int32).contiguous()
         meta = {"format": FORMAT, "tokens": json.dumps(self.tokens)}
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, path)
-        except BaseException:  # never leave a half-written temp file behind
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
         return path
 
     @classmethod

@@ -49,7 +49,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,6 +57,7 @@ import triton
 import triton.language as tl
 
 from memfit.errors import MemfitError
+from memfit.files import atomic_path
 from memfit.kernels.dispatch import constant_when_compiled, dot_precision, interpreting, use_triton
 from memfit.log import warn_once
 from memfit.measure.timing import graph_ms, turn_orders
@@ -106,9 +106,8 @@ def _save_cache(cache: dict) -> None:
     path = _cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-            json.dump(cache, handle, indent=1, sort_keys=True)
-        os.replace(handle.name, path)
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
     except OSError as err:
         warn_once(f"autotune-cache:{path}", f"cannot write the autotune cache {path}: {err}; tuning again next run")
 

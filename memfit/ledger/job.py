@@ -12,9 +12,15 @@ ATTENTIONS = ("sdpa", "memfit")
 LORA_TARGETS_ALL = PROJECTIONS
 
 
+def field_flag(name: str) -> str:
+    """How an error names a Job or Knobs field (or verify's tolerance): the field, as a library caller wrote it, and
+    the option of ``memfit plan``/``memfit verify`` that sets it, as a user of the command typed it: ``seq (--seq)``."""
+    return f"{name} (--{name.replace('_', '-')})"
+
+
 def _positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise MemfitError(f"{name} must be a positive integer, got {value!r}")
+        raise MemfitError(f"{field_flag(name)} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,7 @@ class Job:
         if self.device not in ("cuda", "cpu"):
             raise MemfitError(f"device {self.device!r} is not one of cuda, cpu")
         if not 0 < self.loss_fraction <= 1:
-            raise MemfitError(f"loss_fraction must be in (0, 1], got {self.loss_fraction}")
+            raise MemfitError(f"{field_flag('loss_fraction')} must be in (0, 1], got {self.loss_fraction}")
 
     @property
     def training(self) -> bool:
@@ -84,20 +90,22 @@ class Knobs:
             raise MemfitError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         unknown = set(self.lora_targets) - set(LORA_TARGETS_ALL)
         if unknown:
-            raise MemfitError(f"unknown LoRA targets {sorted(unknown)}; use some of {', '.join(LORA_TARGETS_ALL)}")
+            raise MemfitError(f"unknown {field_flag('lora_targets')} {sorted(unknown)}; use some of "
+                              f"{', '.join(LORA_TARGETS_ALL)}")
         _positive("lora_rank", self.lora_rank)
         if self.checkpoint_layers < 0:
-            raise MemfitError(f"checkpoint_layers must be >= 0, got {self.checkpoint_layers}")
+            raise MemfitError(f"{field_flag('checkpoint_layers')} must be >= 0, got {self.checkpoint_layers}")
         if self.micro_batch is not None:
             _positive("micro_batch", self.micro_batch)
         if not 0 < self.partial_compute <= self.partial_load <= 1:
-            raise MemfitError(f"need 0 < partial_compute ({self.partial_compute}) <= partial_load "
-                              f"({self.partial_load}) <= 1")
+            raise MemfitError(f"need 0 < {field_flag('partial_compute')} <= {field_flag('partial_load')} <= 1, got "
+                              f"{self.partial_compute} and {self.partial_load}")
         if self.attention not in ATTENTIONS:
             raise MemfitError(f"attention {self.attention!r} is not one of {', '.join(ATTENTIONS)}")
         if not 0 <= self.offload_layers <= self.checkpoint_layers:
-            raise MemfitError(f"offload_layers ({self.offload_layers}) must be between 0 and checkpoint_layers "
-                              f"({self.checkpoint_layers}): only checkpointed layers' inputs are offloaded")
+            raise MemfitError(f"{field_flag('offload_layers')} must be between 0 and {field_flag('checkpoint_layers')}, "
+                              f"got {self.offload_layers} and {self.checkpoint_layers}: only checkpointed layers' "
+                              "inputs are offloaded")
 
     def with_(self, **changes) -> "Knobs":
         return replace(self, **changes)

@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from memfit.errors import MemfitError
 from memfit.ledger.graph import ModelGraph, Trainable
-from memfit.ledger.job import Job, Knobs
+from memfit.ledger.job import Job, Knobs, field_flag
 from memfit.ledger.simulate import Memory, Sym, replay_backward, replay_forward
 from memfit.models.spec import dtype_bytes
 from memfit.units import MiB
@@ -127,6 +127,7 @@ def _train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
 
 def predict(job: Job, knobs: Knobs) -> Ledger:
     """The ledger of ``job`` run with ``knobs`` (a fresh copy: callers may change it)."""
+    check_device(job, knobs)
     check_blr(job, knobs)
     ledger = _cached_predict(job, knobs)
     return replace(ledger, peak=dict(ledger.peak), phases=dict(ledger.phases), notes=list(ledger.notes))
@@ -152,7 +153,7 @@ def _persistent(graph: ModelGraph) -> tuple[int, list[tuple[int, int]]]:
 def _predict_train(job: Job, knobs: Knobs) -> Ledger:
     micro = knobs.micro_batch or job.batch
     if job.batch % micro:
-        raise MemfitError(f"batch {job.batch} is not a multiple of micro_batch {micro}")
+        raise MemfitError(f"{field_flag('batch')} {job.batch} is not a multiple of {field_flag('micro_batch')} {micro}")
     steps = job.batch // micro
     workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
 
@@ -210,6 +211,25 @@ def blr_dense_kinds(spec, knobs: Knobs) -> tuple[str, ...] | None:
         blocks = "" if knobs.blr_method == "lowrank" else f" --blr-blocks {knobs.blr_blocks}"
         raise MemfitError(f"--blr {knobs.blr_method} --blr-ratio {knobs.blr_ratio:g}{blocks}: {err}") from None
     return tuple(kind for kind, p in plans.items() if p.rank is None)
+
+
+def check_device(job: Job, knobs: Knobs) -> None:
+    """Refuse on the CPU what runs on CUDA only. The ledger models each as it runs there, so a CPU job's ledger would
+    describe a run that cannot happen (the planner proposes none of them on the CPU; memfit verify runs none)."""
+    if job.device == "cuda":
+        return
+    if knobs.four_bit:
+        raise MemfitError(f"{field_flag('four_bit')}: the 4-bit NF4 base (bitsandbytes) runs on CUDA only; drop it "
+                          "on cpu")
+    if knobs.offload_layers:
+        raise MemfitError(f"{field_flag('offload_layers')}: checkpoint inputs are offloaded from a GPU to pinned CPU "
+                          "memory, which runs on CUDA only; drop it on cpu")
+    if knobs.optimizer == "adamw8bit" and job.training:
+        raise MemfitError(f"{field_flag('optimizer')} adamw8bit: 8-bit AdamW (bitsandbytes) runs on CUDA only; use "
+                          "adamw on cpu")
+    if knobs.attention == "memfit":
+        raise MemfitError(f"{field_flag('attention')} memfit is modelled as its Triton kernel, which runs on CUDA only; "
+                          "on cpu it falls back to a reference that holds the scores")
 
 
 def check_blr(job: Job, knobs: Knobs) -> None:

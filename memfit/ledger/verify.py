@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from memfit.errors import MemfitError
-from memfit.ledger.job import Job, Knobs
-from memfit.ledger.predict import Ledger, predict
+from memfit.ledger.job import Job, Knobs, field_flag
+from memfit.ledger.predict import Ledger, check_device, predict
 from memfit.measure.memory import PeakMeter, storage_bytes
 from memfit.models.build import build_model
 
@@ -92,18 +92,11 @@ def check_runnable(job: Job, knobs: Knobs) -> None:
     """Refuse, before any work, what this machine cannot run."""
     if job.device == "cuda" and not torch.cuda.is_available():
         raise MemfitError("verify on cuda needs a CUDA GPU; use --device cpu here")
+    check_device(job, knobs)
     if (knobs.partial_load, knobs.partial_compute) != (1.0, 1.0):
         raise MemfitError("verify does not build partial-FFN models: they are predicted by `memfit plan` and "
                           "measured by benchmarks/partial_ffn.py")
-    if job.device != "cuda" and knobs.attention == "memfit":
-        raise MemfitError("--attention memfit is modelled as its Triton kernel, which runs on CUDA; on cpu it falls "
-                          "back to a reference that holds the scores")
-    if job.device != "cuda" and (knobs.offload_layers or knobs.four_bit):
-        raise MemfitError("checkpoint offload and the 4-bit base run on CUDA only; drop --offload-layers/--four-bit "
-                          "on cpu")
     if job.training and knobs.optimizer == "adamw8bit":
-        if job.device != "cuda":
-            raise MemfitError("8-bit AdamW (bitsandbytes) runs on CUDA only; use --optimizer adamw on cpu")
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
@@ -193,7 +186,7 @@ def _measure_infer(job: Job, model, ids, warmup: int) -> Measurement:
 def verify(job: Job, knobs: Knobs, tolerance: float = 0.05, warmup: int = 1) -> VerifyResult:
     """Predict, measure, compare. ``result.ok`` is False when the total is off by more than ``tolerance``."""
     if not 0 < tolerance < math.inf:                   # NaN fails both comparisons
-        raise MemfitError(f"tolerance must be a positive, finite fraction (0.05 is 5%), got {tolerance}")
+        raise MemfitError(f"{field_flag('tolerance')} must be a positive, finite fraction (0.05 is 5%), got {tolerance}")
     check_runnable(job, knobs)
     ledger = predict(job, knobs)
     return VerifyResult(ledger, measure(job, knobs, warmup), tolerance)

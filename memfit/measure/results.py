@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from memfit.files import atomic_path
 from memfit.local import output_dir_problem
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -120,8 +121,6 @@ def write_results(name: str, rows: list[dict], targets: list[dict], out_dir: Pat
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, **environment(), "rows": rows, "targets": targets, **extra}
-    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as handle:
-        json.dump(payload, handle, indent=1, default=float)
-        tmp = handle.name
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(payload, indent=1, default=float))
     return path

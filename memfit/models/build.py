@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from memfit.files import follow_umask
 from memfit.models.spec import ModelSpec, dtype_of
 
 
@@ -43,4 +44,5 @@ def save_model_dir(spec: ModelSpec, directory: str | Path, dtype: str | torch.dt
     model = build_model(spec, dtype=dtype)
     directory = Path(directory)
     model.save_pretrained(directory)
+    follow_umask(*directory.glob("*.safetensors"))     # transformers' weights, which safetensors writes 0600
     return directory

@@ -25,6 +25,7 @@ import torch
 
 from memfit.data.jsonl import Example, collate
 from memfit.errors import MemfitError
+from memfit.files import follow_umask
 from memfit.log import warn_once
 
 CHECKPOINTS = "checkpoints"
@@ -108,6 +109,7 @@ def save_checkpoint(out_dir: Path, model, optimizer, step: int, losses: list[flo
     tmp.mkdir()
     save_file({k: p.detach().cpu().contiguous() for k, p in trainable_parameters(model).items()},
               str(tmp / "trainable.safetensors"))
+    follow_umask(tmp / "trainable.safetensors")       # safetensors writes it 0600
     torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "state.pt")
     (tmp / "progress.json").write_text(json.dumps({"step": step, "losses": losses, "config": asdict(config)}))
     final = root / name

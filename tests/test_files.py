@@ -1,0 +1,100 @@
+"""Files memfit writes get the mode a plain open() gives a new file under the user's umask, not tempfile's or
+safetensors' 0600."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def umask():
+    """The umask 027 for the test (0600 and 0644 both differ from the 0640 it gives a new file)."""
+    old = os.umask(0o027)
+    yield "0o640"
+    os.umask(old)
+
+
+def _modes(root: Path) -> dict[str, str]:
+    """Every file under ``root`` (or ``root`` itself) -> its permission bits, in octal."""
+    files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+    return {str(p.relative_to(root.parent)): oct(p.stat().st_mode & 0o777) for p in files}
+
+
+def _tokenizer(tmp_path):
+    from memfit.data.tokenizer import ByteTokenizer
+
+    return ByteTokenizer().save_pretrained(tmp_path)
+
+
+def _rankings(tmp_path):
+    from memfit.infer.calibrate import Rankings
+
+    return Rankings({"general": torch.rand(2, 16)}, {"general": 5}).save(tmp_path / "r.safetensors")
+
+
+def _results(tmp_path):
+    from memfit.measure.results import write_results
+
+    return write_results("modes", [], [], out_dir=tmp_path)
+
+
+def _autotune_cache(tmp_path):
+    from memfit.kernels import blr_common
+
+    blr_common._save_cache({"key": "value"})
+    return blr_common._cache_path()
+
+
+def _model_dir(tmp_path):
+    from memfit.models import PRESETS, save_model_dir
+
+    return save_model_dir(PRESETS["tiny"], tmp_path / "tiny", dtype="float32")
+
+
+def _compressed(tmp_path):
+    import memfit
+
+    memfit.compress("tiny", tmp_path / "lowrank", method="lowrank", ratio=0.5, progress=False, device="cpu")
+    return tmp_path / "lowrank"
+
+
+def _checkpoint(tmp_path):
+    from memfit.train.finetune import TrainConfig, save_checkpoint
+
+    model = torch.nn.Linear(4, 4)
+    save_checkpoint(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1), 1, [1.0], TrainConfig())
+    return tmp_path / "checkpoints"
+
+
+def _adapter(tmp_path):
+    from safetensors.torch import save_file
+
+    from memfit.commands.finetune import _save_adapter
+
+    class Model:                                       # writes what peft's save_pretrained writes, the same ways
+        def save_pretrained(self, directory):
+            directory.mkdir()
+            save_file({"w": torch.zeros(2)}, str(directory / "adapter_model.safetensors"))
+            (directory / "adapter_config.json").write_text("{}")
+
+    return _save_adapter(Model(), tmp_path)
+
+
+@pytest.mark.parametrize("write", [_tokenizer, _rankings, _results, _autotune_cache, _model_dir, _compressed,
+                                   _checkpoint, _adapter])
+def test_written_files_follow_the_umask(write, tmp_path, monkeypatch, umask):
+    monkeypatch.setenv("MEMFIT_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    modes = _modes(Path(write(tmp_path)))
+    assert modes and modes == dict.fromkeys(modes, umask)
+
+
+def test_atomic_path_leaves_the_old_file_and_no_temporary_when_the_write_fails(tmp_path, umask):
+    from memfit.files import atomic_path
+
+    target = tmp_path / "out.json"
+    target.write_text("old")
+    with pytest.raises(RuntimeError), atomic_path(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("crash")
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"] and target.read_text() == "old"
