@@ -8,10 +8,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-# name|seconds|command, the BLR runs to repeat after a kernel change first (the twenty-fifth session, 2026-12-02,
-# ran the layer table, blr_e2e and blr_layers_profile at d281e41 in four calls: the table's first call stopped at
-# its 565 s limit after 22 cases and --resume timed the other 13 in a 289.8 s call, the file recording 814 s;
-# blr_e2e's call took 302.5 s, --profile-only's 26.2 s). At 7eeb2bd the models of blr_e2e_memfit_attention record 215.9 s of set-up and timing, blr_counters took
+# name|seconds|command, the BLR runs to repeat after a kernel change first. At d281e41 the layer table's first call
+# stopped at its time limit after 22 cases and --resume timed the other 13 in a second call (the file records 814 s,
+# its resumed cases 274.3 s); blr_layers --profile-only records 19.7 s. At 7eeb2bd the models of blr_e2e_memfit_attention record 215.9 s of set-up and timing, blr_counters took
 # 72 s (its log's real time) and blr_layers --tokens 1 --structures blast records 72.9 s. The
 # layer table needs two calls (as at 1476f91 and f969028): at af7a5bc, where the chained pipelines time every pair of
 # their tiles, its file records 779 s, 372.1 s of case times for the 13 cases of a first call stopped at its limit and
