@@ -10,19 +10,30 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+PROC_STATUS = Path("/proc/self/status")   # Linux 4.7 on: the process's umask among its fields
+_UMASK_LOCK = threading.Lock()
 
 
 def new_file_mode() -> int:
     """The mode ``open()`` gives a new file now: 0o666 less the process's umask.
 
-    ``os`` has no umask getter, so the umask is set and put back at once; in between it is 0o077, so a file
-    another thread creates in that moment is private rather than world-writable.
+    Linux reports the umask in /proc/self/status (4.7 on); elsewhere ``os`` has no getter, so it is set and put back
+    at once, under a lock: two threads doing that together could each read the other's temporary 0o077.
     """
-    mask = os.umask(0o077)
-    os.umask(mask)
+    try:
+        for line in PROC_STATUS.read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o077)
+        os.umask(mask)
     return 0o666 & ~mask
 
 
@@ -33,19 +44,33 @@ def follow_umask(*paths: str | Path) -> None:
         os.chmod(path, mode)
 
 
+def files_written(directory: Path, before: dict[Path, int]) -> list[Path]:
+    """The files under ``directory`` that are new or changed since ``before`` (:func:`snapshot`): what a library's
+    save wrote there, and no file it left alone (another user's may not be ours to chmod)."""
+    return [path for path, stamp in snapshot(directory).items() if before.get(path) != stamp]
+
+
+def snapshot(directory: Path) -> dict[Path, int]:
+    """Every file under ``directory`` (none where it does not exist) with its modification time in ns."""
+    return {path: path.stat().st_mtime_ns for path in Path(directory).rglob("*") if path.is_file()}
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """A fresh temporary path beside ``path`` to write to; renamed over ``path`` when the block ends, removed if it
     raises.
 
-    A crash never leaves a truncated ``path`` nor a temporary file, and the file gets the mode ``open()`` gives a
-    new file, whatever wrote the temporary.
+    An interrupted write never leaves a truncated ``path`` nor a temporary file. The file keeps the mode of the one
+    it replaces, or gets the mode ``open()`` gives a new file, whatever wrote the temporary.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     try:
         yield tmp
-        follow_umask(tmp)
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+        else:
+            follow_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

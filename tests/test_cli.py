@@ -51,7 +51,7 @@ def test_plan_json_reports_every_error_on_stdout(capsys, extra, message, built):
     code, out, err = run(capsys, "plan", "--json", *extra)
     assert code == 2 and err.startswith("memfit plan: error: ") and message in err
     data = json.loads(out)
-    assert data == {"job": data["job"], "budget_bytes": data["budget_bytes"], "plans": [],
+    assert data == {"job": data["job"], "budget_bytes": data["budget_bytes"], "asked": None, "plans": [],
                     "error": err.removeprefix("memfit plan: error: ").rstrip("\n")}
     assert (data["job"] is not None) == built
     assert data["budget_bytes"] == (2 * 2**30 if "no plan fits" in message else None)

@@ -1,6 +1,7 @@
 """Files memfit writes get the mode a plain open() gives a new file under the user's umask, not tempfile's or
 safetensors' 0600."""
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,50 @@ def test_atomic_path_leaves_the_old_file_and_no_temporary_when_the_write_fails(t
         tmp.write_text("half")
         raise RuntimeError("crash")
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"] and target.read_text() == "old"
+
+
+def test_atomic_path_keeps_the_mode_of_the_file_it_replaces(tmp_path, umask):
+    """A file its owner made private (or opened up) keeps that mode when memfit writes it again."""
+    from memfit.files import atomic_path
+
+    target = tmp_path / "cache.json"
+    target.write_text("old")
+    target.chmod(0o600)
+    with atomic_path(target) as tmp:
+        tmp.write_text("new")
+    assert oct(target.stat().st_mode & 0o777) == "0o600" and target.read_text() == "new"
+
+
+def test_a_save_into_a_directory_leaves_the_files_it_did_not_write(tmp_path, umask):
+    """save_model_dir chmods what the save wrote, not a file already there (which may not be ours to chmod)."""
+    from memfit.models import PRESETS
+    from memfit.models.build import save_model_dir
+
+    mine = tmp_path / "notes.safetensors"
+    mine.write_text("kept")
+    mine.chmod(0o600)
+    save_model_dir(PRESETS["tiny"], tmp_path)
+    modes = _modes(tmp_path)
+    assert modes.pop(f"{tmp_path.name}/notes.safetensors") == "0o600"
+    assert modes and set(modes.values()) == {umask}
+
+
+@pytest.mark.parametrize("proc", [True, False], ids=["from /proc", "set and put back"])
+def test_the_umask_read_is_right_from_many_threads(umask, proc, monkeypatch, tmp_path):
+    """Read from /proc or, without it, by setting and restoring the umask: two threads doing the latter at once
+    could read each other's stand-in, or leave it set."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from memfit import files
+    from memfit.files import new_file_mode
+
+    if not proc:
+        monkeypatch.setattr(files, "PROC_STATUS", tmp_path / "missing")
+    switching = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)                          # threads switch often enough to meet mid-read
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            modes = set(pool.map(lambda _: new_file_mode(), range(20000)))
+    finally:
+        sys.setswitchinterval(switching)
+    assert modes == {int(umask, 8)} and os.umask(0o027) == 0o027

@@ -220,7 +220,7 @@ def _save_adapter(model, out: Path) -> Path:
     final, tmp = out / "adapter", out / ".adapter.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    follow_umask(*tmp.glob("*.safetensors"))           # peft's weights, which safetensors writes 0600
+    follow_umask(*tmp.rglob("*.safetensors"))          # peft's weights (below tmp for a named adapter), written 0600
     old = out / ".adapter.old"
     shutil.rmtree(old, ignore_errors=True)  # left over from a run that crashed mid-swap
     if final.exists():

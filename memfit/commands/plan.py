@@ -36,7 +36,8 @@ def add_parser(sub):
     parser.add_argument("--gpu-memory", default="16GiB", help="the budget: 8GiB, 8GB, 8000MiB, 0.5TiB (default 16GiB)")
     parser.add_argument("--limit", type=_positive_int, default=5, help="how many fitting plans to show (default 5)")
     parser.add_argument("--json", action="store_true",
-                        help="machine-readable output on stdout; an error (exit 2) too, with its message under \"error\"")
+                        help="machine-readable output on stdout; an error found once the options are parsed (exit 2) "
+                             "too, with its message under \"error\" (argparse's own usage errors print none)")
     return parser
 
 
@@ -59,8 +60,8 @@ def run(args) -> int:
                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
     except MemfitError as err:
         if args.json:
-            print(json.dumps({"job": None if job is None else job.to_dict(), "budget_bytes": budget, "plans": [],
-                              "error": str(err)}, indent=1))
+            print(json.dumps({"job": None if job is None else job.to_dict(), "budget_bytes": budget, "asked": None,
+                              "plans": [], "error": str(err)}, indent=1))
         raise
     if args.json:
         print(json.dumps({"job": job.to_dict(), "budget_bytes": budget, "asked": asked.to_dict(),

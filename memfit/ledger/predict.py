@@ -221,7 +221,7 @@ def check_device(job: Job, knobs: Knobs) -> None:
     if knobs.four_bit:
         raise MemfitError(f"{field_flag('four_bit')}: the 4-bit NF4 base (bitsandbytes) runs on CUDA only; drop it "
                           "on cpu")
-    if knobs.offload_layers:
+    if knobs.offload_layers and job.training:
         raise MemfitError(f"{field_flag('offload_layers')}: checkpoint inputs are offloaded from a GPU to pinned CPU "
                           "memory, which runs on CUDA only; drop it on cpu")
     if knobs.optimizer == "adamw8bit" and job.training:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.files import follow_umask
+from memfit.files import files_written, follow_umask, snapshot
 from memfit.models.spec import ModelSpec, dtype_of
 
 
@@ -43,6 +43,7 @@ def save_model_dir(spec: ModelSpec, directory: str | Path, dtype: str | torch.dt
     """Build a random-init model and save it (safetensors + config.json) to ``directory``."""
     model = build_model(spec, dtype=dtype)
     directory = Path(directory)
+    before = snapshot(directory)
     model.save_pretrained(directory)
-    follow_umask(*directory.glob("*.safetensors"))     # transformers' weights, which safetensors writes 0600
+    follow_umask(*files_written(directory, before))   # transformers' weights, which safetensors writes 0600
     return directory
