@@ -49,6 +49,7 @@ RUNS=(
   "pick_cost|240|python3 benchmarks/pick_cost.py --out $OUT"
   "chain_tiles|300|python3 benchmarks/chain_tiles.py --out $OUT"
   "blr_counters|200|python3 benchmarks/blr_counters.py --out $OUT"
+  "gpu_tests|300|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -v -n 8 -p no:cacheprovider --timeout 120 --tb=short tests/test_blr_kernels.py tests/test_decode_kernels.py tests/test_cache_attention.py tests/test_attention.py tests/test_linear_ce.py"
 )
 status=0
 for run in "${RUNS[@]}"; do

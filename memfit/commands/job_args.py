@@ -52,7 +52,8 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
     setup.add_argument("--lora-targets",
                        help="lora: comma-separated linear layers that get adapters (default: all seven; with --blr, "
                             "the ones kept dense: peft wraps nn.Linear layers only)")
-    setup.add_argument("--optimizer", choices=OPTIMIZERS, help="full, lora: the optimizer (default adamw)")
+    setup.add_argument("--optimizer", choices=OPTIMIZERS,
+                       help="full, lora: the optimizer (default adamw; adamw8bit is bitsandbytes', CUDA only)")
     setup.add_argument("--checkpoint-layers", type=_int,
                        help="full, lora: decoder layers with activation checkpointing, counted from the first (default 0)")
     setup.add_argument("--micro-batch", type=_int,
@@ -60,7 +61,7 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
                             "the batch)")
     setup.add_argument("--offload-layers", type=_int,
                        help="full, lora: of the checkpointed layers, how many keep their input in pinned CPU memory "
-                            "(default 0)")
+                            "(CUDA only; default 0)")
     setup.add_argument("--fused-ce", action="store_true", default=None,
                        help="full, lora: loss by memfit's fused linear cross-entropy: logits are never built")
     setup.add_argument("--four-bit", action="store_true",
@@ -75,7 +76,7 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
                        help="with --blr: share of linear parameters kept (default 0.5)")
     setup.add_argument("--blr-blocks", type=_int, default=None, help="with --blr: blocks (default 16)")
     setup.add_argument("--attention", default="sdpa", choices=("sdpa", "memfit"),
-                       help="attention kernel: torch SDPA or memfit's Triton kernel (default sdpa)")
+                       help="attention kernel: torch SDPA or memfit's Triton kernel (CUDA only; default sdpa)")
     job.add_argument("--loss-fraction", type=float,
                      help="full, lora: share of tokens that carry a loss, e.g. 0.3 when prompts are 70%% of the text "
                           "(default 1)")
