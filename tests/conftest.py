@@ -30,6 +30,21 @@ for module in pkgutil.iter_modules(memfit.kernels.__path__):
     importlib.import_module(f"memfit.kernels.{module.name}")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only(reason): the test assumes the CPU (a CPU stand-in for the GPU, the "
+                            "interpreter's one launch, a CPU memory tracker); skipped under MEMFIT_TEST_DEVICE=cuda")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under MEMFIT_TEST_DEVICE=cuda, skip the tests marked ``cpu_only``, saying why, so that a failure there is a
+    kernel's."""
+    if torch.get_default_device().type != "cuda":
+        return
+    for item in items:
+        if (mark := item.get_closest_marker("cpu_only")) is not None:
+            item.add_marker(pytest.mark.skip(reason=f"assumes the CPU: {mark.kwargs['reason']}"))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

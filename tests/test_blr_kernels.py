@@ -18,6 +18,7 @@ from conftest import seeded
 from memfit.errors import MemfitError
 from memfit.kernels import blast, blr_common, lowrank, monarch
 from memfit.kernels.blast import blast_linear, blast_linear_reference
+from memfit.kernels.dispatch import interpreting
 from memfit.kernels.lowrank import lowrank_linear, lowrank_linear_reference
 from memfit.kernels.monarch import monarch_linear, monarch_linear_reference
 from memfit.ledger.predict import blr_transient_per_token
@@ -182,6 +183,7 @@ def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch
         check(monarch_linear, monarch_linear_reference, tensors, dtype, permute_output=False, variant=variant)
 
 
+@pytest.mark.cpu_only(reason="TensorLifetimeTracker counts CPU allocations")
 @pytest.mark.parametrize("d_in,d_out,b,r", [(96, 160, 4, 16), (160, 96, 4, 32), (128, 128, 8, 64), (256, 64, 4, 8)])
 def test_tbmm_tbmm_holds_z_and_the_reordered_w2(d_in, d_out, b, r):
     """What tbmm_tbmm allocates besides its output (CPU tracker): z and one copy of w2, and that is within the ledger's
@@ -516,6 +518,7 @@ def test_a_strided_bias_is_read_as_its_values(structure, n, monkeypatch):
         assert rel(op(x, *weights, bias, path="triton", variant=variant), want) < 1e-5, variant
 
 
+@pytest.mark.cpu_only(reason="its fake tensors stand on the CPU with the Triton path forced")
 def test_fake_tensor_shapes():
     """register_fake: the ops trace under FakeTensorMode with the right output shape."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -642,6 +645,7 @@ def test_ops_pick_by_pick_bucket(monkeypatch, op):
     assert keys == [1, 4, 16, 128, 128] and offered[3] == offered[4]      # one bucket, one set of candidates
 
 
+@pytest.mark.cpu_only(reason="the CPU stands for the GPU, and the L2 size is the stand-in's")
 def test_pick_times_each_variant_over_rotating_copies_of_its_arguments(monkeypatch):
     """The pick calls each candidate on copies of its arguments in turn, enough to hold ROTATE_BYTES, and divides a
     replay's time by the copies (made once for the first timing and the finalists' rounds: the interleaving test)."""
@@ -670,6 +674,7 @@ def test_pick_times_each_variant_over_rotating_copies_of_its_arguments(monkeypat
     assert blr_common.rotation_copies(1) == blr_common.ROTATE_MAX_COPIES
 
 
+@pytest.mark.cpu_only(reason="its first call expects CPU arguments not to be copied")
 def test_rotation_copies_nested_and_strided_arguments_as_they_are(monkeypatch):
     """Copies keep what the timed call sees: tensors inside lists and tuples are copied (a gemv pick's per-layer
     weights), a row-strided view keeps its strides (gemv keys its pick by them), a tensor passed twice stays one
@@ -733,7 +738,8 @@ def test_bgemm_with_and_without_the_k_mask(dtype, k, monkeypatch):
     # column col of batch bt at bt * cols + (col // grp) * grp + col % grp, token stride batches * cols
     blr_common.bgemm(a, b, c, n, k, cols, batches, a.stride(), b.stride(), (cols, batches * cols, grp, 1), grp=grp,
                      bias=bias)
-    assert taken["EVEN_K"] == [k == 64]
+    if interpreting():                        # one launch of the interpreter's tile; a GPU autotunes over BKs
+        assert taken["EVEN_K"] == [k == 64]
     want = (a.double() @ b.double()).transpose(0, 1).reshape(n, batches * cols) + bias.double()
     assert rel(c.view(n, batches * cols), want) < TOL[dtype]
 
@@ -754,7 +760,7 @@ def test_bgemm_gathers_runs_of_a(dtype, run, runs, stride, window, monkeypatch):
     taken = record_bgemm_choices(monkeypatch, "A_GROUPED", "A_WINDOW")
     blr_common.bgemm(store, b, c, n, runs * run, cols, batches, (run, store.stride(0), 1), b.stride(),
                      (cols, c.stride(0), 0, 1), a_runs=(run, stride))
-    assert taken["A_GROUPED"] == [True] and [bool(w) for w in taken["A_WINDOW"]] == [window]
+    assert set(taken["A_GROUPED"]) == {True} and {bool(w) for w in taken["A_WINDOW"]} == {window}   # every tile
     a = torch.stack([torch.cat([store[:, g * stride + bt * run:][:, :run] for g in range(runs)], dim=1)
                      for bt in range(batches)]).double()
     want = (a @ b.double()).transpose(0, 1).reshape(n, batches * cols)
@@ -776,6 +782,7 @@ def test_misaligned_runs_load_by_cp_async_only_in_windows():
     assert "cp.async.cg" in ptx["windows"]
 
 
+@pytest.mark.cpu_only(reason="not traced on the GPU: Triton read one of its arguments as a CPU tensor there")
 def test_bgemm_windows_need_slack_past_the_last_run():
     """Runs starting misaligned in aligned rows are read in aligned windows, past the last run: a without
     that slack is refused instead of read out of bounds."""
@@ -836,6 +843,7 @@ def test_mid_tiles_only_where_the_large_tiles_leave_most_sms_idle(monkeypatch, n
         assert (set(blr_common.BGEMM_MID) <= kept) == mid and bool(kept & set(blr_common.BGEMM_MID)) == mid
 
 
+@pytest.mark.cpu_only(reason="on a GPU the process's other tests leave their chained tile pairs in the record")
 def test_tile_picks_read_every_tuned_kernels_autotuning_cache(monkeypatch):
     """What each BLR kernel's autotuner took, by kernel and autotuning key, for the benchmarks to record; kernels that
     have not tuned are left out."""

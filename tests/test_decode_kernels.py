@@ -83,6 +83,7 @@ def test_block_gemv_refuses_what_it_cannot_take():
         gemv.block_gemv(x, w, None, 3, -8)
 
 
+@pytest.mark.cpu_only(reason="its last check is the pick off the GPU")
 def test_gemv_refuses_what_it_cannot_take():
     assert gemv.takes(torch.randn(4, 8), torch.randn(3, 8)) and not gemv.takes(torch.randn(5, 8), torch.randn(3, 8))
     assert not gemv.takes(torch.randn(1, 8), torch.randn(8, 3).T)        # inner stride != 1
