@@ -10,6 +10,14 @@ from memfit.kernels.attention import VARIANTS, attention, attention_recompute_ba
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
+def _model(spec, implementation: str = "sdpa"):
+    """A float32 random-init model of ``spec`` with that attention, on torch's default device (CUDA under
+    MEMFIT_TEST_DEVICE=cuda)."""
+    from memfit.models import build_model
+
+    return build_model(spec, dtype="float32", device=torch.get_default_device(), attn_implementation=implementation)
+
+
 def _rel(a, b):
     """Relative L2 error; the floor keeps exactly-zero references (dq of a 1-token row) meaningful."""
     floor = 0.1 * math.sqrt(b.numel())
@@ -175,14 +183,13 @@ def test_bad_input_is_a_clear_error(bad):
 
 def test_hugging_face_model_matches_sdpa():
     """A tiny random Llama with attn_implementation="memfit" gives SDPA's logits and gradients."""
-    from memfit.models import build_model
     from memfit.models.presets import PRESETS
     from memfit.train.attention_hf import register
 
     register()
     spec = PRESETS["tiny"]
-    ref = build_model(spec, dtype="float32", attn_implementation="sdpa").train()
-    ours = build_model(spec, dtype="float32", attn_implementation="memfit").train()
+    ref = _model(spec, "sdpa").train()
+    ours = _model(spec, "memfit").train()
     ids = torch.randint(0, spec.vocab, (2, 13))
     ref(ids, labels=ids).loss.backward()
     loss = ours(ids, labels=ids).loss
@@ -203,7 +210,6 @@ def test_hugging_face_model_decodes_from_a_kv_cache_as_a_full_forward_does(cache
     past the prompt: the FlashAttention-style mask had left them unmasked, and the decode logits were 0.1 off."""
     from transformers import DynamicCache, StaticCache
 
-    from memfit.models import build_model
     from memfit.models.presets import PRESETS
     from memfit.train import attention_hf
 
@@ -212,7 +218,7 @@ def test_hugging_face_model_decodes_from_a_kv_cache_as_a_full_forward_does(cache
     monkeypatch.setattr(attention_hf, "cache_attention", lambda *args: decoded.append(args[3]) or run(*args))
     attention_hf.register()
     spec = PRESETS["tiny"]
-    model = build_model(spec, dtype="float32", attn_implementation="memfit").eval()
+    model = _model(spec, "memfit").eval()
     ids, token = torch.randint(0, spec.vocab, (1, 10)), torch.tensor([[7]])
 
     def decode(grad: bool):
@@ -240,7 +246,6 @@ def test_hugging_face_model_decodes_from_a_kv_cache_as_a_full_forward_does(cache
 def test_hugging_face_padded_batch_without_a_cache_runs_memfits_kernel(monkeypatch):
     """No cache: the FlashAttention-style mask (a 2-D padding mask), which memfit's kernel takes (packed), not
     SDPA's N x N one."""
-    from memfit.models import build_model
     from memfit.models.presets import PRESETS
     from memfit.train import attention_hf
 
@@ -249,7 +254,7 @@ def test_hugging_face_padded_batch_without_a_cache_runs_memfits_kernel(monkeypat
     monkeypatch.setattr(attention_hf, "attention", lambda *a, **k: calls.append(k.get("cu_seqlens")) or run(*a, **k))
     attention_hf.register()
     spec = PRESETS["tiny"]
-    model = build_model(spec, dtype="float32", attn_implementation="memfit").eval()
+    model = _model(spec, "memfit").eval()
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, :3] = 0
     with torch.no_grad():
@@ -298,13 +303,12 @@ def test_padding_in_place_refuses_a_mask_with_a_hole():
 
 def _compiled_padded_forward(layers):
     """(graph breaks, compiled logits, eager logits) of a tiny Llama of ``layers`` layers on a left-padded batch."""
-    from memfit.models import build_model
     from memfit.models.presets import PRESETS
     from memfit.train import attention_hf
 
     attention_hf.register()
     spec = PRESETS["tiny"].with_(num_layers=layers)
-    model = build_model(spec, dtype="float32", attn_implementation="memfit").eval()
+    model = _model(spec, "memfit").eval()
     ids, mask = torch.randint(0, spec.vocab, (2, 9)), _padding_mask("left")
     forward = lambda ids: model(input_ids=ids, attention_mask=mask).logits * mask[..., None]   # noqa: E731
     torch._dynamo.reset()
@@ -373,11 +377,10 @@ def test_hugging_face_attention_compiles_to_one_graph_and_says_position_ids_are_
 
 
 def _patched_lora_step(attention, ids):
-    from memfit.models import build_model
     from memfit.models.presets import PRESETS
     from memfit.train.patch import patch
 
-    model = patch(build_model(PRESETS["tiny"], dtype="float32"), checkpoint="layer", fused_ce=False,
+    model = patch(_model(PRESETS["tiny"]), checkpoint="layer", fused_ce=False,
                   lora={"r": 4, "init_lora_weights": False}, attention=attention).train()
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
@@ -409,12 +412,11 @@ def test_patch_attention_memfit_matches_sdpa(monkeypatch):
 
 
 def test_patch_attention_bad_value():
-    from memfit.models import build_model
     from memfit.models.presets import PRESETS
     from memfit.train.patch import patch
 
     with pytest.raises(MemfitError, match="flash"):
-        patch(build_model(PRESETS["tiny"], dtype="float32"), attention="flash")
+        patch(_model(PRESETS["tiny"]), attention="flash")
 
 
 def test_fp32_dots_follow_torch_matmul_precision():
