@@ -57,6 +57,21 @@ def test_plan_json_reports_every_error_on_stdout(capsys, extra, message, built):
     assert data["budget_bytes"] == (2 * 2**30 if "no plan fits" in message else None)
 
 
+@pytest.mark.parametrize("extra, message, built", [
+    (("--seq", "0"), "seq (--seq) must be a positive integer, got 0", False),
+    (("--warmup", "0"), "--warmup must be at least 1", True),
+    (("--tolerance", "nan"), "tolerance (--tolerance) must be a positive, finite fraction", True),
+])
+def test_verify_json_reports_its_errors_on_stdout(capsys, extra, message, built):
+    """As plan --json: the error as a JSON object, the job null where it could not be built; stderr and the exit
+    status are as without --json."""
+    code, out, err = run(capsys, "verify", "--model", "tiny", "--device", "cpu", "--json", *extra)
+    assert code == 2 and err.startswith("memfit verify: error: ") and message in err
+    data = json.loads(out)
+    assert data == {"job": data["job"], "error": err.removeprefix("memfit verify: error: ").rstrip("\n")}
+    assert (data["job"] is not None) == built
+
+
 def test_plan_default_job_runs(capsys):
     code, out, _ = run(capsys)
     assert code == 0 and "plans that fit" in out

@@ -27,17 +27,28 @@ def add_parser(sub):
     add_job_arguments(parser)
     parser.add_argument("--tolerance", type=float, default=0.05, help="allowed relative error of the total (default 0.05)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
-    parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    parser.add_argument("--json", action="store_true",
+                        help="machine-readable output on stdout; an error found once the options are parsed (exit 2) "
+                             "too, as {\"job\", \"error\"}")
     return parser
 
 
 def run(args) -> int:
+    """Verify the job; with --json, an error that ends the command (exit 2) is a JSON object on stdout too, as
+    ``memfit plan --json`` prints one, with the job as far as it was read (null before)."""
     from memfit.ledger.verify import verify
 
-    job, knobs = job_from_args(args)
-    if args.warmup < 1:
-        raise MemfitError(f"--warmup must be at least 1 (optimizer state appears at the first step), got {args.warmup}")
-    result = verify(job, knobs, tolerance=args.tolerance, warmup=args.warmup)
+    job = None
+    try:
+        job, knobs = job_from_args(args)
+        if args.warmup < 1:
+            raise MemfitError(f"--warmup must be at least 1 (optimizer state appears at the first step), got "
+                              f"{args.warmup}")
+        result = verify(job, knobs, tolerance=args.tolerance, warmup=args.warmup)
+    except MemfitError as err:
+        if args.json:
+            print(json.dumps({"job": None if job is None else job.to_dict(), "error": str(err)}, indent=1))
+        raise
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:
