@@ -5,12 +5,11 @@ import argparse
 from dataclasses import replace
 
 from memfit.errors import MemfitError
-from memfit.ledger.job import LORA_TARGETS_ALL, OPTIMIZERS, TASKS, Job, Knobs
+from memfit.ledger.job import LORA_TARGETS_ALL, OPTIMIZERS, TASKS, TRAINING_TASKS, Job, Knobs
 from memfit.ledger.predict import blr_dense_kinds, check_blr
 from memfit.models import load_spec
 
 DEFAULT_MODEL = "llama-3.2-3b"
-TRAINING = ("full", "lora")
 # Options the ledger reads for some tasks only: the tasks, and why the others ignore it. Their parser default is None,
 # so an option given for another task, where it would do nothing, is refused rather than dropped without a word.
 TASK_OPTIONS = {
@@ -19,12 +18,12 @@ TASK_OPTIONS = {
     "--partial-compute": (("infer",), "only inference computes part of the FFN"),
     "--lora-rank": (("lora",), "only LoRA has adapters"),
     "--lora-targets": (("lora",), "only LoRA has adapters"),
-    "--optimizer": (TRAINING, "inference takes no optimizer step"),
-    "--checkpoint-layers": (TRAINING, "inference keeps no activations for a backward pass"),
-    "--offload-layers": (TRAINING, "inference keeps no activations for a backward pass"),
-    "--micro-batch": (TRAINING, "inference accumulates no gradients"),
-    "--fused-ce": (TRAINING, "inference computes no loss"),
-    "--loss-fraction": (TRAINING, "inference computes no loss"),
+    "--optimizer": (TRAINING_TASKS, "inference takes no optimizer step"),
+    "--checkpoint-layers": (TRAINING_TASKS, "inference keeps no activations for a backward pass"),
+    "--offload-layers": (TRAINING_TASKS, "inference keeps no activations for a backward pass"),
+    "--micro-batch": (TRAINING_TASKS, "inference accumulates no gradients"),
+    "--fused-ce": (TRAINING_TASKS, "inference computes no loss"),
+    "--loss-fraction": (TRAINING_TASKS, "inference computes no loss"),
 }
 
 

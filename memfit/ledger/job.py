@@ -7,6 +7,7 @@ from memfit.errors import MemfitError
 from memfit.models.spec import PROJECTIONS, ModelSpec, dtype_name
 
 TASKS = ("full", "lora", "infer")
+TRAINING_TASKS = ("full", "lora")   # the tasks that take optimizer steps
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 ATTENTIONS = ("sdpa", "memfit")
 LORA_TARGETS_ALL = PROJECTIONS
@@ -49,7 +50,7 @@ class Job:
 
     @property
     def training(self) -> bool:
-        return self.task != "infer"
+        return self.task in TRAINING_TASKS
 
     @property
     def tokens(self) -> int:
