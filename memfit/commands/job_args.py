@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 
 from memfit.errors import MemfitError
@@ -86,6 +87,12 @@ def _given(args, *flags: str) -> dict:
     take the defaults of Job and Knobs."""
     dests = (flag[2:].replace("-", "_") for flag in flags)
     return {dest: getattr(args, dest) for dest in dests if getattr(args, dest) is not None}
+
+
+def print_json_error(err: Exception, job: Job | None, **fields) -> None:
+    """``--json``'s form of an error that ends ``memfit plan`` or ``memfit verify`` (exit 2), on stdout: the job as far
+    as it was built (null before), the command's own fields, and the message."""
+    print(json.dumps({"job": None if job is None else job.to_dict(), **fields, "error": str(err)}, indent=1))
 
 
 def job_from_args(args) -> tuple[Job, Knobs]:

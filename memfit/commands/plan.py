@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from memfit.commands.job_args import add_job_arguments, job_from_args
+from memfit.commands.job_args import add_job_arguments, job_from_args, print_json_error
 from memfit.errors import MemfitError
 from memfit.ledger.predict import COMPONENTS, Ledger
 from memfit.units import format_bytes, parse_bytes
@@ -60,8 +60,7 @@ def run(args) -> int:
                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
     except MemfitError as err:
         if args.json:
-            print(json.dumps({"job": None if job is None else job.to_dict(), "budget_bytes": budget, "asked": None,
-                              "plans": [], "error": str(err)}, indent=1))
+            print_json_error(err, job, budget_bytes=budget, asked=None, plans=[])
         raise
     if args.json:
         print(json.dumps({"job": job.to_dict(), "budget_bytes": budget, "asked": asked.to_dict(),

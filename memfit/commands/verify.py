@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from memfit.commands.job_args import add_job_arguments, job_from_args
+from memfit.commands.job_args import add_job_arguments, job_from_args, print_json_error
 from memfit.errors import MemfitError
 from memfit.units import format_bytes
 
@@ -47,7 +47,7 @@ def run(args) -> int:
         result = verify(job, knobs, tolerance=args.tolerance, warmup=args.warmup)
     except MemfitError as err:
         if args.json:
-            print(json.dumps({"job": None if job is None else job.to_dict(), "error": str(err)}, indent=1))
+            print_json_error(err, job)
         raise
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
