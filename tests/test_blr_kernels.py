@@ -1068,6 +1068,7 @@ def test_a_chain_whose_pairs_all_fail_leaves_its_tiles_to_the_autotuner_says_so_
     assert timed == []
 
 
+@pytest.mark.cpu_only(reason="it checks the pick off the GPU")
 def test_off_the_gpu_a_chain_leaves_its_tiles_to_the_autotuner():
     x = torch.empty(16, 256)
     assert blr_common.pick_chain_tiles("op", (16,), ((128, 256, 16), (256, 128, 16)), None, (x,)) == (None, None)

@@ -110,8 +110,10 @@ def _attention_case(dtype, B, H, Hkv, D, L, slot, seed):
                                                   (2, 4, 2, 16, 6, 5)])
 def test_decode_attention_matches_reference(dtype, B, H, Hkv, D, L, slot):
     """GQA groups 3, 1, 8; the slot at 0, inside a chunk and at the cache end (length not a multiple of the block);
-    a cache shorter than one 16-key block; batch 2 with invalid (padding) slots; every variant writes the same
-    cache entries."""
+    a cache shorter than one 16-key block; batch 2 with invalid (padding) slots; every variant writes the
+    reference's cache entry at the slot and leaves the others as they were. The entry is compared to rounding: a
+    GPU fuses the rope's multiply and add (one rounding fewer than the reference's fp32 ops), so in fp32 it may
+    differ in its last bit (seen on the H200)."""
     args = _attention_case(dtype, B, H, Hkv, D, L, slot, seed=slot)
     ref_caches = [t.clone() for t in args[5:7]]
     ref = decode_attention_reference(*args[:5], *ref_caches, *args[7:], 0.3)
@@ -119,7 +121,11 @@ def test_decode_attention_matches_reference(dtype, B, H, Hkv, D, L, slot):
         caches = [t.clone() for t in args[5:7]]
         got = decode_attention(*args[:5], *caches, *args[7:], 0.3, variant)
         assert got.shape == (B, H * D) and _rel(got, ref) < TOL[dtype], variant
-        assert all(torch.equal(c, r) for c, r in zip(caches, ref_caches)), variant
+        others = torch.arange(L, device=caches[0].device) != slot
+        for c, r in zip(caches, ref_caches):
+            assert torch.equal(c[:, :, others], r[:, :, others]), variant
+            ulps = 2 * torch.finfo(dtype).eps * args[1].abs().max().item()      # of the rope's addends, |k| x 1
+            torch.testing.assert_close(c[:, :, slot], r[:, :, slot], rtol=0, atol=ulps, msg=variant)
 
 
 def test_decode_attention_reference_is_sdpa_with_rope():
