@@ -107,11 +107,12 @@ def mode_tiles(args) -> tuple[tuple[int, ...], list[tuple]]:
 class Gemm:
     """One bgemm call of a Monarch stage: ``copies`` of its operands and how the kernel is called.
 
-    Stage 1 is z = x_j @ w1[j] with P^T folded into the store: token-contiguous z, (b, r, N), as
-    ``tbmm`` stores it (``token_major``), or (N, b, r) as ``two_stage`` does (decode). Stage 2
-    is y_i = z[:, i] @ w2[i], the block-major output, as ``two_stage`` runs it; with ``gather``,
-    as ``bmm_gather`` runs it: z in stage 1's natural order, block i's operand gathered from b runs
-    of t elements (``runs`` = (t, r)), z allocated with the slack aligned windows read past its end.
+    Stage 1 is z = x_j @ w1[j] with P^T folded into the store: token-contiguous z, (b, r, N) in w2's (s, j)
+    row order, as ``tbmm`` stores it (``token_major``), or (N, b, r) as ``two_stage`` does (decode). Stage 2
+    is y_i = z[:, i] @ w2[i], the block-major output, as ``two_stage`` runs it, w2's rows read interleaved
+    (``b_interleaved``); with ``gather``, as ``bmm_gather`` runs it: z in stage 1's natural order, block i's
+    operand gathered from b runs of t elements (``runs`` = (t, r)), z allocated with the slack aligned windows
+    read past its end.
     """
 
     def __init__(self, torch, stage, d_in, d_out, rank, n, copies, token_major, device="cuda", gather=False):
@@ -121,6 +122,7 @@ class Gemm:
         t = r // b
         new = functools.partial(torch.randn, device=device, dtype=torch.bfloat16)
         self.runs = (t, r) if gather else None
+        self.b_interleaved = 1 if stage == 1 and not gather else b
         if gather:
             self.k, self.cols, self.grp = r, p, p
             self.a_strides, self.b_strides, self.c_strides = (t, b * r, 1), (r * p, p, 1), (p, b * p, 0, 1)
@@ -128,7 +130,7 @@ class Gemm:
         elif stage == 1:
             self.k, self.cols, self.grp = m, r, t
             self.a_strides, self.b_strides = (m, d_in, 1), (m * r, r, 1)
-            self.c_strides = (t * n, 1, r * n, n) if token_major else (t, b * r, r, 1)
+            self.c_strides = (n, 1, r * n, b * n) if token_major else (t, b * r, r, 1)
             make = lambda: (new(n, d_in), new(b, m, r), new(b * r * n))                   # noqa: E731
         else:
             self.k, self.cols, self.grp = r, p, p
@@ -141,7 +143,10 @@ class Gemm:
 
     def views(self, torch, a, b):
         """A (batches, n, k) and B (batches, k, cols) as the kernel reads them (a gathered A: a copy)."""
-        bv = b.as_strided((self.batches, self.k, self.cols), self.b_strides)
+        sbb, row, sbc = self.b_strides                                             # interleaved: K's rows (j, s)
+        g = self.b_interleaved
+        bv = b.as_strided((self.batches, g, self.k // g, self.cols), (sbb, row, g * row, sbc)).reshape(
+            self.batches, self.k, self.cols)
         if self.runs:
             t, bb = self.runs[0], self.batches
             z = a[:self.n * bb * self.k].view(self.n, bb, bb, t)                  # (n, j, i, s)
@@ -181,13 +186,15 @@ class Gemm:
         jit = blr_common.jit_function(blr_common._bgemm_kernel)
         grid = blr_common.bgemm_grid(self.n, self.cols, self.batches, bn, bc, group)
         run_stride = self.runs[1] if self.runs else 0
+        (sbb, row, sbc), g = self.b_strides, self.b_interleaved
         unchained = blr_common.chain_options(launch_dependents=False, wait_for_previous=False)
-        return lambda: jit[grid](a, b, c, c, self.n, self.k, self.cols, self.grp, self.run_length(), self.batches,
-                                 blr_common.n_bucket(self.n), *self.a_strides, run_stride, *self.b_strides,
-                                 *self.c_strides, HAS_BIAS=False, PRECISION=blr_common.blr_precision(a.dtype),
+        return lambda: jit[grid](a, b, c, c, self.n, self.k, self.cols, self.grp, self.run_length(), self.k // g,
+                                 self.batches, blr_common.n_bucket(self.n), *self.a_strides, run_stride, sbb, g * row,
+                                 sbc, row, *self.c_strides, HAS_BIAS=False, PRECISION=blr_common.blr_precision(a.dtype),
                                  B_ROWS_CONTIGUOUS=False,
                                  LINE=blr_common.line_elements(b), BN=bn, BC=bc, BK=bk, EVEN_K=even_k,
-                                 A_GROUPED=self.runs is not None, A_WINDOW=window, BATCH_GROUP=group,
+                                 A_GROUPED=self.runs is not None, B_INTERLEAVED=g > 1, A_WINDOW=window,
+                                 BATCH_GROUP=group,
                                  num_warps=warps, num_stages=stages, **unchained)
 
 
@@ -237,7 +244,8 @@ def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, b
                 rows.append({"shape": name, "n": n, "stage": stage, "candidate": label, "ms": float("nan"),
                              "error": f"{type(err).__name__}: {err}"[:300]})
     rows.append(timed("bgemm (autotuned)", [lambda ops=ops: blr_common.bgemm(*gemm.args(*ops), grp=gemm.grp,
-                                                                             a_runs=gemm.runs)
+                                                                             a_runs=gemm.runs,
+                                                                             b_interleaved=gemm.b_interleaved)
                                             for ops in gemm.operands]))
     rows[-1]["pick"] = str(blr_common._bgemm_kernel.best_config)
     natural = [(*gemm.views(torch, a, b), torch.empty(gemm.batches, n, gemm.cols, device=device, dtype=a.dtype))

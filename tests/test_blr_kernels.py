@@ -78,7 +78,6 @@ MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", Tr
 def test_monarch(dtype, variant, permute, lead, bias, monkeypatch):
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)  # the token-contiguous pipelines at the tests' N too
     monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
-    monkeypatch.setattr(monarch, "tbmm_tbmm_within_ledger", lambda *shape: True)  # its w2 copy is larger than z here
     t = 5
     tensors = [torch.randn(*lead, B * M), torch.randn(B, M, B * t) / M**0.5, torch.randn(B, B * t, P) / t**0.5,
                torch.randn(B * P)]
@@ -141,6 +140,7 @@ def test_token_major_pipelines_are_offered_from_their_min_n():
     assert "tbmm_tbmm" in monarch.variants_for(first_both_cublas, 16, 128, 32, 128, False)
     assert "tbmm_tbmm" not in monarch.variants_for(first_both_cublas - 1, 16, 128, 32, 128, False)
     assert "tbmm_tbmm" not in monarch.variants_for(first_both_cublas, 16, 128, 32, 128, True)
+    assert "tbmm_tbmm" in monarch.variants_for(1024, 16, 4096 // 16, 1488 // 16, 11008 // 16, False)  # Llama-7B gate/up
     assert monarch._default(128, False) == "tbmm" and monarch._default(128, True) == "two_stage"
 
 
@@ -151,7 +151,6 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
     monkeypatch.setattr(blast, "TOKEN_MAJOR_MIN_N", 1)
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)
     monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
-    monkeypatch.setattr(monarch, "tbmm_tbmm_within_ledger", lambda *shape: True)  # its w2 copy is larger than z here
     m, p, r, t = 3, 2, 5, 2
     tensors = [torch.randn(n, blocks * m), torch.randn(blocks, p, r) / r**0.5, torch.randn(blocks, m, r) / m**0.5,
                torch.randn(blocks, blocks, r) / blocks**0.5, torch.randn(blocks * p)]
@@ -171,11 +170,10 @@ def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch
     each run of t elements starting misaligned), token counts not a multiple of a token tile, many blocks
     of rank 1, runs of one whole K step (t = 32: the gathering loop without its K mask), and odd t in rows
     of a multiple of 16 B (bmm_gather's aligned windows: 8 x 5; 8 x 37 over two window steps; 8 x 31, where
-    a run that fits one 32-wide step takes two once its window's lead is added); tbmm_tbmm's reorder of w2 at
-    the same ranks."""
+    a run that fits one 32-wide step takes two once its window's lead is added, each reading w2's rows
+    interleaved); tbmm_tbmm's z in w2's (s, j) order at the same ranks."""
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)
     monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
-    monkeypatch.setattr(monarch, "tbmm_tbmm_within_ledger", lambda *shape: True)
     m, p = 3, 4
     tensors = [torch.randn(n, blocks * m), torch.randn(blocks, m, blocks * t) / m**0.5,
                torch.randn(blocks, blocks * t, p) / t**0.5, torch.randn(blocks * p)]
@@ -185,48 +183,19 @@ def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch
 
 @pytest.mark.cpu_only(reason="TensorLifetimeTracker counts CPU allocations")
 @pytest.mark.parametrize("d_in,d_out,b,r", [(96, 160, 4, 16), (160, 96, 4, 32), (128, 128, 8, 64), (256, 64, 4, 8)])
-def test_tbmm_tbmm_holds_z_and_the_reordered_w2(d_in, d_out, b, r):
-    """What tbmm_tbmm allocates besides its output (CPU tracker): z and one copy of w2, and that is within the ledger's
-    Monarch forward transient exactly where tbmm_tbmm_within_ledger says so (N on both sides of min(r, p))."""
+def test_tbmm_tbmm_holds_only_z(d_in, d_out, b, r):
+    """What tbmm_tbmm allocates besides its output (CPU tracker): z alone, with w2 read as it is stored (it copied w2
+    on every call until w2 was stored in (s, j) order), within the ledger's Monarch forward transient at every N."""
     from memfit.measure.memory import TensorLifetimeTracker
 
-    m, t, p = d_in // b, r // b, d_out // b
+    m, p = d_in // b, d_out // b
     forward_per_token, _ = blr_transient_per_token("monarch", r, b, d_in, d_out)
-    for n in (min(r, p) - 1, min(r, p), 3 * min(r, p)):
+    for n in (1, min(r, p) - 1, 3 * min(r, p)):
         x, w1, w2 = torch.randn(n, d_in), torch.randn(b, m, r), torch.randn(b, r, p)
         with torch.no_grad(), TensorLifetimeTracker([x, w1, w2]) as tracker:
             y = monarch.VARIANTS["tbmm_tbmm"](x, w1, w2, None, False)
         held = tracker.peak - tracker.baseline - y.nbytes
-        assert held == (n * b * r + b * r * p) * x.element_size()
-        assert (held <= n * forward_per_token * x.element_size()) == monarch.tbmm_tbmm_within_ledger(n, b, t, p)
-
-
-LLAMA_SHAPES = [(2048, 2048, 256), (2048, 8192, 512), (2048, 8192, 768), (8192, 2048, 768), (4096, 4096, 1024),
-                (4096, 11008, 1488), (11008, 4096, 1488)]  # in, out, rank: blr_layers.py's SHAPES
-
-
-def test_tbmm_tbmm_is_offered_only_where_the_ledger_counts_what_it_holds():
-    """At every N of each pick bucket that offers tbmm_tbmm, its z and reordered w2 fit the ledger's Monarch forward
-    transient (it is still offered at N = 8192 at every shape, and Llama-7B gate/up is kept out of the 1024 bucket,
-    whose smallest N, 513, is below its p = 688)."""
-    b = 16
-    for in_f, out_f, r in LLAMA_SHAPES:
-        forward_per_token, _ = blr_transient_per_token("monarch", r, b, in_f, out_f)
-        for bucket in (2 ** k for k in range(15)):
-            for n in (bucket // 2 + 1, bucket):
-                if "tbmm_tbmm" in monarch.variants_for(n, b, in_f // b, r // b, out_f // b, False):
-                    assert n * b * r + r * out_f <= n * forward_per_token, (in_f, out_f, n)
-        assert "tbmm_tbmm" in monarch.variants_for(8192, b, in_f // b, r // b, out_f // b, False)
-    assert "tbmm_tbmm" not in monarch.variants_for(1024, b, 4096 // b, 1488 // b, 11008 // b, False)
-    assert "tbmm_tbmm" in monarch.variants_for(2048, b, 4096 // b, 1488 // b, 11008 // b, False)
-
-
-@pytest.mark.parametrize("blocks,t,p", [(16, 3, 5), (3, 93, 130), (1, 4, 1)])
-def test_w2_reorder_for_tbmm_tbmm(blocks, t, p):
-    """Rows past one tile in both directions and ranks that are not powers of two."""
-    w2 = torch.randn(blocks, blocks * t, p)
-    want = w2.view(blocks, blocks, t, p).transpose(1, 2).reshape(blocks, t * blocks, p)
-    assert torch.equal(monarch._w2_in_s_j_order(w2), want)
+        assert held == n * b * r * x.element_size() <= n * forward_per_token * x.element_size()
 
 
 @pytest.mark.parametrize("variant", ["tbmm", "tbmm_tbmm"])
@@ -327,6 +296,8 @@ WAITS = {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": True}
 CHAIN_CASES = {
     "bgemm waits, weights row-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True, "EVEN_K": False}),
     "bgemm waits, weights k-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": False, "EVEN_K": True}),
+    "bgemm waits, weights interleaved": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True,
+                                                   "B_INTERLEAVED": True, "EVEN_K": False}),  # Monarch's stage 2
     "mixgemm waits": ("mixgemm", {**CHAIN_BASE, "WAIT_FOR_PREVIOUS": True, "BB": 16}),
     "zmix waits and launches": ("zmix", {"BB": 16, "PRECISION": "tf32", "LAUNCH_DEPENDENTS": True,
                                          "WAIT_FOR_PREVIOUS": True, "BN": 16, "BK": 32}),
@@ -500,7 +471,6 @@ def test_a_strided_bias_is_read_as_its_values(structure, n, monkeypatch):
     for module in (monarch, blast):
         monkeypatch.setattr(module, "TOKEN_MAJOR_MIN_N", 1)
     monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
-    monkeypatch.setattr(monarch, "tbmm_tbmm_within_ledger", lambda *shape: True)
     gen = seeded(7)
     new = lambda *shape: torch.randn(*shape, generator=gen)   # noqa: E731
     x, bias = new(n, B * M), new(2 * B * P)[::2]
@@ -815,7 +785,7 @@ def pruned_bgemm_tiles(n: int, k: int, run: int | None = None, batches: int = 16
 
     configs = [triton.Config({"BN": bn, "BC": bc, "BK": bk, "BATCH_GROUP": g}, num_warps=w, num_stages=st)
                for bn, bc, bk, g, w, st in blr_common.BGEMM_TUNED]
-    shape = {"N": n, "N_BUCKET": blr_common.n_bucket(n), "C": cols, "K": k, "AGRP": run or k, "BATCHES": batches,
+    shape = {"N": n, "N_BUCKET": blr_common.n_bucket(n), "C": cols, "K": k, "AGRP": run or k, "BGRP": k, "BATCHES": batches,
              "a_ptr": Tensor()}
     return blr_common._prune_bgemm(configs, shape, **({"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False} | flags))
 
@@ -1113,7 +1083,8 @@ def test_bgemm_batch_groups(dtype, batches, group, k, even_k):
     c = torch.full((batches * cols * n,), math.nan, dtype=dtype)
     grid = blr_common.bgemm_grid(n, cols, batches, bn, bc, group)
     blr_common.jit_function(blr_common._bgemm_kernel)[grid](
-        a, b, c, bias, n, k, cols, grp, k, batches, 0, *a.stride(), 0, *b.stride(), cols, batches * cols, grp, 1,
+        a, b, c, bias, n, k, cols, grp, k, k, batches, 0, *a.stride(), 0, *b.stride(), b.stride(1), cols,
+        batches * cols, grp, 1,
         HAS_BIAS=True, PRECISION=blr_common.blr_precision(dtype), LAUNCH_DEPENDENTS=False, WAIT_FOR_PREVIOUS=False,
         B_ROWS_CONTIGUOUS=False, LINE=32, BN=bn, BC=bc, BK=bk, EVEN_K=even_k, A_GROUPED=False, A_WINDOW=0,
         BATCH_GROUP=group)

@@ -143,6 +143,30 @@ def test_save_load_roundtrip_identical(tmp_path, method, tied):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"], "no temp or old directories may be left behind"
 
 
+def test_a_format_1_monarch_model_loads_with_its_w2_rows_reordered(tmp_path):
+    """Format 1 stored Monarch's w2 rows in (j, s) order: such a directory (this one rewritten to it) loads to the same
+    outputs; read as format 2 without the reorder, it would not."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    model = build_model(PRESETS["tiny"])
+    result = compress_model(model, "monarch", 0.5, 4, device="cpu")
+    ids = torch.randint(0, 512, (2, 20))
+    out = model(input_ids=ids).logits
+    saved = save_compressed(model, tmp_path / "m", result.layers)
+    weights = load_file(saved / "model.safetensors")
+    for name in [k for k in weights if k.endswith(".w2")]:
+        b, r, p = weights[name].shape
+        weights[name] = weights[name].reshape(b, r // b, b, p).transpose(1, 2).reshape(b, r, p).contiguous()
+    save_file(weights, saved / "model.safetensors", metadata={"format": "pt"})
+    meta = json.loads((saved / "memfit_compress.json").read_text())
+    (saved / "memfit_compress.json").write_text(json.dumps({**meta, "format": 1}))
+    torch.testing.assert_close(load_compressed(saved)(input_ids=ids).logits, out, rtol=0, atol=0)
+    (saved / "memfit_compress.json").write_text(json.dumps({**meta, "format": 2}))
+    assert not torch.allclose(load_compressed(saved)(input_ids=ids).logits, out, atol=1e-3)
+
+
 def test_a_long_output_name_is_replaced_with_force(tmp_path):
     """The previous output moves aside under a name no longer than the temporary save directory's, which
     check_output fits to the file system: with the temporary name inside it had passed NAME_MAX (255 bytes) from a

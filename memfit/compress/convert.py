@@ -142,11 +142,8 @@ def build_layer(method: str, linear: nn.Linear, rank: int, blocks: int, factors)
         if method == "lowrank":
             layer.U.copy_(factors[0])
             layer.V.copy_(factors[1])
-        elif method == "monarch":  # W_ij ~ L_ij R_ij^T -> w1[j][:, i t + s] = R_ij[:, s], w2[i][j t + s] = L_ij[:, s]
-            L, R = factors
-            b, _, p, t = L.shape
-            layer.w1.copy_(R.permute(1, 2, 0, 3).reshape(b, -1, b * t))
-            layer.w2.copy_(L.transpose(-1, -2).reshape(b, b * t, p))
+        elif method == "monarch":  # W_ij ~ L_ij R_ij^T
+            layer.set_factors(*factors)
         else:
             layer.U.copy_(factors[0])
             layer.V.copy_(factors[1])

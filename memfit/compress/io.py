@@ -34,7 +34,8 @@ from memfit.models.spec import COMPRESSED_MARKER as CONFIG_NAME
 from memfit.models.spec import is_compressed_dir
 
 WEIGHTS_NAME = "model.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2        # 2: Monarch's w2 rows in (s, j) order (memfit.layers.monarch); 1 is read and converted
+READABLE_FORMATS = (1, FORMAT_VERSION)
 SOURCE_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                 "memfit_tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                 "generation_config.json")
@@ -228,9 +229,10 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
         meta = json.loads((directory / CONFIG_NAME).read_text())
     except json.JSONDecodeError as err:
         raise MemfitError(f"{directory / CONFIG_NAME}: malformed JSON ({err})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise MemfitError(f"{directory}: compressed format {found!r}; this memfit reads {FORMAT_VERSION}")
+        raise MemfitError(f"{directory}: compressed format {found!r}; this memfit reads formats "
+                          f"{', '.join(map(str, READABLE_FORMATS))}")
     torch_dtype = dtype_of(dtype) if dtype not in (None, "auto") else None      # None / "auto": the saved dtype
     try:
         model = _build_skeleton(directory, torch_dtype)
@@ -254,7 +256,20 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
     if missing or unexpected:
         raise MemfitError(f"{directory}: weights do not match the recorded structure "
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if meta["format"] == 1:
+        _monarch_w2_from_format_1(model)
     return model.to(device).eval()
+
+
+@torch.no_grad()
+def _monarch_w2_from_format_1(model: nn.Module) -> None:
+    """Format 1 stored each Monarch w2[i]'s rows in (j, s) order (row j t + s); reorder them to (s, j), in place."""
+    from memfit.layers.monarch import MonarchLinear
+
+    for layer in model.modules():
+        if isinstance(layer, MonarchLinear):
+            b, r, p = layer.w2.shape
+            layer.w2.copy_(layer.w2.reshape(b, b, r // b, p).transpose(1, 2).reshape(b, r, p))
 
 
 def _untied(model: nn.Module, missing) -> list[str]:

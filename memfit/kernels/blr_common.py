@@ -635,7 +635,8 @@ def _prune_bgemm(configs, named_args, **kwargs):
     one_run = named_args["AGRP"] == named_args["K"]
     if one_run:                                        # a read in one run: the short-run tiles are not for it
         other = other + BGEMM_SHORT_RUNS
-    grouped = (one_run and not chained and named_args["N_BUCKET"] >= BATCH_GROUP_MIN_N
+    grouped = (one_run and named_args["BGRP"] == named_args["K"] and not chained
+               and named_args["N_BUCKET"] >= BATCH_GROUP_MIN_N
                and named_args["K"] <= BATCH_GROUP_MAX_K and named_args["BATCHES"] > 1)
     configs = [c for c in configs if bgemm_tile(c) not in other and (grouped or c.kwargs["BATCH_GROUP"] == 1)]
     configs = keep_small_n(configs, named_args["N"])
@@ -742,22 +743,32 @@ def _k_step_tiles(a_ptrs, b_ptrs, a_rows, b_cols, rk, k0, k_end, EVEN_K: tl.cons
             tl.load(b_ptrs, mask=(rk[:, None] + k0 < k_end) & b_cols, other=0.0))
 
 
+@triton.jit
+def _b_rows(k, BGRP, sbg, sbk, B_INTERLEAVED: tl.constexpr):
+    """Offsets of b's rows for K indices k: k * sbk, or where b's runs are interleaved (BGRP rows a run, runs sbg
+    apart, a run's rows sbk apart) (k // BGRP) * sbg + (k % BGRP) * sbk."""
+    if B_INTERLEAVED:
+        return (k // BGRP) * sbg + (k % BGRP) * sbk
+    return k * sbk
+
+
 @tuned(BGEMM_TUNED, ("BN", "BC", "BK", "BATCH_GROUP"), (16, 32, 32, 1, 4, 1),
-       key=["N_BUCKET", "K", "C", "GRP", "AGRP", "BATCHES", "LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"],
+       key=["N_BUCKET", "K", "C", "GRP", "AGRP", "BGRP", "BATCHES", "LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"],
        prune=_prune_bgemm)
 @triton.heuristics({"EVEN_K": lambda meta: meta["AGRP"] % meta["BK"] == 0,
                     "A_GROUPED": lambda meta: meta["AGRP"] < meta["K"],
+                    "B_INTERLEAVED": lambda meta: meta["BGRP"] < meta["K"],
                     "A_WINDOW": lambda meta: a_window(meta["a_ptr"], meta["sab"], meta["san"], meta["sak"], meta["sag"],
                                                       meta["AGRP"] < meta["K"])})
 @triton.jit
-def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_BUCKET,
-                  sab, san, sak, sag, sbb, sbk, sbc, scb, scn, scg, sci,
+def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BGRP, BATCHES, N_BUCKET,
+                  sab, san, sak, sag, sbb, sbk, sbc, sbg, scb, scn, scg, sci,
                   HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
                   WAIT_FOR_PREVIOUS: tl.constexpr, B_ROWS_CONTIGUOUS: tl.constexpr, LINE: tl.constexpr,
                   BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                  A_GROUPED: tl.constexpr = False, A_WINDOW: tl.constexpr = 0, GROUP_N: tl.constexpr = 8,
-                  BATCH_GROUP: tl.constexpr = 1):
-    tl.static_assert(BATCH_GROUP == 1 or not (A_GROUPED or A_WINDOW > 0 or WAIT_FOR_PREVIOUS),
+                  A_GROUPED: tl.constexpr = False, B_INTERLEAVED: tl.constexpr = False, A_WINDOW: tl.constexpr = 0,
+                  GROUP_N: tl.constexpr = 8, BATCH_GROUP: tl.constexpr = 1):
+    tl.static_assert(BATCH_GROUP == 1 or not (A_GROUPED or B_INTERLEAVED or A_WINDOW > 0 or WAIT_FOR_PREVIOUS),
                      "batch groups: plain loop only")
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -774,11 +785,14 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
     rc = pid_c * BC + tl.arange(0, BC)
     rk = tl.arange(0, BK)
     a_ptrs = a_ptr + bt * sab + rn[:, None] * san + rk[None, :] * sak
-    b_ptrs = b_ptr + bt * sbb + rk[:, None] * sbk + rc[None, :] * sbc
+    b_cols_ptr = b_ptr + bt * sbb + rc[None, :] * sbc
+    b_ptrs = b_cols_ptr + _b_rows(rk, BGRP, sbg, sbk, B_INTERLEAVED)[:, None]
     if WAIT_FOR_PREVIOUS:                              # b is this op's weights: fetch them while a is being made
         b_tile = b_ptr + bt * sbb + pid_c * BC * sbc
         cols = tl.minimum(BC, C - pid_c * BC)
-        if B_ROWS_CONTIGUOUS:                          # b[k, c] at k * sbk + c
+        if B_INTERLEAVED:                              # its K rows: one slab of rows sbg apart (bgemm checks)
+            prefetch_l2(b_tile, K, sbg, cols, LINE)
+        elif B_ROWS_CONTIGUOUS:                        # b[k, c] at k * sbk + c
             prefetch_l2(b_tile, K, sbk, cols, LINE)
         else:                                          # b[k, c] at k + c * sbc
             prefetch_l2(b_tile, cols, sbc, K, LINE)
@@ -798,15 +812,17 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
             in_run = (q >= 0) & (q < AGRP)
             a = tl.load(a_win + run * sag_w + (step % steps) * BK, mask=a_rows, other=0.0)
             a = tl.where(in_run[None, :], a, tl.zeros_like(a))     # neighbours' columns (or slack) out
-            b = tl.load(b_win + (run * AGRP + q)[:, None] * sbk, mask=in_run[:, None] & b_cols, other=0.0)
+            b = tl.load(b_win + _b_rows(run * AGRP + q, BGRP, sbg, sbk, B_INTERLEAVED)[:, None],
+                        mask=in_run[:, None] & b_cols, other=0.0)
             acc = mma(a, b, acc, PRECISION)
     elif A_GROUPED:                                    # K = (K / AGRP) runs of AGRP, a's runs sag apart
         steps = tl.cdiv(AGRP, BK)                      # steps per run; a step never crosses a run
         for step in range(0, (K // AGRP) * steps):
             run = (step // steps).to(tl.int64)
             start = (step % steps) * BK                # of this step in its run
-            a, b = _k_step_tiles(a_ptrs + run * sag + start * sak, b_ptrs + (run * AGRP + start) * sbk, a_rows,
-                                 b_cols, rk, start, AGRP, EVEN_K)
+            b_rows = _b_rows(run * AGRP + start + rk, BGRP, sbg, sbk, B_INTERLEAVED)
+            a, b = _k_step_tiles(a_ptrs + run * sag + start * sak, b_cols_ptr + b_rows[:, None], a_rows, b_cols, rk,
+                                 start, AGRP, EVEN_K)
             acc = mma(a, b, acc, PRECISION)
     elif BATCH_GROUP > 1:                              # BATCH_GROUP batches in one flat loop of K steps: the
         k_steps = tl.cdiv(K, BK)                       # next batch's tiles load while this one's is stored
@@ -823,10 +839,13 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
                 acc = tl.zeros((BN, BC), dtype=tl.float32)
     else:
         for k0 in range(0, K, BK):
+            if B_INTERLEAVED:
+                b_ptrs = b_cols_ptr + _b_rows(k0 + rk, BGRP, sbg, sbk, B_INTERLEAVED)[:, None]
             a, b = _k_step_tiles(a_ptrs, b_ptrs, a_rows, b_cols, rk, k0, K, EVEN_K)
             acc = mma(a, b, acc, PRECISION)
             a_ptrs += BK * sak
-            b_ptrs += BK * sbk
+            if not B_INTERLEAVED:
+                b_ptrs += BK * sbk
     if BATCH_GROUP == 1:
         _store_tile(c_ptr, bias_ptr, acc, bt, rn, rc, a_rows & b_cols, True, C, GRP, scb, scn, scg, sci, HAS_BIAS)
 
@@ -848,7 +867,8 @@ def bgemm_grid(n: int, cols: int, batches: int, bn: int, bc: int, batch_group: i
 
 def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides, c_strides,
           grp: int | None = None, bias=None, launch_dependents: bool = False,
-          wait_for_previous: bool = False, a_runs: tuple[int, int] | None = None, tile: tuple | None = None) -> None:
+          wait_for_previous: bool = False, a_runs: tuple[int, int] | None = None, b_interleaved: int = 1,
+          tile: tuple | None = None) -> None:
     """c[bt][n, col] = sum_k a[bt][n, k] b[bt][k, col] (+ bias[feature]) for bt < batches.
 
     Strides in elements: a (batch, n, k), b (batch, k, col), c (batch, n, group, in-group):
@@ -862,6 +882,10 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
     Where the runs start misaligned but rows and runs are 16-B aligned (Monarch's t = 93), the
     kernel reads aligned windows around each run, up to A_WINDOW_SLACK elements past the last
     run, which a's storage must hold (checked).
+
+    ``b_interleaved = g`` reads b's rows interleaved: K index ``q + j * (k / g)`` (position q of run j) from row
+    ``q * g + j``, rows ``b_strides[1]`` apart (Monarch's w2, stored in (s, j) order so that cuBLAS can read it, read
+    by a stage 2 whose K is in (j, s) order).
 
     Where K is a few steps (K <= BATCH_GROUP_MAX_K) and N's bucket >= BATCH_GROUP_MIN_N, a plain launch also tunes
     over tiles that run several batches per program in one flat loop (``BGEMM_GROUPED``).
@@ -879,6 +903,11 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
         raise MemfitError(f"bgemm: a chained stage needs b with a unit stride, got strides {tuple(b_strides)}")
     if run < 1 or k % run:
         raise MemfitError(f"bgemm: a's runs of {run} do not divide k = {k}")
+    if b_interleaved < 1 or k % b_interleaved:
+        raise MemfitError(f"bgemm: b's {b_interleaved} interleaved runs do not divide k = {k}")
+    if b_interleaved > 1 and wait_for_previous and b_strides[2] != 1:
+        raise MemfitError("bgemm: a chained stage reads interleaved b rows only with a unit column stride")
+    b_row = b_strides[1]                                          # interleaved: a row; a run's rows g rows apart
     if a_window(a, *a_strides, run_stride, run < k):             # reads aligned windows around the runs
         last = (batches - 1) * a_strides[0] + (n - 1) * a_strides[1] + (k // run - 1) * run_stride + run
         if (a.storage_offset() + last + A_WINDOW_SLACK) * a.element_size() > a.untyped_storage().nbytes():
@@ -891,8 +920,9 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
             raise MemfitError(f"bgemm: tile {tile} is none of its (BN, BC, BK, warps, stages) tiles (BGEMM_CONFIGS)")
         kernel = _bgemm_kernel.fn
         fixed = dict(zip(("BN", "BC", "BK", "num_warps", "num_stages"), tile), BATCH_GROUP=1)
-    kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, run, batches, n_bucket(n),
-                 *a_strides, run_stride, *b_strides, *c_strides, HAS_BIAS=bias is not None,
+    kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, run, k // b_interleaved, batches,
+                 n_bucket(n), *a_strides, run_stride, b_strides[0], b_row * b_interleaved, b_strides[2], b_row,
+                 *c_strides, HAS_BIAS=bias is not None,
                  PRECISION=blr_precision(a.dtype), B_ROWS_CONTIGUOUS=wait_for_previous and b_strides[2] == 1,
                  LINE=line_elements(b), **chain_options(launch_dependents, wait_for_previous), **fixed)
 
@@ -901,7 +931,7 @@ def bgemm_tiles_offered(a, n: int, k: int, cols: int, batches: int, launch_depen
                         wait_for_previous: bool = False) -> list[tuple]:
     """The one-batch tiles (BN, BC, BK, warps, stages) bgemm's autotuner chooses between for this launch (a plain,
     ungathered a of ``a``'s dtype and device; :func:`_prune_bgemm`)."""
-    shape = {"N": n, "N_BUCKET": n_bucket(n), "C": cols, "K": k, "AGRP": k, "BATCHES": batches, "a_ptr": a}
+    shape = {"N": n, "N_BUCKET": n_bucket(n), "C": cols, "K": k, "AGRP": k, "BGRP": k, "BATCHES": batches, "a_ptr": a}
     kept = _prune_bgemm(_bgemm_kernel.configs, shape, LAUNCH_DEPENDENTS=launch_dependents,
                         WAIT_FOR_PREVIOUS=wait_for_previous)
     return sorted({bgemm_tile(c) for c in kept if c.kwargs["BATCH_GROUP"] == 1})
@@ -978,7 +1008,7 @@ def bmm_into(a, b, out, bias=None) -> None:
 
 
 def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_for_previous: bool = False,
-                   gathered_runs: tuple[int, int] = (1, 0), tile: tuple | None = None):
+                   gathered_runs: tuple[int, int] = (1, 0), w_interleaved: int = 1, tile: tuple | None = None):
     """y (N, b p): output block i = a[:, i, :] @ w[i] (+ bias), the last stage of Monarch and BLAST.
 
     ``a`` (N, b, K) and ``w`` (b, K, p) may be strided views. Block-major output (feature
@@ -987,6 +1017,7 @@ def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_
     ``wait_for_previous`` (bgemm only) chains it after the kernel that wrote ``a``.
     ``gathered_runs = (count, stride)`` (bgemm only): block i's operand is ``count`` runs of K columns
     side by side, run g read ``g * stride`` elements after a[:, i, :] (w then has count * K rows).
+    ``w_interleaved = g`` (bgemm only): w[i]'s rows hold g interleaved runs (:func:`bgemm`'s ``b_interleaved``).
     ``tile``: bgemm's tile, where not autotuned (:func:`bgemm`).
     """
     n, b, k = a.shape
@@ -996,14 +1027,14 @@ def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_
         raise MemfitError(f"per_block_gemm: w has {w.shape[1]} rows for {runs} runs of {k}")
     y = torch.empty(n, b * p, device=a.device, dtype=a.dtype)
     if cublas:
-        if runs != 1 or tile is not None:
-            raise MemfitError("per_block_gemm: cuBLAS takes no bgemm tile and cannot gather runs of a; use bgemm "
-                              "(cublas=False)")
+        if runs != 1 or w_interleaved != 1 or tile is not None:
+            raise MemfitError("per_block_gemm: cuBLAS takes no bgemm tile and cannot gather runs of a or interleaved "
+                              "rows of w; use bgemm (cublas=False)")
         bmm_into(a.transpose(0, 1), w, y.view(n, b, p).transpose(0, 1), None if bias is None else bias.view(b, 1, p))
     else:
         block_stride, col_stride = (1, b) if permute_output else (p, 1)
         bgemm(a, w, y, n, runs * k, p, b, (a.stride(1), a.stride(0), a.stride(2)), w.stride(),
               (block_stride, y.stride(0), 0, col_stride), bias=bias, wait_for_previous=wait_for_previous,
-              a_runs=(k, run_stride) if runs > 1 else None, tile=tile)
+              a_runs=(k, run_stride) if runs > 1 else None, b_interleaved=w_interleaved, tile=tile)
     return y
 

@@ -1,15 +1,21 @@
 """Monarch linear (definition in memfit.layers.monarch): reference, Triton kernels, op.
 
 Shapes: x (..., in), w1 (b, m, r), w2 (b, r, p) with in = b m, out = b p, per-block
-rank t = r/b; bias (out,) or None. ``permute_output=False`` (the layers' default) writes
-output feature i p + s (block-major: every store contiguous); True writes s b + i (the
-paper's P, a column stride of b elements in the store).
+rank t = r/b; bias (out,) or None. w2[i]'s rows are in (s, j) order: row s b + j pairs
+with column i t + s of w1[j] (memfit.layers.monarch says why). ``permute_output=False``
+(the layers' default) writes output feature i p + s (block-major: every store contiguous);
+True writes s b + i (the paper's P, a column stride of b elements in the store).
+
+Stage 2 contracts over (j, s). The token-major pipelines make z with K in (j, s) order (each
+stage-1 store a run of t elements) and read w2's rows interleaved (bgemm's ``b_interleaved``);
+the pipelines whose stage 2 is cuBLAS make z in w2's (s, j) order, which cuBLAS reads plainly.
 
 Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk):
 
 * ``two_stage``: two Triton GEMMs through :func:`bgemm`, the first storing z straight
   in P^T order (N, b_i, r) (the permutation folded into its store: runs of t contiguous
-  elements), the second writing y with the output layout folded into its store. Z costs
+  elements), the second reading w2's rows interleaved and writing y with the output layout
+  folded into its store. Z costs
   2 N b r elements of traffic; stage 1 (K = m) is bound by that write, stage 2
   (K = r, the bulk of the FLOPs) by the tensor cores. Both layouts.
 * ``two_stage_pdl`` (N <= TWO_STAGE_PDL_MAX_N, Hopper+): ``two_stage`` with stage 2 chained to stage 1
@@ -17,7 +23,8 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   its w2 slice into L2, then waits for z). At decode each stage is a launch plus one
   dependent weight read, so overlapping them is most of what is left to gain. The two stages' tiles
   are picked together (blr_common.pick_chain_tiles). Both layouts.
-* ``bmm``: the same Triton stage 1, then stage 2 on cuBLAS (:func:`per_block_gemm`), a
+* ``bmm``: the Triton stage 1 storing z in (s, j) order (a column stride of b in its store),
+  then stage 2 on cuBLAS (:func:`per_block_gemm`), a
   strided batched GEMM reading z as (b_i, N, r) (lda = b r) and writing the block-major
   y through a (b, N, p) view (ldc = b p): no copy. Expected to win at large N, where
   stage 2 dominates and cuBLAS runs it near the matmul rate. Block-major layout only
@@ -28,7 +35,7 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   of 8 (Llama-7B: t = 93). Block-major layout only.
 * ``bmm_gather`` (N >= TOKEN_MAJOR_MIN_N, both layouts): stage 1 on cuBLAS as in ``bmm_perm_bmm``,
   stage 2 by :func:`bgemm` reading P^T through its loads (runs of t elements of z per K step,
-  ``a_runs``): z written and read once, no copy, no scattered store. The fastest pipeline at
+  ``a_runs``, and w2's rows interleaved): z written and read once, no copy, no scattered store. The fastest pipeline at
   Llama-1B down and Llama-7B qkvo from N = 1024, and at Llama-7B down, N = 1024 (6cfd3c1); with ``tbmm_tbmm``
   offered, at Llama-7B qkvo, N = 1024 only (1476f91). At
   Llama-7B's t = 93 the runs start misaligned: read as they are, a was loaded 2 bytes at a time
@@ -37,17 +44,17 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   (``bgemm_tiles.py --gather``, 3834552). Offered where z's traffic is a visible share of the
   time; at decode the weights' reads dominate and it is not timed.
 * ``tbmm`` (N >= TOKEN_MAJOR_MIN_N, block-major): ``bmm`` with z stored token-contiguous,
-  (b, r, N): the stage-1 store folds P^T in as whole rows of tokens, and stage 2 reads z
+  (b, r, N) in (s, j) order: the stage-1 store folds P^T in as whole rows of tokens, and stage 2 reads z
   through a transposed view, no copy. Where t is not a multiple of 8 (Llama-7B: 93), it
   replaces ``bmm``'s slow scattered store (Llama-7B gate/up, N=8192: 908.9 against 3442.4 us,
   75317f4). (Both stages on cuBLAS with P^T as a copy of (t x N) slabs lost at every shape.)
-* ``tbmm_tbmm`` (N >= TBMM_TBMM_MIN_N, block-major, where :func:`tbmm_tbmm_within_ledger`): both stages as
-  plain cuBLAS batched GEMMs with no activation copy: z stored token-contiguous in (i, s, j) order, so that
-  output block i's operand is one contiguous slab, and P^T moved into a reordering of w2's rows (a weight-
-  sized copy per call). In the layer table (1476f91) the fastest pipeline at all seven shapes at N = 8192,
-  0.73-0.93x the next one's time, and at three at N = 1024 (Llama-1B down, Llama-7B gate/up and down); at N =
-  128, where the copy of w2 weighs, it read 1.07-1.63x the fastest. Kept out where its w2 copy would pass the
-  ledger's Monarch forward transient (Llama-7B gate/up in the 1024 bucket, where it had been 0.93x). Tried and
+* ``tbmm_tbmm`` (N >= TBMM_TBMM_MIN_N, block-major): both stages as plain cuBLAS batched GEMMs with no
+  copy: z stored token-contiguous in (i, s, j) order, so that output block i's operand is one contiguous slab
+  in w2's row order. Until w2 was stored in (s, j) order it reordered a copy of w2's rows on every call: in the
+  layer profile (d281e41) that copy took 6.4 us of Llama-1B gate's 31.4 at N = 1024. With the copy, in the
+  layer table (1476f91) the fastest pipeline at all seven shapes at N = 8192, 0.73-0.93x the next one's time,
+  and at three at N = 1024 (Llama-1B down, Llama-7B gate/up and down); at N = 128 it read 1.07-1.63x the
+  fastest. Tried and
   taken out, ``tbmm_tbmm_l2`` (702ebb8): the same a chunk of tokens at a time through one z buffer, each chunk's x,
   z and y half the L2, so that z would pass between the stages through the L2 instead of HBM. It took 1.08-1.57x
   ``tbmm_tbmm``'s time at N = 1024 and 8192 (1.39-1.57x at 8192; Llama-1B q/o 98.8 against 63.8 us;
@@ -109,7 +116,8 @@ from memfit.kernels.blr_common import (
     tuned,
 )
 
-TBMM_TBMM_MIN_N = 256  # tbmm_tbmm read 1.07-1.63x the fastest pipeline at N = 128 on all seven shapes (1476f91)
+TBMM_TBMM_MIN_N = TOKEN_MAJOR_MIN_N  # offered with the token-contiguous pipelines; from 256 while it copied w2 on every
+                                    # call: then it read 1.07-1.63x the fastest at N = 128 on all seven shapes (1476f91)
 # Up to this N the chained two_stage is offered, past blr_common.PDL_MAX_N: at 19084f9 Monarch's pick read 0.873-0.978x
 # dense at four shapes at N = 256 (blr_layers_subset_256_512.json); offered the chain there (ba0a9d7, five of the seven
 # shapes timed, blr_layers_subset_256_chained.json) it took Llama-1B q/o from 7.89 to 6.56 us (0.873x -> 1.064x dense)
@@ -125,30 +133,33 @@ def monarch_linear_reference(x, w1, w2, bias=None, permute_output=False):
     lead = x.shape[:-1]
     xs = x.reshape(-1, b, m).transpose(0, 1)                      # (b_j, N, m)
     z = torch.bmm(xs, w1)                                          # (b_j, N, r) = (b_j, N, b_i, t)
-    z = z.reshape(b, -1, b, t).permute(2, 1, 0, 3).reshape(b, -1, r)  # P^T: (b_i, N, b_j * t)
+    z = z.reshape(b, -1, b, t).permute(2, 1, 3, 0).reshape(b, -1, r)  # P^T: (b_i, N, t * b_j), w2's row order
     y = torch.bmm(z, w2)                                           # (b_i, N, p)
     y = y.permute(1, 2, 0) if permute_output else y.permute(1, 0, 2)  # P: feature s*b+i, else i*p+s
     y = y.reshape(*lead, b * p)
     return y if bias is None else y + bias
 
 
-def _stage1(x2, w1, launch_dependents=False, tile=None):
-    """z[n, i, j t + s] = (x_j w1[j])[n, i t + s]: stage 1 with P^T folded into the store."""
+def _stage1(x2, w1, launch_dependents=False, tile=None, w2_order=False):
+    """z[n, i, j t + s] = (x_j w1[j])[n, i t + s]: stage 1 with P^T folded into the store (runs of t elements); or,
+    ``w2_order``, z[n, i, s b + j], in w2's row order for a cuBLAS stage 2 (a column stride of b in the store)."""
     b, m, r = w1.shape
     t, n = r // b, x2.shape[0]
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
-    bgemm(x2, w1, z, n, m, r, b, (m, x2.stride(0), 1), w1.stride(), (t, b * r, r, 1), grp=t,
-          launch_dependents=launch_dependents, tile=tile)
+    bgemm(x2, w1, z, n, m, r, b, (m, x2.stride(0), 1), w1.stride(), (1, b * r, r, b) if w2_order else (t, b * r, r, 1),
+          grp=t, launch_dependents=launch_dependents, tile=tile)
     return z
 
 
 def _two_stage(x2, w1, w2, bias, permute_output):
-    return per_block_gemm(_stage1(x2, w1), w2, bias, cublas=False, permute_output=permute_output)
+    return per_block_gemm(_stage1(x2, w1), w2, bias, cublas=False, permute_output=permute_output,
+                          w_interleaved=w1.shape[0])
 
 
 def _chained_two_stage(x2, w1, w2, bias, permute_output, tiles=(None, None)):
     return per_block_gemm(_stage1(x2, w1, launch_dependents=True, tile=tiles[0]), w2, bias, cublas=False,
-                          permute_output=permute_output, wait_for_previous=True, tile=tiles[1])
+                          permute_output=permute_output, wait_for_previous=True, w_interleaved=w1.shape[0],
+                          tile=tiles[1])
 
 
 def _two_stage_pdl(x2, w1, w2, bias, permute_output):
@@ -162,7 +173,7 @@ def _two_stage_pdl(x2, w1, w2, bias, permute_output):
 
 
 def _bmm(x2, w1, w2, bias, permute_output):
-    return per_block_gemm(_stage1(x2, w1), w2, bias, cublas=True)
+    return per_block_gemm(_stage1(x2, w1, w2_order=True), w2, bias, cublas=True)
 
 
 # ---- both GEMMs on cuBLAS, the permutation as one copy between them -------------------
@@ -170,23 +181,21 @@ def _bmm(x2, w1, w2, bias, permute_output):
 @tuned([(16, 4, 2), (32, 4, 2), (64, 8, 2)], ("BN",), (16, 4, 1), key=["N_BUCKET", "T", "B"])
 @triton.jit
 def _permute_kernel(z_ptr, out_ptr, N, T, B, N_BUCKET, szn, BT: tl.constexpr, BN: tl.constexpr):
-    """out[n, i, j T + s] = z[n, j, i T + s] for a tile of BN tokens and one (j, i): Monarch's P^T
-    as a copy, each row a run of T contiguous elements on both sides."""
+    """out[n, i, s B + j] = z[n, j, i T + s] for a tile of BN tokens and one (j, i): Monarch's P^T
+    as a copy into w2's row order, each row read as a run of T contiguous elements and stored B elements apart."""
     rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     j, i = tl.program_id(1), tl.program_id(2)
     rs = tl.arange(0, BT)
     mask = (rn[:, None] < N) & (rs[None, :] < T)
     rows = rn[:, None] * szn + rs[None, :]
     tile = tl.load(z_ptr + rows + (j * B + i) * T, mask=mask)
-    tl.store(out_ptr + rows + (i * B + j) * T, tile, mask=mask)
+    tl.store(out_ptr + rn[:, None] * szn + i * B * T + rs[None, :] * B + j, tile, mask=mask)
 
 
 def _bmm_perm_bmm(x2, w1, w2, bias, permute_output):
     """Stage 1 as one strided cuBLAS batched GEMM into z (N, b_j, r) in its natural order, P^T
     as a memory-bound copy (:func:`_permute_kernel`), stage 2 on cuBLAS. Against ``bmm``: the
-    permutation costs z's write and read once more (2 N b r elements), for cuBLAS in stage 1,
-    whose output then needs no scattered store; that wins where the scattered store is slow
-    (a per-block rank t not a multiple of 8, e.g. Llama-7B's 1488 / 16 = 93)."""
+    permutation costs z's write and read once more (2 N b r elements), for cuBLAS in stage 1."""
     b, m, r = w1.shape
     t, n = r // b, x2.shape[0]
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
@@ -208,7 +217,7 @@ def _bmm_gather(x2, w1, w2, bias, permute_output):
     z = torch.empty(n * b * r + A_WINDOW_SLACK, device=x2.device, dtype=x2.dtype)[:n * b * r].view(n, b, r)
     bmm_into(x2.view(n, b, m).transpose(0, 1), w1, z.transpose(0, 1))                 # z[n, j] = x_j w1[j]
     return per_block_gemm(z[:, 0].view(n, b, t), w2, bias, cublas=False, permute_output=permute_output,
-                          gathered_runs=(b, r))
+                          gathered_runs=(b, r), w_interleaved=b)
 
 
 # ---- large N, token-contiguous z: whole rows of tokens in every store -------------------
@@ -220,56 +229,31 @@ def _refuse_permuted_output(variant: str, permute_output: bool) -> None:
 
 
 def _tbmm(x2, w1, w2, bias, permute_output):
-    """``bmm`` with z stored token-contiguous: zp[i, j t + s, n] = (x_j w1[j])[n, i t + s], P^T folded
-    into the Triton stage's store as whole rows of tokens (``bmm``'s store writes runs of t
-    elements, 186 B at Llama-7B's t = 93), then stage 2 on cuBLAS reading zp[i]^T as a transposed
+    """``bmm`` with z stored token-contiguous: zp[i, s b + j, n] = (x_j w1[j])[n, i t + s], P^T folded
+    into the Triton stage's store as whole rows of tokens (``bmm``'s store writes single elements b apart),
+    then stage 2 on cuBLAS reading zp[i]^T as a transposed
     operand. Block-major output only (cuBLAS cannot store the permuted layout's column stride)."""
     _refuse_permuted_output("tbmm", permute_output)
     b, m, r = w1.shape
     t, n = r // b, x2.shape[0]
     zp = torch.empty(b, r, n, device=x2.device, dtype=x2.dtype)
-    bgemm(x2, w1, zp, n, m, r, b, (m, x2.stride(0), 1), w1.stride(), (t * n, 1, r * n, n), grp=t)
+    bgemm(x2, w1, zp, n, m, r, b, (m, x2.stride(0), 1), w1.stride(), (n, 1, r * n, b * n), grp=t)
     return per_block_gemm(zp.permute(2, 0, 1), w2, bias, cublas=True)
 
 
-@triton.jit
-def _w2_rows_kernel(src_ptr, dst_ptr, P, T, B, ROWS, BR: tl.constexpr, BP: tl.constexpr):
-    """dst[i, s, j, :] = src[i, j, s, :] (rows of P contiguous elements): w2's rows from (j, s) to (s, j) order,
-    a tile of BR destination rows by BP columns per program (its time: ``_w2_rows_kernel`` in the layer profile)."""
-    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
-    i, s, j = rows // (T * B), (rows // B) % T, rows % B
-    src_rows = (i * B + j) * T + s
-    cols = tl.program_id(1) * BP + tl.arange(0, BP)
-    mask = (rows[:, None] < ROWS) & (cols[None, :] < P)
-    tile = tl.load(src_ptr + src_rows[:, None] * P + cols[None, :], mask=mask)
-    tl.store(dst_ptr + rows[:, None] * P + cols[None, :], tile, mask=mask)
-
-
-def _w2_in_s_j_order(w2):
-    """w2 (b, r, p), contiguous, with each block's rows reordered from j t + s to s b + j."""
-    assert w2.is_contiguous(), "the row copy indexes w2 as contiguous (monarch's op makes it so)"
-    b, r, p = w2.shape
-    out = torch.empty_like(w2)
-    br, bp = 16, min(pow2_at_least(p), 128)
-    _w2_rows_kernel[(triton.cdiv(b * r, br), triton.cdiv(p, bp))](w2, out, p, r // b, b, b * r, BR=br, BP=bp)
-    return out
-
-
 def _tbmm_tbmm(x2, w1, w2, bias, permute_output):
-    """Both stages as plain cuBLAS strided batched GEMMs, no copy of an activation: z stored
-    token-contiguous in (i, s, j) order, zs[i, s, j, n] = (x_j w1[j])[n, i t + s]. Stage 1's batch j
-    writes its r rows of tokens with a row stride of b N and a batch stride of N, so output block i's
-    operand is one contiguous (t b, N) slab; P^T moves to w2, whose rows are reordered from (j, s) to
-    (s, j) once per call (a weight-sized copy, :func:`_w2_in_s_j_order`). Against ``tbmm``: cuBLAS instead of
-    the Triton stage 1. Block-major output only (cuBLAS cannot store the permuted layout's column stride)."""
+    """Both stages as plain cuBLAS strided batched GEMMs, no copy: z stored token-contiguous in (i, s, j) order,
+    zs[i, s, j, n] = (x_j w1[j])[n, i t + s]. Stage 1's batch j writes its r rows of tokens with a row stride of b N
+    and a batch stride of N, so output block i's operand is one contiguous (t b, N) slab in w2[i]'s row order.
+    Against ``tbmm``: cuBLAS instead of the Triton stage 1. Block-major output only (cuBLAS cannot store the permuted
+    layout's column stride)."""
     _refuse_permuted_output("tbmm_tbmm", permute_output)
     b, m, r = w1.shape
     t, n, p = r // b, x2.shape[0], w2.shape[2]
     zs = torch.empty(r, b, n, device=x2.device, dtype=x2.dtype)                      # [i t + s, j, n]
     bmm_into(w1.transpose(1, 2), x2.view(n, b, m).permute(1, 2, 0), zs.transpose(0, 1))
-    w2s = _w2_in_s_j_order(w2)
     y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
-    bmm_into(w2s.transpose(1, 2), zs.view(b, t * b, n), y.view(n, b, p).permute(1, 2, 0),
+    bmm_into(w2.transpose(1, 2), zs.view(b, t * b, n), y.view(n, b, p).permute(1, 2, 0),
              None if bias is None else bias.view(b, p, 1))
     return y
 
@@ -303,7 +287,7 @@ def _fused_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M, T, P, B, N_BUCKE
     rt = tl.arange(0, BT)
     x_ptrs = x_ptr + rn[:, None] * sxn + rm[None, :]
     w1_ptrs = w1_ptr + rm[:, None] * s1a + (i * T + rt)[None, :] * s1c
-    w2_ptrs = w2_ptr + i * s2i + rt[:, None] * s2c + ro[None, :] * s2o
+    w2_ptrs = w2_ptr + i * s2i + (rt * B)[:, None] * s2c + ro[None, :] * s2o     # rows s b + j: w2's (s, j) order
     x_mask = (rn[:, None] < N) & (rm[None, :] < M)
     w1_mask = (rm[:, None] < M) & (rt[None, :] < T)
     w2_mask = (rt[:, None] < T) & (ro[None, :] < P)
@@ -312,7 +296,7 @@ def _fused_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, N, M, T, P, B, N_BUCKE
         xa = tl.load(x_ptrs + j * M, mask=x_mask, other=0.0)
         wa = tl.load(w1_ptrs + j * s1j, mask=w1_mask, other=0.0)
         s = mma(xa, wa, tl.zeros((BN, BT), dtype=tl.float32), PRECISION)
-        wb = tl.load(w2_ptrs + j * T * s2c, mask=w2_mask, other=0.0)
+        wb = tl.load(w2_ptrs + j * s2c, mask=w2_mask, other=0.0)
         acc = mma(s.to(wb.dtype), wb, acc, PRECISION)               # z rounded to x's dtype, as in the reference
     col = i * syi + ro * syo
     if HAS_BIAS:
@@ -345,13 +329,6 @@ VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bm
 UNPICKED_WITH_PDL = ("fused",)  # never within 5% of the fastest on the H200 (blr_common.pick_candidates)
 
 
-def tbmm_tbmm_within_ledger(fewest_tokens: int, b: int, t: int, p: int) -> bool:
-    """Whether ``tbmm_tbmm`` holds no more than the ledger counts for a Monarch forward
-    (memfit.ledger.predict.blr_transient_per_token: N (b r + max(b r, b p)) elements besides x and y) at every N from
-    ``fewest_tokens``: it holds z (N b r) and the reordered w2 (r p b), so N >= min(r, p) where r = b t."""
-    return fewest_tokens >= min(b * t, p)
-
-
 def variants_for(n: int, b: int, m: int, t: int, p: int, permute_output: bool) -> dict:
     """The pipelines offered for ``n`` tokens, b blocks of m inputs and p outputs, per-block rank t and the layout
     (the pick times those :func:`blr_common.pick_candidates` keeps); the same for every N of one ``pick_bucket``
@@ -362,8 +339,7 @@ def variants_for(n: int, b: int, m: int, t: int, p: int, permute_output: bool) -
         names.append("bmm_gather")
     if not permute_output:
         names += ["bmm", "bmm_perm_bmm"] + (["tbmm"] if n >= TOKEN_MAJOR_MIN_N else [])
-        fewest = n // 2 + 1                                          # the bucket's smallest N
-        names += ["tbmm_tbmm"] if n >= TBMM_TBMM_MIN_N and tbmm_tbmm_within_ledger(fewest, b, t, p) else []
+        names += ["tbmm_tbmm"] if n >= TBMM_TBMM_MIN_N else []
     if fused_fits(m, t):
         names.append("fused")
     return {name: VARIANTS[name] for name in names}

@@ -4,8 +4,11 @@ Definition (b blocks, in = b m, out = b p, rank r = b t, so t = r/b per block):
 
 * ``w1`` (b, m, r) is R: input block j (features j m ... j m + m - 1) is mapped to
   z_j = x_j w1[j], r values viewed as b groups of t: z_j = (z_j0, ..., z_j,b-1).
-* P^T regroups: u_i = (z_0i, z_1i, ..., z_b-1,i), r values (group j at offset j t).
-* ``w2`` (b, r, p) is L: v_i = u_i w2[i], p values.
+* P^T regroups: u_i = (z_0i, z_1i, ..., z_b-1,i), r values.
+* ``w2`` (b, r, p) is L: v_i = u_i w2[i], p values, with w2[i]'s rows stored in (s, j) order: row s b + j
+  multiplies z_ji[s]. (Any fixed order of the rows is the same family; this one lets cuBLAS run both stages
+  of the large-N kernels with no copy, memfit.kernels.monarch's ``tbmm_tbmm``. Models saved before it are
+  converted on load: memfit.compress.io.)
 * The output layout. ``permute_output=False`` (the default): output feature i p + s is
   v_i[s] (blocks contiguous, "P-free": W = L P^T R). ``permute_output=True``: the
   paper's P interleaves the blocks, output feature s b + i is v_i[s] (W = P L P^T R).
@@ -22,7 +25,7 @@ SwiGLU's permuted gate/up into the P-free form exactly, moving P into the down
 projection's weights.
 
 So the (i, j) block of the P-free W (rows i p.., columns j m..) is
-``(w1[j][:, i t:(i+1) t] @ w2[i][j t:(j+1) t, :])^T``, of rank t; ``to_dense`` builds
+``(w1[j][:, i t:(i+1) t] @ w2[i][j::b, :])^T``, of rank t; ``to_dense`` builds
 exactly that. Parameters r (in + out); FLOPs 2 N r (in + out). ``from_dense`` is closed
 form: the truncated rank-t SVD of each of the b^2 blocks (optimal in Frobenius norm,
 since the blocks' factors are disjoint parameters).
@@ -82,8 +85,8 @@ class MonarchLinear(StructuredLinear):
         b, r = self.blocks, self.rank
         m, p, t = self.in_features // b, self.out_features // b, r // b
         w1 = self.w1.reshape(b, m, b, t)                        # [j, a, i, s]
-        w2 = self.w2.reshape(b, b, t, p)                        # [i, j, s, c]
-        blocks = torch.einsum("jais,ijsc->icja", w1, w2)        # block (i, j) is (p x m)
+        w2 = self.w2.reshape(b, t, b, p)                        # [i, s, j, c]
+        blocks = torch.einsum("jais,isjc->icja", w1, w2)        # block (i, j) is (p x m)
         dense = blocks.reshape(self.out_features, self.in_features)
         if self.permute_output:                                 # row i p + c -> c b + i
             dense = dense.reshape(b, p, -1).transpose(0, 1).reshape(self.out_features, -1)
@@ -93,9 +96,16 @@ class MonarchLinear(StructuredLinear):
         b, r = self.blocks, self.rank
         m, p, t = self.in_features // b, self.out_features // b, r // b
         blocks = self._unpermute_rows(weight).reshape(b, p, b, m).permute(0, 2, 1, 3)  # (i, j, p, m)
-        left, right = truncated_svd(blocks, t)                  # block ~= left @ right^T
+        self.set_factors(*truncated_svd(blocks, t))            # block ~= left @ right^T
+
+    @torch.no_grad()
+    def set_factors(self, left: torch.Tensor, right: torch.Tensor) -> None:
+        """Set w1 and w2 from each block's factors: block (i, j) of the P-free W = left[i, j] @ right[i, j]^T, left
+        (b, b, p, t) and right (b, b, m, t) indexed [i, j]."""
+        b, r = self.blocks, self.rank
+        m, p = self.in_features // b, self.out_features // b
         self.w1.copy_(right.permute(1, 2, 0, 3).reshape(b, m, r))        # w1[j][:, i t + s] = right[i, j][:, s]
-        self.w2.copy_(left.transpose(-1, -2).reshape(b, r, p))           # w2[i][j t + s, :] = left[i, j][:, s]
+        self.w2.copy_(left.permute(0, 3, 1, 2).reshape(b, r, p))         # w2[i][s b + j, :] = left[i, j][:, s]
 
     def flops(self, n_tokens: int) -> int:
         return 2 * n_tokens * self.rank * (self.in_features + self.out_features)
