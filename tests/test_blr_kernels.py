@@ -162,7 +162,7 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
               variant=variant)
 
 
-@pytest.mark.parametrize("variant", ["bmm_perm_bmm", "bmm_gather", "tbmm_tbmm"])
+@pytest.mark.parametrize("variant", ["bmm_perm_bmm", "bmm_gather", "tbmm_tbmm", "two_stage"])
 @pytest.mark.parametrize("blocks,t,n", [(5, 7, 9), (3, 6, 1), (17, 1, 6), (2, 32, 5), (8, 5, 9), (8, 37, 3),
                                         (8, 31, 3)])
 def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch):
@@ -171,7 +171,8 @@ def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch
     of rank 1, runs of one whole K step (t = 32: the gathering loop without its K mask), and odd t in rows
     of a multiple of 16 B (bmm_gather's aligned windows: 8 x 5; 8 x 37 over two window steps; 8 x 31, where
     a run that fits one 32-wide step takes two once its window's lead is added, each reading w2's rows
-    interleaved); tbmm_tbmm's z in w2's (s, j) order at the same ranks."""
+    interleaved); tbmm_tbmm's z in w2's (s, j) order and two_stage's interleaved reads of w2 (a K step inside one
+    run where t = 32, rows of several runs in one step elsewhere) at the same ranks."""
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)
     monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
     m, p = 3, 4
@@ -294,15 +295,17 @@ print(json.dumps(out))
 CHAIN_BASE = {"HAS_BIAS": True, "PRECISION": "tf32", "LINE": 64, "BN": 16, "BC": 64, "BK": 64}
 WAITS = {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": True}
 CHAIN_CASES = {
-    "bgemm waits, weights row-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True, "EVEN_K": False}),
-    "bgemm waits, weights k-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": False, "EVEN_K": True}),
-    "bgemm waits, weights interleaved": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True,
+    "bgemm waits, weights row-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True, "EVEN_K": False,
+                                                 "BGRP": 512}),
+    "bgemm waits, weights k-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": False, "EVEN_K": True,
+                                               "BGRP": 512}),
+    "bgemm waits, weights interleaved": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True, "BGRP": 32,
                                                    "B_INTERLEAVED": True, "EVEN_K": False}),  # Monarch's stage 2
     "mixgemm waits": ("mixgemm", {**CHAIN_BASE, "WAIT_FOR_PREVIOUS": True, "BB": 16}),
     "zmix waits and launches": ("zmix", {"BB": 16, "PRECISION": "tf32", "LAUNCH_DEPENDENTS": True,
                                          "WAIT_FOR_PREVIOUS": True, "BN": 16, "BK": 32}),
     "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
-                                 "B_ROWS_CONTIGUOUS": True, "EVEN_K": False}),
+                                 "B_ROWS_CONTIGUOUS": True, "EVEN_K": False, "BGRP": 512}),
 }
 
 
@@ -1083,8 +1086,8 @@ def test_bgemm_batch_groups(dtype, batches, group, k, even_k):
     c = torch.full((batches * cols * n,), math.nan, dtype=dtype)
     grid = blr_common.bgemm_grid(n, cols, batches, bn, bc, group)
     blr_common.jit_function(blr_common._bgemm_kernel)[grid](
-        a, b, c, bias, n, k, cols, grp, k, k, batches, 0, *a.stride(), 0, *b.stride(), b.stride(1), cols,
-        batches * cols, grp, 1,
+        a, b, c, bias, n, k, cols, grp, k, batches, 0, *a.stride(), 0, *b.stride(), k * b.stride(1), cols,
+        batches * cols, grp, 1, k,
         HAS_BIAS=True, PRECISION=blr_common.blr_precision(dtype), LAUNCH_DEPENDENTS=False, WAIT_FOR_PREVIOUS=False,
         B_ROWS_CONTIGUOUS=False, LINE=32, BN=bn, BC=bc, BK=bk, EVEN_K=even_k, A_GROUPED=False, A_WINDOW=0,
         BATCH_GROUP=group)
@@ -1100,7 +1103,7 @@ def test_batch_grouped_loop_pipelines_across_batches():
                "scg", "sci"]
     tile = {"HAS_BIAS": False, "PRECISION": "tf32", "LINE": 64, "BN": 256, "BC": 128, "BK": 64, "EVEN_K": True,
             "LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False, "B_ROWS_CONTIGUOUS": False, "A_GROUPED": False,
-            "A_WINDOW": 0, "sak": 1, "sbc": 1, "scn": 1, "BATCH_GROUP": 8}
+            "A_WINDOW": 0, "sak": 1, "sbc": 1, "scn": 1, "BATCH_GROUP": 8, "BGRP": 128}
     assert (256, 128, 64, 8, 8, 3) in blr_common.BGEMM_GROUPED
     ptx = compile_sm90({"grouped": ("bgemm", tile, aligned, 3, 8)})["grouped"]
     assert "cp.async.cg" in ptx and "wgmma.mma_async" in ptx

@@ -744,12 +744,15 @@ def _k_step_tiles(a_ptrs, b_ptrs, a_rows, b_cols, rk, k0, k_end, EVEN_K: tl.cons
 
 
 @triton.jit
-def _b_rows(k, BGRP, sbg, sbk, B_INTERLEAVED: tl.constexpr):
-    """Offsets of b's rows for K indices k: k * sbk, or where b's runs are interleaved (BGRP rows a run, runs sbg
-    apart, a run's rows sbk apart) (k // BGRP) * sbg + (k % BGRP) * sbk."""
-    if B_INTERLEAVED:
-        return (k // BGRP) * sbg + (k % BGRP) * sbk
-    return k * sbk
+def _interleaved_b_rows(k0, rk, BGRP: tl.constexpr, sbg, sbk, BK: tl.constexpr):
+    """Offsets of b's rows for the K step at k0 where b holds interleaved runs of BGRP rows (runs sbg apart, a run's
+    rows sbk apart): one scalar division where the step lies in one run (BK divides BGRP), else one per row. BGRP is
+    a constexpr so that the divisions are shifts or multiplies: a division by a runtime value in every K step cost the
+    first version of Monarch's decode stage 2 3-16% (412d845's layer table)."""
+    if BGRP % BK == 0:
+        return (k0 // BGRP) * sbg + (k0 % BGRP + rk) * sbk
+    k = k0 + rk
+    return (k // BGRP) * sbg + (k % BGRP) * sbk
 
 
 @tuned(BGEMM_TUNED, ("BN", "BC", "BK", "BATCH_GROUP"), (16, 32, 32, 1, 4, 1),
@@ -761,8 +764,8 @@ def _b_rows(k, BGRP, sbg, sbk, B_INTERLEAVED: tl.constexpr):
                     "A_WINDOW": lambda meta: a_window(meta["a_ptr"], meta["sab"], meta["san"], meta["sak"], meta["sag"],
                                                       meta["AGRP"] < meta["K"])})
 @triton.jit
-def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BGRP, BATCHES, N_BUCKET,
-                  sab, san, sak, sag, sbb, sbk, sbc, sbg, scb, scn, scg, sci,
+def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_BUCKET,
+                  sab, san, sak, sag, sbb, sbk, sbc, sbg, scb, scn, scg, sci, BGRP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
                   WAIT_FOR_PREVIOUS: tl.constexpr, B_ROWS_CONTIGUOUS: tl.constexpr, LINE: tl.constexpr,
                   BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
@@ -786,7 +789,7 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BGRP, BATCH
     rk = tl.arange(0, BK)
     a_ptrs = a_ptr + bt * sab + rn[:, None] * san + rk[None, :] * sak
     b_cols_ptr = b_ptr + bt * sbb + rc[None, :] * sbc
-    b_ptrs = b_cols_ptr + _b_rows(rk, BGRP, sbg, sbk, B_INTERLEAVED)[:, None]
+    b_ptrs = b_cols_ptr + rk[:, None] * sbk
     if WAIT_FOR_PREVIOUS:                              # b is this op's weights: fetch them while a is being made
         b_tile = b_ptr + bt * sbb + pid_c * BC * sbc
         cols = tl.minimum(BC, C - pid_c * BC)
@@ -812,17 +815,15 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BGRP, BATCH
             in_run = (q >= 0) & (q < AGRP)
             a = tl.load(a_win + run * sag_w + (step % steps) * BK, mask=a_rows, other=0.0)
             a = tl.where(in_run[None, :], a, tl.zeros_like(a))     # neighbours' columns (or slack) out
-            b = tl.load(b_win + _b_rows(run * AGRP + q, BGRP, sbg, sbk, B_INTERLEAVED)[:, None],
-                        mask=in_run[:, None] & b_cols, other=0.0)
+            b = tl.load(b_win + run * sbg + q[:, None] * sbk, mask=in_run[:, None] & b_cols, other=0.0)
             acc = mma(a, b, acc, PRECISION)
-    elif A_GROUPED:                                    # K = (K / AGRP) runs of AGRP, a's runs sag apart
+    elif A_GROUPED:                                    # K = (K / AGRP) runs of AGRP, a's runs sag apart, b's sbg
         steps = tl.cdiv(AGRP, BK)                      # steps per run; a step never crosses a run
         for step in range(0, (K // AGRP) * steps):
             run = (step // steps).to(tl.int64)
             start = (step % steps) * BK                # of this step in its run
-            b_rows = _b_rows(run * AGRP + start + rk, BGRP, sbg, sbk, B_INTERLEAVED)
-            a, b = _k_step_tiles(a_ptrs + run * sag + start * sak, b_cols_ptr + b_rows[:, None], a_rows, b_cols, rk,
-                                 start, AGRP, EVEN_K)
+            a, b = _k_step_tiles(a_ptrs + run * sag + start * sak, b_ptrs + run * sbg + start * sbk, a_rows,
+                                 b_cols, rk, start, AGRP, EVEN_K)
             acc = mma(a, b, acc, PRECISION)
     elif BATCH_GROUP > 1:                              # BATCH_GROUP batches in one flat loop of K steps: the
         k_steps = tl.cdiv(K, BK)                       # next batch's tiles load while this one's is stored
@@ -840,7 +841,7 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BGRP, BATCH
     else:
         for k0 in range(0, K, BK):
             if B_INTERLEAVED:
-                b_ptrs = b_cols_ptr + _b_rows(k0 + rk, BGRP, sbg, sbk, B_INTERLEAVED)[:, None]
+                b_ptrs = b_cols_ptr + _interleaved_b_rows(k0, rk, BGRP, sbg, sbk, BK)[:, None]
             a, b = _k_step_tiles(a_ptrs, b_ptrs, a_rows, b_cols, rk, k0, K, EVEN_K)
             acc = mma(a, b, acc, PRECISION)
             a_ptrs += BK * sak
@@ -885,7 +886,7 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
 
     ``b_interleaved = g`` reads b's rows interleaved: K index ``q + j * (k / g)`` (position q of run j) from row
     ``q * g + j``, rows ``b_strides[1]`` apart (Monarch's w2, stored in (s, j) order so that cuBLAS can read it, read
-    by a stage 2 whose K is in (j, s) order).
+    by a stage 2 whose K is in (j, s) order). With ``a_runs``, b's runs are a's (the same length).
 
     Where K is a few steps (K <= BATCH_GROUP_MAX_K) and N's bucket >= BATCH_GROUP_MIN_N, a plain launch also tunes
     over tiles that run several batches per program in one flat loop (``BGEMM_GROUPED``).
@@ -907,7 +908,11 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
         raise MemfitError(f"bgemm: b's {b_interleaved} interleaved runs do not divide k = {k}")
     if b_interleaved > 1 and wait_for_previous and b_strides[2] != 1:
         raise MemfitError("bgemm: a chained stage reads interleaved b rows only with a unit column stride")
-    b_row = b_strides[1]                                          # interleaved: a row; a run's rows g rows apart
+    if b_interleaved > 1 and a_runs and run != k // b_interleaved:
+        raise MemfitError(f"bgemm: b's interleaved runs of {k // b_interleaved} must be a's runs of {run}")
+    b_row = b_strides[1]
+    # b's run stride (the grouped loops' step from one run of K to the next) and its row stride within a run
+    sbg, sbk = (b_row, b_row * b_interleaved) if b_interleaved > 1 else (run * b_row, b_row)
     if a_window(a, *a_strides, run_stride, run < k):             # reads aligned windows around the runs
         last = (batches - 1) * a_strides[0] + (n - 1) * a_strides[1] + (k // run - 1) * run_stride + run
         if (a.storage_offset() + last + A_WINDOW_SLACK) * a.element_size() > a.untyped_storage().nbytes():
@@ -920,9 +925,9 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
             raise MemfitError(f"bgemm: tile {tile} is none of its (BN, BC, BK, warps, stages) tiles (BGEMM_CONFIGS)")
         kernel = _bgemm_kernel.fn
         fixed = dict(zip(("BN", "BC", "BK", "num_warps", "num_stages"), tile), BATCH_GROUP=1)
-    kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, run, k // b_interleaved, batches,
-                 n_bucket(n), *a_strides, run_stride, b_strides[0], b_row * b_interleaved, b_strides[2], b_row,
-                 *c_strides, HAS_BIAS=bias is not None,
+    kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, run, batches, n_bucket(n),
+                 *a_strides, run_stride, b_strides[0], sbk, b_strides[2], sbg, *c_strides, k // b_interleaved,
+                 HAS_BIAS=bias is not None,
                  PRECISION=blr_precision(a.dtype), B_ROWS_CONTIGUOUS=wait_for_previous and b_strides[2] == 1,
                  LINE=line_elements(b), **chain_options(launch_dependents, wait_for_previous), **fixed)
 
