@@ -744,10 +744,10 @@ def test_misaligned_runs_load_by_cp_async_only_in_windows():
     """sm_90 PTX of the gathering loop at Llama-7B's shape (runs of t = 93 at a batch stride of 93, rows and
     runs 16-B aligned): reading the runs themselves loads a element by element (2-byte loads, no cp.async:
     nothing to pipeline); the aligned windows load both operands by 16-byte cp.async."""
-    aligned = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "san", "sag", "sbb", "sbk", "scb", "scn", "K", "C"]
+    aligned = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "san", "sag", "sbb", "sbk", "sbg", "scb", "scn", "K", "C"]
     base = {"HAS_BIAS": False, "PRECISION": "tf32", "LINE": 64, "BN": 128, "BC": 128, "BK": 32, "EVEN_K": False,
             "LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False, "B_ROWS_CONTIGUOUS": False, "A_GROUPED": True,
-            "sak": 1, "sbc": 1, "sci": 1}
+            "sak": 1, "sbc": 1, "sci": 1, "BGRP": 1488}
     ptx = compile_sm90({"runs": ("bgemm", {**base, "A_WINDOW": 0}, aligned),
                         "windows": ("bgemm", {**base, "A_WINDOW": 8}, aligned)})
     two_byte_loads = {name: len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.b16", text)) for name, text in ptx.items()}
