@@ -29,12 +29,15 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # ledger_accuracy_blr's 11 jobs record 219 s at 6671149 (228 s at 074d5b1). pick_cost's 42 first calls took 107 s at
 # 11b0a19, 92.3 s at d1edfef, 142.5 s at af7a5bc, 179.2 s at 491a2d6, 177.1 s at 83e4b53 (give it 240 s); partial_ffn
 # 115 s at 0a7cc7e, 128.5 s at 83e4b53.
+# The Monarch-only table at 412d845 records 490 s (its first call stopped at 430 s after 27 of its 35 cases).
 # The kernel tests on the GPU at 7d90041 (their logs in results/logs): 40.3 s for the BLR file, 275.6 s for the others,
 # each log's own count (-vv names every test as it ends, so a run stopped by its limit still says what it ran).
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
   "blr_e2e|400|python3 benchmarks/blr_e2e.py --out $OUT --profile"
+  "blr_layers_monarch|590|python3 benchmarks/blr_layers.py --out $OUT --structures monarch"
+  "blr_layers_monarch_resume|590|python3 benchmarks/blr_layers.py --out $OUT --structures monarch --resume"
   "blr_layers_profile|240|python3 benchmarks/blr_layers.py --out $OUT --profile-only"
   "decode_profile|240|python3 benchmarks/decode_profile.py --out $OUT"
   "blr_e2e_memfit_attention|400|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
