@@ -86,13 +86,16 @@ def test_monarch(dtype, variant, permute, lead, bias, monkeypatch):
 
 
 def test_monarch_variants_offered():
-    """bmm and bmm_perm_bmm only for the block-major layout; bmm_gather for both from
+    """bmm and bmm_perm_bmm only for the block-major layout and up to SCATTERED_Z_MAX_N; bmm_gather for both from
     TOKEN_MAJOR_MIN_N; the fused kernel at every N where its tile fits; the chained two_stage up to
     PDL_MAX_N; the plain PyTorch pipeline always competes."""
     small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "torch"}
     assert set(monarch.variants_for(16, 16, 128, 32, 128, False)) == small
     assert set(monarch.variants_for(16, 16, 128, 32, 128, True)) == {"two_stage", "two_stage_pdl", "fused", "torch"}
-    large = small - {"two_stage_pdl"} | {"tbmm", "tbmm_tbmm", "bmm_gather"}
+    last = monarch.SCATTERED_Z_MAX_N
+    assert "bmm" in monarch.variants_for(last, 16, 128, 32, 128, False)
+    assert not {"bmm", "bmm_perm_bmm"} & set(monarch.variants_for(last + 1, 16, 128, 32, 128, False))
+    large = small - {"two_stage_pdl", "bmm", "bmm_perm_bmm"} | {"tbmm", "tbmm_tbmm", "bmm_gather"}
     assert set(monarch.variants_for(8192, 16, 128, 32, 128, False)) == large
     assert set(monarch.variants_for(8192, 16, 128, 32, 128, True)) == {"two_stage", "fused", "torch", "bmm_gather"}
     assert "fused" not in monarch.variants_for(1, 16, 688, 93, 256, False)

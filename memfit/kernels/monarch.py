@@ -23,16 +23,14 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   its w2 slice into L2, then waits for z). At decode each stage is a launch plus one
   dependent weight read, so overlapping them is most of what is left to gain. The two stages' tiles
   are picked together (blr_common.pick_chain_tiles). Both layouts.
-* ``bmm``: the Triton stage 1 storing z in (s, j) order (a column stride of b in its store),
-  then stage 2 on cuBLAS (:func:`per_block_gemm`), a
+* ``bmm`` (N <= SCATTERED_Z_MAX_N): the Triton stage 1 storing z in (s, j) order (a column stride of b in
+  its store), then stage 2 on cuBLAS (:func:`per_block_gemm`), a
   strided batched GEMM reading z as (b_i, N, r) (lda = b r) and writing the block-major
-  y through a (b, N, p) view (ldc = b p): no copy. Expected to win at large N, where
-  stage 2 dominates and cuBLAS runs it near the matmul rate. Block-major layout only
+  y through a (b, N, p) view (ldc = b p): no copy. Block-major layout only
   (the permuted layout has a column stride of b, which cuBLAS cannot store).
-* ``bmm_perm_bmm``: both stages on cuBLAS, stage 1 writing z in its natural order, and
-  P^T as a memory-bound copy between them (:func:`_permute_kernel`): 2 N b r more elements
-  of traffic than ``bmm`` for no scattered store, which is slow where t is not a multiple
-  of 8 (Llama-7B: t = 93). Block-major layout only.
+* ``bmm_perm_bmm`` (N <= SCATTERED_Z_MAX_N): both stages on cuBLAS, stage 1 writing z in its natural order, and
+  P^T as a memory-bound copy into w2's (s, j) order between them (:func:`_permute_kernel`, its stores b elements
+  apart): 2 N b r more elements of traffic than ``bmm``. Block-major layout only.
 * ``bmm_gather`` (N >= TOKEN_MAJOR_MIN_N, both layouts): stage 1 on cuBLAS as in ``bmm_perm_bmm``,
   stage 2 by :func:`bgemm` reading P^T through its loads (runs of t elements of z per K step,
   ``a_runs``, and w2's rows interleaved): z written and read once, no copy, no scattered store. The fastest pipeline at
@@ -122,6 +120,10 @@ TBMM_TBMM_MIN_N = TOKEN_MAJOR_MIN_N  # offered with the token-contiguous pipelin
 # dense at four shapes at N = 256 (blr_layers_subset_256_512.json); offered the chain there (ba0a9d7, five of the seven
 # shapes timed, blr_layers_subset_256_chained.json) it took Llama-1B q/o from 7.89 to 6.56 us (0.873x -> 1.064x dense)
 TWO_STAGE_PDL_MAX_N = 256
+# Up to this N bmm and bmm_perm_bmm are offered: with w2 in (s, j) order they store z element by element, b apart, and
+# from N = 128 they took 2.5-33x the pick's time in all 40 of their first timings there (412d845,
+# blr_layers_subset_monarch_412d845.json)
+SCATTERED_Z_MAX_N = 64
 FUSED_MAX_TILE = 16384  # pow2(m) * pow2(t) elements of w1 slice per step: 32 KB in bf16, so 2-3 stages fit
 
 
@@ -338,7 +340,7 @@ def variants_for(n: int, b: int, m: int, t: int, p: int, permute_output: bool) -
     if n >= TOKEN_MAJOR_MIN_N:
         names.append("bmm_gather")
     if not permute_output:
-        names += ["bmm", "bmm_perm_bmm"] + (["tbmm"] if n >= TOKEN_MAJOR_MIN_N else [])
+        names += (["bmm", "bmm_perm_bmm"] if n <= SCATTERED_Z_MAX_N else []) + (["tbmm"] if n >= TOKEN_MAJOR_MIN_N else [])
         names += ["tbmm_tbmm"] if n >= TBMM_TBMM_MIN_N else []
     if fused_fits(m, t):
         names.append("fused")
