@@ -111,9 +111,9 @@ def _attention_case(dtype, B, H, Hkv, D, L, slot, seed):
 def test_decode_attention_matches_reference(dtype, B, H, Hkv, D, L, slot):
     """GQA groups 3, 1, 8; the slot at 0, inside a chunk and at the cache end (length not a multiple of the block);
     a cache shorter than one 16-key block; batch 2 with invalid (padding) slots; every variant writes the
-    reference's cache entry at the slot and leaves the others as they were. The entry is compared to rounding: a
-    GPU fuses the rope's multiply and add (one rounding fewer than the reference's fp32 ops), so in fp32 it may
-    differ in its last bit (seen on the H200)."""
+    reference's cache entry at the slot and leaves the others as they were. The entry is compared to rounding: on
+    the H200 it was not bit-equal to the reference's in fp32, likely because a GPU fuses the rope's multiply and add
+    (one rounding fewer than the reference's fp32 ops)."""
     args = _attention_case(dtype, B, H, Hkv, D, L, slot, seed=slot)
     ref_caches = [t.clone() for t in args[5:7]]
     ref = decode_attention_reference(*args[:5], *ref_caches, *args[7:], 0.3)
