@@ -186,13 +186,13 @@ class Gemm:
         jit = blr_common.jit_function(blr_common._bgemm_kernel)
         grid = blr_common.bgemm_grid(self.n, self.cols, self.batches, bn, bc, group)
         run_stride = self.runs[1] if self.runs else 0
-        (sbb, row, sbc), g = self.b_strides, self.b_interleaved
+        g = self.b_interleaved
+        b_strides = blr_common.bgemm_b_strides(self.b_strides, self.run_length(), g)
         unchained = blr_common.chain_options(launch_dependents=False, wait_for_previous=False)
-        sbg, sbk = (row, g * row) if g > 1 else (self.run_length() * row, row)     # as bgemm passes them
         return lambda: jit[grid](a, b, c, c, self.n, self.k, self.cols, self.grp, self.run_length(), self.batches,
-                                 blr_common.n_bucket(self.n), *self.a_strides, run_stride, sbb, sbk, sbc, sbg,
-                                 *self.c_strides, self.k // g, HAS_BIAS=False, PRECISION=blr_common.blr_precision(a.dtype),
-                                 B_ROWS_CONTIGUOUS=False,
+                                 blr_common.n_bucket(self.n), *self.a_strides, run_stride, *b_strides,
+                                 *self.c_strides, self.k // g if g > 1 else 0, HAS_BIAS=False,
+                                 PRECISION=blr_common.blr_precision(a.dtype), B_ROWS_CONTIGUOUS=False,
                                  LINE=blr_common.line_elements(b), BN=bn, BC=bc, BK=bk, EVEN_K=even_k,
                                  A_GROUPED=self.runs is not None, B_INTERLEAVED=g > 1, A_WINDOW=window,
                                  BATCH_GROUP=group,

@@ -299,16 +299,16 @@ CHAIN_BASE = {"HAS_BIAS": True, "PRECISION": "tf32", "LINE": 64, "BN": 16, "BC":
 WAITS = {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": True}
 CHAIN_CASES = {
     "bgemm waits, weights row-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True, "EVEN_K": False,
-                                                 "BGRP": 512}),
+                                                 "BGRP": 0}),
     "bgemm waits, weights k-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": False, "EVEN_K": True,
-                                               "BGRP": 512}),
+                                               "BGRP": 0}),
     "bgemm waits, weights interleaved": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True, "BGRP": 32,
                                                    "B_INTERLEAVED": True, "EVEN_K": False}),  # Monarch's stage 2
     "mixgemm waits": ("mixgemm", {**CHAIN_BASE, "WAIT_FOR_PREVIOUS": True, "BB": 16}),
     "zmix waits and launches": ("zmix", {"BB": 16, "PRECISION": "tf32", "LAUNCH_DEPENDENTS": True,
                                          "WAIT_FOR_PREVIOUS": True, "BN": 16, "BK": 32}),
     "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
-                                 "B_ROWS_CONTIGUOUS": True, "EVEN_K": False, "BGRP": 512}),
+                                 "B_ROWS_CONTIGUOUS": True, "EVEN_K": False, "BGRP": 0}),
 }
 
 
@@ -750,7 +750,7 @@ def test_misaligned_runs_load_by_cp_async_only_in_windows():
     aligned = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "san", "sag", "sbb", "sbk", "sbg", "scb", "scn", "K", "C"]
     base = {"HAS_BIAS": False, "PRECISION": "tf32", "LINE": 64, "BN": 128, "BC": 128, "BK": 32, "EVEN_K": False,
             "LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False, "B_ROWS_CONTIGUOUS": False, "A_GROUPED": True,
-            "sak": 1, "sbc": 1, "sci": 1, "BGRP": 1488}
+            "sak": 1, "sbc": 1, "sci": 1, "BGRP": 93, "B_INTERLEAVED": True}   # bmm_gather's launch
     ptx = compile_sm90({"runs": ("bgemm", {**base, "A_WINDOW": 0}, aligned),
                         "windows": ("bgemm", {**base, "A_WINDOW": 8}, aligned)})
     two_byte_loads = {name: len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.b16", text)) for name, text in ptx.items()}
@@ -778,9 +778,10 @@ def test_bgemm_runs_must_divide_k():
         blr_common.bgemm(a, b, c, 4, 6, 5, 1, (0, 6, 1), (0, *b.stride()), (0, 5, 0, 1), a_runs=(4, 6))
 
 
-def pruned_bgemm_tiles(n: int, k: int, run: int | None = None, batches: int = 16, cols: int = 512, **flags) -> list:
+def pruned_bgemm_tiles(n: int, k: int, run: int | None = None, batches: int = 16, cols: int = 512, b_run: int = 0,
+                       **flags) -> list:
     """The configs bgemm's autotuner keeps (all of BGEMM_TUNED, pruned) for a launch of this shape, bf16, on a GPU
-    of 132 SMs."""
+    of 132 SMs (``b_run``: b's interleaved run length, 0 for none)."""
     import triton
 
     class Tensor:
@@ -791,8 +792,8 @@ def pruned_bgemm_tiles(n: int, k: int, run: int | None = None, batches: int = 16
 
     configs = [triton.Config({"BN": bn, "BC": bc, "BK": bk, "BATCH_GROUP": g}, num_warps=w, num_stages=st)
                for bn, bc, bk, g, w, st in blr_common.BGEMM_TUNED]
-    shape = {"N": n, "N_BUCKET": blr_common.n_bucket(n), "C": cols, "K": k, "AGRP": run or k, "BGRP": k, "BATCHES": batches,
-             "a_ptr": Tensor()}
+    shape = {"N": n, "N_BUCKET": blr_common.n_bucket(n), "C": cols, "K": k, "AGRP": run or k, "BGRP": b_run,
+             "BATCHES": batches, "a_ptr": Tensor()}
     return blr_common._prune_bgemm(configs, shape, **({"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False} | flags))
 
 
@@ -1064,15 +1065,53 @@ def test_short_run_tiles_only_for_a_gathered_a(run, want_bk):
                                           ({"n": 600, "k": 128}, True), ({"n": 512, "k": 128}, False),
                                           ({"n": 8192, "k": 320}, False), ({"n": 8192, "k": 512}, False),
                                           ({"n": 8192, "k": 128, "run": 32}, False),
+                                          ({"n": 8192, "k": 128, "b_run": 32}, False),
                                           ({"n": 8192, "k": 128, "batches": 1}, False),
                                           ({"n": 8192, "k": 128, "WAIT_FOR_PREVIOUS": True}, False),
                                           ({"n": 8192, "k": 128, "LAUNCH_DEPENDENTS": True}, False)])
 def test_batch_grouped_tiles_only_for_few_k_steps_at_large_n(case, grouped):
-    """BGEMM_GROUPED's tiles are tuned over for a plain launch (one run of K, no chain, several batches) with
+    """BGEMM_GROUPED's tiles are tuned over for a plain launch (one run of K in a and b, no chain, several batches) with
     K <= BATCH_GROUP_MAX_K (256) in an N bucket >= BATCH_GROUP_MIN_N (1024: N = 600 shares 1024's bucket, so its
     pick), beside the one-batch tiles."""
     groups = {c.kwargs["BATCH_GROUP"] for c in pruned_bgemm_tiles(**case)}
     assert groups == ({1, 4, 8} if grouped else {1})
+
+
+@pytest.mark.parametrize("tile", [(128, 128, 16, 4, 5), (128, 128, 32, 4, 4), (64, 64, 64, 4, 4)])
+@pytest.mark.parametrize("t,gathered", [(32, False), (64, False), (5, False), (64, True), (48, True)])
+def test_interleaved_b_rows_at_every_step_width(tile, t, gathered):
+    """bgemm reading b's rows interleaved (Monarch's w2 in (s, j) order, b = 3 runs of t) with K steps narrower than a
+    run (t = 32 and 64 in 16- and 32-wide steps: k0 % t != 0), as wide as one (32 and 64), or spanning runs (t = 5),
+    in the plain loop and, where a is gathered from runs of the same length, in the grouped loop, against torch
+    reading the same rows in (j, s) order."""
+    g, n, p = 3, 7, 24
+    gen = seeded(3)
+    w = torch.randn(1, t * g, p, generator=gen)                           # rows s g + j
+    in_j_s_order = w.view(1, t, g, p).transpose(1, 2).reshape(1, g * t, p)
+    c = torch.full((n, p), math.nan)
+    if gathered:                                                         # a's run j: t columns, 2 t apart
+        a = torch.randn(n, 2 * t * g, generator=gen)
+        blr_common.bgemm(a, w, c, n, g * t, p, 1, (0, a.stride(0), 1), w.stride(), (0, p, 0, 1), a_runs=(t, 2 * t),
+                         b_interleaved=g, tile=tile)
+        a = a.view(n, g, 2 * t)[:, :, :t].reshape(n, g * t)
+    else:
+        a = torch.randn(n, g * t, generator=gen)
+        blr_common.bgemm(a, w, c, n, g * t, p, 1, (0, a.stride(0), 1), w.stride(), (0, p, 0, 1), b_interleaved=g,
+                         tile=tile)
+    torch.testing.assert_close(c, a @ in_j_s_order[0], rtol=1e-4, atol=1e-4)
+
+
+def test_bgemm_refuses_interleaved_rows_it_cannot_read():
+    a, w, c = torch.randn(4, 12), torch.randn(1, 12, 8), torch.empty(4, 8)
+    args = (a, w, c, 4, 12, 8, 1, (0, 12, 1), w.stride(), (0, 8, 0, 1))
+    with pytest.raises(MemfitError, match="5 interleaved runs do not divide k = 12"):
+        blr_common.bgemm(*args, b_interleaved=5)
+    with pytest.raises(MemfitError, match="runs of 4 must be a's runs of 3"):
+        blr_common.bgemm(*args, a_runs=(3, 3), b_interleaved=3)
+    k_major = torch.randn(1, 8, 12).transpose(1, 2)                      # unit stride along k, not along col
+    with pytest.raises(MemfitError, match="interleaved b rows only with a unit column stride"):
+        blr_common.bgemm(a, k_major, c, 4, 12, 8, 1, (0, 12, 1), k_major.stride(), (0, 8, 0, 1), b_interleaved=3,
+                         wait_for_previous=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -1090,7 +1129,7 @@ def test_bgemm_batch_groups(dtype, batches, group, k, even_k):
     grid = blr_common.bgemm_grid(n, cols, batches, bn, bc, group)
     blr_common.jit_function(blr_common._bgemm_kernel)[grid](
         a, b, c, bias, n, k, cols, grp, k, batches, 0, *a.stride(), 0, *b.stride(), k * b.stride(1), cols,
-        batches * cols, grp, 1, k,
+        batches * cols, grp, 1, 0,
         HAS_BIAS=True, PRECISION=blr_common.blr_precision(dtype), LAUNCH_DEPENDENTS=False, WAIT_FOR_PREVIOUS=False,
         B_ROWS_CONTIGUOUS=False, LINE=32, BN=bn, BC=bc, BK=bk, EVEN_K=even_k, A_GROUPED=False, A_WINDOW=0,
         BATCH_GROUP=group)
@@ -1106,7 +1145,7 @@ def test_batch_grouped_loop_pipelines_across_batches():
                "scg", "sci"]
     tile = {"HAS_BIAS": False, "PRECISION": "tf32", "LINE": 64, "BN": 256, "BC": 128, "BK": 64, "EVEN_K": True,
             "LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False, "B_ROWS_CONTIGUOUS": False, "A_GROUPED": False,
-            "A_WINDOW": 0, "sak": 1, "sbc": 1, "scn": 1, "BATCH_GROUP": 8, "BGRP": 128}
+            "A_WINDOW": 0, "sak": 1, "sbc": 1, "scn": 1, "BATCH_GROUP": 8, "BGRP": 0}
     assert (256, 128, 64, 8, 8, 3) in blr_common.BGEMM_GROUPED
     ptx = compile_sm90({"grouped": ("bgemm", tile, aligned, 3, 8)})["grouped"]
     assert "cp.async.cg" in ptx and "wgmma.mma_async" in ptx

@@ -472,6 +472,7 @@ def test_too_few_calibration_tokens_are_said(monkeypatch):
     ("no weights", "its weights file model.safetensors is missing"),
     ("truncated weights", "model.safetensors: unreadable (SafetensorError"),
     ("a list", "compressed format 'list'"),
+    ("format true", "compressed format True; this memfit reads formats 1, 2"),
     ("no config.json", "config.json: cannot build the model from it"),
 ])
 def test_a_damaged_compressed_directory_gets_a_clear_error(tmp_path, damage, message):
@@ -489,6 +490,8 @@ def test_a_damaged_compressed_directory_gets_a_clear_error(tmp_path, damage, mes
         weights.unlink()
     elif damage == "a list":
         meta = [1, 2]
+    elif damage == "format true":                   # True == 1 in Python: not a format number all the same
+        meta["format"] = True
     elif damage == "no config.json":
         (out / "config.json").unlink()
     else:

@@ -229,7 +229,7 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
         meta = json.loads((directory / CONFIG_NAME).read_text())
     except json.JSONDecodeError as err:
         raise MemfitError(f"{directory / CONFIG_NAME}: malformed JSON ({err})") from None
-    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
+    if not isinstance(meta, dict) or type(meta.get("format")) is not int or meta["format"] not in READABLE_FORMATS:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise MemfitError(f"{directory}: compressed format {found!r}; this memfit reads formats "
                           f"{', '.join(map(str, READABLE_FORMATS))}")

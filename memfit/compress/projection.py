@@ -8,7 +8,7 @@ decoder layers, so a GPU does them in one go). The factor layouts match memfit.l
 * Monarch:   per sub-block ``(i, j)`` (output block i, input block j, ``b`` blocks each way)
   a rank ``r/b`` product ``W_ij ~ L_ij R_ij^T`` with ``L (..., b, b, out/b, r/b)`` and
   ``R (..., b, b, in/b, r/b)``: the closed form is one truncated SVD per sub-block.
-  ``memfit.compress.convert`` packs these into the layer's ``w1``/``w2``.
+  ``MonarchLinear.set_factors`` packs these into the layer's ``w1``/``w2``.
 * BLAST:     ``U (..., b, out/b, r)``, ``V (..., b, in/b, r)``, ``S (..., b, b, r)``;
   ``W_ij ~ U_i diag(S_ij) V_j^T``. No closed form: preconditioned alternating descent
   (Lee et al. 2024, "BLAST", Alg. 1) from a block-SVD start.

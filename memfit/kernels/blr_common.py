@@ -635,7 +635,7 @@ def _prune_bgemm(configs, named_args, **kwargs):
     one_run = named_args["AGRP"] == named_args["K"]
     if one_run:                                        # a read in one run: the short-run tiles are not for it
         other = other + BGEMM_SHORT_RUNS
-    grouped = (one_run and named_args["BGRP"] == named_args["K"] and not chained
+    grouped = (one_run and not named_args["BGRP"] and not chained
                and named_args["N_BUCKET"] >= BATCH_GROUP_MIN_N
                and named_args["K"] <= BATCH_GROUP_MAX_K and named_args["BATCHES"] > 1)
     configs = [c for c in configs if bgemm_tile(c) not in other and (grouped or c.kwargs["BATCH_GROUP"] == 1)]
@@ -708,8 +708,9 @@ BGEMM_CONFIGS = [  # BN, BC, BK, warps, stages
     *BGEMM_PLAIN_DECODE, *BGEMM_CHAINED_DECODE, *BGEMM_SHORT_RUNS, *BGEMM_MID,
 ]
 # Tiles that run BATCH_GROUP batches per program (BN, BC, BK, BATCH_GROUP, warps, stages), offered to any plain
-# launch whose K is a few steps (K <= BATCH_GROUP_MAX_K: Monarch's stage 1 at Llama-1B and -7B, two_stage's
-# stage 2 at r <= 256) at large N; the autotuner keeps the one-batch tiles where they win. From the sweep
+# launch whose K is a few steps (K <= BATCH_GROUP_MAX_K: Monarch's stage 1 at Llama-1B and -7B; two_stage's
+# stage 2 at r <= 256 too until 412d845, whose interleaved reads of w2 they do not take) at large N; the autotuner
+# keeps the one-batch tiles where they win. From the sweep
 # `bgemm_tiles.py --groups 2 4 8` (f1b698c, bgemm_tiles_groups.json,
 # bgemm_tiles_runs_z_groups.json): Llama-1B gate, N = 8192, K = 128, stage 1 84.4 -> 72.0 us token-major, q/o
 # 46.2 -> 37.9, up 119.3 -> 107.1; at K = 256 (Llama-7B) they win in the (N, b, r) layout (qkvo, N = 8192: 214.4
@@ -747,8 +748,9 @@ def _k_step_tiles(a_ptrs, b_ptrs, a_rows, b_cols, rk, k0, k_end, EVEN_K: tl.cons
 def _interleaved_b_rows(k0, rk, BGRP: tl.constexpr, sbg, sbk, BK: tl.constexpr):
     """Offsets of b's rows for the K step at k0 where b holds interleaved runs of BGRP rows (runs sbg apart, a run's
     rows sbk apart): one scalar division where the step lies in one run (BK divides BGRP), else one per row. BGRP is
-    a constexpr so that the divisions are shifts or multiplies: a division by a runtime value in every K step cost the
-    first version of Monarch's decode stage 2 3-16% (412d845's layer table)."""
+    a constexpr, so the divisions are shifts or multiplies. 412d845 divided by a runtime value for every row of every
+    K step; its chained two_stage took 3.4-15.1% longer at decode, and at Llama-1B gate 90c6571 took back most of it
+    (README's Monarch status)."""
     if BGRP % BK == 0:
         return (k0 // BGRP) * sbg + (k0 % BGRP + rk) * sbk
     k = k0 + rk
@@ -760,7 +762,8 @@ def _interleaved_b_rows(k0, rk, BGRP: tl.constexpr, sbg, sbk, BK: tl.constexpr):
        prune=_prune_bgemm)
 @triton.heuristics({"EVEN_K": lambda meta: meta["AGRP"] % meta["BK"] == 0,
                     "A_GROUPED": lambda meta: meta["AGRP"] < meta["K"],
-                    "B_INTERLEAVED": lambda meta: meta["BGRP"] < meta["K"],
+                    "B_INTERLEAVED": lambda meta: meta["BGRP"] > 0,    # BGRP: b's interleaved run length, or 0
+                                                                        # (one compiled kernel for every K)
                     "A_WINDOW": lambda meta: a_window(meta["a_ptr"], meta["sab"], meta["san"], meta["sak"], meta["sag"],
                                                       meta["AGRP"] < meta["K"])})
 @triton.jit
@@ -807,7 +810,6 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
         san_w = (san // A_WINDOW) * A_WINDOW            # = san (a_window checked): written so Triton sees the
         sag_w = (sag // A_WINDOW) * A_WINDOW            # alignment where it did not specialize the stride
         a_win = a_ptr + ((bt * sab) // A_WINDOW) * A_WINDOW + rn[:, None] * san_w + rk[None, :]
-        b_win = b_ptr + bt * sbb + rc[None, :] * sbc
         steps = tl.cdiv(AGRP + A_WINDOW - 1, BK)
         for step in range(0, (K // AGRP) * steps):
             run = (step // steps).to(tl.int64)
@@ -815,7 +817,7 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
             in_run = (q >= 0) & (q < AGRP)
             a = tl.load(a_win + run * sag_w + (step % steps) * BK, mask=a_rows, other=0.0)
             a = tl.where(in_run[None, :], a, tl.zeros_like(a))     # neighbours' columns (or slack) out
-            b = tl.load(b_win + run * sbg + q[:, None] * sbk, mask=in_run[:, None] & b_cols, other=0.0)
+            b = tl.load(b_cols_ptr + run * sbg + q[:, None] * sbk, mask=in_run[:, None] & b_cols, other=0.0)
             acc = mma(a, b, acc, PRECISION)
     elif A_GROUPED:                                    # K = (K / AGRP) runs of AGRP, a's runs sag apart, b's sbg
         steps = tl.cdiv(AGRP, BK)                      # steps per run; a step never crosses a run
@@ -888,8 +890,8 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
     ``q * g + j``, rows ``b_strides[1]`` apart (Monarch's w2, stored in (s, j) order so that cuBLAS can read it, read
     by a stage 2 whose K is in (j, s) order). With ``a_runs``, b's runs are a's (the same length).
 
-    Where K is a few steps (K <= BATCH_GROUP_MAX_K) and N's bucket >= BATCH_GROUP_MIN_N, a plain launch also tunes
-    over tiles that run several batches per program in one flat loop (``BGEMM_GROUPED``).
+    Where K is a few steps (K <= BATCH_GROUP_MAX_K) and N's bucket >= BATCH_GROUP_MIN_N, a plain launch (a and b
+    read in one run) also tunes over tiles that run several batches per program in one flat loop (``BGEMM_GROUPED``).
 
     In a chain (:func:`chain_options`): ``launch_dependents`` lets the next kernel start now;
     ``wait_for_previous`` prefetches this program's slice of b (the weights) into L2, then
@@ -910,9 +912,7 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
         raise MemfitError("bgemm: a chained stage reads interleaved b rows only with a unit column stride")
     if b_interleaved > 1 and a_runs and run != k // b_interleaved:
         raise MemfitError(f"bgemm: b's interleaved runs of {k // b_interleaved} must be a's runs of {run}")
-    b_row = b_strides[1]
-    # b's run stride (the grouped loops' step from one run of K to the next) and its row stride within a run
-    sbg, sbk = (b_row, b_row * b_interleaved) if b_interleaved > 1 else (run * b_row, b_row)
+    sbb, sbk, sbc, sbg = bgemm_b_strides(b_strides, run, b_interleaved)
     if a_window(a, *a_strides, run_stride, run < k):             # reads aligned windows around the runs
         last = (batches - 1) * a_strides[0] + (n - 1) * a_strides[1] + (k // run - 1) * run_stride + run
         if (a.storage_offset() + last + A_WINDOW_SLACK) * a.element_size() > a.untyped_storage().nbytes():
@@ -926,17 +926,24 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
         kernel = _bgemm_kernel.fn
         fixed = dict(zip(("BN", "BC", "BK", "num_warps", "num_stages"), tile), BATCH_GROUP=1)
     kernel[grid](a, b, c, bias if bias is not None else c, n, k, cols, grp, run, batches, n_bucket(n),
-                 *a_strides, run_stride, b_strides[0], sbk, b_strides[2], sbg, *c_strides, k // b_interleaved,
+                 *a_strides, run_stride, sbb, sbk, sbc, sbg, *c_strides, k // b_interleaved if b_interleaved > 1 else 0,
                  HAS_BIAS=bias is not None,
                  PRECISION=blr_precision(a.dtype), B_ROWS_CONTIGUOUS=wait_for_previous and b_strides[2] == 1,
                  LINE=line_elements(b), **chain_options(launch_dependents, wait_for_previous), **fixed)
+
+
+def bgemm_b_strides(b_strides, run: int, interleaved: int) -> tuple[int, int, int, int]:
+    """The kernel's b strides (batch, row within a run, column, run) for b (batch, k, col) strides, a's runs of
+    ``run`` rows and ``interleaved`` interleaved runs of b (1: none; then a run of b is a's, ``run`` rows on)."""
+    sbb, row, sbc = b_strides
+    return (sbb, row * interleaved, sbc, row) if interleaved > 1 else (sbb, row, sbc, run * row)
 
 
 def bgemm_tiles_offered(a, n: int, k: int, cols: int, batches: int, launch_dependents: bool = False,
                         wait_for_previous: bool = False) -> list[tuple]:
     """The one-batch tiles (BN, BC, BK, warps, stages) bgemm's autotuner chooses between for this launch (a plain,
     ungathered a of ``a``'s dtype and device; :func:`_prune_bgemm`)."""
-    shape = {"N": n, "N_BUCKET": n_bucket(n), "C": cols, "K": k, "AGRP": k, "BGRP": k, "BATCHES": batches, "a_ptr": a}
+    shape = {"N": n, "N_BUCKET": n_bucket(n), "C": cols, "K": k, "AGRP": k, "BGRP": 0, "BATCHES": batches, "a_ptr": a}
     kept = _prune_bgemm(_bgemm_kernel.configs, shape, LAUNCH_DEPENDENTS=launch_dependents,
                         WAIT_FOR_PREVIOUS=wait_for_previous)
     return sorted({bgemm_tile(c) for c in kept if c.kwargs["BATCH_GROUP"] == 1})

@@ -64,7 +64,7 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   a token tile, output block i and an output column tile; one loop over the input
   blocks j (both dots in it, so it is software-pipelined) computes
   s = X_j @ w1[j][:, i t:(i+1) t] (K = m, all of it in one tile) and at once
-  acc += s @ w2[i][j t:(j+1) t, tile]. One launch, weights read once from HBM (the w1
+  acc += s @ w2[i][j::b, tile] (w2's rows of block j, b apart). One launch, weights read once from HBM (the w1
   slice is re-read from L2 per column tile), x re-read from L2 per program, stage 1
   recomputed once per output column tile (ceil(p / BO) times). Cheap at decode; at large
   N it can only win where p is one or two column tiles (Llama-1B q/o: p = 128, where z's
