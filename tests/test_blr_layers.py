@@ -111,6 +111,8 @@ def test_from_dense_keeps_dtype():
     (lambda: MonarchLinear.from_dense(nn.Linear(48, 80), ratio=0.01, blocks=4), "ratio=0.01"),
     (lambda: LowRankLinear.from_dense(nn.Linear(48, 80), rank=4, ratio=0.5), "exactly one"),
     (lambda: LowRankLinear.from_dense(nn.Conv1d(3, 3, 1), rank=4), "nn.Linear"),
+    (lambda: MonarchLinear(48, 80, 8, blocks=4).set_factors(torch.randn(4, 4, 2, 20), torch.randn(4, 4, 12, 2)),
+     r"set_factors: factors of shapes .*'left': \(4, 4, 2, 20\).*takes .*'left': \(4, 4, 20, 2\)"),
 ])
 def test_bad_shapes_raise(make, match):
     with pytest.raises(MemfitError, match=match):

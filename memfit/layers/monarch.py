@@ -104,6 +104,9 @@ class MonarchLinear(StructuredLinear):
         (b, b, p, t) and right (b, b, m, t) indexed [i, j]."""
         b, r = self.blocks, self.rank
         m, p = self.in_features // b, self.out_features // b
+        want = {"left": (b, b, p, r // b), "right": (b, b, m, r // b)}
+        if (got := {"left": tuple(left.shape), "right": tuple(right.shape)}) != want:
+            raise MemfitError(f"MonarchLinear.set_factors: factors of shapes {got}; this layer takes {want}")
         self.w1.copy_(right.permute(1, 2, 0, 3).reshape(b, m, r))        # w1[j][:, i t + s] = right[i, j][:, s]
         self.w2.copy_(left.permute(0, 3, 1, 2).reshape(b, r, p))         # w2[i][s b + j, :] = left[i, j][:, s]
 
