@@ -413,3 +413,44 @@ def test_blr_plan_errors_suggest_skipping_kinds_only_where_the_user_can():
         with pytest.raises(MemfitError, match="--blr monarch") as refused:
             blr_dense_kinds(spec, knobs)
         assert "skip" not in str(refused.value)
+
+
+def test_memory_keeps_its_peaks_as_a_full_recount_would():
+    """Memory keeps a running live total and skips moments below both peaks: over random allocations, frees, saves
+    and marks with workspace, its peaks are those a recount of every moment finds (the first moment of the highest
+    total, per phase and overall), with the same live breakdown."""
+    import random
+
+    from memfit.ledger.simulate import Memory, Sym
+
+    rng = random.Random(5)
+    memory = Memory({"weights": 100, "optimizer": 0, "workspace": 7})
+    syms = [Sym(f"t{i}", rng.randrange(1, 50), False, rng.choice(["temporaries", "logits"])) for i in range(40)]
+    recount: dict[str, tuple[int, dict]] = {}
+    overall = None
+    for step in range(400):
+        sym = rng.choice(syms)
+        action = rng.random()
+        if action < 0.4:
+            memory.alloc(sym)
+        elif action < 0.7:
+            memory.free(sym)
+        elif action < 0.8:
+            memory.mark_saved(sym)
+        phase = rng.choice(["forward", "backward"])
+        extra = {"workspace": rng.randrange(0, 30)} if rng.random() < 0.3 else None
+        for where in (f"op{step}", f"op{step} again"):                  # a tie with the moment before: not a peak
+            memory.mark(phase, where, extra)
+            live = {k: v for k, v in memory.by_component.items() if v}
+            for key, value in (extra or {}).items():
+                live[key] = live.get(key, 0) + value
+            total = sum(live.values())
+            assert memory.total == sum(memory.by_component.values())
+            if phase not in recount or total > recount[phase][0]:
+                recount[phase] = (total, live, where)
+            if overall is None or total > overall[0]:
+                overall = (total, live, where)
+    for phase, (total, live, where) in recount.items():
+        event = memory.phase_peaks[phase]
+        assert (event.total, event.live, event.where) == (total, live, where)
+    assert (memory.peak.total, memory.peak.live, memory.peak.where) == overall

@@ -159,14 +159,12 @@ def _predict_train(job: Job, knobs: Knobs) -> Ledger:
 
     phases: dict[str, int] = {}
     best = None
-    weights = grads = optimizer = 0
-    trainable_numel = 0
+    graph, loss = _train_graph(job, knobs)       # replayed once per micro-batch below; a replay changes no op
+    weights, sizes = _persistent(graph)
+    grads = sum(n * s for n, s in sizes)
+    trainable_numel = sum(n for n, _ in sizes)
+    optimizer = _optimizer_bytes(sizes, knobs.optimizer)
     for index in range(min(steps, 2)):  # the first micro-batch, and one with gradients already there
-        graph, loss = _train_graph(job, knobs)
-        weights, sizes = _persistent(graph)
-        grads = sum(n * s for n, s in sizes)
-        trainable_numel = sum(n for n, _ in sizes)
-        optimizer = _optimizer_bytes(sizes, knobs.optimizer)
         base = {"weights": weights, "optimizer": optimizer, "workspace": workspace}
         if index:
             base["gradients"] = grads

@@ -78,11 +78,16 @@ class Event:
 
 
 class Memory:
-    """Live storage bookkeeping with per-component totals and the peak moment."""
+    """Live storage bookkeeping with per-component totals and the peak moment.
+
+    The live total is kept as it changes, so that a moment below both peaks costs one comparison: a training
+    prediction marks every op of every replay, and the planner makes a hundred or more predictions at large batch.
+    """
 
     def __init__(self, base: dict[str, int]):
         self.live: dict[int, Sym] = {}
         self.by_component: dict[str, int] = dict(base)
+        self.total = sum(base.values())
         self.peak: Event | None = None
         self.phase_peaks: dict[str, Event] = {}
 
@@ -92,12 +97,14 @@ class Memory:
             return
         self.live[root.uid] = root.component
         self.by_component[root.component] = self.by_component.get(root.component, 0) + root.nbytes
+        self.total += root.nbytes
 
     def free(self, sym: Sym) -> None:
         root = sym.root
         component = self.live.pop(root.uid, None)
         if component is not None:
             self.by_component[component] -= root.nbytes
+            self.total -= root.nbytes
 
     def mark_saved(self, sym: Sym) -> None:
         """A live temporary that an op saved for backward now counts as an activation."""
@@ -108,13 +115,19 @@ class Memory:
             self.by_component["activations"] = self.by_component.get("activations", 0) + root.nbytes
 
     def mark(self, phase: str, where: str, extra: dict[str, int] | None = None) -> None:
+        total = self.total + (sum(extra.values()) if extra else 0)
+        phase_peak = self.phase_peaks.get(phase)
+        new_phase_peak = phase_peak is None or total > phase_peak.total
+        new_peak = self.peak is None or total > self.peak.total
+        if not (new_phase_peak or new_peak):
+            return
         live = {k: v for k, v in self.by_component.items() if v}
         for key, value in (extra or {}).items():
             live[key] = live.get(key, 0) + value
         event = Event(phase, where, live)
-        if phase not in self.phase_peaks or event.total > self.phase_peaks[phase].total:
+        if new_phase_peak:
             self.phase_peaks[phase] = event
-        if self.peak is None or event.total > self.peak.total:
+        if new_peak:
             self.peak = event
 
 
@@ -203,21 +216,20 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
     """
     segments_done: set[int] = set()
     kept = segment_inputs(ops) if checkpointed else {}
-    first_op: dict[int, Op] = {}
+    segment_ops: dict[int, list[Op]] = {}
     for op in ops:
         if op.segment is not None:
-            first_op.setdefault(op.segment, op)
+            segment_ops.setdefault(op.segment, []).append(op)
     for op in reversed(ops):
         if op.segment in checkpointed and op.segment not in segments_done:
             # Replay the segment's forward with saving, right before its backward.
-            segment_ops = [o for o in ops if o.segment == op.segment]
             if op.segment in offloaded:
                 for segment in (op.segment, op.segment - 1):  # this input, and the prefetch of the next
                     if segment in offloaded:
                         layer_input = kept[segment][0]
                         memory.alloc(layer_input)
                         saved[layer_input.root.uid] = saved.get(layer_input.root.uid, 0) + (segment == op.segment)
-            resaved = replay_forward(segment_ops, memory, "recompute", keep=set(saved), save=True)
+            resaved = replay_forward(segment_ops[op.segment], memory, "recompute", keep=set(saved), save=True)
             for uid, count in resaved.items():
                 saved[uid] = saved.get(uid, 0) + count
             segments_done.add(op.segment)
@@ -251,7 +263,7 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             if op.segment not in checkpointed or op.segment in segments_done:
                 for sym in op.saves:
                     _release(sym, saved, memory)
-        if op.segment in checkpointed and first_op[op.segment] is op:
+        if op.segment in checkpointed and segment_ops[op.segment][0] is op:
             layer_input, others = kept[op.segment]       # the segment's backward is done: the checkpoint's
             for sym in (layer_input, *others):            # frame lets its inputs go
                 _release(sym, saved, memory)
