@@ -454,3 +454,22 @@ def test_memory_keeps_its_peaks_as_a_full_recount_would():
         event = memory.phase_peaks[phase]
         assert (event.total, event.live, event.where) == (total, live, where)
     assert (memory.peak.total, memory.peak.live, memory.peak.where) == overall
+
+
+def test_candidates_that_differ_in_the_optimizer_share_one_replay():
+    """The optimizer's states add the same bytes to every moment of a training replay, so the ledger replays once for
+    all optimizers: the second prediction is a cache hit, and its peak differs from the first in the optimizer
+    component alone (the same moment, with the states in the same place of the breakdown)."""
+    import importlib
+
+    predict_module = importlib.import_module("memfit.ledger.predict")
+    job = Job(PRESETS["llama-3.2-1b"], "lora", 1024, 4)
+    first = predict(job, Knobs(optimizer="adamw", checkpoint_layers=5, micro_batch=2))
+    hits = predict_module._train_replay.cache_info().hits
+    second = predict(job, Knobs(optimizer="adamw8bit", checkpoint_layers=5, micro_batch=2))
+    assert predict_module._train_replay.cache_info().hits == hits + 1
+    assert (first.peak_phase, first.peak_where) == (second.peak_phase, second.peak_where) != ("optimizer step", "adamw")
+    assert list(first.peak) == list(second.peak)
+    assert {k: v for k, v in first.peak.items() if k != "optimizer"} == {
+        k: v for k, v in second.peak.items() if k != "optimizer"}
+    assert first.peak["optimizer"] > second.peak["optimizer"] > 0

@@ -21,8 +21,8 @@ from functools import lru_cache
 
 from memfit.errors import MemfitError
 from memfit.ledger.graph import ModelGraph, Trainable
-from memfit.ledger.job import Job, Knobs, field_flag
-from memfit.ledger.simulate import Memory, Sym, replay_backward, replay_forward
+from memfit.ledger.job import OPTIMIZERS, Job, Knobs, field_flag
+from memfit.ledger.simulate import Event, Memory, Sym, replay_backward, replay_forward
 from memfit.models.spec import dtype_bytes
 from memfit.units import MiB
 
@@ -150,22 +150,32 @@ def _persistent(graph: ModelGraph) -> tuple[int, list[tuple[int, int]]]:
     return weights, [(p.nbytes // p.element_size, p.element_size) for p in trainable]
 
 
-def _predict_train(job: Job, knobs: Knobs) -> Ledger:
-    micro = knobs.micro_batch or job.batch
-    if job.batch % micro:
-        raise MemfitError(f"{field_flag('batch')} {job.batch} is not a multiple of {field_flag('micro_batch')} {micro}")
-    steps = job.batch // micro
-    workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
+@dataclass(frozen=True)
+class _TrainReplay:
+    """A training step's replay without optimizer states: the peak bytes of each phase, the highest moment, and the
+    persistent bytes the optimizer is sized from."""
 
+    phases: dict[str, int]
+    best: Event
+    weights: int
+    sizes: list[tuple[int, int]]
+
+
+@lru_cache(maxsize=256)
+def _train_replay(job: Job, knobs: Knobs) -> _TrainReplay:
+    """Replay one micro-batch's forward and backward, and where there are several a second one with the gradients
+    already there. The optimizer's states are left out: they add the same bytes to every moment of the replay, so the
+    peaks are the same moments for every optimizer, and the planner's candidates that differ only in the optimizer
+    (half of them at large --batch) share one replay (``_predict_train`` adds the states)."""
+    steps = job.batch // (knobs.micro_batch or job.batch)
+    workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
     phases: dict[str, int] = {}
     best = None
     graph, loss = _train_graph(job, knobs)       # replayed once per micro-batch below; a replay changes no op
     weights, sizes = _persistent(graph)
     grads = sum(n * s for n, s in sizes)
-    trainable_numel = sum(n for n, _ in sizes)
-    optimizer = _optimizer_bytes(sizes, knobs.optimizer)
     for index in range(min(steps, 2)):  # the first micro-batch, and one with gradients already there
-        base = {"weights": weights, "optimizer": optimizer, "workspace": workspace}
+        base = {"weights": weights, "optimizer": 0, "workspace": workspace}
         if index:
             base["gradients"] = grads
         memory = Memory(base)
@@ -181,13 +191,39 @@ def _predict_train(job: Job, knobs: Knobs) -> Ledger:
             phases[key] = event.total
             if best is None or event.total > best.total:
                 best = event
+    return _TrainReplay(phases, best, weights, sizes)
+
+
+def _with_optimizer(live: dict[str, int], optimizer: int) -> dict[str, int]:
+    """A replayed moment's live bytes with the optimizer's states, in the place the replay keeps them (after the
+    weights)."""
+    out = {}
+    for component, nbytes in live.items():
+        out[component] = nbytes
+        if component == "weights" and optimizer:
+            out["optimizer"] = optimizer
+    return out
+
+
+def _predict_train(job: Job, knobs: Knobs) -> Ledger:
+    micro = knobs.micro_batch or job.batch
+    if job.batch % micro:
+        raise MemfitError(f"{field_flag('batch')} {job.batch} is not a multiple of {field_flag('micro_batch')} {micro}")
+    workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
+    replay = _train_replay(job, knobs.with_(optimizer=OPTIMIZERS[0]))
+    weights, sizes = replay.weights, replay.sizes
+    grads = sum(n * s for n, s in sizes)
+    trainable_numel = sum(n for n, _ in sizes)
+    optimizer = _optimizer_bytes(sizes, knobs.optimizer)
+    phases = {phase: nbytes + optimizer for phase, nbytes in replay.phases.items()}
+    best = replay.best
     temp = _optimizer_temporary(sizes, knobs.optimizer, job.device)
     step = {"weights": weights, "optimizer": optimizer, "gradients": grads, "workspace": workspace + temp}
     phases["optimizer step"] = sum(step.values())
-    if phases["optimizer step"] > best.total:
+    if phases["optimizer step"] > best.total + optimizer:
         peak, phase, where = step, "optimizer step", knobs.optimizer
     else:
-        peak, phase, where = best.live, best.phase, best.where
+        peak, phase, where = _with_optimizer(best.live, optimizer), best.phase, best.where
     transient = sum(v for k, v in peak.items() if k not in ("weights", "optimizer", "gradients"))
     notes = []
     if knobs.optimizer == "adamw8bit":
