@@ -426,7 +426,7 @@ def test_memory_keeps_its_peaks_as_a_full_recount_would():
     rng = random.Random(5)
     memory = Memory({"weights": 100, "optimizer": 0, "workspace": 7})
     syms = [Sym(f"t{i}", rng.randrange(1, 50), False, rng.choice(["temporaries", "logits"])) for i in range(40)]
-    recount: dict[str, tuple[int, dict]] = {}
+    recount: dict[str, tuple[int, dict, str]] = {}
     overall = None
     for step in range(400):
         sym = rng.choice(syms)
@@ -458,18 +458,25 @@ def test_memory_keeps_its_peaks_as_a_full_recount_would():
 
 def test_candidates_that_differ_in_the_optimizer_share_one_replay():
     """The optimizer's states add the same bytes to every moment of a training replay, so the ledger replays once for
-    all optimizers: the second prediction is a cache hit, and its peak differs from the first in the optimizer
-    component alone (the same moment, with the states in the same place of the breakdown)."""
+    all optimizers: the later predictions are cache hits. Each adds its states where a replay with them would have
+    them: in the peak right after the weights (sgd, with none, has no such entry) and in every phase's peak; the peak
+    is the same moment for all three."""
     import importlib
 
     predict_module = importlib.import_module("memfit.ledger.predict")
     job = Job(PRESETS["llama-3.2-1b"], "lora", 1024, 4)
-    first = predict(job, Knobs(optimizer="adamw", checkpoint_layers=5, micro_batch=2))
+    knobs = Knobs(checkpoint_layers=5, micro_batch=2)
+    adamw = predict(job, knobs.with_(optimizer="adamw"))
     hits = predict_module._train_replay.cache_info().hits
-    second = predict(job, Knobs(optimizer="adamw8bit", checkpoint_layers=5, micro_batch=2))
-    assert predict_module._train_replay.cache_info().hits == hits + 1
-    assert (first.peak_phase, first.peak_where) == (second.peak_phase, second.peak_where) != ("optimizer step", "adamw")
-    assert list(first.peak) == list(second.peak)
-    assert {k: v for k, v in first.peak.items() if k != "optimizer"} == {
-        k: v for k, v in second.peak.items() if k != "optimizer"}
-    assert first.peak["optimizer"] > second.peak["optimizer"] > 0
+    eight_bit, sgd = (predict(job, knobs.with_(optimizer=name)) for name in ("adamw8bit", "sgd"))
+    assert predict_module._train_replay.cache_info().hits == hits + 2
+    assert {(led.peak_phase, led.peak_where) for led in (adamw, eight_bit, sgd)} == {(adamw.peak_phase,
+                                                                                       adamw.peak_where)}
+    assert adamw.peak_phase != "optimizer step"
+    states = {"adamw": adamw.peak["optimizer"], "adamw8bit": eight_bit.peak["optimizer"]}
+    assert states["adamw"] > states["adamw8bit"] > 0 and "optimizer" not in sgd.peak
+    assert list(adamw.peak)[:2] == list(eight_bit.peak)[:2] == ["weights", "optimizer"]
+    for led, extra in ((adamw, states["adamw"]), (eight_bit, states["adamw8bit"])):
+        assert {k: v for k, v in led.peak.items() if k != "optimizer"} == sgd.peak
+        assert {k: v - extra for k, v in led.phases.items() if k != "optimizer step"} == {
+            k: v for k, v in sgd.phases.items() if k != "optimizer step"}
