@@ -122,7 +122,7 @@ TBMM_TBMM_MIN_N = TOKEN_MAJOR_MIN_N  # offered with the token-contiguous pipelin
 TWO_STAGE_PDL_MAX_N = 256
 # Up to this N bmm and bmm_perm_bmm are offered: with w2 in (s, j) order they store z element by element, b apart, and
 # they took 2.5-33x the pick's time in all 40 of their first timings recorded from N = 128 (412d845,
-# blr_layers_subset_monarch_412d845.json; one case's pick was read from the cache)
+# results/earlier/blr_layers_subset_monarch_412d845.json; one case's pick was read from the cache)
 SCATTERED_Z_MAX_N = 64
 FUSED_MAX_TILE = 16384  # pow2(m) * pow2(t) elements of w1 slice per step: 32 KB in bf16, so 2-3 stages fit
 
