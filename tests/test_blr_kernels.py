@@ -77,7 +77,6 @@ MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", Tr
 @pytest.mark.parametrize("lead,bias", [((1,), True), ((2, N), False), ((2, N), True)])
 def test_monarch(dtype, variant, permute, lead, bias, monkeypatch):
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)  # the token-contiguous pipelines at the tests' N too
-    monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
     t = 5
     tensors = [torch.randn(*lead, B * M), torch.randn(B, M, B * t) / M**0.5, torch.randn(B, B * t, P) / t**0.5,
                torch.randn(B * P)]
@@ -86,16 +85,16 @@ def test_monarch(dtype, variant, permute, lead, bias, monkeypatch):
 
 
 def test_monarch_variants_offered():
-    """bmm and bmm_perm_bmm only for the block-major layout and up to SCATTERED_Z_MAX_N; bmm_gather for both from
-    TOKEN_MAJOR_MIN_N; the fused kernel at every N where its tile fits; the chained two_stage up to
-    PDL_MAX_N; the plain PyTorch pipeline always competes."""
-    small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "fused", "torch"}
+    """bmm and bmm_perm_bmm only for the block-major layout and up to SCATTERED_Z_MAX_N; tbmm_tbmm for that layout
+    at every N; bmm_gather for both from TOKEN_MAJOR_MIN_N; the fused kernel at every N where its tile fits; the
+    chained two_stage up to PDL_MAX_N; the plain PyTorch pipeline always competes."""
+    small = {"two_stage", "two_stage_pdl", "bmm", "bmm_perm_bmm", "tbmm_tbmm", "fused", "torch"}
     assert set(monarch.variants_for(16, 16, 128, 32, 128, False)) == small
     assert set(monarch.variants_for(16, 16, 128, 32, 128, True)) == {"two_stage", "two_stage_pdl", "fused", "torch"}
     last = monarch.SCATTERED_Z_MAX_N
     assert "bmm" in monarch.variants_for(last, 16, 128, 32, 128, False)
     assert not {"bmm", "bmm_perm_bmm"} & set(monarch.variants_for(last + 1, 16, 128, 32, 128, False))
-    large = small - {"two_stage_pdl", "bmm", "bmm_perm_bmm"} | {"tbmm", "tbmm_tbmm", "bmm_gather"}
+    large = small - {"two_stage_pdl", "bmm", "bmm_perm_bmm"} | {"tbmm", "bmm_gather"}
     assert set(monarch.variants_for(8192, 16, 128, 32, 128, False)) == large
     assert set(monarch.variants_for(8192, 16, 128, 32, 128, True)) == {"two_stage", "fused", "torch", "bmm_gather"}
     assert "fused" not in monarch.variants_for(1, 16, 688, 93, 256, False)
@@ -139,11 +138,9 @@ def test_token_major_pipelines_are_offered_from_their_min_n():
     assert "tbmm" in monarch.variants_for(first, 16, 128, 32, 128, False)
     assert "tbmm" not in monarch.variants_for(below, 16, 128, 32, 128, False)
     assert "tbmm" not in monarch.variants_for(first, 16, 128, 32, 128, True)
-    first_both_cublas = monarch.TBMM_TBMM_MIN_N // 2 + 1
-    assert "tbmm_tbmm" in monarch.variants_for(first_both_cublas, 16, 128, 32, 128, False)
-    assert "tbmm_tbmm" not in monarch.variants_for(first_both_cublas - 1, 16, 128, 32, 128, False)
-    assert "tbmm_tbmm" not in monarch.variants_for(first_both_cublas, 16, 128, 32, 128, True)
-    assert "tbmm_tbmm" in monarch.variants_for(1024, 16, 4096 // 16, 1488 // 16, 11008 // 16, False)  # Llama-7B gate/up
+    assert all("tbmm_tbmm" in monarch.variants_for(n, 16, 128, 32, 128, False) for n in (1, below, first, 8192))
+    assert not any("tbmm_tbmm" in monarch.variants_for(n, 16, 128, 32, 128, True) for n in (1, first))
+    assert "tbmm_tbmm" in monarch.variants_for(1, 16, 4096 // 16, 1488 // 16, 11008 // 16, False)  # Llama-7B gate/up
     assert monarch._default(128, False) == "tbmm" and monarch._default(128, True) == "two_stage"
 
 
@@ -153,7 +150,6 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
     (a 32-wide block tile with masked rows), for both token-contiguous pipelines."""
     monkeypatch.setattr(blast, "TOKEN_MAJOR_MIN_N", 1)
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)
-    monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
     m, p, r, t = 3, 2, 5, 2
     tensors = [torch.randn(n, blocks * m), torch.randn(blocks, p, r) / r**0.5, torch.randn(blocks, m, r) / m**0.5,
                torch.randn(blocks, blocks, r) / blocks**0.5, torch.randn(blocks * p)]
@@ -177,7 +173,6 @@ def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch
     interleaved); tbmm_tbmm's z in w2's (s, j) order and two_stage's interleaved reads of w2 (a K step inside one
     run where t = 32, rows of several runs in one step elsewhere) at the same ranks."""
     monkeypatch.setattr(monarch, "TOKEN_MAJOR_MIN_N", 1)
-    monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
     m, p = 3, 4
     tensors = [torch.randn(n, blocks * m), torch.randn(blocks, m, blocks * t) / m**0.5,
                torch.randn(blocks, blocks * t, p) / t**0.5, torch.randn(blocks * p)]
@@ -476,7 +471,6 @@ def test_a_strided_bias_is_read_as_its_values(structure, n, monkeypatch):
     result: the kernels read the bias with a unit stride, so the op hands them a contiguous one."""
     for module in (monarch, blast):
         monkeypatch.setattr(module, "TOKEN_MAJOR_MIN_N", 1)
-    monkeypatch.setattr(monarch, "TBMM_TBMM_MIN_N", 1)
     gen = seeded(7)
     new = lambda *shape: torch.randn(*shape, generator=gen)   # noqa: E731
     x, bias = new(n, B * M), new(2 * B * P)[::2]

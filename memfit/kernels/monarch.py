@@ -46,14 +46,16 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   through a transposed view, no copy. Where t is not a multiple of 8 (Llama-7B: 93), it
   replaces ``bmm``'s slow scattered store (Llama-7B gate/up, N=8192: 908.9 against 3442.4 us,
   75317f4). (Both stages on cuBLAS with P^T as a copy of (t x N) slabs lost at every shape.)
-* ``tbmm_tbmm`` (N >= TBMM_TBMM_MIN_N, block-major): both stages as plain cuBLAS batched GEMMs with no
+* ``tbmm_tbmm`` (every N, block-major): both stages as plain cuBLAS batched GEMMs with no
   copy: z stored token-contiguous in (i, s, j) order, so that output block i's operand is one contiguous slab
   in w2's row order. Until w2 was stored in (s, j) order it reordered a copy of w2's rows on every call: in the
   layer profile (d281e41) that copy took 6.4 us of Llama-1B gate's 31.4 at N = 1024. With the copy, in the
   layer table (1476f91) the fastest pipeline at all seven shapes at N = 8192, 0.73-0.93x the next one's time,
   and at three at N = 1024 (Llama-1B down, Llama-7B gate/up and down); at N = 128 it read 1.07-1.63x the
-  fastest. Tried and
-  taken out, ``tbmm_tbmm_l2`` (702ebb8): the same a chunk of tokens at a time through one z buffer, each chunk's x,
+  fastest. Without the copy (0888d75's table) the pick took it at every shape at N = 1024 and 8192 and at five of
+  seven at 128. Offered at every N since: it is the plain PyTorch pipeline (``torch``) less its two permutation
+  copies, and ``torch`` was the fastest Monarch pipeline at Llama-7B down, N = 1, in that table (19.01 against the
+  pick's 19.44 us); not yet timed below N = 128. Tried and taken out, ``tbmm_tbmm_l2`` (702ebb8): the same a chunk of tokens at a time through one z buffer, each chunk's x,
   z and y half the L2, so that z would pass between the stages through the L2 instead of HBM. It took 1.08-1.57x
   ``tbmm_tbmm``'s time at N = 1024 and 8192 (1.39-1.57x at 8192; Llama-1B q/o 98.8 against 63.8 us;
   results/earlier/blr_layers_subset_tbmm_tbmm_l2_702ebb8.json). Not profiled: the chunks' smaller GEMMs and extra
@@ -114,8 +116,6 @@ from memfit.kernels.blr_common import (
     tuned,
 )
 
-TBMM_TBMM_MIN_N = TOKEN_MAJOR_MIN_N  # offered with the token-contiguous pipelines; from 256 while it copied w2 on every
-                                    # call: then it read 1.07-1.63x the fastest at N = 128 on all seven shapes (1476f91)
 # Up to this N the chained two_stage is offered, past blr_common.PDL_MAX_N: at 19084f9 Monarch's pick read 0.873-0.978x
 # dense at four shapes at N = 256 (blr_layers_subset_256_512.json); offered the chain there (ba0a9d7, five of the seven
 # shapes timed, blr_layers_subset_256_chained.json) it took Llama-1B q/o from 7.89 to 6.56 us (0.873x -> 1.064x dense)
@@ -341,7 +341,7 @@ def variants_for(n: int, b: int, m: int, t: int, p: int, permute_output: bool) -
         names.append("bmm_gather")
     if not permute_output:
         names += (["bmm", "bmm_perm_bmm"] if n <= SCATTERED_Z_MAX_N else []) + (["tbmm"] if n >= TOKEN_MAJOR_MIN_N else [])
-        names += ["tbmm_tbmm"] if n >= TBMM_TBMM_MIN_N else []
+        names.append("tbmm_tbmm")
     if fused_fits(m, t):
         names.append("fused")
     return {name: VARIANTS[name] for name in names}
