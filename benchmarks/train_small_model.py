@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
-import shutil
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ import torch
 from memfit.data import ByteTokenizer, dev_test_split, token_splits
 from memfit.data.corpus import python_version
 from memfit.data.lm import perplexity, train_lm
-from memfit.files import follow_umask
+from memfit.files import atomic_dir, follow_umask
 from memfit.measure.results import RESULTS_DIR, check_out_dir, out_dir_problem, target, write_results
 from memfit.models import ModelSpec, build_model
 
@@ -59,22 +58,14 @@ def model_dir_problem(out: Path, force: bool) -> str | None:
 
 
 def save_dir(model, out: Path, info: dict) -> Path:
-    """Write the model directory to a temp sibling and rename it into place (replacing one there: main refused it
-    without --force before training)."""
+    """Write the model directory to a temp sibling and put it in place (:func:`memfit.files.atomic_dir`; replacing
+    one there: main refused it without --force before training)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{secrets.token_hex(8)}")
-    tmp.mkdir()                    # not mkdtemp: its 0700 would outlive the rename; this follows the umask
-    try:
+    with atomic_dir(out, out.with_name(f".{out.name}.{secrets.token_hex(8)}")) as tmp:
         model.save_pretrained(tmp)
         follow_umask(*tmp.glob("*.safetensors"))            # safetensors writes them 0600
         ByteTokenizer().save_pretrained(tmp)
         (tmp / "train_info.json").write_text(json.dumps(info, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,4 +75,28 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def atomic_dir(out: Path, tmp: Path) -> Iterator[Path]:
+    """A new directory ``tmp`` (beside ``out``) to fill; put in ``out``'s place when the block ends, removed if it
+    raises.
+
+    A directory already at ``out`` is renamed aside first and removed only once ``tmp`` has taken its place, so an
+    interrupted save never leaves a half-written ``out`` and loses the old one only after the new one is in.
+    ``tmp`` is made with ``mkdir``, whose mode follows the umask (``mkdtemp``'s 0700 would outlive the rename).
+    """
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{secrets.token_hex(8)}")
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise

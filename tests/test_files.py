@@ -113,6 +113,25 @@ def test_atomic_path_keeps_the_mode_of_the_file_it_replaces(tmp_path, umask):
     assert oct(target.stat().st_mode & 0o777) == "0o600" and target.read_text() == "new"
 
 
+def test_atomic_dir_replaces_the_old_directory_only_once_the_new_one_is_written(tmp_path, umask):
+    """A failed fill leaves the old directory as it was and no temporary; a finished one replaces it, leaving
+    nothing beside it, in a directory whose mode follows the umask."""
+    from memfit.files import atomic_dir
+
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError), atomic_dir(out, tmp_path / ".model.tmp") as tmp:
+        (tmp / "new.txt").write_text("half")
+        raise RuntimeError("crash")
+    assert [p.name for p in tmp_path.iterdir()] == ["model"] and [p.name for p in out.iterdir()] == ["old.txt"]
+    with atomic_dir(out, tmp_path / ".model.tmp") as tmp:
+        assert not (tmp_path / "model" / "new.txt").exists()
+        (tmp / "new.txt").write_text("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["model"] and [p.name for p in out.iterdir()] == ["new.txt"]
+    assert oct(out.stat().st_mode & 0o777) == "0o750"
+
+
 def test_a_save_into_a_directory_leaves_the_files_it_did_not_write(tmp_path, umask):
     """save_model_dir chmods what the save wrote, not a file already there (which may not be ours to chmod)."""
     from memfit.models import PRESETS

@@ -27,7 +27,7 @@ from torch import nn
 
 from memfit.compress.plan import structure_class
 from memfit.errors import MemfitError
-from memfit.files import follow_umask
+from memfit.files import atomic_dir, follow_umask
 from memfit.local import output_dir_problem, resolve_device
 from memfit.log import logger
 from memfit.models.spec import COMPRESSED_MARKER as CONFIG_NAME
@@ -160,9 +160,7 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
     out = check_output(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out)
-    tmp = out.with_name(f"{_temp_prefix(out)}{secrets.token_hex(TEMP_HEX // 2)}")
-    tmp.mkdir()                                        # (not mkdtemp: its 0700 would outlive the rename; this follows
-    try:                                               # the umask)
+    with atomic_dir(out, out.with_name(f"{_temp_prefix(out)}{secrets.token_hex(TEMP_HEX // 2)}")) as tmp:
         (tmp / OWNER_NAME).write_text(_owner())
         model.config.save_pretrained(tmp)
         save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "memfit": "compressed"})
@@ -173,17 +171,7 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
             for name in SOURCE_FILES:
                 if (Path(source_dir) / name).is_file():
                     shutil.copy2(Path(source_dir) / name, tmp / name)
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{secrets.token_hex(TEMP_HEX // 2)}")   # no longer than tmp's name
-            out.rename(old)
-        tmp.rename(out)
-        (out / OWNER_NAME).unlink()                    # after the rename: a temporary directory is never unowned
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    (out / OWNER_NAME).unlink()                        # after the rename: a temporary directory is never unowned
     return out
 
 
