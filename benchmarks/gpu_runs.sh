@@ -31,8 +31,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # 11b0a19, 92.3 s at d1edfef, 142.5 s at af7a5bc, 179.2 s at 491a2d6, 177.1 s at 83e4b53 (give it 240 s); partial_ffn
 # 115 s at 0a7cc7e, 128.5 s at 83e4b53.
 # The Monarch-only table at 412d845 records 490 s; its first call, under `timeout 430`, stopped after 27 of its 35 cases.
-# At 0888d75 the full table records 851 s: a first call under `timeout 445` timed 14 cases, blr_layers_resume the
-# other 21 (its call 421.7 s); blr_e2e --profile took 265.7 s of its call. The kernel tests there: the BLR file
+# At 0888d75 the full table records 851 s: a first call timed 14 cases, blr_layers_resume the other 21 (their case
+# times 405.3 s); the models of blr_e2e --profile record 246.8 s of set-up and timing. The kernel tests there: the BLR file
 # 79.65 s (log gpu_tests_blr_0888d75.log); the other four files together under -n 12, 354.4 s, where 11 of
 # test_linear_ce's tests passed the 100 s limit, two of them inside the autotuner's compiles and nine inside a
 # backward whose kernels autotune on first call, so that file has its own entry with a longer limit (its time alone
