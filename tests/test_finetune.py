@@ -145,6 +145,10 @@ def test_finetune_default_runs_and_loss_falls(tmp_path):
     assert sum(losses[-8:]) / 8 < losses[0] - 0.3, losses
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and (out / "adapter" / "adapter_model.safetensors").is_file()
+    from safetensors import safe_open
+
+    with safe_open(out / "adapter" / "adapter_model.safetensors", "pt") as saved:   # --train-norm: the final norm only
+        assert [name for name in saved.keys() if "norm" in name] == ["base_model.model.model.norm.weight"]
     with pytest.raises(MemfitError, match="--resume"):
         _cli(["--out", str(out), "--steps", "2"])
 

@@ -167,7 +167,7 @@ def run(args) -> int:
     data = check_source(args.data or DEFAULT_DATA, args.max_len)
     lora = {"r": args.lora_r, **({"lora_alpha": args.lora_alpha} if args.lora_alpha is not None else {})}
     if args.model == DEFAULT_MODEL if args.train_norm is None else args.train_norm:
-        lora["modules_to_save"] = ["norm"]
+        lora["modules_to_save"] = ["model.norm"]  # peft matches a name's end: "norm" took every layer's RMSNorms too
     lora = lora_config(lora)  # LoRA settings checked before the model loads
     spec, model, tokenizer = load_model_and_tokenizer(args.model, dtype, device)
     techniques = choose_techniques(args, spec, device, dtype, console)
