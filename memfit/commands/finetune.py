@@ -56,7 +56,8 @@ def add_parser(sub):
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=512, help="truncate examples to this many tokens")
-    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: 5e-2 for the tiny preset, else 2e-4)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="learning rate (default: 5e-2 for the tiny preset, else 2e-4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and at the end)")
     parser.add_argument("--lora-r", type=int, default=16)
@@ -65,7 +66,8 @@ def add_parser(sub):
                         help="also train the final RMSNorm weight (default: on for the tiny preset, whose random frozen "
                              "output head otherwise caps how far the loss can fall)")
     parser.add_argument("--checkpoint", choices=("none", "layer"), default="none", help="per-layer activation checkpoints")
-    parser.add_argument("--offload", default="none", help="checkpoint inputs to move off the GPU: none, all or N first layers")
+    parser.add_argument("--offload", default="none",
+                        help="checkpoint inputs to move off the GPU: none, all or N first layers")
     parser.add_argument("--offload-to", choices=("cpu", "disk"), default="cpu", help="pinned host memory or disk")
     parser.add_argument("--four-bit", action="store_true", help="keep the frozen base in NF4 (bitsandbytes, CUDA)")
     parser.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=True,
