@@ -22,6 +22,16 @@ def test_presets_lists_every_required_shape(capsys):
     assert presets["llama-3.2-1b"]["params"] == 1_235_814_400
 
 
+def test_presets_table_shortens_no_cell_in_a_pipe(capsys, monkeypatch):
+    """Piped (rich's 80 columns) the table had cut names to 'lla…', and tiny's size read 0.00B."""
+    from memfit.models import PRESETS
+
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run(capsys, "presets")
+    assert code == 0 and "…" not in out
+    assert all(f" {name} " in out for name in PRESETS) and " 158.0K " in out
+
+
 def test_plan_json_schema(capsys):
     code, out, _ = run(capsys, "plan", "--model", "llama-3.2-1b", "--task", "lora", "--seq", "2048",
                        "--gpu-memory", "12GiB", "--json")
