@@ -157,6 +157,24 @@ def test_verify_refuses_what_it_would_not_build():
             verify(job, knobs)
 
 
+def test_the_library_refuses_what_the_command_refuses():
+    """Through the Python API too: more checkpointed layers than the model has (its ledger had been the whole
+    model's), a 4-bit base under full fine-tuning, and a budget that is not a positive number of bytes (a string had
+    failed in a comparison, a negative one read as 'no plan fits -5 B')."""
+    from memfit.errors import MemfitError
+    from memfit.ledger.planner import plan
+
+    job = Job(TINY, task="lora", seq=16, device="cpu")
+    with pytest.raises(MemfitError, match=r"checkpoint_layers \(--checkpoint-layers\) 3 exceeds the model's 2 layers"):
+        predict(job, Knobs(dtype="float32", checkpoint_layers=3))
+    predict(job, Knobs(dtype="float32", checkpoint_layers=2))
+    with pytest.raises(MemfitError, match="freezes the base weights"):
+        predict(Job(TINY, task="full", seq=16), Knobs(four_bit=True))
+    for budget in (-5, 0, "8GiB", 1.5e9, True):
+        with pytest.raises(MemfitError, match="budget must be a positive number of bytes"):
+            plan(job, Knobs(dtype="float32"), budget)
+
+
 def test_fused_loss_on_cpu_within_five_percent():
     """The fused linear cross-entropy path (memfit.train.patch) with prompt tokens ignored."""
     job = Job(TINY, task="lora", seq=128, batch=2, device="cpu", loss_fraction=0.3)

@@ -105,15 +105,9 @@ def job_from_args(args) -> tuple[Job, Knobs]:
                               f"{' or '.join(tasks)}")
     job = Job(spec, task=args.task, seq=args.seq, batch=args.batch, device=args.device,
               **_given(args, "--new-tokens", "--loss-fraction"))
-    if (args.checkpoint_layers or 0) > spec.num_layers:
-        raise MemfitError(f"--checkpoint-layers {args.checkpoint_layers} exceeds the model's {spec.num_layers} layers")
     if args.micro_batch is not None and args.micro_batch < 1:       # 0 would read as "not given"
         raise MemfitError(f"--micro-batch must be at least 1, got {args.micro_batch}")
     micro = args.micro_batch or args.batch
-    if args.batch % micro:
-        raise MemfitError(f"--batch {args.batch} is not a multiple of --micro-batch {micro}")
-    if args.four_bit and args.task == "full":
-        raise MemfitError("--four-bit freezes the base weights: it goes with --task lora or infer")
     if args.blr is None and (given := [flag for flag, value in (("--blr-ratio", args.blr_ratio),
                                                                 ("--blr-blocks", args.blr_blocks)) if value is not None]):
         raise MemfitError(f"{' and '.join(given)}: only for a --blr model; pass --blr blast|monarch|lowrank too")

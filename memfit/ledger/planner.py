@@ -70,6 +70,9 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
     """
     if limit < 1:
         raise MemfitError(f"limit must be at least 1, got {limit}")
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
+        raise MemfitError(f"budget must be a positive number of bytes (e.g. memfit.parse_bytes('16GiB')), got "
+                          f"{budget!r}")
     asked = predict(job, base)
     if budget is None:
         return asked, []

@@ -127,6 +127,7 @@ def _train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
 
 def predict(job: Job, knobs: Knobs) -> Ledger:
     """The ledger of ``job`` run with ``knobs`` (a fresh copy: callers may change it)."""
+    check_knobs_fit_job(job, knobs)
     check_device(job, knobs)
     check_blr(job, knobs)
     ledger = _cached_predict(job, knobs)
@@ -245,6 +246,18 @@ def blr_dense_kinds(spec, knobs: Knobs) -> tuple[str, ...] | None:
         blocks = "" if knobs.blr_method == "lowrank" else f" --blr-blocks {knobs.blr_blocks}"
         raise MemfitError(f"--blr {knobs.blr_method} --blr-ratio {knobs.blr_ratio:g}{blocks}: {err}") from None
     return tuple(kind for kind, p in plans.items() if p.rank is None)
+
+
+def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
+    """Refuse knobs this job cannot take, which would otherwise describe a run that cannot happen: more checkpointed
+    layers than the model has (the ledger would count its layers) and a frozen 4-bit base in full fine-tuning (a
+    training job's micro-batch is checked where it is read, in ``_predict_train``)."""
+    layers = job.spec.num_layers
+    if knobs.checkpoint_layers > layers:
+        raise MemfitError(f"{field_flag('checkpoint_layers')} {knobs.checkpoint_layers} exceeds the model's {layers} "
+                          "layers")
+    if knobs.four_bit and job.task == "full":
+        raise MemfitError(f"{field_flag('four_bit')} freezes the base weights: it goes with task lora or infer")
 
 
 def check_device(job: Job, knobs: Knobs) -> None:
