@@ -196,6 +196,8 @@ def test_bad_shapes_get_clear_errors():
         plan_kinds(shapes, "lowrank", 1.5, 4)
     with pytest.raises(MemfitError, match="unknown projection kind"):
         plan_kinds(shapes, "lowrank", 0.5, 4, skip=("qkv",))
+    with pytest.raises(MemfitError, match=r"nothing to compress: every projection kind .* is skipped \(--skip\)"):
+        plan_kinds(shapes, "lowrank", 0.5, 4, skip=tuple(shapes))      # had read "ratio=0.5 is out of reach"
     with pytest.raises(MemfitError, match="needs calibration"):
         compress_model(build_model(PRESETS["tiny"]), "lowrank", 0.5, activation_aware=True)
 

@@ -83,6 +83,9 @@ def plan_kinds(shapes: dict[str, tuple[int, int]], method: str, ratio: float | N
     if unknown:
         raise MemfitError(f"unknown projection kind(s) {unknown}; the model has {', '.join(shapes)}")
     candidates = [k for k in shapes if k not in skip]
+    if not candidates:
+        raise MemfitError(f"nothing to compress: every projection kind ({', '.join(shapes)}) is skipped"
+                          + (f" ({skip_option})" if skip_option else ""))
     if method != "lowrank":
         for kind in candidates:
             fin, fout = shapes[kind]
