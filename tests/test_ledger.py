@@ -175,6 +175,19 @@ def test_the_library_refuses_what_the_command_refuses():
             plan(job, Knobs(dtype="float32"), budget)
 
 
+def test_bf16_for_an_fp32_model_is_labelled_approximate_and_loses_ties():
+    """Rounding the weights to bf16 changes the model's numbers: the plan says so, and at equal predicted time an
+    exact plan ranks first (bf16 had been plan 1 and the job as asked plan 4, all at 1.00x)."""
+    from memfit.ledger.planner import plan
+
+    _, plans = plan(Job(TINY, task="lora", seq=256, device="cpu"), Knobs(dtype="float32"), parse_bytes("1GiB"))
+    labels = [p.techniques for p in plans]
+    assert ["bf16 weights (approximate)"] in labels and "bf16" not in " ".join(labels[0])
+    times = [round(p.relative_time, 3) for p in plans]
+    tied = ["approximate" in " ".join(label) for label in labels[:times.count(times[0])]]
+    assert tied == sorted(tied) and set(tied) == {False, True}, labels
+
+
 def test_fused_loss_on_cpu_within_five_percent():
     """The fused linear cross-entropy path (memfit.train.patch) with prompt tokens ignored."""
     job = Job(TINY, task="lora", seq=128, batch=2, device="cpu", loss_fraction=0.3)

@@ -3,7 +3,8 @@ ranked by predicted time.
 
 Predicted time is the step's FLOPs times (1 + recompute) plus overheads, plus PCIe
 traffic at a nominal 25 GB/s, all relative to the plain step; a plan that fits and does
-no extra work ranks first. Ties go to the smaller peak.
+no extra work ranks first. Ties go to the plan that computes the job's own numbers (no
+approximate technique), then to the smaller peak.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Callable
 from memfit.errors import MemfitError
 from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import Ledger, predict
-from memfit.ledger.techniques import REGISTRY, Cost, active, step_flops, total_cost
+from memfit.ledger.techniques import REGISTRY, Cost, active, approximate, step_flops, total_cost
 from memfit.units import format_bytes
 
 PCIE_BYTES_PER_S = 25e9
@@ -80,7 +81,7 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
     for knobs in candidates(job, base, allowed):
         cost = total_cost(job, knobs)
         ranked.append((relative_time(job, cost), knobs, cost))
-    ranked.sort(key=lambda item: item[0])
+    ranked.sort(key=lambda item: (item[0], approximate(item[1], base)))
     fitting, tried = [], []
     for done, (rel, knobs, cost) in enumerate(ranked, 1):
         candidate = Plan(knobs, base, predict(job, knobs), cost, rel)
@@ -98,5 +99,5 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
             f"no plan fits {format_bytes(budget)}; the smallest needs {format_bytes(smallest.ledger.device_total)} "
             f"(peak {format_bytes(smallest.ledger.total)} + allocator and CUDA context) with: {with_what}"
         )
-    fitting.sort(key=lambda p: (round(p.relative_time, 3), p.ledger.device_total))
+    fitting.sort(key=lambda p: (round(p.relative_time, 3), approximate(p.knobs, p.base), p.ledger.device_total))
     return asked, fitting

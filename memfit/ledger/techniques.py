@@ -39,6 +39,7 @@ class Technique:
     variants: Callable[[Job, Knobs], list[dict]]  # knob changes to try; the first is "off"
     cost: Callable[[Job, Knobs], Cost]
     describe: Callable[[Knobs, Knobs], str | None]  # (knobs, as asked) -> a label when it changes them
+    approximate: bool = False  # changes the numbers the model computes (its label says "approximate")
 
 
 def register(technique: Technique) -> Technique:
@@ -118,6 +119,7 @@ register(Technique(
     # dequantisation reads the 4-bit weights and writes a dense copy per linear, forward and backward
     cost=lambda job, knobs: Cost(overhead=0.15 if knobs.four_bit else 0.0),
     describe=lambda knobs, base: "4-bit NF4 base (approximate)" if knobs.four_bit != base.four_bit else None,
+    approximate=True,
 ))
 
 register(Technique(
@@ -148,10 +150,12 @@ register(Technique(
 
 register(Technique(
     name="bf16",
-    summary="bf16 weights and activations for a model stored in fp32 (half the bytes; LoRA adapters stay fp32)",
+    summary="bf16 weights and activations for a model stored in fp32 (half the bytes; LoRA adapters stay fp32); "
+            "approximate: the weights are rounded to bf16",
     variants=lambda job, knobs: [{"dtype": "float32"}, {"dtype": "bfloat16"}] if knobs.dtype == "float32" else [],
     cost=lambda job, knobs: Cost(),
-    describe=lambda knobs, base: "bf16 weights" if knobs.dtype != base.dtype else None,
+    describe=lambda knobs, base: "bf16 weights (approximate)" if knobs.dtype != base.dtype else None,
+    approximate=True,
 ))
 
 
@@ -188,6 +192,7 @@ register(Technique(
     describe=lambda knobs, base: f"partial FFN (load {knobs.partial_load:g}, compute {knobs.partial_compute:g}; "
                                  "approximate)" if (knobs.partial_load, knobs.partial_compute)
     != (base.partial_load, base.partial_compute) else None,
+    approximate=True,
 ))
 
 
@@ -201,3 +206,8 @@ def total_cost(job: Job, knobs: Knobs) -> Cost:
 def active(knobs: Knobs, base: Knobs) -> list[str]:
     """Labels of the techniques these knobs turn on beyond the job as asked (``base``)."""
     return [label for t in REGISTRY.values() if (label := t.describe(knobs, base))]
+
+
+def approximate(knobs: Knobs, base: Knobs) -> bool:
+    """Whether these knobs turn on a technique that changes the numbers the model computes."""
+    return any(t.approximate and t.describe(knobs, base) for t in REGISTRY.values())
