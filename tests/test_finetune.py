@@ -136,6 +136,17 @@ def _cli(argv):
     return finetune.run(parser.parse_args(["finetune", *argv]))
 
 
+def test_a_bad_data_file_is_found_before_the_model_loads(tmp_path, monkeypatch):
+    """A typo in the JSONL had cost a full model load first (found by a usage audit)."""
+    from memfit.commands import finetune
+
+    monkeypatch.setattr(finetune, "load_model_and_tokenizer", lambda *a: pytest.fail("loaded the model first"))
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "a", "response": "b"}\n[1, 2]\n')
+    with pytest.raises(MemfitError, match="data.jsonl:2: expected a JSON object"):
+        _cli(["--data", str(data), "--out", str(tmp_path / "run")])
+
+
 def test_finetune_default_runs_and_loss_falls(tmp_path):
     out = tmp_path / "run"
     assert _cli(["--out", str(out), "--steps", "40", "--save-every", "40"]) == 0

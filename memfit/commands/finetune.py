@@ -140,7 +140,7 @@ def load_model_and_tokenizer(name: str, dtype: torch.dtype, device: torch.device
 def run(args) -> int:
     from rich.console import Console
 
-    from memfit.data.jsonl import DEFAULT_DATA, check_source, load_jsonl
+    from memfit.data.jsonl import DEFAULT_DATA, check_source, read_records, tokenize_records
     from memfit.models import dtype_of
     from memfit.train.finetune import TrainConfig, latest_checkpoint, peak_bytes
     from memfit.train.patch import lora_config, patch
@@ -167,13 +167,14 @@ def run(args) -> int:
     lr = args.lr if args.lr is not None else (5e-2 if args.model == DEFAULT_MODEL else 2e-4)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, save_every=args.save_every, lr=lr)
     data = check_source(args.data or DEFAULT_DATA, args.max_len)
+    records = read_records(data, args.max_len)        # a bad line is found before the model loads
     lora = {"r": args.lora_r, **({"lora_alpha": args.lora_alpha} if args.lora_alpha is not None else {})}
     if args.model == DEFAULT_MODEL if args.train_norm is None else args.train_norm:
         lora["modules_to_save"] = ["model.norm"]  # peft matches a name's end: "norm" took every layer's RMSNorms too
     lora = lora_config(lora)  # LoRA settings checked before the model loads
     spec, model, tokenizer = load_model_and_tokenizer(args.model, dtype, device)
     techniques = choose_techniques(args, spec, device, dtype, console)
-    examples = load_jsonl(data, tokenizer, args.max_len)
+    examples = tokenize_records(data, records, tokenizer, args.max_len)
     model = patch(model, lora=lora, **techniques.patch_kwargs())
     if techniques.places is not None:
         from memfit.train.checkpoint import CheckpointPolicy

@@ -66,10 +66,10 @@ def _segments(record, where: str) -> list[tuple[str, bool]]:
     raise MemfitError(f"{where}: expected keys 'prompt' and 'response', or 'messages'; got {sorted(record)}")
 
 
-def tokenize_record(record, tokenizer, max_len: int, where: str) -> Example | None:
-    """Token ids and labels of one record, truncated to ``max_len``; None if no loss token survives."""
+def _tokenize(pieces: list[tuple[str, bool]], tokenizer, max_len: int) -> Example | None:
+    """Token ids and labels of one record's pieces, truncated to ``max_len``; None if no loss token survives."""
     ids, labels = [], []
-    for text, loss in _segments(record, where):
+    for text, loss in pieces:
         tokens = list(tokenizer.encode(text, add_special_tokens=False)) + ([tokenizer.eos_token_id] if loss else [])
         ids += tokens
         labels += tokens if loss else [IGNORE_INDEX] * len(tokens)
@@ -100,10 +100,11 @@ def text_lines(path: Path) -> list[str]:
         raise MemfitError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from None
 
 
-def load_jsonl(path: str | Path, tokenizer, max_len: int) -> list[Example]:
-    """All examples of a JSONL file, tokenized. Raises MemfitError naming the first bad line."""
+def read_records(path: str | Path, max_len: int) -> list[list[tuple[str, bool]]]:
+    """Every example of a JSONL file as its (text, carries loss) pieces, checked line by line: a MemfitError names the
+    first bad line. No tokenizer is needed, so a caller checks the data before it loads a model."""
     path = check_source(path, max_len)
-    examples, dropped = [], 0
+    records = []
     for number, line in enumerate(text_lines(path), 1):
         if not line.strip():
             continue
@@ -112,17 +113,27 @@ def load_jsonl(path: str | Path, tokenizer, max_len: int) -> list[Example]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise MemfitError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-        example = tokenize_record(record, tokenizer, max_len, where)
-        if example is None:
-            dropped += 1
-        else:
-            examples.append(example)
-    if dropped:
+        records.append(_segments(record, where))
+    if not records:
+        raise MemfitError(f"{path}: no usable examples (the file is empty)")
+    return records
+
+
+def tokenize_records(path: str | Path, records: list[list[tuple[str, bool]]], tokenizer, max_len: int) -> list[Example]:
+    """The examples of :func:`read_records`' ``records`` (read from ``path``), tokenized; those whose every response
+    token truncation at ``max_len`` cut are dropped, said once."""
+    examples = [example for pieces in records if (example := _tokenize(pieces, tokenizer, max_len)) is not None]
+    if dropped := len(records) - len(examples):
         warn_once(f"jsonl:dropped:{path}", f"{path}: {dropped} example(s) lost all response tokens to "
                   f"truncation at {max_len} tokens and were skipped")
     if not examples:
-        raise MemfitError(f"{path}: no usable examples (the file is empty or every response was truncated away)")
+        raise MemfitError(f"{path}: no usable examples (every response was truncated away at {max_len} tokens)")
     return examples
+
+
+def load_jsonl(path: str | Path, tokenizer, max_len: int) -> list[Example]:
+    """All examples of a JSONL file, tokenized. Raises MemfitError naming the first bad line."""
+    return tokenize_records(path, read_records(path, max_len), tokenizer, max_len)
 
 
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
