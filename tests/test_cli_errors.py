@@ -130,6 +130,28 @@ def test_generate_full_load_on_a_two_layer_model(tiny_dir, capsys):
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_generate_shows_a_batch_as_it_shows_one_prompt(tiny_dir, capsys, monkeypatch):
+    """Several prompts had printed prompt + continuation and gone on past the end-of-text token; one prompt prints
+    the continuation alone and stops there. Now a batch prints each continuation under its prompt, cut at EOS."""
+    from memfit.infer import generate as loop
+    from memfit.infer.text import load_codec
+
+    codec = load_codec(tiny_dir, 512)
+    real = loop.Generator.generate
+
+    def with_an_eos(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        result.tokens[0, :3] = torch.tensor([codec.encode("A")[0], codec.eos, codec.encode("B")[0]])   # "A", then EOS
+        return result
+
+    monkeypatch.setattr(loop.Generator, "generate", with_an_eos)
+    assert main(["generate", str(tiny_dir), "--prompt", "QW", "--prompt", "zz", "--max-new", "4", "--device", "cpu",
+                 "--no-graphs"]) == 0
+    out = capsys.readouterr().out.split("\n")
+    first, second = out.index("--- prompt 1: 'QW'"), out.index("--- prompt 2: 'zz'")
+    assert second == first + 2 and out[first + 1] == "A" and not out[second + 1].startswith("zz")
+
+
 def test_generate_partial_load_still_needs_the_layers(tiny_dir, capsys):
     _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--load", "0.5", "--device", "cpu"],
            "full_first + full_last (--full-first, --full-last) = 4 exceeds the model's 2 layers")

@@ -13,7 +13,9 @@ def add_parser(sub):
                     "chosen per prompt. Reports decode tokens/s and peak memory.")
     parser.add_argument("model", help="local model directory (config.json + safetensors)")
     parser.add_argument("--prompt", action="append", required=True,
-                        help="prompt text; repeat for a batch (one shared neuron selection, see memfit.infer.selection)")
+                        help="prompt text; repeat for a batch (one shared neuron selection, see "
+                             "memfit.infer.selection). Each prompt's continuation is printed up to its end-of-text "
+                             "token; one prompt streams it, a batch prints each under a '--- prompt N' line")
     parser.add_argument("--max-new", type=int, default=128, help="new tokens per prompt (default 128)")
     parser.add_argument("--load", type=float, default=1.0, help="gamma: fraction of FFN neurons loaded in partial layers")
     parser.add_argument("--compute", type=float, default=None, help="phi: fraction computed at decode (default: = --load)")
@@ -95,9 +97,12 @@ def run(args) -> int:
                                 eos=codec.eos if single else None)
     if single:
         sys.stdout.write("\n")
-    else:
+    else:                       # as one prompt shows it: the continuation alone, up to its end-of-text token
         for row in range(len(encoded)):
-            print(f"--- prompt {row + 1}\n{args.prompt[row]}{codec.decode(result.tokens[row].tolist())}")
+            tokens = result.tokens[row].tolist()
+            if codec.eos is not None and codec.eos in tokens:
+                tokens = tokens[:tokens.index(codec.eos)]
+            print(f"--- prompt {row + 1}: {args.prompt[row]!r}\n{codec.decode(tokens)}")
     peak = format_bytes(result.peak_bytes) if result.peak_bytes is not None else "n/a on CPU"
     console.print(f"decode {result.tokens_per_s:.1f} tokens/s per sequence ({result.steps} steps, "
                   f"{'CUDA graph' if result.graphs else 'eager'}), prefill {result.prefill_s * 1e3:.0f} ms, "
