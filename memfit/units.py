@@ -50,3 +50,11 @@ def format_bytes(n: float) -> str:
         if n >= scale:
             return f"{sign}{n / scale:.2f} {unit}"
     return f"{sign}{n:.0f} B"
+
+
+def format_count(n: int) -> str:
+    """A parameter count with the unit that keeps it readable: 1.24B, 13.2M, 158.0K."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
+    return str(n)

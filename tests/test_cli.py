@@ -32,6 +32,12 @@ def test_presets_table_shortens_no_cell_in_a_pipe(capsys, monkeypatch):
     assert all(f" {name} " in out for name in PRESETS) and " 158.0K " in out
 
 
+def test_parameter_counts_keep_a_readable_unit():
+    from memfit.units import format_count
+
+    assert [format_count(n) for n in (1_235_814_400, 13_200_000, 158_016, 999)] == ["1.24B", "13.2M", "158.0K", "999"]
+
+
 def test_plan_json_schema(capsys):
     code, out, _ = run(capsys, "plan", "--model", "llama-3.2-1b", "--task", "lora", "--seq", "2048",
                        "--gpu-memory", "12GiB", "--json")

@@ -6,7 +6,7 @@ import json
 from memfit.commands.job_args import add_job_arguments, job_from_args, print_json_error
 from memfit.errors import MemfitError
 from memfit.ledger.predict import COMPONENTS, Ledger
-from memfit.units import format_bytes, parse_bytes
+from memfit.units import format_bytes, format_count, parse_bytes
 
 EXAMPLES = """\
 examples:
@@ -82,7 +82,7 @@ def _print(job, knobs, asked: Ledger, plans, budget: int) -> None:
 
     console = Console()
     spec = job.spec
-    console.print(f"[bold]{spec.name}[/] ({spec.num_params() / 1e9:.2f}B params), task [bold]{job.task}[/], "
+    console.print(f"[bold]{spec.name}[/] ({format_count(spec.num_params())} params), task [bold]{job.task}[/], "
                   f"batch {job.batch} x seq {job.seq} on {job.device}; budget {format_bytes(budget)}")
     if knobs.blr_method:
         blocks = "" if knobs.blr_method == "lowrank" else f", {knobs.blr_blocks} blocks"

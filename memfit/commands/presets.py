@@ -16,6 +16,7 @@ def run(args) -> int:
     from rich.table import Table
 
     from memfit.models import PRESETS
+    from memfit.units import format_count
 
     if args.json:
         print(json.dumps({name: {**spec.to_dict(), "params": spec.num_params()} for name, spec in PRESETS.items()},
@@ -26,7 +27,7 @@ def run(args) -> int:
                    "dtype"):
         table.add_column(column, justify="left" if column in ("name", "type", "dtype") else "right")
     for spec in PRESETS.values():
-        table.add_row(spec.name, spec.model_type, _count(spec.num_params()), str(spec.num_layers), str(spec.hidden),
+        table.add_row(spec.name, spec.model_type, format_count(spec.num_params()), str(spec.num_layers), str(spec.hidden),
                       str(spec.intermediate), f"{spec.num_heads}/{spec.num_kv_heads}", str(spec.head_dim), str(spec.vocab),
                       "yes" if spec.tied_embeddings else "no", spec.dtype)
     # never shorten a cell (a name is what --model takes): wider than the terminal, or than a pipe's 80 columns,
@@ -35,10 +36,3 @@ def run(args) -> int:
     Console(width=max(Console().width, natural)).print(table)
     return 0
 
-
-def _count(params: int) -> str:
-    """A parameter count with the unit that keeps it readable: 1.24B, 13.2M, 96.5K."""
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if params >= scale:
-            return f"{params / scale:.{2 if unit == 'B' else 1}f}{unit}"
-    return str(params)
