@@ -14,7 +14,7 @@ import shutil
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 PROC_STATUS = Path("/proc/self/status")   # Linux 4.7 on: the process's umask among its fields
 _UMASK_LOCK = threading.Lock()
@@ -79,24 +79,30 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 
 @contextmanager
-def atomic_dir(out: Path, tmp: Path) -> Iterator[Path]:
+def atomic_dir(out: Path, tmp: Path, placed: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """A new directory ``tmp`` (beside ``out``) to fill; put in ``out``'s place when the block ends, removed if it
     raises.
 
-    A directory already at ``out`` is renamed aside first and removed only once ``tmp`` has taken its place, so an
-    interrupted save never leaves a half-written ``out`` and loses the old one only after the new one is in.
-    ``tmp`` is made with ``mkdir``, whose mode follows the umask (``mkdtemp``'s 0700 would outlive the rename).
+    A directory already at ``out`` is renamed aside first, put back if ``tmp`` cannot take its place, and removed
+    only once ``tmp`` has: a failed save never leaves a half-written ``out`` nor loses the old one (a process killed
+    between the two renames leaves it at ``.<out>.old-<hex>``). ``placed(out)`` runs right after the rename, before
+    the old directory is removed. ``tmp`` is made with ``mkdir``, whose mode follows the umask (``mkdtemp``'s 0700
+    would outlive the rename).
     """
     tmp.mkdir()
+    old = None
     try:
         yield tmp
-        old = None
         if out.exists():
             old = out.with_name(f".{out.name}.old-{secrets.token_hex(8)}")
             out.rename(old)
         tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not out.exists():
+            old.rename(out)
         raise
+    if placed is not None:
+        placed(out)
+    if old is not None:
+        shutil.rmtree(old)

@@ -132,6 +132,26 @@ def test_atomic_dir_replaces_the_old_directory_only_once_the_new_one_is_written(
     assert oct(out.stat().st_mode & 0o777) == "0o750"
 
 
+def test_atomic_dir_puts_the_old_directory_back_when_the_new_one_cannot_take_its_place(tmp_path, monkeypatch):
+    """The old directory is renamed aside before the new one goes in: a failed rename puts it back (removing it
+    first, as train_small_model's save had done, would lose it)."""
+    from memfit.files import atomic_dir
+
+    out, rename = tmp_path / "model", Path.rename
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+
+    def failing(self, target):
+        if self.name == ".model.tmp":
+            raise OSError("rename failed")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing)
+    with pytest.raises(OSError, match="rename failed"), atomic_dir(out, tmp_path / ".model.tmp") as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["model"] and (out / "old.txt").read_text() == "old"
+
+
 def test_a_save_into_a_directory_leaves_the_files_it_did_not_write(tmp_path, umask):
     """save_model_dir chmods what the save wrote, not a file already there (which may not be ours to chmod)."""
     from memfit.models import PRESETS

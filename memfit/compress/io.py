@@ -160,7 +160,9 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
     out = check_output(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out)
-    with atomic_dir(out, out.with_name(f"{_temp_prefix(out)}{secrets.token_hex(TEMP_HEX // 2)}")) as tmp:
+    # the owner record goes right after the rename: a temporary directory is never unowned
+    with atomic_dir(out, out.with_name(f"{_temp_prefix(out)}{secrets.token_hex(TEMP_HEX // 2)}"),
+                    placed=lambda done: (done / OWNER_NAME).unlink()) as tmp:
         (tmp / OWNER_NAME).write_text(_owner())
         model.config.save_pretrained(tmp)
         save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "memfit": "compressed"})
@@ -171,7 +173,6 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
             for name in SOURCE_FILES:
                 if (Path(source_dir) / name).is_file():
                     shutil.copy2(Path(source_dir) / name, tmp / name)
-    (out / OWNER_NAME).unlink()                        # after the rename: a temporary directory is never unowned
     return out
 
 
