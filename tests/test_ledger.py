@@ -170,6 +170,8 @@ def test_the_library_refuses_what_the_command_refuses():
     predict(job, Knobs(dtype="float32", checkpoint_layers=2))
     with pytest.raises(MemfitError, match="freezes the base weights"):
         predict(Job(TINY, task="full", seq=16), Knobs(four_bit=True))
+    with pytest.raises(MemfitError, match="freezes the base weights"):     # named before verify's CUDA-only check
+        verify(Job(TINY, task="full", seq=16, device="cpu"), Knobs(four_bit=True))
     for budget in (-5, 0, "8GiB", 1.5e9, True):
         with pytest.raises(MemfitError, match="budget must be a positive number of bytes"):
             plan(job, Knobs(dtype="float32"), budget)
@@ -186,6 +188,9 @@ def test_bf16_for_an_fp32_model_is_labelled_approximate_and_loses_ties():
     times = [round(p.relative_time, 3) for p in plans]
     tied = ["approximate" in " ".join(label) for label in labels[:times.count(times[0])]]
     assert tied == sorted(tied) and set(tied) == {False, True}, labels
+    _, first_two = plan(Job(TINY, task="lora", seq=256, device="cpu"), Knobs(dtype="float32"), parse_bytes("1GiB"),
+                        limit=2)                       # the search tries exact plans first too, not only the ranking
+    assert not any("approximate" in " ".join(p.techniques) for p in first_two)
 
 
 def test_fused_loss_on_cpu_within_five_percent():

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from memfit.errors import MemfitError
 from memfit.ledger.job import LORA_TARGETS_ALL, OPTIMIZERS, TASKS, TRAINING_TASKS, Job, Knobs
-from memfit.ledger.predict import blr_dense_kinds, check_blr
+from memfit.ledger.predict import blr_dense_kinds, check_blr, check_knobs_fit_job
 from memfit.models import load_spec
 
 DEFAULT_MODEL = "llama-3.2-3b"
@@ -129,5 +129,6 @@ def job_from_args(args) -> tuple[Job, Knobs]:
     else:                                              # with --blr: the projections kept dense (peft wraps nn.Linear)
         targets = LORA_TARGETS_ALL if dense is None else tuple(k for k in LORA_TARGETS_ALL if k in dense)
     knobs = replace(knobs, lora_targets=targets)
-    check_blr(job, knobs)                              # before any work (the ledger checks it again)
+    check_knobs_fit_job(job, knobs)                    # before any work (the ledger checks them again)
+    check_blr(job, knobs)
     return job, knobs

@@ -17,7 +17,7 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.ledger.job import Job, Knobs, field_flag
-from memfit.ledger.predict import Ledger, check_device, predict
+from memfit.ledger.predict import Ledger, check_device, check_knobs_fit_job, predict
 from memfit.measure.memory import PeakMeter, storage_bytes
 from memfit.models.build import build_model
 
@@ -89,7 +89,8 @@ def _prepare(job: Job, knobs: Knobs):
 
 
 def check_runnable(job: Job, knobs: Knobs) -> None:
-    """Refuse, before any work, what this machine cannot run."""
+    """Refuse, before any work, what no machine can run and what this one cannot."""
+    check_knobs_fit_job(job, knobs)
     if job.device == "cuda" and not torch.cuda.is_available():
         raise MemfitError("verify on cuda needs a CUDA GPU; use --device cpu here")
     check_device(job, knobs)
