@@ -54,7 +54,7 @@ def format_bytes(n: float) -> str:
 
 def format_count(n: int) -> str:
     """A parameter count with the unit that keeps it readable: 1.24B, 13.2M, 158.0K."""
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
+    for scale, unit, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+        if round(n / scale, digits) >= 1:             # the unit of the rounded value: 999,950 is 1.0M, not 1000.0K
+            return f"{n / scale:.{digits}f}{unit}"
     return str(n)

@@ -35,7 +35,8 @@ def test_presets_table_shortens_no_cell_in_a_pipe(capsys, monkeypatch):
 def test_parameter_counts_keep_a_readable_unit():
     from memfit.units import format_count
 
-    assert [format_count(n) for n in (1_235_814_400, 13_200_000, 158_016, 999)] == ["1.24B", "13.2M", "158.0K", "999"]
+    counts = (1_235_814_400, 13_200_000, 158_016, 999_950, 999_995_000, 940)
+    assert [format_count(n) for n in counts] == ["1.24B", "13.2M", "158.0K", "1.0M", "1.00B", "940"]
 
 
 def test_plan_json_schema(capsys):

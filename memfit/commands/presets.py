@@ -35,4 +35,3 @@ def run(args) -> int:
     natural = Console(width=1000).measure(table).maximum
     Console(width=max(Console().width, natural)).print(table)
     return 0
-
