@@ -131,7 +131,8 @@ def test_fused_mixing_is_offered_up_to_its_max_n():
 
 
 def test_token_major_pipelines_are_offered_from_their_min_n():
-    """From the pick bucket of TOKEN_MAJOR_MIN_N (128: N = 65-128 share one pick), not in the bucket below."""
+    """From the pick bucket of TOKEN_MAJOR_MIN_N (128: N = 65-128 share one pick), not in the bucket below; Monarch's
+    all-cuBLAS tbmm_tbmm at every N, block-major only."""
     first, below = blr_common.TOKEN_MAJOR_MIN_N // 2 + 1, blr_common.TOKEN_MAJOR_MIN_N // 2
     assert "tbmm_mix_tbmm" in blast.variants_for(first) and "tbmm_mix_tbmm" not in blast.variants_for(below)
     assert blast._default(blr_common.TOKEN_MAJOR_MIN_N) == "tbmm_mix_tbmm"

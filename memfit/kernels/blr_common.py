@@ -546,8 +546,9 @@ def pow2_at_least(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(int(n)))
 
 
-TOKEN_MAJOR_MIN_N = 128  # from here Monarch and BLAST also offer intermediates stored token-contiguous, (b, r, N):
-                         # below it a row of tokens is too short to fill whole cache lines
+TOKEN_MAJOR_MIN_N = 128  # from here Monarch and BLAST also offer intermediates stored token-contiguous, (b, r, N),
+                         # through Triton stages: below it a row of tokens is too short to fill whole cache lines
+                         # (Monarch's all-cuBLAS tbmm_tbmm is offered at every N)
 
 
 # ---- chained stages: programmatic dependent launch and an L2 prefetch of the weights ----

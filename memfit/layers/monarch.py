@@ -7,7 +7,7 @@ Definition (b blocks, in = b m, out = b p, rank r = b t, so t = r/b per block):
 * P^T regroups: u_i = (z_0i, z_1i, ..., z_b-1,i), r values.
 * ``w2`` (b, r, p) is L: v_i = u_i w2[i], p values, with w2[i]'s rows stored in (s, j) order: row s b + j
   multiplies z_ji[s]. (Any fixed order of the rows is the same family; this one lets cuBLAS run both stages
-  of the large-N kernels with no copy, memfit.kernels.monarch's ``tbmm_tbmm``. Models saved before it are
+  of a pipeline with no copy, memfit.kernels.monarch's ``tbmm_tbmm``. Models saved before it are
   converted on load: memfit.compress.io.)
 * The output layout. ``permute_output=False`` (the default): output feature i p + s is
   v_i[s] (blocks contiguous, "P-free": W = L P^T R). ``permute_output=True``: the
