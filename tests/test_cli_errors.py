@@ -164,18 +164,20 @@ def test_generate_bad_temperature(tiny_dir, capsys, value):
 
 
 def test_save_adapter_replaces_a_leftover_old_adapter(tmp_path):
-    """A crash between the two renames leaves OUT/.adapter.old; the next save must not trip over it."""
+    """A crash between the two renames leaves OUT/.adapter.old-<hex> (memfit.files.atomic_dir), one while it saved
+    OUT/.adapter.tmp; the next save must not trip over them nor keep them."""
     from memfit.commands.finetune import _save_adapter
 
     class Model:
         def save_pretrained(self, directory):
-            directory.mkdir()
+            directory.mkdir(exist_ok=True)             # peft: os.makedirs(..., exist_ok=True)
             (directory / "adapter_model.safetensors").write_text("new")
 
     (tmp_path / "adapter").mkdir()
     (tmp_path / "adapter" / "adapter_model.safetensors").write_text("previous")
-    (tmp_path / ".adapter.old").mkdir()
-    (tmp_path / ".adapter.old" / "stale").write_text("crash")
+    for leftover in (".adapter.old-0123456789abcdef", ".adapter.tmp"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "stale").write_text("crash")
     final = _save_adapter(Model(), tmp_path)
     assert (final / "adapter_model.safetensors").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]

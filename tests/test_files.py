@@ -75,7 +75,7 @@ def _adapter(tmp_path):
 
     class Model:                                       # writes what peft's save_pretrained writes, the same ways
         def save_pretrained(self, directory):
-            directory.mkdir()
+            directory.mkdir(exist_ok=True)             # peft: os.makedirs(..., exist_ok=True)
             save_file({"w": torch.zeros(2)}, str(directory / "adapter_model.safetensors"))
             (directory / "adapter_config.json").write_text("{}")
 

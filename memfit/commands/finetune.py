@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memfit.errors import MemfitError
-from memfit.files import follow_umask
+from memfit.files import atomic_dir, follow_umask
 
 if TYPE_CHECKING:  # the annotations only; torch loads when a run starts, not for `memfit --help`
     import torch
@@ -220,14 +220,10 @@ def _train_with_progress(model, examples, tokenizer, config, out, resume, device
 
 def _save_adapter(model, out: Path) -> Path:
     """Save the LoRA adapter (peft format) to OUT/adapter, replacing the previous one atomically."""
-    final, tmp = out / "adapter", out / ".adapter.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    follow_umask(*tmp.rglob("*.safetensors"))          # peft's weights (below tmp for a named adapter), written 0600
-    old = out / ".adapter.old"
-    shutil.rmtree(old, ignore_errors=True)  # left over from a run that crashed mid-swap
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    final = out / "adapter"
+    for leftover in (out / ".adapter.tmp", *out.glob(".adapter.old-*")):   # left by a run killed while it saved
+        shutil.rmtree(leftover, ignore_errors=True)
+    with atomic_dir(final, out / ".adapter.tmp") as tmp:
+        model.save_pretrained(tmp)
+        follow_umask(*tmp.rglob("*.safetensors"))      # peft's weights (below tmp for a named adapter), written 0600
     return final

@@ -25,7 +25,7 @@ import torch
 
 from memfit.data.jsonl import Example, collate
 from memfit.errors import MemfitError
-from memfit.files import follow_umask
+from memfit.files import atomic_dir, follow_umask
 from memfit.log import warn_once
 
 CHECKPOINTS = "checkpoints"
@@ -104,21 +104,18 @@ def save_checkpoint(out_dir: Path, model, optimizer, step: int, losses: list[flo
     root = Path(out_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:07d}"
-    tmp = root / f".{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: p.detach().cpu().contiguous() for k, p in trainable_parameters(model).items()},
-              str(tmp / "trainable.safetensors"))
-    follow_umask(tmp / "trainable.safetensors")       # safetensors writes it 0600
-    torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "state.pt")
-    (tmp / "progress.json").write_text(json.dumps({"step": step, "losses": losses, "config": asdict(config)}))
     final = root / name
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    shutil.rmtree(root / f".{name}.tmp", ignore_errors=True)       # left by a run killed while it saved
+    with atomic_dir(final, root / f".{name}.tmp") as tmp:
+        save_file({k: p.detach().cpu().contiguous() for k, p in trainable_parameters(model).items()},
+                  str(tmp / "trainable.safetensors"))
+        follow_umask(tmp / "trainable.safetensors")   # safetensors writes it 0600
+        torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "state.pt")
+        (tmp / "progress.json").write_text(json.dumps({"step": step, "losses": losses, "config": asdict(config)}))
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(name)
     os.replace(pointer, root / LATEST)
-    for old in root.glob("step-*"):
+    for old in (*root.glob("step-*"), *root.glob(".step-*.old-*")):   # (the second: a save killed mid-swap)
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
     return final
