@@ -9,8 +9,8 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # name|seconds|command, the BLR runs to repeat after a kernel change first. blr_layers_monarch_decode times
-# Monarch's decode (N = 1, 16) on every shape with tbmm_tbmm offered there (e8e639e), which no run has timed yet,
-# into its own folder (blr_layers_monarch also writes blr_layers_subset.json). At d281e41 the layer table's first call
+# Monarch's decode (N = 1, 16) on every shape into its own folder (blr_layers_monarch also writes
+# blr_layers_subset.json); at 8632dd8 it took 171 s of wall time, its file records 164 s. At d281e41 the layer table's first call
 # stopped at its time limit after 22 cases and --resume timed the other 13 in a second call (the file records 814 s,
 # its resumed cases 274.3 s); blr_layers --profile-only records 19.7 s. At 7eeb2bd the models of blr_e2e_memfit_attention record 215.9 s of set-up and timing, blr_counters took
 # 72 s (its log's real time) and blr_layers --tokens 1 --structures blast records 72.9 s. The
