@@ -118,6 +118,8 @@ def test_finetune_out_is_a_file(tmp_path, capsys, no_model_load):
     (("--max-len=-5",), "max_len must be an integer >= 2"),
     (("--max-len", "1"), "max_len must be an integer >= 2"),
     (("--data", "/etc"), "data file '/etc' is a directory"),
+    (("--offload", "all"), "--offload all needs --checkpoint layer"),
+    (("--checkpoint", "layer", "--offload-to", "disk"), "--offload-to disk needs --offload all or N"),
 ])
 def test_finetune_bad_settings(tmp_path, capsys, no_model_load, extra, message):
     _fails(capsys, _finetune(tmp_path, *extra), message)

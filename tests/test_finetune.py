@@ -190,6 +190,16 @@ def test_gpu_memory_plan_becomes_the_run_techniques():
     assert techniques.places is None or len(techniques.places) == spec.num_layers
 
 
+def test_gpu_memory_refuses_the_flags_its_plan_sets():
+    """On CUDA the plan for --gpu-memory sets checkpointing and offload; flags for them had been dropped unsaid."""
+    from memfit.commands.finetune import check_technique_flags
+
+    args = argparse.Namespace(offload="all", checkpoint="layer", offload_to="cpu", gpu_memory="8GiB")
+    with pytest.raises(MemfitError, match="--checkpoint layer, --offload all: with --gpu-memory on CUDA the plan"):
+        check_technique_flags(args, torch.device("cuda"))
+    check_technique_flags(args, torch.device("cpu"))     # on the CPU --gpu-memory plans nothing: the flags apply
+
+
 def test_finetune_plans_only_with_what_patch_applies():
     """A batch that micro-batching would fit must still get a plan the training loop can run."""
     from memfit.commands.finetune import APPLIED_BY_PATCH

@@ -68,7 +68,8 @@ def add_parser(sub):
     parser.add_argument("--checkpoint", choices=("none", "layer"), default="none", help="per-layer activation checkpoints")
     parser.add_argument("--offload", default="none",
                         help="checkpoint inputs to move off the GPU: none, all or N first layers")
-    parser.add_argument("--offload-to", choices=("cpu", "disk"), default="cpu", help="pinned host memory or disk")
+    parser.add_argument("--offload-to", choices=("cpu", "disk"), default="cpu",
+                        help="with --offload: pinned host memory or disk")
     parser.add_argument("--four-bit", action="store_true", help="keep the frozen base in NF4 (bitsandbytes, CUDA)")
     parser.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=True,
                         help="loss from hidden states without building logits (default: on)")
@@ -77,13 +78,28 @@ def add_parser(sub):
     return parser
 
 
+def check_technique_flags(args, device: torch.device) -> None:
+    """Refuse, before the model loads, a technique flag that would do nothing: --offload without checkpoints,
+    --offload-to without --offload, and on CUDA any of them with --gpu-memory, whose plan sets all three."""
+    given = [f"{flag} {value}" for flag, value, default in (("--checkpoint", args.checkpoint, "none"),
+                                                            ("--offload", args.offload, "none"),
+                                                            ("--offload-to", args.offload_to, "cpu")) if value != default]
+    if args.gpu_memory and device.type == "cuda" and given:
+        raise MemfitError(f"{', '.join(given)}: with --gpu-memory on CUDA the plan chooses checkpointing and offload; "
+                          "leave out either these flags or --gpu-memory")
+    if args.offload != "none" and args.checkpoint == "none":
+        raise MemfitError(f"--offload {args.offload} needs --checkpoint layer (only checkpoint inputs are offloaded)")
+    if args.offload_to != "cpu" and args.offload == "none":
+        raise MemfitError(f"--offload-to {args.offload_to} needs --offload all or N: it says where offloaded "
+                          "checkpoint inputs go")
+
+
 def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, console) -> Techniques:
-    """The techniques for this run: the flags, or the planner's fastest plan for ``--gpu-memory`` on CUDA."""
+    """The techniques for this run (flags checked by :func:`check_technique_flags`): the flags, or the planner's
+    fastest plan for ``--gpu-memory`` on CUDA."""
     offload = args.offload
     if isinstance(offload, str) and offload.isdigit():
         offload = int(offload)
-    if offload != "none" and args.checkpoint == "none":
-        raise MemfitError(f"--offload {args.offload} needs --checkpoint layer (only checkpoint inputs are offloaded)")
     if not args.gpu_memory:
         return Techniques(args.checkpoint, offload, args.offload_to, args.four_bit, args.fused_ce)
     if device.type != "cuda":
@@ -172,6 +188,7 @@ def run(args) -> int:
     if args.model == DEFAULT_MODEL if args.train_norm is None else args.train_norm:
         lora["modules_to_save"] = ["model.norm"]  # peft matches a name's end: "norm" took every layer's RMSNorms too
     lora = lora_config(lora)  # LoRA settings checked before the model loads
+    check_technique_flags(args, device)
     spec, model, tokenizer = load_model_and_tokenizer(args.model, dtype, device)
     techniques = choose_techniques(args, spec, device, dtype, console)
     examples = tokenize_records(data, records, tokenizer, args.max_len)
