@@ -159,6 +159,14 @@ def test_generate_partial_load_still_needs_the_layers(tiny_dir, capsys):
            "full_first + full_last (--full-first, --full-last) = 4 exceeds the model's 2 layers")
 
 
+@pytest.mark.parametrize("extra", [("--task", "qa"), ("--rankings", "r.safetensors"), ("--base", "0.2"),
+                                   ("--compute-all-layers",)])
+def test_generate_refuses_a_neuron_choice_with_every_neuron(tiny_dir, capsys, extra):
+    """With every FFN neuron loaded and computed, the options that choose neurons had been dropped unsaid."""
+    _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--device", "cpu", *extra],
+           f"{extra[0]}: only for partial layers, with --load or --compute below 1")
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-0.5"])
 def test_generate_bad_temperature(tiny_dir, capsys, value):
     _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", f"--temperature={value}", "--device", "cpu"],

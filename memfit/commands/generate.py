@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 import sys
 
+from memfit.errors import MemfitError
+
 
 def add_parser(sub):
     parser = sub.add_parser(
@@ -34,12 +36,25 @@ def add_parser(sub):
     return parser
 
 
+def _refuse_unused_selection(args, partial, intermediate: int) -> None:
+    """--rankings, --task, --base and --compute-all-layers choose the neurons of partial layers: refuse them where
+    every FFN neuron is loaded and computed, where they would do nothing (the library takes a ranking there, for a
+    sweep over load and compute that includes the full model)."""
+    _, n_compute, n_load = partial.counts(intermediate)
+    if n_load < intermediate or n_compute < n_load:
+        return
+    given = [flag for flag, value in (("--rankings", args.rankings), ("--task", args.task), ("--base", args.base),
+                                      ("--compute-all-layers", args.compute_all_layers or None)) if value is not None]
+    if given:
+        raise MemfitError(f"{', '.join(given)}: only for partial layers, with --load or --compute below 1; here every "
+                          f"one of the {intermediate} FFN neurons is loaded and computed")
+
+
 def run(args) -> int:
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from memfit.errors import MemfitError
     from memfit.infer.generate import Generator, weight_bytes_per_token
     from memfit.infer.partial_load import PartialConfig, describe, load_model
     from memfit.local import check_model_dir, resolve_device
@@ -55,6 +70,7 @@ def run(args) -> int:
     partial = PartialConfig(load=args.load, compute=args.compute, base=args.base, full_first=full_first,
                             full_last=full_last, task=args.task, compute_all_layers=args.compute_all_layers)
     partial.check(spec.num_layers)
+    _refuse_unused_selection(args, partial, spec.intermediate)
     if args.max_new < 1:
         raise MemfitError(f"--max-new must be >= 1, got {args.max_new}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
