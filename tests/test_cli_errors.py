@@ -428,6 +428,18 @@ def test_plan_refuses_what_it_used_to_take_silently(extra, message, capsys):
     _fails(capsys, ["plan", "--model", "tiny", *extra], message)
 
 
+def test_verify_keeps_the_partial_options_out_of_its_help_and_says_why_it_refuses_them(capsys):
+    """verify builds no partial-FFN model: its --help had listed --partial-load and --partial-compute as plan's does."""
+    helps = {}
+    for verb in ("plan", "verify"):
+        with pytest.raises(SystemExit):
+            main([verb, "--help"])
+        helps[verb] = capsys.readouterr().out
+    assert "--partial-load" in helps["plan"] and "--partial" not in helps["verify"]
+    _fails(capsys, ["verify", "--model", "tiny", "--task", "infer", "--partial-load", "0.5", "--device", "cpu"],
+           "verify does not build partial-FFN models")
+
+
 @pytest.mark.parametrize("tolerance", ["nan", "inf"])
 def test_verify_needs_a_finite_tolerance(tolerance, capsys):
     _fails(capsys, ["verify", "--model", "tiny", "--seq", "64", "--device", "cpu", "--tolerance", tolerance],

@@ -35,7 +35,9 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
 
-def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cuda") -> None:
+def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cuda", partial: bool = True) -> None:
+    """The job's options; ``partial=False`` (a command that cannot run a partial-FFN job) keeps --partial-load and
+    --partial-compute out of its --help but still parses them, so that using them gets the reason it refuses them."""
     job = parser.add_argument_group("the job")
     job.add_argument("--model", default=DEFAULT_MODEL,
                      help=f"a preset (see `memfit presets`) or a local model directory with config.json (default {DEFAULT_MODEL})")
@@ -67,9 +69,11 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
     setup.add_argument("--four-bit", action="store_true",
                        help="lora, infer: a frozen 4-bit NF4 base (bitsandbytes, CUDA)")
     setup.add_argument("--partial-load", type=float,
-                       help="infer: share of FFN neurons loaded in the middle layers (default 1: all)")
+                       help="infer: share of FFN neurons loaded in the middle layers (default 1: all)"
+                       if partial else argparse.SUPPRESS)
     setup.add_argument("--partial-compute", type=float,
-                       help="infer: share of FFN neurons computed per decoded token (default: --partial-load)")
+                       help="infer: share of FFN neurons computed per decoded token (default: --partial-load)"
+                       if partial else argparse.SUPPRESS)
     setup.add_argument("--blr", default=None, choices=("blast", "monarch", "lowrank"),
                        help="the model compressed to block-low-rank layers by `memfit compress` (default: dense)")
     setup.add_argument("--blr-ratio", type=float, default=None,

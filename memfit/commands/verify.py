@@ -24,7 +24,7 @@ follows every tensor's storage. Exits 1 when the total is off by more than --tol
 def add_parser(sub):
     parser = sub.add_parser("verify", help="measure a job's peak and compare it with the prediction",
                             description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_job_arguments(parser)
+    add_job_arguments(parser, partial=False)    # memfit.ledger.verify builds no partial-FFN model
     parser.add_argument("--tolerance", type=float, default=0.05, help="allowed relative error of the total (default 0.05)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
     parser.add_argument("--json", action="store_true",
