@@ -94,6 +94,12 @@ def test_plan_default_job_runs(capsys):
     assert code == 0 and "plans that fit" in out
 
 
+def test_plan_shows_the_ledgers_notes(capsys):
+    """The ledger's notes (a job past the model's length, 8-bit AdamW's bitsandbytes) had reached --json only."""
+    code, out, _ = run(capsys, "plan", "--model", "tiny", "--seq", "5000", "--device", "cpu")
+    assert code == 0 and "note: 5000 positions pass the model's max_position_embeddings (4096)" in " ".join(out.split())
+
+
 def test_global_flag_without_a_verb_runs_the_default_plan(capsys):
     code, out, _ = run(capsys, "-v")
     assert code == 0 and "plans that fit" in out

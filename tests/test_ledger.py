@@ -516,3 +516,15 @@ def test_candidates_that_differ_in_the_optimizer_share_one_replay():
         assert {k: v for k, v in led.peak.items() if k != "optimizer"} == sgd.peak
         assert {k: v - extra for k, v in led.phases.items() if k != "optimizer step"} == {
             k: v for k, v in sgd.phases.items() if k != "optimizer step"}
+
+
+def test_a_job_past_the_models_length_is_counted_and_said():
+    """--seq past max_position_embeddings had been planned without a word; infer counts its new tokens too."""
+    spec = PRESETS["tiny"]
+    within = Job(spec, task="infer", seq=spec.max_position - 8, new_tokens=8, device="cpu")
+    assert predict(within, Knobs()).notes == []
+    past = Job(spec, task="infer", seq=spec.max_position - 8, new_tokens=9, device="cpu")
+    assert any(f"{spec.max_position + 1} positions pass the model's max_position_embeddings" in note
+               for note in predict(past, Knobs()).notes)
+    training = Job(spec, task="lora", seq=spec.max_position + 1, device="cpu")
+    assert predict(training, Knobs()).notes[0].startswith(f"{spec.max_position + 1} positions pass")

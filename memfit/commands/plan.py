@@ -84,6 +84,8 @@ def _print(job, knobs, asked: Ledger, plans, budget: int) -> None:
     spec = job.spec
     console.print(f"[bold]{spec.name}[/] ({format_count(spec.num_params())} params), task [bold]{job.task}[/], "
                   f"batch {job.batch} x seq {job.seq} on {job.device}; budget {format_bytes(budget)}")
+    for note in asked.notes:
+        console.print(f"[yellow]note: {note}[/]")
     if knobs.blr_method:
         blocks = "" if knobs.blr_method == "lowrank" else f", {knobs.blr_blocks} blocks"
         console.print(f"block-low-rank model ({knobs.blr_method}, {knobs.blr_ratio:g} of the decoder's linear "

@@ -62,6 +62,8 @@ def run(args) -> int:
         for name, predicted, measured in result.rows():
             table.add_row(name, format_bytes(predicted), "-" if measured is None else format_bytes(measured))
         console = Console()
+        for note in result.ledger.notes:
+            console.print(f"[yellow]note: {note}[/]")
         console.print(table)
         verdict = "[green]within[/]" if result.ok else "[red]outside[/]"
         console.print(f"error {result.error:+.2%}, {verdict} the tolerance of {args.tolerance:.0%}"

@@ -131,7 +131,18 @@ def predict(job: Job, knobs: Knobs) -> Ledger:
     check_device(job, knobs)
     check_blr(job, knobs)
     ledger = _cached_predict(job, knobs)
-    return replace(ledger, peak=dict(ledger.peak), phases=dict(ledger.phases), notes=list(ledger.notes))
+    return replace(ledger, peak=dict(ledger.peak), phases=dict(ledger.phases),
+                   notes=_length_notes(job) + list(ledger.notes))
+
+
+def _length_notes(job: Job) -> list[str]:
+    """A job longer than the model's configured length is counted as asked, and said once: the model runs it (RoPE has
+    no table to run out of) but was not set up for it."""
+    positions = job.seq + (job.new_tokens if job.task == "infer" else 0)
+    if positions <= job.spec.max_position:
+        return []
+    return [f"{positions} positions pass the model's max_position_embeddings ({job.spec.max_position}): their "
+            "memory is counted, but the model was not configured for that length"]
 
 
 @lru_cache(maxsize=512)
