@@ -100,6 +100,13 @@ def test_plan_shows_the_ledgers_notes(capsys):
     assert code == 0 and "note: 5000 positions pass the model's max_position_embeddings (4096)" in " ".join(out.split())
 
 
+def test_a_cpu_plan_shows_no_cuda_context(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "tiny", "--seq", "64", "--device", "cpu")
+    assert code == 0 and "CUDA context" not in out and "needs of the CPU job" in out and "GPU" not in out
+    code, out, _ = run(capsys, "plan", "--model", "tiny", "--seq", "64")
+    assert code == 0 and "CUDA context" in out and "needs of the GPU" in out
+
+
 def test_global_flag_without_a_verb_runs_the_default_plan(capsys):
     code, out, _ = run(capsys, "-v")
     assert code == 0 and "plans that fit" in out

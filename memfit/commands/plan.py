@@ -101,8 +101,10 @@ def _print(job, knobs, asked: Ledger, plans, budget: int) -> None:
             table.add_row(component, format_bytes(asked.peak[component]))
     table.add_row("[bold]peak allocated[/]", f"[bold]{format_bytes(asked.total)}[/]")
     table.add_row("allocator overhead (reserved, est.)", format_bytes(asked.allocator_overhead))
-    table.add_row("CUDA context (outside the allocator)", format_bytes(asked.cuda_context))
-    table.add_row("[bold]needs of the GPU[/]", f"[bold]{format_bytes(asked.device_total)}[/]")
+    if job.device == "cuda":                          # a CPU job has no CUDA context
+        table.add_row("CUDA context (outside the allocator)", format_bytes(asked.cuda_context))
+    table.add_row(f"[bold]needs of the {'GPU' if job.device == 'cuda' else 'CPU job'}[/]",
+                  f"[bold]{format_bytes(asked.device_total)}[/]")
     console.print(table)
     console.print("peak in " + f"{asked.peak_phase} at {asked.peak_where}; phase peaks: "
                   + ", ".join(f"{phase} {format_bytes(v)}" for phase, v in asked.phases.items()))
