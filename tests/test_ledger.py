@@ -528,3 +528,8 @@ def test_a_job_past_the_models_length_is_counted_and_said():
                for note in predict(past, Knobs()).notes)
     training = Job(spec, task="lora", seq=spec.max_position + 1, device="cpu")
     assert predict(training, Knobs()).notes[0].startswith(f"{spec.max_position + 1} positions pass")
+
+
+def test_a_dtype_alias_is_the_same_knobs():
+    """--dtype fp16 had been echoed as 'fp16' in plan --json, and cached apart from float16."""
+    assert Knobs(dtype="fp16") == Knobs(dtype="float16") and Knobs(dtype="torch.bfloat16").dtype == "bfloat16"

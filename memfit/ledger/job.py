@@ -86,7 +86,7 @@ class Knobs:
     blr_blocks: int = 16
 
     def __post_init__(self):
-        dtype_name(self.dtype)
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))   # fp16 and float16 are one job (and cache key)
         if self.optimizer not in OPTIMIZERS:
             raise MemfitError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         unknown = set(self.lora_targets) - set(LORA_TARGETS_ALL)
