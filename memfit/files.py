@@ -78,6 +78,27 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         raise
 
 
+SET_ASIDE_HEX = 16
+
+
+def _set_aside_prefix(out: Path) -> str:
+    return f".{out.name}.old-"
+
+
+def set_aside_of(out: Path) -> list[Path]:
+    """The old copies of ``out`` that :func:`atomic_dir` set aside and a process killed between its two renames left
+    beside it (``.<out>.old-<16 hex>``; not those of another ``out`` whose name starts like this one's)."""
+    if not out.parent.is_dir():
+        return []
+    return sorted(path for path in out.parent.iterdir() if named_prefix_hex(path, _set_aside_prefix(out), SET_ASIDE_HEX))
+
+
+def named_prefix_hex(path: Path, prefix: str, digits: int) -> bool:
+    """Whether ``path``'s name is ``prefix`` then exactly ``digits`` lower-case hex digits (a name memfit made)."""
+    suffix = path.name[len(prefix):]
+    return path.name.startswith(prefix) and len(suffix) == digits and all(c in "0123456789abcdef" for c in suffix)
+
+
 @contextmanager
 def atomic_dir(out: Path, tmp: Path, placed: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """A new directory ``tmp`` (beside ``out``) to fill; put in ``out``'s place when the block ends, removed if it
@@ -94,7 +115,7 @@ def atomic_dir(out: Path, tmp: Path, placed: Callable[[Path], None] | None = Non
     try:
         yield tmp
         if out.exists():
-            old = out.with_name(f".{out.name}.old-{secrets.token_hex(8)}")
+            old = out.with_name(_set_aside_prefix(out) + secrets.token_hex(SET_ASIDE_HEX // 2))
             out.rename(old)
         tmp.rename(out)
     except BaseException:

@@ -595,6 +595,22 @@ def test_cli_table_shows_each_kinds_mean_and_max_errors(tmp_path, capsys, monkey
     assert cells["k_proj"] == ["-", "-"]                                     # kept dense
 
 
+def test_a_later_compress_removes_the_old_output_a_save_killed_mid_swap_set_aside(tmp_path, caplog):
+    """A save killed between atomic_dir's two renames leaves the old out at .<out>.old-<16 hex>, which nothing had
+    removed; the next compress to out removes it and says so, and keeps another out's and a lookalike's."""
+    import memfit
+
+    out = tmp_path / "out"
+    names = {"mine": ".out.old-" + "a" * 16, "other": ".other.old-" + "b" * 16, "lookalike": ".out.old-" + "c" * 15}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    memfit.compress("tiny", out, method="lowrank", device="cpu", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", names["other"], names["lookalike"]])
+    said = [r.getMessage() for r in caplog.records if "interrupted memfit compress" in r.getMessage()]
+    assert said == [f"removed 1 old output directory set aside by an interrupted memfit compress: "
+                    f"{tmp_path / names['mine']}"]
+
+
 def test_a_later_compress_removes_temporary_directories_a_killed_one_left(tmp_path, caplog, monkeypatch):
     """A SIGKILL mid-save left its temporary directory (.<out>.memfit-tmp-<16 hex>) forever. The next compress to that
     out removes one whose recorded owner process is gone, and says so once; it keeps one whose owner lives, one

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memfit.errors import MemfitError
-from memfit.files import atomic_dir, follow_umask
+from memfit.files import atomic_dir, follow_umask, set_aside_of
 
 if TYPE_CHECKING:  # the annotations only; torch loads when a run starts, not for `memfit --help`
     import torch
@@ -238,7 +238,7 @@ def _train_with_progress(model, examples, tokenizer, config, out, resume, device
 def _save_adapter(model, out: Path) -> Path:
     """Save the LoRA adapter (peft format) to OUT/adapter, replacing the previous one atomically."""
     final = out / "adapter"
-    for leftover in (out / ".adapter.tmp", *out.glob(".adapter.old-*")):   # left by a run killed while it saved
+    for leftover in (out / ".adapter.tmp", *set_aside_of(final)):   # left by a run killed while it saved
         shutil.rmtree(leftover, ignore_errors=True)
     with atomic_dir(final, out / ".adapter.tmp") as tmp:
         model.save_pretrained(tmp)

@@ -27,7 +27,7 @@ from torch import nn
 
 from memfit.compress.plan import structure_class
 from memfit.errors import MemfitError
-from memfit.files import atomic_dir, follow_umask
+from memfit.files import atomic_dir, follow_umask, named_prefix_hex, set_aside_of
 from memfit.local import output_dir_problem, resolve_device
 from memfit.log import logger
 from memfit.models.spec import COMPRESSED_MARKER as CONFIG_NAME
@@ -99,9 +99,7 @@ TEMP_HEX = 16
 def _is_temp_of(path: Path, out: Path) -> bool:
     """Whether ``path`` is named as one of ``out``'s temporary save directories (not another --out's whose name
     starts like it: the prefix, then exactly TEMP_HEX hex digits)."""
-    suffix = path.name[len(_temp_prefix(out)):]
-    return (path.name.startswith(_temp_prefix(out)) and len(suffix) == TEMP_HEX
-            and all(c in "0123456789abcdef" for c in suffix))
+    return named_prefix_hex(path, _temp_prefix(out), TEMP_HEX)
 
 
 def _owner() -> str:
@@ -135,21 +133,26 @@ def _owner_gone(directory: Path) -> bool:
 
 
 def remove_leftovers(out: Path) -> None:
-    """Remove the temporary save directories beside ``out`` that a killed save left (a SIGKILL skips the cleanup):
-    only those named with ``out``'s prefix whose recorded owner is gone; say what was removed (a warning on the
-    memfit logger: stderr)."""
-    removed, failed = [], []
-    for path in sorted(out.parent.iterdir()):
-        if _is_temp_of(path, out) and path.is_dir() and not path.is_symlink() and _owner_gone(path):
+    """Remove what a killed save left beside ``out`` (a SIGKILL skips the cleanup), and say what was removed (a warning
+    on the memfit logger: stderr): the temporary save directories named with ``out``'s prefix whose recorded owner is
+    gone, and an old ``out`` set aside by a save killed between its two renames (files.atomic_dir), which that save
+    was replacing, as this one replaces ``out``."""
+    temporary = [path for path in sorted(out.parent.iterdir())
+                 if _is_temp_of(path, out) and path.is_dir() and not path.is_symlink() and _owner_gone(path)]
+    set_aside = [path for path in set_aside_of(out) if path.is_dir() and not path.is_symlink()]
+    for paths, what in ((temporary, "{} temporary director{} left by"),
+                        (set_aside, "{} old output director{} set aside by")):
+        removed, failed = [], []
+        for path in paths:
             errors = []
             shutil.rmtree(path, onerror=lambda *args, found=errors: found.append(args[2]))
             (failed if errors else removed).append(path)
-    if removed:
-        logger.warning(f"removed {len(removed)} temporary director{'y' if len(removed) == 1 else 'ies'} left by an "
-                       f"interrupted memfit compress: {', '.join(map(str, removed))}")
-    if failed:                                         # the save goes on: only leftovers are at stake
-        logger.warning(f"could not remove all of {', '.join(map(str, failed))}, left by an interrupted memfit "
-                       "compress; remove it by hand")
+        if removed:
+            logger.warning(f"removed {what.format(len(removed), 'y' if len(removed) == 1 else 'ies')} an interrupted "
+                           f"memfit compress: {', '.join(map(str, removed))}")
+        if failed:                                     # the save goes on: only leftovers are at stake
+            logger.warning(f"could not remove all of {', '.join(map(str, failed))}, left by an interrupted memfit "
+                           "compress; remove it by hand")
 
 
 def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], info: dict | None = None,
