@@ -81,7 +81,11 @@ def _prepare(job: Job, knobs: Knobs):
         model = get_peft_model(model, LoraConfig(r=knobs.lora_rank, lora_alpha=2 * knobs.lora_rank, lora_dropout=0.0,
                                                  target_modules=list(knobs.lora_targets)))
     if job.training and knobs.checkpoint_layers:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)   # transformers 5.24 on: the old name warns
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for index, layer in enumerate(model.get_decoder().layers):
             layer.gradient_checkpointing = index < knobs.checkpoint_layers
     model.train(job.training)
@@ -167,12 +171,17 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1) -> Measurement:
 
 @torch.no_grad()
 def _measure_infer(job: Job, model, ids, warmup: int) -> Measurement:
+    import inspect
+
+    # the KV cache's keyword and output field: ``cache`` from transformers 5.24 (``past_key_values`` warns there)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
     def generate():
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        cache, token = getattr(out, name), out.logits[:, -1:].argmax(-1)
         del out
         for _ in range(job.new_tokens):
-            out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=token, **{name: cache}, use_cache=True, logits_to_keep=1)
             token = out.logits[:, -1:].argmax(-1)
             del out
 
