@@ -190,6 +190,18 @@ def test_gpu_memory_plan_becomes_the_run_techniques():
     assert techniques.places is None or len(techniques.places) == spec.num_layers
 
 
+def test_the_run_banner_says_the_techniques_in_words():
+    """The banner had printed the Techniques dataclass's repr."""
+    from memfit.commands.finetune import Techniques
+
+    assert str(Techniques("none", "none", "cpu", False, False)) == "no memory technique"
+    assert (str(Techniques("layer", "all", "disk", True, False))
+            == "checkpoints on every layer (all offloaded to disk), 4-bit base")
+    assert str(Techniques("layer", 3, "cpu")) == "checkpoints on every layer (the first 3 offloaded to cpu), fused loss"
+    assert (str(Techniques("layer", "none", "cpu", False, True, ("gpu", "cpu", "none")))
+            == "checkpoints on 2 of 3 layers (1 of them offloaded to cpu), fused loss")
+
+
 def test_gpu_memory_refuses_the_flags_its_plan_sets():
     """On CUDA the plan for --gpu-memory sets checkpointing and offload; flags for them had been dropped unsaid."""
     from memfit.commands.finetune import check_technique_flags

@@ -38,6 +38,23 @@ class Techniques:
         return {"checkpoint": self.checkpoint, "offload_layers": self.offload_layers, "offload_to": self.offload_to,
                 "four_bit": self.four_bit, "fused_ce": self.fused_ce}
 
+    def __str__(self) -> str:
+        """The run banner's words, e.g. 'checkpoints on 12 of 28 layers (4 of them offloaded to cpu), 4-bit base, fused
+        loss', or 'no memory technique'."""
+        parts = []
+        if self.places is not None:                    # a plan's per-layer places
+            kept = sum(place != "none" for place in self.places)
+            offloaded = [place for place in self.places if place in ("cpu", "disk")]
+            if kept:
+                parts.append(f"checkpoints on {kept} of {len(self.places)} layers" + (
+                    f" ({len(offloaded)} of them offloaded to {' and '.join(sorted(set(offloaded)))})" if offloaded else ""))
+        elif self.checkpoint == "layer":
+            offloaded = {"none": "", "all": " (all offloaded"}.get(str(self.offload_layers),
+                                                                  f" (the first {self.offload_layers} offloaded")
+            parts.append("checkpoints on every layer" + (f"{offloaded} to {self.offload_to})" if offloaded else ""))
+        parts += [name for name, on in (("4-bit base", self.four_bit), ("fused loss", self.fused_ce)) if on]
+        return ", ".join(parts) or "no memory technique"
+
 
 def add_parser(sub):
     parser = sub.add_parser(
