@@ -100,6 +100,12 @@ def test_plan_shows_the_ledgers_notes(capsys):
     assert code == 0 and "note: 5000 positions pass the model's max_position_embeddings (4096)" in " ".join(out.split())
 
 
+def test_verify_shows_a_tolerance_under_one_percent(capsys):
+    """--tolerance 0.004 had read 'the tolerance of 0%'."""
+    code, out, _ = run(capsys, "verify", "--model", "tiny", "--seq", "64", "--device", "cpu", "--tolerance", "0.004")
+    assert code in (0, 1) and "the tolerance of 0.4%" in " ".join(out.split())
+
+
 def test_a_cpu_plan_shows_no_cuda_context(capsys):
     code, out, _ = run(capsys, "plan", "--model", "tiny", "--seq", "64", "--device", "cpu")
     assert code == 0 and "CUDA context" not in out and "needs of the CPU job" in out and "GPU" not in out

@@ -66,6 +66,6 @@ def run(args) -> int:
             console.print(f"[yellow]note: {note}[/]")
         console.print(table)
         verdict = "[green]within[/]" if result.ok else "[red]outside[/]"
-        console.print(f"error {result.error:+.2%}, {verdict} the tolerance of {args.tolerance:.0%}"
+        console.print(f"error {result.error:+.2%}, {verdict} the tolerance of {100 * args.tolerance:.4g}%"
                       + (f"; reserved {format_bytes(result.measured.reserved)}" if job.device == "cuda" else ""))
     return 0 if result.ok else 1
