@@ -55,8 +55,9 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   fastest. Without the copy (0888d75's table) the pick took it at every shape at N = 1024 and 8192 and at five of
   seven at 128. Offered at every N since: it is the plain PyTorch pipeline (``torch``) less its two permutation
   copies, and ``torch`` was the fastest Monarch pipeline at Llama-7B down, N = 1, in that table (19.01 against the
-  pick's 19.44 us). At N = 16 the pick takes it at Llama-7B gate/up and down (8632dd8, 1.339x and 1.571x dense;
-  results/blr_layers_subset_monarch_decode.json); at the other twelve decode cases it took 1.036-1.712x the pick.
+  pick's 19.44 us). In one run at N = 1 and 16 the pick took it at Llama-7B gate/up and down at N = 16 (8632dd8,
+  1.339x and 1.571x dense; results/blr_layers_subset_monarch_decode.json); at the other twelve decode cases it took
+  1.036-1.712x the pick.
   Tried and taken out, ``tbmm_tbmm_l2`` (702ebb8): the same a chunk of tokens at a time through one z buffer,
   each chunk's x, z and y half the L2, so that z would pass between the stages through the L2 instead of HBM. It
   took 1.08-1.57x ``tbmm_tbmm``'s time at N = 1024 and 8192 (1.39-1.57x at 8192; Llama-1B q/o 98.8 against
