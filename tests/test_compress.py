@@ -595,16 +595,26 @@ def test_cli_table_shows_each_kinds_mean_and_max_errors(tmp_path, capsys, monkey
     assert cells["k_proj"] == ["-", "-"]                                     # kept dense
 
 
-def test_a_later_compress_removes_the_old_output_a_save_killed_mid_swap_set_aside(tmp_path, caplog):
-    """A save killed between atomic_dir's two renames leaves the old out at .<out>.old-<16 hex>, which nothing had
-    removed; the next compress to out removes it and says so, and keeps another out's and a lookalike's."""
+def test_an_old_output_a_killed_save_set_aside_is_put_back_or_removed(tmp_path, caplog):
+    """A save killed between atomic_dir's two renames leaves no out, only the old one at .<out>.old-<16 hex>: the
+    next compress puts it back, so that replacing it still needs --force. One left beside an out in place (a save
+    killed before it removed it) is removed by the next save into out, and said; another out's and a lookalike's
+    are kept."""
     import memfit
+    from memfit.errors import MemfitError
 
     out = tmp_path / "out"
-    names = {"mine": ".out.old-" + "a" * 16, "other": ".other.old-" + "b" * 16, "lookalike": ".out.old-" + "c" * 15}
+    memfit.compress("tiny", out, method="lowrank", device="cpu", progress=False)
+    out.rename(tmp_path / (".out.old-" + "a" * 16))
+    with pytest.raises(MemfitError, match="already holds a compressed model; pass --force"):
+        memfit.compress("tiny", out, method="lowrank", device="cpu", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert any("put back" in r.getMessage() for r in caplog.records)
+    names = {"mine": ".out.old-" + "b" * 16, "other": ".other.old-" + "c" * 16, "lookalike": ".out.old-" + "d" * 15}
     for name in names.values():
         (tmp_path / name).mkdir()
-    memfit.compress("tiny", out, method="lowrank", device="cpu", progress=False)
+    caplog.clear()
+    memfit.compress("tiny", out, method="lowrank", device="cpu", progress=False, force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", names["other"], names["lookalike"]])
     said = [r.getMessage() for r in caplog.records if "interrupted memfit compress" in r.getMessage()]
     assert said == [f"removed 1 old output directory set aside by an interrupted memfit compress: "

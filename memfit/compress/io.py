@@ -46,8 +46,9 @@ def check_output(out: str | Path, force: bool) -> Path:
     """``out`` as a directory this run can write (call before any work starts): it needs a name short enough for
     its temporary save directory beside it, and a parent it can create and write in; an existing ``out`` is replaced
     only with ``force``, and only if an earlier run wrote it (it holds memfit_compress.json), so a mistyped --out
-    never deletes a source model or other data. What the file system refuses is a MemfitError too (e.g. a name
-    too long), as on the command line."""
+    never deletes a source model or other data. An ``out`` that a save killed between its two renames left only as
+    its set-aside old copy is put back first (:func:`_put_back_set_aside`), so that rule holds for it too. What the
+    file system refuses is a MemfitError too (e.g. a name too long), as on the command line."""
     try:
         return _checked_output(Path(out).expanduser(), force)
     except OSError as err:
@@ -59,6 +60,7 @@ def _checked_output(out: Path, force: bool) -> Path:
         raise MemfitError(f"--out needs a directory name, got {str(out)!r}")
     if out.is_symlink():
         raise MemfitError(f"--out {out} is a symbolic link: name the directory itself")
+    _put_back_set_aside(out)
     if out.exists():
         if not out.is_dir():
             raise MemfitError(f"{out} exists and is not a directory; choose another --out")
@@ -86,6 +88,18 @@ def _name_max(directory: Path) -> int:
     except (AttributeError, OSError, ValueError):
         return 255
     return limit if limit > 0 else 255
+
+
+def _put_back_set_aside(out: Path) -> None:
+    """Where ``out`` is missing and its one set-aside copy (``.<out>.old-<hex>``, files.atomic_dir) is an earlier
+    compress output, rename it back and say so: a save killed between the two renames left the old model there, and
+    the next run must not take ``out``'s absence for leave to write it without --force."""
+    if out.exists():
+        return
+    olds = [path for path in set_aside_of(out) if path.is_dir() and not path.is_symlink() and is_compressed_dir(path)]
+    if len(olds) == 1:
+        olds[0].rename(out)
+        logger.warning(f"put back {out}, which an interrupted memfit compress had set aside as {olds[0]}")
 
 
 def _temp_prefix(out: Path) -> str:
@@ -135,11 +149,13 @@ def _owner_gone(directory: Path) -> bool:
 def remove_leftovers(out: Path) -> None:
     """Remove what a killed save left beside ``out`` (a SIGKILL skips the cleanup), and say what was removed (a warning
     on the memfit logger: stderr): the temporary save directories named with ``out``'s prefix whose recorded owner is
-    gone, and an old ``out`` set aside by a save killed between its two renames (files.atomic_dir), which that save
-    was replacing, as this one replaces ``out``."""
+    gone, and, where ``out`` exists (check_output let this run replace it), old copies of ``out`` that a save set aside
+    (files.atomic_dir) and was killed before removing, once its new ``out`` was in place (one killed before that had
+    it put back by check_output). Two saves into one ``out`` at once are not supported: this could remove the other's
+    set-aside copy while it swaps."""
     temporary = [path for path in sorted(out.parent.iterdir())
                  if _is_temp_of(path, out) and path.is_dir() and not path.is_symlink() and _owner_gone(path)]
-    set_aside = [path for path in set_aside_of(out) if path.is_dir() and not path.is_symlink()]
+    set_aside = [path for path in set_aside_of(out) if path.is_dir() and not path.is_symlink()] if out.exists() else []
     for paths, what in ((temporary, "{} temporary director{} left by"),
                         (set_aside, "{} old output director{} set aside by")):
         removed, failed = [], []
