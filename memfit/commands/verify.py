@@ -36,10 +36,12 @@ def add_parser(sub):
 def run(args) -> int:
     """Verify the job; with --json, an error that ends the command (exit 2) is a JSON object on stdout too, as
     ``memfit plan --json`` prints one, with the job as far as it was read (null before)."""
-    from memfit.ledger.verify import verify
+    from memfit.ledger.verify import NO_PARTIAL_FFN, verify
 
     job = None
     try:
+        if args.partial_load is not None or args.partial_compute is not None:   # not job_from_args' "for --task infer"
+            raise MemfitError(NO_PARTIAL_FFN)
         job, knobs = job_from_args(args)
         if args.warmup < 1:
             raise MemfitError(f"--warmup must be at least 1 (optimizer state appears at the first step), got "

@@ -92,6 +92,10 @@ def _prepare(job: Job, knobs: Knobs):
     return model
 
 
+NO_PARTIAL_FFN = ("verify does not build partial-FFN models: they are predicted by `memfit plan` and measured by "
+                  "benchmarks/partial_ffn.py")
+
+
 def check_runnable(job: Job, knobs: Knobs) -> None:
     """Refuse, before any work, what no machine can run and what this one cannot."""
     check_knobs_fit_job(job, knobs)
@@ -99,8 +103,7 @@ def check_runnable(job: Job, knobs: Knobs) -> None:
         raise MemfitError("verify on cuda needs a CUDA GPU; use --device cpu here")
     check_device(job, knobs)
     if (knobs.partial_load, knobs.partial_compute) != (1.0, 1.0):
-        raise MemfitError("verify does not build partial-FFN models: they are predicted by `memfit plan` and "
-                          "measured by benchmarks/partial_ffn.py")
+        raise MemfitError(NO_PARTIAL_FFN)
     if job.training and knobs.optimizer == "adamw8bit":
         try:
             import bitsandbytes  # noqa: F401
