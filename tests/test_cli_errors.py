@@ -463,7 +463,7 @@ def test_verify_needs_a_finite_tolerance(tolerance, capsys):
 def test_plan_and_verify_errors_name_the_flags(verb, extra, message, capsys, no_model_load):
     """The job's checks live in the library (memfit.Job, memfit.Knobs), whose callers set fields: each message names
     the field and the option that sets it."""
-    _fails(capsys, [verb, "--model", "tiny", "--device", "cpu", *extra], message)
+    _fails(capsys, [verb, "--model", "tiny", "--device", "cpu", *extra], _verify_partial_or(verb, extra, message))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -565,6 +565,13 @@ def test_a_plan_that_fits_nothing_is_one_line(capsys):
 ])
 @pytest.mark.parametrize("verb", ["plan", "verify"])
 def test_an_option_the_task_does_not_use_is_refused(verb, option, task, capsys, no_model_load):
-    """Each was taken and dropped without a word (--task infer --optimizer adamw8bit planned plain inference)."""
+    """Each was taken and dropped without a word (--task infer --optimizer adamw8bit planned plain inference); verify
+    refuses the partial-FFN options at every task, with its own reason."""
     _fails(capsys, [verb, "--model", "tiny", "--device", "cpu", "--task", task, *option],
-           f"{option[0]} does nothing with --task {task}: ")
+           _verify_partial_or(verb, option, f"{option[0]} does nothing with --task {task}: "))
+
+
+def _verify_partial_or(verb: str, options: tuple, message: str) -> str:
+    """``message``, or verify's refusal of every partial-FFN option (memfit.ledger.verify.NO_PARTIAL_FFN)."""
+    partial = verb == "verify" and any(option.startswith("--partial-") for option in options)
+    return "verify does not build partial-FFN models" if partial else message
