@@ -164,7 +164,9 @@ def test_generate_partial_load_still_needs_the_layers(tiny_dir, capsys):
 def test_generate_refuses_a_neuron_choice_with_every_neuron(tiny_dir, capsys, extra):
     """With every FFN neuron loaded and computed, the options that choose neurons had been dropped unsaid."""
     _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--device", "cpu", *extra],
-           f"{extra[0]}: only for partial layers, with --load or --compute below 1")
+           f"{extra[0]}: only for partial layers; at --load 1 and --compute 1 every one of the 176 FFN neurons")
+    _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--device", "cpu", "--load", "0.99", *extra],
+           "at --load 0.99 and --compute 0.99 every one of the 176 FFN neurons is loaded and computed")
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-0.5"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 
 from memfit.errors import MemfitError
 
@@ -40,14 +41,13 @@ def _refuse_unused_selection(args, partial, intermediate: int) -> None:
     """--rankings, --task, --base and --compute-all-layers choose the neurons of partial layers: refuse them where
     every FFN neuron is loaded and computed, where they would do nothing (the library takes a ranking there, for a
     sweep over load and compute that includes the full model)."""
-    _, n_compute, n_load = partial.counts(intermediate)
-    if n_load < intermediate or n_compute < n_load:
+    if not partial.loads_everything(intermediate):
         return
     given = [flag for flag, value in (("--rankings", args.rankings), ("--task", args.task), ("--base", args.base),
                                       ("--compute-all-layers", args.compute_all_layers or None)) if value is not None]
     if given:
-        raise MemfitError(f"{', '.join(given)}: only for partial layers, with --load or --compute below 1; here every "
-                          f"one of the {intermediate} FFN neurons is loaded and computed")
+        raise MemfitError(f"{', '.join(given)}: only for partial layers; at --load {partial.load:g} and --compute "
+                          f"{partial.phi:g} every one of the {intermediate} FFN neurons is loaded and computed")
 
 
 def run(args) -> int:
@@ -63,12 +63,11 @@ def run(args) -> int:
 
     model_dir = check_model_dir(args.model)
     spec = load_spec(model_dir)
-    full_first, full_last = args.full_first, args.full_last
-    if args.load == 1 and args.compute in (None, 1):  # every neuron loaded and computed: the full/partial split is moot
-        full_first = min(full_first, spec.num_layers)
-        full_last = min(full_last, spec.num_layers - full_first)
-    partial = PartialConfig(load=args.load, compute=args.compute, base=args.base, full_first=full_first,
-                            full_last=full_last, task=args.task, compute_all_layers=args.compute_all_layers)
+    partial = PartialConfig(load=args.load, compute=args.compute, base=args.base, full_first=args.full_first,
+                            full_last=args.full_last, task=args.task, compute_all_layers=args.compute_all_layers)
+    if partial.loads_everything(spec.intermediate):   # no layer is partial: the full/partial split is moot
+        first = min(partial.full_first, spec.num_layers)
+        partial = replace(partial, full_first=first, full_last=min(partial.full_last, spec.num_layers - first))
     partial.check(spec.num_layers)
     _refuse_unused_selection(args, partial, spec.intermediate)
     if args.max_new < 1:
@@ -81,7 +80,7 @@ def run(args) -> int:
         task = bar.add_task("loading tensors", total=None)
         model = load_model(model_dir, partial, dtype=args.dtype, device=device, rankings=args.rankings,
                            progress=lambda done, total: bar.update(task, completed=done, total=total))
-    if partial.load < 1 or partial.phi < 1:
+    if not partial.loads_everything(spec.intermediate):
         console.print(f"partial FFN: {describe(partial, spec)}")
 
     from memfit.infer.text import load_codec

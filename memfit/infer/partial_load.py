@@ -90,6 +90,12 @@ class PartialConfig:
         align = self.align if self.align <= intermediate else 1
         return min(intermediate, max(align, round(fraction * intermediate / align) * align))
 
+    def loads_everything(self, intermediate: int) -> bool:
+        """Whether every one of ``intermediate`` neurons is loaded and computed (load and compute may round up to
+        it): then no layer is partial, and which neurons a ranking would choose does not matter."""
+        _, n_compute, n_load = self.counts(intermediate)
+        return n_load == intermediate and n_compute == n_load
+
     def counts(self, intermediate: int) -> tuple[int, int, int]:
         """(base, compute, load) neuron counts of one partial layer."""
         load = self.neurons(self.load, intermediate)
@@ -225,7 +231,7 @@ def load_model(model_dir: str | Path, partial: PartialConfig | None = None, *, d
     if partial is not None:
         partial.check(spec.num_layers)
         n_base, n_compute, n_load = partial.counts(spec.intermediate)
-        if n_load < spec.intermediate or n_compute < n_load:
+        if not partial.loads_everything(spec.intermediate):
             if not isinstance(rankings, Rankings):
                 rankings = Rankings.load(rankings or model_dir / RANKINGS_FILE)
             rankings.check(spec.num_layers, spec.intermediate)
