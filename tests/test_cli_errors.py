@@ -559,6 +559,10 @@ def test_a_plan_that_fits_nothing_is_one_line(capsys):
     _fails(capsys, ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "2GiB"], "no plan fits 2.00 GiB")
 
 
+def test_a_cpu_plan_that_fits_nothing_names_no_cuda_context(capsys):
+    _fails(capsys, ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "2GiB", "--device", "cpu"], "+ allocator) with")
+
+
 @pytest.mark.parametrize("option, task", [
     (("--lora-targets", "q_proj,v_proj"), "full"), (("--lora-rank", "8"), "infer"), (("--optimizer", "sgd"), "infer"),
     (("--checkpoint-layers", "1"), "infer"), (("--offload-layers", "0"), "infer"), (("--micro-batch", "1"), "infer"),

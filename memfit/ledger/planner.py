@@ -97,7 +97,8 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
         with_what = ", ".join(smallest.techniques) or "the job as asked"
         raise MemfitError(
             f"no plan fits {format_bytes(budget)}; the smallest needs {format_bytes(smallest.ledger.device_total)} "
-            f"(peak {format_bytes(smallest.ledger.total)} + allocator and CUDA context) with: {with_what}"
+            f"(peak {format_bytes(smallest.ledger.total)} + allocator{' and CUDA context' if job.device == 'cuda' else ''}"
+            f") with: {with_what}"
         )
     fitting.sort(key=lambda p: (round(p.relative_time, 3), approximate(p.knobs, p.base), p.ledger.device_total))
     return asked, fitting
