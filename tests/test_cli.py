@@ -100,6 +100,13 @@ def test_plan_shows_the_ledgers_notes(capsys):
     assert code == 0 and "note: 5000 positions pass the model's max_position_embeddings (4096)" in " ".join(out.split())
 
 
+def test_plan_shows_the_notes_of_the_plans_it_proposes(capsys):
+    """A plan's own techniques can add a note (8-bit AdamW needs bitsandbytes): said once, with the plans it is of."""
+    code, out, _ = run(capsys, "plan", "--model", "llama-3.1-8b", "--gpu-memory", "12GiB")
+    notes = [line for line in out.splitlines() if line.startswith("note (plan")]
+    assert code == 0 and len(notes) == 1 and notes[0].endswith("8-bit AdamW needs bitsandbytes on CUDA")
+
+
 def test_verify_shows_a_tolerance_under_one_percent(capsys):
     """--tolerance 0.004 had read 'the tolerance of 0%'."""
     code, out, _ = run(capsys, "verify", "--model", "tiny", "--seq", "64", "--device", "cpu", "--tolerance", "0.004")

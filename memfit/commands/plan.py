@@ -118,5 +118,12 @@ def _print(job, knobs, asked: Ledger, plans, budget: int) -> None:
                             format_bytes(led.total), f"{p.relative_time:.2f}x",
                             ", ".join(f"{c} {format_bytes(v)}" for v, c in largest))
     console.print(plans_table)
+    by_note: dict[str, list[str]] = {}                 # what a plan's own techniques add (8-bit AdamW's bitsandbytes)
+    for index, p in enumerate(plans, 1):
+        for note in p.ledger.notes:
+            if note not in asked.notes:
+                by_note.setdefault(note, []).append(str(index))
+    for note, numbers in by_note.items():
+        console.print(f"[yellow]note (plan{'s' if len(numbers) > 1 else ''} {', '.join(numbers)}): {note}[/]")
     console.print("time: relative to the job as asked, FLOPs x (1 + recompute) + overheads. "
                   "`memfit plan --json` has every component; `memfit verify` measures a plan.")

@@ -136,8 +136,8 @@ def predict(job: Job, knobs: Knobs) -> Ledger:
 
 
 def _length_notes(job: Job) -> list[str]:
-    """A job longer than the model's configured length is counted as asked, and said once: the model runs it (RoPE has
-    no table to run out of) but was not set up for it."""
+    """A job longer than the model's configured length is counted as asked, and said in the ledger's notes: the model
+    runs it (RoPE has no table to run out of) but was not set up for it."""
     positions = job.seq + (job.new_tokens if job.task == "infer" else 0)
     if positions <= job.spec.max_position:
         return []
