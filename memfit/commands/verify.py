@@ -68,6 +68,6 @@ def run(args) -> int:
             console.print(f"[yellow]note: {note}[/]")
         console.print(table)
         verdict = "[green]within[/]" if result.ok else "[red]outside[/]"
-        console.print(f"error {result.error:+.2%}, {verdict} the tolerance of {100 * args.tolerance:.4g}%"
+        console.print(f"error {100 * result.error:+.3g}%, {verdict} the tolerance of {100 * args.tolerance:.4g}%"
                       + (f"; reserved {format_bytes(result.measured.reserved)}" if job.device == "cuda" else ""))
     return 0 if result.ok else 1
