@@ -198,6 +198,7 @@ def test_the_run_banner_says_the_techniques_in_words():
     assert (str(Techniques("layer", "all", "disk", True, False))
             == "checkpoints on every layer (all offloaded to disk), 4-bit base")
     assert str(Techniques("layer", 3, "cpu")) == "checkpoints on every layer (the first 3 offloaded to cpu), fused loss"
+    assert str(Techniques("layer", 0, "cpu")) == "checkpoints on every layer, fused loss"
     assert (str(Techniques("layer", "none", "cpu", False, True, ("gpu", "cpu", "none")))
             == "checkpoints on 2 of 3 layers (1 of them offloaded to cpu), fused loss")
 

@@ -49,8 +49,8 @@ class Techniques:
                 parts.append(f"checkpoints on {kept} of {len(self.places)} layers" + (
                     f" ({len(offloaded)} of them offloaded to {' and '.join(sorted(set(offloaded)))})" if offloaded else ""))
         elif self.checkpoint == "layer":
-            offloaded = {"none": "", "all": " (all offloaded"}.get(str(self.offload_layers),
-                                                                  f" (the first {self.offload_layers} offloaded")
+            offloaded = {"none": "", "0": "", "all": " (all offloaded"}.get(str(self.offload_layers),
+                                                                           f" (the first {self.offload_layers} offloaded")
             parts.append("checkpoints on every layer" + (f"{offloaded} to {self.offload_to})" if offloaded else ""))
         parts += [name for name, on in (("4-bit base", self.four_bit), ("fused loss", self.fused_ce)) if on]
         return ", ".join(parts) or "no memory technique"
@@ -98,16 +98,20 @@ def add_parser(sub):
 def check_technique_flags(args, device: torch.device) -> None:
     """Refuse, before the model loads, a technique flag that would do nothing: --offload without checkpoints,
     --offload-to without --offload, and on CUDA any of them with --gpu-memory, whose plan sets all three."""
-    given = [f"{flag} {value}" for flag, value, default in (("--checkpoint", args.checkpoint, "none"),
-                                                            ("--offload", args.offload, "none"),
-                                                            ("--offload-to", args.offload_to, "cpu")) if value != default]
+    if not (args.offload in ("none", "all") or args.offload.isdigit()):
+        raise MemfitError(f"--offload must be none, all or a number of first layers, got {args.offload!r}")
+    offloads = args.offload not in ("none", "0")
+    given = [f"{flag} {value}" for flag, value, used in (("--checkpoint", args.checkpoint, args.checkpoint != "none"),
+                                                         ("--offload", args.offload, offloads),
+                                                         ("--offload-to", args.offload_to, args.offload_to != "cpu"))
+             if used]
     if args.gpu_memory and device.type == "cuda" and given:
         raise MemfitError(f"{', '.join(given)}: with --gpu-memory on CUDA the plan chooses checkpointing and offload; "
                           "leave out either these flags or --gpu-memory")
-    if args.offload != "none" and args.checkpoint == "none":
+    if offloads and args.checkpoint == "none":
         raise MemfitError(f"--offload {args.offload} needs --checkpoint layer (only checkpoint inputs are offloaded)")
-    if args.offload_to != "cpu" and args.offload == "none":
-        raise MemfitError(f"--offload-to {args.offload_to} needs --offload all or N: it says where offloaded "
+    if args.offload_to != "cpu" and not offloads:
+        raise MemfitError(f"--offload-to {args.offload_to} needs --offload all or N (N > 0): it says where offloaded "
                           "checkpoint inputs go")
 
 
