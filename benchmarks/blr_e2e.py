@@ -84,9 +84,9 @@ def workloads(model, compile_: bool, device: str):
     tok = torch.randint(0, vocab, (1, 1), device=device)
     pos = torch.tensor([PREFILL], device=device)
     cache = static_cache(model, DECODE_CACHE)
-    import inspect
+    from memfit.models.hf_calls import cache_keyword
 
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_arg = cache_keyword(model)
 
     def prefill():
         return model(input_ids=ids, logits_to_keep=1, use_cache=False).logits

@@ -174,10 +174,9 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1) -> Measurement:
 
 @torch.no_grad()
 def _measure_infer(job: Job, model, ids, warmup: int) -> Measurement:
-    import inspect
+    from memfit.models.hf_calls import cache_keyword
 
-    # the KV cache's keyword and output field: ``cache`` from transformers 5.24 (``past_key_values`` warns there)
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    name = cache_keyword(model)
 
     def generate():
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)

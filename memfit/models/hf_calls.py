@@ -1,0 +1,11 @@
+"""How memfit calls a Hugging Face ``*ForCausalLM`` across the transformers versions it runs on (5.x here and on the
+GPU machine's image), by the names each version has."""
+from __future__ import annotations
+
+import inspect
+
+
+def cache_keyword(model) -> str:
+    """The keyword of ``model.forward``'s KV cache, which is also its output's field: ``cache`` where the forward
+    takes it (transformers 5.24 has it, and warns at the old name), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
