@@ -171,6 +171,16 @@ def test_generate_refuses_a_neuron_choice_with_every_neuron(tiny_dir, capsys, ex
            "at --load 0.99 and --compute 0.99 every one of the 176 FFN neurons is loaded and computed")
 
 
+@pytest.mark.parametrize("extra, message", [
+    (("--load", "nan"), "load (gamma) must be a fraction in (0, 1], got nan"),
+    (("--compute", "nan"), "compute (phi) must be a fraction in (0, 1], got nan"),
+    (("--load", "0.5", "--base", "nan"), "base (delta=nan) must be in [0, compute=0.5]"),
+])
+def test_generate_refuses_a_fraction_that_is_not_a_number(tiny_dir, capsys, extra, message):
+    """5e24930 asked whether every neuron is loaded before checking the fractions: NaN had crashed in round()."""
+    _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--device", "cpu", *extra], message)
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-0.5"])
 def test_generate_bad_temperature(tiny_dir, capsys, value):
     _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", f"--temperature={value}", "--device", "cpu"],

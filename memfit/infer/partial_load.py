@@ -24,6 +24,7 @@ multiple of ``align`` (8: 16-byte rows in fp16 keep the matmuls on their fast pa
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,9 +93,12 @@ class PartialConfig:
 
     def loads_everything(self, intermediate: int) -> bool:
         """Whether every one of ``intermediate`` neurons is loaded and computed (load and compute may round up to
-        it): then no layer is partial, and which neurons a ranking would choose does not matter."""
-        _, n_compute, n_load = self.counts(intermediate)
-        return n_load == intermediate and n_compute == n_load
+        it): then no layer is partial, and which neurons a ranking would choose does not matter. False for a load or
+        compute that is not a finite number, so that :meth:`check` (which callers may run after this) says so."""
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (self.load, self.phi)):
+            return False
+        n_load = self.neurons(self.load, intermediate)
+        return n_load == intermediate and self.neurons(self.phi, intermediate) >= n_load
 
     def counts(self, intermediate: int) -> tuple[int, int, int]:
         """(base, compute, load) neuron counts of one partial layer."""
