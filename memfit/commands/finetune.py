@@ -95,12 +95,20 @@ def add_parser(sub):
     return parser
 
 
+def parse_offload(text: str) -> object:
+    """--offload as the patch takes it: "none", "all" or a number of first layers (ASCII digits: str.isdigit also
+    takes '²', which int() refuses)."""
+    if text in ("none", "all"):
+        return text
+    if text.isascii() and text.isdigit():
+        return int(text)
+    raise MemfitError(f"--offload must be none, all or a number of first layers, got {text!r}")
+
+
 def check_technique_flags(args, device: torch.device) -> None:
     """Refuse, before the model loads, a technique flag that would do nothing: --offload without checkpoints,
     --offload-to without --offload, and on CUDA any of them with --gpu-memory, whose plan sets all three."""
-    if not (args.offload in ("none", "all") or args.offload.isdigit()):
-        raise MemfitError(f"--offload must be none, all or a number of first layers, got {args.offload!r}")
-    offloads = args.offload not in ("none", "0")
+    offloads = parse_offload(args.offload) not in ("none", 0)
     given = [f"{flag} {value}" for flag, value, used in (("--checkpoint", args.checkpoint, args.checkpoint != "none"),
                                                          ("--offload", args.offload, offloads),
                                                          ("--offload-to", args.offload_to, args.offload_to != "cpu"))
@@ -118,9 +126,7 @@ def check_technique_flags(args, device: torch.device) -> None:
 def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, console) -> Techniques:
     """The techniques for this run (flags checked by :func:`check_technique_flags`): the flags, or the planner's
     fastest plan for ``--gpu-memory`` on CUDA."""
-    offload = args.offload
-    if isinstance(offload, str) and offload.isdigit():
-        offload = int(offload)
+    offload = parse_offload(args.offload)
     if not args.gpu_memory:
         return Techniques(args.checkpoint, offload, args.offload_to, args.four_bit, args.fused_ce)
     if device.type != "cuda":
