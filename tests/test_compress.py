@@ -621,6 +621,30 @@ def test_an_old_output_a_killed_save_set_aside_is_put_back_or_removed(tmp_path, 
                     f"{tmp_path / names['mine']}"]
 
 
+def test_set_aside_copies_that_are_not_one_old_output_are_left_to_the_user(tmp_path):
+    """Two set-aside outputs and no out: which to keep is not compress's call (it refuses, naming them). A set-aside
+    name holding no compress output, with no out: neither put back nor removed."""
+    import shutil
+
+    import memfit
+    from memfit.errors import MemfitError
+
+    out = tmp_path / "out"
+    memfit.compress("tiny", out, method="lowrank", device="cpu", progress=False)
+    olds = [tmp_path / (".out.old-" + c * 16) for c in "ab"]
+    shutil.copytree(out, olds[0])
+    out.rename(olds[1])
+    with pytest.raises(MemfitError, match="2 earlier outputs were set aside by interrupted saves"):
+        memfit.compress("tiny", out, method="lowrank", device="cpu", progress=False)
+    assert all(old.is_dir() for old in olds) and not out.exists()
+    for old in olds:
+        shutil.rmtree(old)
+    stranger = tmp_path / (".out.old-" + "c" * 16)
+    stranger.mkdir()
+    memfit.compress("tiny", out, method="lowrank", device="cpu", progress=False)
+    assert stranger.is_dir() and out.is_dir()
+
+
 def test_a_later_compress_removes_temporary_directories_a_killed_one_left(tmp_path, caplog, monkeypatch):
     """A SIGKILL mid-save left its temporary directory (.<out>.memfit-tmp-<16 hex>) forever. The next compress to that
     out removes one whose recorded owner process is gone, and says so once; it keeps one whose owner lives, one

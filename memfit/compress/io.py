@@ -97,7 +97,10 @@ def _put_back_set_aside(out: Path) -> None:
     if out.exists():
         return
     olds = [path for path in set_aside_of(out) if path.is_dir() and not path.is_symlink() and is_compressed_dir(path)]
-    if len(olds) == 1:
+    if len(olds) > 1:                                  # memfit leaves one at most: which to keep is the user's call
+        raise MemfitError(f"--out {out} is missing and {len(olds)} earlier outputs were set aside by interrupted saves "
+                          f"({', '.join(map(str, olds))}): rename the one to keep to {out.name}, or remove them")
+    if olds:
         olds[0].rename(out)
         logger.warning(f"put back {out}, which an interrupted memfit compress had set aside as {olds[0]}")
 
