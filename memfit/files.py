@@ -86,7 +86,7 @@ def _set_aside_prefix(out: Path) -> str:
 
 
 def set_aside_of(out: Path) -> list[Path]:
-    """The old copies of ``out`` that :func:`atomic_dir` set aside and a process killed between its two renames left
+    """The old copies of ``out`` that :func:`atomic_dir` set aside and a process killed before it removed them left
     beside it (``.<out>.old-<16 hex>``; not those of another ``out`` whose name starts like this one's)."""
     if not out.parent.is_dir():
         return []

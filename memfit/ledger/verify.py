@@ -20,6 +20,7 @@ from memfit.ledger.job import Job, Knobs, field_flag
 from memfit.ledger.predict import Ledger, check_device, check_knobs_fit_job, predict
 from memfit.measure.memory import PeakMeter, storage_bytes
 from memfit.models.build import build_model
+from memfit.models.hf_calls import cache_keyword, enable_checkpointing
 
 
 @dataclass
@@ -81,11 +82,7 @@ def _prepare(job: Job, knobs: Knobs):
         model = get_peft_model(model, LoraConfig(r=knobs.lora_rank, lora_alpha=2 * knobs.lora_rank, lora_dropout=0.0,
                                                  target_modules=list(knobs.lora_targets)))
     if job.training and knobs.checkpoint_layers:
-        enable = getattr(model, "activation_checkpointing_enable", None)   # transformers 5.24 on: the old name warns
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         for index, layer in enumerate(model.get_decoder().layers):
             layer.gradient_checkpointing = index < knobs.checkpoint_layers
     model.train(job.training)
@@ -174,8 +171,6 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1) -> Measurement:
 
 @torch.no_grad()
 def _measure_infer(job: Job, model, ids, warmup: int) -> Measurement:
-    from memfit.models.hf_calls import cache_keyword
-
     name = cache_keyword(model)
 
     def generate():

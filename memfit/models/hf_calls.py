@@ -9,3 +9,13 @@ def cache_keyword(model) -> str:
     """The keyword of ``model.forward``'s KV cache, which is also its output's field: ``cache`` where the forward
     takes it (transformers 5.24 has it, and warns at the old name), else ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def enable_checkpointing(model) -> None:
+    """Turn on transformers' activation checkpointing (non-reentrant) by the name the version has:
+    ``activation_checkpointing_enable`` (transformers 5.24 has it, and warns at ``gradient_checkpointing_enable``)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
