@@ -28,7 +28,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # 627 s, 495 s to build, check, tune and pick and 129 s to time. blr_layers_profile's file records 9 s, run on the
 # machine the table had just used. The models of blr_e2e record 281 s of set-up and timing, those of
 # blr_e2e_memfit_attention 166 s (each call also starts CUDA and measures the ceilings; 264 s at 1deb9e7).
-# ledger_accuracy_blr's 11 jobs record 219 s at 6671149 (228 s at 074d5b1). pick_cost's 42 first calls took 107 s at
+# ledger_accuracy_blr's 11 jobs record 219 s at 6671149 (228 s at 074d5b1); at 91cd3b9 ledger_accuracy and
+# ledger_accuracy_blr took 313 s of wall time together, in one device call. pick_cost's 42 first calls took 107 s at
 # 11b0a19, 92.3 s at d1edfef, 142.5 s at af7a5bc, 179.2 s at 491a2d6, 177.1 s at 83e4b53 (give it 240 s); partial_ffn
 # 115 s at 0a7cc7e, 128.5 s at 83e4b53.
 # The Monarch-only table at 412d845 records 490 s; its first call, under `timeout 430`, stopped after 27 of its 35 cases.
