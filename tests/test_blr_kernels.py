@@ -115,13 +115,38 @@ def test_monarchs_chain_is_offered_further_than_the_others(monkeypatch):
     assert chained(257) == (False, False, False)
 
 
-def test_blasts_gemv_chain_is_offered_at_one_token(monkeypatch):
-    """At N = 4 the GEMV chain was the fastest at no shape (blr_layers_subset_gemv_chain_n4.json), and it needs PDL."""
-    monkeypatch.setattr(blast, "pdl_offered", lambda: True)
-    assert "bgemm_mix_gemv_pdl" in blast.variants_for(1)
-    assert not any("bgemm_mix_gemv_pdl" in blast.variants_for(n) for n in (2, 3, 4, 16))
-    monkeypatch.setattr(blast, "pdl_offered", lambda: False)
-    assert "bgemm_mix_gemv_pdl" not in blast.variants_for(1)
+def test_gemv_chains_are_offered_at_one_token(monkeypatch):
+    """At N = 4 BLAST's GEMV chain was the fastest at no shape (blr_layers_subset_gemv_chain_n4.json), and the
+    chains need PDL."""
+    gemv_chains = lambda n: ({"bgemm_mix_gemv_pdl", "gemv_mix_gemv_pdl"} & set(blast.variants_for(n)),  # noqa: E731
+                             "gemv_gemv_pdl" in monarch.variants_for(n, 16, 128, 16, 128, False),
+                             "gemv_gemv_pdl" in monarch.variants_for(n, 16, 128, 16, 128, True))
+    for module in (blast, monarch):
+        monkeypatch.setattr(module, "pdl_offered", lambda: True)
+    assert gemv_chains(1) == ({"bgemm_mix_gemv_pdl", "gemv_mix_gemv_pdl"}, True, True)
+    assert all(gemv_chains(n) == (set(), False, False) for n in (2, 3, 4, 16))
+    for module in (blast, monarch):
+        monkeypatch.setattr(module, "pdl_offered", lambda: False)
+    assert gemv_chains(1) == (set(), False, False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("structure,permute", [("monarch", False), ("monarch", True), ("blast", False)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_one_token_gemv_chains(dtype, structure, permute, bias):
+    """The one-token pipelines whose stages stream K-major weights row by row (gemv.block_row_gemv): Monarch's both
+    stages, BLAST's first, at odd sizes, forward and backward."""
+    x = torch.randn(1, B * M)
+    if structure == "monarch":
+        t = 5
+        tensors = [x, torch.randn(B, M, B * t) / M**0.5, torch.randn(B, B * t, P) / t**0.5, torch.randn(B * P)]
+        check(monarch_linear, monarch_linear_reference, drop_bias(tensors, bias), dtype, permute_output=permute,
+              variant="gemv_gemv_pdl")
+    else:
+        r = 19
+        tensors = [x, torch.randn(B, P, r) / r**0.5, torch.randn(B, M, r) / M**0.5, torch.randn(B, B, r) / B**0.5,
+                   torch.randn(B * P)]
+        check(blast_linear, blast_linear_reference, drop_bias(tensors, bias), dtype, variant="gemv_mix_gemv_pdl")
 
 
 def test_fused_mixing_is_offered_up_to_its_max_n():
@@ -275,10 +300,10 @@ SM90_PTX_SCRIPT = """
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from memfit.kernels import blast, blr_common
+from memfit.kernels import blast, blr_common, gemv
 
 kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
-           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel}
+           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "row_gemv": gemv._row_gemv_kernel}
 out = {}
 for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
@@ -293,6 +318,8 @@ print(json.dumps(out))
 """
 CHAIN_BASE = {"HAS_BIAS": True, "PRECISION": "tf32", "LINE": 64, "BN": 16, "BC": 64, "BK": 64}
 WAITS = {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": True}
+ROW_GEMV_BASE = {"HAS_BIAS": True, "LINE": 64, "BC": 32, "BK": 256}
+ROW_GEMV_ALIGNED = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "C", "swi", "swk", "sxm", "sym", "syi"]  # as at the paper's shapes
 CHAIN_CASES = {
     "bgemm waits, weights row-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True, "EVEN_K": False,
                                                  "BGRP": 0}),
@@ -305,6 +332,9 @@ CHAIN_CASES = {
                                          "WAIT_FOR_PREVIOUS": True, "BN": 16, "BK": 32}),
     "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
                                  "B_ROWS_CONTIGUOUS": True, "EVEN_K": False, "BGRP": 0}),
+    "row_gemv waits": ("row_gemv", {**ROW_GEMV_BASE, **WAITS}, ROW_GEMV_ALIGNED),           # Monarch's stage 2
+    "row_gemv launches": ("row_gemv", {**ROW_GEMV_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False},
+                          ROW_GEMV_ALIGNED),                                               # stage 1 at one token
 }
 
 
@@ -420,6 +450,22 @@ def test_first_stage_of_a_chain_lets_the_next_start_before_its_loads(sm90_ptx, c
     assert 0 <= launch < min(ptx.find(op) for op in ("ld.global", "cp.async") if op in ptx)
 
 
+def test_row_gemv_tiles_stream_16_byte_rows_without_spills():
+    """Every listed gemv.ROW_TILES tile, chained and in bf16 with W's rows 16-byte aligned (every shape of the paper's
+    tables), compiles for sm_90 to 16-byte loads of W, eight a thread a step (a tile of 8K-16K elements: what keeps
+    HBM busy, see ROW_TILES), with no register spills."""
+    from memfit.kernels import gemv
+
+    tiles = {str(tile): tile for tile in gemv.ROW_TILES}
+    cases = {name: ("row_gemv", {**ROW_GEMV_BASE, **WAITS, "BC": bc, "BK": bk}, ROW_GEMV_ALIGNED, stages, warps)
+             for name, (bc, bk, warps, stages) in tiles.items()}
+    for name, ptx in compile_sm90(cases).items():
+        bc, bk, warps, _ = tiles[name]
+        assert bc * bk // (32 * warps) == 64, name                  # 8 vectors of 8 bf16 a thread a step
+        assert len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)) == 8, name
+        assert ptxas_spills(ptx)[1] == 0, name
+
+
 def test_forcing_a_variant_not_offered_is_a_clear_error():
     x, w1, w2 = torch.randn(3, B * M), torch.randn(B, M, B * 5), torch.randn(B, B * 5, P)
     with pytest.raises(MemfitError, match="bmm"):
@@ -439,7 +485,7 @@ BLAST_VARIANTS = list(blast.VARIANTS)
 @pytest.mark.parametrize("n,bias", [(1, True), (N, False), (N, True)])
 def test_blast(dtype, variant, n, bias, monkeypatch):
     monkeypatch.setattr(blast, "TOKEN_MAJOR_MIN_N", 1)   # the token-contiguous pipelines at the tests' N too
-    if variant == "bgemm_mix_gemv_pdl":                   # offered at one token only: (1, bias) and (1, no bias)
+    if variant in ("bgemm_mix_gemv_pdl", "gemv_mix_gemv_pdl"):  # offered at one token only: (1, bias), (1, no bias)
         if n == N and bias:
             pytest.skip("one token with a bias is the first case")
         n = 1

@@ -83,6 +83,53 @@ def test_block_gemv_refuses_what_it_cannot_take():
         gemv.block_gemv(x, w, None, 3, -8)
 
 
+def _row_reference(x, w, bias, x_index, y_index, width):
+    """block_row_gemv's definition in float64, index by index."""
+    (blocks, k, c), (sxi, d, sxh, sxl), (syi, syc) = w.shape, x_index, y_index
+    rk = torch.arange(k)
+    y = torch.zeros(x.shape[0], width, dtype=torch.float64)
+    for i in range(blocks):
+        cols = i * syi + torch.arange(c) * syc
+        y[:, cols] = x[:, i * sxi + (rk // d) * sxh + (rk % d) * sxl].double() @ w[i].double()
+        if bias is not None:
+            y[:, cols] += bias[cols].double()
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, blocks, k, c, x_index, y_index", [
+    (1, 3, 11, 35, (11, 11, 0, 1), (35, 1)),      # Monarch's stage 1 / BLAST's: x_j's slice, z in its natural order
+    (3, 4, 20, 9, (5, 4, 1, 20), (1, 4)),         # Monarch's stage 2: w2's (s, j) rows gathered from z, permuted y
+    (4, 2, 300, 40, (3, 300, 0, 1), (40, 1)),     # K past one step of every tile, overlapping x slices
+])
+def test_block_row_gemv_matches_blocks(dtype, rows, blocks, k, c, x_index, y_index):
+    """Each block of W (B, K, C) meets the x vector its index gathers, written where the y index puts it, with and
+    without a bias, at odd sizes (C and K not multiples of a tile) and up to MAX_ROWS rows."""
+    sxi, d, sxh, sxl = x_index
+    width_x = (blocks - 1) * sxi + (k - 1) // d * sxh + (min(d, k) - 1) * sxl + 1
+    width_y = (blocks - 1) * y_index[0] + (c - 1) * y_index[1] + 1
+    x, w = torch.randn(rows, width_x).to(dtype), (torch.randn(blocks, k, c) / k**0.5).to(dtype)
+    bias = torch.randn(width_y).to(dtype)
+    for b in (bias, None):
+        y = torch.full((rows, width_y), float("nan"), dtype=dtype)
+        gemv.block_row_gemv(x, w, y, b, x_index, y_index)
+        assert not y.isnan().any()                  # every element of y's rows written (the indexes cover them)
+        assert _rel(y, _row_reference(x, w, b, x_index, y_index, width_y)) < TOL.get(dtype, 2e-2)
+
+
+def test_block_row_gemv_refuses_what_it_cannot_take():
+    """Each bad argument gets a MemfitError naming it, before anything is launched."""
+    x, w, y = torch.randn(1, 3 * 8), torch.randn(3, 8, 5), torch.empty(1, 15)
+    bad = {"3-D": dict(w=torch.randn(24, 5)), "one float dtype": dict(x2=x.double()),
+           "1 to 4 rows": dict(x2=torch.randn(5, 24)), "unit inner": dict(w=torch.randn(3, 5, 8).transpose(1, 2)),
+           "divisor": dict(x_index=(8, 0, 0, 1)), "end of x": dict(x_index=(9, 8, 0, 1)),
+           "end of y": dict(y_index=(5, 2)), "bias": dict(bias=torch.randn(30)[::2])}
+    for problem, change in bad.items():
+        args = dict(x2=x, w=w, y=y, bias=None, x_index=(8, 8, 0, 1), y_index=(5, 1)) | change
+        with pytest.raises(MemfitError, match=problem):
+            gemv.block_row_gemv(**args)
+
+
 @pytest.mark.cpu_only(reason="its last check is the pick off the GPU")
 def test_gemv_refuses_what_it_cannot_take():
     assert gemv.takes(torch.randn(4, 8), torch.randn(3, 8)) and not gemv.takes(torch.randn(5, 8), torch.randn(3, 8))

@@ -234,3 +234,116 @@ def pick_path(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | 
     candidates = {name: over_group(name) for name in PATHS}
     key = (shape_key(x.numel() // x.shape[-1], w, b), f"x{len(weights)}")
     return pick_variant("gemv", key, candidates, CUBLAS, (x, weights))
+
+
+# ---- x times W with W's rows along K: the decode stages of Monarch (and BLAST's stage 1) ------------------------------
+
+# The tiles of the row-streaming GEMV (BC columns a program, BK rows a step, warps, stages): 8K-16K elements a step
+# (16-32 KB in bf16), eight 16-byte loads a thread. Triton software-pipelines only loads that feed a dot, so a program
+# has one step's loads in flight, and the step's size is what keeps HBM busy: by Little's law, at about one program an
+# SM and a microsecond of latency, 4 KB steps would stream at most about 0.5 TB/s. tile_picks records the pick.
+ROW_TILES = [(32, 256, 4, 1), (64, 128, 4, 1), (16, 512, 4, 1), (128, 64, 4, 1), (64, 256, 8, 1), (32, 512, 8, 1),
+             (128, 128, 8, 1)]
+
+
+def _prune_row_tiles(configs, named_args, **kwargs):
+    """Tiles no wider along C, and no deeper along K, than the product needs."""
+    c, k = named_args["C"], named_args["K"]
+    keep = [cfg for cfg in configs if cfg.kwargs["BC"] <= max(32, triton.next_power_of_2(c))
+            and cfg.kwargs["BK"] <= max(16, triton.next_power_of_2(k))]
+    return keep or configs[-1:]
+
+
+@triton.jit
+def _row_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, C, D, sxm, sxi, sxh, sxl, swi, swk, sym, syi, syc,
+                     HAS_BIAS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, WAIT_FOR_PREVIOUS: tl.constexpr,
+                     LINE: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """y[m, i syi + c syc] = sum_k x[m, i sxi + (k // D) sxh + (k % D) sxl] w[i, k, c] for BC columns c of block i:
+    W's rows (K, C) streamed a BK-row step at a time along their unit-stride columns, an fp32 partial per element of
+    the tile, summed over the rows once at the end. The x index's two parts let a stage read its vector gathered
+    (Monarch's stage 2: w2's rows in (s, j) order from z in (j, s) order). Programs: row m fastest, then the column
+    tiles, then the blocks."""
+    c_tiles = tl.cdiv(C, BC)
+    pid = tl.program_id(0)
+    m = pid % M
+    tile = pid // M
+    i = tile // c_tiles
+    rc = (tile % c_tiles) * BC + tl.arange(0, BC)
+    rk = tl.arange(0, BK)
+    cols_ok = rc < C
+    w_block = w_ptr + i.to(tl.int64) * swi
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
+    if WAIT_FOR_PREVIOUS:                            # this program's slice of W into L2, then x from the kernel before
+        prefetch_l2(w_block + (tile % c_tiles) * BC, K, swk, tl.minimum(BC, C - (tile % c_tiles) * BC), LINE)
+        tl.extra.cuda.gdc_wait()
+    x_row = x_ptr + m.to(tl.int64) * sxm + i * sxi
+    acc = tl.zeros((BK, BC), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + rk
+        rows_ok = k < K
+        w = tl.load(w_block + k[:, None].to(tl.int64) * swk + rc[None, :], mask=rows_ok[:, None] & cols_ok[None, :],
+                    other=0.0)
+        x = tl.load(x_row + (k // D) * sxh + (k % D) * sxl, mask=rows_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[:, None]
+    y = tl.sum(acc, axis=0)
+    col = i * syi + rc * syc
+    if HAS_BIAS:
+        y += tl.load(b_ptr + col, mask=cols_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m.to(tl.int64) * sym + col, y.to(y_ptr.dtype.element_ty), mask=cols_ok)
+
+
+_row_gemv_tuned = tuned(ROW_TILES, ("BC", "BK"), (32, 16, 4, 1),
+                        key=["M", "K", "C", "D", "LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"],
+                        prune=_prune_row_tiles)(_row_gemv_kernel)
+
+
+def block_row_gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None,
+                   x_index: tuple[int, int, int, int], y_index: tuple[int, int],
+                   launch_dependents: bool = False, wait_for_previous: bool = False) -> torch.Tensor:
+    """y[m, i syi + c syc] = sum_k x2[m, i sxi + (k // D) sxh + (k % D) sxl] w[i, k, c] (+ bias at the same index), for
+    w (B, K, C) with unit-stride columns and x2's M <= MAX_ROWS rows: a block-diagonal product at decode whose weights
+    are stored K-major (Monarch's w1 (b, m, r) and w2 (b, r, p), BLAST's V (b, m, r)), streamed row by row where a
+    tensor-core tile would pad the one token to 16 rows. ``x_index`` is (sxi, D, sxh, sxl), ``y_index`` (syi, syc);
+    ``launch_dependents``/``wait_for_previous``: a stage of a chain (:func:`blr_common.chain_options`; the waiting
+    stage pulls its slice of W into L2 first). Writes ``y`` (M rows, row stride y.stride(0)) and returns it."""
+    if problem := _row_problem(x2, w, y, bias, x_index, y_index):
+        raise MemfitError(f"block_row_gemv: {problem}; got x {tuple(x2.shape)} {x2.dtype} stride {tuple(x2.stride())}, "
+                          f"W {tuple(w.shape)} {w.dtype} stride {tuple(w.stride())}, y {tuple(y.shape)} {y.dtype}, "
+                          f"x index {x_index}, y index {y_index}")
+    blocks, k, c = w.shape
+    m = x2.shape[0]
+    sxi, d, sxh, sxl = x_index
+    grid = lambda meta: (m * blocks * triton.cdiv(c, meta["BC"]),)  # noqa: E731
+    _row_gemv_tuned[grid](x2, w, bias if bias is not None else w, y, m, k, c, d, x2.stride(0), sxi, sxh, sxl,
+                          w.stride(0), w.stride(1), y.stride(0), *y_index, HAS_BIAS=bias is not None,
+                          LINE=line_elements(w),
+                          **chain_options(launch_dependents=launch_dependents, wait_for_previous=wait_for_previous))
+    return y
+
+
+def _row_problem(x2, w, y, bias, x_index, y_index) -> str | None:
+    """Why :func:`block_row_gemv` cannot take these arguments, or None: every index it forms must land inside x's
+    and y's rows (the kernel does not check)."""
+    if x2.dim() != 2 or w.dim() != 3 or y.dim() != 2:
+        return "x and y must be 2-D, W 3-D"
+    if not (x2.dtype == w.dtype == y.dtype and w.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and x2.device == w.device == y.device):
+        return "x, W and y need one float dtype (float16, bfloat16 or float32) and one device"
+    (blocks, k, c), m = w.shape, x2.shape[0]
+    if not (0 < m <= MAX_ROWS and y.shape[0] == m):
+        return f"x needs 1 to {MAX_ROWS} rows, and y as many"
+    if min(w.shape) < 1 or w.stride(2) != 1 or x2.stride(1) != 1 or y.stride(1) != 1:
+        return "W must not be empty, and W's columns, x and y need unit inner strides"
+    sxi, d, sxh, sxl = x_index
+    syi, syc = y_index
+    if d < 1 or min(sxi, sxh, sxl, syi, syc) < 0:
+        return "the index's divisor must be positive and its strides not negative"
+    if (blocks - 1) * sxi + (k - 1) // d * sxh + min(d, k) * sxl - sxl >= x2.shape[1]:
+        return "the x index passes the end of x's rows"
+    if (blocks - 1) * syi + (c - 1) * syc >= y.shape[1]:
+        return "the y index passes the end of y's rows"
+    if bias is not None and (bias.shape != (y.shape[1],) or bias.stride(0) != 1 or bias.dtype != w.dtype
+                             or bias.device != w.device):
+        return f"the bias must be ({y.shape[1]},), as y's rows, contiguous, in W's dtype and on its device"
+    return None

@@ -23,6 +23,9 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   its w2 slice into L2, then waits for z). At decode each stage is a launch plus one
   dependent weight read, so overlapping them is most of what is left to gain. The two stages' tiles
   are picked together (blr_common.pick_chain_tiles). Both layouts.
+* ``gemv_gemv_pdl`` (N = 1, Hopper+): ``two_stage_pdl`` with both stages as row-streaming GEMVs
+  (:func:`gemv.block_row_gemv`: w1 and w2 read along their unit-stride columns on CUDA cores, stage 2's vector
+  gathered from z in w2's row order), where ``bgemm``'s tensor-core tile pads the one token to 16 rows.
 * ``bmm`` (N <= SCATTERED_Z_MAX_N): the Triton stage 1 storing z in (s, j) order (a column stride of b in
   its store), then stage 2 on cuBLAS (:func:`per_block_gemm`), a
   strided batched GEMM reading z as (b_i, N, r) (lda = b r) and writing the block-major
@@ -93,6 +96,7 @@ import triton
 import triton.language as tl
 
 from memfit.errors import MemfitError
+from memfit.kernels import gemv
 from memfit.kernels.blr_common import (
     A_WINDOW_SLACK,
     TOKEN_MAJOR_MIN_N,
@@ -264,6 +268,23 @@ def _tbmm_tbmm(x2, w1, w2, bias, permute_output):
     return y
 
 
+# ---- one token: both stages as row-streaming GEMVs, chained ---------------------------------------------
+
+def _gemv_gemv_pdl(x2, w1, w2, bias, permute_output):
+    """Both stages by :func:`gemv.block_row_gemv`, the second launched while the first runs (it pulls its column
+    slice of w2 into L2, then waits for z): z[n, j r + c] = x_j w1[j][:, c] in its natural order, then block i's
+    vector gathered from it in w2's (s, j) row order, z[n, j r + i t + s] for row s b + j, with the output layout
+    folded into the store. Each program streams whole rows of its weight tile along their unit-stride columns on
+    CUDA cores, where ``two_stage_pdl``'s tensor-core tiles pad the one token to 16 rows."""
+    b, m, r = w1.shape
+    t, n, p = r // b, x2.shape[0], w2.shape[2]
+    z = torch.empty(n, b * r, device=x2.device, dtype=x2.dtype)
+    gemv.block_row_gemv(x2, w1, z, None, (m, m, 0, 1), (r, 1), launch_dependents=True)
+    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
+    return gemv.block_row_gemv(z, w2, y, bias, (t, b, 1, r), (1, b) if permute_output else (p, 1),
+                               wait_for_previous=True)
+
+
 # ---- fused kernel (decode without PDL; then a candidate at every N): both dots in one pipelined loop -----
 
 def _prune_fused(configs, named_args, **kwargs):
@@ -330,8 +351,8 @@ def _fused(x2, w1, w2, bias, permute_output):
 
 
 VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm,
-            "bmm_gather": _bmm_gather, "tbmm": _tbmm, "tbmm_tbmm": _tbmm_tbmm, "fused": _fused,
-            "torch": monarch_linear_reference}
+            "bmm_gather": _bmm_gather, "tbmm": _tbmm, "tbmm_tbmm": _tbmm_tbmm, "gemv_gemv_pdl": _gemv_gemv_pdl,
+            "fused": _fused, "torch": monarch_linear_reference}
 UNPICKED_WITH_PDL = ("fused",)  # never within 5% of the fastest on the H200 (blr_common.pick_candidates)
 
 
@@ -341,6 +362,7 @@ def variants_for(n: int, b: int, m: int, t: int, p: int, permute_output: bool) -
     (which shares a pick: a token-major pipeline picked at N = 128 is offered at N = 100)."""
     n = pick_bucket(n)
     names = ["two_stage", "torch"] + (["two_stage_pdl"] if n <= TWO_STAGE_PDL_MAX_N and pdl_offered() else [])
+    names += ["gemv_gemv_pdl"] if n == 1 and pdl_offered() else []
     if n >= TOKEN_MAJOR_MIN_N:
         names.append("bmm_gather")
     if not permute_output:
