@@ -80,7 +80,7 @@ def test_saved_activations_match_what_autograd_saves(dtype, task):
     sizes = {}
     for op in graph.ops:
         for sym in op.inputs + op.outputs:
-            sizes[sym.root.uid] = sym.root
+            sizes[sym.uid] = sym
     predicted = sum(sizes[uid].nbytes for uid in saved if uid in sizes and not sizes[uid].persistent)
 
     model = build_model(TINY, dtype=dtype).train()
@@ -240,6 +240,21 @@ def test_checkpointed_layers_hold_their_input_and_the_rope_tables():
     assert (layer_input.name, layer_input.nbytes) == ("embed", 4096 * spec.hidden * 2)
     assert [(s.name, s.nbytes) for s in others] == [("rope_cos_sin", tables)]
     assert (kept[5][0].name, [s.name for s in kept[5][1]]) == ("4.residual2", ["rope_cos_sin"])
+
+
+def test_one_graph_serves_every_checkpoint_offload_and_optimizer_choice():
+    """The planner's candidates that differ only in checkpointed or offloaded layers or the optimizer replay one
+    graph (built once), and the replay, not the graph, decides which layers are checkpointed."""
+    from memfit.ledger.predict import _train_graph
+
+    job = Job(TINY, task="full", seq=64, batch=4, device="cpu")
+    shared = _train_graph(job, Knobs())
+    assert all(_train_graph(job, Knobs(**change)) is shared
+               for change in ({"checkpoint_layers": 2}, {"checkpoint_layers": 2, "offload_layers": 1},
+                              {"optimizer": "sgd"}))
+    assert _train_graph(job, Knobs(micro_batch=2)) is not shared
+    with_checkpoints = predict(job, Knobs(checkpoint_layers=TINY.num_layers))
+    assert with_checkpoints.peak["activations"] < predict(job, Knobs()).peak["activations"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

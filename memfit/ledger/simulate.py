@@ -22,6 +22,7 @@ workspace ...) so the live bytes at the peak break down by component.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -36,14 +37,9 @@ class Sym:
     nbytes: int
     requires_grad: bool
     component: str = "temporaries"  # an activation becomes "activations" once an op saves it
-    storage: "Sym | None" = None  # a view or same-dtype cast aliases another tensor's storage
     persistent: bool = False  # parameters, inputs held by the caller: never freed here
     element_size: int = 0  # parameters: bytes per element (optimizer states follow it)
     uid: int = field(default_factory=lambda: next(_ids))
-
-    @property
-    def root(self) -> "Sym":
-        return self.storage.root if self.storage is not None else self
 
 
 @dataclass(eq=False)
@@ -59,20 +55,22 @@ class Op:
     segment: int | None = None  # checkpointed segment id, or None
     holds: list[Sym] = field(default_factory=list)  # tensors a Python frame keeps alive until this op is done
 
-    @property
+    @functools.cached_property
     def needs_backward(self) -> bool:
+        """Whether autograd records the op (asked once per op per replay: a graph's ops do not change once built)."""
         return any(o.requires_grad for o in self.outputs)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Event:
-    """Live bytes by component at one moment of the replay."""
+    """Live bytes by component at one moment of the replay (not to be changed: its total is summed once, and a replay
+    compares it at every op)."""
 
     phase: str
     where: str
     live: dict[str, int]
 
-    @property
+    @functools.cached_property
     def total(self) -> int:
         return sum(self.live.values())
 
@@ -92,27 +90,24 @@ class Memory:
         self.phase_peaks: dict[str, Event] = {}
 
     def alloc(self, sym: Sym) -> None:
-        root = sym.root
-        if root.persistent or root.uid in self.live:
+        if sym.persistent or sym.uid in self.live:
             return
-        self.live[root.uid] = root.component
-        self.by_component[root.component] = self.by_component.get(root.component, 0) + root.nbytes
-        self.total += root.nbytes
+        self.live[sym.uid] = sym.component
+        self.by_component[sym.component] = self.by_component.get(sym.component, 0) + sym.nbytes
+        self.total += sym.nbytes
 
     def free(self, sym: Sym) -> None:
-        root = sym.root
-        component = self.live.pop(root.uid, None)
+        component = self.live.pop(sym.uid, None)
         if component is not None:
-            self.by_component[component] -= root.nbytes
-            self.total -= root.nbytes
+            self.by_component[component] -= sym.nbytes
+            self.total -= sym.nbytes
 
     def mark_saved(self, sym: Sym) -> None:
         """A live temporary that an op saved for backward now counts as an activation."""
-        root = sym.root
-        if self.live.get(root.uid) == "temporaries":
-            self.live[root.uid] = "activations"
-            self.by_component["temporaries"] -= root.nbytes
-            self.by_component["activations"] = self.by_component.get("activations", 0) + root.nbytes
+        if self.live.get(sym.uid) == "temporaries":
+            self.live[sym.uid] = "activations"
+            self.by_component["temporaries"] -= sym.nbytes
+            self.by_component["activations"] = self.by_component.get("activations", 0) + sym.nbytes
 
     def mark(self, phase: str, where: str, extra: dict[str, int] | None = None) -> None:
         total = self.total + (sum(extra.values()) if extra else 0)
@@ -136,7 +131,7 @@ def _uses(ops: list[Op]) -> dict[int, int]:
     last: dict[int, int] = {}
     for index, op in enumerate(ops):
         for sym in op.inputs + op.holds:
-            last[sym.root.uid] = index
+            last[sym.uid] = index
     return last
 
 
@@ -144,7 +139,13 @@ def segment_inputs(ops: list[Op]) -> dict[int, tuple[Sym, list[Sym]]]:
     """What each checkpointed segment keeps from the forward until its backward is done: the layer's
     hidden states (its first op's first input; an offloaded segment keeps a CPU copy instead, brought
     back for the recompute) and every other non-parameter tensor its ops read from outside it (shared
-    tables such as RoPE's cos/sin, which the checkpoint's closure holds by reference)."""
+    tables such as RoPE's cos/sin, which the checkpoint's closure holds by reference). Found once per list of ops
+    (a graph's ops do not change once built; the planner replays one graph many times)."""
+    return _segment_inputs(tuple(ops))
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_inputs(ops: tuple[Op, ...]) -> dict[int, tuple[Sym, list[Sym]]]:
     kept: dict[int, tuple[Sym, dict[int, Sym]]] = {}
     made: dict[int, set[int]] = {}
     for op in ops:
@@ -157,10 +158,10 @@ def segment_inputs(ops: list[Op]) -> dict[int, tuple[Sym, list[Sym]]]:
             kept[op.segment] = (op.inputs[0], {})
         layer_input, others = kept[op.segment]
         for sym in op.inputs:
-            uid = sym.root.uid
-            if uid not in inside and uid != layer_input.root.uid and not sym.root.persistent:
+            uid = sym.uid
+            if uid not in inside and uid != layer_input.uid and not sym.persistent:
                 others.setdefault(uid, sym)
-        inside.update(out.root.uid for out in op.outputs)
+        inside.update(out.uid for out in op.outputs)
     return {segment: (layer_input, list(others.values())) for segment, (layer_input, others) in kept.items()}
 
 
@@ -188,18 +189,18 @@ def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], sa
                     segments_seen.add(op.segment)
                     layer_input, others = kept[op.segment]
                     for sym in others if op.segment in offloaded else [layer_input, *others]:
-                        saved[sym.root.uid] = saved.get(sym.root.uid, 0) + 1
+                        saved[sym.uid] = saved.get(sym.uid, 0) + 1
                         memory.mark_saved(sym)
             else:
                 for sym in op.saves:
-                    saved[sym.root.uid] = saved.get(sym.root.uid, 0) + 1
+                    saved[sym.uid] = saved.get(sym.uid, 0) + 1
                     memory.mark_saved(sym)
         for sym in op.inputs + op.holds:
-            uid = sym.root.uid
+            uid = sym.uid
             if last_use.get(uid) == index and uid not in saved and uid not in keep:
                 memory.free(sym)
         for out in op.outputs:  # outputs nobody reads (and nobody saved) die at once
-            uid = out.root.uid
+            uid = out.uid
             if uid not in last_use and uid not in saved and uid not in keep:
                 memory.free(out)
     return saved
@@ -228,17 +229,17 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
                     if segment in offloaded:
                         layer_input = kept[segment][0]
                         memory.alloc(layer_input)
-                        saved[layer_input.root.uid] = saved.get(layer_input.root.uid, 0) + (segment == op.segment)
+                        saved[layer_input.uid] = saved.get(layer_input.uid, 0) + (segment == op.segment)
             resaved = replay_forward(segment_ops[op.segment], memory, "recompute", keep=set(saved), save=True)
             for uid, count in resaved.items():
                 saved[uid] = saved.get(uid, 0) + count
             segments_done.add(op.segment)
-        if op.needs_backward and any(o.root.uid in grad_of for o in op.outputs):
+        if op.needs_backward and any(o.uid in grad_of for o in op.outputs):
             accumulate = 0  # an existing .grad gets the new gradient added from a transient buffer
             for sym in op.inputs:
                 if not sym.requires_grad:
                     continue
-                uid = sym.root.uid
+                uid = sym.uid
                 if uid in grad_of:
                     if sym.persistent:
                         accumulate += sym.nbytes
@@ -257,7 +258,7 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             workspace = op.backward_workspace + accumulate
             memory.mark("backward", op.name, {"workspace": workspace} if workspace else None)
             for out in op.outputs:
-                grad = grad_of.pop(out.root.uid, None)
+                grad = grad_of.pop(out.uid, None)
                 if grad is not None and grad.component != param_grad_component:
                     memory.free(grad)
             if op.segment not in checkpointed or op.segment in segments_done:
@@ -271,11 +272,11 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
 
 def _release(sym: Sym, saved: dict[int, int], memory: Memory) -> None:
     """Drop one saved reference to ``sym``; free it when none is left."""
-    uid = sym.root.uid
+    uid = sym.uid
     if uid not in saved:
         return
     saved[uid] -= 1
     if saved[uid] <= 0:
         del saved[uid]
-        if not sym.root.persistent:
+        if not sym.persistent:
             memory.free(sym)
