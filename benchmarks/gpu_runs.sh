@@ -44,11 +44,14 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # The kernel tests on the GPU at 7d90041 (their logs in results/logs): 40.3 s for the BLR file, 275.6 s for 267 of the
 # other files' 279 tests, stopped by a 270 s limit,
 # each log's own count (-vv names every test as it ends, so a run stopped by its limit still says what it ran).
+# blr_layers_decode_gemv (one token, Monarch and BLAST, every shape) took 199 s of wall time at 42ef66a, its file
+# records 191 s (results/blr_layers_subset_decode_gemv.json).
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
   "blr_e2e|400|python3 benchmarks/blr_e2e.py --out $OUT --profile"
   "blr_layers_monarch_decode|400|python3 benchmarks/blr_layers.py --out $OUT/monarch_decode --structures monarch --tokens 1 16"
+  "blr_layers_decode_gemv|300|python3 benchmarks/blr_layers.py --out $OUT/decode_gemv --structures monarch blast --tokens 1"
   "blr_layers_monarch|590|python3 benchmarks/blr_layers.py --out $OUT --structures monarch"
   "blr_layers_monarch_resume|590|python3 benchmarks/blr_layers.py --out $OUT --structures monarch --resume"
   "blr_layers_profile|240|python3 benchmarks/blr_layers.py --out $OUT --profile-only"
