@@ -61,8 +61,12 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   fastest pipeline (Llama-7B gate/up: 41.38 against ``bmm_mix_bmm``'s 21.15 us; ``blr_layers_subset_gemv_chain_n4.json``,
   ce2e15c; not profiled: each of the four rows of x has its own programs, which read U_i again, from L2 at best). So
   it is offered at one token only.
-* ``gemv_mix_gemv_pdl`` (N = 1, Hopper+): ``bgemm_mix_gemv_pdl`` with stage 1 as a row-streaming GEMV too
-  (:func:`gemv.block_row_gemv`, V read along its unit-stride ranks).
+* Tried and taken out, ``gemv_mix_gemv_pdl`` (42ef66a): ``bgemm_mix_gemv_pdl`` with stage 1 as a row-streaming GEMV
+  too (:func:`gemv.block_row_gemv`, V read along its unit-stride ranks, the kernel Monarch's ``gemv_gemv_pdl`` runs).
+  At one token it was the pick at Llama-1B q/o only, 5.65 against ``bgemm_mix_gemv_pdl``'s 5.68 us, and took
+  1.48-2.21x that pipeline's time at the other six shapes (first timings; Llama-1B up 22.34 against 10.09 us), where
+  Monarch's chain, whose first stage is the same launch of the same kernel at the same shapes, took 0.97-1.21x its
+  GEMM chain's (not profiled: what differs is the kernel z goes to; ``results/blr_layers_subset_decode_gemv.json``).
 * Tried and taken out, ``xvmix_gemv_pdl`` (f366b36, 2e1fb9b): at one token, stages 1 and 2 in one kernel (Z summed
   on CUDA cores from V's rank-contiguous rows and mixed on chip), chained into the same GEMV: two dependent launches
   where ``bgemm_mix_gemv_pdl`` has three. With one program a rank slice, every block in it (f366b36), it took
@@ -388,17 +392,6 @@ def _bgemm_mix_gemv_pdl(x2, u, v, s, bias):
     return gemv.block_gemv(t.view(n, b * r), u.view(-1, r), bias, b, r, wait_for_previous=True)
 
 
-def _gemv_mix_gemv_pdl(x2, u, v, s, bias):
-    """``bgemm_mix_gemv_pdl`` with stage 1 as a row-streaming GEMV too (:func:`gemv.block_row_gemv`: V (b, m, r)
-    streamed along its unit-stride ranks on CUDA cores, where ``bgemm``'s tensor-core tile pads the one token to 16
-    rows): three kernels, each launched while the one before runs."""
-    (b, m, r), n = v.shape, x2.shape[0]
-    z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
-    gemv.block_row_gemv(x2, v, z.view(n, b * r), None, (m, m, 0, 1), (r, 1), launch_dependents=True)
-    t = _zmix(z, s, chained=True)
-    return gemv.block_gemv(t.view(n, b * r), u.view(-1, r), bias, b, r, wait_for_previous=True)
-
-
 # ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------
 
 def _prune_mixgemm(configs, named_args, **kwargs):
@@ -469,7 +462,7 @@ def _z_mixgemm_pdl(x2, u, v, s, bias):
 
 VARIANTS = {"xvmix_bmm": _xvmix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "tbmm_mix_tbmm": _tbmm_mix_tbmm, "z_mixgemm": _z_mixgemm,
             "z_mixgemm_pdl": _z_mixgemm_pdl, "bgemm_mix_bgemm_pdl": _bgemm_mix_bgemm_pdl,
-            "bgemm_mix_gemv_pdl": _bgemm_mix_gemv_pdl, "gemv_mix_gemv_pdl": _gemv_mix_gemv_pdl,
+            "bgemm_mix_gemv_pdl": _bgemm_mix_gemv_pdl,
             "torch": blast_linear_reference}
 
 
@@ -483,8 +476,7 @@ def variants_for(n: int) -> dict:
         names.append("tbmm_mix_tbmm")
     if n <= PDL_MAX_N and pdl_offered():
         names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
-        names += ["bgemm_mix_gemv_pdl", "gemv_mix_gemv_pdl"] if n == 1 else []  # after the GEMM chain, whose stage-1
-        # tile the first takes
+        names += ["bgemm_mix_gemv_pdl"] if n == 1 else []      # after the GEMM chain, whose stage-1 tile it takes
     return {name: VARIANTS[name] for name in names}
 
 

@@ -19,6 +19,11 @@ blocks of P, block i multiplied by its own slice of the x row (BLAST's Y_i = T_i
 with the rank contiguous), optionally chained after the kernel that writes x (it pulls its rows of W into L2,
 then waits). Its tile is autotuned there, as the BLR kernels' are.
 
+Monarch's factors are stored K-major, w1 (b, m, r) and w2 (b, r, p): at one token its stages run
+:func:`block_row_gemv`, the transpose of the above (a program streams a BC-column strip of W's rows and sums over
+them once at the end), reading each block's x vector through a two-part index so that stage 2 gathers z in w2's
+row order.
+
 Which path is fastest depends on the shape, so ``pick_path`` times cuBLAS (``F.linear``)
 against every tile variant over a whole group of same-shaped weights (all layers' q/k/v,
 say: more than L2 holds, as in a real decode step) with ``blr_common.pick_variant``,
@@ -236,7 +241,7 @@ def pick_path(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | 
     return pick_variant("gemv", key, candidates, CUBLAS, (x, weights))
 
 
-# ---- x times W with W's rows along K: the decode stages of Monarch (and BLAST's stage 1) ------------------------------
+# ---- x times W with W's rows along K: Monarch's decode stages ----------------------------------------------------
 
 # The tiles of the row-streaming GEMV (BC columns a program, BK rows a step, warps, stages): 8K-16K elements a step
 # (16-32 KB in bf16), eight 16-byte loads a thread. Triton software-pipelines only loads that feed a dot, so a program
@@ -303,8 +308,8 @@ def block_row_gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: tor
                    launch_dependents: bool = False, wait_for_previous: bool = False) -> torch.Tensor:
     """y[m, i syi + c syc] = sum_k x2[m, i sxi + (k // D) sxh + (k % D) sxl] w[i, k, c] (+ bias at the same index), for
     w (B, K, C) with unit-stride columns and x2's M <= MAX_ROWS rows: a block-diagonal product at decode whose weights
-    are stored K-major (Monarch's w1 (b, m, r) and w2 (b, r, p), BLAST's V (b, m, r)), streamed row by row where a
-    tensor-core tile would pad the one token to 16 rows. ``x_index`` is (sxi, D, sxh, sxl), ``y_index`` (syi, syc);
+    are stored K-major (Monarch's w1 (b, m, r) and w2 (b, r, p)), streamed row by row where a tensor-core tile would
+    pad the one token to 16 rows. ``x_index`` is (sxi, D, sxh, sxl), ``y_index`` (syi, syc);
     ``launch_dependents``/``wait_for_previous``: a stage of a chain (:func:`blr_common.chain_options`; the waiting
     stage pulls its slice of W into L2 first). Writes ``y`` (M rows, row stride y.stride(0)) and returns it."""
     if problem := _row_problem(x2, w, y, bias, x_index, y_index):
