@@ -40,7 +40,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # backward whose kernels autotune on first call, so that file has its own entry with a longer limit (log
 # gpu_tests_other_0888d75.log). At c34cdd3 that file alone took 403.7 s under -n 12 (410 s of wall time; 119 passed,
 # 13 skipped), near its 420 s limit, now 540; the BLR file 82.4 s (311 passed, 12 skipped; logs in results/logs). At
-# ad67b83 the other three files 69.0 s (145 passed, 2 skipped).
+# ad67b83 the other three files 69.0 s (145 passed, 2 skipped). At 376884c (one device call, 166 s of wall time) the
+# BLR file 84.2 s (322 passed, 12 skipped), the other three 69.3 s (152 passed, 2 skipped).
 # The kernel tests on the GPU at 7d90041 (their logs in results/logs): 40.3 s for the BLR file, 275.6 s for 267 of the
 # other files' 279 tests, stopped by a 270 s limit,
 # each log's own count (-vv names every test as it ends, so a run stopped by its limit still says what it ran).
