@@ -124,6 +124,7 @@ def test_finetune_out_is_a_file(tmp_path, capsys, no_model_load):
     (("--checkpoint", "layer", "--offload", "al"), "--offload must be none, all or a number of first layers, got 'al'"),
     (("--checkpoint", "layer", "--offload", "²"), "--offload must be none, all or a number of first layers, got '²'"),
     (("--checkpoint", "layer", "--offload", "00", "--offload-to", "disk"), "--offload-to disk needs --offload all or N"),
+    (("--checkpoint", "layer", "--offload", "3"), "--offload 3: tiny has 2 layers"),      # had been found after the load
 ])
 def test_finetune_bad_settings(tmp_path, capsys, no_model_load, extra, message):
     _fails(capsys, _finetune(tmp_path, *extra), message)

@@ -183,11 +183,45 @@ def test_gpu_memory_plan_becomes_the_run_techniques():
     from memfit.models import PRESETS
 
     spec = PRESETS["llama-3.2-3b"]
-    args = argparse.Namespace(offload="none", checkpoint="none", offload_to="cpu", four_bit=False, fused_ce=False,
+    args = argparse.Namespace(offload=None, checkpoint=None, offload_to="cpu", four_bit=False, fused_ce=True,
                               gpu_memory="8GiB", max_len=2048, batch_size=1, lora_r=16)
     techniques = choose_techniques(args, spec, torch.device("cuda"), torch.bfloat16, Console(file=None, quiet=True))
     assert techniques.fused_ce or techniques.four_bit or techniques.places is not None
     assert techniques.places is None or len(techniques.places) == spec.num_layers
+
+
+def test_a_gpu_memory_plan_keeps_off_what_the_flags_turn_off():
+    """--checkpoint none, --offload none and --no-fused-ce given with --gpu-memory keep the plan from those techniques
+    (the plan had checkpointed, offloaded or fused the loss over them, unsaid): at 6 GiB, whose fastest plan offloads
+    and checkpoints, neither refused technique is used, so no plan fits; with room, the plan line says what was
+    kept off."""
+    import io
+
+    from rich.console import Console
+
+    from memfit.commands.finetune import choose_techniques
+    from memfit.models import PRESETS
+
+    def chosen(gpu_memory, **flags):
+        said = io.StringIO()
+        args = argparse.Namespace(**{"offload": None, "checkpoint": None, "fused_ce": True, "offload_to": "cpu",
+                                     "four_bit": False, "max_len": 4096, "batch_size": 2, "lora_r": 16,
+                                     "gpu_memory": gpu_memory, **flags})
+        techniques = choose_techniques(args, PRESETS["llama-3.2-3b"], torch.device("cuda"), torch.bfloat16,
+                                       Console(file=said, width=300))
+        return techniques, said.getvalue()
+
+    free, _ = chosen("6GiB")
+    assert free.fused_ce and "cpu" in free.places and "as asked" not in _
+    for refused in ({"offload": "none"}, {"checkpoint": "none"}):
+        with pytest.raises(MemfitError, match="no plan fits 6.00 GiB"):
+            chosen("6GiB", **refused)
+    no_offload, said = chosen("8GiB", offload="none")
+    assert "cpu" not in no_offload.places and "(no offload, as asked)" in said
+    no_checkpoints, said = chosen("48GiB", checkpoint="none")
+    assert no_checkpoints.places is None and no_checkpoints.fused_ce and "(no checkpoints, as asked)" in said
+    unfused, said = chosen("60GiB", checkpoint="none", fused_ce=False)
+    assert not unfused.fused_ce and "(no checkpoints, no fused loss, as asked)" in said
 
 
 def test_the_run_banner_says_the_techniques_in_words():
@@ -207,10 +241,13 @@ def test_gpu_memory_refuses_the_flags_its_plan_sets():
     """On CUDA the plan for --gpu-memory sets checkpointing and offload; flags for them had been dropped unsaid."""
     from memfit.commands.finetune import check_technique_flags
 
+    spec = PRESETS["llama-3.2-3b"]
     args = argparse.Namespace(offload="all", checkpoint="layer", offload_to="cpu", gpu_memory="8GiB")
     with pytest.raises(MemfitError, match="--checkpoint layer, --offload all: with --gpu-memory on CUDA the plan"):
-        check_technique_flags(args, torch.device("cuda"))
-    check_technique_flags(args, torch.device("cpu"))     # on the CPU --gpu-memory plans nothing: the flags apply
+        check_technique_flags(args, spec, torch.device("cuda"))
+    check_technique_flags(args, spec, torch.device("cpu"))     # on the CPU --gpu-memory plans nothing: the flags apply
+    none = argparse.Namespace(offload="none", checkpoint="none", offload_to="cpu", gpu_memory="8GiB")
+    check_technique_flags(none, spec, torch.device("cuda"))    # an explicit none keeps the plan from it instead
 
 
 def test_finetune_plans_only_with_what_patch_applies():

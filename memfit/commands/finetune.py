@@ -67,7 +67,8 @@ def add_parser(sub):
     parser.add_argument("--data", default=None, help="JSONL file (default: memfit's bundled small data set)")
     parser.add_argument("--gpu-memory", default=None,
                         help="GPU memory budget, e.g. 8GiB: on CUDA the planner picks the techniques (the fastest plan "
-                             "that fits); the measured peak is checked against it")
+                             "that fits, without those turned off by name below); the measured peak is checked against "
+                             "it")
     parser.add_argument("--out", default="memfit-finetune", help="output directory (default: ./memfit-finetune)")
     parser.add_argument("--steps", type=int, default=60, help="total optimizer steps (default: 60)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
@@ -82,14 +83,18 @@ def add_parser(sub):
     parser.add_argument("--train-norm", action=argparse.BooleanOptionalAction, default=None,
                         help="also train the final RMSNorm weight (default: on for the tiny preset, whose random frozen "
                              "output head otherwise caps how far the loss can fall)")
-    parser.add_argument("--checkpoint", choices=("none", "layer"), default="none", help="per-layer activation checkpoints")
-    parser.add_argument("--offload", default="none",
-                        help="checkpoint inputs to move off the GPU: none, all or N first layers")
+    parser.add_argument("--checkpoint", choices=("none", "layer"), default=None,
+                        help="per-layer activation checkpoints (default none; with --gpu-memory on CUDA the plan "
+                             "chooses, and an explicit none keeps it from checkpointing)")
+    parser.add_argument("--offload", default=None,
+                        help="checkpoint inputs to move off the GPU: none, all or N first layers (default none; with "
+                             "--gpu-memory on CUDA the plan chooses, and an explicit none keeps it from offloading)")
     parser.add_argument("--offload-to", choices=("cpu", "disk"), default="cpu",
                         help="with --offload: pinned host memory or disk")
     parser.add_argument("--four-bit", action="store_true", help="keep the frozen base in NF4 (bitsandbytes, CUDA)")
     parser.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=True,
-                        help="loss from hidden states without building logits (default: on)")
+                        help="loss from hidden states without building logits (default: on; --no-fused-ce keeps a "
+                             "--gpu-memory plan from it too)")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda[:N]")
     parser.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     return parser
@@ -105,18 +110,22 @@ def parse_offload(text: str) -> object:
     raise MemfitError(f"--offload must be none, all or a number of first layers, got {text!r}")
 
 
-def check_technique_flags(args, device: torch.device) -> None:
-    """Refuse, before the model loads, a technique flag that would do nothing: --offload without checkpoints,
-    --offload-to without --offload, and on CUDA any of them with --gpu-memory, whose plan sets all three."""
-    offloads = parse_offload(args.offload) not in ("none", 0)
-    given = [f"{flag} {value}" for flag, value, used in (("--checkpoint", args.checkpoint, args.checkpoint != "none"),
+def check_technique_flags(args, spec, device: torch.device) -> None:
+    """Refuse, before the model loads, a technique flag that would do nothing: --offload without checkpoints or of
+    more layers than ``spec`` has, --offload-to without --offload, and on CUDA any of them but an explicit none with
+    --gpu-memory, whose plan sets all three."""
+    offload = parse_offload(args.offload or "none")
+    if isinstance(offload, int) and offload > spec.num_layers:
+        raise MemfitError(f"--offload {args.offload}: {spec.name} has {spec.num_layers} layers")
+    offloads = offload not in ("none", 0)
+    given = [f"{flag} {value}" for flag, value, used in (("--checkpoint", args.checkpoint, args.checkpoint == "layer"),
                                                          ("--offload", args.offload, offloads),
                                                          ("--offload-to", args.offload_to, args.offload_to != "cpu"))
              if used]
     if args.gpu_memory and device.type == "cuda" and given:
         raise MemfitError(f"{', '.join(given)}: with --gpu-memory on CUDA the plan chooses checkpointing and offload; "
                           "leave out either these flags or --gpu-memory")
-    if offloads and args.checkpoint == "none":
+    if offloads and args.checkpoint != "layer":
         raise MemfitError(f"--offload {args.offload} needs --checkpoint layer (only checkpoint inputs are offloaded)")
     if args.offload_to != "cpu" and not offloads:
         raise MemfitError(f"--offload-to {args.offload_to} needs --offload all or N (N > 0): it says where offloaded "
@@ -125,13 +134,15 @@ def check_technique_flags(args, device: torch.device) -> None:
 
 def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, console) -> Techniques:
     """The techniques for this run (flags checked by :func:`check_technique_flags`): the flags, or the planner's
-    fastest plan for ``--gpu-memory`` on CUDA."""
-    offload = parse_offload(args.offload)
+    fastest plan for ``--gpu-memory`` on CUDA, kept from what the flags turn off by name (--checkpoint none,
+    --offload none, --no-fused-ce)."""
+    flags = Techniques(args.checkpoint or "none", parse_offload(args.offload or "none"), args.offload_to,
+                       args.four_bit, args.fused_ce)
     if not args.gpu_memory:
-        return Techniques(args.checkpoint, offload, args.offload_to, args.four_bit, args.fused_ce)
+        return flags
     if device.type != "cuda":
         console.print("--gpu-memory plans for a CUDA GPU; on the CPU the techniques come from the flags")
-        return Techniques(args.checkpoint, offload, args.offload_to, args.four_bit, args.fused_ce)
+        return flags
     from memfit.ledger import Job, Knobs, plan
     from memfit.train.checkpoint import CheckpointPolicy
     from memfit.units import format_bytes, parse_bytes
@@ -140,10 +151,16 @@ def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, cons
     base = Knobs(dtype=str(dtype).removeprefix("torch."), lora_rank=args.lora_r, fused_ce=args.fused_ce,
                  four_bit=args.four_bit)
     # the training loop runs the whole batch with AdamW in the model's dtype: keep plans that change only
-    # what patch() applies (checkpointing, offload, fused loss, 4-bit base)
-    _, plans = plan(job, base, parse_bytes(args.gpu_memory), limit=1, allowed=APPLIED_BY_PATCH)
+    # what patch() applies (checkpointing, offload, fused loss, 4-bit base), less what the flags turned off
+    refused = {"checkpoint": args.checkpoint == "none", "fused_ce": not args.fused_ce}
+    allowed = tuple(name for name in APPLIED_BY_PATCH if not refused.get(name))
+    keep = (lambda knobs: knobs.offload_layers == 0) if args.offload == "none" else None  # noqa: E731
+    as_asked = [words for words, off in (("no checkpoints", refused["checkpoint"]), ("no offload", keep is not None),
+                                         ("no fused loss", refused["fused_ce"])) if off]
+    _, plans = plan(job, base, parse_bytes(args.gpu_memory), limit=1, allowed=allowed, keep=keep)
     knobs = plans[0].knobs
-    console.print(f"plan for {format_bytes(parse_bytes(args.gpu_memory))}: "
+    console.print(f"plan for {format_bytes(parse_bytes(args.gpu_memory))}"
+                  f"{' (' + ', '.join(as_asked) + ', as asked)' if as_asked else ''}: "
                   f"{', '.join(plans[0].techniques) or 'no technique needed'}; predicted peak "
                   f"{format_bytes(plans[0].ledger.total)} at batch {job.batch} x {job.seq} tokens")
     places = CheckpointPolicy.first_layers(spec.num_layers, knobs.checkpoint_layers, knobs.offload_layers).places
@@ -151,13 +168,13 @@ def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, cons
                       places if knobs.checkpoint_layers else None)
 
 
-def load_model_and_tokenizer(name: str, dtype: torch.dtype, device: torch.device):
-    """A preset (random init, byte tokenizer) or a local HF directory (its tokenizer, or the byte one)."""
+def load_model_and_tokenizer(name: str, spec, dtype: torch.dtype, device: torch.device):
+    """A preset (random init, byte tokenizer) or a local HF directory (its tokenizer, or the byte one); ``spec`` is
+    ``load_spec(name)``'s."""
     from memfit.data.tokenizer import ByteTokenizer
     from memfit.local import check_model_dir, load_hf_tokenizer, unreadable_weights
-    from memfit.models import PRESETS, build_model, load_spec
+    from memfit.models import PRESETS, build_model
 
-    spec = load_spec(name)
     if name in PRESETS:  # only a preset is built with random weights
         model, tokenizer = build_model(spec, dtype=dtype, device=device), ByteTokenizer()
     else:
@@ -177,14 +194,14 @@ def load_model_and_tokenizer(name: str, dtype: torch.dtype, device: torch.device
         raise MemfitError(f"{name}: the tokenizer has no end-of-sequence token")
     if len(tokenizer) > spec.vocab:
         raise MemfitError(f"{name}: the tokenizer has {len(tokenizer)} tokens but the model only {spec.vocab}")
-    return spec, model, tokenizer
+    return model, tokenizer
 
 
 def run(args) -> int:
     from rich.console import Console
 
     from memfit.data.jsonl import DEFAULT_DATA, check_source, read_records, tokenize_records
-    from memfit.models import dtype_of
+    from memfit.models import dtype_of, load_spec
     from memfit.train.finetune import TrainConfig, latest_checkpoint, peak_bytes
     from memfit.train.patch import lora_config, patch
     from memfit.units import format_bytes, parse_bytes
@@ -215,8 +232,9 @@ def run(args) -> int:
     if args.model == DEFAULT_MODEL if args.train_norm is None else args.train_norm:
         lora["modules_to_save"] = ["model.norm"]  # peft matches a name's end: "norm" took every layer's RMSNorms too
     lora = lora_config(lora)  # LoRA settings checked before the model loads
-    check_technique_flags(args, device)
-    spec, model, tokenizer = load_model_and_tokenizer(args.model, dtype, device)
+    spec = load_spec(args.model)
+    check_technique_flags(args, spec, device)
+    model, tokenizer = load_model_and_tokenizer(args.model, spec, dtype, device)
     techniques = choose_techniques(args, spec, device, dtype, console)
     examples = tokenize_records(data, records, tokenizer, args.max_len)
     model = patch(model, lora=lora, **techniques.patch_kwargs())

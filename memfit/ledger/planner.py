@@ -45,14 +45,16 @@ def relative_time(job: Job, cost: Cost) -> float:
     return 1.0 + cost.recompute + cost.overhead + cost.pcie_bytes / PCIE_BYTES_PER_S / compute_s
 
 
-def candidates(job: Job, base: Knobs, allowed: tuple[str, ...] | None = None) -> list[Knobs]:
-    """Every combination of the registered techniques' variants (or only the ``allowed`` ones) on top of ``base``."""
+def candidates(job: Job, base: Knobs, allowed: tuple[str, ...] | None = None,
+               keep: Callable[[Knobs], bool] | None = None) -> list[Knobs]:
+    """Every combination of the registered techniques' variants (or only the ``allowed`` ones) on top of ``base``,
+    less those ``keep`` refuses."""
     options = [t.variants(job, base) or [{}] for name, t in REGISTRY.items() if allowed is None or name in allowed]
     out, seen = [], set()
     for combo in itertools.product(*options):
         changes = {k: v for part in combo for k, v in part.items()}
         knobs = base.with_(**changes)
-        if knobs not in seen:
+        if knobs not in seen and (keep is None or keep(knobs)):
             seen.add(knobs)
             out.append(knobs)
     return out
@@ -60,14 +62,16 @@ def candidates(job: Job, base: Knobs, allowed: tuple[str, ...] | None = None) ->
 
 def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
          progress: Callable[[int, int], None] | None = None,
-         allowed: tuple[str, ...] | None = None) -> tuple[Ledger, list[Plan]]:
+         allowed: tuple[str, ...] | None = None,
+         keep: Callable[[Knobs], bool] | None = None) -> tuple[Ledger, list[Plan]]:
     """The ledger of the job as asked, and up to ``limit`` plans fitting ``budget``, fastest first.
 
     A technique's time cost is known without replaying the job, so candidates are replayed
     in order of predicted time and the search stops once ``limit`` plans fit. Only when
     nothing fits is every candidate replayed, to name the smallest reachable peak in the
     error. ``progress(done, total)`` is called after each replay. ``allowed`` limits the search to
-    those technique names (a caller that can apply only some of them).
+    those technique names (a caller that can apply only some of them), ``keep`` to the candidates it accepts (a
+    caller that refuses one variant of a technique: finetune's --offload none).
     """
     if limit < 1:
         raise MemfitError(f"limit must be at least 1, got {limit}")
@@ -78,7 +82,7 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
     if budget is None:
         return asked, []
     ranked = []
-    for knobs in candidates(job, base, allowed):
+    for knobs in candidates(job, base, allowed, keep):
         cost = total_cost(job, knobs)
         ranked.append((relative_time(job, cost), knobs, cost))
     ranked.sort(key=lambda item: (item[0], approximate(item[1], base)))
