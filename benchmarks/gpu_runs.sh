@@ -46,7 +46,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # other files' 279 tests, stopped by a 270 s limit,
 # each log's own count (-vv names every test as it ends, so a run stopped by its limit still says what it ran).
 # blr_layers_decode_gemv (one token, Monarch and BLAST, every shape) took 199 s of wall time at 42ef66a, its file
-# records 191 s (results/blr_layers_subset_decode_gemv.json).
+# records 191 s (results/blr_layers_subset_decode_gemv.json). At 44a54ef blr_e2e_memfit_attention took 274 s of wall time
+# on a machine just started, then blr_e2e 182 s on the same machine, warm (one device call each).
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
