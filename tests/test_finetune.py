@@ -114,11 +114,13 @@ def test_a_resume_with_another_lora_rank_or_a_broken_checkpoint_is_one_clear_err
 
 
 def test_a_checkpoint_save_removes_what_a_killed_save_left(tmp_path):
-    """A save killed between atomic_dir's renames leaves .step-N.old-<hex>, one killed while it wrote .step-N.tmp."""
-    for leftover in (".step-0000001.old-0123456789abcdef", ".step-0000003.tmp"):
+    """A save killed between atomic_dir's renames leaves .step-N.old-<hex>, one killed while it wrote .step-N.tmp;
+    a name a save cannot have made stays (the globs before had removed any name after "step-")."""
+    kept = ["step-notes", ".step-0000001.old-backup", "step-0000001.bak"]
+    for leftover in (".step-0000001.old-0123456789abcdef", ".step-0000003.tmp", "step-0000002", *kept):
         (tmp_path / "checkpoints" / leftover).mkdir(parents=True)
     _run(tmp_path, 3)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-0000003"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == sorted(["latest", "step-0000003", *kept])
 
 
 def test_a_diverged_loss_stops_training_before_anything_is_saved(tmp_path):

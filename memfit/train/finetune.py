@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
 import sys
@@ -25,7 +26,7 @@ import torch
 
 from memfit.data.jsonl import Example, collate
 from memfit.errors import MemfitError
-from memfit.files import atomic_dir, follow_umask
+from memfit.files import SET_ASIDE_HEX, atomic_dir, follow_umask
 from memfit.log import warn_once
 
 CHECKPOINTS = "checkpoints"
@@ -115,10 +116,15 @@ def save_checkpoint(out_dir: Path, model, optimizer, step: int, losses: list[flo
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(name)
     os.replace(pointer, root / LATEST)
-    for old in (*root.glob("step-*"), *root.glob(".step-*.old-*")):   # (the second: a save killed mid-swap)
-        if old.name != name:
+    for old in root.iterdir():
+        if old.name != name and MADE_BY_A_SAVE.fullmatch(old.name):
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+# A checkpoint's directory, or the copy of one atomic_dir set aside (left by a save killed mid-swap): what a save may
+# remove. Nothing else in the checkpoints directory is touched (the globs before had taken any name after "step-").
+MADE_BY_A_SAVE = re.compile(rf"step-\d{{7,}}|\.step-\d{{7,}}\.old-[0-9a-f]{{{SET_ASIDE_HEX}}}")
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
