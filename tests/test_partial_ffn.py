@@ -315,7 +315,12 @@ def test_cli_calibrate_then_generate(model_dir, tmp_path, capsys):
         calibrate_cmd.run(argparse.Namespace(**args))
     gen_args = dict(model=str(model_dir), prompt=["hi"], max_new=4, load=0.7, compute=0.4, base=None, full_first=1,
                     full_last=1, task="qa", rankings=str(out), compute_all_layers=True, temperature=0.0, device="cpu", dtype=None, no_graphs=False)
+    capsys.readouterr()
     assert generate_cmd.run(argparse.Namespace(**gen_args)) == 0
+    said = " ".join(capsys.readouterr().err.split())         # rich wraps the line at the console's width
+    # load 0.7 and compute 0.4 of 176 neurons in blocks of 8: 15 and 9 blocks; base 0.3 (the default): 7 blocks
+    assert ("partial FFN: layers 1..3 of 5: load 120/176 neurons (base 56); decode computes 72 in every layer"
+            in said), said
     with pytest.raises(MemfitError, match="not a model directory"):
         generate_cmd.run(argparse.Namespace(**{**gen_args, "model": "tiny"}))
 
