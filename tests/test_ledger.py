@@ -159,8 +159,8 @@ def test_verify_refuses_what_it_would_not_build():
 
 def test_the_library_refuses_what_the_command_refuses():
     """Through the Python API too: more checkpointed layers than the model has (its ledger had been the whole
-    model's), a 4-bit base under full fine-tuning, and a budget that is not a positive number of bytes (a string had
-    failed in a comparison, a negative one read as 'no plan fits -5 B')."""
+    model's), a 4-bit base under full fine-tuning, a budget that is not a positive number of bytes (a string had
+    failed in a comparison, a negative one read as 'no plan fits -5 B'), and a knob of the other kind of job."""
     from memfit.errors import MemfitError
     from memfit.ledger.planner import plan
 
@@ -175,6 +175,12 @@ def test_the_library_refuses_what_the_command_refuses():
     for budget in (-5, 0, "8GiB", 1.5e9, True):
         with pytest.raises(MemfitError, match="budget must be a positive number of bytes"):
             plan(job, Knobs(dtype="float32"), budget)
+    infer = Job(TINY, task="infer", seq=16, batch=2, device="cpu")         # the other kind of job's knobs: refused,
+    with pytest.raises(MemfitError, match=r"optimizer \(--optimizer\), fused_ce \(--fused-ce\): not a setting of a"):
+        predict(infer, Knobs(optimizer="sgd", fused_ce=True))               # not left out of the ledger unsaid
+    with pytest.raises(MemfitError, match=r"partial_load \(--partial-load\), partial_compute .*: not a setting"):
+        predict(job, Knobs(dtype="float32", partial_load=0.5, partial_compute=0.5))
+    predict(infer, Knobs(micro_batch=2))                                     # the whole batch: no change
 
 
 def test_bf16_for_an_fp32_model_is_labelled_approximate_and_loses_ties():
