@@ -63,7 +63,7 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   it is offered at one token only.
 * Tried and taken out, ``gemv_mix_gemv_pdl`` (42ef66a): ``bgemm_mix_gemv_pdl`` with stage 1 as a row-streaming GEMV
   too (:func:`gemv.block_row_gemv`, V read along its unit-stride ranks, the kernel Monarch's ``gemv_gemv_pdl`` runs).
-  At one token it was the pick at Llama-1B q/o only, 5.65 against ``bgemm_mix_gemv_pdl``'s 5.68 us, and took
+  At one token it was the pick at Llama-1B q/o only (finalists 5.65 against ``bgemm_mix_gemv_pdl``'s 5.68 us), and took
   1.48-2.21x that pipeline's time at the other six shapes (first timings; Llama-1B up 22.34 against 10.09 us), where
   Monarch's chain, whose first stage is the same launch of the same kernel at the same shapes, took 0.97-1.21x its
   GEMM chain's (not profiled: what differs is the kernel z goes to; ``results/blr_layers_subset_decode_gemv.json``).

@@ -26,9 +26,11 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
 * ``gemv_gemv_pdl`` (N = 1, Hopper+): ``two_stage_pdl`` with both stages as row-streaming GEMVs
   (:func:`gemv.block_row_gemv`: w1 and w2 read along their unit-stride columns on CUDA cores, stage 2's vector
   gathered from z in w2's row order), where ``bgemm``'s tensor-core tile pads the one token to 16 rows. On the H200
-  (42ef66a, ``results/blr_layers_subset_decode_gemv.json``) it took 0.97-1.21x ``two_stage_pdl``'s time (first
-  timings) and was the pick at Llama-1B q/o in both layouts (4.12 against 4.27 us block-major) and down block-major
-  (9.33 against 9.54); 1.10-1.15x at Llama-1B gate and up and Llama-7B qkvo block-major, 1.21x at Llama-7B gate/up.
+  (42ef66a, ``results/blr_layers_subset_decode_gemv.json``) its first timings were 0.97-1.21x ``two_stage_pdl``'s
+  (1.10-1.15x at Llama-1B gate and up and Llama-7B qkvo block-major, 1.21x at Llama-7B gate/up), and the pick took it
+  at Llama-1B q/o in both layouts (finalists 4.12 against 4.27 us block-major) and down block-major (9.33 against
+  9.54). In the end-to-end runs' own picks (44a54ef, ``blr_e2e_memfit_attention.json``) ``two_stage_pdl`` won at all
+  four Llama-1B shapes (q/o first timings 5.15 against 5.51 us): 2-4% either way, one process to the next.
 * ``bmm`` (N <= SCATTERED_Z_MAX_N): the Triton stage 1 storing z in (s, j) order (a column stride of b in
   its store), then stage 2 on cuBLAS (:func:`per_block_gemm`), a
   strided batched GEMM reading z as (b_i, N, r) (lda = b r) and writing the block-major
