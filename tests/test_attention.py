@@ -6,6 +6,7 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.kernels.attention import VARIANTS, attention, attention_recompute_backward, attention_reference
+from memfit.models.hf_calls import cache_keyword
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
@@ -231,9 +232,10 @@ def test_hugging_face_model_decodes_from_a_kv_cache_as_a_full_forward_does(cache
         else:
             cache = DynamicCache()
         with torch.no_grad():
-            model(input_ids=ids, cache_position=torch.arange(10), use_cache=True, past_key_values=cache)
+            model(input_ids=ids, cache_position=torch.arange(10), use_cache=True, **{cache_keyword(model): cache})
         with torch.set_grad_enabled(grad):
-            return model(input_ids=token, cache_position=torch.tensor([10]), use_cache=True, past_key_values=cache).logits
+            return model(input_ids=token, cache_position=torch.tensor([10]), use_cache=True,
+                         **{cache_keyword(model): cache}).logits
 
     with torch.no_grad():
         want = model(input_ids=torch.cat([ids, token], 1), use_cache=False).logits[:, -1:]

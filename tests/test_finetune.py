@@ -263,3 +263,32 @@ def test_finetune_plans_only_with_what_patch_applies():
     _, plans = plan(job, Knobs(), parse_bytes("8GiB"), limit=3, allowed=APPLIED_BY_PATCH)
     for p in plans:
         assert (p.knobs.micro_batch, p.knobs.optimizer, p.knobs.dtype) == (None, "adamw", "bfloat16")
+
+
+def test_peft_model_silences_only_pefts_own_deprecation_warning(monkeypatch):
+    """peft.get_peft_model reads transformers' deprecated is_gradient_checkpointing (transformers 5.24), so every LoRA
+    run printed a FutureWarning no user can act on; memfit's wrapper drops that one message and lets others through."""
+    import warnings
+
+    import peft
+
+    from memfit.models.hf_calls import peft_model
+
+    model = build_model(PRESETS["tiny"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+
+    def warns(message):
+        def get_peft_model(model, config):
+            warnings.warn(message, FutureWarning, stacklevel=2)
+            return model
+        return get_peft_model
+
+    monkeypatch.setattr(peft, "get_peft_model", warns("`is_gradient_checkpointing` is deprecated and will go"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        peft_model(model, None)
+    monkeypatch.setattr(peft, "get_peft_model", warns("something else"))
+    with pytest.warns(FutureWarning, match="something else"):
+        peft_model(model, None)

@@ -20,7 +20,7 @@ from memfit.ledger.job import Job, Knobs, field_flag
 from memfit.ledger.predict import Ledger, check_device, check_knobs_fit_job, predict
 from memfit.measure.memory import PeakMeter, storage_bytes
 from memfit.models.build import build_model
-from memfit.models.hf_calls import cache_keyword, enable_checkpointing
+from memfit.models.hf_calls import cache_keyword, enable_checkpointing, peft_model
 
 
 @dataclass
@@ -77,10 +77,10 @@ def _prepare(job: Job, knobs: Knobs):
     if job.training and (knobs.fused_ce or knobs.four_bit or knobs.offload_layers):
         return _patched(job, knobs, model)
     if job.task == "lora":
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
 
-        model = get_peft_model(model, LoraConfig(r=knobs.lora_rank, lora_alpha=2 * knobs.lora_rank, lora_dropout=0.0,
-                                                 target_modules=list(knobs.lora_targets)))
+        model = peft_model(model, LoraConfig(r=knobs.lora_rank, lora_alpha=2 * knobs.lora_rank, lora_dropout=0.0,
+                                             target_modules=list(knobs.lora_targets)))
     if job.training and knobs.checkpoint_layers:
         enable_checkpointing(model)
         for index, layer in enumerate(model.get_decoder().layers):

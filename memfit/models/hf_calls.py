@@ -3,6 +3,7 @@ GPU machine's image), by the names each version has."""
 from __future__ import annotations
 
 import inspect
+import warnings
 
 
 def cache_keyword(model) -> str:
@@ -19,3 +20,14 @@ def enable_checkpointing(model) -> None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def peft_model(model, config):
+    """``peft.get_peft_model(model, config)`` without the FutureWarning peft's own code raises on transformers 5.24 (it
+    reads ``is_gradient_checkpointing``, which that version renamed ``is_activation_checkpointing``): every LoRA run
+    printed it, and nothing a user can change stops it. Any other warning passes."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)

@@ -180,6 +180,6 @@ def patch(model: torch.nn.Module, *, checkpoint: str = "none", offload_layers="n
     base.forward = types.MethodType(_fused_forward(base.forward), base)
     if lora is None:
         return model
-    from peft import get_peft_model
+    from memfit.models.hf_calls import peft_model
 
-    return get_peft_model(base, lora_config(lora))
+    return peft_model(base, lora_config(lora))
