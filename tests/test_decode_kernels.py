@@ -100,13 +100,15 @@ def _row_reference(x, w, bias, x_index, y_index, width):
 @pytest.mark.parametrize("rows, blocks, k, c, x_index, y_index", [
     (1, 3, 11, 35, (11, 11, 0, 1), (35, 1)),      # Monarch's stage 1 / BLAST's: x_j's slice, z in its natural order
     (3, 4, 20, 9, (5, 4, 1, 20), (1, 4)),         # Monarch's stage 2: w2's (s, j) rows gathered from z, permuted y
-    (4, 2, 300, 40, (3, 300, 0, 1), (40, 1)),     # K past one step of every tile, overlapping x slices
+    (4, 2, 300, 40, (3, 300, 0, 1), (40, 1)),     # K over many steps of a tile, overlapping x slices
+    (2, 3, 5, 8, (2, 4, 4, 1), (8, 1)),           # K not a multiple of the divisor: the largest index is not at k = K-1
 ])
 def test_block_row_gemv_matches_blocks(dtype, rows, blocks, k, c, x_index, y_index):
     """Each block of W (B, K, C) meets the x vector its index gathers, written where the y index puts it, with and
-    without a bias, at odd sizes (C and K not multiples of a tile) and up to MAX_ROWS rows."""
+    without a bias, at odd sizes (C and K not multiples of a tile) and up to MAX_ROWS rows, x no longer than the
+    index reaches."""
     sxi, d, sxh, sxl = x_index
-    width_x = (blocks - 1) * sxi + (k - 1) // d * sxh + (min(d, k) - 1) * sxl + 1
+    width_x = (blocks - 1) * sxi + max((i // d) * sxh + (i % d) * sxl for i in range(k)) + 1
     width_y = (blocks - 1) * y_index[0] + (c - 1) * y_index[1] + 1
     x, w = torch.randn(rows, width_x).to(dtype), (torch.randn(blocks, k, c) / k**0.5).to(dtype)
     bias = torch.randn(width_y).to(dtype)
@@ -123,7 +125,9 @@ def test_block_row_gemv_refuses_what_it_cannot_take():
     bad = {"3-D": dict(w=torch.randn(24, 5)), "one float dtype": dict(x2=x.double()),
            "1 to 4 rows": dict(x2=torch.randn(5, 24)), "unit inner": dict(w=torch.randn(3, 5, 8).transpose(1, 2)),
            "divisor": dict(x_index=(8, 0, 0, 1)), "end of x": dict(x_index=(9, 8, 0, 1)),
-           "end of y": dict(y_index=(5, 2)), "bias": dict(bias=torch.randn(30)[::2])}
+           "end of y": dict(y_index=(5, 2)), "bias": dict(bias=torch.randn(30)[::2]),
+           "side by side or interleave": dict(y_index=(0, 1)), "shares memory": dict(y=x[:, :15]),
+           "rows that do not overlap": dict(x2=torch.randn(2, 24), y=torch.empty(1, 15).expand(2, 15))}
     for problem, change in bad.items():
         args = dict(x2=x, w=w, y=y, bias=None, x_index=(8, 8, 0, 1), y_index=(5, 1)) | change
         with pytest.raises(MemfitError, match=problem):

@@ -193,10 +193,10 @@ def test_gpu_memory_plan_becomes_the_run_techniques():
 
 
 def test_a_gpu_memory_plan_keeps_off_what_the_flags_turn_off():
-    """--checkpoint none, --offload none and --no-fused-ce given with --gpu-memory keep the plan from those techniques
-    (the plan had checkpointed, offloaded or fused the loss over them, unsaid): at 6 GiB, whose fastest plan offloads
-    and checkpoints, neither refused technique is used, so no plan fits; with room, the plan line says what was
-    kept off."""
+    """--checkpoint none, --offload none (or 0), --no-fused-ce and --no-four-bit given with --gpu-memory keep the plan
+    from those techniques (the plan had checkpointed, offloaded or fused the loss over them, unsaid): at 6 GiB, whose
+    fastest plan offloads, checkpoints and takes the 4-bit base, no plan without any one of them fits; with room, the
+    plan line says what was kept off."""
     import io
 
     from rich.console import Console
@@ -207,15 +207,16 @@ def test_a_gpu_memory_plan_keeps_off_what_the_flags_turn_off():
     def chosen(gpu_memory, **flags):
         said = io.StringIO()
         args = argparse.Namespace(**{"offload": None, "checkpoint": None, "fused_ce": True, "offload_to": "cpu",
-                                     "four_bit": False, "max_len": 4096, "batch_size": 2, "lora_r": 16,
+                                     "four_bit": None, "max_len": 4096, "batch_size": 2, "lora_r": 16,
                                      "gpu_memory": gpu_memory, **flags})
         techniques = choose_techniques(args, PRESETS["llama-3.2-3b"], torch.device("cuda"), torch.bfloat16,
                                        Console(file=said, width=300))
         return techniques, said.getvalue()
 
-    free, _ = chosen("6GiB")
-    assert free.fused_ce and "cpu" in free.places and "as asked" not in _
-    for refused in ({"offload": "none"}, {"checkpoint": "none"}):
+    free, said = chosen("6GiB")
+    assert free.fused_ce and free.four_bit and "cpu" in free.places and "as asked" not in said
+    for refused in ({"offload": "none"}, {"offload": "0"}, {"offload": "00"}, {"checkpoint": "none"},
+                    {"four_bit": False}):
         with pytest.raises(MemfitError, match="no plan fits 6.00 GiB"):
             chosen("6GiB", **refused)
     no_offload, said = chosen("8GiB", offload="none")
@@ -224,6 +225,8 @@ def test_a_gpu_memory_plan_keeps_off_what_the_flags_turn_off():
     assert no_checkpoints.places is None and no_checkpoints.fused_ce and "(no checkpoints, as asked)" in said
     unfused, said = chosen("60GiB", checkpoint="none", fused_ce=False)
     assert not unfused.fused_ce and "(no checkpoints, no fused loss, as asked)" in said
+    full_precision, said = chosen("12GiB", four_bit=False)
+    assert not full_precision.four_bit and "(no 4-bit base, as asked)" in said
 
 
 def test_the_run_banner_says_the_techniques_in_words():

@@ -91,7 +91,9 @@ def add_parser(sub):
                              "--gpu-memory on CUDA the plan chooses, and an explicit none keeps it from offloading)")
     parser.add_argument("--offload-to", choices=("cpu", "disk"), default="cpu",
                         help="with --offload: pinned host memory or disk")
-    parser.add_argument("--four-bit", action="store_true", help="keep the frozen base in NF4 (bitsandbytes, CUDA)")
+    parser.add_argument("--four-bit", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep the frozen base in NF4 (bitsandbytes, CUDA; default off; --no-four-bit keeps a "
+                             "--gpu-memory plan from it too)")
     parser.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=True,
                         help="loss from hidden states without building logits (default: on; --no-fused-ce keeps a "
                              "--gpu-memory plan from it too)")
@@ -135,9 +137,9 @@ def check_technique_flags(args, spec, device: torch.device) -> None:
 def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, console) -> Techniques:
     """The techniques for this run (flags checked by :func:`check_technique_flags`): the flags, or the planner's
     fastest plan for ``--gpu-memory`` on CUDA, kept from what the flags turn off by name (--checkpoint none,
-    --offload none, --no-fused-ce)."""
+    --offload none or 0, --no-fused-ce, --no-four-bit)."""
     flags = Techniques(args.checkpoint or "none", parse_offload(args.offload or "none"), args.offload_to,
-                       args.four_bit, args.fused_ce)
+                       bool(args.four_bit), args.fused_ce)
     if not args.gpu_memory:
         return flags
     if device.type != "cuda":
@@ -149,14 +151,17 @@ def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, cons
 
     job = Job(spec, task="lora", seq=args.max_len, batch=args.batch_size, device="cuda")
     base = Knobs(dtype=str(dtype).removeprefix("torch."), lora_rank=args.lora_r, fused_ce=args.fused_ce,
-                 four_bit=args.four_bit)
+                 four_bit=bool(args.four_bit))
     # the training loop runs the whole batch with AdamW in the model's dtype: keep plans that change only
     # what patch() applies (checkpointing, offload, fused loss, 4-bit base), less what the flags turned off
-    refused = {"checkpoint": args.checkpoint == "none", "fused_ce": not args.fused_ce}
-    allowed = tuple(name for name in APPLIED_BY_PATCH if not refused.get(name))
-    keep = (lambda knobs: knobs.offload_layers == 0) if args.offload == "none" else None  # noqa: E731
-    as_asked = [words for words, off in (("no checkpoints", refused["checkpoint"]), ("no offload", keep is not None),
-                                         ("no fused loss", refused["fused_ce"])) if off]
+    refused = {"checkpoint": args.checkpoint == "none", "fused_ce": not args.fused_ce,
+               "four_bit": args.four_bit is False}
+    allowed = tuple(name for name in APPLIED_BY_PATCH if not refused[name])
+    no_offload = args.offload is not None and parse_offload(args.offload) in ("none", 0)
+    keep = (lambda knobs: knobs.offload_layers == 0) if no_offload else None  # noqa: E731
+    as_asked = [words for words, off in (("no checkpoints", refused["checkpoint"]), ("no offload", no_offload),
+                                         ("no fused loss", refused["fused_ce"]), ("no 4-bit base", refused["four_bit"]))
+                if off]
     _, plans = plan(job, base, parse_bytes(args.gpu_memory), limit=1, allowed=allowed, keep=keep)
     knobs = plans[0].knobs
     console.print(f"plan for {format_bytes(parse_bytes(args.gpu_memory))}"
@@ -250,8 +255,8 @@ def run(args) -> int:
     peak = peak_bytes(device)
     console.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; adapter saved to {adapter}")
     if budget is not None and device.type == "cuda" and peak > budget:
-        console.print(f"[yellow]peak {format_bytes(peak)} exceeded --gpu-memory {format_bytes(budget)}: "
-                      "try --checkpoint layer --offload all --four-bit[/yellow]")
+        console.print(f"[yellow]peak {format_bytes(peak)} exceeded --gpu-memory {format_bytes(budget)}: the plan's "
+                      "prediction was short; a smaller --gpu-memory plans with more room[/yellow]")
     return 0
 
 

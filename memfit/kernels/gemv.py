@@ -252,11 +252,12 @@ ROW_TILES = [(32, 256, 4, 1), (64, 128, 4, 1), (16, 512, 4, 1), (128, 64, 4, 1),
 
 
 def _prune_row_tiles(configs, named_args, **kwargs):
-    """Tiles no wider along C, and no deeper along K, than the product needs."""
+    """Tiles no wider along C, and no deeper along K, than the product needs; where none is (K under 64), the
+    shallowest at the fewest warps."""
     c, k = named_args["C"], named_args["K"]
     keep = [cfg for cfg in configs if cfg.kwargs["BC"] <= max(32, triton.next_power_of_2(c))
-            and cfg.kwargs["BK"] <= max(16, triton.next_power_of_2(k))]
-    return keep or configs[-1:]
+            and cfg.kwargs["BK"] <= triton.next_power_of_2(k)]
+    return keep or [min(configs, key=lambda cfg: (cfg.kwargs["BK"], cfg.num_warps))]
 
 
 @triton.jit
@@ -299,7 +300,7 @@ def _row_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, C, D, sxm, sxi, sxh, sxl,
 
 
 _row_gemv_tuned = tuned(ROW_TILES, ("BC", "BK"), (32, 16, 4, 1),
-                        key=["M", "K", "C", "D", "LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"],
+                        key=["M", "K", "C", "D", "syc", "LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"],
                         prune=_prune_row_tiles)(_row_gemv_kernel)
 
 
@@ -329,7 +330,8 @@ def block_row_gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: tor
 
 def _row_problem(x2, w, y, bias, x_index, y_index) -> str | None:
     """Why :func:`block_row_gemv` cannot take these arguments, or None: every index it forms must land inside x's
-    and y's rows (the kernel does not check)."""
+    and y's rows (the kernel does not check), no two programs may write one element of y, and y may not share memory
+    with what the kernel reads."""
     if x2.dim() != 2 or w.dim() != 3 or y.dim() != 2:
         return "x and y must be 2-D, W 3-D"
     if not (x2.dtype == w.dtype == y.dtype and w.dtype in (torch.float16, torch.bfloat16, torch.float32)
@@ -344,11 +346,31 @@ def _row_problem(x2, w, y, bias, x_index, y_index) -> str | None:
     syi, syc = y_index
     if d < 1 or min(sxi, sxh, sxl, syi, syc) < 0:
         return "the index's divisor must be positive and its strides not negative"
-    if (blocks - 1) * sxi + (k - 1) // d * sxh + min(d, k) * sxl - sxl >= x2.shape[1]:
+    if (blocks - 1) * sxi + _largest_split_index(k, d, sxh, sxl) >= x2.shape[1]:
         return "the x index passes the end of x's rows"
     if (blocks - 1) * syi + (c - 1) * syc >= y.shape[1]:
         return "the y index passes the end of y's rows"
+    if not _one_element_each(blocks, c, syi, syc) or (m > 1 and y.stride(0) < y.shape[1]):
+        return "the y index must put the blocks side by side or interleave them, on rows that do not overlap"
+    if y.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in (x2, w, bias) if t is not None}:
+        return "y shares memory with x, W or the bias"
     if bias is not None and (bias.shape != (y.shape[1],) or bias.stride(0) != 1 or bias.dtype != w.dtype
                              or bias.device != w.device):
         return f"the bias must be ({y.shape[1]},), as y's rows, contiguous, in W's dtype and on its device"
     return None
+
+
+def _largest_split_index(k: int, d: int, high: int, low: int) -> int:
+    """max over 0 <= i < k of (i // d) high + (i % d) low, for strides >= 0: at i = k - 1, or at the end of the last
+    whole run of d before it (the largest remainder with one less quotient)."""
+    last = (k - 1) // d * high + (k - 1) % d * low
+    return max(last, ((k - 1) // d - 1) * high + (d - 1) * low) if k > d else last
+
+
+def _one_element_each(blocks: int, c: int, syi: int, syc: int) -> bool:
+    """Whether y's index i syi + j syc (i < blocks, j < c) gives every output its own element, by the two layouts that
+    do (checked in O(1), every call): each block's c columns in a run before the next block's (Monarch's block-major
+    y), or the blocks interleaved within each column step (its permuted y)."""
+    side_by_side = (syc >= 1 or c == 1) and (blocks == 1 or syi >= (c - 1) * syc + 1)
+    interleaved = (syi >= 1 or blocks == 1) and (c == 1 or syc >= (blocks - 1) * syi + 1)
+    return side_by_side or interleaved

@@ -96,6 +96,8 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
             fitting.append(candidate)
             if len(fitting) == limit:
                 break
+    if not tried:
+        raise MemfitError("no candidate plan passes keep")
     if not fitting:
         smallest = min(tried, key=lambda p: p.ledger.device_total)
         with_what = ", ".join(smallest.techniques) or "the job as asked"

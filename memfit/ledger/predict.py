@@ -107,14 +107,16 @@ def _optimizer_temporary(param_bytes: list[tuple[int, int]], optimizer: str, dev
     return 2 * max(n * s for n, s in param_bytes)
 
 
-@lru_cache(maxsize=32)
 def _train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
     """The ops of one micro-batch's forward and loss; returns the graph and the loss. Every decoder layer's ops are
     its own segment, so one graph serves every choice of checkpointed and offloaded layers (the replay's
     ``checkpointed`` set picks them) and every optimizer: the planner replays candidates that differ only there
     (most of them at large --batch) from one graph, which callers must not change."""
-    if (knobs.checkpoint_layers, knobs.offload_layers, knobs.optimizer) != (0, 0, OPTIMIZERS[0]):
-        return _train_graph(job, knobs.with_(checkpoint_layers=0, offload_layers=0, optimizer=OPTIMIZERS[0]))
+    return _built_train_graph(job, knobs.with_(checkpoint_layers=0, offload_layers=0, optimizer=OPTIMIZERS[0]))
+
+
+@lru_cache(maxsize=32)
+def _built_train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
     micro = knobs.micro_batch or job.batch
     graph = ModelGraph(job.spec, micro, job.seq, knobs.dtype, _trainable(job, knobs), job.device,
                        four_bit=knobs.four_bit and job.task == "lora", attention=knobs.attention,

@@ -61,7 +61,7 @@ class Op:
         return any(o.requires_grad for o in self.outputs)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Event:
     """Live bytes by component at one moment of the replay (not to be changed: its total is summed once, and a replay
     compares it at every op)."""
@@ -83,7 +83,7 @@ class Memory:
     """
 
     def __init__(self, base: dict[str, int]):
-        self.live: dict[int, Sym] = {}
+        self.live: dict[int, str] = {}   # uid -> component
         self.by_component: dict[str, int] = dict(base)
         self.total = sum(base.values())
         self.peak: Event | None = None
@@ -139,8 +139,10 @@ def segment_inputs(ops: list[Op]) -> dict[int, tuple[Sym, list[Sym]]]:
     """What each checkpointed segment keeps from the forward until its backward is done: the layer's
     hidden states (its first op's first input; an offloaded segment keeps a CPU copy instead, brought
     back for the recompute) and every other non-parameter tensor its ops read from outside it (shared
-    tables such as RoPE's cos/sin, which the checkpoint's closure holds by reference). Found once per list of ops
-    (a graph's ops do not change once built; the planner replays one graph many times)."""
+    tables such as RoPE's cos/sin, which the checkpoint's closure holds by reference). Every segment of ``ops``
+    (a training graph makes each layer one, checkpointed or not), found once per list of ops: a graph's ops do not
+    change once built and the planner replays one graph many times, so callers share the result and must not change
+    it."""
     return _segment_inputs(tuple(ops))
 
 
@@ -154,7 +156,7 @@ def _segment_inputs(ops: tuple[Op, ...]) -> dict[int, tuple[Sym, list[Sym]]]:
         inside = made.setdefault(op.segment, set())
         if op.segment not in kept:
             if not op.inputs:
-                raise ValueError(f"checkpointed segment {op.segment} starts with {op.name}, which reads no tensor")
+                raise ValueError(f"segment {op.segment} starts with {op.name}, which reads no tensor")
             kept[op.segment] = (op.inputs[0], {})
         layer_input, others = kept[op.segment]
         for sym in op.inputs:
