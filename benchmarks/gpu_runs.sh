@@ -47,7 +47,9 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # each log's own count (-vv names every test as it ends, so a run stopped by its limit still says what it ran).
 # blr_layers_decode_gemv (one token, Monarch and BLAST, every shape) took 199 s of wall time at 42ef66a, its file
 # records 191 s (results/blr_layers_subset_decode_gemv.json). At 44a54ef blr_e2e_memfit_attention took 274 s of wall time
-# on a machine just started, then blr_e2e 182 s on the same machine, warm (one device call each).
+# on a machine just started, then blr_e2e 182 s on the same machine, warm (one device call each). At 62f9d18 three
+# blr_layers processes at Llama-1B q/o and down, Monarch, N = 1, each with its own MEMFIT_AUTOTUNE_CACHE, took 81 s of
+# wall time together on a machine just started (results/blr_layers_subset_decode_gemv_repeat*.json).
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
