@@ -178,10 +178,12 @@ def test_the_library_refuses_what_the_command_refuses():
         with pytest.raises(MemfitError, match="budget must be a positive number of bytes"):
             plan(job, Knobs(dtype="float32"), budget)
     infer = Job(TINY, task="infer", seq=16, batch=2, device="cpu")         # the other kind of job's knobs: refused,
-    with pytest.raises(MemfitError, match=r"optimizer \(--optimizer\), fused_ce \(--fused-ce\): not a setting of a"):
+    with pytest.raises(MemfitError, match=r"optimizer \(--optimizer\) does nothing with task infer: inference takes"):
         predict(infer, Knobs(optimizer="sgd", fused_ce=True))               # not left out of the ledger unsaid
-    with pytest.raises(MemfitError, match=r"partial_load \(--partial-load\), partial_compute .*: not a setting"):
+    with pytest.raises(MemfitError, match=r"partial_load \(--partial-load\) does nothing with task lora: only infer"):
         predict(job, Knobs(dtype="float32", partial_load=0.5, partial_compute=0.5))
+    with pytest.raises(MemfitError, match=r"lora_rank \(--lora-rank\) does nothing with task full: only LoRA"):
+        predict(Job(TINY, task="full", seq=16, device="cpu"), Knobs(dtype="float32", lora_rank=4))
     predict(infer, Knobs(micro_batch=2))                                     # the whole batch: no change
 
 

@@ -6,26 +6,14 @@ import json
 from dataclasses import replace
 
 from memfit.errors import MemfitError
-from memfit.ledger.job import LORA_TARGETS_ALL, OPTIMIZERS, TASKS, TRAINING_TASKS, Job, Knobs
+from memfit.ledger.job import LORA_TARGETS_ALL, OPTIMIZERS, TASK_ONLY_FIELDS, TASKS, Job, Knobs
 from memfit.ledger.predict import blr_dense_kinds, check_blr, check_knobs_fit_job
 from memfit.models import load_spec
 
 DEFAULT_MODEL = "llama-3.2-3b"
-# Options the ledger reads for some tasks only: the tasks, and why the others ignore it. Their parser default is None,
-# so an option given for another task, where it would do nothing, is refused rather than dropped without a word.
-TASK_OPTIONS = {
-    "--new-tokens": (("infer",), "only inference generates tokens"),
-    "--partial-load": (("infer",), "only inference loads part of the FFN"),
-    "--partial-compute": (("infer",), "only inference computes part of the FFN"),
-    "--lora-rank": (("lora",), "only LoRA has adapters"),
-    "--lora-targets": (("lora",), "only LoRA has adapters"),
-    "--optimizer": (TRAINING_TASKS, "inference takes no optimizer step"),
-    "--checkpoint-layers": (TRAINING_TASKS, "inference keeps no activations for a backward pass"),
-    "--offload-layers": (TRAINING_TASKS, "inference keeps no activations for a backward pass"),
-    "--micro-batch": (TRAINING_TASKS, "inference accumulates no gradients"),
-    "--fused-ce": (TRAINING_TASKS, "inference computes no loss"),
-    "--loss-fraction": (TRAINING_TASKS, "inference computes no loss"),
-}
+# Options the ledger reads for some tasks only (memfit.ledger.job.TASK_ONLY_FIELDS, by option): the tasks, and why the
+# others ignore it. Their parser default is None, so an option given for another task is refused, not dropped.
+TASK_OPTIONS = {"--" + name.replace("_", "-"): why for name, why in TASK_ONLY_FIELDS.items()}
 
 
 def _int(text: str) -> int:
@@ -132,7 +120,8 @@ def job_from_args(args) -> tuple[Job, Knobs]:
                               f"e.g. q_proj,v_proj")
     else:                                              # with --blr: the projections kept dense (peft wraps nn.Linear)
         targets = LORA_TARGETS_ALL if dense is None else tuple(k for k in LORA_TARGETS_ALL if k in dense)
-    knobs = replace(knobs, lora_targets=targets)
+    if args.task == "lora":                             # the ledger refuses adapter settings for another task
+        knobs = replace(knobs, lora_targets=targets)
     check_knobs_fit_job(job, knobs)                    # before any work (the ledger checks them again)
     check_blr(job, knobs)
     return job, knobs

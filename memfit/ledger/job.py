@@ -10,6 +10,22 @@ TASKS = ("full", "lora", "infer")
 TRAINING_TASKS = ("full", "lora")   # the tasks that take optimizer steps
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 ATTENTIONS = ("sdpa", "memfit")
+# Job and Knobs fields that some tasks only read: the tasks, and why the others ignore it. memfit plan/verify refuse the
+# option for another task (memfit.commands.job_args), the ledger a Knobs value away from its default there
+# (memfit.ledger.predict.check_knobs_fit_job): where it would do nothing, it is refused rather than dropped unsaid.
+TASK_ONLY_FIELDS = {
+    "new_tokens": (("infer",), "only inference generates tokens"),
+    "partial_load": (("infer",), "only inference loads part of the FFN"),
+    "partial_compute": (("infer",), "only inference computes part of the FFN"),
+    "lora_rank": (("lora",), "only LoRA has adapters"),
+    "lora_targets": (("lora",), "only LoRA has adapters"),
+    "optimizer": (TRAINING_TASKS, "inference takes no optimizer step"),
+    "checkpoint_layers": (TRAINING_TASKS, "inference keeps no activations for a backward pass"),
+    "offload_layers": (TRAINING_TASKS, "inference keeps no activations for a backward pass"),
+    "micro_batch": (TRAINING_TASKS, "inference accumulates no gradients"),
+    "fused_ce": (TRAINING_TASKS, "inference computes no loss"),
+    "loss_fraction": (TRAINING_TASKS, "inference computes no loss"),
+}
 LORA_TARGETS_ALL = PROJECTIONS
 
 

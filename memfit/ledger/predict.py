@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from memfit.errors import MemfitError
 from memfit.ledger.graph import ModelGraph, Trainable
-from memfit.ledger.job import OPTIMIZERS, Job, Knobs, field_flag
+from memfit.ledger.job import OPTIMIZERS, TASK_ONLY_FIELDS, Job, Knobs, field_flag
 from memfit.ledger.simulate import Event, Memory, Sym, replay_backward, replay_forward
 from memfit.models.spec import dtype_bytes
 from memfit.units import MiB
@@ -267,10 +267,6 @@ def blr_dense_kinds(spec, knobs: Knobs) -> tuple[str, ...] | None:
     return tuple(kind for kind, p in plans.items() if p.rank is None)
 
 
-TRAINING_KNOBS = ("checkpoint_layers", "optimizer", "micro_batch", "offload_layers", "fused_ce")
-INFERENCE_KNOBS = ("partial_load", "partial_compute")
-
-
 def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
     """Refuse knobs this job cannot take, which would otherwise describe a run that cannot happen: more checkpointed
     layers than the model has (the ledger would count its layers), a frozen 4-bit base in full fine-tuning, and a
@@ -278,12 +274,11 @@ def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
     refuses the option; a micro-batch of the whole batch is no change). A training job's micro-batch is checked where
     it is read, in ``_predict_train``."""
     default = Knobs()
-    ignored = INFERENCE_KNOBS if job.training else TRAINING_KNOBS
-    as_default = lambda name: getattr(knobs, name) in (getattr(default, name),  # noqa: E731
-                                                         *((job.batch,) if name == "micro_batch" else ()))
-    if changed := [name for name in ignored if not as_default(name)]:
-        raise MemfitError(f"{', '.join(field_flag(name) for name in changed)}: not a setting of "
-                          f"{'an inference' if job.task == 'infer' else f'a {job.task} fine-tuning'} job")
+    for name, (tasks, why) in TASK_ONLY_FIELDS.items():
+        if job.task in tasks or not hasattr(default, name):                  # a Job field: the job's own task
+            continue
+        if getattr(knobs, name) not in (getattr(default, name), *((job.batch,) if name == "micro_batch" else ())):
+            raise MemfitError(f"{field_flag(name)} does nothing with task {job.task}: {why}")
     layers = job.spec.num_layers
     if knobs.checkpoint_layers > layers:
         raise MemfitError(f"{field_flag('checkpoint_layers')} {knobs.checkpoint_layers} exceeds the model's {layers} "
