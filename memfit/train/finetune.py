@@ -26,7 +26,7 @@ import torch
 
 from memfit.data.jsonl import Example, collate
 from memfit.errors import MemfitError
-from memfit.files import SET_ASIDE_HEX, atomic_dir, follow_umask
+from memfit.files import atomic_dir, follow_umask, set_aside_of
 from memfit.log import warn_once
 
 CHECKPOINTS = "checkpoints"
@@ -116,15 +116,17 @@ def save_checkpoint(out_dir: Path, model, optimizer, step: int, losses: list[flo
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(name)
     os.replace(pointer, root / LATEST)
-    for old in root.iterdir():
-        if old.name != name and MADE_BY_A_SAVE.fullmatch(old.name):
-            shutil.rmtree(old, ignore_errors=True)
+    steps = {root / match[1] for path in root.iterdir() if (match := STEP_NAME.fullmatch(path.name))}
+    for old in [path for path in steps if path.name != name and path.is_dir()] + \
+            [copy for path in steps for copy in set_aside_of(path)]:   # atomic_dir's, left by a save killed mid-swap
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-# A checkpoint's directory, or the copy of one atomic_dir set aside (left by a save killed mid-swap): what a save may
-# remove. Nothing else in the checkpoints directory is touched (the globs before had taken any name after "step-").
-MADE_BY_A_SAVE = re.compile(rf"step-\d{{7,}}|\.step-\d{{7,}}\.old-[0-9a-f]{{{SET_ASIDE_HEX}}}")
+# A checkpoint's directory, or a name beginning like its set-aside copy (files.set_aside_of says which are): a save
+# removes the earlier ones and those copies, and nothing else in the checkpoints directory (the globs before had taken
+# any name after "step-").
+STEP_NAME = re.compile(r"(?:\.)?(step-\d{7,})(?:\.old-.*)?")
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
