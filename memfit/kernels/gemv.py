@@ -194,11 +194,9 @@ def _block_problem(x2, w, bias, blocks: int, x_block_stride: int, tile: tuple | 
     """Why :func:`block_gemv` cannot take these arguments, or None."""
     if x2.dim() != 2 or w.dim() != 2:
         return "x and W must be 2-D"
-    (m, width), (n, k) = x2.shape, w.shape
-    if x2.dtype != w.dtype or w.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x2.device != w.device:
-        return "x and W need one float dtype (float16, bfloat16 or float32) and one device"
-    if not (0 < m <= MAX_ROWS):
-        return f"x needs 1 to {MAX_ROWS} rows"
+    width, (n, k) = x2.shape[1], w.shape
+    if problem := _operands_problem(x2, w):
+        return problem
     if not (n > 0 and k > 0 and blocks > 0 and n % blocks == 0):
         return "W's rows must split into equal blocks, and W must not be empty"
     if w.stride(1) != 1 or x2.stride(1) != 1:
@@ -328,18 +326,28 @@ def block_row_gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: tor
     return y
 
 
+def _operands_problem(x2, *others) -> str | None:
+    """What the decode GEMVs need of x (its rows) and of W and y (x's dtype and device), or None."""
+    if any(t.dtype != x2.dtype or t.device != x2.device for t in others) or \
+            x2.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        names = "x, W and y" if len(others) > 1 else "x and W"
+        return f"{names} need one float dtype (float16, bfloat16 or float32) and one device"
+    if not 0 < x2.shape[0] <= MAX_ROWS:
+        return f"x needs 1 to {MAX_ROWS} rows"
+    return None
+
+
 def _row_problem(x2, w, y, bias, x_index, y_index) -> str | None:
     """Why :func:`block_row_gemv` cannot take these arguments, or None: every index it forms must land inside x's
     and y's rows (the kernel does not check), no two programs may write one element of y, and y may not share memory
     with what the kernel reads."""
     if x2.dim() != 2 or w.dim() != 3 or y.dim() != 2:
         return "x and y must be 2-D, W 3-D"
-    if not (x2.dtype == w.dtype == y.dtype and w.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and x2.device == w.device == y.device):
-        return "x, W and y need one float dtype (float16, bfloat16 or float32) and one device"
+    if problem := _operands_problem(x2, w, y):
+        return problem
     (blocks, k, c), m = w.shape, x2.shape[0]
-    if not (0 < m <= MAX_ROWS and y.shape[0] == m):
-        return f"x needs 1 to {MAX_ROWS} rows, and y as many"
+    if y.shape[0] != m:
+        return "y needs as many rows as x"
     if min(w.shape) < 1 or w.stride(2) != 1 or x2.stride(1) != 1 or y.stride(1) != 1:
         return "W must not be empty, and W's columns, x and y need unit inner strides"
     sxi, d, sxh, sxl = x_index
