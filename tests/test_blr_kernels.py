@@ -69,7 +69,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 MONARCH_CASES = [("two_stage", True), ("two_stage", False), ("two_stage_pdl", True), ("two_stage_pdl", False),
                  ("bmm", False), ("bmm_perm_bmm", False), ("bmm_gather", True), ("bmm_gather", False),
                  ("tbmm", False), ("tbmm_tbmm", False), ("fused", True),
-                 ("fused", False), ("fused_scratch", True), ("fused_scratch", False), ("torch", True)]
+                 ("fused", False), ("torch", True)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -94,10 +94,9 @@ def test_monarch_variants_offered():
     last = monarch.SCATTERED_Z_MAX_N
     assert "bmm" in monarch.variants_for(last, 16, 128, 32, 128, False)
     assert not {"bmm", "bmm_perm_bmm"} & set(monarch.variants_for(last + 1, 16, 128, 32, 128, False))
-    large = small - {"two_stage_pdl", "bmm", "bmm_perm_bmm"} | {"tbmm", "bmm_gather", "fused_scratch"}
+    large = small - {"two_stage_pdl", "bmm", "bmm_perm_bmm"} | {"tbmm", "bmm_gather"}
     assert set(monarch.variants_for(8192, 16, 128, 32, 128, False)) == large
-    assert set(monarch.variants_for(8192, 16, 128, 32, 128, True)) == {"two_stage", "fused", "torch", "bmm_gather",
-                                                                         "fused_scratch"}
+    assert set(monarch.variants_for(8192, 16, 128, 32, 128, True)) == {"two_stage", "fused", "torch", "bmm_gather"}
     assert "fused" not in monarch.variants_for(1, 16, 688, 93, 256, False)
 
 
@@ -177,12 +176,12 @@ def test_token_major_pipelines_at_several_token_tiles_and_many_blocks(monkeypatc
     check(blast_linear, blast_linear_reference, tensors, torch.float32, variant="tbmm_mix_tbmm")
     tensors = [torch.randn(n, blocks * m), torch.randn(blocks, m, blocks * t) / m**0.5,
                torch.randn(blocks, blocks * t, p) / t**0.5, torch.randn(blocks * p)]
-    for variant in ("tbmm", "tbmm_tbmm", "fused_scratch"):
+    for variant in ("tbmm", "tbmm_tbmm"):
         check(monarch_linear, monarch_linear_reference, tensors, torch.float32, permute_output=False,
               variant=variant)
 
 
-@pytest.mark.parametrize("variant", ["bmm_perm_bmm", "bmm_gather", "tbmm_tbmm", "two_stage", "fused_scratch"])
+@pytest.mark.parametrize("variant", ["bmm_perm_bmm", "bmm_gather", "tbmm_tbmm", "two_stage"])
 @pytest.mark.parametrize("blocks,t,n", [(5, 7, 9), (3, 6, 1), (17, 1, 6), (2, 32, 5), (8, 5, 9), (8, 37, 3),
                                         (8, 31, 3)])
 def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch):
@@ -216,48 +215,6 @@ def test_tbmm_tbmm_holds_only_z(d_in, d_out, b, r):
             y = monarch.VARIANTS["tbmm_tbmm"](x, w1, w2, None, False)
         held = tracker.peak - tracker.baseline - y.nbytes
         assert held == n * b * r * x.element_size() <= n * forward_per_token * x.element_size()
-
-
-@pytest.mark.cpu_only(reason="TensorLifetimeTracker counts CPU allocations")
-def test_fused_scratch_holds_no_more_than_the_ledger_counts():
-    """fused_scratch's scratch (at most SCRATCH_ROWS_PER_SM token rows of z per program, and no more rows than the
-    tokens rounded up to that) stays within the ledger's Monarch forward transient wherever it is offered (from a
-    pick bucket of TOKEN_MAJOR_MIN_N, N = 65 and up), and the interpreter's programs walk several token tiles."""
-    from memfit.measure.memory import TensorLifetimeTracker
-
-    b, m, r, p = 4, 8, 16, 8
-    forward_per_token, _ = blr_transient_per_token("monarch", r, b, b * m, b * p)
-    assert monarch.variants_for(monarch.TOKEN_MAJOR_MIN_N // 2 + 1, b, m, r // b, p, False).get("fused_scratch")
-    for n in (monarch.TOKEN_MAJOR_MIN_N // 2 + 1, 130, 300):
-        x, w1, w2 = torch.randn(n, b * m), torch.randn(b, m, r), torch.randn(b, r, p)
-        with torch.no_grad(), TensorLifetimeTracker([x, w1, w2]) as tracker:
-            y = monarch.VARIANTS["fused_scratch"](x, w1, w2, None, False)
-        held = tracker.peak - tracker.baseline - y.nbytes
-        assert 0 < held <= n * forward_per_token * x.element_size()
-        assert torch.allclose(y, monarch_linear_reference(x, w1, w2), rtol=1e-4, atol=1e-4)
-
-
-def test_fused_scratch_tiles_fit_their_scratch_rows():
-    """Every tile config's programs per SM times token rows fits the scratch the launcher sizes per SM, and its
-    token tile divides that many rows (so no more rows than the tokens rounded up to it are ever needed)."""
-    rows = monarch.SCRATCH_ROWS_PER_SM
-    for bn, _, _, _, ctas, _, _ in monarch.FUSED_SCRATCH_CONFIGS:
-        assert bn * ctas <= rows and rows % bn == 0
-
-
-def test_fused_scratch_compiles_to_pipelined_tensor_core_loops_between_two_barriers():
-    """Every listed fused_scratch tile compiles for sm_90 (bf16, unit-stride weights and output as the paper's
-    shapes launch it) to wgmma dots fed by cp.async, with a CTA barrier before each stage (the scratch is written
-    by one stage and read by the other) and at most 8 bytes of register spills."""
-    aligned = ["x_ptr", "w1_ptr", "w2_ptr", "y_ptr", "bias_ptr", "z_ptr", "M", "P", "sxn", "s1j", "s1a", "s2i", "s2k",
-               "syn", "syi"]
-    base = {"s1c": 1, "s2o": 1, "syo": 1, "HAS_BIAS": False, "PRECISION": "tf32"}
-    cases = {f"{config}": ("monarch_fused_scratch", {**base, **dict(zip(("BN", "BC", "BO", "BK", "CTAS"), config))},
-                           aligned, config[6], config[5]) for config in monarch.FUSED_SCRATCH_CONFIGS}
-    for name, ptx in compile_sm90(cases).items():
-        assert "wgmma" in ptx or "mma.sync" in ptx, name
-        assert "cp.async" in ptx and ptx.count("bar.sync") >= 2, name
-        assert ptxas_spills(ptx)[1] <= 8, name
 
 
 @pytest.mark.parametrize("variant", ["tbmm", "tbmm_tbmm"])
@@ -337,17 +294,15 @@ SM90_PTX_SCRIPT = """
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from memfit.kernels import blast, blr_common, gemv, monarch
+from memfit.kernels import blast, blr_common, gemv
 
 kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
-           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "row_gemv": gemv._row_gemv_kernel,
-           "monarch_fused_scratch": monarch._fused_scratch_kernel}
+           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "row_gemv": gemv._row_gemv_kernel}
 out = {}
 for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
-    # an integer argument among the constexprs is one Triton specialises at launch (a stride of 1)
-    signature = {p.name: "constexpr" if p.is_constexpr or p.name in constexprs else "*bf16" if p.name.endswith("_ptr")
-                 else "i32" for p in fn.params}
+    signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
+                 for p in fn.params}
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in divisible}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=defaults | constexprs, attrs=attrs)
@@ -378,9 +333,8 @@ CHAIN_CASES = {
 
 
 def compile_sm90(cases: dict) -> dict:
-    """PTX of each (kernel, constexprs (integer arguments among them as Triton specializes a 1 at launch)[, names of
-    arguments divisible by 16, as Triton specializes them at launch[, num_stages (3)[, num_warps (4)]]]) case
-    compiled for sm_90 in a subprocess outside the interpreter."""
+    """PTX of each (kernel, constexprs[, names of arguments divisible by 16, as Triton specializes them at
+    launch[, num_stages (3)[, num_warps (4)]]]) case compiled for sm_90 in a subprocess outside the interpreter."""
     import json
     import os
     import subprocess

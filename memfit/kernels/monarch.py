@@ -75,6 +75,13 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   63.8 us; results/earlier/blr_layers_subset_tbmm_tbmm_l2_702ebb8.json).
   Not profiled: the chunks' smaller GEMMs and extra launches cost more than z's round trip, or z did not stay in
   the L2.
+  Tried and taken out, ``fused_scratch`` (e3a9d8e): both stages in one persistent Triton kernel, a program per SM
+  walking token tiles, each tile's z written to a scratch buffer of the program's own and read back by its stage 2
+  after a CTA barrier (each stage's (tile, K step) loop nest flattened into one pipelined loop, 64-wide K steps), so
+  that z would never make its round trip through HBM. On the H200 its pick took 2.16-3.23x ``tbmm_tbmm``'s time at
+  the four Llama-1B shapes at N = 8192 (q/o 132.3 against 61.3 us) and 8.6-17.7x at N = 1024, where 16 token tiles
+  of 64 leave most SMs idle (results/earlier/blr_layers_subset_fused_scratch_e3a9d8e.json). Not profiled; at 8192
+  it ran at about 130 TFLOP/s, its short-K tiles each ending in a store.
 * ``fused`` (the decode path where PDL is not offered, and there a candidate at every N; on a GPU that
   offers it ``two_stage_pdl`` is, and the pick does not time ``fused`` at any N: on the H200 it never came
   within 5% of the fastest, :func:`blr_common.pick_candidates`): one kernel, z on chip. A program owns
@@ -93,11 +100,6 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   memory), and a second kernel, chained by PDL, summed the b partials. At four of the paper's shapes it took
   1.03-1.27x the pick's time at N = 1 and 1.10-1.55x at N = 16
   (results/earlier/blr_layers_subset_fused_split_4fa42b0.json); not profiled.
-* ``fused_scratch`` (N >= TOKEN_MAJOR_MIN_N, both layouts): one persistent kernel, a program per SM (or two) walking
-  token tiles; for each it runs stage 1 into a scratch buffer of its own (one token tile's z, in P^T order) and then
-  stage 2 from it, a CTA barrier between them. z never makes the round trip through HBM that ``tbmm_tbmm``'s z
-  (2 N b r elements, twice x's size at Llama-1B q/o) makes, as long as the programs' buffers stay in L2; the price is
-  w1 and w2 re-read from L2 once per token tile. Untimed on a GPU yet.
 * ``torch`` (the reference: two cuBLAS batched GEMMs with the permutations as copies)
   competes too, so the pick is never slower than plain PyTorch on a shape where the
   Triton stage 1 stores badly (e.g. a per-block rank t = 93, not a multiple of 8).
@@ -134,7 +136,6 @@ from memfit.kernels.blr_common import (
     require_offered,
     runs_triton,
     save_for_recompute,
-    sm_count,
     tuned,
 )
 
@@ -364,112 +365,9 @@ def _fused(x2, w1, w2, bias, permute_output):
     return y
 
 
-# ---- large N, small b r: both stages in one persistent kernel, z through a scratch of its own -----------------
-
-# Rows of scratch a GPU's programs hold at most, per SM: every tile config's CTAS * BN. Each program keeps one token
-# tile's z (BN b r elements) in a buffer of its own, written by stage 1 and read back at once by stage 2 of the same
-# program, so the buffer is hot in L2 and is rewritten, not written back, from one token tile to the next.
-SCRATCH_ROWS_PER_SM = 128
-INTERPRETER_PROGRAMS = 2   # under the interpreter: fewer programs than token tiles, so the tests walk the tile loop
-
-
-def _prune_fused_scratch(configs, named_args, **kwargs):
-    """Tiles no wider than the ranks, output block and K need whose operands fit shared memory at the stage count;
-    where none fits, the one with the smallest operands."""
-    size = named_args["x_ptr"].element_size()
-    m, r, p = named_args["M"], named_args["B"] * named_args["T"], named_args["P"]
-
-    def operands(c):
-        return c.kwargs["BK"] * (c.kwargs["BN"] + max(c.kwargs["BC"], c.kwargs["BO"]))
-    keep = [c for c in configs if c.kwargs["BC"] <= pow2_at_least(r) and c.kwargs["BO"] <= pow2_at_least(p)
-            and c.kwargs["BK"] <= pow2_at_least(min(m, r)) and fits_smem(c, operands(c), size)]
-    return keep or [min(configs, key=lambda c: c.num_stages * operands(c))]
-
-
-FUSED_SCRATCH_CONFIGS = [  # BN, BC, BO, BK, CTAS, warps, stages
-    (64, 128, 128, 64, 1, 4, 3), (64, 256, 128, 64, 1, 8, 3), (64, 128, 64, 64, 2, 4, 3), (128, 128, 128, 64, 1, 8, 3),
-    (32, 128, 128, 64, 2, 4, 3), (64, 64, 64, 64, 2, 4, 4)]
-
-
-@tuned(FUSED_SCRATCH_CONFIGS, ("BN", "BC", "BO", "BK", "CTAS"), (16, 16, 16, 16, 1, 4, 1),
-       key=["N_BUCKET", "M", "T", "P", "B"], prune=_prune_fused_scratch)
-@triton.jit
-def _fused_scratch_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, bias_ptr, z_ptr, N, M, T, P, B, N_BUCKET,
-                          sxn, s1j, s1a, s1c, s2i, s2k, s2o, syn, syi, syo,
-                          HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
-                          BO: tl.constexpr, BK: tl.constexpr, CTAS: tl.constexpr):
-    """Both stages for the token tiles program_id, program_id + num_programs, ...: stage 1 makes the tile's z, one
-    (block j, BC columns) GEMM at a time, into the program's scratch in P^T order, scratch[n, i, j t + s] =
-    z_j[n, i t + s] (runs of t elements); then, after a barrier, stage 2 computes output block i's BO columns from
-    its operand, a contiguous row of r elements per token, and w2[i]'s rows gathered into that (j, s) order (row
-    j t + s is w2[i]'s row s b + j). Each stage's (tile, K step) loop nest is flattened into one software-pipelined
-    loop. z never reaches HBM while the programs' scratch stays in L2, and no FLOP is repeated; x is read once (from
-    L2 again per column tile of z), y written once. CTAS (programs per SM) is the launcher's; here it keys the tile."""
-    R = B * T
-    rl = tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    scratch = z_ptr + tl.program_id(0).to(tl.int64) * (BN * B * R) + rl[:, None].to(tl.int64) * (B * R)
-    c_tiles = tl.cdiv(R, BC)
-    o_tiles = tl.cdiv(P, BO)
-    for tile in range(tl.program_id(0), tl.cdiv(N, BN), tl.num_programs(0)):
-        rn = (tile * BN + rl).to(tl.int64)
-        n_ok = rn < N
-        tl.debug_barrier()                                          # the previous tile's stage 2 has read scratch
-        for q in tl.range(0, B * c_tiles, flatten=True):
-            j = q // c_tiles
-            rc = (q % c_tiles) * BC + tl.arange(0, BC)
-            c_ok = rc < R
-            acc = tl.zeros((BN, BC), dtype=tl.float32)
-            for k0 in range(0, M, BK):
-                ka = k0 + rk
-                xa = tl.load(x_ptr + rn[:, None] * sxn + j * M + ka[None, :], mask=n_ok[:, None] & (ka[None, :] < M),
-                             other=0.0)
-                wa = tl.load(w1_ptr + j * s1j + ka[:, None] * s1a + rc[None, :] * s1c,
-                             mask=(ka[:, None] < M) & c_ok[None, :], other=0.0)
-                acc = mma(xa, wa, acc, PRECISION)
-            tl.store(scratch + ((rc // T) * R + j * T + rc % T)[None, :], acc.to(z_ptr.dtype.element_ty),
-                     mask=c_ok[None, :])                            # column i t + s -> scratch (i, j t + s)
-        tl.debug_barrier()                                          # stage 1's stores seen by the whole program
-        for q in tl.range(0, B * o_tiles, flatten=True):
-            i = q // o_tiles
-            ro = (q % o_tiles) * BO + tl.arange(0, BO)
-            o_ok = ro < P
-            acc = tl.zeros((BN, BO), dtype=tl.float32)
-            for k0 in range(0, R, BK):
-                kz = k0 + rk
-                za = tl.load(scratch + i * R + kz[None, :], mask=kz[None, :] < R, other=0.0)
-                w2_rows = (kz % T) * B + kz // T                    # z's (j, s) order -> w2's (s, j) rows
-                wb = tl.load(w2_ptr + i * s2i + w2_rows[:, None] * s2k + ro[None, :] * s2o,
-                             mask=(kz[:, None] < R) & o_ok[None, :], other=0.0)
-                acc = mma(za, wb, acc, PRECISION)
-            col = i * syi + ro * syo
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + col, mask=o_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + rn[:, None] * syn + col[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=n_ok[:, None] & o_ok[None, :])
-
-
-def _fused_scratch(x2, w1, w2, bias, permute_output):
-    """Both stages by one persistent kernel (:func:`_fused_scratch_kernel`): z passes from stage 1 to stage 2 through
-    a scratch buffer of each program's own, SCRATCH_ROWS_PER_SM token rows per SM at most (and no more rows than
-    the tokens rounded up to a tile), where ``tbmm_tbmm`` writes the whole (N, b r) z to memory and reads it back."""
-    b, m, r = w1.shape
-    p, n, t = w2.shape[2], x2.shape[0], r // b
-    y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
-    programs = sm_count(x2.device) if x2.is_cuda else INTERPRETER_PROGRAMS
-    rows = min(programs, triton.cdiv(n, SCRATCH_ROWS_PER_SM)) * SCRATCH_ROWS_PER_SM
-    scratch = torch.empty(rows, b * r, device=x2.device, dtype=x2.dtype)
-    block_stride, col_stride = (1, b) if permute_output else (p, 1)
-    grid = lambda meta: (min(triton.cdiv(n, meta["BN"]), programs * meta["CTAS"]),)
-    _fused_scratch_kernel[grid](x2, w1, w2, y, bias if bias is not None else y, scratch, n, m, t, p, b, n_bucket(n),
-                                x2.stride(0), *w1.stride(), *w2.stride(), y.stride(0), block_stride, col_stride,
-                                HAS_BIAS=bias is not None, PRECISION=blr_precision(x2.dtype))
-    return y
-
-
 VARIANTS = {"two_stage": _two_stage, "two_stage_pdl": _two_stage_pdl, "bmm": _bmm, "bmm_perm_bmm": _bmm_perm_bmm,
             "bmm_gather": _bmm_gather, "tbmm": _tbmm, "tbmm_tbmm": _tbmm_tbmm, "gemv_gemv_pdl": _gemv_gemv_pdl,
-            "fused": _fused, "fused_scratch": _fused_scratch, "torch": monarch_linear_reference}
+            "fused": _fused, "torch": monarch_linear_reference}
 UNPICKED_WITH_PDL = ("fused",)  # never within 5% of the fastest on the H200 (blr_common.pick_candidates)
 
 
@@ -487,8 +385,6 @@ def variants_for(n: int, b: int, m: int, t: int, p: int, permute_output: bool) -
         names.append("tbmm_tbmm")
     if fused_fits(m, t):
         names.append("fused")
-    if n >= TOKEN_MAJOR_MIN_N:
-        names.append("fused_scratch")
     return {name: VARIANTS[name] for name in names}
 
 
