@@ -119,16 +119,15 @@ def test_gemv_chains_are_offered_at_one_token(monkeypatch):
     """At N = 4 BLAST's GEMV chain was the fastest at no shape (blr_layers_subset_gemv_chain_n4.json), and the
     chains need PDL."""
     gemv_chains = lambda n: ("bgemm_mix_gemv_pdl" in blast.variants_for(n),  # noqa: E731
-                             "bgemm_mixgemv_pdl" in blast.variants_for(n),
                              "gemv_gemv_pdl" in monarch.variants_for(n, 16, 128, 16, 128, False),
                              "gemv_gemv_pdl" in monarch.variants_for(n, 16, 128, 16, 128, True))
     for module in (blast, monarch):
         monkeypatch.setattr(module, "pdl_offered", lambda: True)
-    assert gemv_chains(1) == (True, True, True, True)
-    assert all(gemv_chains(n) == (False, False, False, False) for n in (2, 3, 4, 16))
+    assert gemv_chains(1) == (True, True, True)
+    assert all(gemv_chains(n) == (False, False, False) for n in (2, 3, 4, 16))
     for module in (blast, monarch):
         monkeypatch.setattr(module, "pdl_offered", lambda: False)
-    assert gemv_chains(1) == (False, False, False, False)
+    assert gemv_chains(1) == (False, False, False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -298,8 +297,7 @@ from triton.backends.compiler import GPUTarget
 from memfit.kernels import blast, blr_common, gemv
 
 kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
-           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "row_gemv": gemv._row_gemv_kernel,
-           "mixgemv": blast._mixgemv_kernel}
+           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "row_gemv": gemv._row_gemv_kernel}
 out = {}
 for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
@@ -315,9 +313,6 @@ print(json.dumps(out))
 CHAIN_BASE = {"HAS_BIAS": True, "PRECISION": "tf32", "LINE": 64, "BN": 16, "BC": 64, "BK": 64}
 WAITS = {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": True}
 ROW_GEMV_BASE = {"HAS_BIAS": True, "LINE": 64, "BC": 32, "BK": 256}
-MIXGEMV_BASE = {"HAS_BIAS": True, "BB": 16, "LINE": 64}
-MIXGEMV_ALIGNED = ["z_ptr", "s_ptr", "u_ptr", "y_ptr", "bias_ptr", "R", "P", "szm", "szj", "ssi", "ssj", "sui", "suo",
-                   "sym"]                                                                  # as at the paper's shapes
 ROW_GEMV_ALIGNED = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "C", "swi", "swk", "sxm", "sym", "syi"]  # as at the paper's shapes
 CHAIN_CASES = {
     "bgemm waits, weights row-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True, "EVEN_K": False,
@@ -334,7 +329,6 @@ CHAIN_CASES = {
     "row_gemv waits": ("row_gemv", {**ROW_GEMV_BASE, **WAITS}, ROW_GEMV_ALIGNED),           # Monarch's stage 2
     "row_gemv launches": ("row_gemv", {**ROW_GEMV_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False},
                           ROW_GEMV_ALIGNED),                                               # stage 1 at one token
-    "mixgemv waits": ("mixgemv", {**MIXGEMV_BASE, "WAIT_FOR_PREVIOUS": True, "BN": 32, "BK": 128}, MIXGEMV_ALIGNED),
 }
 
 
@@ -466,20 +460,6 @@ def test_row_gemv_tiles_stream_16_byte_rows_without_spills():
         assert ptxas_spills(ptx)[1] == 0, name
 
 
-def test_mixing_gemv_tiles_load_16_bytes_at_a_time_without_spills():
-    """Every listed MIXGEMV_TILES tile, chained and in bf16 with the rank 16-byte aligned (every shape of the paper's
-    tables), compiles for sm_90 with all of its global loads (U's rows, Z's and S_i's slices; no bias) 16 bytes wide
-    and no register spills."""
-    tiles = {str(tile): tile for tile in blast.MIXGEMV_TILES}
-    base = {**MIXGEMV_BASE, "HAS_BIAS": False, "WAIT_FOR_PREVIOUS": True}       # the bias: BN scalars a program
-    cases = {name: ("mixgemv", {**base, "BN": bn, "BK": bk}, MIXGEMV_ALIGNED, stages, warps)
-             for name, (bn, bk, warps, stages) in tiles.items()}
-    for name, ptx in compile_sm90(cases).items():
-        loads = re.findall(r"ld\.global(?:\.\w+)*", ptx)
-        assert loads and all(".v4." in load for load in loads), (name, set(loads))
-        assert ptxas_spills(ptx)[1] == 0, name
-
-
 def test_forcing_a_variant_not_offered_is_a_clear_error():
     x, w1, w2 = torch.randn(3, B * M), torch.randn(B, M, B * 5), torch.randn(B, B * 5, P)
     with pytest.raises(MemfitError, match="bmm"):
@@ -499,7 +479,7 @@ BLAST_VARIANTS = list(blast.VARIANTS)
 @pytest.mark.parametrize("n,bias", [(1, True), (N, False), (N, True)])
 def test_blast(dtype, variant, n, bias, monkeypatch):
     monkeypatch.setattr(blast, "TOKEN_MAJOR_MIN_N", 1)   # the token-contiguous pipelines at the tests' N too
-    if variant in ("bgemm_mix_gemv_pdl", "bgemm_mixgemv_pdl"):   # offered at one token only: (1, bias), (1, none)
+    if variant == "bgemm_mix_gemv_pdl":                   # offered at one token only: (1, bias) and (1, no bias)
         if n == N and bias:
             pytest.skip("one token with a bias is the first case")
         n = 1
@@ -507,26 +487,6 @@ def test_blast(dtype, variant, n, bias, monkeypatch):
     tensors = [torch.randn(n, B * M), torch.randn(B, P, r) / r**0.5, torch.randn(B, M, r) / M**0.5,
                torch.randn(B, B, r) / B**0.5, torch.randn(B * P)]
     check(blast_linear, blast_linear_reference, drop_bias(tensors, bias), dtype, variant=variant)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("b,p,r", [(16, 40, 100), (5, 3, 33), (1, 17, 8)])
-def test_blasts_mixing_gemv_over_many_steps_rows_and_blocks(dtype, b, p, r):
-    """The mixing GEMV at several rank steps of the interpreter's tile (32) with a ragged last one, output blocks
-    taller than a tile (8 rows) and not a multiple of it, 16 blocks (a full 16-wide mixing tile) and one, against the
-    reference, whose T is rounded to x's dtype before stage 3 as the kernel rounds it."""
-    gen = seeded(11)
-    m = 6
-    tensors = [torch.randn(1, b * m, generator=gen), torch.randn(b, p, r, generator=gen) / r**0.5,
-               torch.randn(b, m, r, generator=gen) / m**0.5, torch.randn(b, b, r, generator=gen) / b**0.5,
-               torch.randn(b * p, generator=gen)]
-    check(blast_linear, blast_linear_reference, tensors, dtype, variant="bgemm_mixgemv_pdl")
-
-
-def test_blasts_mixing_gemv_needs_unit_rank_strides():
-    z, s, u = torch.randn(1, 3, 8), torch.randn(3, 3, 8), torch.randn(3, 8, 4).transpose(1, 2)
-    with pytest.raises(MemfitError, match="unit stride along the rank"):
-        blast._mixgemv(z, s, u, None, chained=False)
 
 
 def test_blast_fused_mixing_loops_over_wide_blocks():

@@ -61,17 +61,19 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   fastest pipeline (Llama-7B gate/up: 41.38 against ``bmm_mix_bmm``'s 21.15 us; ``blr_layers_subset_gemv_chain_n4.json``,
   ce2e15c; not profiled: each of the four rows of x has its own programs, which read U_i again, from L2 at best). So
   it is offered at one token only.
-* ``bgemm_mixgemv_pdl`` (N = 1, Hopper+): ``bgemm_mix_gemv_pdl`` with the mixing moved into the GEMV
-  (:func:`_mixgemv_kernel`): per step of ranks a program sums Z's and S_i's (b x BK) slices over j on CUDA cores and
-  streams its rows of U_i against the result, so T is never written and the chain has two dependent launches, not
-  three. The price: every program of block i reads Z and S_i's slices from L2 beside its rows of U_i. Untimed on a
-  GPU yet.
 * Tried and taken out, ``gemv_mix_gemv_pdl`` (42ef66a): ``bgemm_mix_gemv_pdl`` with stage 1 as a row-streaming GEMV
   too (:func:`gemv.block_row_gemv`, V read along its unit-stride ranks, the kernel Monarch's ``gemv_gemv_pdl`` runs).
   At one token it was the pick at Llama-1B q/o only (finalists 5.65 against ``bgemm_mix_gemv_pdl``'s 5.68 us), and took
   1.48-2.21x that pipeline's time at the other six shapes (first timings; Llama-1B up 22.34 against 10.09 us), where
   Monarch's chain, whose first stage is the same launch of the same kernel at the same shapes, took 0.97-1.21x its
   GEMM chain's (not profiled: what differs is the kernel z goes to; ``results/blr_layers_subset_decode_gemv.json``).
+* Tried and taken out, ``bgemm_mixgemv_pdl`` (19c8b44): at one token, ``bgemm_mix_gemv_pdl`` with the mixing moved
+  into the GEMV (per step of ranks, a program summed Z's and S_i's (b x BK) slices over j on CUDA cores and streamed
+  its rows of U_i against the result): two dependent launches, not three, and T never written. On the H200 its first
+  timings were 1.08-1.79x ``bgemm_mix_gemv_pdl``'s at the seven shapes, closest at Llama-1B q/o (6.20 against 5.74
+  us) and furthest where a block has the most rows, Llama-7B gate/up (38.86 against 21.68) and Llama-1B up (16.41
+  against 10.11): every program of block i reads Z's and S_i's slices from L2 and redoes the mixing, once per tile
+  of rows (results/earlier/blr_layers_subset_mixgemv_19c8b44.json; not profiled).
 * Tried and taken out, ``xvmix_gemv_pdl`` (f366b36, 2e1fb9b): at one token, stages 1 and 2 in one kernel (Z summed
   on CUDA cores from V's rank-contiguous rows and mixed on chip), chained into the same GEMV: two dependent launches
   where ``bgemm_mix_gemv_pdl`` has three. With one program a rank slice, every block in it (f366b36), it took
@@ -397,85 +399,6 @@ def _bgemm_mix_gemv_pdl(x2, u, v, s, bias):
     return gemv.block_gemv(t.view(n, b * r), u.view(-1, r), bias, b, r, wait_for_previous=True)
 
 
-# ---- one token: Z by a batched GEMM, then the mixing and stage 3 in one GEMV --------------
-
-# (BN rows of U_i a program, BK ranks a step, warps): a step's U tile is 4K-8K elements, and its mixing loads, Z's
-# and S_i's (b x BK each), come from L2 (Z is a few KB to 50 KB; S_i is read once per program of block i)
-MIXGEMV_TILES = [(16, 256, 4, 1), (32, 128, 4, 1), (32, 256, 8, 1), (64, 64, 4, 1), (64, 128, 8, 1), (8, 512, 4, 1)]
-
-
-def _prune_mixgemv(configs, named_args, **kwargs):
-    """Tiles no taller than the block's rows and no wider along the rank than the rank needs."""
-    keep = [c for c in configs if c.kwargs["BN"] <= pow2_at_least(named_args["P"], 8)
-            and c.kwargs["BK"] <= pow2_at_least(named_args["R"], 64)]
-    return keep or [min(configs, key=lambda c: c.kwargs["BN"] * c.kwargs["BK"])]
-
-
-@tuned(MIXGEMV_TILES, ("BN", "BK"), (8, 32, 4, 1), key=["M", "R", "P", "B", "WAIT_FOR_PREVIOUS"], prune=_prune_mixgemv)
-@triton.jit
-def _mixgemv_kernel(z_ptr, s_ptr, u_ptr, y_ptr, bias_ptr, M, R, P, B, szm, szj, ssi, ssj, sui, suo, sym,
-                    HAS_BIAS: tl.constexpr, BB: tl.constexpr, WAIT_FOR_PREVIOUS: tl.constexpr, LINE: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr):
-    """y[m, i p + o] = sum_k U[i, o, k] T[m, i, k] with T[m, i, k] = sum_j s[i, j, k] Z[m, j, k] (rounded to Z's dtype,
-    as the reference's T is), for BN rows o of block i and one row m: per step of BK ranks, Z's (b x BK) slice and
-    S_i's are multiplied and summed over j on CUDA cores, and the step's BN rows of U_i are streamed against the
-    result. T is never written: the mixing runs in the GEMV that reads U, one launch fewer than the chain through
-    ``_zmix_kernel``. U and S have a unit stride along the rank (the chained prefetch walks U_i's rows along it)."""
-    pid = tl.program_id(0)
-    m = pid % M                                      # the M programs of one U tile are neighbours
-    o_tiles = tl.cdiv(P, BN)
-    i = (pid // M) % B
-    o0 = (pid // (M * B)) * BN
-    ro = o0 + tl.arange(0, BN)
-    rows = tl.minimum(ro, P - 1).to(tl.int64)        # clamp, not mask: U's loads stay unmasked along the rows
-    rk = tl.arange(0, BK)
-    rb = tl.arange(0, BB)
-    b_ok = rb[:, None] < B
-    if WAIT_FOR_PREVIOUS:                            # U_i's rows of this program (and S_i, once a block) into L2,
-        prefetch_l2(u_ptr + i * sui + o0.to(tl.int64) * suo, tl.minimum(BN, P - o0), suo, R, LINE)
-        if pid // (M * B) == o_tiles - 1:
-            prefetch_l2(s_ptr + i * ssi, B, ssj, R, LINE)
-        tl.extra.cuda.gdc_wait()                     # then Z, from the kernel before
-    z_row = z_ptr + m.to(tl.int64) * szm
-    acc = tl.zeros((BN, BK), dtype=tl.float32)
-    for k0 in range(0, R, BK):
-        kk = k0 + rk
-        k_ok = kk[None, :] < R
-        z = tl.load(z_row + rb[:, None] * szj + kk[None, :], mask=b_ok & k_ok, other=0.0)
-        si = tl.load(s_ptr + i * ssi + rb[:, None] * ssj + kk[None, :], mask=b_ok & k_ok, other=0.0)
-        t = tl.sum(z.to(tl.float32) * si.to(tl.float32), axis=0).to(z_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(u_ptr + i * sui + rows[:, None] * suo + kk[None, :], mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * t[None, :]
-    y = tl.sum(acc, axis=1)
-    col = i * P + ro
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + col, mask=ro < P, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m.to(tl.int64) * sym + col, y.to(y_ptr.dtype.element_ty), mask=ro < P)
-
-
-def _mixgemv(z, s, u, bias, chained: bool):
-    """y (M, b p) from Z (M, b, r) by ``_mixgemv_kernel``; ``chained``: launched dependent on the kernel that wrote Z."""
-    mrows, b, r = z.shape
-    p = u.shape[1]
-    if u.stride(2) != 1 or s.stride(2) != 1 or z.stride(2) != 1:
-        raise MemfitError(f"blast_linear: bgemm_mixgemv_pdl needs Z, S and U with a unit stride along the rank, got "
-                          f"{z.stride()}, {s.stride()} and {u.stride()}")
-    y = torch.empty(mrows, b * p, device=z.device, dtype=z.dtype)
-    grid = lambda meta: (mrows * b * triton.cdiv(p, meta["BN"]),)
-    _mixgemv_kernel[grid](z, s, u, y, bias if bias is not None else y, mrows, r, p, b, z.stride(0), z.stride(1),
-                          s.stride(0), s.stride(1), u.stride(0), u.stride(1), y.stride(0), HAS_BIAS=bias is not None,
-                          BB=pow2_at_least(b, 1), LINE=line_elements(u), **chain_options(wait_for_previous=chained))
-    return y
-
-
-def _bgemm_mixgemv_pdl(x2, u, v, s, bias):
-    """Z by ``bgemm`` (the tile the GEMM chain's pick timed for stage 1 in a chain, as ``bgemm_mix_gemv_pdl`` takes
-    it), then the mixing and Y_i = T_i U_i^T in one GEMV (:func:`_mixgemv_kernel`) launched while Z is being made:
-    two dependent launches where ``bgemm_mix_gemv_pdl`` has three."""
-    stage1 = _gemm_chain_tiles(x2, u, v, s, bias)[0]
-    return _mixgemv(_z_by_bgemm(x2, v, launch_dependents=True, tile=stage1), s, u, bias, chained=True)
-
-
 # ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------
 
 def _prune_mixgemm(configs, named_args, **kwargs):
@@ -546,7 +469,7 @@ def _z_mixgemm_pdl(x2, u, v, s, bias):
 
 VARIANTS = {"xvmix_bmm": _xvmix_bmm, "bmm_mix_bmm": _bmm_mix_bmm, "tbmm_mix_tbmm": _tbmm_mix_tbmm, "z_mixgemm": _z_mixgemm,
             "z_mixgemm_pdl": _z_mixgemm_pdl, "bgemm_mix_bgemm_pdl": _bgemm_mix_bgemm_pdl,
-            "bgemm_mix_gemv_pdl": _bgemm_mix_gemv_pdl, "bgemm_mixgemv_pdl": _bgemm_mixgemv_pdl,
+            "bgemm_mix_gemv_pdl": _bgemm_mix_gemv_pdl,
             "torch": blast_linear_reference}
 
 
@@ -560,8 +483,7 @@ def variants_for(n: int) -> dict:
         names.append("tbmm_mix_tbmm")
     if n <= PDL_MAX_N and pdl_offered():
         names += ["bgemm_mix_bgemm_pdl"] + (["z_mixgemm_pdl"] if n <= MIXGEMM_MAX_N else [])
-        names += ["bgemm_mix_gemv_pdl", "bgemm_mixgemv_pdl"] if n == 1 else []   # after the GEMM chain, whose
-        # stage-1 tile they take
+        names += ["bgemm_mix_gemv_pdl"] if n == 1 else []      # after the GEMM chain, whose stage-1 tile it takes
     return {name: VARIANTS[name] for name in names}
 
 
