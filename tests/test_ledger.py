@@ -476,6 +476,22 @@ def test_blr_plan_errors_suggest_skipping_kinds_only_where_the_user_can():
         assert "skip" not in str(refused.value)
 
 
+def test_the_planner_weighs_only_the_candidates_keep_accepts_and_says_when_none_is_left():
+    """plan(keep=...) (finetune's refusal of a technique the user turned off by name) drops the candidates it refuses
+    before any replay; where it refuses every one, the error says so rather than that nothing fits."""
+    from memfit.errors import MemfitError
+    from memfit.ledger.planner import plan
+
+    job = Job(PRESETS["llama-3.2-1b"], task="lora", seq=1024)
+    budget = parse_bytes("8GiB")
+    _, plans = plan(job, Knobs(), budget, limit=3)
+    assert any(p.knobs.fused_ce for p in plans)                       # the unrestricted search takes the fused loss
+    _, kept = plan(job, Knobs(), budget, limit=3, keep=lambda knobs: not knobs.fused_ce)
+    assert kept and not any(p.knobs.fused_ce for p in kept)
+    with pytest.raises(MemfitError, match="no candidate plan passes keep"):
+        plan(job, Knobs(), budget, keep=lambda knobs: False)
+
+
 def test_memory_keeps_its_peaks_as_a_full_recount_would():
     """Memory keeps a running live total and skips moments below both peaks: over random allocations, frees, saves
     and marks with workspace, its peaks are those a recount of every moment finds (the first moment of the highest
