@@ -252,6 +252,22 @@ def test_checkpointed_layers_hold_their_input_and_the_rope_tables():
     assert (kept[5][0].name, [s.name for s in kept[5][1]]) == ("4.residual2", ["rope_cos_sin"])
 
 
+def test_only_a_checkpointed_segment_needs_a_first_op_that_reads_its_input():
+    """A segment whose first op reads no tensor has no layer input for a checkpoint to keep: replaying a graph with
+    such a segment is fine while another segment is checkpointed, and refused, naming the op, once that one is.
+    (Every segment of memfit's graphs starts by reading the layer input; the check used to fire for the whole graph
+    as soon as any segment was checkpointed.)"""
+    from memfit.ledger.simulate import Memory, Op, Sym, replay_forward
+
+    x = Sym("x", 64, True)
+    table, h, y, z = Sym("table", 16, False), Sym("h", 64, True), Sym("y", 64, True), Sym("z", 64, True)
+    ops = [Op("make_table", [], [table], [], segment=0), Op("use_table", [x, table], [h], [x], segment=0),
+           Op("layer1", [h], [y], [h], segment=1), Op("head", [y], [z], [y])]
+    replay_forward(ops, Memory({}), "forward", keep={z.uid}, checkpointed={1})
+    with pytest.raises(ValueError, match="segment 0 starts with make_table, which reads no tensor"):
+        replay_forward(ops, Memory({}), "forward", keep={z.uid}, checkpointed={0, 1})
+
+
 def test_one_graph_serves_every_checkpoint_offload_and_optimizer_choice():
     """The planner's candidates that differ only in checkpointed or offloaded layers or the optimizer replay one
     graph (built once), and the replay, not the graph, decides which layers are checkpointed."""

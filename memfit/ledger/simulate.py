@@ -148,23 +148,31 @@ def segment_inputs(ops: list[Op]) -> dict[int, tuple[Sym, list[Sym]]]:
 
 @functools.lru_cache(maxsize=64)
 def _segment_inputs(ops: tuple[Op, ...]) -> dict[int, tuple[Sym, list[Sym]]]:
-    kept: dict[int, tuple[Sym, dict[int, Sym]]] = {}
+    kept: dict[int, tuple[Sym | None, dict[int, Sym]]] = {}
     made: dict[int, set[int]] = {}
     for op in ops:
         if op.segment is None:
             continue
         inside = made.setdefault(op.segment, set())
-        if op.segment not in kept:
-            if not op.inputs:
-                raise ValueError(f"segment {op.segment} starts with {op.name}, which reads no tensor")
-            kept[op.segment] = (op.inputs[0], {})
+        if op.segment not in kept:    # a first op that reads nothing leaves the segment no layer input to checkpoint
+            kept[op.segment] = (op.inputs[0] if op.inputs else None, {})
         layer_input, others = kept[op.segment]
         for sym in op.inputs:
             uid = sym.uid
-            if uid not in inside and uid != layer_input.uid and not sym.persistent:
+            if uid not in inside and (layer_input is None or uid != layer_input.uid) and not sym.persistent:
                 others.setdefault(uid, sym)
         inside.update(out.uid for out in op.outputs)
     return {segment: (layer_input, list(others.values())) for segment, (layer_input, others) in kept.items()}
+
+
+def _checkpoint_inputs(kept: dict, segment: int, ops: list[Op]) -> tuple[Sym, list[Sym]]:
+    """What checkpointed ``segment`` keeps (:func:`segment_inputs`); a segment whose first op reads no tensor has no
+    layer input to keep, and cannot be checkpointed."""
+    layer_input, others = kept[segment]
+    if layer_input is None:
+        first = next(op for op in ops if op.segment == segment)
+        raise ValueError(f"segment {segment} starts with {first.name}, which reads no tensor: it cannot be checkpointed")
+    return layer_input, others
 
 
 def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], save: bool = True,
@@ -189,7 +197,7 @@ def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], sa
                 # the checkpoint keeps the segment's inputs alive instead of saved tensors
                 if op.segment not in segments_seen:
                     segments_seen.add(op.segment)
-                    layer_input, others = kept[op.segment]
+                    layer_input, others = _checkpoint_inputs(kept, op.segment, ops)
                     for sym in others if op.segment in offloaded else [layer_input, *others]:
                         saved[sym.uid] = saved.get(sym.uid, 0) + 1
                         memory.mark_saved(sym)
