@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from finetune_memory import EIGHT_BIT_ROW, LOWEST_ROWS
+from finetune_memory import EIGHT_BIT_ROW, LOWEST_ROWS, SWIGLU_ROW
 
 from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import predict
@@ -35,6 +35,8 @@ ROWS = {
                                            "fused_ce": True},
     EIGHT_BIT_ROW: {"four_bit": True, "checkpoint_layers": 28, "offload_layers": 28, "fused_ce": True,
                     "optimizer": "adamw8bit"},
+    SWIGLU_ROW: {"four_bit": True, "checkpoint_layers": 28, "offload_layers": 28, "fused_ce": True,
+                 "optimizer": "adamw8bit", "fused_swiglu": True},
 }
 LOSS_FRACTION = dict.fromkeys(LOWEST_ROWS, 0.3)
 

@@ -13,6 +13,8 @@ N^2 scores per head); each row records which. Rows, cumulative:
   + fused linear CE (exact)    loss from hidden states, no logits
   + vocab subset (APPROXIMATE) softmax over labels + 8192 random tokens (the paper's row 4)
   + logits masking (30% loss)  exact fused CE with 70% of tokens ignored (dropped before the matmul)
+  + 8-bit AdamW                the same with bitsandbytes' 8-bit AdamW states (memfit, beyond the paper)
+  + fused SwiGLU               the same with memfit's fused SwiGLU, gradients over its inputs (memfit, beyond it)
 
 Measured: ``torch.cuda.max_memory_allocated`` over one full step (forward, backward,
 optimizer step) after a warm-up step (optimizer state exists), and the step time. Each
@@ -43,24 +45,28 @@ CONTEXTS = (1024, 2048, 4096, 8192, 16384)
 LORA = {"r": 16, "lora_alpha": 32}
 SUBSET = 8192
 EIGHT_BIT_ROW = "+ 8-bit AdamW (memfit, beyond the paper)"
-LOWEST_ROWS = ("+ logits masking (30% loss tokens)", EIGHT_BIT_ROW)   # the paper's last row and memfit's lowest
+SWIGLU_ROW = "+ fused SwiGLU (memfit, beyond the paper)"
+LOWEST_ROWS = ("+ logits masking (30% loss tokens)", EIGHT_BIT_ROW, SWIGLU_ROW)   # the paper's last row, memfit's
 FOUR_BIT_ROWS = ("+ 4-bit base", "+ checkpointing (offloaded)", "+ fused linear CE (exact)",
                  "+ vocab subset (approximate)", *LOWEST_ROWS)                # the rows on the 4-bit model, in order
 GB = 1e9
 
 
 def _rows_settings(num_layers: int, vocab: int, device):
-    """(row name, fused CE, policy, vocab subset, loss fraction, optimizer) for the rows on the 4-bit model.
+    """(row name, fused CE, policy, vocab subset, loss fraction, optimizer, fused SwiGLU) for the rows on the 4-bit
+    model.
 
-    The last row goes beyond the paper's table: its configuration with 8-bit AdamW states
-    (bitsandbytes), the technique ``memfit plan`` adds next; at short contexts the fp32
-    adapters' AdamW states are a large part of what is left above the frozen weights."""
+    The last two rows go beyond the paper's table: its configuration with 8-bit AdamW states
+    (bitsandbytes; at short contexts the fp32 adapters' AdamW states are a large part of what is
+    left above the frozen weights), then with memfit's fused SwiGLU too, which keeps one
+    intermediate-sized tensor a layer less and writes the MLP's gradients over its inputs."""
     none = CheckpointPolicy.build(num_layers, "none")
     offloaded = CheckpointPolicy.build(num_layers, "layer", "all")
     subset = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:min(SUBSET, vocab // 2)].to(device)
-    settings = [(False, none, None, 1.0, "adamw"), (False, offloaded, None, 1.0, "adamw"),
-                (True, offloaded, None, 1.0, "adamw"), (True, offloaded, subset, 1.0, "adamw"),
-                (True, offloaded, None, 0.3, "adamw"), (True, offloaded, None, 0.3, "adamw8bit")]
+    settings = [(False, none, None, 1.0, "adamw", False), (False, offloaded, None, 1.0, "adamw", False),
+                (True, offloaded, None, 1.0, "adamw", False), (True, offloaded, subset, 1.0, "adamw", False),
+                (True, offloaded, None, 0.3, "adamw", False), (True, offloaded, None, 0.3, "adamw8bit", False),
+                (True, offloaded, None, 0.3, "adamw8bit", True)]
     return [(name, *setting) for name, setting in zip(FOUR_BIT_ROWS, settings, strict=True)]
 
 
@@ -184,7 +190,7 @@ def _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, recor
     common = {"dtype": str(dtype), "attention": attention, "frozen_weights_gb": frozen / GB,
               "lora_params_gb": trainable / GB,
               "four_bit": why_not is None, **({"four_bit_unavailable": why_not} if why_not else {})}
-    for name, fused, policy, subset, fraction, opt in _rows_settings(spec.num_layers, spec.vocab, device):
+    for name, fused, policy, subset, fraction, opt, swiglu in _rows_settings(spec.num_layers, spec.vocab, device):
         if only is not None and name not in only:
             continue
         if opt != optimizer_name:
@@ -193,10 +199,10 @@ def _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, recor
             del optimizer                                   # the old states go before the new ones exist
             gc.collect()
             optimizer, optimizer_name = make_optimizer(opt, trainable_params), opt
-        state.fused_ce, state.policy, state.vocab_subset = fused, policy, subset
+        state.fused_ce, state.policy, state.vocab_subset, state.fused_swiglu = fused, policy, subset, swiglu
         _measure(model, optimizer, contexts, spec, fraction, device, frozen,
                  {"row": name, "exact": subset is None, "fused_ce": fused, "checkpointed": policy.active,
-                  "optimizer": opt, **common}, ceilings, record)
+                  "optimizer": opt, "fused_swiglu": swiglu, **common}, ceilings, record)
     state.runner.close()
     del model, optimizer, state
     gc.collect()
@@ -206,17 +212,18 @@ def _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, recor
 
 def _targets(rows: list[dict]) -> list[dict]:
     """fp32 as in the paper, per context: its last row (peak above the frozen weights, total peak),
-    and memfit's lowest row (8-bit AdamW) against that same paper value."""
+    and memfit's two rows beyond it (8-bit AdamW; then fused SwiGLU too) against that same paper value."""
     last = "+ logits masking (30% loss tokens)"
     targets = []
     for row in rows:
         measured = row.get("peak_above_frozen_weights_gb")
-        if row["row"] not in (last, EIGHT_BIT_ROW) or row["dtype"] != "torch.float32" or not isinstance(measured, float):
+        if row["row"] not in LOWEST_ROWS or row["dtype"] != "torch.float32" or not isinstance(measured, float):
             continue
         paper = PAPER_GB[last][CONTEXTS.index(row["context"])] if row["context"] in CONTEXTS else None
         if paper is None:
             continue
-        which = "paper's last row" if row["row"] == last else "memfit's lowest row (8-bit AdamW)"
+        which = {last: "paper's last row", EIGHT_BIT_ROW: "memfit's 8-bit AdamW row",
+                 SWIGLU_ROW: "memfit's lowest row (8-bit AdamW, fused SwiGLU)"}[row["row"]]
         targets.append(target(f"fp32 {which}, peak above frozen weights, ctx {row['context']}", measured, paper,
                               "GB", "lower"))
         if row["row"] == last:

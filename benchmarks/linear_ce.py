@@ -45,9 +45,7 @@ import contextlib
 import gc
 import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if "--smoke" in sys.argv:  # before Triton is imported: the kernels run through the interpreter
@@ -60,6 +58,7 @@ from memfit.kernels import linear_ce  # noqa: E402
 from memfit.kernels.linear_ce import backward_memory, linear_cross_entropy  # noqa: E402
 from memfit.measure.kernel_profile import kernel_profile  # noqa: E402
 from memfit.measure.results import check_out_dir, target, write_results  # noqa: E402
+from memfit.measure.timing import device_ms  # noqa: E402
 
 IGNORE = -100
 LOGIT_STD = 0.02 * math.sqrt(2048)  # the logit std of the first shape with weight std 0.02, kept at every shape
@@ -152,19 +151,6 @@ def _rel(a, b):
 # ---- measuring --------------------------------------------------------------------------------
 
 
-def _time_ms(fn, device):
-    if device == "cuda":
-        from memfit.measure.timing import bench_ms
-
-        return bench_ms(fn)
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
-
-
 def _extra_peak_mib(fn, device):
     """Peak allocated above what exists before the step (inputs, parameters), in MiB."""
     if device != "cuda":
@@ -234,7 +220,7 @@ def _measure_step(name, loss_fn, hidden, weight, labels, ref, device, frozen):
     gc.collect()
     peak = _extra_peak_mib(step, device)
     hidden.grad = weight.grad = None
-    ms = _time_ms(step, device)
+    ms = device_ms(step, device)
     hidden.grad = weight.grad = None
     weight.requires_grad_(True)
     model = _memory_model(name, hidden.shape[0], int((labels != IGNORE).sum()), hidden.shape[1], weight.shape[0],
@@ -331,7 +317,7 @@ def profile_run(shapes, vocab, device, out_dir):
 
             with _knobs(knobs):
                 step()  # compiles and tunes
-                total = _time_ms(step, device)
+                total = device_ms(step, device)
                 peak = _extra_peak_mib(step, device)
                 kernels, groups, idle = kernel_profile(step, device)
                 plan = linear_ce._backward_plan(vocab, hdim, n_loss, kwargs["vocab_chunk"], True,

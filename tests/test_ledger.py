@@ -66,15 +66,17 @@ def _saved_bytes(model, ids) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("dtype,task", [("float32", "full"), ("bfloat16", "full"), ("float32", "lora"),
-                                        ("bfloat16", "lora")])
-def test_saved_activations_match_what_autograd_saves(dtype, task):
-    """The derivation in ledger/graph.py against the tensors autograd really keeps."""
+@pytest.mark.parametrize("dtype,task,fused_swiglu", [("float32", "full", False), ("bfloat16", "full", False),
+                                                     ("float32", "lora", False), ("bfloat16", "lora", False),
+                                                     ("float32", "full", True), ("bfloat16", "lora", True)])
+def test_saved_activations_match_what_autograd_saves(dtype, task, fused_swiglu):
+    """The derivation in ledger/graph.py against the tensors autograd really keeps (with memfit's fused SwiGLU: the
+    model patched for it, which keeps one intermediate-sized tensor a layer less)."""
     from memfit.ledger.predict import _train_graph
     from memfit.ledger.simulate import Memory, replay_forward
 
     job = Job(TINY, task=task, seq=48, batch=2, device="cpu")
-    knobs = Knobs(dtype=dtype, lora_rank=8)
+    knobs = Knobs(dtype=dtype, lora_rank=8, fused_swiglu=fused_swiglu)
     graph, loss = _train_graph(job, knobs)
     saved = replay_forward(graph.ops, Memory({}), "forward", keep={loss.uid})
     sizes = {}
@@ -84,7 +86,12 @@ def test_saved_activations_match_what_autograd_saves(dtype, task):
     predicted = sum(sizes[uid].nbytes for uid in saved if uid in sizes and not sizes[uid].persistent)
 
     model = build_model(TINY, dtype=dtype).train()
-    if task == "lora":
+    if fused_swiglu:
+        from memfit.train.patch import patch
+
+        model = patch(model, fused_ce=False, fused_swiglu=True,
+                      lora={"r": 8, "target_modules": list(knobs.lora_targets)} if task == "lora" else None)
+    elif task == "lora":
         from peft import LoraConfig
 
         from memfit.models.hf_calls import peft_model
@@ -98,6 +105,7 @@ CASES = [
     ("full", {}), ("lora", {}), ("lora", {"dtype": "bfloat16"}), ("infer", {}),
     ("full", {"checkpoint_layers": 1}), ("lora", {"checkpoint_layers": 2}),
     ("full", {"optimizer": "sgd"}), ("full", {"micro_batch": 1}),
+    ("lora", {"fused_swiglu": True}), ("full", {"fused_swiglu": True, "checkpoint_layers": 1}),
 ]
 
 
@@ -194,7 +202,7 @@ def test_bf16_for_an_fp32_model_is_labelled_approximate_and_loses_ties():
 
     _, plans = plan(Job(TINY, task="lora", seq=256, device="cpu"), Knobs(dtype="float32"), parse_bytes("1GiB"))
     labels = [p.techniques for p in plans]
-    assert ["bf16 weights (approximate)"] in labels and "bf16" not in " ".join(labels[0])
+    assert ["fused SwiGLU", "bf16 weights (approximate)"] in labels and "bf16" not in " ".join(labels[0])
     times = [round(p.relative_time, 3) for p in plans]
     tied = ["approximate" in " ".join(label) for label in labels[:times.count(times[0])]]
     assert tied == sorted(tied) and set(tied) == {False, True}, labels

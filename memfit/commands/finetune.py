@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the annotations only; torch loads when a run starts, not fo
     import torch
 
 DEFAULT_MODEL = "tiny"
-APPLIED_BY_PATCH = ("checkpoint", "fused_ce", "four_bit")  # the planner's techniques this command can run
+APPLIED_BY_PATCH = ("checkpoint", "fused_ce", "four_bit", "fused_swiglu")  # the planner's techniques it can run
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,11 @@ class Techniques:
     four_bit: bool = False
     fused_ce: bool = True
     places: tuple[str, ...] | None = None  # a per-layer checkpoint policy from a plan (overrides checkpoint)
+    fused_swiglu: bool = True
 
     def patch_kwargs(self) -> dict:
         return {"checkpoint": self.checkpoint, "offload_layers": self.offload_layers, "offload_to": self.offload_to,
-                "four_bit": self.four_bit, "fused_ce": self.fused_ce}
+                "four_bit": self.four_bit, "fused_ce": self.fused_ce, "fused_swiglu": self.fused_swiglu}
 
     def __str__(self) -> str:
         """The run banner's words, e.g. 'checkpoints on 12 of 28 layers (4 of them offloaded to cpu), 4-bit base, fused
@@ -52,7 +53,8 @@ class Techniques:
             offloaded = {"none": "", "0": "", "all": " (all offloaded"}.get(str(self.offload_layers),
                                                                            f" (the first {self.offload_layers} offloaded")
             parts.append("checkpoints on every layer" + (f"{offloaded} to {self.offload_to})" if offloaded else ""))
-        parts += [name for name, on in (("4-bit base", self.four_bit), ("fused loss", self.fused_ce)) if on]
+        parts += [name for name, on in (("4-bit base", self.four_bit), ("fused loss", self.fused_ce),
+                                        ("fused SwiGLU", self.fused_swiglu)) if on]
         return ", ".join(parts) or "no memory technique"
 
 
@@ -97,6 +99,9 @@ def add_parser(sub):
     parser.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=True,
                         help="loss from hidden states without building logits (default: on; --no-fused-ce keeps a "
                              "--gpu-memory plan from it too)")
+    parser.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=None,
+                        help="the MLP's silu(gate) * up by memfit's kernel, its gradients written over its inputs "
+                             "(default: on for a SiLU model; --no-fused-swiglu keeps a --gpu-memory plan from it too)")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda[:N]")
     parser.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     return parser
@@ -134,12 +139,22 @@ def check_technique_flags(args, spec, device: torch.device) -> None:
                           "checkpoint inputs go")
 
 
+def fused_swiglu_of(args, spec) -> bool:
+    """--fused-swiglu as this run takes it: on by default for a SiLU model, off for another; asked for one whose MLP
+    activation is not SiLU, refused before the model loads."""
+    if args.fused_swiglu and spec.activation != "silu":
+        raise MemfitError(f"--fused-swiglu computes silu(gate) * up; {spec.name}'s MLP activation is "
+                          f"{spec.activation!r}")
+    return spec.activation == "silu" if args.fused_swiglu is None else args.fused_swiglu
+
+
 def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, console) -> Techniques:
     """The techniques for this run (flags checked by :func:`check_technique_flags`): the flags, or the planner's
     fastest plan for ``--gpu-memory`` on CUDA, kept from what the flags turn off by name (--checkpoint none,
-    --offload none or 0, --no-fused-ce, --no-four-bit)."""
+    --offload none or 0, --no-fused-ce, --no-four-bit, --no-fused-swiglu)."""
+    swiglu = fused_swiglu_of(args, spec)
     flags = Techniques(args.checkpoint or "none", parse_offload(args.offload or "none"), args.offload_to,
-                       bool(args.four_bit), args.fused_ce)
+                       bool(args.four_bit), args.fused_ce, fused_swiglu=swiglu)
     if not args.gpu_memory:
         return flags
     if device.type != "cuda":
@@ -151,16 +166,17 @@ def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, cons
 
     job = Job(spec, task="lora", seq=args.max_len, batch=args.batch_size, device="cuda")
     base = Knobs(dtype=str(dtype).removeprefix("torch."), lora_rank=args.lora_r, fused_ce=args.fused_ce,
-                 four_bit=bool(args.four_bit))
+                 four_bit=bool(args.four_bit), fused_swiglu=swiglu)
     # the training loop runs the whole batch with AdamW in the model's dtype: keep plans that change only
-    # what patch() applies (checkpointing, offload, fused loss, 4-bit base), less what the flags turned off
+    # what patch() applies (checkpointing, offload, fused loss, 4-bit base, fused SwiGLU), less what the flags turned off
     refused = {"checkpoint": args.checkpoint == "none", "fused_ce": not args.fused_ce,
-               "four_bit": args.four_bit is False}
+               "four_bit": args.four_bit is False, "fused_swiglu": args.fused_swiglu is False}
     allowed = tuple(name for name in APPLIED_BY_PATCH if not refused[name])
     no_offload = args.offload is not None and parse_offload(args.offload) in ("none", 0)
     keep = (lambda knobs: knobs.offload_layers == 0) if no_offload else None  # noqa: E731
     as_asked = [words for words, off in (("no checkpoints", refused["checkpoint"]), ("no offload", no_offload),
-                                         ("no fused loss", refused["fused_ce"]), ("no 4-bit base", refused["four_bit"]))
+                                         ("no fused loss", refused["fused_ce"]), ("no 4-bit base", refused["four_bit"]),
+                                         ("no fused SwiGLU", refused["fused_swiglu"]))
                 if off]
     _, plans = plan(job, base, parse_bytes(args.gpu_memory), limit=1, allowed=allowed, keep=keep)
     knobs = plans[0].knobs
@@ -170,7 +186,7 @@ def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, cons
                   f"{format_bytes(plans[0].ledger.total)} at batch {job.batch} x {job.seq} tokens")
     places = CheckpointPolicy.first_layers(spec.num_layers, knobs.checkpoint_layers, knobs.offload_layers).places
     return Techniques("layer" if knobs.checkpoint_layers else "none", "none", "cpu", knobs.four_bit, knobs.fused_ce,
-                      places if knobs.checkpoint_layers else None)
+                      places if knobs.checkpoint_layers else None, knobs.fused_swiglu)
 
 
 def load_model_and_tokenizer(name: str, spec, dtype: torch.dtype, device: torch.device):

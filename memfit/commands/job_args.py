@@ -54,6 +54,9 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
                             "(CUDA only; default 0)")
     setup.add_argument("--fused-ce", action="store_true", default=None,
                        help="full, lora: loss by memfit's fused linear cross-entropy: logits are never built")
+    setup.add_argument("--fused-swiglu", action="store_true", default=None,
+                       help="full, lora: the gated MLP's silu(gate) * up by memfit's kernel, its gradients written "
+                            "over its inputs")
     setup.add_argument("--four-bit", action="store_true",
                        help="lora, infer: a frozen 4-bit NF4 base (bitsandbytes, CUDA)")
     setup.add_argument("--partial-load", type=float,
@@ -106,7 +109,7 @@ def job_from_args(args) -> tuple[Job, Knobs]:
     if args.blr == "lowrank" and args.blr_blocks is not None:
         raise MemfitError("--blr-blocks: a low-rank layer has no blocks (it is for --blr monarch and blast)")
     options = _given(args, "--lora-rank", "--checkpoint-layers", "--optimizer", "--offload-layers", "--fused-ce",
-                     "--partial-load", "--partial-compute")
+                     "--fused-swiglu", "--partial-load", "--partial-compute")
     if "partial_load" in options:                      # --partial-compute defaults to --partial-load
         options.setdefault("partial_compute", options["partial_load"])
     knobs = Knobs(dtype=args.dtype or spec.dtype, micro_batch=micro, four_bit=args.four_bit, attention=args.attention,

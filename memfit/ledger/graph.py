@@ -55,7 +55,8 @@ class ModelGraph:
 
     def __init__(self, spec: ModelSpec, batch: int, seq: int, dtype: str, trainable: Trainable | None,
                  device: str = "cuda", four_bit: bool = False, attention: str = "sdpa",
-                 ffn_widths: list[int] | None = None, structured: dict[str, tuple] | None = None):
+                 ffn_widths: list[int] | None = None, structured: dict[str, tuple] | None = None,
+                 fused_swiglu: bool = False):
         self.spec, self.batch, self.seq, self.dtype = spec, batch, seq, dtype
         # FFN neurons per layer (partial loading keeps fewer in the middle layers)
         self.ffn_widths = ffn_widths or [spec.intermediate] * spec.num_layers
@@ -63,6 +64,7 @@ class ModelGraph:
         self.structured = structured or {}
         self.attention_impl = attention
         self.four_bit = four_bit  # frozen base linears stored in NF4, dequantised per use
+        self.fused_swiglu = fused_swiglu  # the gated MLP's product by memfit.kernels.swiglu
         self.tokens = batch * seq
         self.trainable = trainable  # None: inference, nothing needs a gradient
         self.device = device
@@ -115,6 +117,16 @@ class ModelGraph:
         out = self.act(name, per_token, a.requires_grad or b.requires_grad, dtype)
         saves = ([b] if a.requires_grad else []) + ([a] if b.requires_grad else [])
         self.op(name, [a, b], [out], saves)
+        return out
+
+    def swiglu(self, gate: Sym, up: Sym, per_token: int, name: str) -> Sym:
+        """memfit.kernels.swiglu: ``silu(gate) * up`` in one pass, keeping gate and up and writing their gradients
+        over them (its Triton path; off Triton the reference's backward adds two transient temporaries of gate's
+        size, not counted)."""
+        rg = gate.requires_grad or up.requires_grad
+        out = self.act(name, per_token, rg)
+        self.ops.append(Op(name, [gate, up], [out], [gate, up] if rg else [], segment=self.segment,
+                           grads_over_saved=True))
         return out
 
     def pointwise(self, inputs: list[Sym], per_token: int, name: str, saves_input: bool = False,
@@ -266,8 +278,11 @@ class ModelGraph:
         width = self.ffn_widths[layer]
         gate = self.projection(y2, layer, "gate_proj", s.hidden, width)
         up = self.projection(y2, layer, "up_proj", s.hidden, width)
-        act = self.pointwise([gate], width, f"{layer}.silu", saves_input=True)
-        prod = self.mul(act, up, width, f"{layer}.act_mul")
+        if self.fused_swiglu:
+            prod = self.swiglu(gate, up, width, f"{layer}.swiglu")
+        else:
+            act = self.pointwise([gate], width, f"{layer}.silu", saves_input=True)
+            prod = self.mul(act, up, width, f"{layer}.act_mul")
         down = self.projection(prod, layer, "down_proj", width, s.hidden)
         self.release(y2)  # LlamaMLP.forward's argument
         out = self.pointwise([x2, down], s.hidden, f"{layer}.residual2")

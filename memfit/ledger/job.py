@@ -24,6 +24,7 @@ TASK_ONLY_FIELDS = {
     "offload_layers": (TRAINING_TASKS, "inference keeps no activations for a backward pass"),
     "micro_batch": (TRAINING_TASKS, "inference accumulates no gradients"),
     "fused_ce": (TRAINING_TASKS, "inference computes no loss"),
+    "fused_swiglu": (TRAINING_TASKS, "inference keeps no activations for a backward pass"),
     "loss_fraction": (TRAINING_TASKS, "inference computes no loss"),
 }
 LORA_TARGETS_ALL = PROJECTIONS
@@ -93,6 +94,7 @@ class Knobs:
     micro_batch: int | None = None  # gradient accumulation: sequences per forward/backward
     offload_layers: int = 0  # of the checkpointed layers, how many keep their input in pinned CPU memory
     fused_ce: bool = False  # loss from hidden states by memfit.kernels.linear_ce: no logits
+    fused_swiglu: bool = False  # the gated MLP's silu(gate) * up by memfit.kernels.swiglu: gradients in place
     four_bit: bool = False  # frozen base linears in bitsandbytes NF4 (LoRA only)
     attention: str = "sdpa"  # "sdpa" (torch) or "memfit" (memfit.kernels.attention, two-pass backward)
     partial_load: float = 1.0  # infer: share of FFN neurons loaded in the middle layers (gamma, memfit.infer)

@@ -120,7 +120,7 @@ def _built_train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
     micro = knobs.micro_batch or job.batch
     graph = ModelGraph(job.spec, micro, job.seq, knobs.dtype, _trainable(job, knobs), job.device,
                        four_bit=knobs.four_bit and job.task == "lora", attention=knobs.attention,
-                       structured=structured_kinds(job.spec, knobs))
+                       structured=structured_kinds(job.spec, knobs), fused_swiglu=knobs.fused_swiglu)
     x, embedding = graph.embed()
     for layer in range(job.spec.num_layers):
         graph.segment = layer
@@ -269,7 +269,8 @@ def blr_dense_kinds(spec, knobs: Knobs) -> tuple[str, ...] | None:
 
 def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
     """Refuse knobs this job cannot take, which would otherwise describe a run that cannot happen: more checkpointed
-    layers than the model has (the ledger would count its layers), a frozen 4-bit base in full fine-tuning, and a
+    layers than the model has (the ledger would count its layers), a frozen 4-bit base in full fine-tuning, the fused
+    SwiGLU for a model whose MLP activation is not SiLU, and a
     knob of the other kind of job set away from its default (the ledger would leave it out unsaid, as memfit plan
     refuses the option; a micro-batch of the whole batch is no change). A training job's micro-batch is checked where
     it is read, in ``_predict_train``."""
@@ -285,6 +286,9 @@ def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
                           "layers")
     if knobs.four_bit and job.task == "full":
         raise MemfitError(f"{field_flag('four_bit')} freezes the base weights: it goes with task lora or infer")
+    if knobs.fused_swiglu and job.spec.activation != "silu":
+        raise MemfitError(f"{field_flag('fused_swiglu')} computes silu(gate) * up; {job.spec.name}'s MLP activation is "
+                          f"{job.spec.activation!r}")
 
 
 def check_device(job: Job, knobs: Knobs) -> None:

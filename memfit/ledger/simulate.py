@@ -54,6 +54,7 @@ class Op:
     forward_workspace: int = 0
     segment: int | None = None  # checkpointed segment id, or None
     holds: list[Sym] = field(default_factory=list)  # tensors a Python frame keeps alive until this op is done
+    grads_over_saved: bool = False  # its backward writes each input's gradient over that input, which it saved
 
     @functools.cached_property
     def needs_backward(self) -> bool:
@@ -260,6 +261,8 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
                         accumulate += sym.nbytes
                     else:
                         memory.alloc(grad)
+                elif op.grads_over_saved:  # the saved input's storage now holds its gradient
+                    grad = sym
                 else:  # the loss path's gradients count with the logits they mirror
                     component = "logits" if sym.component == "logits" else grad_component
                     grad = Sym(f"grad:{sym.name}", sym.nbytes, False, component)
@@ -273,20 +276,21 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
                     memory.free(grad)
             if op.segment not in checkpointed or op.segment in segments_done:
                 for sym in op.saves:
-                    _release(sym, saved, memory)
+                    _release(sym, saved, memory, keep_storage=grad_of.get(sym.uid) is sym)
         if op.segment in checkpointed and segment_ops[op.segment][0] is op:
             layer_input, others = kept[op.segment]       # the segment's backward is done: the checkpoint's
             for sym in (layer_input, *others):            # frame lets its inputs go
                 _release(sym, saved, memory)
 
 
-def _release(sym: Sym, saved: dict[int, int], memory: Memory) -> None:
-    """Drop one saved reference to ``sym``; free it when none is left."""
+def _release(sym: Sym, saved: dict[int, int], memory: Memory, keep_storage: bool = False) -> None:
+    """Drop one saved reference to ``sym``; free it when none is left, unless ``keep_storage`` (its storage holds a
+    gradient now, freed with that gradient)."""
     uid = sym.uid
     if uid not in saved:
         return
     saved[uid] -= 1
     if saved[uid] <= 0:
         del saved[uid]
-        if not sym.persistent:
+        if not sym.persistent and not keep_storage:
             memory.free(sym)

@@ -111,6 +111,17 @@ register(Technique(
 ))
 
 register(Technique(
+    name="fused_swiglu",
+    summary="fused SwiGLU (memfit.kernels.swiglu): the gated MLP's silu(gate) * up keeps gate and up only and writes "
+            "their gradients over them",
+    # one variant, on: no plan is better without it (one elementwise pass each way where the unfused pair makes
+    # two), and a second would double the candidates the planner weighs
+    variants=lambda job, knobs: [{"fused_swiglu": True}] if job.training and job.spec.activation == "silu" else [],
+    cost=lambda job, knobs: Cost(),
+    describe=lambda knobs, base: "fused SwiGLU" if knobs.fused_swiglu != base.fused_swiglu else None,
+))
+
+register(Technique(
     name="four_bit",
     summary="4-bit NF4 frozen base (bitsandbytes), dequantised per use; approximate: the base weights are "
             "quantised",

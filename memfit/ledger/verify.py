@@ -74,7 +74,7 @@ def _prepare(job: Job, knobs: Knobs):
         from memfit.compress.convert import structure_model
 
         structure_model(model, knobs.blr_method, knobs.blr_ratio, knobs.blr_blocks)
-    if job.training and (knobs.fused_ce or knobs.four_bit or knobs.offload_layers):
+    if job.training and (knobs.fused_ce or knobs.four_bit or knobs.offload_layers or knobs.fused_swiglu):
         return _patched(job, knobs, model)
     if job.task == "lora":
         from peft import LoraConfig
@@ -109,13 +109,13 @@ def check_runnable(job: Job, knobs: Knobs) -> None:
 
 
 def _patched(job: Job, knobs: Knobs, model):
-    """The techniques of memfit.train.patch: fused loss, 4-bit base, checkpoints offloaded to CPU."""
+    """The techniques of memfit.train.patch: fused loss, 4-bit base, checkpoints offloaded to CPU, fused SwiGLU."""
     from memfit.train.checkpoint import CheckpointPolicy
     from memfit.train.patch import patch, patch_state
 
     lora = {"r": knobs.lora_rank, "target_modules": list(knobs.lora_targets)} if job.task == "lora" else None
     model = patch(model, checkpoint="layer" if knobs.checkpoint_layers else "none", fused_ce=knobs.fused_ce,
-                  four_bit=knobs.four_bit, lora=lora, attention=knobs.attention)
+                  four_bit=knobs.four_bit, lora=lora, attention=knobs.attention, fused_swiglu=knobs.fused_swiglu)
     if knobs.checkpoint_layers:
         patch_state(model).policy = CheckpointPolicy.first_layers(job.spec.num_layers, knobs.checkpoint_layers,
                                                                   knobs.offload_layers)

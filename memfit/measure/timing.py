@@ -6,6 +6,7 @@ Times come from ``triton.testing.do_bench`` (CUDA events, median) after warm-up,
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,19 @@ def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def device_ms(fn, device) -> float:
+    """Median milliseconds of ``fn()``: :func:`bench_ms` on a CUDA ``device``; on the CPU (a benchmark's --smoke run,
+    which checks the code path, not the speed) the median of three wall-clock runs."""
+    if torch.device(device).type == "cuda":
+        return bench_ms(fn)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
 
 
 _TIMING_STREAMS: dict[int, torch.cuda.Stream] = {}

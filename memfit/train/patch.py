@@ -13,14 +13,17 @@ lora={"r": 16})`` applies, in this order:
    softmax approximate (opt-in). Without labels the model returns logits as usual.
 4. **LoRA** (``lora``): ``peft.get_peft_model`` (a LoraConfig, or a dict of its fields;
    default r=16, alpha=32, no dropout, all seven linears of each layer).
-5. **attention** (``attention``): the transformers attention implementation every layer
+5. **fused SwiGLU** (``fused_swiglu``): every layer's gated MLP computes ``silu(gate) * up`` by
+   :mod:`memfit.kernels.swiglu`, which keeps gate and up only and writes their gradients over them
+   (the unfused pair keeps three intermediate-sized tensors and its backward allocates three more).
+6. **attention** (``attention``): the transformers attention implementation every layer
    uses, ``"sdpa"`` (default) or ``"memfit"`` (:mod:`memfit.train.attention_hf`, O(N)
    memory in every dtype). memfit matters for fp32 training: torch SDPA (2.11, CUDA) ran
    fp32 grouped-query attention on its math kernel, which materialises the scores,
    heads x N^2 x 4 bytes per layer (6.4 GB at 8K tokens with Llama-3.2-3B's 24 heads).
 
 The returned model is the one to train (a ``PeftModel`` when LoRA is on). The switches
-that act per call (checkpoint policy, fused loss, vocabulary subset) live in a
+that act per call (checkpoint policy, fused loss, vocabulary subset, fused SwiGLU) live in a
 :class:`PatchState` reachable with :func:`patch_state` and can be changed later, which is
 how a planner's plan or a benchmark moves between technique sets on one model.
 """
@@ -55,6 +58,7 @@ class PatchState:
     ce_path: str | None = None
     four_bit: bool = False
     attention: str = "sdpa"
+    fused_swiglu: bool = False
 
     @property
     def policy(self) -> CheckpointPolicy:
@@ -117,6 +121,8 @@ def _fused_forward(original):
     def forward(self, input_ids=None, attention_mask=None, labels=None, num_items_in_batch=None,
                 logits_to_keep=0, **kwargs):
         state: PatchState = self._memfit_patch
+        if labels is not None:       # a training step fills no KV cache (a checkpointed layer refuses one)
+            kwargs.setdefault("use_cache", False)
         if labels is None or not state.fused_ce:
             return original(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
                             logits_to_keep=logits_to_keep, **({"num_items_in_batch": num_items_in_batch}
@@ -127,7 +133,6 @@ def _fused_forward(original):
 
         targets = kwargs.pop("shift_labels", None)
         targets = shift_labels(labels) if targets is None else targets
-        kwargs.setdefault("use_cache", False)
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         hidden = outputs.last_hidden_state
         head = self.lm_head
@@ -144,6 +149,34 @@ def _fused_forward(original):
     return forward
 
 
+def _swiglu_forward(mlp: torch.nn.Module, state: PatchState):
+    """A gated MLP's forward that, while ``state.fused_swiglu`` is on, computes its product by
+    :func:`memfit.kernels.swiglu.swiglu` (the projections are called as they are, LoRA-wrapped or 4-bit)."""
+    original = mlp.forward
+    activation = getattr(getattr(mlp, "config", None), "hidden_act", "silu")
+
+    def forward(self, x):
+        if not state.fused_swiglu:
+            return original(x)
+        if activation != "silu":
+            raise MemfitError(f"fused_swiglu computes silu(gate) * up; this MLP's activation is {activation!r}")
+        from memfit.kernels.swiglu import swiglu
+
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    return forward
+
+
+def _install_swiglu(base: torch.nn.Module, state: PatchState) -> None:
+    """Every decoder layer's MLP computes ``silu(gate) * up`` by memfit's kernel while ``state.fused_swiglu`` is on;
+    refused for a model whose MLP activation is not SiLU (the kernel computes SiLU)."""
+    activation = getattr(base.config, "hidden_act", None)
+    if state.fused_swiglu and activation != "silu":
+        raise MemfitError(f"fused_swiglu computes silu(gate) * up; this model's MLP activation is {activation!r}")
+    for layer in base.model.layers:
+        layer.mlp.forward = types.MethodType(_swiglu_forward(layer.mlp, state), layer.mlp)
+
+
 def _set_attention(base: torch.nn.Module, attention: str) -> None:
     if attention not in ATTENTION:
         raise MemfitError(f"attention={attention!r} is not one of {', '.join(ATTENTION)}")
@@ -157,7 +190,7 @@ def _set_attention(base: torch.nn.Module, attention: str) -> None:
 def patch(model: torch.nn.Module, *, checkpoint: str = "none", offload_layers="none", offload_to: str = "cpu",
           prefetch: int = 1, fused_ce: bool = True, four_bit: bool = False, lora=None,
           vocab_subset: torch.Tensor | None = None, ce_path: str | None = None,
-          attention: str = "sdpa") -> torch.nn.Module:
+          attention: str = "sdpa", fused_swiglu: bool = False) -> torch.nn.Module:
     """Patch a HF Llama/Qwen2/Mistral ``*ForCausalLM`` for memory-lean training; return the model to train."""
     base = causal_lm_of(model)
     if getattr(base, "_memfit_patch", None) is not None:
@@ -176,7 +209,8 @@ def patch(model: torch.nn.Module, *, checkpoint: str = "none", offload_layers="n
         base.is_loaded_in_4bit = True  # tells peft to wrap the NF4 layers with its 4-bit LoRA layer
     runner = install(layers, policy)
     base._memfit_patch = PatchState(runner, fused_ce=fused_ce, vocab_subset=vocab_subset, ce_path=ce_path,
-                                    four_bit=four_bit, attention=attention)
+                                    four_bit=four_bit, attention=attention, fused_swiglu=fused_swiglu)
+    _install_swiglu(base, base._memfit_patch)
     base.forward = types.MethodType(_fused_forward(base.forward), base)
     if lora is None:
         return model

@@ -1,0 +1,104 @@
+"""Fused SwiGLU (memfit.kernels.swiglu) against Hugging Face's gated-MLP product, ``act_fn(gate) * up``.
+
+At Llama-3.2-3B's MLP width (8192) and 1024..16384 tokens, bf16 and fp32, each way one training step's share of the
+product: forward, then backward from a fixed gradient into gate and up (as the MLP's projections would receive them).
+Per case: the time of forward + backward (CUDA events, median), and the peak allocated during it above the inputs and
+the incoming gradient (``max_memory_allocated``; the unfused pair's saved SiLU output and its backward's three
+gradients against the fused op's nothing beyond its output). The floor is the bytes one pass each way must move
+(forward: read gate and up, write the product; backward: read the gradient, gate and up, write both gradients), at the
+copy bandwidth measured in this run (memfit.measure.timing.measure_ceilings).
+
+Targets, per case: fused time no more than the unfused pair's (the planner counts the technique as free), and the
+fused peak below the unfused one.
+
+    python benchmarks/swiglu.py            # H200: well under a minute
+    python benchmarks/swiglu.py --smoke    # CPU, tiny shapes, same code path
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if "--smoke" in sys.argv:  # before Triton is imported: the kernel runs through the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from memfit.kernels.swiglu import swiglu  # noqa: E402
+from memfit.measure.results import check_out_dir, target, write_results  # noqa: E402
+from memfit.measure.timing import device_ms, measure_ceilings  # noqa: E402
+
+WIDTH = 8192
+TOKENS = (1024, 4096, 16384)
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def unfused(gate, up):
+    """Hugging Face's LlamaMLP product: ACT2FN['silu'] then the multiply."""
+    return F.silu(gate) * up
+
+
+def step(fn, gate0, up0, grad):
+    """One forward and backward of ``fn`` on fresh copies of gate and up (non-leaf, as a projection's outputs)."""
+    gate, up = gate0.clone().requires_grad_(), up0.clone().requires_grad_()
+    g, u = gate * 1, up * 1
+    fn(g, u).backward(grad)
+    return gate.grad, up.grad
+
+
+def peak_above(fn, gate0, up0, grad, device) -> int:
+    """Peak bytes allocated during one step above what is live before it (inputs and gradient)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step(fn, gate0, up0, grad)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through the Triton interpreter")
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    args = parser.parse_args()
+    check_out_dir(parser, args.out)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    shapes = ((16, 40),) if args.smoke else tuple((t, WIDTH) for t in TOKENS)
+    bandwidth = measure_ceilings().bandwidth if device.type == "cuda" else 0.0
+    rows, targets = [], []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for dtype in DTYPES:
+        for n, w in shapes:
+            gate0 = torch.randn(n, w, device=device, dtype=dtype, generator=gen)
+            up0 = torch.randn(n, w, device=device, dtype=dtype, generator=gen)
+            grad = torch.randn(n, w, device=device, dtype=dtype, generator=gen)
+            ref = step(unfused, gate0.double(), up0.double(), grad.double())
+            row = {"dtype": str(dtype), "tokens": n, "width": w}
+            for name, fn in (("unfused", unfused), ("fused", swiglu)):
+                grads = step(fn, gate0, up0, grad)
+                row[f"{name}_grad_rel_err"] = max(((g.double() - r).norm() / r.norm()).item()
+                                                  for g, r in zip(grads, ref, strict=True))
+                row[f"{name}_ms"] = device_ms(lambda fn=fn, args=(gate0, up0, grad): step(fn, *args), device)
+                row[f"{name}_peak_bytes"] = peak_above(fn, gate0, up0, grad, device)
+            element = gate0.element_size() * n * w
+            row["floor_ms"] = 8 * element / bandwidth * 1e3 if bandwidth else None   # 3 + 5 tensor passes
+            rows.append(row)
+            label = f"{str(dtype).removeprefix('torch.')}, {n} x {w}"
+            targets.append(target(f"fused / unfused time, {label}", row["fused_ms"] / row["unfused_ms"], 1.0, "x",
+                                  "lower"))
+            if device.type == "cuda":
+                targets.append(target(f"fused / unfused peak, {label}",
+                                      row["fused_peak_bytes"] / row["unfused_peak_bytes"], 1.0, "x", "lower"))
+            print(f"{label}: unfused {row['unfused_ms']:.3f} ms, fused {row['fused_ms']:.3f} ms; peak above inputs "
+                  f"{row['unfused_peak_bytes'] / 2**20:.0f} -> {row['fused_peak_bytes'] / 2**20:.0f} MiB")
+    path = write_results("swiglu_smoke" if args.smoke else "swiglu", rows, targets, out_dir=args.out,
+                         copy_bandwidth_gbs=bandwidth / 1e9)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Fused SwiGLU for training: ``silu(gate) * up`` whose backward writes its gradients over its saved inputs.
+
+Why: Hugging Face's gated MLP, ``down(act(gate(x)) * up(x))``, keeps three intermediate-sized tensors for the
+backward (gate for the SiLU, the SiLU's output and up for the product) and its backward allocates three more (the
+product's two input gradients, then gate's). In an fp32 LoRA step of Llama-3.2-3B at 4K tokens each is 134 MB, and
+that backward is where the step peaks once the loss is fused and the layers checkpointed (benchmarks/results/
+finetune_ledger.json: the peak at ``1.act_mul``). This op saves gate and up only, and its backward computes both
+input gradients in one pass and writes them into gate's and up's own storage (they are not needed after): at that
+moment it holds the two saved tensors and the incoming gradient, where the unfused pair holds six.
+
+Kernels: one elementwise pass each way, fp32 arithmetic, one rounding to the tensors' dtype (the unfused pair rounds
+the SiLU's output before the product, so results differ from it by rounding only). Off Triton (CPU without the
+interpreter) the reference runs with the same saved tensors and the same in-place gradients, through two
+temporaries of gate's size in its backward.
+
+Layout: the PyTorch reference, the Triton kernels and launchers, the custom ops (fake and autograd registrations),
+then the public function.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from memfit.errors import MemfitError
+from memfit.kernels.dispatch import triton_importable, use_triton
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+
+BLOCK = 1024   # elements a program
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The definition: ``silu(gate) * up``."""
+    return F.silu(gate) * up
+
+
+def _backward_reference_(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
+    """gate <- grad * up * d silu(gate), up <- grad * silu(gate), in place, through two temporaries of gate's size:
+    with s = sigmoid(gate), d silu = s (1 + gate (1 - s))."""
+    s = torch.sigmoid(gate)
+    grad_up_term = grad * up                       # grad * up, needed before up is overwritten
+    up.copy_(gate).mul_(s).mul_(grad)              # up <- grad * gate * s
+    s_complement = s.neg_().add_(1)                # s <- 1 - s (in place)
+    gate.mul_(s_complement).add_(1)                # gate <- 1 + gate (1 - s)
+    s_complement.neg_().add_(1)                    # back to s
+    gate.mul_(s).mul_(grad_up_term)                # gate <- grad * up * s * (1 + gate (1 - s))
+
+
+if triton_importable():
+    @triton.jit
+    def _forward_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _backward_kernel(grad_ptr, gate_ptr, up_ptr, n, BLOCK: tl.constexpr):
+        """gate <- grad * up * d silu(gate) and up <- grad * silu(gate), each element read and written once."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        d = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        tl.store(up_ptr + offs, (d * g * s).to(up_ptr.dtype.element_ty), mask=mask)
+        tl.store(gate_ptr + offs, (d * u * s * (1.0 + g * (1.0 - s))).to(gate_ptr.dtype.element_ty), mask=mask)
+
+
+def _grid(n: int) -> tuple[int]:
+    return (triton.cdiv(n, BLOCK),)
+
+
+@torch.library.custom_op("memfit::swiglu", mutates_args=())
+def _swiglu_op(gate: torch.Tensor, up: torch.Tensor, path: Optional[str]) -> torch.Tensor:
+    if not use_triton("swiglu", gate, up, path=path):
+        return swiglu_reference(gate, up)
+    out = torch.empty_like(gate)
+    _forward_kernel[_grid(gate.numel())](gate, up, out, gate.numel(), BLOCK=BLOCK)
+    return out
+
+
+@_swiglu_op.register_fake
+def _(gate, up, path):
+    return torch.empty_like(gate)
+
+
+@torch.library.custom_op("memfit::swiglu_backward_", mutates_args=("gate", "up"))
+def _swiglu_backward_op(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, path: Optional[str]) -> None:
+    """gate's and up's gradients written over gate and up."""
+    if not use_triton("swiglu", grad, gate, up, path=path):
+        _backward_reference_(grad, gate, up)
+        return
+    _backward_kernel[_grid(gate.numel())](grad, gate, up, gate.numel(), BLOCK=BLOCK)
+
+
+@_swiglu_backward_op.register_fake
+def _(grad, gate, up, path):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    gate, up, path = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.path = path
+
+
+def _swiglu_grad(ctx, grad):
+    gate, up = ctx.saved_tensors
+    _swiglu_backward_op(grad.contiguous(), gate, up, ctx.path)
+    return gate, up, None
+
+
+_swiglu_op.register_autograd(_swiglu_grad, setup_context=_setup_context)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` (the gated MLP's product), saving gate and up only and writing their gradients over them
+    in backward. gate and up: the same shape, dtype and device; read as contiguous tensors (a strided one is copied
+    first, and the copy is what is saved). ``path``: None follows MEMFIT_KERNELS (auto: Triton on CUDA or under
+    the interpreter, else the reference, said once), or "auto" | "triton" | "reference"."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        raise MemfitError(f"swiglu: gate and up must share shape, dtype and device; got {tuple(gate.shape)} "
+                          f"{gate.dtype} {gate.device} and {tuple(up.shape)} {up.dtype} {up.device}")
+    if not gate.is_floating_point():
+        raise MemfitError(f"swiglu: gate and up must be floating point, got {gate.dtype}")
+    return _swiglu_op(gate.contiguous(), up.contiguous(), path)

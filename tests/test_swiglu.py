@@ -1,0 +1,139 @@
+"""memfit.kernels.swiglu: the fused gated-MLP product against its float64 definition, forward and backward, on both
+paths (Triton under the interpreter, and the PyTorch reference), and what it keeps: gate and up only, with their
+gradients written over them."""
+import pytest
+import torch
+from conftest import seeded
+
+from memfit.errors import MemfitError
+from memfit.kernels.swiglu import swiglu, swiglu_reference
+
+TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
+PATHS = ["triton", "reference"]
+
+
+def rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def projections(shape, dtype, gen):
+    """gate and up as a model makes them: outputs of ops on a leaf x (so their gradients reach x's)."""
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    gate, up = x * 1.5, x.detach().flip(-1).requires_grad_() * 0.5
+    return x, gate, up
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1037), (2, 5, 2049)])
+def test_swiglu_forward_and_backward_against_the_definition(path, dtype, shape):
+    gen = seeded(3)
+    gate = (4 * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    up = torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    grad = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    out = swiglu(gate * 1, up * 1, path=path)                       # non-leaf inputs: their storage is overwritten
+    out.backward(grad.to(dtype))
+    g64, u64 = (t.detach().double().requires_grad_() for t in (gate, up))
+    ref = swiglu_reference(g64, u64)
+    ref.backward(grad)
+    assert out.dtype == dtype and out.shape == shape
+    assert rel(out, ref) < TOL[dtype]
+    assert rel(gate.grad, g64.grad) < TOL[dtype] and rel(up.grad, u64.grad) < TOL[dtype]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_swiglu_writes_its_input_gradients_over_the_inputs_it_saved(path):
+    """The gradients that leave the op are gate's and up's own storage, and the op saves nothing else: the unfused
+    product saves three intermediate-sized tensors and allocates three more in backward."""
+    gen = seeded(4)
+    _, gate, up = projections((4, 64), torch.float32, gen)
+    saved = []
+
+    def pack(t):
+        saved.append((t.data_ptr(), t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = swiglu(gate, up, path=path)
+    assert sorted(saved) == sorted([(gate.data_ptr(), gate.numel()), (up.data_ptr(), up.numel())])
+    grads = {}
+
+    def record(name):
+        def hook(grad):
+            grads[name] = grad.data_ptr()
+        return hook
+    gate.register_hook(record("gate"))
+    up.register_hook(record("up"))
+    out.sum().backward()
+    assert grads == {"gate": gate.data_ptr(), "up": up.data_ptr()}
+
+
+def test_swiglu_reads_strided_inputs_through_a_copy():
+    gen = seeded(5)
+    gate, up = (torch.randn(6, 8, generator=gen).t() for _ in range(2))
+    assert torch.allclose(swiglu(gate, up, path="triton"), swiglu_reference(gate, up), atol=1e-6)
+
+
+@pytest.mark.parametrize("gate,up,message", [
+    (torch.randn(2, 3), torch.randn(3, 2), "share shape, dtype and device"),
+    (torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64), "share shape, dtype and device"),
+    (torch.ones(2, 3, dtype=torch.int64), torch.ones(2, 3, dtype=torch.int64), "floating point"),
+])
+def test_swiglu_refuses_mismatched_or_integer_inputs(gate, up, message):
+    with pytest.raises(MemfitError, match=message):
+        swiglu(gate, up)
+
+
+def test_a_patched_model_trains_its_mlp_by_the_fused_op_with_the_same_loss_and_gradients(monkeypatch):
+    """memfit.train.patch(fused_swiglu=True): the tiny model's loss and every gradient as the unpatched model's
+    (fp32; the fused op rounds once where the pair rounds twice), and the switch turns it off again per call."""
+    import copy
+
+    from memfit.models import PRESETS, build_model
+    from memfit.train.patch import patch, patch_state
+
+    torch.manual_seed(0)
+    plain = build_model(PRESETS["tiny"], dtype="float32")
+    fused = patch(copy.deepcopy(plain), fused_ce=False, fused_swiglu=True)
+    ids = torch.randint(0, PRESETS["tiny"].vocab, (2, 24))
+    calls = []
+    import memfit.kernels.swiglu as module
+
+    real = module._swiglu_op
+    monkeypatch.setattr(module, "_swiglu_op", lambda *args: calls.append(1) or real(*args))
+    losses = [m(input_ids=ids, labels=ids).loss for m in (plain, fused)]
+    for loss in losses:
+        loss.backward()
+    assert len(calls) == PRESETS["tiny"].num_layers
+    patch_state(fused).fused_swiglu = False
+    fused(input_ids=ids, labels=ids)
+    assert len(calls) == PRESETS["tiny"].num_layers
+    assert torch.allclose(losses[0], losses[1], rtol=1e-6)
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7), name
+
+
+def test_a_model_whose_mlp_is_not_silu_is_refused_everywhere_the_fused_op_is_asked_for():
+    import argparse
+    import dataclasses
+
+    from memfit.commands.finetune import fused_swiglu_of
+    from memfit.ledger.job import Job, Knobs
+    from memfit.ledger.predict import predict
+    from memfit.ledger.techniques import REGISTRY
+    from memfit.models import PRESETS, build_model
+    from memfit.train.patch import patch
+
+    gelu = dataclasses.replace(PRESETS["tiny"], activation="gelu")
+    with pytest.raises(MemfitError, match="activation is 'gelu'"):
+        patch(build_model(gelu, dtype="float32"), fused_ce=False, fused_swiglu=True)
+    with pytest.raises(MemfitError, match="activation is 'gelu'"):
+        predict(Job(gelu, task="lora", seq=32, device="cpu"), Knobs(dtype="float32", fused_swiglu=True))
+    assert REGISTRY["fused_swiglu"].variants(Job(gelu, task="lora", seq=32), Knobs()) == []
+    assert REGISTRY["fused_swiglu"].variants(Job(PRESETS["tiny"], task="lora", seq=32), Knobs()) == [
+        {"fused_swiglu": True}]
+    assert REGISTRY["fused_swiglu"].variants(Job(PRESETS["tiny"], task="infer", seq=32), Knobs()) == []
+    with pytest.raises(MemfitError, match="--fused-swiglu computes silu"):
+        fused_swiglu_of(argparse.Namespace(fused_swiglu=True), gelu)
+    assert fused_swiglu_of(argparse.Namespace(fused_swiglu=None), gelu) is False
+    assert fused_swiglu_of(argparse.Namespace(fused_swiglu=None), PRESETS["tiny"]) is True
