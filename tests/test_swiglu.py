@@ -27,6 +27,8 @@ def projections(shape, dtype, gen):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1037), (2, 5, 2049)])
 def test_swiglu_forward_and_backward_against_the_definition(path, dtype, shape):
+    """gate ~ N(0, 16): the sigmoid saturates at both ends at some elements (a reference backward that rebuilt s as
+    1 - (1 - s) lost it there: every element of a one-element case on the GPU)."""
     gen = seeded(3)
     gate = (4 * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
     up = torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
@@ -39,6 +41,20 @@ def test_swiglu_forward_and_backward_against_the_definition(path, dtype, shape):
     assert out.dtype == dtype and out.shape == shape
     assert rel(out, ref) < TOL[dtype]
     assert rel(gate.grad, g64.grad) < TOL[dtype] and rel(up.grad, u64.grad) < TOL[dtype]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_gradient_where_the_sigmoid_saturates(path, dtype):
+    """Element by element where sigmoid(gate) is near 0 or 1: the reference path had rebuilt s as 1 - (1 - s), which in
+    bf16 is 0 for gate = -9 (a relative error of 1 there, 1e-4 in fp32)."""
+    g0 = torch.tensor([[-9.0, -5.0, 0.3, 7.0, 12.0]], dtype=torch.float64)
+    u0 = torch.tensor([[0.5, -1.2, 2.0, 0.7, -0.3]], dtype=torch.float64)
+    gate, up = g0.to(dtype).requires_grad_(), u0.to(dtype).requires_grad_()
+    swiglu(gate * 1, up * 1, path=path).sum().backward()
+    g64, u64 = g0.clone().requires_grad_(), u0.clone().requires_grad_()
+    swiglu_reference(g64, u64).sum().backward()
+    assert ((gate.grad.double() - g64.grad).abs() / g64.grad.abs()).max() < TOL[dtype]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -93,7 +109,7 @@ def test_a_patched_model_trains_its_mlp_by_the_fused_op_with_the_same_loss_and_g
     from memfit.train.patch import patch, patch_state
 
     torch.manual_seed(0)
-    plain = build_model(PRESETS["tiny"], dtype="float32")
+    plain = build_model(PRESETS["tiny"], dtype="float32", device=torch.get_default_device())
     fused = patch(copy.deepcopy(plain), fused_ce=False, fused_swiglu=True)
     ids = torch.randint(0, PRESETS["tiny"].vocab, (2, 24))
     calls = []

@@ -40,14 +40,13 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def _backward_reference_(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
     """gate <- grad * up * d silu(gate), up <- grad * silu(gate), in place, through two temporaries of gate's size:
-    with s = sigmoid(gate), d silu = s (1 + gate (1 - s))."""
+    with s = sigmoid(gate), d silu = s (1 + gate - gate s). (s is never rebuilt as 1 - (1 - s), which loses a small
+    s entirely in bf16.)"""
     s = torch.sigmoid(gate)
     grad_up_term = grad * up                       # grad * up, needed before up is overwritten
     up.copy_(gate).mul_(s).mul_(grad)              # up <- grad * gate * s
-    s_complement = s.neg_().add_(1)                # s <- 1 - s (in place)
-    gate.mul_(s_complement).add_(1)                # gate <- 1 + gate (1 - s)
-    s_complement.neg_().add_(1)                    # back to s
-    gate.mul_(s).mul_(grad_up_term)                # gate <- grad * up * s * (1 + gate (1 - s))
+    gate.addcmul_(gate, s, value=-1).add_(1)       # gate <- 1 + gate - gate s
+    gate.mul_(s).mul_(grad_up_term)                # gate <- grad * up * s * (1 + gate - gate s)
 
 
 if triton_importable():
