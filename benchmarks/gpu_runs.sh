@@ -21,7 +21,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # blr_e2e_memfit_attention, run first, record 276.9 s of set-up and timing (their tile and variant picks included),
 # then blr_e2e's 194.5 s; pick_cost stopped after 41 of its 42 first calls (earlier/pick_cost_stopped_cd59de1.json).
 # At 97ff95e, with the fused-SwiGLU row added, the full fine-tuning table stopped at a 400 s limit (394.6 s recorded)
-# after 69 of its 70 rows, the bf16 SwiGLU row left, so its limit is now 540 s; benchmarks/swiglu.py took 15 s.
+# after 75 of its 80 rows (the bf16 SwiGLU row's five contexts left), so its limit is now 540 s; benchmarks/swiglu.py
+# took 15 s.
 # The full fine-tuning table took 335 s at 869ff01 (over 320 s at 141a414, before the subset row stopped
 # recompiling every step); the ledger's 24 accuracy jobs record their own times, 74 s together at 141a414
 # (ledger_accuracy.json, the models' set-up not included).
