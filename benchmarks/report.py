@@ -9,6 +9,7 @@ nothing is typed. The section lives between two markers in README.md:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -89,9 +90,9 @@ def attention_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + _targets(data) + "\nThe contention study: `benchmarks/attention_study.md`.\n"
 
 
-def finetune_section(data: dict) -> str:
-    out = ["### LoRA fine-tuning peak memory, Llama-3.2-3B shape, batch 1 (GB)\n",
-           _header(data, "python benchmarks/finetune_memory.py")]
+def finetune_section(data: dict, command: str = "python benchmarks/finetune_memory.py",
+                     title: str = "LoRA fine-tuning peak memory, Llama-3.2-3B shape, batch 1 (GB)") -> str:
+    out = [f"### {title}\n", _header(data, command)]
     for dtype in sorted({r["dtype"] for r in data["rows"]}):
         rows = [r for r in data["rows"] if r["dtype"] == dtype]
         contexts = sorted({r["context"] for r in rows})
@@ -109,10 +110,11 @@ def finetune_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + _targets(data)
 
 
-def finetune_ledger_section(data: dict) -> str:
+def finetune_ledger_section(data: dict, command: str = "python benchmarks/finetune_ledger.py",
+                            title: str = "The ledger on the fine-tuning table (predicted vs measured above)") -> str:
     src = data.get("measured_in", {})
-    out = ["### The ledger on the fine-tuning table (predicted vs measured above)\n",
-           f"_prediction: `python benchmarks/finetune_ledger.py` at commit {data['commit']}; measured: "
+    out = [f"### {title}\n",
+           f"_prediction: `{command}` at commit {data['commit']}; measured: "
            f"{src.get('gpu', '?')}, commit {src.get('commit', '?')}_\n",
            "| dtype | configuration | " + " | ".join(str(c) for c in sorted({r["context"] for r in data["rows"]})) + " |"]
     contexts = sorted({r["context"] for r in data["rows"]})
@@ -309,8 +311,29 @@ def blr_accuracy_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + findings + "\n" + _targets(data)
 
 
+def swiglu_section(data: dict) -> str:
+    out = ["### Fused SwiGLU against the unfused pair, forward + backward\n", _header(data, "python benchmarks/swiglu.py"),
+           "| dtype | tokens x width | unfused ms | fused ms | floor ms | peak above inputs, unfused -> fused (MiB) |",
+           "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        floor = f"{r['floor_ms']:.3f}" if r.get("floor_ms") else "-"
+        out.append(f"| {r['dtype'].removeprefix('torch.')} | {r['tokens']} x {r['width']} | {r['unfused_ms']:.3f} | "
+                   f"{r['fused_ms']:.3f} | {floor} | {r['unfused_peak_bytes'] / 2**20:.0f} -> "
+                   f"{r['fused_peak_bytes'] / 2**20:.0f} |")
+    return "\n".join(out) + "\n\n" + _targets(data)
+
+
+SWIGLU_ROWS = "finetune_memory_bfloat16_rows_fused_SwiGLU"
 SECTIONS = [("ledger_accuracy", ledger_section), ("ledger_accuracy_blr", ledger_section), ("linear_ce", linear_ce_section), ("attention", attention_section),
             ("finetune_memory", finetune_section), ("finetune_ledger", finetune_ledger_section),
+            (SWIGLU_ROWS, functools.partial(
+                finetune_section, command="python benchmarks/finetune_memory.py --dtypes bfloat16 --rows 'fused SwiGLU'",
+                title="The bf16 fused-SwiGLU row, on a model of its own (GB)")),
+            ("finetune_ledger" + SWIGLU_ROWS.removeprefix("finetune_memory"), functools.partial(
+                finetune_ledger_section,
+                command=f"python benchmarks/finetune_ledger.py --measured benchmarks/results/{SWIGLU_ROWS}.json",
+                title="The ledger on that row")),
+            ("swiglu", swiglu_section),
             ("partial_ffn", partial_ffn_section), ("partial_ffn_accuracy", partial_ffn_accuracy_section),
             ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section),
             ("blr_e2e_memfit_attention", blr_e2e_section), ("blr_accuracy", blr_accuracy_section)]

@@ -3,8 +3,10 @@
 At Llama-3.2-3B's MLP width (8192) and 1024..16384 tokens, bf16 and fp32, each way one training step's share of the
 product: forward, then backward from a fixed gradient into gate and up (as the MLP's projections would receive them).
 Per case: the time of forward + backward (CUDA events, median), and the peak allocated during it above the inputs and
-the incoming gradient (``max_memory_allocated``; the unfused pair's saved SiLU output and its backward's three
-gradients against the fused op's nothing beyond its output). The floor is the bytes one pass each way must move
+the incoming gradient (``max_memory_allocated``). That peak includes this harness's own tensors, the same in both
+(fresh copies of gate and up each step, and their gradients), so it shows a smaller share of the op's saving than a
+training step does: benchmarks/finetune_memory.py's fused-SwiGLU row measures it there. At small sizes both ways are
+bound by their launches from Python, not by the GPU. The floor is the bytes one pass each way must move
 (forward: read gate and up, write the product; backward: read the gradient, gate and up, write both gradients), at the
 copy bandwidth measured in this run (memfit.measure.timing.measure_ceilings).
 
