@@ -80,8 +80,8 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   after a CTA barrier (each stage's (tile, K step) loop nest flattened into one pipelined loop, 64-wide K steps), so
   that z would never make its round trip through HBM. On the H200 its pick took 2.16-3.23x ``tbmm_tbmm``'s time at
   the four Llama-1B shapes at N = 8192 (q/o 132.3 against 61.3 us) and 8.6-17.7x at N = 1024, where 16 token tiles
-  of 64 leave most SMs idle (results/earlier/blr_layers_subset_fused_scratch_e3a9d8e.json). Not profiled; at 8192
-  it ran at about 130 TFLOP/s, its short-K tiles each ending in a store.
+  of 64 leave most SMs idle (results/earlier/blr_layers_subset_fused_scratch_e3a9d8e.json). Not profiled; at N = 8192
+  it ran at about 130 TFLOP/s at q/o and 163-253 at the other three shapes, its short-K tiles each ending in a store.
 * ``fused`` (the decode path where PDL is not offered, and there a candidate at every N; on a GPU that
   offers it ``two_stage_pdl`` is, and the pick does not time ``fused`` at any N: on the H200 it never came
   within 5% of the fastest, :func:`blr_common.pick_candidates`): one kernel, z on chip. A program owns

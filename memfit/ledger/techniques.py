@@ -114,8 +114,9 @@ register(Technique(
     name="fused_swiglu",
     summary="fused SwiGLU (memfit.kernels.swiglu): the gated MLP's silu(gate) * up keeps gate and up only and writes "
             "their gradients over them",
-    # one variant, on: no plan is better without it (one elementwise pass each way where the unfused pair makes
-    # two), and a second would double the candidates the planner weighs
+    # one variant, on, counted free of time: in the fp32 fine-tuning table its steps were not slower (one elementwise
+    # kernel each way where the unfused pair runs two forward and three backward; alone at 1K tokens it took 1.8-2.1x
+    # the pair's time, benchmarks/results/swiglu.json); a second variant would double the candidates weighed
     variants=lambda job, knobs: [{"fused_swiglu": True}] if job.training and job.spec.activation == "silu" else [],
     cost=lambda job, knobs: Cost(),
     describe=lambda knobs, base: "fused SwiGLU" if knobs.fused_swiglu != base.fused_swiglu else None,
