@@ -186,7 +186,7 @@ def test_gpu_memory_plan_becomes_the_run_techniques():
 
     spec = PRESETS["llama-3.2-3b"]
     args = argparse.Namespace(offload=None, checkpoint=None, offload_to="cpu", four_bit=False, fused_ce=True,
-                              fused_swiglu=None, gpu_memory="8GiB", max_len=2048, batch_size=1, lora_r=16)
+                              fused_swiglu=False, gpu_memory="8GiB", max_len=2048, batch_size=1, lora_r=16)
     techniques = choose_techniques(args, spec, torch.device("cuda"), torch.bfloat16, Console(file=None, quiet=True))
     assert techniques.fused_ce or techniques.four_bit or techniques.places is not None
     assert techniques.places is None or len(techniques.places) == spec.num_layers
@@ -207,7 +207,7 @@ def test_a_gpu_memory_plan_keeps_off_what_the_flags_turn_off():
     def chosen(gpu_memory, **flags):
         said = io.StringIO()
         args = argparse.Namespace(**{"offload": None, "checkpoint": None, "fused_ce": True, "offload_to": "cpu",
-                                     "four_bit": None, "fused_swiglu": None, "max_len": 4096, "batch_size": 2,
+                                     "four_bit": None, "fused_swiglu": False, "max_len": 4096, "batch_size": 2,
                                      "lora_r": 16,
                                      "gpu_memory": gpu_memory, **flags})
         techniques = choose_techniques(args, PRESETS["llama-3.2-3b"], torch.device("cuda"), torch.bfloat16,
@@ -215,7 +215,7 @@ def test_a_gpu_memory_plan_keeps_off_what_the_flags_turn_off():
         return techniques, said.getvalue()
 
     free, said = chosen("6GiB")
-    assert free.fused_ce and free.four_bit and free.fused_swiglu and "cpu" in free.places and "as asked" not in said
+    assert free.fused_ce and free.four_bit and not free.fused_swiglu and "cpu" in free.places and "as asked" not in said
     for refused in ({"offload": "none"}, {"offload": "0"}, {"offload": "00"}, {"checkpoint": "none"},
                     {"four_bit": False}):
         with pytest.raises(MemfitError, match="no plan fits 6.00 GiB"):
@@ -228,22 +228,22 @@ def test_a_gpu_memory_plan_keeps_off_what_the_flags_turn_off():
     assert not unfused.fused_ce and "(no checkpoints, no fused loss, as asked)" in said
     full_precision, said = chosen("12GiB", four_bit=False)
     assert not full_precision.four_bit and "(no 4-bit base, as asked)" in said
-    unfused_mlp, said = chosen("12GiB", fused_swiglu=False)
-    assert not unfused_mlp.fused_swiglu and "(no fused SwiGLU, as asked)" in said
+    fused_mlp, said = chosen("12GiB", fused_swiglu=True)
+    assert fused_mlp.fused_swiglu and "fused SwiGLU" not in said         # asked for, not a plan's addition
 
 
 def test_the_run_banner_says_the_techniques_in_words():
     """The banner had printed the Techniques dataclass's repr."""
     from memfit.commands.finetune import Techniques
 
-    assert str(Techniques("none", "none", "cpu", False, False, fused_swiglu=False)) == "no memory technique"
-    assert (str(Techniques("layer", "all", "disk", True, False, fused_swiglu=False))
+    assert str(Techniques("none", "none", "cpu", False, False)) == "no memory technique"
+    assert (str(Techniques("layer", "all", "disk", True, False))
             == "checkpoints on every layer (all offloaded to disk), 4-bit base")
-    assert (str(Techniques("layer", 3, "cpu"))
+    assert (str(Techniques("layer", 3, "cpu", fused_swiglu=True))
             == "checkpoints on every layer (the first 3 offloaded to cpu), fused loss, fused SwiGLU")
-    assert str(Techniques("layer", 0, "cpu", fused_swiglu=False)) == "checkpoints on every layer, fused loss"
+    assert str(Techniques("layer", 0, "cpu")) == "checkpoints on every layer, fused loss"
     assert (str(Techniques("layer", "none", "cpu", False, True, ("gpu", "cpu", "none")))
-            == "checkpoints on 2 of 3 layers (1 of them offloaded to cpu), fused loss, fused SwiGLU")
+            == "checkpoints on 2 of 3 layers (1 of them offloaded to cpu), fused loss")
 
 
 def test_gpu_memory_refuses_the_flags_its_plan_sets():
@@ -251,11 +251,12 @@ def test_gpu_memory_refuses_the_flags_its_plan_sets():
     from memfit.commands.finetune import check_technique_flags
 
     spec = PRESETS["llama-3.2-3b"]
-    args = argparse.Namespace(offload="all", checkpoint="layer", offload_to="cpu", gpu_memory="8GiB")
+    args = argparse.Namespace(offload="all", checkpoint="layer", offload_to="cpu", gpu_memory="8GiB",
+                              fused_swiglu=False)
     with pytest.raises(MemfitError, match="--checkpoint layer, --offload all: with --gpu-memory on CUDA the plan"):
         check_technique_flags(args, spec, torch.device("cuda"))
     check_technique_flags(args, spec, torch.device("cpu"))     # on the CPU --gpu-memory plans nothing: the flags apply
-    none = argparse.Namespace(offload="none", checkpoint="none", offload_to="cpu", gpu_memory="8GiB")
+    none = argparse.Namespace(offload="none", checkpoint="none", offload_to="cpu", gpu_memory="8GiB", fused_swiglu=False)
     check_technique_flags(none, spec, torch.device("cuda"))    # an explicit none keeps the plan from it instead
 
 

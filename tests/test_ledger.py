@@ -117,6 +117,21 @@ def test_verify_on_cpu_within_five_percent(task, changes):
     assert abs(result.error) < 0.05
 
 
+@pytest.mark.xfail(strict=True, reason="a known gap: where the fused SwiGLU moves the peak to the sum of two "
+                                       "gradients of one tensor (down_proj's input: the LoRA base and lora_A), the "
+                                       "replay adds them in place where torch sums them out of place")
+def test_verify_a_fused_swiglu_step_whose_peak_is_a_gradient_sum():
+    """The case the code review found, held here until the replay models the sum: a 512-wide MLP with LoRA, on the
+    CPU, where the fused SwiGLU leaves the peak at that sum (the ledger read 7.7% low there on the reference path, 15.4%
+    under the Triton interpreter)."""
+    import dataclasses
+
+    spec = dataclasses.replace(TINY, vocab=32, intermediate=512)
+    result = verify(Job(spec, task="lora", seq=512, batch=2, device="cpu"),
+                    Knobs(dtype="float32", micro_batch=2, fused_swiglu=True), tolerance=0.2)
+    assert abs(result.error) < 0.05, f"{100 * result.error:+.2f}%"
+
+
 def test_budget_parsing():
     from memfit.errors import MemfitError
 
@@ -202,7 +217,7 @@ def test_bf16_for_an_fp32_model_is_labelled_approximate_and_loses_ties():
 
     _, plans = plan(Job(TINY, task="lora", seq=256, device="cpu"), Knobs(dtype="float32"), parse_bytes("1GiB"))
     labels = [p.techniques for p in plans]
-    assert ["fused SwiGLU", "bf16 weights (approximate)"] in labels and "bf16" not in " ".join(labels[0])
+    assert ["bf16 weights (approximate)"] in labels and "bf16" not in " ".join(labels[0])
     times = [round(p.relative_time, 3) for p in plans]
     tied = ["approximate" in " ".join(label) for label in labels[:times.count(times[0])]]
     assert tied == sorted(tied) and set(tied) == {False, True}, labels
@@ -274,6 +289,32 @@ def test_only_a_checkpointed_segment_needs_a_first_op_that_reads_its_input():
     replay_forward(ops, Memory({}), "forward", keep={z.uid}, checkpointed={1})
     with pytest.raises(ValueError, match="segment 0 starts with make_table, which reads no tensor"):
         replay_forward(ops, Memory({}), "forward", keep={z.uid}, checkpointed={0, 1})
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("x_bytes", [100, 5000])
+def test_an_op_that_writes_its_gradients_over_its_saved_inputs_allocates_none(in_place, x_bytes):
+    """The replay of memfit.kernels.swiglu's rule: the backward of an op marked grads_over_saved hands its saved
+    inputs' storage on as their gradients (nothing allocated, and nothing freed until a gradient is consumed);
+    unmarked, the same op allocates both gradients and frees what it saved. With a small x the peak is the product's
+    backward (4000 bytes in place, 6000 not); with a large one it is up_proj's backward, where gate's gradient (its
+    storage, in place) is still held beside x's new gradient (8000 either way)."""
+    from memfit.ledger.simulate import Memory, Op, Sym, replay_backward, replay_forward
+
+    x = Sym("x", x_bytes, True)
+    gate, up, out = Sym("gate", 1000, True), Sym("up", 1000, True), Sym("out", 1000, True)
+    ops = [Op("gate_proj", [x], [gate], [x]), Op("up_proj", [x], [up], [x]),
+           Op("swiglu", [gate, up], [out], [gate, up], grads_over_saved=in_place)]
+    memory = Memory({})
+    saved = replay_forward(ops, memory, "forward", keep={out.uid, x.uid})
+    grad_out = Sym("grad_out", 1000, False)
+    memory.alloc(grad_out)
+    replay_backward(ops, memory, saved, {out.uid: grad_out})
+    if x_bytes == 100:     # out, gate, up and the incoming gradient (x is the caller's, never allocated here)
+        assert memory.peak.where == "swiglu" and memory.peak.total == 4000 + (0 if in_place else 2000)
+    else:                  # out, gate's and up's gradients and x's new one
+        assert memory.peak.where == "up_proj" and memory.peak.total == 3000 + x_bytes
+    assert not saved and memory.total == 1000 + x_bytes       # out and x's gradient: gate's and up's storage gone
 
 
 def test_one_graph_serves_every_checkpoint_offload_and_optimizer_choice():

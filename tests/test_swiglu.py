@@ -55,6 +55,7 @@ def test_swiglu_gradient_where_the_sigmoid_saturates(path, dtype):
     g64, u64 = g0.clone().requires_grad_(), u0.clone().requires_grad_()
     swiglu_reference(g64, u64).sum().backward()
     assert ((gate.grad.double() - g64.grad).abs() / g64.grad.abs()).max() < TOL[dtype]
+    assert ((up.grad.double() - u64.grad).abs() / u64.grad.abs()).max() < TOL[dtype]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -82,6 +83,34 @@ def test_swiglu_writes_its_input_gradients_over_the_inputs_it_saved(path):
     up.register_hook(record("up"))
     out.sum().backward()
     assert grads == {"gate": gate.data_ptr(), "up": up.data_ptr()}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_swiglu_of_one_tensor_twice_and_of_leaves_keeps_the_callers_tensors_and_gets_the_gradient_right(path):
+    """silu(h) * h: both gradients would have been written into one buffer, then added as one (wrong); a leaf the caller
+    holds, or an input that wants no gradient, keeps its values (only a copy, or nothing, is overwritten)."""
+    gen = seeded(6)
+    h0 = torch.randn(3, 50, generator=gen, dtype=torch.float64)
+    h = h0.clone().requires_grad_()
+    swiglu(h * 1, h * 1, path=path).sum().backward()                     # two tensors: the usual case
+    once = h.grad.clone()
+    h.grad = None
+    inner = h * 1
+    swiglu(inner, inner, path=path).sum().backward()                     # one tensor passed twice
+    ref = h0.clone().requires_grad_()
+    swiglu_reference(ref, ref).sum().backward()
+    assert torch.allclose(h.grad, ref.grad) and torch.allclose(once, ref.grad)
+    leaf, frozen = h0.clone().requires_grad_(), h0.flip(-1).clone()
+    swiglu(leaf, frozen, path=path).sum().backward()
+    assert torch.equal(leaf.detach(), h0) and torch.equal(frozen, h0.flip(-1))
+    assert torch.allclose(leaf.grad, torch.autograd.grad(swiglu_reference(ref, h0.flip(-1)).sum(), ref)[0])
+
+
+def test_swiglu_refuses_a_double_backward():
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    out = swiglu(x * 1, x * 2)
+    with pytest.raises(MemfitError, match="no double backward"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
 
 
 def test_swiglu_reads_strided_inputs_through_a_copy():
@@ -136,20 +165,35 @@ def test_a_model_whose_mlp_is_not_silu_is_refused_everywhere_the_fused_op_is_ask
     from memfit.commands.finetune import fused_swiglu_of
     from memfit.ledger.job import Job, Knobs
     from memfit.ledger.predict import predict
-    from memfit.ledger.techniques import REGISTRY
     from memfit.models import PRESETS, build_model
     from memfit.train.patch import patch
 
     gelu = dataclasses.replace(PRESETS["tiny"], activation="gelu")
-    with pytest.raises(MemfitError, match="activation is 'gelu'"):
+    with pytest.raises(MemfitError, match="this model's MLP activation is GELU"):
         patch(build_model(gelu, dtype="float32"), fused_ce=False, fused_swiglu=True)
     with pytest.raises(MemfitError, match="activation is 'gelu'"):
         predict(Job(gelu, task="lora", seq=32, device="cpu"), Knobs(dtype="float32", fused_swiglu=True))
-    assert REGISTRY["fused_swiglu"].variants(Job(gelu, task="lora", seq=32), Knobs()) == []
-    assert REGISTRY["fused_swiglu"].variants(Job(PRESETS["tiny"], task="lora", seq=32), Knobs()) == [
-        {"fused_swiglu": True}]
-    assert REGISTRY["fused_swiglu"].variants(Job(PRESETS["tiny"], task="infer", seq=32), Knobs()) == []
     with pytest.raises(MemfitError, match="--fused-swiglu computes silu"):
         fused_swiglu_of(argparse.Namespace(fused_swiglu=True), gelu)
-    assert fused_swiglu_of(argparse.Namespace(fused_swiglu=None), gelu) is False
-    assert fused_swiglu_of(argparse.Namespace(fused_swiglu=None), PRESETS["tiny"]) is True
+    assert fused_swiglu_of(argparse.Namespace(fused_swiglu=False), gelu) is False
+    assert fused_swiglu_of(argparse.Namespace(fused_swiglu=True), PRESETS["tiny"]) is True
+
+
+def test_a_copy_of_a_patched_model_runs_its_own_mlps():
+    """The fused MLP forward reads its module's own weights and switch: a deep copy (a reference or EMA model) had run
+    the original's MLPs through the forward's closure."""
+    import copy
+
+    from memfit.models import PRESETS, build_model
+    from memfit.train.patch import patch, patch_state
+
+    torch.manual_seed(1)
+    model = patch(build_model(PRESETS["tiny"], dtype="float32", device=torch.get_default_device()), fused_ce=False,
+                  fused_swiglu=True)
+    twin = copy.deepcopy(model)
+    patch_state(model).fused_swiglu = False                  # the original's switch only
+    mlp, twin_mlp = model.model.layers[0].mlp, twin.model.layers[0].mlp
+    with torch.no_grad():
+        twin_mlp.up_proj.weight.mul_(2)
+        x = torch.randn(2, 5, PRESETS["tiny"].hidden)
+        assert torch.allclose(twin_mlp(x), 2 * mlp(x), rtol=1e-5, atol=1e-6)

@@ -105,10 +105,15 @@ def fused_gate_up(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
         pair = (buffer, mlp.down_proj.weight) if buffer is not None else None
     else:
         return None
-    act = getattr(mlp, "act_fn", None)
-    if pair is None or not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is F.silu):
+    if pair is None or not silu_activation(mlp):
         return None
     return pair
+
+
+def silu_activation(mlp: nn.Module) -> bool:
+    """Whether a gated MLP's ``act_fn`` is SiLU (torch's module or function, or transformers' class of that name)."""
+    act = getattr(mlp, "act_fn", None)
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is F.silu
 
 
 def act_mul(gate_up: torch.Tensor) -> torch.Tensor:

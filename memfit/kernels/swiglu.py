@@ -38,15 +38,18 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _backward_reference_(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
-    """gate <- grad * up * d silu(gate), up <- grad * silu(gate), in place, through two temporaries of gate's size:
-    with s = sigmoid(gate), d silu = s (1 + gate - gate s). (s is never rebuilt as 1 - (1 - s), which loses a small
-    s entirely in bf16.)"""
+def _backward_reference_(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, write_gate: bool,
+                         write_up: bool) -> None:
+    """gate <- grad * up * d silu(gate), up <- grad * silu(gate) (each only where wanted), in place, through two
+    temporaries of gate's size, in the tensors' dtype: with s = sigmoid(gate), d silu = s (1 + gate - gate s). (s is
+    never rebuilt as 1 - (1 - s), which loses a small s entirely in bf16.)"""
     s = torch.sigmoid(gate)
-    grad_up_term = grad * up                       # grad * up, needed before up is overwritten
-    up.copy_(gate).mul_(s).mul_(grad)              # up <- grad * gate * s
-    gate.addcmul_(gate, s, value=-1).add_(1)       # gate <- 1 + gate - gate s
-    gate.mul_(s).mul_(grad_up_term)                # gate <- grad * up * s * (1 + gate - gate s)
+    grad_up_term = grad * up if write_gate else None   # needed before up is overwritten
+    if write_up:
+        up.copy_(gate).mul_(s).mul_(grad)              # up <- grad * gate * s
+    if write_gate:
+        gate.addcmul_(gate, s, value=-1).add_(1)       # gate <- 1 + gate - gate s
+        gate.mul_(s).mul_(grad_up_term)                # gate <- grad * up * s * (1 + gate - gate s)
 
 
 if triton_importable():
@@ -59,16 +62,20 @@ if triton_importable():
         tl.store(out_ptr + offs, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _backward_kernel(grad_ptr, gate_ptr, up_ptr, n, BLOCK: tl.constexpr):
-        """gate <- grad * up * d silu(gate) and up <- grad * silu(gate), each element read and written once."""
+    def _backward_kernel(grad_ptr, gate_ptr, up_ptr, n, WRITE_GATE: tl.constexpr, WRITE_UP: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        """gate <- grad * up * d silu(gate) and up <- grad * silu(gate) (each only where its gradient is wanted), each
+        element read and written once."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         d = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(g)
-        tl.store(up_ptr + offs, (d * g * s).to(up_ptr.dtype.element_ty), mask=mask)
-        tl.store(gate_ptr + offs, (d * u * s * (1.0 + g * (1.0 - s))).to(gate_ptr.dtype.element_ty), mask=mask)
+        if WRITE_UP:
+            tl.store(up_ptr + offs, (d * g * s).to(up_ptr.dtype.element_ty), mask=mask)
+        if WRITE_GATE:
+            tl.store(gate_ptr + offs, (d * u * s * (1.0 + g * (1.0 - s))).to(gate_ptr.dtype.element_ty), mask=mask)
 
 
 def _grid(n: int) -> tuple[int]:
@@ -90,16 +97,18 @@ def _(gate, up, path):
 
 
 @torch.library.custom_op("memfit::swiglu_backward_", mutates_args=("gate", "up"))
-def _swiglu_backward_op(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, path: Optional[str]) -> None:
-    """gate's and up's gradients written over gate and up."""
+def _swiglu_backward_op(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, write_gate: bool, write_up: bool,
+                        path: Optional[str]) -> None:
+    """gate's and up's gradients written over gate and up (each only where it is wanted: the other keeps its values)."""
     if not use_triton("swiglu", grad, gate, up, path=path):
-        _backward_reference_(grad, gate, up)
+        _backward_reference_(grad, gate, up, write_gate, write_up)
         return
-    _backward_kernel[_grid(gate.numel())](grad, gate, up, gate.numel(), BLOCK=BLOCK)
+    _backward_kernel[_grid(gate.numel())](grad, gate, up, gate.numel(), WRITE_GATE=write_gate, WRITE_UP=write_up,
+                                          BLOCK=BLOCK)
 
 
 @_swiglu_backward_op.register_fake
-def _(grad, gate, up, path):
+def _(grad, gate, up, write_gate, write_up, path):
     return None
 
 
@@ -110,22 +119,39 @@ def _setup_context(ctx, inputs, output):
 
 
 def _swiglu_grad(ctx, grad):
+    if torch.is_grad_enabled():
+        raise MemfitError("swiglu has no double backward (create_graph=True): its gradients are written over its "
+                          "inputs; use memfit.kernels.swiglu.swiglu_reference where a second derivative is needed")
     gate, up = ctx.saved_tensors
-    _swiglu_backward_op(grad.contiguous(), gate, up, ctx.path)
-    return gate, up, None
+    want_gate, want_up = ctx.needs_input_grad[:2]
+    _swiglu_backward_op(grad.contiguous(), gate, up, want_gate, want_up, ctx.path)
+    return gate if want_gate else None, up if want_up else None, None
 
 
 _swiglu_op.register_autograd(_swiglu_grad, setup_context=_setup_context)
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the op may overwrite it in backward (only an input whose gradient is wanted is overwritten): a
+    contiguous intermediate (a projection's output) is taken as it is; a strided tensor, or a leaf that wants a
+    gradient (a tensor the caller made and holds), is copied first."""
+    return t.clone(memory_format=torch.contiguous_format) if (t.is_leaf and t.requires_grad) or not t.is_contiguous() \
+        else t
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, path: str | None = None) -> torch.Tensor:
     """``silu(gate) * up`` (the gated MLP's product), saving gate and up only and writing their gradients over them
-    in backward. gate and up: the same shape, dtype and device; read as contiguous tensors (a strided one is copied
-    first, and the copy is what is saved). ``path``: None follows MEMFIT_KERNELS (auto: Triton on CUDA or under
-    the interpreter, else the reference, said once), or "auto" | "triton" | "reference"."""
+    in backward: it consumes its inputs, whose values are gone once the backward has run (what a projection's output
+    in a training step allows; a leaf or strided input is copied first, and the copy is what is saved and
+    overwritten, and up is copied where it shares memory with gate). gate and up: the same shape, dtype and device.
+    No double backward. ``path``: None follows MEMFIT_KERNELS (auto: Triton on CUDA or under the interpreter, else
+    the reference, said once), or "auto" | "triton" | "reference"."""
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
         raise MemfitError(f"swiglu: gate and up must share shape, dtype and device; got {tuple(gate.shape)} "
                           f"{gate.dtype} {gate.device} and {tuple(up.shape)} {up.dtype} {up.device}")
     if not gate.is_floating_point():
         raise MemfitError(f"swiglu: gate and up must be floating point, got {gate.dtype}")
-    return _swiglu_op(gate.contiguous(), up.contiguous(), path)
+    gate, up = _own(gate), _own(up)
+    if gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr():    # swiglu(h, h) or two views of one
+        up = up.clone()
+    return _swiglu_op(gate, up, path)

@@ -125,8 +125,7 @@ class ModelGraph:
         size, not counted)."""
         rg = gate.requires_grad or up.requires_grad
         out = self.act(name, per_token, rg)
-        self.ops.append(Op(name, [gate, up], [out], [gate, up] if rg else [], segment=self.segment,
-                           grads_over_saved=True))
+        self.op(name, [gate, up], [out], [gate, up] if rg else [], grads_over_saved=True)
         return out
 
     def pointwise(self, inputs: list[Sym], per_token: int, name: str, saves_input: bool = False,

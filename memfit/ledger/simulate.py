@@ -136,7 +136,7 @@ def _uses(ops: list[Op]) -> dict[int, int]:
     return last
 
 
-def segment_inputs(ops: list[Op]) -> dict[int, tuple[Sym, list[Sym]]]:
+def segment_inputs(ops: list[Op]) -> dict[int, tuple[Sym | None, list[Sym]]]:
     """What each checkpointed segment keeps from the forward until its backward is done: the layer's
     hidden states (its first op's first input; an offloaded segment keeps a CPU copy instead, brought
     back for the recompute) and every other non-parameter tensor its ops read from outside it (shared
@@ -148,7 +148,7 @@ def segment_inputs(ops: list[Op]) -> dict[int, tuple[Sym, list[Sym]]]:
 
 
 @functools.lru_cache(maxsize=64)
-def _segment_inputs(ops: tuple[Op, ...]) -> dict[int, tuple[Sym, list[Sym]]]:
+def _segment_inputs(ops: tuple[Op, ...]) -> dict[int, tuple[Sym | None, list[Sym]]]:
     kept: dict[int, tuple[Sym | None, dict[int, Sym]]] = {}
     made: dict[int, set[int]] = {}
     for op in ops:

@@ -111,18 +111,6 @@ register(Technique(
 ))
 
 register(Technique(
-    name="fused_swiglu",
-    summary="fused SwiGLU (memfit.kernels.swiglu): the gated MLP's silu(gate) * up keeps gate and up only and writes "
-            "their gradients over them",
-    # one variant, on, counted free of time: in the fp32 fine-tuning table its steps were not slower (one elementwise
-    # kernel each way where the unfused pair runs two forward and three backward; alone at 1K tokens it took 1.8-2.1x
-    # the pair's time, benchmarks/results/swiglu.json); a second variant would double the candidates weighed
-    variants=lambda job, knobs: [{"fused_swiglu": True}] if job.training and job.spec.activation == "silu" else [],
-    cost=lambda job, knobs: Cost(),
-    describe=lambda knobs, base: "fused SwiGLU" if knobs.fused_swiglu != base.fused_swiglu else None,
-))
-
-register(Technique(
     name="four_bit",
     summary="4-bit NF4 frozen base (bitsandbytes), dequantised per use; approximate: the base weights are "
             "quantised",

@@ -11,11 +11,11 @@ lora={"r": 16})`` applies, in this order:
    transformers does), so the tokens x vocabulary logits are never built and tokens
    without a loss are dropped before the output matmul. ``vocab_subset`` makes the
    softmax approximate (opt-in). Without labels the model returns logits as usual.
-4. **LoRA** (``lora``): ``peft.get_peft_model`` (a LoraConfig, or a dict of its fields;
-   default r=16, alpha=32, no dropout, all seven linears of each layer).
-5. **fused SwiGLU** (``fused_swiglu``): every layer's gated MLP computes ``silu(gate) * up`` by
+4. **fused SwiGLU** (``fused_swiglu``): every layer's gated MLP computes ``silu(gate) * up`` by
    :mod:`memfit.kernels.swiglu`, which keeps gate and up only and writes their gradients over them
    (the unfused pair keeps three intermediate-sized tensors and its backward allocates three more).
+5. **LoRA** (``lora``): ``peft.get_peft_model`` (a LoraConfig, or a dict of its fields;
+   default r=16, alpha=32, no dropout, all seven linears of each layer).
 6. **attention** (``attention``): the transformers attention implementation every layer
    uses, ``"sdpa"`` (default) or ``"memfit"`` (:mod:`memfit.train.attention_hf`, O(N)
    memory in every dtype). memfit matters for fp32 training: torch SDPA (2.11, CUDA) ran
@@ -149,32 +149,31 @@ def _fused_forward(original):
     return forward
 
 
-def _swiglu_forward(mlp: torch.nn.Module, state: PatchState):
-    """A gated MLP's forward that, while ``state.fused_swiglu`` is on, computes its product by
-    :func:`memfit.kernels.swiglu.swiglu` (the projections are called as they are, LoRA-wrapped or 4-bit)."""
-    original = mlp.forward
-    activation = getattr(getattr(mlp, "config", None), "hidden_act", "silu")
+def _swiglu_mlp_forward(self, x):
+    """A gated MLP's forward that, while its patch's ``fused_swiglu`` is on, computes its product by
+    :func:`memfit.kernels.swiglu.swiglu` (the projections are called as they are, LoRA-wrapped or 4-bit); otherwise
+    the class's own forward. What it reads lives on the module, so a copy of the model runs its own."""
+    if not self._memfit_swiglu_state.fused_swiglu:
+        return type(self).forward(self, x)
+    if not self._memfit_swiglu_silu:
+        raise MemfitError(f"fused_swiglu computes silu(gate) * up; this MLP's activation is {self.act_fn!r}")
+    from memfit.kernels.swiglu import swiglu
 
-    def forward(self, x):
-        if not state.fused_swiglu:
-            return original(x)
-        if activation != "silu":
-            raise MemfitError(f"fused_swiglu computes silu(gate) * up; this MLP's activation is {activation!r}")
-        from memfit.kernels.swiglu import swiglu
-
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
-
-    return forward
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def _install_swiglu(base: torch.nn.Module, state: PatchState) -> None:
     """Every decoder layer's MLP computes ``silu(gate) * up`` by memfit's kernel while ``state.fused_swiglu`` is on;
     refused for a model whose MLP activation is not SiLU (the kernel computes SiLU)."""
-    activation = getattr(base.config, "hidden_act", None)
-    if state.fused_swiglu and activation != "silu":
-        raise MemfitError(f"fused_swiglu computes silu(gate) * up; this model's MLP activation is {activation!r}")
+    from memfit.infer.fused import silu_activation
+
     for layer in base.model.layers:
-        layer.mlp.forward = types.MethodType(_swiglu_forward(layer.mlp, state), layer.mlp)
+        mlp = layer.mlp
+        mlp._memfit_swiglu_state, mlp._memfit_swiglu_silu = state, silu_activation(mlp)
+        if state.fused_swiglu and not mlp._memfit_swiglu_silu:
+            raise MemfitError(f"fused_swiglu computes silu(gate) * up; this model's MLP activation is "
+                              f"{getattr(mlp, 'act_fn', None)!r}")
+        mlp.forward = types.MethodType(_swiglu_mlp_forward, mlp)
 
 
 def _set_attention(base: torch.nn.Module, attention: str) -> None:
