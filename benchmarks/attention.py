@@ -24,7 +24,6 @@ import argparse
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
@@ -34,7 +33,7 @@ import torch  # noqa: E402
 
 from memfit.kernels.attention import VARIANTS, attention, attention_recompute_backward, partial_slots  # noqa: E402
 from memfit.measure.results import check_out_dir, target, write_results  # noqa: E402
-from memfit.measure.timing import Ceilings, bench_ms, measure_ceilings  # noqa: E402
+from memfit.measure.timing import Ceilings, device_ms, measure_ceilings  # noqa: E402
 
 SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 
@@ -43,15 +42,6 @@ def attention_flops(b, h, n, d, causal, backward=True):
     """Matmul FLOPs of fwd (+bwd = 2.5x fwd), causal halved: the convention FlashAttention reports."""
     fwd = 4 * b * h * n * n * d / (2 if causal else 1)
     return fwd * (3.5 if backward else 1.0)
-
-
-def time_ms(fn, cuda: bool) -> float:
-    if cuda:
-        return bench_ms(fn)
-    fn()
-    start = time.perf_counter()
-    fn()
-    return 1e3 * (time.perf_counter() - start)
 
 
 def peak_extra_bytes(fn, cuda: bool) -> tuple[float, float]:
@@ -108,8 +98,8 @@ def bench_case(b, h, n, d, causal, device, dtype, cuda):
                 return torch.autograd.grad(fn(q, k, v), (q, k, v), do)
 
             out_ref = fwd()
-            fwd_ms = time_ms(fwd, cuda)
-            fb_ms = time_ms(fwd_bwd, cuda)
+            fwd_ms = device_ms(fwd, "cuda" if cuda else "cpu")
+            fb_ms = device_ms(fwd_bwd, "cuda" if cuda else "cpu")
 
             def held():
                 out = fn(q, k, v)
@@ -169,7 +159,7 @@ def study_case(b, h, n, d, causal, device, dtype, cuda, ceilings):
     for name, fn in cases.items():
         row = {"variant": name, "batch": b, "heads": h, "seq": n, "head_dim": d, "causal": causal}
         try:
-            ms = time_ms(fn, cuda)
+            ms = device_ms(fn, "cuda" if cuda else "cpu")
             least, extra = study_bytes(b, h, n, d, causal, name, elem, slots)
             floor = ceilings.floor_ms(flops, least)
             row.update(ms=ms, tflops=flops / ms / 1e9, least_bytes=least, accumulation_bytes=extra,
