@@ -282,7 +282,7 @@ def test_only_a_checkpointed_segment_needs_a_first_op_that_reads_its_input():
     such a segment is fine while another segment is checkpointed, and refused, naming the op, once that one is.
     (Every segment of memfit's graphs starts by reading the layer input; the check used to fire for the whole graph
     as soon as any segment was checkpointed.)"""
-    from memfit.ledger.simulate import Memory, Op, Sym, replay_forward
+    from memfit.ledger.simulate import Memory, Op, Sym, replay_backward, replay_forward
 
     x = Sym("x", 64, True)
     table, h, y, z = Sym("table", 16, False), Sym("h", 64, True), Sym("y", 64, True), Sym("z", 64, True)
@@ -291,6 +291,13 @@ def test_only_a_checkpointed_segment_needs_a_first_op_that_reads_its_input():
     replay_forward(ops, Memory({}), "forward", keep={z.uid}, checkpointed={1})
     with pytest.raises(ValueError, match="segment 0 starts with make_table, which reads no tensor"):
         replay_forward(ops, Memory({}), "forward", keep={z.uid}, checkpointed={0, 1})
+    scaled = Sym("scaled", 16, False)
+    frozen = [Op("make_table", [], [table], [], segment=0), Op("scale", [table], [scaled], [], segment=0),
+              Op("layer1", [x, scaled], [y], [x], segment=1)]   # segment 0 needs no backward: checkpointing it is
+    memory = Memory({})                                         # no refusal, and its backward keeps nothing
+    saved = replay_forward(frozen, memory, "forward", keep={y.uid}, checkpointed={0, 1})
+    replay_backward(frozen, memory, saved, {y.uid: Sym("grad_y", 64, False)}, checkpointed={0, 1})
+    assert not saved
 
 
 @pytest.mark.parametrize("in_place", [True, False])

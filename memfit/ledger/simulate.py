@@ -279,8 +279,9 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
                     _release(sym, saved, memory, keep_storage=grad_of.get(sym.uid) is sym)
         if op.segment in checkpointed and segment_ops[op.segment][0] is op:
             layer_input, others = kept[op.segment]       # the segment's backward is done: the checkpoint's
-            for sym in (layer_input, *others):            # frame lets its inputs go
-                _release(sym, saved, memory)
+            for sym in (layer_input, *others):            # frame lets its inputs go (none kept where the
+                if sym is not None:                       # segment reads nothing and needs no backward)
+                    _release(sym, saved, memory)
 
 
 def _release(sym: Sym, saved: dict[int, int], memory: Memory, keep_storage: bool = False) -> None:
