@@ -169,6 +169,7 @@ def test_a_model_whose_mlp_is_not_silu_is_refused_everywhere_the_fused_op_is_ask
     from memfit.train.patch import patch
 
     gelu = dataclasses.replace(PRESETS["tiny"], activation="gelu")
+    assert PRESETS["tiny"].silu_mlp and not gelu.silu_mlp
     with pytest.raises(MemfitError, match="this model's MLP activation is GELU"):
         patch(build_model(gelu, dtype="float32"), fused_ce=False, fused_swiglu=True)
     with pytest.raises(MemfitError, match="activation is 'gelu'"):

@@ -144,7 +144,7 @@ def check_technique_flags(args, spec, device: torch.device) -> None:
 def fused_swiglu_of(args, spec) -> bool:
     """--fused-swiglu as this run takes it (off unless given); asked for a model whose MLP activation is not SiLU,
     refused before the model loads."""
-    if args.fused_swiglu and spec.activation != "silu":
+    if args.fused_swiglu and not spec.silu_mlp:
         raise MemfitError(f"--fused-swiglu computes silu(gate) * up; {spec.name}'s MLP activation is "
                           f"{spec.activation!r}")
     return bool(args.fused_swiglu)

@@ -286,7 +286,7 @@ def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
                           "layers")
     if knobs.four_bit and job.task == "full":
         raise MemfitError(f"{field_flag('four_bit')} freezes the base weights: it goes with task lora or infer")
-    if knobs.fused_swiglu and job.spec.activation != "silu":
+    if knobs.fused_swiglu and not job.spec.silu_mlp:
         raise MemfitError(f"{field_flag('fused_swiglu')} computes silu(gate) * up; {job.spec.name}'s MLP activation is "
                           f"{job.spec.activation!r}")
 

@@ -66,6 +66,11 @@ class ModelSpec:
     max_position: int = 4096
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
+    @property
+    def silu_mlp(self) -> bool:
+        """Whether the gated MLP's activation is SiLU: what memfit's fused SwiGLU computes."""
+        return self.activation == "silu"
+
     def __post_init__(self):
         for key in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "vocab"):
             value = getattr(self, key)
