@@ -51,6 +51,28 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def interpreter_frees_at_return(monkeypatch):
+    """Memory measured on the CPU under the Triton interpreter: a garbage collection after every launch.
+
+    The interpreter keeps each launch's argument storages in a reference cycle (``GridExecutor``'s recursive
+    ``_to_cpu``/``_from_cpu`` closures hold them) until the next collection, so a buffer a kernel's caller has let go
+    of stays allocated, for some layers of a backward; a compiled launch on the GPU keeps none."""
+    import gc
+
+    from triton.runtime import interpreter
+
+    launch = interpreter.GridExecutor.__call__
+
+    def launch_then_collect(self, *args, **kwargs):
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            gc.collect()
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", launch_then_collect)
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

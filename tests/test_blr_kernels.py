@@ -200,18 +200,18 @@ def test_p_transpose_with_odd_per_block_ranks(blocks, t, n, variant, monkeypatch
         check(monarch_linear, monarch_linear_reference, tensors, dtype, permute_output=False, variant=variant)
 
 
-@pytest.mark.cpu_only(reason="TensorLifetimeTracker counts CPU allocations")
+@pytest.mark.cpu_only(reason="CpuAllocationTracker counts CPU allocations")
 @pytest.mark.parametrize("d_in,d_out,b,r", [(96, 160, 4, 16), (160, 96, 4, 32), (128, 128, 8, 64), (256, 64, 4, 8)])
 def test_tbmm_tbmm_holds_only_z(d_in, d_out, b, r):
     """What tbmm_tbmm allocates besides its output (CPU tracker): z alone, with w2 read as it is stored (it copied w2
     on every call until w2 was stored in (s, j) order), within the ledger's Monarch forward transient at every N."""
-    from memfit.measure.memory import TensorLifetimeTracker
+    from memfit.measure.memory import CpuAllocationTracker
 
     m, p = d_in // b, d_out // b
     forward_per_token, _ = blr_transient_per_token("monarch", r, b, d_in, d_out)
     for n in (1, min(r, p) - 1, 3 * min(r, p)):
         x, w1, w2 = torch.randn(n, d_in), torch.randn(b, m, r), torch.randn(b, r, p)
-        with torch.no_grad(), TensorLifetimeTracker([x, w1, w2]) as tracker:
+        with torch.no_grad(), CpuAllocationTracker([x, w1, w2]) as tracker:
             y = monarch.VARIANTS["tbmm_tbmm"](x, w1, w2, None, False)
         held = tracker.peak - tracker.baseline - y.nbytes
         assert held == n * b * r * x.element_size() <= n * forward_per_token * x.element_size()

@@ -134,7 +134,7 @@ def test_verify_tiny_on_cpu(capsys):
 
 def test_verify_a_block_low_rank_model_on_cpu(capsys, monkeypatch):
     """verify --blr measures the BLR model the plan describes: its weights as predicted, the title names it."""
-    monkeypatch.setenv("MEMFIT_KERNELS", "reference")    # the CPU tracker does not see inside the interpreter's ops
+    monkeypatch.setenv("MEMFIT_KERNELS", "reference")    # the path the ledger counts on the CPU, quicker than the interpreter
     code, out, _ = run(capsys, "verify", "--model", "tiny", "--task", "full", "--seq", "64", "--device", "cpu",
                        "--blr", "monarch", "--blr-blocks", "4", "--json")
     data = json.loads(out)

@@ -324,7 +324,7 @@ def test_dweight_kernel_reads_rows_through_the_index(tokens, width, hdim):
     assert _rel(out, ref) < 2e-5
 
 
-@pytest.mark.cpu_only(reason="TensorLifetimeTracker counts CPU allocations")
+@pytest.mark.cpu_only(reason="CpuAllocationTracker counts CPU allocations")
 @pytest.mark.parametrize("weight_grad", [True, False])
 @pytest.mark.parametrize("dw_matmul", ["triton", "cublas", "cublas-in-grad"])
 @pytest.mark.parametrize("loss_tokens", [32, 64])
@@ -332,7 +332,7 @@ def test_memory_model_matches_the_tracked_backward(monkeypatch, weight_grad, dw_
     """Peak bytes the backward allocates (CPU storage tracker) against ``backward_memory``.
     fp32 and the accumulator in dH's buffer: the interpreter frees a side buffer only at the
     next garbage collection, which only the separate-accumulator timeline would notice."""
-    from memfit.measure.memory import TensorLifetimeTracker
+    from memfit.measure.memory import CpuAllocationTracker
 
     monkeypatch.setattr(linear_ce, "DW_MATMUL", dw_matmul)
     monkeypatch.setattr(linear_ce, "TAIL_ELEMENTS", 4096)
@@ -342,7 +342,7 @@ def test_memory_model_matches_the_tracked_backward(monkeypatch, weight_grad, dw_
     hidden, weight = hidden.detach(), weight.detach()
     _, lse = linear_ce._forward(hidden, weight, labels, None, -100, 0.0, 0.0, True)
     grad = torch.ones(tokens)
-    with TensorLifetimeTracker((hidden, weight, labels, lse, grad)) as tracker:
+    with CpuAllocationTracker((hidden, weight, labels, lse, grad)) as tracker:
         linear_ce._backward(grad, hidden, weight, labels, None, lse, -100, 0.0, 0.0, weight_grad, 0, True)
     model = linear_ce.backward_memory(tokens, loss_tokens, hdim, vocab, 4, weight_grad=weight_grad)
     measured = tracker.peak - tracker.baseline

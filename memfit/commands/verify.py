@@ -16,8 +16,8 @@ examples:
   memfit verify --model llama-3.2-1b --task lora --seq 2048 --blr monarch   # random-init BLR layers, planned ranks
 
 The model is random-init (memory does not depend on values). On CUDA the peak is
-torch.cuda.max_memory_allocated over one step after a warm-up step; on CPU a tracker
-follows every tensor's storage. Exits 1 when the total is off by more than --tolerance.
+torch.cuda.max_memory_allocated over one step after a warm-up step; on CPU the same
+from the allocator's events (torch.profiler). Exits 1 when the total is off by more than --tolerance.
 """
 
 

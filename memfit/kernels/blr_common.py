@@ -423,7 +423,7 @@ def recomputing(reference, n_tensors: int, n_options: int = 0):
     """``reference`` as an autograd function with the custom ops' memory behaviour (:func:`save_for_recompute`,
     :func:`recompute_backward`): the path where no Triton kernel runs (CPU). Run as plain autograd, a reference
     kept its intermediates for the backward (z and its copies), which the ledger does not count; run inside a
-    custom op, its forward's temporaries were hidden from the CPU memory tracker, which sees an op as one call.
+    custom op, its forward's temporaries were hidden from memfit's first CPU memory tracker, which saw an op as one call.
     Not twice differentiable (an error says so if asked). ``torch.compile`` cannot trace its backward's
     ``autograd.grad`` (it broke the graph in training), so under torch.compile the reference is differentiated as
     it is (:func:`_reference_differentiated_when_compiled`, said once). Where no gradient is wanted (no_grad, or

@@ -5,8 +5,8 @@ job's shape with the knobs applied (dtype, block-low-rank layers of the planned 
 through peft, checkpointing of the first k decoder layers, the optimizer, micro-batches),
 runs warm-up steps so lazily created state exists (optimizer states, cuBLAS workspace, the
 BLR kernels' variant picks, whose timing copies are freed before the measured step), then
-measures one step: on CUDA with the caching allocator's peak counters, on CPU with a
-tensor-lifetime tracker.
+measures one step: on CUDA with the caching allocator's peak counters, on CPU with the
+allocator's events read off ``torch.profiler`` (``memfit.measure.memory``).
 """
 from __future__ import annotations
 

@@ -1,19 +1,24 @@
 """Peak memory of a region of code, on CUDA (the caching allocator's counters) or on CPU.
 
-On CPU there is no allocator counter, so ``TensorLifetimeTracker`` follows every storage
-created by an op (a ``TorchDispatchMode`` sees forward, backward on the calling thread,
-and optimizer ops) and notices when it is freed (a finalizer on the storage object,
-which PyTorch keeps for the storage's whole life). Storages that existed before the
-region (weights, optimizer states) are registered as the baseline.
+On CPU there is no allocator counter, so ``CpuAllocationTracker`` reads the allocator's
+own events off ``torch.profiler`` (``profile_memory``): every allocation and free made
+inside the region, op scratch included, as the CUDA counter sees them. Storages that
+existed before the region (weights, optimizer states) are counted as a fixed baseline.
+
+Why not a ``TorchDispatchMode`` that follows each op's outputs (memfit's first CPU
+tracker): while any Python dispatch mode is active, autograd takes every tensor for a
+subclass and never adds a second gradient of one tensor into the first in place
+(``InputBuffer``'s ``can_accumulate_inplace``), so it measured a backward that allocates
+a buffer for every such sum where the real one, on either device, often allocates none.
+The profiler hooks the allocator and leaves autograd as it is.
 """
 from __future__ import annotations
 
-import weakref
+import os
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.profiler import ProfilerActivity, profile
 
 
 def storage_bytes(tensors) -> int:
@@ -30,40 +35,28 @@ def storage_bytes(tensors) -> int:
     return total
 
 
-class TensorLifetimeTracker(TorchDispatchMode):
-    """Live bytes of storages created inside the mode, and their peak, plus a fixed baseline."""
+class CpuAllocationTracker:
+    """``with CpuAllocationTracker(baseline_tensors) as t: ...`` then ``t.peak``: the most bytes live at once, the
+    baseline tensors' storages (``t.baseline``) plus what the region allocated and had not yet freed."""
 
     def __init__(self, baseline_tensors=()):
-        super().__init__()
-        self._live: dict[int, int] = {}
-        self.current = self.peak = 0
-        for t in baseline_tensors:
-            self._register(t, finalize=False)
-        self.baseline = self.current
-        self.peak = self.current
+        self.baseline = self.peak = storage_bytes(baseline_tensors)
 
-    def _register(self, tensor: torch.Tensor, finalize: bool = True) -> None:
-        if tensor.device.type != "cpu" or tensor.is_meta:
-            return
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._live or storage.nbytes() == 0:
-            return
-        self._live[key] = storage.nbytes()
-        self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
-        if finalize:
-            weakref.finalize(storage, self._freed, key)
+    def __enter__(self):
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else the profiler prints two lines on stderr per region
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
 
-    def _freed(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for item in tree_flatten(out)[0]:
-            if isinstance(item, torch.Tensor):
-                self._register(item)
-        return out
+    def __exit__(self, *exc):
+        self._profile.__exit__(*exc)
+        events = [event for event in self._profile.profiler.kineto_results.events()
+                  if event.name() == "[memory]" and event.device_type() == torch._C._autograd.DeviceType.CPU]
+        live = 0
+        for event in sorted(events, key=lambda event: event.start_ns()):   # a free of a storage allocated before
+            live += event.nbytes()                                           # the region has no event
+            self.peak = max(self.peak, self.baseline + live)
+        return False
 
 
 @dataclass
@@ -80,7 +73,7 @@ class PeakMeter:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
-            self._tracker = TensorLifetimeTracker(self.baseline_tensors)
+            self._tracker = CpuAllocationTracker(self.baseline_tensors)
             self._tracker.__enter__()
         return self
 
