@@ -104,12 +104,15 @@ class ModelGraph:
         return out
 
     def linear(self, x: Sym, weight: Sym, per_token_out: int, name: str, dtype: str | None = None,
-               bias: Sym | None = None, tokens: int | None = None, **workspace) -> Sym:
-        """``F.linear``: saves the input iff the weight is trained (the weight is a parameter: free)."""
+               bias: Sym | None = None, tokens: int | None = None, input_grad_is_view: bool = True,
+               **workspace) -> Sym:
+        """``F.linear``: saves the input iff the weight is trained (the weight is a parameter: free). Its input's
+        gradient is a view (the reshape of a matrix product's), which autograd cannot add a second gradient into."""
         rg = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         out = self.act(name, per_token_out, rg, dtype, tokens=tokens)
         inputs = [x, weight] + ([bias] if bias is not None else [])
-        self.op(name, inputs, [out], [x] if weight.requires_grad else [], **workspace)
+        self.op(name, inputs, [out], [x] if weight.requires_grad else [], input_grads_are_views=input_grad_is_view,
+                **workspace)
         return out
 
     def mul(self, a: Sym, b: Sym, per_token: int, name: str, dtype: str | None = None) -> Sym:
@@ -140,10 +143,10 @@ class ModelGraph:
     def rms_norm(self, x: Sym, weight: Sym, name: str) -> Sym:
         h = self.spec.hidden
         x32 = self.cast(x, FP32, h, f"{name}.float")
-        # pow's backward, grad * (2 * x.pow(1)), holds two temporaries of x's size and then the new gradient,
-        # until it is added to the one the scale's backward (below, so first in backward) gave x
+        # pow's backward, grad * (2 * x.pow(1)), holds two temporaries of x's size besides the new gradient (the
+        # replay's second gradient of x, added in place to the one the scale's backward, first in backward, gave)
         square = self.pointwise([x32], h, f"{name}.pow", saves_input=True, dtype=FP32,
-                                backward_workspace=3 * x32.nbytes)
+                                backward_workspace=2 * x32.nbytes)
         variance = self.pointwise([square], 1, f"{name}.mean", dtype=FP32)
         shifted = self.pointwise([variance], 1, f"{name}.add_eps", dtype=FP32)
         inv = self.pointwise([shifted], 1, f"{name}.rsqrt", saves_output=True, dtype=FP32)
@@ -172,8 +175,9 @@ class ModelGraph:
             weight = Sym(f"{layer}.{module}", nf4_bytes(per_token_in, per_token_out), False, "weights",
                          persistent=True, element_size=1)
             self.params.append(weight)
+            # Its MatMul4Bit takes the 3-D input whole: the input's gradient is a product of its own, no view.
             dequant = per_token_in * per_token_out * dtype_bytes(self.dtype)
-            workspace = {"forward_workspace": dequant, "backward_workspace": dequant}
+            workspace = {"forward_workspace": dequant, "backward_workspace": dequant, "input_grad_is_view": False}
         else:
             weight = self.param(f"{layer}.{module}", per_token_in * per_token_out, trained)
             workspace = {}

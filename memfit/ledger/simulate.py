@@ -10,9 +10,13 @@ ops that save the same tensor keep one copy. Each op here states exactly those r
 * **forward**: outputs are allocated; each tensor is freed after its last use unless
   some op saved it for backward;
 * **backward**: ops are walked in reverse; the gradient of each input that needs one is
-  allocated (accumulated in place when it already exists, as autograd's input buffer
-  does); an op's saved tensors and its outputs' gradients are freed once it has run;
+  allocated; an op's saved tensors and its outputs' gradients are freed once it has run;
   a leaf parameter's gradient becomes its ``.grad`` and stays;
+* **a second gradient of one tensor** is allocated too, then added as autograd's input
+  buffer adds it: into the first in place when the first is a plain tensor of its own,
+  out of place (a third buffer, briefly) when the first is a view -- the gradient of
+  ``F.linear``'s 3-D input is one (a reshape of a matrix product's). The sum is a new
+  tensor, so a third gradient goes in place;
 * **checkpointed segments** keep only their inputs in forward and replay their forward
   (with saving) right before their backward, as ``torch.utils.checkpoint`` and memfit's
   checkpoint do; the inputs stay until the segment's backward is done.
@@ -55,6 +59,7 @@ class Op:
     segment: int | None = None  # checkpointed segment id, or None
     holds: list[Sym] = field(default_factory=list)  # tensors a Python frame keeps alive until this op is done
     grads_over_saved: bool = False  # its backward writes each input's gradient over that input, which it saved
+    input_grads_are_views: bool = False  # its backward returns views (no gradient can be added into them in place)
 
     @functools.cached_property
     def needs_backward(self) -> bool:
@@ -227,6 +232,7 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
     next offloaded segment's input is prefetched at the same time (one layer ahead).
     """
     segments_done: set[int] = set()
+    views: set[int] = set()  # uids whose gradient so far is a view: the next one is added out of place
     kept = segment_inputs(ops) if checkpointed else {}
     segment_ops: dict[int, list[Op]] = {}
     for op in ops:
@@ -247,6 +253,7 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             segments_done.add(op.segment)
         if op.needs_backward and any(o.uid in grad_of for o in op.outputs):
             accumulate = 0  # an existing .grad gets the new gradient added from a transient buffer
+            second: list[tuple[Sym, Sym]] = []  # (input, its new gradient) to add to the one it has
             for sym in op.inputs:
                 if not sym.requires_grad:
                     continue
@@ -254,7 +261,10 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
                 if uid in grad_of:
                     if sym.persistent:
                         accumulate += sym.nbytes
-                    continue  # accumulated in place into the existing buffer
+                    else:
+                        second.append((sym, Sym(f"grad:{sym.name}", sym.nbytes, False, grad_of[uid].component)))
+                        memory.alloc(second[-1][1])
+                    continue
                 if sym.persistent:  # a leaf parameter: its grad becomes .grad
                     grad = Sym(f"grad:{sym.name}", sym.nbytes, False, param_grad_component)
                     if existing_param_grads:
@@ -267,6 +277,8 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
                     component = "logits" if sym.component == "logits" else grad_component
                     grad = Sym(f"grad:{sym.name}", sym.nbytes, False, component)
                     memory.alloc(grad)
+                    if op.input_grads_are_views:
+                        views.add(uid)
                 grad_of[uid] = grad
             workspace = op.backward_workspace + accumulate
             memory.mark("backward", op.name, {"workspace": workspace} if workspace else None)
@@ -277,6 +289,15 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             if op.segment not in checkpointed or op.segment in segments_done:
                 for sym in op.saves:
                     _release(sym, saved, memory, keep_storage=grad_of.get(sym.uid) is sym)
+            for sym, grad in second:  # the engine adds them after the op has let go of what it held
+                if sym.uid in views:
+                    views.discard(sym.uid)
+                    total = Sym(f"grad:{sym.name}", sym.nbytes, False, grad.component)
+                    memory.alloc(total)
+                    memory.mark("backward", f"{op.name} (gradient sum)")
+                    memory.free(grad_of[sym.uid])
+                    grad_of[sym.uid] = total
+                memory.free(grad)
         if op.segment in checkpointed and segment_ops[op.segment][0] is op:
             layer_input, others = kept[op.segment]       # the segment's backward is done: the checkpoint's
             for sym in (layer_input, *others):            # frame lets its inputs go (none kept where the
