@@ -17,7 +17,9 @@ N^2 scores per head); each row records which. Rows, cumulative:
   + fused SwiGLU               the same with memfit's fused SwiGLU, gradients over its inputs (memfit, beyond it)
 
 Measured: ``torch.cuda.max_memory_allocated`` over one full step (forward, backward,
-optimizer step) after a warm-up step (optimizer state exists), and the step time. Each
+optimizer step) after a warm-up step (optimizer state exists), and the step time (with
+``--repeats N``, the median of N steps, each one's time kept: one step's time moved by up to
+30% between neighbouring contexts in the bf16 rows at 869ff01 and 97ff95e). Each
 row also gives the peak *above the frozen base weights*, the quantity the paper's lower
 rows must report (its 0.70 GB at 1024 is below the 4-bit weights of a 3B model alone).
 ``--smoke`` runs the same code on CPU with the tiny preset (no 4-bit there).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import tempfile
 import time
 
@@ -92,9 +95,10 @@ def _step(model, optimizer, context: int, vocab: int, loss_fraction: float, devi
         torch.cuda.synchronize()
 
 
-def _measure(model, optimizer, contexts, spec, loss_fraction, device, frozen_bytes, base, ceilings, record) -> None:
-    """Per context a warm-up step, then one measured step (OOM recorded), each row handed to ``record`` as
-    soon as it is measured. Every context is warmed, not only the first: a step at a new sequence length
+def _measure(model, optimizer, contexts, spec, loss_fraction, device, frozen_bytes, base, ceilings, record,
+             repeats: int = 1) -> None:
+    """Per context a warm-up step, then ``repeats`` measured steps (the peak over them, the median time; OOM
+    recorded), each row handed to ``record`` as soon as it is measured. Every context is warmed, not only the first: a step at a new sequence length
     autotunes its kernels, and in a run whose first row is this one (``--lowest-only``) that tuning had
     landed in the measured step (4.8-13 s steps, peaks 0.03-0.48 GB high at 2K-16K, H200 run at 88652d2)."""
     oom = False
@@ -105,9 +109,14 @@ def _measure(model, optimizer, contexts, spec, loss_fraction, device, frozen_byt
                 _step(model, optimizer, context, spec.vocab, loss_fraction, device)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                start = time.perf_counter()
-                _step(model, optimizer, context, spec.vocab, loss_fraction, device)
-                row["step_ms"] = 1e3 * (time.perf_counter() - start)
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    _step(model, optimizer, context, spec.vocab, loss_fraction, device)
+                    times.append(1e3 * (time.perf_counter() - start))
+                row["step_ms"] = statistics.median(times)
+                if repeats > 1:
+                    row["step_ms_each"] = times
                 if ceilings is not None:
                     head = context * (loss_fraction if base.get("fused_ce") else 1.0)
                     flops = step_flops(spec, context, base.get("checkpointed", False), head)
@@ -144,18 +153,19 @@ def _bnb_available(device) -> str | None:
 
 
 def run_dtype(spec, dtype, contexts, device, ceilings, record, lowest_only: bool = False,
-              rows: str | None = None) -> None:
+              rows: str | None = None, repeats: int = 1) -> None:
     """Every row of the table at ``dtype`` (``lowest_only``: the paper's last row and memfit's lowest;
     ``rows``: the 4-bit-model rows whose name contains it, each on a model of its own, so that no row is
     measured after another one on the same model)."""
     attention = "memfit" if dtype == torch.float32 else "sdpa"
     if rows is not None:
         for name in chosen_rows(rows):
-            _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, record, (name,))
+            _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, record, (name,), repeats)
         return
     if not lowest_only:
-        _run_baseline(spec, dtype, attention, contexts, device, ceilings, record)
-    _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, record, LOWEST_ROWS if lowest_only else None)
+        _run_baseline(spec, dtype, attention, contexts, device, ceilings, record, repeats)
+    _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, record, LOWEST_ROWS if lowest_only else None,
+                       repeats)
 
 
 def chosen_rows(text: str) -> list[str]:
@@ -163,7 +173,7 @@ def chosen_rows(text: str) -> list[str]:
     return [name for name in FOUR_BIT_ROWS if text and text in name]
 
 
-def _run_baseline(spec, dtype, attention, contexts, device, ceilings, record) -> None:
+def _run_baseline(spec, dtype, attention, contexts, device, ceilings, record, repeats: int) -> None:
     """Row 1: transformers + peft LoRA on the full-precision model, logits materialised."""
     model = patch(build_model(spec, dtype=dtype, device=device), fused_ce=False, lora=LORA, attention=attention)
     frozen, trainable = _resident(model, device)
@@ -171,14 +181,15 @@ def _run_baseline(spec, dtype, attention, contexts, device, ceilings, record) ->
     common = {"dtype": str(dtype), "attention": attention, "frozen_weights_gb": frozen / GB,
               "lora_params_gb": trainable / GB}
     _measure(model, optimizer, contexts, spec, 1.0, device, frozen,
-             {"row": "LoRA", "exact": True, "baseline": True, **common}, ceilings, record)
+             {"row": "LoRA", "exact": True, "baseline": True, **common}, ceilings, record, repeats)
     del model, optimizer
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, record, only: tuple | None) -> None:
+def _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, record, only: tuple | None,
+                       repeats: int) -> None:
     """The cumulative rows on one 4-bit model, switching techniques between rows (``only``: these rows)."""
     why_not = _bnb_available(device)
     model = patch(build_model(spec, dtype=dtype, device=device), four_bit=why_not is None, lora=LORA,
@@ -202,7 +213,7 @@ def _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, recor
         state.fused_ce, state.policy, state.vocab_subset, state.fused_swiglu = fused, policy, subset, swiglu
         _measure(model, optimizer, contexts, spec, fraction, device, frozen,
                  {"row": name, "exact": subset is None, "fused_ce": fused, "checkpointed": policy.active,
-                  "optimizer": opt, "fused_swiglu": swiglu, **common}, ceilings, record)
+                  "optimizer": opt, "fused_swiglu": swiglu, **common}, ceilings, record, repeats)
     state.runner.close()
     del model, optimizer, state
     gc.collect()
@@ -242,8 +253,12 @@ def main() -> None:
     parser.add_argument("--rows", default=None, metavar="TEXT",
                         help="only the 4-bit-model rows whose name contains TEXT (e.g. 'exact'), each on a fresh "
                              "model; own results file")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed steps per context after the warm-up; the row's step_ms is their median (default 1)")
     args = parser.parse_args()
     check_out_dir(parser, args.out)
+    if args.repeats < 1:
+        parser.error(f"--repeats takes a positive count, got {args.repeats}")
     if args.rows is not None and args.lowest_only:
         parser.error("--rows and --lowest-only both choose rows: give one")
     if args.rows is not None and not chosen_rows(args.rows):
@@ -270,6 +285,7 @@ def main() -> None:
     name = "finetune_memory" if args.dtypes == "float32,bfloat16" else "finetune_memory_" + args.dtypes.replace(",", "_")
     name += "_lowest" if args.lowest_only else ""
     name += "_rows_" + "".join(c if c.isalnum() else "_" for c in args.rows) if args.rows is not None else ""
+    name += f"_repeats{args.repeats}" if args.repeats > 1 else ""
     rows: list[dict] = []
 
     def save(complete: bool):
@@ -289,7 +305,8 @@ def main() -> None:
         save(complete=False)
 
     for dtype in args.dtypes.split(","):
-        run_dtype(spec, getattr(torch, dtype), contexts, device, ceilings, record, args.lowest_only, args.rows)
+        run_dtype(spec, getattr(torch, dtype), contexts, device, ceilings, record, args.lowest_only, args.rows,
+                  args.repeats)
     if not rows:
         raise SystemExit("no row was measured (the 8-bit AdamW row needs bitsandbytes on CUDA)")
     path = save(complete=True)

@@ -26,7 +26,8 @@ def test_rows_are_chosen_by_name(finetune_memory):
                                                (["--rows", "exact", "--lowest-only"], "both choose rows"),
                                                (["--contexts", "1k"], "comma-separated token counts"),
                                                (["--contexts", "0"], "positive token counts"),
-                                               (["--dtypes", "fp8"], "float32 and/or bfloat16")])
+                                               (["--dtypes", "fp8"], "float32 and/or bfloat16"),
+                                               (["--repeats", "0"], "positive count")])
 def test_bad_row_choices_are_usage_errors(arguments, message):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "finetune_memory.py"), "--smoke", *arguments],
                           capture_output=True, text=True, timeout=120, check=False)
