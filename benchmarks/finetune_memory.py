@@ -98,9 +98,10 @@ def _step(model, optimizer, context: int, vocab: int, loss_fraction: float, devi
 def _measure(model, optimizer, contexts, spec, loss_fraction, device, frozen_bytes, base, ceilings, record,
              repeats: int = 1) -> None:
     """Per context a warm-up step, then ``repeats`` measured steps (the peak over them, the median time; OOM
-    recorded), each row handed to ``record`` as soon as it is measured. Every context is warmed, not only the first: a step at a new sequence length
-    autotunes its kernels, and in a run whose first row is this one (``--lowest-only``) that tuning had
-    landed in the measured step (4.8-13 s steps, peaks 0.03-0.48 GB high at 2K-16K, H200 run at 88652d2)."""
+    recorded), each row handed to ``record`` as soon as it is measured. Every context is warmed, not only the first:
+    a step at a new sequence length autotunes its kernels, and in a run whose first row is this one
+    (``--lowest-only``) that tuning had landed in the measured step (4.8-13 s steps, peaks 0.03-0.48 GB high at
+    2K-16K, H200 run at 88652d2)."""
     oom = False
     for context in contexts:
         row = {**base, "context": context}
