@@ -160,29 +160,39 @@ def _transform(z: torch.Tensor, bias: Optional[torch.Tensor], softcap: float) ->
 
 
 def _lse_reference(hs, weight, bias, labels_n, softcap, chunk):
-    """Per-token log-sum-exp and label logit of the (soft-capped) logits, fp32."""
+    """Per-token log-sum-exp and label logit of the (soft-capped) logits, fp32. Each chunk's log-sum-exp is
+    ``torch.logsumexp``'s own formula (max, exp of the difference, sum, log, max back; an infinite max taken as 0)
+    computed in the logits' buffer, so a chunk holds one N x C fp32 tensor, as the backward's does."""
     hs = hs.float()
     lse = torch.full((hs.shape[0],), -math.inf, device=hs.device)
     tgt = torch.zeros(hs.shape[0], device=hs.device)
     for v0 in range(0, weight.shape[0], chunk):
         v1 = min(v0 + chunk, weight.shape[0])
         y = _transform(hs @ weight[v0:v1].float().T, None if bias is None else bias[v0:v1], softcap)
-        lse = torch.logaddexp(lse, torch.logsumexp(y, dim=1))
         inside = (labels_n >= v0) & (labels_n < v1)
         local = (labels_n - v0).clamp(0, v1 - v0 - 1)
         tgt += torch.where(inside, y.gather(1, local[:, None]).squeeze(1), 0.0)
+        top = y.amax(dim=1)
+        top.masked_fill_(top.isinf(), 0.0)
+        lse = torch.logaddexp(lse, y.sub_(top[:, None]).exp_().sum(dim=1).log_().add_(top))
+        del y                       # before the next chunk's logits exist
     return lse, tgt
 
 
 def _dlogits_reference(hs, weight, bias, labels_n, lse, g, softcap, z_loss, v0, v1):
-    """fp32 gradient of the loss w.r.t. the raw logits of vocabulary columns [v0, v1)."""
+    """fp32 gradient of the loss w.r.t. the raw logits of vocabulary columns [v0, v1), computed in the logits'
+    own buffer (one N x (v1 - v0) fp32 tensor, two with a soft cap), as the kernel's side buffer holds one chunk:
+    the ledger counts that on every device. The label's -1 is a scatter of -1 (and -0.0 off the chunk), so the
+    values are the ones the out-of-place formula gives, bit for bit."""
     y = _transform(hs.float() @ weight[v0:v1].float().T, None if bias is None else bias[v0:v1], softcap)
-    d = torch.exp(y - lse[:, None]) * (1.0 + 2.0 * z_loss * lse)[:, None]
-    cols = torch.arange(v0, v1, device=hs.device)
-    d = d - (cols[None, :] == labels_n[:, None]).float()
-    d = d * g[:, None]
+    cap = 1.0 - (y / softcap) ** 2 if softcap else None
+    d = y.sub_(lse[:, None]).exp_().mul_((1.0 + 2.0 * z_loss * lse)[:, None])
+    inside = (labels_n >= v0) & (labels_n < v1)
+    local = (labels_n - v0).clamp(0, v1 - v0 - 1)
+    d.scatter_add_(1, local[:, None], -inside.float()[:, None])
+    d.mul_(g[:, None])
     if softcap:
-        d = d * (1.0 - (y / softcap) ** 2)
+        d.mul_(cap)
     return d
 
 
@@ -731,7 +741,8 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
         if bias is not None:
             d_bias[v0:v1] = d.sum(dim=0, dtype=torch.float32)
         _accumulate_fp32(acc, d, weight[v0:v1].to(compute))
-    del side, hs, copy, d
+        del d                       # before the next step's chunk exists
+    del side, hs, copy
     if d_hidden is None:
         d_hidden = _empty(hidden.shape, hidden.dtype, hidden.device)
     _finish_hidden_grad(d_hidden, acc, rows, rows_host, ignored)
