@@ -550,6 +550,37 @@ def test_the_cpu_tracker_leaves_autograd_adding_a_second_gradient_in_place():
     assert 5 * 4 * n <= under_mode.peak < 5 * 4 * n + 64
 
 
+@pytest.mark.cpu_only(reason="the CPU memory tracker")
+def test_the_cpu_tracker_counts_only_what_its_region_allocated():
+    """A storage one measured region allocated and a later one frees: the allocator reports that free in the later
+    region, which must not take its 4 MiB off the 3 MiB the region allocated (it read 0)."""
+    from memfit.measure.memory import CpuAllocationTracker
+
+    mib = 1 << 20
+    with CpuAllocationTracker():
+        earlier = torch.empty(4 * mib, dtype=torch.uint8)
+    with CpuAllocationTracker() as later:
+        del earlier
+        kept = torch.empty(3 * mib, dtype=torch.uint8)
+    assert later.peak - later.baseline == kept.nbytes
+
+
+@pytest.mark.cpu_only(reason="the CPU memory tracker")
+def test_the_cpu_tracker_refuses_another_profiler_around_or_inside_it():
+    from torch.profiler import ProfilerActivity, profile
+
+    from memfit.errors import MemfitError
+    from memfit.measure.memory import CpuAllocationTracker
+
+    with profile(activities=[ProfilerActivity.CPU]), pytest.raises(MemfitError, match="inside another profiler"):
+        with CpuAllocationTracker():
+            pass
+    with pytest.raises(MemfitError, match="started and stopped inside"):
+        with CpuAllocationTracker():
+            with profile(activities=[ProfilerActivity.CPU]):
+                torch.ones(8)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rms_norm_backward_peak_matches_torch(dtype):
     """transformers' LlamaRMSNorm, input and weight trained: the replay's peak over its forward and backward is

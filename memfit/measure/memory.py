@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from memfit.errors import MemfitError
+
 
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
@@ -37,26 +39,58 @@ def storage_bytes(tensors) -> int:
 
 class CpuAllocationTracker:
     """``with CpuAllocationTracker(baseline_tensors) as t: ...`` then ``t.peak``: the most bytes live at once, the
-    baseline tensors' storages (``t.baseline``) plus what the region allocated and had not yet freed."""
+    baseline tensors' CPU storages (``t.baseline``) plus what the region allocated and had not yet freed.
+
+    Only the region's own allocations count, matched by address: the allocator also reports the free of a storage
+    that an earlier profiled region allocated, which would take bytes the region never added off its count. One
+    profiler at a time: inside another profiler's session this refuses to start, and a profiler started and
+    stopped inside the region (which ends this one's session too) is an error, not a peak of zero."""
 
     def __init__(self, baseline_tensors=()):
-        self.baseline = self.peak = storage_bytes(baseline_tensors)
+        self.baseline_tensors = [t for t in baseline_tensors if t is not None and t.device.type == "cpu"
+                                 and not t.is_meta]
+        self.baseline = self.peak = storage_bytes(self.baseline_tensors)
 
     def __enter__(self):
+        if torch._C._autograd._profiler_enabled():
+            raise MemfitError("CPU memory is measured with torch.profiler: it cannot run inside another profiler "
+                              "session; end that one first")
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else the profiler prints two lines on stderr per region
+        self.peak = self.baseline
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._profile.__enter__()
         return self
 
     def __exit__(self, *exc):
+        ended_inside = not torch._C._autograd._profiler_enabled()
         self._profile.__exit__(*exc)
-        events = [event for event in self._profile.profiler.kineto_results.events()
-                  if event.name() == "[memory]" and event.device_type() == torch._C._autograd.DeviceType.CPU]
-        live = 0
-        for event in sorted(events, key=lambda event: event.start_ns()):   # a free of a storage allocated before
-            live += event.nbytes()                                           # the region has no event
+        if ended_inside and exc[0] is None:
+            raise MemfitError("a profiler started and stopped inside a CPU memory measurement ended it: measure "
+                              "that code without its own profiler")
+        live, born = 0, set()
+        for event in sorted(_cpu_allocations(self._profile.profiler.kineto_results), key=lambda e: e.start_time_ns):
+            fields = event.extra_fields
+            if fields.alloc_size > 0:
+                born.add(fields.ptr)
+            elif fields.ptr in born:
+                born.discard(fields.ptr)
+            else:
+                continue                        # a storage from before the region
+            live += fields.alloc_size
             self.peak = max(self.peak, self.baseline + live)
         return False
+
+
+def _cpu_allocations(results):
+    """The allocation and free events (negative sizes) of CPU memory in a profiler's results."""
+    from torch._C._profiler import _EventType
+
+    stack = list(results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            yield event
 
 
 @dataclass
