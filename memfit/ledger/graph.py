@@ -60,7 +60,8 @@ class ModelGraph:
         self.spec, self.batch, self.seq, self.dtype = spec, batch, seq, dtype
         # FFN neurons per layer (partial loading keeps fewer in the middle layers)
         self.ffn_widths = ffn_widths or [spec.intermediate] * spec.num_layers
-        # block-low-rank projections: kind -> (parameters per layer, rank) (memfit.compress.plan_kinds)
+        # block-low-rank projections: kind -> (parameters per layer, {bias: transients per token}, whether its
+        # input's gradient is a view) (predict.structured_kinds)
         self.structured = structured or {}
         self.attention_impl = attention
         self.four_bit = four_bit  # frozen base linears stored in NF4, dequantised per use
@@ -106,8 +107,9 @@ class ModelGraph:
     def linear(self, x: Sym, weight: Sym, per_token_out: int, name: str, dtype: str | None = None,
                bias: Sym | None = None, tokens: int | None = None, input_grad_is_view: bool = True,
                **workspace) -> Sym:
-        """``F.linear``: saves the input iff the weight is trained (the weight is a parameter: free). Its input's
-        gradient is a view (the reshape of a matrix product's), which autograd cannot add a second gradient into."""
+        """``F.linear``: saves the input iff the weight is trained (the weight is a parameter: free). The gradient
+        of its 3-D input (every linear here gets one) is a view, the reshape of a matrix product's, which autograd
+        cannot add a second gradient into."""
         rg = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         out = self.act(name, per_token_out, rg, dtype, tokens=tokens)
         inputs = [x, weight] + ([bias] if bias is not None else [])
@@ -162,11 +164,11 @@ class ModelGraph:
         if module in self.structured:
             # BlastLinear/MonarchLinear/LowRankLinear: their ops save only the input (backward recomputes
             # the intermediates, which forward and backward hold transiently: predict.blr_transient_per_token).
-            params, transients = self.structured[module]
+            params, transients, grad_is_view = self.structured[module]
             forward, backward = transients[bias]
             weight = self.param(f"{layer}.{module}", params, trained)
             workspace = {"forward_workspace": self._bytes(forward, self.dtype),
-                         "backward_workspace": self._bytes(backward, self.dtype)}
+                         "backward_workspace": self._bytes(backward, self.dtype), "input_grad_is_view": grad_is_view}
         elif self.four_bit and not trained:
             # bitsandbytes NF4: 4-bit codes plus double-quantised absmax; matmul_4bit dequantises the
             # whole weight to the compute dtype in forward and again in backward (for the input grad).

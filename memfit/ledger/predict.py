@@ -331,16 +331,20 @@ def check_blr(job: Job, knobs: Knobs) -> None:
                           "--task full or --task infer for it")
 
 
-def structured_kinds(spec, knobs: Knobs) -> dict[str, tuple[int, dict[bool, tuple[int, int]]]]:
-    """Projection kind -> (parameters per layer, {bias: (forward, backward) transient elements per token}) of the
-    block-low-rank model, or {} (the graph knows which projections have a bias)."""
+def structured_kinds(spec, knobs: Knobs) -> dict[str, tuple[int, dict[bool, tuple[int, int]], bool]]:
+    """Projection kind -> (parameters per layer, {bias: (forward, backward) transient elements per token}, whether
+    its input's gradient is a view) of the block-low-rank model, or {} (the graph knows which projections have a
+    bias). Low-rank's input gradient is a 3-D matrix product's reshape, a view, as a linear's; Monarch's and BLAST's
+    are their ops' own tensors, into which autograd adds a second gradient in place (read off torch.profiler's add
+    and add_ on the CPU, reference and interpreter paths)."""
     if knobs.blr_method is None:
         return {}
     from memfit.compress.plan import plan_kinds
 
     plans = plan_kinds(spec.linear_shapes(), knobs.blr_method, knobs.blr_ratio, knobs.blr_blocks)
     return {kind: (p.params, {bias: blr_transient_per_token(knobs.blr_method, p.rank, knobs.blr_blocks, p.in_features,
-                                                            p.out_features, bias) for bias in (False, True)})
+                                                            p.out_features, bias) for bias in (False, True)},
+                   knobs.blr_method == "lowrank")
             for kind, p in plans.items() if p.rank is not None}
 
 

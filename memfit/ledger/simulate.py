@@ -15,8 +15,8 @@ ops that save the same tensor keep one copy. Each op here states exactly those r
 * **a second gradient of one tensor** is allocated too, then added as autograd's input
   buffer adds it: into the first in place when the first is a plain tensor of its own,
   out of place (a third buffer, briefly) when the first is a view -- the gradient of
-  ``F.linear``'s 3-D input is one (a reshape of a matrix product's). The sum is a new
-  tensor, so a third gradient goes in place;
+  ``F.linear``'s 3-D input is one (a reshape of a matrix product's; the op says so). The
+  sum is a new tensor, so a third gradient goes in place;
 * **checkpointed segments** keep only their inputs in forward and replay their forward
   (with saving) right before their backward, as ``torch.utils.checkpoint`` and memfit's
   checkpoint do; the inputs stay until the segment's backward is done.
@@ -262,8 +262,9 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
                     if sym.persistent:
                         accumulate += sym.nbytes
                     else:
-                        second.append((sym, Sym(f"grad:{sym.name}", sym.nbytes, False, grad_of[uid].component)))
-                        memory.alloc(second[-1][1])
+                        another = Sym(f"grad:{sym.name} (another)", sym.nbytes, False, grad_of[uid].component)
+                        memory.alloc(another)
+                        second.append((sym, another))
                     continue
                 if sym.persistent:  # a leaf parameter: its grad becomes .grad
                     grad = Sym(f"grad:{sym.name}", sym.nbytes, False, param_grad_component)
@@ -289,15 +290,18 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             if op.segment not in checkpointed or op.segment in segments_done:
                 for sym in op.saves:
                     _release(sym, saved, memory, keep_storage=grad_of.get(sym.uid) is sym)
-            for sym, grad in second:  # the engine adds them after the op has let go of what it held
+            # the engine adds them after the op has let go of what it held, and lets the op's new gradients go
+            # once all are added
+            for sym, another in second:
                 if sym.uid in views:
                     views.discard(sym.uid)
-                    total = Sym(f"grad:{sym.name}", sym.nbytes, False, grad.component)
+                    total = Sym(f"grad:{sym.name} (sum)", sym.nbytes, False, another.component)
                     memory.alloc(total)
                     memory.mark("backward", f"{op.name} (gradient sum)")
                     memory.free(grad_of[sym.uid])
                     grad_of[sym.uid] = total
-                memory.free(grad)
+            for _, another in second:
+                memory.free(another)
         if op.segment in checkpointed and segment_ops[op.segment][0] is op:
             layer_input, others = kept[op.segment]       # the segment's backward is done: the checkpoint's
             for sym in (layer_input, *others):            # frame lets its inputs go (none kept where the
