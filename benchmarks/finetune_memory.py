@@ -293,7 +293,8 @@ def main() -> None:
         return write_results(name, rows, _targets(rows) if device.type == "cuda" else [], out_dir=out_dir,
                              model=spec.name, batch=1, lora=LORA, vocab_subset=SUBSET, complete=complete,
                              seconds=time.perf_counter() - started,
-                             notes="peak = torch.cuda.max_memory_allocated over fwd+bwd+AdamW step after warm-up; "
+                             notes="peak = torch.cuda.max_memory_allocated over the timed fwd+bwd+AdamW steps "
+                                   "(--repeats, default 1; step_ms their median) after a warm-up step; "
                                    "'peak_above_frozen_weights_gb' subtracts the resident frozen base (embeddings, "
                                    "norms, 4-bit linears) measured after patching; the vocab-subset row is approximate")
 
