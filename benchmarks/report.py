@@ -323,6 +323,27 @@ def swiglu_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + _targets(data)
 
 
+def swiglu_step_section(data: dict) -> str:
+    """The 8-bit AdamW row against the same with the fused SwiGLU, each on a model of its own: peak and median step."""
+    out = ["### Fused SwiGLU in a fine-tuning step: the two rows beyond the paper, median of repeated steps\n",
+           _header(data, f"python benchmarks/finetune_memory.py --rows 'beyond the paper' --repeats {REPEATS}"),
+           "| dtype | context | peak above frozen weights, 8-bit AdamW -> + fused SwiGLU (GB) | step ms, 8-bit AdamW | "
+           "step ms, + fused SwiGLU | time ratio |", "|---|---|---|---|---|---|"]
+    for dtype in dict.fromkeys(r["dtype"] for r in data["rows"]):
+        for context in sorted({r["context"] for r in data["rows"] if r["dtype"] == dtype}):
+            pair = [next((r for r in data["rows"] if r["dtype"] == dtype and r["context"] == context
+                          and r.get("fused_swiglu") == fused and "step_ms" in r), None) for fused in (False, True)]
+            if None in pair:
+                continue
+            plain, fused = pair
+            out.append(f"| {dtype.removeprefix('torch.')} | {context} | {plain['peak_above_frozen_weights_gb']:.3f} -> "
+                       f"{fused['peak_above_frozen_weights_gb']:.3f} | {plain['step_ms']:.0f} | {fused['step_ms']:.0f} | "
+                       f"{fused['step_ms'] / plain['step_ms']:.3f}x |")
+    return "\n".join(out) + "\n"
+
+
+REPEATS = 5
+SWIGLU_STEPS = f"finetune_memory_rows_beyond_the_paper_repeats{REPEATS}"
 SWIGLU_ROWS = "finetune_memory_bfloat16_rows_fused_SwiGLU"
 SECTIONS = [("ledger_accuracy", ledger_section), ("ledger_accuracy_blr", ledger_section), ("linear_ce", linear_ce_section), ("attention", attention_section),
             ("finetune_memory", finetune_section), ("finetune_ledger", finetune_ledger_section),
@@ -333,7 +354,11 @@ SECTIONS = [("ledger_accuracy", ledger_section), ("ledger_accuracy_blr", ledger_
                 finetune_ledger_section,
                 command=f"python benchmarks/finetune_ledger.py --measured benchmarks/results/{SWIGLU_ROWS}.json",
                 title="The ledger on that row")),
-            ("swiglu", swiglu_section),
+            ("swiglu", swiglu_section), (SWIGLU_STEPS, swiglu_step_section),
+            ("finetune_ledger" + SWIGLU_STEPS.removeprefix("finetune_memory"), functools.partial(
+                finetune_ledger_section,
+                command=f"python benchmarks/finetune_ledger.py --measured benchmarks/results/{SWIGLU_STEPS}.json",
+                title="The ledger on those two rows")),
             ("partial_ffn", partial_ffn_section), ("partial_ffn_accuracy", partial_ffn_accuracy_section),
             ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section),
             ("blr_e2e_memfit_attention", blr_e2e_section), ("blr_accuracy", blr_accuracy_section)]
