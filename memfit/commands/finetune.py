@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the annotations only; torch loads when a run starts, not fo
     import torch
 
 DEFAULT_MODEL = "tiny"
-APPLIED_BY_PATCH = ("checkpoint", "fused_ce", "four_bit", "fused_swiglu")  # the planner's techniques it can run
+APPLIED_BY_PATCH = ("checkpoint", "fused_ce", "four_bit")  # the planner's techniques this command can run
 
 
 @dataclass(frozen=True)
@@ -99,10 +99,9 @@ def add_parser(sub):
     parser.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=True,
                         help="loss from hidden states without building logits (default: on; --no-fused-ce keeps a "
                              "--gpu-memory plan from it too)")
-    parser.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=None,
+    parser.add_argument("--fused-swiglu", action="store_true",
                         help="the MLP's silu(gate) * up by memfit's kernel, its gradients written over its inputs "
-                             "(SiLU models; default off, or as a --gpu-memory plan has it; --no-fused-swiglu keeps "
-                             "the plan from it too)")
+                             "(SiLU models; off by default: steps with it were slower at 1K-4K tokens)")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda[:N]")
     parser.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     return parser
@@ -143,8 +142,8 @@ def check_technique_flags(args, spec, device: torch.device) -> None:
 
 
 def fused_swiglu_of(args, spec) -> bool:
-    """--fused-swiglu as this run takes it without a plan (off unless given); asked for a model whose MLP activation
-    is not SiLU, refused before the model loads."""
+    """--fused-swiglu as this run takes it (off unless given); asked for a model whose MLP activation is not SiLU,
+    refused before the model loads."""
     if args.fused_swiglu and not spec.silu_mlp:
         raise MemfitError(f"--fused-swiglu computes silu(gate) * up; {spec.name}'s MLP activation is "
                           f"{spec.activation!r}")
@@ -154,7 +153,7 @@ def fused_swiglu_of(args, spec) -> bool:
 def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, console) -> Techniques:
     """The techniques for this run (flags checked by :func:`check_technique_flags`): the flags, or the planner's
     fastest plan for ``--gpu-memory`` on CUDA, kept from what the flags turn off by name (--checkpoint none,
-    --offload none or 0, --no-fused-ce, --no-four-bit, --no-fused-swiglu)."""
+    --offload none or 0, --no-fused-ce, --no-four-bit)."""
     swiglu = fused_swiglu_of(args, spec)
     flags = Techniques(args.checkpoint or "none", parse_offload(args.offload or "none"), args.offload_to,
                        bool(args.four_bit), args.fused_ce, fused_swiglu=swiglu)
@@ -171,16 +170,14 @@ def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, cons
     base = Knobs(dtype=str(dtype).removeprefix("torch."), lora_rank=args.lora_r, fused_ce=args.fused_ce,
                  four_bit=bool(args.four_bit), fused_swiglu=swiglu)
     # the training loop runs the whole batch with AdamW in the model's dtype: keep plans that change only
-    # what patch() applies (checkpointing, offload, fused loss, 4-bit base, fused SwiGLU), less what the flags
-    # turned off
+    # what patch() applies (checkpointing, offload, fused loss, 4-bit base), less what the flags turned off
     refused = {"checkpoint": args.checkpoint == "none", "fused_ce": not args.fused_ce,
-               "four_bit": args.four_bit is False, "fused_swiglu": args.fused_swiglu is False}
+               "four_bit": args.four_bit is False}
     allowed = tuple(name for name in APPLIED_BY_PATCH if not refused[name])
     no_offload = args.offload is not None and parse_offload(args.offload) in ("none", 0)
     keep = (lambda knobs: knobs.offload_layers == 0) if no_offload else None  # noqa: E731
     as_asked = [words for words, off in (("no checkpoints", refused["checkpoint"]), ("no offload", no_offload),
-                                         ("no fused loss", refused["fused_ce"]), ("no 4-bit base", refused["four_bit"]),
-                                         ("no fused SwiGLU", refused["fused_swiglu"]))
+                                         ("no fused loss", refused["fused_ce"]), ("no 4-bit base", refused["four_bit"]))
                 if off]
     _, plans = plan(job, base, parse_bytes(args.gpu_memory), limit=1, allowed=allowed, keep=keep)
     knobs = plans[0].knobs

@@ -111,19 +111,6 @@ register(Technique(
 ))
 
 register(Technique(
-    name="fused_swiglu",
-    summary="fused SwiGLU (memfit.kernels.swiglu): the gated MLP's silu(gate) * up keeps gate and up only and writes "
-            "their gradients over them (SiLU models)",
-    variants=lambda job, knobs: [{"fused_swiglu": knobs.fused_swiglu}, {"fused_swiglu": True}]
-    if job.training and job.spec.silu_mlp else [],
-    # a nominal 1%: fp32 fine-tuning steps with it were not slower (benchmarks/results/finetune_memory.json, one step
-    # timed per context), while the op alone is slower at 1K tokens and faster at 16K (swiglu.json); priced above
-    # nothing, a plan takes it where memory is short, before any recompute
-    cost=lambda job, knobs: Cost(overhead=0.01 if knobs.fused_swiglu else 0.0),
-    describe=lambda knobs, base: "fused SwiGLU" if knobs.fused_swiglu != base.fused_swiglu else None,
-))
-
-register(Technique(
     name="four_bit",
     summary="4-bit NF4 frozen base (bitsandbytes), dequantised per use; approximate: the base weights are "
             "quantised",
