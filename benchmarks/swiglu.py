@@ -12,7 +12,7 @@ likely (not profiled). The floor is the bytes one pass each way must move
 copy bandwidth measured in this run (memfit.measure.timing.measure_ceilings).
 
 Targets, per case: fused time no more than the unfused pair's (what the planner would need to count the technique as
-free; it prices it at a nominal 1% of a step, memfit/ledger/techniques.py), and the fused peak below the unfused one.
+free; it does not propose it: README's list of techniques says why), and the fused peak below the unfused one.
 
     python benchmarks/swiglu.py            # H200: well under a minute
     python benchmarks/swiglu.py --smoke    # CPU, tiny shapes, same code path
