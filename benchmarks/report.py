@@ -339,7 +339,7 @@ def swiglu_step_section(data: dict) -> str:
             out.append(f"| {dtype.removeprefix('torch.')} | {context} | {plain['peak_above_frozen_weights_gb']:.3f} -> "
                        f"{fused['peak_above_frozen_weights_gb']:.3f} | {plain['step_ms']:.0f} | {fused['step_ms']:.0f} | "
                        f"{fused['step_ms'] / plain['step_ms']:.3f}x |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out) + "\n\n" + _targets(data)
 
 
 REPEATS = 5
