@@ -154,9 +154,11 @@ def _split_tokens(labels: torch.Tensor, ignore_index: int
 
 
 def _transform(z: torch.Tensor, bias: Optional[torch.Tensor], softcap: float) -> torch.Tensor:
+    """The bias and soft cap applied to the fp32 logits ``z`` in their own buffer (the values of ``z + bias`` and
+    ``softcap * tanh(z / softcap)``, bit for bit)."""
     if bias is not None:
-        z = z + bias.float()
-    return softcap * torch.tanh(z / softcap) if softcap else z
+        z.add_(bias.float())
+    return z.div_(softcap).tanh_().mul_(softcap) if softcap else z
 
 
 def _lse_reference(hs, weight, bias, labels_n, softcap, chunk):
@@ -181,9 +183,12 @@ def _lse_reference(hs, weight, bias, labels_n, softcap, chunk):
 
 def _dlogits_reference(hs, weight, bias, labels_n, lse, g, softcap, z_loss, v0, v1):
     """fp32 gradient of the loss w.r.t. the raw logits of vocabulary columns [v0, v1), computed in the logits'
-    own buffer (one N x (v1 - v0) fp32 tensor, two with a soft cap), as the kernel's side buffer holds one chunk:
-    the ledger counts that on every device. The label's -1 is a scatter of -1 (and -0.0 off the chunk), so the
-    values are the ones the out-of-place formula gives, bit for bit."""
+    own buffer: one N x (v1 - v0) fp32 tensor (about three with a soft cap), where the kernel's side buffer holds
+    one chunk in the model's dtype. That is the ledger's count for a frozen weight in fp32; with a trained weight
+    the kernel writes its chunks into the weight gradient's unwritten rows, and in bf16 this reference also copies
+    the rows and the weight chunk to fp32, neither of which the ledger (the Triton path's) counts. The label's -1 is
+    a scatter of -1 (and -0.0 off the chunk), so the values are the ones the out-of-place formula gives, bit for
+    bit."""
     y = _transform(hs.float() @ weight[v0:v1].float().T, None if bias is None else bias[v0:v1], softcap)
     cap = 1.0 - (y / softcap) ** 2 if softcap else None
     d = y.sub_(lse[:, None]).exp_().mul_((1.0 + 2.0 * z_loss * lse)[:, None])
