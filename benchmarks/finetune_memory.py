@@ -18,8 +18,8 @@ N^2 scores per head); each row records which. Rows, cumulative:
 
 Measured: ``torch.cuda.max_memory_allocated`` over one full step (forward, backward,
 optimizer step) after a warm-up step (optimizer state exists), and the step time (with
-``--repeats N``, the median of N steps, each one's time kept: one step's time moved by up to
-30% between neighbouring contexts in the bf16 rows at 869ff01 and 97ff95e). Each
+``--repeats N``, the median of N steps, each one's time kept: single steps are noisy at short
+contexts, the bf16 8-bit row took 365 / 418 / 375 ms at 1K / 2K / 4K at 97ff95e, 2K the slowest). Each
 row also gives the peak *above the frozen base weights*, the quantity the paper's lower
 rows must report (its 0.70 GB at 1024 is below the 4-bit weights of a 3B model alone).
 ``--smoke`` runs the same code on CPU with the tiny preset (no 4-bit there).
