@@ -155,8 +155,7 @@ def _swiglu_mlp_forward(self, x):
     the class's own forward. What it reads lives on the module, so a copy of the model runs its own."""
     if not self._memfit_swiglu_state.fused_swiglu:
         return type(self).forward(self, x)
-    if not self._memfit_swiglu_silu:
-        raise MemfitError(f"fused_swiglu computes silu(gate) * up; this MLP's activation is {self.act_fn!r}")
+    _check_silu(self)
     from memfit.kernels.swiglu import swiglu
 
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
@@ -170,10 +169,16 @@ def _install_swiglu(base: torch.nn.Module, state: PatchState) -> None:
     for layer in base.model.layers:
         mlp = layer.mlp
         mlp._memfit_swiglu_state, mlp._memfit_swiglu_silu = state, silu_activation(mlp)
-        if state.fused_swiglu and not mlp._memfit_swiglu_silu:
-            raise MemfitError(f"fused_swiglu computes silu(gate) * up; this model's MLP activation is "
-                              f"{getattr(mlp, 'act_fn', None)!r}")
+        if state.fused_swiglu:
+            _check_silu(mlp)
         mlp.forward = types.MethodType(_swiglu_mlp_forward, mlp)
+
+
+def _check_silu(mlp: torch.nn.Module) -> None:
+    """Refuse the fused SwiGLU for an MLP whose activation is not SiLU (read once, at patch time)."""
+    if not mlp._memfit_swiglu_silu:
+        raise MemfitError(f"fused_swiglu computes silu(gate) * up; this model's MLP activation is "
+                          f"{getattr(mlp, 'act_fn', None)!r}")
 
 
 def _set_attention(base: torch.nn.Module, attention: str) -> None:
