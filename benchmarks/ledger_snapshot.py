@@ -12,7 +12,6 @@ of the code that allocated them) beside the ledger's breakdown.
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 
 import torch
 
@@ -20,29 +19,8 @@ from memfit.errors import MemfitError
 from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import predict
 from memfit.ledger.verify import measure
+from memfit.measure.allocator_history import sites_at_peak
 from memfit.models import PRESETS
-
-
-def live_at_peak(snapshot: dict) -> tuple[int, list[dict]]:
-    """Replay alloc/free events of the default device; return the peak total and live blocks then."""
-    live: dict[int, dict] = {}
-    total = peak = 0
-    at_peak: list[dict] = []
-    for event in snapshot["device_traces"][0]:
-        if event["action"] == "alloc":
-            live[event["addr"]] = event
-            total += event["size"]
-            if total > peak:
-                peak, at_peak = total, list(live.values())
-        elif event["action"] == "free_completed" and event["addr"] in live:
-            total -= live.pop(event["addr"])["size"]
-    return peak, at_peak
-
-
-def where(event: dict) -> str:
-    frames = [f for f in event.get("frames", []) if f["filename"].endswith(".py")
-              and "torch/utils" not in f["filename"] and "torch/cuda" not in f["filename"]]
-    return " < ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in frames[:3])
 
 
 def main() -> None:
@@ -78,16 +56,13 @@ def main() -> None:
     measured = measure(job, knobs)
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    peak, blocks = live_at_peak(snapshot)
+    peak, sites = sites_at_peak(snapshot, args.top)
     print(f"predicted {ledger.total / 2**30:.3f} GiB at {ledger.peak_phase}/{ledger.peak_where}: "
           + ", ".join(f"{k} {v / 2**30:.3f}" for k, v in ledger.peak.items()))
     print(f"measured max_allocated {measured.peak / 2**30:.3f} GiB; trace peak {peak / 2**30:.3f} GiB "
           "(the trace spans warm-up and the measured step)")
-    sizes = Counter()
-    for block in blocks:
-        sizes[where(block)] += block["size"]
-    for site, size in sizes.most_common(args.top):
-        print(f"{size / 2**20:10.1f} MiB  {site}")
+    for site in sites:
+        print(f"{site['mib']:10.1f} MiB  {site['count']:4d} x {site['block_mib']:8.2f}  {site['site']}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+"""What is live at a CUDA step's peak, read off the caching allocator's recorded history.
+
+``torch.cuda.memory._record_memory_history`` keeps every allocation and free with the Python frames that made it;
+:func:`live_at_peak` replays them to the moment of the largest live total and :func:`sites_at_peak` groups the
+blocks live then by where they were allocated. Diagnostics for the ledger (``benchmarks/ledger_snapshot.py``,
+``benchmarks/finetune_steps.py``): they say which tensors make a measured peak, where ``max_memory_allocated``
+gives only its size.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+MIB = 2**20
+
+
+def live_at_peak(snapshot: dict) -> tuple[int, list[dict]]:
+    """Replay the alloc/free events of the first device's trace; return the peak total and the blocks live then.
+    Blocks allocated before recording began are not in the trace: the total counts what the recorded span added."""
+    live: dict[int, dict] = {}
+    total = peak = 0
+    at_peak: list[dict] = []
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, list(live.values())
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+    return peak, at_peak
+
+
+def where(event: dict, frames: int = 3) -> str:
+    """The innermost ``frames`` Python frames of the code that allocated ``event``'s block, torch's own utilities
+    and CUDA wrappers left out (a backward's allocations name only the ``backward()`` call: autograd runs in C++)."""
+    kept = [f for f in event.get("frames", []) if f["filename"].endswith(".py")
+            and "torch/utils" not in f["filename"] and "torch/cuda" not in f["filename"]]
+    return " < ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in kept[:frames])
+
+
+def sites_at_peak(snapshot: dict, top: int = 25) -> tuple[int, list[dict]]:
+    """The recorded span's peak and, largest first, the ``top`` (allocation site, block size) groups live then:
+    ``{"site", "block_mib", "count", "mib"}``. Grouping by size too keeps apart tensors of different shapes made
+    at one line."""
+    peak, blocks = live_at_peak(snapshot)
+    groups = Counter((where(block), block["size"]) for block in blocks)
+    ranked = sorted(groups.items(), key=lambda item: -item[0][1] * item[1])[:top]
+    return peak, [{"site": site, "block_mib": size / MIB, "count": count, "mib": size * count / MIB}
+                  for (site, size), count in ranked]
