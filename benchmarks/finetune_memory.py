@@ -55,7 +55,7 @@ FOUR_BIT_ROWS = ("+ 4-bit base", "+ checkpointing (offloaded)", "+ fused linear 
 GB = 1e9
 
 
-def _rows_settings(num_layers: int, vocab: int, device):
+def rows_settings(num_layers: int, vocab: int, device):
     """(row name, fused CE, policy, vocab subset, loss fraction, optimizer, fused SwiGLU) for the rows on the 4-bit
     model.
 
@@ -84,7 +84,7 @@ def step_flops(spec, context: int, checkpointed: bool, head_tokens: float) -> fl
             + 4 * spec.vocab * spec.hidden * head_tokens)
 
 
-def _step(model, optimizer, context: int, vocab: int, loss_fraction: float, device) -> float:
+def train_step(model, optimizer, context: int, vocab: int, loss_fraction: float, device) -> None:
     ids = torch.randint(0, vocab, (1, context), device=device)
     labels = ids.clone()
     labels[:, : context - round(loss_fraction * context)] = -100
@@ -107,13 +107,13 @@ def _measure(model, optimizer, contexts, spec, loss_fraction, device, frozen_byt
         row = {**base, "context": context}
         if not oom:
             try:
-                _step(model, optimizer, context, spec.vocab, loss_fraction, device)
+                train_step(model, optimizer, context, spec.vocab, loss_fraction, device)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 times = []
                 for _ in range(repeats):
                     start = time.perf_counter()
-                    _step(model, optimizer, context, spec.vocab, loss_fraction, device)
+                    train_step(model, optimizer, context, spec.vocab, loss_fraction, device)
                     times.append(1e3 * (time.perf_counter() - start))
                 row["step_ms"] = statistics.median(times)
                 if repeats > 1:
@@ -135,7 +135,7 @@ def _measure(model, optimizer, contexts, spec, loss_fraction, device, frozen_byt
         record(row)
 
 
-def _resident(model, device) -> tuple[int, int]:
+def resident_bytes(model, device) -> tuple[int, int]:
     """(frozen base bytes on the device, trainable bytes) right after patching."""
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if device.type != "cuda":
@@ -143,7 +143,7 @@ def _resident(model, device) -> tuple[int, int]:
     return torch.cuda.memory_allocated(device) - trainable, trainable
 
 
-def _bnb_available(device) -> str | None:
+def bnb_unavailable_reason(device) -> str | None:
     if device.type != "cuda":
         return "needs CUDA"
     try:
@@ -177,7 +177,7 @@ def chosen_rows(text: str) -> list[str]:
 def _run_baseline(spec, dtype, attention, contexts, device, ceilings, record, repeats: int) -> None:
     """Row 1: transformers + peft LoRA on the full-precision model, logits materialised."""
     model = patch(build_model(spec, dtype=dtype, device=device), fused_ce=False, lora=LORA, attention=attention)
-    frozen, trainable = _resident(model, device)
+    frozen, trainable = resident_bytes(model, device)
     optimizer = make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
     common = {"dtype": str(dtype), "attention": attention, "frozen_weights_gb": frozen / GB,
               "lora_params_gb": trainable / GB}
@@ -192,17 +192,17 @@ def _run_baseline(spec, dtype, attention, contexts, device, ceilings, record, re
 def _run_four_bit_rows(spec, dtype, attention, contexts, device, ceilings, record, only: tuple | None,
                        repeats: int) -> None:
     """The cumulative rows on one 4-bit model, switching techniques between rows (``only``: these rows)."""
-    why_not = _bnb_available(device)
+    why_not = bnb_unavailable_reason(device)
     model = patch(build_model(spec, dtype=dtype, device=device), four_bit=why_not is None, lora=LORA,
                   attention=attention)
-    frozen, trainable = _resident(model, device)
+    frozen, trainable = resident_bytes(model, device)
     trainable_params = [p for p in model.parameters() if p.requires_grad]
     optimizer, optimizer_name = make_optimizer("adamw", trainable_params), "adamw"
     state = patch_state(model)
     common = {"dtype": str(dtype), "attention": attention, "frozen_weights_gb": frozen / GB,
               "lora_params_gb": trainable / GB,
               "four_bit": why_not is None, **({"four_bit_unavailable": why_not} if why_not else {})}
-    for name, fused, policy, subset, fraction, opt, swiglu in _rows_settings(spec.num_layers, spec.vocab, device):
+    for name, fused, policy, subset, fraction, opt, swiglu in rows_settings(spec.num_layers, spec.vocab, device):
         if only is not None and name not in only:
             continue
         if opt != optimizer_name:

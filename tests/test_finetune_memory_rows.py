@@ -17,7 +17,7 @@ def test_rows_are_chosen_by_name(finetune_memory):
     assert finetune_memory.chosen_rows("exact") == ["+ fused linear CE (exact)"]
     assert finetune_memory.chosen_rows("+") == list(finetune_memory.FOUR_BIT_ROWS)
     assert finetune_memory.chosen_rows("") == [] and finetune_memory.chosen_rows("nothing") == []
-    names = [name for name, *_ in finetune_memory._rows_settings(2, 64, "cpu")]
+    names = [name for name, *_ in finetune_memory.rows_settings(2, 64, "cpu")]
     assert names == list(finetune_memory.FOUR_BIT_ROWS)
 
 

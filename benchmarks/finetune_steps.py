@@ -1,0 +1,204 @@
+"""The fine-tuning table's 8-bit AdamW row, step by step: each step's own time and peak, steps alternating with the
+fused SwiGLU off and on, a profile of one step of each, and what is live at each step's peak.
+
+Why: ``finetune_memory.py`` gives a row the peak over its timed steps and their median time, each row on a model of
+its own. Two of its findings need the steps apart (``results/finetune_memory_rows_beyond_the_paper_repeats5.json``):
+
+* the fused SwiGLU row's steps took 1.08-1.38x the 8-bit row's at 1K-4K tokens and 0.99-1.01x from 8K, two rows on
+  two models at two moments. ``--ab`` alternates the two settings step by step on one model (after a warm-up step of
+  each), and ``--profile`` profiles one step of each: GPU time by kernel, the GPU's idle gaps inside the step, and
+  the host's time by operator and CUDA runtime call (a device synchronisation shows there);
+* the fp32 8-bit row peaked higher over five steps than over one (4.70 against 4.59 GB at 4K). Every step here gets
+  its own peak (the counters reset before it), and ``--history`` records the allocator's history over each timed
+  step and keeps the allocation sites live at that step's peak (steps so recorded are slower: their times are
+  flagged).
+
+The model and row are ``finetune_memory.py``'s: Llama-3.2-3B shape, NF4 base, LoRA r=16 on the seven linears,
+offloaded per-layer checkpoints, fused linear CE with 70% of tokens ignored, bitsandbytes' 8-bit AdamW; attention
+memfit's in fp32, SDPA in bf16.
+
+    python benchmarks/finetune_steps.py --contexts 1024,2048,4096 --ab --steps 6 --profile
+    python benchmarks/finetune_steps.py --dtypes float32 --contexts 4096,16384 --steps 5 --history
+
+``--smoke`` runs the same code on CPU with the tiny preset (no 4-bit, AdamW; no peaks, no history).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import statistics
+import tempfile
+import time
+
+import torch
+from finetune_memory import (
+    EIGHT_BIT_ROW,
+    GB,
+    LORA,
+    bnb_unavailable_reason,
+    resident_bytes,
+    rows_settings,
+    train_step,
+)
+
+from memfit.ledger.verify import make_optimizer
+from memfit.measure.allocator_history import sites_at_peak
+from memfit.measure.kernel_profile import kernel_profile
+from memfit.measure.results import check_out_dir, write_results
+from memfit.models import PRESETS, build_model
+from memfit.train.patch import patch, patch_state
+
+HISTORY_ENTRIES = 500_000   # allocator events kept per recorded step (a 16K-token fp32 step makes far fewer)
+
+
+def build_row(spec, dtype, device):
+    """The 8-bit row's model, optimizer and patch state; its loss fraction; the resident frozen bytes."""
+    why_not = bnb_unavailable_reason(device)
+    attention = "memfit" if dtype == torch.float32 else "sdpa"
+    model = patch(build_model(spec, dtype=dtype, device=device), four_bit=why_not is None, lora=LORA,
+                  attention=attention)
+    frozen, _ = resident_bytes(model, device)
+    _, fused_ce, policy, subset, fraction, optimizer_name, _ = next(
+        s for s in rows_settings(spec.num_layers, spec.vocab, device) if s[0] == EIGHT_BIT_ROW)
+    optimizer = make_optimizer(optimizer_name if why_not is None else "adamw",
+                               [p for p in model.parameters() if p.requires_grad])
+    state = patch_state(model)
+    state.fused_ce, state.policy, state.vocab_subset = fused_ce, policy, subset
+    return model, optimizer, state, fraction, frozen, attention
+
+
+def host_profile(step, top: int = 15) -> list[dict]:
+    """One ``step()`` under torch.profiler (CPU and CUDA activity): the ``top`` operators and CUDA runtime calls by
+    host time spent in themselves (a synchronisation's wait is there, under its runtime call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        step()
+    ranked = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return [{"name": e.key, "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ranked]
+
+
+def run_context(model, optimizer, state, spec, context, fraction, frozen, device, args, base, record) -> None:
+    """Warm-up steps, the timed steps (alternating under ``--ab``), then the profiles; each result recorded."""
+    settings = (False, True) if args.ab else (False,)
+
+    def step(fused: bool) -> None:
+        state.fused_swiglu = fused
+        train_step(model, optimizer, context, spec.vocab, fraction, device)
+
+    for fused in settings:
+        step(fused)
+    for index in range(args.steps):
+        fused = settings[index % len(settings)]
+        row = {**base, "context": context, "step": index, "fused_swiglu": fused, "history": args.history}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            if args.history:
+                torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
+        start = time.perf_counter()
+        step(fused)
+        row["step_ms"] = 1e3 * (time.perf_counter() - start)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+            row.update(peak_gb=peak / GB, peak_above_frozen_weights_gb=(peak - frozen) / GB)
+            if args.history:
+                snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                recorded_peak, row["sites_at_peak"] = sites_at_peak(snapshot)
+                row["recorded_peak_gb"] = recorded_peak / GB
+        record(row)
+    if args.profile:
+        for fused in settings:
+            kernels, _, idle = kernel_profile(functools.partial(step, fused), device.type, name_chars=100)
+            record({**base, "context": context, "profile": True, "fused_swiglu": fused,
+                    "kernels": dict(list(kernels.items())[:15]), "gpu_idle": idle,
+                    "host": host_profile(functools.partial(step, fused))})
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per dtype, context and setting: the median and spread of the timed steps, the highest and lowest step peak."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if "step_ms" in row:
+            groups.setdefault((row["dtype"], row["context"], row["fused_swiglu"]), []).append(row)
+    out = []
+    for (dtype, context, fused), steps in groups.items():
+        times = [r["step_ms"] for r in steps]
+        entry = {"dtype": dtype, "context": context, "fused_swiglu": fused, "steps": len(steps),
+                 "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+        peaks = [r["peak_gb"] for r in steps if "peak_gb" in r]
+        if peaks:
+            entry.update(max_peak_gb=max(peaks), min_peak_gb=min(peaks))
+        out.append(entry)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU, same code path")
+    parser.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
+    parser.add_argument("--contexts", default="1024,2048,4096", help="comma-separated contexts (default 1024,2048,4096)")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per context (default 6)")
+    parser.add_argument("--ab", action="store_true", help="alternate the fused SwiGLU off and on, step by step")
+    parser.add_argument("--profile", action="store_true", help="profile one step of each setting per context")
+    parser.add_argument("--history", action="store_true",
+                        help="record the allocator's history over each timed step (CUDA): the sites live at its peak")
+    args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)
+    if args.steps < 1:
+        parser.error(f"--steps takes a positive count, got {args.steps}")
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        parser.error(f"--contexts takes comma-separated token counts, got {args.contexts!r}")
+    if min(contexts) < 1:
+        parser.error(f"--contexts takes positive token counts, got {args.contexts!r}")
+    dtypes = args.dtypes.split(",")
+    if any(dtype not in ("float32", "bfloat16") for dtype in dtypes):
+        parser.error(f"--dtypes takes float32 and/or bfloat16, comma-separated, got {args.dtypes!r}")
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if args.history and device.type != "cuda":
+        parser.error("--history reads the CUDA allocator's history: run it on a GPU machine")
+    spec = PRESETS["tiny" if args.smoke else "llama-3.2-3b"]
+    torch.backends.cuda.matmul.allow_tf32 = True   # as finetune_memory.py
+    name = "finetune_steps" + ("_ab" if args.ab else "") + ("_history" if args.history else "") + \
+        ("_smoke" if args.smoke else "")
+    out_dir = args.out or (tempfile.mkdtemp(prefix="memfit-smoke-") if args.smoke else None)
+    started = time.perf_counter()
+    rows: list[dict] = []
+
+    def save(complete: bool):
+        return write_results(name, rows, [], out_dir=out_dir, model=spec.name, row=EIGHT_BIT_ROW,
+                             summary=summary(rows), complete=complete, seconds=time.perf_counter() - started,
+                             notes="each timed step's own peak (counters reset before it) and wall time; "
+                                   "--ab alternates fused_swiglu off/on after a warm-up step of each; profile rows: "
+                                   "one profiled step per setting (kernel_profile, host operators); steps with "
+                                   "history=True ran under allocator recording (their times are not comparable)")
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        print({k: v for k, v in row.items() if k not in ("kernels", "gpu_idle", "host", "sites_at_peak")}, flush=True)
+        save(complete=False)
+
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        model, optimizer, state, fraction, frozen, attention = build_row(spec, dtype, device)
+        base = {"dtype": str(dtype), "attention": attention, "optimizer": type(optimizer).__name__,
+                "frozen_weights_gb": frozen / GB}
+        for context in contexts:
+            run_context(model, optimizer, state, spec, context, fraction, frozen, device, args, base, record)
+        state.runner.close()
+        del model, optimizer, state
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    path = save(complete=True)
+    print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
