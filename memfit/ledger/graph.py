@@ -141,6 +141,11 @@ class ModelGraph:
         self.op(name, inputs, [out], saves, **workspace)
         return out
 
+    def add(self, a: Sym, b: Sym, per_token: int, name: str, dtype: str | None = None) -> Sym:
+        """``a + b``: a new tensor; its backward hands the output's gradient itself to each input of the output's
+        size (torch's AddBackward returns ``grad`` as it is), so no input gradient is a buffer of its own."""
+        return self.pointwise([a, b], per_token, name, dtype=dtype, input_grads_are_output_grad=True)
+
     # ---- model pieces ------------------------------------------------------------------
     def rms_norm(self, x: Sym, weight: Sym, name: str) -> Sym:
         h = self.spec.hidden
@@ -194,7 +199,7 @@ class ModelGraph:
             delta = self.linear(hidden, lora_b, per_token_out, f"{layer}.{module}.lora_B", dtype=adtype)
             scaled = self.pointwise([delta], per_token_out, f"{layer}.{module}.lora_scale", dtype=adtype)
             summed_dtype = FP32 if FP32 in (adtype, self.dtype) else self.dtype
-            summed = self.pointwise([out, scaled], per_token_out, f"{layer}.{module}.lora_add", dtype=summed_dtype)
+            summed = self.add(out, scaled, per_token_out, f"{layer}.{module}.lora_add", dtype=summed_dtype)
             out = self.cast(summed, self.dtype, per_token_out, f"{layer}.{module}.lora_out")
         self.release(x)  # the caller's frame holds the module's argument until it returns (peft's forward casts
         return out       # its local copy to the adapter dtype: in bf16 both exist, e.g. down_proj's input)
@@ -206,7 +211,7 @@ class ModelGraph:
         neg = self.pointwise([x], per_token // 2, f"{name}.neg")
         cat = self.pointwise([neg, x], per_token, f"{name}.cat")
         b = self.mul(cat, self.rope_tables, per_token, f"{name}.sin")
-        return self.pointwise([a, b], per_token, f"{name}.add")
+        return self.add(a, b, per_token, f"{name}.add")
 
     def sdpa_uses_math_kernel(self) -> bool:
         """torch SDPA on CUDA has no fused fp32 kernel for grouped-query heads (flash and cuDNN are
@@ -277,7 +282,7 @@ class ModelGraph:
         attn = (self.attention_math if self.sdpa_uses_math_kernel() else self.attention)(q, k, v, layer)
         o = self.projection(attn, layer, "o_proj", s.q_dim, s.hidden)
         self.release(y)  # LlamaAttention.forward's argument
-        x2 = self.pointwise([x, o], s.hidden, f"{layer}.residual1")
+        x2 = self.add(x, o, s.hidden, f"{layer}.residual1")
         y2 = self.rms_norm(x2, self.param(f"{layer}.post_attention_layernorm", s.hidden, norms_trained),
                            f"{layer}.norm2")
         width = self.ffn_widths[layer]
@@ -290,7 +295,7 @@ class ModelGraph:
             prod = self.mul(act, up, width, f"{layer}.act_mul")
         down = self.projection(prod, layer, "down_proj", width, s.hidden)
         self.release(y2)  # LlamaMLP.forward's argument
-        out = self.pointwise([x2, down], s.hidden, f"{layer}.residual2")
+        out = self.add(x2, down, s.hidden, f"{layer}.residual2")
         self.release(x)  # LlamaModel's loop variable holds the layer input until the layer returns
         return out
 

@@ -126,6 +126,13 @@ class Knobs:
                               f"got {self.offload_layers} and {self.checkpoint_layers}: only checkpointed layers' "
                               "inputs are offloaded")
 
+    @property
+    def patched(self) -> bool:
+        """Whether a training job runs through memfit.train.patch (any of its techniques on). Its checkpoints are then
+        memfit's own runner, whose layer backward holds the layer output's gradient to its end; otherwise they are
+        transformers' (torch's non-reentrant checkpoint). verify builds the job so, and the ledger replays it so."""
+        return self.fused_ce or self.four_bit or bool(self.offload_layers) or self.fused_swiglu
+
     def with_(self, **changes) -> "Knobs":
         return replace(self, **changes)
 

@@ -60,6 +60,7 @@ class Op:
     holds: list[Sym] = field(default_factory=list)  # tensors a Python frame keeps alive until this op is done
     grads_over_saved: bool = False  # its backward writes each input's gradient over that input, which it saved
     input_grads_are_views: bool = False  # its backward returns views (no gradient can be added into them in place)
+    input_grads_are_output_grad: bool = False  # an add: its backward hands the output's gradient itself to each input
 
     @functools.cached_property
     def needs_backward(self) -> bool:
@@ -225,11 +226,16 @@ def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], sa
 def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_of: dict[int, Sym],
                     checkpointed: set[int] = frozenset(), grad_component: str = "temporaries",
                     param_grad_component: str = "gradients", existing_param_grads: bool = False,
-                    offloaded: set[int] = frozenset()) -> None:
+                    offloaded: set[int] = frozenset(), output_grads_held: bool = False) -> None:
     """Walk ``ops`` in reverse from the gradients in ``grad_of`` (storage uid -> grad sym).
 
     An offloaded segment's input comes back from CPU memory before its recompute, and the
     next offloaded segment's input is prefetched at the same time (one layer ahead).
+    ``output_grads_held``: memfit's checkpoint runner (memfit.train.checkpoint), a custom autograd Function whose
+    backward recomputes the layer and runs the layer's backward inside it. The engine keeps that backward's incoming
+    gradient (the layer output's) referenced until it returns, so the tensor lives through the whole segment and a
+    gradient it was handed on as (a residual add's) is summed out of place. torch's non-reentrant checkpoint
+    (transformers') holds nothing.
     """
     segments_done: set[int] = set()
     views: set[int] = set()  # uids whose gradient so far is a view: the next one is added out of place
@@ -238,6 +244,9 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
     for op in ops:
         if op.segment is not None:
             segment_ops.setdefault(op.segment, []).append(op)
+    held: dict[int, Sym] = {}   # segment -> its output's gradient, while its backward runs (output_grads_held)
+    output_of = {segment_ops[s][-1].outputs[0].uid: s for s in checkpointed if s in segment_ops} \
+        if output_grads_held else {}
     for op in reversed(ops):
         if op.segment in checkpointed and op.segment not in segments_done:
             # Replay the segment's forward with saving, right before its backward.
@@ -274,6 +283,10 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
                         memory.alloc(grad)
                 elif op.grads_over_saved:  # the saved input's storage now holds its gradient
                     grad = sym
+                elif op.input_grads_are_output_grad and _passed_through(op, sym, grad_of):
+                    grad = grad_of[op.outputs[0].uid]   # AddBackward returns grad as it is: no new buffer
+                    if op.outputs[0].uid in views:
+                        views.add(uid)
                 else:  # the loss path's gradients count with the logits they mirror
                     component = "logits" if sym.component == "logits" else grad_component
                     grad = Sym(f"grad:{sym.name}", sym.nbytes, False, component)
@@ -285,7 +298,9 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             memory.mark("backward", op.name, {"workspace": workspace} if workspace else None)
             for out in op.outputs:
                 grad = grad_of.pop(out.uid, None)
-                if grad is not None and grad.component != param_grad_component:
+                if grad is not None and out.uid in output_of:
+                    held[output_of[out.uid]] = grad
+                elif grad is not None and grad.component != param_grad_component and not _held(grad, grad_of, held):
                     memory.free(grad)
             if op.segment not in checkpointed or op.segment in segments_done:
                 for sym in op.saves:
@@ -293,13 +308,15 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             # the engine adds them after the op has let go of what it held, and lets the op's new gradients go
             # once all are added
             for sym, another in second:
-                if sym.uid in views:
+                first = grad_of[sym.uid]
+                if sym.uid in views or _held(first, grad_of, held, besides=sym.uid):   # not a tensor of its own
                     views.discard(sym.uid)
                     total = Sym(f"grad:{sym.name} (sum)", sym.nbytes, False, another.component)
                     memory.alloc(total)
                     memory.mark("backward", f"{op.name} (gradient sum)")
-                    memory.free(grad_of[sym.uid])
                     grad_of[sym.uid] = total
+                    if not _held(first, grad_of, held):
+                        memory.free(first)
             for _, another in second:
                 memory.free(another)
         if op.segment in checkpointed and segment_ops[op.segment][0] is op:
@@ -307,6 +324,23 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             for sym in (layer_input, *others):            # frame lets its inputs go (none kept where the
                 if sym is not None:                       # segment reads nothing and needs no backward)
                     _release(sym, saved, memory)
+            output_grad = held.pop(op.segment, None)
+            if output_grad is not None and not _held(output_grad, grad_of, held):
+                memory.free(output_grad)
+
+
+def _passed_through(op: Op, sym: Sym, grad_of: dict[int, Sym]) -> bool:
+    """Whether an add's backward hands ``sym`` its output's gradient as it is: where the input has the output's
+    size (the engine casts a gradient to an input of another dtype, a new buffer) and the output has a gradient."""
+    out = op.outputs[0]
+    return out.uid in grad_of and sym.nbytes == out.nbytes
+
+
+def _held(grad: Sym, grad_of: dict[int, Sym], held: dict[int, Sym], besides: int | None = None) -> bool:
+    """Whether ``grad`` is referenced elsewhere: as the pending gradient of another input than ``besides`` (an add
+    handed one tensor to two) or by a checkpointed segment's backward (``held``). Such a tensor is not freed, nor
+    summed into in place."""
+    return any(g is grad for uid, g in grad_of.items() if uid != besides) or any(g is grad for g in held.values())
 
 
 def _release(sym: Sym, saved: dict[int, int], memory: Memory, keep_storage: bool = False) -> None:

@@ -74,7 +74,7 @@ def _prepare(job: Job, knobs: Knobs):
         from memfit.compress.convert import structure_model
 
         structure_model(model, knobs.blr_method, knobs.blr_ratio, knobs.blr_blocks)
-    if job.training and (knobs.fused_ce or knobs.four_bit or knobs.offload_layers or knobs.fused_swiglu):
+    if job.training and knobs.patched:
         return _patched(job, knobs, model)
     if job.task == "lora":
         from peft import LoraConfig
