@@ -129,8 +129,9 @@ class Knobs:
     @property
     def patched(self) -> bool:
         """Whether a training job runs through memfit.train.patch (any of its techniques on). Its checkpoints are then
-        memfit's own runner, whose layer backward holds the layer output's gradient to its end; otherwise they are
-        transformers' (torch's non-reentrant checkpoint). verify builds the job so, and the ledger replays it so."""
+        memfit's own runner (whole-layer recompute; the layer's backward holds the layer output's gradient to its
+        end), otherwise transformers' (torch's non-reentrant checkpoint: early-stopped recompute, nothing held; see
+        simulate.replay_backward). verify builds the job so, and the ledger replays it so."""
         return self.fused_ce or self.four_bit or bool(self.offload_layers) or self.fused_swiglu
 
     def with_(self, **changes) -> "Knobs":

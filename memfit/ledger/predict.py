@@ -205,7 +205,7 @@ def _train_replay(job: Job, knobs: Knobs) -> _TrainReplay:
                                offloaded=offloaded)
         memory.alloc(loss)
         replay_backward(graph.ops, memory, saved, {loss.uid: loss}, checkpointed=checkpointed,
-                        existing_param_grads=bool(index), offloaded=offloaded, output_grads_held=knobs.patched)
+                        existing_param_grads=bool(index), offloaded=offloaded, memfit_checkpoints=knobs.patched)
         for phase, event in memory.phase_peaks.items():
             key = phase if index == 0 else f"{phase} (accumulating)"
             phases[key] = event.total

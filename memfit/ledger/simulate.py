@@ -226,16 +226,20 @@ def replay_forward(ops: list[Op], memory: Memory, phase: str, keep: set[int], sa
 def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_of: dict[int, Sym],
                     checkpointed: set[int] = frozenset(), grad_component: str = "temporaries",
                     param_grad_component: str = "gradients", existing_param_grads: bool = False,
-                    offloaded: set[int] = frozenset(), output_grads_held: bool = False) -> None:
+                    offloaded: set[int] = frozenset(), memfit_checkpoints: bool = False) -> None:
     """Walk ``ops`` in reverse from the gradients in ``grad_of`` (storage uid -> grad sym).
 
     An offloaded segment's input comes back from CPU memory before its recompute, and the
     next offloaded segment's input is prefetched at the same time (one layer ahead).
-    ``output_grads_held``: memfit's checkpoint runner (memfit.train.checkpoint), a custom autograd Function whose
-    backward recomputes the layer and runs the layer's backward inside it. The engine keeps that backward's incoming
-    gradient (the layer output's) referenced until it returns, so the tensor lives through the whole segment and a
-    gradient it was handed on as (a residual add's) is summed out of place. torch's non-reentrant checkpoint
-    (transformers') holds nothing.
+    Checkpointed segments run through one of two runners, which differ twice:
+
+    * ``memfit_checkpoints``: memfit's (memfit.train.checkpoint), a custom autograd Function whose backward
+      recomputes the whole layer and runs the layer's backward inside its own. The engine keeps that backward's
+      incoming gradient (the layer output's) referenced until it returns, so the tensor lives through the whole
+      segment and a gradient it was handed on as (a residual add's) is summed out of place.
+    * otherwise torch's non-reentrant checkpoint (transformers'): its recompute stops once the last tensor the
+      segment saves is made (torch.utils.checkpoint's early stop), so the ops after it (a layer's last projection's
+      output, the residual add) are not recomputed; and it holds no gradient.
     """
     segments_done: set[int] = set()
     views: set[int] = set()  # uids whose gradient so far is a view: the next one is added out of place
@@ -244,9 +248,9 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
     for op in ops:
         if op.segment is not None:
             segment_ops.setdefault(op.segment, []).append(op)
-    held: dict[int, Sym] = {}   # segment -> its output's gradient, while its backward runs (output_grads_held)
+    held: dict[int, Sym] = {}   # segment -> its output's gradient, while its backward runs (memfit_checkpoints)
     output_of = {segment_ops[s][-1].outputs[0].uid: s for s in checkpointed if s in segment_ops} \
-        if output_grads_held else {}
+        if memfit_checkpoints else {}
     for op in reversed(ops):
         if op.segment in checkpointed and op.segment not in segments_done:
             # Replay the segment's forward with saving, right before its backward.
@@ -256,7 +260,8 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
                         layer_input = kept[segment][0]
                         memory.alloc(layer_input)
                         saved[layer_input.uid] = saved.get(layer_input.uid, 0) + (segment == op.segment)
-            resaved = replay_forward(segment_ops[op.segment], memory, "recompute", keep=set(saved), save=True)
+            recomputed = segment_ops[op.segment] if memfit_checkpoints else _until_last_save(segment_ops[op.segment])
+            resaved = replay_forward(recomputed, memory, "recompute", keep=set(saved), save=True)
             for uid, count in resaved.items():
                 saved[uid] = saved.get(uid, 0) + count
             segments_done.add(op.segment)
@@ -327,6 +332,13 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             output_grad = held.pop(op.segment, None)
             if output_grad is not None and not _held(output_grad, grad_of, held):
                 memory.free(output_grad)
+
+
+def _until_last_save(ops: list[Op]) -> list[Op]:
+    """``ops`` up to the last one that saves a tensor for backward: what torch's non-reentrant checkpoint recomputes
+    before it stops (that op's output is made, then dropped)."""
+    last = max((i for i, op in enumerate(ops) if op.saves and op.needs_backward), default=len(ops) - 1)
+    return ops[:last + 1]
 
 
 def _passed_through(op: Op, sym: Sym, grad_of: dict[int, Sym]) -> bool:
