@@ -150,7 +150,7 @@ def test_verify_a_checkpointed_step_whose_peak_follows_a_residual_gradient_sum(m
 
 def test_verify_transformers_checkpointing_recomputes_only_up_to_the_last_saved_tensor():
     """Hidden 256, MLP 64, LoRA, fp32, both layers under transformers' (torch's non-reentrant) checkpointing: its
-    recompute stops once the layer's last saved tensor is made, so down_proj's output, LoRA's scaled delta and the
+    recompute stops once the layer's last saved tensor is packed, so LoRA's delta on down_proj, its scaling and the
     residual add are not recomputed. Replaying the whole layer put the peak there and read 4.27% high; the replay
     now reads it 2.01% low, its peak at up_proj's gradient sum (what the remaining gap is was not traced)."""
     import dataclasses

@@ -131,7 +131,9 @@ class Knobs:
         """Whether a training job runs through memfit.train.patch (any of its techniques on). Its checkpoints are then
         memfit's own runner (whole-layer recompute; the layer's backward holds the layer output's gradient to its
         end), otherwise transformers' (torch's non-reentrant checkpoint: early-stopped recompute, nothing held; see
-        simulate.replay_backward). verify builds the job so, and the ledger replays it so."""
+        simulate.replay_backward). verify builds the job so, and the ledger replays it so. (``memfit finetune`` runs
+        memfit's runner for every plan, so its checkpoint-only plans are replayed with the other runner: a known
+        mismatch, not yet aligned.)"""
         return self.fused_ce or self.four_bit or bool(self.offload_layers) or self.fused_swiglu
 
     def with_(self, **changes) -> "Knobs":

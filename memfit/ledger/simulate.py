@@ -10,16 +10,20 @@ ops that save the same tensor keep one copy. Each op here states exactly those r
 * **forward**: outputs are allocated; each tensor is freed after its last use unless
   some op saved it for backward;
 * **backward**: ops are walked in reverse; the gradient of each input that needs one is
-  allocated; an op's saved tensors and its outputs' gradients are freed once it has run;
-  a leaf parameter's gradient becomes its ``.grad`` and stays;
+  allocated, except an add's, which hands its output's gradient itself to each input of its
+  size (one tensor, referenced twice); an op's saved tensors and its outputs' gradients are
+  freed once it has run and nothing else references them; a leaf parameter's gradient
+  becomes its ``.grad`` and stays;
 * **a second gradient of one tensor** is allocated too, then added as autograd's input
   buffer adds it: into the first in place when the first is a plain tensor of its own,
   out of place (a third buffer, briefly) when the first is a view -- the gradient of
-  ``F.linear``'s 3-D input is one (a reshape of a matrix product's; the op says so). The
-  sum is a new tensor, so a third gradient goes in place;
+  ``F.linear``'s 3-D input is one (a reshape of a matrix product's; the op says so) -- or
+  is referenced elsewhere too. The sum is a new tensor, so a third gradient goes in place;
 * **checkpointed segments** keep only their inputs in forward and replay their forward
-  (with saving) right before their backward, as ``torch.utils.checkpoint`` and memfit's
-  checkpoint do; the inputs stay until the segment's backward is done.
+  (with saving) right before their backward; the inputs stay until the segment's backward is
+  done. memfit's runner replays the whole segment and holds its output's gradient through
+  the segment's backward; torch's non-reentrant checkpoint replays up to the segment's last
+  saving op (see ``replay_backward``).
 
 Every allocation carries a component tag (activations, logits, kv_cache, gradients,
 workspace ...) so the live bytes at the peak break down by component.
@@ -249,6 +253,9 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
         if op.segment is not None:
             segment_ops.setdefault(op.segment, []).append(op)
     held: dict[int, Sym] = {}   # segment -> its output's gradient, while its backward runs (memfit_checkpoints)
+    refs: dict[int, int] = {}   # gradient uid -> its references in grad_of and held (an add shares one tensor)
+    for grad in grad_of.values():
+        refs[grad.uid] = refs.get(grad.uid, 0) + 1
     output_of = {segment_ops[s][-1].outputs[0].uid: s for s in checkpointed if s in segment_ops} \
         if memfit_checkpoints else {}
     for op in reversed(ops):
@@ -299,14 +306,19 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
                     if op.input_grads_are_views:
                         views.add(uid)
                 grad_of[uid] = grad
+                refs[grad.uid] = refs.get(grad.uid, 0) + 1
             workspace = op.backward_workspace + accumulate
             memory.mark("backward", op.name, {"workspace": workspace} if workspace else None)
             for out in op.outputs:
                 grad = grad_of.pop(out.uid, None)
-                if grad is not None and out.uid in output_of:
-                    held[output_of[out.uid]] = grad
-                elif grad is not None and grad.component != param_grad_component and not _held(grad, grad_of, held):
-                    memory.free(grad)
+                if grad is None:
+                    continue
+                if out.uid in output_of:
+                    held[output_of[out.uid]] = grad                 # the reference moves to the runner's frame
+                else:
+                    refs[grad.uid] -= 1
+                    if not refs[grad.uid] and grad.component != param_grad_component:
+                        memory.free(grad)
             if op.segment not in checkpointed or op.segment in segments_done:
                 for sym in op.saves:
                     _release(sym, saved, memory, keep_storage=grad_of.get(sym.uid) is sym)
@@ -314,13 +326,14 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
             # once all are added
             for sym, another in second:
                 first = grad_of[sym.uid]
-                if sym.uid in views or _held(first, grad_of, held, besides=sym.uid):   # not a tensor of its own
+                if sym.uid in views or refs[first.uid] > 1:     # not a tensor of its own: held elsewhere too
                     views.discard(sym.uid)
                     total = Sym(f"grad:{sym.name} (sum)", sym.nbytes, False, another.component)
                     memory.alloc(total)
                     memory.mark("backward", f"{op.name} (gradient sum)")
                     grad_of[sym.uid] = total
-                    if not _held(first, grad_of, held):
+                    refs[total.uid], refs[first.uid] = 1, refs[first.uid] - 1
+                    if not refs[first.uid]:
                         memory.free(first)
             for _, another in second:
                 memory.free(another)
@@ -330,13 +343,18 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
                 if sym is not None:                       # segment reads nothing and needs no backward)
                     _release(sym, saved, memory)
             output_grad = held.pop(op.segment, None)
-            if output_grad is not None and not _held(output_grad, grad_of, held):
-                memory.free(output_grad)
+            if output_grad is not None:
+                refs[output_grad.uid] -= 1
+                if not refs[output_grad.uid]:
+                    memory.free(output_grad)
 
 
 def _until_last_save(ops: list[Op]) -> list[Op]:
     """``ops`` up to the last one that saves a tensor for backward: what torch's non-reentrant checkpoint recomputes
-    before it stops (that op's output is made, then dropped)."""
+    before it stops. Approximate at that op: torch packs its inputs before the kernel runs and stops there, so that
+    op's output is never made, where the replay makes it and drops it; and the Python locals of the ops cut off live
+    until the stop unwinds, where the replay frees them at their last use. (torch also recomputes at the first
+    unpack, after the backward of the ops past the last save has run; the replay recomputes before it.)"""
     last = max((i for i, op in enumerate(ops) if op.saves and op.needs_backward), default=len(ops) - 1)
     return ops[:last + 1]
 
@@ -346,13 +364,6 @@ def _passed_through(op: Op, sym: Sym, grad_of: dict[int, Sym]) -> bool:
     size (the engine casts a gradient to an input of another dtype, a new buffer) and the output has a gradient."""
     out = op.outputs[0]
     return out.uid in grad_of and sym.nbytes == out.nbytes
-
-
-def _held(grad: Sym, grad_of: dict[int, Sym], held: dict[int, Sym], besides: int | None = None) -> bool:
-    """Whether ``grad`` is referenced elsewhere: as the pending gradient of another input than ``besides`` (an add
-    handed one tensor to two) or by a checkpointed segment's backward (``held``). Such a tensor is not freed, nor
-    summed into in place."""
-    return any(g is grad for uid, g in grad_of.items() if uid != besides) or any(g is grad for g in held.values())
 
 
 def _release(sym: Sym, saved: dict[int, int], memory: Memory, keep_storage: bool = False) -> None:
