@@ -4,10 +4,11 @@ fused SwiGLU off and on, a profile of one step of each, and what is live at each
 Why: ``finetune_memory.py`` gives a row the peak over its timed steps and their median time, each row on a model of
 its own. Two of its findings need the steps apart (``results/finetune_memory_rows_beyond_the_paper_repeats5.json``):
 
-* the fused SwiGLU row's steps took 1.08-1.38x the 8-bit row's at 1K-4K tokens and 0.99-1.01x from 8K, two rows on
-  two models at two moments. ``--ab`` alternates the two settings step by step on one model (after a warm-up step of
-  each), and ``--profile`` profiles one step of each: GPU time by kernel, the GPU's idle gaps inside the step, and
-  the host's time by operator and CUDA runtime call (a device synchronisation shows there);
+* the fused SwiGLU row's steps took 1.20-1.27x the 8-bit row's at 1K-2K tokens in fp32, 1.08-1.38x at 1K-4K in bf16
+  and 0.98-1.01x from 8K, two rows on two models at two moments. ``--ab`` alternates the two settings step by step
+  on one model (after a warm-up step of each), and ``--profile`` profiles two more steps of each: one for GPU time
+  by kernel and the GPU's idle gaps inside the step, one for the host's time by operator and CUDA runtime call (a
+  device synchronisation shows there);
 * the fp32 8-bit row peaked higher over five steps than over one (4.70 against 4.59 GB at 4K). Every step here gets
   its own peak (the counters reset before it), and ``--history`` records the allocator's history over each timed
   step and keeps the allocation sites live at that step's peak (steps so recorded are slower: their times are
@@ -143,7 +144,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per context (default 6)")
     parser.add_argument("--ab", action="store_true", help="alternate the fused SwiGLU off and on, step by step")
-    parser.add_argument("--profile", action="store_true", help="profile one step of each setting per context")
+    parser.add_argument("--profile", action="store_true",
+                        help="per context and setting, profile a step's kernels and another's host time")
     parser.add_argument("--history", action="store_true",
                         help="record the allocator's history over each timed step (CUDA): the sites live at its peak")
     args = parser.parse_args(argv)
