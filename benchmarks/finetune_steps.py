@@ -54,7 +54,8 @@ HISTORY_ENTRIES = 500_000   # allocator events kept per recorded step (a 16K-tok
 
 
 def build_row(spec, dtype, device):
-    """The 8-bit row's model, optimizer and patch state; its loss fraction; the resident frozen bytes."""
+    """The 8-bit row's model, optimizer and patch state; its loss fraction; the resident frozen bytes. (On the CPU, a
+    smoke run, without the 4-bit base and with plain AdamW: bitsandbytes needs CUDA; main refuses a GPU without it.)"""
     why_not = bnb_unavailable_reason(device)
     attention = "memfit" if dtype == torch.float32 else "sdpa"
     model = patch(build_model(spec, dtype=dtype, device=device), four_bit=why_not is None, lora=LORA,
@@ -164,6 +165,8 @@ def main(argv=None) -> int:
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if args.history and device.type != "cuda":
         parser.error("--history reads the CUDA allocator's history: run it on a GPU machine")
+    if device.type == "cuda" and (why_not := bnb_unavailable_reason(device)):
+        parser.error(f"the 8-bit row needs bitsandbytes (4-bit base, 8-bit AdamW): {why_not}")
     spec = PRESETS["tiny" if args.smoke else "llama-3.2-3b"]
     torch.backends.cuda.matmul.allow_tf32 = True   # as finetune_memory.py
     name = "finetune_steps" + ("_ab" if args.ab else "") + ("_history" if args.history else "") + \

@@ -448,11 +448,13 @@ def test_one_graph_serves_every_checkpoint_offload_and_optimizer_choice():
     assert with_checkpoints.peak["activations"] < predict(job, Knobs()).peak["activations"]
 
 
+@pytest.mark.parametrize("memfit_runner", [True, False])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("checkpoint,offload", [(0, 0), (28, 0), (28, 28), (14, 7)])
-def test_replay_ends_with_nothing_saved_and_only_gradients_live(dtype, checkpoint, offload):
+def test_replay_ends_with_nothing_saved_and_only_gradients_live(dtype, checkpoint, offload, memfit_runner):
     """After forward and backward every saved reference is dropped (checkpoint inputs and the RoPE tables
-    included) and what is left is the trained parameters' gradients."""
+    included) and what is left is the trained parameters' gradients, under either checkpoint runner (the layer
+    outputs' gradients memfit's holds are let go too)."""
     from memfit.ledger.predict import _train_graph
     from memfit.ledger.simulate import Memory, replay_backward, replay_forward
 
@@ -465,7 +467,8 @@ def test_replay_ends_with_nothing_saved_and_only_gradients_live(dtype, checkpoin
                            offloaded=offloaded)
     assert saved                                               # the replay had something to release
     memory.alloc(loss)
-    replay_backward(graph.ops, memory, saved, {loss.uid: loss}, checkpointed=checkpointed, offloaded=offloaded)
+    replay_backward(graph.ops, memory, saved, {loss.uid: loss}, checkpointed=checkpointed, offloaded=offloaded,
+                    memfit_checkpoints=memfit_runner)
     assert saved == {}
     assert {component for component, size in memory.by_component.items() if size} == {"gradients"}
     assert memory.by_component["gradients"] == sum(p.nbytes for p in graph.params if p.requires_grad)
