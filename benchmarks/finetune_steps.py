@@ -12,7 +12,9 @@ its own. Two of its findings need the steps apart (``results/finetune_memory_row
 * the fp32 8-bit row peaked higher over five steps than over one (4.70 against 4.59 GB at 4K). Every step here gets
   its own peak (the counters reset before it), and ``--history`` records the allocator's history over each timed
   step and keeps the allocation sites live at that step's peak (steps so recorded are slower: their times are
-  flagged).
+  flagged). ``--resident`` records the history from before the model is built to the end of the first context's
+  warm-up steps and keeps what is live then by allocation site (weights, optimizer states, workspaces: what a step
+  starts from, which the per-step history does not see).
 
 The model and row are ``finetune_memory.py``'s: Llama-3.2-3B shape, NF4 base, LoRA r=16 on the seven linears,
 offloaded per-layer checkpoints, fused linear CE with 70% of tokens ignored, bitsandbytes' 8-bit AdamW; attention
@@ -44,7 +46,7 @@ from finetune_memory import (
 )
 
 from memfit.ledger.verify import make_optimizer
-from memfit.measure.allocator_history import sites_at_peak
+from memfit.measure.allocator_history import MIB, group_sites, live_at_end, sites_at_peak
 from memfit.measure.kernel_profile import kernel_profile
 from memfit.measure.results import check_out_dir, write_results
 from memfit.models import PRESETS, build_model
@@ -82,8 +84,10 @@ def host_profile(step, top: int = 15) -> list[dict]:
     return [{"name": e.key, "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ranked]
 
 
-def run_context(model, optimizer, state, spec, context, fraction, frozen, device, args, base, record) -> None:
-    """Warm-up steps, the timed steps (alternating under ``--ab``), then the profiles; each result recorded."""
+def run_context(model, optimizer, state, spec, context, fraction, frozen, device, args, base, record,
+                resident: bool = False) -> None:
+    """Warm-up steps, the timed steps (alternating under ``--ab``), then the profiles; each result recorded.
+    ``resident``: the allocator's history is being recorded; after the warm-up, keep what is live and stop it."""
     settings = (False, True) if args.ab else (False,)
 
     def step(fused: bool) -> None:
@@ -92,6 +96,11 @@ def run_context(model, optimizer, state, spec, context, fraction, frozen, device
 
     for fused in settings:
         step(fused)
+    if resident:                                   # recording since before the model's build
+        blocks = live_at_end(torch.cuda.memory._snapshot())
+        torch.cuda.memory._record_memory_history(enabled=None)
+        record({**base, "context": context, "resident": True, "allocated_gb": torch.cuda.memory_allocated(device) / GB,
+                "recorded_live_mib": sum(b["size"] for b in blocks) / MIB, "sites": group_sites(blocks, top=40)})
     for index in range(args.steps):
         fused = settings[index % len(settings)]
         row = {**base, "context": context, "step": index, "fused_swiglu": fused, "history": args.history}
@@ -147,6 +156,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ab", action="store_true", help="alternate the fused SwiGLU off and on, step by step")
     parser.add_argument("--profile", action="store_true",
                         help="per context and setting, profile a step's kernels and another's host time")
+    parser.add_argument("--resident", action="store_true",
+                        help="record the allocator's history from the model's build through the first warm-up "
+                             "(CUDA): what is live before the timed steps, by site")
     parser.add_argument("--history", action="store_true",
                         help="record the allocator's history over each timed step (CUDA): the sites live at its peak")
     args = parser.parse_args(argv)
@@ -163,14 +175,16 @@ def main(argv=None) -> int:
     if any(dtype not in ("float32", "bfloat16") for dtype in dtypes):
         parser.error(f"--dtypes takes float32 and/or bfloat16, comma-separated, got {args.dtypes!r}")
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    if args.history and device.type != "cuda":
-        parser.error("--history reads the CUDA allocator's history: run it on a GPU machine")
+    if args.history and args.resident:
+        parser.error("--history and --resident record the allocator's history over different spans: give one")
+    if (args.history or args.resident) and device.type != "cuda":
+        parser.error("--history and --resident read the CUDA allocator's history: run it on a GPU machine")
     if device.type == "cuda" and (why_not := bnb_unavailable_reason(device)):
         parser.error(f"the 8-bit row needs bitsandbytes (4-bit base, 8-bit AdamW): {why_not}")
     spec = PRESETS["tiny" if args.smoke else "llama-3.2-3b"]
     torch.backends.cuda.matmul.allow_tf32 = True   # as finetune_memory.py
     name = "finetune_steps" + ("_ab" if args.ab else "") + ("_history" if args.history else "") + \
-        ("_smoke" if args.smoke else "")
+        ("_resident" if args.resident else "") + ("_smoke" if args.smoke else "")
     out_dir = args.out or (tempfile.mkdtemp(prefix="memfit-smoke-") if args.smoke else None)
     started = time.perf_counter()
     rows: list[dict] = []
@@ -185,16 +199,19 @@ def main(argv=None) -> int:
 
     def record(row: dict) -> None:
         rows.append(row)
-        print({k: v for k, v in row.items() if k not in ("kernels", "gpu_idle", "host", "sites_at_peak")}, flush=True)
+        print({k: v for k, v in row.items() if k not in ("kernels", "gpu_idle", "host", "sites_at_peak", "sites")}, flush=True)
         save(complete=False)
 
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
+        if args.resident:
+            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
         model, optimizer, state, fraction, frozen, attention = build_row(spec, dtype, device)
         base = {"dtype": str(dtype), "attention": attention, "optimizer": type(optimizer).__name__,
                 "frozen_weights_gb": frozen / GB}
         for context in contexts:
-            run_context(model, optimizer, state, spec, context, fraction, frozen, device, args, base, record)
+            run_context(model, optimizer, state, spec, context, fraction, frozen, device, args, base, record,
+                        resident=args.resident and context == contexts[0])
         state.runner.close()
         del model, optimizer, state
         gc.collect()

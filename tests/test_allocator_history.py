@@ -1,6 +1,6 @@
 """memfit.measure.allocator_history on a synthetic allocator trace: the replay finds the largest live total, counts
 only blocks the recorded span allocated, and groups the blocks live then by site and size, largest first."""
-from memfit.measure.allocator_history import live_at_peak, sites_at_peak
+from memfit.measure.allocator_history import live_at_end, live_at_peak, sites_at_peak
 
 
 def _frame(line, name="f"):
@@ -27,3 +27,9 @@ def test_sites_are_grouped_by_place_and_size_largest_first():
     assert peak == 5.5 * 2**20
     assert [(s["site"], s["block_mib"], s["count"], s["mib"]) for s in sites] == [
         ("mlp.py:9 gate", 3.0, 1, 3.0), ("mlp.py:7 up", 1.0, 2, 2.0)]
+
+
+def test_what_is_live_at_the_end_of_the_recorded_span():
+    snapshot = _trace(("alloc", 1, 100, [_frame(1)]), ("alloc", 2, 300, [_frame(2)]), ("free_completed", 1, 100, []),
+                      ("free_completed", 99, 5000, []), ("alloc", 3, 150, [_frame(3)]), ("free_completed", 3, 150, []))
+    assert [b["addr"] for b in live_at_end(snapshot)] == [2]

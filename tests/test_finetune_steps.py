@@ -33,7 +33,9 @@ def test_ab_smoke_run_alternates_the_settings_and_profiles_each(finetune_steps, 
                                                (["--contexts", "1k"], "comma-separated token counts"),
                                                (["--contexts", "0"], "positive token counts"),
                                                (["--dtypes", "fp8"], "float32 and/or bfloat16"),
-                                               (["--history"], "run it on a GPU machine")])
+                                               (["--history"], "run it on a GPU machine"),
+                                               (["--resident"], "run it on a GPU machine"),
+                                               (["--history", "--resident"], "give one")])
 def test_bad_arguments_are_usage_errors(finetune_steps, arguments, message, capsys):
     with pytest.raises(SystemExit) as stopped:
         finetune_steps.main(["--smoke", *arguments])

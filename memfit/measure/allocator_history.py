@@ -38,12 +38,27 @@ def where(event: dict, frames: int = 3) -> str:
     return " < ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in kept[:frames])
 
 
-def sites_at_peak(snapshot: dict, top: int = 25) -> tuple[int, list[dict]]:
-    """The recorded span's peak and, largest first, the ``top`` (allocation site, block size) groups live then:
-    ``{"site", "block_mib", "count", "mib"}``. Grouping by size too keeps apart tensors of different shapes made
-    at one line."""
-    peak, blocks = live_at_peak(snapshot)
+def live_at_end(snapshot: dict) -> list[dict]:
+    """The blocks the recorded span allocated that are still live when it ends."""
+    live: dict[int, dict] = {}
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    return list(live.values())
+
+
+def group_sites(blocks: list[dict], top: int = 25) -> list[dict]:
+    """Largest first, the ``top`` (allocation site, block size) groups of ``blocks``: ``{"site", "block_mib",
+    "count", "mib"}``. Grouping by size too keeps apart tensors of different shapes made at one line."""
     groups = Counter((where(block), block["size"]) for block in blocks)
     ranked = sorted(groups.items(), key=lambda item: -item[0][1] * item[1])[:top]
-    return peak, [{"site": site, "block_mib": size / MIB, "count": count, "mib": size * count / MIB}
-                  for (site, size), count in ranked]
+    return [{"site": site, "block_mib": size / MIB, "count": count, "mib": size * count / MIB}
+            for (site, size), count in ranked]
+
+
+def sites_at_peak(snapshot: dict, top: int = 25) -> tuple[int, list[dict]]:
+    """The recorded span's peak and the ``top`` groups of blocks live then (:func:`group_sites`)."""
+    peak, blocks = live_at_peak(snapshot)
+    return peak, group_sites(blocks, top)
