@@ -133,6 +133,26 @@ def test_verify_a_fused_swiglu_step_whose_peak_is_a_gradient_sum(monkeypatch):
     assert abs(result.error) < 0.01, f"{100 * result.error:+.2f}%"
 
 
+@pytest.mark.parametrize("memfit_runner,recompute_peak", [(False, 6000), (True, 5000)])
+def test_when_and_how_far_each_checkpoint_runner_recomputes(memfit_runner, recompute_peak):
+    """A segment x -> wide (saves x, 3000 bytes out) -> narrow (saves nothing, 1000 out). torch's checkpoint
+    recomputes at the first unpack, in wide's backward: narrow's backward has run, so its 3000-byte input gradient
+    is live beside the recomputed wide output (6000), and narrow is not recomputed. memfit's runner recomputes the
+    whole segment before its backward: the held output gradient, wide's and narrow's outputs (5000)."""
+    from memfit.ledger.simulate import Memory, Op, Sym, replay_backward, replay_forward
+
+    x, h, y = Sym("x", 100, True), Sym("h", 3000, True), Sym("y", 1000, True)
+    ops = [Op("wide", [x], [h], [x], segment=0), Op("narrow", [h], [y], [], segment=0)]
+    memory = Memory({})
+    saved = replay_forward(ops, memory, "forward", keep={y.uid}, checkpointed={0})
+    memory.free(y)
+    grad_y = Sym("grad:y", 1000, False)
+    memory.alloc(grad_y)
+    replay_backward(ops, memory, saved, {y.uid: grad_y}, checkpointed={0}, memfit_checkpoints=memfit_runner)
+    assert memory.phase_peaks["recompute"].total == recompute_peak
+    assert not saved
+
+
 def test_verify_a_checkpointed_step_whose_peak_follows_a_residual_gradient_sum(monkeypatch):
     """A wide residual stream (hidden 256, MLP 64), full fine-tuning in fp32 with the fused loss: memfit's checkpoint
     runner, where a layer's backward holds the layer output's gradient, so the residual stream's second gradient at

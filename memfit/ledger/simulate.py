@@ -258,17 +258,20 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
         refs[grad.uid] = refs.get(grad.uid, 0) + 1
     output_of = {segment_ops[s][-1].outputs[0].uid: s for s in checkpointed if s in segment_ops} \
         if memfit_checkpoints else {}
+    recomputed = {s: segment_ops[s] if memfit_checkpoints else _until_last_save(segment_ops[s])
+                  for s in checkpointed if s in segment_ops}
     for op in reversed(ops):
-        if op.segment in checkpointed and op.segment not in segments_done:
-            # Replay the segment's forward with saving, right before its backward.
+        if op.segment in recomputed and op.segment not in segments_done and \
+                (memfit_checkpoints or op is recomputed[op.segment][-1]):
+            # Replay the segment's forward with saving: memfit's runner before the segment's backward, torch's
+            # checkpoint at the first saved tensor the backward unpacks (the ops after the last save go first).
             if op.segment in offloaded:
                 for segment in (op.segment, op.segment - 1):  # this input, and the prefetch of the next
                     if segment in offloaded:
                         layer_input = kept[segment][0]
                         memory.alloc(layer_input)
                         saved[layer_input.uid] = saved.get(layer_input.uid, 0) + (segment == op.segment)
-            recomputed = segment_ops[op.segment] if memfit_checkpoints else _until_last_save(segment_ops[op.segment])
-            resaved = replay_forward(recomputed, memory, "recompute", keep=set(saved), save=True)
+            resaved = replay_forward(recomputed[op.segment], memory, "recompute", keep=set(saved), save=True)
             for uid, count in resaved.items():
                 saved[uid] = saved.get(uid, 0) + count
             segments_done.add(op.segment)
@@ -351,10 +354,10 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
 
 def _until_last_save(ops: list[Op]) -> list[Op]:
     """``ops`` up to the last one that saves a tensor for backward: what torch's non-reentrant checkpoint recomputes
-    before it stops. Approximate at that op: torch packs its inputs before the kernel runs and stops there, so that
-    op's output is never made, where the replay makes it and drops it; and the Python locals of the ops cut off live
-    until the stop unwinds, where the replay frees them at their last use. (torch also recomputes at the first
-    unpack, after the backward of the ops past the last save has run; the replay recomputes before it.)"""
+    before it stops, at the backward of that op (the first to unpack a saved tensor). Approximate at that op: torch
+    packs its inputs before the kernel runs and stops there, so that op's output is never made, where the replay
+    makes it and drops it; and the Python locals of the ops cut off live until the stop unwinds, where the replay
+    frees them at their last use."""
     last = max((i for i, op in enumerate(ops) if op.saves and op.needs_backward), default=len(ops) - 1)
     return ops[:last + 1]
 
