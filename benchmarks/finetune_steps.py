@@ -97,10 +97,12 @@ def run_context(model, optimizer, state, spec, context, fraction, frozen, device
     for fused in settings:
         step(fused)
     if resident:                                   # recording since before the model's build
-        blocks = live_at_end(torch.cuda.memory._snapshot())
+        snapshot = torch.cuda.memory._snapshot()
+        blocks = live_at_end(snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)
         record({**base, "context": context, "resident": True, "allocated_gb": torch.cuda.memory_allocated(device) / GB,
-                "recorded_live_mib": sum(b["size"] for b in blocks) / MIB, "sites": group_sites(blocks, top=40)})
+                "recorded_live_mib": sum(b["size"] for b in blocks) / MIB, "sites": group_sites(blocks, top=40),
+                "history_entries": len(snapshot["device_traces"][0]), "history_limit": HISTORY_ENTRIES})
     for index in range(args.steps):
         fused = settings[index % len(settings)]
         row = {**base, "context": context, "step": index, "fused_swiglu": fused, "history": args.history}
@@ -199,19 +201,24 @@ def main(argv=None) -> int:
 
     def record(row: dict) -> None:
         rows.append(row)
-        print({k: v for k, v in row.items() if k not in ("kernels", "gpu_idle", "host", "sites_at_peak", "sites")}, flush=True)
+        long = ("kernels", "gpu_idle", "host", "sites_at_peak", "sites")
+        print({k: v for k, v in row.items() if k not in long}, flush=True)
         save(complete=False)
 
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         if args.resident:
             torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
-        model, optimizer, state, fraction, frozen, attention = build_row(spec, dtype, device)
-        base = {"dtype": str(dtype), "attention": attention, "optimizer": type(optimizer).__name__,
-                "frozen_weights_gb": frozen / GB}
-        for context in contexts:
-            run_context(model, optimizer, state, spec, context, fraction, frozen, device, args, base, record,
-                        resident=args.resident and context == contexts[0])
+        try:
+            model, optimizer, state, fraction, frozen, attention = build_row(spec, dtype, device)
+            base = {"dtype": str(dtype), "attention": attention, "optimizer": type(optimizer).__name__,
+                    "frozen_weights_gb": frozen / GB}
+            for context in contexts:
+                run_context(model, optimizer, state, spec, context, fraction, frozen, device, args, base, record,
+                            resident=args.resident and context == contexts[0])
+        finally:
+            if args.resident or args.history:               # a step that raised leaves no recording on
+                torch.cuda.memory._record_memory_history(enabled=None)
         state.runner.close()
         del model, optimizer, state
         gc.collect()

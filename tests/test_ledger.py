@@ -137,8 +137,9 @@ def test_verify_a_fused_swiglu_step_whose_peak_is_a_gradient_sum(monkeypatch):
 def test_when_and_how_far_each_checkpoint_runner_recomputes(memfit_runner, recompute_peak):
     """A segment x -> wide (saves x, 3000 bytes out) -> narrow (saves nothing, 1000 out). torch's checkpoint
     recomputes at the first unpack, in wide's backward: narrow's backward has run, so its 3000-byte input gradient
-    is live beside the recomputed wide output (6000), and narrow is not recomputed. memfit's runner recomputes the
-    whole segment before its backward: the held output gradient, wide's and narrow's outputs (5000)."""
+    is live at the recompute, and narrow is not recomputed. The replay also makes wide's output there (6000), where
+    torch stops before a built-in op's kernel (simulate._until_last_save's approximation). memfit's runner
+    recomputes the whole segment before its backward: the held output gradient, wide's and narrow's outputs (5000)."""
     from memfit.ledger.simulate import Memory, Op, Sym, replay_backward, replay_forward
 
     x, h, y = Sym("x", 100, True), Sym("h", 3000, True), Sym("y", 1000, True)
