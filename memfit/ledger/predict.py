@@ -30,6 +30,10 @@ COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "kv_
 # cuBLAS keeps one workspace per handle and stream, taken from the caching allocator
 # (torch's default on Hopper: 32 MiB), so it counts in max_memory_allocated.
 CUBLAS_WORKSPACE = 32 * MiB
+# torch gives each thread its own cuBLAS handle, and autograd runs a CUDA backward on its own device thread: a training
+# step holds two workspaces, the forward's and the backward's (allocator history on the H200, 4597356: one made at the
+# rotary embedding's matmul in forward, one at linear_ce's first matmul in backward, both live between steps).
+TRAINING_CUBLAS_WORKSPACES = 2 * CUBLAS_WORKSPACE
 # What `torch.cuda.init()` plus cuBLAS/cuDNN handles take outside the caching allocator (H100/H200,
 # CUDA 12/13). Only shown and added to the budget check; max_memory_allocated never sees it.
 CUDA_CONTEXT = 520 * MiB
@@ -188,7 +192,7 @@ def _train_replay(job: Job, knobs: Knobs) -> _TrainReplay:
     peaks are the same moments for every optimizer, and the planner's candidates that differ only in the optimizer
     (half of them at large --batch) share one replay (``_predict_train`` adds the states)."""
     steps = job.batch // (knobs.micro_batch or job.batch)
-    workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
+    workspace = TRAINING_CUBLAS_WORKSPACES if job.device == "cuda" else 0
     phases: dict[str, int] = {}
     best = None
     graph, loss = _train_graph(job, knobs)       # replayed once per micro-batch below; a replay changes no op
@@ -229,7 +233,7 @@ def _predict_train(job: Job, knobs: Knobs) -> Ledger:
     micro = knobs.micro_batch or job.batch
     if job.batch % micro:
         raise MemfitError(f"{field_flag('batch')} {job.batch} is not a multiple of {field_flag('micro_batch')} {micro}")
-    workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
+    workspace = TRAINING_CUBLAS_WORKSPACES if job.device == "cuda" else 0
     replay = _train_replay(job, knobs.with_(optimizer=OPTIMIZERS[0]))
     weights, sizes = replay.weights, replay.sizes
     grads = sum(n * s for n, s in sizes)
