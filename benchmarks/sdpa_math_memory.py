@@ -2,11 +2,13 @@
 
 Why: torch runs fp32 grouped-query attention on its math kernel, whose scores are heads x seq^2 per sequence. On the
 H200 (08bf567) `memfit verify --model llama-3.2-1b --task lora --seq 8192 --dtype float32 --checkpoint-layers 16`
-measured 15.7% above the ledger, and the allocator's history at the peak held four 8 GiB score-sized tensors
-(`results/logs/ledger_snapshot_llama-3.2-1b_lora_8192_fp32_ckpt16_08bf567.log`). This measures the kernel alone:
+measured 40.92 GB, where the ledger predicted 15.7% less, and the allocator's history at the peak held four 8 GiB
+score-sized tensors (`results/logs/ledger_snapshot_llama-3.2-1b_lora_8192_fp32_ckpt16_08bf567.log`). This measures the kernel alone:
 for each way a caller asks for causality (HF's float mask, a bool mask, is_causal) and of grouping heads
 (enable_gqa, or k/v repeated first as HF's eager path does), the forward's peak, what the forward leaves, and the
-backward's peak above that, each divided by one score tensor.
+backward's peak above that, each divided by one score tensor. (On the CPU memfit's tracker counts only what a
+region allocates, so the backward's figure is the most it allocated at once: an upper bound on its peak above what
+the forward left.) A warm-up call first makes the cuBLAS workspaces of both threads, which the meters would catch.
 
     python benchmarks/sdpa_math_memory.py            # CUDA: the caching allocator's counters
     python benchmarks/sdpa_math_memory.py --smoke    # CPU, small: memfit's CPU allocation tracker
@@ -88,6 +90,7 @@ def main(argv=None) -> int:
     check_out_dir(parser, args.out)
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     heads, kv_heads, seq, head_dim = (4, 2, 512, 16) if device == "cpu" else (32, 8, 2048, 64)
+    measure(device, heads, kv_heads, seq, head_dim, MASKS[0], GROUPINGS[0])    # warm-up: workspaces, lazy init
     rows = []
     for mask in MASKS:
         for grouping in GROUPINGS:

@@ -186,7 +186,7 @@ def test_verify_transformers_checkpointing_recomputes_only_up_to_the_last_saved_
 def test_a_cuda_training_step_holds_two_cublas_workspaces_and_inference_one():
     """torch gives each thread its own cuBLAS handle and a workspace per handle and stream; autograd runs a CUDA
     backward on its own device thread, so a training step holds the forward's workspace and the backward's
-    (allocator history on the H200 at 4597356). On the CPU there is none."""
+    (allocator history on the H200 at 08bf567). On the CPU there is none."""
     from memfit.ledger.predict import CUBLAS_WORKSPACE
 
     spec = PRESETS["llama-3.2-1b"]

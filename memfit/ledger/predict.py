@@ -31,7 +31,7 @@ COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "kv_
 # (torch's default on Hopper: 32 MiB), so it counts in max_memory_allocated.
 CUBLAS_WORKSPACE = 32 * MiB
 # torch gives each thread its own cuBLAS handle, and autograd runs a CUDA backward on its own device thread: a training
-# step holds two workspaces, the forward's and the backward's (allocator history on the H200, 4597356: one made at the
+# step holds two workspaces, the forward's and the backward's (allocator history on the H200, 08bf567: one made at the
 # rotary embedding's matmul in forward, one at linear_ce's first matmul in backward, both live between steps).
 TRAINING_CUBLAS_WORKSPACES = 2 * CUBLAS_WORKSPACE
 # What `torch.cuda.init()` plus cuBLAS/cuDNN handles take outside the caching allocator (H100/H200,
