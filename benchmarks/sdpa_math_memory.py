@@ -3,8 +3,8 @@
 Why: torch runs fp32 grouped-query attention on its math kernel, whose scores are heads x seq^2 per sequence. On the
 H200 (08bf567) `memfit verify --model llama-3.2-1b --task lora --seq 8192 --dtype float32 --checkpoint-layers 16`
 measured 40.92 GB, where the ledger predicted 15.7% less, and the allocator's history at the peak held four 8 GiB
-score-sized tensors (`results/logs/ledger_snapshot_llama-3.2-1b_lora_8192_fp32_ckpt16_08bf567.log`). This measures the kernel alone:
-for each way a caller asks for causality (HF's float mask, a bool mask, is_causal) and of grouping heads
+score-sized tensors (`results/logs/ledger_snapshot_llama-3.2-1b_lora_8192_fp32_ckpt16_08bf567.log`). This measures
+the kernel alone: for each way a caller asks for causality (HF's float mask, a bool mask, is_causal) and of grouping heads
 (enable_gqa, or k/v repeated first as HF's eager path does), the forward's peak, what the forward leaves, and the
 backward's peak above that, each divided by one score tensor. (On the CPU memfit's tracker counts only what a
 region allocates, so the backward's figure is the most it allocated at once: an upper bound on its peak above what
