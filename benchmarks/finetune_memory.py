@@ -243,6 +243,25 @@ def _targets(rows: list[dict]) -> list[dict]:
     return targets
 
 
+def parse_contexts(parser, text: str) -> tuple[int, ...]:
+    """``--contexts``: comma-separated positive token counts, else a usage error."""
+    try:
+        contexts = tuple(int(c) for c in text.split(","))
+    except ValueError:
+        parser.error(f"--contexts takes comma-separated token counts, got {text!r}")
+    if min(contexts) < 1:
+        parser.error(f"--contexts takes positive token counts, got {text!r}")
+    return contexts
+
+
+def parse_dtypes(parser, text: str) -> list[str]:
+    """``--dtypes``: float32 and/or bfloat16, comma-separated, else a usage error."""
+    dtypes = text.split(",")
+    if any(dtype not in ("float32", "bfloat16") for dtype in dtypes):
+        parser.error(f"--dtypes takes float32 and/or bfloat16, comma-separated, got {text!r}")
+    return dtypes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU, same code path")
@@ -266,15 +285,8 @@ def main() -> None:
         parser.error(f"--rows {args.rows!r} names none of the 4-bit-model rows: {', '.join(FOUR_BIT_ROWS)}")
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     spec = PRESETS["tiny" if args.smoke else "llama-3.2-3b"]
-    try:
-        default = (33, 48) if args.smoke else CONTEXTS
-        contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else default
-    except ValueError:
-        parser.error(f"--contexts takes comma-separated token counts, got {args.contexts!r}")
-    if min(contexts) < 1:
-        parser.error(f"--contexts takes positive token counts, got {args.contexts!r}")
-    if any(dtype not in ("float32", "bfloat16") for dtype in args.dtypes.split(",")):
-        parser.error(f"--dtypes takes float32 and/or bfloat16, comma-separated, got {args.dtypes!r}")
+    contexts = parse_contexts(parser, args.contexts) if args.contexts else (33, 48) if args.smoke else CONTEXTS
+    parse_dtypes(parser, args.dtypes)
     torch.backends.cuda.matmul.allow_tf32 = True  # fp32 storage and activations as in the paper; TF32 changes no byte
     started = time.perf_counter()
     ceilings = None

@@ -40,6 +40,8 @@ from finetune_memory import (
     GB,
     LORA,
     bnb_unavailable_reason,
+    parse_contexts,
+    parse_dtypes,
     resident_bytes,
     rows_settings,
     train_step,
@@ -167,15 +169,8 @@ def main(argv=None) -> int:
     check_out_dir(parser, args.out)
     if args.steps < 1:
         parser.error(f"--steps takes a positive count, got {args.steps}")
-    try:
-        contexts = [int(c) for c in args.contexts.split(",")]
-    except ValueError:
-        parser.error(f"--contexts takes comma-separated token counts, got {args.contexts!r}")
-    if min(contexts) < 1:
-        parser.error(f"--contexts takes positive token counts, got {args.contexts!r}")
-    dtypes = args.dtypes.split(",")
-    if any(dtype not in ("float32", "bfloat16") for dtype in dtypes):
-        parser.error(f"--dtypes takes float32 and/or bfloat16, comma-separated, got {args.dtypes!r}")
+    contexts = parse_contexts(parser, args.contexts)
+    dtypes = parse_dtypes(parser, args.dtypes)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if args.history and args.resident:
         parser.error("--history and --resident record the allocator's history over different spans: give one")
