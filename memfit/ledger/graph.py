@@ -237,9 +237,13 @@ class ModelGraph:
         # at::_safe_softmax: softmax, a bool mask of -inf scores (1 byte: a quarter of fp32), and
         # where(fully masked row, 0, softmax) as the saved result; its C++ locals live until it returns.
         soft = self.pointwise([scores], scores_per_token, f"{layer}.math.softmax", dtype=FP32)
-        masked = self.pointwise([scores], scores_per_token // 4, f"{layer}.math.is_neg_inf", dtype=FP32)
+        masked = self.act(f"{layer}.math.is_neg_inf", scores_per_token // 4, False, FP32)   # bool: no gradient
+        self.op(f"{layer}.math.is_neg_inf", [scores], [masked], [])
+        # On CUDA its backward holds one score tensor more than its gradients (H200: 3.0 score tensors above what the
+        # forward left, against 2.03 on the CPU; benchmarks/sdpa_math_memory.py, d51ce43).
+        extra = self._bytes(scores_per_token, FP32) if self.device == "cuda" else 0
         probs = self.pointwise([soft, masked], scores_per_token, f"{layer}.math.safe_softmax", saves_output=True,
-                               dtype=FP32)
+                               dtype=FP32, backward_workspace=extra)
         for local in (scores, soft, masked):
             self.release(local)
         return self.mul(probs, v_rep, s.q_dim, f"{layer}.math.pv")
