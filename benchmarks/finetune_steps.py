@@ -49,7 +49,7 @@ from finetune_memory import (
 
 from memfit.ledger.verify import make_optimizer
 from memfit.measure.allocator_history import MIB, group_sites, live_at_end, sites_at_peak
-from memfit.measure.kernel_profile import kernel_profile
+from memfit.measure.kernel_profile import host_profile, kernel_profile
 from memfit.measure.results import check_out_dir, write_results
 from memfit.models import PRESETS, build_model
 from memfit.train.patch import patch, patch_state
@@ -72,18 +72,6 @@ def build_row(spec, dtype, device):
     state = patch_state(model)
     state.fused_ce, state.policy, state.vocab_subset = fused_ce, policy, subset
     return model, optimizer, state, fraction, frozen, attention
-
-
-def host_profile(step, top: int = 15) -> list[dict]:
-    """One ``step()`` under torch.profiler (CPU and CUDA activity): the ``top`` operators and CUDA runtime calls by
-    host time spent in themselves (a synchronisation's wait is there, under its runtime call)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        step()
-    ranked = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
-    return [{"name": e.key, "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ranked]
 
 
 def run_context(model, optimizer, state, spec, context, fraction, frozen, device, args, base, record,

@@ -22,37 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from memfit.measure.memory import CpuAllocationTracker
+from memfit.measure.memory import PeakMeter
 from memfit.measure.results import check_out_dir, write_results
 
 MASKS = ("float mask", "bool mask", "is_causal")
 GROUPINGS = ("enable_gqa", "repeat_kv")
-
-
-class _Meter:
-    """Peak bytes above the start of a region, on CUDA (allocator counters) or the CPU (memfit's tracker)."""
-
-    def __init__(self, device: str):
-        self.device = device
-
-    def __enter__(self):
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.start = torch.cuda.memory_allocated()
-        else:
-            self.tracker = CpuAllocationTracker().__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self.start
-            self.left = torch.cuda.memory_allocated() - self.start
-        else:
-            self.tracker.__exit__(*exc)
-            self.peak, self.left = self.tracker.peak, None
-        return False
 
 
 def measure(device: str, heads: int, kv_heads: int, seq: int, head_dim: int, mask: str, grouping: str) -> dict:
@@ -66,19 +40,22 @@ def measure(device: str, heads: int, kv_heads: int, seq: int, head_dim: int, mas
     if grouping == "enable_gqa":
         kwargs["enable_gqa"] = True
     score = heads * seq * seq * 4
+    allocated = torch.cuda.memory_allocated if device == "cuda" else None   # the CPU meter counts from zero
     with sdpa_kernel(SDPBackend.MATH):
-        with _Meter(device) as forward:
+        start = allocated() if allocated else 0
+        with PeakMeter(device) as forward:
             keys, values = (k, v) if grouping == "enable_gqa" else \
                 (k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1))
             out = F.scaled_dot_product_attention(q, keys, values, **kwargs)
         grad = torch.ones_like(out)
-        with _Meter(device) as backward:
+        before_backward = allocated() if allocated else 0
+        with PeakMeter(device) as backward:
             out.backward(grad)
     row = {"mask": mask, "grouping": grouping, "heads": heads, "kv_heads": kv_heads, "seq": seq,
-           "score_mib": score / 2**20, "forward_peak_scores": forward.peak / score,
-           "backward_peak_scores": backward.peak / score}
-    if forward.left is not None:
-        row["left_after_forward_scores"] = forward.left / score
+           "score_mib": score / 2**20, "forward_peak_scores": (forward.peak - start) / score,
+           "backward_peak_scores": (backward.peak - before_backward) / score}
+    if allocated:
+        row["left_after_forward_scores"] = (before_backward - start - grad.numel() * grad.element_size()) / score
     return row
 
 

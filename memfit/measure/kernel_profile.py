@@ -2,7 +2,8 @@
 
 Benchmarks call :func:`kernel_profile` to explain a timing (``benchmarks/linear_ce.py
 --profile``, ``benchmarks/decode_profile.py``). On a CPU it profiles operators instead, so
-the same code path runs in a smoke test.
+the same code path runs in a smoke test. :func:`host_profile` gives the other side of a step:
+where the host's time goes (``benchmarks/finetune_steps.py --profile``), for host-bound steps.
 """
 from __future__ import annotations
 
@@ -59,3 +60,15 @@ def kernel_profile(step, device: str, name_chars: int = 160, groups: int = 12, g
             "gaps": len(found), "longest": sorted(found, key=lambda g: -g["us"])[:gaps]}
     return (dict(sorted(by_name.items(), key=lambda kv: -kv[1]["ms"])),
             sorted(by_grid.values(), key=lambda g: -g["ms"])[:groups], idle)
+
+
+def host_profile(step, top: int = 15) -> list[dict]:
+    """One ``step()`` under torch.profiler (CPU and CUDA activity): the ``top`` operators and CUDA runtime calls by
+    host time spent in themselves (a synchronisation's wait is there, under its runtime call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        step()
+    ranked = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return [{"name": e.key, "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ranked]
