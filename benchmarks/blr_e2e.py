@@ -210,10 +210,20 @@ def main(argv=None) -> int:
                         help="attention of every model: transformers' SDPA (what a Hugging Face user gets; the "
                              "default) or memfit's attention kernels, prefill and decode (writes "
                              "blr_e2e_memfit_attention.json)")
+    parser.add_argument("--inductor-pdl", action="store_true",
+                        help="compile every model with torch._inductor.config.triton.enable_pdl (Hopper+): the "
+                             "compiled kernels are launched to start before the kernel ahead of them ends, as memfit's "
+                             "chained BLR kernels are, and let the next one start early (writes *_inductor_pdl.json)")
     parser.add_argument("--profile", action="store_true",
                         help="also split each timed step's GPU time by kernel kind (matmul, BLR, attention, other, idle)")
     args = parser.parse_args(argv)
     check_out_dir(parser, args.out)
+    if args.inductor_pdl:
+        from torch._inductor import config as inductor_config
+
+        if not hasattr(inductor_config.triton, "enable_pdl"):
+            parser.error(f"--inductor-pdl: torch {torch.__version__}'s inductor has no triton.enable_pdl")
+        inductor_config.triton.enable_pdl = True
     global PREFILL, DECODE_CACHE
     smoke = args.smoke or not torch.cuda.is_available()
     device = "cpu" if smoke else "cuda"
@@ -234,13 +244,15 @@ def main(argv=None) -> int:
         from memfit.train.attention_hf import register
 
         attention = register()
-    name = "blr_e2e" + ("_memfit_attention" if args.attention == "memfit" else "") + ("_smoke" if smoke else "")
+    name = ("blr_e2e" + ("_memfit_attention" if args.attention == "memfit" else "")
+            + ("_inductor_pdl" if args.inductor_pdl else "") + ("_smoke" if smoke else ""))
 
     def save(targets: list[dict], complete: bool) -> Path:
         # the kernel variant each BLR layer shape took, with what the pick measured (or that it came from the cache),
         # and the tile each kernel's autotuner took
         return write_results(name, rows, targets, out_dir=args.out, model=spec.name, blocks=blocks, ranks=ranks,
-                             attention=args.attention, pick_timings=blr_common.PICK_TIMINGS,
+                             attention=args.attention, inductor_pdl=args.inductor_pdl,
+                             pick_timings=blr_common.PICK_TIMINGS,
                              tile_picks=blr_common.tile_picks(), complete=complete)
 
     for variant in variants:
