@@ -297,8 +297,7 @@ from triton.backends.compiler import GPUTarget
 from memfit.kernels import blast, blr_common, gemv
 
 kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
-           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "row_gemv": gemv._row_gemv_kernel,
-           "gemv": gemv._gemv_kernel}
+           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "row_gemv": gemv._row_gemv_kernel}
 out = {}
 for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
@@ -312,21 +311,24 @@ for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[
 print(json.dumps(out))
 """
 CHAIN_BASE = {"HAS_BIAS": True, "PRECISION": "tf32", "LINE": 64, "BN": 16, "BC": 64, "BK": 64}
-CHAINED = {"LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": True}     # every stage of every chained pipeline
+WAITS = {"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": True}
 ROW_GEMV_BASE = {"HAS_BIAS": True, "LINE": 64, "BC": 32, "BK": 256}
 ROW_GEMV_ALIGNED = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "C", "swi", "swk", "sxm", "sym", "syi"]  # as at the paper's shapes
 CHAIN_CASES = {
-    "bgemm, weights row-major": ("bgemm", {**CHAIN_BASE, **CHAINED, "B_ROWS_CONTIGUOUS": True, "EVEN_K": False,
-                                           "BGRP": 0}),                                    # every first stage
-    "bgemm, weights k-major": ("bgemm", {**CHAIN_BASE, **CHAINED, "B_ROWS_CONTIGUOUS": False, "EVEN_K": True,
-                                         "BGRP": 0}),
-    "bgemm, weights interleaved": ("bgemm", {**CHAIN_BASE, **CHAINED, "B_ROWS_CONTIGUOUS": True, "BGRP": 32,
-                                             "B_INTERLEAVED": True, "EVEN_K": False}),     # Monarch's stage 2
-    "mixgemm": ("mixgemm", {**CHAIN_BASE, **CHAINED, "BB": 16}),
-    "zmix": ("zmix", {"BB": 16, "PRECISION": "tf32", **CHAINED, "BN": 16, "BK": 32}),
-    "row_gemv": ("row_gemv", {**ROW_GEMV_BASE, **CHAINED}, ROW_GEMV_ALIGNED),              # Monarch at one token
-    "gemv": ("gemv", {"HAS_BIAS": True, "VEC": 8, "LINE": 64, "BN": 8, "BK": 256, **CHAINED},
-             ["x_ptr", "w_ptr", "b_ptr", "y_ptr"]),                                         # BLAST's stage 3 at one token
+    "bgemm waits, weights row-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True, "EVEN_K": False,
+                                                 "BGRP": 0}),
+    "bgemm waits, weights k-major": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": False, "EVEN_K": True,
+                                               "BGRP": 0}),
+    "bgemm waits, weights interleaved": ("bgemm", {**CHAIN_BASE, **WAITS, "B_ROWS_CONTIGUOUS": True, "BGRP": 32,
+                                                   "B_INTERLEAVED": True, "EVEN_K": False}),  # Monarch's stage 2
+    "mixgemm waits": ("mixgemm", {**CHAIN_BASE, "WAIT_FOR_PREVIOUS": True, "BB": 16}),
+    "zmix waits and launches": ("zmix", {"BB": 16, "PRECISION": "tf32", "LAUNCH_DEPENDENTS": True,
+                                         "WAIT_FOR_PREVIOUS": True, "BN": 16, "BK": 32}),
+    "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
+                                 "B_ROWS_CONTIGUOUS": True, "EVEN_K": False, "BGRP": 0}),
+    "row_gemv waits": ("row_gemv", {**ROW_GEMV_BASE, **WAITS}, ROW_GEMV_ALIGNED),           # Monarch's stage 2
+    "row_gemv launches": ("row_gemv", {**ROW_GEMV_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False},
+                          ROW_GEMV_ALIGNED),                                               # stage 1 at one token
 }
 
 
@@ -416,28 +418,30 @@ def sm90_ptx():
     return compile_sm90(CHAIN_CASES)
 
 
-@pytest.mark.parametrize("case", [c for c in CHAIN_CASES if c != "zmix"])
+@pytest.mark.parametrize("case", [c for c in CHAIN_CASES if "waits" in c and "zmix" not in c])
 def test_chained_stage_prefetches_its_weights_then_waits_then_loads(sm90_ptx, case):
+    import re
+
     ptx = sm90_ptx[case]
     prefetch, wait = ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait")
     first_load = min(m.start() for m in re.finditer(r"cp\.async|ld\.global", ptx))
     assert 0 <= prefetch < wait < first_load
+    assert "griddepcontrol.launch_dependents" not in ptx
 
 
-@pytest.mark.parametrize("case", list(CHAIN_CASES))
-def test_chained_stage_lets_the_next_start_only_after_its_wait(sm90_ptx, case):
-    """A kernel let start early may read, without waiting, what the kernel before the one it follows wrote
-    (torch.compile's PDL kernels wait only where they read the one before): safe only if the trigger comes after
-    this kernel's own wait, so that everything before it has finished (blr_common's chained stages)."""
+def test_chained_mixing_lets_the_next_start_then_waits_for_z(sm90_ptx):
+    """The middle of a three-kernel chain: lets the next start, reads S, waits, then reads Z."""
+    ptx = sm90_ptx["zmix waits and launches"]
+    assert 0 <= ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")
+    assert ptx.rfind("ld.global") > ptx.find("griddepcontrol.wait")
+
+
+@pytest.mark.parametrize("case", [c for c in CHAIN_CASES if "waits" not in c])
+def test_first_stage_of_a_chain_lets_the_next_start_before_its_loads(sm90_ptx, case):
     ptx = sm90_ptx[case]
-    assert 0 <= ptx.find("griddepcontrol.wait") < ptx.find("griddepcontrol.launch_dependents")
-
-
-def test_chained_mixing_reads_s_then_waits_for_z(sm90_ptx):
-    """The middle of a three-kernel chain: reads S (its weights), waits, then reads Z."""
-    ptx = sm90_ptx["zmix"]
-    wait = ptx.find("griddepcontrol.wait")
-    assert 0 <= ptx.find("ld.global") < wait < ptx.rfind("ld.global")
+    assert "griddepcontrol.wait" not in ptx and "prefetch.global.L2" not in ptx
+    launch = ptx.find("griddepcontrol.launch_dependents")
+    assert 0 <= launch < min(ptx.find(op) for op in ("ld.global", "cp.async") if op in ptx)
 
 
 def test_row_gemv_tiles_stream_16_byte_rows_without_spills():
@@ -447,7 +451,7 @@ def test_row_gemv_tiles_stream_16_byte_rows_without_spills():
     from memfit.kernels import gemv
 
     tiles = {str(tile): tile for tile in gemv.ROW_TILES}
-    cases = {name: ("row_gemv", {**ROW_GEMV_BASE, **CHAINED, "BC": bc, "BK": bk}, ROW_GEMV_ALIGNED, stages, warps)
+    cases = {name: ("row_gemv", {**ROW_GEMV_BASE, **WAITS, "BC": bc, "BK": bk}, ROW_GEMV_ALIGNED, stages, warps)
              for name, (bc, bk, warps, stages) in tiles.items()}
     for name, ptx in compile_sm90(cases).items():
         bc, bk, warps, _ = tiles[name]

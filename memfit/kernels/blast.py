@@ -257,14 +257,14 @@ def _zmix_kernel(z_ptr, s_ptr, t_ptr, N, R, B, N_BUCKET, szn, szj, ssi, ssj, ssk
     """T[n, i, k] = sum_j Z[n, j, k] s[i, j, k] for a (BN tokens, BK ranks) tile: per rank k a
     (BN x b) @ (b x b) product, all BK of them as one batched tensor-core dot (Z read and T
     written once; the b^2 multiply-adds per element stay off the CUDA cores)."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     rb = tl.arange(0, BB)
     st = _load_s_by_rank(s_ptr, rk, rb, B, R, ssi, ssj, ssk)
     if WAIT_FOR_PREVIOUS:                              # S is this op's weights; Z comes from the previous kernel
         tl.extra.cuda.gdc_wait()
-    if LAUNCH_DEPENDENTS:                              # after the wait (blr_common: chained stages)
-        tl.extra.cuda.gdc_launch_dependents()
     z = tl.load(z_ptr + rk[:, None, None] + rn[None, :, None] * szn + rb[None, None, :] * szj,
                 mask=(rk[:, None, None] < R) & (rn[None, :, None] < N) & (rb[None, None, :] < B),
                 other=0.0)                                                                      # (BK, BN, b_j)
@@ -355,21 +355,20 @@ def _zmix(z, s, chained=False):
     return t
 
 
-def _z_by_bgemm(x2, v, chained: bool, tile=None):
-    """Z (N, b, r), z[n, j, k] = (X_j V_j)[n, k], by ``bgemm``; ``chained``: the first kernel of a chain (it waits for
-    the kernel before it, then lets the next start: blr_common's chained stages)."""
+def _z_by_bgemm(x2, v, launch_dependents: bool, tile=None):
+    """Z (N, b, r), z[n, j, k] = (X_j V_j)[n, k], by ``bgemm``; ``launch_dependents``: the first kernel of a chain."""
     b, m, r = v.shape
     n = x2.shape[0]
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
-    bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1), launch_dependents=chained,
-          wait_for_previous=chained, tile=tile)
+    bgemm(x2, v, z, n, m, r, b, (m, x2.stride(0), 1), v.stride(), (r, b * r, 0, 1), launch_dependents=launch_dependents,
+          tile=tile)
     return z
 
 
 def _chained_bgemm_mix_bgemm(x2, u, v, s, bias, tiles=(None, None)):
-    z = _z_by_bgemm(x2, v, chained=True, tile=tiles[0])
+    z = _z_by_bgemm(x2, v, launch_dependents=True, tile=tiles[0])
     return per_block_gemm(_zmix(z, s, chained=True), u.transpose(1, 2), bias, cublas=False, wait_for_previous=True,
-                          launch_dependents=True, tile=tiles[1])
+                          tile=tiles[1])
 
 
 def _gemm_chain_tiles(x2, u, v, s, bias) -> tuple:
@@ -396,8 +395,8 @@ def _bgemm_mix_gemv_pdl(x2, u, v, s, bias):
     the GEMM chain's pairs, where the pick has not (variants_for lists that chain first, so the pick times it first)."""
     (b, _, r), n = v.shape, x2.shape[0]
     stage1 = _gemm_chain_tiles(x2, u, v, s, bias)[0]
-    t = _zmix(_z_by_bgemm(x2, v, chained=True, tile=stage1), s, chained=True)
-    return gemv.block_gemv(t.view(n, b * r), u.view(-1, r), bias, b, r, wait_for_previous=True, launch_dependents=True)
+    t = _zmix(_z_by_bgemm(x2, v, launch_dependents=True, tile=stage1), s, chained=True)
+    return gemv.block_gemv(t.view(n, b * r), u.view(-1, r), bias, b, r, wait_for_previous=True)
 
 
 # ---- decode: Z by a batched GEMM, the mixing in stage 3's operand prologue -----------
@@ -417,7 +416,7 @@ def _prune_mixgemm(configs, named_args, **kwargs):
 def _mixgemm_kernel(z_ptr, s_ptr, u_ptr, y_ptr, bias_ptr, N, R, P, B, N_BUCKET,
                     szn, szj, ssi, ssj, ssk, sui, suo, suk, syn,
                     HAS_BIAS: tl.constexpr, BB: tl.constexpr, PRECISION: tl.constexpr,
-                    LAUNCH_DEPENDENTS: tl.constexpr, WAIT_FOR_PREVIOUS: tl.constexpr, LINE: tl.constexpr,
+                    WAIT_FOR_PREVIOUS: tl.constexpr, LINE: tl.constexpr,
                     BN: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """y[n, i p + o] = sum_k (sum_j s[i, j, k] Z[n, j, k]) U[i, o, k] for a (BN, BC) tile of block i."""
     c_tiles = tl.cdiv(P, BC)
@@ -427,8 +426,6 @@ def _mixgemm_kernel(z_ptr, s_ptr, u_ptr, y_ptr, bias_ptr, N, R, P, B, N_BUCKET,
     if WAIT_FOR_PREVIOUS:                              # U_i's rows of this column tile (unit stride along k) into L2
         prefetch_l2(u_ptr + i * sui + pid_c * BC * suo, tl.minimum(BC, P - pid_c * BC), suo, R, LINE)
         tl.extra.cuda.gdc_wait()                       # then Z, written by the previous kernel
-    if LAUNCH_DEPENDENTS:                              # after the wait (blr_common: chained stages)
-        tl.extra.cuda.gdc_launch_dependents()
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rc = pid_c * BC + tl.arange(0, BC)
     rk = tl.arange(0, BK)
@@ -456,13 +453,13 @@ def _z_mixgemm(x2, u, v, s, bias, chained=False):
     if chained and u.stride(2) != 1:                                 # the prefetch walks U_i's rows along k
         raise MemfitError(f"blast_linear: z_mixgemm_pdl needs U with a unit stride along the rank, got {u.stride()}")
     n = x2.shape[0]
-    z = _z_by_bgemm(x2, v, chained=chained)
+    z = _z_by_bgemm(x2, v, launch_dependents=chained)
     y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * b * triton.cdiv(p, meta["BC"]),)
     _mixgemm_kernel[grid](z, s, u, y, bias if bias is not None else y, n, r, p, b, n_bucket(n), z.stride(0),
                           z.stride(1), *s.stride(), *u.stride(), y.stride(0), HAS_BIAS=bias is not None,
                           BB=pow2_at_least(b, 1), PRECISION=blr_precision(x2.dtype), LINE=line_elements(u),
-                          **chain_options(launch_dependents=chained, wait_for_previous=chained))
+                          **chain_options(wait_for_previous=chained))
     return y
 
 

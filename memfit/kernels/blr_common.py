@@ -28,20 +28,22 @@
   re-read from L2, not HBM) and 64-bit offsets.
 * ``bmm_into``: the cuBLAS alternative for a stage that is a plain strided batched GEMM
   writing a strided view of the output (ldc = the row stride), so no copy is made.
-* Chained stages (the ``*_pdl`` pipelines, small N): every kernel of a pipeline, the first
-  too, is launched with programmatic dependent launch (Hopper+), so it may start before the
-  kernel ahead of it in the stream ends, whichever kernel that is: a GEMM stage asks L2 for
-  its own weight slice (``prefetch_l2``: no registers held), the mixing stage loads its S
-  tile, and only then does it wait (``gdc_wait``) for the previous kernel; then it calls
-  ``gdc_launch_dependents``, so the next kernel (its own pipeline's next stage, or whatever
-  follows the op: the next layer's first stage, or a compiled kernel built with
-  ``torch._inductor.config.triton.enable_pdl``) is scheduled while it runs. At decode, where
-  each kernel is a launch plus one dependent read of its weights, each stage's launch and
-  weight read overlap the kernel before it instead of following it. The trigger comes after
-  the wait, never before: a kernel let start early may read the output of the kernel two
-  back without waiting for it (compiled kernels wait only where they read the one before),
-  which is safe only if every kernel that triggers has itself waited. Off the GPU (the
-  interpreter) the kernels run without it, so the tests cover the same arithmetic.
+* Chained stages (the ``*_pdl`` pipelines, small N): a pipeline's second kernel is
+  launched with programmatic dependent launch (Hopper+): the first calls
+  ``gdc_launch_dependents`` as it starts, so the second is scheduled while the first runs;
+  a GEMM stage asks L2 for its own weight slice (``prefetch_l2``: no registers held), the
+  mixing stage loads its S tile, and only then does it wait (``gdc_wait``) for the
+  previous kernel's output. At decode, where each kernel is a
+  launch plus one dependent read of its weights, the second stage's launch and weight read
+  overlap the first stage instead of following it. Off the GPU (the interpreter) the
+  kernels run without it, so the tests cover the same arithmetic.
+  Tried and taken out (817fdcf): every stage of a chain, the first too, launched dependent on whatever kernel came
+  before it (its weight slice prefetched, then the wait) and letting the next kernel start after its wait (the last
+  stage too, so that the next layer's first stage, or a compiled kernel built with inductor's ``enable_pdl``, could
+  start early). In the end-to-end decode with memfit's attention
+  (``earlier/blr_e2e_memfit_attention_chain_ends_817fdcf.json``) Monarch's step took 1.220 ms against 1.215 before (44a54ef) and BLAST's 1.400 against 1.304, with
+  the dense model's 1.410 against 1.412 (and the free model's, which runs no BLR kernel, 0.787 against 0.599: the two
+  runs differ by more than the change can explain; not traced). No gain shown, so it was taken out.
 * ``recompute_backward``: the custom ops' backward. It recomputes the op's reference
   forward in PyTorch ops and differentiates it, so the forward saves only x and the
   weights (no intermediates; not x either where no weight needs a gradient); the price is one
@@ -782,6 +784,8 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
                   GROUP_N: tl.constexpr = 8, BATCH_GROUP: tl.constexpr = 1):
     tl.static_assert(BATCH_GROUP == 1 or not (A_GROUPED or B_INTERLEAVED or A_WINDOW > 0 or WAIT_FOR_PREVIOUS),
                      "batch groups: plain loop only")
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     n_tiles = tl.cdiv(N, BN)
     c_tiles = tl.cdiv(C, BC)
     pid = tl.program_id(0)
@@ -807,8 +811,6 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
         else:                                          # b[k, c] at k + c * sbc
             prefetch_l2(b_tile, cols, sbc, K, LINE)
         tl.extra.cuda.gdc_wait()
-    if LAUNCH_DEPENDENTS:                              # after the wait: what starts next may read what came before
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BN, BC), dtype=tl.float32)
     a_rows, b_cols = rn[:, None] < N, rc[None, :] < C
     if A_WINDOW > 0:                                   # runs of a that start misaligned: aligned windows
@@ -899,9 +901,9 @@ def bgemm(a, b, c, n: int, k: int, cols: int, batches: int, a_strides, b_strides
     Where K is a few steps (K <= BATCH_GROUP_MAX_K) and N's bucket >= BATCH_GROUP_MIN_N, a plain launch (a and b
     read in one run) also tunes over tiles that run several batches per program in one flat loop (``BGEMM_GROUPED``).
 
-    In a chain (:func:`chain_options`): ``wait_for_previous`` prefetches this program's slice of b (the weights)
-    into L2, then waits for the previous kernel (which may write a); ``launch_dependents`` then lets the next kernel
-    start. b needs a unit stride along k or col.
+    In a chain (:func:`chain_options`): ``launch_dependents`` lets the next kernel start now;
+    ``wait_for_previous`` prefetches this program's slice of b (the weights) into L2, then
+    waits for the previous kernel (which writes a). b needs a unit stride along k or col.
 
     ``tile`` (BN, BC, BK, warps, stages), one of :func:`bgemm_tiles_offered`, runs that tile instead of the
     autotuner's pick (a chain's tiles are picked together: :func:`pick_chain_tiles`).
@@ -964,8 +966,8 @@ _CHAIN_TILE_MEMO: dict[tuple, tuple] = {}   # (op, shape_key, device) -> the pai
 
 def pick_chain_tiles(op: str, shape_key: tuple, stages: tuple[tuple[int, int, int], tuple[int, int, int]],
                      run_with, args: tuple) -> tuple:
-    """The tiles of a pipeline's two chained bgemm launches (each waiting for the kernel before it and launching
-    the one after), picked together: every pair of the tiles each launch is offered
+    """The tiles of a pipeline's two chained bgemm launches (the first launching its dependents, the last waiting
+    for the kernel before it), picked together: every pair of the tiles each launch is offered
     (:func:`bgemm_tiles_offered`), the whole pipeline ``run_with(*args, tiles=pair)`` timed as the variant pick times
     pipelines, by the same :func:`_disk_pick` (rotating copies, CUDA-graph replays, finalists again; cached on disk
     beside the variant picks; every pair's timing recorded in CHAIN_TILE_PICKS, so in ``tile_picks``). ``stages``:
@@ -988,8 +990,8 @@ def pick_chain_tiles(op: str, shape_key: tuple, stages: tuple[tuple[int, int, in
     n = x.shape[0]
     (k1, cols1, batches1), (k2, cols2, batches2) = stages
     pairs = {f"{t1} + {t2}": (t1, t2)
-             for t1 in bgemm_tiles_offered(x, n, k1, cols1, batches1, launch_dependents=True, wait_for_previous=True)
-             for t2 in bgemm_tiles_offered(x, n, k2, cols2, batches2, launch_dependents=True, wait_for_previous=True)}
+             for t1 in bgemm_tiles_offered(x, n, k1, cols1, batches1, launch_dependents=True)
+             for t2 in bgemm_tiles_offered(x, n, k2, cols2, batches2, wait_for_previous=True)}
     key = "|".join([torch.cuda.get_device_name(), triton.__version__, _source_digest((run_with,)), op, "chained tiles",
                     *map(str, shape_key)])
     picked = _disk_pick(op, shape_key, key, {label: functools.partial(run_with, tiles=tiles)
@@ -1026,15 +1028,13 @@ def bmm_into(a, b, out, bias=None) -> None:
 
 
 def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_for_previous: bool = False,
-                   gathered_runs: tuple[int, int] = (1, 0), w_interleaved: int = 1, tile: tuple | None = None,
-                   launch_dependents: bool = False):
+                   gathered_runs: tuple[int, int] = (1, 0), w_interleaved: int = 1, tile: tuple | None = None):
     """y (N, b p): output block i = a[:, i, :] @ w[i] (+ bias), the last stage of Monarch and BLAST.
 
     ``a`` (N, b, K) and ``w`` (b, K, p) may be strided views. Block-major output (feature
     i p + s) by cuBLAS (:func:`bmm_into`) or by :func:`bgemm`; ``permute_output`` (bgemm
     only: cuBLAS cannot store a column stride) writes the interleaved feature s b + i, and
-    ``wait_for_previous`` (bgemm only) chains it after the kernel that wrote ``a``, and ``launch_dependents`` (bgemm
-    only) lets the kernel after it start early.
+    ``wait_for_previous`` (bgemm only) chains it after the kernel that wrote ``a``.
     ``gathered_runs = (count, stride)`` (bgemm only): block i's operand is ``count`` runs of K columns
     side by side, run g read ``g * stride`` elements after a[:, i, :] (w then has count * K rows).
     ``w_interleaved = g`` (bgemm only): w[i]'s rows hold g interleaved runs (:func:`bgemm`'s ``b_interleaved``).
@@ -1047,15 +1047,14 @@ def per_block_gemm(a, w, bias, cublas: bool, permute_output: bool = False, wait_
         raise MemfitError(f"per_block_gemm: w has {w.shape[1]} rows for {runs} runs of {k}")
     y = torch.empty(n, b * p, device=a.device, dtype=a.dtype)
     if cublas:
-        if runs != 1 or w_interleaved != 1 or tile is not None or wait_for_previous or launch_dependents:
-            raise MemfitError("per_block_gemm: cuBLAS takes no bgemm tile, cannot gather runs of a or interleaved "
-                              "rows of w and is not chained; use bgemm (cublas=False)")
+        if runs != 1 or w_interleaved != 1 or tile is not None:
+            raise MemfitError("per_block_gemm: cuBLAS takes no bgemm tile and cannot gather runs of a or interleaved "
+                              "rows of w; use bgemm (cublas=False)")
         bmm_into(a.transpose(0, 1), w, y.view(n, b, p).transpose(0, 1), None if bias is None else bias.view(b, 1, p))
     else:
         block_stride, col_stride = (1, b) if permute_output else (p, 1)
         bgemm(a, w, y, n, runs * k, p, b, (a.stride(1), a.stride(0), a.stride(2)), w.stride(),
               (block_stride, y.stride(0), 0, col_stride), bias=bias, wait_for_previous=wait_for_previous,
-              launch_dependents=launch_dependents,
               a_runs=(k, run_stride) if runs > 1 else None, b_interleaved=w_interleaved, tile=tile)
     return y
 

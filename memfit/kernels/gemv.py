@@ -62,8 +62,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, P, sx_vec, sx_block_vec, sw_vec,
-                 HAS_BIAS: tl.constexpr, VEC: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
-                 WAIT_FOR_PREVIOUS: tl.constexpr, LINE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, VEC: tl.constexpr, WAIT_FOR_PREVIOUS: tl.constexpr, LINE: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr):
     """y[m, n] = sum_k x[m, (n // P) sx_block + k] w[n, k]: W's rows in blocks of P (P = N: one block), each block
     times its own slice of the x row; a program's BN rows lie in one block (BN divides P, or P = N)."""
     pid = tl.program_id(0)
@@ -76,8 +76,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, P, sx_vec, sx_block_vec, s
     if WAIT_FOR_PREVIOUS:                            # this program's rows of W into L2, then x from the kernel before
         prefetch_l2(w_ptr + first.to(tl.int64) * (sw_vec * VEC), tl.minimum(BN, N - first), sw_vec * VEC, K, LINE)
         tl.extra.cuda.gdc_wait()
-    if LAUNCH_DEPENDENTS:                            # after the wait (blr_common: chained stages)
-        tl.extra.cuda.gdc_launch_dependents()
     x_ptrs = x_ptr + m.to(tl.int64) * (sx_vec * VEC) + (first // P).to(tl.int64) * (sx_block_vec * VEC) + rk
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     k_full = K - K % BK
@@ -111,7 +109,7 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, varian
 
 
 def _run(kernel, x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, p: int, x_block_stride: int,
-         wait_for_previous: bool = False, launch_dependents: bool = False, **tile) -> torch.Tensor:
+         wait_for_previous: bool = False, **tile) -> torch.Tensor:
     """y (M, N) by ``kernel`` (``_gemv_kernel`` or its autotuner): W's rows in blocks of ``p``, block i times x's
     slice ``x_block_stride`` i onwards; ``tile``: BN, BK, num_warps, num_stages where the autotuner does not pick."""
     m, (n, k) = x2.shape[0], w.shape
@@ -120,7 +118,7 @@ def _run(kernel, x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, p
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * m,)  # noqa: E731
     kernel[grid](x2, w, bias if bias is not None else w, y, m, n, k, p, x2.stride(0) // vec, x_block_stride // vec,
                  w.stride(0) // vec, HAS_BIAS=bias is not None, VEC=vec, LINE=line_elements(w),
-                 **chain_options(launch_dependents, wait_for_previous), **tile)
+                 **chain_options(wait_for_previous=wait_for_previous), **tile)
     return y
 
 
@@ -171,20 +169,17 @@ def _prune_block_tiles(configs, named_args, **kwargs):
     return keep or [c for c in configs if c.kwargs["BN"] == 1]
 
 
-_block_gemv_kernel = tuned(BLOCK_TILES, ("BN", "BK"), (1, 32, 4, 1),
-                           key=["M", "N", "K", "P", "LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS"],
+_block_gemv_kernel = tuned(BLOCK_TILES, ("BN", "BK"), (1, 32, 4, 1), key=["M", "N", "K", "P", "WAIT_FOR_PREVIOUS"],
                            prune=_prune_block_tiles)(_gemv_kernel)
 
 
 def block_gemv(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, blocks: int, x_block_stride: int,
-               wait_for_previous: bool = False, tile: tuple | None = None,
-               launch_dependents: bool = False) -> torch.Tensor:
+               wait_for_previous: bool = False, tile: tuple | None = None) -> torch.Tensor:
     """y (M, N): y[m, i P + o] = x2[m, i x_block_stride : i x_block_stride + K] . w[i P + o] (+ bias[i P + o]),
     P = N / blocks. A block-diagonal product at decode: block i of W's rows (N, K) times its own slice of each of
     x2's M <= MAX_ROWS rows. ``wait_for_previous``: chained after the kernel that writes x2 (each program pulls its
-    rows of W into L2 first; :func:`blr_common.chain_options`); ``launch_dependents``: then lets the next kernel start.
-    ``tile`` (BN, BK, warps, stages), the first three powers of two, BN dividing P: run that tile instead of the
-    autotuner's pick."""
+    rows of W into L2 first; :func:`blr_common.chain_options`). ``tile`` (BN, BK, warps, stages), the first three
+    powers of two, BN dividing P: run that tile instead of the autotuner's pick."""
     if problem := _block_problem(x2, w, bias, blocks, x_block_stride, tile):
         raise MemfitError(f"block_gemv: {problem}; got x {tuple(x2.shape)} {x2.dtype} stride {tuple(x2.stride())}, "
                           f"W {tuple(w.shape)} {w.dtype} stride {tuple(w.stride())}, {blocks} blocks, x slices "
@@ -192,8 +187,7 @@ def block_gemv(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, blo
     kernel, tiles = _block_gemv_kernel, {}
     if tile is not None:
         kernel, tiles = _gemv_kernel, dict(zip(("BN", "BK", "num_warps", "num_stages"), tile))
-    return _run(kernel, x2, w, contiguous_bias(bias), w.shape[0] // blocks, x_block_stride, wait_for_previous,
-                launch_dependents, **tiles)
+    return _run(kernel, x2, w, contiguous_bias(bias), w.shape[0] // blocks, x_block_stride, wait_for_previous, **tiles)
 
 
 def _block_problem(x2, w, bias, blocks: int, x_block_stride: int, tile: tuple | None) -> str | None:
@@ -282,11 +276,11 @@ def _row_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, K, C, D, sxm, sxi, sxh, sxl,
     rk = tl.arange(0, BK)
     cols_ok = rc < C
     w_block = w_ptr + i.to(tl.int64) * swi
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     if WAIT_FOR_PREVIOUS:                            # this program's slice of W into L2, then x from the kernel before
         prefetch_l2(w_block + (tile % c_tiles) * BC, K, swk, tl.minimum(BC, C - (tile % c_tiles) * BC), LINE)
         tl.extra.cuda.gdc_wait()
-    if LAUNCH_DEPENDENTS:                            # after the wait (blr_common: chained stages)
-        tl.extra.cuda.gdc_launch_dependents()
     x_row = x_ptr + m.to(tl.int64) * sxm + i * sxi
     acc = tl.zeros((BK, BC), dtype=tl.float32)
     for k0 in range(0, K, BK):

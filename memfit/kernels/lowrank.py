@@ -52,10 +52,10 @@ def _bgemm(x2, u, v, bias, chained=False, tiles=(None, None)):
     (out, r), (n, d_in) = u.shape, x2.shape
     z = torch.empty(n, r, device=x2.device, dtype=x2.dtype)
     bgemm(x2, v, z, n, d_in, r, 1, (0, x2.stride(0), 1), (0, *v.stride()), (0, z.stride(0), 0, 1),
-          launch_dependents=chained, wait_for_previous=chained, tile=tiles[0])
+          launch_dependents=chained, tile=tiles[0])
     y = torch.empty(n, out, device=x2.device, dtype=x2.dtype)
     bgemm(z, u, y, n, r, out, 1, (0, z.stride(0), 1), (0, u.stride(1), u.stride(0)), (0, y.stride(0), 0, 1),
-          bias=bias, launch_dependents=chained, wait_for_previous=chained, tile=tiles[1])
+          bias=bias, wait_for_previous=chained, tile=tiles[1])
     return y
 
 

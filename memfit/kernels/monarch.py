@@ -165,15 +165,14 @@ def monarch_linear_reference(x, w1, w2, bias=None, permute_output=False):
     return y if bias is None else y + bias
 
 
-def _stage1(x2, w1, chained=False, tile=None, w2_order=False):
+def _stage1(x2, w1, launch_dependents=False, tile=None, w2_order=False):
     """z[n, i, j t + s] = (x_j w1[j])[n, i t + s]: stage 1 with P^T folded into the store (runs of t elements); or,
-    ``w2_order``, z[n, i, s b + j], in w2's row order for a cuBLAS stage 2 (a column stride of b in the store).
-    ``chained``: a stage of a chain (blr_common: waits for the kernel before it, then lets the next start)."""
+    ``w2_order``, z[n, i, s b + j], in w2's row order for a cuBLAS stage 2 (a column stride of b in the store)."""
     b, m, r = w1.shape
     t, n = r // b, x2.shape[0]
     z = torch.empty(n, b, r, device=x2.device, dtype=x2.dtype)
     bgemm(x2, w1, z, n, m, r, b, (m, x2.stride(0), 1), w1.stride(), (1, b * r, r, b) if w2_order else (t, b * r, r, 1),
-          grp=t, launch_dependents=chained, wait_for_previous=chained, tile=tile)
+          grp=t, launch_dependents=launch_dependents, tile=tile)
     return z
 
 
@@ -183,9 +182,9 @@ def _two_stage(x2, w1, w2, bias, permute_output):
 
 
 def _chained_two_stage(x2, w1, w2, bias, permute_output, tiles=(None, None)):
-    return per_block_gemm(_stage1(x2, w1, chained=True, tile=tiles[0]), w2, bias, cublas=False,
-                          permute_output=permute_output, wait_for_previous=True, launch_dependents=True,
-                          w_interleaved=w1.shape[0], tile=tiles[1])
+    return per_block_gemm(_stage1(x2, w1, launch_dependents=True, tile=tiles[0]), w2, bias, cublas=False,
+                          permute_output=permute_output, wait_for_previous=True, w_interleaved=w1.shape[0],
+                          tile=tiles[1])
 
 
 def _two_stage_pdl(x2, w1, w2, bias, permute_output):
@@ -295,10 +294,10 @@ def _gemv_gemv_pdl(x2, w1, w2, bias, permute_output):
     b, m, r = w1.shape
     t, n, p = r // b, x2.shape[0], w2.shape[2]
     z = torch.empty(n, b * r, device=x2.device, dtype=x2.dtype)
-    gemv.block_row_gemv(x2, w1, z, None, (m, m, 0, 1), (r, 1), launch_dependents=True, wait_for_previous=True)
+    gemv.block_row_gemv(x2, w1, z, None, (m, m, 0, 1), (r, 1), launch_dependents=True)
     y = torch.empty(n, b * p, device=x2.device, dtype=x2.dtype)
     return gemv.block_row_gemv(z, w2, y, bias, (t, b, 1, r), (1, b) if permute_output else (p, 1),
-                               launch_dependents=True, wait_for_previous=True)
+                               wait_for_previous=True)
 
 
 # ---- fused kernel (decode without PDL; then a candidate at every N): both dots in one pipelined loop -----
