@@ -42,3 +42,16 @@ def test_a_stopped_run_is_marked_in_its_section_header():
     assert "stopped run" in report._header({**run, "complete": False}, "python x.py")
     assert "stopped run" not in report._header({**run, "complete": True}, "python x.py")
     assert "stopped run" not in report._header(run, "python x.py")
+
+
+def test_blr_e2e_section_names_the_compiler_setting_it_ran_with():
+    """A run with --inductor-pdl says so in its title and its command; a run without (or from before the option
+    existed) does not."""
+    report = load_report()
+    run = {"gpu": "H200", "torch": "2.11", "triton": "3.6", "commit": "abc", "date": "2026-12-01T00:00",
+           "model": "llama-3.2-1b", "attention": "memfit", "rows": [], "targets": []}
+    with_pdl = report.blr_e2e_section({**run, "inductor_pdl": True})
+    assert "compiled with inductor's PDL" in with_pdl and "--attention memfit --inductor-pdl`" in with_pdl
+    for plain in ({**run, "inductor_pdl": False}, run):
+        text = report.blr_e2e_section(plain)
+        assert "PDL" not in text and "--attention memfit`" in text

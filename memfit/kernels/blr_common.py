@@ -41,9 +41,10 @@
   before it (its weight slice prefetched, then the wait) and letting the next kernel start after its wait (the last
   stage too, so that the next layer's first stage, or a compiled kernel built with inductor's ``enable_pdl``, could
   start early). In the end-to-end decode with memfit's attention
-  (``earlier/blr_e2e_memfit_attention_chain_ends_817fdcf.json``) Monarch's step took 1.220 ms against 1.215 before (44a54ef) and BLAST's 1.400 against 1.304, with
-  the dense model's 1.410 against 1.412 (and the free model's, which runs no BLR kernel, 0.787 against 0.599: the two
-  runs differ by more than the change can explain; not traced). No gain shown, so it was taken out.
+  (``earlier/blr_e2e_memfit_attention_chain_ends_817fdcf.json``) Monarch's step took 1.220 ms, against 1.215 before
+  it (44a54ef) and 1.221 after it was taken out (0cdc726); BLAST's 1.400 against 1.304 and 1.306; the dense model's
+  1.410 against 1.412 and 1.409; the free model's, which runs no BLR kernel, 0.787 against 0.599 and 0.601 (not
+  traced). Taken out: no gain, and BLAST's decode 7% slower.
 * ``recompute_backward``: the custom ops' backward. It recomputes the op's reference
   forward in PyTorch ops and differentiates it, so the forward saves only x and the
   weights (no intermediates; not x either where no weight needs a gradient); the price is one

@@ -29,8 +29,10 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   (42ef66a, ``results/blr_layers_subset_decode_gemv.json``) its first timings were 0.97-1.21x ``two_stage_pdl``'s
   (1.10-1.15x at Llama-1B gate and up and Llama-7B qkvo block-major, 1.21x at Llama-7B gate/up), and the pick took it
   at Llama-1B q/o in both layouts (finalists 4.12 against 4.27 us block-major) and down block-major (9.33 against
-  9.54). In the end-to-end runs' own picks (44a54ef, ``blr_e2e_memfit_attention.json``) ``two_stage_pdl`` won at all
-  four Llama-1B shapes, 1.015-1.108x faster by first timings (q/o 5.15 against 5.51 us). In three more layer-table
+  9.54). In the end-to-end runs' own picks (44a54ef, ``earlier/blr_e2e_memfit_attention_44a54ef.json``)
+  ``two_stage_pdl`` won at all four Llama-1B shapes, 1.015-1.108x faster by first timings (q/o 5.15 against 5.51 us);
+  in 0cdc726's (``blr_e2e_memfit_attention.json``) at q/o, gate and up, and this pipeline at down (finalists 10.02
+  against 10.27 us). In three more layer-table
   processes at q/o and down (62f9d18, each with a pick cache of its own, ``blr_layers_subset_decode_gemv_repeat*``)
   the pick took it every time where it had (finalists 4.13 against 4.28-4.29 us at q/o, 8.97-8.98 against 9.21-9.24
   at down): ahead by 3-4% in the layer table, behind by up to 11% inside the model (not traced).
