@@ -11,6 +11,12 @@ held against ``memfit.ledger.predict``. Writes ``benchmarks/results/ledger_accur
 A BLR job's model gets random-init Monarch, BLAST or low-rank layers of the planned ranks (memfit compress's
 plan at ratio 0.5, 16 blocks); its warm-up step also makes the kernels' variant picks, whose timing copies are
 freed before the measured step. The file is written after every job (``complete: false`` until the last).
+
+Before each job the cuBLAS workspaces of the jobs before it are freed (one per handle and stream: a training step
+leaves its forward's and its backward thread's, the kernel picks their timing stream's), so that a job measures what
+it would alone in its process; until 0cdc726 they stayed, and the jobs after a training job carried 32-96 MiB the
+ledger does not count (``leftover_before_bytes``). What a job's own warm-up makes (its picks' timing stream's
+workspace included) stays in its measurement.
 """
 from __future__ import annotations
 
@@ -86,6 +92,7 @@ def run(jobs, device: str, save=None) -> list[dict]:
             knobs = knobs.with_(lora_targets=blr_dense_kinds(spec, knobs))
         gc.collect()
         if device == "cuda":
+            torch._C._cuda_clearCublasWorkspaces()      # each job starts as in a process of its own (below)
             torch.cuda.empty_cache()
         leftover = torch.cuda.memory_allocated() if device == "cuda" else 0
         start = time.perf_counter()
