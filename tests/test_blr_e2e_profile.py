@@ -82,3 +82,15 @@ def test_results_are_written_after_each_model(blr_e2e, tmp_path, monkeypatch):
     monkeypatch.setattr(blr_e2e, "write_results", record)
     assert blr_e2e.main(["--smoke", "--methods", "lowrank", "--no-bound", "--out", str(tmp_path)]) == 0
     assert writes == [(1, False, 0), (2, False, 0), (2, True, 2)]
+
+
+def test_inductor_pdl_is_refused_where_inductor_has_no_such_setting(blr_e2e, monkeypatch, capsys):
+    """--inductor-pdl on a torch whose inductor lacks triton.enable_pdl stops at parse time and says which torch."""
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.delattr(inductor_config.triton, "enable_pdl")
+    with pytest.raises(SystemExit) as stop:
+        blr_e2e.main(["--inductor-pdl", "--smoke"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--inductor-pdl" in err and "has no triton.enable_pdl" in err
