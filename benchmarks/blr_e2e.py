@@ -211,9 +211,9 @@ def main(argv=None) -> int:
                              "default) or memfit's attention kernels, prefill and decode (writes "
                              "blr_e2e_memfit_attention.json)")
     parser.add_argument("--inductor-pdl", action="store_true",
-                        help="compile every model with torch._inductor.config.triton.enable_pdl (Hopper+): the "
-                             "compiled kernels are launched to start before the kernel ahead of them ends, as memfit's "
-                             "chained BLR kernels are, and let the next one start early (writes *_inductor_pdl.json)")
+                        help="compile every model with torch._inductor.config.triton.enable_pdl (Hopper+): each "
+                             "compiled kernel may start before the kernel ahead of it ends and waits only where it "
+                             "reads that kernel's output (writes *_inductor_pdl.json)")
     parser.add_argument("--profile", action="store_true",
                         help="also split each timed step's GPU time by kernel kind (matmul, BLR, attention, other, idle)")
     args = parser.parse_args(argv)

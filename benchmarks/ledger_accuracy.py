@@ -14,8 +14,9 @@ freed before the measured step. The file is written after every job (``complete:
 
 Before each job the cuBLAS workspaces of the jobs before it are freed (one per handle and stream: a training step
 leaves its forward's and its backward thread's, the kernel picks their timing stream's), so that a job measures what
-it would alone in its process; until 0cdc726 they stayed, and the jobs after a training job carried 32-96 MiB the
-ledger does not count (``leftover_before_bytes``). What a job's own warm-up makes (its picks' timing stream's
+it would alone in its process; until 6e44fa2 they stayed, and a job carried those of the jobs before it, which the
+ledger does not count (``leftover_before_bytes``: 32 MiB after inference jobs only, 64-66 MiB after a training job,
+96 MiB between the BLR jobs). What a job's own warm-up makes (its picks' timing stream's
 workspace included) stays in its measurement.
 """
 from __future__ import annotations

@@ -42,9 +42,18 @@
   stage too, so that the next layer's first stage, or a compiled kernel built with inductor's ``enable_pdl``, could
   start early). In the end-to-end decode with memfit's attention
   (``earlier/blr_e2e_memfit_attention_chain_ends_817fdcf.json``) Monarch's step took 1.220 ms, against 1.215 before
-  it (44a54ef) and 1.221 after it was taken out (0cdc726); BLAST's 1.400 against 1.304 and 1.306; the dense model's
-  1.410 against 1.412 and 1.409; the free model's, which runs no BLR kernel, 0.787 against 0.599 and 0.601 (not
-  traced). Taken out: no gain, and BLAST's decode 7% slower.
+  it (44a54ef) and 1.221 after it was taken out (0cdc726); BLAST's 1.400 against 1.304 and 1.306, with two of its four
+  picks different (``z_mixgemm_pdl`` at q/o, ``bgemm_mix_bgemm_pdl`` at down, where both other runs took
+  ``bgemm_mix_gemv_pdl``: the picks time back-to-back calls, which the change let overlap); the dense model's 1.410
+  against 1.412 and 1.409; the free model's, which runs no BLR kernel, 0.787 against 0.599 and 0.601 (not traced).
+  With inductor's PDL on too (the setting it was built for;
+  ``earlier/blr_e2e_memfit_attention_inductor_pdl_chain_ends_817fdcf.json`` against 0cdc726's
+  ``blr_e2e_memfit_attention_inductor_pdl.json``) Monarch's decode took 1.163 ms against 1.239 (6% faster, the fastest
+  Monarch decode of any run; down's pick differed, ``two_stage_pdl`` against ``gemv_gemv_pdl``), BLAST's 1.346
+  against 1.339, dense 1.298 and free 0.766-0.768 in both. Taken out: in the default setting no gain for Monarch and
+  BLAST slower with two picks changed (not traced which), and where it helps, inductor's PDL speeds the dense model
+  more (Monarch 1.116x dense there, against 1.154x in the default setting). A candidate again if memfit compiles
+  with inductor's PDL.
 * ``recompute_backward``: the custom ops' backward. It recomputes the op's reference
   forward in PyTorch ops and differentiates it, so the forward saves only x and the
   weights (no intermediates; not x either where no weight needs a gradient); the price is one

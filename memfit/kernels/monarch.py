@@ -35,7 +35,8 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   against 10.27 us). In three more layer-table
   processes at q/o and down (62f9d18, each with a pick cache of its own, ``blr_layers_subset_decode_gemv_repeat*``)
   the pick took it every time where it had (finalists 4.13 against 4.28-4.29 us at q/o, 8.97-8.98 against 9.21-9.24
-  at down): ahead by 3-4% in the layer table, behind by up to 11% inside the model (not traced).
+  at down): ahead by 3-4% in the layer table, behind by up to 11% inside the model at 44a54ef (not traced); at 0cdc726
+  1.21x behind at q/o by first timings (6.81 against 5.63 us), ahead at down.
 * ``bmm`` (N <= SCATTERED_Z_MAX_N): the Triton stage 1 storing z in (s, j) order (a column stride of b in
   its store), then stage 2 on cuBLAS (:func:`per_block_gemm`), a
   strided batched GEMM reading z as (b_i, N, r) (lda = b r) and writing the block-major
