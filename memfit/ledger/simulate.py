@@ -245,111 +245,160 @@ def replay_backward(ops: list[Op], memory: Memory, saved: dict[int, int], grad_o
       segment saves is made (torch.utils.checkpoint's early stop), so the ops after it (a layer's last projection's
       output, the residual add) are not recomputed; and it holds no gradient.
     """
-    segments_done: set[int] = set()
-    views: set[int] = set()  # uids whose gradient so far is a view: the next one is added out of place
-    kept = segment_inputs(ops) if checkpointed else {}
-    segment_ops: dict[int, list[Op]] = {}
-    for op in ops:
-        if op.segment is not None:
-            segment_ops.setdefault(op.segment, []).append(op)
-    held: dict[int, Sym] = {}   # segment -> its output's gradient, while its backward runs (memfit_checkpoints)
-    refs: dict[int, int] = {}   # gradient uid -> its references in grad_of and held (an add shares one tensor)
-    for grad in grad_of.values():
-        refs[grad.uid] = refs.get(grad.uid, 0) + 1
-    output_of = {segment_ops[s][-1].outputs[0].uid: s for s in checkpointed if s in segment_ops} \
-        if memfit_checkpoints else {}
-    recomputed = {s: segment_ops[s] if memfit_checkpoints else _until_last_save(segment_ops[s])
-                  for s in checkpointed if s in segment_ops}
-    for op in reversed(ops):
-        if op.segment in recomputed and op.segment not in segments_done and \
-                (memfit_checkpoints or op is recomputed[op.segment][-1]):
-            # Replay the segment's forward with saving: memfit's runner before the segment's backward, torch's
-            # checkpoint at the first saved tensor the backward unpacks (the ops after the last save go first).
-            if op.segment in offloaded:
-                for segment in (op.segment, op.segment - 1):  # this input, and the prefetch of the next
-                    if segment in offloaded:
-                        layer_input = kept[segment][0]
-                        memory.alloc(layer_input)
-                        saved[layer_input.uid] = saved.get(layer_input.uid, 0) + (segment == op.segment)
-            resaved = replay_forward(recomputed[op.segment], memory, "recompute", keep=set(saved), save=True)
-            for uid, count in resaved.items():
-                saved[uid] = saved.get(uid, 0) + count
-            segments_done.add(op.segment)
-        if op.needs_backward and any(o.uid in grad_of for o in op.outputs):
-            accumulate = 0  # an existing .grad gets the new gradient added from a transient buffer
-            second: list[tuple[Sym, Sym]] = []  # (input, its new gradient) to add to the one it has
-            for sym in op.inputs:
-                if not sym.requires_grad:
-                    continue
-                uid = sym.uid
-                if uid in grad_of:
-                    if sym.persistent:
-                        accumulate += sym.nbytes
-                    else:
-                        another = Sym(f"grad:{sym.name} (another)", sym.nbytes, False, grad_of[uid].component)
-                        memory.alloc(another)
-                        second.append((sym, another))
-                    continue
-                if sym.persistent:  # a leaf parameter: its grad becomes .grad
-                    grad = Sym(f"grad:{sym.name}", sym.nbytes, False, param_grad_component)
-                    if existing_param_grads:
-                        accumulate += sym.nbytes
-                    else:
-                        memory.alloc(grad)
-                elif op.grads_over_saved:  # the saved input's storage now holds its gradient
-                    grad = sym
-                elif op.input_grads_are_output_grad and _passed_through(op, sym, grad_of):
-                    grad = grad_of[op.outputs[0].uid]   # AddBackward returns grad as it is: no new buffer
-                    if op.outputs[0].uid in views:
-                        views.add(uid)
-                else:  # the loss path's gradients count with the logits they mirror
-                    component = "logits" if sym.component == "logits" else grad_component
-                    grad = Sym(f"grad:{sym.name}", sym.nbytes, False, component)
-                    memory.alloc(grad)
-                    if op.input_grads_are_views:
-                        views.add(uid)
-                grad_of[uid] = grad
-                refs[grad.uid] = refs.get(grad.uid, 0) + 1
-            workspace = op.backward_workspace + accumulate
-            memory.mark("backward", op.name, {"workspace": workspace} if workspace else None)
-            for out in op.outputs:
-                grad = grad_of.pop(out.uid, None)
-                if grad is None:
-                    continue
-                if out.uid in output_of:
-                    held[output_of[out.uid]] = grad                 # the reference moves to the runner's frame
+    _BackwardReplay(ops, memory, saved, grad_of, checkpointed, grad_component, param_grad_component,
+                    existing_param_grads, offloaded, memfit_checkpoints).run()
+
+
+class _BackwardReplay:
+    """:func:`replay_backward`'s state and its steps at each op, in the engine's order: recompute a checkpointed
+    segment when its backward needs it, make the op's input gradients, let its output gradients and saved tensors
+    go, add the gradients that arrive second to the ones there, and close a segment whose backward is done."""
+
+    def __init__(self, ops, memory, saved, grad_of, checkpointed, grad_component, param_grad_component,
+                 existing_param_grads, offloaded, memfit_checkpoints):
+        self.ops, self.memory, self.saved, self.grad_of = ops, memory, saved, grad_of
+        self.checkpointed, self.offloaded, self.memfit_checkpoints = checkpointed, offloaded, memfit_checkpoints
+        self.grad_component, self.param_grad_component = grad_component, param_grad_component
+        self.existing_param_grads = existing_param_grads
+        self.segments_done: set[int] = set()
+        self.views: set[int] = set()  # uids whose gradient so far is a view: the next one is added out of place
+        self.kept = segment_inputs(ops) if checkpointed else {}
+        self.segment_ops: dict[int, list[Op]] = {}
+        for op in ops:
+            if op.segment is not None:
+                self.segment_ops.setdefault(op.segment, []).append(op)
+        self.held: dict[int, Sym] = {}  # segment -> its output's gradient, while its backward runs (memfit's runner)
+        self.refs: dict[int, int] = {}  # gradient uid -> its references in grad_of and held (an add shares one tensor)
+        for grad in grad_of.values():
+            self.refs[grad.uid] = self.refs.get(grad.uid, 0) + 1
+        segments = [s for s in checkpointed if s in self.segment_ops]
+        self.output_of = {self.segment_ops[s][-1].outputs[0].uid: s for s in segments} if memfit_checkpoints else {}
+        self.recomputed = {s: self.segment_ops[s] if memfit_checkpoints else _until_last_save(self.segment_ops[s])
+                           for s in segments}
+
+    def run(self) -> None:
+        for op in reversed(self.ops):
+            if self._recompute_due(op):
+                self._recompute(op.segment)
+            if op.needs_backward and any(o.uid in self.grad_of for o in op.outputs):
+                self._backward(op)
+            if op.segment in self.checkpointed and self.segment_ops[op.segment][0] is op:
+                self._close_segment(op.segment)
+
+    def _recompute_due(self, op: Op) -> bool:
+        """Whether the segment's forward is replayed (with saving) before ``op``'s backward: memfit's runner before
+        the segment's backward, torch's checkpoint at the first saved tensor the backward unpacks (the ops after the
+        last save go first)."""
+        return (op.segment in self.recomputed and op.segment not in self.segments_done
+                and (self.memfit_checkpoints or op is self.recomputed[op.segment][-1]))
+
+    def _recompute(self, segment: int) -> None:
+        if segment in self.offloaded:
+            for each in (segment, segment - 1):  # this input, and the prefetch of the next
+                if each in self.offloaded:
+                    layer_input = self.kept[each][0]
+                    self.memory.alloc(layer_input)
+                    self.saved[layer_input.uid] = self.saved.get(layer_input.uid, 0) + (each == segment)
+        resaved = replay_forward(self.recomputed[segment], self.memory, "recompute", keep=set(self.saved), save=True)
+        for uid, count in resaved.items():
+            self.saved[uid] = self.saved.get(uid, 0) + count
+        self.segments_done.add(segment)
+
+    def _backward(self, op: Op) -> None:
+        accumulate, second = self._input_gradients(op)
+        workspace = op.backward_workspace + accumulate
+        self.memory.mark("backward", op.name, {"workspace": workspace} if workspace else None)
+        self._drop_output_gradients(op)
+        if op.segment not in self.checkpointed or op.segment in self.segments_done:
+            for sym in op.saves:
+                _release(sym, self.saved, self.memory, keep_storage=self.grad_of.get(sym.uid) is sym)
+        # the engine adds them after the op has let go of what it held, and lets the op's new gradients go
+        # once all are added
+        for sym, another in second:
+            self._add_second_gradient(op, sym, another)
+        for _, another in second:
+            self.memory.free(another)
+
+    def _input_gradients(self, op: Op) -> tuple[int, list[tuple[Sym, Sym]]]:
+        """Make ``op``'s input gradients. Returns the bytes of the transient buffers from which existing .grad
+        tensors get theirs added, and (input, its new gradient) for the inputs that have a gradient already."""
+        accumulate = 0
+        second: list[tuple[Sym, Sym]] = []
+        for sym in op.inputs:
+            if not sym.requires_grad:
+                continue
+            uid = sym.uid
+            if uid in self.grad_of:
+                if sym.persistent:
+                    accumulate += sym.nbytes
                 else:
-                    refs[grad.uid] -= 1
-                    if not refs[grad.uid] and grad.component != param_grad_component:
-                        memory.free(grad)
-            if op.segment not in checkpointed or op.segment in segments_done:
-                for sym in op.saves:
-                    _release(sym, saved, memory, keep_storage=grad_of.get(sym.uid) is sym)
-            # the engine adds them after the op has let go of what it held, and lets the op's new gradients go
-            # once all are added
-            for sym, another in second:
-                first = grad_of[sym.uid]
-                if sym.uid in views or refs[first.uid] > 1:     # not a tensor of its own: held elsewhere too
-                    views.discard(sym.uid)
-                    total = Sym(f"grad:{sym.name} (sum)", sym.nbytes, False, another.component)
-                    memory.alloc(total)
-                    memory.mark("backward", f"{op.name} (gradient sum)")
-                    grad_of[sym.uid] = total
-                    refs[total.uid], refs[first.uid] = 1, refs[first.uid] - 1
-                    if not refs[first.uid]:
-                        memory.free(first)
-            for _, another in second:
-                memory.free(another)
-        if op.segment in checkpointed and segment_ops[op.segment][0] is op:
-            layer_input, others = kept[op.segment]       # the segment's backward is done: the checkpoint's
-            for sym in (layer_input, *others):            # frame lets its inputs go (none kept where the
-                if sym is not None:                       # segment reads nothing and needs no backward)
-                    _release(sym, saved, memory)
-            output_grad = held.pop(op.segment, None)
-            if output_grad is not None:
-                refs[output_grad.uid] -= 1
-                if not refs[output_grad.uid]:
-                    memory.free(output_grad)
+                    another = Sym(f"grad:{sym.name} (another)", sym.nbytes, False, self.grad_of[uid].component)
+                    self.memory.alloc(another)
+                    second.append((sym, another))
+                continue
+            if sym.persistent:  # a leaf parameter: its grad becomes .grad
+                grad = Sym(f"grad:{sym.name}", sym.nbytes, False, self.param_grad_component)
+                if self.existing_param_grads:
+                    accumulate += sym.nbytes
+                else:
+                    self.memory.alloc(grad)
+            elif op.grads_over_saved:  # the saved input's storage now holds its gradient
+                grad = sym
+            elif op.input_grads_are_output_grad and _passed_through(op, sym, self.grad_of):
+                grad = self.grad_of[op.outputs[0].uid]   # AddBackward returns grad as it is: no new buffer
+                if op.outputs[0].uid in self.views:
+                    self.views.add(uid)
+            else:  # the loss path's gradients count with the logits they mirror
+                component = "logits" if sym.component == "logits" else self.grad_component
+                grad = Sym(f"grad:{sym.name}", sym.nbytes, False, component)
+                self.memory.alloc(grad)
+                if op.input_grads_are_views:
+                    self.views.add(uid)
+            self.grad_of[uid] = grad
+            self.refs[grad.uid] = self.refs.get(grad.uid, 0) + 1
+        return accumulate, second
+
+    def _drop_output_gradients(self, op: Op) -> None:
+        """``op``'s backward is done with its outputs' gradients: each loses a reference (moves to memfit's runner's
+        frame where it is a checkpointed segment's output), and is freed with its last one (a .grad never)."""
+        for out in op.outputs:
+            grad = self.grad_of.pop(out.uid, None)
+            if grad is None:
+                continue
+            if out.uid in self.output_of:
+                self.held[self.output_of[out.uid]] = grad
+            elif self._unreferenced(grad) and grad.component != self.param_grad_component:
+                self.memory.free(grad)
+
+    def _add_second_gradient(self, op: Op, sym: Sym, another: Sym) -> None:
+        """Add ``sym``'s new gradient ``another`` to the one it has: in place, unless that one is not a tensor of its
+        own (a view, or held elsewhere too), when the sum is a new buffer."""
+        first = self.grad_of[sym.uid]
+        if sym.uid in self.views or self.refs[first.uid] > 1:
+            self.views.discard(sym.uid)
+            total = Sym(f"grad:{sym.name} (sum)", sym.nbytes, False, another.component)
+            self.memory.alloc(total)
+            self.memory.mark("backward", f"{op.name} (gradient sum)")
+            self.grad_of[sym.uid] = total
+            self.refs[total.uid] = 1
+            if self._unreferenced(first):
+                self.memory.free(first)
+
+    def _close_segment(self, segment: int) -> None:
+        """The segment's backward is done: the checkpoint's frame lets its inputs go (none kept where the segment
+        reads nothing and needs no backward), and memfit's runner its output's gradient."""
+        layer_input, others = self.kept[segment]
+        for sym in (layer_input, *others):
+            if sym is not None:
+                _release(sym, self.saved, self.memory)
+        output_grad = self.held.pop(segment, None)
+        if output_grad is not None and self._unreferenced(output_grad):
+            self.memory.free(output_grad)
+
+    def _unreferenced(self, grad: Sym) -> bool:
+        """Drop one reference to ``grad``; whether none is left."""
+        self.refs[grad.uid] -= 1
+        return not self.refs[grad.uid]
 
 
 def _until_last_save(ops: list[Op]) -> list[Op]:
