@@ -42,6 +42,7 @@ from torch._dynamo.utils import counters
 
 from memfit.compress import PAPER_RANKS_LLAMA_1B, structure_model
 from memfit.compress.convert import decoder_linears, model_shapes, replace_module
+from memfit.compress.fused_mlp import fuse_monarch_mlps
 from memfit.compress.plan import plan_kinds
 from memfit.kernels import blr_common
 from memfit.measure.results import check_out_dir, target, write_results
@@ -165,9 +166,9 @@ def blr_kernel_names() -> frozenset[str]:
     from triton.runtime import JITFunction
     from triton.runtime.interpreter import InterpretedFunction  # what triton.jit makes under TRITON_INTERPRET=1
 
-    from memfit.kernels import blast, gemv, lowrank, monarch
+    from memfit.kernels import blast, gemv, lowrank, monarch, monarch_swiglu
 
-    functions = [blr_common.jit_function(value) for module in (blast, blr_common, gemv, lowrank, monarch)
+    functions = [blr_common.jit_function(value) for module in (blast, blr_common, gemv, lowrank, monarch, monarch_swiglu)
                  for value in vars(module).values()]
     return frozenset(fn.__name__ for fn in functions
                      if isinstance(fn, (JITFunction, InterpretedFunction)) and fn.__name__.endswith("_kernel"))
@@ -214,6 +215,10 @@ def main(argv=None) -> int:
                         help="compile every model with torch._inductor.config.triton.enable_pdl (Hopper+): each "
                              "compiled kernel may start before the kernel ahead of it ends and waits only where it "
                              "reads that kernel's output (writes *_inductor_pdl.json)")
+    parser.add_argument("--fused-mlp", action="store_true",
+                        help="Monarch models compute each MLP's silu(gate) * up by memfit.kernels.monarch_swiglu "
+                             "(gate's and up's second stages and the product in one kernel at decode; "
+                             "memfit.compress.fused_mlp; writes *_fused_mlp.json)")
     parser.add_argument("--profile", action="store_true",
                         help="also split each timed step's GPU time by kernel kind (matmul, BLR, attention, other, idle)")
     args = parser.parse_args(argv)
@@ -245,13 +250,14 @@ def main(argv=None) -> int:
 
         attention = register()
     name = ("blr_e2e" + ("_memfit_attention" if args.attention == "memfit" else "")
-            + ("_inductor_pdl" if args.inductor_pdl else "") + ("_smoke" if smoke else ""))
+            + ("_inductor_pdl" if args.inductor_pdl else "") + ("_fused_mlp" if args.fused_mlp else "")
+            + ("_smoke" if smoke else ""))
 
     def save(targets: list[dict], complete: bool) -> Path:
         # the kernel variant each BLR layer shape took, with what the pick measured (or that it came from the cache),
         # and the tile each kernel's autotuner took
         return write_results(name, rows, targets, out_dir=args.out, model=spec.name, blocks=blocks, ranks=ranks,
-                             attention=args.attention, inductor_pdl=args.inductor_pdl,
+                             attention=args.attention, inductor_pdl=args.inductor_pdl, fused_mlp=args.fused_mlp,
                              pick_timings=blr_common.PICK_TIMINGS,
                              tile_picks=blr_common.tile_picks(), complete=complete)
 
@@ -264,6 +270,8 @@ def main(argv=None) -> int:
             free_compressed_layers(model, methods[0] if methods else "blast", **plan)
         elif variant != "dense":
             ratio = structure_model(model, variant, **plan).summary()["linear_ratio"]
+            if args.fused_mlp and fuse_monarch_mlps(model):
+                print(f"{variant}: MLPs fused (memfit.kernels.monarch_swiglu)", flush=True)
         model.eval().requires_grad_(False)
         floor = floors(model, spec, ceilings, 2) if ceilings else {"prefill": None, "decode": None}
         for mode in (["compiled"] if args.no_eager else ["eager", "compiled"]):

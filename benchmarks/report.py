@@ -233,9 +233,10 @@ def _pick_note(data: dict) -> str:
 def blr_e2e_section(data: dict) -> str:
     memfit_attention = data.get("attention") == "memfit"
     command = ("python benchmarks/blr_e2e.py" + (" --attention memfit" if memfit_attention else "")
-               + (" --inductor-pdl" if data.get("inductor_pdl") else ""))
+               + (" --inductor-pdl" if data.get("inductor_pdl") else "") + (" --fused-mlp" if data.get("fused_mlp") else ""))
     attention = "memfit's attention" if memfit_attention else "transformers' SDPA attention"
-    compiler = ", compiled with inductor's PDL" if data.get("inductor_pdl") else ""
+    compiler = (", compiled with inductor's PDL" if data.get("inductor_pdl") else "") + \
+        (", Monarch's MLPs fused" if data.get("fused_mlp") else "")
     out = [f"### Block-low-rank end to end, {data.get('model', '?')} shape, bf16, batch 1, {attention}{compiler} "
            "(targets not met)\n", _header(data, command),
            "| model | mode | prefill 1024 tokens ms (floor) | decode ms/token (floor) | decode tokens/s | graph breaks |",
@@ -364,6 +365,7 @@ SECTIONS = [("ledger_accuracy", ledger_section), ("ledger_accuracy_blr", ledger_
             ("partial_ffn", partial_ffn_section), ("partial_ffn_accuracy", partial_ffn_accuracy_section),
             ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section),
             ("blr_e2e_memfit_attention", blr_e2e_section), ("blr_e2e_memfit_attention_inductor_pdl", blr_e2e_section),
+            ("blr_e2e_memfit_attention_fused_mlp", blr_e2e_section),
             ("blr_accuracy", blr_accuracy_section)]
 
 

@@ -127,3 +127,32 @@ def test_the_constant_mark_is_torchs_own():
     probe = "import sys, memfit.kernels.gemv, memfit.kernels.monarch; print('torch._dynamo' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+def test_fused_monarch_mlps_compile_and_train_in_one_graph_with_the_eager_gradients():
+    """memfit.compress.fused_mlp's forward (memfit.kernels.monarch_swiglu, a custom op with a fake and an autograd
+    registration) adds no graph break to a compiled model, inference or training, and compiled training gives
+    eager's loss and gradients."""
+    from torch._dynamo.utils import counters
+
+    from memfit.compress import structure_model
+    from memfit.compress.fused_mlp import fuse_monarch_mlps
+    from memfit.models import PRESETS, build_model
+
+    torch.manual_seed(0)
+    model = build_model(PRESETS["tiny"], dtype="float32", device="cpu")
+    structure_model(model, "monarch", ranks={"gate_proj": 32, "up_proj": 32}, blocks=2,
+                    skip=("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))
+    assert fuse_monarch_mlps(model) == PRESETS["tiny"].num_layers
+    ids = torch.randint(0, 100, (2, 8))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch._dynamo.explain(model)(ids, logits_to_keep=1).graph_break_count == 0
+    eager_loss, eager_grads = _training_step(model, ids)
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    counters.clear()
+    loss, grads = _training_step(torch.compile(model, backend="aot_eager"), ids)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    assert torch.allclose(loss, eager_loss, rtol=1e-6) and len(grads) == len(eager_grads) > 0
+    assert all(torch.allclose(g, e, rtol=1e-5, atol=1e-7) for g, e in zip(grads, eager_grads))

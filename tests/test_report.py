@@ -54,4 +54,6 @@ def test_blr_e2e_section_names_the_compiler_setting_it_ran_with():
     assert "compiled with inductor's PDL" in with_pdl and "--attention memfit --inductor-pdl`" in with_pdl
     for plain in ({**run, "inductor_pdl": False}, run):
         text = report.blr_e2e_section(plain)
-        assert "PDL" not in text and "--attention memfit`" in text
+        assert "PDL" not in text and "fused" not in text and "--attention memfit`" in text
+    fused = report.blr_e2e_section({**run, "fused_mlp": True})
+    assert "Monarch's MLPs fused" in fused and "--attention memfit --fused-mlp`" in fused
