@@ -243,6 +243,8 @@ def main(argv=None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if unknown := [m for m in methods if m not in ("blast", "monarch", "lowrank")]:
         parser.error(f"--methods: unknown {', '.join(unknown)}; choose from blast, monarch, lowrank")
+    if args.fused_mlp and "monarch" not in methods:
+        parser.error("--fused-mlp fuses the Monarch model's MLPs: add monarch to --methods")
     variants = ["dense", *methods] + ([] if args.no_bound else ["free"])
     attention = args.attention
     if attention == "memfit":
@@ -264,14 +266,15 @@ def main(argv=None) -> int:
     for variant in variants:
         torch.manual_seed(0)
         model = build_model(spec, dtype="bfloat16", device=device, attn_implementation=attention)
-        ratio = None
+        ratio, fused = None, 0
         plan = {"ratio": 0.5 if ranks is None else None, "blocks": blocks, "ranks": ranks}
         if variant == "free":
             free_compressed_layers(model, methods[0] if methods else "blast", **plan)
         elif variant != "dense":
             ratio = structure_model(model, variant, **plan).summary()["linear_ratio"]
-            if args.fused_mlp and fuse_monarch_mlps(model):
-                print(f"{variant}: MLPs fused (memfit.kernels.monarch_swiglu)", flush=True)
+            fused = fuse_monarch_mlps(model) if args.fused_mlp else 0
+            if args.fused_mlp and variant == "monarch" and not fused:
+                parser.error("--fused-mlp: no MLP of the Monarch model is one memfit.compress.fused_mlp takes")
         model.eval().requires_grad_(False)
         floor = floors(model, spec, ceilings, 2) if ceilings else {"prefill": None, "decode": None}
         for mode in (["compiled"] if args.no_eager else ["eager", "compiled"]):
@@ -288,7 +291,8 @@ def main(argv=None) -> int:
             row = {"model": variant, "mode": mode, "linear_params": linear_params(model), "linear_ratio": ratio,
                    "prefill_tokens": PREFILL, "prefill_ms": prefill_ms, "prefill_floor_ms": floor["prefill"],
                    "decode_ms": decode_ms, "decode_tokens_per_s": 1e3 / decode_ms, "decode_floor_ms": floor["decode"],
-                   "setup_and_bench_s": time.perf_counter() - t0, "graph_breaks": sum(breaks.values())}
+                   "setup_and_bench_s": time.perf_counter() - t0, "graph_breaks": sum(breaks.values()),
+                   "fused_mlps": fused}
             for reason, n in breaks.items():
                 print(f"{variant} {mode}: {n} graph break(s): {reason.splitlines()[0]}", flush=True)
             if args.profile and (mode == "compiled" or smoke):       # an eager step is mostly Python, not kernels

@@ -16,6 +16,7 @@ elif os.environ.get("MEMFIT_TEST_DEVICE") == "cuda":
 
 import importlib  # noqa: E402
 import importlib.util  # noqa: E402
+import math  # noqa: E402
 import pkgutil  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -74,6 +75,23 @@ def interpreter_frees_at_return(monkeypatch):
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every torch.empty the code under test allocates starts as NaN, so an element a kernel never wrote shows."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.fill_(math.nan) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def rel(a, b):
+    """Relative error (Frobenius) of ``a`` against the float64 reference ``b``."""
+    return ((a.double() - b).norm() / b.norm()).item()
 
 
 def seeded(seed: int) -> torch.Generator:

@@ -94,3 +94,9 @@ def test_inductor_pdl_is_refused_where_inductor_has_no_such_setting(blr_e2e, mon
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "--inductor-pdl" in err and "has no triton.enable_pdl" in err
+
+
+def test_fused_mlp_needs_the_monarch_model(blr_e2e, capsys):
+    with pytest.raises(SystemExit) as stop:
+        blr_e2e.main(["--fused-mlp", "--methods", "blast", "--smoke"])
+    assert stop.value.code == 2 and "add monarch to --methods" in capsys.readouterr().err

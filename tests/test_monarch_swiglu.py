@@ -2,10 +2,9 @@
 which makes a model's Monarch MLPs use it: every pipeline against the float64 reference, forward and backward, at
 awkward shapes (4 blocks, 11 inputs and 7 outputs a block, per-block ranks 12 and 20: K steps of 16 ranks cross
 from one input block's run to the next)."""
-import math
-
 import pytest
 import torch
+from conftest import rel
 
 from memfit.compress import structure_model
 from memfit.compress.fused_mlp import fusable, fuse_monarch_mlps, unfuse_monarch_mlps
@@ -16,23 +15,12 @@ from memfit.models import PRESETS, build_model
 B, M, P = 4, 11, 7
 TG, TU = 12, 20
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-@pytest.fixture(autouse=True)
-def poisoned_empty(monkeypatch):
-    """Every torch.empty the op allocates starts as NaN, so an element the kernel never wrote shows."""
-    real = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: (lambda t: t.fill_(math.nan) if t.is_floating_point()
-                                                         else t)(real(*a, **k)))
+pytestmark = pytest.mark.usefixtures("poisoned_empty")     # unwritten output elements show as NaN
 
 
 def factors(tg=TG, tu=TU):
     return [torch.randn(B, M, B * tg) / M**0.5, torch.randn(B, B * tg, P) / tg**0.5,
             torch.randn(B, M, B * tu) / M**0.5, torch.randn(B, B * tu, P) / tu**0.5]
-
-
-def rel(a, b):
-    return ((a.double() - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -48,6 +36,30 @@ def test_forward_and_backward_match_the_reference(dtype, variant, lead):
     grad = torch.randn_like(y)
     for got, want in zip(torch.autograd.grad(y, inputs, grad), torch.autograd.grad(ref, ref_inputs, grad.double())):
         assert rel(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("path,variant", [("triton", "separate"), ("triton", "fused_pdl"), ("reference", "auto")])
+def test_the_gradient_for_x_with_frozen_weights(path, variant):
+    """silu(gate(x)) * up(x) is not linear in x: with the weights frozen the op still saves x (a linear BLR op need
+    not: blr_common.save_for_recompute), or x's gradient would be the reference's at x = 0."""
+    x = torch.randn(3, B * M, requires_grad=True)
+    weights = factors()
+    y = ms.monarch_swiglu(x, *weights, path=path, variant=variant)
+    ref_x = x.detach().double().requires_grad_()
+    ref = ms.monarch_swiglu_reference(ref_x, *(w.double() for w in weights))
+    grad = torch.randn_like(y)
+    (got,), (want,) = torch.autograd.grad(y, [x], grad), torch.autograd.grad(ref, [ref_x], grad.double())
+    assert rel(got, want) < 1e-5
+
+
+def test_past_the_fused_pipelines_offer_the_mlp_runs_as_it_would_unfused(monkeypatch):
+    """Where fused_pdl is not offered (here 32 tokens), the wrapper does not enter the op: the two Monarch ops and
+    the product, as the unpatched MLP computes them (torch.compile fuses the product as before)."""
+    monkeypatch.setattr(ms, "_monarch_swiglu_op", lambda *args: pytest.fail("entered the op"))
+    x = torch.randn(32, B * M)
+    weights = factors()
+    assert rel(ms.monarch_swiglu(x, *weights, path="triton"), ms.monarch_swiglu_reference(
+        x.double(), *(w.double() for w in weights))) < 1e-5
 
 
 def test_the_fused_pipeline_is_offered_at_decode_for_ranks_in_whole_k_steps():
@@ -91,10 +103,38 @@ def test_fused_mlps_give_the_models_outputs_and_come_undone():
     assert torch.equal(after, before)
 
 
-def test_only_monarch_gate_and_up_of_one_shape_are_fused():
+def test_only_plain_unhooked_monarch_gate_and_up_of_one_layout_are_fused():
     model = build_model(PRESETS["tiny"], dtype="float32")
     assert fuse_monarch_mlps(model) == 0                                           # dense MLPs
     mlp = tiny_monarch_model().model.layers[0].mlp
     assert fusable(mlp)
     mlp.gate_proj.permute_output = True
     assert not fusable(mlp)
+    mlp.gate_proj.permute_output = False
+    handle = mlp.up_proj.register_forward_hook(lambda *args: None)             # the op would skip the hook
+    assert not fusable(mlp)
+    handle.remove()
+    mlp.up_proj.__class__ = type("Subclass", (type(mlp.up_proj),), {})           # may compute otherwise
+    assert not fusable(mlp)
+
+
+def test_a_layer_changed_after_fusing_runs_the_class_forward():
+    model = tiny_monarch_model()
+    ids = torch.randint(0, PRESETS["tiny"].vocab, (1, 5))
+    fuse_monarch_mlps(model)
+    mlp = model.model.layers[0].mlp
+    handle = mlp.gate_proj.register_forward_hook(lambda module, args, out: out * 0)
+    with torch.no_grad():
+        hooked = model(input_ids=ids).logits
+        unfuse_monarch_mlps(model)
+        want = model(input_ids=ids).logits
+    handle.remove()
+    assert rel(hooked, want.double()) < 1e-5          # layer 1 stays fused in the first run: rounding apart
+
+
+def test_an_mlp_whose_forward_something_else_replaced_is_refused():
+    model = tiny_monarch_model()
+    mlp = model.model.layers[1].mlp
+    mlp.forward = lambda x: x
+    with pytest.raises(MemfitError, match="layers.1.mlp's forward is already replaced"):
+        fuse_monarch_mlps(model)

@@ -10,8 +10,10 @@ output block i's column tile computes both products, z_g,i @ w2_g[i] and z_u,i @
 
 Pipelines; ``pick_variant`` times the ones offered (cached on disk):
 
-* ``separate``: the two Monarch ops (each its own pick) and the product as PyTorch computes it: the reference's
-  launches, the baseline the fused pipeline must beat.
+* ``separate``: the two Monarch ops (each its own pick) and the product in one kernel (memfit.kernels.swiglu): the
+  unfused MLP's launches, the baseline the fused pipeline must beat. Where ``fused_pdl`` is not offered the wrapper
+  does not enter the op at all and computes ``silu(gate(x)) * up(x)`` as the unpatched MLP does (torch.compile then
+  fuses the product as it did).
 * ``fused_pdl`` (N <= 16, Hopper+; ranks multiples of STEP): gate's and up's first stages by the Monarch
   stage-1 kernel, the second launched to let the fused second stage start while it runs (programmatic dependent
   launch: that kernel pulls its w2 slices into L2, then waits). Not measured on a GPU yet.
@@ -20,7 +22,8 @@ The fused stage reads w2's rows interleaved as Monarch's chained stage 2 does (w
 (j, s) order): rank k of block i's operand is row (k mod t) b + k div t, t a constexpr (a multiply, not a division).
 Numerics: gate and up are summed in fp32 and rounded once after the product, where the separate pipeline rounds
 each projection's output to x's dtype first, so the two differ by rounding only.
-Backward: PyTorch ops (recompute-and-differentiate of the reference, blr_common); saves only x.
+Backward: PyTorch ops (recompute-and-differentiate of the reference, blr_common); saves only x, frozen weights or not
+(the op is not linear in x). The ledger does not model the fused op.
 """
 import torch
 import torch.nn.functional as F
@@ -32,13 +35,14 @@ from memfit.kernels.blr_common import (
     bind_shapes,
     blr_precision,
     chain_options,
-    keep_small_n,
+    interleaved_b_rows,
     line_elements,
     mma,
     n_bucket,
     pdl_offered,
     pick_bucket,
     pick_variant,
+    pow2_at_least,
     prefetch_l2,
     recompute_backward,
     recomputing,
@@ -48,6 +52,7 @@ from memfit.kernels.blr_common import (
     tuned,
 )
 from memfit.kernels.monarch import _stage1, monarch_linear, monarch_linear_reference
+from memfit.kernels.swiglu import swiglu
 
 STEP = 16                 # the fused stage's smallest K step (tl.dot's smallest K): must divide each rank
 FUSED_MAX_N = 16          # decode: where launches, not bytes, are the time
@@ -59,7 +64,7 @@ def monarch_swiglu_reference(x, gate_w1, gate_w2, up_w1, up_w2):
 
 
 def _separate(x2, gate_w1, gate_w2, up_w1, up_w2):
-    return F.silu(monarch_linear(x2, gate_w1, gate_w2)) * monarch_linear(x2, up_w1, up_w2)
+    return swiglu(monarch_linear(x2, gate_w1, gate_w2), monarch_linear(x2, up_w1, up_w2))
 
 
 @triton.jit
@@ -70,10 +75,9 @@ def _interleaved_block_dot(z_ptr, szn, w_ptr, swk, rn, rc, N, P, B, T: tl.conste
     rk = tl.arange(0, STEP_K)
     acc = tl.zeros((BN, BC), dtype=tl.float32)
     for k0 in range(0, B * T, STEP_K):
-        k = k0 + rk
-        a = tl.load(z_ptr + rn[:, None] * szn + k[None, :], mask=rn[:, None] < N, other=0.0)
-        rows = (k % T) * B + k // T
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * swk + rc[None, :], mask=rc[None, :] < P, other=0.0)
+        a = tl.load(z_ptr + rn[:, None] * szn + (k0 + rk)[None, :], mask=rn[:, None] < N, other=0.0)
+        rows = interleaved_b_rows(k0, rk, T, swk, B * swk, STEP_K)          # run j's rows: j swk + s B swk
+        w = tl.load(w_ptr + rows[:, None] + rc[None, :], mask=rc[None, :] < P, other=0.0)
         acc = mma(a, w, acc, PRECISION)
     return acc
 
@@ -81,13 +85,14 @@ def _interleaved_block_dot(z_ptr, szn, w_ptr, swk, rn, rc, N, P, B, T: tl.conste
 # (BN, BC, STEP_K, warps, stages): decode tiles, one 16-row token tile by a column slice of the output block, K steps
 # of 16-128 ranks (the last a fallback for ranks that are only multiples of 16)
 STAGE2_TILES = [(16, 32, 64, 4, 3), (16, 64, 64, 4, 3), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3), (16, 32, 128, 4, 4),
-                (16, 64, 16, 4, 4)]   # (16, 128, 128, 8, 3) spilled 16 bytes (tests/test_blr_kernels.py)
+                (16, 64, 32, 4, 4), (16, 64, 16, 4, 4)]   # (16, 128, 128, 8, 3) spilled 16 bytes (test_blr_kernels.py)
 
 
 def _prune_stage2(configs, named_args, **kwargs):
-    """Decode tiles whose K step divides both ranks (the fallback's 16 always does: fused_fits)."""
+    """Tiles whose K step divides both ranks (16 always does: fused_ranks_fit) and no wider than the block's columns."""
     ranks = [named_args["B"] * kwargs[t] for t in ("TG", "TU")]
-    keep = [c for c in keep_small_n(configs, named_args["N"]) if all(r % c.kwargs["STEP_K"] == 0 for r in ranks)]
+    keep = [c for c in configs if all(r % c.kwargs["STEP_K"] == 0 for r in ranks)
+            and c.kwargs["BC"] <= max(32, pow2_at_least(named_args["P"]))]
     return keep or [c for c in configs if c.kwargs["STEP_K"] == STEP]
 
 
@@ -123,6 +128,9 @@ def _swiglu_stage2_kernel(zg_ptr, zu_ptr, wg_ptr, wu_ptr, y_ptr, N, P, B, N_BUCK
 def _fused_stage2(zg, zu, gate_w2, up_w2, wait_for_previous: bool):
     n, b, _ = zg.shape
     p = gate_w2.shape[2]
+    if gate_w2.shape[1] % STEP or up_w2.shape[1] % STEP:                 # the K loop has no mask
+        raise MemfitError(f"monarch_swiglu: the fused stage needs ranks that are multiples of {STEP}, got "
+                          f"{gate_w2.shape[1]} and {up_w2.shape[1]}")
     y = torch.empty(n, b * p, device=zg.device, dtype=zg.dtype)
     grid = lambda meta: (triton.cdiv(n, meta["BN"]) * b * triton.cdiv(p, meta["BC"]),)  # noqa: E731
     _swiglu_stage2_kernel[grid](zg, zu, gate_w2, up_w2, y, n, p, b, n_bucket(n), zg.stride(0), zg.stride(1),
@@ -144,15 +152,15 @@ def _fused_pdl(x2, gate_w1, gate_w2, up_w1, up_w2):
 VARIANTS = {"separate": _separate, "fused_pdl": _fused_pdl}
 
 
-def fused_fits(gate_w1, up_w1) -> bool:
-    """Whether the fused stage takes these layers: each rank a multiple of its smallest K step."""
+def fused_ranks_fit(gate_w1, up_w1) -> bool:
+    """Whether the fused stage takes these layers' ranks: each a multiple of its smallest K step."""
     return all(w.shape[2] % STEP == 0 for w in (gate_w1, up_w1))
 
 
 def variants_for(n: int, gate_w1, up_w1) -> dict:
     """The pipelines offered for ``n`` tokens (the same for every N of one pick bucket)."""
     names = ["separate"]
-    if pick_bucket(n) <= FUSED_MAX_N and pdl_offered() and fused_fits(gate_w1, up_w1):
+    if pick_bucket(n) <= FUSED_MAX_N and pdl_offered() and fused_ranks_fit(gate_w1, up_w1):
         names.append("fused_pdl")
     return {name: VARIANTS[name] for name in names}
 
@@ -177,16 +185,18 @@ def _(x, gate_w1, gate_w2, up_w1, up_w2, variant):
     return x.new_empty(*x.shape[:-1], gate_w1.shape[0] * gate_w2.shape[2])
 
 
-_monarch_swiglu_op.register_autograd(recompute_backward(monarch_swiglu_reference, 5),
-                                     setup_context=lambda ctx, inputs, output: save_for_recompute(ctx, inputs, output, 5))
+_monarch_swiglu_op.register_autograd(
+    recompute_backward(monarch_swiglu_reference, 5),
+    setup_context=lambda ctx, inputs, output: save_for_recompute(ctx, inputs, output, 5, linear_in_x=False))
 
-_recomputing = recomputing(monarch_swiglu_reference, 5)
+_recomputing = recomputing(monarch_swiglu_reference, 5, linear_in_x=False)
 
 
 def monarch_swiglu(x, gate_w1, gate_w2, up_w1, up_w2, path=None, variant="auto"):
     """``silu(gate(x)) * up(x)`` for Monarch gate and up (block-major outputs, no bias) of the same input and output
-    blocks, by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS), else the reference
-    with the op's memory behaviour (only x kept, the backward recomputes)."""
+    blocks, by the Triton op where ``use_triton`` allows and the fused pipeline is offered (``variant``: auto or one of
+    VARIANTS); where it is not, as the unfused MLP computes it (the two Monarch ops, then the product); off Triton,
+    the reference with the op's memory behaviour (only x kept, the backward recomputes)."""
     size = bind_shapes("monarch_swiglu", x, None, {"gate_w1": (gate_w1, "b m r"), "gate_w2": (gate_w2, "b r p"),
                                                     "up_w1": (up_w1, "b m q"), "up_w2": (up_w2, "b q p")}, "b m", "b p")
     b = size["b"]
@@ -197,6 +207,8 @@ def monarch_swiglu(x, gate_w1, gate_w2, up_w1, up_w2, path=None, variant="auto")
     cast = [w.to(x.dtype) for w in (gate_w1, gate_w2, up_w1, up_w2)]
     if not runs_triton("monarch_swiglu", x, (gate_w1, gate_w2, up_w1, up_w2), path, variant):
         return _recomputing(x, *cast)
-    require_offered("monarch_swiglu", variant, lambda: variants_for(x.numel() // (b * size["m"]), gate_w1, up_w1),
-                    "for this token count and these ranks")
+    offered = variants_for(x.numel() // (b * size["m"]), gate_w1, up_w1)  # static per compiled graph: no break
+    if variant == "auto" and "fused_pdl" not in offered:
+        return F.silu(monarch_linear(x, cast[0], cast[1], path=path)) * monarch_linear(x, cast[2], cast[3], path=path)
+    require_offered("monarch_swiglu", variant, lambda: offered, "for this token count and these ranks")
     return _monarch_swiglu_op(x, *cast, variant)
