@@ -75,6 +75,21 @@ def _training_step(model, ids):
     return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+def _assert_compiled_training_matches_eager(model, ids):
+    """A training step of ``model`` compiled (aot_eager) is one graph with no break and gives eager's loss and
+    gradients."""
+    from torch._dynamo.utils import counters
+
+    eager_loss, eager_grads = _training_step(model, ids)
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    counters.clear()
+    loss, grads = _training_step(torch.compile(model, backend="aot_eager"), ids)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    assert torch.allclose(loss, eager_loss, rtol=1e-6) and len(grads) == len(eager_grads) > 0
+    assert all(torch.allclose(g, e, rtol=1e-5, atol=1e-7) for g, e in zip(grads, eager_grads))
+
+
 @pytest.mark.parametrize("method,path", [("monarch", "triton"), ("blast", "triton"), ("lowrank", "triton"),
                                          ("monarch", "reference")])
 def test_a_compressed_model_trains_under_compile_in_one_graph_with_the_eager_gradients(method, path, monkeypatch,
@@ -83,8 +98,6 @@ def test_a_compressed_model_trains_under_compile_in_one_graph_with_the_eager_gra
     eager's loss and gradients: through each Triton op (their autograd: blr_common.recompute_backward), and on the
     CPU reference path, whose recomputing autograd function (one for all three structures) broke the graph in
     training (its backward's autograd.grad) and which torch.compile now differentiates as it is, said once."""
-    from torch._dynamo.utils import counters
-
     from memfit import log
     from memfit.compress import structure_model
     from memfit.models import PRESETS, build_model
@@ -95,14 +108,7 @@ def test_a_compressed_model_trains_under_compile_in_one_graph_with_the_eager_gra
     model = build_model(PRESETS["tiny"], dtype="float32", device="cpu")
     structure_model(model, method, ratio=0.5, blocks=4)
     ids = torch.randint(0, 100, (2, 8))
-    eager_loss, eager_grads = _training_step(model, ids)
-    model.zero_grad(set_to_none=True)
-    torch._dynamo.reset()
-    counters.clear()
-    loss, grads = _training_step(torch.compile(model, backend="aot_eager"), ids)
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
-    assert torch.allclose(loss, eager_loss, rtol=1e-6) and len(grads) == len(eager_grads) > 0
-    assert all(torch.allclose(g, e, rtol=1e-5, atol=1e-7) for g, e in zip(grads, eager_grads))
+    _assert_compiled_training_matches_eager(model, ids)
     assert ("differentiated as it is" in caplog.text) == (path == "reference")
 
 
@@ -133,8 +139,6 @@ def test_fused_monarch_mlps_compile_and_train_in_one_graph_with_the_eager_gradie
     """memfit.compress.fused_mlp's forward (memfit.kernels.monarch_swiglu, a custom op with a fake and an autograd
     registration) adds no graph break to a compiled model, inference or training, and compiled training gives
     eager's loss and gradients."""
-    from torch._dynamo.utils import counters
-
     from memfit.compress import structure_model
     from memfit.compress.fused_mlp import fuse_monarch_mlps
     from memfit.models import PRESETS, build_model
@@ -148,11 +152,4 @@ def test_fused_monarch_mlps_compile_and_train_in_one_graph_with_the_eager_gradie
     torch._dynamo.reset()
     with torch.no_grad():
         assert torch._dynamo.explain(model)(ids, logits_to_keep=1).graph_break_count == 0
-    eager_loss, eager_grads = _training_step(model, ids)
-    model.zero_grad(set_to_none=True)
-    torch._dynamo.reset()
-    counters.clear()
-    loss, grads = _training_step(torch.compile(model, backend="aot_eager"), ids)
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
-    assert torch.allclose(loss, eager_loss, rtol=1e-6) and len(grads) == len(eager_grads) > 0
-    assert all(torch.allclose(g, e, rtol=1e-5, atol=1e-7) for g, e in zip(grads, eager_grads))
+    _assert_compiled_training_matches_eager(model, ids)
