@@ -3,17 +3,13 @@ paths (Triton under the interpreter, and the PyTorch reference), and what it kee
 gradients written over them."""
 import pytest
 import torch
-from conftest import seeded
+from conftest import rel, seeded
 
 from memfit.errors import MemfitError
 from memfit.kernels.swiglu import swiglu, swiglu_reference
 
 TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
 PATHS = ["triton", "reference"]
-
-
-def rel(a, b):
-    return ((a.double() - b).norm() / b.norm()).item()
 
 
 def projections(shape, dtype, gen):

@@ -168,7 +168,7 @@ def monarch_linear_reference(x, w1, w2, bias=None, permute_output=False):
     return y if bias is None else y + bias
 
 
-def _stage1(x2, w1, launch_dependents=False, tile=None, w2_order=False):
+def stage1(x2, w1, launch_dependents=False, tile=None, w2_order=False):
     """z[n, i, j t + s] = (x_j w1[j])[n, i t + s]: stage 1 with P^T folded into the store (runs of t elements); or,
     ``w2_order``, z[n, i, s b + j], in w2's row order for a cuBLAS stage 2 (a column stride of b in the store)."""
     b, m, r = w1.shape
@@ -180,12 +180,12 @@ def _stage1(x2, w1, launch_dependents=False, tile=None, w2_order=False):
 
 
 def _two_stage(x2, w1, w2, bias, permute_output):
-    return per_block_gemm(_stage1(x2, w1), w2, bias, cublas=False, permute_output=permute_output,
+    return per_block_gemm(stage1(x2, w1), w2, bias, cublas=False, permute_output=permute_output,
                           w_interleaved=w1.shape[0])
 
 
 def _chained_two_stage(x2, w1, w2, bias, permute_output, tiles=(None, None)):
-    return per_block_gemm(_stage1(x2, w1, launch_dependents=True, tile=tiles[0]), w2, bias, cublas=False,
+    return per_block_gemm(stage1(x2, w1, launch_dependents=True, tile=tiles[0]), w2, bias, cublas=False,
                           permute_output=permute_output, wait_for_previous=True, w_interleaved=w1.shape[0],
                           tile=tiles[1])
 
@@ -201,7 +201,7 @@ def _two_stage_pdl(x2, w1, w2, bias, permute_output):
 
 
 def _bmm(x2, w1, w2, bias, permute_output):
-    return per_block_gemm(_stage1(x2, w1, w2_order=True), w2, bias, cublas=True)
+    return per_block_gemm(stage1(x2, w1, w2_order=True), w2, bias, cublas=True)
 
 
 # ---- both GEMMs on cuBLAS, the permutation as one copy between them -------------------

@@ -51,7 +51,7 @@ from memfit.kernels.blr_common import (
     save_for_recompute,
     tuned,
 )
-from memfit.kernels.monarch import _stage1, monarch_linear, monarch_linear_reference
+from memfit.kernels.monarch import monarch_linear, monarch_linear_reference, stage1
 from memfit.kernels.swiglu import swiglu
 
 STEP = 16                 # the fused stage's smallest K step (tl.dot's smallest K): must divide each rank
@@ -144,8 +144,8 @@ def _fused_stage2(zg, zu, gate_w2, up_w2, wait_for_previous: bool):
 def _fused_pdl(x2, gate_w1, gate_w2, up_w1, up_w2):
     """Gate's stage 1, up's (letting the fused stage start), the fused stage: up's stage 1 is launched plainly, so it
     starts once gate's has ended, and the fused stage's wait on it covers both z's."""
-    zg = _stage1(x2, gate_w1)
-    zu = _stage1(x2, up_w1, launch_dependents=True)
+    zg = stage1(x2, gate_w1)
+    zu = stage1(x2, up_w1, launch_dependents=True)
     return _fused_stage2(zg, zu, gate_w2, up_w2, wait_for_previous=True)
 
 
