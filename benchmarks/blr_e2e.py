@@ -42,8 +42,8 @@ from torch._dynamo.utils import counters
 
 from memfit.compress import PAPER_RANKS_LLAMA_1B, structure_model
 from memfit.compress.convert import decoder_linears, model_shapes, replace_module
-from memfit.compress.fused_mlp import fuse_monarch_mlps
 from memfit.compress.plan import plan_kinds
+from memfit.infer.monarch_swiglu import fuse_monarch_mlps
 from memfit.kernels import blr_common
 from memfit.measure.results import check_out_dir, target, write_results
 from memfit.models import PRESETS, build_model
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fused-mlp", action="store_true",
                         help="Monarch models compute each MLP's silu(gate) * up by memfit.kernels.monarch_swiglu "
                              "(gate's and up's second stages and the product in one kernel at decode; "
-                             "memfit.compress.fused_mlp; writes *_fused_mlp.json)")
+                             "memfit.infer.monarch_swiglu; writes *_fused_mlp.json)")
     parser.add_argument("--profile", action="store_true",
                         help="also split each timed step's GPU time by kernel kind (matmul, BLR, attention, other, idle)")
     args = parser.parse_args(argv)
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
             ratio = structure_model(model, variant, **plan).summary()["linear_ratio"]
             fused = fuse_monarch_mlps(model) if args.fused_mlp else 0
             if args.fused_mlp and variant == "monarch" and not fused:
-                parser.error("--fused-mlp: no MLP of the Monarch model is one memfit.compress.fused_mlp takes")
+                parser.error("--fused-mlp: no MLP of the Monarch model is one memfit.infer.monarch_swiglu takes")
         model.eval().requires_grad_(False)
         floor = floors(model, spec, ceilings, 2) if ceilings else {"prefill": None, "decode": None}
         for mode in (["compiled"] if args.no_eager else ["eager", "compiled"]):

@@ -136,11 +136,11 @@ def test_the_constant_mark_is_torchs_own():
 
 
 def test_fused_monarch_mlps_compile_and_train_in_one_graph_with_the_eager_gradients():
-    """memfit.compress.fused_mlp's forward (memfit.kernels.monarch_swiglu, a custom op with a fake and an autograd
+    """memfit.infer.monarch_swiglu's forward (memfit.kernels.monarch_swiglu, a custom op with a fake and an autograd
     registration) adds no graph break to a compiled model, inference or training, and compiled training gives
     eager's loss and gradients."""
     from memfit.compress import structure_model
-    from memfit.compress.fused_mlp import fuse_monarch_mlps
+    from memfit.infer.monarch_swiglu import fuse_monarch_mlps
     from memfit.models import PRESETS, build_model
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""memfit.kernels.monarch_swiglu (silu(gate(x)) * up(x) for Monarch gate and up) and memfit.compress.fused_mlp,
+"""memfit.kernels.monarch_swiglu (silu(gate(x)) * up(x) for Monarch gate and up) and memfit.infer.monarch_swiglu,
 which makes a model's Monarch MLPs use it: every pipeline against the float64 reference, forward and backward, at
 awkward shapes (4 blocks, 11 inputs and 7 outputs a block, per-block ranks 12 and 20: K steps of 16 ranks cross
 from one input block's run to the next)."""
@@ -7,8 +7,8 @@ import torch
 from conftest import rel
 
 from memfit.compress import structure_model
-from memfit.compress.fused_mlp import fusable, fuse_monarch_mlps, unfuse_monarch_mlps
 from memfit.errors import MemfitError
+from memfit.infer.monarch_swiglu import fusable, fuse_monarch_mlps, unfuse_monarch_mlps
 from memfit.kernels import monarch_swiglu as ms
 from memfit.models import PRESETS, build_model
 
