@@ -83,7 +83,7 @@ def test_bad_shapes_and_variants_are_refused():
 
 def tiny_monarch_model():
     torch.manual_seed(0)
-    model = build_model(PRESETS["tiny"], dtype="float32")
+    model = build_model(PRESETS["tiny"], dtype="float32", device=torch.get_default_device())  # CUDA under MEMFIT_TEST_DEVICE
     structure_model(model, "monarch", ranks={"gate_proj": 2 * ms.STEP, "up_proj": 2 * ms.STEP}, blocks=2,
                     skip=("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))   # ranks that pay at this size
     return model.eval()
