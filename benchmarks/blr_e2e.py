@@ -43,6 +43,7 @@ from torch._dynamo.utils import counters
 from memfit.compress import PAPER_RANKS_LLAMA_1B, structure_model
 from memfit.compress.convert import decoder_linears, model_shapes, replace_module
 from memfit.compress.plan import plan_kinds
+from memfit.infer.decode_gemv import use_decode_gemv
 from memfit.infer.monarch_swiglu import fuse_monarch_mlps
 from memfit.kernels import blr_common
 from memfit.measure.results import check_out_dir, target, write_results
@@ -219,6 +220,10 @@ def main(argv=None) -> int:
                         help="Monarch models compute each MLP's silu(gate) * up by memfit.kernels.monarch_swiglu "
                              "(gate's and up's second stages and the product in one kernel at decode; "
                              "memfit.infer.monarch_swiglu; writes *_fused_mlp.json)")
+    parser.add_argument("--decode-gemv", action="store_true",
+                        help="every model, dense included, computes its plain nn.Linear layers at decode by the path "
+                             "memfit's pick times fastest per shape, cuBLAS or memfit's GEMV (the k/v projections "
+                             "the BLR models keep dense, the head; memfit.infer.decode_gemv; writes *_decode_gemv.json)")
     parser.add_argument("--profile", action="store_true",
                         help="also split each timed step's GPU time by kernel kind (matmul, BLR, attention, other, idle)")
     args = parser.parse_args(argv)
@@ -253,13 +258,14 @@ def main(argv=None) -> int:
         attention = register()
     name = ("blr_e2e" + ("_memfit_attention" if args.attention == "memfit" else "")
             + ("_inductor_pdl" if args.inductor_pdl else "") + ("_fused_mlp" if args.fused_mlp else "")
-            + ("_smoke" if smoke else ""))
+            + ("_decode_gemv" if args.decode_gemv else "") + ("_smoke" if smoke else ""))
 
     def save(targets: list[dict], complete: bool) -> Path:
         # the kernel variant each BLR layer shape took, with what the pick measured (or that it came from the cache),
         # and the tile each kernel's autotuner took
         return write_results(name, rows, targets, out_dir=args.out, model=spec.name, blocks=blocks, ranks=ranks,
                              attention=args.attention, inductor_pdl=args.inductor_pdl, fused_mlp=args.fused_mlp,
+                             decode_gemv=args.decode_gemv,
                              pick_timings=blr_common.PICK_TIMINGS,
                              tile_picks=blr_common.tile_picks(), complete=complete)
 
@@ -275,6 +281,7 @@ def main(argv=None) -> int:
             fused = fuse_monarch_mlps(model) if args.fused_mlp else 0
             if args.fused_mlp and variant == "monarch" and not fused:
                 parser.error("--fused-mlp: no MLP of the Monarch model is one memfit.infer.monarch_swiglu takes")
+        gemv_linears = use_decode_gemv(model) if args.decode_gemv else 0
         model.eval().requires_grad_(False)
         floor = floors(model, spec, ceilings, 2) if ceilings else {"prefill": None, "decode": None}
         for mode in (["compiled"] if args.no_eager else ["eager", "compiled"]):
@@ -292,7 +299,7 @@ def main(argv=None) -> int:
                    "prefill_tokens": PREFILL, "prefill_ms": prefill_ms, "prefill_floor_ms": floor["prefill"],
                    "decode_ms": decode_ms, "decode_tokens_per_s": 1e3 / decode_ms, "decode_floor_ms": floor["decode"],
                    "setup_and_bench_s": time.perf_counter() - t0, "graph_breaks": sum(breaks.values()),
-                   "fused_mlps": fused}
+                   "fused_mlps": fused, "decode_gemv_linears": gemv_linears}
             for reason, n in breaks.items():
                 print(f"{variant} {mode}: {n} graph break(s): {reason.splitlines()[0]}", flush=True)
             if args.profile and (mode == "compiled" or smoke):       # an eager step is mostly Python, not kernels

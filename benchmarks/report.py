@@ -232,11 +232,15 @@ def _pick_note(data: dict) -> str:
 
 def blr_e2e_section(data: dict) -> str:
     memfit_attention = data.get("attention") == "memfit"
+    methods = [r["model"] for r in data["rows"] if r["mode"] == "compiled" and r["model"] not in ("dense", "free")]
     command = ("python benchmarks/blr_e2e.py" + (" --attention memfit" if memfit_attention else "")
-               + (" --inductor-pdl" if data.get("inductor_pdl") else "") + (" --fused-mlp" if data.get("fused_mlp") else ""))
+               + ("" if sorted(methods) == ["blast", "monarch"] else f" --methods {','.join(methods)}")
+               + (" --inductor-pdl" if data.get("inductor_pdl") else "") + (" --fused-mlp" if data.get("fused_mlp") else "")
+               + (" --decode-gemv" if data.get("decode_gemv") else ""))
     attention = "memfit's attention" if memfit_attention else "transformers' SDPA attention"
     compiler = (", compiled with inductor's PDL" if data.get("inductor_pdl") else "") + \
-        (", Monarch's MLPs fused" if data.get("fused_mlp") else "")
+        (", Monarch's MLPs fused" if data.get("fused_mlp") else "") + \
+        (", linear layers by memfit's decode GEMV pick" if data.get("decode_gemv") else "")
     out = [f"### Block-low-rank end to end, {data.get('model', '?')} shape, bf16, batch 1, {attention}{compiler} "
            "(targets not met)\n", _header(data, command),
            "| model | mode | prefill 1024 tokens ms (floor) | decode ms/token (floor) | decode tokens/s | graph breaks |",
@@ -366,6 +370,7 @@ SECTIONS = [("ledger_accuracy", ledger_section), ("ledger_accuracy_blr", ledger_
             ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section),
             ("blr_e2e_memfit_attention", blr_e2e_section), ("blr_e2e_memfit_attention_inductor_pdl", blr_e2e_section),
             ("blr_e2e_memfit_attention_fused_mlp", blr_e2e_section),
+            ("blr_e2e_memfit_attention_fused_mlp_decode_gemv", blr_e2e_section),
             ("blr_accuracy", blr_accuracy_section)]
 
 

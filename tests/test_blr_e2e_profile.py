@@ -1,8 +1,12 @@
 """benchmarks/blr_e2e.py's kernel classification, which splits a profiled step into the part the
 BLR layers can change (their kernels, cuBLAS) and the part they cannot (attention, the rest), and its
 `free` model, which measures the most the BLR layers could gain."""
+import json
+
 import pytest
 from conftest import load_benchmark
+
+from memfit.models import PRESETS
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +86,15 @@ def test_results_are_written_after_each_model(blr_e2e, tmp_path, monkeypatch):
     monkeypatch.setattr(blr_e2e, "write_results", record)
     assert blr_e2e.main(["--smoke", "--methods", "lowrank", "--no-bound", "--out", str(tmp_path)]) == 0
     assert writes == [(1, False, 0), (2, False, 0), (2, True, 2)]
+
+
+def test_decode_gemv_patches_every_models_plain_linears(blr_e2e, tmp_path):
+    """--decode-gemv: the dense model's every projection and head, the low-rank model's dense k/v and head (CPU
+    smoke: the tiny preset's low-rank plan keeps k and v dense)."""
+    assert blr_e2e.main(["--smoke", "--methods", "lowrank", "--no-bound", "--decode-gemv", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "blr_e2e_decode_gemv_smoke.json").read_text())
+    layers = PRESETS["tiny"].num_layers
+    assert data["decode_gemv"] and [r["decode_gemv_linears"] for r in data["rows"]] == [7 * layers + 1, 2 * layers + 1]
 
 
 def test_inductor_pdl_is_refused_where_inductor_has_no_such_setting(blr_e2e, monkeypatch, capsys):

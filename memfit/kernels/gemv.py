@@ -155,6 +155,33 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, path: st
     return F.linear(x, w, bias) if path == CUBLAS else gemv(x, w, bias, path)
 
 
+_DECODE_PATHS: dict[tuple, str] = {}       # (device, shape_key) -> the path decode_linear's pick took
+
+
+@torch.library.custom_op("memfit::decode_linear", mutates_args=())
+def _decode_linear_op(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    key = (x2.device, shape_key(x2.shape[0], w, bias))
+    if key not in _DECODE_PATHS:
+        _DECODE_PATHS[key] = pick_path(x2, [(w, bias)])
+    return linear(x2, w, bias, _DECODE_PATHS[key])
+
+
+@_decode_linear_op.register_fake
+def _(x2, w, bias):
+    return x2.new_empty(x2.shape[0], w.shape[0])
+
+
+def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)``; where the GEMV kernel takes the product (:func:`takes`: up to ``MAX_ROWS`` rows),
+    by the path :func:`pick_path` times fastest for its shape on its first call (cuBLAS or a GEMV variant, cached on
+    disk; cuBLAS off the GPU). One opaque op to torch.compile, so a compiled decode step can run it in a CUDA graph
+    (its first call must come before the capture, as every memfit pick's)."""
+    if not takes(x, w):
+        return F.linear(x, w, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    return _decode_linear_op(x2, w, contiguous_bias(bias)).view(*x.shape[:-1], w.shape[0])
+
+
 # The block GEMV's tiles for the autotuner (BN rows a program, BK inputs a chunk, warps, stages): one to eight rows by
 # 256 to 1024 inputs (one row a program is the only tile for blocks of an odd number of rows). tile_picks records the
 # pick.

@@ -1,0 +1,49 @@
+"""Replacing the forward of chosen module instances in a model, and putting the class's back.
+
+memfit's inference patches (memfit.infer.monarch_swiglu's fused MLPs, memfit.infer.decode_gemv's linear layers)
+change what a module computes without changing the module: the replacement is an attribute of the instance, so
+the layers and their weights stay as they are, a ``state_dict`` saves and loads as before (a whole pickled model
+would not find the patched forward), and deleting the attribute restores the class's forward. A forward that
+something else already replaced (memfit.train.patch's, an offload hook's) is refused rather than dropped.
+"""
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+from torch import nn
+
+from memfit.errors import MemfitError
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether ``module`` has forward hooks: a patch that reads its weights instead of calling it would skip them."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def patch_forwards(model: nn.Module, accepts: Callable[[nn.Module], bool], forward: Callable, patch: str) -> int:
+    """Make every module of ``model`` that ``accepts`` run ``forward`` (a function of (self, ...)); returns how many
+    it changed (0 where none is accepted or all are patched already). A module whose forward something else
+    replaced is refused, naming it and ``patch`` (the caller's name, for the message)."""
+    changed = 0
+    for name, module in model.named_modules():
+        if not accepts(module):
+            continue
+        current = module.__dict__.get("forward")
+        if current is None:
+            module.forward = types.MethodType(forward, module)
+            changed += 1
+        elif getattr(current, "__func__", None) is not forward:
+            raise MemfitError(f"{patch}: {name}'s forward is already replaced ({current!r}); patching would drop "
+                              "that patch (apply one or the other)")
+    return changed
+
+
+def unpatch_forwards(model: nn.Module, forward: Callable) -> int:
+    """Undo :func:`patch_forwards` of ``forward``; returns how many modules it changed back."""
+    changed = 0
+    for module in model.modules():
+        if getattr(module.__dict__.get("forward"), "__func__", None) is forward:
+            del module.forward
+            changed += 1
+    return changed
