@@ -162,8 +162,8 @@ def blr_kernel_names() -> frozenset[str]:
     """The Triton kernels of memfit's BLR kernel modules, by the name the profiler gives them: every
     module-level Triton function named ``*_kernel`` (memfit's name for a launched one; its jit
     helpers are not), autotuned, with heuristics or plain, read from the modules so a new kernel is counted without
-    being listed here. The GEMV module is one: its kernel runs BLAST's last stage at one token (the models here run
-    their dense layers through cuBLAS)."""
+    being listed here. The GEMV module is one: its kernels run BLAST's last stage and Monarch's two at one token (and
+    with ``--decode-gemv`` the dense layers, which then count here too)."""
     from triton.runtime import JITFunction
     from triton.runtime.interpreter import InterpretedFunction  # what triton.jit makes under TRITON_INTERPRET=1
 
@@ -217,9 +217,11 @@ def main(argv=None) -> int:
                              "compiled kernel may start before the kernel ahead of it ends and waits only where it "
                              "reads that kernel's output (writes *_inductor_pdl.json)")
     parser.add_argument("--fused-mlp", action="store_true",
-                        help="Monarch models compute each MLP's silu(gate) * up by memfit.kernels.monarch_swiglu "
-                             "(gate's and up's second stages and the product in one kernel at decode; "
-                             "memfit.infer.monarch_swiglu; writes *_fused_mlp.json)")
+                        help="also time the Monarch model with each MLP's silu(gate) * up by "
+                             "memfit.kernels.monarch_swiglu's fused pipeline at decode (gate's and up's second "
+                             "stages and the product in one kernel; memfit.infer.monarch_swiglu), as model "
+                             "monarch_fused_mlp beside the unfused monarch, in one process so that the other layers "
+                             "run the same picks (writes *_fused_mlp.json)")
     parser.add_argument("--decode-gemv", action="store_true",
                         help="every model, dense included, computes its plain nn.Linear layers at decode by the path "
                              "memfit's pick times fastest per shape, cuBLAS or memfit's GEMV (the k/v projections "
@@ -250,7 +252,8 @@ def main(argv=None) -> int:
         parser.error(f"--methods: unknown {', '.join(unknown)}; choose from blast, monarch, lowrank")
     if args.fused_mlp and "monarch" not in methods:
         parser.error("--fused-mlp fuses the Monarch model's MLPs: add monarch to --methods")
-    variants = ["dense", *methods] + ([] if args.no_bound else ["free"])
+    variants = ["dense", *methods] + (["monarch_fused_mlp"] if args.fused_mlp else []) + \
+        ([] if args.no_bound else ["free"])
     attention = args.attention
     if attention == "memfit":
         from memfit.train.attention_hf import register
@@ -277,9 +280,9 @@ def main(argv=None) -> int:
         if variant == "free":
             free_compressed_layers(model, methods[0] if methods else "blast", **plan)
         elif variant != "dense":
-            ratio = structure_model(model, variant, **plan).summary()["linear_ratio"]
-            fused = fuse_monarch_mlps(model) if args.fused_mlp else 0
-            if args.fused_mlp and variant == "monarch" and not fused:
+            method = variant.removesuffix("_fused_mlp")
+            ratio = structure_model(model, method, **plan).summary()["linear_ratio"]
+            if method != variant and not (fused := fuse_monarch_mlps(model, variant="fused_pdl")):
                 parser.error("--fused-mlp: no MLP of the Monarch model is one memfit.infer.monarch_swiglu takes")
         gemv_linears = use_decode_gemv(model) if args.decode_gemv else 0
         model.eval().requires_grad_(False)

@@ -232,14 +232,15 @@ def _pick_note(data: dict) -> str:
 
 def blr_e2e_section(data: dict) -> str:
     memfit_attention = data.get("attention") == "memfit"
-    methods = [r["model"] for r in data["rows"] if r["mode"] == "compiled" and r["model"] not in ("dense", "free")]
+    methods = [r["model"] for r in data["rows"] if r["mode"] == "compiled"
+               and r["model"] not in ("dense", "free", "monarch_fused_mlp")]
     command = ("python benchmarks/blr_e2e.py" + (" --attention memfit" if memfit_attention else "")
                + ("" if sorted(methods) == ["blast", "monarch"] else f" --methods {','.join(methods)}")
                + (" --inductor-pdl" if data.get("inductor_pdl") else "") + (" --fused-mlp" if data.get("fused_mlp") else "")
                + (" --decode-gemv" if data.get("decode_gemv") else ""))
     attention = "memfit's attention" if memfit_attention else "transformers' SDPA attention"
     compiler = (", compiled with inductor's PDL" if data.get("inductor_pdl") else "") + \
-        (", Monarch's MLPs fused" if data.get("fused_mlp") else "") + \
+        (", and Monarch with its MLPs fused (`monarch_fused_mlp`)" if data.get("fused_mlp") else "") + \
         (", linear layers by memfit's decode GEMV pick" if data.get("decode_gemv") else "")
     out = [f"### Block-low-rank end to end, {data.get('model', '?')} shape, bf16, batch 1, {attention}{compiler} "
            "(targets not met)\n", _header(data, command),

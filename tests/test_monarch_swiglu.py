@@ -103,6 +103,29 @@ def test_fused_mlps_give_the_models_outputs_and_come_undone():
     assert torch.equal(after, before)
 
 
+def test_a_named_variant_runs_wherever_offered_and_the_pick_elsewhere(monkeypatch):
+    """fuse_monarch_mlps(variant=...) is for measuring one pipeline in a model: it runs at the token counts that
+    offer it (here decode, with fused_pdl offered as on a Hopper GPU) and the others are as with "auto"."""
+    import memfit.infer.monarch_swiglu as patch
+
+    offered = lambda n, *weights: ms.VARIANTS if n <= ms.FUSED_MAX_N else {"separate": ms.VARIANTS["separate"]}  # noqa: E731
+    monkeypatch.setattr(patch, "variants_for", offered)
+    variants = []
+    monkeypatch.setattr(patch, "monarch_swiglu", lambda *args, variant: variants.append(variant) or args[0][..., :1])
+    model = tiny_monarch_model()
+    down = model.model.layers[0].mlp.down_proj
+    monkeypatch.setattr(down, "forward", lambda h: torch.zeros(*h.shape[:-1], down.out_features))
+    with pytest.raises(MemfitError, match="variant 'fused' is not auto or one of separate, fused_pdl"):
+        fuse_monarch_mlps(model, variant="fused")
+    fuse_monarch_mlps(model, variant="fused_pdl")
+    mlp, hidden = model.model.layers[0].mlp, PRESETS["tiny"].hidden
+    mlp(torch.randn(1, 1, hidden)), mlp(torch.randn(1, 17, hidden))
+    assert variants == ["fused_pdl", "auto"]
+    assert fuse_monarch_mlps(model, variant="separate") == 0 and mlp.monarch_swiglu_variant == "separate"
+    unfuse_monarch_mlps(model)
+    assert not hasattr(mlp, "monarch_swiglu_variant")
+
+
 def test_only_plain_unhooked_monarch_gate_and_up_of_one_layout_are_fused():
     model = build_model(PRESETS["tiny"], dtype="float32")
     assert fuse_monarch_mlps(model) == 0                                           # dense MLPs

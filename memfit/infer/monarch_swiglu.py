@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from memfit.errors import MemfitError
 from memfit.infer.fused import silu_activation
 from memfit.infer.instance_forward import hooked, patch_forwards, unpatch_forwards
-from memfit.kernels.monarch_swiglu import monarch_swiglu
+from memfit.kernels.monarch_swiglu import VARIANTS, monarch_swiglu, variants_for
 from memfit.layers.monarch import MonarchLinear
 
 
@@ -35,16 +36,35 @@ def _fused_forward(self, x):
     if not fusable(self):
         return type(self).forward(self, x)
     gate, up = self.gate_proj, self.up_proj
-    return self.down_proj(monarch_swiglu(x, gate.w1, gate.w2, up.w1, up.w2))
+    variant = self.monarch_swiglu_variant
+    if variant not in variants_for(x.numel() // gate.in_features, gate.w1, up.w1):   # static per compiled graph
+        variant = "auto"
+    return self.down_proj(monarch_swiglu(x, gate.w1, gate.w2, up.w1, up.w2, variant=variant))
 
 
-def fuse_monarch_mlps(model: nn.Module) -> int:
+def fuse_monarch_mlps(model: nn.Module, variant: str = "auto") -> int:
     """Make every MLP of ``model`` that :func:`fusable` accepts compute its product by the fused op; returns how
     many it changed (0 where the model has no such MLP, or they are fused already). An MLP whose forward something
-    else has replaced (memfit.train.patch's fused SwiGLU, an offload hook) is refused, naming it."""
-    return patch_forwards(model, fusable, _fused_forward, "fuse_monarch_mlps")
+    else has replaced (memfit.train.patch's fused SwiGLU, an offload hook) is refused, naming it.
+
+    ``variant``: "auto", the op's pick, or one of its pipelines, run at every token count that offers it (the others
+    take the pick, or compute as unfused where only one pipeline is offered): for measuring one pipeline in a model
+    (``benchmarks/blr_e2e.py --fused-mlp``). Applies to every fused MLP, those fused before too."""
+    if variant != "auto" and variant not in VARIANTS:
+        raise MemfitError(f"fuse_monarch_mlps: variant {variant!r} is not auto or one of {', '.join(VARIANTS)}")
+    changed = patch_forwards(model, fusable, _fused_forward, "fuse_monarch_mlps")
+    for module in _fused_mlps(model):
+        module.monarch_swiglu_variant = variant
+    return changed
+
+
+def _fused_mlps(model: nn.Module) -> list[nn.Module]:
+    return [module for module in model.modules()
+            if getattr(module.__dict__.get("forward"), "__func__", None) is _fused_forward]
 
 
 def unfuse_monarch_mlps(model: nn.Module) -> int:
     """Undo :func:`fuse_monarch_mlps`; returns how many MLPs it changed back."""
+    for module in _fused_mlps(model):
+        del module.monarch_swiglu_variant
     return unpatch_forwards(model, _fused_forward)
