@@ -16,9 +16,10 @@ Pipelines; ``pick_variant`` times the ones offered (cached on disk):
   fuses the product as it did).
 * ``fused_pdl`` (N <= 16, Hopper+; ranks multiples of STEP): gate's and up's first stages by the Monarch
   stage-1 kernel, the second launched to let the fused second stage start while it runs (programmatic dependent
-  launch: that kernel pulls its w2 slices into L2, then waits). On the H200 at the Llama-1B MLP (49a4423) the pick
-  timed it at 18.6 us against ``separate``'s 19.6, and the Monarch model's decode step went 1.221 -> 1.188 ms
-  (README, ``results/blr_e2e_memfit_attention_fused_mlp.json``).
+  launch: that kernel pulls its w2 slices into L2, then waits). On the H200 at the Llama-1B MLP the pick timed it
+  at 18.6 us against ``separate``'s 19.6 (49a4423) and 20.07 against 19.78 (26d0282); forced in the Monarch model,
+  beside the unfused model with the same picks elsewhere, the decode step took 1.208 ms against 1.221 (9a78771,
+  README, ``results/blr_e2e_memfit_attention_fused_mlp.json``): about 1%.
 
 The fused stage reads w2's rows interleaved as Monarch's chained stage 2 does (w2[i]'s rows in (s, j) order, z_i in
 (j, s) order): rank k of block i's operand is row (k mod t) b + k div t, t a constexpr (a multiply, not a division).
