@@ -151,7 +151,7 @@ def floors(model, spec, ceilings, elem: int) -> dict:
 
 
 KERNEL_KINDS = (  # (kind, name fragments), first match wins; lower-case
-    ("blr", ("memfit::blast", "memfit::monarch", "memfit::lowrank")),                 # the ops (CPU smoke)
+    ("blr", ("memfit::blast", "memfit::monarch", "memfit::lowrank", "memfit::gemv", "memfit::decode_linear")),  # CPU smoke
     ("attention", ("sdpa", "flash", "fmha", "attention", "attn", "_fwd_kernel")),  # _fwd_kernel: memfit's, prefill
     ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "splitk", "gemv", "aten::mm", "aten::bmm", "aten::addmm")),
 )
@@ -280,10 +280,13 @@ def main(argv=None) -> int:
         if variant == "free":
             free_compressed_layers(model, methods[0] if methods else "blast", **plan)
         elif variant != "dense":
-            method = variant.removesuffix("_fused_mlp")
+            method = "monarch" if variant == "monarch_fused_mlp" else variant
             ratio = structure_model(model, method, **plan).summary()["linear_ratio"]
-            if method != variant and not (fused := fuse_monarch_mlps(model, variant="fused_pdl")):
-                parser.error("--fused-mlp: no MLP of the Monarch model is one memfit.infer.monarch_swiglu takes")
+            if variant == "monarch_fused_mlp":
+                # the fused pipeline wherever offered; the CPU smoke has no programmatic dependent launch, so the pick
+                fused = fuse_monarch_mlps(model, variant="auto" if smoke else "fused_pdl")
+                if not fused:
+                    parser.error("--fused-mlp: no MLP of the Monarch model is one memfit.infer.monarch_swiglu takes")
         gemv_linears = use_decode_gemv(model) if args.decode_gemv else 0
         model.eval().requires_grad_(False)
         floor = floors(model, spec, ceilings, 2) if ceilings else {"prefill": None, "decode": None}
@@ -311,7 +314,7 @@ def main(argv=None) -> int:
                     row["decode_profile"] = step_profile(decode, device)
             rows.append(row)
             results[(variant, mode)] = row
-            print(f"{variant:8s} {mode:8s} prefill {prefill_ms:8.3f} ms  decode {decode_ms:7.3f} ms "
+            print(f"{variant:17s} {mode:8s} prefill {prefill_ms:8.3f} ms  decode {decode_ms:7.3f} ms "
                   f"({row['decode_tokens_per_s']:.0f} tok/s)  floors {floor['prefill']} / {floor['decode']}", flush=True)
         save([], complete=False)                  # a run stopped by a time limit keeps the models it measured
         del model

@@ -245,7 +245,7 @@ def blr_e2e_section(data: dict) -> str:
     methods = [r["model"] for r in data["rows"] if r["mode"] == "compiled"
                and r["model"] not in ("dense", "free", "monarch_fused_mlp")]
     command = ("python benchmarks/blr_e2e.py" + (" --attention memfit" if memfit_attention else "")
-               + ("" if sorted(methods) == ["blast", "monarch"] else f" --methods {','.join(methods)}")
+               + ("" if not methods or sorted(methods) == ["blast", "monarch"] else f" --methods {','.join(methods)}")
                + (" --inductor-pdl" if data.get("inductor_pdl") else "") + (" --fused-mlp" if data.get("fused_mlp") else "")
                + (" --decode-gemv" if data.get("decode_gemv") else ""))
     attention = "memfit's attention" if memfit_attention else "transformers' SDPA attention"

@@ -8,7 +8,7 @@ from conftest import rel
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.infer.decode_gemv import patchable_linear, restore_linears, use_decode_gemv
+from memfit.infer.decode_gemv import patchable_linear, undo_decode_gemv, use_decode_gemv
 from memfit.kernels import gemv
 from memfit.models import PRESETS, build_model
 
@@ -54,10 +54,30 @@ def test_a_shape_is_picked_once_and_more_rows_than_a_gemv_takes_are_f_linear(pic
 
 
 @pytest.mark.cpu_only(reason="on the GPU the pick times the paths")
-def test_off_the_gpu_the_pick_is_cublas():
+def test_off_the_gpu_the_pick_is_cublas(monkeypatch):
+    monkeypatch.setattr(gemv, "_DECODE_PATHS", {})
     x, w = torch.randn(1, 40), torch.randn(24, 40)
-    assert gemv.pick_path(x, [(w, None)]) == gemv.CUBLAS
     assert torch.equal(gemv.decode_linear(x, w), F.linear(x, w))
+    assert list(gemv._DECODE_PATHS.values()) == [gemv.CUBLAS]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gradients_through_the_gemv_path_are_f_linears(picks, with_bias):
+    x, w = torch.randn(2, 40, requires_grad=True), torch.randn(24, 40, requires_grad=True)
+    bias = torch.randn(24, requires_grad=True) if with_bias else None
+    inputs = [t for t in (x, w, bias) if t is not None]
+    grad = torch.randn(2, 24)
+    got = torch.autograd.grad(gemv.decode_linear(x, w, bias), inputs, grad)
+    want = torch.autograd.grad(F.linear(x, w, bias), inputs, grad)
+    assert picks and all(rel(g, v) < 1e-5 for g, v in zip(got, want))
+
+
+def test_a_bias_the_kernel_would_misread_goes_to_f_linear_which_refuses_it(picks):
+    x, w = torch.randn(1, 40), torch.randn(24, 40)
+    for bias in (torch.randn(23), torch.randn(24, dtype=torch.float64)):        # read past its end; cast silently
+        with pytest.raises(RuntimeError):
+            gemv.decode_linear(x, w, bias)
+    assert not picks
 
 
 def tiny_model():
@@ -79,7 +99,7 @@ def test_a_models_linear_layers_decode_by_the_gemv_and_come_back(picks):
         patched = model(input_ids=ids).logits
         assert picks                                                  # the GEMV ran: every pick names VARIANT
         prefill = model(input_ids=torch.randint(0, PRESETS["tiny"].vocab, (1, 9))).logits       # F.linear above 4 rows
-        assert restore_linears(model) == linears(model)
+        assert undo_decode_gemv(model) == linears(model)
         after = model(input_ids=ids).logits
     assert rel(patched, before.double()) < 1e-5 and torch.equal(after, before) and prefill.shape[1] == 9
 
@@ -109,3 +129,5 @@ def test_the_patched_model_compiles_into_one_graph(picks):
     with torch.no_grad():
         explained = torch._dynamo.explain(model)(torch.randint(0, PRESETS["tiny"].vocab, (1, 1)))
     assert explained.graph_break_count == 0, explained.break_reasons
+    ops = [node for node in explained.graphs[0].graph.nodes if node.target is torch.ops.memfit.decode_linear.default]
+    assert len(ops) == linears(model)

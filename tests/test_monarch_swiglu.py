@@ -124,6 +124,9 @@ def test_a_named_variant_runs_wherever_offered_and_the_pick_elsewhere(monkeypatc
     assert fuse_monarch_mlps(model, variant="separate") == 0 and mlp.monarch_swiglu_variant == "separate"
     unfuse_monarch_mlps(model)
     assert not hasattr(mlp, "monarch_swiglu_variant")
+    monkeypatch.setattr(patch, "variants_for", lambda n, *weights: {"separate": ms.VARIANTS["separate"]})
+    with pytest.raises(MemfitError, match="'fused_pdl' is not offered for model.layers.0.mlp at one token"):
+        fuse_monarch_mlps(model, variant="fused_pdl")                      # never the unfused MLP under its name
 
 
 def test_only_plain_unhooked_monarch_gate_and_up_of_one_layout_are_fused():

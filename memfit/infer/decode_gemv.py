@@ -3,11 +3,12 @@
 At batch-1 decode a linear layer is a matrix-vector product bound by reading its weight, and cuBLAS's GEMM tiles
 leave much of the bandwidth unused at some shapes (memfit.kernels.gemv says which and why): a Llama-1B's k and v
 projections, 2048 -> 512, run on eight thread blocks. memfit's own decode loop (memfit.infer.generate) picks a path
-per shape; a model that runs its Hugging Face forward (compiled with CUDA graphs, as ``benchmarks/blr_e2e.py``'s)
-gets the same from :func:`use_decode_gemv`: every plain ``nn.Linear`` computes by
-:func:`memfit.kernels.gemv.decode_linear`, which takes the picked path up to ``gemv.MAX_ROWS`` rows and
-``F.linear`` above (prefill is unchanged). Only the layers' forwards change (memfit.infer.instance_forward says
-what that keeps); :func:`restore_linears` puts the class's back.
+per shape, timed over all layers of that shape; a model that runs its Hugging Face forward (compiled with CUDA
+graphs, as ``benchmarks/blr_e2e.py``'s) gets a like choice from :func:`use_decode_gemv`: every plain ``nn.Linear``
+computes by :func:`memfit.kernels.gemv.decode_linear`, which takes the path its pick timed fastest for one weight
+of that shape up to ``gemv.MAX_ROWS`` rows and ``F.linear`` above (prefill is unchanged). Only the layers'
+forwards change (memfit.infer.instance_forward says what that keeps); :func:`undo_decode_gemv` puts the class's
+back.
 """
 from __future__ import annotations
 
@@ -34,6 +35,6 @@ def use_decode_gemv(model: nn.Module) -> int:
     return patch_forwards(model, patchable_linear, _decode_gemv_forward, "use_decode_gemv")
 
 
-def restore_linears(model: nn.Module) -> int:
+def undo_decode_gemv(model: nn.Module) -> int:
     """Undo :func:`use_decode_gemv`; returns how many layers it changed back."""
     return unpatch_forwards(model, _decode_gemv_forward)

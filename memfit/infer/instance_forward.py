@@ -33,17 +33,24 @@ def patch_forwards(model: nn.Module, accepts: Callable[[nn.Module], bool], forwa
         if current is None:
             module.forward = types.MethodType(forward, module)
             changed += 1
-        elif getattr(current, "__func__", None) is not forward:
+        elif not _runs(module, forward):
             raise MemfitError(f"{patch}: {name}'s forward is already replaced ({current!r}); patching would drop "
                               "that patch (apply one or the other)")
     return changed
 
 
+def _runs(module: nn.Module, forward: Callable) -> bool:
+    return getattr(module.__dict__.get("forward"), "__func__", None) is forward
+
+
+def patched_modules(model: nn.Module, forward: Callable) -> list[nn.Module]:
+    """The modules of ``model`` that :func:`patch_forwards` made run ``forward``."""
+    return [module for module in model.modules() if _runs(module, forward)]
+
+
 def unpatch_forwards(model: nn.Module, forward: Callable) -> int:
     """Undo :func:`patch_forwards` of ``forward``; returns how many modules it changed back."""
-    changed = 0
-    for module in model.modules():
-        if getattr(module.__dict__.get("forward"), "__func__", None) is forward:
-            del module.forward
-            changed += 1
-    return changed
+    modules = patched_modules(model, forward)
+    for module in modules:
+        del module.forward
+    return len(modules)

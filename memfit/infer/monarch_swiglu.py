@@ -13,8 +13,8 @@ from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.infer.fused import silu_activation
-from memfit.infer.instance_forward import hooked, patch_forwards, unpatch_forwards
-from memfit.kernels.monarch_swiglu import VARIANTS, monarch_swiglu, variants_for
+from memfit.infer.instance_forward import hooked, patch_forwards, patched_modules, unpatch_forwards
+from memfit.kernels.monarch_swiglu import STEP, VARIANTS, monarch_swiglu, variants_for
 from memfit.layers.monarch import MonarchLinear
 
 
@@ -49,22 +49,24 @@ def fuse_monarch_mlps(model: nn.Module, variant: str = "auto") -> int:
 
     ``variant``: "auto", the op's pick, or one of its pipelines, run at every token count that offers it (the others
     take the pick, or compute as unfused where only one pipeline is offered): for measuring one pipeline in a model
-    (``benchmarks/blr_e2e.py --fused-mlp``). Applies to every fused MLP, those fused before too."""
+    (``benchmarks/blr_e2e.py --fused-mlp``). A pipeline that one token is not offered (``fused_pdl`` before Hopper,
+    or at ranks off its K step) is refused, so that a measurement never runs the unfused MLP under its name.
+    Applies to every fused MLP, those fused before too."""
     if variant != "auto" and variant not in VARIANTS:
         raise MemfitError(f"fuse_monarch_mlps: variant {variant!r} is not auto or one of {', '.join(VARIANTS)}")
+    for name, module in model.named_modules():
+        if variant != "auto" and fusable(module) and variant not in variants_for(
+                1, module.gate_proj.w1, module.up_proj.w1):
+            raise MemfitError(f"fuse_monarch_mlps: {variant!r} is not offered for {name} at one token (fused_pdl "
+                              f"needs Hopper or later and ranks that are multiples of {STEP})")
     changed = patch_forwards(model, fusable, _fused_forward, "fuse_monarch_mlps")
-    for module in _fused_mlps(model):
+    for module in patched_modules(model, _fused_forward):
         module.monarch_swiglu_variant = variant
     return changed
 
 
-def _fused_mlps(model: nn.Module) -> list[nn.Module]:
-    return [module for module in model.modules()
-            if getattr(module.__dict__.get("forward"), "__func__", None) is _fused_forward]
-
-
 def unfuse_monarch_mlps(model: nn.Module) -> int:
     """Undo :func:`fuse_monarch_mlps`; returns how many MLPs it changed back."""
-    for module in _fused_mlps(model):
+    for module in patched_modules(model, _fused_forward):
         del module.monarch_swiglu_variant
     return unpatch_forwards(model, _fused_forward)

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from memfit.errors import MemfitError
 from memfit.kernels.blr_common import chain_options, contiguous_bias, line_elements, pick_variant, prefetch_l2, tuned
+from memfit.log import warn_once
 
 MAX_ROWS = 4                     # x rows (batch x tokens) the GEMV path takes; more is a GEMM
 CUBLAS = "cublas"
@@ -161,9 +162,12 @@ _DECODE_PATHS: dict[tuple, str] = {}       # (device, shape_key) -> the path dec
 @torch.library.custom_op("memfit::decode_linear", mutates_args=())
 def _decode_linear_op(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     key = (x2.device, shape_key(x2.shape[0], w, bias))
-    if key not in _DECODE_PATHS:
-        _DECODE_PATHS[key] = pick_path(x2, [(w, bias)])
-    return linear(x2, w, bias, _DECODE_PATHS[key])
+    path = _DECODE_PATHS.get(key)
+    if path is None:
+        path = pick_path(x2, [(w, bias)])
+        if not (x2.is_cuda and torch.cuda.is_current_stream_capturing()):    # untimed there: time it next call
+            _DECODE_PATHS[key] = path
+    return linear(x2, w, bias, path)
 
 
 @_decode_linear_op.register_fake
@@ -171,12 +175,34 @@ def _(x2, w, bias):
     return x2.new_empty(x2.shape[0], w.shape[0])
 
 
+def _decode_linear_setup(ctx, inputs, output):
+    x2, w, bias = inputs
+    ctx.save_for_backward(x2, w)
+    ctx.has_bias = bias is not None
+
+
+def _decode_linear_backward(ctx, grad):
+    """F.linear's gradients (PyTorch matmuls: the op is for decode, a backward through it is rare)."""
+    x2, w = ctx.saved_tensors
+    return (grad @ w if ctx.needs_input_grad[0] else None, grad.t() @ x2 if ctx.needs_input_grad[1] else None,
+            grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None)
+
+
+_decode_linear_op.register_autograd(_decode_linear_backward, setup_context=_decode_linear_setup)
+
+
 def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)``; where the GEMV kernel takes the product (:func:`takes`: up to ``MAX_ROWS`` rows),
-    by the path :func:`pick_path` times fastest for its shape on its first call (cuBLAS or a GEMV variant, cached on
-    disk; cuBLAS off the GPU). One opaque op to torch.compile, so a compiled decode step can run it in a CUDA graph
-    (its first call must come before the capture, as every memfit pick's)."""
-    if not takes(x, w):
+    """``F.linear(x, w, bias)``; where the GEMV kernel takes the product (:func:`takes`: up to ``MAX_ROWS`` rows,
+    a bias of w's dtype and rows), by the path :func:`pick_path` times fastest for its shape on its first call
+    outside a CUDA graph capture (cuBLAS or a GEMV variant, timed for this one weight and cached on disk; cuBLAS off
+    the GPU). One opaque op to torch.compile, so a compiled decode step can run it in a CUDA graph. Under autocast
+    it is ``F.linear``, whose output dtype autocast decides (said once)."""
+    if not takes(x, w) or (bias is not None and (bias.shape != w.shape[:1] or bias.dtype != w.dtype
+                                                 or bias.device != w.device)):
+        return F.linear(x, w, bias)
+    if torch.is_autocast_enabled(x.device.type):
+        warn_once("decode-linear-autocast", "decode_linear under autocast runs F.linear (cuBLAS), so that autocast "
+                  "picks the output dtype; the GEMV path needs x and the weight in one dtype")
         return F.linear(x, w, bias)
     x2 = x.reshape(-1, x.shape[-1])
     return _decode_linear_op(x2, w, contiguous_bias(bias)).view(*x.shape[:-1], w.shape[0])
