@@ -44,7 +44,6 @@ from memfit.compress import PAPER_RANKS_LLAMA_1B, structure_model
 from memfit.compress.convert import decoder_linears, model_shapes, replace_module
 from memfit.compress.plan import plan_kinds
 from memfit.infer.decode_gemv import use_decode_gemv
-from memfit.infer.monarch_swiglu import fuse_monarch_mlps
 from memfit.kernels import blr_common
 from memfit.measure.results import check_out_dir, target, write_results
 from memfit.models import PRESETS, build_model
@@ -167,9 +166,9 @@ def blr_kernel_names() -> frozenset[str]:
     from triton.runtime import JITFunction
     from triton.runtime.interpreter import InterpretedFunction  # what triton.jit makes under TRITON_INTERPRET=1
 
-    from memfit.kernels import blast, gemv, lowrank, monarch, monarch_swiglu
+    from memfit.kernels import blast, gemv, lowrank, monarch
 
-    functions = [blr_common.jit_function(value) for module in (blast, blr_common, gemv, lowrank, monarch, monarch_swiglu)
+    functions = [blr_common.jit_function(value) for module in (blast, blr_common, gemv, lowrank, monarch)
                  for value in vars(module).values()]
     return frozenset(fn.__name__ for fn in functions
                      if isinstance(fn, (JITFunction, InterpretedFunction)) and fn.__name__.endswith("_kernel"))
@@ -216,12 +215,6 @@ def main(argv=None) -> int:
                         help="compile every model with torch._inductor.config.triton.enable_pdl (Hopper+): each "
                              "compiled kernel may start before the kernel ahead of it ends and waits only where it "
                              "reads that kernel's output (writes *_inductor_pdl.json)")
-    parser.add_argument("--fused-mlp", action="store_true",
-                        help="also time the Monarch model with each MLP's silu(gate) * up by "
-                             "memfit.kernels.monarch_swiglu's fused pipeline at decode (gate's and up's second "
-                             "stages and the product in one kernel; memfit.infer.monarch_swiglu), as model "
-                             "monarch_fused_mlp beside the unfused monarch, in one process so that the other layers "
-                             "run the same picks (writes *_fused_mlp.json)")
     parser.add_argument("--decode-gemv", action="store_true",
                         help="every model, dense included, computes its plain nn.Linear layers at decode by the path "
                              "memfit's pick times fastest per shape, cuBLAS or memfit's GEMV (the k/v projections "
@@ -250,24 +243,21 @@ def main(argv=None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if unknown := [m for m in methods if m not in ("blast", "monarch", "lowrank")]:
         parser.error(f"--methods: unknown {', '.join(unknown)}; choose from blast, monarch, lowrank")
-    if args.fused_mlp and "monarch" not in methods:
-        parser.error("--fused-mlp fuses the Monarch model's MLPs: add monarch to --methods")
-    variants = ["dense", *methods] + (["monarch_fused_mlp"] if args.fused_mlp else []) + \
-        ([] if args.no_bound else ["free"])
+    variants = ["dense", *methods] + ([] if args.no_bound else ["free"])
     attention = args.attention
     if attention == "memfit":
         from memfit.train.attention_hf import register
 
         attention = register()
     name = ("blr_e2e" + ("_memfit_attention" if args.attention == "memfit" else "")
-            + ("_inductor_pdl" if args.inductor_pdl else "") + ("_fused_mlp" if args.fused_mlp else "")
+            + ("_inductor_pdl" if args.inductor_pdl else "")
             + ("_decode_gemv" if args.decode_gemv else "") + ("_smoke" if smoke else ""))
 
     def save(targets: list[dict], complete: bool) -> Path:
         # the kernel variant each BLR layer shape took, with what the pick measured (or that it came from the cache),
         # and the tile each kernel's autotuner took
         return write_results(name, rows, targets, out_dir=args.out, model=spec.name, blocks=blocks, ranks=ranks,
-                             attention=args.attention, inductor_pdl=args.inductor_pdl, fused_mlp=args.fused_mlp,
+                             attention=args.attention, inductor_pdl=args.inductor_pdl,
                              decode_gemv=args.decode_gemv,
                              pick_timings=blr_common.PICK_TIMINGS,
                              tile_picks=blr_common.tile_picks(), complete=complete)
@@ -275,18 +265,12 @@ def main(argv=None) -> int:
     for variant in variants:
         torch.manual_seed(0)
         model = build_model(spec, dtype="bfloat16", device=device, attn_implementation=attention)
-        ratio, fused = None, 0
+        ratio = None
         plan = {"ratio": 0.5 if ranks is None else None, "blocks": blocks, "ranks": ranks}
         if variant == "free":
             free_compressed_layers(model, methods[0] if methods else "blast", **plan)
         elif variant != "dense":
-            method = "monarch" if variant == "monarch_fused_mlp" else variant
-            ratio = structure_model(model, method, **plan).summary()["linear_ratio"]
-            if variant == "monarch_fused_mlp":
-                # the fused pipeline wherever offered; the CPU smoke has no programmatic dependent launch, so the pick
-                fused = fuse_monarch_mlps(model, variant="auto" if smoke else "fused_pdl")
-                if not fused:
-                    parser.error("--fused-mlp: no MLP of the Monarch model is one memfit.infer.monarch_swiglu takes")
+            ratio = structure_model(model, variant, **plan).summary()["linear_ratio"]
         gemv_linears = use_decode_gemv(model) if args.decode_gemv else 0
         model.eval().requires_grad_(False)
         floor = floors(model, spec, ceilings, 2) if ceilings else {"prefill": None, "decode": None}
@@ -305,7 +289,7 @@ def main(argv=None) -> int:
                    "prefill_tokens": PREFILL, "prefill_ms": prefill_ms, "prefill_floor_ms": floor["prefill"],
                    "decode_ms": decode_ms, "decode_tokens_per_s": 1e3 / decode_ms, "decode_floor_ms": floor["decode"],
                    "setup_and_bench_s": time.perf_counter() - t0, "graph_breaks": sum(breaks.values()),
-                   "fused_mlps": fused, "decode_gemv_linears": gemv_linears}
+                   "decode_gemv_linears": gemv_linears}
             for reason, n in breaks.items():
                 print(f"{variant} {mode}: {n} graph break(s): {reason.splitlines()[0]}", flush=True)
             if args.profile and (mode == "compiled" or smoke):       # an eager step is mostly Python, not kernels
@@ -314,7 +298,7 @@ def main(argv=None) -> int:
                     row["decode_profile"] = step_profile(decode, device)
             rows.append(row)
             results[(variant, mode)] = row
-            print(f"{variant:17s} {mode:8s} prefill {prefill_ms:8.3f} ms  decode {decode_ms:7.3f} ms "
+            print(f"{variant:8s} {mode:8s} prefill {prefill_ms:8.3f} ms  decode {decode_ms:7.3f} ms "
                   f"({row['decode_tokens_per_s']:.0f} tok/s)  floors {floor['prefill']} / {floor['decode']}", flush=True)
         save([], complete=False)                  # a run stopped by a time limit keeps the models it measured
         del model

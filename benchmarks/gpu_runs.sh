@@ -65,8 +65,7 @@ RUNS=(
   "decode_profile|240|python3 benchmarks/decode_profile.py --out $OUT"
   "blr_e2e_memfit_attention|400|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
   "blr_e2e_memfit_attention_inductor_pdl|400|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit --inductor-pdl"
-  "blr_e2e_memfit_attention_fused_mlp|400|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit --fused-mlp --methods monarch"
-  "blr_e2e_memfit_attention_fused_mlp_decode_gemv|500|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit --fused-mlp --decode-gemv"
+  "blr_e2e_memfit_attention_decode_gemv|400|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit --decode-gemv"
   "partial_ffn|300|python3 benchmarks/partial_ffn.py --out $OUT --skip-accuracy"
   "train_small_model|130|python3 benchmarks/train_small_model.py --out /tmp/small_llama --results $OUT --max-seconds 80"
   "partial_ffn_accuracy|150|python3 benchmarks/partial_ffn.py --out $OUT --skip-speed --small-model /tmp/small_llama"
@@ -81,7 +80,7 @@ RUNS=(
   "pick_cost|240|python3 benchmarks/pick_cost.py --out $OUT"
   "chain_tiles|300|python3 benchmarks/chain_tiles.py --out $OUT"
   "blr_counters|200|python3 benchmarks/blr_counters.py --out $OUT"
-  "gpu_tests_blr|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 9 -p no:cacheprovider --timeout 100 --tb=short tests/test_blr_kernels.py tests/test_monarch_swiglu.py"
+  "gpu_tests_blr|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 9 -p no:cacheprovider --timeout 100 --tb=short tests/test_blr_kernels.py"
   "gpu_tests_other|300|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 12 -p no:cacheprovider --timeout 100 --tb=short tests/test_decode_kernels.py tests/test_decode_gemv.py tests/test_cache_attention.py tests/test_attention.py"
   "gpu_tests_linear_ce|540|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 12 -p no:cacheprovider --timeout 300 --tb=short tests/test_linear_ce.py"
 )

@@ -230,27 +230,15 @@ def _pick_note(data: dict) -> str:
             f"{', '.join(misses) if misses else 'no case'}.\n\n")
 
 
-def _fused_mlp_title(data: dict) -> str:
-    """A file from f5cdaca on times the fused Monarch model as its own row; before, the Monarch row was fused, with
-    the fused op's pick."""
-    if not data.get("fused_mlp"):
-        return ""
-    if any(r["model"] == "monarch_fused_mlp" for r in data["rows"]):
-        return ", and Monarch with its MLPs fused (`monarch_fused_mlp`, the fused pipeline at decode)"
-    return ", Monarch's MLPs fused (the op's pick)"
-
-
 def blr_e2e_section(data: dict) -> str:
     memfit_attention = data.get("attention") == "memfit"
-    methods = [r["model"] for r in data["rows"] if r["mode"] == "compiled"
-               and r["model"] not in ("dense", "free", "monarch_fused_mlp")]
+    methods = [r["model"] for r in data["rows"] if r["mode"] == "compiled" and r["model"] not in ("dense", "free")]
     command = ("python benchmarks/blr_e2e.py" + (" --attention memfit" if memfit_attention else "")
                + ("" if not methods or sorted(methods) == ["blast", "monarch"] else f" --methods {','.join(methods)}")
-               + (" --inductor-pdl" if data.get("inductor_pdl") else "") + (" --fused-mlp" if data.get("fused_mlp") else "")
+               + (" --inductor-pdl" if data.get("inductor_pdl") else "")
                + (" --decode-gemv" if data.get("decode_gemv") else ""))
     attention = "memfit's attention" if memfit_attention else "transformers' SDPA attention"
     compiler = (", compiled with inductor's PDL" if data.get("inductor_pdl") else "") + \
-        _fused_mlp_title(data) + \
         (", linear layers by memfit's decode GEMV pick" if data.get("decode_gemv") else "")
     out = [f"### Block-low-rank end to end, {data.get('model', '?')} shape, bf16, batch 1, {attention}{compiler} "
            "(targets not met)\n", _header(data, command),
@@ -383,8 +371,7 @@ SECTIONS = [("ledger_accuracy", ledger_section), ("ledger_accuracy_blr", ledger_
             ("partial_ffn", partial_ffn_section), ("partial_ffn_accuracy", partial_ffn_accuracy_section),
             ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section),
             ("blr_e2e_memfit_attention", blr_e2e_section), ("blr_e2e_memfit_attention_inductor_pdl", blr_e2e_section),
-            ("blr_e2e_memfit_attention_fused_mlp", blr_e2e_section),
-            ("blr_e2e_memfit_attention_fused_mlp_decode_gemv", blr_e2e_section),
+            ("blr_e2e_memfit_attention_decode_gemv", blr_e2e_section),
             ("blr_accuracy", blr_accuracy_section)]
 
 

@@ -133,23 +133,3 @@ def test_the_constant_mark_is_torchs_own():
     probe = "import sys, memfit.kernels.gemv, memfit.kernels.monarch; print('torch._dynamo' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
-
-
-def test_fused_monarch_mlps_compile_and_train_in_one_graph_with_the_eager_gradients():
-    """memfit.infer.monarch_swiglu's forward (memfit.kernels.monarch_swiglu, a custom op with a fake and an autograd
-    registration) adds no graph break to a compiled model, inference or training, and compiled training gives
-    eager's loss and gradients."""
-    from memfit.compress import structure_model
-    from memfit.infer.monarch_swiglu import fuse_monarch_mlps
-    from memfit.models import PRESETS, build_model
-
-    torch.manual_seed(0)
-    model = build_model(PRESETS["tiny"], dtype="float32", device="cpu")
-    structure_model(model, "monarch", ranks={"gate_proj": 32, "up_proj": 32}, blocks=2,
-                    skip=("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))
-    assert fuse_monarch_mlps(model) == PRESETS["tiny"].num_layers
-    ids = torch.randint(0, 100, (2, 8))
-    torch._dynamo.reset()
-    with torch.no_grad():
-        assert torch._dynamo.explain(model)(ids, logits_to_keep=1).graph_break_count == 0
-    _assert_compiled_training_matches_eager(model, ids)

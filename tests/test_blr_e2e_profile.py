@@ -107,16 +107,3 @@ def test_inductor_pdl_is_refused_where_inductor_has_no_such_setting(blr_e2e, mon
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "--inductor-pdl" in err and "has no triton.enable_pdl" in err
-
-
-def test_fused_mlp_times_the_fused_monarch_model_beside_the_unfused_one(blr_e2e, tmp_path):
-    assert blr_e2e.main(["--smoke", "--methods", "monarch", "--no-bound", "--fused-mlp", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "blr_e2e_fused_mlp_smoke.json").read_text())["rows"]
-    assert [(r["model"], r["fused_mlps"]) for r in rows] == [
-        ("dense", 0), ("monarch", 0), ("monarch_fused_mlp", PRESETS["tiny"].num_layers)]
-
-
-def test_fused_mlp_needs_the_monarch_model(blr_e2e, capsys):
-    with pytest.raises(SystemExit) as stop:
-        blr_e2e.main(["--fused-mlp", "--methods", "blast", "--smoke"])
-    assert stop.value.code == 2 and "add monarch to --methods" in capsys.readouterr().err

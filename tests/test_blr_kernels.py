@@ -281,11 +281,10 @@ SM90_PTX_SCRIPT = """
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from memfit.kernels import blast, blr_common, gemv, monarch_swiglu
+from memfit.kernels import blast, blr_common, gemv
 
 kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
-           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "row_gemv": gemv._row_gemv_kernel,
-           "swiglu_stage2": monarch_swiglu._swiglu_stage2_kernel}
+           "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "row_gemv": gemv._row_gemv_kernel}
 out = {}
 for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[1]).items():
     fn = blr_common.jit_function(kernels[kernel])
@@ -315,8 +314,6 @@ CHAIN_CASES = {
     "bgemm launches": ("bgemm", {**CHAIN_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False,
                                  "B_ROWS_CONTIGUOUS": True, "EVEN_K": False, "BGRP": 0}),
     "row_gemv waits": ("row_gemv", {**ROW_GEMV_BASE, **WAITS}, ROW_GEMV_ALIGNED),           # Monarch's stage 2
-    "swiglu_stage2 waits": ("swiglu_stage2", {"TG": 32, "TU": 48, "PRECISION": "tf32", "WAIT_FOR_PREVIOUS": True,
-                                              "LINE": 64, "BN": 16, "BC": 64, "STEP_K": 16}),  # Llama-1B's ranks
     "row_gemv launches": ("row_gemv", {**ROW_GEMV_BASE, "LAUNCH_DEPENDENTS": True, "WAIT_FOR_PREVIOUS": False},
                           ROW_GEMV_ALIGNED),                                               # stage 1 at one token
 }
@@ -1432,18 +1429,3 @@ def test_blr_ops_refuse_a_variant_where_the_reference_runs_and_take_no_tokens():
     assert monarch_linear(x[:0], w1, w2).shape == (0, 48)
     assert blast_linear(x[:0], torch.randn(4, 3, 6), torch.randn(4, 8, 6), torch.randn(4, 4, 6)).shape == (0, 12)
     assert lowrank_linear(x[:0], torch.randn(10, 4), torch.randn(32, 4)).shape == (0, 10)
-
-
-def test_monarch_swiglu_stage2_tiles_compile_without_spills():
-    """Every listed tile of the fused gate/up second stage, at Llama-1B's per-block ranks (32 and 48) in bf16, compiles
-    for sm_90 to tensor-core dots with no register spills."""
-    from memfit.kernels import monarch_swiglu
-
-    base = {"TG": 32, "TU": 48, "PRECISION": "tf32", "WAIT_FOR_PREVIOUS": True, "LINE": 64}
-    aligned = ["zg_ptr", "zu_ptr", "wg_ptr", "wu_ptr", "y_ptr", "P", "szg_n", "szg_i", "szu_n", "szu_i", "swg_i",
-               "swg_k", "swu_i", "swu_k", "syn"]                     # as Triton specializes them at Llama-1B's shapes
-    cases = {str(tile): ("swiglu_stage2", {**base, "BN": tile[0], "BC": tile[1], "STEP_K": tile[2]}, aligned,
-                         tile[4], tile[3]) for tile in monarch_swiglu.STAGE2_TILES}
-    for name, ptx in compile_sm90(cases).items():
-        assert "mma.sync" in ptx, name
-        assert ptxas_spills(ptx)[1] == 0, name

@@ -54,22 +54,18 @@ def test_blr_e2e_section_names_the_compiler_setting_it_ran_with():
     assert "compiled with inductor's PDL" in with_pdl and "--attention memfit --inductor-pdl`" in with_pdl
     for plain in ({**run, "inductor_pdl": False}, run):
         text = report.blr_e2e_section(plain)
-        assert "PDL" not in text and "fused" not in text and "--attention memfit`" in text
-    fused = report.blr_e2e_section({**run, "fused_mlp": True})
-    assert "Monarch's MLPs fused" in fused and "--attention memfit --fused-mlp`" in fused
+        assert "PDL" not in text and "--attention memfit`" in text
 
 
-def test_blr_e2e_section_rebuilds_methods_and_the_fused_and_gemv_options():
-    """From f5cdaca --fused-mlp times a monarch_fused_mlp row beside monarch: the command names --methods from the
-    rows (not that row) where they are not the default pair, and --decode-gemv says what the BLR column holds."""
+def test_blr_e2e_section_rebuilds_methods_and_the_gemv_option():
+    """The command names --methods from the rows where they are not the default pair, and --decode-gemv, which the
+    title names too."""
     report = load_report()
     row = {"mode": "compiled", "prefill_ms": 2.0, "prefill_floor_ms": 1.0, "decode_ms": 1.0, "decode_floor_ms": 0.5,
            "decode_tokens_per_s": 1000.0, "graph_breaks": 0}
-    rows = [{**row, "model": name} for name in ("dense", "monarch", "monarch_fused_mlp")]
+    rows = [{**row, "model": name} for name in ("dense", "monarch", "free")]
     run = {"gpu": "H200", "torch": "2.11", "triton": "3.6", "commit": "abc", "date": "2026-12-01T00:00",
-           "model": "llama-3.2-1b", "attention": "memfit", "rows": rows, "targets": [], "fused_mlp": True}
-    text = report.blr_e2e_section(run)
-    assert "Monarch with its MLPs fused (`monarch_fused_mlp`" in text
-    assert "--attention memfit --methods monarch --fused-mlp`" in text
+           "model": "llama-3.2-1b", "attention": "memfit", "rows": rows, "targets": []}
+    assert "--attention memfit --methods monarch`" in report.blr_e2e_section(run)
     both = report.blr_e2e_section({**run, "rows": rows + [{**row, "model": "blast"}], "decode_gemv": True})
-    assert "--attention memfit --fused-mlp --decode-gemv`" in both and "memfit's decode GEMV pick" in both
+    assert "--attention memfit --decode-gemv`" in both and "memfit's decode GEMV pick" in both

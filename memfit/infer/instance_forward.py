@@ -1,7 +1,7 @@
 """Replacing the forward of chosen module instances in a model, and putting the class's back.
 
-memfit's inference patches (memfit.infer.monarch_swiglu's fused MLPs, memfit.infer.decode_gemv's linear layers)
-change what a module computes without changing the module: the replacement is an attribute of the instance, so
+memfit's inference patches (memfit.infer.decode_gemv's linear layers) change what a module computes without
+changing the module: the replacement is an attribute of the instance, so
 the layers and their weights stay as they are, a ``state_dict`` saves and loads as before (a whole pickled model
 would not find the patched forward), and deleting the attribute restores the class's forward. A forward that
 something else already replaced (memfit.train.patch's, an offload hook's) is refused rather than dropped.
@@ -14,11 +14,6 @@ from collections.abc import Callable
 from torch import nn
 
 from memfit.errors import MemfitError
-
-
-def hooked(module: nn.Module) -> bool:
-    """Whether ``module`` has forward hooks: a patch that reads its weights instead of calling it would skip them."""
-    return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
 def patch_forwards(model: nn.Module, accepts: Callable[[nn.Module], bool], forward: Callable, patch: str) -> int:

@@ -436,7 +436,7 @@ def recompute_backward(reference, n_tensors: int, n_options: int = 0):
     return backward
 
 
-def recomputing(reference, n_tensors: int, n_options: int = 0, linear_in_x: bool = True):
+def recomputing(reference, n_tensors: int, n_options: int = 0):
     """``reference`` as an autograd function with the custom ops' memory behaviour (:func:`save_for_recompute`,
     :func:`recompute_backward`): the path where no Triton kernel runs (CPU). Run as plain autograd, a reference
     kept its intermediates for the backward (z and its copies), which the ledger does not count; run inside a
@@ -456,7 +456,7 @@ def recomputing(reference, n_tensors: int, n_options: int = 0, linear_in_x: bool
 
         @staticmethod
         def setup_context(ctx, inputs, output):
-            save_for_recompute(ctx, inputs, output, n_tensors, linear_in_x)
+            save_for_recompute(ctx, inputs, output, n_tensors)
 
         @staticmethod
         @torch.autograd.function.once_differentiable
@@ -484,14 +484,13 @@ def _reference_differentiated_when_compiled() -> bool:
     return True
 
 
-def save_for_recompute(ctx, inputs, output, n_tensors: int, linear_in_x: bool = True) -> None:
+def save_for_recompute(ctx, inputs, output, n_tensors: int) -> None:
     """Save the op's tensors for :func:`recompute_backward`, but not x (the first) where no weight needs a gradient
-    (a frozen BLR layer under LoRA elsewhere) and the reference is ``linear_in_x`` (every BLR layer's is): the
-    gradient for x does not depend on x then, and the backward differentiates the reference at x = 0 (one zero
-    element, expanded) instead of keeping each layer's input alive from its forward to its backward, as the ledger
-    assumes of a frozen layer. An op that is not linear in x (memfit.kernels.monarch_swiglu) always saves x."""
+    (a frozen BLR layer under LoRA elsewhere): every BLR reference is linear in x, so the gradient for x does not
+    depend on it, and the backward differentiates the reference at x = 0 (one zero element, expanded) instead of
+    keeping each layer's input alive from its forward to its backward, as the ledger assumes of a frozen layer."""
     x, weights = inputs[0], inputs[1:n_tensors]
-    frozen = linear_in_x and not any(ctx.needs_input_grad[1:n_tensors])
+    frozen = not any(ctx.needs_input_grad[1:n_tensors])
     ctx.x_like, ctx.x_shape = (x.new_zeros(()), x.shape) if frozen else (None, None)
     ctx.save_for_backward(None if frozen else x, *weights)
     ctx.rest = tuple(inputs[n_tensors:])
@@ -764,7 +763,7 @@ def _k_step_tiles(a_ptrs, b_ptrs, a_rows, b_cols, rk, k0, k_end, EVEN_K: tl.cons
 
 
 @triton.jit
-def interleaved_b_rows(k0, rk, BGRP: tl.constexpr, sbg, sbk, BK: tl.constexpr):
+def _interleaved_b_rows(k0, rk, BGRP: tl.constexpr, sbg, sbk, BK: tl.constexpr):
     """Offsets of b's rows for the K step at k0 where b holds interleaved runs of BGRP rows (runs sbg apart, a run's
     rows sbk apart): one scalar division where the step lies in one run (BK divides BGRP), else one per row. BGRP is
     a constexpr, so the divisions are shifts or multiplies. 412d845 divided by a runtime value for every row of every
@@ -862,7 +861,7 @@ def _bgemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, N, K, C, GRP, AGRP, BATCHES, N_
     else:
         for k0 in range(0, K, BK):
             if B_INTERLEAVED:
-                b_ptrs = b_cols_ptr + interleaved_b_rows(k0, rk, BGRP, sbg, sbk, BK)[:, None]
+                b_ptrs = b_cols_ptr + _interleaved_b_rows(k0, rk, BGRP, sbg, sbk, BK)[:, None]
             a, b = _k_step_tiles(a_ptrs, b_ptrs, a_rows, b_cols, rk, k0, K, EVEN_K)
             acc = mma(a, b, acc, PRECISION)
             a_ptrs += BK * sak

@@ -103,6 +103,14 @@ Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk
   memory), and a second kernel, chained by PDL, summed the b partials. At four of the paper's shapes it took
   1.03-1.27x the pick's time at N = 1 and 1.10-1.55x at N = 16
   (results/earlier/blr_layers_subset_fused_split_4fa42b0.json); not profiled.
+* Tried and taken out, a fused gated MLP for Monarch gate and up (``memfit.kernels.monarch_swiglu`` and
+  ``memfit.infer.monarch_swiglu``, 2be652b to 97724cb): at N <= 16, gate's and up's first stages, then one kernel
+  that summed both second stages in fp32 (w2 slices prefetched before its PDL wait) and stored silu(g) * u once:
+  three launches where the MLP had five. At the Llama-1B MLP its pick timed it at 18.6 against 19.6 us for the two
+  Monarch ops and a product kernel (49a4423), then 20.07 against 19.78 (26d0282). Forced in the Monarch model,
+  beside the unfused model in the same process, the decode step took 1.208 against 1.221 ms (9a78771) and, with
+  memfit's decode GEMV in both, 1.145 against 1.136 (97724cb): no gain beyond run-to-run spread
+  (results/earlier/blr_e2e_memfit_attention_fused_mlp*.json). Not profiled.
 * ``torch`` (the reference: two cuBLAS batched GEMMs with the permutations as copies)
   competes too, so the pick is never slower than plain PyTorch on a shape where the
   Triton stage 1 stores badly (e.g. a per-block rank t = 93, not a multiple of 8).
@@ -168,7 +176,7 @@ def monarch_linear_reference(x, w1, w2, bias=None, permute_output=False):
     return y if bias is None else y + bias
 
 
-def stage1(x2, w1, launch_dependents=False, tile=None, w2_order=False):
+def _stage1(x2, w1, launch_dependents=False, tile=None, w2_order=False):
     """z[n, i, j t + s] = (x_j w1[j])[n, i t + s]: stage 1 with P^T folded into the store (runs of t elements); or,
     ``w2_order``, z[n, i, s b + j], in w2's row order for a cuBLAS stage 2 (a column stride of b in the store)."""
     b, m, r = w1.shape
@@ -180,12 +188,12 @@ def stage1(x2, w1, launch_dependents=False, tile=None, w2_order=False):
 
 
 def _two_stage(x2, w1, w2, bias, permute_output):
-    return per_block_gemm(stage1(x2, w1), w2, bias, cublas=False, permute_output=permute_output,
+    return per_block_gemm(_stage1(x2, w1), w2, bias, cublas=False, permute_output=permute_output,
                           w_interleaved=w1.shape[0])
 
 
 def _chained_two_stage(x2, w1, w2, bias, permute_output, tiles=(None, None)):
-    return per_block_gemm(stage1(x2, w1, launch_dependents=True, tile=tiles[0]), w2, bias, cublas=False,
+    return per_block_gemm(_stage1(x2, w1, launch_dependents=True, tile=tiles[0]), w2, bias, cublas=False,
                           permute_output=permute_output, wait_for_previous=True, w_interleaved=w1.shape[0],
                           tile=tiles[1])
 
@@ -201,7 +209,7 @@ def _two_stage_pdl(x2, w1, w2, bias, permute_output):
 
 
 def _bmm(x2, w1, w2, bias, permute_output):
-    return per_block_gemm(stage1(x2, w1, w2_order=True), w2, bias, cublas=True)
+    return per_block_gemm(_stage1(x2, w1, w2_order=True), w2, bias, cublas=True)
 
 
 # ---- both GEMMs on cuBLAS, the permutation as one copy between them -------------------
