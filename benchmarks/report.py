@@ -284,8 +284,10 @@ def _blr_e2e_profile(data: dict) -> str:
     gemv = (" (here also memfit's GEMV kernel, which the BLR pipelines' GEMV stages run too: the dense layers, k/v "
             "and the head count here wherever the decode pick took it)"
             if data.get("decode_gemv") else "")
+    cublas = ("what the pick left to cuBLAS" if data.get("decode_gemv") else "dense layers, k/v, the head") + \
+        ", and the BLR pipelines' cuBLAS stages"
     out = [f"GPU ms per step by kernel kind, from one profiled replay (`--profile`): memfit's BLR kernels{gemv}, "
-           "cuBLAS matmuls (dense layers, k/v, the head, and the BLR pipelines' cuBLAS stages), attention "
+           f"cuBLAS matmuls ({cublas}), attention "
            "(with its mask), everything else, and the GPU's idle time between kernels.\n",
            "| model | mode | step | BLR | cuBLAS | attention | other | idle |", "|---|---|---|---|---|---|---|---|"]
     for r in profiled:

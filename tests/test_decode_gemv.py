@@ -72,12 +72,22 @@ def test_gradients_through_the_gemv_path_are_f_linears(picks, with_bias):
     assert picks and all(rel(g, v) < 1e-5 for g, v in zip(got, want))
 
 
-def test_a_bias_the_kernel_would_misread_goes_to_f_linear_which_refuses_it(picks):
+def test_what_the_kernel_would_misread_goes_to_f_linear_which_refuses_it(picks):
     x, w = torch.randn(1, 40), torch.randn(24, 40)
     for bias in (torch.randn(23), torch.randn(24, dtype=torch.float64)):        # read past its end; cast silently
         with pytest.raises(RuntimeError):
             gemv.decode_linear(x, w, bias)
+    for narrow_or_wide in (torch.randn(1, 32), torch.randn(1, 48)):             # past x's end; w's row cut short
+        with pytest.raises(RuntimeError):
+            gemv.decode_linear(narrow_or_wide, w)
     assert not picks
+
+
+def test_under_autocast_it_is_f_linear(picks):
+    x, w = torch.randn(1, 40), torch.randn(24, 40)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        y, want = gemv.decode_linear(x, w), F.linear(x, w)
+    assert y.dtype == want.dtype == torch.bfloat16 and torch.equal(y, want) and not picks
 
 
 def tiny_model():

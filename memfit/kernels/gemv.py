@@ -28,6 +28,8 @@ Which path is fastest depends on the shape, so ``pick_path`` times cuBLAS (``F.l
 against every tile variant over a whole group of same-shaped weights (all layers' q/k/v,
 say: more than L2 holds, as in a real decode step) with ``blr_common.pick_variant``,
 which caches the winner on disk. Results differ from cuBLAS only in summation order.
+:func:`decode_linear` is ``F.linear`` with that choice made per weight shape on its first call, one opaque op to
+torch.compile (memfit.infer.decode_gemv puts it behind a model's linear layers).
 """
 from __future__ import annotations
 
@@ -134,9 +136,11 @@ def _(x2, w, bias, variant):
 
 
 def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the GEMV kernel can run this product: few rows, unit inner strides, a float dtype."""
+    """Whether the GEMV kernel can run this product: few rows of w's width, unit inner strides, one float dtype, one
+    device."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    return (0 < rows <= MAX_ROWS and w.dim() == 2 and w.stride(1) == 1 and x.stride(-1) == 1 and x.dtype == w.dtype
+    return (0 < rows <= MAX_ROWS and w.dim() == 2 and x.shape[-1] == w.shape[1] and w.stride(1) == 1
+            and x.stride(-1) == 1 and x.dtype == w.dtype and x.device == w.device
             and w.dtype in (torch.float16, torch.bfloat16, torch.float32))
 
 
@@ -165,7 +169,7 @@ def _decode_linear_op(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
     path = _DECODE_PATHS.get(key)
     if path is None:
         path = pick_path(x2, [(w, bias)])
-        if not (x2.is_cuda and torch.cuda.is_current_stream_capturing()):    # untimed there: time it next call
+        if not (x2.is_cuda and torch.cuda.is_current_stream_capturing()):    # untimed there: time a later call
             _DECODE_PATHS[key] = path
     return linear(x2, w, bias, path)
 
@@ -195,8 +199,10 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     """``F.linear(x, w, bias)``; where the GEMV kernel takes the product (:func:`takes`: up to ``MAX_ROWS`` rows,
     a bias of w's dtype and rows), by the path :func:`pick_path` times fastest for its shape on its first call
     outside a CUDA graph capture (cuBLAS or a GEMV variant, timed for this one weight and cached on disk; cuBLAS off
-    the GPU). One opaque op to torch.compile, so a compiled decode step can run it in a CUDA graph. Under autocast
-    it is ``F.linear``, whose output dtype autocast decides (said once)."""
+    the GPU). One opaque op to torch.compile, so a compiled decode step can run it in a CUDA graph; a first call
+    inside a capture cannot be timed, so that graph keeps cuBLAS (the pick says so once). Under autocast it is
+    ``F.linear``, whose output dtype autocast decides (said once). Anything the kernel does not take goes to
+    ``F.linear``, which raises where the shapes or devices do not match."""
     if not takes(x, w) or (bias is not None and (bias.shape != w.shape[:1] or bias.dtype != w.dtype
                                                  or bias.device != w.device)):
         return F.linear(x, w, bias)
