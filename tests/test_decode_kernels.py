@@ -140,6 +140,8 @@ def test_gemv_refuses_what_it_cannot_take():
     assert not gemv.takes(torch.randn(1, 8), torch.randn(8, 3).T)        # inner stride != 1
     with pytest.raises(MemfitError, match="rows"):
         gemv.gemv(torch.randn(6, 8), torch.randn(3, 8))
+    with pytest.raises(MemfitError, match=r"rows of w's width .* got x \(1, 7\)"):        # would read past x's end
+        gemv.gemv(torch.randn(1, 7), torch.randn(3, 8))
     with pytest.raises(MemfitError, match="variant"):
         gemv.gemv(torch.randn(1, 8), torch.randn(3, 8), variant="nope")
     assert gemv.pick_path(torch.randn(1, 8), [(torch.randn(3, 8), None)]) == gemv.CUBLAS     # off the GPU

@@ -149,8 +149,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, var
     if variant not in VARIANTS:
         raise MemfitError(f"gemv variant {variant!r} is not one of {', '.join(VARIANTS)}")
     if not takes(x, w):
-        raise MemfitError(f"gemv takes at most {MAX_ROWS} rows with unit inner strides and one float dtype; got x "
-                          f"{tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} stride {w.stride()} {w.dtype}")
+        raise MemfitError(f"gemv takes at most {MAX_ROWS} rows of w's width with unit inner strides, one float dtype "
+                          f"and one device; got x {tuple(x.shape)} {x.dtype} {x.device}, w {tuple(w.shape)} stride "
+                          f"{w.stride()} {w.dtype} {w.device}")
     x2 = x.reshape(-1, x.shape[-1])
     return _gemv_op(x2, w, contiguous_bias(bias), variant).view(*x.shape[:-1], w.shape[0])
 
