@@ -16,7 +16,6 @@ elif os.environ.get("MEMFIT_TEST_DEVICE") == "cuda":
 
 import importlib  # noqa: E402
 import importlib.util  # noqa: E402
-import math  # noqa: E402
 import pkgutil  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -75,18 +74,6 @@ def interpreter_frees_at_return(monkeypatch):
 
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """Every torch.empty the code under test allocates starts as NaN, so an element a kernel never wrote shows."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        out = real(*args, **kwargs)
-        return out.fill_(math.nan) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty", empty)
 
 
 def rel(a, b):

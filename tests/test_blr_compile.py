@@ -75,21 +75,6 @@ def _training_step(model, ids):
     return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def _assert_compiled_training_matches_eager(model, ids):
-    """A training step of ``model`` compiled (aot_eager) is one graph with no break and gives eager's loss and
-    gradients."""
-    from torch._dynamo.utils import counters
-
-    eager_loss, eager_grads = _training_step(model, ids)
-    model.zero_grad(set_to_none=True)
-    torch._dynamo.reset()
-    counters.clear()
-    loss, grads = _training_step(torch.compile(model, backend="aot_eager"), ids)
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
-    assert torch.allclose(loss, eager_loss, rtol=1e-6) and len(grads) == len(eager_grads) > 0
-    assert all(torch.allclose(g, e, rtol=1e-5, atol=1e-7) for g, e in zip(grads, eager_grads))
-
-
 @pytest.mark.parametrize("method,path", [("monarch", "triton"), ("blast", "triton"), ("lowrank", "triton"),
                                          ("monarch", "reference")])
 def test_a_compressed_model_trains_under_compile_in_one_graph_with_the_eager_gradients(method, path, monkeypatch,
@@ -98,6 +83,8 @@ def test_a_compressed_model_trains_under_compile_in_one_graph_with_the_eager_gra
     eager's loss and gradients: through each Triton op (their autograd: blr_common.recompute_backward), and on the
     CPU reference path, whose recomputing autograd function (one for all three structures) broke the graph in
     training (its backward's autograd.grad) and which torch.compile now differentiates as it is, said once."""
+    from torch._dynamo.utils import counters
+
     from memfit import log
     from memfit.compress import structure_model
     from memfit.models import PRESETS, build_model
@@ -108,7 +95,14 @@ def test_a_compressed_model_trains_under_compile_in_one_graph_with_the_eager_gra
     model = build_model(PRESETS["tiny"], dtype="float32", device="cpu")
     structure_model(model, method, ratio=0.5, blocks=4)
     ids = torch.randint(0, 100, (2, 8))
-    _assert_compiled_training_matches_eager(model, ids)
+    eager_loss, eager_grads = _training_step(model, ids)
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    counters.clear()
+    loss, grads = _training_step(torch.compile(model, backend="aot_eager"), ids)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    assert torch.allclose(loss, eager_loss, rtol=1e-6) and len(grads) == len(eager_grads) > 0
+    assert all(torch.allclose(g, e, rtol=1e-5, atol=1e-7) for g, e in zip(grads, eager_grads))
     assert ("differentiated as it is" in caplog.text) == (path == "reference")
 
 

@@ -27,7 +27,16 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 B, M, P, N = 3, 11, 7, 19
 
 
-pytestmark = pytest.mark.usefixtures("poisoned_empty")     # unwritten output elements show as NaN
+@pytest.fixture(autouse=True)
+def poisoned_empty(monkeypatch):
+    """Every torch.empty the ops allocate starts as NaN, so unwritten elements show."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.fill_(math.nan) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", empty)
 
 
 def check(op, reference, tensors, dtype, **options):

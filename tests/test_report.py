@@ -44,12 +44,15 @@ def test_a_stopped_run_is_marked_in_its_section_header():
     assert "stopped run" not in report._header(run, "python x.py")
 
 
+E2E_RUN = {"gpu": "H200", "torch": "2.11", "triton": "3.6", "commit": "abc", "date": "2026-12-01T00:00",
+           "model": "llama-3.2-1b", "attention": "memfit", "rows": [], "targets": []}
+
+
 def test_blr_e2e_section_names_the_compiler_setting_it_ran_with():
     """A run with --inductor-pdl says so in its title and its command; a run without (or from before the option
     existed) does not."""
     report = load_report()
-    run = {"gpu": "H200", "torch": "2.11", "triton": "3.6", "commit": "abc", "date": "2026-12-01T00:00",
-           "model": "llama-3.2-1b", "attention": "memfit", "rows": [], "targets": []}
+    run = E2E_RUN
     with_pdl = report.blr_e2e_section({**run, "inductor_pdl": True})
     assert "compiled with inductor's PDL" in with_pdl and "--attention memfit --inductor-pdl`" in with_pdl
     for plain in ({**run, "inductor_pdl": False}, run):
@@ -64,8 +67,7 @@ def test_blr_e2e_section_rebuilds_methods_and_the_gemv_option():
     row = {"mode": "compiled", "prefill_ms": 2.0, "prefill_floor_ms": 1.0, "decode_ms": 1.0, "decode_floor_ms": 0.5,
            "decode_tokens_per_s": 1000.0, "graph_breaks": 0}
     rows = [{**row, "model": name} for name in ("dense", "monarch", "free")]
-    run = {"gpu": "H200", "torch": "2.11", "triton": "3.6", "commit": "abc", "date": "2026-12-01T00:00",
-           "model": "llama-3.2-1b", "attention": "memfit", "rows": rows, "targets": []}
+    run = {**E2E_RUN, "rows": rows}
     assert "--attention memfit --methods monarch`" in report.blr_e2e_section(run)
     both = report.blr_e2e_section({**run, "rows": rows + [{**row, "model": "blast"}], "decode_gemv": True})
     assert "--attention memfit --decode-gemv`" in both and "memfit's decode GEMV pick" in both
