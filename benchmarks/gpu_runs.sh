@@ -53,6 +53,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # on a machine just started, then blr_e2e 182 s on the same machine, warm (one device call each). At 62f9d18 three
 # blr_layers processes at Llama-1B q/o and down, Monarch, N = 1, each with its own MEMFIT_AUTOTUNE_CACHE, took 81 s of
 # wall time together on a machine just started (results/blr_layers_subset_decode_gemv_repeat*.json).
+# tests/test_queued_timing.py runs alone (gpu_tests_timing): it times the GPU, which other test processes would share.
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
@@ -82,6 +83,7 @@ RUNS=(
   "blr_counters|200|python3 benchmarks/blr_counters.py --out $OUT"
   "gpu_tests_blr|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 9 -p no:cacheprovider --timeout 100 --tb=short tests/test_blr_kernels.py"
   "gpu_tests_other|300|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 12 -p no:cacheprovider --timeout 100 --tb=short tests/test_decode_kernels.py tests/test_decode_gemv.py tests/test_cache_attention.py tests/test_attention.py"
+  "gpu_tests_timing|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -p no:cacheprovider --timeout 100 --tb=short tests/test_queued_timing.py"
   "gpu_tests_linear_ce|540|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 12 -p no:cacheprovider --timeout 300 --tb=short tests/test_linear_ce.py"
 )
 status=0

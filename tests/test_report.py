@@ -26,6 +26,27 @@ def test_blr_e2e_bound_at_the_floor_adds_each_methods_layer_floor_to_the_free_st
     assert "monarch 1.667x and 1.600x dense" in text
 
 
+def test_blr_e2e_bound_uses_the_gpu_only_times_where_the_run_has_them():
+    """With queued (GPU-only) times the bound is dense / free from them: a free step the host holds back (decode 1.0
+    as called, 0.5 on the GPU) bounds the speedup at 2 / (0.5 + 0.5 - 0.25) = 2.667, not 1.6; the table shows them."""
+    def row(model, decode, decode_gpu, floor, **extra):
+        return {"model": model, "mode": "compiled", "prefill_ms": 10.0, "decode_ms": decode, "prefill_floor_ms": 1.0,
+                "decode_floor_ms": floor, "prefill_gpu_ms": 10.0, "decode_gpu_ms": decode_gpu, "prefill_host_ms": 0.9,
+                "decode_host_ms": 0.8, "decode_tokens_per_s": 1e3 / decode, "graph_breaks": 0, **extra}
+
+    rows = [row("dense", 2.0, 2.0, 1.0), row("monarch", 1.9, 1.9, 0.5),
+            row("free", 1.0, 0.5, 0.25, prefill_speedup=1.0, decode_speedup=2.0, prefill_gpu_speedup=1.0,
+                decode_gpu_speedup=4.0)]
+    report = load_report()
+    text = report._blr_e2e_bound({"rows": rows})
+    assert "1.00x in prefill and 4.00x in decode (dense / free, same run, GPU only)" in text
+    assert "monarch 1.000x and 2.667x dense" in text
+    section = report.blr_e2e_section({**E2E_RUN, "rows": rows})
+    assert "| free | compiled | 10.00 (1.00) | 1.000 (0.250) | 1000 | 10.00 / 0.500 (0.90 / 0.800) | 0 |" in section
+    without = [{k: v for k, v in r.items() if "gpu" not in k and "host" not in k} for r in rows]
+    assert "GPU only" not in report.blr_e2e_section({**E2E_RUN, "rows": without})
+
+
 def test_pick_note_names_each_miss_and_says_so_when_there_is_none():
     report = load_report()
     miss = {"structure": "monarch", "shape": "llama-7b down", "n": 16, "ratio": 1.086, "fastest": "monarch_bmm_perm_bmm"}

@@ -1,13 +1,15 @@
 """GPU timing and the two ceilings every roofline is drawn against.
 
-Times come from ``triton.testing.do_bench`` (CUDA events, median) after warm-up, or from CUDA-graph replays
-(:func:`graph_ms`). The ceilings (matmul rate, copy bandwidth) are measured in the same run as the thing timed.
+Times come from ``triton.testing.do_bench`` (CUDA events, median) after warm-up, from CUDA-graph replays
+(:func:`graph_ms`), or from calls queued behind a sleep kernel (:func:`queued_ms`: the GPU's time where the host's is
+longer). The ceilings (matmul rate, copy bandwidth) are measured in the same run as the thing timed.
 """
 from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -79,6 +81,76 @@ def _replayed_ms(fn, rep_ms: float, stream) -> float:
             end.synchronize()
             times.append(start.elapsed_time(end) / calls)
     return float(statistics.median(times))
+
+
+class QueuedTime(NamedTuple):
+    """:func:`queued_ms`'s result: one call's GPU time with the calls back to back, and the host's time to issue one."""
+
+    gpu_ms: float
+    host_ms: float
+
+
+QUEUED_SLEEP_MARGIN = 2.0      # the sleep that holds the stream lasts this many times the host's estimated issue time
+
+
+def queued_ms(fn, calls: int = 20, rounds: int = 5, attempts: int = 3) -> QueuedTime:
+    """Median GPU ms of one ``fn()`` when the GPU never waits for the host, and the host's median ms to issue one.
+
+    :func:`bench_ms` times each call from an event before it to one after it. Where the host takes longer to issue a
+    call's work than the GPU takes to run it (a step compiled with ``mode="reduce-overhead"``: torch's CUDA-graph
+    trees check guards and inputs before each replay), the GPU idles between kernels waiting for the host, and that
+    time is the host's. Here a sleep kernel holds the stream while the host issues ``calls`` calls, so they run back
+    to back once it ends: the events around them give the GPU's time. A round counts only if the sleep was still
+    running when the host had issued every call (else the GPU may have waited); one that was not is run again with a
+    sleep twice as long, ``attempts`` times, then this raises: ``fn`` blocks the host (a synchronisation, a copy to
+    the host), or issuing it varies more than the margin covers. The calls run without the L2 flush
+    ``bench_ms`` puts between them. CUDA only."""
+    from memfit.errors import MemfitError
+
+    fn()
+    torch.cuda.synchronize()
+    issued = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_estimate_ms = 1e3 * (time.perf_counter() - issued) / calls
+    cycles_per_ms = _sleep_cycles_per_ms()
+    gpu, host = [], []
+    for _ in range(rounds):
+        sleep_ms = QUEUED_SLEEP_MARGIN * host_estimate_ms * calls
+        for _ in range(attempts):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
+            start.record()
+            issued = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            issue_ms = 1e3 * (time.perf_counter() - issued) / calls
+            held = not start.query()                   # the sleep still running: every call queued behind it
+            end.record()
+            end.synchronize()
+            if held:
+                gpu.append(start.elapsed_time(end) / calls)
+                host.append(issue_ms)
+                break
+            sleep_ms *= 2
+        else:
+            raise MemfitError(f"queued_ms: the host was still issuing calls when a {sleep_ms / 2:.1f} ms sleep ended, "
+                              f"{attempts} times: the timed function blocks the host (a synchronisation or a copy to "
+                              "it), so its calls cannot be queued")
+    return QueuedTime(float(statistics.median(gpu)), float(statistics.median(host)))
+
+
+def _sleep_cycles_per_ms() -> float:
+    """Cycles of ``torch.cuda._sleep`` per ms on the current device (its clock, measured: the SM clock varies)."""
+    cycles = 10_000_000
+    torch.cuda._sleep(cycles)                          # warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / start.elapsed_time(end)
 
 
 @dataclass(frozen=True)
