@@ -70,6 +70,28 @@ def static_cache(model, length: int):
         return StaticCache(config=model.config, max_batch_size=1, max_cache_len=length, device=param.device, dtype=param.dtype)
 
 
+def hold_write_position(cache) -> int:
+    """Make every later step write its token where the next one would go now, without moving that position; returns
+    the layers changed. transformers 5's static cache layers write at a device counter (``cumulative_length``) that
+    each update advances, so repeated timing calls of one decode step wrote further on: under CUDA-graph trees some
+    calls advanced it and replays did not (at d7b7323 one ``do_bench`` of a decode step moved it 32 positions, the
+    next one past the cache's end: a device-side assert in ``index_copy_``). Each timed call is then the same step,
+    the one after the prefill. transformers 4's layers write at the step's ``cache_position`` and need nothing."""
+    layers = [layer for layer in getattr(cache, "layers", ()) if isinstance(getattr(layer, "cumulative_length", None),
+                                                                            torch.Tensor)]
+    for layer in layers:
+        layer.update = functools.partial(_update_in_place, layer)
+    return len(layers)
+
+
+def _update_in_place(layer, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    """transformers 5's static layer update without advancing ``cumulative_length``."""
+    position = torch.arange(key_states.shape[-2], device=layer.keys.device) + layer.cumulative_length
+    layer.keys.index_copy_(2, position, key_states)
+    layer.values.index_copy_(2, position, value_states)
+    return layer.keys, layer.values
+
+
 def timer(smoke: bool):
     if not smoke:
         from memfit.measure.timing import bench_ms
@@ -109,6 +131,7 @@ def workloads(model, compile_: bool, device: str):
     with torch.no_grad():  # fill the cache once so decode attends over real positions
         model(input_ids=ids, cache_position=torch.arange(PREFILL, device=device), use_cache=True, logits_to_keep=1,
               **{cache_arg: cache})
+    hold_write_position(cache)
     return prefill, decode
 
 

@@ -107,3 +107,28 @@ def test_inductor_pdl_is_refused_where_inductor_has_no_such_setting(blr_e2e, mon
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "--inductor-pdl" in err and "has no triton.enable_pdl" in err
+
+
+def test_every_timed_decode_call_is_the_same_step(blr_e2e, monkeypatch):
+    """The decode step the benchmark times writes its token at the position after the prefill on every call: as
+    many calls as a timing makes, the cache's write position does not move (transformers 5's static cache advanced it
+    per call, and writing past its end asserted on the GPU) and the new token's keys land at that position."""
+    import torch
+
+    from memfit.models import build_model
+
+    monkeypatch.setattr(blr_e2e, "PREFILL", 8)
+    monkeypatch.setattr(blr_e2e, "DECODE_CACHE", 10)
+    torch.manual_seed(0)
+    model = build_model(PRESETS["tiny"], dtype="float32", device="cpu").eval()
+    made = []
+    real = blr_e2e.static_cache
+    monkeypatch.setattr(blr_e2e, "static_cache", lambda *a: made.append(real(*a)) or made[-1])
+    _, decode = blr_e2e.workloads(model, False, "cpu")
+    layers = getattr(made[0], "layers", [])
+    with torch.no_grad():
+        for _ in range(5):                           # 8 + 5 > 10: past the cache's end if each call moved on
+            decode()
+    if layers and hasattr(layers[0], "cumulative_length"):             # transformers 5
+        assert [int(layer.cumulative_length) for layer in layers] == [8] * len(layers)
+        assert layers[0].keys[0, :, 8].abs().sum() > 0 and layers[0].keys[0, :, 9].abs().sum() == 0

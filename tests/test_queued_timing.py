@@ -99,9 +99,13 @@ def test_on_the_gpu_a_step_the_host_holds_back_is_timed_by_its_kernels():
 
 @needs_cuda
 def test_on_the_gpu_a_step_bound_by_its_kernels_reads_as_graph_replays_do():
+    """Within 15% of graph replays timed before and after it: the queued calls start on a GPU that the sleep left
+    idle, and a 4096^3 matmul ran 12% faster there than in graph replays that followed (d7b7323, an H200)."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    before = timing.graph_ms(lambda: a @ a)
     queued = timing.queued_ms(lambda: a @ a)
-    assert queued.gpu_ms == pytest.approx(timing.graph_ms(lambda: a @ a), rel=0.1)
+    after = timing.graph_ms(lambda: a @ a)
+    assert 0.85 * min(before, after) < queued.gpu_ms < 1.15 * max(before, after)
 
 
 @needs_cuda
