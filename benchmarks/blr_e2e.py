@@ -73,9 +73,9 @@ def static_cache(model, length: int):
 def hold_write_position(cache) -> int:
     """Make every later step write its token where the next one would go now, without moving that position; returns
     the layers changed. transformers 5's static cache layers write at a device counter (``cumulative_length``) that
-    each update advances, so repeated timing calls of one decode step wrote further on: under CUDA-graph trees some
-    calls advanced it and replays did not (at d7b7323 one ``do_bench`` of a decode step moved it 32 positions, the
-    next one past the cache's end: a device-side assert in ``index_copy_``). Each timed call is then the same step,
+    each update advances, so repeated timing calls of one decode step wrote further on, and at d7b7323, where a
+    decode step was timed a second time, past the cache's end (a device-side assert in ``index_copy_``:
+    ``results/logs/blr_e2e_memfit_attention_decode_gemv_assert_d7b7323.log``). Each timed call is now the same step,
     the one after the prefill. transformers 4's layers write at the step's ``cache_position`` and need nothing."""
     layers = [layer for layer in getattr(cache, "layers", ()) if isinstance(getattr(layer, "cumulative_length", None),
                                                                             torch.Tensor)]

@@ -56,30 +56,40 @@ def fake_cuda(monkeypatch):
 
 
 def test_each_round_queues_the_calls_behind_a_sleep_sized_from_the_host(fake_cuda, monkeypatch):
-    """The sleep lasts QUEUED_SLEEP_MARGIN times the host's estimated issue time of all calls, at the measured
+    """The sleep lasts QUEUED_SLEEP_MARGIN times the host's estimated issue time of a round's calls, at the measured
     cycles per ms (10^7 cycles took 40 ms here: 2.5e5 per ms); the GPU time is the events' span over the calls."""
     fake = fake_cuda([True] * 3)
     clock = iter(range(0, 10**6, 3))                          # each perf_counter reading 3 ms after the last
     monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock) * 1e-3)
     calls = []
-    result = timing.queued_ms(lambda: calls.append(1), calls=4, rounds=3)
+    result = timing.queued_ms(lambda: calls.append(1), max_calls=4, target_ms=1000, rounds=3)
     assert result.gpu_ms == pytest.approx(40.0 / 4) and result.host_ms == pytest.approx(3 / 4)
-    estimate_ms = 3 / 4                                       # the untimed loop's 4 calls in 3 ms
+    estimate_ms = 3 / 4                                       # the untimed round's 4 calls in 3 ms
     assert fake.sleeps[2:] == [int(timing.QUEUED_SLEEP_MARGIN * estimate_ms * 4 * 2.5e5)] * 3
     assert len(calls) == 1 + 4 + 3 * 4
 
 
-def test_a_round_whose_sleep_ended_first_is_run_again_with_twice_the_sleep(fake_cuda):
+def test_a_round_has_as_many_calls_as_fill_the_target_time(fake_cuda):
+    """The untimed round's 4 calls spanned 40 ms: 10 ms a call, so a 20 ms target takes 2 calls a round."""
+    fake_cuda([True] * 3)
+    calls = []
+    timing.queued_ms(lambda: calls.append(1), max_calls=4, target_ms=20, rounds=3)
+    assert len(calls) == 1 + 4 + 3 * 2
+
+
+def test_a_round_whose_sleep_ended_first_is_run_again_with_half_the_calls_and_twice_the_sleep_per_call(fake_cuda):
     fake = fake_cuda([False, True, True])
-    timing.queued_ms(lambda: None, calls=2, rounds=2)
+    calls = []
+    timing.queued_ms(lambda: calls.append(1), max_calls=4, target_ms=1000, rounds=2)
     first, retried, second_round = fake.sleeps[2:]
-    assert retried == pytest.approx(2 * first, abs=1) and second_round == pytest.approx(first, abs=1)
+    assert retried == pytest.approx(first, abs=2) and second_round == pytest.approx(first, abs=2)
+    assert len(calls) == 1 + 4 + 4 + 2 + 4                  # the retry issued 2 calls, the next round 4 again
 
 
 def test_a_function_that_blocks_the_host_is_refused(fake_cuda):
     fake_cuda([False] * 3)
-    with pytest.raises(MemfitError, match="blocks the host"):
-        timing.queued_ms(lambda: None, calls=2, rounds=1, attempts=3)
+    with pytest.raises(MemfitError, match=r"3 times \(from 4 calls down to 1\): the timed function blocks the host"):
+        timing.queued_ms(lambda: None, max_calls=4, target_ms=1000, rounds=1, attempts=3)
 
 
 @needs_cuda
@@ -99,8 +109,9 @@ def test_on_the_gpu_a_step_the_host_holds_back_is_timed_by_its_kernels():
 
 @needs_cuda
 def test_on_the_gpu_a_step_bound_by_its_kernels_reads_as_graph_replays_do():
-    """Within 15% of graph replays timed before and after it: the queued calls start on a GPU that the sleep left
-    idle, and a 4096^3 matmul ran 12% faster there than in graph replays that followed (d7b7323, an H200)."""
+    """Within 15% of graph replays timed before and after it: at d7b7323 (an H200) the queued calls of a 4096^3
+    matmul took 0.171 ms against 0.195 in graph replays timed after them (results/logs/gpu_tests_timing_d7b7323.log),
+    perhaps a faster clock on a GPU the sleep had left idle (not measured)."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     before = timing.graph_ms(lambda: a @ a)
     queued = timing.queued_ms(lambda: a @ a)

@@ -6,6 +6,7 @@ longer). The ceilings (matmul rate, copy bandwidth) are measured in the same run
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -93,51 +94,59 @@ class QueuedTime(NamedTuple):
 QUEUED_SLEEP_MARGIN = 2.0      # the sleep that holds the stream lasts this many times the host's estimated issue time
 
 
-def queued_ms(fn, calls: int = 20, rounds: int = 5, attempts: int = 3) -> QueuedTime:
+def queued_ms(fn, max_calls: int = 20, target_ms: float = 20.0, rounds: int = 5, attempts: int = 3) -> QueuedTime:
     """Median GPU ms of one ``fn()`` when the GPU never waits for the host, and the host's median ms to issue one.
 
     :func:`bench_ms` times each call from an event before it to one after it. Where the host takes longer to issue a
     call's work than the GPU takes to run it (a step compiled with ``mode="reduce-overhead"``: torch's CUDA-graph
     trees check guards and inputs before each replay), the GPU idles between kernels waiting for the host, and that
-    time is the host's. Here a sleep kernel holds the stream while the host issues ``calls`` calls, so they run back
-    to back once it ends: the events around them give the GPU's time. A round counts only if the sleep was still
-    running when the host had issued every call (else the GPU may have waited); one that was not is run again with a
-    sleep twice as long, ``attempts`` times, then this raises: ``fn`` blocks the host (a synchronisation, a copy to
-    the host), or issuing it varies more than the margin covers. The calls run without the L2 flush
+    time is the host's. Here a sleep kernel holds the stream while the host issues a round of calls, so they run back
+    to back once it ends: the events around them give the GPU's time. A round has as many calls as fill about
+    ``target_ms`` (at most ``max_calls``; from an untimed round of ``max_calls``), and its sleep lasts
+    QUEUED_SLEEP_MARGIN times the host's time to issue them. A round counts only if the sleep was still running when
+    the host had issued every call (else the GPU may have waited); one that was not is run again with half the calls
+    and twice the sleep per call, ``attempts`` times, then this raises: ``fn`` blocks the host (a synchronisation, a
+    copy to the host), or its launches fill the GPU's queue at one call. The calls run without the L2 flush
     ``bench_ms`` puts between them. CUDA only."""
     from memfit.errors import MemfitError
 
     fn()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     issued = time.perf_counter()
-    for _ in range(calls):
+    for _ in range(max_calls):
         fn()
-    host_estimate_ms = 1e3 * (time.perf_counter() - issued) / calls
+    host_estimate_ms = 1e3 * (time.perf_counter() - issued) / max_calls
+    end.record()
+    end.synchronize()
+    calls = max(1, min(max_calls, math.ceil(target_ms / (start.elapsed_time(end) / max_calls))))
     cycles_per_ms = _sleep_cycles_per_ms()
     gpu, host = [], []
     for _ in range(rounds):
-        sleep_ms = QUEUED_SLEEP_MARGIN * host_estimate_ms * calls
+        round_calls, sleep_per_call_ms = calls, QUEUED_SLEEP_MARGIN * host_estimate_ms
         for _ in range(attempts):
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
+            torch.cuda._sleep(int(sleep_per_call_ms * round_calls * cycles_per_ms))
             start.record()
             issued = time.perf_counter()
-            for _ in range(calls):
+            for _ in range(round_calls):
                 fn()
-            issue_ms = 1e3 * (time.perf_counter() - issued) / calls
+            issue_ms = 1e3 * (time.perf_counter() - issued) / round_calls
             held = not start.query()                   # the sleep still running: every call queued behind it
             end.record()
             end.synchronize()
             if held:
-                gpu.append(start.elapsed_time(end) / calls)
+                gpu.append(start.elapsed_time(end) / round_calls)
                 host.append(issue_ms)
                 break
-            sleep_ms *= 2
+            round_calls, sleep_per_call_ms = max(1, round_calls // 2), 2 * sleep_per_call_ms
         else:
-            raise MemfitError(f"queued_ms: the host was still issuing calls when a {sleep_ms / 2:.1f} ms sleep ended, "
-                              f"{attempts} times: the timed function blocks the host (a synchronisation or a copy to "
-                              "it), so its calls cannot be queued")
+            raise MemfitError(f"queued_ms: the host was still issuing calls when the sleep ended, {attempts} times "
+                              f"(from {calls} calls down to {max(1, calls >> (attempts - 1))}): the timed function "
+                              "blocks the host (a synchronisation or a copy to it) or its launches fill the GPU's "
+                              "queue, so its calls cannot be queued")
     return QueuedTime(float(statistics.median(gpu)), float(statistics.median(host)))
 
 
