@@ -241,14 +241,15 @@ def blr_e2e_section(data: dict) -> str:
     compiler = (", compiled with inductor's PDL" if data.get("inductor_pdl") else "") + \
         (", linear layers by memfit's decode GEMV pick" if data.get("decode_gemv") else "")
     queued = any("decode_gpu_ms" in r for r in data["rows"])
-    gpu_only = " prefill / decode GPU only ms (host issues a step in ms) |" if queued else ""
+    gpu_only = " prefill / decode GPU only ms (host's ms to issue it) |" if queued else ""
     out = [f"### Block-low-rank end to end, {data.get('model', '?')} shape, bf16, batch 1, {attention}{compiler} "
            "(targets not met)\n", _header(data, command),
            f"| model | mode | prefill 1024 tokens ms (floor) | decode ms/token (floor) | decode tokens/s |{gpu_only} "
            "graph breaks |", "|---|---|---|---|---|---|" + ("---|" if queued else "")]
     for r in data["rows"]:
-        gpu_cell = ((f" {r['prefill_gpu_ms']:.2f} / {r['decode_gpu_ms']:.3f} ({r['prefill_host_ms']:.2f} / "
-                     f"{r['decode_host_ms']:.3f}) |" if "decode_gpu_ms" in r else " - |") if queued else "")
+        gpu_cell = (" " + " / ".join(f"{r[f'{step}_gpu_ms']:.{places}f} ({r[f'{step}_host_ms']:.{places}f})"
+                                     if f"{step}_gpu_ms" in r else "-" for step, places in (("prefill", 2), ("decode", 3)))
+                    + " |" if queued else "")
         out.append(f"| {r['model']} | {r['mode']} | {r['prefill_ms']:.2f} ({r['prefill_floor_ms']:.2f}) "
                    f"| {r['decode_ms']:.3f} ({r['decode_floor_ms']:.3f}) | {r['decode_tokens_per_s']:.0f} |{gpu_cell}"
                    f" {r.get('graph_breaks', 'not recorded') if r['mode'] == 'compiled' else '-'} |")
@@ -265,7 +266,7 @@ def _blr_e2e_bound(data: dict) -> str:
     free, dense = compiled.get("free"), compiled.get("dense")
     if free is None or dense is None or "prefill_speedup" not in free:
         return ""
-    gpu = "_gpu" if "decode_gpu_ms" in free and "decode_gpu_ms" in dense else ""
+    gpu = "_gpu" if all(f"{step}_gpu_ms" in row for step in ("prefill", "decode") for row in (free, dense)) else ""
     text = (f"`free` is the dense model with every layer the BLR models compress replaced by one that costs "
             f"nothing: the most any BLR kernel could speed these steps up is {free[f'prefill{gpu}_speedup']:.2f}x in "
             f"prefill and {free[f'decode{gpu}_speedup']:.2f}x in decode (dense / free, same run"

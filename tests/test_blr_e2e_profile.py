@@ -132,3 +132,19 @@ def test_every_timed_decode_call_is_the_same_step(blr_e2e, monkeypatch):
     if layers and hasattr(layers[0], "cumulative_length"):             # transformers 5
         assert [int(layer.cumulative_length) for layer in layers] == [8] * len(layers)
         assert layers[0].keys[0, :, 8].abs().sum() > 0 and layers[0].keys[0, :, 9].abs().sum() == 0
+
+
+def test_a_step_that_cannot_be_queued_is_recorded_and_the_others_timed(blr_e2e, monkeypatch, capsys):
+    from memfit.errors import MemfitError
+    from memfit.measure.timing import QueuedTime
+
+    def fake_queued(fn):
+        if fn == "prefill step":
+            raise MemfitError("queued_ms: blocks the host")
+        return QueuedTime(gpu_ms=1.5, host_ms=0.5)
+
+    monkeypatch.setattr(blr_e2e, "queued_ms", fake_queued)
+    row = {}
+    blr_e2e.add_gpu_only_times(row, {"prefill": "prefill step", "decode": "decode step"}, "blast compiled")
+    assert row == {"prefill_gpu_error": "queued_ms: blocks the host", "decode_gpu_ms": 1.5, "decode_host_ms": 0.5}
+    assert "blast compiled prefill: no GPU-only time: queued_ms: blocks the host" in capsys.readouterr().out

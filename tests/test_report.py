@@ -42,7 +42,10 @@ def test_blr_e2e_bound_uses_the_gpu_only_times_where_the_run_has_them():
     assert "1.00x in prefill and 4.00x in decode (dense / free, same run, GPU only)" in text
     assert "monarch 1.000x and 2.667x dense" in text
     section = report.blr_e2e_section({**E2E_RUN, "rows": rows})
-    assert "| free | compiled | 10.00 (1.00) | 1.000 (0.250) | 1000 | 10.00 / 0.500 (0.90 / 0.800) | 0 |" in section
+    assert "| free | compiled | 10.00 (1.00) | 1.000 (0.250) | 1000 | 10.00 (0.90) / 0.500 (0.800) | 0 |" in section
+    no_prefill = [{k: v for k, v in r.items() if not k.startswith("prefill_gpu")} for r in rows]
+    assert "| 1000 | - / 0.500 (0.800) | 0 |" in report.blr_e2e_section({**E2E_RUN, "rows": no_prefill})
+    assert "(dense / free, same run)" in report._blr_e2e_bound({"rows": no_prefill})
     without = [{k: v for k, v in r.items() if "gpu" not in k and "host" not in k} for r in rows]
     assert "GPU only" not in report.blr_e2e_section({**E2E_RUN, "rows": without})
 
