@@ -25,8 +25,9 @@ Each compiled step is timed twice: as a caller gets it (``do_bench``: events aro
 between calls), and with its calls queued behind a sleep kernel (``memfit.measure.timing.queued_ms``: the GPU's
 time alone, ``*_gpu_ms``, and the host's time to issue a step, ``*_host_ms``). They part where the host is the
 slower of the two: the CUDA-graph trees of ``mode="reduce-overhead"`` check guards and inputs before each replay.
-Before this column the ``free`` model's decode step read 0.52 to 0.83 ms across runs with memfit's decode GEMV
-(26d0282, 97724cb, b476899), where b476899's profile summed its kernels to 0.45 ms.
+Before this column the ``free`` model's decode step read 0.52 to 0.83 ms across three runs with memfit's decode GEMV
+(26d0282 and 97724cb, which also carried their commits' fused-MLP option, and b476899), where b476899's profile
+summed its kernels to 0.45 ms.
 Each row records the graph breaks its compilation met, and a model that passes dynamo's recompile limit stops the
 run (``fail_on_recompile_limit_hit``): past it dynamo runs frames eagerly, which at fd16a94, where every BLR
 layer's wrapper broke the graph, timed the compiled BLR models at 0.02-0.23x dense.
@@ -71,18 +72,22 @@ def static_cache(model, length: int):
         return StaticCache(config=model.config, max_batch_size=1, max_cache_len=length, device=param.device, dtype=param.dtype)
 
 
-def hold_write_position(cache) -> int:
-    """Make every later step write its token where the next one would go now, without moving that position; returns
-    the layers changed. transformers 5's static cache layers write at a device counter (``cumulative_length``) that
-    each update advances, so repeated timing calls of one decode step wrote further on, and at d7b7323, where a
-    decode step was timed a second time, past the cache's end (a device-side assert in ``index_copy_``:
+def hold_write_position(cache) -> None:
+    """Make every later step write its token where the next one would go now, without moving that position (call it
+    once the cache is filled: the layers' own update allocates their tensors on first use). transformers 5's static
+    cache layers write at a device counter (``cumulative_length``) that each update advances, so repeated timing
+    calls of one decode step wrote further on, and at d7b7323, where a decode step was timed a second time, past the
+    cache's end (a device-side assert of an index below 1088, the cache's length, in a compiled kernel:
     ``results/logs/blr_e2e_memfit_attention_decode_gemv_assert_d7b7323.log``). Each timed call is now the same step,
-    the one after the prefill. transformers 4's layers write at the step's ``cache_position`` and need nothing."""
-    layers = [layer for layer in getattr(cache, "layers", ()) if isinstance(getattr(layer, "cumulative_length", None),
-                                                                            torch.Tensor)]
-    for layer in layers:
+    the one after the prefill. transformers 4's layers write at the step's ``cache_position`` and need nothing; a
+    counting layer of another kind (a sliding window's ring buffer) is refused."""
+    for layer in getattr(cache, "layers", ()):
+        if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+            continue
+        if type(layer).__name__ != "StaticLayer":
+            raise MemfitError(f"blr_e2e: cannot hold the write position of a {type(layer).__name__} (only "
+                              "transformers' StaticLayer)")
         layer.update = functools.partial(_update_in_place, layer)
-    return len(layers)
 
 
 def _update_in_place(layer, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

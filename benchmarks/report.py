@@ -240,7 +240,8 @@ def blr_e2e_section(data: dict) -> str:
     attention = "memfit's attention" if memfit_attention else "transformers' SDPA attention"
     compiler = (", compiled with inductor's PDL" if data.get("inductor_pdl") else "") + \
         (", linear layers by memfit's decode GEMV pick" if data.get("decode_gemv") else "")
-    queued = any("decode_gpu_ms" in r for r in data["rows"])
+    queued = any(f"{step}_gpu_{field}" in r for r in data["rows"] for step in ("prefill", "decode")
+                 for field in ("ms", "error"))
     gpu_only = " prefill / decode GPU only ms (host's ms to issue it) |" if queued else ""
     out = [f"### Block-low-rank end to end, {data.get('model', '?')} shape, bf16, batch 1, {attention}{compiler} "
            "(targets not met)\n", _header(data, command),
@@ -253,9 +254,13 @@ def blr_e2e_section(data: dict) -> str:
         out.append(f"| {r['model']} | {r['mode']} | {r['prefill_ms']:.2f} ({r['prefill_floor_ms']:.2f}) "
                    f"| {r['decode_ms']:.3f} ({r['decode_floor_ms']:.3f}) | {r['decode_tokens_per_s']:.0f} |{gpu_cell}"
                    f" {r.get('graph_breaks', 'not recorded') if r['mode'] == 'compiled' else '-'} |")
+    errors = [f"{r['model']} {r['mode']} {step}: {r[f'{step}_gpu_error']}" for r in data["rows"]
+              for step in ("prefill", "decode") if f"{step}_gpu_error" in r]
     note = ("\nGPU only: the step's calls queued behind a sleep kernel, so the GPU never waits for the host "
-            "(`memfit.measure.timing.queued_ms`); the first columns time each call as a caller gets it. Where the "
-            "host takes longer to issue a step than the GPU takes to run it, the two part.\n" if queued else "")
+            "(`memfit.measure.timing.queued_ms`); the first columns time each call as a caller gets it, and the "
+            "targets below compare those. Where the host takes longer to issue a step than the GPU takes to run it, "
+            "the two part. The queued calls run without the L2 flush between calls, so they need not be the faster."
+            + "".join(f" No GPU-only time for {error}." for error in errors) + "\n" if queued else "")
     return "\n".join(out) + "\n" + note + "\n" + _blr_e2e_bound(data) + _blr_e2e_profile(data) + _targets(data)
 
 
@@ -280,8 +285,9 @@ def _blr_e2e_bound(data: dict) -> str:
                     for step in ("prefill", "decode")]
         at_floor.append(f"{name} {speedups[0]:.3f}x and {speedups[1]:.3f}x")
     if at_floor:
-        text += (" With the rest of each step as `free` measured it and every compressed layer at its roofline "
-                 "floor (the model's floor minus free's), prefill and decode would be at most: "
+        text += (" With the rest of each step as `free` measured it" + (" (GPU only)" if gpu else "")
+                 + " and every compressed layer at its roofline floor (the model's floor minus free's), prefill and "
+                 "decode would be at most: "
                  + "; ".join(at_floor) + " dense.")
     return text + "\n\n"
 

@@ -126,12 +126,29 @@ def test_every_timed_decode_call_is_the_same_step(blr_e2e, monkeypatch):
     monkeypatch.setattr(blr_e2e, "static_cache", lambda *a: made.append(real(*a)) or made[-1])
     _, decode = blr_e2e.workloads(model, False, "cpu")
     layers = getattr(made[0], "layers", [])
+    compiled = torch.compile(decode, backend="eager", fullgraph=True)   # dynamo traces the held update, no break
     with torch.no_grad():
-        for _ in range(5):                           # 8 + 5 > 10: past the cache's end if each call moved on
-            decode()
+        for step in (decode, compiled):
+            for _ in range(3):                       # 8 + 6 > 10: past the cache's end if each call moved on
+                step()
     if layers and hasattr(layers[0], "cumulative_length"):             # transformers 5
         assert [int(layer.cumulative_length) for layer in layers] == [8] * len(layers)
         assert layers[0].keys[0, :, 8].abs().sum() > 0 and layers[0].keys[0, :, 9].abs().sum() == 0
+
+
+def test_a_counting_cache_layer_of_another_kind_is_refused(blr_e2e):
+    import torch
+
+    from memfit.errors import MemfitError
+
+    class StaticSlidingWindowLayer:
+        cumulative_length = torch.tensor(4)
+
+    class Cache:
+        layers = [StaticSlidingWindowLayer()]
+
+    with pytest.raises(MemfitError, match="cannot hold the write position of a StaticSlidingWindowLayer"):
+        blr_e2e.hold_write_position(Cache())
 
 
 def test_a_step_that_cannot_be_queued_is_recorded_and_the_others_timed(blr_e2e, monkeypatch, capsys):

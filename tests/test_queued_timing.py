@@ -1,6 +1,6 @@
 """memfit.measure.timing.queued_ms: a step's GPU time with its calls queued behind a sleep kernel, apart from the
 host's time to issue it. The sleep-and-retry logic runs here against a stand-in for torch.cuda; the GPU tests run
-on a CUDA machine (``benchmarks/gpu_runs.sh gpu_tests_other``)."""
+on a CUDA machine, alone (``benchmarks/gpu_runs.sh gpu_tests_timing``)."""
 import time
 
 import pytest
@@ -13,33 +13,35 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="times a C
 
 
 class FakeCuda:
-    """torch.cuda's events, sleep and synchronize for queued_ms: each timed round's start event reports the sleep
-    still running or not as ``held`` says; every pair of events is ``elapsed`` ms apart."""
+    """torch.cuda's events, sleep and synchronize for queued_ms: the event recorded right after a sleep reports the
+    sleep still running or not as ``held`` says (any other event has completed); a span that ends with a sleep (the
+    clock's calibration) lasts 40 ms, any other ``elapsed`` ms."""
 
     def __init__(self, held: list[bool], elapsed: float = 40.0):
-        self.held, self.elapsed, self.sleeps = iter(held), elapsed, []
+        self.held, self.elapsed, self.sleeps, self.slept = iter(held), elapsed, [], False
         outer = self
 
         class Event:
             def __init__(self, enable_timing=False):
-                pass
+                self.after_sleep = False
 
             def record(self):
-                pass
+                self.after_sleep, outer.slept = outer.slept, False
 
             def synchronize(self):
                 pass
 
             def query(self):
-                return not next(outer.held)
+                return not next(outer.held) if self.after_sleep else True
 
             def elapsed_time(self, end):
-                return outer.elapsed
+                return 40.0 if end.after_sleep else outer.elapsed
 
         self.Event = Event
 
     def _sleep(self, cycles):
         self.sleeps.append(cycles)
+        self.slept = True
 
     def synchronize(self):
         pass
@@ -70,11 +72,19 @@ def test_each_round_queues_the_calls_behind_a_sleep_sized_from_the_host(fake_cud
 
 
 def test_a_round_has_as_many_calls_as_fill_the_target_time(fake_cuda):
-    """The untimed round's 4 calls spanned 40 ms: 10 ms a call, so a 20 ms target takes 2 calls a round."""
+    """The untimed round's 4 calls spanned 40 ms: 10 ms a call, so a 25 ms target takes 3 calls a round (rounded
+    up)."""
     fake_cuda([True] * 3)
     calls = []
-    timing.queued_ms(lambda: calls.append(1), max_calls=4, target_ms=20, rounds=3)
-    assert len(calls) == 1 + 4 + 3 * 2
+    timing.queued_ms(lambda: calls.append(1), max_calls=4, target_ms=25, rounds=3)
+    assert len(calls) == 1 + 4 + 3 * 3
+
+
+def test_a_function_without_gpu_work_gets_the_most_calls(fake_cuda):
+    fake_cuda([True] * 3, elapsed=0.0)
+    calls = []
+    timing.queued_ms(lambda: calls.append(1), max_calls=4, target_ms=25, rounds=3)
+    assert len(calls) == 1 + 4 + 3 * 4
 
 
 def test_a_round_whose_sleep_ended_first_is_run_again_with_half_the_calls_and_twice_the_sleep_per_call(fake_cuda):

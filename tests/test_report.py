@@ -46,6 +46,11 @@ def test_blr_e2e_bound_uses_the_gpu_only_times_where_the_run_has_them():
     no_prefill = [{k: v for k, v in r.items() if not k.startswith("prefill_gpu")} for r in rows]
     assert "| 1000 | - / 0.500 (0.800) | 0 |" in report.blr_e2e_section({**E2E_RUN, "rows": no_prefill})
     assert "(dense / free, same run)" in report._blr_e2e_bound({"rows": no_prefill})
+    assert "as `free` measured it (GPU only) and" in text
+    failed = [{**r, "prefill_gpu_error": "queued_ms: blocks the host"} if r["model"] == "monarch" else r
+              for r in no_prefill]
+    assert "No GPU-only time for monarch compiled prefill: queued_ms: blocks the host." in \
+        report.blr_e2e_section({**E2E_RUN, "rows": failed})
     without = [{k: v for k, v in r.items() if "gpu" not in k and "host" not in k} for r in rows]
     assert "GPU only" not in report.blr_e2e_section({**E2E_RUN, "rows": without})
 

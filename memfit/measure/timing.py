@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from memfit.errors import MemfitError
+
 
 def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     """Median milliseconds of ``fn()`` on the current CUDA device."""
@@ -58,29 +60,31 @@ def graph_ms(fn, rep_ms: float = 20) -> float:
         torch.cuda.current_stream().wait_stream(stream)
 
 
+def _span_ms(run) -> float:
+    """GPU ms between events recorded before and after ``run()`` on the current stream (waits for the second)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _calls(fn, n: int) -> None:
+    for _ in range(n):
+        fn()
+
+
 def _replayed_ms(fn, rep_ms: float, stream) -> float:
     """:func:`graph_ms`'s timing on ``stream``: warm-up, estimate, capture (on that stream), replays."""
     with torch.cuda.stream(stream):
         fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            fn()
-        end.record()
-        end.synchronize()
-        estimate = start.elapsed_time(end) / 5
+        estimate = _span_ms(lambda: _calls(fn, 5)) / 5
         calls = max(1, int(rep_ms / estimate)) if estimate > 0 else 1000
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
-        times = []
-        for _ in range(GRAPH_REPLAYS):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
+            _calls(fn, calls)
+        times = [_span_ms(graph.replay) / calls for _ in range(GRAPH_REPLAYS)]
     return float(statistics.median(times))
 
 
@@ -104,23 +108,25 @@ def queued_ms(fn, max_calls: int = 20, target_ms: float = 20.0, rounds: int = 5,
     to back once it ends: the events around them give the GPU's time. A round has as many calls as fill about
     ``target_ms`` (at most ``max_calls``; from an untimed round of ``max_calls``), and its sleep lasts
     QUEUED_SLEEP_MARGIN times the host's time to issue them. A round counts only if the sleep was still running when
-    the host had issued every call (else the GPU may have waited); one that was not is run again with half the calls
-    and twice the sleep per call, ``attempts`` times, then this raises: ``fn`` blocks the host (a synchronisation, a
-    copy to the host), or its launches fill the GPU's queue at one call. The calls run without the L2 flush
-    ``bench_ms`` puts between them. CUDA only."""
-    from memfit.errors import MemfitError
-
+    the host had issued every call (else the GPU may have waited); a round is tried at most ``attempts`` times in all,
+    each retry with half the calls and the same total sleep (twice the margin per call), then this raises: ``fn``
+    blocks the host (a synchronisation, a copy to the host), or its launches fill the GPU's queue. The calls run
+    without the L2 flush ``bench_ms`` puts between them, so this is not a lower bound on ``bench_ms``'s time (a
+    Llama-1B prefill read 4.090 ms here against 3.978 by ``bench_ms``, 73979c2). :func:`graph_ms` cannot time such a
+    step: one compiled with ``mode="reduce-overhead"`` replays CUDA graphs of its own, which cannot be captured into
+    another. CUDA only."""
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    issued = time.perf_counter()
-    for _ in range(max_calls):
-        fn()
-    host_estimate_ms = 1e3 * (time.perf_counter() - issued) / max_calls
-    end.record()
-    end.synchronize()
-    calls = max(1, min(max_calls, math.ceil(target_ms / (start.elapsed_time(end) / max_calls))))
+    issue_s = []
+
+    def untimed_round():
+        issued = time.perf_counter()
+        _calls(fn, max_calls)
+        issue_s.append(time.perf_counter() - issued)
+
+    per_call_ms = _span_ms(untimed_round) / max_calls
+    host_estimate_ms = 1e3 * issue_s[0] / max_calls
+    calls = max_calls if per_call_ms <= 0 else max(1, min(max_calls, math.ceil(target_ms / per_call_ms)))
     cycles_per_ms = _sleep_cycles_per_ms()
     gpu, host = [], []
     for _ in range(rounds):
@@ -154,12 +160,7 @@ def _sleep_cycles_per_ms() -> float:
     """Cycles of ``torch.cuda._sleep`` per ms on the current device (its clock, measured: the SM clock varies)."""
     cycles = 10_000_000
     torch.cuda._sleep(cycles)                          # warm
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return cycles / start.elapsed_time(end)
+    return cycles / _span_ms(lambda: torch.cuda._sleep(cycles))
 
 
 @dataclass(frozen=True)
