@@ -77,8 +77,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def rel(a, b):
-    """Relative error (Frobenius) of ``a`` against the float64 reference ``b``."""
-    return ((a.double() - b).norm() / b.norm()).item()
+    """Relative error (Frobenius) of ``a`` against the reference ``b``, both read in float64 (an all-zero reference
+    divides by 1e-12, not 0)."""
+    b = b.double()
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 def seeded(seed: int) -> torch.Generator:

@@ -3,6 +3,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import rel
 from torch import nn
 
 from memfit.errors import MemfitError
@@ -23,10 +24,6 @@ IDS = ["lowrank", "monarch", "monarch-permuted", "blast"]
 def reference_kernels(monkeypatch):
     """Layer logic runs on the PyTorch reference (fast); the Triton ops have their own tests."""
     monkeypatch.setenv("MEMFIT_KERNELS", "reference")
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("cls,kw", CASES, ids=IDS)

@@ -4,15 +4,10 @@ with and without a key mask (per sequence or one for the batch), chunks whose sl
 refused. The Triton kernels run under the interpreter."""
 import pytest
 import torch
-from conftest import seeded
+from conftest import rel, seeded
 
 from memfit.errors import MemfitError
 from memfit.kernels import decode
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
-
 
 CASES = [(1, 4, 1, 200, 64), (2, 6, 2, 37, 16), (1, 8, 8, 130, 16), (2, 12, 2, 1, 64), (1, 6, 1, 300, 128)]
 
