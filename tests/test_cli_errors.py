@@ -256,7 +256,7 @@ def compressed_dir(tmp_path_factory, tiny_dir):
     return out
 
 
-@pytest.mark.parametrize("verb", ["plan", "plan config.json", "verify", "compress", "generate", "finetune", "calibrate"])
+@pytest.mark.parametrize("verb", ["plan", "plan config.json", "verify", "compress", "finetune", "calibrate"])
 def test_a_compressed_directory_is_refused_where_a_dense_model_is_read(tmp_path, capsys, no_model_load, compressed_dir,
                                                                         verb):
     """transformers would build the dense model from its config.json and run on random weights."""
@@ -266,9 +266,24 @@ def test_a_compressed_directory_is_refused_where_a_dense_model_is_read(tmp_path,
             "verify": ["verify", "--model", str(compressed_dir), "--device", "cpu"],
             "calibrate": ["calibrate", str(compressed_dir), "--data", str(tmp_path / "prompts.jsonl"), "--device", "cpu"],
             "compress": _compress(tmp_path, model=compressed_dir),
-            "generate": ["generate", str(compressed_dir), "--prompt", "hi", "--device", "cpu"],
             "finetune": _finetune(tmp_path, model=compressed_dir)}[verb]
     _fails(capsys, argv, f"{compressed_dir} is a memfit-compressed model (lowrank of ")
+
+
+def test_generate_runs_a_compressed_model(capsys, compressed_dir):
+    """memfit generate reads the directory memfit compress wrote (every other verb refuses it, above)."""
+    assert main(["generate", str(compressed_dir), "--prompt", "hi", "--max-new", "3", "--device", "cpu",
+                 "--no-graphs"]) == 0
+    err = capsys.readouterr().err
+    assert "decode " in err and "tokens/s per sequence (2 steps, eager)" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra", [("--load", "0.5"), ("--compute", "0.5"), ("--base", "0.1"), ("--task", "qa"),
+                                   ("--rankings", "r.safetensors"), ("--compute-all-layers",)])
+def test_generate_refuses_partial_ffn_options_for_a_compressed_model(capsys, no_model_load, compressed_dir, extra):
+    _fails(capsys, ["generate", str(compressed_dir), "--prompt", "hi", "--device", "cpu", *extra],
+           f"{extra[0]}: partial FFN load and compute are for dense models; {compressed_dir} is a memfit-compressed "
+           "model")
 
 
 @pytest.mark.parametrize("damage, shown", [

@@ -559,7 +559,8 @@ def test_load_spec_refuses_a_compressed_directory_and_says_how_to_load_and_plan_
             load_spec(path)
         assert f"{out} is a memfit-compressed model (monarch of tiny" in str(refused.value)
         assert "memfit plan --model tiny --blr monarch --blr-blocks 4 --blr-ratio 0.5)" in str(refused.value)
-        assert "load it in Python with memfit.compress.load_compressed" in str(refused.value)
+        assert "memfit generate runs it, and in Python load it with memfit.compress.load_compressed" in \
+            str(refused.value)
     assert load_compressed(out) is not None
     planned = plan_kinds(PRESETS["tiny"].linear_shapes(), "monarch", 0.5, 4)        # what that command plans
     assert {kind: p.rank for kind, p in planned.items()} == result.summary()["ranks"]
@@ -691,3 +692,23 @@ def test_a_later_compress_removes_temporary_directories_a_killed_one_left(tmp_pa
     io.remove_leftovers(out)                                                 # says so, and raises nothing
     assert any("could not remove" in r.getMessage() and str(leftovers["dead"]) in r.getMessage()
                for r in caplog.records)
+
+
+@pytest.mark.parametrize("method", ["monarch", "blast"])
+def test_memfits_decode_loop_runs_a_loaded_compressed_model_as_hugging_face_does(tmp_path, method):
+    """What `memfit generate DIR` runs: memfit's static-cache loop over the loaded compressed model (its BLR layers
+    called as they are, q/k/v and gate/up unfused) gives Hugging Face's greedy tokens, batch 2 with left padding."""
+    from memfit.infer.generate import Generator
+
+    torch.manual_seed(0)
+    model = build_model(PRESETS["tiny"])
+    result = compress_model(model, method, 0.5, 4, device="cpu")
+    out = save_compressed(model, tmp_path / method, result.layers, {"source": "tiny", **result.summary()})
+    loaded = load_compressed(out).eval()
+    ids = torch.randint(1, PRESETS["tiny"].vocab, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    got = Generator(loaded, 6 + 5, batch=2, graphs=False).generate(ids, 5, attention_mask=mask).tokens
+    with torch.no_grad():
+        want = loaded.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)[:, 6:]
+    assert torch.equal(got, want)

@@ -1,4 +1,5 @@
-"""``memfit generate``: stream text from a local model, optionally loading/computing a fraction of its FFN neurons."""
+"""``memfit generate``: stream text from a local model, optionally loading/computing a fraction of its FFN neurons;
+or from a directory ``memfit compress`` wrote (its block-low-rank layers run as they are; no partial FFN there)."""
 from __future__ import annotations
 
 import math
@@ -13,8 +14,9 @@ def add_parser(sub):
         "generate", help="generate text (static KV cache + CUDA graphs), with partial FFN load/compute",
         description="Generate from a local model directory. --load keeps only that fraction of the FFN neurons of the "
                     "middle layers in memory (needs `memfit calibrate` rankings); --compute decodes with that fraction, "
-                    "chosen per prompt. Reports decode tokens/s and peak memory.")
-    parser.add_argument("model", help="local model directory (config.json + safetensors)")
+                    "chosen per prompt. A directory `memfit compress` wrote runs with its block-low-rank layers (the "
+                    "partial-FFN options are for dense models). Reports decode tokens/s and peak memory.")
+    parser.add_argument("model", help="local model directory (config.json + safetensors), dense or from memfit compress")
     parser.add_argument("--prompt", action="append", required=True,
                         help="prompt text; repeat for a batch (one shared neuron selection, see "
                              "memfit.infer.selection). Each prompt's continuation is printed up to its end-of-text "
@@ -50,16 +52,31 @@ def _refuse_unused_selection(args, partial, intermediate: int) -> None:
                           f"{partial.phi:g} every one of the {intermediate} FFN neurons is loaded and computed")
 
 
-def run(args) -> int:
-    import torch
-    from rich.console import Console
+def _refuse_partial_options(args) -> None:
+    """A compressed model's MLPs are block-low-rank: there are no FFN neurons to load or compute a fraction of."""
+    given = [flag for flag, value in (("--load", None if args.load == 1.0 else args.load), ("--compute", args.compute),
+                                      ("--base", args.base), ("--task", args.task), ("--rankings", args.rankings),
+                                      ("--compute-all-layers", args.compute_all_layers or None)) if value is not None]
+    if given:
+        raise MemfitError(f"{', '.join(given)}: partial FFN load and compute are for dense models; {args.model} is "
+                          "a memfit-compressed model")
+
+
+def _load_compressed(args, device, console):
+    from memfit.compress import load_compressed
+
+    _refuse_partial_options(args)
+    with console.status("loading the compressed model"):
+        return load_compressed(args.model, device=device, dtype=args.dtype)
+
+
+def _load_dense(args, device, console):
+    """The model, with a partial FFN as the options ask (checked before any tensor is read)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from memfit.infer.generate import Generator, weight_bytes_per_token
     from memfit.infer.partial_load import PartialConfig, describe, load_model
-    from memfit.local import check_model_dir, resolve_device
+    from memfit.local import check_model_dir
     from memfit.models import load_spec
-    from memfit.units import format_bytes
 
     model_dir = check_model_dir(args.model)
     spec = load_spec(model_dir)
@@ -70,21 +87,36 @@ def run(args) -> int:
         partial = replace(partial, full_first=first, full_last=min(partial.full_last, spec.num_layers - first))
     partial.check(spec.num_layers)
     _refuse_unused_selection(args, partial, spec.intermediate)
-    if args.max_new < 1:
-        raise MemfitError(f"--max-new must be >= 1, got {args.max_new}")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise MemfitError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
-    device = resolve_device(args.device)
-    console = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console, transient=True) as bar:
         task = bar.add_task("loading tensors", total=None)
         model = load_model(model_dir, partial, dtype=args.dtype, device=device, rankings=args.rankings,
                            progress=lambda done, total: bar.update(task, completed=done, total=total))
     if not partial.loads_everything(spec.intermediate):
         console.print(f"partial FFN: {describe(partial, spec)}")
+    return model
 
+
+def run(args) -> int:
+    from pathlib import Path
+
+    import torch
+    from rich.console import Console
+
+    from memfit.infer.generate import Generator, weight_bytes_per_token
     from memfit.infer.text import load_codec
+    from memfit.local import resolve_device
+    from memfit.models.spec import is_compressed_dir
+    from memfit.units import format_bytes
 
+    if args.max_new < 1:
+        raise MemfitError(f"--max-new must be >= 1, got {args.max_new}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise MemfitError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    device = resolve_device(args.device)
+    console = Console(stderr=True)
+    model_dir = Path(args.model).expanduser()
+    load = _load_compressed if model_dir.is_dir() and is_compressed_dir(model_dir) else _load_dense
+    model = load(args, device, console)
     codec = load_codec(model_dir, model.config.vocab_size)
     encoded = [codec.encode(text) for text in args.prompt]
     if not all(encoded):

@@ -192,8 +192,9 @@ class Generator:
         self.fused_layers = sum(a is not None and b is not None for a, b in zip(self.qkv, self.gate_up))
         if fused and self.fused_layers < len(layers):
             warn_once("generate:unfused", f"{len(layers) - self.fused_layers} of {len(layers)} layers decode with separate "
-                                          "q/k/v and gate/up matmuls (weights not in memfit's fused layout: load the "
-                                          "model with memfit.infer.load_model; 4-bit layers stay unfused)")
+                                          "q/k/v and gate/up matmuls: their weights are not in memfit's fused layout "
+                                          "(memfit.infer.load_model builds it for a dense model; 4-bit and "
+                                          "block-low-rank layers stay unfused)")
         shape = (batch, self.kv_heads, max_len, self.head_dim)
         factory = {"device": self.device}
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, **factory) for _ in layers]

@@ -232,8 +232,9 @@ def refuse_compressed_dir(path: str | Path) -> None:
                 f"--blr-ratio {ratio}{near})")
     except (OSError, ValueError, KeyError, TypeError):
         what = ""
-    raise MemfitError(f"{path} is a memfit-compressed model{what}: memfit's commands and load_spec read dense "
-                      "Hugging Face models; load it in Python with memfit.compress.load_compressed")
+    raise MemfitError(f"{path} is a memfit-compressed model{what}: load_spec and memfit's commands other than "
+                      "generate read dense Hugging Face models; memfit generate runs it, and in Python load it with "
+                      "memfit.compress.load_compressed")
 
 
 def load_spec(model: str | Path | ModelSpec) -> ModelSpec:
