@@ -137,8 +137,7 @@ def queued_ms(fn, max_calls: int = 20, target_ms: float = 20.0, rounds: int = 5,
             torch.cuda._sleep(int(sleep_per_call_ms * round_calls * cycles_per_ms))
             start.record()
             issued = time.perf_counter()
-            for _ in range(round_calls):
-                fn()
+            _calls(fn, round_calls)
             issue_ms = 1e3 * (time.perf_counter() - issued) / round_calls
             held = not start.query()                   # the sleep still running: every call queued behind it
             end.record()
