@@ -110,7 +110,7 @@ class Recorder:
 
     def add(self, row: dict) -> dict:
         self.rows.append(row)
-        print(f"[partial_ffn] {time.perf_counter() - self.start:5.0f} s {row}", flush=True)
+        print(f"[{self.name}] {time.perf_counter() - self.start:5.0f} s {row}", flush=True)
         self.write()
         return row
 

@@ -165,6 +165,25 @@ def _partial_speedup_bound(rows: list[dict], wanted: float = 1.5) -> str:
             f"{needed:.3f} ms; with no fixed part at all the weight bytes cap the ratio at {fd / fp:.3f}x.\n")
 
 
+def blr_generate_section(data: dict) -> str:
+    """``memfit generate``'s loop on dense and compressed models (``benchmarks/blr_generate.py``)."""
+    model = next((r["model"] for r in data["rows"] if r.get("model")), "?")
+    out = [f"### Block-low-rank decode in memfit's own loop (`memfit generate`), {model} shape, bf16, batch 1\n",
+           _header(data, "python benchmarks/blr_generate.py"),
+           "| case | tokens/s | x dense | ms/token | weight-read floor ms | fraction of floor | fused layers | peak GB |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        if not r.get("available"):
+            out.append(f"| {r['case']} | {r.get('error') or r.get('reason')} | | | | | | |")
+            continue
+        speedup = f"{r['speedup_vs_dense']:.3f}" if "speedup_vs_dense" in r else "-"
+        peak = f"{r['peak_bytes'] / 1e9:.2f}" if r.get("peak_bytes") is not None else "-"
+        out.append(f"| {r['case']} | {r['decode_tokens_per_s']:.0f} | {speedup} | {r['decode_ms_per_token']:.3f} "
+                   f"| {r['floor_ms']:.3f} | {r['fraction_of_floor']:.2f} | {r['fused_layers']} of {r['layers']} "
+                   f"| {peak} |")
+    return "\n".join(out) + "\n\n"
+
+
 def partial_ffn_accuracy_section(data: dict) -> str:
     rows = [r for r in data["rows"] if r.get("case") == "accuracy" and r.get("perplexity") is not None]
     out = ["### Partial FFN accuracy: the small byte-level Llama of `benchmarks/train_small_model.py`\n",
@@ -390,7 +409,7 @@ SECTIONS = [("ledger_accuracy", ledger_section), ("ledger_accuracy_blr", ledger_
             ("partial_ffn", partial_ffn_section), ("partial_ffn_accuracy", partial_ffn_accuracy_section),
             ("blr_layers", blr_layers_section), ("blr_e2e", blr_e2e_section),
             ("blr_e2e_memfit_attention", blr_e2e_section), ("blr_e2e_memfit_attention_inductor_pdl", blr_e2e_section),
-            ("blr_e2e_memfit_attention_decode_gemv", blr_e2e_section),
+            ("blr_e2e_memfit_attention_decode_gemv", blr_e2e_section), ("blr_generate", blr_generate_section),
             ("blr_accuracy", blr_accuracy_section)]
 
 

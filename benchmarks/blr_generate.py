@@ -1,0 +1,109 @@
+"""Benchmark: what ``memfit generate`` gives a block-low-rank model: decode tokens/s in memfit's own loop.
+
+``blr_e2e.py`` times transformers' model compiled with CUDA graphs, the issue's setting. A user who compresses a
+model and runs ``memfit generate DIR`` gets memfit's decode loop instead (static KV cache, one CUDA graph per
+step, memfit's decode attention and, per matmul shape, cuBLAS or memfit's GEMV): this times that loop on a
+Llama-3.2-1B-shaped model (random init, bf16) at batch 1, a 128-token prompt and 256 new tokens, with
+``partial_ffn.speed_case`` (decode tokens/s, median of 3 runs after a warm-up; peak memory; the weight-read
+floor at the copy bandwidth measured in this run). Cases:
+
+* dense, loaded by ``memfit.infer.load_model`` (q/k/v and gate/up each one matmul, memfit's fused layout);
+* dense with the model's own modules (``fused=False``): separate projections, as the compressed models run;
+* Monarch and BLAST at the paper's ranks (q/o 256, gate 512, up/down 768, b = 16; k/v dense), built by
+  ``memfit.compress.structure_model`` (random factors: speed depends on shapes only), their layers called as
+  they are.
+
+No target: the issue's decode target is set against the compiled transformers model (``blr_e2e.py``).
+
+    python benchmarks/blr_generate.py            # H200: a few minutes
+    python benchmarks/blr_generate.py --smoke    # CPU, tiny shapes, same code path
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from partial_ffn import Recorder, speed_case  # noqa: E402
+
+from memfit.compress import PAPER_RANKS_LLAMA_1B, structure_model  # noqa: E402
+from memfit.infer.partial_load import load_model  # noqa: E402
+from memfit.measure.results import check_out_dir  # noqa: E402
+from memfit.measure.timing import Ceilings, measure_ceilings  # noqa: E402
+from memfit.models import PRESETS, build_model  # noqa: E402
+
+METHODS = ("monarch", "blast")
+
+
+def compressed(spec, method: str, blocks: int, ranks: dict | None, device) -> torch.nn.Module:
+    """A random-init model of ``spec`` with ``method``'s layers at ``ranks`` (or half the parameters where None)."""
+    torch.manual_seed(0)
+    model = build_model(spec, dtype="bfloat16", device=device)
+    structure_model(model, method, ratio=None if ranks else 0.5, blocks=blocks, ranks=ranks)
+    return model.eval().requires_grad_(False)
+
+
+def run(args, device, ceilings, rec: Recorder) -> None:
+    smoke = device.type != "cuda"
+    spec = PRESETS["tiny"] if smoke else PRESETS["llama-3.2-1b"]
+    blocks, ranks = (4, None) if smoke else (16, PAPER_RANKS_LLAMA_1B)
+    prompt_len, new, reps = (16, 8, 1) if smoke else (128, 256, 3)
+    prompt = torch.randint(0, spec.vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    loop = {"graphs": False} if smoke else {}
+    tmp = Path(tempfile.mkdtemp(prefix="memfit-blr-generate-"))
+    try:
+        torch.manual_seed(0)
+        build_model(spec, dtype="bfloat16", device=device).save_pretrained(tmp / "dense")
+        cases = [("dense", lambda: load_model(tmp / "dense", device=device), loop),
+                 ("dense, unfused loop (separate projections)", lambda: load_model(tmp / "dense", device=device),
+                  {**loop, "fused": False})]
+        cases += [(method, lambda method=method: compressed(spec, method, blocks, ranks, device), loop)
+                  for method in METHODS]
+        for name, load, kwargs in cases:
+            row = rec.attempt(name, functools.partial(speed_case, name, load, prompt, new, ceilings, device, reps,
+                                                      **kwargs))
+            if row is not None:
+                rec.add({**row, "model": spec.name})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dense = next((r for r in rec.rows if r.get("case") == "dense" and r.get("available")), None)
+    for row in rec.rows:
+        if dense is not None and row.get("available") and row is not dense:
+            row["speedup_vs_dense"] = row["decode_tokens_per_s"] / dense["decode_tokens_per_s"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, same code path")
+    parser.add_argument("--out", help="results directory (default benchmarks/results)")
+    args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if device.type == "cuda":
+        ceilings, note = measure_ceilings(), "measured in this run"
+    else:
+        ceilings, note = Ceilings(matmul_flops=1e12, bandwidth=50e9), "assumed (CPU smoke run: no floor is meaningful)"
+    out = args.out or (Path(tempfile.gettempdir()) / "memfit-smoke" if args.smoke else None)
+    rec = Recorder(out, args.smoke, ceilings, note, "blr_generate")
+    rec.attempt("speed", run, args, device, ceilings, rec)
+    path = rec.write()
+    for row in rec.rows:
+        if row.get("available"):
+            ratio = f", {row['speedup_vs_dense']:.3f}x dense" if "speedup_vs_dense" in row else ""
+            print(f"[blr_generate] {row['case']}: {row['decode_tokens_per_s']:.0f} tokens/s "
+                  f"({row['fraction_of_floor']:.2f} of its floor){ratio}")
+    failed = [row["case"] for row in rec.rows if row.get("error")]
+    print(f"[blr_generate] wrote {path}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

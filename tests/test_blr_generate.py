@@ -1,0 +1,34 @@
+"""benchmarks/blr_generate.py: memfit's decode loop on dense and compressed models (CPU smoke run), and its README
+section."""
+import json
+
+from conftest import load_benchmark
+
+
+def test_smoke_run_times_dense_fused_unfused_and_each_compressed_model(tmp_path):
+    blr_generate = load_benchmark("blr_generate")
+    assert blr_generate.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = {r["case"]: r for r in json.loads((tmp_path / "blr_generate.json").read_text())["rows"]}
+    dense, unfused = rows["dense"], rows["dense, unfused loop (separate projections)"]
+    assert dense["fused_layers"] == dense["layers"] and unfused["fused_layers"] == 0
+    for method in blr_generate.METHODS:
+        row = rows[method]
+        assert row["available"] and row["fused_layers"] == 0
+        assert row["weight_bytes_per_token"] < dense["weight_bytes_per_token"]        # the BLR layers, not dense
+        assert row["speedup_vs_dense"] == row["decode_tokens_per_s"] / dense["decode_tokens_per_s"]
+    assert "speedup_vs_dense" not in dense
+
+
+def test_report_section_shows_each_case_and_a_failed_one():
+    report = load_benchmark("report")
+    row = {"available": True, "model": "llama-3.2-1b", "decode_tokens_per_s": 500.0, "decode_ms_per_token": 2.0,
+           "floor_ms": 0.5, "fraction_of_floor": 0.25, "fused_layers": 16, "layers": 16, "peak_bytes": 3e9}
+    rows = [{**row, "case": "dense"}, {**row, "case": "monarch", "decode_tokens_per_s": 600.0, "fused_layers": 0,
+                                        "speedup_vs_dense": 1.2},
+            {"case": "blast", "available": False, "error": "RuntimeError: x"}]
+    text = report.blr_generate_section({"gpu": "H200", "torch": "2.11", "triton": "3.6", "commit": "abc",
+                                        "date": "2026-12-03T00:00", "rows": rows})
+    assert "llama-3.2-1b shape" in text and "`python benchmarks/blr_generate.py`" in text
+    assert "| dense | 500 | - | 2.000 | 0.500 | 0.25 | 16 of 16 | 3.00 |" in text
+    assert "| monarch | 600 | 1.200 | 2.000 | 0.500 | 0.25 | 0 of 16 | 3.00 |" in text
+    assert "| blast | RuntimeError: x |" in text
