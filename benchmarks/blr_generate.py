@@ -1,19 +1,22 @@
-"""Benchmark: what ``memfit generate`` gives a block-low-rank model: decode tokens/s in memfit's own loop.
+"""Benchmark: decode tokens/s of a block-low-rank model in memfit's own loop, the one ``memfit generate`` runs.
 
 ``blr_e2e.py`` times transformers' model compiled with CUDA graphs, the issue's setting. A user who compresses a
 model and runs ``memfit generate DIR`` gets memfit's decode loop instead (static KV cache, one CUDA graph per
-step, memfit's decode attention and, per matmul shape, cuBLAS or memfit's GEMV): this times that loop on a
-Llama-3.2-1B-shaped model (random init, bf16) at batch 1, a 128-token prompt and 256 new tokens, with
-``partial_ffn.speed_case`` (decode tokens/s, median of 3 runs after a warm-up; peak memory; the weight-read
-floor at the copy bandwidth measured in this run). Cases:
+step, memfit's decode attention): this times that loop, without the command's per-token streaming to the
+terminal, on a Llama-3.2-1B-shaped model (random init, bf16) at batch 1, a 128-token prompt and 256 new tokens,
+with ``partial_ffn.speed_case`` (decode tokens/s, median of 3 runs after a warm-up; memory from before the load;
+the weight-read floor: the row's own weight bytes per token at the copy bandwidth measured in this run). Cases:
 
-* dense, loaded by ``memfit.infer.load_model`` (q/k/v and gate/up each one matmul, memfit's fused layout);
-* dense with the model's own modules (``fused=False``): separate projections, as the compressed models run;
-* Monarch and BLAST at the paper's ranks (q/o 256, gate 512, up/down 768, b = 16; k/v dense), built by
-  ``memfit.compress.structure_model`` (random factors: speed depends on shapes only), their layers called as
-  they are.
+* dense, loaded by ``memfit.infer.load_model``: q/k/v and gate/up each one matmul (memfit's fused layout), and
+  each decode matmul shape by cuBLAS or memfit's GEMV, whichever its pick times faster;
+* dense with the model's own modules (``fused=False``): separate projections as the compressed models run them,
+  by cuBLAS (only o_proj takes the pick);
+* Monarch and BLAST at the paper's ranks (q/o 256, gate 512, up/down 768, b = 16; k/v, the embedding and the head
+  dense), random factors (speed depends on shapes only) saved by ``memfit.compress.save_compressed`` and loaded
+  by ``load_compressed``, as ``memfit generate`` loads them; their layers run their own ops, k/v by cuBLAS.
 
-No target: the issue's decode target is set against the compiled transformers model (``blr_e2e.py``).
+"x dense" is against the fused dense row. No target: the issue's decode target is set against the compiled
+transformers model (``blr_e2e.py``).
 
     python benchmarks/blr_generate.py            # H200: a few minutes
     python benchmarks/blr_generate.py --smoke    # CPU, tiny shapes, same code path
@@ -34,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from partial_ffn import Recorder, speed_case  # noqa: E402
 
-from memfit.compress import PAPER_RANKS_LLAMA_1B, structure_model  # noqa: E402
+from memfit.compress import PAPER_RANKS_LLAMA_1B, load_compressed, save_compressed, structure_model  # noqa: E402
 from memfit.infer.partial_load import load_model  # noqa: E402
 from memfit.measure.results import check_out_dir  # noqa: E402
 from memfit.measure.timing import Ceilings, measure_ceilings  # noqa: E402
@@ -43,16 +46,17 @@ from memfit.models import PRESETS, build_model  # noqa: E402
 METHODS = ("monarch", "blast")
 
 
-def compressed(spec, method: str, blocks: int, ranks: dict | None, device) -> torch.nn.Module:
-    """A random-init model of ``spec`` with ``method``'s layers at ``ranks`` (or half the parameters where None)."""
+def save_structured(spec, method: str, blocks: int, ranks: dict | None, directory: Path) -> Path:
+    """A random-init model of ``spec`` with ``method``'s layers at ``ranks`` (half the parameters where None), saved
+    as ``memfit compress`` saves (built on the CPU, so that loading it is what a load measures)."""
     torch.manual_seed(0)
-    model = build_model(spec, dtype="bfloat16", device=device)
-    structure_model(model, method, ratio=None if ranks else 0.5, blocks=blocks, ranks=ranks)
-    return model.eval().requires_grad_(False)
+    model = build_model(spec, dtype="bfloat16", device="cpu")
+    result = structure_model(model, method, ratio=None if ranks else 0.5, blocks=blocks, ranks=ranks)
+    return save_compressed(model, directory, result.layers, {"source": spec.name, **result.summary()})
 
 
 def run(args, device, ceilings, rec: Recorder) -> None:
-    smoke = device.type != "cuda"
+    smoke = args.smoke
     spec = PRESETS["tiny"] if smoke else PRESETS["llama-3.2-1b"]
     blocks, ranks = (4, None) if smoke else (16, PAPER_RANKS_LLAMA_1B)
     prompt_len, new, reps = (16, 8, 1) if smoke else (128, 256, 3)
@@ -65,7 +69,8 @@ def run(args, device, ceilings, rec: Recorder) -> None:
         cases = [("dense", lambda: load_model(tmp / "dense", device=device), loop),
                  ("dense, unfused loop (separate projections)", lambda: load_model(tmp / "dense", device=device),
                   {**loop, "fused": False})]
-        cases += [(method, lambda method=method: compressed(spec, method, blocks, ranks, device), loop)
+        saved = {method: save_structured(spec, method, blocks, ranks, tmp / method) for method in METHODS}
+        cases += [(method, functools.partial(load_compressed, saved[method], device=device), loop)
                   for method in METHODS]
         for name, load, kwargs in cases:
             row = rec.attempt(name, functools.partial(speed_case, name, load, prompt, new, ceilings, device, reps,
@@ -86,7 +91,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="results directory (default benchmarks/results)")
     args = parser.parse_args(argv)
     check_out_dir(parser, args.out)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if not args.smoke and not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU; --smoke runs the same code path on the CPU at tiny shapes")
+    device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda":
         ceilings, note = measure_ceilings(), "measured in this run"
     else:

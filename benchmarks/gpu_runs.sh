@@ -67,7 +67,7 @@ RUNS=(
   "blr_e2e_memfit_attention|400|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit"
   "blr_e2e_memfit_attention_inductor_pdl|400|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit --inductor-pdl"
   "blr_e2e_memfit_attention_decode_gemv|400|python3 benchmarks/blr_e2e.py --out $OUT --profile --no-eager --attention memfit --decode-gemv"
-  "blr_generate|300|python3 benchmarks/blr_generate.py --out $OUT"
+  "blr_generate|400|python3 benchmarks/blr_generate.py --out $OUT"
   "partial_ffn|300|python3 benchmarks/partial_ffn.py --out $OUT --skip-accuracy"
   "train_small_model|130|python3 benchmarks/train_small_model.py --out /tmp/small_llama --results $OUT --max-seconds 80"
   "partial_ffn_accuracy|150|python3 benchmarks/partial_ffn.py --out $OUT --skip-speed --small-model /tmp/small_llama"

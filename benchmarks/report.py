@@ -181,7 +181,9 @@ def blr_generate_section(data: dict) -> str:
         out.append(f"| {r['case']} | {r['decode_tokens_per_s']:.0f} | {speedup} | {r['decode_ms_per_token']:.3f} "
                    f"| {r['floor_ms']:.3f} | {r['fraction_of_floor']:.2f} | {r['fused_layers']} of {r['layers']} "
                    f"| {peak} |")
-    return "\n".join(out) + "\n\n"
+    return "\n".join(out) + ("\n\nx dense: against the first (fused) dense row. Each row's floor is its own weight "
+                             "bytes per token at the measured copy bandwidth (the compressed rows keep k/v, the "
+                             "embedding and the head dense). Memory is counted from before the load.\n\n")
 
 
 def partial_ffn_accuracy_section(data: dict) -> str:

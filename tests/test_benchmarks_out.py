@@ -7,7 +7,8 @@ import pytest
 from conftest import ROOT, load_benchmark
 
 RESULTS_OPTION = {"attention": "--out", "bgemm_tiles": "--out", "blr_accuracy": "--out", "blr_counters": "--out",
-                  "blr_e2e": "--out", "blr_layers": "--out", "chain_tiles": "--out", "decode_profile": "--out",
+                  "blr_e2e": "--out", "blr_generate": "--out", "blr_layers": "--out", "chain_tiles": "--out",
+                  "decode_profile": "--out",
                   "finetune_ledger": "--out", "finetune_memory": "--out", "finetune_steps": "--out",
                   "ledger_accuracy": "--out", "ledger_repredict": "--out", "linear_ce": "--out", "partial_ffn": "--out",
                   "pick_cost": "--out", "sdpa_math_memory": "--out", "swiglu": "--out", "train_small_model": "--results"}

@@ -2,6 +2,8 @@
 section."""
 import json
 
+import pytest
+import torch
 from conftest import load_benchmark
 
 
@@ -15,8 +17,17 @@ def test_smoke_run_times_dense_fused_unfused_and_each_compressed_model(tmp_path)
         row = rows[method]
         assert row["available"] and row["fused_layers"] == 0
         assert row["weight_bytes_per_token"] < dense["weight_bytes_per_token"]        # the BLR layers, not dense
-        assert row["speedup_vs_dense"] == row["decode_tokens_per_s"] / dense["decode_tokens_per_s"]
+        assert row["speedup_vs_dense"] == pytest.approx(dense["decode_ms_per_token"] / row["decode_ms_per_token"])
     assert "speedup_vs_dense" not in dense
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_a_gpu_run_without_a_gpu_is_a_usage_error(tmp_path, capsys):
+    """It had run the tiny shapes on the CPU and written them, unmarked, where the GPU results go."""
+    with pytest.raises(SystemExit) as raised:
+        load_benchmark("blr_generate").main(["--out", str(tmp_path)])
+    assert raised.value.code == 2 and "needs a CUDA GPU; --smoke runs" in capsys.readouterr().err
+    assert not (tmp_path / "blr_generate.json").exists()
 
 
 def test_report_section_shows_each_case_and_a_failed_one():
@@ -31,4 +42,4 @@ def test_report_section_shows_each_case_and_a_failed_one():
     assert "llama-3.2-1b shape" in text and "`python benchmarks/blr_generate.py`" in text
     assert "| dense | 500 | - | 2.000 | 0.500 | 0.25 | 16 of 16 | 3.00 |" in text
     assert "| monarch | 600 | 1.200 | 2.000 | 0.500 | 0.25 | 0 of 16 | 3.00 |" in text
-    assert "| blast | RuntimeError: x |" in text
+    assert "| blast | RuntimeError: x |" in text and "x dense: against the first (fused) dense row" in text

@@ -280,7 +280,10 @@ def test_generate_runs_a_compressed_model(capsys, compressed_dir):
 
 @pytest.mark.parametrize("extra", [("--load", "0.5"), ("--compute", "0.5"), ("--base", "0.1"), ("--task", "qa"),
                                    ("--rankings", "r.safetensors"), ("--compute-all-layers",)])
-def test_generate_refuses_partial_ffn_options_for_a_compressed_model(capsys, no_model_load, compressed_dir, extra):
+def test_generate_refuses_partial_ffn_options_for_a_compressed_model(capsys, monkeypatch, compressed_dir, extra):
+    import memfit.compress
+
+    monkeypatch.setattr(memfit.compress, "load_compressed", lambda *a, **k: pytest.fail("refused before the load"))
     _fails(capsys, ["generate", str(compressed_dir), "--prompt", "hi", "--device", "cpu", *extra],
            f"{extra[0]}: partial FFN load and compute are for dense models; {compressed_dir} is a memfit-compressed "
            "model")

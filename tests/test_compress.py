@@ -694,10 +694,13 @@ def test_a_later_compress_removes_temporary_directories_a_killed_one_left(tmp_pa
                for r in caplog.records)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["loop", "decode-kernels"])
 @pytest.mark.parametrize("method", ["monarch", "blast"])
-def test_memfits_decode_loop_runs_a_loaded_compressed_model_as_hugging_face_does(tmp_path, method):
+def test_memfits_decode_loop_runs_a_loaded_compressed_model_as_hugging_face_does(tmp_path, method, fast, caplog):
     """What `memfit generate DIR` runs: memfit's static-cache loop over the loaded compressed model (its BLR layers
-    called as they are, q/k/v and gate/up unfused) gives Hugging Face's greedy tokens, batch 2 with left padding."""
+    called as they are, q/k/v and gate/up unfused, with nothing to say about it) gives Hugging Face's greedy tokens,
+    batch 2 with left padding; with memfit's decode kernels too (under the interpreter here, on a GPU by default)."""
+    import memfit.log
     from memfit.infer.generate import Generator
 
     torch.manual_seed(0)
@@ -708,7 +711,19 @@ def test_memfits_decode_loop_runs_a_loaded_compressed_model_as_hugging_face_does
     ids = torch.randint(1, PRESETS["tiny"].vocab, (2, 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
-    got = Generator(loaded, 6 + 5, batch=2, graphs=False).generate(ids, 5, attention_mask=mask).tokens
+    memfit.log._said.discard("generate:unfused")
+    got = Generator(loaded, 6 + 5, batch=2, graphs=False, fast=fast).generate(ids, 5, attention_mask=mask).tokens
+    assert "fused layout" not in caplog.text
     with torch.no_grad():
         want = loaded.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)[:, 6:]
     assert torch.equal(got, want)
+
+
+def test_a_dense_model_outside_the_fused_layout_is_told_how_to_fuse_it(caplog):
+    import memfit.log
+    from memfit.infer.generate import Generator
+
+    memfit.log._said.discard("generate:unfused")
+    Generator(build_model(PRESETS["tiny"]).eval(), 8, graphs=False)
+    assert "2 of 2 layers decode with separate q/k/v and gate/up matmuls" in caplog.text
+    assert "load the model with memfit.infer.load_model" in caplog.text

@@ -45,19 +45,22 @@ def _refuse_unused_selection(args, partial, intermediate: int) -> None:
     sweep over load and compute that includes the full model)."""
     if not partial.loads_everything(intermediate):
         return
-    given = [flag for flag, value in (("--rankings", args.rankings), ("--task", args.task), ("--base", args.base),
-                                      ("--compute-all-layers", args.compute_all_layers or None)) if value is not None]
-    if given:
+    if given := _neuron_choice_flags(args):
         raise MemfitError(f"{', '.join(given)}: only for partial layers; at --load {partial.load:g} and --compute "
                           f"{partial.phi:g} every one of the {intermediate} FFN neurons is loaded and computed")
 
 
+def _neuron_choice_flags(args) -> list[str]:
+    """The options given that choose which FFN neurons a partial layer keeps."""
+    return [flag for flag, value in (("--rankings", args.rankings), ("--task", args.task), ("--base", args.base),
+                                     ("--compute-all-layers", args.compute_all_layers or None)) if value is not None]
+
+
 def _refuse_partial_options(args) -> None:
     """A compressed model's MLPs are block-low-rank: there are no FFN neurons to load or compute a fraction of."""
-    given = [flag for flag, value in (("--load", None if args.load == 1.0 else args.load), ("--compute", args.compute),
-                                      ("--base", args.base), ("--task", args.task), ("--rankings", args.rankings),
-                                      ("--compute-all-layers", args.compute_all_layers or None)) if value is not None]
-    if given:
+    fractions = [flag for flag, value in (("--load", None if args.load == 1.0 else args.load),
+                                          ("--compute", args.compute)) if value is not None]
+    if given := fractions + _neuron_choice_flags(args):
         raise MemfitError(f"{', '.join(given)}: partial FFN load and compute are for dense models; {args.model} is "
                           "a memfit-compressed model")
 

@@ -2,8 +2,8 @@
 
 Hugging Face ``generate`` at batch 1 is launch-bound: hundreds of small kernels per token,
 each launched from Python. Here the model's own modules (embedding, norms, q/k/v/o
-projections, the MLP -- dense, ``PartialMLP`` or bitsandbytes 4-bit alike, since they
-are only called) run in a fixed-shape step: the KV cache is preallocated to the
+projections, the MLP -- dense, ``PartialMLP``, bitsandbytes 4-bit or block-low-rank alike,
+since they are only called) run in a fixed-shape step: the KV cache is preallocated to the
 longest sequence, the step writes at a slot held in a device tensor, and attention reads
 the whole cache under a mask. On CUDA the step (forward, sampling, advancing the
 position) is captured once as a ``torch.cuda.CUDAGraph`` and replayed per token.
@@ -93,6 +93,14 @@ def _attention(q, k_cache, v_cache, mask, scale):
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale)
 
 
+def _plain_projections(layer: nn.Module) -> bool:
+    """Whether the layer's q/k/v and gate/up are plain ``nn.Linear`` (fusable; 4-bit and block-low-rank are not)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
+    return all(type(p) is nn.Linear for p in projections)
+
+
 def _merge_heads(o: torch.Tensor, T: int) -> torch.Tensor:
     """(B, Hkv, G*T, D) grouped attention output -> (B, T, H*D) in head order kv*G + g, whatever o's strides.
 
@@ -105,7 +113,7 @@ def _merge_heads(o: torch.Tensor, T: int) -> torch.Tensor:
 
 
 # The elementwise parts of a step: on CUDA they are compiled (dozens of tiny kernels a layer become a few);
-# the matmuls stay cuBLAS (or the model's own modules: partial, 4-bit).
+# the matmuls stay cuBLAS (or the model's own modules: partial, 4-bit, block-low-rank).
 _EAGER = {"norm": _norm, "add_norm": _add_norm, "rope_and_cache": _rope_and_cache, "act_mul": act_mul}
 
 
@@ -190,11 +198,12 @@ class Generator:
         self.qkv = [fused_qkv(layer.self_attn) if fused else None for layer in layers]
         self.gate_up = [fused_gate_up(layer.mlp) if fused else None for layer in layers]
         self.fused_layers = sum(a is not None and b is not None for a, b in zip(self.qkv, self.gate_up))
-        if fused and self.fused_layers < len(layers):
-            warn_once("generate:unfused", f"{len(layers) - self.fused_layers} of {len(layers)} layers decode with separate "
-                                          "q/k/v and gate/up matmuls: their weights are not in memfit's fused layout "
-                                          "(memfit.infer.load_model builds it for a dense model; 4-bit and "
-                                          "block-low-rank layers stay unfused)")
+        fusable = sum(_plain_projections(layer) for layer, a, b in zip(layers, self.qkv, self.gate_up)
+                      if a is None or b is None)
+        if fused and fusable:
+            warn_once("generate:unfused", f"{fusable} of {len(layers)} layers decode with separate q/k/v and gate/up "
+                                          "matmuls: their weights are not in memfit's fused layout (load the model "
+                                          "with memfit.infer.load_model)")
         shape = (batch, self.kv_heads, max_len, self.head_dim)
         factory = {"device": self.device}
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, **factory) for _ in layers]
@@ -282,7 +291,8 @@ class Generator:
         return gemv.linear(x, w, bias, path)
 
     def _project(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """A projection module: a plain ``nn.Linear`` through ``_matmul``, anything else (4-bit) called."""
+        """A projection module: a plain ``nn.Linear`` through ``_matmul``, anything else (4-bit, block-low-rank)
+        called."""
         return self._matmul(x, proj.weight, proj.bias) if type(proj) is nn.Linear else proj(x)
 
     def _decode_matmuls(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

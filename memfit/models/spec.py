@@ -209,8 +209,8 @@ def is_compressed_dir(path: str | Path) -> bool:
 
 
 def refuse_compressed_dir(path: str | Path) -> None:
-    """Where a dense Hugging Face model directory is expected (load_spec; plan, verify, finetune, generate,
-    calibrate, compress: their argument checks call this), refuse one ``memfit compress`` wrote, given as the
+    """Where a dense Hugging Face model directory is expected (load_spec; plan, verify, finetune, calibrate,
+    compress, and generate for a dense model: their argument checks call this), refuse one ``memfit compress`` wrote, given as the
     directory or its config.json: that config.json is the dense model's, so load_spec would read the dense model's
     spec and transformers would build the dense model, find the factors unexpected and the dense weights missing,
     and run on random weights. The message says how to load it and how to plan its jobs."""
