@@ -727,3 +727,40 @@ def test_a_dense_model_outside_the_fused_layout_is_told_how_to_fuse_it(caplog):
     Generator(build_model(PRESETS["tiny"]).eval(), 8, graphs=False)
     assert "2 of 2 layers decode with separate q/k/v and gate/up matmuls" in caplog.text
     assert "load the model with memfit.infer.load_model" in caplog.text
+
+
+def test_load_never_allocates_the_dense_weights_it_replaces(tmp_path, monkeypatch):
+    """The skeleton is built on the meta device and given storage only once the structured layers are in: an 8B
+    model's dense projections would otherwise take their full size in host memory before the load."""
+    from memfit.compress import io
+
+    model = build_model(PRESETS["tiny"].with_(tied_embeddings=True))
+    result = compress_model(model, "monarch", 0.5, 4, device="cpu")
+    out = save_compressed(model, tmp_path / "m", result.layers, result.summary())
+    seen = []
+    real = io._materialize
+
+    def check(skeleton):
+        seen.append({p.device.type for p in skeleton.parameters()})
+        real(skeleton)
+
+    monkeypatch.setattr(io, "_materialize", check)
+    loaded = load_compressed(out)
+    assert seen == [{"meta"}]
+    assert {p.device.type for p in loaded.parameters()} | {b.device.type for b in loaded.buffers()} == {"cpu"}
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    torch.testing.assert_close(loaded.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq, rtol=0, atol=0)
+
+
+def test_a_non_persistent_buffer_memfit_cannot_compute_is_refused():
+    from memfit.compress import io
+
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.zeros(3), persistent=False)
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(Odd())
+    with pytest.raises(MemfitError, match=r"cannot compute the non-persistent buffers of 0 \(Odd: no config"):
+        io._materialize(model)

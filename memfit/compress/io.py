@@ -199,8 +199,9 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
 
 
 def _build_skeleton(directory: Path, dtype: torch.dtype | None) -> nn.Module:
-    """The original architecture from ``config.json``, with no weight initialisation work, in ``dtype`` or else the
-    dtype the config records (the one the weights were saved in)."""
+    """The original architecture from ``config.json`` on the meta device (no memory: the dense weights of the layers
+    about to be replaced are never allocated), in ``dtype`` or else the dtype the config records (the one the
+    weights were saved in)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -211,10 +212,29 @@ def _build_skeleton(directory: Path, dtype: torch.dtype | None) -> nn.Module:
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
     if dtype is None:
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.tie_weights()  # skipped with the initialisation
-    return model
+    with torch.device("meta"), no_init_weights():
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _materialize(model: nn.Module) -> None:
+    """Give a meta-device model (its structured layers in place) uninitialised CPU storage for the weights the file
+    fills, tie them again, and compute its non-persistent buffers (the rotary embedding's ``inv_freq``, which no file
+    holds) by building those modules again from their config on the CPU."""
+    owners = [(name, module) for name, module in model.named_modules() if module._non_persistent_buffers_set]
+    rebuilt = {}
+    for name, module in owners:
+        config = getattr(module, "config", None)
+        if config is None:
+            raise MemfitError(f"cannot compute the non-persistent buffers of {name} ({type(module).__name__}: no "
+                              "config to build it from)")
+        with torch.device("cpu"):
+            rebuilt[name] = type(module)(config=config)
+    model.to_empty(device="cpu")
+    for name, fresh in rebuilt.items():
+        module = model.get_submodule(name)
+        for buffer in module._non_persistent_buffers_set:
+            setattr(module, buffer, getattr(fresh, buffer).to(getattr(module, buffer).dtype))
+    model.tie_weights()
 
 
 def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
@@ -254,11 +274,12 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
             old = model.get_submodule(name)
             kwargs = {k: cfg[k] for k in ("blocks", "permute_output") if k in cfg}
             layer = structure_class(cfg["structure"])(cfg["in_features"], cfg["out_features"], cfg["rank"],
-                                                      bias=cfg["bias"], dtype=old.weight.dtype, **kwargs)
+                                                      bias=cfg["bias"], device="meta", dtype=old.weight.dtype, **kwargs)
             replace_module(model, name, layer)
     except (KeyError, TypeError, AttributeError) as err:   # a field missing or of the wrong kind, a module it lacks
         raise MemfitError(f"{directory / CONFIG_NAME}: its layer records do not describe this model "
                           f"({type(err).__name__}: {err})") from None
+    _materialize(model)
     try:
         missing, unexpected = load_model(model, str(directory / WEIGHTS_NAME), strict=False)
     except Exception as err:  # noqa: BLE001 - safetensors' errors (a truncated or foreign file) have no common base
