@@ -764,3 +764,36 @@ def test_a_non_persistent_buffer_memfit_cannot_compute_is_refused():
         model = torch.nn.Sequential(Odd())
     with pytest.raises(MemfitError, match=r"cannot compute the non-persistent buffers of 0 \(Odd: no config"):
         io._materialize(model)
+
+
+def test_a_tensor_attribute_left_on_the_meta_device_is_refused():
+    """transformers 4's rotary embedding keeps ``original_inv_freq`` as a plain attribute, not a buffer: left on the
+    meta device it failed at the first call that read it."""
+    from memfit.compress import io
+
+    class Cached(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.zeros(3)
+
+    class Model(torch.nn.Sequential):
+        def tie_weights(self):
+            pass
+
+    with torch.device("meta"):
+        model = Model(Cached())
+    with pytest.raises(MemfitError, match=r"0\.table would be left without a value"):
+        io._materialize(model)
+
+
+def test_a_tied_model_whose_file_lacks_the_shared_tensor_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = build_model(PRESETS["tiny"].with_(tied_embeddings=True))
+    out = save_compressed(model, tmp_path / "m", compress_model(model, "lowrank", 0.5, device="cpu").layers)
+    weights = load_file(out / "model.safetensors")
+    tied = [k for k in weights if k in ("model.embed_tokens.weight", "lm_head.weight")]
+    assert len(tied) == 1                                        # stored once
+    save_file({k: v for k, v in weights.items() if k not in tied}, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MemfitError, match="weights do not match the recorded structure"):
+        load_compressed(out)

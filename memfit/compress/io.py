@@ -218,23 +218,33 @@ def _build_skeleton(directory: Path, dtype: torch.dtype | None) -> nn.Module:
 
 def _materialize(model: nn.Module) -> None:
     """Give a meta-device model (its structured layers in place) uninitialised CPU storage for the weights the file
-    fills, tie them again, and compute its non-persistent buffers (the rotary embedding's ``inv_freq``, which no file
-    holds) by building those modules again from their config on the CPU."""
-    owners = [(name, module) for name, module in model.named_modules() if module._non_persistent_buffers_set]
+    fills and tie them again. A module with non-persistent state (the rotary embedding's ``inv_freq``, and under
+    transformers 4 its ``original_inv_freq`` attribute), which no file holds, is built again from its config on the
+    CPU and put in its place: it has no weights. Anything left on the meta device is refused."""
+    from memfit.compress.convert import replace_module
+
     rebuilt = {}
-    for name, module in owners:
+    for name, module in model.named_modules():
+        if not module._non_persistent_buffers_set:
+            continue
         config = getattr(module, "config", None)
-        if config is None:
-            raise MemfitError(f"cannot compute the non-persistent buffers of {name} ({type(module).__name__}: no "
-                              "config to build it from)")
-        with torch.device("cpu"):
-            rebuilt[name] = type(module)(config=config)
+        if config is None or next(module.parameters(), None) is not None:
+            raise MemfitError(f"cannot compute the non-persistent buffers of {name} ({type(module).__name__}: "
+                              + ("no config to build it from)" if config is None else "it holds weights)"))
+        try:
+            with torch.device("cpu"):
+                rebuilt[name] = type(module)(config=config)
+        except TypeError as err:
+            raise MemfitError(f"cannot compute the non-persistent buffers of {name} ({type(module).__name__} is "
+                              f"not built from its config alone: {err})") from None
     model.to_empty(device="cpu")
     for name, fresh in rebuilt.items():
-        module = model.get_submodule(name)
-        for buffer in module._non_persistent_buffers_set:
-            setattr(module, buffer, getattr(fresh, buffer).to(getattr(module, buffer).dtype))
+        replace_module(model, name, fresh)
     model.tie_weights()
+    left = [f"{name}.{key}" for name, module in model.named_modules() for key, value in vars(module).items()
+            if isinstance(value, torch.Tensor) and value.is_meta]
+    if left:
+        raise MemfitError(f"cannot load: {', '.join(left[:3])} would be left without a value (on the meta device)")
 
 
 def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
@@ -284,7 +294,7 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
         missing, unexpected = load_model(model, str(directory / WEIGHTS_NAME), strict=False)
     except Exception as err:  # noqa: BLE001 - safetensors' errors (a truncated or foreign file) have no common base
         raise MemfitError(f"{directory / WEIGHTS_NAME}: unreadable ({type(err).__name__}: {err})") from None
-    missing, unexpected = sorted(_untied(model, missing)), sorted(unexpected)
+    missing, unexpected = sorted(_untied(model, missing, directory / WEIGHTS_NAME)), sorted(unexpected)
     if missing or unexpected:
         raise MemfitError(f"{directory}: weights do not match the recorded structure "
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
@@ -304,8 +314,14 @@ def _monarch_w2_from_format_1(model: nn.Module) -> None:
             layer.w2.copy_(layer.w2.reshape(b, b, r // b, p).transpose(1, 2).reshape(b, r, p))
 
 
-def _untied(model: nn.Module, missing) -> list[str]:
-    """The ``missing`` keys that do not share storage with a loaded tensor (tied weights are stored once)."""
+def _untied(model: nn.Module, missing, weights: Path) -> list[str]:
+    """The ``missing`` keys whose storage no tensor in ``weights`` filled (tied weights are stored once, under one of
+    their names). Counted from the file's own keys: where it lacked a tied pair's tensor, safetensors named one of the
+    pair missing and the other, counted as loaded, had hidden it (the model loaded with uninitialised embeddings)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "pt") as stored:
+        names = set(stored.keys())
     state = model.state_dict()
-    loaded = {state[k].data_ptr() for k in state if k not in missing}
+    loaded = {state[k].data_ptr() for k in names if k in state}
     return [k for k in missing if state[k].data_ptr() not in loaded]
