@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     out = args.out or (Path(tempfile.gettempdir()) / "memfit-smoke" if args.smoke else None)
     rec = Recorder(out, args.smoke, ceilings, note, "blr_generate")
     rec.attempt("speed", run, args, device, ceilings, rec)
-    path = rec.write()
+    path = rec.finish()
     for row in rec.rows:
         if row.get("available"):
             ratio = f", {row['speedup_vs_dense']:.3f}x dense" if "speedup_vs_dense" in row else ""

@@ -98,7 +98,8 @@ def _load_bnb(model_dir: Path, device):
 
 
 class Recorder:
-    """Rows and targets of this run, rewritten to the JSON after every row, so a later crash loses nothing."""
+    """Rows and targets of this run, rewritten to the JSON after every row, so a later crash loses nothing; the file
+    says ``"complete": false`` until :meth:`finish` writes it for the last time (README marks a stopped run)."""
 
     def __init__(self, out, smoke: bool, ceilings: Ceilings, ceiling_note: str, name: str = "partial_ffn"):
         self.name = name
@@ -107,6 +108,12 @@ class Recorder:
         self.out, self.smoke = out, smoke
         self.ceilings = {"matmul_flops": ceilings.matmul_flops, "bandwidth": ceilings.bandwidth, "note": ceiling_note}
         self.start = time.perf_counter()
+        self.complete = False
+
+    def finish(self) -> Path:
+        """The last write, of the whole run."""
+        self.complete = True
+        return self.write()
 
     def add(self, row: dict) -> dict:
         self.rows.append(row)
@@ -116,7 +123,7 @@ class Recorder:
 
     def write(self) -> Path:
         return write_results(self.name, self.rows, self.targets, out_dir=self.out, smoke=self.smoke, ceilings=self.ceilings,
-                             seconds=time.perf_counter() - self.start)
+                             seconds=time.perf_counter() - self.start, complete=self.complete)
 
     def attempt(self, case: str, fn, *args, **extra):
         """Run ``fn(*args)``; a failure becomes a row naming the error (and is printed), not the end of the run."""
@@ -347,7 +354,7 @@ def main(argv=None) -> int:
         rec.attempt("speed section", run_speed, args, device, ceilings, rec)
     if not args.skip_accuracy:
         rec.attempt("accuracy section", run_accuracy, args, device, rec)
-    path = rec.write()
+    path = rec.finish()
     for t in rec.targets:
         print(f"[partial_ffn] target {t['name']}: {t['measured']:.3f} vs {t['target']} -> {'met' if t['met'] else 'NOT met'}")
     failed = [row["case"] for row in rec.rows if row.get("error")]

@@ -7,10 +7,18 @@ import torch
 from conftest import load_benchmark
 
 
-def test_smoke_run_times_dense_fused_unfused_and_each_compressed_model(tmp_path):
+def test_smoke_run_times_dense_fused_unfused_and_each_compressed_model(tmp_path, monkeypatch):
+    """... and writes after each row, marked incomplete until the last write."""
+    import sys
+
     blr_generate = load_benchmark("blr_generate")
+    recorder = sys.modules["partial_ffn"].Recorder
+    marks, write = [], recorder.write
+    monkeypatch.setattr(recorder, "write", lambda self: marks.append(self.complete) or write(self))
     assert blr_generate.main(["--smoke", "--out", str(tmp_path)]) == 0
-    rows = {r["case"]: r for r in json.loads((tmp_path / "blr_generate.json").read_text())["rows"]}
+    written = json.loads((tmp_path / "blr_generate.json").read_text())
+    assert marks == [False] * 4 + [True] and written["complete"] is True
+    rows = {r["case"]: r for r in written["rows"]}
     dense, unfused = rows["dense"], rows["dense, unfused loop (separate projections)"]
     assert dense["fused_layers"] == dense["layers"] and unfused["fused_layers"] == 0
     for method in blr_generate.METHODS:
