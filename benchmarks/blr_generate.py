@@ -40,7 +40,6 @@ from partial_ffn import Recorder, speed_case  # noqa: E402
 from memfit.compress import PAPER_RANKS_LLAMA_1B, load_compressed, save_compressed, structure_model  # noqa: E402
 from memfit.infer.partial_load import load_model  # noqa: E402
 from memfit.measure.results import check_out_dir  # noqa: E402
-from memfit.measure.timing import Ceilings, measure_ceilings  # noqa: E402
 from memfit.models import PRESETS, build_model  # noqa: E402
 
 METHODS = ("monarch", "blast")
@@ -94,13 +93,8 @@ def main(argv=None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU; --smoke runs the same code path on the CPU at tiny shapes")
     device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda":
-        ceilings, note = measure_ceilings(), "measured in this run"
-    else:
-        ceilings, note = Ceilings(matmul_flops=1e12, bandwidth=50e9), "assumed (CPU smoke run: no floor is meaningful)"
-    out = args.out or (Path(tempfile.gettempdir()) / "memfit-smoke" if args.smoke else None)
-    rec = Recorder(out, args.smoke, ceilings, note, "blr_generate")
-    rec.attempt("speed", run, args, device, ceilings, rec)
+    rec = Recorder.for_run(args.out, args.smoke, device, "blr_generate")
+    rec.attempt("speed", run, args, device, rec.rates, rec)
     path = rec.finish()
     for row in rec.rows:
         if row.get("available"):

@@ -105,10 +105,21 @@ class Recorder:
         self.name = name
         self.rows: list[dict] = []
         self.targets: list[dict] = []
-        self.out, self.smoke = out, smoke
+        self.out, self.smoke, self.rates = out, smoke, ceilings
         self.ceilings = {"matmul_flops": ceilings.matmul_flops, "bandwidth": ceilings.bandwidth, "note": ceiling_note}
         self.start = time.perf_counter()
         self.complete = False
+
+    @classmethod
+    def for_run(cls, out, smoke: bool, device: torch.device, name: str) -> "Recorder":
+        """A recorder with this run's ceilings (measured on a GPU; assumed on the CPU, where no floor means anything)
+        and results directory (a smoke run's goes to a temp dir, never over the GPU results)."""
+        if device.type == "cuda":
+            ceilings, note = measure_ceilings(), "measured in this run"
+        else:
+            ceilings, note = Ceilings(matmul_flops=1e12, bandwidth=50e9), "assumed (CPU smoke run: no floor is meaningful)"
+        out = out or (Path(tempfile.gettempdir()) / "memfit-smoke" if smoke else None)
+        return cls(out, smoke, ceilings, note, name)
 
     def finish(self) -> Path:
         """The last write, of the whole run."""
@@ -342,16 +353,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     check_out_dir(parser, args.out)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    if device.type == "cuda":
-        ceilings = measure_ceilings()
-        ceiling_note = "measured in this run"
-    else:
-        ceilings = Ceilings(matmul_flops=1e12, bandwidth=50e9)
-        ceiling_note = "assumed (CPU smoke run: no floor is meaningful)"
-    out = args.out or (Path(tempfile.gettempdir()) / "memfit-smoke" if args.smoke else None)  # smoke never overwrites GPU results
-    rec = Recorder(out, args.smoke, ceilings, ceiling_note, "partial_ffn_accuracy" if args.skip_speed else "partial_ffn")
+    rec = Recorder.for_run(args.out, args.smoke, device, "partial_ffn_accuracy" if args.skip_speed else "partial_ffn")
     if not args.skip_speed:
-        rec.attempt("speed section", run_speed, args, device, ceilings, rec)
+        rec.attempt("speed section", run_speed, args, device, rec.rates, rec)
     if not args.skip_accuracy:
         rec.attempt("accuracy section", run_accuracy, args, device, rec)
     path = rec.finish()
