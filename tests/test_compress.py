@@ -696,12 +696,17 @@ def test_a_later_compress_removes_temporary_directories_a_killed_one_left(tmp_pa
 
 @pytest.mark.parametrize("fast", [False, True], ids=["loop", "decode-kernels"])
 @pytest.mark.parametrize("method", ["monarch", "blast"])
-def test_memfits_decode_loop_runs_a_loaded_compressed_model_as_hugging_face_does(tmp_path, method, fast, caplog):
+def test_memfits_decode_loop_runs_a_loaded_compressed_model_as_hugging_face_does(tmp_path, method, fast, caplog,
+                                                                                   monkeypatch):
     """What `memfit generate DIR` runs: memfit's static-cache loop over the loaded compressed model (its BLR layers
     called as they are, q/k/v and gate/up unfused, with nothing to say about it) gives Hugging Face's greedy tokens,
-    batch 2 with left padding; with memfit's decode kernels too (under the interpreter here, on a GPU by default)."""
+    batch 2 with left padding; with memfit's decode kernels too (under the interpreter here, on a GPU by default),
+    where the dense k/v the compression kept and the head take the GEMV path (forced: on CPU the pick is cuBLAS)."""
     import memfit.log
     from memfit.infer.generate import Generator
+    from memfit.kernels import gemv
+
+    monkeypatch.setattr(gemv, "pick_path", lambda x, weights: "gemv_n16_k256_w4")
 
     torch.manual_seed(0)
     model = build_model(PRESETS["tiny"])
@@ -712,7 +717,18 @@ def test_memfits_decode_loop_runs_a_loaded_compressed_model_as_hugging_face_does
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     memfit.log._said.discard("generate:unfused")
-    got = Generator(loaded, 6 + 5, batch=2, graphs=False, fast=fast).generate(ids, 5, attention_mask=mask).tokens
+    generator = Generator(loaded, 6 + 5, batch=2, graphs=False, fast=fast)
+    if fast:
+        attns = [layer.self_attn for layer in loaded.model.layers]
+        assert all(type(a.q_proj) is not torch.nn.Linear and type(a.o_proj) is not torch.nn.Linear for a in attns)
+        dense = [p.weight for a in attns for p in (a.k_proj, a.v_proj)] + [loaded.lm_head.weight]
+        assert list(map(id, (w for w, b in generator._decode_matmuls()))) == list(map(id, dense))
+        assert set(generator.matmul_paths.values()) == {"gemv_n16_k256_w4"}
+        computed, kernel = [], gemv.gemv
+        monkeypatch.setattr(gemv, "gemv", lambda x, w, *rest: computed.append(w) or kernel(x, w, *rest))
+    got = generator.generate(ids, 5, attention_mask=mask).tokens
+    if fast:               # prefill's last-token head (the decode shape), then each of 4 steps' k, v per layer and head
+        assert list(map(id, computed)) == list(map(id, dense[-1:] + dense * 4))
     assert "fused layout" not in caplog.text
     with torch.no_grad():
         want = loaded.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)[:, 6:]

@@ -57,7 +57,7 @@ def test_fast_decode_matches_previous_loop(model_dir, partial, monkeypatch):
     fast = Generator(model, 16, batch=2, fast=True)
     strided = {key for key, path in fast.matmul_paths.items() if path != gemv.CUBLAS}
     assert strided == ({"M2 N64 K72 ld120 float32 bias0"} if partial else set())
-    assert len(fast.matmul_paths) == (4 if partial is None else 6)      # q/k/v, o, gate/up, down (+ partial shapes)
+    assert len(fast.matmul_paths) == (5 if partial is None else 7)      # q/k/v, o, gate/up, down, head (+ partial shapes)
     assert fast.attention_variant == "split64"
     assert torch.equal(fast.generate(x, 4, attention_mask=mask).tokens, slow.generate(x, 4, attention_mask=mask).tokens)
     got, ref = _step_logits(fast, x, mask), _step_logits(slow, x, mask)

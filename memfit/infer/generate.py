@@ -260,7 +260,7 @@ class Generator:
                 qkv = self._matmul(h, *self.qkv[i]).view(B, T, H + 2 * Hkv, D)
                 q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
             else:
-                q, k, v = (proj(h).view(B, T, -1, D) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+                q, k, v = (self._project(proj, h).view(B, T, -1, D) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
             if kernels:
                 o = decode_attention(q[:, 0], k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], self.k_cache[i], self.v_cache[i],
                                      self.valid, slots, attn.scaling, self.attention_variant).view(B, 1, H * D)
@@ -272,7 +272,7 @@ class Generator:
             x, h = ops["add_norm"](x, self._project(attn.o_proj, o), post.weight, post.variance_epsilon)
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             x, h = ops["add_norm"](x, self._mlp(i, layer.mlp, h), following.weight, following.variance_epsilon)
-        return model.get_output_embeddings()(h[:, -1:] if last_only else h)
+        return self._project(model.get_output_embeddings(), h[:, -1:] if last_only else h)
 
     def _mask(self, slots: torch.Tensor, B: int, G: int, T: int) -> torch.Tensor:
         """SDPA's additive mask (B, 1, G*T, max_len): key j is visible to the query at slot s when it holds a token
@@ -296,17 +296,23 @@ class Generator:
         return self._matmul(x, proj.weight, proj.bias) if type(proj) is nn.Linear else proj(x)
 
     def _decode_matmuls(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """(weight, bias) of every matmul a decode step runs through ``_matmul``, with partial layers at their decode count."""
+        """(weight, bias) of every matmul a decode step runs through ``_matmul``, with partial layers at their decode
+        count: fused q/k/v or each plain-linear projection of an unfused layer (a compressed model's dense k/v), o,
+        fused gate/up and down, and the head."""
         products = []
         for i, layer in enumerate(self.model.model.layers):
+            attn = layer.self_attn
+            projections = [attn.o_proj] if self.qkv[i] is not None else [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
             if self.qkv[i] is not None:
                 products.append(self.qkv[i])
-            if type(layer.self_attn.o_proj) is nn.Linear:
-                products.append((layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias))
+            products += [(p.weight, p.bias) for p in projections if type(p) is nn.Linear]
             if self.gate_up[i] is not None:
                 gate_up, down = self.gate_up[i]
                 a = getattr(layer.mlp, "compute", gate_up.shape[0])
                 products += [(gate_up[:a].flatten(0, 1), None), (down[:, :a], None)]
+        head = self.model.get_output_embeddings()
+        if type(head) is nn.Linear:
+            products.append((head.weight, head.bias))
         return products
 
     @torch.no_grad()
