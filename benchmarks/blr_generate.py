@@ -10,10 +10,11 @@ the weight-read floor: the row's own weight bytes per token at the copy bandwidt
 * dense, loaded by ``memfit.infer.load_model``: q/k/v and gate/up each one matmul (memfit's fused layout), and
   each decode matmul shape by cuBLAS or memfit's GEMV, whichever its pick times faster;
 * dense with the model's own modules (``fused=False``): separate projections as the compressed models run them,
-  by cuBLAS (only o_proj takes the pick);
+  q/k/v, o and the head by the pick, the MLP's own module by cuBLAS;
 * Monarch and BLAST at the paper's ranks (q/o 256, gate 512, up/down 768, b = 16; k/v, the embedding and the head
   dense), random factors (speed depends on shapes only) saved by ``memfit.compress.save_compressed`` and loaded
-  by ``load_compressed``, as ``memfit generate`` loads them; their layers run their own ops, k/v by cuBLAS.
+  by ``load_compressed``, as ``memfit generate`` loads them; their layers run their own ops, k/v and the head
+  the pick's path.
 
 "x dense" is against the fused dense row. No target: the issue's decode target is set against the compiled
 transformers model (``blr_e2e.py``).
