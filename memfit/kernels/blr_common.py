@@ -360,6 +360,16 @@ def _rotated_times(op: str, candidates: dict, copies: list[tuple], rep_ms: float
             for name, fn in candidates.items()}
 
 
+def l2_flush(size: int, device: torch.device):
+    """A call that reads a ``size``-byte buffer and allocates nothing the size of it: run before a timed call, a
+    read of more than the L2 leaves it holding clean lines of the buffer, so the call finds none of its own data
+    there and pays no write-backs. The reduction is in the buffer's own dtype: a ``sum`` of uint8 first copies the
+    buffer to int64, eight times its size: until this, 1 GB written beside an H200's 126 MB flush in every tile
+    timing, 1.0 of the 1.34 GB above its own size that a compressed Llama-1B took while memfit's decode loop was
+    built for it (``benchmarks/probes/generator_peak.py`` at d170d8e), and dirty lines left in the L2."""
+    return torch.empty(size, dtype=torch.uint8, device=device).max
+
+
 def autotune_bench(kernel_call, quantiles=None):
     """``triton.autotune``'s benchmarker for the BLR kernels: a config's median time from CUDA-graph
     replays, each call after an L2 flush (a read of twice the L2, clean lines: the call pays no write-backs for
@@ -377,8 +387,8 @@ def autotune_bench(kernel_call, quantiles=None):
     size = 2 * (_l2_bytes(torch.device("cuda")) or 64 * 2**20)
     call = kernel_call
     try:
-        flush = torch.empty(size, dtype=torch.uint8, device="cuda")
-        call = lambda: (flush.sum(), kernel_call())  # noqa: E731
+        flush = l2_flush(size, torch.device("cuda"))
+        call = lambda: (flush(), kernel_call())  # noqa: E731
     except torch.cuda.OutOfMemoryError:
         warn_once("autotune-warm-l2", f"triton.autotune: no memory for the {size >> 20} MiB L2 flush; tile configs "
                   "are timed with a warm L2")
