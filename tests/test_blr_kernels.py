@@ -1209,6 +1209,24 @@ def test_tile_configs_are_tuned_by_autotune_bench(monkeypatch):
         blr_common.autotune_bench(lambda: None, quantiles=(0.5,))
 
 
+def test_a_picks_source_digest_looks_each_code_object_up_once(monkeypatch):
+    """The digest in every pick's cache key (built at each call of an op) looks up a candidate's source file once
+    per code object, closures made anew at each call too (gemv's), and gives the same digest as before."""
+    import inspect
+
+    from memfit.kernels import gemv, monarch
+
+    looked_up, real = [], inspect.getsourcefile
+    monkeypatch.setattr(inspect, "getsourcefile", lambda obj: looked_up.append(obj) or real(obj))
+    monkeypatch.setattr(blr_common, "_code_source_file", functools.cache(blr_common._code_source_file.__wrapped__))
+    fns = tuple(monarch.VARIANTS.values()) + (gemv.over_group("cublas"),)
+    first = blr_common._source_digest(fns)
+    assert len(looked_up) == len({fn.__code__ for fn in fns})
+    assert blr_common._source_digest(tuple(monarch.VARIANTS.values()) + (gemv.over_group("gemv_n4_k1024_w4"),)) == first
+    assert len(looked_up) == len({fn.__code__ for fn in fns})
+    assert first == blr_common._digest_files(tuple(sorted({real(fn) for fn in fns} | {blr_common.__file__})))
+
+
 def test_the_l2_flush_reads_its_buffer_without_a_copy_of_it():
     """The flush before each tile timing allocates nothing near its buffer's size: a sum of its uint8 buffer copied
     it to int64 first, 1 GB beside an H200's 126 MB flush (measured on the CPU here, where the op is the same)."""

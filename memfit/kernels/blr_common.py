@@ -130,9 +130,22 @@ def _save_cache(cache: dict) -> None:
 
 
 def _source_digest(fns: tuple) -> str:
-    """Short hash of the files defining ``fns`` and this one: a changed kernel invalidates cached picks."""
-    files = sorted({inspect.getsourcefile(fn) for fn in fns} | {__file__})
+    """Short hash of the files defining ``fns`` and this one: a changed kernel invalidates cached picks. Every call
+    of an op whose pick is cached still builds this key, so the files are looked up once per code object."""
+    files = sorted({_source_file(fn) for fn in fns} | {__file__})
     return _digest_files(tuple(files))
+
+
+def _source_file(fn) -> str:
+    """``inspect.getsourcefile(fn)``, through its code object where it has one (a pick's candidates may be closures
+    made at each call, as gemv's are: their code objects are few)."""
+    code = getattr(fn, "__code__", None)
+    return inspect.getsourcefile(fn) if code is None else _code_source_file(code)
+
+
+@functools.cache
+def _code_source_file(code) -> str:
+    return inspect.getsourcefile(code)
 
 
 @functools.cache
