@@ -379,7 +379,7 @@ def l2_flush(size: int, device: torch.device):
     there and pays no write-backs. The reduction is in the buffer's own dtype: a ``sum`` of uint8 first copies the
     buffer to int64, eight times its size: until this, 1 GB written beside an H200's 126 MB flush in every tile
     timing, 1.0 of the 1.34 GB above its own size that a compressed Llama-1B took while memfit's decode loop was
-    built for it (``benchmarks/probes/generator_peak.py`` at d170d8e), and dirty lines left in the L2."""
+    built for it (``benchmarks/probes/generator_peak.py`` at d170d8e); a write, too, which leaves dirty lines."""
     return torch.empty(size, dtype=torch.uint8, device=device).max
 
 
