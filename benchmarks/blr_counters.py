@@ -109,17 +109,21 @@ def profiled_run() -> None:
     """What ncu runs: every case warmed up, then once each between cudaProfilerStart and Stop, after a marker, each
     after an unprofiled read of twice the L2, which writes back the dirty lines earlier work left there. In a first
     run without it (results/earlier/blr_counters_no_flush_80c60c8.json) cuBLAS at Llama-1B gate, N = 1, whose output
-    is 16 KB, wrote 9.04 MB to DRAM, and 2.25 MB with it (3ce8478): the flush accounts for part of it only."""
+    is 16 KB, wrote 9.04 MB to DRAM, and 2.25 MB with it (3ce8478): the flush accounts for part of it only. Until
+    the flush became ``blr_common.l2_flush`` it summed its uint8 buffer, which first wrote an int64 copy eight times
+    its size; every result file so far was measured with that flush (not run again since)."""
     import torch
     import triton
     import triton.language as tl
+
+    from memfit.kernels.blr_common import l2_flush
 
     @triton.jit
     def _case_marker(ptr):
         tl.store(ptr, 1)
 
     flag = torch.zeros(1, device="cuda", dtype=torch.int32)
-    flush = torch.ones(2 * torch.cuda.get_device_properties().L2_cache_size, device="cuda", dtype=torch.uint8)
+    flush = l2_flush(2 * torch.cuda.get_device_properties().L2_cache_size, torch.device("cuda"))
     calls = case_calls(torch)
     with torch.no_grad():
         for call in calls:                 # compile, tune, and any first-call work outside the profile
@@ -127,7 +131,7 @@ def profiled_run() -> None:
             call()
         _case_marker[(1,)](flag)
         for call in calls:
-            flush.sum()                    # unprofiled: the dirty lines left in L2 are written back here, not counted
+            flush()                        # unprofiled: the dirty lines left in L2 are written back here, not counted
             torch.cuda.synchronize()       # as the case's writes; the case starts from an L2 of clean, other data
             torch.cuda.cudart().cudaProfilerStart()
             _case_marker[(1,)](flag)

@@ -8,7 +8,8 @@ from conftest import rel
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.infer.decode_gemv import patchable_linear, undo_decode_gemv, use_decode_gemv
+from memfit.infer.decode_gemv import undo_decode_gemv, use_decode_gemv
+from memfit.infer.fused import plain_linear
 from memfit.kernels import gemv
 from memfit.models import PRESETS, build_model
 
@@ -116,7 +117,7 @@ def test_a_models_linear_layers_decode_by_the_gemv_and_come_back(picks):
 
 def test_plain_linears_are_patched_and_their_hooks_still_run(picks):
     model = tiny_model()
-    assert not patchable_linear(type("Subclass", (nn.Linear,), {})(4, 4))       # may compute otherwise
+    assert not plain_linear(type("Subclass", (nn.Linear,), {})(4, 4))       # may compute otherwise
     proj = model.model.layers[0].self_attn.k_proj
     proj.register_forward_hook(lambda module, args, out: out * 0)
     assert use_decode_gemv(model) == linears(model)

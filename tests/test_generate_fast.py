@@ -58,10 +58,24 @@ def test_fast_decode_matches_previous_loop(model_dir, partial, monkeypatch):
     strided = {key for key, path in fast.matmul_paths.items() if path != gemv.CUBLAS}
     assert strided == ({"M2 N64 K72 ld120 float32 bias0"} if partial else set())
     assert len(fast.matmul_paths) == (5 if partial is None else 7)      # q/k/v, o, gate/up, down, head (+ partial shapes)
+    assert gemv.shape_key(2, model.lm_head.weight, None) in fast.matmul_paths
     assert fast.attention_variant == "split64"
     assert torch.equal(fast.generate(x, 4, attention_mask=mask).tokens, slow.generate(x, 4, attention_mask=mask).tokens)
     got, ref = _step_logits(fast, x, mask), _step_logits(slow, x, mask)
     assert 0 < (got - ref).norm() / ref.norm() < 1e-5 or torch.equal(got, ref)
+
+
+def test_a_tied_head_is_computed_from_the_embedding_by_the_gemv(monkeypatch):
+    """The head that shares the embedding's weight takes the decode GEMV path (forced here) and gives the tokens
+    of the previous loop."""
+    model = build_model(SPEC.with_(num_layers=1, tied_embeddings=True)).eval()
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    x, mask = _prompts()
+    slow = Generator(model, 16, batch=2, fast=False)
+    monkeypatch.setattr(gemv, "pick_path", lambda x, weights: "gemv_n16_k256_w4")
+    fast = Generator(model, 16, batch=2, fast=True)
+    assert fast.matmul_paths[gemv.shape_key(2, model.lm_head.weight, None)] == "gemv_n16_k256_w4"
+    assert torch.equal(fast.generate(x, 4, attention_mask=mask).tokens, slow.generate(x, 4, attention_mask=mask).tokens)
 
 
 def test_fast_needs_a_triton_device(model_dir, monkeypatch):

@@ -42,7 +42,12 @@ class Stages:
 
 
 def probe(spec, method: str, prompt: torch.Tensor, out: Path) -> dict:
-    directory = save_structured(spec, method, 16, PAPER_RANKS_LLAMA_1B, Path(tempfile.mkdtemp()) / method)
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = save_structured(spec, method, 16, PAPER_RANKS_LLAMA_1B, Path(tmp) / method)
+        return _probe_saved(directory, method, prompt, out)
+
+
+def _probe_saved(directory: Path, method: str, prompt: torch.Tensor, out: Path) -> dict:
     stages = Stages(method)
     model = load_compressed(directory, device="cuda")
     stages.mark("load")
@@ -72,7 +77,7 @@ def probe(spec, method: str, prompt: torch.Tensor, out: Path) -> dict:
 
 
 def main() -> None:
-    out = Path(os.environ["OUT"])
+    out = Path(os.environ.get("OUT", "/tmp"))
     spec = PRESETS["llama-3.2-1b"]
     prompt = torch.randint(0, spec.vocab, (1, 128), generator=torch.Generator().manual_seed(0))
     report = {}

@@ -20,13 +20,8 @@ import types
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.infer.fused import plain_linear
 from memfit.kernels.gemv import decode_linear
-
-
-def patchable_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is a plain ``nn.Linear`` (a subclass, a 4-bit or LoRA layer, may compute otherwise). Its
-    hooks still run: the patch replaces the layer's forward, not the call."""
-    return type(module) is nn.Linear
 
 
 def _decode_gemv_forward(self, x):
@@ -38,12 +33,13 @@ def _patched(module: nn.Module) -> bool:
 
 
 def use_decode_gemv(model: nn.Module) -> int:
-    """Make every layer of ``model`` that :func:`patchable_linear` accepts compute by ``decode_linear``; returns how
-    many it changed (0 where none, or all are changed already). A layer whose forward something else has replaced is
-    refused, naming it."""
+    """Make every layer of ``model`` that :func:`memfit.infer.fused.plain_linear` accepts compute by ``decode_linear``
+    (its hooks still run: the patch replaces the layer's forward, not the call); returns how many it changed (0
+    where none, or all are changed already). A layer whose forward something else has replaced is refused, naming
+    it."""
     changed = 0
     for name, module in model.named_modules():
-        if not patchable_linear(module) or _patched(module):
+        if not plain_linear(module) or _patched(module):
             continue
         if "forward" in module.__dict__:
             raise MemfitError(f"use_decode_gemv: {name}'s forward is already replaced ({module.forward!r}); patching "

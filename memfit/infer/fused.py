@@ -25,6 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def plain_linear(module: nn.Module | None) -> bool:
+    """Whether ``module`` is exactly an ``nn.Linear``, which memfit may compute from its weight and bias; a subclass,
+    a 4-bit, LoRA or block-low-rank layer may compute otherwise, and is called as it is. (Forward hooks on a plain
+    layer computed so do not run.)"""
+    return type(module) is nn.Linear
+
+
 def _consecutive(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """One view over ``tensors`` when they are consecutive contiguous row blocks of one storage, else None."""
     first = tensors[0]
@@ -58,7 +65,7 @@ def share_qkv(attn: nn.Module, dtype, device) -> list[tuple[str, torch.Tensor]]:
 def fused_qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(weight, bias) of q/k/v as one matmul when they share a buffer (see ``share_qkv``), else None."""
     projs = [getattr(attn, p, None) for p in ("q_proj", "k_proj", "v_proj")]
-    if any(type(p) is not nn.Linear for p in projs):
+    if not all(map(plain_linear, projs)):
         return None
     weight = _consecutive([p.weight for p in projs])
     biases = [p.bias for p in projs]
@@ -98,7 +105,7 @@ def fused_gate_up(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(gate/up buffer (k, 2, hidden), down weight (hidden, k)) of a SiLU-gated MLP in the fused layout, else None."""
     if hasattr(mlp, "gate_up_weight"):                    # PartialMLP: always interleaved
         pair = mlp.gate_up_weight, mlp.down_weight
-    elif all(type(getattr(mlp, p, None)) is nn.Linear for p in ("gate_proj", "up_proj", "down_proj")):
+    elif all(plain_linear(getattr(mlp, p, None)) for p in ("gate_proj", "up_proj", "down_proj")):
         if any(getattr(mlp, p).bias is not None for p in ("gate_proj", "up_proj", "down_proj")):
             return None
         buffer = interleaved(mlp.gate_proj.weight, mlp.up_proj.weight)

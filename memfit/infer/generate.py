@@ -1,11 +1,11 @@
 """A decode loop with a static KV cache and one CUDA graph per decode step.
 
 Hugging Face ``generate`` at batch 1 is launch-bound: hundreds of small kernels per token,
-each launched from Python. Here the model's own modules (embedding, norms, q/k/v/o
-projections, the MLP -- dense, ``PartialMLP``, bitsandbytes 4-bit or block-low-rank alike,
-since they are only called) run in a fixed-shape step: the KV cache is preallocated to the
-longest sequence, the step writes at a slot held in a device tensor, and attention reads
-the whole cache under a mask. On CUDA the step (forward, sampling, advancing the
+each launched from Python. Here the model's own layers (embedding, norms, q/k/v/o
+projections, the MLP -- dense, ``PartialMLP``, bitsandbytes 4-bit or block-low-rank alike:
+what is not a plain ``nn.Linear`` is called as it is) run in a fixed-shape step: the KV
+cache is preallocated to the longest sequence, the step writes at a slot held in a device
+tensor, and attention reads the whole cache under a mask. On CUDA the step (forward, sampling, advancing the
 position) is captured once as a ``torch.cuda.CUDAGraph`` and replayed per token.
 
 Kernels per layer and step are what a batch-1 decode pays for beyond its weight bytes, so
@@ -14,16 +14,18 @@ with ``fused`` (the default) a layer whose weights are in memfit's fused layout
 matmul over the active neurons and a compiled silu-multiply, instead of five matmuls and
 two elementwise kernels; the attention mask is built additive once per step (not
 converted per layer). Results then equal the Hugging Face modules' up to rounding
-(different matmul shapes may sum in another order); ``fused=False`` calls the model's
-own modules and is bit-exact with them.
+(different matmul shapes may sum in another order); ``fused=False`` with ``fast=False`` is
+bit-exact with them (plain ``nn.Linear`` projections and the head are computed from their
+weights, which skips any forward hooks on them).
 
 With ``fast`` (the default on CUDA where Triton runs and the decode attention kernel takes the
 heads; otherwise the previous loop, said once) a decode step (one token per sequence) also runs
 memfit's decode kernels (``memfit.kernels.decode``, ``memfit.kernels.gemv``): one Triton
 kernel per layer for rope of q and k, the K/V cache write and attention over the cache up
 to the current slot (instead of three compiled kernels, a mask and SDPA), greedy argmax in
-two Triton stages, and for each decode matmul shape the faster of cuBLAS and a Triton
-GEMV, timed over all layers of that shape before the graph is captured
+two Triton stages, and for each decode matmul shape (every plain ``nn.Linear`` the loop
+computes, the head too) the faster of cuBLAS and a Triton GEMV, timed over all layers of
+that shape before the graph is captured
 (``matmul_paths``, ``attention_variant`` record the choices). These sum in another order
 than cuBLAS/SDPA, so results equal the other path up to rounding; ``fast=False`` is the
 previous loop.
@@ -43,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.infer.fused import act_mul, fused_gate_up, fused_qkv
+from memfit.infer.fused import act_mul, fused_gate_up, fused_qkv, plain_linear
 from memfit.infer.selection import (
     begin_prompt,
     end_prompt,
@@ -98,7 +100,7 @@ def _plain_projections(layer: nn.Module) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
     projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
-    return all(type(p) is nn.Linear for p in projections)
+    return all(map(plain_linear, projections))
 
 
 def _merge_heads(o: torch.Tensor, T: int) -> torch.Tensor:
@@ -113,7 +115,7 @@ def _merge_heads(o: torch.Tensor, T: int) -> torch.Tensor:
 
 
 # The elementwise parts of a step: on CUDA they are compiled (dozens of tiny kernels a layer become a few);
-# the matmuls stay cuBLAS (or the model's own modules: partial, 4-bit, block-low-rank).
+# the matmuls are cuBLAS or the decode GEMV pick's (``_matmul``), or the model's own modules (4-bit, block-low-rank).
 _EAGER = {"norm": _norm, "add_norm": _add_norm, "rope_and_cache": _rope_and_cache, "act_mul": act_mul}
 
 
@@ -293,7 +295,7 @@ class Generator:
     def _project(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A projection module: a plain ``nn.Linear`` through ``_matmul``, anything else (4-bit, block-low-rank)
         called."""
-        return self._matmul(x, proj.weight, proj.bias) if type(proj) is nn.Linear else proj(x)
+        return self._matmul(x, proj.weight, proj.bias) if plain_linear(proj) else proj(x)
 
     def _decode_matmuls(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(weight, bias) of every matmul a decode step runs through ``_matmul``, with partial layers at their decode
@@ -302,16 +304,18 @@ class Generator:
         products = []
         for i, layer in enumerate(self.model.model.layers):
             attn = layer.self_attn
-            projections = [attn.o_proj] if self.qkv[i] is not None else [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
             if self.qkv[i] is not None:
                 products.append(self.qkv[i])
-            products += [(p.weight, p.bias) for p in projections if type(p) is nn.Linear]
+                projections = [attn.o_proj]
+            else:
+                projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+            products += [(p.weight, p.bias) for p in projections if plain_linear(p)]
             if self.gate_up[i] is not None:
                 gate_up, down = self.gate_up[i]
                 a = getattr(layer.mlp, "compute", gate_up.shape[0])
                 products += [(gate_up[:a].flatten(0, 1), None), (down[:, :a], None)]
         head = self.model.get_output_embeddings()
-        if type(head) is nn.Linear:
+        if plain_linear(head):
             products.append((head.weight, head.bias))
         return products
 
@@ -479,7 +483,8 @@ class Generator:
         """Teacher-forced logits (B, T - prompt_len, V) predicting tokens prompt_len..T-1.
 
         The prompt (first ``prompt_len`` tokens) runs as a prefill and selects neurons; the rest runs in
-        one decode-mode forward (selected neurons), exactly what token-by-token decode would compute.
+        one decode-mode forward (selected neurons): what token-by-token decode would compute, up to rounding
+        where ``fast`` gives the decode shapes other kernels than these longer matmuls take.
         """
         B, T = input_ids.shape
         if not 0 < prompt_len < T <= self.max_len:

@@ -374,12 +374,10 @@ def _rotated_times(op: str, candidates: dict, copies: list[tuple], rep_ms: float
 
 
 def l2_flush(size: int, device: torch.device):
-    """A call that reads a ``size``-byte buffer and allocates nothing the size of it: run before a timed call, a
-    read of more than the L2 leaves it holding clean lines of the buffer, so the call finds none of its own data
-    there and pays no write-backs. The reduction is in the buffer's own dtype: a ``sum`` of uint8 first copies the
-    buffer to int64, eight times its size: until this, 1 GB written beside an H200's 126 MB flush in every tile
-    timing, 1.0 of the 1.34 GB above its own size that a compressed Llama-1B took while memfit's decode loop was
-    built for it (``benchmarks/probes/generator_peak.py`` at d170d8e); a write, too, which leaves dirty lines."""
+    """Returns a call that reads a new ``size``-byte buffer and allocates nothing the size of it. Run before a timed
+    call, a read of more than the L2 leaves it holding clean lines of the buffer, so the call finds none of its own
+    data there. The reduction is in the buffer's own dtype: a ``sum`` of uint8 first copies the buffer to int64,
+    eight times its size and written, not only read (1 GB for an H200's 126 MB flush)."""
     return torch.empty(size, dtype=torch.uint8, device=device).max
 
 
