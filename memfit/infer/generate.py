@@ -5,8 +5,9 @@ each launched from Python. Here the model's own layers (embedding, norms, q/k/v/
 projections, the MLP -- dense, ``PartialMLP``, bitsandbytes 4-bit or block-low-rank alike:
 what is not a plain ``nn.Linear`` is called as it is) run in a fixed-shape step: the KV
 cache is preallocated to the longest sequence, the step writes at a slot held in a device
-tensor, and attention reads the whole cache under a mask. On CUDA the step (forward, sampling, advancing the
-position) is captured once as a ``torch.cuda.CUDAGraph`` and replayed per token.
+tensor, and attention reads the whole cache under a mask. On CUDA the step (forward,
+sampling, advancing the position) is captured once as a ``torch.cuda.CUDAGraph`` and
+replayed per token.
 
 Kernels per layer and step are what a batch-1 decode pays for beyond its weight bytes, so
 with ``fused`` (the default) a layer whose weights are in memfit's fused layout
@@ -484,7 +485,7 @@ class Generator:
 
         The prompt (first ``prompt_len`` tokens) runs as a prefill and selects neurons; the rest runs in
         one decode-mode forward (selected neurons): what token-by-token decode would compute, up to rounding
-        where ``fast`` gives the decode shapes other kernels than these longer matmuls take.
+        (with ``fast`` a decode step's matmuls may run memfit's GEMV, these longer ones cuBLAS).
         """
         B, T = input_ids.shape
         if not 0 < prompt_len < T <= self.max_len:
