@@ -1,5 +1,6 @@
 """Bad CLI input ends in one clear ``memfit <verb>: error: ...`` line and exit status 2, before any work starts."""
 import json
+import sys
 
 import pytest
 import torch
@@ -276,6 +277,31 @@ def test_generate_runs_a_compressed_model(capsys, compressed_dir):
                  "--no-graphs"]) == 0
     err = capsys.readouterr().err
     assert "decode " in err and "tokens/s per sequence (2 steps, eager)" in err and "Traceback" not in err
+
+
+def test_generate_says_what_it_waits_on_before_the_first_token(capsys, monkeypatch, compressed_dir):
+    """Building the loop (kernel picks, compiles, a CUDA graph) and a compressed model's first prefill (its layers'
+    picks) can take a minute on a GPU before anything prints: each runs under a status line, and the prefill's
+    ends before the first token is written."""
+    from rich.console import Console
+
+    said, events, real = [], [], Console.status
+
+    def status(self, message, **kwargs):
+        said.append(message)
+        shown = real(self, message, **kwargs)
+        stop = shown.stop
+        shown.stop = lambda: events.append(f"stop {message[:7]}") or stop()
+        return shown
+
+    monkeypatch.setattr(Console, "status", status)
+    write = sys.stdout.write
+    monkeypatch.setattr(sys.stdout, "write", lambda text: events.append("write") or write(text))
+    assert main(["generate", str(compressed_dir), "--prompt", "hi", "--max-new", "3", "--device", "cpu",
+                 "--no-graphs"]) == 0
+    assert said[0] == "loading the compressed model" and said[1].startswith("preparing the decode loop")
+    assert said[2].startswith("prefill of 2 prompt tokens: a compressed model's first prompt")
+    assert "write" in events and events.index("stop prefill") < events.index("write")
 
 
 @pytest.mark.parametrize("extra", [("--load", "0.5"), ("--compute", "0.5"), ("--base", "0.1"), ("--task", "qa"),

@@ -118,8 +118,8 @@ def run(args) -> int:
     device = resolve_device(args.device)
     console = Console(stderr=True)
     model_dir = Path(args.model).expanduser()
-    load = _load_compressed if model_dir.is_dir() and is_compressed_dir(model_dir) else _load_dense
-    model = load(args, device, console)
+    compressed = model_dir.is_dir() and is_compressed_dir(model_dir)
+    model = (_load_compressed if compressed else _load_dense)(args, device, console)
     codec = load_codec(model_dir, model.config.vocab_size)
     encoded = [codec.encode(text) for text in args.prompt]
     if not all(encoded):
@@ -130,12 +130,18 @@ def run(args) -> int:
     for row, seq in enumerate(encoded):   # left padding: every prompt ends at the last position
         ids[row, width - len(seq):] = torch.tensor(seq)
         mask[row, width - len(seq):] = 1
-    generator = Generator(model, width + args.max_new, batch=len(encoded), graphs=False if args.no_graphs else None,
-                          temperature=args.temperature)
+    with console.status("preparing the decode loop: kernel choices (timed once per shape, then cached), compiles, "
+                        "the CUDA graph"):
+        generator = Generator(model, width + args.max_new, batch=len(encoded),
+                              graphs=False if args.no_graphs else None, temperature=args.temperature)
     streamed: list[int] = []
     shown = [""]
+    prefill = console.status(f"prefill of {width} prompt tokens" + (
+        ": a compressed model's first prompt of a new length also times its layers' kernels (then cached)"
+        if compressed else ""))
 
     def stream(tokens):
+        prefill.stop()
         streamed.append(int(tokens[0]))
         text = codec.decode(streamed)
         sys.stdout.write(text[len(shown[0]):])
@@ -143,8 +149,12 @@ def run(args) -> int:
         shown[0] = text
 
     single = len(encoded) == 1
-    result = generator.generate(ids, args.max_new, attention_mask=mask, on_tokens=stream if single else None,
-                                eos=codec.eos if single else None)
+    prefill.start()
+    try:
+        result = generator.generate(ids, args.max_new, attention_mask=mask, on_tokens=stream if single else None,
+                                    eos=codec.eos if single else None)
+    finally:
+        prefill.stop()
     if single:
         sys.stdout.write("\n")
     else:                       # as one prompt shows it: the continuation alone, up to its end-of-text token
