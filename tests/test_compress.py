@@ -559,7 +559,7 @@ def test_load_spec_refuses_a_compressed_directory_and_says_how_to_load_and_plan_
             load_spec(path)
         assert f"{out} is a memfit-compressed model (monarch of tiny" in str(refused.value)
         assert "memfit plan --model tiny --blr monarch --blr-blocks 4 --blr-ratio 0.5)" in str(refused.value)
-        assert "memfit generate runs it, and in Python load it with memfit.compress.load_compressed" in \
+        assert f"memfit generate {out} runs it, and in Python load it with memfit.compress.load_compressed" in \
             str(refused.value)
     assert load_compressed(out) is not None
     planned = plan_kinds(PRESETS["tiny"].linear_shapes(), "monarch", 0.5, 4)        # what that command plans

@@ -210,10 +210,10 @@ def is_compressed_dir(path: str | Path) -> bool:
 
 def refuse_compressed_dir(path: str | Path) -> None:
     """Where a dense Hugging Face model directory is expected (load_spec; plan, verify, finetune, calibrate,
-    compress, and generate for a dense model: their argument checks call this), refuse one ``memfit compress`` wrote, given as the
-    directory or its config.json: that config.json is the dense model's, so load_spec would read the dense model's
-    spec and transformers would build the dense model, find the factors unexpected and the dense weights missing,
-    and run on random weights. The message says how to load it and how to plan its jobs."""
+    compress, and generate for a dense model: their argument checks call this), refuse one ``memfit compress``
+    wrote, given as the directory or its config.json: that config.json is the dense model's, so load_spec would
+    read the dense model's spec and transformers would build the dense model, find the factors unexpected and the
+    dense weights missing, and run on random weights. The message says how to run it, load it and plan its jobs."""
     path = Path(path).expanduser()
     if path.is_file():
         path = path.parent
@@ -233,8 +233,8 @@ def refuse_compressed_dir(path: str | Path) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         what = ""
     raise MemfitError(f"{path} is a memfit-compressed model{what}: load_spec and memfit's commands other than "
-                      "generate read dense Hugging Face models; memfit generate runs it, and in Python load it with "
-                      "memfit.compress.load_compressed")
+                      f"generate read dense Hugging Face models; memfit generate {path} runs it, and in Python load it "
+                      "with memfit.compress.load_compressed")
 
 
 def load_spec(model: str | Path | ModelSpec) -> ModelSpec:
