@@ -1,0 +1,120 @@
+"""Probe: where the host time of one BLR layer call goes (Monarch, BLAST; Llama-3.2-1B's q/o and gate shapes at the
+paper's ranks, bf16, on a GPU). memfit's eager prefill of a compressed model was host-bound: the ops' self CPU time
+was 267 and 445 us a call, their GPU time 19 and 24 (``results/probes/blr_generate_stages_d170d8e.json``). Each case
+times the call issued back to back by every layer of what runs in it, so the differences say what each layer costs:
+
+    module      the layer's forward (what a model calls)
+    wrapper     memfit.kernels.<op>(...): shape checks, then the custom op with variant="auto"
+    op_auto     torch.ops.memfit.<op>(..., "auto"): the op's pick (variants, candidates, key, cache) and its pipeline
+    op_named    the op with the picked variant named: the custom op's dispatch and the pipeline
+    pipeline    the picked pipeline's Python function alone (its launches, its tile picks)
+    reference   the PyTorch reference (path="reference")
+    dense       an nn.Linear of the same shape
+
+plus a cProfile of the module calls. Writes OUT/op_host_cost.json and OUT/op_host_profile_<case>.txt:
+
+    OUT=/some/dir python benchmarks/probes/op_host_cost.py
+"""
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from memfit.kernels import blast as blast_kernels  # noqa: E402
+from memfit.kernels import monarch as monarch_kernels  # noqa: E402
+from memfit.kernels.blr_common import PICK_TIMINGS  # noqa: E402
+from memfit.layers import BlastLinear, MonarchLinear  # noqa: E402
+
+CALLS = 200
+SHAPES = {"q_o": (2048, 2048, 256), "gate": (2048, 8192, 512)}     # in, out, rank (PAPER_RANKS_LLAMA_1B)
+
+
+def issue_us(call, calls: int = CALLS) -> dict:
+    """Host time per call issued back to back (no sync between), and per call once the GPU has caught up."""
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    return {"issue_us": 1e6 * (issued - start) / calls, "done_us": 1e6 * (done - start) / calls}
+
+
+def layer_calls(structure: str, layer, x) -> dict:
+    """The calls of each layer of the path, with the variant the auto pick took for this shape."""
+    if structure == "monarch":
+        op, kernels, factors = torch.ops.memfit.monarch_linear, monarch_kernels, (layer.w1, layer.w2)
+        wrapper = lambda: kernels.monarch_linear(x, *factors, None, layer.permute_output)           # noqa: E731
+        op_args = (x, *factors, None, layer.permute_output)
+        b, m = factors[0].shape[:2]
+        pipeline_args = (x.reshape(-1, b * m), *factors, None, layer.permute_output)
+    else:
+        op, kernels, factors = torch.ops.memfit.blast_linear, blast_kernels, (layer.U, layer.V, layer.S)
+        wrapper = lambda: kernels.blast_linear(x, *factors, None)                                   # noqa: E731
+        op_args = (x, *factors, None)
+        b, m = factors[1].shape[:2]
+        pipeline_args = (x.reshape(-1, b * m), *factors, None)
+    PICK_TIMINGS.clear()
+    layer(x)
+    picks = [record["pick"] for key, record in PICK_TIMINGS.items() if key.startswith(f"{structure}_linear ")]
+    picked = picks[0]
+    return {"picked": picked, "calls": {
+        "module": lambda: layer(x),
+        "wrapper": wrapper,
+        "op_auto": lambda: op(*op_args, "auto"),
+        "op_named": lambda: op(*op_args, picked),
+        "pipeline": lambda: kernels.VARIANTS[picked](*pipeline_args),
+        "reference": lambda: kernels.__dict__[f"{structure}_linear"](*op_args, path="reference"),
+    }}
+
+
+def profile_text(call, calls: int = 100) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    text.write(f"{calls} calls\n")
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    return text.getvalue()
+
+
+@torch.no_grad()
+def main() -> None:
+    out = Path(os.environ.get("OUT", "/tmp"))
+    torch.manual_seed(0)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": CALLS, "cases": {}}
+    for structure, cls in (("monarch", MonarchLinear), ("blast", BlastLinear)):
+        for shape_name, (fan_in, fan_out, rank) in SHAPES.items():
+            layer = cls(fan_in, fan_out, rank, 16, device="cuda", dtype=torch.bfloat16)
+            dense = torch.nn.Linear(fan_in, fan_out, bias=False, device="cuda", dtype=torch.bfloat16)
+            for n in (1, 128):
+                name = f"{structure}_{shape_name}_N{n}"
+                x = torch.randn(1, n, fan_in, device="cuda", dtype=torch.bfloat16)
+                start = time.perf_counter()
+                case = layer_calls(structure, layer, x)
+                case["first_call_s"] = time.perf_counter() - start
+                calls = case.pop("calls") | {"dense": lambda dense=dense, x=x: dense(x)}
+                case["us"] = {label: issue_us(call) for label, call in calls.items()}
+                (out / f"op_host_profile_{name}.txt").write_text(profile_text(calls["module"]))
+                report["cases"][name] = case
+                print(name, case["picked"], {k: round(v["issue_us"], 1) for k, v in case["us"].items()}, flush=True)
+    (out / "op_host_cost.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
