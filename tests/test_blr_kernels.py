@@ -271,11 +271,11 @@ def test_the_ops_hand_the_pick_its_candidates(op, module, shapes, monkeypatch):
         monkeypatch.setattr(where, "pdl_offered", lambda: True)
     seen = {}
 
-    def pick(name, key, candidates, default, args):
-        seen["names"] = set(candidates)
-        return "torch" if "torch" in candidates else "cublas"
+    def pick(name, key, offer, args):
+        seen["names"] = set(offer()[0])
+        return "torch" if "torch" in seen["names"] else "cublas"
 
-    monkeypatch.setattr(module, "pick_variant", pick)
+    monkeypatch.setattr(module, "auto_variant", pick)
     op(*(torch.randn(*shape) for shape in shapes), path="triton")
     assert seen["names"] and not seen["names"] & set(module.UNPICKED_WITH_PDL)
 
@@ -564,6 +564,93 @@ def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
     assert warned and "capture" in warned[0]
 
 
+def _op_call(structure: str, requires_grad: bool = False):
+    """A small call of each BLR op's wrapper (b = 2, 3 tokens) and the module attribute holding its custom op."""
+    factors = {"monarch": [(2, 4, 6), (2, 6, 5)], "blast": [(2, 5, 6), (2, 4, 6), (2, 2, 6)], "lowrank": [(10, 6), (8, 6)]}
+    weights = [torch.randn(shape, requires_grad=requires_grad) for shape in factors[structure]]
+    wrapper = {"monarch": monarch_linear, "blast": blast_linear, "lowrank": lowrank_linear}[structure]
+    return (lambda x: wrapper(x, *weights, path="triton")), f"_{structure}_op"
+
+
+class _PassingFunctionMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _PassingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("structure", ["monarch", "blast", "lowrank"])
+def test_an_eager_call_with_nothing_to_record_skips_the_custom_op(structure, monkeypatch):
+    """Without a gradient to record, a trace, a mode or the profiler, the wrapper calls the op's function itself (the
+    custom op's dispatch cost a layer call 30-120 us of host time on the H200's host), with the same output; each of
+    those goes through the op, a fake-tensor mode too (where running the function would launch on fake tensors)."""
+    module = {"monarch": monarch, "blast": blast, "lowrank": lowrank}[structure]
+    call, attribute = _op_call(structure)
+    x = torch.randn(3, 8)
+    dispatched, op = [], getattr(module, attribute)
+    monkeypatch.setattr(module, attribute, lambda *args: dispatched.append(1) or op(*args))
+    with torch.no_grad():
+        y = call(x)
+        with torch.device("cpu"):                                                   # a default device: still direct
+            call(x)
+        assert not dispatched
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            assert torch.equal(call(x), y) and len(dispatched) == 1
+        with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            assert call(mode.from_tensor(x)).shape == y.shape and len(dispatched) == 2
+        for mode in (_PassingFunctionMode(), _PassingDispatchMode()):
+            with mode:
+                call(x)
+        assert len(dispatched) == 4
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.compiler, "is_compiling", lambda: True)
+            call(x)
+        assert len(dispatched) == 5
+    call(x)                                                                         # no weight needs a gradient
+    assert len(dispatched) == 5
+    grad_call, _ = _op_call(structure, requires_grad=True)
+    grad_call(x).sum().backward()
+    assert len(dispatched) == 6
+
+
+def test_auto_variant_remembers_a_gpu_pick_but_not_an_untimed_default(monkeypatch, tmp_path):
+    """An op's auto pick builds its offer and cache key once per shape key and device: later calls reuse the pick
+    (each eager call paid for the offer and the key in host time). A default taken untimed (a first call inside a
+    capture, a CPU tensor) is not remembered, so a later call still times the pick; forget_picks drops it all."""
+    offers = []
+
+    def offer():
+        offers.append(1)
+        return {"slow": lambda *a: None, "fast": lambda *a: None}, "slow"
+
+    monkeypatch.setenv("MEMFIT_AUTOTUNE_CACHE", str(tmp_path / "picks.json"))
+    for name, value in (("_CACHE", {}), ("_VARIANT_MEMO", {}), ("PICK_TIMINGS", {}), ("_UNTIMED", set())):
+        monkeypatch.setattr(blr_common, name, value)
+    monkeypatch.setattr(blr_common, "_save_cache", lambda cache: None)
+    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(blr_common, "_time_candidate",
+                        lambda op, name, fn, args, rep_ms: {"slow": 2.0, "fast": 1.0}[name])
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    gpu0, gpu1 = types.SimpleNamespace(device="cuda:0"), types.SimpleNamespace(device="cuda:1")
+
+    def pick(x):
+        return blr_common.auto_variant("op", (8,), offer, (x,))
+
+    assert pick(gpu0) == "slow" and len(offers) == 1                  # in a capture, untimed
+    capturing[0] = False
+    assert pick(gpu0) == "fast" and len(offers) == 2
+    assert pick(gpu0) == "fast" and len(offers) == 2                  # remembered
+    assert pick(gpu1) == "fast" and len(offers) == 3                  # another device has its own
+    assert [pick(torch.zeros(1)) for _ in range(2)] == ["slow"] * 2 and len(offers) == 5    # off the GPU: never
+    blr_common.forget_picks()
+    assert pick(gpu0) == "fast" and len(offers) == 6
+
+
 def test_a_pick_where_no_variant_could_be_timed_runs_the_default_and_says_so(monkeypatch):
     """E.g. every candidate out of memory while timed (each failure is said by _time_candidate): the layer still
     runs, on its default, which later calls in the process take without timing again; nothing goes to disk."""
@@ -633,13 +720,13 @@ def test_ops_pick_by_pick_bucket(monkeypatch, op):
 
     keys, offered = [], []
 
-    def ask(op_name, shape_key, candidates, default, args):
+    def ask(op_name, shape_key, offer, args):
         keys.append(shape_key[0])
-        offered.append(set(candidates))
+        offered.append(set(offer()[0]))
         raise Asked
 
     module = {"monarch": monarch, "blast": blast, "lowrank": lowrank}[op]
-    monkeypatch.setattr(module, "pick_variant", ask)
+    monkeypatch.setattr(module, "auto_variant", ask)
     for n in (1, 3, 16, 100, 128):
         x = torch.randn(n, 12)
         with pytest.raises(Asked):

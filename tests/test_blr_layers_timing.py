@@ -199,9 +199,11 @@ def test_the_table_keeps_its_own_pick_cache(blr_layers, tmp_path, monkeypatch):
     monkeypatch.setattr(blr_common, "_CACHE", {"a pick": "loaded from elsewhere"})
     monkeypatch.setattr(blr_common, "_UNTIMED", {"a pick untimed elsewhere"})
     monkeypatch.setattr(blr_common, "_CHAIN_TILE_MEMO", {"a chain": "paired elsewhere"})
+    monkeypatch.setattr(blr_common, "_VARIANT_MEMO", {"an op": "picked elsewhere"})
     assert blr_layers.own_pick_cache(results, resume=True) == picks and picks.exists()
     assert blr_common._CACHE is None                                  # the next pick loads the table's own file
-    assert not blr_common._UNTIMED and not blr_common._CHAIN_TILE_MEMO  # and nothing held from before is reused
+    held = (blr_common._UNTIMED, blr_common._CHAIN_TILE_MEMO, blr_common._VARIANT_MEMO)
+    assert not any(held)                                              # and nothing held from before is reused
     assert os.environ["MEMFIT_AUTOTUNE_CACHE"] == str(picks)
     monkeypatch.delenv("MEMFIT_AUTOTUNE_CACHE")
     assert blr_layers.own_pick_cache(results, resume=False) == picks and not picks.exists()

@@ -103,6 +103,7 @@ from memfit.kernels import gemv
 from memfit.kernels.blr_common import (
     PDL_MAX_N,
     TOKEN_MAJOR_MIN_N,
+    auto_variant,
     bgemm,
     bind_shapes,
     blr_precision,
@@ -119,7 +120,6 @@ from memfit.kernels.blr_common import (
     pick_bucket,
     pick_candidates,
     pick_chain_tiles,
-    pick_variant,
     pow2_at_least,
     prefetch_l2,
     recompute_backward,
@@ -127,6 +127,7 @@ from memfit.kernels.blr_common import (
     require_offered,
     runs_triton,
     save_for_recompute,
+    skips_dispatcher,
     tuned,
 )
 
@@ -499,17 +500,19 @@ def _default(n: int) -> str:
     return "tbmm_mix_tbmm" if n >= TOKEN_MAJOR_MIN_N else "bmm_mix_bmm"
 
 
-@torch.library.custom_op("memfit::blast_linear", mutates_args=())
-def _blast_op(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None,
-              variant: str) -> torch.Tensor:
+def _blast_forward(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None,
+                   variant: str) -> torch.Tensor:
     b, m, _ = v.shape
     x2 = x.reshape(-1, b * m).contiguous()
     args = (x2, u.contiguous(), v.contiguous(), s.contiguous(), contiguous_bias(bias))
     if variant == "auto":
         n = x2.shape[0]
-        variant = pick_variant("blast_linear", (pick_bucket(n), *u.shape, m, str(x.dtype)),
-                               pick_candidates(variants_for(n), UNPICKED_WITH_PDL), _default(n), args)
+        variant = auto_variant("blast_linear", (pick_bucket(n), *u.shape, m, str(x.dtype)),
+                               lambda: (pick_candidates(variants_for(n), UNPICKED_WITH_PDL), _default(n)), args)
     return VARIANTS[variant](*args).reshape(*x.shape[:-1], -1)
+
+
+_blast_op = torch.library.custom_op("memfit::blast_linear", _blast_forward, mutates_args=())
 
 
 @_blast_op.register_fake
@@ -534,4 +537,5 @@ def blast_linear(x, u, v, s, bias=None, path=None, variant="auto"):
         return _blast_recomputing(x, *cast)
     require_offered("blast_linear", variant, lambda: variants_for(x.numel() // (size["b"] * size["m"])),
                     "at this token count")
-    return _blast_op(x, *cast, variant)
+    op = _blast_forward if skips_dispatcher(x, *cast) else _blast_op
+    return op(x, *cast, variant)

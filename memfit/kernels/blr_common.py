@@ -72,6 +72,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from torch.utils._device import DeviceContext
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from memfit.errors import MemfitError
 from memfit.files import atomic_path
@@ -81,6 +83,7 @@ from memfit.measure.timing import graph_ms, turn_orders
 
 _CACHE: dict | None = None
 _UNTIMED: set[str] = set()      # pick keys where no candidate could be timed (this process only)
+_VARIANT_MEMO: dict[tuple, str] = {}    # (op, shape_key, device) -> the GPU pick auto_variant returned (this process)
 PICK_REP_MS = 10                 # ms of graph replays per kernel variant or tile config (short: a cold run of
                                  # many shapes stays fast)
 PICK_FINALIST_SLACK = 1.25       # variants within this factor of the fastest first timing are timed again,
@@ -193,6 +196,28 @@ def bind_shapes(op: str, x: torch.Tensor, bias: torch.Tensor | None, factors: di
     return sizes
 
 
+def skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
+    """Whether a BLR op's wrapper may call the op's function directly instead of through its custom op (the same
+    function runs): in eager mode where nothing needs the dispatcher. Not where a gradient is recorded (the op
+    registers the backward), torch.compile or export traces (the op is opaque to them, with its fake), a dispatch
+    mode is on (fake tensors, a flop counter) or a function mode other than a default device (which the function,
+    naming its devices, is not affected by), a functorch transform runs, the profiler records (its tables name the op),
+    or a tensor is a subclass. The custom op's own path (autograd wrapper, redispatch, alias checks) cost a layer call
+    30-120 us of host time on the H200's host, where the eager prefill of a compressed model was host-bound
+    (``benchmarks/probes/op_host_cost.py``)."""
+    if (torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled() or _get_current_dispatch_mode() is not None
+            or torch._C._are_functorch_transforms_active()):
+        return False
+    if torch._C._is_torch_function_mode_enabled() and not all(
+            isinstance(mode, DeviceContext) for mode in torch.overrides._get_current_function_mode_stack()):
+        return False
+    grad = torch.is_grad_enabled()
+    return all(t is None or (type(t) in _PLAIN_TENSORS and not (grad and t.requires_grad)) for t in tensors)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def runs_triton(op: str, x: torch.Tensor, tensors: tuple, path: str | None, variant: str) -> bool:
     """Whether a BLR op runs its Triton op (:func:`memfit.kernels.dispatch.use_triton`) rather than its reference; no
     tokens run the reference (which returns an empty output). A ``variant=`` names a Triton pipeline: asked where
@@ -219,13 +244,38 @@ def require_offered(op: str, variant: str, offered: Callable[[], dict], where: s
 def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args: tuple) -> str:
     """Name of the fastest of ``candidates`` (name -> fn(*args)) for this shape, cached on disk (:func:`_disk_pick`);
     ``default`` off the GPU, or where the pick cannot be timed."""
-    on_gpu = all(t.is_cuda for t in _tensors(args))
-    if not on_gpu or len(candidates) == 1:
+    picked = _gpu_pick(op, shape_key, candidates, default, args)
+    return default if picked is None else picked
+
+
+def auto_variant(op: str, shape_key: tuple, offer: Callable[[], tuple[dict, str]], args: tuple) -> str:
+    """The pipeline an op's ``variant="auto"`` runs: :func:`pick_variant` over ``offer()`` (its candidates and its
+    default), remembered per shape key and args[0]'s device for the rest of the process once it is a GPU pick (timed
+    now or read from the cache); not the default an untimed pick fell back to (off the GPU, in a capture, nothing
+    timed), so a later call still times it. Every eager call runs this: building the offer and the cache key took
+    70-170 us of a layer call's host time on the H200's host, as much as the pipeline's own launches
+    (``benchmarks/probes/op_host_cost.py``)."""
+    memo = (op, shape_key, args[0].device)
+    variant = _VARIANT_MEMO.get(memo)
+    if variant is None:
+        candidates, default = offer()
+        variant = _gpu_pick(op, shape_key, candidates, default, args)
+        if variant is None:
+            return default
+        _VARIANT_MEMO[memo] = variant
+    return variant
+
+
+def _gpu_pick(op: str, shape_key: tuple, candidates: dict, default: str, args: tuple) -> str | None:
+    """pick_variant's pick on the GPU: the one candidate, or the disk pick; None off the GPU or where nothing could
+    be timed."""
+    if not all(t.is_cuda for t in _tensors(args)):
+        return None
+    if len(candidates) == 1:
         return default
     key = "|".join([torch.cuda.get_device_name(), triton.__version__, _source_digest(tuple(candidates.values())), op,
                     *map(str, shape_key)])
-    picked = _disk_pick(op, shape_key, key, candidates, args, PICK_TIMINGS, f"running {default!r} untimed")
-    return default if picked is None else picked
+    return _disk_pick(op, shape_key, key, candidates, args, PICK_TIMINGS, f"running {default!r} untimed")
 
 
 def _disk_pick(op: str, shape_key: tuple, key: str, candidates: dict, args: tuple, records: dict,
@@ -1036,12 +1086,14 @@ def pick_chain_tiles(op: str, shape_key: tuple, stages: tuple[tuple[int, int, in
 
 def forget_picks() -> None:
     """Drop what a later pick in this process would reuse (the disk cache it loaded, the picks it could not time, the
-    chains' pairs), so the next pick reads the cache file MEMFIT_AUTOTUNE_CACHE now names (a benchmark's own picks
-    file). The records of picks made (PICK_TIMINGS, CHAIN_TILE_PICKS) stay: call it before the first pick."""
+    chains' pairs, the ops' remembered picks), so the next pick reads the cache file MEMFIT_AUTOTUNE_CACHE now names
+    (a benchmark's own picks file). The records of picks made (PICK_TIMINGS, CHAIN_TILE_PICKS) stay: call it before
+    the first pick."""
     global _CACHE
     _CACHE = None
     _UNTIMED.clear()
     _CHAIN_TILE_MEMO.clear()
+    _VARIANT_MEMO.clear()
 
 
 def bmm_into(a, b, out, bias=None) -> None:

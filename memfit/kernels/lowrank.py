@@ -26,6 +26,7 @@ import torch
 
 from memfit.kernels.blr_common import (
     PDL_MAX_N,
+    auto_variant,
     bgemm,
     bind_shapes,
     contiguous_bias,
@@ -33,12 +34,12 @@ from memfit.kernels.blr_common import (
     pick_bucket,
     pick_candidates,
     pick_chain_tiles,
-    pick_variant,
     recompute_backward,
     recomputing,
     require_offered,
     runs_triton,
     save_for_recompute,
+    skips_dispatcher,
 )
 
 
@@ -89,16 +90,18 @@ def variants_for(n: int) -> dict:
     return {name: VARIANTS[name] for name in names}
 
 
-@torch.library.custom_op("memfit::lowrank_linear", mutates_args=())
-def _lowrank_op(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-                variant: str) -> torch.Tensor:
+def _lowrank_forward(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                     variant: str) -> torch.Tensor:
     x2 = x.reshape(-1, v.shape[0]).contiguous()
     args = (x2, u.contiguous(), v.contiguous(), contiguous_bias(bias))
     if variant == "auto":
         n = x2.shape[0]
-        variant = pick_variant("lowrank_linear", (pick_bucket(n), *u.shape, v.shape[0], str(x.dtype)),
-                               pick_candidates(variants_for(n), UNPICKED_WITH_PDL), "cublas", args)
+        variant = auto_variant("lowrank_linear", (pick_bucket(n), *u.shape, v.shape[0], str(x.dtype)),
+                               lambda: (pick_candidates(variants_for(n), UNPICKED_WITH_PDL), "cublas"), args)
     return VARIANTS[variant](*args).reshape(*x.shape[:-1], u.shape[0])
+
+
+_lowrank_op = torch.library.custom_op("memfit::lowrank_linear", _lowrank_forward, mutates_args=())
 
 
 @_lowrank_op.register_fake
@@ -121,4 +124,5 @@ def lowrank_linear(x, u, v, bias=None, path=None, variant="auto"):
     if not runs_triton("lowrank_linear", x, (u, v), path, variant):
         return _lowrank_recomputing(x, *cast)
     require_offered("lowrank_linear", variant, lambda: variants_for(x.numel() // size["i"]), "at this token count")
-    return _lowrank_op(x, *cast, variant)
+    op = _lowrank_forward if skips_dispatcher(x, *cast) else _lowrank_op
+    return op(x, *cast, variant)

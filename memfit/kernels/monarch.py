@@ -126,6 +126,7 @@ from memfit.kernels import gemv
 from memfit.kernels.blr_common import (
     A_WINDOW_SLACK,
     TOKEN_MAJOR_MIN_N,
+    auto_variant,
     bgemm,
     bind_shapes,
     blr_precision,
@@ -140,13 +141,13 @@ from memfit.kernels.blr_common import (
     pick_bucket,
     pick_candidates,
     pick_chain_tiles,
-    pick_variant,
     pow2_at_least,
     recompute_backward,
     recomputing,
     require_offered,
     runs_triton,
     save_for_recompute,
+    skips_dispatcher,
     tuned,
 )
 
@@ -408,21 +409,26 @@ def _default(n: int, permute_output: bool) -> str:
     return "tbmm" if n >= TOKEN_MAJOR_MIN_N and not permute_output else "two_stage"
 
 
-@torch.library.custom_op("memfit::monarch_linear", mutates_args=())
-def _monarch_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, bias: torch.Tensor | None,
-                permute_output: bool, variant: str) -> torch.Tensor:
+def _monarch_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, bias: torch.Tensor | None,
+                     permute_output: bool, variant: str) -> torch.Tensor:
     b, m, r = w1.shape
     x2 = x.reshape(-1, b * m).contiguous()
     w1, w2 = w1.contiguous(), w2.contiguous()
     args = (x2, w1, w2, contiguous_bias(bias), permute_output)
     if variant == "auto":
         n = x2.shape[0]
-        offered = pick_candidates(variants_for(n, b, m, r // b, w2.shape[2], permute_output), UNPICKED_WITH_PDL)
-        default = _default(n, permute_output)
-        default = default if default in offered else "two_stage"          # the fused tile may not fit
-        variant = pick_variant("monarch_linear", (pick_bucket(n), *w1.shape, w2.shape[2], permute_output, str(x.dtype)),
-                               offered, default, args)
+
+        def offer():
+            offered = pick_candidates(variants_for(n, b, m, r // b, w2.shape[2], permute_output), UNPICKED_WITH_PDL)
+            default = _default(n, permute_output)
+            return offered, default if default in offered else "two_stage"          # the fused tile may not fit
+
+        variant = auto_variant("monarch_linear", (pick_bucket(n), *w1.shape, w2.shape[2], permute_output,
+                                                  str(x.dtype)), offer, args)
     return VARIANTS[variant](*args).reshape(*x.shape[:-1], -1)
+
+
+_monarch_op = torch.library.custom_op("memfit::monarch_linear", _monarch_forward, mutates_args=())
 
 
 @_monarch_op.register_fake
@@ -450,4 +456,5 @@ def monarch_linear(x, w1, w2, bias=None, permute_output=False, path=None, varian
         return _monarch_recomputing(x, *cast, permute_output)
     require_offered("monarch_linear", variant, lambda: variants_for(x.numel() // (b * m), b, m, r // b, p, permute_output),
                     f"for this shape, token count and layout (permute_output={permute_output})")
-    return _monarch_op(x, *cast, permute_output, variant)
+    op = _monarch_forward if skips_dispatcher(x, *cast) else _monarch_op
+    return op(x, *cast, permute_output, variant)
