@@ -585,7 +585,7 @@ class _PassingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("structure", ["monarch", "blast", "lowrank"])
 def test_an_eager_call_with_nothing_to_record_skips_the_custom_op(structure, monkeypatch):
     """Without a gradient to record, a trace, a mode or the profiler, the wrapper calls the op's function itself (the
-    custom op's dispatch cost a layer call 30-120 us of host time on the H200's host), with the same output; each of
+    custom op's dispatch cost a layer call 30-90 us of host time on the H200's host), with the same output; each of
     those goes through the op, a fake-tensor mode too (where running the function would launch on fake tensors)."""
     module = {"monarch": monarch, "blast": blast, "lowrank": lowrank}[structure]
     call, attribute = _op_call(structure)

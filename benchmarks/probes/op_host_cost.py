@@ -1,12 +1,15 @@
 """Probe: where the host time of one BLR layer call goes (Monarch, BLAST; Llama-3.2-1B's q/o and gate shapes at the
 paper's ranks, bf16, on a GPU). memfit's eager prefill of a compressed model was host-bound: the ops' self CPU time
-was 267 and 445 us a call, their GPU time 19 and 24 (``results/probes/blr_generate_stages_d170d8e.json``). Each case
-times the call issued back to back by every layer of what runs in it, so the differences say what each layer costs:
+was 267 and 445 us a call, their GPU time 19 and 24 (``results/probes/prefill_profile_*_d170d8e.txt``). Each case
+times the call issued back to back at every level of what runs in it (in interleaved rounds), so the differences
+say what each level costs:
 
     module      the layer's forward (what a model calls)
-    wrapper     memfit.kernels.<op>(...): shape checks, then the custom op with variant="auto"
-    op_auto     torch.ops.memfit.<op>(..., "auto"): the op's pick (variants, candidates, key, cache) and its pipeline
-    op_named    the op with the picked variant named: the custom op's dispatch and the pipeline
+    wrapper     memfit.kernels.<op>(...): shape checks, then the op's function (from b3c4e90 called directly where
+                nothing needs the dispatcher, blr_common.skips_dispatcher) or the custom op, with variant="auto"
+    op_auto     torch.ops.memfit.<op>(..., "auto"): the custom op, its pick (offer, key, cache; from b3c4e90
+                remembered, blr_common.auto_variant) and its pipeline
+    op_named    the custom op with the picked variant named: its dispatch and the pipeline
     pipeline    the picked pipeline's Python function alone (its launches, its tile picks)
     reference   the PyTorch reference (path="reference")
     dense       an nn.Linear of the same shape
@@ -20,6 +23,7 @@ import io
 import json
 import os
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,20 +38,28 @@ from memfit.kernels.blr_common import PICK_TIMINGS  # noqa: E402
 from memfit.layers import BlastLinear, MonarchLinear  # noqa: E402
 
 CALLS = 200
+ROUNDS = 5
 SHAPES = {"q_o": (2048, 2048, 256), "gate": (2048, 8192, 512)}     # in, out, rank (PAPER_RANKS_LLAMA_1B)
 
 
-def issue_us(call, calls: int = CALLS) -> dict:
-    """Host time per call issued back to back (no sync between), and per call once the GPU has caught up."""
-    call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    issued = time.perf_counter()
-    torch.cuda.synchronize()
-    done = time.perf_counter()
-    return {"issue_us": 1e6 * (issued - start) / calls, "done_us": 1e6 * (done - start) / calls}
+def issue_us(calls: dict, rounds: int = ROUNDS, count: int = CALLS) -> dict:
+    """Per label, the host time per call of ``count`` calls issued back to back (no sync between) in each of
+    ``rounds`` rounds, the labels taken in turn within a round (a loop of 200 read 30 us apart at a93ab16, run once):
+    the median and every round; and per call once the GPU had caught up, the median."""
+    times = {label: {"issue": [], "done": []} for label in calls}
+    for _ in range(rounds):
+        for label, call in calls.items():
+            call()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(count):
+                call()
+            issued = time.perf_counter()
+            torch.cuda.synchronize()
+            times[label]["issue"].append(1e6 * (issued - start) / count)
+            times[label]["done"].append(1e6 * (time.perf_counter() - start) / count)
+    return {label: {"issue_us": statistics.median(t["issue"]), "issue_rounds_us": t["issue"],
+                    "done_us": statistics.median(t["done"])} for label, t in times.items()}
 
 
 def layer_calls(structure: str, layer, x) -> dict:
@@ -97,7 +109,8 @@ def profile_text(call, calls: int = 100) -> str:
 def main() -> None:
     out = Path(os.environ.get("OUT", "/tmp"))
     torch.manual_seed(0)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": CALLS, "cases": {}}
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": CALLS, "rounds": ROUNDS,
+              "commit": os.environ.get("MEMFIT_COMMIT"), "cases": {}}
     for structure, cls in (("monarch", MonarchLinear), ("blast", BlastLinear)):
         for shape_name, (fan_in, fan_out, rank) in SHAPES.items():
             layer = cls(fan_in, fan_out, rank, 16, device="cuda", dtype=torch.bfloat16)
@@ -109,7 +122,7 @@ def main() -> None:
                 case = layer_calls(structure, layer, x)
                 case["first_call_s"] = time.perf_counter() - start
                 calls = case.pop("calls") | {"dense": lambda dense=dense, x=x: dense(x)}
-                case["us"] = {label: issue_us(call) for label, call in calls.items()}
+                case["us"] = issue_us(calls)
                 (out / f"op_host_profile_{name}.txt").write_text(profile_text(calls["module"]))
                 report["cases"][name] = case
                 print(name, case["picked"], {k: round(v["issue_us"], 1) for k, v in case["us"].items()}, flush=True)

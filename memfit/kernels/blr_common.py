@@ -203,7 +203,7 @@ def skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
     mode is on (fake tensors, a flop counter) or a function mode other than a default device (which the function,
     naming its devices, is not affected by), a functorch transform runs, the profiler records (its tables name the op),
     or a tensor is a subclass. The custom op's own path (autograd wrapper, redispatch, alias checks) cost a layer call
-    30-120 us of host time on the H200's host, where the eager prefill of a compressed model was host-bound
+    30-90 us of host time on the H200's host, where the eager prefill of a compressed model was host-bound
     (``benchmarks/probes/op_host_cost.py``)."""
     if (torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled() or _get_current_dispatch_mode() is not None
             or torch._C._are_functorch_transforms_active()):
@@ -253,8 +253,8 @@ def auto_variant(op: str, shape_key: tuple, offer: Callable[[], tuple[dict, str]
     default), remembered per shape key and args[0]'s device for the rest of the process once it is a GPU pick (timed
     now or read from the cache); not the default an untimed pick fell back to (off the GPU, in a capture, nothing
     timed), so a later call still times it. Every eager call runs this: building the offer and the cache key took
-    70-170 us of a layer call's host time on the H200's host, as much as the pipeline's own launches
-    (``benchmarks/probes/op_host_cost.py``)."""
+    30-170 us of a layer call's host time on the H200's host, against 115-370 us for the pipeline's own launches
+    (``benchmarks/probes/op_host_cost.py``, a93ab16)."""
     memo = (op, shape_key, args[0].device)
     variant = _VARIANT_MEMO.get(memo)
     if variant is None:
