@@ -1,7 +1,9 @@
-"""The BLR ops and compressed models under torch.compile: a graph break in a BLR layer's forward splits a compiled
-model at every layer (and past dynamo's recompile limit runs the layers eagerly). Kept apart from test_blr_kernels,
-whose autouse fixture replaces torch.empty: dynamo tracing while it is replaced changed what later tests in the same
-process computed."""
+"""How the BLR ops are dispatched: under torch.compile (a graph break in a BLR layer's forward splits a compiled
+model at every layer, and past dynamo's recompile limit runs the layers eagerly), and eagerly, where a call with
+nothing to record skips the custom op. Kept apart from test_blr_kernels, whose autouse fixture replaces torch.empty:
+dynamo tracing while it is replaced changed what later tests in the same process computed, and so did a default-device
+context, whose cached set of factory functions then held the replacement (a later ``torch.device("meta")`` left
+torch.empty's tensors on the CPU)."""
 import pytest
 import torch
 
@@ -35,6 +37,58 @@ def test_the_auto_path_leaves_the_offer_to_the_op(op, monkeypatch):
     _blr_calls()[op]()
     with pytest.raises(AssertionError, match="worked out the offer"):
         module.require_offered(op, "two_stage", no_offer, "here")
+
+
+def _op_call(structure: str, requires_grad: bool = False):
+    """A small call of each BLR op's wrapper (b = 2, 3 tokens) and the module attribute holding its custom op."""
+    factors = {"monarch": [(2, 4, 6), (2, 6, 5)], "blast": [(2, 5, 6), (2, 4, 6), (2, 2, 6)], "lowrank": [(10, 6), (8, 6)]}
+    weights = [torch.randn(shape, requires_grad=requires_grad) for shape in factors[structure]]
+    wrapper = {"monarch": monarch_linear, "blast": blast_linear, "lowrank": lowrank_linear}[structure]
+    return (lambda x: wrapper(x, *weights, path="triton")), f"_{structure}_op"
+
+
+class _PassingFunctionMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _PassingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("structure", ["monarch", "blast", "lowrank"])
+def test_an_eager_call_with_nothing_to_record_skips_the_custom_op(structure, monkeypatch):
+    """Without a gradient to record, a trace, a mode or the profiler, the wrapper calls the op's function itself (the
+    custom op's dispatch cost a layer call 30-90 us of host time on the H200's host), with the same output; each of
+    those goes through the op, a fake-tensor mode too (where running the function would launch on fake tensors)."""
+    module = {"monarch": monarch, "blast": blast, "lowrank": lowrank}[structure]
+    call, attribute = _op_call(structure)
+    x = torch.randn(3, 8)
+    dispatched, op = [], getattr(module, attribute)
+    monkeypatch.setattr(module, attribute, lambda *args: dispatched.append(1) or op(*args))
+    with torch.no_grad():
+        y = call(x)
+        with torch.device("cpu"):                                                   # a default device: still direct
+            call(x)
+        assert not dispatched
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            assert torch.equal(call(x), y) and len(dispatched) == 1
+        with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            assert call(mode.from_tensor(x)).shape == y.shape and len(dispatched) == 2
+        for mode in (_PassingFunctionMode(), _PassingDispatchMode()):
+            with mode:
+                call(x)
+        assert len(dispatched) == 4
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.compiler, "is_compiling", lambda: True)
+            call(x)
+        assert len(dispatched) == 5
+    call(x)                                                                         # no weight needs a gradient
+    assert len(dispatched) == 5
+    grad_call, _ = _op_call(structure, requires_grad=True)
+    grad_call(x).sum().backward()
+    assert len(dispatched) == 6
 
 
 @pytest.mark.parametrize("op", ["monarch", "blast", "lowrank"])
