@@ -54,7 +54,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # blr_layers processes at Llama-1B q/o and down, Monarch, N = 1, each with its own MEMFIT_AUTOTUNE_CACHE, took 81 s of
 # wall time together on a machine just started (results/blr_layers_subset_decode_gemv_repeat*.json).
 # tests/test_queued_timing.py runs alone (gpu_tests_timing): it times the GPU, which other test processes would share.
-# At a77f798 blr_generate's file records 239 s; gpu_tests_timing's log 1.8 s at 54fbce2.
+# At a77f798 blr_generate's file records 239 s (229 s at dfd69a8); gpu_tests_timing's log 1.8 s at 54fbce2.
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"

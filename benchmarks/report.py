@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -24,12 +25,17 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _short(commit: str) -> str:
+    """A full sha as git's short form (a run given MEMFIT_COMMIT's full sha records it); anything else as it is."""
+    return commit[:7] if re.fullmatch(r"[0-9a-f]{40}", commit) else commit
+
+
 def _header(data: dict, command: str) -> str:
     """The section's run: GPU, versions, commit, date and command; a run that stopped before it finished (its file
     says ``"complete": false``: the benchmarks that write as they go) is marked, its missing rows and targets
     otherwise silent."""
     stopped = " **A stopped run: its file is incomplete.**" if data.get("complete") is False else ""
-    return (f"_{data['gpu']}, torch {data['torch']}, triton {data['triton']}, commit {data['commit']}, "
+    return (f"_{data['gpu']}, torch {data['torch']}, triton {data['triton']}, commit {_short(data['commit'])}, "
             f"{data.get('date', '')[:10]}; `{command}`_{stopped}\n")
 
 
