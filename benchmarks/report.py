@@ -26,8 +26,10 @@ def _load(name: str) -> dict | None:
 
 
 def _short(commit: str) -> str:
-    """A full sha as git's short form (a run given MEMFIT_COMMIT's full sha records it); anything else as it is."""
-    return commit[:7] if re.fullmatch(r"[0-9a-f]{40}", commit) else commit
+    """A full sha (a run given MEMFIT_COMMIT's full sha records it; "-dirty" kept) in git's short form; anything else
+    as it is."""
+    full = re.fullmatch(r"([0-9a-f]{40})(-dirty)?", commit)
+    return full[1][:7] + (full[2] or "") if full else commit
 
 
 def _header(data: dict, command: str) -> str:

@@ -566,8 +566,9 @@ def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
 
 def test_auto_variant_remembers_a_gpu_pick_but_not_an_untimed_default(monkeypatch, tmp_path):
     """An op's auto pick builds its offer and cache key once per shape key and device: later calls reuse the pick
-    (each eager call paid for the offer and the key in host time). A default taken untimed (a first call inside a
-    capture, a CPU tensor) is not remembered, so a later call still times the pick; forget_picks drops it all."""
+    (each eager call paid for the offer and the key in host time). A default taken untimed inside a capture or on a
+    CPU tensor is not remembered, so a later call still times the pick; one taken where nothing could be timed is
+    (the pick is not tried again in the process). forget_picks drops it all."""
     offers = []
 
     def offer():
@@ -584,7 +585,7 @@ def test_auto_variant_remembers_a_gpu_pick_but_not_an_untimed_default(monkeypatc
                         lambda op, name, fn, args, rep_ms: {"slow": 2.0, "fast": 1.0}[name])
     capturing = [True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    gpu0, gpu1 = types.SimpleNamespace(device="cuda:0"), types.SimpleNamespace(device="cuda:1")
+    gpu0, gpu1 = (types.SimpleNamespace(device=torch.device("cuda", i)) for i in (0, 1))
 
     def pick(x):
         return blr_common.auto_variant("op", (8,), offer, (x,))
@@ -597,6 +598,9 @@ def test_auto_variant_remembers_a_gpu_pick_but_not_an_untimed_default(monkeypatc
     assert [pick(torch.zeros(1)) for _ in range(2)] == ["slow"] * 2 and len(offers) == 5    # off the GPU: never
     blr_common.forget_picks()
     assert pick(gpu0) == "fast" and len(offers) == 6
+    monkeypatch.setattr(blr_common, "_time_candidate", lambda op, name, fn, args, rep_ms: math.inf)
+    untimed = blr_common.auto_variant("op", (16,), offer, (gpu0,))
+    assert untimed == blr_common.auto_variant("op", (16,), offer, (gpu0,)) == "slow" and len(offers) == 7
 
 
 def test_a_pick_where_no_variant_could_be_timed_runs_the_default_and_says_so(monkeypatch):

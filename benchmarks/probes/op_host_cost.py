@@ -1,6 +1,7 @@
 """Probe: where the host time of one BLR layer call goes (Monarch, BLAST; Llama-3.2-1B's q/o and gate shapes at the
 paper's ranks, bf16, on a GPU). memfit's eager prefill of a compressed model was host-bound: the ops' self CPU time
-was 267 and 445 us a call, their GPU time 19 and 24 (``results/probes/prefill_profile_*_d170d8e.txt``). Each case
+was 267 and 445 us a call, while the GPU ran 19 and 23 us of the whole prefill per op call
+(``results/probes/prefill_profile_*_d170d8e.txt``). Each case
 times the call issued back to back at every level of what runs in it (in interleaved rounds), so the differences
 say what each level costs:
 
@@ -10,6 +11,7 @@ say what each level costs:
     op_auto     torch.ops.memfit.<op>(..., "auto"): the custom op, its pick (offer, key, cache; from b3c4e90
                 remembered, blr_common.auto_variant) and its pipeline
     op_named    the custom op with the picked variant named: its dispatch and the pipeline
+    function_named  the op's function with the variant named, without the custom op (from the run after dfd69a8)
     pipeline    the picked pipeline's Python function alone (its launches, its tile picks)
     reference   the PyTorch reference (path="reference")
     dense       an nn.Linear of the same shape
@@ -34,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from memfit.kernels import blast as blast_kernels  # noqa: E402
 from memfit.kernels import monarch as monarch_kernels  # noqa: E402
-from memfit.kernels.blr_common import PICK_TIMINGS  # noqa: E402
 from memfit.layers import BlastLinear, MonarchLinear  # noqa: E402
 
 CALLS = 200
@@ -44,8 +45,9 @@ SHAPES = {"q_o": (2048, 2048, 256), "gate": (2048, 8192, 512)}     # in, out, ra
 
 def issue_us(calls: dict, rounds: int = ROUNDS, count: int = CALLS) -> dict:
     """Per label, the host time per call of ``count`` calls issued back to back (no sync between) in each of
-    ``rounds`` rounds, the labels taken in turn within a round (a loop of 200 read 30 us apart at a93ab16, run once):
-    the median and every round; and per call once the GPU had caught up, the median."""
+    ``rounds`` rounds, the labels taken in turn within a round (at a93ab16, one loop of 200 per level, a level read
+    up to 82 us below one it calls): the median and every round; and per call once the GPU had caught up, the
+    median."""
     times = {label: {"issue": [], "done": []} for label in calls}
     for _ in range(rounds):
         for label, call in calls.items():
@@ -76,15 +78,19 @@ def layer_calls(structure: str, layer, x) -> dict:
         op_args = (x, *factors, None)
         b, m = factors[1].shape[:2]
         pipeline_args = (x.reshape(-1, b * m), *factors, None)
-    PICK_TIMINGS.clear()
-    layer(x)
-    picks = [record["pick"] for key, record in PICK_TIMINGS.items() if key.startswith(f"{structure}_linear ")]
-    picked = picks[0]
+    picks, auto_variant = [], kernels.auto_variant
+    kernels.auto_variant = lambda *args: picks.append(auto_variant(*args)) or picks[-1]
+    try:
+        layer(x)
+    finally:
+        kernels.auto_variant = auto_variant
+    picked, forward = picks[0], getattr(kernels, f"_{structure}_forward")
     return {"picked": picked, "calls": {
         "module": lambda: layer(x),
         "wrapper": wrapper,
         "op_auto": lambda: op(*op_args, "auto"),
         "op_named": lambda: op(*op_args, picked),
+        "function_named": lambda: forward(*op_args, picked),
         "pipeline": lambda: kernels.VARIANTS[picked](*pipeline_args),
         "reference": lambda: kernels.__dict__[f"{structure}_linear"](*op_args, path="reference"),
     }}

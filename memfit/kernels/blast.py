@@ -7,7 +7,7 @@ large N: on CUDA cores where it is fused into stage 3's operand prologue (``_mix
 on tensor cores everywhere else (``_xvmix_kernel``, ``_zmix_kernel``: per rank a (tokens x b) @
 (b x b) dot; ``_tmix_kernel``: per rank a (b x b) @ (b x tokens) dot on token-contiguous Z and T).
 
-Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk):
+Pipelines; ``auto_variant`` (through ``pick_variant``) times the ones offered for the shape (cached on disk):
 
 * ``xvmix_bmm`` (N <= XVMIX_MAX_N; the paper's partial fusion, taken further on tensor cores):
   ``_xvmix_kernel`` makes Z's (BN tokens, BK ranks) tile for every block j by one batched 3-D dot

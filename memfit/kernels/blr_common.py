@@ -202,11 +202,13 @@ def skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
     registers the backward), torch.compile or export traces (the op is opaque to them, with its fake), a dispatch
     mode is on (fake tensors, a flop counter) or a function mode other than a default device (which the function,
     naming its devices, is not affected by), a functorch transform runs, the profiler records (its tables name the op),
-    or a tensor is a subclass. The custom op's own path (autograd wrapper, redispatch, alias checks) cost a layer call
-    30-90 us of host time on the H200's host, where the eager prefill of a compressed model was host-bound
-    (``benchmarks/probes/op_host_cost.py``)."""
-    if (torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled() or _get_current_dispatch_mode() is not None
-            or torch._C._are_functorch_transforms_active()):
+    or a tensor is a subclass; nor under ``torch.jit.trace``, which would record the ops around the kernels and not
+    the kernels (Triton launches are invisible to it). The custom op's call (its autograd wrapper, redispatch and alias
+    checks, with the op function's reshapes, which the direct call keeps) cost a layer call 30-90 us of host time on
+    the H200's host at a93ab16, where the eager prefill of a compressed model was host-bound
+    (``benchmarks/probes/op_host_cost.py``; the direct call's saving alone is not measured)."""
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._autograd._profiler_enabled()
+            or _get_current_dispatch_mode() is not None or torch._C._are_functorch_transforms_active()):
         return False
     if torch._C._is_torch_function_mode_enabled() and not all(
             isinstance(mode, DeviceContext) for mode in torch.overrides._get_current_function_mode_stack()):
@@ -250,18 +252,22 @@ def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args
 
 def auto_variant(op: str, shape_key: tuple, offer: Callable[[], tuple[dict, str]], args: tuple) -> str:
     """The pipeline an op's ``variant="auto"`` runs: :func:`pick_variant` over ``offer()`` (its candidates and its
-    default), remembered per shape key and args[0]'s device for the rest of the process once it is a GPU pick (timed
-    now or read from the cache); not the default an untimed pick fell back to (off the GPU, in a capture, nothing
-    timed), so a later call still times it. Every eager call runs this: building the offer and the cache key took
-    30-170 us of a layer call's host time on the H200's host, against 115-370 us for the pipeline's own launches
-    (``benchmarks/probes/op_host_cost.py``, a93ab16)."""
+    default), remembered per shape key and args[0]'s device for the rest of the process once it is settled on the
+    GPU: timed now, read from the cache, or the default where nothing could be timed (which :func:`_disk_pick` does
+    not try again in this process). Not remembered: the default off the GPU, or inside a CUDA graph capture, so that
+    a later call outside it times the pick. Every eager call runs this; before the memo, building the offer, the cache
+    key and the lookup took 30-170 us of a layer call's host time on the H200's host, against 115-370 us for the
+    pipeline's Python and launches (``benchmarks/probes/op_host_cost.py``, a93ab16; at dfd69a8 the remembered pick
+    cost at most 33 us over a named variant)."""
     memo = (op, shape_key, args[0].device)
     variant = _VARIANT_MEMO.get(memo)
     if variant is None:
         candidates, default = offer()
         variant = _gpu_pick(op, shape_key, candidates, default, args)
         if variant is None:
-            return default
+            if args[0].device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+                return default
+            variant = default
         _VARIANT_MEMO[memo] = variant
     return variant
 

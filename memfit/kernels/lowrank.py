@@ -3,7 +3,7 @@
 Shapes: x (..., in), V (in, r), U (out, r), bias (out,) or None.
 
 Three pipelines, all two GEMMs with z = x V (N r elements) written and read once;
-``pick_variant`` times them per shape on the GPU (cached on disk):
+``auto_variant`` (through ``pick_variant``) times them per shape on the GPU (cached on disk):
 
 * ``cublas``: two cuBLAS matmuls (``addmm`` folds the bias). Near the matmul rate at
   large N; at decode its GEMV kernels are bound by reading U and V.

@@ -10,7 +10,7 @@ Stage 2 contracts over (j, s). The token-major pipelines make z with K in (j, s)
 stage-1 store a run of t elements) and read w2's rows interleaved (bgemm's ``b_interleaved``);
 the pipelines whose stage 2 is cuBLAS make z in w2's (s, j) order, which cuBLAS reads plainly.
 
-Pipelines; ``pick_variant`` times the ones offered for the shape (cached on disk):
+Pipelines; ``auto_variant`` (through ``pick_variant``) times the ones offered for the shape (cached on disk):
 
 * ``two_stage``: two Triton GEMMs through :func:`bgemm`, the first storing z straight
   in P^T order (N, b_i, r) (the permutation folded into its store: runs of t contiguous
