@@ -117,6 +117,7 @@ def _graph_breaks(method):
         return torch._dynamo.explain(model)(torch.randint(0, 100, (1, 8)), logits_to_keep=1).graph_break_count
 
 
+@pytest.mark.cpu_only(reason="builds its tiny model on the CPU, where inputs on the default CUDA device miss it")
 @pytest.mark.parametrize("path", ["triton", "reference"])
 @pytest.mark.parametrize("method", ["monarch", "blast", "lowrank"])
 def test_a_compressed_model_compiles_with_no_more_graph_breaks_than_the_dense_one(method, path, monkeypatch):
@@ -136,6 +137,7 @@ def _training_step(model, ids):
     return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+@pytest.mark.cpu_only(reason="builds its tiny model on the CPU, where inputs on the default CUDA device miss it")
 @pytest.mark.parametrize("method,path", [("monarch", "triton"), ("blast", "triton"), ("lowrank", "triton"),
                                          ("monarch", "reference")])
 def test_a_compressed_model_trains_under_compile_in_one_graph_with_the_eager_gradients(method, path, monkeypatch,

@@ -595,7 +595,8 @@ def test_auto_variant_remembers_a_gpu_pick_but_not_an_untimed_default(monkeypatc
     assert pick(gpu0) == "fast" and len(offers) == 2
     assert pick(gpu0) == "fast" and len(offers) == 2                  # remembered
     assert pick(gpu1) == "fast" and len(offers) == 3                  # another device has its own
-    assert [pick(torch.zeros(1)) for _ in range(2)] == ["slow"] * 2 and len(offers) == 5    # off the GPU: never
+    off_gpu = torch.zeros(1, device="cpu")
+    assert [pick(off_gpu) for _ in range(2)] == ["slow"] * 2 and len(offers) == 5         # off the GPU: never
     blr_common.forget_picks()
     assert pick(gpu0) == "fast" and len(offers) == 6
     monkeypatch.setattr(blr_common, "_time_candidate", lambda op, name, fn, args, rep_ms: math.inf)
