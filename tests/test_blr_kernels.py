@@ -657,6 +657,15 @@ def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
     assert blr_common.PICK_TIMINGS == {"op (16,)": {"pick": "a", "cached": True}}
 
 
+def test_the_host_side_powers_of_two_are_tritons():
+    import triton
+
+    for n in range(1, 5000):
+        assert blr_common.pick_bucket(n) == triton.next_power_of_2(n)
+        assert blr_common.pow2_at_least(n, 1) == triton.next_power_of_2(n)
+    assert blr_common.pick_bucket(0) == 1 and blr_common.pow2_at_least(0) == 16
+
+
 def test_pick_bucket_keeps_one_and_sixteen_tokens_apart():
     """The pick's N key is a power of two with no floor (n_bucket, the tile key, starts at 16): a pick timed at N = 1
     is not reused at N = 16."""

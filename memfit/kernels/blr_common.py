@@ -101,7 +101,14 @@ def pick_bucket(n: int) -> int:
     ``bmm_perm_bmm`` at N = 16 in three runs (43f911d, 04677cb, 9f70ccb), and about as fast as ``bmm``, which leads
     at N = 1 by 1.4-2.9%. Keyed apart (6a18df8), the pick there takes ``bmm`` at N = 1 and ``bmm_perm_bmm`` at
     N = 16, which the table read at 20.03 us against that pipeline's own row's 19.89."""
-    return triton.next_power_of_2(max(1, int(n)))
+    return _next_pow2(n)
+
+
+def _next_pow2(n: int) -> int:
+    """``triton.next_power_of_2`` of max(1, n) in plain Python: Triton's is a ConstexprFunction, whose call from the
+    host unwraps its arguments as constexprs, and the ops ask it several times at every call (the pick's bucket,
+    the tiles' N bucket, the block sizes)."""
+    return 1 << (max(1, int(n)) - 1).bit_length()
 
 
 def n_bucket(n: int) -> int:
@@ -637,7 +644,7 @@ def fits_smem(config, tile_elems: int, elem_bytes: int) -> bool:
 
 
 def pow2_at_least(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(int(n)))
+    return max(floor, _next_pow2(n))
 
 
 TOKEN_MAJOR_MIN_N = 128  # from here Monarch and BLAST also offer intermediates stored token-contiguous, (b, r, N),
