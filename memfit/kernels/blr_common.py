@@ -83,7 +83,7 @@ from memfit.measure.timing import graph_ms, turn_orders
 
 _CACHE: dict | None = None
 _UNTIMED: set[str] = set()      # pick keys where no candidate could be timed (this process only)
-_VARIANT_MEMO: dict[tuple, str] = {}    # (op, shape_key, device) -> the GPU pick auto_variant returned (this process)
+_VARIANT_MEMO: dict[tuple, str] = {}    # (op, shape_key, device) -> the pipeline auto_variant settled on (this process)
 PICK_REP_MS = 10                 # ms of graph replays per kernel variant or tile config (short: a cold run of
                                  # many shapes stays fast)
 PICK_FINALIST_SLACK = 1.25       # variants within this factor of the fastest first timing are timed again,
