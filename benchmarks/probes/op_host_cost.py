@@ -65,7 +65,8 @@ def issue_us(calls: dict, rounds: int = ROUNDS, count: int = CALLS) -> dict:
 
 
 def layer_calls(structure: str, layer, x) -> dict:
-    """The calls of each layer of the path, with the variant the auto pick took for this shape."""
+    """The call at each level of what runs in a layer call (the module docstring), and the variant the auto pick took
+    for this shape (recorded from the op itself: a pick remembered earlier in the process leaves no timing record)."""
     if structure == "monarch":
         op, kernels, factors = torch.ops.memfit.monarch_linear, monarch_kernels, (layer.w1, layer.w2)
         wrapper = lambda: kernels.monarch_linear(x, *factors, None, layer.permute_output)           # noqa: E731
