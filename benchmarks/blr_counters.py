@@ -111,7 +111,8 @@ def profiled_run() -> None:
     run without it (results/earlier/blr_counters_no_flush_80c60c8.json) cuBLAS at Llama-1B gate, N = 1, whose output
     is 16 KB, wrote 9.04 MB to DRAM, and 2.25 MB with it (3ce8478): the flush accounts for part of it only. Until
     the flush became ``blr_common.l2_flush`` it summed its uint8 buffer, which first wrote an int64 copy eight times
-    its size; every result file so far was measured with that flush (not run again since)."""
+    its size: the files up to 7eeb2bd's (results/earlier/) were measured with that flush, dfd69a8's
+    (results/blr_counters.json) with the read-only one, its decode cases' DRAM bytes as before."""
     import torch
     import triton
     import triton.language as tl
