@@ -72,12 +72,16 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from torch.utils._device import DeviceContext
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from memfit.errors import MemfitError
 from memfit.files import atomic_path
-from memfit.kernels.dispatch import constant_when_compiled, dot_precision, interpreting, use_triton
+from memfit.kernels.dispatch import (
+    constant_when_compiled,
+    dot_precision,
+    interpreting,
+    outside_the_dispatcher,
+    use_triton,
+)
 from memfit.log import warn_once
 from memfit.measure.timing import graph_ms, turn_orders
 
@@ -204,27 +208,11 @@ def bind_shapes(op: str, x: torch.Tensor, bias: torch.Tensor | None, factors: di
 
 
 def skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
-    """Whether a BLR op's wrapper may call the op's function directly instead of through its custom op (the same
-    function runs): in eager mode where nothing needs the dispatcher. Not where a gradient is recorded (the op
-    registers the backward), torch.compile or export traces (the op is opaque to them, with its fake), a dispatch
-    mode is on (fake tensors, a flop counter) or a function mode other than a default device (which the function,
-    naming its devices, is not affected by), a functorch transform runs, the profiler records (its tables name the op),
-    or a tensor is a subclass; nor under ``torch.jit.trace``, which would record the ops around the kernels and not
-    the kernels (Triton launches are invisible to it). The custom op's call (its autograd wrapper, redispatch and alias
-    checks, with the op function's reshapes, which the direct call keeps) cost a layer call 30-90 us of host time on
-    the H200's host at a93ab16, where the eager prefill of a compressed model was host-bound
-    (``benchmarks/probes/op_host_cost.py``; the direct call's saving alone is not measured)."""
-    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._autograd._profiler_enabled()
-            or _get_current_dispatch_mode() is not None or torch._C._are_functorch_transforms_active()):
-        return False
-    if torch._C._is_torch_function_mode_enabled() and not all(
-            isinstance(mode, DeviceContext) for mode in torch.overrides._get_current_function_mode_stack()):
-        return False
+    """Whether a BLR op's wrapper may call the op's function directly instead of through its custom op: where
+    :func:`memfit.kernels.dispatch.outside_the_dispatcher` allows it and no gradient is recorded (the custom op
+    registers the backward). The eager prefill of a compressed model was host-bound on the H200's host at a93ab16."""
     grad = torch.is_grad_enabled()
-    return all(t is None or (type(t) in _PLAIN_TENSORS and not (grad and t.requires_grad)) for t in tensors)
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+    return outside_the_dispatcher(*tensors) and not any(grad and t is not None and t.requires_grad for t in tensors)
 
 
 def runs_triton(op: str, x: torch.Tensor, tensors: tuple, path: str | None, variant: str) -> bool:
