@@ -140,8 +140,8 @@ def test_a_patched_model_trains_its_mlp_by_the_fused_op_with_the_same_loss_and_g
     calls = []
     import memfit.kernels.swiglu as module
 
-    real = module._swiglu_op
-    monkeypatch.setattr(module, "_swiglu_op", lambda *args: calls.append(1) or real(*args))
+    real = module._forward                               # the eager Function's forward, as a training step runs it
+    monkeypatch.setattr(module, "_forward", lambda *args: calls.append(1) or real(*args))
     losses = [m(input_ids=ids, labels=ids).loss for m in (plain, fused)]
     for loss in losses:
         loss.backward()
@@ -198,3 +198,54 @@ def test_a_copy_of_a_patched_model_runs_its_own_mlps():
         twin_mlp.up_proj.weight.mul_(2)
         x = torch.randn(2, 5, PRESETS["tiny"].hidden)
         assert torch.allclose(twin_mlp(x), 2 * mlp(x), rtol=1e-5, atol=1e-6)
+
+
+class _PassingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_eager_call_skips_the_custom_ops_with_the_same_output_and_gradients(path, monkeypatch):
+    """Outside compile, traces, modes and the profiler, swiglu runs its forward and backward through an
+    autograd.Function, not its custom ops (whose calls cost host time at every step); under each of those it calls
+    the custom op, and either way gives the same output and gradients."""
+    import memfit.kernels.swiglu as module
+
+    dispatched, op, backward_op = [], module._swiglu_op, module._swiglu_backward_op
+    monkeypatch.setattr(module, "_swiglu_op", lambda *args: dispatched.append("forward") or op(*args))
+    monkeypatch.setattr(module, "_swiglu_backward_op", lambda *args: dispatched.append("backward") or backward_op(*args))
+    gen = seeded(7)
+    x0 = torch.randn(3, 40, generator=gen)
+
+    def step():
+        x = x0.clone().requires_grad_()
+        out = swiglu(x * 1, x * 2, path=path)
+        out.backward(torch.ones_like(out))
+        return out.detach(), x.grad
+
+    eager = step()
+    assert dispatched == []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        profiled = step()
+    with _PassingDispatchMode():
+        moded = step()
+    assert dispatched == ["forward", "backward"] * 2
+    assert all(torch.equal(a, b) for run in (profiled, moded) for a, b in zip(eager, run, strict=True))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_node_that_saved_an_input_refuses_to_read_the_gradient_written_over_it(path, eager, monkeypatch):
+    """gate's gradient is written over gate: a node created before the op that saved gate (sin here) runs its
+    backward after the op's, so it must raise rather than read the gradient as gate, on both routes (the custom
+    op's mutation moves gate's version; the eager route moves it itself, since the kernel's stores do not)."""
+    import memfit.kernels.swiglu as module
+
+    if not eager:
+        monkeypatch.setattr(module, "outside_the_dispatcher", lambda *tensors: False)
+    x = torch.randn(4, 8, generator=seeded(8), requires_grad=True)
+    gate = x * 1
+    loss = gate.sin().sum() + swiglu(gate, x * 2, path=path).sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -13,8 +13,13 @@ the SiLU's output before the product, so results differ from it by rounding only
 interpreter) the reference runs with the same saved tensors and the same in-place gradients, through two
 temporaries of gate's size in its backward.
 
-Layout: the PyTorch reference, the Triton kernels and launchers, the custom ops (fake and autograd registrations),
-then the public function.
+Eager calls (:func:`memfit.kernels.dispatch.outside_the_dispatcher`) run the same forward and backward through an
+autograd.Function instead of the custom ops, whose calls cost host time that a step issued from Python pays at small
+token counts (``benchmarks/swiglu.py`` times both); compile, export, fake tensors and memfit's memory trace see the
+custom ops.
+
+Layout: the PyTorch reference, the Triton kernels, the forward and backward, the custom ops (fake and autograd
+registrations), the eager autograd.Function, then the public function.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from memfit.errors import MemfitError
-from memfit.kernels.dispatch import triton_importable, use_triton
+from memfit.kernels.dispatch import outside_the_dispatcher, triton_importable, use_triton
 
 if triton_importable():
     import triton
@@ -82,8 +87,7 @@ def _grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, BLOCK),)
 
 
-@torch.library.custom_op("memfit::swiglu", mutates_args=())
-def _swiglu_op(gate: torch.Tensor, up: torch.Tensor, path: Optional[str]) -> torch.Tensor:
+def _forward(gate: torch.Tensor, up: torch.Tensor, path: Optional[str]) -> torch.Tensor:
     if not use_triton("swiglu", gate, up, path=path):
         return swiglu_reference(gate, up)
     out = torch.empty_like(gate)
@@ -91,14 +95,8 @@ def _swiglu_op(gate: torch.Tensor, up: torch.Tensor, path: Optional[str]) -> tor
     return out
 
 
-@_swiglu_op.register_fake
-def _(gate, up, path):
-    return torch.empty_like(gate)
-
-
-@torch.library.custom_op("memfit::swiglu_backward_", mutates_args=("gate", "up"))
-def _swiglu_backward_op(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, write_gate: bool, write_up: bool,
-                        path: Optional[str]) -> None:
+def _backward_(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, write_gate: bool, write_up: bool,
+               path: Optional[str]) -> None:
     """gate's and up's gradients written over gate and up (each only where it is wanted: the other keeps its values)."""
     if not use_triton("swiglu", grad, gate, up, path=path):
         _backward_reference_(grad, gate, up, write_gate, write_up)
@@ -107,9 +105,30 @@ def _swiglu_backward_op(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
                                           BLOCK=BLOCK)
 
 
+_swiglu_op = torch.library.custom_op("memfit::swiglu", _forward, mutates_args=())
+
+
+@_swiglu_op.register_fake
+def _(gate, up, path):
+    return torch.empty_like(gate)
+
+
+_swiglu_backward_op = torch.library.custom_op("memfit::swiglu_backward_", _backward_, mutates_args=("gate", "up"))
+
+
 @_swiglu_backward_op.register_fake
 def _(grad, gate, up, write_gate, write_up, path):
     return None
+
+
+def _backward_outside_the_dispatcher_(grad, gate, up, write_gate, write_up, path) -> None:
+    """:func:`_backward_` with what the custom op's mutation adds: the written tensors' versions move on, so a node
+    that saved gate or up for its own backward raises instead of reading gradients (the kernel's stores do not move
+    them; the reference's in-place ops do, and a second step does no harm)."""
+    _backward_(grad, gate, up, write_gate, write_up, path)
+    for t, written in ((gate, write_gate), (up, write_up)):
+        if written:
+            torch.autograd.graph.increment_version(t)
 
 
 def _setup_context(ctx, inputs, output):
@@ -124,11 +143,24 @@ def _swiglu_grad(ctx, grad):
                           "inputs; use memfit.kernels.swiglu.swiglu_reference where a second derivative is needed")
     gate, up = ctx.saved_tensors
     want_gate, want_up = ctx.needs_input_grad[:2]
-    _swiglu_backward_op(grad.contiguous(), gate, up, want_gate, want_up, ctx.path)
+    grad = grad.contiguous()
+    write = _backward_outside_the_dispatcher_ if outside_the_dispatcher(grad, gate, up) else _swiglu_backward_op
+    write(grad, gate, up, want_gate, want_up, ctx.path)
     return gate if want_gate else None, up if want_up else None, None
 
 
 _swiglu_op.register_autograd(_swiglu_grad, setup_context=_setup_context)
+
+
+class _EagerSwiglu(torch.autograd.Function):
+    """The custom op's forward and backward without its dispatch, for eager calls."""
+
+    @staticmethod
+    def forward(gate, up, path):
+        return _forward(gate, up, path)
+
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_swiglu_grad)
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -154,4 +186,4 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, path: str | None = None) -> tor
     gate, up = _own(gate), _own(up)
     if gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr():    # swiglu(h, h) or two views of one
         up = up.clone()
-    return _swiglu_op(gate, up, path)
+    return (_EagerSwiglu.apply if outside_the_dispatcher(gate, up) else _swiglu_op)(gate, up, path)
