@@ -167,8 +167,8 @@ def test_a_model_whose_mlp_is_not_silu_is_refused_everywhere_the_fused_op_is_ask
     gelu = dataclasses.replace(PRESETS["tiny"], activation="gelu")
     assert PRESETS["tiny"].silu_mlp and not gelu.silu_mlp
     with pytest.raises(MemfitError, match="this model's MLP activation is GELU"):
-        patch(build_model(gelu, dtype="float32"), fused_ce=False, fused_swiglu=True)
-    switched_later = patch(build_model(gelu, dtype="float32"), fused_ce=False)    # off at patch time, on per call
+        patch(build_model(gelu, dtype="float32", device=torch.get_default_device()), fused_ce=False, fused_swiglu=True)
+    switched_later = patch(build_model(gelu, dtype="float32", device=torch.get_default_device()), fused_ce=False)    # off at patch time, on per call
     patch_state(switched_later).fused_swiglu = True
     with pytest.raises(MemfitError, match="this model's MLP activation is GELU"):
         switched_later(input_ids=torch.zeros(1, 4, dtype=torch.long))

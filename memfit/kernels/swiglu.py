@@ -153,13 +153,15 @@ _swiglu_op.register_autograd(_swiglu_grad, setup_context=_setup_context)
 
 
 class _EagerSwiglu(torch.autograd.Function):
-    """The custom op's forward and backward without its dispatch, for eager calls."""
+    """The custom op's forward and backward without its dispatch, for eager calls. Its forward takes ``ctx`` (no
+    ``setup_context``): torch binds a ``setup_context`` Function's arguments to its signature by ``inspect`` at
+    every call."""
 
     @staticmethod
-    def forward(gate, up, path):
+    def forward(ctx, gate, up, path):
+        _setup_context(ctx, (gate, up, path), None)
         return _forward(gate, up, path)
 
-    setup_context = staticmethod(_setup_context)
     backward = staticmethod(_swiglu_grad)
 
 
