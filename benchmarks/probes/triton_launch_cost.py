@@ -10,6 +10,11 @@ layer call in Triton's ``JITFunction.run`` and ``Autotuner.run`` (``results/prob
     aten_mul        torch.mul into a preallocated output (an ATen launch)
     eager_forward   memfit.kernels.swiglu.swiglu under no_grad (the eager route: an autograd.Function)
     op_forward      torch.ops.memfit.swiglu under no_grad (the custom op)
+    fused_graph     swiglu(a * 1, b * 1) with a and b wanting gradients: the eager forward with its autograd node
+    unfused_graph   silu(a * 1) * (b * 1) the same way (the pair: two ATen launches and nodes)
+
+(the last two, against benchmarks/swiglu.py's host time per step, split a step's host time between forward and
+backward).
 
 Checks first that compiled_run's output equals jit's. Writes OUT/triton_launch_cost.json:
 
@@ -59,7 +64,14 @@ def main() -> None:
         "aten_mul": lambda: torch.mul(gate, up, out=out),
         "eager_forward": lambda: swiglu_module.swiglu(gate, up),
         "op_forward": lambda: torch.ops.memfit.swiglu(gate, up, None),
+        "fused_graph": lambda: with_grad(swiglu_module.swiglu),
+        "unfused_graph": lambda: with_grad(swiglu_module.swiglu_reference),
     }
+    leaves = (gate.clone().requires_grad_(), up.clone().requires_grad_())
+
+    def with_grad(fn):
+        with torch.enable_grad():
+            return fn(leaves[0] * 1, leaves[1] * 1)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "commit": os.environ.get("MEMFIT_COMMIT"),
               "elements": ELEMENTS, "us": issue_us(calls)}
