@@ -369,14 +369,24 @@ def blr_accuracy_section(data: dict) -> str:
 
 
 def swiglu_section(data: dict) -> str:
+    """Per case: each way's time per step, then (files from 2f772b1 on) its GPU and host times with the steps queued,
+    and the fused op's host time through its custom ops."""
+    queued = all("fused_gpu_ms" in r for r in data["rows"])
+    columns = ["dtype", "tokens x width", "unfused ms", "fused ms", "floor ms"]
+    if queued:
+        columns += ["GPU ms, queued: unfused / fused", "host ms, queued: unfused / fused / through the custom ops"]
     out = ["### Fused SwiGLU against the unfused pair, forward + backward\n", _header(data, "python benchmarks/swiglu.py"),
-           "| dtype | tokens x width | unfused ms | fused ms | floor ms | peak above inputs, unfused -> fused (MiB) |",
-           "|---|---|---|---|---|---|"]
+           "| " + " | ".join(columns + ["peak above inputs, unfused -> fused (MiB)"]) + " |",
+           "|" + "---|" * (len(columns) + 1)]
     for r in data["rows"]:
         floor = f"{r['floor_ms']:.3f}" if r.get("floor_ms") else "-"
-        out.append(f"| {r['dtype'].removeprefix('torch.')} | {r['tokens']} x {r['width']} | {r['unfused_ms']:.3f} | "
-                   f"{r['fused_ms']:.3f} | {floor} | {r['unfused_peak_bytes'] / 2**20:.0f} -> "
-                   f"{r['fused_peak_bytes'] / 2**20:.0f} |")
+        cells = [r["dtype"].removeprefix("torch."), f"{r['tokens']} x {r['width']}", f"{r['unfused_ms']:.3f}",
+                 f"{r['fused_ms']:.3f}", floor]
+        if queued:
+            cells += [f"{r['unfused_gpu_ms']:.3f} / {r['fused_gpu_ms']:.3f}",
+                      f"{r['unfused_host_ms']:.3f} / {r['fused_host_ms']:.3f} / {r['fused_custom_op_host_ms']:.3f}"]
+        cells.append(f"{r['unfused_peak_bytes'] / 2**20:.0f} -> {r['fused_peak_bytes'] / 2**20:.0f}")
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n\n" + _targets(data)
 
 

@@ -11,8 +11,8 @@ eager call takes (an autograd.Function) and, for its host time, through its cust
 see). That peak includes this harness's own tensors, the same in both
 (fresh copies of gate and up each step, and their gradients), so it shows a smaller share of the op's saving than a
 training step does: benchmarks/finetune_memory.py's fused-SwiGLU row measures it there. At 1K tokens both ways took
-about 0.3 ms in either dtype on the H200 (97ff95e), more than their bytes need: their launches from Python, most
-likely (not profiled). The floor is the bytes one pass each way must move
+about 0.3 ms in either dtype on the H200 (97ff95e), five to ten times what their bytes need: the host's time, as the queued
+timing since showed (57f53fe). The floor is the bytes one pass each way must move
 (forward: read gate and up, write the product; backward: read the gradient, gate and up, write both gradients), at the
 copy bandwidth measured in this run (memfit.measure.timing.measure_ceilings).
 
