@@ -236,16 +236,31 @@ def test_an_eager_call_skips_the_custom_ops_with_the_same_output_and_gradients(p
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("eager", [True, False])
-def test_a_node_that_saved_an_input_refuses_to_read_the_gradient_written_over_it(path, eager, monkeypatch):
-    """gate's gradient is written over gate: a node created before the op that saved gate (sin here) runs its
-    backward after the op's, so it must raise rather than read the gradient as gate, on both routes (the custom
-    op's mutation moves gate's version; the eager route moves it itself, since the kernel's stores do not)."""
+@pytest.mark.parametrize("saved", ["gate", "up"])
+def test_a_node_that_saved_an_input_refuses_to_read_the_gradient_written_over_it(path, eager, saved, monkeypatch):
+    """An input's gradient is written over it: a node created before the op that saved that input (sin here) runs
+    its backward after the op's, so it must raise rather than read the gradient as the input, on both routes (the
+    custom op's mutation moves the input's version; the eager route moves it itself, since the kernel's stores do
+    not)."""
     import memfit.kernels.swiglu as module
 
     if not eager:
         monkeypatch.setattr(module, "outside_the_dispatcher", lambda *tensors: False)
     x = torch.randn(4, 8, generator=seeded(8), requires_grad=True)
-    gate = x * 1
-    loss = gate.sin().sum() + swiglu(gate, x * 2, path=path).sum()
+    inputs = {"gate": x * 1, "up": x * 2}
+    loss = inputs[saved].sin().sum() + swiglu(inputs["gate"], inputs["up"], path=path).sum()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_view_of_a_parameter_is_copied_not_overwritten(path):
+    """A view of a leaf that wants a gradient is the caller's tensor as much as the leaf: it is copied, so the
+    parameter keeps its values and gets its gradient (it was overwritten with its gradient, unwarned)."""
+    gen = seeded(9)
+    w0, u0 = torch.randn(32, generator=gen), torch.randn(4, 8, generator=gen)
+    w, ref = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    swiglu(w.view(4, 8), u0 * 1, path=path).sum().backward()
+    swiglu_reference(ref.view(4, 8), u0).sum().backward()
+    assert torch.equal(w.detach(), w0)
+    assert torch.allclose(w.grad, ref.grad, rtol=1e-5, atol=1e-6)

@@ -73,13 +73,13 @@ def use_triton(op: str, *tensors: torch.Tensor, path: str | None = None) -> bool
 def outside_the_dispatcher(*tensors: torch.Tensor | None) -> bool:
     """Whether an op's wrapper may run the op's implementation itself instead of through its custom op (the same
     functions run): in eager mode, where nothing but autograd needs the dispatcher. Not while torch.compile or export
-    traces (the op is opaque to them, with its fake), a dispatch mode is on (fake tensors, a flop counter, a memory
-    trace) or a function mode other than a default device (which the implementation, naming its devices, is not
-    affected by), a functorch transform runs, the profiler records (its tables name the op), or a tensor is a
+    traces (the op is opaque to them, with its fake), a dispatch mode is on (fake tensors, a flop counter) or a
+    function mode other than a default device (which the implementation, naming its devices, is not affected by),
+    a functorch transform runs, the profiler records (its tables name the op), or a tensor is a
     subclass; nor under ``torch.jit.trace``, which would record the ops around the kernels and not the kernels
-    (Triton launches are invisible to it). Why: a custom op's call (its autograd wrapper, redispatch and alias
-    checks) took 17-52 us of host time per BLR layer call on the H200's host at 211e095, over the same function
-    called directly (``benchmarks/probes/op_host_cost.py``'s op_named and function_named levels)."""
+    (Triton launches are invisible to it). Why: a custom op's call took 17-52 us of host time per BLR layer call on
+    the H200's host at 211e095, over the same function called directly (``benchmarks/probes/op_host_cost.py``'s
+    op_named and function_named levels)."""
     if (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._autograd._profiler_enabled()
             or _get_current_dispatch_mode() is not None or torch._C._are_functorch_transforms_active()):
         return False

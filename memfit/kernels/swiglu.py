@@ -15,8 +15,9 @@ temporaries of gate's size in its backward.
 
 Eager calls (:func:`memfit.kernels.dispatch.outside_the_dispatcher`) run the same forward and backward through an
 autograd.Function instead of the custom ops, whose calls cost host time that a step issued from Python pays at small
-token counts (``benchmarks/swiglu.py`` times both); compile, export, fake tensors and memfit's memory trace see the
-custom ops.
+token counts (``benchmarks/swiglu.py`` times both); torch.compile (with a graph break at the check that gate and up
+do not share storage), fake tensors, the profiler and memfit's memory trace see the custom ops. That storage check
+also stops torch.export, fullgraph compiles and functorch transforms, on either route.
 
 Layout: the PyTorch reference, the Triton kernels, the forward and backward, the custom ops (fake and autograd
 registrations), the eager autograd.Function, then the public function.
@@ -124,7 +125,9 @@ def _(grad, gate, up, write_gate, write_up, path):
 def _backward_outside_the_dispatcher_(grad, gate, up, write_gate, write_up, path) -> None:
     """:func:`_backward_` with what the custom op's mutation adds: the written tensors' versions move on, so a node
     that saved gate or up for its own backward raises instead of reading gradients (the kernel's stores do not move
-    them; the reference's in-place ops do, and a second step does no harm)."""
+    them; the reference's in-place ops do, and a second step does no harm). As on the custom op's route, torch does
+    not check versions of tensors saved through saved-tensor hooks (non-reentrant checkpointing among them): such a
+    node reads the gradients unwarned."""
     _backward_(grad, gate, up, write_gate, write_up, path)
     for t, written in ((gate, write_gate), (up, write_up)):
         if written:
@@ -168,9 +171,15 @@ class _EagerSwiglu(torch.autograd.Function):
 def _own(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the op may overwrite it in backward (only an input whose gradient is wanted is overwritten): a
     contiguous intermediate (a projection's output) is taken as it is; a strided tensor, or a leaf that wants a
-    gradient (a tensor the caller made and holds), is copied first."""
-    return t.clone(memory_format=torch.contiguous_format) if (t.is_leaf and t.requires_grad) or not t.is_contiguous() \
-        else t
+    gradient (a tensor the caller made and holds, a parameter) or a view of one, is copied first. (Views are told
+    apart outside torch.compile only: inside, its graph's inputs do not say what they view.)"""
+    return t.clone(memory_format=torch.contiguous_format) if _caller_holds(t) or not t.is_contiguous() else t
+
+
+def _caller_holds(t: torch.Tensor) -> bool:
+    if t.is_leaf:
+        return t.requires_grad
+    return not torch.compiler.is_compiling() and t._is_view() and t._base.is_leaf and t._base.requires_grad
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, path: str | None = None) -> torch.Tensor:
