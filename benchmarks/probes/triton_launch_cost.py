@@ -5,8 +5,9 @@ layer call in Triton's ``JITFunction.run`` and ``Autotuner.run`` (``results/prob
 
     jit             _forward_kernel[grid](...): JITFunction.run (device, stream, binding and specialisation of the
                     arguments, cache key, launch)
-    compiled_run    the CompiledKernel that call returned, launched by its own ``run`` (what is left of a launch once
-                    the specialisation is known: the C launcher)
+    compiled_run    the CompiledKernel that call returned, launched by its own ``run`` (Triton's launcher: a Python
+                    wrapper around the C launch; what is left once JITFunction.run's binding, specialisation and
+                    cache lookup are skipped)
     aten_mul        torch.mul into a preallocated output (an ATen launch)
     eager_forward   memfit.kernels.swiglu.swiglu under no_grad (the eager route: an autograd.Function)
     op_forward      torch.ops.memfit.swiglu under no_grad (the custom op)
