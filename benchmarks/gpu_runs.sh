@@ -59,7 +59,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # CUDA device, fixed since); test_blr_compile.py 35.4 s under -n 4: its 10 op-level tests passed, its 10 model-level
 # ones failed on a model built on the CPU and are marked cpu_only since (logs gpu_tests_blr*_6a23ce9.log). At 211e095
 # the BLR file took 85.2 s (326 passed, 12 skipped) and test_blr_compile.py 30.3 s (10 passed, 10 skipped; 29.9 s at
-# 2f772b1). gpu_tests_swiglu's log records 18.5 s at 57f53fe (34 passed).
+# 2f772b1). gpu_tests_swiglu's log records 18.5 s at 57f53fe (34 passed), 22.5 s at 732a4bd (40 passed).
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
