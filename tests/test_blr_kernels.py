@@ -621,6 +621,24 @@ def test_a_pick_where_no_variant_could_be_timed_runs_the_default_and_says_so(mon
     assert blr_common.pick_variant("op", (8,), candidates, "b", ()) == "b" and timed == ["a", "b"]
 
 
+def test_a_pick_calls_each_candidate_once_before_copying_its_arguments(monkeypatch):
+    """What a candidate sets up on its first call (a chain's tile pick, with rotating copies of its own) happens
+    before the pick's own copies exist, so the two sets are not alive together; a candidate whose first call fails
+    is said once and not timed."""
+    events, warned = [], []
+    monkeypatch.setattr(blr_common, "rotation", lambda op, args: events.append("copies") or [args])
+    monkeypatch.setattr(blr_common, "_time_candidate",
+                        lambda op, name, fn, args, rep_ms: events.append(f"time {name}") or {"ok": 1.0}[name])
+    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
+
+    def broken(*args):
+        raise RuntimeError("no kernel for this tile")
+
+    timings = blr_common._timed_fastest("op", {"ok": lambda *args: events.append("call ok"), "broken": broken}, (1,))
+    assert events == ["call ok", "copies", "time ok"] and timings["pick"] == "ok"
+    assert list(timings["first"]) == ["ok"] and "variant broken failed" in warned[0]
+
+
 def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
     """Variants within PICK_FINALIST_SLACK of the fastest first timing are timed again in PICK_FINAL_ROUNDS rounds,
     forward and reverse by turns, and the lowest median wins: here "b" trails "a" once but wins two of the three
@@ -1061,7 +1079,7 @@ def test_a_chain_takes_the_pair_of_tiles_fastest_together_and_caches_it(fake_gpu
 @pytest.mark.parametrize("structure", ["monarch", "blast", "lowrank"])
 def test_each_chained_op_runs_the_pair_its_pick_took(structure, fake_gpu_chain, launched_tiles, monkeypatch):
     """Through its chained pipeline as the op calls it, each structure times its pairs, each run in full (its two
-    GEMMs launched with the pair's tiles), then runs the pair the pick took."""
+    GEMMs launched with the pair's tiles, once to settle it and once timed), then runs the pair the pick took."""
     import ast
 
     timed = []
@@ -1075,7 +1093,7 @@ def test_each_chained_op_runs_the_pair_its_pick_took(structure, fake_gpu_chain, 
     got, want = chained_layer(structure)
     label = next(iter(blr_common.CHAIN_TILE_PICKS.values()))["pick"]
     assert rel(got, want) < 1e-5 and label in timed
-    assert len(launched_tiles) == 2 * len(timed) + 2
+    assert len(launched_tiles) == 2 * 2 * len(timed) + 2
     assert launched_tiles[-2:] == [ast.literal_eval(tile) for tile in label.split(" + ")]
 
 

@@ -312,6 +312,7 @@ def _timed_fastest(op: str, candidates: dict, args: tuple) -> dict:
     """The timings of ``candidates`` (name -> fn(*args)) over :func:`rotation`'s copies of ``args``: every one once
     ("first"), those within PICK_FINALIST_SLACK of the fastest again (:func:`_final_times`, "finalists"), and the
     fastest finalist ("pick"; no pick where none could be timed)."""
+    candidates = _settled(op, candidates, args)
     copies = rotation(op, args)
     first = _rotated_times(op, candidates, copies)
     best = min(first.values())
@@ -320,6 +321,23 @@ def _timed_fastest(op: str, candidates: dict, args: tuple) -> dict:
     finalists = {name: candidates[name] for name, ms in first.items() if ms <= best * PICK_FINALIST_SLACK}
     final = _final_times(op, finalists, copies) if len(finalists) > 1 else {name: first[name] for name in finalists}
     return {"first": first, "finalists": final, "pick": min(final, key=final.get)}
+
+
+def _settled(op: str, candidates: dict, args: tuple) -> dict:
+    """``candidates`` less those that fail a first call on ``args``, each called once before :func:`rotation` copies
+    the arguments: what a candidate sets up on its first call (a chain's tile pick, :func:`pick_chain_tiles`, which
+    times over copies of its own; Triton's autotuning) then runs while only its own copies are alive. Building a
+    Monarch Llama-1B decode loop peaked 0.39 GB above the model at dfd69a8, 0.35 of it the two sets of copies alive
+    together (``benchmarks/results/probes/generator_peak_dfd69a8.json``)."""
+    settled = {}
+    for name, fn in candidates.items():
+        try:
+            fn(*args)
+        except Exception as err:  # noqa: BLE001 (as in _time_candidate: the others still compete)
+            _say_failed(op, name, err)
+            continue
+        settled[name] = fn
+    return settled
 
 
 def _final_times(op: str, finalists: dict, copies: list[tuple]) -> dict:
@@ -477,9 +495,13 @@ def _time_candidate(op: str, name: str, fn, args: tuple, rep_ms: float = PICK_RE
     try:
         return _graph_ms(fn, args, rep_ms)
     except Exception as err:  # noqa: BLE001 (e.g. a config past this GPU's shared memory: the others still compete)
-        warn_once(f"variant-failed:{op}:{name}", f"{op}: variant {name} failed here and is not picked: "
-                  f"{type(err).__name__}: {str(err)[:200]}")
+        _say_failed(op, name, err)
         return float("inf")
+
+
+def _say_failed(op: str, name: str, err: Exception) -> None:
+    warn_once(f"variant-failed:{op}:{name}", f"{op}: variant {name} failed here and is not picked: "
+              f"{type(err).__name__}: {str(err)[:200]}")
 
 
 def recompute_backward(reference, n_tensors: int, n_options: int = 0):
