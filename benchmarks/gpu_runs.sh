@@ -61,7 +61,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # the BLR file took 85.2 s (326 passed, 12 skipped) and test_blr_compile.py 30.3 s (10 passed, 10 skipped; 29.9 s at
 # 2f772b1). gpu_tests_swiglu's log records 18.5 s at 57f53fe (34 passed), 22.5 s at 732a4bd (40 passed).
 # At 685f2f3 blr_generate stopped at its 400 s limit before its BLAST case (its first case logged at 203 s, Monarch's
-# at 312 s; the file records 311.8 s), on a host whose dense prefill took twice dfd69a8's: its limit is now 560 s.
+# at 312 s, 103 s after the one before, against 28 s at dfd69a8, whose machine had made some of its picks in an
+# earlier call; the file records 311.8 s) on a fresh machine: its limit is now 560 s.
 # At 31241dc the BLR file took 100.8 s (327 passed, 12 skipped), near its 120 s limit, now 180.
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
