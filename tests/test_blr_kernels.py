@@ -636,7 +636,10 @@ def test_a_pick_calls_each_candidate_once_before_copying_its_arguments(monkeypat
 
     timings = blr_common._timed_fastest("op", {"ok": lambda *args: events.append("call ok"), "broken": broken}, (1,))
     assert events == ["call ok", "copies", "time ok"] and timings["pick"] == "ok"
-    assert list(timings["first"]) == ["ok"] and "variant broken failed" in warned[0]
+    assert timings["first"] == {"ok": 1.0, "broken": math.inf} and "variant broken failed" in warned[0]
+    events.clear()
+    assert blr_common._timed_fastest("op", {"broken": broken}, (1,)) == {"first": {"broken": math.inf}}
+    assert events == []                                                   # none settled: nothing copied or timed
 
 
 def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
@@ -1093,7 +1096,8 @@ def test_each_chained_op_runs_the_pair_its_pick_took(structure, fake_gpu_chain, 
     got, want = chained_layer(structure)
     label = next(iter(blr_common.CHAIN_TILE_PICKS.values()))["pick"]
     assert rel(got, want) < 1e-5 and label in timed
-    assert len(launched_tiles) == 2 * 2 * len(timed) + 2
+    pairs = len(next(iter(blr_common.CHAIN_TILE_PICKS.values()))["first"])
+    assert len(launched_tiles) == 2 * pairs + 2 * len(timed) + 2                  # settled, timed, then the run
     assert launched_tiles[-2:] == [ast.literal_eval(tile) for tile in label.split(" + ")]
 
 

@@ -312,9 +312,9 @@ def _timed_fastest(op: str, candidates: dict, args: tuple) -> dict:
     """The timings of ``candidates`` (name -> fn(*args)) over :func:`rotation`'s copies of ``args``: every one once
     ("first"), those within PICK_FINALIST_SLACK of the fastest again (:func:`_final_times`, "finalists"), and the
     fastest finalist ("pick"; no pick where none could be timed)."""
-    candidates = _settled(op, candidates, args)
-    copies = rotation(op, args)
-    first = _rotated_times(op, candidates, copies)
+    settled = _settled(op, candidates, args)
+    copies = rotation(op, args) if settled else []
+    first = {name: float("inf") for name in candidates} | _rotated_times(op, settled, copies)
     best = min(first.values())
     if best == float("inf"):
         return {"first": first}
@@ -324,9 +324,10 @@ def _timed_fastest(op: str, candidates: dict, args: tuple) -> dict:
 
 
 def _settled(op: str, candidates: dict, args: tuple) -> dict:
-    """``candidates`` less those that fail a first call on ``args``, each called once before :func:`rotation` copies
-    the arguments: what a candidate sets up on its first call (a chain's tile pick, :func:`pick_chain_tiles`, which
-    times over copies of its own; Triton's autotuning) then runs while only its own copies are alive. Building a
+    """``candidates`` less those that fail a first call on ``args`` (said once; they read inf), each called once
+    before :func:`rotation` copies the arguments: what a candidate sets up on its first call (a chain's tile pick,
+    :func:`pick_chain_tiles`, which times over copies of its own; Triton's autotuning) then runs while only its own
+    copies are alive. Building a
     Monarch Llama-1B decode loop peaked 0.39 GB above the model at dfd69a8, 0.35 of it the two sets of copies alive
     together (``benchmarks/results/probes/generator_peak_dfd69a8.json``)."""
     settled = {}
