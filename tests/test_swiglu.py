@@ -166,9 +166,10 @@ def test_a_model_whose_mlp_is_not_silu_is_refused_everywhere_the_fused_op_is_ask
 
     gelu = dataclasses.replace(PRESETS["tiny"], activation="gelu")
     assert PRESETS["tiny"].silu_mlp and not gelu.silu_mlp
+    device = torch.get_default_device()                  # the CPU, or CUDA under MEMFIT_TEST_DEVICE=cuda
     with pytest.raises(MemfitError, match="this model's MLP activation is GELU"):
-        patch(build_model(gelu, dtype="float32", device=torch.get_default_device()), fused_ce=False, fused_swiglu=True)
-    switched_later = patch(build_model(gelu, dtype="float32", device=torch.get_default_device()), fused_ce=False)    # off at patch time, on per call
+        patch(build_model(gelu, dtype="float32", device=device), fused_ce=False, fused_swiglu=True)
+    switched_later = patch(build_model(gelu, dtype="float32", device=device), fused_ce=False)  # off at patch, on per call
     patch_state(switched_later).fused_swiglu = True
     with pytest.raises(MemfitError, match="this model's MLP activation is GELU"):
         switched_later(input_ids=torch.zeros(1, 4, dtype=torch.long))
@@ -261,6 +262,18 @@ def test_a_view_of_a_parameter_is_copied_not_overwritten(path):
     w0, u0 = torch.randn(32, generator=gen), torch.randn(4, 8, generator=gen)
     w, ref = w0.clone().requires_grad_(), w0.clone().requires_grad_()
     swiglu(w.view(4, 8), u0 * 1, path=path).sum().backward()
+    swiglu_reference(ref.view(4, 8), u0).sum().backward()
+    assert torch.equal(w.detach(), w0)
+    assert torch.allclose(w.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_under_compile_a_view_of_a_parameter_is_copied_too():
+    """Inside a traced graph a view's base is not known: the inputs are checked eagerly, at a graph break."""
+    gen = seeded(10)
+    w0, u0 = torch.randn(32, generator=gen), torch.randn(4, 8, generator=gen)
+    w, ref = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    compiled = torch.compile(lambda w, u: swiglu(w.view(4, 8), u * 1, path="reference"), backend="aot_eager")
+    compiled(w, u0).sum().backward()
     swiglu_reference(ref.view(4, 8), u0).sum().backward()
     assert torch.equal(w.detach(), w0)
     assert torch.allclose(w.grad, ref.grad, rtol=1e-5, atol=1e-6)

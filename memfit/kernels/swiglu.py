@@ -15,8 +15,8 @@ temporaries of gate's size in its backward.
 
 Eager calls (:func:`memfit.kernels.dispatch.outside_the_dispatcher`) run the same forward and backward through an
 autograd.Function instead of the custom ops, whose calls cost host time that a step issued from Python pays at small
-token counts (``benchmarks/swiglu.py`` times both); torch.compile (with a graph break at the check that gate and up
-do not share storage), fake tensors, the profiler and memfit's memory trace see the custom ops. That storage check
+token counts (``benchmarks/swiglu.py`` times both); torch.compile (with a graph break where the inputs are checked,
+which needs real tensors), fake tensors, the profiler and memfit's memory trace see the custom ops. That check
 also stops torch.export, fullgraph compiles and functorch transforms, on either route.
 
 Layout: the PyTorch reference, the Triton kernels, the forward and backward, the custom ops (fake and autograd
@@ -168,18 +168,25 @@ class _EagerSwiglu(torch.autograd.Function):
     backward = staticmethod(_swiglu_grad)
 
 
+def _owned(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate and up as the op may overwrite them in backward (only an input whose gradient is wanted is overwritten):
+    a contiguous intermediate (a projection's output) is taken as it is; a strided tensor, or a leaf that wants a
+    gradient (a tensor the caller made and holds, a parameter) or a view of one, is copied first, and up is copied
+    where it shares storage with gate."""
+    gate, up = _own(gate), _own(up)
+    if gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr():    # swiglu(h, h) or two views of one
+        up = up.clone()
+    return gate, up
+
+
 def _own(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the op may overwrite it in backward (only an input whose gradient is wanted is overwritten): a
-    contiguous intermediate (a projection's output) is taken as it is; a strided tensor, or a leaf that wants a
-    gradient (a tensor the caller made and holds, a parameter) or a view of one, is copied first. (Views are told
-    apart outside torch.compile only: inside, its graph's inputs do not say what they view.)"""
-    return t.clone(memory_format=torch.contiguous_format) if _caller_holds(t) or not t.is_contiguous() else t
+    caller_holds = t.requires_grad if t.is_leaf else t._is_view() and t._base.is_leaf and t._base.requires_grad
+    return t.clone(memory_format=torch.contiguous_format) if caller_holds or not t.is_contiguous() else t
 
 
-def _caller_holds(t: torch.Tensor) -> bool:
-    if t.is_leaf:
-        return t.requires_grad
-    return not torch.compiler.is_compiling() and t._is_view() and t._base.is_leaf and t._base.requires_grad
+# Under torch.compile _owned runs eagerly (a graph break): a traced graph's inputs do not say what they view, so a
+# parameter's view was taken as an intermediate and overwritten with its gradient, and storages have no address.
+_owned_eagerly = torch.compiler.disable(_owned)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, path: str | None = None) -> torch.Tensor:
@@ -194,7 +201,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, path: str | None = None) -> tor
                           f"{gate.dtype} {gate.device} and {tuple(up.shape)} {up.dtype} {up.device}")
     if not gate.is_floating_point():
         raise MemfitError(f"swiglu: gate and up must be floating point, got {gate.dtype}")
-    gate, up = _own(gate), _own(up)
-    if gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr():    # swiglu(h, h) or two views of one
-        up = up.clone()
+    gate, up = (_owned_eagerly if torch.compiler.is_compiling() else _owned)(gate, up)
     return (_EagerSwiglu.apply if outside_the_dispatcher(gate, up) else _swiglu_op)(gate, up, path)
