@@ -327,9 +327,8 @@ def _settled(op: str, candidates: dict, args: tuple) -> dict:
     """``candidates`` less those that fail a first call on ``args`` (said once; they read inf), each called once
     before :func:`rotation` copies the arguments: what a candidate sets up on its first call (a chain's tile pick,
     :func:`pick_chain_tiles`, which times over copies of its own; Triton's autotuning) then runs while only its own
-    copies are alive. Building a
-    Monarch Llama-1B decode loop peaked 0.39 GB above the model at dfd69a8, 0.35 of it the two sets of copies alive
-    together (``benchmarks/results/probes/generator_peak_dfd69a8.json``)."""
+    copies are alive. Building a Monarch Llama-1B decode loop peaked 0.39 GB above the model at dfd69a8, 0.35 of it
+    the two sets of copies alive together (``benchmarks/results/probes/generator_peak_dfd69a8.json``)."""
     settled = {}
     for name, fn in candidates.items():
         try:

@@ -193,9 +193,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, path: str | None = None) -> tor
     """``silu(gate) * up`` (the gated MLP's product), saving gate and up only and writing their gradients over them
     in backward: it consumes its inputs, whose values are gone once the backward has run (what a projection's output
     in a training step allows; a leaf that wants a gradient, a view of one, or a strided input is copied first, and
-    the copy is what is saved and overwritten, and up is copied where it shares memory with gate). gate and up: the same shape, dtype and device.
-    No double backward. ``path``: None follows MEMFIT_KERNELS (auto: Triton on CUDA or under the interpreter, else
-    the reference, said once), or "auto" | "triton" | "reference"."""
+    the copy is what is saved and overwritten, and up is copied where it shares memory with gate). gate and up: the
+    same shape, dtype and device. No double backward. ``path``: None follows MEMFIT_KERNELS (auto: Triton on CUDA or
+    under the interpreter, else the reference, said once), or "auto" | "triton" | "reference"."""
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
         raise MemfitError(f"swiglu: gate and up must share shape, dtype and device; got {tuple(gate.shape)} "
                           f"{gate.dtype} {gate.device} and {tuple(up.shape)} {up.dtype} {up.device}")
