@@ -2,8 +2,8 @@
 
 On a CUDA machine, ``MEMFIT_TEST_DEVICE=cuda`` makes CUDA torch's default device, so the tests that build their
 tensors without naming a device run the compiled kernels on the GPU at the same awkward shapes (a study, not part
-of ``make test``: ``benchmarks/gpu_runs.sh gpu_tests_blr gpu_tests_blr_compile gpu_tests_other gpu_tests_swiglu gpu_tests_timing
-gpu_tests_linear_ce``).
+of ``make test``: ``benchmarks/gpu_runs.sh gpu_tests_blr gpu_tests_blr_compile gpu_tests_other gpu_tests_swiglu
+gpu_tests_timing gpu_tests_linear_ce``).
 Tests that assume the CPU are marked ``cpu_only`` and skipped there, so that a failure there is a kernel's.
 """
 import os
@@ -89,6 +89,14 @@ def seeded(seed: int) -> torch.Generator:
     ``torch.Generator().manual_seed(seed)``), CUDA's under ``MEMFIT_TEST_DEVICE=cuda``, where a CPU generator
     cannot draw the tests' tensors."""
     return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
+
+
+class PassingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that runs every op as it is: what memfit's ops must treat as a mode being on (they go through
+    their custom ops), with results unchanged."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 
 
 def load_benchmark(name: str):

@@ -6,6 +6,7 @@ context, whose cached set of factory functions then held the replacement (a late
 torch.empty's tensors on the CPU)."""
 import pytest
 import torch
+from conftest import PassingDispatchMode
 
 from memfit.kernels import blast, lowrank, monarch
 from memfit.kernels.blast import blast_linear
@@ -52,11 +53,6 @@ class _PassingFunctionMode(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _PassingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")   # torch.jit.trace's
 @pytest.mark.parametrize("structure", ["monarch", "blast", "lowrank"])
 def test_an_eager_call_with_nothing_to_record_skips_the_custom_op(structure, monkeypatch):
@@ -78,7 +74,7 @@ def test_an_eager_call_with_nothing_to_record_skips_the_custom_op(structure, mon
             assert torch.equal(call(x), y) and len(dispatched) == 1
         with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) as mode:
             assert call(mode.from_tensor(x)).shape == y.shape and len(dispatched) == 2
-        for mode in (_PassingFunctionMode(), _PassingDispatchMode()):
+        for mode in (_PassingFunctionMode(), PassingDispatchMode()):
             with mode:
                 call(x)
         assert len(dispatched) == 4

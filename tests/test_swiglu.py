@@ -3,7 +3,7 @@ paths (Triton under the interpreter, and the PyTorch reference), and what it kee
 gradients written over them."""
 import pytest
 import torch
-from conftest import rel, seeded
+from conftest import PassingDispatchMode, rel, seeded
 
 from memfit.errors import MemfitError
 from memfit.kernels.swiglu import swiglu, swiglu_reference
@@ -201,11 +201,6 @@ def test_a_copy_of_a_patched_model_runs_its_own_mlps():
         assert torch.allclose(twin_mlp(x), 2 * mlp(x), rtol=1e-5, atol=1e-6)
 
 
-class _PassingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("path", PATHS)
 def test_an_eager_call_skips_the_custom_ops_with_the_same_output_and_gradients(path, monkeypatch):
     """Outside compile, traces, modes and the profiler, swiglu runs its forward and backward through an
@@ -229,7 +224,7 @@ def test_an_eager_call_skips_the_custom_ops_with_the_same_output_and_gradients(p
     assert dispatched == []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         profiled = step()
-    with _PassingDispatchMode():
+    with PassingDispatchMode():
         moded = step()
     assert dispatched == ["forward", "backward"] * 2
     assert all(torch.equal(a, b) for run in (profiled, moded) for a, b in zip(eager, run, strict=True))
