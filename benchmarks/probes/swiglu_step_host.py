@@ -11,6 +11,11 @@ thread, where cProfile does not look. Levels, each benchmarks/swiglu.py's ``step
     aten_mul_step       gate * up: one ATen op and its C++ node
     python_mul_step     gate * up through a Python autograd.Function whose forward and backward are ATen muls: what a
                         Python node costs against a C++ one, each way, with no Triton launch
+    fused_no_triton     fused_step with its two Triton launches (``_forward``, ``_backward_``) replaced by one ATen
+                        mul and nothing: the eager route's own Python and autograd node
+    forward_launch      ``_forward(gate, up)`` alone, no autograd (its path check, output allocation, Triton launch)
+    backward_launch     ``_backward_`` alone, on scratch copies (its path check and Triton launch)
+    aten_silu, aten_mul one ATen launch each, for scale
 
 and, for fused_step, the time spent inside its Python pieces, measured around them with ``perf_counter`` on whichever
 thread runs them: the forward's and the backward's Python (``_EagerSwiglu.forward``, ``_swiglu_grad``) and the Triton
@@ -18,6 +23,7 @@ launches within them (``_forward``, ``_backward_``). Writes OUT/swiglu_step_host
 
     OUT=/some/dir python benchmarks/probes/swiglu_step_host.py
 """
+import contextlib
 import functools
 import json
 import os
@@ -39,6 +45,8 @@ from memfit.kernels import swiglu as swiglu_module  # noqa: E402
 
 ELEMENTS = 4096
 CALLS = 200
+# The host's pace drifted within the run at 81489bb: every level's last of five rounds read 16-33% below its first.
+ROUNDS = 9
 
 
 class _PythonMul(torch.autograd.Function):
@@ -53,6 +61,19 @@ class _PythonMul(torch.autograd.Function):
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
         return grad * up, grad * gate
+
+
+@contextlib.contextmanager
+def without_triton_launches():
+    """swiglu's eager route with its forward computing ``gate * up`` in one ATen launch and its backward writing
+    nothing: what is left is its own Python and its autograd node."""
+    forward, backward = swiglu_module._forward, swiglu_module._backward_
+    swiglu_module._forward = lambda gate, up, path: torch.mul(gate, up)
+    swiglu_module._backward_ = lambda *args: None
+    try:
+        yield
+    finally:
+        swiglu_module._forward, swiglu_module._backward_ = forward, backward
 
 
 def timed_inside(names: list[str]) -> dict:
@@ -89,14 +110,24 @@ def main() -> None:
         with through_the_custom_ops():
             return step(swiglu_module.swiglu, *args)
 
+    def no_triton_step():
+        with without_triton_launches():
+            return step(swiglu_module.swiglu, *args)
+
+    scratch_gate, scratch_up = gate.clone(), up.clone()
     calls = {
         "unfused_step": lambda: step(swiglu_module.swiglu_reference, *args),
         "fused_step": lambda: step(swiglu_module.swiglu, *args),
         "fused_custom_ops": custom_ops_step,
         "aten_mul_step": lambda: step(torch.mul, *args),
         "python_mul_step": lambda: step(_PythonMul.apply, *args),
+        "fused_no_triton": no_triton_step,
+        "forward_launch": lambda: swiglu_module._forward(gate, up, None),
+        "backward_launch": lambda: swiglu_module._backward_(grad, scratch_gate, scratch_up, True, True, None),
+        "aten_silu": lambda: torch.nn.functional.silu(gate),
+        "aten_mul": lambda: torch.mul(gate, up),
     }
-    us = issue_us(calls, count=CALLS)
+    us = issue_us(calls, rounds=ROUNDS, count=CALLS)
     totals = timed_inside(["_forward", "_backward_"])
     for _ in range(20):
         step(swiglu_module.swiglu, *args)                              # warm the wrappers
