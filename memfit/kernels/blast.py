@@ -130,6 +130,7 @@ from memfit.kernels.blr_common import (
     skips_dispatcher,
     tuned,
 )
+from memfit.kernels.tangents import carries_tangents
 
 MIXGEMM_MAX_N = 128      # beyond this the mixing prologue's per-column-tile repeats and Z's b-fold reads cost too much
 
@@ -527,6 +528,7 @@ _blast_op.register_autograd(recompute_backward(blast_linear_reference, 5),
 _blast_recomputing = recomputing(blast_linear_reference, 5, 0)
 
 
+@carries_tangents
 def blast_linear(x, u, v, s, bias=None, path=None, variant="auto"):
     """BLAST forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS), else the
     reference with the op's memory behaviour (:func:`blr_common.recomputing`)."""

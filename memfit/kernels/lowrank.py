@@ -41,6 +41,7 @@ from memfit.kernels.blr_common import (
     save_for_recompute,
     skips_dispatcher,
 )
+from memfit.kernels.tangents import carries_tangents
 
 
 def lowrank_linear_reference(x, u, v, bias=None):
@@ -116,6 +117,7 @@ _lowrank_op.register_autograd(recompute_backward(lowrank_linear_reference, 4),
 _lowrank_recomputing = recomputing(lowrank_linear_reference, 4, 0)
 
 
+@carries_tangents
 def lowrank_linear(x, u, v, bias=None, path=None, variant="auto"):
     """y = (x V) U^T + bias by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS), else
     the reference with the op's memory behaviour (:func:`blr_common.recomputing`)."""

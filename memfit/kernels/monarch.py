@@ -150,6 +150,7 @@ from memfit.kernels.blr_common import (
     skips_dispatcher,
     tuned,
 )
+from memfit.kernels.tangents import carries_tangents
 
 # Up to this N the chained two_stage is offered, past blr_common.PDL_MAX_N: at 19084f9 Monarch's pick read 0.873-0.978x
 # dense at four shapes at N = 256 (blr_layers_subset_256_512.json); offered the chain there (ba0a9d7, five of the seven
@@ -443,6 +444,7 @@ _monarch_op.register_autograd(recompute_backward(monarch_linear_reference, 4, 1)
 _monarch_recomputing = recomputing(monarch_linear_reference, 4, 1)
 
 
+@carries_tangents
 def monarch_linear(x, w1, w2, bias=None, permute_output=False, path=None, variant="auto"):
     """Monarch forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS), else the
     reference with the op's memory behaviour (:func:`blr_common.recomputing`: only x kept, the backward recomputes,

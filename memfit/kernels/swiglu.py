@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from memfit.errors import MemfitError
 from memfit.kernels.dispatch import outside_the_dispatcher, triton_importable, use_triton
+from memfit.kernels.tangents import refuse_tangents
 
 if triton_importable():
     import triton
@@ -201,5 +202,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, path: str | None = None) -> tor
                           f"{gate.dtype} {gate.device} and {tuple(up.shape)} {up.dtype} {up.device}")
     if not gate.is_floating_point():
         raise MemfitError(f"swiglu: gate and up must be floating point, got {gate.dtype}")
+    refuse_tangents("swiglu", gate, up)
     gate, up = (_owned_eagerly if torch.compiler.is_compiling() else _owned)(gate, up)
     return (_EagerSwiglu.apply if outside_the_dispatcher(gate, up) else _swiglu_op)(gate, up, path)
