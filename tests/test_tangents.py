@@ -1,18 +1,22 @@
 """Forward-mode AD (torch.autograd.forward_ad) through the BLR ops, on their Triton path (the interpreter on the CPU)
 and their reference: the output's tangent against torch.func.jvp of the float64 reference, with the tangent on x,
-on each factor and on the bias, one at a time and all at once, with and without gradient recording, and through
-torch.func.jvp. The fused SwiGLU refuses dual inputs.
+on each factor and on the bias, one at a time and all at once, with and without gradient recording (and the
+tangent's own gradient), in a dtype other than its primal's, through torch.func.jvp, nested jvps, a vmap inside a
+jvp and torch.compile. The fused SwiGLU refuses dual inputs.
 """
+import logging
+
 import pytest
 import torch
 import torch.autograd.forward_ad as fwad
 from conftest import rel
 
+import memfit.log
 from memfit.errors import MemfitError
 from memfit.kernels.blast import blast_linear, blast_linear_reference
 from memfit.kernels.lowrank import lowrank_linear, lowrank_linear_reference
 from memfit.kernels.monarch import monarch_linear, monarch_linear_reference
-from memfit.kernels.swiglu import swiglu
+from memfit.kernels.swiglu import swiglu, swiglu_reference
 
 B, M, P, T, N = 3, 11, 7, 5, 19     # blocks, block in and out sizes, per-block rank, tokens
 
@@ -34,6 +38,12 @@ def lowrank_case():
     tensors = (torch.randn(2, N, B * M), torch.randn(B * P, T) / T**0.5, torch.randn(B * M, T) / M**0.5,
                torch.randn(B * P))
     return lowrank_linear, lowrank_linear_reference, tensors, {}
+
+
+def on_path(path, name):
+    """The op's options for ``path``; on the Triton path the low-rank op is pinned to its Triton kernel (its pick
+    off the GPU is the two cuBLAS GEMMs, which would test torch's matmul instead)."""
+    return {"path": path, **({"variant": "bgemm"} if path == "triton" and name == "lowrank" else {})}
 
 
 CASES = {"monarch": lambda: monarch_case(False), "monarch_permuted": lambda: monarch_case(True),
@@ -61,7 +71,7 @@ def test_tangent_matches_the_references_jvp(name, grad, path):
         _, want = torch.func.jvp(lambda *ts: reference(*ts, **options), tuple(t.double() for t in tensors),
                                  tuple(d.double() for d in chosen))
         got = tangent_through(op, tensors, [d if k in carried else None for k, d in enumerate(tangents)],
-                              {**options, "path": path}, grad)
+                              {**options, **on_path(path, name)}, grad)
         assert got is not None, f"{name}: the tangent on input(s) {carried} was dropped"
         assert rel(got, want) < 1e-5, f"{name}: the tangent on input(s) {carried}"
 
@@ -87,9 +97,102 @@ def test_gradients_still_flow_through_a_dual_output():
         assert rel(got.grad, want.grad) < 1e-5
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_the_tangent_is_differentiable(name):
+    """Reverse over forward: the gradient, with respect to the factors, of a loss on the tangent along x (which the
+    bias does not enter)."""
+    op, reference, tensors, options = CASES[name]()
+    tangent = torch.randn_like(tensors[0])
+
+    def factor_grads(run, tensors):
+        factors = [t.clone().requires_grad_() for t in tensors[1:-1]]
+        with fwad.dual_level():
+            dual = fwad.make_dual(tensors[0], tangent.to(tensors[0].dtype))
+            fwad.unpack_dual(run(dual, *factors, tensors[-1])).tangent.pow(2).sum().backward()
+        return [f.grad for f in factors]
+
+    got = factor_grads(lambda *ts: op(*ts, **options, **on_path("triton", name)), tensors)
+    want = factor_grads(lambda *ts: reference(*ts, **options), [t.double() for t in tensors])
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert g is not None and rel(g, w) < 1e-5, f"{name}: factor {k + 1}"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_tangent_is_read_in_its_primals_dtype(name):
+    """A bfloat16 tangent on float32 tensors: the derivative is computed in float32, as the reference's is."""
+    op, reference, tensors, options = CASES[name]()
+    tangents = [torch.randn_like(t, dtype=torch.bfloat16) for t in tensors]
+    _, want = torch.func.jvp(lambda *ts: reference(*ts, **options), tuple(t.double() for t in tensors),
+                             tuple(d.double() for d in tangents))
+    got = tangent_through(op, tensors, tangents, {**options, **on_path("triton", name)}, grad=False)
+    assert got.dtype == torch.float32 and rel(got, want) < 1e-5
+
+
+@pytest.fixture
+def said(monkeypatch, caplog):
+    """The messages memfit says in the test (the say-once memory cleared first)."""
+    monkeypatch.setattr(memfit.log, "_said", set())
+    caplog.set_level(logging.WARNING, logger="memfit")
+    return lambda: [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("name", ["monarch_permuted", "blast", "lowrank"])
+def test_nested_jvps_take_the_reference_path_and_say_so(name, said):
+    """jvp over x inside a jvp over the first factor: the mixed second derivative op(t_x, t_w1, ...), which one
+    level of unpacked tangents read as zero."""
+    op, reference, tensors, options = CASES[name]()
+    x, w, rest = tensors[0], tensors[1], tensors[2:]
+    tx, tw = torch.randn_like(x), torch.randn_like(w)
+
+    def mixed(run, x, w, rest):
+        return torch.func.jvp(lambda w: torch.func.jvp(lambda x: run(x, w, *rest), (x,), (tx.to(x.dtype),))[1],
+                              (w,), (tw.to(w.dtype),))[1]
+
+    got = mixed(lambda *ts: op(*ts, **options, **on_path("triton", name)), x, w, rest)
+    want = mixed(lambda *ts: reference(*ts, **options), x.double(), w.double(), [t.double() for t in rest])
+    assert rel(got, want) < 1e-5
+    assert any("nested in another jvp" in m for m in said())
+
+
+@pytest.mark.parametrize("name", ["monarch", "blast", "lowrank"])
+def test_a_vmap_inside_a_jvp(name, said):
+    op, reference, tensors, options = CASES[name]()
+    x, factors = tensors[0], tensors[1:]
+    tangent = torch.randn_like(x)
+
+    def jvp_of_vmap(run, x, factors):
+        return torch.func.jvp(lambda x: torch.func.vmap(lambda row: run(row, *factors))(x), (x,),
+                              (tangent.to(x.dtype),))[1]
+
+    got = jvp_of_vmap(lambda *ts: op(*ts, **options, **on_path("triton", name)), x, factors)
+    want = jvp_of_vmap(lambda *ts: reference(*ts, **options), x.double(), [t.double() for t in factors])
+    assert rel(got, want) < 1e-5
+    assert any("around a vmap" in m for m in said())
+
+
+def test_tangents_under_torch_compile():
+    """The compiled op, first called outside a dual level (a graph without the dual-level branch), then on a dual
+    input: the tangent is there, and right."""
+    torch._dynamo.reset()
+    op, reference, tensors, options = CASES["monarch"]()
+    compiled = torch.compile(lambda *ts: op(*ts, **options, path="triton"), backend="aot_eager")
+    compiled(*tensors)
+    tangent = torch.randn_like(tensors[0])
+    with fwad.dual_level():
+        got = fwad.unpack_dual(compiled(fwad.make_dual(tensors[0], tangent), *tensors[1:])).tangent
+    _, want = torch.func.jvp(lambda x: reference(x, *(t.double() for t in tensors[1:]), **options),
+                             (tensors[0].double(),), (tangent.double(),))
+    assert got is not None and rel(got, want) < 1e-5
+
+
 def test_swiglu_refuses_a_dual_input():
     gate, up = torch.randn(4, 8), torch.randn(4, 8)
     with fwad.dual_level():
         with pytest.raises(MemfitError, match="forward-mode AD"):
             swiglu(fwad.make_dual(gate, torch.randn_like(gate)), up)
-        assert torch.equal(swiglu(gate.clone(), up.clone()), swiglu(gate.clone(), up.clone()))   # no tangent: runs
+        with pytest.raises(MemfitError, match="forward-mode AD"):
+            torch.compile(lambda g, u: swiglu(g * 1, u), backend="aot_eager")(
+                fwad.make_dual(gate, torch.randn_like(gate)), up)
+        assert rel(swiglu(gate.clone(), up.clone()), swiglu_reference(gate.double(), up.double())) < 1e-6
+    with pytest.raises(MemfitError, match="forward-mode AD"):
+        torch.func.jvp(lambda g: torch.func.jvp(lambda u: swiglu(g * 1, u * 1), (up,), (up,))[1], (gate,), (gate,))

@@ -173,7 +173,8 @@ def _owned(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """gate and up as the op may overwrite them in backward (only an input whose gradient is wanted is overwritten):
     a contiguous intermediate (a projection's output) is taken as it is; a strided tensor, or a leaf that wants a
     gradient (a tensor the caller made and holds, a parameter) or a view of one, is copied first, and up is copied
-    where it shares storage with gate."""
+    where it shares storage with gate. A dual input (forward-mode AD) is refused: the op would drop its tangent."""
+    refuse_tangents("swiglu", gate, up)
     gate, up = _own(gate), _own(up)
     if gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr():    # swiglu(h, h) or two views of one
         up = up.clone()
@@ -186,7 +187,8 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 
 
 # Under torch.compile _owned runs eagerly (a graph break): a traced graph's inputs do not say what they view, so a
-# parameter's view was taken as an intermediate and overwritten with its gradient, and storages have no address.
+# parameter's view was taken as an intermediate and overwritten with its gradient, storages have no address, and a
+# tangent read None.
 _owned_eagerly = torch.compiler.disable(_owned)
 
 
@@ -202,6 +204,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, path: str | None = None) -> tor
                           f"{gate.dtype} {gate.device} and {tuple(up.shape)} {up.dtype} {up.device}")
     if not gate.is_floating_point():
         raise MemfitError(f"swiglu: gate and up must be floating point, got {gate.dtype}")
-    refuse_tangents("swiglu", gate, up)
     gate, up = (_owned_eagerly if torch.compiler.is_compiling() else _owned)(gate, up)
     return (_EagerSwiglu.apply if outside_the_dispatcher(gate, up) else _swiglu_op)(gate, up, path)
