@@ -50,10 +50,11 @@ def carries_tangents(op):
     the bias's tangent (in the output's dtype), the exact derivative of a multilinear map, each term computed by the
     op itself (its kernels, its pick). Where that reads too little (nested jvps, a vmap inside a jvp:
     :func:`_one_level_of_tangents`) it runs ``op`` on its reference path. Under torch.compile the dual-level branch
-    runs eagerly: traced, the tangent read None and the output had none."""
+    runs eagerly (a graph break): traced, the tangent read None and the output had none. It is wrapped by
+    ``torch.compiler.disable`` there and then, not at import: that imports torch._dynamo, 3 s added to every memfit
+    command (see :func:`memfit.kernels.dispatch.constant_when_compiled`)."""
     signature = inspect.signature(op)
 
-    @torch.compiler.disable
     def with_dual_level_open(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         if not _one_level_of_tangents():
@@ -73,7 +74,11 @@ def carries_tangents(op):
 
     @functools.wraps(op)
     def with_tangents(*args, **kwargs):
-        return with_dual_level_open(*args, **kwargs) if _dual_level_open() else op(*args, **kwargs)
+        if not _dual_level_open():
+            return op(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(with_dual_level_open)(*args, **kwargs)
+        return with_dual_level_open(*args, **kwargs)
 
     return with_tangents
 
