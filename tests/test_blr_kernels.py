@@ -1523,10 +1523,12 @@ def _monarch_factors(b=4, m=8, r=8, p=12):
     (lambda x: monarch_linear(x, torch.randn(4, 8), torch.randn(4, 8, 12)), r"w1 has shape \(4, 8\); expected"),
     (lambda x: blast_linear(x, torch.randn(4, 3, 6), torch.randn(4, 8, 6), torch.randn(4, 3, 6)), "s has shape"),
     (lambda x: lowrank_linear(x, torch.randn(10, 4), torch.randn(32, 5)), r"v has shape \(32, 5\).*r = 4"),
+    (lambda x: lowrank_linear(x.long(), torch.randn(10, 4), torch.randn(32, 4), path="triton"), "floating point"),
+    (lambda x: monarch_linear(x.int(), *_monarch_factors(), path="reference"), "floating point"),
 ])
 def test_blr_ops_refuse_factors_that_do_not_fit(call, message):
-    """Shapes are checked before any kernel: unchecked, a w2 with fewer blocks was read out of bounds and a rank not
-    a multiple of blocks corrupted the interpreter's memory."""
+    """Shapes and x's dtype are checked before any kernel: unchecked, a w2 with fewer blocks was read out of bounds,
+    a rank not a multiple of blocks corrupted the interpreter's memory, and integer x truncated the weights."""
     with pytest.raises(MemfitError, match=message):
         call(torch.randn(5, 32))
 

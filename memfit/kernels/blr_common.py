@@ -181,7 +181,10 @@ def bind_shapes(op: str, x: torch.Tensor, bias: torch.Tensor | None, factors: di
     """The sizes of the letters in the factors' shape patterns (name -> (tensor, e.g. "b m r")), refusing a factor
     with another number of dimensions or a letter two places give different sizes; x's last dimension must be the
     product of ``x_letters``' sizes and ``bias``, if given, a vector of the product of ``bias_letters``'. A BLR op's
-    kernels index its factors by these sizes, so a mismatch read out of bounds (or corrupted memory) unchecked."""
+    kernels index its factors by these sizes, so a mismatch read out of bounds (or corrupted memory) unchecked. x must
+    be floating point: the op computes in x's dtype, so integer x truncated the weights to integers, unsaid."""
+    if not x.is_floating_point():
+        raise MemfitError(f"{op}: x must be floating point (the op computes in x's dtype), got {x.dtype}")
     sizes, source = {}, {}
     for name, (tensor, pattern) in factors.items():
         letters = pattern.split()
@@ -505,26 +508,33 @@ def _say_failed(op: str, name: str, err: Exception) -> None:
 
 
 def recompute_backward(reference, n_tensors: int, n_options: int = 0):
-    """An autograd ``backward`` for a custom op whose first ``n_tensors`` args are tensors.
+    """An autograd ``backward`` for a custom op whose first ``n_tensors`` args are tensors: the reference's gradient,
+    recomputed from the saved tensors.
 
     The forward's ``setup_context`` (:func:`save_for_recompute`) saves those tensors (any
     may be None) and the remaining args in ``ctx.rest``; the reference takes the tensors
     and the first ``n_options`` of the rest (the others, e.g. a kernel variant, are ignored).
+    Twice differentiable: where the backward records a graph (``create_graph=True``: a gradient penalty, a
+    Hessian-vector product) the recompute runs on the saved tensors as they are, still joined to the forward's
+    graph, and keeps its own graph; otherwise on detached copies, keeping nothing. Through 2d431bc it always
+    detached, and a second derivative came back wrong (the Triton path) or None (the reference path), unsaid.
     """
 
     def backward(ctx, grad):
         saved = list(ctx.saved_tensors)
         if ctx.x_like is not None:                     # frozen weights: x was not saved (see save_for_recompute)
             saved[0] = ctx.x_like.expand(ctx.x_shape)
-        inputs = [t.detach().requires_grad_(need) if t is not None else None
-                  for t, need in zip(saved, ctx.needs_input_grad[:n_tensors])]
-        wanted = [t for t in inputs if t is not None and t.requires_grad]
+        needs = ctx.needs_input_grad[:n_tensors]
+        twice = torch.is_grad_enabled()
+        inputs = [t if t is None or (twice and t.requires_grad) else t.detach().requires_grad_(need)
+                  for t, need in zip(saved, needs)]
+        wanted = [t for t, need in zip(inputs, needs) if t is not None and need]
         grads = iter(())
         if wanted:
             with torch.enable_grad():
                 out = reference(*inputs, *ctx.rest[:n_options])
-                grads = iter(torch.autograd.grad(out, wanted, grad))
-        result = [next(grads) if t is not None and t.requires_grad else None for t in inputs]
+                grads = iter(torch.autograd.grad(out, wanted, grad, create_graph=twice))
+        result = [next(grads) if t is not None and need else None for t, need in zip(inputs, needs)]
         return (*result, *([None] * len(ctx.rest)))
 
     return backward
@@ -535,7 +545,7 @@ def recomputing(reference, n_tensors: int, n_options: int = 0):
     :func:`recompute_backward`): the path where no Triton kernel runs (CPU). Run as plain autograd, a reference
     kept its intermediates for the backward (z and its copies), which the ledger does not count; run inside a
     custom op, its forward's temporaries were hidden from memfit's first CPU memory tracker, which saw an op as one call.
-    Not twice differentiable (an error says so if asked). ``torch.compile`` cannot trace its backward's
+    Twice differentiable (:func:`recompute_backward`). ``torch.compile`` cannot trace its backward's
     ``autograd.grad`` (it broke the graph in training), so under torch.compile the reference is differentiated as
     it is (:func:`_reference_differentiated_when_compiled`, said once). Where no gradient is wanted (no_grad, or
     no input that requires one) the reference runs as it is: nothing is kept for a backward either way, and
@@ -553,7 +563,6 @@ def recomputing(reference, n_tensors: int, n_options: int = 0):
             save_for_recompute(ctx, inputs, output, n_tensors)
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
         def backward(ctx, grad):
             return backward(ctx, grad)
 
