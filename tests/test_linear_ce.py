@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from conftest import seeded
+from conftest import rel, seeded
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -518,12 +518,31 @@ def test_vocab_subset_is_padded_to_whole_steps_of_the_lowest_other_ids():
         padding = sorted(set(kept) - wanted)
         assert set(kept) >= wanted and kept == sorted(set(kept))
         assert padding == [v for v in range(vocab) if v not in wanted][:len(padding)]    # the lowest others
-        assert torch.equal(rows[local[valid]], weight[labels[valid]]) and torch.equal(local[~valid], labels[~valid])
+        assert torch.equal(rows[local[valid]], weight[labels[valid]]) and (local[~valid] == linear_ce.SUBSET_IGNORE).all()
         assert torch.equal(bias_rows, -rows[:, 0])
         sizes.append(rows.shape[0])
     assert sizes[0] == sizes[1] == step
     whole, _, _ = linear_ce._restrict_vocab(weight, None, torch.tensor([vocab - 1]), -100, torch.arange(3 * step))
     assert whole.shape[0] == vocab
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_vocab_subset_with_a_non_negative_ignore_index(path):
+    """ignore_index=0 (a pad id) with a subset that leaves id 0 out: the label renumbered to 0 (the subset's first
+    id) is a real label, and counts (it read as ignored until the renumbered labels marked ignored ones apart)."""
+    step = linear_ce.SUBSET_ROWS_STEP
+    hidden, weight = torch.randn(4, 4), torch.randn(2 * step, 4)
+    subset = torch.arange(1000, 1000 + step)                       # one whole step: no padding ids
+    labels = torch.tensor([1000, 1500, 0, 1010])                   # the first renumbers to 0; the third is padding
+    per_token = linear_cross_entropy(hidden, weight, labels, ignore_index=0, reduction="none",
+                                     vocab_subset=subset, path=path)
+    logits = hidden.double() @ weight.double()[subset].T           # the softmax over the subset
+    real = labels != 0
+    want = torch.logsumexp(logits, -1) - logits.gather(1, (labels.clamp(min=1000) - 1000)[:, None])[:, 0]
+    want = torch.where(real, want, 0.0)
+    assert rel(per_token, want) < 1e-5 and per_token[0] > 0
+    mean = linear_cross_entropy(hidden, weight, labels, ignore_index=0, vocab_subset=subset, path=path)
+    assert rel(mean, want.sum() / real.sum()) < 1e-5
 
 
 def test_frequent_token_subset_orders_by_count():

@@ -95,6 +95,7 @@ FINISH_ELEMENTS = 1 << 18
 # The vocabulary-subset mode's id set (labels ∪ subset) is padded to a multiple of this many ids (or to the
 # whole vocabulary), so that its size, which the kernels compile and tune for, takes few values over a run.
 SUBSET_ROWS_STEP = 1024
+SUBSET_IGNORE = -1          # the ignore label of the subset mode's renumbered labels, which are all >= 0
 # Backward/forward alternatives kept so one benchmark run can time them (benchmarks/linear_ce.py):
 #   DW_MATMUL  "triton": dW chunk = d.T @ hidden[rows] by ``_dweight_kernel``, reading hidden
 #              rows through the loss-token index; "cublas": torch.mm on a gathered N x H copy
@@ -892,7 +893,8 @@ def _check(hidden, weight, labels, reduction, softcap, z_loss, bias, vocab_subse
 
 
 def _restrict_vocab(weight, bias, labels, ignore_index, vocab_subset):
-    """Weight/bias rows of labels ∪ subset and the labels renumbered into that set.
+    """Weight/bias rows of labels ∪ subset and the labels renumbered into that set, ignored ones marked
+    SUBSET_IGNORE (a renumbered label may equal a non-negative ignore_index: kept, it read as ignored).
 
     The set is padded with the lowest ids not in it up to a multiple of SUBSET_ROWS_STEP (the whole
     vocabulary at most: with a vocabulary that small the mode is exact), so that its size takes few
@@ -901,7 +903,7 @@ def _restrict_vocab(weight, bias, labels, ignore_index, vocab_subset):
     fp32 step, the exact row 0.7-5.2 s: ``earlier/finetune_memory_78102c4.json``). The extra ids only add
     softmax terms, so the loss moves toward the exact one."""
     keep = _softmax_ids(weight.shape[0], labels, ignore_index, vocab_subset)
-    local = torch.where(labels != ignore_index, torch.searchsorted(keep, labels.to(torch.int64)), labels)
+    local = torch.where(labels != ignore_index, torch.searchsorted(keep, labels.to(torch.int64)), SUBSET_IGNORE)
     return weight.index_select(0, keep), None if bias is None else bias.index_select(0, keep), local
 
 
@@ -948,6 +950,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                   f"subset, padded to a multiple of {SUBSET_ROWS_STEP} ids; the loss and gradients are approximate "
                   "(see subset_loss_deviation)")
         weight, bias, labels = _restrict_vocab(weight, bias, labels, ignore_index, vocab_subset)
+        ignore_index = SUBSET_IGNORE
     h2 = hidden.reshape(-1, hidden.shape[-1])
     if h2.stride(-1) != 1:
         h2 = h2.contiguous()
