@@ -197,7 +197,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, path: str | None = None) -> tor
     in backward: it consumes its inputs, whose values are gone once the backward has run (what a projection's output
     in a training step allows; a leaf that wants a gradient, a view of one, or a strided input is copied first, and
     the copy is what is saved and overwritten, and up is copied where it shares memory with gate). gate and up: the
-    same shape, dtype and device. No double backward. ``path``: None follows MEMFIT_KERNELS (auto: Triton on CUDA or
+    same shape, dtype and device. Nothing else may keep gate or up for its backward: without saved-tensor hooks
+    such an op raises (their versions move), but under them (non-reentrant checkpointing, ``save_on_cpu``) torch
+    checks no versions and it reads the gradients, unwarned (a gated MLP's projections feed only this product, as
+    in memfit's fine-tuning). No double backward. ``path``: None follows MEMFIT_KERNELS (auto: Triton on CUDA or
     under the interpreter, else the reference, said once), or "auto" | "triton" | "reference"."""
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
         raise MemfitError(f"swiglu: gate and up must share shape, dtype and device; got {tuple(gate.shape)} "
