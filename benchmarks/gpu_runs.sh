@@ -92,7 +92,7 @@ RUNS=(
   "pick_cost|240|python3 benchmarks/pick_cost.py --out $OUT"
   "chain_tiles|300|python3 benchmarks/chain_tiles.py --out $OUT"
   "blr_counters|200|python3 benchmarks/blr_counters.py --out $OUT"
-  "gpu_tests_blr|180|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 9 -p no:cacheprovider --timeout 100 --tb=short tests/test_blr_kernels.py tests/test_tangents.py"
+  "gpu_tests_blr|180|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 9 -p no:cacheprovider --timeout 100 --tb=short tests/test_blr_kernels.py tests/test_tangents.py tests/test_blr_second_order.py"
   "gpu_tests_other|300|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 12 -p no:cacheprovider --timeout 100 --tb=short tests/test_decode_kernels.py tests/test_decode_gemv.py tests/test_cache_attention.py tests/test_attention.py"
   "gpu_tests_blr_compile|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 4 -p no:cacheprovider --timeout 90 --tb=short tests/test_blr_compile.py"
   "gpu_tests_swiglu|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 4 -p no:cacheprovider --timeout 90 --tb=short tests/test_swiglu.py"
