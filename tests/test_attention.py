@@ -48,8 +48,8 @@ def _ours(q, k, v, do, causal, cu, backward):
     return (out, *torch.autograd.grad(out, leaves, do))
 
 
-def _assert_close(got, want, tol, what):
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+def _assert_close(got, want, tol, what, names=("out", "dq", "dk", "dv")):
+    for name, g, w in zip(names, got, want):
         assert g.shape == w.shape, (what, name)
         assert torch.isfinite(g).all(), (what, name, "non-finite")
         err = _rel(g, w)
@@ -155,6 +155,96 @@ def test_transposed_inputs_and_reference_path():
     assert _rel(ours, ref) < 1e-5
 
 
+def _through_views(leaves, views, do, causal, cu, backward, fused):
+    """Output and the leaves' gradients of attention on ``views(*leaves)``: q, k, v that are views with gaps (split
+    from a fused QKV tensor) or that repeat (k and v expanded over heads), with poisoned buffers. ``fused``: the
+    gradients of attention_recompute_backward, carried back to the leaves through the views."""
+    kwargs = {"causal": causal, "cu_seqlens": cu, "backward": backward, "path": "triton"}
+    grad_leaves = [t.clone().requires_grad_() for t in leaves]
+    out = attention(*views(*grad_leaves), **kwargs)
+    if fused:
+        grads = attention_recompute_backward(*views(*leaves), do, **kwargs)
+        return (out, *torch.autograd.grad(views(*grad_leaves), grad_leaves, grads))
+    return (out, *torch.autograd.grad(out, grad_leaves, do))
+
+
+def _reference_through_views(leaves, views, do, causal, cu):
+    """:func:`_through_views` by the float64 reference."""
+    leaves = [t.double().requires_grad_() for t in leaves]
+    out = attention_reference(*views(*leaves), causal=causal, cu_seqlens=cu)
+    return (out, *torch.autograd.grad(out, leaves, do.double()))
+
+
+def _split_batched(qkv):
+    """(B, N, 3 * 2 * D) -> q, k, v (B, 2, N, D), as a fused QKV projection's output is split: views with gaps."""
+    b, n, _ = qkv.shape
+    return qkv.view(b, n, 3, 2, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _split_packed(qkv):
+    """(T, 3, H, D) -> q, k, v (T, H, D): views with gaps."""
+    return qkv.unbind(1)
+
+
+@pytest.mark.parametrize("dtype,backward,fused", [
+    (torch.float32, "two_pass", False), (torch.float32, "atomic", False), (torch.float32, "partial_buffers", False),
+    (torch.float32, "two_pass", True), (torch.bfloat16, "two_pass", False)],
+    ids=["fp32-two_pass", "fp32-atomic", "fp32-partial_buffers", "fp32-two_pass-fused_recompute", "bf16-two_pass"])
+@pytest.mark.parametrize("layout", ["batched", "packed"])
+def test_fused_qkv_split_matches_float64(layout, dtype, backward, fused, monkeypatch):
+    """q, k, v split from one fused QKV tensor have gaps between their rows. Until the fix the kernels stored O, dQ,
+    dK and dV by the inputs' strides into buffers that empty_like had laid out densely: a wrong forward (rows left
+    unwritten) and writes out of bounds in the backward."""
+    poison_all_allocations(monkeypatch)
+    if layout == "batched":
+        qkv, views, cu = torch.randn(2, 19, 3 * 2 * 16, dtype=dtype), _split_batched, None
+    else:
+        qkv, views, cu = torch.randn(23, 3, 2, 16, dtype=dtype), _split_packed, torch.tensor([0, 5, 23], dtype=torch.int32)
+    do = torch.randn_like(views(qkv)[0])
+    _assert_close(_through_views([qkv], views, do, True, cu, backward, fused),
+                  _reference_through_views([qkv], views, do, True, cu), TOL[dtype],
+                  f"{layout} {dtype} {backward} fused={fused}", names=("out", "dqkv"))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused_recompute"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_keys_expanded_over_heads_match_float64(variant, fused, monkeypatch):
+    """MQA by ``expand``: k and v of one head repeated over 3 query heads (stride 0). Until the fix dK and dV came back
+    as garbage from every separate variant and the fused two-pass (stored by k's stride-0 strides into a dense
+    buffer); autograd sums the heads' gradients back through the expand."""
+    poison_all_allocations(monkeypatch)
+    q, k, v, do, _ = _inputs((2, 3, 21, 16), (2, 1, 21, 16), torch.float32)
+
+    def views(q, k, v):
+        return q, k.expand(2, 3, 21, 16), v.expand(2, 3, 21, 16)
+
+    _assert_close(_through_views([q, k, v], views, do, False, None, variant, fused),
+                  _reference_through_views([q, k, v], views, do, False, None), TOL[torch.float32],
+                  f"expanded {variant} fused={fused}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("layout", ["fused QKV split", "packed split", "expanded"])
+def test_fakes_promise_the_outputs_strides(layout, variant):
+    """Each op's outputs have the strides its fake promises (what torch.compile plans with) where the inputs are not
+    dense: the outputs are laid out densely, not with the inputs' gaps or stride-0 heads."""
+    cu, max_seqlen = None, 0
+    if layout == "fused QKV split":
+        q, k, v = _split_batched(torch.randn(2, 19, 3 * 2 * 16))
+    elif layout == "packed split":
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in _split_packed(torch.randn(23, 3, 2, 16)))
+        cu, max_seqlen = torch.tensor([0, 5, 23], dtype=torch.int32), 18
+    else:
+        q, k = torch.randn(2, 2, 19, 16), torch.randn(2, 1, 19, 16).expand(2, 2, 19, 16)
+        v = k
+    meta = (cu, max_seqlen, True, 0.25, variant)
+    o, lse = torch.ops.memfit.attention_fwd(q, k, v, *meta)
+    do = torch.randn_like(o)
+    for op, args in ((torch.ops.memfit.attention_fwd, (q, k, v)), (torch.ops.memfit.attention_bwd, (do, q, k, v, o, lse)),
+                     (torch.ops.memfit.attention_recompute_bwd, (do, q, k, v))):
+        torch.library.opcheck(op, (*args, *meta), test_utils=("test_faketensor",))
+
+
 def test_fake_tensor_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -163,6 +253,10 @@ def test_fake_tensor_shapes():
         k = torch.empty(2, 2, 64, 32)
         out = attention(q, k, k, causal=True, path="triton")
         assert out.shape == q.shape
+        cu = torch.tensor([0, 20, 64], dtype=torch.int32)        # fake: no values to check, nothing read back
+        out = attention(q[0].transpose(0, 1), k[0].transpose(0, 1), k[0].transpose(0, 1), cu_seqlens=cu,
+                        max_seqlen=44, path="triton")
+        assert out.shape == (64, 8, 32)
 
 
 @pytest.mark.parametrize("bad", ["heads", "variant", "cu_dtype", "head_dim", "seq"])
@@ -180,6 +274,42 @@ def test_bad_input_is_a_clear_error(bad):
         k, v = torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
     with pytest.raises(MemfitError):
         attention(q, k, v, path="triton", **kwargs)
+
+
+BAD_OFFSETS = {   # T = 12 packed tokens: cu_seqlens, max_seqlen, what the error says
+    "max_seqlen below the longest": ([0, 3, 12], 4, "max_seqlen=4 is shorter than the longest sequence"),
+    "ends before T": ([0, 3, 10], None, "end at the number of packed tokens, 12"),
+    "ends after T": ([0, 3, 14], None, "end at the number of packed tokens, 12"),
+    "decreasing": ([0, 8, 5, 12], None, "non-decreasing"),
+    "starts after 0": ([2, 5, 12], None, "start at 0"),
+    "two-dimensional": ([[0, 5, 12]], None, "1-D int32"),
+}
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+@pytest.mark.parametrize("bad", [pytest.param(bad, marks=pytest.mark.cpu_only(
+    reason="a max_seqlen given on CUDA is checked by a device-side assert, which leaves the CUDA context unusable"))
+    if BAD_OFFSETS[bad][1] is not None else bad for bad in BAD_OFFSETS])
+def test_bad_packed_offsets_are_a_clear_error(bad, path):
+    """Until the fix the offsets went to the kernels unchecked: a max_seqlen below the longest sequence dropped rows
+    of it, offsets ending before T left rows unwritten, and decreasing offsets were taken."""
+    offsets, max_seqlen, says = BAD_OFFSETS[bad]
+    q, k, v = torch.randn(12, 2, 16), torch.randn(12, 1, 16), torch.randn(12, 1, 16)
+    with pytest.raises(MemfitError, match=says):
+        attention(q, k, v, cu_seqlens=torch.tensor(offsets, dtype=torch.int32), max_seqlen=max_seqlen, path=path)
+
+
+@pytest.mark.cpu_only(reason="on CUDA the check is a device-side assert, which leaves the CUDA context unusable")
+def test_packed_offsets_are_checked_on_the_device_under_torch_compile():
+    """Under torch.compile the offsets are not read back (a graph break at every layer): they are checked by an
+    assert in the graph."""
+    q, k, v = torch.randn(12, 2, 16), torch.randn(12, 1, 16), torch.randn(12, 1, 16)
+    compiled = torch.compile(lambda cu: attention(q, k, v, cu_seqlens=cu, max_seqlen=9, path="triton"),
+                             fullgraph=True, backend="eager")
+    cu = torch.tensor([0, 3, 12], dtype=torch.int32)
+    assert _rel(compiled(cu), attention_reference(q, k, v, cu_seqlens=cu)) < 1e-5
+    with pytest.raises(RuntimeError, match="cu_seqlens must start at 0"):
+        compiled(torch.tensor([0, 3, 10], dtype=torch.int32))
 
 
 def test_hugging_face_model_matches_sdpa():

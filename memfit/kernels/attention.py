@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from memfit.errors import MemfitError
 from memfit.kernels.dispatch import dot_precision, interpreting, use_triton
@@ -193,7 +194,7 @@ if triton is not None:
     @triton.autotune(configs=_FWD_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL", "DOT_PREC"], prune_configs_by=_FWD_PRUNE)
     @triton.jit
     def _fwd_kernel(Q, K, V, O, LSE, CU, qk_scale,
-                    sqb, sqh, sqm, skb, skh, skm, svb, svh, svm,
+                    sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, sob, soh, som,
                     H, GROUP, N_CTX, N_TOT,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
                     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -223,9 +224,9 @@ if triton is not None:
         acc, m_i, l_i = _stats_sweep(acc, m_i, l_i, q, q, k_ptr, v_ptr, skm, svm, full_end, hi, offs_m, offs_d, L,
                                      qk_scale, True, CAUSAL, False, HEAD_DIM, BLOCK_N, DOT_PREC)
         o = acc / l_i[:, None]
-        o_ptr = O + bt.to(tl.int64) * sqb + h.to(tl.int64) * sqh + start * sqm
+        o_ptr = O + bt.to(tl.int64) * sob + h.to(tl.int64) * soh + start * som
         mask = (offs_m < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        tl.store(o_ptr + offs_m[:, None] * sqm + offs_d[None, :], o.to(O.dtype.element_ty), mask=mask)
+        tl.store(o_ptr + offs_m[:, None] * som + offs_d[None, :], o.to(O.dtype.element_ty), mask=mask)
         lse_ptr = LSE + (bt * H + h).to(tl.int64) * N_TOT + start
         tl.store(lse_ptr + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < L)
 
@@ -246,7 +247,7 @@ if triton is not None:
         tl.store(DELTA + (bt * H + h).to(tl.int64) * N_TOT + start + offs_m, delta, mask=offs_m < L)
 
     @triton.jit
-    def _key_block_sweep(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, dl_ptr, dq_ptr, sqm, sdom, first, count, rot,
+    def _key_block_sweep(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, dl_ptr, dq_ptr, sqm, sdom, sdqm, first, count, rot,
                          offs_n, offs_d, L, qk_scale, sm_scale,
                          MASK: tl.constexpr, DQ_MODE: tl.constexpr, REMAP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -272,7 +273,7 @@ if triton is not None:
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PREC)
             if DQ_MODE != 0:
                 dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PREC) * sm_scale
-                ptrs = dq_ptr + offs_m[:, None] * sqm + offs_d[None, :]
+                ptrs = dq_ptr + offs_m[:, None] * sdqm + offs_d[None, :]
                 mask = (offs_m < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
                 if DQ_MODE == 1:
                     tl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
@@ -284,15 +285,17 @@ if triton is not None:
                      reset_to_zero=["DQ"], prune_configs_by=_KBWD_PRUNE)
     @triton.jit
     def _key_bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, CU, qk_scale, sm_scale,
-                        sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, sdb, sdh, sdm, dq_slot,
+                        sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, sdb, sdh, sdm,
+                        sdkb, sdkh, sdkm, sdvb, sdvh, sdvm, sdqb, sdqh, sdqm, dq_slot,
                         H, GROUP, N_CTX, N_TOT,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
                         DQ_MODE: tl.constexpr, REMAP: tl.constexpr, DOT_PREC: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """dK, dV per key block (summed over the kv head's query-head group); dQ per DQ_MODE.
 
-        DQ (mode 1: fp32 accumulator laid out like Q; mode 2: partial buffers, one per program
-        slot, ``dq_slot`` elements apart) must hold zeros at launch.
+        DK, DV and DQ have their own strides (sdk*, sdv*, sdq*), not necessarily their inputs'.
+        DQ (mode 1: fp32 accumulator; mode 2: partial buffers, one per program slot,
+        ``dq_slot`` elements apart) must hold zeros at launch.
         """
         bhk = tl.program_id(0)
         pid = tl.program_id(1)
@@ -321,23 +324,24 @@ if triton is not None:
                 full_m = 0
             for g in range(0, GROUP):
                 h = hk * GROUP + g
-                q_off = bt.to(tl.int64) * sqb + h.to(tl.int64) * sqh + start * sqm
+                q_ptr = Q + bt.to(tl.int64) * sqb + h.to(tl.int64) * sqh + start * sqm
                 do_ptr = DO + bt.to(tl.int64) * sdb + h.to(tl.int64) * sdh + start * sdm
+                dq_ptr = dq_base + bt.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + start * sdqm
                 row_off = (bt * H + h).to(tl.int64) * N_TOT + start
-                dk, dv = _key_block_sweep(dk, dv, k, v, Q + q_off, do_ptr, LSE + row_off, DELTA + row_off,
-                                          dq_base + q_off, sqm, sdm, first_m * BLOCK_M, full_m - first_m, 0,
+                dk, dv = _key_block_sweep(dk, dv, k, v, q_ptr, do_ptr, LSE + row_off, DELTA + row_off,
+                                          dq_ptr, sqm, sdm, sdqm, first_m * BLOCK_M, full_m - first_m, 0,
                                           offs_n, offs_d, L, qk_scale, sm_scale, True, DQ_MODE, False, HEAD_DIM,
                                           BLOCK_M, DOT_PREC)
-                dk, dv = _key_block_sweep(dk, dv, k, v, Q + q_off, do_ptr, LSE + row_off, DELTA + row_off,
-                                          dq_base + q_off, sqm, sdm, full_m * BLOCK_M, num_m - full_m, pid_n,
+                dk, dv = _key_block_sweep(dk, dv, k, v, q_ptr, do_ptr, LSE + row_off, DELTA + row_off,
+                                          dq_ptr, sqm, sdm, sdqm, full_m * BLOCK_M, num_m - full_m, pid_n,
                                           offs_n, offs_d, L, qk_scale, sm_scale, False, DQ_MODE, REMAP, HEAD_DIM,
                                           BLOCK_M, DOT_PREC)
             mask = (offs_n < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
-            dk_ptr = DK + bt.to(tl.int64) * skb + hk.to(tl.int64) * skh + start * skm
-            dv_ptr = DV + bt.to(tl.int64) * svb + hk.to(tl.int64) * svh + start * svm
-            tl.store(dk_ptr + offs_n[:, None] * skm + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+            dk_ptr = DK + bt.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + start * sdkm
+            dv_ptr = DV + bt.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + start * sdvm
+            tl.store(dk_ptr + offs_n[:, None] * sdkm + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
                      mask=mask)
-            tl.store(dv_ptr + offs_n[:, None] * svm + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=mask)
+            tl.store(dv_ptr + offs_n[:, None] * sdvm + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _query_block_sweep(dq, q, do, lse, dl, k_ptr, v_ptr, dk_ptr, dv_ptr, skm, svm, sdkm, first, count, rot,
@@ -382,7 +386,7 @@ if triton is not None:
     @triton.jit
     def _query_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, CU, qk_scale, sm_scale,
                           sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, sdb, sdh, sdm,
-                          sdkb, sdkh, sdkm, dkv_slot,
+                          sdqb, sdqh, sdqm, sdkb, sdkh, sdkm, dkv_slot,
                           H, GROUP, N_CTX, N_TOT,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
                           STATS: tl.constexpr, DKV_MODE: tl.constexpr, REMAP: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -391,8 +395,9 @@ if triton is not None:
 
         STATS: recompute lse and delta here (first sweep over the keys) instead of loading
         them; with DKV_MODE 0 they are also stored for a following key kernel.
-        DK/DV (mode 1: fp32 accumulators laid out like K, strides sdk*; mode 2: partial
-        buffers laid out like Q per program slot, ``dkv_slot`` apart) must hold zeros.
+        DQ has its own strides (sdq*), not necessarily Q's.
+        DK/DV (mode 1: fp32 accumulators of K's shape, strides sdk*; mode 2: partial
+        buffers of Q's shape per program slot, strides sdk*, ``dkv_slot`` apart) must hold zeros.
         """
         bh = tl.program_id(0)
         pid = tl.program_id(1)
@@ -443,12 +448,16 @@ if triton is not None:
                                     full_end, tl.cdiv(hi - full_end, BLOCK_N), 0, offs_m, offs_d, L, qk_scale,
                                     sm_scale, True, CAUSAL, DKV_MODE, False, HEAD_DIM, BLOCK_N, DOT_PREC)
             mask = (offs_m < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
-            tl.store(DQ + bt.to(tl.int64) * sqb + h.to(tl.int64) * sqh + start * sqm + offs_m[:, None] * sqm
+            tl.store(DQ + bt.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + start * sdqm + offs_m[:, None] * sdqm
                      + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------
 # Launchers (canonical 4-D views: (Bt, H, Nt, D), last dim contiguous)
+#
+# Each output is ``torch.empty_like`` an input (what the fakes promise) and every kernel stores it
+# by its own strides: an input may have gaps (q, k, v split from a fused QKV projection) or
+# repeat itself (k, v expanded over heads, stride 0), and its empty_like then has other strides.
 # ----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -482,6 +491,9 @@ def _dummy(device):
     return torch.zeros(1, dtype=torch.float32, device=device)
 
 
+_NO_STRIDES = (0, 0, 0)   # the strides passed with a _dummy
+
+
 def _cu_arg(q, cu_seqlens):
     return cu_seqlens if cu_seqlens is not None else torch.zeros(1, dtype=torch.int32, device=q.device)
 
@@ -504,8 +516,8 @@ def _fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale):
     lse = torch.empty((q.shape[0], g.heads, g.n_tot), dtype=torch.float32, device=q.device)
     grid = lambda meta: (g.nseq * g.heads, triton.cdiv(g.n_ctx, meta["BLOCK_M"]))  # noqa: E731
     _fwd_kernel[grid](q, k, v, o, lse, _cu_arg(q, cu_seqlens), scale * LOG2E, *_strides(q), *_strides(k),
-                      *_strides(v), g.heads, g.group, g.n_ctx, g.n_tot, HEAD_DIM=g.head_dim, BLOCK_D=g.block_d,
-                      CAUSAL=causal, VARLEN=g.varlen, DOT_PREC=g.dot_prec)
+                      *_strides(v), *_strides(o), g.heads, g.group, g.n_ctx, g.n_tot, HEAD_DIM=g.head_dim,
+                      BLOCK_D=g.block_d, CAUSAL=causal, VARLEN=g.varlen, DOT_PREC=g.dot_prec)
     return o, lse
 
 
@@ -518,7 +530,8 @@ def _delta(o, do, cu_seqlens, g):
     return delta
 
 
-def _key_bwd(q, k, v, do, lse, delta, dq_buf, dq_slot, slots, cu_seqlens, g, causal, scale, dq_mode, remap):
+def _key_bwd(q, k, v, do, lse, delta, dq_buf, dq_strides, dq_slot, slots, cu_seqlens, g, causal, scale, dq_mode,
+             remap):
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     hk = g.heads // g.group
     if slots:
@@ -526,9 +539,10 @@ def _key_bwd(q, k, v, do, lse, delta, dq_buf, dq_slot, slots, cu_seqlens, g, cau
     else:
         grid = lambda meta: (g.nseq * hk, triton.cdiv(g.n_ctx, meta["BLOCK_N"]))  # noqa: E731
     _key_bwd_kernel[grid](q, k, v, do, lse, delta, dk, dv, dq_buf, _cu_arg(q, cu_seqlens), scale * LOG2E, scale,
-                          *_strides(q), *_strides(k), *_strides(v), *_strides(do), dq_slot, g.heads, g.group, g.n_ctx,
-                          g.n_tot, HEAD_DIM=g.head_dim, BLOCK_D=g.block_d, CAUSAL=causal, VARLEN=g.varlen,
-                          DQ_MODE=dq_mode, REMAP=remap, DOT_PREC=g.dot_prec)
+                          *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
+                          *dq_strides, dq_slot, g.heads, g.group, g.n_ctx, g.n_tot, HEAD_DIM=g.head_dim,
+                          BLOCK_D=g.block_d, CAUSAL=causal, VARLEN=g.varlen, DQ_MODE=dq_mode, REMAP=remap,
+                          DOT_PREC=g.dot_prec)
     return dk, dv
 
 
@@ -540,10 +554,10 @@ def _query_bwd(q, k, v, do, lse, delta, dk_buf, dv_buf, dkv_strides, dkv_slot, s
     else:
         grid = lambda meta: (g.nseq * g.heads, triton.cdiv(g.n_ctx, meta["BLOCK_M"]))  # noqa: E731
     _query_bwd_kernel[grid](q, k, v, do, lse, delta, dq, dk_buf, dv_buf, _cu_arg(q, cu_seqlens), scale * LOG2E,
-                            scale, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *dkv_strides, dkv_slot,
-                            g.heads, g.group, g.n_ctx, g.n_tot, HEAD_DIM=g.head_dim, BLOCK_D=g.block_d,
-                            CAUSAL=causal, VARLEN=g.varlen, STATS=stats, DKV_MODE=dkv_mode, REMAP=remap,
-                            DOT_PREC=g.dot_prec)
+                            scale, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+                            *dkv_strides, dkv_slot, g.heads, g.group, g.n_ctx, g.n_tot, HEAD_DIM=g.head_dim,
+                            BLOCK_D=g.block_d, CAUSAL=causal, VARLEN=g.varlen, STATS=stats, DKV_MODE=dkv_mode,
+                            REMAP=remap, DOT_PREC=g.dot_prec)
     return dq
 
 
@@ -558,21 +572,19 @@ def _bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale, variant):
     hk = g.heads // g.group
     if variant == "two_pass":
         none = _dummy(q.device)
-        dk, dv = _key_bwd(q, k, v, do, lse, delta, none, 0, 0, cu_seqlens, g, causal, scale, 0, False)
-        dq = _query_bwd(q, k, v, do, lse, delta, none, none, (0, 0, 0), 0, 0, cu_seqlens, g, causal, scale,
+        dk, dv = _key_bwd(q, k, v, do, lse, delta, none, _NO_STRIDES, 0, 0, cu_seqlens, g, causal, scale, 0, False)
+        dq = _query_bwd(q, k, v, do, lse, delta, none, none, _NO_STRIDES, 0, 0, cu_seqlens, g, causal, scale,
                         False, 0, False)
         return dq, dk, dv
     if variant in ("atomic", "atomic_remap"):
         acc = torch.zeros_like(q, dtype=torch.float32)
-        dk, dv = _key_bwd(q, k, v, do, lse, delta, acc, 0, 0, cu_seqlens, g, causal, scale, 1,
+        dk, dv = _key_bwd(q, k, v, do, lse, delta, acc, _strides(acc), 0, 0, cu_seqlens, g, causal, scale, 1,
                           variant == "atomic_remap")
         return acc.to(q.dtype), dk, dv
-    # partial buffers are laid out like a contiguous Q, so Q is made contiguous to share strides
     slots = _slots_for(q.device, g, hk)
-    q = q.contiguous()
     parts = torch.zeros((slots, *q.shape), dtype=torch.float32, device=q.device)
-    dk, dv = _key_bwd(q, k, v, do, lse, delta, parts, parts[0].numel(), slots, cu_seqlens, g, causal, scale, 2,
-                      False)
+    dk, dv = _key_bwd(q, k, v, do, lse, delta, parts, _strides(parts[0]), parts[0].numel(), slots, cu_seqlens, g,
+                      causal, scale, 2, False)
     return parts.sum(0).to(q.dtype), dk, dv
 
 
@@ -583,9 +595,9 @@ def _recompute_bwd(do, q, k, v, cu_seqlens, max_seqlen, causal, scale, variant):
         lse = torch.empty(rows, dtype=torch.float32, device=q.device)
         delta = torch.empty(rows, dtype=torch.float32, device=q.device)
         none = _dummy(q.device)
-        dq = _query_bwd(q, k, v, do, lse, delta, none, none, (0, 0, 0), 0, 0, cu_seqlens, g, causal, scale, True, 0,
-                        False)
-        dk, dv = _key_bwd(q, k, v, do, lse, delta, none, 0, 0, cu_seqlens, g, causal, scale, 0, False)
+        dq = _query_bwd(q, k, v, do, lse, delta, none, none, _NO_STRIDES, 0, 0, cu_seqlens, g, causal, scale, True,
+                        0, False)
+        dk, dv = _key_bwd(q, k, v, do, lse, delta, none, _NO_STRIDES, 0, 0, cu_seqlens, g, causal, scale, 0, False)
         return dq, dk, dv
     if variant in ("atomic", "atomic_remap"):
         dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
@@ -606,8 +618,9 @@ def _recompute_bwd(do, q, k, v, cu_seqlens, max_seqlen, causal, scale, variant):
 
 
 def _like(x, ref):
-    """``x`` with ``ref``'s strides (what the fake kernels promise), copying only if they differ."""
-    return x if x.stride() == ref.stride() else torch.empty_like(ref).copy_(x)
+    """``x`` with the strides of ``torch.empty_like(ref)`` (what the fake kernels promise: ``ref``'s own where it
+    is dense, a dense layout where it has gaps or is expanded), copying only if they differ."""
+    return x if x.stride() == torch.empty_like(ref, device="meta").stride() else torch.empty_like(ref).copy_(x)
 
 
 def _lastdim_contiguous(t):
@@ -703,6 +716,46 @@ def _check(q, k, v, cu_seqlens, backward, triton_path):
         raise MemfitError(f"attention: head dim {q.shape[-1]} > {MAX_HEAD_DIM} is not supported by the Triton kernel")
 
 
+def _max_seqlen_checked(cu_seqlens, max_seqlen, tokens):
+    """``max_seqlen``, or the longest sequence where it is None, once the offsets are checked: ``cu_seqlens``
+    starts at 0, never decreases, ends at ``tokens`` (T), and no sequence is longer than ``max_seqlen``.
+
+    The kernels trust all four (a sequence longer than ``max_seqlen`` loses its tail rows, rows past the last
+    offset are never written, a negative length is read as a huge one). Where ``max_seqlen`` is omitted, finding
+    the longest sequence reads the offsets back (one host sync, as before the check) and bad offsets are a
+    MemfitError before any work; so on the CPU. Where it is given for CUDA tensors, and while torch.compile traces,
+    the check runs on the device instead, as :func:`memfit.train.attention_hf._padded_in_place`'s does
+    (``torch._assert_async``), so that a call costs no sync (one per layer in a training step, which stalls the
+    host's run-ahead): a failure there is a device-side assert, which leaves the process's CUDA context unusable.
+    A CUDA graph capture must give ``max_seqlen``. Fake tensors have no values: nothing is checked for them.
+    """
+    compiling = torch.compiler.is_compiling()
+    if (max_seqlen is None and not compiling and cu_seqlens.is_cuda
+            and torch.cuda.is_current_stream_capturing()):
+        raise MemfitError("attention: max_seqlen must be given inside a CUDA graph capture (finding the longest "
+                          "sequence reads cu_seqlens back to the host)")
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    stats = torch.stack([cu_seqlens[0], cu_seqlens[-1], lens.min(), lens.max()])
+    if max_seqlen is not None and (compiling or cu_seqlens.is_cuda or is_fake(cu_seqlens)):
+        torch._assert_async((stats[0] == 0) & (stats[1] == tokens) & (stats[2] >= 0) & (stats[3] <= max_seqlen),
+                            "memfit attention: cu_seqlens must start at 0, be non-decreasing and end at the number of "
+                            "packed tokens, and max_seqlen must be at least the longest sequence")
+        return max_seqlen
+    first, last, shortest, longest = stats.tolist()
+    if first != 0:
+        raise MemfitError(f"attention: cu_seqlens must start at 0; it starts at {first}")
+    if shortest < 0:
+        raise MemfitError(f"attention: cu_seqlens must be non-decreasing; it goes down by {-shortest} from one "
+                          "offset to the next")
+    if last != tokens:
+        raise MemfitError(f"attention: cu_seqlens must end at the number of packed tokens, {tokens} (q, k and v's "
+                          f"first dim); it ends at {last}")
+    if max_seqlen is not None and max_seqlen < longest:
+        raise MemfitError(f"attention: max_seqlen={max_seqlen} is shorter than the longest sequence in cu_seqlens, "
+                          f"{longest}; pass at least {longest}, or leave it out to have it computed")
+    return longest if max_seqlen is None else max_seqlen
+
+
 def _to_canonical(t, packed):
     """(T, H, D) -> (1, H, T, D) view, or (B, H, N, D) as is; last dim made contiguous."""
     t = _lastdim_contiguous(t)
@@ -718,8 +771,8 @@ def _prepare(q, k, v, causal, scale, cu_seqlens, max_seqlen, backward, path, op)
     _check(q, k, v, cu_seqlens, backward, triton_path)
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
     packed = cu_seqlens is not None
-    if packed and max_seqlen is None:
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if packed:
+        max_seqlen = _max_seqlen_checked(cu_seqlens, max_seqlen, q.shape[0])
     return triton_path, scale, packed, int(max_seqlen or 0)
 
 
@@ -728,8 +781,12 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, cu_s
     """Fused attention softmax(q k^T * scale) v, differentiable, O(N) memory.
 
     q ``(B, Hq, N, D)`` and k, v ``(B, Hkv, N, D)``, or packed ``(T, H, D)`` with int32
-    ``cu_seqlens`` ``(B+1,)`` (``max_seqlen`` = longest sequence; computed, with a device
-    sync, if omitted). ``causal`` masks keys after the query, within each sequence.
+    ``cu_seqlens`` ``(B+1,)`` and ``max_seqlen`` (at least the longest sequence; computed if
+    omitted). Any strides (a fused QKV split, k and v expanded over heads); a tensor whose
+    last dim is not contiguous is copied. Packed offsets are checked (:func:`_max_seqlen_checked`:
+    a MemfitError where max_seqlen is omitted or on the CPU, else a device-side assert, which
+    costs no sync): ``cu_seqlens`` starts at 0, never decreases and ends at T, and no sequence
+    is longer than ``max_seqlen``. ``causal`` masks keys after the query, within each sequence.
     ``scale`` defaults to 1/sqrt(D). ``backward`` picks the backward variant (see module
     docstring). Saved for backward: q, k, v, O and one fp32 log-sum-exp per row and head.
     """
