@@ -1,4 +1,5 @@
 """The ledger: hand-computed sizes, the activation derivation against autograd, verify within 5%."""
+import dataclasses
 import re
 import sys
 
@@ -288,6 +289,11 @@ def test_the_library_refuses_what_the_command_refuses():
     with pytest.raises(MemfitError, match=r"lora_rank \(--lora-rank\) does nothing with task full: only LoRA"):
         predict(Job(TINY, task="full", seq=16, device="cpu"), Knobs(dtype="float32", lora_rank=4))
     predict(infer, Knobs(micro_batch=2))                                     # the whole batch: no change
+    with pytest.raises(MemfitError, match=r"do nothing for tiny: partial loading keeps the first 2 and last 2 layers"):
+        predict(infer, Knobs(partial_load=0.3, partial_compute=0.1))          # 2 layers: none partial (was accepted)
+    five = Job(dataclasses.replace(TINY, num_layers=5), task="infer", seq=16, device="cpu")
+    assert predict(five, Knobs(partial_load=0.3, partial_compute=0.1)).peak["weights"] < \
+        predict(five, Knobs()).peak["weights"]                                # one partial layer: taken
 
 
 def test_bf16_for_an_fp32_model_is_labelled_approximate_and_loses_ties():
@@ -304,6 +310,24 @@ def test_bf16_for_an_fp32_model_is_labelled_approximate_and_loses_ties():
     _, first_two = plan(Job(TINY, task="lora", seq=256, device="cpu"), Knobs(dtype="float32"), parse_bytes("1GiB"),
                         limit=2)                       # the search tries exact plans first too, not only the ranking
     assert not any("approximate" in " ".join(p.techniques) for p in first_two)
+
+
+def test_the_first_plan_does_not_depend_on_the_limit():
+    """Among plans at the same predicted time the smaller peak ranks first, whatever ``limit``: the search stopped at
+    the limit-th fitting plan, so with limit=1 (memfit finetune --gpu-memory) the job as asked (11.9 GB) came first
+    where fused cross-entropy needed 8.7 GB at the same time."""
+    from memfit.ledger.planner import plan, time_rank
+
+    job = Job(PRESETS["llama-3.2-1b"], task="lora", seq=2048)
+    base, budget = Knobs(dtype=PRESETS["llama-3.2-1b"].dtype), parse_bytes("80GiB")
+    every = plan(job, base, budget, limit=1000)[1]
+    tied = [p for p in every if time_rank(p.relative_time, p.knobs, base) == time_rank(every[0].relative_time,
+                                                                                          every[0].knobs, base)]
+    assert len({p.ledger.device_total for p in tied}) > 1                  # a tie the peaks decide
+    for limit in (1, 2, 5):
+        plans = plan(job, base, budget, limit=limit)[1]
+        assert len(plans) == limit and plans[0].ledger.device_total == min(p.ledger.device_total for p in tied)
+        assert [p.techniques for p in plans] == [p.techniques for p in every[:limit]]
 
 
 def test_fused_loss_on_cpu_within_one_percent(interpreter_frees_at_return):

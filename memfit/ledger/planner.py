@@ -67,7 +67,10 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
     """The ledger of the job as asked, and up to ``limit`` plans fitting ``budget``, fastest first.
 
     A technique's time cost is known without replaying the job, so candidates are replayed
-    in order of predicted time and the search stops once ``limit`` plans fit. Only when
+    in order of predicted time (:func:`time_rank`) and the search stops once ``limit`` plans fit and the next
+    candidate ranks after the last of them: the ones tied with it are replayed too, since among those the smaller
+    peak ranks first (stopping at the limit-th, a search for one plan returned the job as asked where one at the
+    same time needed 3 GB less, and the first plan changed with ``limit``). Only when
     nothing fits is every candidate replayed, to name the smallest reachable peak in the
     error. ``progress(done, total)`` is called after each replay. ``allowed`` limits the search to
     those technique names (a caller that can apply only some of them), ``keep`` to the candidates it accepts (a
@@ -85,9 +88,11 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
     for knobs in candidates(job, base, allowed, keep):
         cost = total_cost(job, knobs)
         ranked.append((relative_time(job, cost), knobs, cost))
-    ranked.sort(key=lambda item: (item[0], approximate(item[1], base)))
-    fitting, tried = [], []
+    ranked.sort(key=lambda item: time_rank(item[0], item[1], base))
+    fitting, tried, last_rank = [], [], None
     for done, (rel, knobs, cost) in enumerate(ranked, 1):
+        if last_rank is not None and time_rank(rel, knobs, base) != last_rank:
+            break
         candidate = Plan(knobs, base, predict(job, knobs), cost, rel)
         tried.append(candidate)
         if progress:
@@ -95,7 +100,7 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
         if candidate.ledger.device_total <= budget:
             fitting.append(candidate)
             if len(fitting) == limit:
-                break
+                last_rank = time_rank(rel, knobs, base)
     if not tried:
         raise MemfitError("no candidate plan passes keep")
     if not fitting:
@@ -106,5 +111,11 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
             f"(peak {format_bytes(smallest.ledger.total)} + allocator{' and CUDA context' if job.device == 'cuda' else ''}"
             f") with: {with_what}"
         )
-    fitting.sort(key=lambda p: (round(p.relative_time, 3), approximate(p.knobs, p.base), p.ledger.device_total))
-    return asked, fitting
+    fitting.sort(key=lambda p: (*time_rank(p.relative_time, p.knobs, p.base), p.ledger.device_total))
+    return asked, fitting[:limit]
+
+
+def time_rank(relative: float, knobs: Knobs, base: Knobs) -> tuple[float, bool]:
+    """How a plan ranks before its peak is known: its predicted time (to 0.1%: closer is a tie), then exact before
+    approximate."""
+    return round(relative, 3), approximate(knobs, base)

@@ -293,6 +293,13 @@ def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
     if knobs.fused_swiglu and not job.spec.silu_mlp:
         raise MemfitError(f"{field_flag('fused_swiglu')} computes silu(gate) * up; {job.spec.name}'s MLP activation is "
                           f"{job.spec.activation!r}")
+    if (knobs.partial_load, knobs.partial_compute) != (1.0, 1.0) and not ffn_partial_layers(job.spec):
+        from memfit.infer.partial_load import PartialConfig
+
+        whole = PartialConfig()
+        raise MemfitError(f"{field_flag('partial_load')} and {field_flag('partial_compute')} do nothing for "
+                          f"{job.spec.name}: partial loading keeps the first {whole.full_first} and last "
+                          f"{whole.full_last} layers whole, and it has {layers}")
 
 
 def check_device(job: Job, knobs: Knobs) -> None:
@@ -373,12 +380,19 @@ def blr_transient_per_token(method: str, rank: int, blocks: int, in_features: in
     return 2 * zr + out_features, max(3 * zr, in_features) + out_features
 
 
+def ffn_partial_layers(spec) -> range:
+    """The layers partial FFN loading makes partial (memfit.infer's default: the first and last layers stay whole)."""
+    from memfit.infer.partial_load import PartialConfig
+
+    return PartialConfig().partial_layers(spec.num_layers)
+
+
 def ffn_widths(spec, knobs: Knobs) -> list[int]:
     """FFN neurons resident per layer under partial loading (memfit.infer's own counting rule)."""
     from memfit.infer.partial_load import PartialConfig
 
     config = PartialConfig(load=knobs.partial_load, compute=knobs.partial_compute)
-    middle = config.partial_layers(spec.num_layers)
+    middle = ffn_partial_layers(spec)
     loaded = config.counts(spec.intermediate)[2]
     return [loaded if layer in middle else spec.intermediate for layer in range(spec.num_layers)]
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from memfit.ledger.job import Job, Knobs
+from memfit.ledger.predict import ffn_partial_layers
 from memfit.models.spec import dtype_bytes
 
 REGISTRY: dict[str, "Technique"] = {}
@@ -159,13 +160,6 @@ register(Technique(
 ))
 
 
-def _has_partial_layers(spec) -> bool:
-    """Partial loading keeps the first and last layers whole; a model needs layers in between."""
-    from memfit.infer.partial_load import PartialConfig
-
-    return len(PartialConfig().partial_layers(spec.num_layers)) > 0
-
-
 def _decode_bytes(job: Job, knobs: Knobs) -> float:
     """Weight bytes one decoded token reads: the linears (only the computed FFN neurons) and lm_head."""
     from memfit.infer.partial_load import PartialConfig
@@ -173,7 +167,7 @@ def _decode_bytes(job: Job, knobs: Knobs) -> float:
     spec = job.spec
     config = PartialConfig(load=knobs.partial_load, compute=knobs.partial_compute)
     computed = config.counts(spec.intermediate)[1]
-    middle = len(config.partial_layers(spec.num_layers))
+    middle = len(ffn_partial_layers(spec))
     attention = sum(a * b for name, (a, b) in spec.linear_shapes().items() if name in ("q_proj", "k_proj", "v_proj",
                                                                                         "o_proj"))
     ffn = 3 * spec.hidden * ((spec.num_layers - middle) * spec.intermediate + middle * computed)
@@ -186,7 +180,7 @@ register(Technique(
             "decode with phi of them; approximate",
     variants=lambda job, knobs: [{"partial_load": 1.0, "partial_compute": 1.0},
                                  {"partial_load": 0.7, "partial_compute": 0.4}]
-    if job.task == "infer" and _has_partial_layers(job.spec) and knobs.blr_method is None else [],
+    if job.task == "infer" and ffn_partial_layers(job.spec) and knobs.blr_method is None else [],
     # decode reads the weights once per token: time follows the bytes read
     cost=lambda job, knobs: Cost(overhead=_decode_bytes(job, knobs) / _decode_bytes(job, Knobs(dtype=knobs.dtype)) - 1),
     describe=lambda knobs, base: f"partial FFN (load {knobs.partial_load:g}, compute {knobs.partial_compute:g}; "
