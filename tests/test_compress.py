@@ -37,14 +37,16 @@ def test_exactly_representable_is_recovered():
     out, inp, b = 48, 80, 4
     W = torch.randn(out, 5, dtype=torch.float64) @ torch.randn(5, inp, dtype=torch.float64)
     assert proj.relative_weight_error(W, _dense("lowrank", _project("lowrank", W, 5, 1))) < 1e-10
-    W = proj.monarch_dense(torch.randn(b, b, out // b, 2, dtype=torch.float64), torch.randn(b, b, inp // b, 2, dtype=torch.float64))
+    W = proj.monarch_dense(torch.randn(b, b, out // b, 2, dtype=torch.float64),
+                           torch.randn(b, b, inp // b, 2, dtype=torch.float64))
     assert proj.relative_weight_error(W, _dense("monarch", _project("monarch", W, 8, b))) < 1e-10
     W = proj.blast_dense(torch.randn(b, out // b, 6), torch.randn(b, inp // b, 6), torch.randn(b, b, 6)).double()
     history = []
     factors = proj.blast_project(W, 6, b, steps=300, history=history)
     assert proj.relative_weight_error(W, proj.blast_dense(*factors)) < 1e-3
     errs = torch.stack(history)
-    assert bool((errs[1:] <= errs[:-1] * (1 + 1e-6) + 1e-6).all()), "the damped alternating descent must never raise the error"
+    assert bool((errs[1:] <= errs[:-1] * (1 + 1e-6) + 1e-6).all()), \
+        "the damped alternating descent must never raise the error"
 
 
 @pytest.mark.parametrize("method", ["lowrank", "monarch", "blast"])
@@ -99,7 +101,8 @@ def test_convert_tiny_model_stays_close_at_high_rank(method):
     ref = model(input_ids=ids).logits
     result = compress_model(model, method, ratio=0.9, blocks=4, skip=(), steps=15, device="cpu")
     out = model(input_ids=ids).logits
-    assert {type(m).__name__ for m in model.modules()} >= {"LowRankLinear" if method == "lowrank" else method.capitalize() + "Linear"}
+    structured = "LowRankLinear" if method == "lowrank" else method.capitalize() + "Linear"
+    assert {type(m).__name__ for m in model.modules()} >= {structured}
     assert (out - ref).norm() / ref.norm() < 0.5
     assert result.summary()["linear_ratio"] <= 0.9
     assert len(result.report) == 2 * 7 and all(0 <= r["weight_error"] < 1 for r in result.report)
@@ -813,3 +816,68 @@ def test_a_tied_model_whose_file_lacks_the_shared_tensor_is_refused(tmp_path):
     save_file({k: v for k, v in weights.items() if k not in tied}, out / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(MemfitError, match="weights do not match the recorded structure"):
         load_compressed(out)
+
+
+def test_calibration_text_is_tokenized_as_the_other_verbs_tokenize_it(tmp_path, caplog, monkeypatch):
+    """A directory whose Hugging Face tokenizer is vocab.json + merges.txt (or a sentencepiece tokenizer.model) with no
+    tokenizer.json was calibrated on byte ids the model never sees, silently: the calibration ids are now the ones
+    generate/calibrate/finetune feed it (load_codec's), and a fallback to bytes is said once."""
+    import json
+
+    from tokenizers import ByteLevelBPETokenizer
+
+    import memfit.log
+    from memfit.compress.calibration import load_calibration
+    from memfit.infer.text import load_codec
+
+    text = "the theory of the thing is that the theme thins " * 40
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([text], vocab_size=300, min_frequency=1, show_progress=False)
+    hf_dir, bare_dir = tmp_path / "hf", tmp_path / "bare"
+    hf_dir.mkdir()
+    bare_dir.mkdir()
+    bpe.save_model(str(hf_dir))                                         # vocab.json + merges.txt only
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    assert not (hf_dir / "tokenizer.json").exists()
+    (calib := tmp_path / "calib.txt").write_text(text)
+    own = load_codec(hf_dir, 512)
+    assert own.kind == "hf" and own.encode(text)[:16] != list(text.encode())[:16]
+
+    monkeypatch.setattr(memfit.log, "_said", set())
+    got = load_calibration(str(calib), False, hf_dir, 512, samples=2, seq_len=16)
+    assert got[0].flatten().tolist() == own.encode(text)[:32]
+    assert "tokenized as bytes" not in caplog.text
+    for _ in range(2):
+        got = load_calibration(str(calib), False, bare_dir, 512, samples=1, seq_len=16)
+    assert got[0][0].tolist() == list(text.encode())[:16]
+    assert caplog.text.count(f"calibration text tokenized as bytes (memfit-bytes): {bare_dir} has no Hugging") == 1
+
+
+def test_a_preset_is_compressed_and_saved_in_its_own_dtype(tmp_path, monkeypatch):
+    """Presets were built and saved in float32 whatever their dtype (all but tiny are bf16), twice the bytes that
+    ``memfit plan --blr`` counts; a bf16 preset now saves bf16 weights of exactly the planned size, while the
+    projections (activation-aware BLAST here: whitened start and output-error descent) still run in float32."""
+    import json
+
+    import memfit
+    from memfit.compress import convert
+
+    spec = PRESETS["tiny"].with_(name="tiny-bf16", dtype="bfloat16")
+    monkeypatch.setitem(PRESETS, spec.name, spec)
+    seen, project = [], convert.project
+
+    def spy(method, W, rank, blocks, cov, steps):
+        seen.append((W.dtype, cov.dtype))
+        return project(method, W, rank, blocks, cov, steps)
+
+    monkeypatch.setattr(convert, "project", spy)
+    out = tmp_path / "blast"
+    result = memfit.compress(spec.name, out, method="blast", ratio=0.5, blocks=2, calib_builtin=True, calib_samples=2,
+                             calib_seq=64, activation_aware=True, steps=5, device="cpu", progress=False)
+    assert seen and set(seen) == {(torch.float32, torch.float32)}
+    assert all(0 < r["output_error"] < 1 for r in result.report)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = load_compressed(out)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    planned = compressed_param_count(spec, "blast", 0.5, 2)["bytes_compressed"]
+    assert sum(p.numel() * p.element_size() for p in loaded.parameters()) == planned

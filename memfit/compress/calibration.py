@@ -1,7 +1,10 @@
 """Calibration token batches for activation-aware compression.
 
-From a text file (tokenized by the model directory's own tokenizer, or memfit's byte
-tokenizer for models without one) or from the built-in offline corpus (Python's docs).
+From a text file or from the built-in offline corpus (Python's docs), tokenized as
+``memfit generate``/``calibrate``/``finetune`` tokenize text for the same model
+(``memfit.infer.text.load_codec``): the directory's Hugging Face tokenizer (found by its
+tokenizer.json, sentencepiece tokenizer.model or tokenizer_config.json), else bytes, which is
+said once, since byte ids give a model not trained on them the wrong activation statistics.
 """
 from __future__ import annotations
 
@@ -13,18 +16,17 @@ from memfit.errors import MemfitError
 
 
 def text_tokenizer(model_dir: str | Path | None, vocab: int):
-    """``encode(text) -> list[int]`` for the model in ``model_dir`` (byte tokenizer otherwise)."""
-    from memfit.data import ByteTokenizer
+    """``encode(text) -> list[int]`` for the model in ``model_dir`` (None: a preset), by the rule the other
+    verbs use; a fallback to bytes is warned once."""
+    from memfit.infer.text import load_codec
+    from memfit.log import warn_once
 
-    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True).encode
-    tok = ByteTokenizer()
-    if vocab < tok.vocab_size:
-        raise MemfitError(f"the model's vocabulary ({vocab}) is smaller than the byte tokenizer's ({tok.vocab_size}) "
-                          "and its directory has no tokenizer.json; calibration text cannot be tokenized")
-    return tok.encode
+    codec = load_codec(model_dir, vocab)
+    if codec.kind != "hf":
+        where = f"{model_dir} has" if model_dir is not None else "a preset has"
+        warn_once(f"compress:calib-bytes:{model_dir}", f"calibration text tokenized as bytes ({codec.kind}): {where} "
+                  "no Hugging Face tokenizer; activation-aware statistics fit only a model trained on byte ids")
+    return codec.encode
 
 
 def calibration_batches(encode, text: str, samples: int = 32, seq_len: int = 512, batch: int = 8) -> list[torch.Tensor]:

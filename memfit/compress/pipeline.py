@@ -29,9 +29,9 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     output error on calibration text (``calib``, a text file, or ``calib_builtin``, the built-in
     Python-docs corpus) instead of its weight error; ``steps``: BLAST's descent steps per matrix.
     ``force`` replaces an earlier compress output at ``out`` (nothing else). ``progress``: a progress bar on
-    stderr. Errors name the ``memfit compress`` flags, as the calibration loader's do. Returns :class:`CompressionResult`: the
-    plan, per-layer errors and the compressed model itself (``.model``, still on ``device``; drop the
-    result to free it); ``load_compressed(out)`` loads the saved copy.
+    stderr. Errors name the ``memfit compress`` flags, as the calibration loader's do. A preset is built and saved
+    in its own dtype. Returns :class:`CompressionResult`: the plan, per-layer errors and the compressed model itself
+    (``.model``, still on ``device``; drop the result to free it); ``load_compressed(out)`` loads the saved copy.
     """
     from memfit.compress.calibration import load_calibration
     from memfit.compress.convert import compress_model, decoder_linears, model_shapes
@@ -57,7 +57,8 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
         warn_once("compress:random", f"{model} is a preset: compressing random weights (shapes only)")
         import memfit.models
 
-        net = memfit.models.build_model(spec, dtype="float32")
+        # in the preset's dtype, whose size `memfit plan --blr` assumes; compress_model projects in float32
+        net = memfit.models.build_model(spec)
     else:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
