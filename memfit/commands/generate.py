@@ -99,6 +99,35 @@ def _load_dense(args, device, console):
     return model
 
 
+class TextStream:
+    """Writes the text of a growing sequence of token ids to stdout as the ids arrive: what ``decode`` of all of them
+    adds to what is already shown.
+
+    A byte-level tokenizer (memfit's, or a Hugging Face one with byte fallback) gets a multi-byte character one byte
+    per token, and decodes an unfinished one to U+FFFD (Hugging Face's byte fallback turns the whole trailing run of
+    byte tokens into U+FFFD, shortening text already shown). Shown, that U+FFFD would stay: the finished character
+    decodes to the same length, so nothing would be added. Trailing U+FFFD is therefore held back, and text that
+    does not outgrow what is shown waits, until a later token finishes the character; ``close`` writes whatever is
+    left, so the text shown is ``decode`` of every id.
+    """
+
+    def __init__(self, decode):
+        self.decode, self.ids, self.shown = decode, [], ""
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        self._show(self.decode(self.ids).rstrip("\ufffd"))
+
+    def close(self) -> None:
+        self._show(self.decode(self.ids))
+
+    def _show(self, text: str) -> None:
+        if len(text) > len(self.shown):
+            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.flush()
+            self.shown = text
+
+
 def run(args) -> int:
     from pathlib import Path
 
@@ -134,19 +163,14 @@ def run(args) -> int:
                         "the CUDA graph"):
         generator = Generator(model, width + args.max_new, batch=len(encoded),
                               graphs=False if args.no_graphs else None, temperature=args.temperature)
-    streamed: list[int] = []
-    shown = [""]
+    text = TextStream(codec.decode)
     prefill = console.status(f"prefill of {width} prompt tokens" + (
         ": a compressed model's first prompt of a new length also times its layers' kernels (then cached)"
         if compressed else ""))
 
     def stream(tokens):
         prefill.stop()
-        streamed.append(int(tokens[0]))
-        text = codec.decode(streamed)
-        sys.stdout.write(text[len(shown[0]):])
-        sys.stdout.flush()
-        shown[0] = text
+        text.add(int(tokens[0]))
 
     single = len(encoded) == 1
     prefill.start()
@@ -156,6 +180,7 @@ def run(args) -> int:
     finally:
         prefill.stop()
     if single:
+        text.close()
         sys.stdout.write("\n")
     else:                       # as one prompt shows it: the continuation alone, up to its end-of-text token
         for row in range(len(encoded)):

@@ -153,6 +153,20 @@ def use_decode_kernels(fast: bool | None, embed: torch.Tensor, heads: int, kv_he
     return reason is None
 
 
+def sliding_window(model) -> int | None:
+    """The shortest sliding window among the model's attention layers (a query sees only that many keys, itself the
+    last), or None where every layer attends over all earlier keys.
+
+    Decided as the Hugging Face modelling code decides it: an attention module that carries ``sliding_window`` (Qwen2:
+    set on the layers ``layer_types`` marks "sliding_attention", from ``max_window_layers`` on, and None on the others
+    and on every layer when ``use_sliding_window`` is off) uses its own; any other layer the config's
+    ``sliding_window`` (Mistral applies it to every layer, whatever ``layer_types`` says; Llama has none).
+    """
+    default = getattr(model.config, "sliding_window", None)
+    windows = [getattr(layer.self_attn, "sliding_window", default) for layer in model.model.layers]
+    return min((w for w in windows if w is not None), default=None)
+
+
 @dataclass
 class GenerationResult:
     tokens: torch.Tensor               # (B, new) generated ids
@@ -181,6 +195,10 @@ class Generator:
     ``fast``: None = memfit's decode kernels on CUDA where they can run (see ``use_decode_kernels``); True
     forces them (on CPU only under the Triton interpreter, for tests); False = cuBLAS, compiled rope/cache
     writes, SDPA.
+
+    Every query attends over all earlier keys in the cache: a model with a sliding window (``sliding_window``) shorter
+    than the longest run of keys a query may see, ``max_len - 1`` (the last token is sampled, never attended from),
+    is refused rather than decoded with attention it was not trained for. Within the window the two are the same.
     """
 
     def __init__(self, model, max_len: int, batch: int = 1, graphs: bool | None = None, temperature: float = 0.0,
@@ -192,6 +210,11 @@ class Generator:
             raise MemfitError(f"prompt + new tokens = {max_len} exceeds the model's {cfg.max_position_embeddings} positions")
         if temperature < 0:
             raise MemfitError(f"temperature must be >= 0, got {temperature}")
+        window = sliding_window(model)
+        if window is not None and max_len - 1 > window:
+            raise MemfitError(f"this model attends over a sliding window of the last {window} tokens and memfit's decode "
+                              f"loop has none: with max_len = prompt + new tokens = {max_len} a token would see up to "
+                              f"{max_len - 1}; keep prompt + new tokens <= {window + 1}")
         self.model, self.max_len, self.batch, self.temperature = model, max_len, batch, float(temperature)
         embed = model.get_input_embeddings().weight
         self.device, self.dtype = embed.device, embed.dtype

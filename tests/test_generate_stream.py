@@ -1,0 +1,48 @@
+"""``memfit generate`` with one prompt streams its continuation: with a byte-level tokenizer a multi-byte character
+arrives a byte per token, and what is printed must still be the decoded text (it had been U+FFFD for each one)."""
+import pytest
+import torch
+
+import memfit.infer.generate as generate
+from memfit.cli import main
+from memfit.infer.generate import GenerationResult
+from memfit.models import PRESETS, save_model_dir
+
+TEXT = "café€ 10🙂!"            # 2-, 3- and 4-byte characters, two of them back to back
+
+
+def _hf_byte_fallback(directory):
+    """A Hugging Face tokenizer of byte tokens only (<0x00>..<0xFF> as ids 0..255), decoded by byte fallback, which
+    turns a whole run of byte tokens that is not valid UTF-8 (an unfinished character at its end) into U+FFFD."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"<unk>": 256, "</s>": 257}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(directory)
+
+
+class _Bytes:
+    """Stands in for the decode loop: streams TEXT's UTF-8 bytes as the generated token ids (byte b is id b for
+    both tokenizers)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def generate(self, ids, max_new, attention_mask=None, on_tokens=None, eos=None):
+        tokens = list(TEXT.encode())
+        for token in tokens:
+            on_tokens(torch.tensor([token]))
+        return GenerationResult(torch.tensor([tokens]), 0.0, 1.0, len(tokens) - 1, False)
+
+
+@pytest.mark.parametrize("tokenizer", ["memfit-bytes", "hf-byte-fallback"])
+def test_streamed_text_is_the_decoded_text(tokenizer, tmp_path, monkeypatch, capsys):
+    directory = save_model_dir(PRESETS["tiny"], tmp_path / "model")        # no tokenizer files: memfit's bytes
+    if tokenizer == "hf-byte-fallback":
+        _hf_byte_fallback(directory)
+    monkeypatch.setattr(generate, "Generator", _Bytes)
+    assert main(["generate", str(directory), "--prompt", "hi", "--max-new", str(len(TEXT.encode())),
+                 "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == TEXT + "\n"
