@@ -73,11 +73,16 @@ def add_parser(sub):
                              "it")
     parser.add_argument("--out", default="memfit-finetune", help="output directory (default: ./memfit-finetune)")
     parser.add_argument("--steps", type=int, default=60, help="total optimizer steps (default: 60)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the last checkpoint in --out; refused, naming both values, where this "
+                             "run's --batch-size, --seed, --lora-r, --lora-alpha, --train-norm, --dtype or data (the "
+                             "examples of --data tokenized at --max-len) are not the checkpoint's; --steps, --save-every "
+                             "and --lr may change, a new --lr applying to the remaining steps (said once)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=512, help="truncate examples to this many tokens")
     parser.add_argument("--lr", type=float, default=None,
-                        help="learning rate (default: 5e-2 for the tiny preset, else 2e-4)")
+                        help="learning rate (default: the checkpoint's with --resume; else 5e-2 for the tiny preset, "
+                             "else 2e-4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and at the end)")
     parser.add_argument("--lora-r", type=int, default=16)
@@ -224,7 +229,7 @@ def run(args) -> int:
 
     from memfit.data.jsonl import DEFAULT_DATA, check_source, read_records, tokenize_records
     from memfit.models import dtype_of, load_spec
-    from memfit.train.finetune import TrainConfig, latest_checkpoint, peak_bytes
+    from memfit.train.finetune import TrainConfig, checkpoint_lr, latest_checkpoint, peak_bytes
     from memfit.train.patch import lora_config, patch
     from memfit.units import format_bytes, parse_bytes
 
@@ -246,7 +251,11 @@ def run(args) -> int:
         raise MemfitError(f"--out {out}: {problem}")
     if not args.resume and latest_checkpoint(out) is not None:
         raise MemfitError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-    lr = args.lr if args.lr is not None else (5e-2 if args.model == DEFAULT_MODEL else 2e-4)
+    lr = args.lr
+    if lr is None and args.resume and (checkpoint := latest_checkpoint(out)) is not None:
+        lr = checkpoint_lr(checkpoint)                 # a resumed run keeps its learning rate unless --lr is given
+    if lr is None:
+        lr = 5e-2 if args.model == DEFAULT_MODEL else 2e-4
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, save_every=args.save_every, lr=lr)
     data = check_source(args.data or DEFAULT_DATA, args.max_len)
     records = read_records(data, args.max_len)        # a bad line is found before the model loads
@@ -267,7 +276,8 @@ def run(args) -> int:
         patch_state(model).policy = CheckpointPolicy(techniques.places)
     console.print(f"memfit finetune: {spec.name} on {device} ({str(dtype).replace('torch.', '')}), "
                   f"{len(examples)} examples, LoRA r={args.lora_r}, {techniques}")
-    losses = _train_with_progress(model, examples, tokenizer, config, out, args.resume, device, console, format_bytes)
+    losses = _train_with_progress(model, examples, tokenizer, config, out, args.resume, device, console, format_bytes,
+                                  data_name=f"{data} cut at {args.max_len} tokens")
     adapter = _save_adapter(model, out)
     peak = peak_bytes(device)
     console.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; adapter saved to {adapter}")
@@ -277,7 +287,7 @@ def run(args) -> int:
     return 0
 
 
-def _train_with_progress(model, examples, tokenizer, config, out, resume, device, console, format_bytes):
+def _train_with_progress(model, examples, tokenizer, config, out, resume, device, console, format_bytes, data_name):
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -299,7 +309,7 @@ def _train_with_progress(model, examples, tokenizer, config, out, resume, device
                             speed=f"{report.tokens / max(report.seconds, 1e-9):,.0f}", peak=format_bytes(report.peak_bytes))
 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return train(model, examples, pad, config, out, resume=resume, on_step=on_step)
+        return train(model, examples, pad, config, out, resume=resume, on_step=on_step, data_name=data_name)
 
 
 def _save_adapter(model, out: Path) -> Path:

@@ -1,4 +1,4 @@
-"""The fine-tuning loop: deterministic batches, AdamW on the trainable parameters, exact resume.
+"""The fine-tuning loop: deterministic batches, AdamW on float32 master weights, exact resume.
 
 A run is reproducible step by step: batch ``s`` is a pure function of (seed, step), so
 the data position is just the step count. A checkpoint holds the trainable parameters,
@@ -6,9 +6,24 @@ the optimizer state, every RNG (python, torch CPU, CUDA) and the loss history; i
 written into a fresh directory and published by atomically replacing a ``latest``
 pointer, so a crash mid-write never leaves a half checkpoint behind. Resuming restores
 all of it, and the loss sequence continues exactly as an uninterrupted run's would.
+
+A resume is refused, naming the checkpoint's value and this run's, where the run asks for
+something that changes what the saved state means or which batch comes next: another
+batch size or seed, other LoRA settings (rank, alpha, rsLoRA, target modules,
+modules_to_save, which ``--train-norm`` sets), another dtype for the frozen model, or
+other tokenized data (another file, or a ``--max-len`` or tokenizer that changes the
+examples; one that does not changes nothing and is let through). What governs only the
+steps still to come may change: the step count, the save interval, and the learning rate
+and gradient clipping, which the resumed steps take from this run (said once where they
+differ from the checkpoint's).
+
+progress.json carries ``"version"``: 2 records those settings; a file without the key
+(version 1, before they were recorded) still loads, its settings assumed to be this
+run's (said once); a later version is refused.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -18,6 +33,7 @@ import resource
 import shutil
 import sys
 import time
+from array import array
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -31,6 +47,14 @@ from memfit.log import warn_once
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+PROGRESS_VERSION = 2   # 1 (no "version" key): the LoRA settings, dtype and data of the run were not recorded
+
+# The LoRA settings a checkpoint records: its name for one, peft's LoraConfig field, and what in the CLI sets it
+# (None: nothing does). Each changes what the saved adapter weights mean.
+LORA_SETTINGS = (("lora_r", "r", "another --lora-r"), ("lora_alpha", "lora_alpha", "another --lora-alpha"),
+                 ("lora_rslora", "use_rslora", None), ("lora_targets", "target_modules", None),
+                 ("modules_to_save", "modules_to_save", "--train-norm or --no-train-norm"))
+SETTING_HINTS = {key: hint for key, _, hint in LORA_SETTINGS} | {"dtype": "another --dtype"}
 
 
 @dataclass(frozen=True)
@@ -85,6 +109,66 @@ def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter
     return params
 
 
+def float32_master_weights(model: torch.nn.Module) -> None:
+    """Make every trainable float16/bfloat16 parameter float32, as mixed-precision training keeps its master weights.
+
+    AdamW keeps its state in the parameter's dtype: in float16 a gradient's square underflows to 0 and eps=1e-8
+    rounds to 0, so the first step wrote inf/NaN into the weights at any learning rate; in bfloat16 an update under
+    1/256 of a weight is lost. peft makes LoRA's adapters float32 itself; this takes what it leaves in the model's
+    dtype (the modules_to_save copy of model.norm that --train-norm trains). A module holding such a parameter then
+    computes in float32 and returns its output in the parameter's former dtype, which the layers after it take (an
+    RMSNorm with a float32 weight had returned float32, which a float16 output head refuses).
+    """
+    for module in model.modules():
+        half = [p for p in module.parameters(recurse=False)
+                if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)]
+        if not half:
+            continue
+        dtype = half[0].dtype
+        for param in half:
+            param.data = param.data.float()       # the same Parameter: its name, and peft's hold on it, stay
+        module.register_forward_pre_hook(
+            lambda _, args, kwargs: (tuple(_to(a, torch.float32) for a in args),
+                                     {key: _to(value, torch.float32) for key, value in kwargs.items()}),
+            with_kwargs=True)
+        module.register_forward_hook(lambda _, args, output, dtype=dtype: _to(output, dtype))
+
+
+def _to(value, dtype: torch.dtype):
+    """``value`` in ``dtype`` if it is a floating-point tensor, else as it is."""
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+def run_settings(model: torch.nn.Module, examples: list[Example], data_name: str | None = None) -> dict:
+    """What the state a checkpoint holds means beyond its tensors' names and shapes, read from the model and the data
+    themselves, so a library caller is held to them as the CLI is: the active peft adapter's LoRA settings (None for
+    a model without one), the dtype of the frozen model, and a digest of the tokenized examples, which another data
+    file, --max-len or tokenizer changes (``data_name``, the caller's words for the data, only labels it in
+    messages)."""
+    configs = getattr(model, "peft_config", None)
+    lora = configs[model.active_adapter] if configs else None
+    settings = {key: None if lora is None else _plain(getattr(lora, field)) for key, field, _ in LORA_SETTINGS}
+    frozen = [p.dtype for p in model.parameters() if p.is_floating_point() and not p.requires_grad]
+    settings["dtype"] = str((frozen or [p.dtype for p in model.parameters()])[0]).removeprefix("torch.")
+    digest = hashlib.sha256()
+    for example in examples:
+        digest.update(array("q", (len(example.input_ids), *example.input_ids, *example.labels)).tobytes())
+    settings["data"] = {"name": data_name, "examples": len(examples),
+                        "tokens": sum(len(example.input_ids) for example in examples),
+                        "sha256": digest.hexdigest()[:16]}
+    return settings
+
+
+def _plain(value):
+    """A LoraConfig field as JSON keeps it and compares it: a set or list of module names sorted."""
+    return sorted(value) if isinstance(value, (set, list, tuple)) else value
+
+
+def _data_words(data: dict) -> str:
+    name = f"{data['name']}: " if data.get("name") else ""
+    return f"{name}{data['examples']} examples, {data['tokens']} tokens, sha256 {data['sha256']}"
+
+
 # ---- checkpoints ----------------------------------------------------------------------
 def _rng_state() -> dict:
     return {"python": random.getstate(), "torch": torch.get_rng_state(),
@@ -98,8 +182,10 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(out_dir: Path, model, optimizer, step: int, losses: list[float], config: TrainConfig) -> Path:
-    """Write checkpoint ``step`` and point ``latest`` at it; older checkpoints are removed after."""
+def save_checkpoint(out_dir: Path, model, optimizer, step: int, losses: list[float], config: TrainConfig,
+                    settings: dict | None = None) -> Path:
+    """Write checkpoint ``step`` and point ``latest`` at it; older checkpoints are removed after. ``settings`` are
+    :func:`run_settings`' (None: unrecorded, and a resume assumes them)."""
     from safetensors.torch import save_file
 
     root = Path(out_dir) / CHECKPOINTS
@@ -112,7 +198,8 @@ def save_checkpoint(out_dir: Path, model, optimizer, step: int, losses: list[flo
                   str(tmp / "trainable.safetensors"))
         follow_umask(tmp / "trainable.safetensors")   # safetensors writes it 0600
         torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "state.pt")
-        (tmp / "progress.json").write_text(json.dumps({"step": step, "losses": losses, "config": asdict(config)}))
+        (tmp / "progress.json").write_text(json.dumps({"version": PROGRESS_VERSION, "step": step, "losses": losses,
+                                                       "config": asdict(config), "settings": settings}))
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(name)
     os.replace(pointer, root / LATEST)
@@ -137,24 +224,41 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> tuple[int, list[float]]:
+def checkpoint_lr(path: Path) -> float | None:
+    """The learning rate checkpoint ``path`` was trained at; None where its progress.json cannot say
+    (:func:`load_checkpoint` reports a checkpoint it cannot read)."""
+    try:
+        return float(json.loads((path / "progress.json").read_text())["config"]["lr"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def load_checkpoint(path: Path, model, optimizer, config: TrainConfig, settings: dict) -> tuple[int, list[float]]:
     """Restore parameters, optimizer and RNG from ``path``; return (step, losses). A checkpoint that cannot be read
-    (a truncated file) or whose parameters have other shapes (another --lora-r) is a MemfitError saying so."""
+    (a truncated file), was trained with another batch size, seed or :func:`run_settings` than ``settings``, or whose
+    parameters have other names or shapes is a MemfitError saying so; the optimizer takes ``config``'s learning rate,
+    said once where it is not the checkpoint's (as is another max_grad_norm)."""
     from safetensors.torch import load_file
 
     try:
         progress = json.loads((path / "progress.json").read_text())
+        if (version := progress.get("version", 1)) > PROGRESS_VERSION:    # before its other files, whose form may differ
+            raise MemfitError(f"cannot resume {path}: its progress.json is version {version}, written by a newer "
+                              f"memfit (this one reads up to {PROGRESS_VERSION})")
         saved, step, losses = progress["config"], progress["step"], progress["losses"]
         saved_batch, saved_seed = saved["batch_size"], saved["seed"]
         tensors = load_file(str(path / "trainable.safetensors"))
         state = torch.load(path / "state.pt", weights_only=False, map_location="cpu")   # the optimizer moves it
         optimizer_state, rng = state["optimizer"], state["rng"]
+    except MemfitError:
+        raise
     except Exception as err:  # noqa: BLE001 - json's, safetensors' and torch.load's errors share no base
         raise MemfitError(f"cannot resume {path}: the checkpoint cannot be read ({type(err).__name__}: {err})") from None
     for key, was in (("batch_size", saved_batch), ("seed", saved_seed)):
         if was != getattr(config, key):
             raise MemfitError(f"cannot resume {path}: it was trained with {key}={was}, "
                               f"this run asks for {getattr(config, key)}")
+    _check_settings(path, progress.get("settings"), settings)
     params = trainable_parameters(model)
     if set(tensors) != set(params):
         raise MemfitError(f"cannot resume {path}: its trainable parameters do not match this model's "
@@ -165,17 +269,45 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> tuple[
     with torch.no_grad():
         for name, value in tensors.items():
             params[name].copy_(value)
-    optimizer.load_state_dict(optimizer_state)
+    optimizer.load_state_dict(optimizer_state)     # its param_groups hold the checkpoint's lr: this run's replaces it
+    for group in optimizer.param_groups:
+        group["lr"] = config.lr
+    if changed := [f"{key} {saved[key]:g} -> {getattr(config, key):g}" for key in ("lr", "max_grad_norm")
+                   if saved.get(key, getattr(config, key)) != getattr(config, key)]:
+        warn_once("finetune:resume-changed", f"--resume: the steps after step {step} train with "
+                                             f"{', '.join(changed)} (the checkpoint's -> this run's)")
     _set_rng_state(rng)
     return step, losses
 
 
+def _check_settings(path: Path, saved: dict | None, settings: dict) -> None:
+    """Refuse a resume whose :func:`run_settings` are not the checkpoint's, naming both; a checkpoint that did not
+    record them (progress version 1) is assumed to match, said once."""
+    if saved is None:
+        warn_once("finetune:resume-unrecorded", f"--resume: {path} does not record the LoRA settings, dtype and data "
+                                                "it was trained with (an earlier memfit wrote it); assuming they are "
+                                                "this run's")
+        return
+    was_data, data = saved.get("data") or {}, settings["data"]
+    if (was_data.get("sha256"), was_data.get("examples")) != (data["sha256"], data["examples"]):
+        raise MemfitError(f"cannot resume {path}: it was trained on other data ({_data_words(was_data)}) than this "
+                          f"run's ({_data_words(data)}); another --data, --max-len or tokenizer?")
+    for key, now in settings.items():
+        if key != "data" and (was := saved.get(key)) != now:
+            hint = f" ({SETTING_HINTS[key]}?)" if SETTING_HINTS.get(key) else ""
+            raise MemfitError(f"cannot resume {path}: it was trained with {key}={was}, this run asks for {now}{hint}")
+
+
 # ---- the loop -------------------------------------------------------------------------
 def train(model, examples: list[Example], pad_id: int, config: TrainConfig, out_dir: Path, *, resume: bool = False,
-          on_step: Callable[[StepReport], None] | None = None) -> list[float]:
-    """Train ``model`` for ``config.steps`` total steps; return the loss of every step (resumed ones included)."""
+          on_step: Callable[[StepReport], None] | None = None, data_name: str | None = None) -> list[float]:
+    """Train ``model`` for ``config.steps`` total steps; return the loss of every step (resumed ones included).
+    Its trainable parameters become float32 first (:func:`float32_master_weights`); ``data_name`` names the data in
+    a refused resume's message."""
     device = next(p.device for p in model.parameters())
+    float32_master_weights(model)
     params = trainable_parameters(model)
+    settings = run_settings(model, examples, data_name)
     optimizer = torch.optim.AdamW(params.values(), lr=config.lr, weight_decay=0.0)
     step, losses = 0, []
     random.seed(config.seed)
@@ -184,7 +316,7 @@ def train(model, examples: list[Example], pad_id: int, config: TrainConfig, out_
         checkpoint = latest_checkpoint(out_dir)
         if checkpoint is None:
             raise MemfitError(f"--resume: {out_dir} holds no checkpoint to resume from")
-        step, losses = load_checkpoint(checkpoint, model, optimizer, config)
+        step, losses = load_checkpoint(checkpoint, model, optimizer, config, settings)
     if step >= config.steps:
         if resume:
             warn_once("finetune:resume-done", f"--resume: the checkpoint is at step {step}, --steps asks for "
@@ -195,14 +327,15 @@ def train(model, examples: list[Example], pad_id: int, config: TrainConfig, out_
     model.train()
     while step < config.steps:
         start = time.perf_counter()
-        batch = {k: v.to(device) for k, v in collate(batch_at(examples, config.batch_size, config.seed, step), pad_id).items()}
+        picked = batch_at(examples, config.batch_size, config.seed, step)
+        batch = {k: v.to(device) for k, v in collate(picked, pad_id).items()}
         loss = model(**batch, use_cache=False).loss
         loss.backward()
         norm = float(torch.nn.utils.clip_grad_norm_(params.values(), config.max_grad_norm))
         losses.append(float(loss.detach()))
         if not (math.isfinite(losses[-1]) and math.isfinite(norm)):   # before the step makes the weights NaN
-            raise MemfitError(f"at step {step + 1} the loss is {losses[-1]} and the gradient norm {norm}: training "
-                              f"diverged; lower --lr ({config.lr:g}) or check the data")
+            raise MemfitError(f"at step {step + 1} the loss is {losses[-1]} and the gradient norm {norm}: "
+                              + _non_finite_cause(step, config, settings["dtype"]))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -210,5 +343,14 @@ def train(model, examples: list[Example], pad_id: int, config: TrainConfig, out_
             on_step(StepReport(step, losses[-1], int(batch["attention_mask"].sum()), time.perf_counter() - start,
                                peak_bytes(device)))
         if step % config.save_every == 0 or step == config.steps:
-            save_checkpoint(out_dir, model, optimizer, step, losses, config)
+            save_checkpoint(out_dir, model, optimizer, step, losses, config, settings)
     return losses
+
+
+def _non_finite_cause(step: int, config: TrainConfig, dtype: str) -> str:
+    """What a non-finite loss or gradient at ``step`` (0-based) points to: before any update (step 0 is never resumed)
+    the weights are as built, so not the learning rate."""
+    if step:
+        return f"training diverged; lower --lr ({config.lr:g}) or check the data"
+    overflow = " (float16 overflows past 65504: bfloat16 or float32 do not)" if dtype == "float16" else ""
+    return f"no update has been made yet, so the learning rate is not the cause; check the model and the data{overflow}"

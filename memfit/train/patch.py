@@ -135,11 +135,13 @@ def _fused_forward(original):
         targets = shift_labels(labels) if targets is None else targets
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         hidden = outputs.last_hidden_state
-        head = self.lm_head
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        if weight.requires_grad:  # a trained head's float32 master weights, read here, not called: cast as its forward is
+            weight, bias = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
         loss = linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]), head.weight, targets.reshape(-1).to(hidden.device),
+            hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).to(hidden.device),
             ignore_index=IGNORE_INDEX, reduction="mean" if num_items_in_batch is None else "sum",
-            bias=head.bias, vocab_subset=state.vocab_subset, path=state.ce_path,
+            bias=bias, vocab_subset=state.vocab_subset, path=state.ce_path,
         )
         if num_items_in_batch is not None:
             loss = loss / num_items_in_batch

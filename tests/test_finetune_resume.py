@@ -1,0 +1,167 @@
+"""What `memfit finetune --resume` may change (the learning rate, said once) and what it refuses (the settings that
+change what the saved state means), old and newer progress.json files, and training with float16 or bfloat16
+weights where a norm or the output head is trained (float32 master weights)."""
+import argparse
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memfit.data.jsonl import DEFAULT_DATA, load_jsonl
+from memfit.data.tokenizer import ByteTokenizer
+from memfit.errors import MemfitError
+from memfit.models import PRESETS, build_model
+from memfit.train.finetune import TrainConfig, train
+from memfit.train.patch import patch
+
+
+@pytest.fixture(autouse=True)
+def _quick(monkeypatch):
+    """One thread (the test machine is shared); the fused loss runs its CPU reference."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def said(monkeypatch):
+    """What the training loop says once (warn_once), in order."""
+    from memfit.train import finetune as loop
+
+    messages = []
+    monkeypatch.setattr(loop, "warn_once", lambda key, message: messages.append(message))
+    return messages
+
+
+def _run(out, steps, *, lr=1e-2, dtype="float32", lora=None, max_len=128, fused_ce=True, resume=False):
+    tok = ByteTokenizer()
+    examples = load_jsonl(DEFAULT_DATA, tok, max_len)[:24]
+    model = patch(build_model(PRESETS["tiny"], dtype=dtype), fused_ce=fused_ce, lora={"r": 4, **(lora or {})})
+    config = TrainConfig(steps=steps, batch_size=2, lr=lr, save_every=1)
+    return train(model, examples, tok.pad_token_id, config, out, resume=resume)
+
+
+def _latest(out):
+    return out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+
+
+def _optimizer_lrs(out):
+    return {group["lr"] for group in torch.load(_latest(out) / "state.pt", weights_only=False)["optimizer"]["param_groups"]}
+
+
+def _cli(argv):
+    from memfit.commands import finetune
+
+    parser = argparse.ArgumentParser()
+    finetune.add_parser(parser.add_subparsers())
+    return finetune.run(parser.parse_args(["finetune", *argv]))
+
+
+def test_a_resume_trains_at_the_lr_it_is_given_and_says_so_once(tmp_path, said):
+    """The optimizer's saved param_groups had put the checkpoint's lr back, so a resume with --lr 1e-6 after 0.05
+    went on at 0.05, unsaid."""
+    _run(tmp_path, 2, lr=5e-2)
+    before = load_file(str(_latest(tmp_path) / "trainable.safetensors"))
+    _run(tmp_path, 3, lr=1e-6, resume=True)
+    assert _optimizer_lrs(tmp_path) == {1e-6}
+    after = load_file(str(_latest(tmp_path) / "trainable.safetensors"))
+    assert max(float((after[name] - value).abs().max()) for name, value in before.items()) < 1e-4   # 0.05 moves ~0.05
+    assert said == ["--resume: the steps after step 2 train with lr 0.05 -> 1e-06 (the checkpoint's -> this run's)"]
+
+
+def test_a_resume_without_lr_keeps_the_checkpoints(tmp_path, said):
+    """--lr left out of a resumed run is the checkpoint's, not the preset's default (5e-2 for tiny), and nothing is
+    said."""
+    out = tmp_path / "run"
+    common = ["--device", "cpu", "--out", str(out), "--batch-size", "2", "--max-len", "64"]
+    assert _cli([*common, "--steps", "1", "--lr", "1e-3"]) == 0
+    assert _cli([*common, "--steps", "2", "--resume"]) == 0
+    assert _optimizer_lrs(out) == {1e-3}
+    assert said == []
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"lora": {"lora_alpha": 1}}, r"lora_alpha=8, this run asks for 1 \(another --lora-alpha\?\)"),
+    ({"lora": {"modules_to_save": ["model.norm"]}},
+     r"modules_to_save=None, this run asks for \['model.norm'\] \(--train-norm or --no-train-norm\?\)"),
+    ({"lora": {"target_modules": ["q_proj", "v_proj"]}}, r"lora_targets=\['down_proj', .*'v_proj'\], this run asks for "
+                                                         r"\['q_proj', 'v_proj'\]"),
+    ({"dtype": "bfloat16"}, r"dtype=float32, this run asks for bfloat16 \(another --dtype\?\)"),
+    ({"max_len": 16}, r"other data \(24 examples, \d+ tokens, sha256 \w+\) than this run's \(24 examples, \d+ tokens, "
+                      r"sha256 \w+\); another --data, --max-len or tokenizer\?"),
+], ids=["lora_alpha", "train_norm", "targets", "dtype", "max_len"])
+def test_a_resume_refuses_what_changes_the_saved_states_meaning(tmp_path, change, message):
+    """The adapter trained at alpha 8 had been resumed (and saved) at alpha 1, and another dtype or data let through;
+    another --train-norm or targets had been refused without saying which setting."""
+    _run(tmp_path, 2)
+    with pytest.raises(MemfitError, match="cannot resume .*step-0000002: it was trained .*" + message):
+        _run(tmp_path, 3, resume=True, **change)
+
+
+def test_an_old_progress_file_loads_and_a_newer_one_is_refused(tmp_path, said):
+    """A checkpoint written before the settings were recorded (no "version") resumes as before, the assumption said;
+    one from a newer memfit is refused before its other files are read."""
+    _run(tmp_path, 2)
+    progress_file = _latest(tmp_path) / "progress.json"
+    progress = json.loads(progress_file.read_text())
+    progress_file.write_text(json.dumps({key: progress[key] for key in ("step", "losses", "config")}))
+    assert len(_run(tmp_path, 3, resume=True)) == 3
+    assert "does not record the LoRA settings, dtype and data" in said[0] and "assuming they are this run's" in said[0]
+    progress_file = _latest(tmp_path) / "progress.json"
+    progress_file.write_text(json.dumps({**json.loads(progress_file.read_text()), "version": 99}))
+    with pytest.raises(MemfitError, match="progress.json is version 99, written by a newer memfit"):
+        _run(tmp_path, 4, resume=True)
+
+
+def test_float16_training_of_the_norm_stays_finite(tmp_path):
+    """--dtype float16 with --train-norm (the tiny preset's default) had made the weights NaN at the first step at any
+    lr: the trained copy of model.norm stayed float16, and so did AdamW's state, where grad**2 underflows and eps
+    rounds to 0. It trains in float32 now, its output still float16, and the adapter keeps it in float32 as peft keeps
+    the LoRA weights."""
+    out = tmp_path / "run"
+    assert _cli(["--device", "cpu", "--dtype", "float16", "--out", str(out), "--steps", "2", "--batch-size", "2",
+                 "--max-len", "64", "--lr", "1e-4"]) == 0
+    losses = json.loads((_latest(out) / "progress.json").read_text())["losses"]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    norm = adapter["base_model.model.model.norm.weight"]
+    assert norm.dtype == torch.float32 and torch.isfinite(norm).all() and not torch.equal(norm, torch.ones_like(norm))
+
+
+def test_bfloat16_keeps_a_norms_small_updates(tmp_path):
+    """In bfloat16 the norm's weight (1.0, spaced 2**-7 there) had lost every update of an lr of 1e-3: two steps left
+    it at exactly 1."""
+    _run(tmp_path, 2, lr=1e-3, dtype="bfloat16", lora={"modules_to_save": ["model.norm"]})
+    norm = load_file(str(_latest(tmp_path) / "trainable.safetensors"))[
+        "base_model.model.model.norm.modules_to_save.default.weight"]
+    assert norm.dtype == torch.float32 and 1e-3 < float((norm - 1).abs().max()) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fused_ce", [True, False])
+def test_a_trained_output_head_in_half_precision_matches_float32(tmp_path, dtype, fused_ce):
+    """The output head as a peft modules_to_save (a library caller's choice) trains on float32 master weights; the
+    fused loss, which reads its weight rather than calling it, casts it to the hidden states' dtype."""
+    lora = {"modules_to_save": ["lm_head"]}
+    reference = _run(tmp_path / "fp32", 3, lora=lora, fused_ce=fused_ce)
+    half = _run(tmp_path / dtype, 3, dtype=dtype, lora=lora, fused_ce=fused_ce)
+    assert reference[2] < reference[0] - 0.1
+    tolerance = 2e-2 if dtype == "bfloat16" else 2e-3
+    torch.testing.assert_close(torch.tensor(half), torch.tensor(reference), rtol=0, atol=tolerance)
+
+
+def test_a_non_finite_loss_before_any_update_does_not_blame_the_lr(tmp_path):
+    """A loss that is NaN at the first step, before the optimizer has moved anything, had been reported as a
+    divergence to cure with a lower --lr."""
+    tok = ByteTokenizer()
+    model = patch(build_model(PRESETS["tiny"], dtype="float16"), lora={"r": 4})
+    with torch.no_grad():
+        model.get_base_model().model.embed_tokens.weight.fill_(float("nan"))
+    config = TrainConfig(steps=2, batch_size=2, lr=1e-9)
+    with pytest.raises(MemfitError, match=r"at step 1 the loss is nan .*no update has been made yet, so the learning "
+                                          r"rate is not the cause; check the model and the data \(float16 overflows"):
+        train(model, load_jsonl(DEFAULT_DATA, tok, 64)[:8], tok.pad_token_id, config, tmp_path)
