@@ -64,6 +64,9 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # at 312 s, 103 s after the one before, against 28 s at dfd69a8, whose machine had made some of its picks in an
 # earlier call; the file records 311.8 s) on a fresh machine: its limit is now 560 s.
 # At 31241dc the BLR file took 100.8 s (327 passed, 12 skipped), near its 120 s limit, now 180.
+# At 5096b89 (tree 2f2ff72, its kernels 5096b89's) the BLR file with the tangent and second-order tests took 94.9 s
+# (379 passed, 12 skipped), the other four 110.8 s (215 passed, 6 skipped; the attention fixes), test_blr_compile.py
+# 31.6 s (10 passed, 10 skipped), test_swiglu.py 24.0 s (41 passed): one device call, 313.6 s of wall time.
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
