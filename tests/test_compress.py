@@ -850,7 +850,7 @@ def test_calibration_text_is_tokenized_as_the_other_verbs_tokenize_it(tmp_path, 
     for _ in range(2):
         got = load_calibration(str(calib), False, bare_dir, 512, samples=1, seq_len=16)
     assert got[0][0].tolist() == list(text.encode())[:16]
-    assert caplog.text.count(f"calibration text tokenized as bytes (memfit-bytes): {bare_dir} has no Hugging") == 1
+    assert caplog.text.count(f"text tokenized as bytes (memfit-bytes): {bare_dir} has none of tokenizer.json") == 1
 
 
 def test_a_preset_is_compressed_and_saved_in_its_own_dtype(tmp_path, monkeypatch):

@@ -17,16 +17,10 @@ from memfit.errors import MemfitError
 
 def text_tokenizer(model_dir: str | Path | None, vocab: int):
     """``encode(text) -> list[int]`` for the model in ``model_dir`` (None: a preset), by the rule the other
-    verbs use; a fallback to bytes is warned once."""
+    verbs use (:func:`memfit.infer.text.load_codec`, which says a fallback to bytes once)."""
     from memfit.infer.text import load_codec
-    from memfit.log import warn_once
 
-    codec = load_codec(model_dir, vocab)
-    if codec.kind != "hf":
-        where = f"{model_dir} has" if model_dir is not None else "a preset has"
-        warn_once(f"compress:calib-bytes:{model_dir}", f"calibration text tokenized as bytes ({codec.kind}): {where} "
-                  "no Hugging Face tokenizer; activation-aware statistics fit only a model trained on byte ids")
-    return codec.encode
+    return load_codec(model_dir, vocab).encode
 
 
 def calibration_batches(encode, text: str, samples: int = 32, seq_len: int = 512, batch: int = 8) -> list[torch.Tensor]:

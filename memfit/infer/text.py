@@ -1,8 +1,10 @@
-"""Text <-> token ids for the inference verbs.
+"""Text <-> token ids for the verbs that read or write text (generate, calibrate, compress, finetune).
 
 In order: the model directory's own Hugging Face tokenizer, memfit's byte-level
 tokenizer (``memfit.data.tokenizer``, used by the models our scripts train), else raw
-UTF-8 bytes as ids 0..255 (said once, since a model not trained on bytes prints noise).
+UTF-8 bytes as ids 0..255. Bytes for a model directory are said once per directory, since a
+model not trained on them reads noise (a directory whose tokenizer memfit does not find, e.g.
+vocab.json and merges.txt alone, was tokenized as bytes unsaid).
 """
 from __future__ import annotations
 
@@ -56,4 +58,7 @@ def load_codec(model_dir: str | Path | None, vocab: int) -> TextCodec:
                           lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace"), None, "raw-bytes")
     if vocab < 256:
         raise MemfitError(f"a byte-level tokenizer needs a vocabulary of at least 256 ids; this model has {vocab}")
+    if model_dir is not None:
+        warn_once(f"text:bytes:{model_dir}", f"text tokenized as bytes ({codec.kind}): {model_dir} has none of "
+                  f"{', '.join(_HF_FILES)}; right only for a model trained on byte ids (memfit's own)")
     return codec
