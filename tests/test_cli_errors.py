@@ -58,7 +58,7 @@ def _finetune(tmp_path, *extra, model="tiny"):
     (("--blocks=-4",), "blocks must be a positive integer, got -4"),
     (("--calib-builtin", "--calib-samples", "0"), "--calib-samples must be a positive integer, got 0"),
     (("--calib-builtin", "--calib-seq", "0"), "--calib-seq must be a positive integer, got 0"),
-    (("--calib-samples=-1",), "--calib-samples must be a positive integer, got -1"),
+    (("--calib-builtin", "--calib-samples=-1"), "--calib-samples must be a positive integer, got -1"),
     (("--steps", "0"), "--steps must be >= 1, got 0"),
     (("--steps=-3",), "--steps must be >= 1, got -3"),
 ])
@@ -370,9 +370,14 @@ def test_plan_blr_options_that_cannot_go_together(capsys, extra, message):
     _fails(capsys, ["plan", "--model", "llama-3.2-1b", *extra], message)
 
 
-def test_compress_lowrank_refuses_blocks(capsys, no_model_load, tmp_path):
-    _fails(capsys, ["compress", "tiny", "--method", "lowrank", "--blocks", "5", "--out", str(tmp_path / "o"),
-                    "--device", "cpu"], "--blocks: a low-rank layer has no blocks")
+@pytest.mark.parametrize("extra,message", [
+    (("--method", "lowrank", "--blocks", "5"), "--blocks: a low-rank layer has no blocks"),
+    (("--method", "monarch", "--steps", "10"), "--steps: monarch's projection is closed-form"),
+    (("--method", "lowrank", "--steps", "10"), "--steps: lowrank's projection is closed-form"),
+    (("--calib-samples", "4", "--calib-seq", "64"), "--calib-samples, --calib-seq: shape the calibration windows"),
+])
+def test_compress_refuses_options_it_would_not_read(capsys, no_model_load, tmp_path, extra, message):
+    _fails(capsys, ["compress", "tiny", *extra, "--out", str(tmp_path / "o"), "--device", "cpu"], message)
 
 
 def test_plan_blr_lora_adapts_the_layers_kept_dense(capsys):

@@ -37,13 +37,14 @@ def add_parser(sub):
                              "anything added to it since")
     parser.add_argument("--calib", metavar="FILE", help="calibration text file")
     parser.add_argument("--calib-builtin", action="store_true", help="calibrate on the built-in Python-docs corpus")
-    parser.add_argument("--calib-samples", type=int, default=32, help="calibration windows (default 32)")
-    parser.add_argument("--calib-seq", type=int, default=512, help="tokens per calibration window (default 512)")
+    parser.add_argument("--calib-samples", type=int, default=None, help="calibration windows (default 32)")
+    parser.add_argument("--calib-seq", type=int, default=None, help="tokens per calibration window (default 512)")
     parser.add_argument("--activation-aware", action="store_true",
                         help="minimise each layer's output error on the calibration inputs (whitened projection; BLAST "
                              "also refines on the full input covariance, slower)")
-    parser.add_argument("--steps", type=int, default=300, help="BLAST descent steps per matrix (default 300)")
-    parser.add_argument("--device", default="auto", help="where projections run: auto (cuda if present), cpu, cuda or cuda:N")
+    parser.add_argument("--steps", type=int, default=None, help="BLAST descent steps per matrix (default 300)")
+    parser.add_argument("--device", default="auto",
+                        help="where projections run: auto (cuda if present), cpu, cuda or cuda:N")
     return parser
 
 
@@ -55,14 +56,14 @@ def run(args) -> int:
 
     from memfit.compress import compress
     from memfit.compress.io import CONFIG_NAME
-    from memfit.errors import MemfitError
 
-    if args.method == "lowrank" and args.blocks is not None:
-        raise MemfitError("--blocks: a low-rank layer has no blocks (it is for monarch and blast)")
+    _refuse_unused(args)
     blocks = 16 if args.blocks is None else args.blocks
     result = compress(args.model, args.out, args.method, args.ratio, blocks, skip=args.skip,
-                      calib=args.calib, calib_builtin=args.calib_builtin, calib_samples=args.calib_samples,
-                      calib_seq=args.calib_seq, activation_aware=args.activation_aware, steps=args.steps,
+                      calib=args.calib, calib_builtin=args.calib_builtin,
+                      calib_samples=32 if args.calib_samples is None else args.calib_samples,
+                      calib_seq=512 if args.calib_seq is None else args.calib_seq,
+                      activation_aware=args.activation_aware, steps=300 if args.steps is None else args.steps,
                       device=args.device, force=args.force)
     labels = {"weight_error": "weight err"}
     if any(r["output_error"] is not None for r in result.report):          # calibration was given
@@ -80,6 +81,24 @@ def run(args) -> int:
     Console().print(table)
     Console(stderr=True).print(f"saved to {Path(args.out).expanduser()}", soft_wrap=True, markup=False, highlight=False)
     return 0
+
+
+def _refuse_unused(args) -> None:
+    """Refuse an option this run would not read (it was accepted and dropped, unsaid): --blocks for low-rank,
+    --steps for a method other than BLAST (the only iterative projection), the calibration window options without
+    calibration text."""
+    from memfit.errors import MemfitError
+
+    if args.method == "lowrank" and args.blocks is not None:
+        raise MemfitError("--blocks: a low-rank layer has no blocks (it is for monarch and blast)")
+    if args.method != "blast" and args.steps is not None:
+        raise MemfitError(f"--steps: {args.method}'s projection is closed-form (truncated SVD); the descent steps are "
+                          "BLAST's")
+    unread = [flag for flag, value in (("--calib-samples", args.calib_samples), ("--calib-seq", args.calib_seq))
+              if value is not None]
+    if unread and not (args.calib or args.calib_builtin):
+        raise MemfitError(f"{', '.join(unread)}: shape the calibration windows, and no calibration text is given "
+                          "(--calib FILE or --calib-builtin)")
 
 
 def _mean_max(values: list[float]) -> str:
