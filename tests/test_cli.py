@@ -190,6 +190,18 @@ def test_help_and_import_do_not_load_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_python_dash_m_memfit_is_the_command():
+    """`python -m memfit` runs the same command (for an environment whose scripts directory is not on PATH)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "memfit", "plan", "--model", "tiny", "--bogus"], capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "unrecognized arguments: --bogus" in done.stderr
+    assert subprocess.run([sys.executable, "-m", "memfit", "--help"], capture_output=True, text=True,
+                          check=True).stdout.startswith("usage: memfit")
+
+
 REQUIRED = {"compress": ["tiny", "--out", "x"], "calibrate": ["m", "--data", "d"], "generate": ["m", "--prompt", "hi"]}
 
 
