@@ -283,6 +283,7 @@ BAD_OFFSETS = {   # T = 12 packed tokens: cu_seqlens, max_seqlen, what the error
     "decreasing": ([0, 8, 5, 12], None, "non-decreasing"),
     "starts after 0": ([2, 5, 12], None, "start at 0"),
     "two-dimensional": ([[0, 5, 12]], None, "1-D int32"),
+    "on another device": ([0, 5, 12], None, "cu_seqlens is on meta"),
 }
 
 
@@ -296,7 +297,8 @@ def test_bad_packed_offsets_are_a_clear_error(bad, path):
     offsets, max_seqlen, says = BAD_OFFSETS[bad]
     q, k, v = torch.randn(12, 2, 16), torch.randn(12, 1, 16), torch.randn(12, 1, 16)
     with pytest.raises(MemfitError, match=says):
-        attention(q, k, v, cu_seqlens=torch.tensor(offsets, dtype=torch.int32), max_seqlen=max_seqlen, path=path)
+        attention(q, k, v, cu_seqlens=torch.tensor(offsets, dtype=torch.int32, device="meta" if "device" in bad else None),
+                  max_seqlen=max_seqlen, path=path)
 
 
 @pytest.mark.cpu_only(reason="on CUDA the check is a device-side assert, which leaves the CUDA context unusable")

@@ -712,6 +712,9 @@ def _check(q, k, v, cu_seqlens, backward, triton_path):
     if packed and (cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2):
         raise MemfitError(f"attention: cu_seqlens must be a 1-D int32 tensor of B+1 offsets, got "
                           f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+    if packed and cu_seqlens.device != q.device:
+        raise MemfitError(f"attention: cu_seqlens is on {cu_seqlens.device} and q on {q.device}; the kernels read "
+                          "both on q's device")
     if triton_path and q.shape[-1] > MAX_HEAD_DIM:
         raise MemfitError(f"attention: head dim {q.shape[-1]} > {MAX_HEAD_DIM} is not supported by the Triton kernel")
 
