@@ -49,3 +49,18 @@ def test_qwen2_window_only_where_its_layers_use_it(window, expected):
     else:
         with pytest.raises(MemfitError, match="sliding window of the last 4 tokens"):
             Generator(model, 16, graphs=False)
+
+
+@pytest.mark.parametrize("config,window", [
+    (MistralConfig(**SHAPE, sliding_window=8), 8),
+    (Qwen2Config(**SHAPE, sliding_window=4, use_sliding_window=True, max_window_layers=1), 4),
+    (Qwen2Config(**SHAPE, sliding_window=4, use_sliding_window=False), None),
+])
+def test_a_spec_keeps_its_configs_window(config, window):
+    """A model memfit builds from a spec read off config.json (plan, verify, presets) attends as the source does:
+    the spec dropped the window, and a Mistral was rebuilt with its config class's default of 4096."""
+    from memfit.models import build_model
+    from memfit.models.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(config.to_dict())
+    assert sliding_window(build_model(spec.with_(dtype="float32"))) == window

@@ -44,6 +44,11 @@ def dtype_bytes(name) -> int:
     return DTYPE_BYTES[dtype_name(name)]
 
 
+# A sliding-window model's config keys (Mistral: sliding_window; Qwen2: also whether it is used and from which layer),
+# kept from config.json so a model built from the spec attends as the source does.
+WINDOW_KEYS = ("sliding_window", "use_sliding_window", "max_window_layers")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shape of a Llama-family decoder (Llama, Qwen2, Mistral share the layout)."""
@@ -81,7 +86,8 @@ class ModelSpec:
                 f"model {self.name!r}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
         if self.model_type not in SUPPORTED_TYPES:
-            raise MemfitError(f"model {self.name!r}: model_type {self.model_type!r} is not one of {', '.join(SUPPORTED_TYPES)}")
+            raise MemfitError(f"model {self.name!r}: model_type {self.model_type!r} is not one of "
+                              f"{', '.join(SUPPORTED_TYPES)}")
         if self.activation not in ("silu", "gelu", "gelu_pytorch_tanh"):
             raise MemfitError(f"model {self.name!r}: activation {self.activation!r} is not supported (silu, gelu)")
         dtype_name(self.dtype)
@@ -176,7 +182,7 @@ class ModelSpec:
             rms_norm_eps=number("rms_norm_eps", 1e-5, float),
             rope_theta=number("rope_theta", rope_theta, float),
             max_position=number("max_position_embeddings", 4096, int),
-            extra={k: config[k] for k in ("rope_scaling", "sliding_window") if config.get(k) is not None},
+            extra={k: config[k] for k in ("rope_scaling", *WINDOW_KEYS) if config.get(k) is not None},
         )
 
     def to_hf_config(self):
@@ -194,6 +200,8 @@ class ModelSpec:
             kwargs["attention_bias"] = self.attention_bias
         if self.extra.get("rope_scaling"):
             kwargs["rope_scaling"] = self.extra["rope_scaling"]
+        if self.model_type in ("mistral", "qwen2"):      # else the config class's default window (Mistral: 4096)
+            kwargs.update({key: self.extra[key] for key in WINDOW_KEYS if key in self.extra})
         config = getattr(transformers, classes[self.model_type])(**kwargs)
         config.dtype = self.dtype  # saved as "dtype" in config.json (transformers >= 4.56)
         return config
