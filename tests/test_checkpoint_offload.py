@@ -16,8 +16,9 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _step(lora: bool, **techniques):
-    """Loss, trainable gradients and per-layer forward-call counts of one step on the tiny model."""
+def _step(lora: bool, forwards: int = 1, **techniques):
+    """Loss, trainable gradients and per-layer forward-call counts of one step on the tiny model (``forwards``
+    micro-batches, their losses summed before one backward)."""
     model = build_model(PRESETS["tiny"], dtype="float32")
     calls = [0] * len(model.model.layers)
     for i, layer in enumerate(model.model.layers):
@@ -25,13 +26,15 @@ def _step(lora: bool, **techniques):
     model = patch(model, fused_ce=False, lora={"r": 4, "init_lora_weights": False} if lora else None, **techniques)
     model.train()
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 259, (2, 23), generator=generator)
-    labels = ids.clone()
-    labels[:, :7] = -100
-    out = model(input_ids=ids, labels=labels, use_cache=False)
-    out.loss.backward()
+    loss = 0
+    for _ in range(forwards):
+        ids = torch.randint(0, 259, (2, 23), generator=generator)
+        labels = ids.clone()
+        labels[:, :7] = -100
+        loss = loss + model(input_ids=ids, labels=labels, use_cache=False).loss
+    loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    return out.loss.detach(), grads, calls, model
+    return loss.detach(), grads, calls, model
 
 
 @pytest.mark.parametrize("lora", [True, False])
@@ -49,6 +52,36 @@ def test_checkpointed_step_matches_plain(lora, techniques):
         assert grads0[name].abs().sum() > 0, name  # the comparison must be able to fail
         torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-5, atol=1e-7, msg=name)
     assert calls0 == [1, 1] and calls1 == [2, 2]  # the checkpointed layers really recompute
+
+
+@pytest.mark.parametrize("offload_to", ["cpu", "disk"])
+def test_two_forwards_before_one_backward(offload_to):
+    """Two micro-batches summed before one backward, their layer inputs offloaded: each forward keeps its own (the
+    disk store, and on CUDA the pinned one, had one file or buffer per layer, which the second forward overwrote:
+    the first's gradients came out 1.29 off, relative)."""
+    loss0, grads0, _, _ = _step(False, forwards=2)
+    loss1, grads1, calls, _ = _step(False, forwards=2, checkpoint="layer", offload_layers="all", offload_to=offload_to)
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert calls == [4, 4]
+
+
+def test_a_backward_that_cannot_reach_the_layers_is_refused():
+    """torch.autograd.grad, backward(inputs=...) and a double backward (create_graph=True) through checkpointed
+    layers are refused: the recompute's own backward wrote the layers' .grad, which autograd.grad neither asked for
+    nor returned (None where the plain model gives the gradient), and create_graph failed on a KeyError."""
+    model = patch(build_model(PRESETS["tiny"], dtype="float32"), fused_ce=False, checkpoint="layer")
+    model.train()
+    ids = torch.randint(0, 259, (2, 9), generator=torch.Generator().manual_seed(2))
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    for differentiate in (lambda loss: torch.autograd.grad(loss, weight, allow_unused=True),
+                          lambda loss: loss.backward(inputs=[weight]),
+                          lambda loss: loss.backward(create_graph=True)):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        with pytest.raises(MemfitError, match="loss.backward\\(\\) only"):
+            differentiate(loss)
+        assert weight.grad is None
 
 
 def test_policy_can_change_between_steps_and_eval_runs_plain():

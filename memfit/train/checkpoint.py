@@ -19,9 +19,18 @@ The layer's other arguments (rotary cos/sin, mask, position ids) are shared by a
 layers and small; they are kept by reference and receive no gradient, which is right for
 Llama/Qwen2/Mistral decoder layers. RNG state is restored for the recompute so dropout
 masks match.
+
+Each forward saves into its own host buffer or file, so several forwards may precede one
+backward (micro-batches summed, chosen and rejected): the stores had kept one per layer,
+and a second forward overwrote the first's inputs, whose backward then recomputed from
+the wrong ones, unsaid. Gradients reach the layers' parameters by ``.backward()`` only:
+the recompute runs its own backward into ``.grad``, which ``torch.autograd.grad`` (or
+``backward(inputs=...)``) could neither stop nor see, so those are refused, as torch's own
+reentrant checkpoint refuses them, and so is a double backward (``create_graph=True``).
 """
 from __future__ import annotations
 
+import itertools
 import operator
 import os
 import shutil
@@ -130,11 +139,11 @@ def _offload_set(spec, num_layers: int) -> frozenset[int]:
 class _Slot:
     """One saved layer input: its host/disk copy and, once prefetched, the device tensor."""
 
-    __slots__ = ("index", "device", "host", "future", "ready", "event", "shape", "dtype")
+    __slots__ = ("index", "device", "host", "future", "ready", "event", "shape", "dtype", "path", "__weakref__")
 
     def __init__(self, index, device, shape, dtype):
         self.index, self.device, self.shape, self.dtype = index, device, shape, dtype
-        self.host = self.future = self.ready = self.event = None
+        self.host = self.future = self.ready = self.event = self.path = None
 
 
 class GpuStore:
@@ -154,23 +163,21 @@ class GpuStore:
 
 
 class PinnedStore:
-    """Pinned host buffers (one per layer, reused every step) filled and drained on a side stream."""
+    """Pinned host buffers filled and drained on a side stream: one per saved input, from a pool of the buffers
+    earlier inputs gave back when their backward took them (so a step allocates none after the first)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.buffers: dict[int, torch.Tensor] = {}
+        self.free: dict[tuple, list[torch.Tensor]] = {}     # (shape, dtype) -> buffers no slot holds
 
-    def _buffer(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
-        buf = self.buffers.get(index)
-        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-            buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self.buffers[index] = buf
-        return buf
+    def _buffer(self, tensor: torch.Tensor) -> torch.Tensor:
+        pool = self.free.get((tensor.shape, tensor.dtype))
+        return pool.pop() if pool else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
 
     def put(self, index: int, tensor: torch.Tensor) -> _Slot:
         slot = _Slot(index, tensor.device, tensor.shape, tensor.dtype)
-        slot.host = self._buffer(index, tensor)
+        slot.host = self._buffer(tensor)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer has finished
         with torch.cuda.stream(self.stream):
             slot.host.copy_(tensor, non_blocking=True)
@@ -194,6 +201,9 @@ class PinnedStore:
         self.prefetch(slot)
         torch.cuda.current_stream(self.device).wait_event(slot.event)
         tensor, slot.ready = slot.ready, None
+        # the buffer's next fill is queued on the side stream, after this read of it
+        self.free.setdefault((slot.shape, slot.dtype), []).append(slot.host)
+        slot.host = None
         return tensor
 
 
@@ -214,6 +224,14 @@ def _remove_own_directory(directory: str, owner_pid: int, pool: ThreadPoolExecut
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _remove_later(pool: ThreadPoolExecutor, path: str) -> None:
+    """Remove ``path`` on the store's one background thread, after its write (a closed store removed it already)."""
+    try:
+        pool.submit(lambda: os.path.exists(path) and os.remove(path))
+    except RuntimeError:                                 # the pool is shut down: the directory is being removed
+        pass
+
+
 class DiskStore:
     """Files in a private directory, written and read ahead by one background thread. A directory it made itself
     is removed when the store is closed, collected, or the interpreter exits (nothing calls the runner's close
@@ -226,22 +244,24 @@ class DiskStore:
         self.directory = directory or tempfile.mkdtemp(prefix="memfit-ckpt-")
         os.makedirs(self.directory, exist_ok=True)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-disk")
+        self.count = itertools.count()
         self._remove = (weakref.finalize(self, _remove_own_directory, self.directory, os.getpid(), self.pool)
                         if self.owned else None)
 
-    def _path(self, index: int) -> str:
-        return os.path.join(self.directory, f"layer{index:04d}.pt")
-
     def put(self, index: int, tensor: torch.Tensor) -> _Slot:
+        """Write the input to a file of its own (layer index and a running count), removed by the background thread
+        once the slot is gone (taken, or its graph dropped without a backward)."""
         slot = _Slot(index, tensor.device, tensor.shape, tensor.dtype)
+        slot.path = os.path.join(self.directory, f"layer{index:04d}-{next(self.count)}.pt")
         host = tensor.detach().to("cpu", copy=True)  # the device copy is synchronous; the write is not
-        slot.future = self.pool.submit(torch.save, host, self._path(index))
+        slot.future = self.pool.submit(torch.save, host, slot.path)
+        weakref.finalize(slot, _remove_later, self.pool, slot.path)
         return slot
 
     def prefetch(self, slot: _Slot) -> None:
         if slot.ready is None and slot.host is None:
-            write = slot.future
-            slot.host = self.pool.submit(lambda: (write.result(), torch.load(self._path(slot.index)))[1])
+            write, path = slot.future, slot.path
+            slot.host = self.pool.submit(lambda: (write.result(), torch.load(path))[1])
 
     def take(self, slot: _Slot) -> torch.Tensor:
         self.prefetch(slot)
@@ -321,11 +341,14 @@ class _GradientInto(torch.autograd.Function):
 
 
 class _CheckpointFunction(torch.autograd.Function):
-    """Forward without saving activations; backward recomputes the layer from its stored input."""
+    """Forward without saving activations; backward recomputes the layer from its stored input. The layer's trained
+    parameters are inputs too, though their gradients reach ``.grad`` through the recompute's own backward (they
+    get None here): so that a call differentiating toward them (``torch.autograd.grad``, ``backward(inputs=...)``)
+    reaches this backward, which refuses it, rather than finding them unused and returning None."""
 
     @staticmethod
-    def forward(ctx, run, runner, index, hidden, anchor):
-        ctx.run, ctx.runner, ctx.index = run, runner, index
+    def forward(ctx, run, runner, index, hidden, anchor, *params):
+        ctx.run, ctx.runner, ctx.index, ctx.params = run, runner, index, len(params)
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
         ctx.store, ctx.slot = runner.save(index, hidden)
@@ -334,6 +357,10 @@ class _CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if not torch.autograd._is_checkpoint_valid() or torch.is_grad_enabled():
+            raise MemfitError("memfit's checkpointed layers take loss.backward() only: under torch.autograd.grad, "
+                              "backward(inputs=...) or create_graph=True their recompute's own backward would write "
+                              "the layers' .grad, which that call neither asks for nor sees")
         ctx.runner.prefetch_before(ctx.index)
         wants_input_grad = ctx.needs_input_grad[3]     # not for frozen embeddings (LoRA): layer 0 skips that grad
         hidden = ctx.runner.load(ctx.index, ctx.store, ctx.slot).detach().requires_grad_(wants_input_grad)
@@ -351,10 +378,10 @@ class _CheckpointFunction(torch.autograd.Function):
                                                        # trains, nothing to differentiate)
             stand_in.backward()
         ctx.run = None
-        return None, None, None, hidden.grad if wants_input_grad else None, None
+        return None, None, None, hidden.grad if wants_input_grad else None, None, *[None] * ctx.params
 
 
-def checkpointed_forward(forward: Callable, index: int, runner: OffloadRunner) -> Callable:
+def checkpointed_forward(layer: torch.nn.Module, forward: Callable, index: int, runner: OffloadRunner) -> Callable:
     """Wrap a decoder layer's ``forward(hidden, *args, **kwargs)`` with the policy's checkpoint.
 
     Checkpointing applies only while autograd records (training); otherwise, or for a
@@ -381,7 +408,8 @@ def checkpointed_forward(forward: Callable, index: int, runner: OffloadRunner) -
             # A grad-requiring input makes autograd call our backward even when the layer
             # input itself needs no gradient (frozen embeddings under LoRA).
             anchors[device] = torch.zeros((), device=device, requires_grad=True)
-        out = _CheckpointFunction.apply(run, runner, index, hidden_states, anchors[device])
+        trained = (p for p in layer.parameters() if p.requires_grad)
+        out = _CheckpointFunction.apply(run, runner, index, hidden_states, anchors[device], *trained)
         return (out, *tupled[0]) if tupled else out
 
     return wrapped
@@ -398,6 +426,6 @@ def install(layers: Sequence[torch.nn.Module], policy: CheckpointPolicy) -> Offl
     for index, layer in enumerate(layers):
         original = getattr(layer, "_memfit_original_forward", None) or layer.forward
         layer._memfit_original_forward = original
-        layer.forward = checkpointed_forward(original, index, runner)
+        layer.forward = checkpointed_forward(layer, original, index, runner)
     return runner
 
