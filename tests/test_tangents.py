@@ -137,6 +137,29 @@ def test_a_vmap_inside_a_jvp(name, said):
     assert any("around a vmap" in m for m in said())
 
 
+@pytest.mark.parametrize("name", ["monarch", "blast", "lowrank"])
+def test_transforms_over_trained_factors(name):
+    """Factors that require a gradient (every nn.Parameter): a vmap inside a dual level, torch.func.grad on the
+    reference path and a Hessian in x on the Triton path (a jvp over a grad: the tangents take the reference) match the
+    float64 reference; the reference's recomputing autograd function, which has no vmap or jvp rule, raised in each."""
+    op, reference, tensors, options = CASES[name]()
+    x, factors = tensors[0], [t.clone().requires_grad_() for t in tensors[1:]]
+    plain = [t.detach().double() for t in factors]
+    tangent = torch.randn_like(x)
+    with fwad.dual_level():
+        got = torch.func.vmap(lambda row: op(row, *factors, **options, path="triton"))(fwad.make_dual(x, tangent))
+        got = fwad.unpack_dual(got).tangent
+    assert rel(got, reference(tangent.double(), *plain[:-1], **options)) < 1e-5
+    loss = lambda run: lambda w: run(x, w, *factors[1:]).pow(2).sum()                           # noqa: E731
+    got = torch.func.grad(loss(lambda *ts: op(*ts, **options, path="reference")))(factors[0].detach())
+    want = torch.func.grad(lambda w: reference(x.double(), w, *plain[1:], **options).pow(2).sum())(plain[0])
+    assert rel(got, want) < 1e-5
+    row = x[0, :1]
+    got = torch.func.hessian(lambda r: op(r, *factors, **options, **on_path("triton", name)).pow(2).sum())(row)
+    want = torch.func.hessian(lambda r: reference(r, *plain, **options).pow(2).sum())(row.double())
+    assert rel(got, want) < 1e-5
+
+
 def test_tangents_under_torch_compile():
     """The compiled op, first called outside a dual level (a graph without the dual-level branch), then on a dual
     input: the tangent is there, and right."""

@@ -108,7 +108,9 @@ class TextStream:
     byte tokens into U+FFFD, shortening text already shown). Shown, that U+FFFD would stay: the finished character
     decodes to the same length, so nothing would be added. Trailing U+FFFD is therefore held back, and text that
     does not outgrow what is shown waits, until a later token finishes the character; ``close`` writes whatever is
-    left, so the text shown is ``decode`` of every id.
+    left. The text shown is ``decode`` of every id where decoding more ids changes only an unfinished last character
+    (memfit's byte tokenizer); a decoder that rewrites earlier text (Hugging Face's byte fallback turning a finished
+    character back into U+FFFD beside an unfinished one) can leave shown text that differs from it.
     """
 
     def __init__(self, decode):

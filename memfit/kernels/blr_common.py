@@ -568,7 +568,8 @@ def recomputing(reference, n_tensors: int, n_options: int = 0):
 
     def run(*inputs):
         wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs[:n_tensors])
-        if wanted and not (torch.compiler.is_compiling() and _reference_differentiated_when_compiled()):
+        if wanted and not (torch.compiler.is_compiling() and _reference_differentiated_when_compiled()) and not (
+                torch._C._are_functorch_transforms_active() and _reference_differentiated_under_transforms()):
             return Recomputing.apply(*inputs)
         return reference(*inputs[:n_tensors + n_options])
 
@@ -584,6 +585,15 @@ def _reference_differentiated_when_compiled() -> bool:
     warn_once("blr:compiled-reference", "block-low-rank layers on the PyTorch reference path under torch.compile: "
               "the reference is differentiated as it is (torch.compile chooses what to keep for the backward), not "
               "recomputed in the backward as eagerly")
+    return True
+
+
+def _reference_differentiated_under_transforms() -> bool:
+    """True, said once: under torch.func transforms (vmap, grad, jvp, hessian) the BLR reference path is
+    differentiated as it is, since the recomputing autograd function has no vmap or jvp rule (it raised); what is
+    kept for the backward is then autograd's choice, not the recompute the ledger counts."""
+    warn_once("blr:transformed-reference", "block-low-rank layers on the PyTorch reference path under torch.func "
+              "transforms: the reference is differentiated as it is, not recomputed in the backward")
     return True
 
 

@@ -84,8 +84,9 @@ def carries_tangents(op):
 
 
 def refuse_tangents(op: str, *tensors: torch.Tensor) -> None:
-    """Raise where any of ``tensors`` carries a forward-mode AD tangent, which ``op`` would drop (at any jvp level, and
-    under a vmap inside a jvp, where a tangent cannot be read: raised too)."""
+    """Raise where any of ``tensors`` carries a forward-mode AD tangent, which ``op`` would drop (at any jvp level);
+    where tangents cannot all be read (nested jvps, a vmap inside a dual level or jvp) it raises whether or not they
+    carry one."""
     if _dual_level_open() and (not _one_level_of_tangents() or any(_tangent(t) is not None for t in tensors)):
         raise MemfitError(f"{op} does not carry forward-mode AD tangents (torch.autograd.forward_ad, torch.func.jvp); "
                           "use its PyTorch reference where a jvp is needed")
