@@ -304,14 +304,35 @@ def test_bad_packed_offsets_are_a_clear_error(bad, path):
 @pytest.mark.cpu_only(reason="on CUDA the check is a device-side assert, which leaves the CUDA context unusable")
 def test_packed_offsets_are_checked_on_the_device_under_torch_compile():
     """Under torch.compile the offsets are not read back (a graph break at every layer): they are checked by an
-    assert in the graph."""
+    assert in the graph, each clause of it (offsets of another device or shape are refused before it)."""
     q, k, v = torch.randn(12, 2, 16), torch.randn(12, 1, 16), torch.randn(12, 1, 16)
-    compiled = torch.compile(lambda cu: attention(q, k, v, cu_seqlens=cu, max_seqlen=9, path="triton"),
+    compiled = torch.compile(lambda cu, n: attention(q, k, v, cu_seqlens=cu, max_seqlen=n, path="triton"),
                              fullgraph=True, backend="eager")
     cu = torch.tensor([0, 3, 12], dtype=torch.int32)
-    assert _rel(compiled(cu), attention_reference(q, k, v, cu_seqlens=cu)) < 1e-5
-    with pytest.raises(RuntimeError, match="cu_seqlens must start at 0"):
-        compiled(torch.tensor([0, 3, 10], dtype=torch.int32))
+    assert _rel(compiled(cu, 9), attention_reference(q, k, v, cu_seqlens=cu)) < 1e-5
+    for bad, (offsets, max_seqlen, _) in BAD_OFFSETS.items():
+        if bad in ("two-dimensional", "on another device"):
+            continue
+        with pytest.raises(RuntimeError, match="cu_seqlens must start at 0"):
+            compiled(torch.tensor(offsets, dtype=torch.int32), max_seqlen or 12)
+
+
+def test_offsets_are_checked_once_while_unchanged(monkeypatch):
+    """Every layer gets the same offsets tensor: it is checked at the first, and again only once it changes."""
+    from memfit.kernels import attention as module
+
+    checks = []
+    real = module._offsets_checked
+    monkeypatch.setattr(module, "_offsets_checked", lambda *args: checks.append(args) or real(*args))
+    q, k, v = torch.randn(12, 2, 16), torch.randn(12, 1, 16), torch.randn(12, 1, 16)
+    cu = torch.tensor([0, 3, 12], dtype=torch.int32)
+    for _ in range(3):
+        attention(q, k, v, cu_seqlens=cu, path="triton")
+    assert len(checks) == 1
+    cu[1] = 13                                                  # changed in place: checked again, and refused
+    with pytest.raises(MemfitError, match="non-decreasing"):
+        attention(q, k, v, cu_seqlens=cu, path="triton")
+    assert len(checks) == 2
 
 
 def test_hugging_face_model_matches_sdpa():

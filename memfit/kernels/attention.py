@@ -46,6 +46,7 @@ recompute-then-backward; it saves writing and re-reading O and lse, and pays in 
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -719,7 +720,29 @@ def _check(q, k, v, cu_seqlens, backward, triton_path):
         raise MemfitError(f"attention: head dim {q.shape[-1]} > {MAX_HEAD_DIM} is not supported by the Triton kernel")
 
 
+# The offsets checked last: (a weak reference to cu_seqlens, (its version, max_seqlen, T), the result). A model passes
+# one offsets tensor to every layer, so each step checks it once, not once per layer (12 small ops each on CUDA).
+_last_offsets: list = [None]
+
+
 def _max_seqlen_checked(cu_seqlens, max_seqlen, tokens):
+    """:func:`_offsets_checked`, remembered for the offsets tensor checked last while it is unchanged (the same
+    object at the same version), eagerly: traced or captured into a CUDA graph, each call checks (a graph replays
+    with other values)."""
+    eager = not (torch.compiler.is_compiling() or is_fake(cu_seqlens) or cu_seqlens.is_inference()
+                 or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()))
+    if not eager:
+        return _offsets_checked(cu_seqlens, max_seqlen, tokens)
+    key = (cu_seqlens._version, max_seqlen, tokens)
+    last = _last_offsets[0]
+    if last is not None and last[0]() is cu_seqlens and last[1] == key:
+        return last[2]
+    result = _offsets_checked(cu_seqlens, max_seqlen, tokens)
+    _last_offsets[0] = (weakref.ref(cu_seqlens), key, result)
+    return result
+
+
+def _offsets_checked(cu_seqlens, max_seqlen, tokens):
     """``max_seqlen``, or the longest sequence where it is None, once the offsets are checked: ``cu_seqlens``
     starts at 0, never decreases, ends at ``tokens`` (T), and no sequence is longer than ``max_seqlen``.
 
