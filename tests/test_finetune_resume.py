@@ -102,6 +102,22 @@ def test_a_resume_refuses_what_changes_the_saved_states_meaning(tmp_path, change
         _run(tmp_path, 3, resume=True, **change)
 
 
+def test_a_model_trained_whole_records_the_dtype_it_was_given(tmp_path):
+    """Nothing frozen: the dtype recorded is the model's as given, not the float32 of its master weights, so a
+    bfloat16 run resumed in float16 is refused (it had read float32 both times)."""
+    tok = ByteTokenizer()
+    examples = load_jsonl(DEFAULT_DATA, tok, 64)[:8]
+
+    def run(dtype, steps, resume):
+        model = build_model(PRESETS["tiny"], dtype=dtype)
+        config = TrainConfig(steps=steps, batch_size=2, lr=1e-3, save_every=1)
+        return train(model, examples, tok.pad_token_id, config, tmp_path, resume=resume)
+
+    run("bfloat16", 1, False)
+    with pytest.raises(MemfitError, match=r"dtype=bfloat16, this run asks for float16"):
+        run("float16", 2, True)
+
+
 def test_an_old_progress_file_loads_and_a_newer_one_is_refused(tmp_path, said):
     """A checkpoint written before the settings were recorded (no "version") resumes as before, the assumption said;
     one from a newer memfit is refused before its other files are read."""

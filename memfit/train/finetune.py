@@ -305,9 +305,9 @@ def train(model, examples: list[Example], pad_id: int, config: TrainConfig, out_
     Its trainable parameters become float32 first (:func:`float32_master_weights`); ``data_name`` names the data in
     a refused resume's message."""
     device = next(p.device for p in model.parameters())
+    settings = run_settings(model, examples, data_name)     # before the master weights: the dtype asked for
     float32_master_weights(model)
     params = trainable_parameters(model)
-    settings = run_settings(model, examples, data_name)
     optimizer = torch.optim.AdamW(params.values(), lr=config.lr, weight_decay=0.0)
     step, losses = 0, []
     random.seed(config.seed)
