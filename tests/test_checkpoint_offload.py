@@ -1,6 +1,7 @@
 """Checkpointed (and offloaded) decoder layers give the same loss and gradients as plain ones."""
 import pytest
 import torch
+from conftest import seeded
 
 from memfit.errors import MemfitError
 from memfit.models import PRESETS, build_model
@@ -25,7 +26,7 @@ def _step(lora: bool, forwards: int = 1, **techniques):
         layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
     model = patch(model, fused_ce=False, lora={"r": 4, "init_lora_weights": False} if lora else None, **techniques)
     model.train()
-    generator = torch.Generator().manual_seed(1)
+    generator = seeded(1)
     loss = 0
     for _ in range(forwards):
         ids = torch.randint(0, 259, (2, 23), generator=generator)
@@ -73,7 +74,7 @@ def test_a_backward_that_cannot_reach_the_layers_is_refused():
     nor returned (None where the plain model gives the gradient), and create_graph failed on a KeyError."""
     model = patch(build_model(PRESETS["tiny"], dtype="float32"), fused_ce=False, checkpoint="layer")
     model.train()
-    ids = torch.randint(0, 259, (2, 9), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 259, (2, 9), generator=seeded(2))
     weight = model.model.layers[0].self_attn.q_proj.weight
     for differentiate in (lambda loss: torch.autograd.grad(loss, weight, allow_unused=True),
                           lambda loss: loss.backward(inputs=[weight]),
