@@ -98,7 +98,7 @@ RUNS=(
   "gpu_tests_blr|180|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 9 -p no:cacheprovider --timeout 100 --tb=short tests/test_blr_kernels.py tests/test_tangents.py tests/test_blr_second_order.py"
   "gpu_tests_other|300|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 12 -p no:cacheprovider --timeout 100 --tb=short tests/test_decode_kernels.py tests/test_decode_gemv.py tests/test_cache_attention.py tests/test_attention.py"
   "gpu_tests_blr_compile|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 4 -p no:cacheprovider --timeout 90 --tb=short tests/test_blr_compile.py"
-  "gpu_tests_swiglu|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 4 -p no:cacheprovider --timeout 90 --tb=short tests/test_swiglu.py"
+  "gpu_tests_swiglu|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 4 -p no:cacheprovider --timeout 90 --tb=short tests/test_swiglu.py tests/test_checkpoint_offload.py"
   "gpu_tests_timing|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -p no:cacheprovider --timeout 100 --tb=short tests/test_queued_timing.py"
   "gpu_tests_linear_ce|540|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 12 -p no:cacheprovider --timeout 300 --tb=short tests/test_linear_ce.py"
 )
