@@ -25,8 +25,10 @@ backward (micro-batches summed, chosen and rejected): the stores had kept one pe
 and a second forward overwrote the first's inputs, whose backward then recomputed from
 the wrong ones, unsaid. Gradients reach the layers' parameters by ``.backward()`` only:
 the recompute runs its own backward into ``.grad``, which ``torch.autograd.grad`` (or
-``backward(inputs=...)``) could neither stop nor see, so those are refused, as torch's own
-reentrant checkpoint refuses them, and so is a double backward (``create_graph=True``).
+``backward(inputs=...)``) could neither stop nor see, so a call that reaches a checkpointed
+layer that way is refused, as torch's own reentrant checkpoint refuses it, and so is a double
+backward (``create_graph=True``). As there, a call toward the layers' own parameters does not
+reach them (they are not the checkpoint's inputs): it finds them unused.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import operator
 import os
 import shutil
 import tempfile
+import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -163,21 +166,16 @@ class GpuStore:
 
 
 class PinnedStore:
-    """Pinned host buffers filled and drained on a side stream: one per saved input, from a pool of the buffers
-    earlier inputs gave back when their backward took them (so a step allocates none after the first)."""
+    """Pinned host buffers filled and drained on a side stream, one per saved input, from torch's caching pinned
+    allocator (which reuses blocks of any fitting size once their copies are done)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.free: dict[tuple, list[torch.Tensor]] = {}     # (shape, dtype) -> buffers no slot holds
-
-    def _buffer(self, tensor: torch.Tensor) -> torch.Tensor:
-        pool = self.free.get((tensor.shape, tensor.dtype))
-        return pool.pop() if pool else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
 
     def put(self, index: int, tensor: torch.Tensor) -> _Slot:
         slot = _Slot(index, tensor.device, tensor.shape, tensor.dtype)
-        slot.host = self._buffer(tensor)
+        slot.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer has finished
         with torch.cuda.stream(self.stream):
             slot.host.copy_(tensor, non_blocking=True)
@@ -200,10 +198,7 @@ class PinnedStore:
     def take(self, slot: _Slot) -> torch.Tensor:
         self.prefetch(slot)
         torch.cuda.current_stream(self.device).wait_event(slot.event)
-        tensor, slot.ready = slot.ready, None
-        # the buffer's next fill is queued on the side stream, after this read of it
-        self.free.setdefault((slot.shape, slot.dtype), []).append(slot.host)
-        slot.host = None
+        tensor, slot.ready, slot.host = slot.ready, None, None
         return tensor
 
 
@@ -245,6 +240,7 @@ class DiskStore:
         os.makedirs(self.directory, exist_ok=True)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-disk")
         self.count = itertools.count()
+        self.name = uuid.uuid4().hex[:12]              # another store may share a given directory
         self._remove = (weakref.finalize(self, _remove_own_directory, self.directory, os.getpid(), self.pool)
                         if self.owned else None)
 
@@ -252,7 +248,7 @@ class DiskStore:
         """Write the input to a file of its own (layer index and a running count), removed by the background thread
         once the slot is gone (taken, or its graph dropped without a backward)."""
         slot = _Slot(index, tensor.device, tensor.shape, tensor.dtype)
-        slot.path = os.path.join(self.directory, f"layer{index:04d}-{next(self.count)}.pt")
+        slot.path = os.path.join(self.directory, f"{self.name}-layer{index:04d}-{next(self.count)}.pt")
         host = tensor.detach().to("cpu", copy=True)  # the device copy is synchronous; the write is not
         slot.future = self.pool.submit(torch.save, host, slot.path)
         weakref.finalize(slot, _remove_later, self.pool, slot.path)
@@ -341,14 +337,11 @@ class _GradientInto(torch.autograd.Function):
 
 
 class _CheckpointFunction(torch.autograd.Function):
-    """Forward without saving activations; backward recomputes the layer from its stored input. The layer's trained
-    parameters are inputs too, though their gradients reach ``.grad`` through the recompute's own backward (they
-    get None here): so that a call differentiating toward them (``torch.autograd.grad``, ``backward(inputs=...)``)
-    reaches this backward, which refuses it, rather than finding them unused and returning None."""
+    """Forward without saving activations; backward recomputes the layer from its stored input."""
 
     @staticmethod
-    def forward(ctx, run, runner, index, hidden, anchor, *params):
-        ctx.run, ctx.runner, ctx.index, ctx.params = run, runner, index, len(params)
+    def forward(ctx, run, runner, index, hidden, anchor):
+        ctx.run, ctx.runner, ctx.index = run, runner, index
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
         ctx.store, ctx.slot = runner.save(index, hidden)
@@ -378,10 +371,10 @@ class _CheckpointFunction(torch.autograd.Function):
                                                        # trains, nothing to differentiate)
             stand_in.backward()
         ctx.run = None
-        return None, None, None, hidden.grad if wants_input_grad else None, None, *[None] * ctx.params
+        return None, None, None, hidden.grad if wants_input_grad else None, None
 
 
-def checkpointed_forward(layer: torch.nn.Module, forward: Callable, index: int, runner: OffloadRunner) -> Callable:
+def checkpointed_forward(forward: Callable, index: int, runner: OffloadRunner) -> Callable:
     """Wrap a decoder layer's ``forward(hidden, *args, **kwargs)`` with the policy's checkpoint.
 
     Checkpointing applies only while autograd records (training); otherwise, or for a
@@ -408,8 +401,7 @@ def checkpointed_forward(layer: torch.nn.Module, forward: Callable, index: int, 
             # A grad-requiring input makes autograd call our backward even when the layer
             # input itself needs no gradient (frozen embeddings under LoRA).
             anchors[device] = torch.zeros((), device=device, requires_grad=True)
-        trained = (p for p in layer.parameters() if p.requires_grad)
-        out = _CheckpointFunction.apply(run, runner, index, hidden_states, anchors[device], *trained)
+        out = _CheckpointFunction.apply(run, runner, index, hidden_states, anchors[device])
         return (out, *tupled[0]) if tupled else out
 
     return wrapped
@@ -426,6 +418,6 @@ def install(layers: Sequence[torch.nn.Module], policy: CheckpointPolicy) -> Offl
     for index, layer in enumerate(layers):
         original = getattr(layer, "_memfit_original_forward", None) or layer.forward
         layer._memfit_original_forward = original
-        layer.forward = checkpointed_forward(layer, original, index, runner)
+        layer.forward = checkpointed_forward(original, index, runner)
     return runner
 
