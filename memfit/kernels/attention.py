@@ -720,17 +720,18 @@ def _check(q, k, v, cu_seqlens, backward, triton_path):
         raise MemfitError(f"attention: head dim {q.shape[-1]} > {MAX_HEAD_DIM} is not supported by the Triton kernel")
 
 
-# The offsets checked last: (a weak reference to cu_seqlens, (its version, max_seqlen, T), the result). A model passes
-# one offsets tensor to every layer, so each step checks it once, not once per layer (12 small ops each on CUDA).
+# The CUDA offsets checked last: (a weak reference to cu_seqlens, (its version, max_seqlen, T), the result). A model
+# passes one offsets tensor to every layer, so each step checks it once, not once per layer (12 small ops each).
 _last_offsets: list = [None]
 
 
 def _max_seqlen_checked(cu_seqlens, max_seqlen, tokens):
-    """:func:`_offsets_checked`, remembered for the offsets tensor checked last while it is unchanged (the same
-    object at the same version), eagerly: traced or captured into a CUDA graph, each call checks (a graph replays
-    with other values)."""
-    eager = not (torch.compiler.is_compiling() or is_fake(cu_seqlens) or cu_seqlens.is_inference()
-                 or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()))
+    """:func:`_offsets_checked`, remembered for the CUDA offsets tensor checked last while it is unchanged (the same
+    object at the same version counter), eagerly: traced or captured into a CUDA graph, each call checks (a graph
+    replays with other values), and so does every call on the CPU, where the check is cheap. A write the version
+    counter does not see (through ``.data``, or memory shared with numpy or another library) is not seen either."""
+    eager = cu_seqlens.is_cuda and not (torch.compiler.is_compiling() or is_fake(cu_seqlens)
+                                        or cu_seqlens.is_inference() or torch.cuda.is_current_stream_capturing())
     if not eager:
         return _offsets_checked(cu_seqlens, max_seqlen, tokens)
     key = (cu_seqlens._version, max_seqlen, tokens)
