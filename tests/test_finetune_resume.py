@@ -108,14 +108,15 @@ def test_a_model_trained_whole_records_the_dtype_it_was_given(tmp_path):
     tok = ByteTokenizer()
     examples = load_jsonl(DEFAULT_DATA, tok, 64)[:8]
 
-    def run(dtype, steps, resume):
-        model = build_model(PRESETS["tiny"], dtype=dtype)
+    def run(model, steps, resume):
         config = TrainConfig(steps=steps, batch_size=2, lr=1e-3, save_every=1)
         return train(model, examples, tok.pad_token_id, config, tmp_path, resume=resume)
 
-    run("bfloat16", 1, False)
+    model = build_model(PRESETS["tiny"], dtype="bfloat16")
+    run(model, 1, False)
+    run(model, 2, True)                       # the same model again, its master weights float32 by now: same dtype
     with pytest.raises(MemfitError, match=r"dtype=bfloat16, this run asks for float16"):
-        run("float16", 2, True)
+        run(build_model(PRESETS["tiny"], dtype="float16"), 3, True)
 
 
 def test_an_old_progress_file_loads_and_a_newer_one_is_refused(tmp_path, said):

@@ -127,6 +127,7 @@ def float32_master_weights(model: torch.nn.Module) -> None:
         dtype = half[0].dtype
         for param in half:
             param.data = param.data.float()       # the same Parameter: its name, and peft's hold on it, stay
+            param._memfit_dtype = dtype           # the dtype it was given, which a resume compares (run_settings)
         module.register_forward_pre_hook(
             lambda _, args, kwargs: (tuple(_to(a, torch.float32) for a in args),
                                      {key: _to(value, torch.float32) for key, value in kwargs.items()}),
@@ -149,7 +150,8 @@ def run_settings(model: torch.nn.Module, examples: list[Example], data_name: str
     lora = configs[model.active_adapter] if configs else None
     settings = {key: None if lora is None else _plain(getattr(lora, field)) for key, field, _ in LORA_SETTINGS}
     frozen = [p.dtype for p in model.parameters() if p.is_floating_point() and not p.requires_grad]
-    settings["dtype"] = str((frozen or [p.dtype for p in model.parameters()])[0]).removeprefix("torch.")
+    given = [getattr(p, "_memfit_dtype", p.dtype) for p in model.parameters()]     # before any master weights
+    settings["dtype"] = str((frozen or given)[0]).removeprefix("torch.")
     digest = hashlib.sha256()
     for example in examples:
         digest.update(array("q", (len(example.input_ids), *example.input_ids, *example.labels)).tobytes())
