@@ -23,7 +23,7 @@ def _qwen2(**window):
 
 def test_a_window_shorter_than_a_query_may_see_is_refused():
     """Window 8: a generator of max_len 10 would let its last query see 9 keys, where the model sees 8 (it decoded
-    15 of 16 greedy tokens unlike Hugging Face before it was refused)."""
+    greedy tokens unlike Hugging Face's before it was refused)."""
     with pytest.raises(MemfitError, match=r"sliding window of the last 8 tokens.*= 10 .*<= 9"):
         Generator(_mistral(8), 10, graphs=False)
 

@@ -70,7 +70,8 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
     in order of predicted time (:func:`time_rank`) and the search stops once ``limit`` plans fit and the next
     candidate ranks after the last of them: the ones tied with it are replayed too, since among those the smaller
     peak ranks first (stopping at the limit-th, a search for one plan returned the job as asked where one at the
-    same time needed 3 GB less, and the first plan changed with ``limit``). Only when
+    same time needed less: ``memfit plan --model llama-3.2-1b --task lora --seq 2048 --gpu-memory 80GiB
+    --limit 1``, and the first plan changed with ``limit``). Only when
     nothing fits is every candidate replayed, to name the smallest reachable peak in the
     error. ``progress(done, total)`` is called after each replay. ``allowed`` limits the search to
     those technique names (a caller that can apply only some of them), ``keep`` to the candidates it accepts (a
