@@ -17,10 +17,15 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+def _tiny_model():
+    """The tiny preset in float32 on the tests' device (CUDA under MEMFIT_TEST_DEVICE=cuda, where the ids are made)."""
+    return build_model(PRESETS["tiny"], dtype="float32", device=torch.get_default_device())
+
+
 def _step(lora: bool, forwards: int = 1, **techniques):
     """Loss, trainable gradients and per-layer forward-call counts of one step on the tiny model (``forwards``
     micro-batches, their losses summed before one backward)."""
-    model = build_model(PRESETS["tiny"], dtype="float32")
+    model = _tiny_model()
     calls = [0] * len(model.model.layers)
     for i, layer in enumerate(model.model.layers):
         layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
@@ -72,7 +77,7 @@ def test_a_backward_that_cannot_reach_the_layers_is_refused():
     """torch.autograd.grad, backward(inputs=...) and a double backward (create_graph=True) through checkpointed
     layers are refused: the recompute's own backward wrote the layers' .grad, which autograd.grad neither asked for
     nor returned, and create_graph failed on a KeyError."""
-    model = patch(build_model(PRESETS["tiny"], dtype="float32"), fused_ce=False, checkpoint="layer")
+    model = patch(_tiny_model(), fused_ce=False, checkpoint="layer")
     model.train()
     ids = torch.randint(0, 259, (2, 9), generator=seeded(2))
     embedding, weight = model.model.embed_tokens.weight, model.model.layers[0].self_attn.q_proj.weight
@@ -88,7 +93,7 @@ def test_a_backward_that_cannot_reach_the_layers_is_refused():
 def test_a_parameters_gradient_hooks_run_once():
     """A hook on a checkpointed layer's weight sees its gradient once (passing the weights to the checkpoint as
     inputs, to reach them, had run each hook a second time, with None)."""
-    model = patch(build_model(PRESETS["tiny"], dtype="float32"), fused_ce=False, checkpoint="layer")
+    model = patch(_tiny_model(), fused_ce=False, checkpoint="layer")
     model.train()
     weight = model.model.layers[0].mlp.up_proj.weight
     seen, accumulated = [], []
