@@ -53,6 +53,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # on a machine just started, then blr_e2e 182 s on the same machine, warm (one device call each). At 62f9d18 three
 # blr_layers processes at Llama-1B q/o and down, Monarch, N = 1, each with its own MEMFIT_AUTOTUNE_CACHE, took 81 s of
 # wall time together on a machine just started (results/blr_layers_subset_decode_gemv_repeat*.json).
+# gpu_tests_rest runs every other test file under a CUDA default device: code that makes a tensor without naming
+# the device it needs (a pinned host buffer, a CPU generator's permutation) fails there and nowhere on the CPU.
 # tests/test_queued_timing.py runs alone (gpu_tests_timing): it times the GPU, which other test processes would share.
 # At a77f798 blr_generate's file records 239 s (229 s at dfd69a8); gpu_tests_timing's log 1.8 s at 54fbce2.
 # At 6a23ce9 the BLR file took 79.9 s (324 passed; the one failure, the pick memo's CPU stand-in made on the default
@@ -100,6 +102,7 @@ RUNS=(
   "gpu_tests_blr_compile|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 4 -p no:cacheprovider --timeout 90 --tb=short tests/test_blr_compile.py"
   "gpu_tests_swiglu|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 4 -p no:cacheprovider --timeout 90 --tb=short tests/test_swiglu.py tests/test_checkpoint_offload.py"
   "gpu_tests_timing|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -p no:cacheprovider --timeout 100 --tb=short tests/test_queued_timing.py"
+  "gpu_tests_rest|500|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -v -rfE -n 14 -p no:cacheprovider --timeout 200 --tb=short --junitxml $OUT/gpu_tests_rest.xml tests --ignore tests/test_blr_kernels.py --ignore tests/test_tangents.py --ignore tests/test_blr_second_order.py --ignore tests/test_decode_kernels.py --ignore tests/test_decode_gemv.py --ignore tests/test_cache_attention.py --ignore tests/test_attention.py --ignore tests/test_blr_compile.py --ignore tests/test_swiglu.py --ignore tests/test_checkpoint_offload.py --ignore tests/test_queued_timing.py --ignore tests/test_linear_ce.py"
   "gpu_tests_linear_ce|540|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 12 -p no:cacheprovider --timeout 300 --tb=short tests/test_linear_ce.py"
 )
 status=0

@@ -114,7 +114,7 @@ def choose_loaded(general: torch.Tensor, task: torch.Tensor, n_base: int, n_load
     ``priority`` is each loaded neuron's place in that combined order (lower = more important).
     """
     base_ids = task[:n_base]
-    taken = torch.zeros(general.numel(), dtype=torch.bool)
+    taken = torch.zeros(general.numel(), dtype=torch.bool, device=general.device)
     taken[base_ids] = True
     others = general[~taken[general]][: n_load - n_base]
     order = torch.cat([base_ids, others])

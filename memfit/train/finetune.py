@@ -89,7 +89,7 @@ def batch_at(examples: list[Example], batch_size: int, seed: int, step: int) -> 
     picked = []
     for position in range(step * batch_size, (step + 1) * batch_size):
         epoch, offset = divmod(position, n)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch), device="cpu")
         picked.append(examples[int(order[offset])])
     return picked
 
