@@ -60,7 +60,7 @@ def run(args, device, ceilings, rec: Recorder) -> None:
     spec = PRESETS["tiny"] if smoke else PRESETS["llama-3.2-1b"]
     blocks, ranks = (4, None) if smoke else (16, PAPER_RANKS_LLAMA_1B)
     prompt_len, new, reps = (16, 8, 1) if smoke else (128, 256, 3)
-    prompt = torch.randint(0, spec.vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, spec.vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0), device="cpu")
     loop = {"graphs": False} if smoke else {}
     tmp = Path(tempfile.mkdtemp(prefix="memfit-blr-generate-"))
     try:

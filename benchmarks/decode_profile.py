@@ -107,7 +107,7 @@ def main() -> int:
     device = torch.device("cuda")
     spec = PRESETS["llama-3.2-3b"]
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, spec.vocab, (1, 128), generator=gen)
+    prompt = torch.randint(0, spec.vocab, (1, 128), generator=gen, device="cpu")
     tmp = Path(tempfile.mkdtemp(prefix="memfit-decode-profile-"))
     rows: list[dict] = []
     try:

@@ -65,7 +65,8 @@ def rows_settings(num_layers: int, vocab: int, device):
     intermediate-sized tensor a layer less and writes the MLP's gradients over its inputs."""
     none = CheckpointPolicy.build(num_layers, "none")
     offloaded = CheckpointPolicy.build(num_layers, "layer", "all")
-    subset = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:min(SUBSET, vocab // 2)].to(device)
+    order = torch.randperm(vocab, generator=torch.Generator().manual_seed(0), device="cpu")
+    subset = order[:min(SUBSET, vocab // 2)].to(device)
     settings = [(False, none, None, 1.0, "adamw", False), (False, offloaded, None, 1.0, "adamw", False),
                 (True, offloaded, None, 1.0, "adamw", False), (True, offloaded, subset, 1.0, "adamw", False),
                 (True, offloaded, None, 0.3, "adamw", False), (True, offloaded, None, 0.3, "adamw8bit", False),

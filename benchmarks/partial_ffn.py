@@ -219,8 +219,8 @@ def run_speed(args, device, ceilings, rec: Recorder) -> None:
     partial = PartialConfig(load=0.7, compute=0.4, full_first=2, full_last=2)
     everywhere = PartialConfig(load=0.7, compute=0.4, full_first=2, full_last=2, compute_all_layers=True)
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, spec.vocab, (1, prompt_len), generator=gen)
-    calib = torch.randint(0, spec.vocab, (8, prompt_len), generator=gen)
+    prompt = torch.randint(0, spec.vocab, (1, prompt_len), generator=gen, device="cpu")
+    calib = torch.randint(0, spec.vocab, (8, prompt_len), generator=gen, device="cpu")
     tmp = Path(tempfile.mkdtemp(prefix="memfit-partial-"))
     cases = [
         ("dense fp16", lambda: load_model(model_dir, device=device), {}),
@@ -306,7 +306,8 @@ def run_accuracy(args, device, rec: Recorder) -> None:
         train, val = token_splits()
         seq, n_eval = (256, 64) if not args.smoke else (48, 3)
         gen = torch.Generator().manual_seed(1)
-        calib = torch.stack([train[i:i + seq] for i in torch.randint(0, train.numel() - seq, (32,), generator=gen).tolist()])
+        calib_starts = torch.randint(0, train.numel() - seq, (32,), generator=gen, device="cpu").tolist()
+        calib = torch.stack([train[i:i + seq] for i in calib_starts])
         dense = load_model(model_dir, device=device, dtype="float32")
         rankings = calibrate(dense, [(c, torch.ones_like(c), None) for c in calib.split(8)])
         starts = torch.linspace(0, val.numel() - seq - 1, n_eval).long().tolist()

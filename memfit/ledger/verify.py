@@ -138,7 +138,7 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1) -> Measurement:
     check_runnable(job, knobs)
     model = _prepare(job, knobs)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, job.spec.vocab, (job.batch, job.seq), generator=generator).to(job.device)
+    ids = torch.randint(0, job.spec.vocab, (job.batch, job.seq), generator=generator, device="cpu").to(job.device)
     if job.task == "infer":
         return _measure_infer(job, model, ids, warmup)
     params = [p for p in model.parameters() if p.requires_grad]

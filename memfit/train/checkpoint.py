@@ -175,7 +175,7 @@ class PinnedStore:
 
     def put(self, index: int, tensor: torch.Tensor) -> _Slot:
         slot = _Slot(index, tensor.device, tensor.shape, tensor.dtype)
-        slot.host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)  # whatever the default device
+        slot.host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)  # any default device
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer has finished
         with torch.cuda.stream(self.stream):
             slot.host.copy_(tensor, non_blocking=True)
