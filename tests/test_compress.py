@@ -43,10 +43,25 @@ def test_exactly_representable_is_recovered():
     W = proj.blast_dense(torch.randn(b, out // b, 6), torch.randn(b, inp // b, 6), torch.randn(b, b, 6)).double()
     history = []
     factors = proj.blast_project(W, 6, b, steps=300, history=history)
-    assert proj.relative_weight_error(W, proj.blast_dense(*factors)) < 1e-3
+    assert proj.relative_weight_error(W, proj.blast_dense(*factors)) < 1e-6
     errs = torch.stack(history)
     assert bool((errs[1:] <= errs[:-1] * (1 + 1e-6) + 1e-6).all()), \
         "the damped alternating descent must never raise the error"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_an_exactly_blast_matrix_is_recovered_at_the_start(seed):
+    """The block SVD finds each U_i and V_j only up to a change of basis, in which the cores U_i^T W_ij V_j are not
+    diagonal: the diagonal S fitted there missed, and from that start the descent stalled far from the matrix at
+    some of these seeds (its first test passed at its one seed by luck). The bases that diagonalise every core make
+    the start exact; two exact matrices batched together are each recovered."""
+    out, inp, b, r = 36, 60, 3, 5
+    generator = torch.Generator(device=torch.get_default_device()).manual_seed(seed)
+    W = torch.stack([proj.blast_dense(torch.randn(b, out // b, r, generator=generator),
+                                      torch.randn(b, inp // b, r, generator=generator),
+                                      torch.randn(b, b, r, generator=generator)).double() for _ in range(2)])
+    assert (proj.relative_weight_error(W, proj.blast_dense(*proj.blast_project(W, r, b, steps=0))) < 1e-3).all()
+    assert (proj.relative_weight_error(W, proj.blast_dense(*proj.blast_project(W, r, b, steps=100))) < 1e-6).all()
 
 
 @pytest.mark.parametrize("method", ["lowrank", "monarch", "blast"])
@@ -425,8 +440,9 @@ def test_blast_output_error_refinement_never_rises_and_beats_block_whitening():
 
 @pytest.mark.parametrize("exact", [False, True])
 def test_activation_aware_blast_is_never_worse_than_weight_space_on_the_output(exact):
-    """Block whitening alone can lose to the weight-space projection (here on an exactly BLAST W with
-    strongly correlated input blocks); the refined projection starts from the better one."""
+    """Block whitening alone can lose to the weight-space projection (here on strongly correlated input blocks); the
+    refined projection starts from the better one. An exactly BLAST W is recovered by both (its output error is
+    nothing under any covariance), where refining has nothing left to lower."""
     b, out, inp = 4, 48, 80
     gen = torch.Generator().manual_seed(1)
     shapes = ((b, out // b, 6), (b, inp // b, 6), (b, b, 6))
@@ -437,7 +453,10 @@ def test_activation_aware_blast_is_never_worse_than_weight_space_on_the_output(e
                                                                                          refine_sweeps=sweeps)), cov)
               for sweeps in (0, 10)}
     plain = proj.relative_output_error(W, proj.blast_dense(*proj.blast_project(W, 6, b, steps=60)), cov)
-    assert errors[0] <= plain * (1 + 1e-9) and errors[10] < errors[0]
+    if exact:                                          # at rounding level, where no ordering is meaningful
+        assert max(errors[0], errors[10], plain) < 1e-8
+    else:
+        assert errors[0] <= plain * (1 + 1e-9) and errors[10] < errors[0]
 
 
 def test_a_saved_model_loads_in_its_saved_dtype_with_the_umasks_permissions(tmp_path):

@@ -11,7 +11,8 @@ decoder layers, so a GPU does them in one go). The factor layouts match memfit.l
   ``MonarchLinear.set_factors`` packs these into the layer's ``w1``/``w2``.
 * BLAST:     ``U (..., b, out/b, r)``, ``V (..., b, in/b, r)``, ``S (..., b, b, r)``;
   ``W_ij ~ U_i diag(S_ij) V_j^T``. No closed form: preconditioned alternating descent
-  (Lee et al. 2024, "BLAST", Alg. 1) from a block-SVD start.
+  (Lee et al. 2024, "BLAST", Alg. 1) from a block-SVD start, in the bases that make every
+  block's core diagonal where the matrix is BLAST of the rank (then recovered exactly).
 
 Activation-aware ("whitened") variants minimise the output error ``||(W - W^) X^T||_F``
 on calibration inputs ``X`` instead of ``||W - W^||_F``. With ``C = X^T X = L L^T``,
@@ -33,6 +34,11 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.layers.structured import truncated_svd
+
+# The relative error below which blast_factorize starts from the bases that diagonalise a matrix's cores. Elsewhere
+# (a matrix that is not BLAST of the rank) those bases can be ill-conditioned, and from a start that fits better the
+# descent has ended worse than from the block SVD's.
+NEARLY_EXACT = 1e-3
 
 # Relative damping added to a calibration covariance before its Cholesky factor, so dead
 # input features (zero variance) do not blow the input-side factor up.
@@ -190,6 +196,35 @@ def _normalise(U, V, S):
     return U / nu.unsqueeze(-2), V / nv.unsqueeze(-2), S * nu.unsqueeze(-2) * nv.unsqueeze(-3)
 
 
+def _right_divide(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``A B^{-1}``, never raising: a singular ``B`` gives non-finite entries, which a caller compares away."""
+    return torch.linalg.solve_ex(B, A, left=False)[0]
+
+
+def _diagonalising_bases(Ab: torch.Tensor, U: torch.Tensor, V: torch.Tensor, generator: torch.Generator | None):
+    """New bases of the block-SVD subspaces ``U (..., i, p, r)``, ``V (..., j, q, r)`` in which every core
+    ``U_i^T A_ij V_j`` is diagonal, where such bases exist (Jennrich's simultaneous diagonalisation).
+
+    For an exactly BLAST matrix the block SVD finds each ``U_i`` and ``V_j`` only up to a change of basis: its cores
+    are ``C_ij = P_i diag(s_ij) T_j`` with invertible ``P_i``, ``T_j`` (r x r), not diagonal, so a diagonal ``S``
+    fitted to them misses, and from there the descent stalled short of some random exact matrices. With
+    ``M_j = C_1j C_2j^{-1} = P_1 D_j P_2^{-1}``, two random combinations give ``E = M_a M_b^{-1} = P_1 D P_1^{-1}``,
+    whose eigenvectors are ``P_1``'s columns; then ``P_1^{-1} C_1j`` is ``T_j`` up to row scales and ``C_i1`` times
+    that of ``j = 1`` inverted is ``P_i`` up to column scales, all in one order of the rank components (``S`` takes
+    the scales). For a matrix that is not exactly BLAST, a complex pair of eigenvalues gives its eigenvector's real
+    and imaginary parts, a real basis of the same plane; singular cores give non-finite bases. Needs two blocks.
+    """
+    C = U.transpose(-1, -2).unsqueeze(-3) @ Ab @ V.unsqueeze(-4)                       # (..., i, j, r, r)
+    M = _right_divide(C[..., 0, :, :, :], C[..., 1, :, :, :])                          # (..., j, r, r)
+    mix = torch.randn(2, M.shape[-3], dtype=M.dtype, device=M.device, generator=generator)
+    E = _right_divide((mix[0, :, None, None] * M).sum(-3), (mix[1, :, None, None] * M).sum(-3))
+    values, vectors = torch.linalg.eig(torch.nan_to_num(E, nan=0.0, posinf=0.0, neginf=0.0))
+    P1 = torch.where(values.imag.unsqueeze(-2) < 0, vectors.imag, vectors.real)
+    T = torch.linalg.solve_ex(P1.unsqueeze(-3), C[..., 0, :, :, :])[0]                 # (..., j, r, r), T_j up to rows
+    P = _right_divide(C[..., :, 0, :, :], T[..., :1, :, :])                            # (..., i, r, r), P_i up to cols
+    return U @ P, V @ T.transpose(-1, -2)
+
+
 def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, step_size: float = 1.0,
                     delta0: float = 0.01, seed: int = 0, history: list | None = None):
     """BLAST factors of ``A (..., out, in)`` by preconditioned alternating gradient descent.
@@ -199,9 +234,10 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     matrix of the other factors (BLAST paper, Alg. 1); ``step_size=1`` makes each update
     the exact damped least-squares solve. The damping is ``delta0 * ||A - A^||_F`` so it
     vanishes as the fit converges. The start is a block SVD: ``U_i`` spans block row i,
-    ``V_j`` block column j, ``S`` their least-squares weights -- so a matrix that is exactly
-    BLAST of this rank is recovered before the first step. ``history`` (a list) receives
-    the relative error after every step.
+    ``V_j`` block column j, ``S`` their least-squares weights; per matrix, of those bases and
+    the ones that make every block's core diagonal (:func:`_diagonalising_bases`) where they
+    fit the matrix to ``NEARLY_EXACT`` -- so a matrix that is exactly BLAST of this rank is
+    recovered before the first step. ``history`` (a list) receives the relative error after every step.
     """
     check_structure("blast", A.shape[-1], A.shape[-2], rank, blocks)
     A = A.to(_work_dtype(A))
@@ -215,17 +251,28 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     a_norm2 = A.square().sum((-2, -1))
     eye = torch.eye(rank, dtype=A.dtype, device=A.device)
 
-    U = _top_eigvecs(Arow @ Arow.transpose(-1, -2), rank, gen)          # (..., i, p, r)
-    V = _top_eigvecs(Acol.transpose(-1, -2) @ Acol, rank, gen)          # (..., j, q, r)
     tiny = 1e-7 * a_norm2.sqrt()
-    S, gram = _solve_s(U, V, _diag_uav(Ab, U, V), tiny)
 
     def loss(S, gram, D):
         fit = (S * D).sum((-3, -2, -1))
         quad = (S.unsqueeze(-2) @ gram @ S.unsqueeze(-1)).sum((-4, -3, -2, -1))
         return (a_norm2 - 2 * fit + quad).clamp_min(0)
 
-    err = loss(S, gram, _diag_uav(Ab, U, V))
+    def start(U, V):                                   # S fitted to unit-norm U and V, and the squared error
+        U, V = U / U.norm(dim=-2, keepdim=True).clamp_min(1e-30), V / V.norm(dim=-2, keepdim=True).clamp_min(1e-30)
+        D = _diag_uav(Ab, U, V)
+        S, gram = _solve_s(U, V, D, tiny)
+        return U, V, S, gram, loss(S, gram, D)
+
+    U = _top_eigvecs(Arow @ Arow.transpose(-1, -2), rank, gen)          # (..., i, p, r)
+    V = _top_eigvecs(Acol.transpose(-1, -2) @ Acol, rank, gen)          # (..., j, q, r)
+    U, V, S, gram, err = start(U, V)
+    if b > 1:                 # per matrix, the bases that diagonalise its cores where they fit it (nearly) exactly
+        diagonal = start(*_diagonalising_bases(Ab, U, V, gen))
+        miss = (A - blast_dense(*diagonal[:3])).square().sum((-2, -1))     # not from loss(): it cancels at large S
+        better = miss < NEARLY_EXACT ** 2 * a_norm2    # False where the diagonalising start is not finite
+        U, V, S, gram, err = (torch.where(better.view(better.shape + (1,) * (x.dim() - better.dim())), y, x)
+                              for x, y in zip((U, V, S, gram, err), diagonal))
     for _ in range(steps):
         delta = (delta0 * err.sqrt()).clamp_min(tiny)
         dd = delta[..., None, None, None]
