@@ -156,6 +156,21 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
+class _CpuSlice:
+    """A safetensors slice whose reads land on the CPU: safetensors builds them on torch's default device, which
+    under ``torch.set_default_device("cuda")`` put every row chunk on the GPU, beside CPU neuron ids."""
+
+    def __init__(self, part):
+        self.part = part
+
+    def get_shape(self):
+        return self.part.get_shape()
+
+    def __getitem__(self, index):
+        with torch.device("cpu"):
+            return self.part[index]
+
+
 class _Reader:
     """Opens each safetensors file once and reads whole tensors or selected rows/columns of them."""
 
@@ -168,7 +183,7 @@ class _Reader:
     def _slice(self, name: str):
         if name not in self.files:
             raise MemfitError(f"the model files have no tensor {name!r}")
-        return self.handles[self.files[name]].get_slice(name)
+        return _CpuSlice(self.handles[self.files[name]].get_slice(name))
 
     def full(self, name: str, out: torch.Tensor) -> None:
         part = self._slice(name)[:]
