@@ -22,8 +22,11 @@ def untimed(bgemm_tiles, monkeypatch):
 
 
 TILE = (16, 32, 32, 4, 1)   # the interpreter's bgemm tile
+ON_THE_INTERPRETER = pytest.mark.cpu_only(reason="the sweep runs its tiles on CPU tensors through the Triton "
+                                          "interpreter")
 
 
+@ON_THE_INTERPRETER
 @pytest.mark.parametrize("stage,token_major,n", [(1, True, 20), (1, False, 1), (2, False, 7)])
 def test_every_candidate_is_checked_and_timed(bgemm_tiles, untimed, stage, token_major, n):
     rows = bgemm_tiles.sweep_case(torch, "tiny", 16 * 64, 16 * 24, 16 * 2, n, stage, [TILE], token_major,
@@ -36,6 +39,7 @@ def test_every_candidate_is_checked_and_timed(bgemm_tiles, untimed, stage, token
     assert (summary["shape"], summary["n"], summary["stage"]) == ("tiny", n, stage)
 
 
+@ON_THE_INTERPRETER
 def test_a_tile_that_stores_the_wrong_layout_is_an_error_row(bgemm_tiles, untimed, monkeypatch):
     """The check reads the output back through the layout the kernel should have written."""
     right = bgemm_tiles.Gemm.stored
@@ -45,6 +49,7 @@ def test_a_tile_that_stores_the_wrong_layout_is_an_error_row(bgemm_tiles, untime
     assert all("wrong result" in r["error"] for r in rows if r["candidate"] != "cublas bmm (natural order)")
 
 
+@ON_THE_INTERPRETER
 def test_tiles_that_do_not_fit_are_skipped(bgemm_tiles, untimed):
     """A tile wider than the columns need, or past shared memory, is not run (as bgemm's own prune)."""
     rows = bgemm_tiles.sweep_case(torch, "tiny", 16 * 64, 16 * 24, 16 * 2, 1, 2, [TILE, (16, 256, 32, 4, 1),
@@ -53,6 +58,7 @@ def test_tiles_that_do_not_fit_are_skipped(bgemm_tiles, untimed):
     assert {r["candidate"].split()[0] for r in rows} == {"16x32x32", "bgemm", "cublas"}
 
 
+@ON_THE_INTERPRETER
 def test_gather_mode_times_the_runs_and_the_aligned_windows(bgemm_tiles, untimed):
     """--gather: stage 2 reading Monarch's P^T from stage 1's natural output; per-block rank t = 3 starts
     runs misaligned in 16-B aligned rows, so every tile is also run over aligned windows; each is checked."""
@@ -66,6 +72,7 @@ def test_gather_mode_times_the_runs_and_the_aligned_windows(bgemm_tiles, untimed
     assert summary["cublas_ms"] == rows[-1]["ms"]
 
 
+@ON_THE_INTERPRETER
 def test_gather_mode_checks_what_the_loads_gathered(bgemm_tiles, untimed, monkeypatch):
     """A reference gathering the wrong runs (here: reversed) makes every bgemm row an error."""
     right = bgemm_tiles.Gemm.views
@@ -76,6 +83,7 @@ def test_gather_mode_checks_what_the_loads_gathered(bgemm_tiles, untimed, monkey
     assert all("wrong result" in r["error"] for r in rows if not r["candidate"].startswith("cublas"))
 
 
+@ON_THE_INTERPRETER
 def test_batch_groups_are_timed_and_checked_beside_each_tile(bgemm_tiles, untimed):
     """--groups: each tile also runs with G input blocks per program, in the K form bgemm would pick, through
     the same check (16 blocks in groups of 3: the last group partial)."""

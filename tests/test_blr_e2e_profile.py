@@ -58,7 +58,7 @@ def test_free_compressed_layers_cost_nothing_and_keep_shapes(blr_e2e):
     from memfit.models import PRESETS, build_model
 
     torch.manual_seed(0)
-    model = build_model(PRESETS["tiny"], dtype="float32", device="cpu")
+    model = build_model(PRESETS["tiny"], dtype="float32", device=torch.get_default_device())
     attn = model.model.layers[0].self_attn
     q_out, k_weight = attn.q_proj.out_features, attn.k_proj.weight
     blr_e2e.free_compressed_layers(model, "blast", ratio=None, blocks=4,

@@ -123,6 +123,7 @@ def test_gpu_state_reads_nvidia_smi_and_is_none_where_it_cannot(monkeypatch):
     class Properties:
         uuid = "5e7f-ab"
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)      # the CPU test machine's answer
     assert timing.gpu_state() is None                          # no GPU here: nothing asked, nothing said
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -219,6 +220,8 @@ def test_summarize_refuses_a_file_this_benchmark_did_not_write(blr_layers, tmp_p
     assert blr_layers.main() == 2 and "not a layer table written by this benchmark" in capsys.readouterr().err
 
 
+@pytest.mark.cpu_only(reason="pick_cost --smoke runs through the interpreter, timing no candidates, only where no "
+                              "GPU is; on a GPU machine it runs on the GPU and times them")
 def test_pick_cost_smoke_run_writes_a_row_per_structure_shape_and_n(tmp_path):
     """benchmarks/pick_cost.py on the CPU (interpreter): every first and second call timed and written."""
     import json
@@ -242,7 +245,8 @@ def test_the_profile_is_saved_after_each_case(blr_layers, monkeypatch):
     from memfit.measure import kernel_profile
 
     monkeypatch.setattr(blr_layers, "structures", lambda *args: {
-        "lowrank": (lambda: torch.nn.Linear(48, 80), lambda layer, x, **options: layer(x), ["cublas", "bgemm"])})
+        "lowrank": (lambda: torch.nn.Linear(48, 80, device="cpu"), lambda layer, x, **options: layer(x),
+                    ["cublas", "bgemm"])})                       # on the device profile_cases is given
     monkeypatch.setattr(kernel_profile, "kernel_profile", lambda step, device, name_chars: (
         {"k": {"ms": 1.0, "launches": 1}}, None, {"span_ms": 1.0, "idle_ms": 0.0}))
     saved = []

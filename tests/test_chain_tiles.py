@@ -6,6 +6,8 @@ import torch
 from conftest import load_benchmark
 
 TILE, OTHER = (16, 32, 64, 2, 8), (16, 64, 64, 4, 6)   # two of bgemm's tiles (BGEMM_CONFIGS), small for the interpreter
+ON_THE_INTERPRETER = pytest.mark.cpu_only(reason="the sweep runs its tile pairs and the op on CPU tensors "
+                                          "through the Triton interpreter")
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +22,7 @@ def untimed(chain_tiles, monkeypatch):
     return calls
 
 
+@ON_THE_INTERPRETER
 def test_every_pair_and_the_op_are_checked_then_timed(chain_tiles, untimed, monkeypatch):
     """Each pair runs its own two tiles (checked, then timed: two calls), then the op runs its pick."""
     from memfit.kernels import blr_common
@@ -37,6 +40,7 @@ def test_every_pair_and_the_op_are_checked_then_timed(chain_tiles, untimed, monk
     assert summary["pairs"] == 2 and summary["op_over_best"] == 1.0
 
 
+@ON_THE_INTERPRETER
 def test_a_pair_whose_output_is_wrong_is_an_error_row(chain_tiles, untimed, monkeypatch):
     """The check compares y with the reference Monarch layer: stage 1 reading other weights fails it."""
     right = chain_tiles.chained

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import seeded
 
 from memfit.data.jsonl import DEFAULT_DATA, IGNORE_INDEX, load_jsonl
 from memfit.data.tokenizer import ByteTokenizer
@@ -25,11 +26,10 @@ def _quick(monkeypatch):
 
 
 def _loss_and_grads(fused: bool, num_items=None):
-    model = build_model(PRESETS["tiny"], dtype="float32")
+    model = build_model(PRESETS["tiny"], dtype="float32", device=torch.get_default_device())
     model = patch(model, fused_ce=fused, lora={"r": 4, "init_lora_weights": False})
     model.train()
-    generator = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 259, (3, 19), generator=generator)
+    ids = torch.randint(0, 259, (3, 19), generator=seeded(3))
     labels = ids.clone()
     labels[0, :11] = IGNORE_INDEX
     labels[2, 5:9] = IGNORE_INDEX

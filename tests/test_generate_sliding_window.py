@@ -2,6 +2,7 @@
 whole cache, so a window shorter than what a query may see is refused; within the window the two are the same."""
 import pytest
 import torch
+from conftest import seeded
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from memfit.errors import MemfitError
@@ -32,7 +33,7 @@ def test_a_window_covering_every_query_decodes_as_hugging_face():
     """max_len = window + 1: the query of the last decode step sees exactly the window, so the loop's full attention
     is the model's; greedy tokens equal Hugging Face's."""
     model = _mistral(8)
-    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 256, (1, 5), generator=seeded(1))
     expected = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, 5:]
     got = Generator(model, 9, graphs=False, fused=False).generate(ids, 4).tokens[0]
     assert torch.equal(got, expected)

@@ -76,7 +76,8 @@ def test_saved_activations_match_what_autograd_saves(dtype, task, fused_swiglu):
     from memfit.ledger.predict import _train_graph
     from memfit.ledger.simulate import Memory, replay_forward
 
-    job = Job(TINY, task=task, seq=48, batch=2, device="cpu")
+    device = torch.get_default_device()                   # the CPU, or CUDA under MEMFIT_TEST_DEVICE=cuda
+    job = Job(TINY, task=task, seq=48, batch=2, device=device.type)
     knobs = Knobs(dtype=dtype, lora_rank=8, fused_swiglu=fused_swiglu)
     graph, loss = _train_graph(job, knobs)
     saved = replay_forward(graph.ops, Memory({}), "forward", keep={loss.uid})
@@ -86,7 +87,7 @@ def test_saved_activations_match_what_autograd_saves(dtype, task, fused_swiglu):
             sizes[sym.uid] = sym
     predicted = sum(sizes[uid].nbytes for uid in saved if uid in sizes and not sizes[uid].persistent)
 
-    model = build_model(TINY, dtype=dtype).train()
+    model = build_model(TINY, dtype=dtype, device=device).train()
     if fused_swiglu:
         from memfit.train.patch import patch
 
@@ -635,6 +636,7 @@ def _blr_op_transients(layer, tokens: int) -> tuple[int, int, int]:
     return tuple(held)
 
 
+@pytest.mark.cpu_only(reason="the CPU memory tracker measures the layer")
 @pytest.mark.parametrize("method", ["lowrank", "monarch", "blast"])
 def test_blr_transients_bound_the_pytorch_pipeline_forward_and_backward(method, monkeypatch):
     """The ledger's per-token transients of a BLR layer (the path without Triton, which keeps only x and recomputes
@@ -735,6 +737,7 @@ def test_the_cpu_tracker_refuses_another_profiler_around_or_inside_it():
                 torch.ones(8)
 
 
+@pytest.mark.cpu_only(reason="the CPU memory tracker measures torch's peak")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rms_norm_backward_peak_matches_torch(dtype):
     """transformers' LlamaRMSNorm, input and weight trained: the replay's peak over its forward and backward is

@@ -60,7 +60,7 @@ def test_lm_loop_lowers_perplexity():
 
     torch.manual_seed(0)
     spec = ModelSpec("t", "llama", 1, 32, 64, 2, 1, 16, ByteTokenizer.vocab_size, dtype="float32")
-    model = build_model(spec, dtype="float32")
+    model = build_model(spec, dtype="float32", device=torch.get_default_device())   # where the stream is
     stream = torch.tensor(ByteTokenizer().encode("the quick brown fox jumps over the lazy dog. " * 40))
     assert random_windows(stream, 3, 16).shape == (3, 17)
     before = perplexity(model, stream, 32)
@@ -76,7 +76,7 @@ def test_lm_loop_keeps_the_best_validated_parameters(best_at):
 
     torch.manual_seed(0)
     spec = ModelSpec("t", "llama", 1, 32, 64, 2, 1, 16, ByteTokenizer.vocab_size, dtype="float32")
-    model = build_model(spec, dtype="float32")
+    model = build_model(spec, dtype="float32", device=torch.get_default_device())   # where the stream is
     stream = torch.tensor(ByteTokenizer().encode("the quick brown fox jumps over the lazy dog. " * 40))
     scores = {"start": [1, 2, 3, 4, 5], "middle": [5, 4, 1, 2, 3], "end": [5, 4, 3, 2, 1],
               "after_nan": [math.nan, 5, 1, 2, 3]}[best_at]
@@ -106,7 +106,7 @@ def test_lm_loop_validation_is_timed_apart_and_checked():
 
     torch.manual_seed(0)
     spec = ModelSpec("t", "llama", 1, 32, 64, 2, 1, 16, ByteTokenizer.vocab_size, dtype="float32")
-    model = build_model(spec, dtype="float32")
+    model = build_model(spec, dtype="float32", device=torch.get_default_device())   # where the stream is
     stream = torch.tensor(ByteTokenizer().encode("the quick brown fox jumps over the lazy dog. " * 40))
     with pytest.raises(MemfitError, match="fewer than one window"):
         perplexity(model, stream[:32], 32)
