@@ -189,7 +189,8 @@ class Generator:
     ``graphs``: None = use CUDA graphs on CUDA; False = eager steps (CPU, debugging).
     ``temperature``: 0 = greedy; > 0 samples with the Gumbel-max trick (graph-safe).
     ``compile``: None = compile the elementwise helpers (norms, rope, cache writes) with
-    ``torch.compile`` on CUDA; a failed compile falls back to eager, said once.
+    ``torch.compile`` on CUDA, for the decode steps (a prefill runs them eagerly); a failed compile falls back to
+    eager, said once.
     ``fused``: one matmul for q/k/v and one for gate/up where the weights are in the fused layout
     (equal to the model's modules up to rounding); False = the model's own modules, bit-exact.
     ``fast``: None = memfit's decode kernels on CUDA where they can run (see ``use_decode_kernels``); True
@@ -261,6 +262,12 @@ class Generator:
             self._warm_up()
 
     # ---- the model, step by step ---------------------------------------------------------
+    def _helpers(self, tokens: int) -> dict:
+        """The compiled helpers for a decode step (one token a row: the same shapes every step), the eager ones for
+        a prefill or a scored run: each new length would be another compile, and past dynamo's recompile limit (8 a
+        process) a fullgraph call fails outright (a ninth prompt length did)."""
+        return self.ops if tokens == 1 else _EAGER
+
     def _rope(self, positions: torch.Tensor):
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -277,7 +284,7 @@ class Generator:
         # key j is visible to the query at slot s when it holds a token and j <= s; every query sees itself.
         # Additive and in the model dtype, built once per step: SDPA would convert a bool mask in every layer.
         mask = None if kernels else self._mask(slots, B, G, T)
-        ops = self.ops
+        ops = self._helpers(T)
         layers = model.model.layers
         h = ops["norm"](x, layers[0].input_layernorm.weight, layers[0].input_layernorm.variance_epsilon)
         for i, layer in enumerate(layers):
@@ -366,7 +373,8 @@ class Generator:
             return mlp(h)
         gate_up, down = self.gate_up[i]
         a = getattr(mlp, "active", gate_up.shape[0])      # PartialMLP: every loaded neuron at prefill, the selected at decode
-        g = self.ops["act_mul"](self._matmul(h, gate_up[:a].flatten(0, 1)))
+        act_mul = self._helpers(h.shape[-2])["act_mul"]
+        g = act_mul(self._matmul(h, gate_up[:a].flatten(0, 1)))
         if hasattr(mlp, "observe"):
             mlp.observe(g)
         return self._matmul(g, down[:, :a])
