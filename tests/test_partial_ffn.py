@@ -109,7 +109,7 @@ def test_decode_loop_matches_hf_greedy_and_forward(dense):
     ids = x
     for _ in range(9):
         ids = torch.cat([ids, dense(ids).logits[:, -1:].argmax(-1)], dim=1)
-    assert torch.equal(out, ids[:, 7:])
+    assert torch.equal(out, ids[:, 7:].cpu())                   # generate returns its tokens on the CPU
     seq = _ids((2, 15), 4)
     ref = dense(seq).logits[:, 5:14]
     got = Generator(dense, 20, batch=2).score(seq, 6)

@@ -196,7 +196,7 @@ class _Reader:
 
         Reads row chunks of at most CHUNK_BYTES on the CPU; only the kept part is copied to ``out``'s device.
         """
-        part = self._slice(name)
+        part, ids = self._slice(name), ids.to("cpu")  # the chunks are read on the CPU
         rows, cols = part.get_shape()
         row_bytes = cols * out.element_size() * 2
         step = max(1, CHUNK_BYTES // row_bytes)
