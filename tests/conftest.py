@@ -47,6 +47,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"assumes the CPU: {mark.kwargs['reason']}"))
 
 
+# Tests of memfit verify's CPU measurement: under a CUDA default device some of the run's tensors are made on CUDA,
+# outside the CPU memory tracker (which ones: not traced).
+MEASURES_A_CPU_RUN = pytest.mark.cpu_only(reason="the CPU memory tracker measures a run on the CPU")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+from conftest import MEASURES_A_CPU_RUN
 
 from memfit.cli import COMMANDS, main
 
@@ -125,6 +126,7 @@ def test_global_flag_without_a_verb_runs_the_default_plan(capsys):
     assert code == 0 and "plans that fit" in out
 
 
+@MEASURES_A_CPU_RUN
 def test_verify_tiny_on_cpu(capsys):
     code, out, _ = run(capsys, "verify", "--model", "tiny", "--task", "infer", "--seq", "32", "--new-tokens", "4",
                        "--device", "cpu", "--json")
@@ -132,6 +134,7 @@ def test_verify_tiny_on_cpu(capsys):
     assert code == 0 and data["ok"] and abs(data["error"]) < 0.05
 
 
+@MEASURES_A_CPU_RUN
 def test_verify_a_block_low_rank_model_on_cpu(capsys, monkeypatch):
     """verify --blr measures the BLR model the plan describes: its weights as predicted, the title names it."""
     monkeypatch.setenv("MEMFIT_KERNELS", "reference")    # the path the ledger counts on the CPU, quicker than the interpreter

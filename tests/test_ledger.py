@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from conftest import load_benchmark
+from conftest import MEASURES_A_CPU_RUN, load_benchmark
 
 from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import predict
@@ -111,6 +111,7 @@ CASES = [
 ]
 
 
+@MEASURES_A_CPU_RUN
 @pytest.mark.parametrize("task,changes", CASES, ids=[f"{t}-{c}" for t, c in CASES])
 def test_verify_on_cpu_within_five_percent(task, changes):
     job = Job(TINY, task=task, seq=64, batch=2, device="cpu", new_tokens=8)
@@ -156,6 +157,7 @@ def test_when_and_how_far_each_checkpoint_runner_recomputes(memfit_runner, recom
     assert not saved
 
 
+@MEASURES_A_CPU_RUN
 def test_verify_a_checkpointed_step_whose_peak_follows_a_residual_gradient_sum(monkeypatch):
     """A wide residual stream (hidden 256, MLP 64), full fine-tuning in fp32 with the fused loss: memfit's checkpoint
     runner, where a layer's backward holds the layer output's gradient, so the residual stream's second gradient at
@@ -171,6 +173,7 @@ def test_verify_a_checkpointed_step_whose_peak_follows_a_residual_gradient_sum(m
     assert abs(result.error) < 0.005, f"{100 * result.error:+.2f}%"
 
 
+@MEASURES_A_CPU_RUN
 def test_verify_transformers_checkpointing_recomputes_only_up_to_the_last_saved_tensor():
     """Hidden 256, MLP 64, LoRA, fp32, both layers under transformers' (torch's non-reentrant) checkpointing: its
     recompute stops once the layer's last saved tensor is packed, so LoRA's delta on down_proj, its scaling and the
@@ -231,6 +234,7 @@ BLR_VERIFY_CASES = [(method, task, changes, vocab) for method in ("monarch", "bl
                                                  ("full", {"checkpoint_layers": 1}, 32))]
 
 
+@MEASURES_A_CPU_RUN
 @pytest.mark.parametrize("method,task,changes,vocab", BLR_VERIFY_CASES, ids=[f"{m}-{t}-{c}-{v}" for m, t, c, v in
                                                                                  BLR_VERIFY_CASES])
 def test_verify_block_low_rank_models_on_cpu(method, task, changes, vocab, monkeypatch):
@@ -340,6 +344,7 @@ def test_fused_loss_on_cpu_within_one_percent(interpreter_frees_at_return):
     assert abs(result.error) < 0.01, f"{100 * result.error:+.2f}%"
 
 
+@MEASURES_A_CPU_RUN
 def test_fused_loss_on_its_cpu_reference_within_three_percent(monkeypatch):
     """Without Triton the fused loss runs its PyTorch reference, which computes each vocabulary chunk's logits and
     their gradient in one buffer, as the kernel's side buffer holds them: the ledger's count (it read 27% low when
