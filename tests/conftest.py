@@ -3,7 +3,7 @@
 On a CUDA machine, ``MEMFIT_TEST_DEVICE=cuda`` makes CUDA torch's default device, so the tests that build their
 tensors without naming a device run the compiled kernels on the GPU at the same awkward shapes (a study, not part
 of ``make test``: ``benchmarks/gpu_runs.sh gpu_tests_blr gpu_tests_blr_compile gpu_tests_other gpu_tests_swiglu
-gpu_tests_timing gpu_tests_linear_ce``).
+gpu_tests_timing gpu_tests_linear_ce gpu_tests_rest``).
 Tests that assume the CPU are marked ``cpu_only`` and skipped there, so that a failure there is a kernel's.
 """
 import os

@@ -12,7 +12,7 @@ decoder layers, so a GPU does them in one go). The factor layouts match memfit.l
 * BLAST:     ``U (..., b, out/b, r)``, ``V (..., b, in/b, r)``, ``S (..., b, b, r)``;
   ``W_ij ~ U_i diag(S_ij) V_j^T``. No closed form: preconditioned alternating descent
   (Lee et al. 2024, "BLAST", Alg. 1) from a block-SVD start, in the bases that make every
-  block's core diagonal where the matrix is BLAST of the rank (then recovered exactly).
+  block's core diagonal where the matrix is (nearly) BLAST of the rank.
 
 Activation-aware ("whitened") variants minimise the output error ``||(W - W^) X^T||_F``
 on calibration inputs ``X`` instead of ``||W - W^||_F``. With ``C = X^T X = L L^T``,
@@ -235,9 +235,11 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     the exact damped least-squares solve. The damping is ``delta0 * ||A - A^||_F`` so it
     vanishes as the fit converges. The start is a block SVD: ``U_i`` spans block row i,
     ``V_j`` block column j, ``S`` their least-squares weights; per matrix, of those bases and
-    the ones that make every block's core diagonal (:func:`_diagonalising_bases`) where they
-    fit the matrix to ``NEARLY_EXACT`` -- so a matrix that is exactly BLAST of this rank is
-    recovered before the first step. ``history`` (a list) receives the relative error after every step.
+    the ones that make every block's core diagonal (:func:`_diagonalising_bases`; rank at most
+    the block size) where they fit the matrix to ``NEARLY_EXACT`` -- so a generic matrix that is
+    exactly BLAST of this rank starts within that and is recovered by the descent (in float64;
+    in float32 at ranks near the block size the bases can miss the gate, and the start is the
+    block SVD's). ``history`` (a list) receives the relative error after every step.
     """
     check_structure("blast", A.shape[-1], A.shape[-2], rank, blocks)
     A = A.to(_work_dtype(A))
@@ -258,8 +260,7 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
         quad = (S.unsqueeze(-2) @ gram @ S.unsqueeze(-1)).sum((-4, -3, -2, -1))
         return (a_norm2 - 2 * fit + quad).clamp_min(0)
 
-    def start(U, V):                                   # S fitted to unit-norm U and V, and the squared error
-        U, V = U / U.norm(dim=-2, keepdim=True).clamp_min(1e-30), V / V.norm(dim=-2, keepdim=True).clamp_min(1e-30)
+    def start(U, V):                                   # S fitted to U and V, and the squared error
         D = _diag_uav(Ab, U, V)
         S, gram = _solve_s(U, V, D, tiny)
         return U, V, S, gram, loss(S, gram, D)
@@ -267,12 +268,15 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     U = _top_eigvecs(Arow @ Arow.transpose(-1, -2), rank, gen)          # (..., i, p, r)
     V = _top_eigvecs(Acol.transpose(-1, -2) @ Acol, rank, gen)          # (..., j, q, r)
     U, V, S, gram, err = start(U, V)
-    if b > 1:                 # per matrix, the bases that diagonalise its cores where they fit it (nearly) exactly
-        diagonal = start(*_diagonalising_bases(Ab, U, V, gen))
+    if b > 1 and rank <= min(p, q):  # per matrix, the bases that diagonalise its cores where they fit it (nearly) exactly
+        U2, V2 = _diagonalising_bases(Ab, U, V, gen)   # (beyond the block size every core is singular)
+        diagonal = start(U2 / U2.norm(dim=-2, keepdim=True).clamp_min(1e-30),
+                         V2 / V2.norm(dim=-2, keepdim=True).clamp_min(1e-30))
         miss = (A - blast_dense(*diagonal[:3])).square().sum((-2, -1))     # not from loss(): it cancels at large S
         better = miss < NEARLY_EXACT ** 2 * a_norm2    # False where the diagonalising start is not finite
         U, V, S, gram, err = (torch.where(better.view(better.shape + (1,) * (x.dim() - better.dim())), y, x)
                               for x, y in zip((U, V, S, gram, err), diagonal))
+        del U2, V2, diagonal, miss, better             # not held through the descent
     for _ in range(steps):
         delta = (delta0 * err.sqrt()).clamp_min(tiny)
         dd = delta[..., None, None, None]
