@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 elif os.environ.get("MEMFIT_TEST_DEVICE") == "cuda":
     torch.set_default_device("cuda")
 
+import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import importlib.util  # noqa: E402
 import pkgutil  # noqa: E402
@@ -46,6 +47,9 @@ def pytest_collection_modifyitems(config, items):
         if (mark := item.get_closest_marker("cpu_only")) is not None:
             item.add_marker(pytest.mark.skip(reason=f"assumes the CPU: {mark.kwargs['reason']}"))
 
+
+# Sweeps that run Triton kernels on CPU tensors through the interpreter (a CUDA machine has none to run them).
+ON_THE_INTERPRETER = pytest.mark.cpu_only(reason="runs its Triton kernels on CPU tensors through the interpreter")
 
 # Tests of memfit verify's CPU measurement: under a CUDA default device some of the run's tensors are made on CUDA,
 # outside the CPU memory tracker (which ones: not traced).
@@ -87,6 +91,25 @@ def rel(a, b):
     divides by 1e-12, not 0)."""
     b = b.double()
     return ((a.double() - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def load_on_test_device(model_dir, *args, **kwargs):
+    """``memfit.infer.partial_load.load_model`` onto the tests' device: the CPU, or CUDA under
+    ``MEMFIT_TEST_DEVICE=cuda``."""
+    from memfit.infer.partial_load import load_model
+
+    return load_model(model_dir, *args, device=torch.get_default_device(), **kwargs)
+
+
+@contextlib.contextmanager
+def default_device(device: str):
+    """torch's default device set to ``device`` for the block, then the one before put back."""
+    previous = torch.get_default_device()
+    torch.set_default_device(device)
+    try:
+        yield
+    finally:
+        torch.set_default_device(None if previous.type == "cpu" else previous)
 
 
 def seeded(seed: int) -> torch.Generator:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import load_benchmark
+from conftest import ON_THE_INTERPRETER, load_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,6 @@ def untimed(bgemm_tiles, monkeypatch):
 
 
 TILE = (16, 32, 32, 4, 1)   # the interpreter's bgemm tile
-ON_THE_INTERPRETER = pytest.mark.cpu_only(reason="the sweep runs its tiles on CPU tensors through the Triton "
-                                          "interpreter")
 
 
 @ON_THE_INTERPRETER

@@ -3,11 +3,9 @@ op as it runs are checked against torch before they are timed, so a pair that co
 error row, not a time. Tiny shapes, the interpreter (no launch to chain), no timing (the GPU timer is a counter)."""
 import pytest
 import torch
-from conftest import load_benchmark
+from conftest import ON_THE_INTERPRETER, load_benchmark
 
 TILE, OTHER = (16, 32, 64, 2, 8), (16, 64, 64, 4, 6)   # two of bgemm's tiles (BGEMM_CONFIGS), small for the interpreter
-ON_THE_INTERPRETER = pytest.mark.cpu_only(reason="the sweep runs its tile pairs and the op on CPU tensors "
-                                          "through the Triton interpreter")
 
 
 @pytest.fixture(scope="module")

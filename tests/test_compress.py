@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import default_device
 
 from memfit.compress import compress_model, compressed_param_count, load_compressed, plan_kinds, save_compressed
 from memfit.compress import projection as proj
@@ -17,13 +18,13 @@ def _one_thread_on_the_cpu(monkeypatch):
     On the CPU under MEMFIT_TEST_DEVICE=cuda too: these tests compress CPU-built models with device="cpu", and
     their inputs must be made there (the GPU's compression runs in benchmarks/blr_accuracy.py)."""
     monkeypatch.setenv("MEMFIT_KERNELS", "reference")
-    previous, device = torch.get_num_threads(), torch.get_default_device()
+    previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    if device.type != "cpu":
-        torch.set_default_device("cpu")
-    yield
-    if device.type != "cpu":
-        torch.set_default_device(device)
+    if torch.get_default_device().type == "cpu":
+        yield
+    else:
+        with default_device("cpu"):
+            yield
     torch.set_num_threads(previous)
 
 

@@ -2,7 +2,7 @@
 through the Triton interpreter on CPU, against the previous loop (``fast=False``)."""
 import pytest
 import torch
-from conftest import seeded
+from conftest import load_on_test_device, seeded
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memfit import log
@@ -21,13 +21,9 @@ SPEC = PRESETS["tiny"].with_(num_layers=3)          # hidden 64, GQA 4/2 heads o
 def model_dir(tmp_path_factory):
     directory = save_model_dir(SPEC, tmp_path_factory.mktemp("tiny-fast"))
     prompts = torch.randint(0, 512, (3, 16), generator=seeded(1))
-    calibrate(_load(directory), [(prompts, torch.ones_like(prompts), None)]).save(directory / "rankings.safetensors")
+    rankings = calibrate(load_on_test_device(directory), [(prompts, torch.ones_like(prompts), None)])
+    rankings.save(directory / "rankings.safetensors")
     return directory
-
-
-def _load(model_dir, *args, **kwargs):
-    """``load_model`` onto the tests' device: the CPU, or CUDA under ``MEMFIT_TEST_DEVICE=cuda``."""
-    return load_model(model_dir, *args, device=torch.get_default_device(), **kwargs)
 
 
 def _prompts():
@@ -56,7 +52,7 @@ def test_fast_decode_matches_previous_loop(model_dir, partial, monkeypatch):
     """Same greedy tokens, and decode-step logits equal to fp32 rounding, batch 2 with padding. The partial
     model's strided down[:, :a] runs the GEMV kernel (forced: on CPU the pick is cuBLAS), reading it at its
     row stride; the other matmuls stay cuBLAS (the interpreter is slow; forced too, as a GPU's pick is timed)."""
-    model = _load(model_dir, partial)
+    model = load_on_test_device(model_dir, partial)
     x, mask = _prompts()
     slow = Generator(model, 16, batch=2, fast=False)
     strided_path = gemv.CUBLAS if partial is None else "gemv_n16_k256_w4"

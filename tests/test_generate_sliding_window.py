@@ -69,8 +69,8 @@ def test_a_spec_keeps_its_configs_window(config, window):
 
 def test_compiled_helpers_run_decode_steps_only(monkeypatch):
     """The compiled helpers (dynamic=False, fullgraph=True) compile once per shape: a prefill or a scored run, whose
-    length changes with every prompt, had run them too, and past dynamo's recompile limit (8 a process) a ninth
-    length failed outright. Stand-ins record the shapes the compiled set is called with: one token a row only."""
+    length changes with every prompt, had run them too, and past dynamo's recompile limit (8 by default) a call
+    failed outright. Stand-ins record the shapes the compiled set is called with: one token a row only."""
     from memfit.infer import generate
 
     shapes = []

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import seeded
+from conftest import default_device, load_on_test_device, seeded
 
 from memfit.errors import MemfitError
 from memfit.infer import partial_load
@@ -23,7 +23,7 @@ PARTIAL = dict(full_first=1, full_last=1)
 def model_dir(tmp_path_factory):
     torch.set_num_threads(1)
     directory = save_model_dir(SPEC, tmp_path_factory.mktemp("tiny"))
-    dense = _load(directory)
+    dense = load_on_test_device(directory)
     gen = seeded(1)
     batches = [(torch.randint(0, 512, (3, 24), generator=gen), torch.ones(3, 24, dtype=torch.long), task)
                for task in (None, "code")]
@@ -33,12 +33,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dense(model_dir):
-    return _load(model_dir)
-
-
-def _load(model_dir, *args, **kwargs):
-    """``load_model`` onto the tests' device: the CPU, or CUDA under ``MEMFIT_TEST_DEVICE=cuda``."""
-    return load_model(model_dir, *args, device=torch.get_default_device(), **kwargs)
+    return load_on_test_device(model_dir)
 
 
 def _ids(shape, seed):
@@ -51,7 +46,7 @@ def test_gamma_phi_one_equals_dense_exactly(model_dir, dense, fused):
     and the decode loop with separate matmuls (``fused=False``) or fused ones (one q/k/v and one gate/up matmul,
     the same shapes for the partial and the dense model). The fused loop against the *unfused* one agrees only
     to rounding (other matmul shapes may sum in another order): ``test_fused_decode_matches_unfused``."""
-    full = _load(model_dir, PartialConfig(load=1.0, compute=1.0, **PARTIAL))
+    full = load_on_test_device(model_dir, PartialConfig(load=1.0, compute=1.0, **PARTIAL))
     assert len(partial_mlps(full)) == 3
     x = _ids((2, 11), 2)
     assert torch.equal(full(x).logits, dense(x).logits)
@@ -67,11 +62,11 @@ def test_fused_decode_matches_unfused(model_dir, dense):
         attn, mlp = layer.self_attn, layer.mlp
         assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
         assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_proj.weight.untyped_storage().data_ptr()
-    plain = _load(model_dir, fuse=False)
+    plain = load_on_test_device(model_dir, fuse=False)
     assert sum(p.numel() for p in plain.parameters()) == sum(p.numel() for p in dense.parameters())
     config = PartialConfig(load=0.7, compute=0.4, **PARTIAL)
     seq = _ids((2, 16), 9)
-    for model in (dense, _load(model_dir, config)):
+    for model in (dense, load_on_test_device(model_dir, config)):
         fused, unfused = Generator(model, 20, batch=2), Generator(model, 20, batch=2, fused=False)
         assert fused.fused_layers == SPEC.num_layers and unfused.fused_layers == 0
         got, ref = fused.score(seq, 7), unfused.score(seq, 7)
@@ -128,7 +123,7 @@ def test_batch_left_padding_matches_single(dense):
 @pytest.mark.parametrize("gamma", [0.5, 0.7])
 def test_loaded_parameter_count_matches_gamma(model_dir, dense, gamma):
     config = PartialConfig(load=gamma, compute=0.4, **PARTIAL)
-    model = _load(model_dir, config)
+    model = load_on_test_device(model_dir, config)
     k = round(gamma * SPEC.intermediate / 8) * 8
     for mlp in partial_mlps(model):
         assert mlp.gate_weight.shape == mlp.up_weight.shape == (k, SPEC.hidden)
@@ -212,7 +207,7 @@ def _masked_reference(dense, config, model, seq, prompt_len):
 
 def test_partial_decode_computes_the_selected_neurons(model_dir, dense):
     config = PartialConfig(load=0.7, compute=0.4, **PARTIAL)
-    model = _load(model_dir, config)
+    model = load_on_test_device(model_dir, config)
     seq = _ids((1, 16), 6)
     got = Generator(model, 20).score(seq, 9)
     ref = _masked_reference(dense, config, model, seq, 9)[:, 8:15]
@@ -226,7 +221,7 @@ def test_partial_decode_computes_the_selected_neurons(model_dir, dense):
 
 def test_compute_all_layers_selects_in_full_layers_too(model_dir):
     config = PartialConfig(load=0.7, compute=0.4, compute_all_layers=True, **PARTIAL)
-    model = _load(model_dir, config)
+    model = load_on_test_device(model_dir, config)
     mlps = partial_mlps(model)
     assert [m.loaded for m in mlps] == [176, 120, 120, 120, 176] and all(m.compute == 72 for m in mlps)
     assert ffn_params(model) == expected_ffn_params(SPEC, config)
@@ -236,8 +231,8 @@ def test_compute_all_layers_selects_in_full_layers_too(model_dir):
 
 def test_saved_rankings_reload_with_same_selection(model_dir, dense, tmp_path):
     config = PartialConfig(load=0.7, compute=0.4, task="code", **PARTIAL)
-    first = _load(model_dir, config)
-    again = _load(model_dir, config, rankings=Rankings.load(model_dir / "rankings.safetensors"))
+    first = load_on_test_device(model_dir, config)
+    again = load_on_test_device(model_dir, config, rankings=Rankings.load(model_dir / "rankings.safetensors"))
     for a, b in zip(partial_mlps(first), partial_mlps(again)):
         assert torch.equal(a.neuron_ids, b.neuron_ids) and torch.equal(a.base, b.base)
     prompt = _ids((1, 10), 7)
@@ -268,7 +263,7 @@ def test_loader_never_materialises_discarded_neurons(model_dir, monkeypatch):
                 return part
         return Slice()
     monkeypatch.setattr(partial_load._Reader, "_slice", spy)
-    model = _load(model_dir, PartialConfig(load=0.5, compute=0.5, **PARTIAL))
+    model = load_on_test_device(model_dir, PartialConfig(load=0.5, compute=0.5, **PARTIAL))
     ffn_reads = [shape for name, shape in reads if ".mlp." in name and not name.startswith(("model.layers.0.", "model.layers.4."))]
     assert ffn_reads and max(rows for rows, _ in ffn_reads) <= 16     # discarded rows pass only through small CPU chunks
     for mlp in partial_mlps(model):                                  # ...and the model holds the kept ones only
@@ -350,12 +345,8 @@ def test_the_reader_reads_on_the_cpu_whatever_the_default_device(tmp_path):
     reader = _Reader({"w": tmp_path / "a.safetensors"})
     ids = torch.tensor([1, 3], device="cpu")
     rows, columns, whole = (torch.empty(shape, device="cpu") for shape in ((2, 4), (6, 2), (6, 4)))
-    previous = torch.get_default_device()
-    torch.set_default_device("meta")
-    try:
+    with default_device("meta"):
         reader.selected("w", ids, 0, rows)
         reader.selected("w", ids, 1, columns)
         reader.full("w", whole)
-    finally:
-        torch.set_default_device(None if previous.type == "cpu" else previous)
     assert torch.equal(rows, weight[ids]) and torch.equal(columns, weight[:, ids]) and torch.equal(whole, weight)

@@ -264,8 +264,9 @@ class Generator:
     # ---- the model, step by step ---------------------------------------------------------
     def _helpers(self, tokens: int) -> dict:
         """The compiled helpers for a decode step (one token a row: the same shapes every step), the eager ones for
-        a prefill or a scored run: each new length would be another compile, and past dynamo's recompile limit (8 a
-        process) a fullgraph call fails outright (a ninth prompt length did)."""
+        a prefill or a scored run: each new length would be another compile, and past dynamo's recompile limit
+        (torch._dynamo.config.recompile_limit, 8 by default) a fullgraph call fails outright (FailOnRecompileLimitHit
+        in a test process that had run many lengths)."""
         return self.ops if tokens == 1 else _EAGER
 
     def _rope(self, positions: torch.Tensor):
