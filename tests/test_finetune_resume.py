@@ -40,7 +40,8 @@ def said(monkeypatch):
 def _run(out, steps, *, lr=1e-2, dtype="float32", lora=None, max_len=128, fused_ce=True, resume=False):
     tok = ByteTokenizer()
     examples = load_jsonl(DEFAULT_DATA, tok, max_len)[:24]
-    model = patch(build_model(PRESETS["tiny"], dtype=dtype), fused_ce=fused_ce, lora={"r": 4, **(lora or {})})
+    model = build_model(PRESETS["tiny"], dtype=dtype, device=torch.get_default_device())   # CUDA under MEMFIT_TEST_DEVICE
+    model = patch(model, fused_ce=fused_ce, lora={"r": 4, **(lora or {})})
     config = TrainConfig(steps=steps, batch_size=2, lr=lr, save_every=1)
     return train(model, examples, tok.pad_token_id, config, out, resume=resume)
 
