@@ -7,7 +7,7 @@ from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2Fo
 
 from memfit.errors import MemfitError
 from memfit.infer.generate import Generator, sliding_window
-from memfit.models import PRESETS, build_model
+from memfit.models import build_model
 
 SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -66,23 +66,3 @@ def test_a_spec_keeps_its_configs_window(config, window):
     spec = ModelSpec.from_hf_config(config.to_dict())
     assert sliding_window(build_model(spec.with_(dtype="float32"))) == window
 
-
-def test_compiled_helpers_run_decode_steps_only(monkeypatch):
-    """The compiled helpers (dynamic=False, fullgraph=True) compile once per shape: a prefill or a scored run, whose
-    length changes with every prompt, had run them too, and past dynamo's recompile limit (8 by default) a call
-    failed outright. Stand-ins record the shapes the compiled set is called with: one token a row only."""
-    from memfit.infer import generate
-
-    shapes = []
-
-    def recording(fn):
-        return lambda x, *rest: shapes.append(tuple(x.shape)) or fn(x, *rest)
-
-    monkeypatch.setattr(generate, "_compiled", lambda: {name: recording(fn) for name, fn in generate._EAGER.items()})
-    model = build_model(PRESETS["tiny"], dtype="float32", device=torch.get_default_device())
-    runner = generate.Generator(model, 16, batch=1, graphs=False, compile=True, fast=False)
-    for length in (3, 5, 7):
-        ids = torch.randint(1, PRESETS["tiny"].vocab, (1, length), generator=seeded(length))
-        runner.generate(ids, 4)
-        runner.score(torch.randint(1, PRESETS["tiny"].vocab, (1, length + 4), generator=seeded(length)), length)
-    assert shapes and all(shape[1] == 1 for shape in shapes), sorted(set(shapes))   # (B, T, ...)

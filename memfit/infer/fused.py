@@ -124,6 +124,8 @@ def silu_activation(mlp: nn.Module) -> bool:
 
 
 def act_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a (..., 2m) matmul output whose columns alternate gate, up."""
-    gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)
-    return F.silu(gate) * up
+    """silu(gate) * up of a (..., 2m) matmul output whose columns alternate gate, up.
+
+    Strided slices rather than ``unflatten``: under ``torch.set_default_device`` dynamo cannot trace
+    ``Tensor.unflatten`` (its ``super()`` call), and the decode loop compiles this."""
+    return F.silu(gate_up[..., 0::2]) * gate_up[..., 1::2]
