@@ -38,6 +38,17 @@ def pytest_configure(config):
                             "interpreter's one launch, a CPU memory tracker); skipped under MEMFIT_TEST_DEVICE=cuda")
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmul_precision_kept():
+    """torch's float32 matmul precision put back after every test: a benchmark's ``main`` run in-process
+    (finetune_memory.py and finetune_steps.py set ``torch.backends.cuda.matmul.allow_tf32``) turned TF32 on for the
+    rest of the worker, and on the H200 a later fp32 partial-FFN test there ran its decode attention in TF32 (memfit
+    said so once in its log) and missed its 1e-4 tolerance (gpu_tests_rest_0b1eb37.log)."""
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
 def pytest_collection_modifyitems(config, items):
     """Under MEMFIT_TEST_DEVICE=cuda, skip the tests marked ``cpu_only``, saying why, so that a failure there is a
     kernel's."""
