@@ -208,33 +208,49 @@ def _dlogits_reference(hs, weight, bias, labels_n, lse, g, softcap, z_loss, v0, 
 
 if triton is not None:
 
-    # (rows, columns, BLOCK_K, warps, stages) of the 128/256 tiles every matmul-shaped kernel here tries
+    # (rows, columns, BLOCK_K, warps, stages) of the 128/256 tiles every matmul-shaped kernel here tries on the
+    # tensor cores (16-bit inputs, or fp32 as TF32)
     WIDE_TILES = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
                   (64, 256, 64, 8, 4), (64, 256, 64, 4, 4), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)]
+    # The tiles for fp32 at IEEE precision (torch's default "highest"), where tl.dot runs as FMAs on CUDA cores: a
+    # wide tile's unrolled FMA code took ptxas minutes (a first fp32 step of a tiny model, 171 s for 22 binaries, on
+    # the H200: benchmarks/probes/linear_ce_first_call.py) and buys nothing without the tensor cores to feed.
+    IEEE_TILES = [(64, 64, 32, 4, 2), (64, 128, 32, 8, 2), (128, 64, 32, 8, 2)]
 
     def _tile_configs(rows: str, cols: str, tiles) -> list:
         """``triton.Config``s of ``tiles``, their row and column blocks named ``rows`` and ``cols``."""
         return [triton.Config({rows: r, cols: c, "BLOCK_K": k}, num_warps=w, num_stages=st) for r, c, k, w, st in tiles]
 
-    def _configs():
-        return _tile_configs("BLOCK_N", "BLOCK_V", [(16, 256, 16, 4, 1)] if interpreting() else WIDE_TILES)
+    class _TileSets:
+        """A kernel's autotune configs: the tensor-core tiles and the IEEE fp32 tiles, with the pruner that offers
+        each only at its precision; ``narrow_block`` names the column tile of a backward step, which also gets
+        16-64-wide tiles for the shrinking steps near the end of the vocabulary (a 128/256-wide tile there computes
+        mostly wasted columns) and keeps only the tiles that suit the step width's bucket (WIDTH_KEY): none more
+        than twice as wide as the step, and on the tensor cores no narrow tile on a wide step."""
 
-    def _narrow_configs(block: str):
-        """Tiles for the shrinking steps near the end of the vocabulary, ``block`` (the step's
-        column tile) 16-64 wide: a 128/256-wide tile there computes mostly wasted columns."""
-        if interpreting():
-            return []
-        other = "BLOCK_N" if block == "BLOCK_V" else "BLOCK_H"
-        return _tile_configs(other, block, [(size, width, 64, 4, 4) for width in (16, 32, 64) for size in (64, 128, 256)])
+        def __init__(self, rows: str, cols: str, interpreter_tile: tuple, narrow_block: str | None = None):
+            if interpreting():
+                self.wide, self.ieee = _tile_configs(rows, cols, [interpreter_tile]), []
+                narrow_block = None
+            else:
+                narrow = [] if narrow_block is None else [(size, width, 64, 4, 4) for width in (16, 32, 64)
+                                                          for size in (64, 128, 256)]
+                narrow_ieee = [] if narrow_block is None else [(64, width, 32, 4, 2) for width in (16, 32)]
+                self.wide = _tile_configs(rows, cols, WIDE_TILES + narrow)
+                self.ieee = _tile_configs(rows, cols, IEEE_TILES + narrow_ieee)
+            self.configs, self.narrow_block = self.wide + self.ieee, narrow_block
 
-    def _fit_step_width(block: str):
-        """Autotune pruner: keep the tiles whose column block suits the step width's bucket
-        (WIDTH_KEY): no tile more than twice as wide as the step, no narrow tile on a wide step."""
-        def prune(configs, named_args, **kwargs):
-            key = named_args["WIDTH_KEY"]
-            kept = [c for c in configs if c.kwargs[block] <= max(16, 2 * key) and (key < 512 or c.kwargs[block] >= 128)]
-            return kept or configs
-        return {"early_config_prune": prune}
+        def prune(self, configs, named_args, **kwargs):
+            ieee = kwargs.get("PRECISION", named_args.get("PRECISION")) == "ieee"
+            kept = (self.ieee if ieee else self.wide) or configs
+            if self.narrow_block is not None:
+                key, block = named_args["WIDTH_KEY"], self.narrow_block
+                kept = [c for c in kept if c.kwargs[block] <= max(16, 2 * key)
+                        and (ieee or key < 512 or c.kwargs[block] >= 128)] or kept
+            return kept
+
+        def autotune(self, key: list[str]):
+            return triton.autotune(configs=self.configs, key=key, prune_configs_by={"early_config_prune": self.prune})
 
     @triton.jit
     def _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, H: tl.constexpr, stride_h, stride_w, softcap,
@@ -271,8 +287,8 @@ if triton is not None:
     # fine-tuning run whose loss-token count changes every step tunes and compiles once per bucket.
     # Every compile-time knob is in the keys too, so a variant (e.g. the split count, a soft-capped
     # model) is tuned for itself rather than reusing the tiles another variant picked.
-    @triton.autotune(configs=_configs(),
-                     key=["H", "V", "N_BUCKET", "SPLITS", "HAS_BIAS", "HAS_SOFTCAP", "PRECISION"])
+    @_TileSets("BLOCK_N", "BLOCK_V", (16, 256, 16, 4, 1)).autotune(
+        key=["H", "V", "N_BUCKET", "SPLITS", "HAS_BIAS", "HAS_SOFTCAP", "PRECISION"])
     @triton.heuristics({"EVEN_K": lambda a: a["H"] % a["BLOCK_K"] == 0})
     @triton.jit(do_not_specialize=["N"])
     def _lse_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, labels_ptr, m_ptr, s_ptr, t_ptr,
@@ -311,8 +327,8 @@ if triton is not None:
         tl.store(s_ptr + out, s, mask=n_mask)
         tl.store(t_ptr + out, t, mask=n_mask)
 
-    @triton.autotune(configs=_configs() + _narrow_configs("BLOCK_V"), prune_configs_by=_fit_step_width("BLOCK_V"),
-                     key=["H", "WIDTH_KEY", "N_BUCKET", "HAS_BIAS", "HAS_SOFTCAP", "PRECISION"])
+    @_TileSets("BLOCK_N", "BLOCK_V", (16, 256, 16, 4, 1), narrow_block="BLOCK_V").autotune(
+        key=["H", "WIDTH_KEY", "N_BUCKET", "HAS_BIAS", "HAS_SOFTCAP", "PRECISION"])
     @triton.heuristics({"EVEN_K": lambda a: a["H"] % a["BLOCK_K"] == 0})
     @triton.jit(do_not_specialize=["N", "v0"])
     def _dlogits_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, labels_ptr, lse_ptr, g_ptr, d_ptr,
@@ -346,11 +362,8 @@ if triton is not None:
         ptrs = d_ptr + offs_n[:, None].to(tl.int64) * stride_d + offs_j[None, :]
         tl.store(ptrs, d.to(d_ptr.dtype.element_ty), mask=n_mask[:, None] & j_mask[None, :])
 
-    def _dweight_configs():
-        return _tile_configs("BLOCK_M", "BLOCK_H", [(128, 64, 32, 4, 1)] if interpreting() else WIDE_TILES)
-
-    @triton.autotune(configs=_dweight_configs() + _narrow_configs("BLOCK_M"), prune_configs_by=_fit_step_width("BLOCK_M"),
-                     key=["H", "WIDTH_KEY", "N_BUCKET", "PRECISION"])
+    @_TileSets("BLOCK_M", "BLOCK_H", (128, 64, 32, 4, 1), narrow_block="BLOCK_M").autotune(
+        key=["H", "WIDTH_KEY", "N_BUCKET", "PRECISION"])
     @triton.jit(do_not_specialize=["N"])
     def _dweight_kernel(d_ptr, h_ptr, rows_ptr, out_ptr, N, width, H: tl.constexpr, N_BUCKET, WIDTH_KEY,
                         stride_d, stride_h, stride_o, PRECISION: tl.constexpr,
