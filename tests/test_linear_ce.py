@@ -588,3 +588,21 @@ def test_forward_splits_balance_the_waves(row_blocks, tiles, sms):
     best = min(busiest(s) for s in range(1, 65))
     assert busiest(chosen) <= 1.02 * best
     assert all(busiest(s) > 1.02 * best for s in range(1, chosen))
+
+
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+def test_backward_step_tiles_fit_every_step_width(monkeypatch, precision):
+    """The backward kernels' tile sets as a GPU sees them (the interpreter has one tile): at every step-width bucket
+    some tile of the precision's own set fits the step (its step block at most twice the width, and on the tensor
+    cores at least 128 on a step of 512 or more), and the pruner keeps exactly those. The weight-gradient kernel's
+    step spans its rows, and its narrow tiles had been built the other way round: at a 16-wide step none fit and
+    every tensor-core tile was compiled."""
+    monkeypatch.setattr(linear_ce, "interpreting", lambda: False)
+    ieee = precision == "ieee"
+    for rows, cols, step_block in (("BLOCK_N", "BLOCK_V", "BLOCK_V"), ("BLOCK_M", "BLOCK_H", "BLOCK_M")):
+        tiles = linear_ce._TileSets(rows, cols, (16, 16, 16, 4, 1), narrow_block=step_block)
+        for key in (16, 32, 64, 128, 256, 512, 8192):
+            fitting = [c for c in tiles.configs if (id(c) in tiles.ieee_ids) == ieee
+                       and c.kwargs[step_block] <= max(16, 2 * key) and (ieee or key < 512 or c.kwargs[step_block] >= 128)]
+            assert fitting, (step_block, key)
+            assert tiles.prune(tiles.configs, {"WIDTH_KEY": key}, PRECISION=precision) == fitting

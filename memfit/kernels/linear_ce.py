@@ -212,12 +212,12 @@ if triton is not None:
     # tensor cores (16-bit inputs, or fp32 as TF32)
     WIDE_TILES = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
                   (64, 256, 64, 8, 4), (64, 256, 64, 4, 4), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)]
-    # The tiles for fp32 at IEEE precision (torch's default "highest"), where tl.dot runs as FMAs on CUDA cores: a
-    # wide tile's unrolled FMA code took ptxas minutes and buys nothing without the tensor cores to feed. On the H200
-    # (benchmarks/probes/linear_ce_first_call.py) a tiny model's first fp32 step took 171 s with them (22 binaries,
-    # fa2fabf), 23.6 s with these (13, ea3eb89). At Llama-1B's head (2048 tokens, half with a loss, frozen weight)
-    # an fp32 step then takes 97.2 ms against torch's F.linear + cross_entropy's 44.7 ms (cuBLAS SGEMM; the wide
-    # tiles' time there was not measured).
+    # The tiles for fp32 at IEEE precision (torch's default "highest"), where tl.dot runs as FMAs on CUDA cores and
+    # a wide tile's unrolled FMA code kept ptxas busy for minutes. On the H200
+    # (benchmarks/probes/linear_ce_first_call.py) a tiny model's first fp32 step (weight trained) took 171 s with the
+    # wide tiles (22 binaries, fa2fabf) and 23.6 s with these (13, ea3eb89); the first step at Llama-1B's head
+    # (2048 tokens, frozen weight) 15.1 s, and a later one 97.2 ms against torch's F.linear + cross_entropy's
+    # 44.7 ms (cuBLAS SGEMM). The wide tiles' run time there was not measured.
     IEEE_TILES = [(64, 64, 32, 4, 2), (64, 128, 32, 8, 2), (128, 64, 32, 8, 2)]
 
     def _tile_configs(rows: str, cols: str, tiles) -> list:
@@ -226,26 +226,28 @@ if triton is not None:
 
     class _TileSets:
         """A kernel's autotune configs: the tensor-core tiles and the IEEE fp32 tiles, with the pruner that offers
-        each only at its precision; ``narrow_block`` names the column tile of a backward step, which also gets
-        16-64-wide tiles for the shrinking steps near the end of the vocabulary (a 128/256-wide tile there computes
-        mostly wasted columns) and keeps only the tiles that suit the step width's bucket (WIDTH_KEY): none more
-        than twice as wide as the step, and on the tensor cores no narrow tile on a wide step."""
+        each only at its precision. ``narrow_block`` names the block that spans a backward step's columns (the
+        kernel's ``rows`` or ``cols``); that block also gets 16-64-wide tiles for the shrinking steps near the end
+        of the vocabulary (a 128/256-wide tile there computes mostly wasted columns), and the pruner keeps only the
+        tiles that suit the step width's bucket (WIDTH_KEY): none more than twice as wide as the step, and on the
+        tensor cores no narrow tile on a wide step."""
 
         def __init__(self, rows: str, cols: str, interpreter_tile: tuple, narrow_block: str | None = None):
             if interpreting():
-                self.wide, self.ieee = _tile_configs(rows, cols, [interpreter_tile]), []
+                tensor_core, ieee = _tile_configs(rows, cols, [interpreter_tile]), []
                 narrow_block = None
             else:
-                narrow = [] if narrow_block is None else [(size, width, 64, 4, 4) for width in (16, 32, 64)
-                                                          for size in (64, 128, 256)]
-                narrow_ieee = [] if narrow_block is None else [(64, width, 32, 4, 2) for width in (16, 32)]
-                self.wide = _tile_configs(rows, cols, WIDE_TILES + narrow)
-                self.ieee = _tile_configs(rows, cols, IEEE_TILES + narrow_ieee)
-            self.configs, self.narrow_block = self.wide + self.ieee, narrow_block
+                tensor_core, ieee = _tile_configs(rows, cols, WIDE_TILES), _tile_configs(rows, cols, IEEE_TILES)
+                if narrow_block is not None:            # (other block, narrow block) tiles
+                    other = rows if narrow_block == cols else cols
+                    tensor_core += _tile_configs(other, narrow_block, [(size, width, 64, 4, 4) for width in (16, 32, 64)
+                                                                       for size in (64, 128, 256)])
+                    ieee += _tile_configs(other, narrow_block, [(64, width, 32, 4, 2) for width in (16, 32)])
+            self.configs, self.ieee_ids, self.narrow_block = tensor_core + ieee, {id(c) for c in ieee}, narrow_block
 
         def prune(self, configs, named_args, **kwargs):
-            ieee = kwargs.get("PRECISION", named_args.get("PRECISION")) == "ieee"
-            kept = (self.ieee if ieee else self.wide) or configs
+            ieee = kwargs["PRECISION"] == "ieee"                  # every launcher passes PRECISION by keyword
+            kept = [c for c in configs if (id(c) in self.ieee_ids) == ieee] or configs
             if self.narrow_block is not None:
                 key, block = named_args["WIDTH_KEY"], self.narrow_block
                 kept = [c for c in kept if c.kwargs[block] <= max(16, 2 * key)
