@@ -215,9 +215,9 @@ if triton is not None:
     # The tiles for fp32 at IEEE precision (torch's default "highest"), where tl.dot runs as FMAs on CUDA cores and
     # a wide tile's unrolled FMA code kept ptxas busy for minutes. On the H200
     # (benchmarks/probes/linear_ce_first_call.py) a tiny model's first fp32 step (weight trained) took 171 s with the
-    # wide tiles (22 binaries, fa2fabf) and 23.6 s with these (13, ea3eb89); the first step at Llama-1B's head
+    # wide tiles (22 binaries, fa2fabf) and 19.2 s with these (13, fdaff5e); the first step at Llama-1B's head
     # (2048 tokens, frozen weight) 15.1 s, and a later one 97.2 ms against torch's F.linear + cross_entropy's
-    # 44.7 ms (cuBLAS SGEMM). The wide tiles' run time there was not measured.
+    # 44.7 ms (cuBLAS SGEMM; both at ea3eb89). The wide tiles' run time there was not measured.
     IEEE_TILES = [(64, 64, 32, 4, 2), (64, 128, 32, 8, 2), (128, 64, 32, 8, 2)]
 
     def _tile_configs(rows: str, cols: str, tiles) -> list:
