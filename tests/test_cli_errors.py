@@ -645,3 +645,43 @@ def _verify_partial_or(verb: str, options: tuple, message: str) -> str:
     """``message``, or verify's refusal of every partial-FFN option (memfit.ledger.verify.NO_PARTIAL_FFN)."""
     partial = verb == "verify" and any(option.startswith("--partial-") for option in options)
     return "verify does not build partial-FFN models" if partial else message
+
+
+@pytest.fixture
+def no_weight_read(monkeypatch):
+    """Fail the test if ``memfit generate`` gets as far as reading a dense model's weights."""
+    from memfit.infer import partial_load
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the refusal came after the weights were read")
+
+    monkeypatch.setattr(partial_load, "load_model", forbidden)
+
+
+def test_generate_refuses_a_decode_past_the_sliding_window_before_reading_weights(tmp_path, capsys, no_weight_read):
+    """A Mistral with an 8-token window, asked for more: refused from config.json (the architecture on the meta
+    device), where it had been refused only after every weight was loaded."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     sliding_window=8)).save_pretrained(tmp_path / "mistral")
+    _refused_after_tokenizing(capsys, ["generate", str(tmp_path / "mistral"), "--prompt", "hi", "--max-new", "20",
+                                       "--device", "cpu"], "sliding window of the last 8 tokens")
+
+
+def test_generate_refuses_more_positions_than_the_model_has_before_reading_weights(capsys, tiny_dir, no_weight_read):
+    positions = PRESETS["tiny"].max_position
+    _refused_after_tokenizing(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--max-new", str(positions),
+                                       "--device", "cpu"], f"exceeds the model's {positions} positions")
+
+
+def _refused_after_tokenizing(capsys, argv, message):
+    """As ``_fails``, where the prompt has been tokenized first: a directory without a tokenizer is said once
+    (bytes) on a line before the error."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"memfit {argv[0]}: error: ") and message in err

@@ -65,16 +65,21 @@ def _refuse_partial_options(args) -> None:
                           "a memfit-compressed model")
 
 
-def _load_compressed(args, device, console):
+def _compressed_loader(args, device, console):
+    """The options checked against a compressed model; returns what loads it."""
     from memfit.compress import load_compressed
 
     _refuse_partial_options(args)
-    with console.status("loading the compressed model"):
-        return load_compressed(args.model, device=device, dtype=args.dtype)
+
+    def load():
+        with console.status("loading the compressed model"):
+            return load_compressed(args.model, device=device, dtype=args.dtype)
+    return load
 
 
-def _load_dense(args, device, console):
-    """The model, with a partial FFN as the options ask (checked before any tensor is read)."""
+def _dense_loader(args, device, console):
+    """The directory and the partial-FFN options checked; returns what loads the model, with a partial FFN as the
+    options ask."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from memfit.infer.partial_load import PartialConfig, describe, load_model
@@ -90,13 +95,17 @@ def _load_dense(args, device, console):
         partial = replace(partial, full_first=first, full_last=min(partial.full_last, spec.num_layers - first))
     partial.check(spec.num_layers)
     _refuse_unused_selection(args, partial, spec.intermediate)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("loading tensors", total=None)
-        model = load_model(model_dir, partial, dtype=args.dtype, device=device, rankings=args.rankings,
-                           progress=lambda done, total: bar.update(task, completed=done, total=total))
-    if not partial.loads_everything(spec.intermediate):
-        console.print(f"partial FFN: {describe(partial, spec)}")
-    return model
+
+    def load():
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
+                      transient=True) as bar:
+            task = bar.add_task("loading tensors", total=None)
+            model = load_model(model_dir, partial, dtype=args.dtype, device=device, rankings=args.rankings,
+                               progress=lambda done, total: bar.update(task, completed=done, total=total))
+        if not partial.loads_everything(spec.intermediate):
+            console.print(f"partial FFN: {describe(partial, spec)}")
+        return model
+    return load
 
 
 class TextStream:
@@ -136,9 +145,10 @@ def run(args) -> int:
     import torch
     from rich.console import Console
 
-    from memfit.infer.generate import Generator, weight_bytes_per_token
+    from memfit.infer.generate import Generator, check_decode_length, weight_bytes_per_token
     from memfit.infer.text import load_codec
     from memfit.local import resolve_device
+    from memfit.models import model_skeleton
     from memfit.models.spec import is_compressed_dir
     from memfit.units import format_bytes
 
@@ -150,12 +160,15 @@ def run(args) -> int:
     console = Console(stderr=True)
     model_dir = Path(args.model).expanduser()
     compressed = model_dir.is_dir() and is_compressed_dir(model_dir)
-    model = (_load_compressed if compressed else _load_dense)(args, device, console)
-    codec = load_codec(model_dir, model.config.vocab_size)
+    load = (_compressed_loader if compressed else _dense_loader)(args, device, console)
+    skeleton = model_skeleton(model_dir)        # the architecture alone: what a refusal needs, before any weight
+    codec = load_codec(model_dir, skeleton.config.vocab_size)
     encoded = [codec.encode(text) for text in args.prompt]
     if not all(encoded):
         raise MemfitError("every --prompt must encode to at least one token")
     width = max(len(ids) for ids in encoded)
+    check_decode_length(skeleton, width + args.max_new)
+    model = load()
     ids = torch.zeros(len(encoded), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, seq in enumerate(encoded):   # left padding: every prompt ends at the last position

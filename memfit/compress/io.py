@@ -198,24 +198,6 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
     return out
 
 
-def _build_skeleton(directory: Path, dtype: torch.dtype | None) -> nn.Module:
-    """The original architecture from ``config.json`` on the meta device (no memory: the dense weights of the layers
-    about to be replaced are never allocated), in ``dtype`` or else the dtype the config records (the one the
-    weights were saved in)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # transformers 4.x
-        from transformers.modeling_utils import no_init_weights
-
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    with torch.device("meta"), no_init_weights():
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-
 def _materialize(model: nn.Module) -> None:
     """Give a meta-device model (its structured layers in place) uninitialised CPU storage for the weights the file
     fills and tie them again. A module with non-persistent state (the rotary embedding's ``inv_freq``, and under
@@ -254,7 +236,7 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
     from safetensors.torch import load_model
 
     from memfit.compress.convert import replace_module
-    from memfit.models import dtype_of
+    from memfit.models import dtype_of, model_skeleton
 
     directory = Path(directory).expanduser()
     if directory.is_file() and directory.name in ("config.json", CONFIG_NAME):   # as load_spec takes a config.json
@@ -275,10 +257,7 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
         raise MemfitError(f"{directory}: compressed format {found!r}; this memfit reads formats "
                           f"{', '.join(map(str, READABLE_FORMATS))}")
     torch_dtype = dtype_of(dtype) if dtype not in (None, "auto") else None      # None / "auto": the saved dtype
-    try:
-        model = _build_skeleton(directory, torch_dtype)
-    except (OSError, ValueError) as err:               # config.json missing, malformed or of an unknown model type
-        raise MemfitError(f"{directory / 'config.json'}: cannot build the model from it ({err})") from None
+    model = model_skeleton(directory, torch_dtype)
     try:
         for name, cfg in meta["layers"].items():
             old = model.get_submodule(name)

@@ -167,6 +167,20 @@ def sliding_window(model) -> int | None:
     return min((w for w in windows if w is not None), default=None)
 
 
+def check_decode_length(model, max_len: int) -> None:
+    """Refuse a decode of ``max_len`` positions (prompt + new tokens) past the model's position embeddings or past
+    its sliding window (memfit's loop attends over the whole cache). Reads only the config and the attention
+    modules' attributes, so a model built on the meta device answers it before any weight is read."""
+    cfg = model.config
+    if max_len > getattr(cfg, "max_position_embeddings", max_len):
+        raise MemfitError(f"prompt + new tokens = {max_len} exceeds the model's {cfg.max_position_embeddings} positions")
+    window = sliding_window(model)
+    if window is not None and max_len - 1 > window:
+        raise MemfitError(f"this model attends over a sliding window of the last {window} tokens and memfit's decode "
+                          f"loop has none: with max_len = prompt + new tokens = {max_len} a token would see up to "
+                          f"{max_len - 1}; keep prompt + new tokens <= {window + 1}")
+
+
 @dataclass
 class GenerationResult:
     tokens: torch.Tensor               # (B, new) generated ids
@@ -207,15 +221,9 @@ class Generator:
         cfg = model.config
         if max_len < 2 or batch < 1:
             raise MemfitError(f"max_len must be >= 2 and batch >= 1, got max_len={max_len}, batch={batch}")
-        if max_len > getattr(cfg, "max_position_embeddings", max_len):
-            raise MemfitError(f"prompt + new tokens = {max_len} exceeds the model's {cfg.max_position_embeddings} positions")
         if temperature < 0:
             raise MemfitError(f"temperature must be >= 0, got {temperature}")
-        window = sliding_window(model)
-        if window is not None and max_len - 1 > window:
-            raise MemfitError(f"this model attends over a sliding window of the last {window} tokens and memfit's decode "
-                              f"loop has none: with max_len = prompt + new tokens = {max_len} a token would see up to "
-                              f"{max_len - 1}; keep prompt + new tokens <= {window + 1}")
+        check_decode_length(model, max_len)
         self.model, self.max_len, self.batch, self.temperature = model, max_len, batch, float(temperature)
         embed = model.get_input_embeddings().weight
         self.device, self.dtype = embed.device, embed.dtype

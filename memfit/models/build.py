@@ -1,4 +1,5 @@
-"""Random-init Hugging Face models from a ModelSpec, with no network.
+"""Random-init Hugging Face models from a ModelSpec, with no network, and a model directory's architecture on the
+meta device.
 
 Benchmarks and tests use these in place of downloaded weights: memory and speed depend
 on shapes, not on values. ``save_model_dir`` writes a loadable local model directory.
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from memfit.errors import MemfitError
 from memfit.files import files_written, follow_umask, snapshot
 from memfit.models.spec import ModelSpec, dtype_of
 
@@ -47,3 +49,24 @@ def save_model_dir(spec: ModelSpec, directory: str | Path, dtype: str | torch.dt
     model.save_pretrained(directory)
     follow_umask(*files_written(directory, before))   # transformers' weights, which safetensors writes 0600
     return directory
+
+
+def model_skeleton(directory: str | Path, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The architecture ``directory``'s ``config.json`` describes, on the meta device: its modules and attributes,
+    no weight allocated or read (a memfit-compressed directory's config.json is its dense source's), in ``dtype`` or
+    else the dtype the config records (the one the weights were saved in)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        if dtype is None:
+            dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        with torch.device("meta"), no_init_weights():
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (OSError, ValueError) as err:               # config.json missing, malformed or of an unknown model type
+        raise MemfitError(f"{Path(directory) / 'config.json'}: cannot build the model from it ({err})") from None
