@@ -663,25 +663,37 @@ def test_generate_refuses_a_decode_past_the_sliding_window_before_reading_weight
     device), where it had been refused only after every weight was loaded."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    torch.manual_seed(0)
     MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                      sliding_window=8)).save_pretrained(tmp_path / "mistral")
-    _refused_after_tokenizing(capsys, ["generate", str(tmp_path / "mistral"), "--prompt", "hi", "--max-new", "20",
-                                       "--device", "cpu"], "sliding window of the last 8 tokens")
+    capsys.readouterr()                                  # transformers' progress bar while it saved
+    _fails(capsys, ["generate", str(tmp_path / "mistral"), "--prompt", "hi", "--max-new", "20", "--device", "cpu"],
+           "sliding window of the last 8 tokens")
 
 
 def test_generate_refuses_more_positions_than_the_model_has_before_reading_weights(capsys, tiny_dir, no_weight_read):
     positions = PRESETS["tiny"].max_position
-    _refused_after_tokenizing(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--max-new", str(positions),
-                                       "--device", "cpu"], f"exceeds the model's {positions} positions")
+    _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--max-new", str(positions), "--device", "cpu"],
+           f"exceeds the model's {positions} positions")
 
 
-def _refused_after_tokenizing(capsys, argv, message):
-    """As ``_fails``, where the prompt has been tokenized first: a directory without a tokenizer is said once
-    (bytes) on a line before the error."""
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith(f"memfit {argv[0]}: error: ") and message in err
+def test_generate_refuses_a_compressed_model_too_many_positions_before_loading_it(capsys, monkeypatch, compressed_dir):
+    import memfit.compress
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the refusal came after the compressed model was loaded")
+
+    monkeypatch.setattr(memfit.compress, "load_compressed", forbidden)
+    positions = PRESETS["tiny"].max_position
+    _fails(capsys, ["generate", str(compressed_dir), "--prompt", "hi", "--max-new", str(positions), "--device", "cpu"],
+           f"exceeds the model's {positions} positions")
+
+
+@pytest.mark.parametrize("extra, message", [(["--dtype", "float64x"], "unknown dtype 'float64x'"),
+                                            (["--load", "0.5", "--full-first", "0", "--full-last", "0"],
+                                             "rankings.safetensors")])
+def test_generate_checks_its_options_before_the_decode_length(capsys, tiny_dir, no_weight_read, extra, message):
+    """A bad --dtype, or a partial load without rankings, is named even where --max-new is also too long: the
+    options are checked first, not after the length refusal."""
+    _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--max-new", str(PRESETS["tiny"].max_position),
+                    "--device", "cpu", *extra], message)

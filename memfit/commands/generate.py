@@ -66,10 +66,12 @@ def _refuse_partial_options(args) -> None:
 
 
 def _compressed_loader(args, device, console):
-    """The options checked against a compressed model; returns what loads it."""
+    """The options and the directory's record checked (no tensor read); returns what loads the model."""
     from memfit.compress import load_compressed
+    from memfit.compress.io import read_compressed_dir
 
     _refuse_partial_options(args)
+    read_compressed_dir(args.model)
 
     def load():
         with console.status("loading the compressed model"):
@@ -78,11 +80,11 @@ def _compressed_loader(args, device, console):
 
 
 def _dense_loader(args, device, console):
-    """The directory and the partial-FFN options checked; returns what loads the model, with a partial FFN as the
-    options ask."""
+    """The directory, the partial-FFN options and their rankings checked (no weight read); returns what loads the
+    model, with a partial FFN as the options ask."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from memfit.infer.partial_load import PartialConfig, describe, load_model
+    from memfit.infer.partial_load import PartialConfig, describe, load_model, partial_rankings
     from memfit.local import check_model_dir
     from memfit.models import load_spec
 
@@ -95,12 +97,13 @@ def _dense_loader(args, device, console):
         partial = replace(partial, full_first=first, full_last=min(partial.full_last, spec.num_layers - first))
     partial.check(spec.num_layers)
     _refuse_unused_selection(args, partial, spec.intermediate)
+    rankings = partial_rankings(model_dir, partial, spec, args.rankings)   # None where no layer is partial
 
     def load():
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
                       transient=True) as bar:
             task = bar.add_task("loading tensors", total=None)
-            model = load_model(model_dir, partial, dtype=args.dtype, device=device, rankings=args.rankings,
+            model = load_model(model_dir, partial, dtype=args.dtype, device=device, rankings=rankings,
                                progress=lambda done, total: bar.update(task, completed=done, total=total))
         if not partial.loads_everything(spec.intermediate):
             console.print(f"partial FFN: {describe(partial, spec)}")
@@ -148,7 +151,7 @@ def run(args) -> int:
     from memfit.infer.generate import Generator, check_decode_length, weight_bytes_per_token
     from memfit.infer.text import load_codec
     from memfit.local import resolve_device
-    from memfit.models import model_skeleton
+    from memfit.models import dtype_of, model_skeleton
     from memfit.models.spec import is_compressed_dir
     from memfit.units import format_bytes
 
@@ -157,6 +160,8 @@ def run(args) -> int:
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise MemfitError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     device = resolve_device(args.device)
+    if args.dtype not in (None, "auto"):
+        dtype_of(args.dtype)                       # a bad name refused before anything is read
     console = Console(stderr=True)
     model_dir = Path(args.model).expanduser()
     compressed = model_dir.is_dir() and is_compressed_dir(model_dir)

@@ -229,21 +229,15 @@ def _materialize(model: nn.Module) -> None:
         raise MemfitError(f"cannot load: {', '.join(left[:3])} would be left without a value (on the meta device)")
 
 
-def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
-                    dtype: str | torch.dtype | None = None) -> nn.Module:
-    """A working ``*ForCausalLM`` from a directory written by ``save_compressed``, in ``dtype`` (None or "auto": the
-    dtype it was saved in)."""
-    from safetensors.torch import load_model
-
-    from memfit.compress.convert import replace_module
-    from memfit.models import dtype_of, model_skeleton
-
+def read_compressed_dir(directory: str | Path) -> tuple[Path, dict]:
+    """(the directory, its layer records) of a directory ``save_compressed`` wrote, after the checks that need no
+    tensor: it exists, is one, holds its weights file, and its record is JSON of a format this memfit reads (a
+    ``config.json`` or record path is taken as its directory, as load_spec takes a config.json)."""
     directory = Path(directory).expanduser()
-    if directory.is_file() and directory.name in ("config.json", CONFIG_NAME):   # as load_spec takes a config.json
+    if directory.is_file() and directory.name in ("config.json", CONFIG_NAME):
         directory = directory.parent
     if not directory.is_dir():
         raise MemfitError(f"{directory}: no such directory")
-    device = resolve_device(device)
     if not is_compressed_dir(directory):
         raise MemfitError(f"{directory} has no {CONFIG_NAME}: not a memfit-compressed model directory")
     if not (directory / WEIGHTS_NAME).is_file():
@@ -256,6 +250,20 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise MemfitError(f"{directory}: compressed format {found!r}; this memfit reads formats "
                           f"{', '.join(map(str, READABLE_FORMATS))}")
+    return directory, meta
+
+
+def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
+                    dtype: str | torch.dtype | None = None) -> nn.Module:
+    """A working ``*ForCausalLM`` from a directory written by ``save_compressed``, in ``dtype`` (None or "auto": the
+    dtype it was saved in)."""
+    from safetensors.torch import load_model
+
+    from memfit.compress.convert import replace_module
+    from memfit.models import dtype_of, model_skeleton
+
+    directory, meta = read_compressed_dir(directory)
+    device = resolve_device(device)
     torch_dtype = dtype_of(dtype) if dtype not in (None, "auto") else None      # None / "auto": the saved dtype
     model = model_skeleton(directory, torch_dtype)
     try:

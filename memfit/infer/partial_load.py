@@ -223,6 +223,20 @@ def _load_full(reader: _Reader, model: nn.Module, name: str, shape, dtype, devic
 
 
 @torch.no_grad()
+def partial_rankings(model_dir: str | Path, partial: PartialConfig, spec,
+                     rankings: Rankings | str | Path | None = None) -> Rankings | None:
+    """The neuron rankings ``partial`` needs, read (``rankings``, else ``model_dir/rankings.safetensors``) and checked
+    against the model and the task it names; None where every neuron is loaded and computed. Cheap: a caller checks
+    them before anything else it would read."""
+    if partial.loads_everything(spec.intermediate):
+        return None
+    if not isinstance(rankings, Rankings):
+        rankings = Rankings.load(rankings or Path(model_dir) / RANKINGS_FILE)
+    rankings.check(spec.num_layers, spec.intermediate)
+    rankings.rank(partial.task)                      # an unknown task is refused here
+    return rankings
+
+
 def load_model(model_dir: str | Path, partial: PartialConfig | None = None, *, dtype=None, device="cpu",
                rankings: Rankings | str | Path | None = None, progress=None, fuse: bool = True) -> nn.Module:
     """A ``*ForCausalLM`` from a local safetensors directory; partial FFN layers when ``partial`` is given.
@@ -250,11 +264,8 @@ def load_model(model_dir: str | Path, partial: PartialConfig | None = None, *, d
     if partial is not None:
         partial.check(spec.num_layers)
         n_base, n_compute, n_load = partial.counts(spec.intermediate)
-        if not partial.loads_everything(spec.intermediate):
-            if not isinstance(rankings, Rankings):
-                rankings = Rankings.load(rankings or model_dir / RANKINGS_FILE)
-            rankings.check(spec.num_layers, spec.intermediate)
-            general, task = rankings.rank(), rankings.rank(partial.task)
+        if (ranked := partial_rankings(model_dir, partial, spec, rankings)) is not None:
+            general, task = ranked.rank(), ranked.rank(partial.task)
         else:  # everything loaded and computed: the order is irrelevant
             general = task = torch.arange(spec.intermediate).expand(spec.num_layers, -1)
         in_range = partial.partial_layers(spec.num_layers)

@@ -62,11 +62,13 @@ def model_skeleton(directory: str | Path, dtype: torch.dtype | None = None) -> t
     except ImportError:  # transformers 4.x
         from transformers.modeling_utils import no_init_weights
 
+    directory = Path(directory).expanduser()
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
         if dtype is None:
             dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         with torch.device("meta"), no_init_weights():
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except (OSError, ValueError) as err:               # config.json missing, malformed or of an unknown model type
-        raise MemfitError(f"{Path(directory) / 'config.json'}: cannot build the model from it ({err})") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:   # config.json missing, malformed, of an unknown model
+        # type, or with a value the model's constructor cannot take (an unknown rope_scaling type: a KeyError)
+        raise MemfitError(f"{directory / 'config.json'}: cannot build the model from it ({err})") from None
