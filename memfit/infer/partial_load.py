@@ -222,7 +222,6 @@ def _load_full(reader: _Reader, model: nn.Module, name: str, shape, dtype, devic
     model.get_submodule(owner_name)._parameters[attr] = nn.Parameter(value, requires_grad=False)
 
 
-@torch.no_grad()
 def partial_rankings(model_dir: str | Path, partial: PartialConfig, spec,
                      rankings: Rankings | str | Path | None = None) -> Rankings | None:
     """The neuron rankings ``partial`` needs, read (``rankings``, else ``model_dir/rankings.safetensors``) and checked
@@ -237,6 +236,7 @@ def partial_rankings(model_dir: str | Path, partial: PartialConfig, spec,
     return rankings
 
 
+@torch.no_grad()
 def load_model(model_dir: str | Path, partial: PartialConfig | None = None, *, dtype=None, device="cpu",
                rankings: Rankings | str | Path | None = None, progress=None, fuse: bool = True) -> nn.Module:
     """A ``*ForCausalLM`` from a local safetensors directory; partial FFN layers when ``partial`` is given.
