@@ -41,9 +41,10 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _float32_matmul_precision_kept():
     """torch's float32 matmul precision put back after every test: a benchmark's ``main`` run in-process
-    (finetune_memory.py and finetune_steps.py set ``torch.backends.cuda.matmul.allow_tf32``) turned TF32 on for the
-    rest of the worker, and on the H200 a later fp32 partial-FFN test there ran its decode attention in TF32 (memfit
-    said so once in its log) and missed its 1e-4 tolerance (gpu_tests_rest_0b1eb37.log)."""
+    (finetune_memory.py and finetune_steps.py set ``torch.backends.cuda.matmul.allow_tf32``) turns TF32 on for the
+    rest of the worker. On the H200 an fp32 partial-FFN test ran its decode attention in TF32 (memfit said so once in
+    its log) and missed its 1e-4 tolerance (gpu_tests_rest_0b1eb37.log); which earlier test of its worker had turned
+    TF32 on, the log does not show."""
     before = torch.get_float32_matmul_precision()
     yield
     torch.set_float32_matmul_precision(before)
