@@ -150,7 +150,7 @@ def test_a_bad_data_file_is_found_before_the_model_loads(tmp_path, monkeypatch):
     """A typo in the JSONL had cost a full model load first (found by a usage audit)."""
     from memfit.commands import finetune
 
-    monkeypatch.setattr(finetune, "load_model_and_tokenizer", lambda *a: pytest.fail("loaded the model first"))
+    monkeypatch.setattr(finetune, "load_model", lambda *a: pytest.fail("loaded the model first"))
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "a", "response": "b"}\n[1, 2]\n')
     with pytest.raises(MemfitError, match="data.jsonl:2: expected a JSON object"):

@@ -103,6 +103,21 @@ def test_a_resume_refuses_what_changes_the_saved_states_meaning(tmp_path, change
         _run(tmp_path, 3, resume=True, **change)
 
 
+@pytest.mark.parametrize("change, message", [(["--batch-size", "3"], r"batch_size=2, this run asks for 3"),
+                                             (["--seed", "7"], r"seed=0, this run asks for 7"),
+                                             (["--max-len", "16"], r"trained on other data")])
+def test_the_cli_refuses_a_resume_before_it_loads_the_model(tmp_path, monkeypatch, change, message):
+    """Another batch size, seed or data is refused from progress.json and the tokenized data, before the model
+    loads: the CLI had loaded the model first."""
+    from memfit.commands import finetune
+
+    common = ["--device", "cpu", "--out", str(tmp_path / "run"), "--batch-size", "2", "--max-len", "64"]
+    assert _cli([*common, "--steps", "1"]) == 0
+    monkeypatch.setattr(finetune, "load_model", lambda *a: pytest.fail("loaded the model first"))
+    with pytest.raises(MemfitError, match="cannot resume .*step-0000001: it was .*" + message):
+        _cli([*common, "--steps", "2", "--resume", *change])
+
+
 def test_a_model_trained_whole_records_the_dtype_it_was_given(tmp_path):
     """Nothing frozen: the dtype recorded is the model's as given, not the float32 of its master weights, so a
     bfloat16 run resumed in float16 is refused (it had read float32 both times)."""

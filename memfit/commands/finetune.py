@@ -195,33 +195,42 @@ def choose_techniques(args, spec, device: torch.device, dtype: torch.dtype, cons
                       places if knobs.checkpoint_layers else None, knobs.fused_swiglu)
 
 
-def load_model_and_tokenizer(name: str, spec, dtype: torch.dtype, device: torch.device):
-    """A preset (random init, byte tokenizer) or a local HF directory (its tokenizer, or the byte one); ``spec`` is
-    ``load_spec(name)``'s."""
+def load_tokenizer(name: str, spec):
+    """A preset's byte tokenizer, or a local HF directory's own tokenizer (or the byte one where it has none), checked
+    against the model: an end-of-sequence token, no more tokens than the model's vocabulary. ``spec`` is
+    ``load_spec(name)``'s. Read before the model, so that what the data needs is checked first."""
     from memfit.data.tokenizer import ByteTokenizer
-    from memfit.local import check_model_dir, load_hf_tokenizer, unreadable_weights
-    from memfit.models import PRESETS, build_model
+    from memfit.local import check_model_dir, load_hf_tokenizer
+    from memfit.models import PRESETS
 
-    if name in PRESETS:  # only a preset is built with random weights
-        model, tokenizer = build_model(spec, dtype=dtype, device=device), ByteTokenizer()
+    if name in PRESETS:
+        tokenizer = ByteTokenizer()
     else:
-        from transformers import AutoModelForCausalLM
-
         path = check_model_dir(name)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-        except Exception as err:  # noqa: BLE001 - transformers' and safetensors' errors (a truncated file) share no base
-            raise unreadable_weights(path, err) from None
-        model = model.to(device)
-        if ByteTokenizer.saved_in(path) or not any(path.glob("tokenizer*")):
-            tokenizer = ByteTokenizer()
-        else:
-            tokenizer = load_hf_tokenizer(path)
+        use_bytes = ByteTokenizer.saved_in(path) or not any(path.glob("tokenizer*"))
+        tokenizer = ByteTokenizer() if use_bytes else load_hf_tokenizer(path)
     if tokenizer.eos_token_id is None:
         raise MemfitError(f"{name}: the tokenizer has no end-of-sequence token")
     if len(tokenizer) > spec.vocab:
         raise MemfitError(f"{name}: the tokenizer has {len(tokenizer)} tokens but the model only {spec.vocab}")
-    return model, tokenizer
+    return tokenizer
+
+
+def load_model(name: str, spec, dtype: torch.dtype, device: torch.device):
+    """A preset (random init) or a local HF directory's model, in ``dtype`` on ``device``."""
+    from memfit.local import check_model_dir, unreadable_weights
+    from memfit.models import PRESETS, build_model
+
+    if name in PRESETS:  # only a preset is built with random weights
+        return build_model(spec, dtype=dtype, device=device)
+    from transformers import AutoModelForCausalLM
+
+    path = check_model_dir(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - transformers' and safetensors' errors (a truncated file) share no base
+        raise unreadable_weights(path, err) from None
+    return model.to(device)
 
 
 def run(args) -> int:
@@ -229,7 +238,14 @@ def run(args) -> int:
 
     from memfit.data.jsonl import DEFAULT_DATA, check_source, read_records, tokenize_records
     from memfit.models import dtype_of, load_spec
-    from memfit.train.finetune import TrainConfig, checkpoint_lr, latest_checkpoint, peak_bytes
+    from memfit.train.finetune import (
+        TrainConfig,
+        check_resumable,
+        checkpoint_lr,
+        data_settings,
+        latest_checkpoint,
+        peak_bytes,
+    )
     from memfit.train.patch import lora_config, patch
     from memfit.units import format_bytes, parse_bytes
 
@@ -265,9 +281,13 @@ def run(args) -> int:
     lora = lora_config(lora)  # LoRA settings checked before the model loads
     spec = load_spec(args.model)
     check_technique_flags(args, spec, device)
-    model, tokenizer = load_model_and_tokenizer(args.model, spec, dtype, device)
-    techniques = choose_techniques(args, spec, device, dtype, console)
+    tokenizer = load_tokenizer(args.model, spec)
     examples = tokenize_records(data, records, tokenizer, args.max_len)
+    data_name = f"{data} cut at {args.max_len} tokens"
+    if args.resume and (checkpoint := latest_checkpoint(out)) is not None:   # what needs no model, before loading it
+        check_resumable(checkpoint, config, data_settings(examples, data_name))
+    model = load_model(args.model, spec, dtype, device)
+    techniques = choose_techniques(args, spec, device, dtype, console)
     model = patch(model, lora=lora, **techniques.patch_kwargs())
     if techniques.places is not None:
         from memfit.train.checkpoint import CheckpointPolicy
@@ -277,7 +297,7 @@ def run(args) -> int:
     console.print(f"memfit finetune: {spec.name} on {device} ({str(dtype).replace('torch.', '')}), "
                   f"{len(examples)} examples, LoRA r={args.lora_r}, {techniques}")
     losses = _train_with_progress(model, examples, tokenizer, config, out, args.resume, device, console, format_bytes,
-                                  data_name=f"{data} cut at {args.max_len} tokens")
+                                  data_name=data_name)
     adapter = _save_adapter(model, out)
     peak = peak_bytes(device)
     console.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; adapter saved to {adapter}")

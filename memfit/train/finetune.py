@@ -152,13 +152,18 @@ def run_settings(model: torch.nn.Module, examples: list[Example], data_name: str
     frozen = [p.dtype for p in model.parameters() if p.is_floating_point() and not p.requires_grad]
     given = [getattr(p, "_memfit_dtype", p.dtype) for p in model.parameters()]     # before any master weights
     settings["dtype"] = str((frozen or given)[0]).removeprefix("torch.")
+    settings["data"] = data_settings(examples, data_name)
+    return settings
+
+
+def data_settings(examples: list[Example], data_name: str | None = None) -> dict:
+    """:func:`run_settings`' entry for the data: a digest of the tokenized examples and their counts (``data_name``
+    labels them in messages). Needs no model, so a caller can check a resume's data before loading one."""
     digest = hashlib.sha256()
     for example in examples:
         digest.update(array("q", (len(example.input_ids), *example.input_ids, *example.labels)).tobytes())
-    settings["data"] = {"name": data_name, "examples": len(examples),
-                        "tokens": sum(len(example.input_ids) for example in examples),
-                        "sha256": digest.hexdigest()[:16]}
-    return settings
+    return {"name": data_name, "examples": len(examples), "tokens": sum(len(example.input_ids) for example in examples),
+            "sha256": digest.hexdigest()[:16]}
 
 
 def _plain(value):
@@ -235,6 +240,35 @@ def checkpoint_lr(path: Path) -> float | None:
         return None
 
 
+def check_resumable(path: Path, config: TrainConfig, data: dict) -> dict:
+    """The checks of a resume from ``path`` that need no model: its progress.json is readable and of a version this
+    memfit reads, and it was trained with ``config``'s batch size and seed and on the same tokenized data (``data``:
+    :func:`data_settings`; a checkpoint that did not record it, progress version 1, is assumed to match). Returns the
+    progress record; a MemfitError names what differs. :func:`load_checkpoint` makes them first; the CLI makes them
+    before it loads the model."""
+    try:
+        progress = json.loads((path / "progress.json").read_text())
+        if (version := progress.get("version", 1)) > PROGRESS_VERSION:    # before its other files, whose form may differ
+            raise MemfitError(f"cannot resume {path}: its progress.json is version {version}, written by a newer "
+                              f"memfit (this one reads up to {PROGRESS_VERSION})")
+        trained = {"batch_size": progress["config"]["batch_size"], "seed": progress["config"]["seed"]}
+    except MemfitError:
+        raise
+    except Exception as err:  # noqa: BLE001 - json's and the record's own errors share no base
+        raise MemfitError(f"cannot resume {path}: the checkpoint cannot be read ({type(err).__name__}: {err})") from None
+    for key, was in trained.items():
+        if was != getattr(config, key):
+            raise MemfitError(f"cannot resume {path}: it was trained with {key}={was}, "
+                              f"this run asks for {getattr(config, key)}")
+    if (recorded := progress.get("settings")) is None:
+        return progress                              # version 1: load_checkpoint says once that it assumes a match
+    was_data = recorded.get("data") or {}
+    if (was_data.get("sha256"), was_data.get("examples")) != (data["sha256"], data["examples"]):
+        raise MemfitError(f"cannot resume {path}: it was trained on other data ({_data_words(was_data)}) than this "
+                          f"run's ({_data_words(data)}); another --data, --max-len or tokenizer?")
+    return progress
+
+
 def load_checkpoint(path: Path, model, optimizer, config: TrainConfig, settings: dict) -> tuple[int, list[float]]:
     """Restore parameters, optimizer and RNG from ``path``; return (step, losses). A checkpoint that cannot be read
     (a truncated file), was trained with another batch size, seed or :func:`run_settings` than ``settings``, or whose
@@ -242,24 +276,14 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig, settings:
     said once where it is not the checkpoint's (as is another max_grad_norm)."""
     from safetensors.torch import load_file
 
+    progress = check_resumable(path, config, settings["data"])
     try:
-        progress = json.loads((path / "progress.json").read_text())
-        if (version := progress.get("version", 1)) > PROGRESS_VERSION:    # before its other files, whose form may differ
-            raise MemfitError(f"cannot resume {path}: its progress.json is version {version}, written by a newer "
-                              f"memfit (this one reads up to {PROGRESS_VERSION})")
         saved, step, losses = progress["config"], progress["step"], progress["losses"]
-        saved_batch, saved_seed = saved["batch_size"], saved["seed"]
         tensors = load_file(str(path / "trainable.safetensors"))
         state = torch.load(path / "state.pt", weights_only=False, map_location="cpu")   # the optimizer moves it
         optimizer_state, rng = state["optimizer"], state["rng"]
-    except MemfitError:
-        raise
-    except Exception as err:  # noqa: BLE001 - json's, safetensors' and torch.load's errors share no base
+    except Exception as err:  # noqa: BLE001 - the record's, safetensors' and torch.load's errors share no base
         raise MemfitError(f"cannot resume {path}: the checkpoint cannot be read ({type(err).__name__}: {err})") from None
-    for key, was in (("batch_size", saved_batch), ("seed", saved_seed)):
-        if was != getattr(config, key):
-            raise MemfitError(f"cannot resume {path}: it was trained with {key}={was}, "
-                              f"this run asks for {getattr(config, key)}")
     _check_settings(path, progress.get("settings"), settings)
     params = trainable_parameters(model)
     if set(tensors) != set(params):
@@ -283,17 +307,14 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig, settings:
 
 
 def _check_settings(path: Path, saved: dict | None, settings: dict) -> None:
-    """Refuse a resume whose :func:`run_settings` are not the checkpoint's, naming both; a checkpoint that did not
-    record them (progress version 1) is assumed to match, said once."""
+    """Refuse a resume whose :func:`run_settings` other than the data (:func:`check_resumable`'s) are not the
+    checkpoint's, naming both; a checkpoint that did not record them (progress version 1) is assumed to match, said
+    once."""
     if saved is None:
         warn_once("finetune:resume-unrecorded", f"--resume: {path} does not record the LoRA settings, dtype and data "
                                                 "it was trained with (an earlier memfit wrote it); assuming they are "
                                                 "this run's")
         return
-    was_data, data = saved.get("data") or {}, settings["data"]
-    if (was_data.get("sha256"), was_data.get("examples")) != (data["sha256"], data["examples"]):
-        raise MemfitError(f"cannot resume {path}: it was trained on other data ({_data_words(was_data)}) than this "
-                          f"run's ({_data_words(data)}); another --data, --max-len or tokenizer?")
     for key, now in settings.items():
         if key != "data" and (was := saved.get(key)) != now:
             hint = f" ({SETTING_HINTS[key]}?)" if SETTING_HINTS.get(key) else ""
