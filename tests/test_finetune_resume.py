@@ -13,7 +13,7 @@ from memfit.data.jsonl import DEFAULT_DATA, load_jsonl
 from memfit.data.tokenizer import ByteTokenizer
 from memfit.errors import MemfitError
 from memfit.models import PRESETS, build_model
-from memfit.train.finetune import TrainConfig, train
+from memfit.train.finetune import TrainConfig, check_resumable, train
 from memfit.train.patch import patch
 
 
@@ -116,6 +116,27 @@ def test_the_cli_refuses_a_resume_before_it_loads_the_model(tmp_path, monkeypatc
     monkeypatch.setattr(finetune, "load_model", lambda *a: pytest.fail("loaded the model first"))
     with pytest.raises(MemfitError, match="cannot resume .*step-0000001: it was .*" + message):
         _cli([*common, "--steps", "2", "--resume", *change])
+
+
+def test_the_cli_refuses_a_resume_with_nothing_to_resume_before_it_loads_the_model(tmp_path, monkeypatch):
+    from memfit.commands import finetune
+
+    monkeypatch.setattr(finetune, "load_model", lambda *a: pytest.fail("loaded the model first"))
+    with pytest.raises(MemfitError, match="--resume: .*run holds no checkpoint to resume from"):
+        _cli(["--device", "cpu", "--out", str(tmp_path / "run"), "--steps", "2", "--resume"])
+
+
+def test_a_progress_record_without_its_step_or_data_cannot_be_read(tmp_path):
+    """progress.json missing a field is 'cannot be read' before any other refusal (another seed here), and a
+    recorded data entry without its digest too (it had raised a bare KeyError while naming the data)."""
+    _run(tmp_path, 1)
+    progress_file = _latest(tmp_path) / "progress.json"
+    progress = json.loads(progress_file.read_text())
+    for broken in ({k: v for k, v in progress.items() if k != "step"},
+                   {**progress, "settings": {**progress["settings"], "data": {"name": "x"}}}):
+        progress_file.write_text(json.dumps(broken))
+        with pytest.raises(MemfitError, match=r"the checkpoint cannot be read \(KeyError"):
+            check_resumable(_latest(tmp_path), TrainConfig(steps=2, batch_size=2, seed=7), None)
 
 
 def test_a_model_trained_whole_records_the_dtype_it_was_given(tmp_path):

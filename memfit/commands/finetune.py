@@ -242,6 +242,7 @@ def run(args) -> int:
         TrainConfig,
         check_resumable,
         checkpoint_lr,
+        checkpoint_to_resume,
         data_settings,
         latest_checkpoint,
         peak_bytes,
@@ -284,8 +285,8 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.model, spec)
     examples = tokenize_records(data, records, tokenizer, args.max_len)
     data_name = f"{data} cut at {args.max_len} tokens"
-    if args.resume and (checkpoint := latest_checkpoint(out)) is not None:   # what needs no model, before loading it
-        check_resumable(checkpoint, config, data_settings(examples, data_name))
+    if args.resume:                                    # what a resume needs no model for, checked before loading it
+        check_resumable(checkpoint_to_resume(out), config, data_settings(examples, data_name))
     model = load_model(args.model, spec, dtype, device)
     techniques = choose_techniques(args, spec, device, dtype, console)
     model = patch(model, lora=lora, **techniques.patch_kwargs())

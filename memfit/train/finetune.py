@@ -231,6 +231,13 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def checkpoint_to_resume(out_dir: Path) -> Path:
+    """The latest checkpoint in ``out_dir``, the one a resume continues; a MemfitError where there is none."""
+    if (checkpoint := latest_checkpoint(out_dir)) is None:
+        raise MemfitError(f"--resume: {out_dir} holds no checkpoint to resume from")
+    return checkpoint
+
+
 def checkpoint_lr(path: Path) -> float | None:
     """The learning rate checkpoint ``path`` was trained at; None where its progress.json cannot say
     (:func:`load_checkpoint` reports a checkpoint it cannot read)."""
@@ -240,18 +247,28 @@ def checkpoint_lr(path: Path) -> float | None:
         return None
 
 
-def check_resumable(path: Path, config: TrainConfig, data: dict) -> dict:
-    """The checks of a resume from ``path`` that need no model: its progress.json is readable and of a version this
-    memfit reads, and it was trained with ``config``'s batch size and seed and on the same tokenized data (``data``:
-    :func:`data_settings`; a checkpoint that did not record it, progress version 1, is assumed to match). Returns the
-    progress record; a MemfitError names what differs. :func:`load_checkpoint` makes them first; the CLI makes them
-    before it loads the model."""
+def _recorded_data(data: dict) -> dict:
+    """A checkpoint's recorded data entry with the fields a comparison and its message read (a KeyError, or a
+    TypeError where it is not a mapping, if one is missing)."""
+    return {"name": data.get("name"), **{key: data[key] for key in ("sha256", "examples", "tokens")}}
+
+
+def check_resumable(path: Path, config: TrainConfig, data: dict | None) -> dict:
+    """The checks of a resume from ``path`` that need no model: its progress.json is readable, of a version this
+    memfit reads and whole, and it was trained with ``config``'s batch size and seed and on the same tokenized data
+    (``data``: :func:`data_settings`, None to leave it unchecked; a checkpoint that did not record it, progress version
+    1, is assumed to match). Returns the progress record; a MemfitError names what differs. :func:`load_checkpoint`
+    makes them before it reads the tensor files; the CLI before it loads the model."""
     try:
         progress = json.loads((path / "progress.json").read_text())
         if (version := progress.get("version", 1)) > PROGRESS_VERSION:    # before its other files, whose form may differ
             raise MemfitError(f"cannot resume {path}: its progress.json is version {version}, written by a newer "
                               f"memfit (this one reads up to {PROGRESS_VERSION})")
         trained = {"batch_size": progress["config"]["batch_size"], "seed": progress["config"]["seed"]}
+        if missing := [key for key in ("step", "losses") if key not in progress]:
+            raise KeyError(missing[0])                              # a record without them is not one
+        recorded = progress.get("settings")
+        was_data = None if recorded is None else _recorded_data(recorded["data"])
     except MemfitError:
         raise
     except Exception as err:  # noqa: BLE001 - json's and the record's own errors share no base
@@ -260,10 +277,9 @@ def check_resumable(path: Path, config: TrainConfig, data: dict) -> dict:
         if was != getattr(config, key):
             raise MemfitError(f"cannot resume {path}: it was trained with {key}={was}, "
                               f"this run asks for {getattr(config, key)}")
-    if (recorded := progress.get("settings")) is None:
-        return progress                              # version 1: load_checkpoint says once that it assumes a match
-    was_data = recorded.get("data") or {}
-    if (was_data.get("sha256"), was_data.get("examples")) != (data["sha256"], data["examples"]):
+    if was_data is None or data is None:      # version 1: load_checkpoint says once that it assumes the settings match
+        return progress
+    if (was_data["sha256"], was_data["examples"]) != (data["sha256"], data["examples"]):
         raise MemfitError(f"cannot resume {path}: it was trained on other data ({_data_words(was_data)}) than this "
                           f"run's ({_data_words(data)}); another --data, --max-len or tokenizer?")
     return progress
@@ -276,13 +292,13 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig, settings:
     said once where it is not the checkpoint's (as is another max_grad_norm)."""
     from safetensors.torch import load_file
 
-    progress = check_resumable(path, config, settings["data"])
+    progress = check_resumable(path, config, settings.get("data"))
+    saved, step, losses = progress["config"], progress["step"], progress["losses"]
     try:
-        saved, step, losses = progress["config"], progress["step"], progress["losses"]
         tensors = load_file(str(path / "trainable.safetensors"))
         state = torch.load(path / "state.pt", weights_only=False, map_location="cpu")   # the optimizer moves it
         optimizer_state, rng = state["optimizer"], state["rng"]
-    except Exception as err:  # noqa: BLE001 - the record's, safetensors' and torch.load's errors share no base
+    except Exception as err:  # noqa: BLE001 - safetensors' and torch.load's errors share no base
         raise MemfitError(f"cannot resume {path}: the checkpoint cannot be read ({type(err).__name__}: {err})") from None
     _check_settings(path, progress.get("settings"), settings)
     params = trainable_parameters(model)
@@ -336,10 +352,7 @@ def train(model, examples: list[Example], pad_id: int, config: TrainConfig, out_
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     if resume:
-        checkpoint = latest_checkpoint(out_dir)
-        if checkpoint is None:
-            raise MemfitError(f"--resume: {out_dir} holds no checkpoint to resume from")
-        step, losses = load_checkpoint(checkpoint, model, optimizer, config, settings)
+        step, losses = load_checkpoint(checkpoint_to_resume(out_dir), model, optimizer, config, settings)
     if step >= config.steps:
         if resume:
             warn_once("finetune:resume-done", f"--resume: the checkpoint is at step {step}, --steps asks for "
