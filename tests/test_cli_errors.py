@@ -26,14 +26,20 @@ def no_weights(tmp_path, tiny_dir):
 
 @pytest.fixture
 def no_model_load(monkeypatch):
-    """Fail the test if a command gets as far as building or loading a model."""
+    """Fail the test if a command gets as far as building or loading a model (a preset, a Hugging Face directory,
+    memfit's dense or partial loader, a compressed directory)."""
     import transformers
+
+    from memfit import compress
+    from memfit.infer import partial_load
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the bad input was not caught before the model was built")
 
     monkeypatch.setattr(memfit.models, "build_model", forbidden)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", forbidden)
+    monkeypatch.setattr(partial_load, "load_model", forbidden)
+    monkeypatch.setattr(compress, "load_compressed", forbidden)
 
 
 def _fails(capsys, argv, message):
@@ -647,18 +653,7 @@ def _verify_partial_or(verb: str, options: tuple, message: str) -> str:
     return "verify does not build partial-FFN models" if partial else message
 
 
-@pytest.fixture
-def no_weight_read(monkeypatch):
-    """Fail the test if ``memfit generate`` gets as far as reading a dense model's weights."""
-    from memfit.infer import partial_load
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the refusal came after the weights were read")
-
-    monkeypatch.setattr(partial_load, "load_model", forbidden)
-
-
-def test_generate_refuses_a_decode_past_the_sliding_window_before_reading_weights(tmp_path, capsys, no_weight_read):
+def test_generate_refuses_a_decode_past_the_sliding_window_before_reading_weights(tmp_path, capsys, no_model_load):
     """A Mistral with an 8-token window, asked for more: refused from config.json (the architecture on the meta
     device), where it had been refused only after every weight was loaded."""
     from transformers import MistralConfig, MistralForCausalLM
@@ -671,19 +666,13 @@ def test_generate_refuses_a_decode_past_the_sliding_window_before_reading_weight
            "sliding window of the last 8 tokens")
 
 
-def test_generate_refuses_more_positions_than_the_model_has_before_reading_weights(capsys, tiny_dir, no_weight_read):
+def test_generate_refuses_more_positions_than_the_model_has_before_reading_weights(capsys, tiny_dir, no_model_load):
     positions = PRESETS["tiny"].max_position
     _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--max-new", str(positions), "--device", "cpu"],
            f"exceeds the model's {positions} positions")
 
 
-def test_generate_refuses_a_compressed_model_too_many_positions_before_loading_it(capsys, monkeypatch, compressed_dir):
-    import memfit.compress
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the refusal came after the compressed model was loaded")
-
-    monkeypatch.setattr(memfit.compress, "load_compressed", forbidden)
+def test_generate_refuses_a_compressed_model_too_many_positions_before_loading_it(capsys, compressed_dir, no_model_load):
     positions = PRESETS["tiny"].max_position
     _fails(capsys, ["generate", str(compressed_dir), "--prompt", "hi", "--max-new", str(positions), "--device", "cpu"],
            f"exceeds the model's {positions} positions")
@@ -692,7 +681,7 @@ def test_generate_refuses_a_compressed_model_too_many_positions_before_loading_i
 @pytest.mark.parametrize("extra, message", [(["--dtype", "float64x"], "unknown dtype 'float64x'"),
                                             (["--load", "0.5", "--full-first", "0", "--full-last", "0"],
                                              "rankings.safetensors")])
-def test_generate_checks_its_options_before_the_decode_length(capsys, tiny_dir, no_weight_read, extra, message):
+def test_generate_checks_its_options_before_the_decode_length(capsys, tiny_dir, no_model_load, extra, message):
     """A bad --dtype, or a partial load without rankings, is named even where --max-new is also too long: the
     options are checked first, not after the length refusal."""
     _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--max-new", str(PRESETS["tiny"].max_position),
