@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from finetune_memory import EIGHT_BIT_ROW, LOWEST_ROWS, SWIGLU_ROW
 
 from memfit.ledger.job import Job, Knobs
@@ -48,6 +49,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     args = parser.parse_args(argv)
     check_out_dir(parser, args.out)
+    # the float32 matmul precision finetune_memory.py measured at (TF32): it picks the fused loss's path for fp32
+    # (linear_ce.takes_pytorch_path), and with it the memory the ledger predicts
+    torch.backends.cuda.matmul.allow_tf32 = True
     try:
         measured = json.loads(Path(args.measured).read_text())
     except (OSError, ValueError) as exc:

@@ -771,6 +771,25 @@ def test_rms_norm_backward_peak_matches_torch(dtype):
     assert memory.peak.total == pytest.approx(measured, rel=0.01)
 
 
+
+@pytest.mark.parametrize("dtype,device,precision,pytorch_path", [
+    ("float32", "cuda", "highest", True), ("float32", "cuda", "high", False), ("bfloat16", "cuda", "highest", False)])
+def test_fused_loss_workspace_is_the_path_the_op_takes(monkeypatch, dtype, device, precision, pytorch_path):
+    """The fused loss's backward workspace is ``backward_memory`` of the path the op takes on the job's dtype and
+    device: fp32 on CUDA at torch's default precision runs the PyTorch path (``linear_ce.takes_pytorch_path``)."""
+    from memfit.kernels.linear_ce import backward_memory
+    from memfit.ledger.graph import ModelGraph, Trainable
+
+    monkeypatch.delenv("MEMFIT_KERNELS", raising=False)
+    torch.set_float32_matmul_precision(precision)   # the conftest fixture restores it
+    tokens, loss_tokens, size = 256, 100, torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    graph = ModelGraph(TINY, 1, tokens, dtype, Trainable(), device)
+    graph.fused_linear_ce(*graph.embed(), loss_tokens)
+    workspace = {path: backward_memory(tokens, loss_tokens, TINY.hidden, TINY.vocab, size, weight_grad=False,
+                                       pytorch_path=path)["transient"] for path in (True, False)}
+    assert workspace[True] != workspace[False]
+    assert graph.ops[-1].name == "linear_ce" and graph.ops[-1].backward_workspace == workspace[pytorch_path]
+
 @pytest.mark.parametrize("argv,message", [(["tiny", "lora", "64", "--dtype", "x"], "unknown dtype"),
                                           (["tiny", "lora", "64", "--loss-fraction", "2"], "loss_fraction"),
                                           (["tiny", "lora", "64"], "run this on a GPU machine")])

@@ -349,6 +349,74 @@ def test_memory_model_matches_the_tracked_backward(monkeypatch, weight_grad, dw_
     assert abs(measured - (model["peak"] - model["saved"])) <= 0.01 * measured, (measured, model)
 
 
+
+@pytest.mark.cpu_only(reason="CpuAllocationTracker counts CPU allocations")
+@pytest.mark.parametrize("weight_grad", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("loss_tokens", [32, 64])
+def test_memory_model_of_the_pytorch_path_matches_the_tracked_backward(weight_grad, dtype, loss_tokens):
+    """``backward_memory(pytorch_path=True)`` against the PyTorch path's backward (CPU storage tracker): its own fp32
+    chunk whether or not the weight trains, the gathered fp32 loss rows, in 16-bit a fp32 weight chunk."""
+    from memfit.measure.memory import CpuAllocationTracker
+
+    tokens, hdim, vocab = 64, 32, 700
+    hidden, weight, labels, _ = _inputs((tokens,), hdim, vocab, dtype, ignore_frac=0.0)
+    labels[torch.randperm(tokens)[: tokens - loss_tokens]] = -100
+    hidden, weight = hidden.detach(), weight.detach()
+    _, lse = linear_ce._forward(hidden, weight, labels, None, -100, 0.0, 0.0, False)
+    grad = torch.ones(tokens)
+    with CpuAllocationTracker((hidden, weight, labels, lse, grad)) as tracker:
+        linear_ce._backward(grad, hidden, weight, labels, None, lse, -100, 0.0, 0.0, weight_grad, 0, False)
+    model = linear_ce.backward_memory(tokens, loss_tokens, hdim, vocab, hidden.element_size(), weight_grad=weight_grad,
+                                      pytorch_path=True)
+    measured = tracker.peak - tracker.baseline
+    assert abs(measured - (model["peak"] - model["saved"])) <= 0.01 * measured, (measured, model)
+
+
+def test_fp32_at_ieee_on_cuda_takes_the_pytorch_path(monkeypatch):
+    """In auto mode only fp32 on CUDA at torch's default ("highest") precision leaves the Triton kernels, whose dots
+    would run on CUDA cores; a forced path, TF32, 16-bit inputs and CPU tensors under the interpreter keep theirs,
+    and without Triton every input takes the PyTorch path."""
+    monkeypatch.delenv("MEMFIT_KERNELS", raising=False)
+    torch.set_float32_matmul_precision("highest")   # the conftest fixture restores the precision
+    assert linear_ce.takes_pytorch_path(torch.float32, "cuda")
+    assert not linear_ce.takes_pytorch_path(torch.float32, "cuda", path="triton")
+    assert not linear_ce.takes_pytorch_path(torch.bfloat16, "cuda")
+    assert not linear_ce.takes_pytorch_path(torch.float32, "cpu")   # under the interpreter (conftest)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert linear_ce.takes_pytorch_path(torch.bfloat16, "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MEMFIT_KERNELS", "reference")
+    assert linear_ce.takes_pytorch_path(torch.bfloat16, "cuda")
+    monkeypatch.delenv("MEMFIT_KERNELS")
+    torch.set_float32_matmul_precision("high")
+    assert not linear_ce.takes_pytorch_path(torch.float32, "cuda")
+
+
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_the_op_runs_the_path_chosen_for_fp32_and_says_so_once(monkeypatch, caplog, precision):
+    """The forward and the backward both follow :func:`takes_pytorch_path` (here as if the CPU tensors were CUDA
+    ones), and leaving the Triton kernels is said once; the result matches the definition either way."""
+    from memfit import log
+
+    real = linear_ce.takes_pytorch_path
+    monkeypatch.setattr(linear_ce, "takes_pytorch_path", lambda dtype, device_type, path=None: real(dtype, "cuda", path))
+    ran = []
+    for name in ("_lse_triton", "_dlogits_triton"):
+        kernel = getattr(linear_ce, name)
+        monkeypatch.setattr(linear_ce, name, lambda *a, _k=kernel, _n=name: ran.append(_n) or _k(*a))
+    monkeypatch.delenv("MEMFIT_KERNELS", raising=False)
+    log._said.discard("linear_ce:ieee")
+    torch.set_float32_matmul_precision(precision)   # the conftest fixture restores it
+    for _ in range(2):
+        hidden, weight, labels, _ = _inputs((2, 11), 48, 1037, torch.float32)
+        _check_against_reference(hidden, weight, labels, path=None)
+    said = [r for r in caplog.records if "runs the PyTorch path" in r.getMessage()]
+    if precision == "highest":
+        assert ran == [] and len(said) == 1
+    else:
+        assert set(ran) == {"_lse_triton", "_dlogits_triton"} and said == []
+
 class _DeviceReads(TorchDispatchMode):
     """Records the host reads of device data: a scalar read or a data-dependent output shape
     (each a host sync on a GPU) of a tensor that derives from one marked as on the device.

@@ -19,12 +19,15 @@ CASES = {   # name: (tokens, hidden, vocab, weight trains); half the tokens carr
     "llama3b_frozen": (4096, 3072, 128256, False),
     "llama8b_frozen_8k": (8192, 4096, 128256, False),
 }
-METHODS = {   # name: (memfit path or None for torch, float32 matmul precision)
-    "memfit_triton": ("triton", "highest"),
-    "memfit_reference": ("reference", "highest"),
-    "torch": (None, "highest"),
-    "memfit_triton_tf32": ("triton", "high"),
-    "torch_tf32": (None, "high"),
+METHODS = {   # name: (memfit path or None for torch, float32 matmul precision, backward vocab chunk or None)
+    "memfit_auto": ("auto", "highest", None),      # what a user's fp32 step runs (linear_ce.takes_pytorch_path)
+    "memfit_triton": ("triton", "highest", None),
+    "memfit_reference": ("reference", "highest", None),
+    "torch": (None, "highest", None),
+    "memfit_triton_tf32": ("triton", "high", None),
+    # the frozen weight's chunk (2048) chosen at 4-16K loss tokens (39f85a3), against the trained one's, at fewer
+    "memfit_triton_tf32_chunk8192": ("triton", "high", 8192),
+    "torch_tf32": (None, "high", None),
 }
 
 
@@ -61,12 +64,12 @@ def _method(name, h, w, labels, exact) -> dict:
     from memfit.kernels.linear_ce import linear_cross_entropy
     from memfit.measure.timing import bench_ms
 
-    path, precision = METHODS[name]
+    path, precision, chunk = METHODS[name]
     torch.set_float32_matmul_precision(precision)
     if path is None:
-        loss_of = lambda: F.cross_entropy(F.linear(h, w), labels)              # noqa: E731
+        loss_of = lambda: F.cross_entropy(F.linear(h, w), labels)                               # noqa: E731
     else:
-        loss_of = lambda: linear_cross_entropy(h, w, labels, path=path)        # noqa: E731
+        loss_of = lambda: linear_cross_entropy(h, w, labels, path=path, vocab_chunk=chunk)      # noqa: E731
 
     def step():
         h.grad = w.grad = None
@@ -75,8 +78,8 @@ def _method(name, h, w, labels, exact) -> dict:
         return loss
 
     loss = step()                                       # compiles and tunes (the Triton path), then the errors
-    row = {"method": name, "float32_matmul_precision": precision, "loss_rel_err": _rel(loss.detach(), exact[0]),
-           "hidden_grad_rel_err": _rel(h.grad, exact[1])}
+    row = {"method": name, "float32_matmul_precision": precision, "vocab_chunk": chunk,
+           "loss_rel_err": _rel(loss.detach(), exact[0]), "hidden_grad_rel_err": _rel(h.grad, exact[1])}
     if w.requires_grad:
         row["weight_grad_rel_err"] = _rel(w.grad, exact[2])
     del loss

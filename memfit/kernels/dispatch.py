@@ -45,16 +45,26 @@ def triton_importable() -> bool:
     return True
 
 
+def kernel_mode(op: str, path: str | None = None) -> str:
+    """``path``, else env ``MEMFIT_KERNELS``, else ``auto``: one of PATHS."""
+    mode = path or os.environ.get("MEMFIT_KERNELS", "auto")
+    if mode not in PATHS:
+        raise MemfitError(f"kernel path {mode!r} for {op} is not one of {', '.join(PATHS)}")
+    return mode
+
+
+def triton_runnable(device_type: str) -> bool:
+    """Whether Triton kernels can run on tensors of ``device_type`` here: CUDA ones, or any under the interpreter."""
+    return triton_importable() and (device_type == "cuda" or interpreting())
+
+
 def use_triton(op: str, *tensors: torch.Tensor, path: str | None = None) -> bool:
     """Decide whether ``op`` runs its Triton kernel on ``tensors``.
 
     ``path`` (or env ``MEMFIT_KERNELS``) is one of ``auto``, ``triton``, ``reference``.
     """
-    mode = path or os.environ.get("MEMFIT_KERNELS", "auto")
-    if mode not in PATHS:
-        raise MemfitError(f"kernel path {mode!r} for {op} is not one of {', '.join(PATHS)}")
-    on_cuda = all(t.is_cuda for t in tensors)
-    runnable = triton_importable() and (on_cuda or interpreting())
+    mode = kernel_mode(op, path)
+    runnable = triton_runnable("cuda" if all(t.is_cuda for t in tensors) else "cpu")
     if mode == "reference":
         return False
     if mode == "triton":

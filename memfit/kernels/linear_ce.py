@@ -45,9 +45,13 @@ Approximate mode (opt-in): ``vocab_subset`` restricts the softmax to the labels 
 candidate set (``frequent_token_subset``), padded to a multiple of SUBSET_ROWS_STEP ids;
 ``subset_loss_deviation`` reports what that costs in loss on a batch.
 
-Layout: PyTorch reference (chunked fp32, the definition used on CPU and in tests), the
-Triton kernels and launchers, then the custom ops with fake and autograd registrations,
-then the public functions.
+Paths (``takes_pytorch_path``): the Triton kernels, or the PyTorch path, the same steps with each chunk's logits
+by a torch matmul (fp32, N x C at a time: cuBLAS SGEMMs on CUDA), the definition used on CPU. In auto mode fp32
+inputs on CUDA at torch's default float32 matmul precision ("highest") take the PyTorch path, said once: there the
+kernels' IEEE dots run as FMAs on CUDA cores, at 1.8-2.8x its time on the H200.
+
+Layout: PyTorch reference (chunked fp32), the Triton kernels and launchers, then the custom ops with fake and
+autograd registrations, then the public functions.
 """
 from __future__ import annotations
 
@@ -57,7 +61,7 @@ from typing import Optional
 import torch
 
 from memfit.errors import MemfitError
-from memfit.kernels.dispatch import dot_precision, interpreting, use_triton
+from memfit.kernels.dispatch import dot_precision, interpreting, kernel_mode, triton_runnable, use_triton
 from memfit.log import warn_once
 
 try:
@@ -124,6 +128,34 @@ POISON = False
 def _empty(shape, dtype, device) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype, device=device)
     return out.fill_(float("nan")) if POISON else out
+
+
+def takes_pytorch_path(dtype: torch.dtype, device_type: str, path: str | None = None) -> bool:
+    """Whether the op runs its PyTorch path (chunked matmuls by torch: cuBLAS SGEMMs on CUDA) and not its Triton
+    kernels, on inputs of ``dtype`` on ``device_type``: where ``path`` (or MEMFIT_KERNELS) says so, where Triton
+    cannot run, and in auto mode for fp32 on CUDA at torch's default float32 matmul precision ("highest", IEEE).
+    There the Triton kernels' dots run as FMAs on CUDA cores: on the H200 a step took 1.8-2.8x the PyTorch path's
+    time at Llama-1B/3B/8B heads, which holds 8-64 MB more, a gathered fp32 copy of the loss rows
+    (``benchmarks/probes/linear_ce_fp32_paths.py``, ``results/probes/linear_ce_fp32_paths_9c13911.jsonl``).
+    Said nothing here: the ledger asks it, without tensors (the op says it once, ``_runs_triton``)."""
+    mode = kernel_mode("linear_ce", path)
+    if mode != "auto":
+        return mode == "reference"
+    return not triton_runnable(device_type) or (
+        dtype == torch.float32 and device_type == "cuda" and torch.get_float32_matmul_precision() == "highest")
+
+
+def _runs_triton(hidden: torch.Tensor, weight: torch.Tensor, path: str | None) -> bool:
+    """The op's choice of path: ``use_triton``'s (its errors, its said-once fallback where Triton cannot run), then
+    :func:`takes_pytorch_path`'s fp32-at-IEEE rule, said once."""
+    if not use_triton("linear_ce", hidden, weight, path=path):
+        return False
+    if not takes_pytorch_path(hidden.dtype, hidden.device.type, path):
+        return True
+    warn_once("linear_ce:ieee", "linear_ce: fp32 at torch's float32 matmul precision 'highest' (IEEE) runs the "
+              "PyTorch path, cuBLAS SGEMMs on chunks of logits, about twice as fast as the Triton kernels' CUDA-core "
+              "dots; torch.set_float32_matmul_precision('high') runs the Triton kernels on TF32 tensor cores")
+    return False
 
 
 def _vocab_chunk(vocab: int, chunk: int = 0, weight_grad: bool = False) -> int:
@@ -212,12 +244,13 @@ if triton is not None:
     # tensor cores (16-bit inputs, or fp32 as TF32)
     WIDE_TILES = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
                   (64, 256, 64, 8, 4), (64, 256, 64, 4, 4), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)]
-    # The tiles for fp32 at IEEE precision (torch's default "highest"), where tl.dot runs as FMAs on CUDA cores and
-    # a wide tile's unrolled FMA code kept ptxas busy for minutes. On the H200
-    # (benchmarks/probes/linear_ce_first_call.py) a tiny model's first fp32 step (weight trained) took 171 s with the
-    # wide tiles (22 binaries, fa2fabf) and 19.2 s with these (13, fdaff5e); the first step at Llama-1B's head
-    # (2048 tokens, frozen weight) 15.1 s, and a later one 97.2 ms against torch's F.linear + cross_entropy's
-    # 44.7 ms (cuBLAS SGEMM; both at ea3eb89). The wide tiles' run time there was not measured.
+    # The tiles for fp32 at IEEE precision (torch's default "highest"; the Triton path there only when forced: auto
+    # takes the PyTorch path, ``takes_pytorch_path``), where tl.dot runs as FMAs on CUDA cores and a wide tile's
+    # unrolled FMA code kept ptxas busy for minutes. On the H200 (benchmarks/probes/linear_ce_first_call.py) a tiny
+    # model's first fp32 step (weight trained) took 171 s with the wide tiles (22 binaries, fa2fabf) and 19.2 s with
+    # these (13, fdaff5e); the first step at Llama-1B's head (2048 tokens, frozen weight) 15.1 s, and a later one
+    # 97.2 ms against torch's F.linear + cross_entropy's 44.7 ms (cuBLAS SGEMM; both at ea3eb89). The wide tiles'
+    # run time there was not measured.
     IEEE_TILES = [(64, 64, 32, 4, 2), (64, 128, 32, 8, 2), (128, 64, 32, 8, 2)]
 
     def _tile_configs(rows: str, cols: str, tiles) -> list:
@@ -774,9 +807,12 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
 
 
 def backward_memory(tokens: int, loss_tokens: int, hidden_size: int, vocab: int, dtype_bytes: int = 2, *,
-                    weight_grad: bool = True, vocab_chunk: int | None = None) -> dict:
-    """Bytes the op holds beyond its inputs (hidden, weight, labels), Triton path, for the ledger,
-    under the current DW_MATMUL / HIDDEN_ACC / TAIL_ELEMENTS settings.
+                    weight_grad: bool = True, vocab_chunk: int | None = None, pytorch_path: bool = False) -> dict:
+    """Bytes the op holds beyond its inputs (hidden, weight, labels), for the ledger: on the Triton path under the
+    current DW_MATMUL / HIDDEN_ACC / TAIL_ELEMENTS settings, or on the PyTorch path (``pytorch_path``, see
+    :func:`takes_pytorch_path`), whose steps hold their fp32 chunk (N x C, C = VOCAB_CHUNK unless given) in a
+    buffer of their own whether or not the weight trains, and a gathered fp32 copy of the loss rows (4NH) where
+    some token is ignored or the inputs are 16-bit; in 16-bit also one fp32 copy of a weight chunk (4CH) at a time.
 
     T tokens, N loss tokens, H hidden, V vocabulary, e bytes per element, C vocab chunk:
 
@@ -794,17 +830,23 @@ def backward_memory(tokens: int, loss_tokens: int, hidden_size: int, vocab: int,
     * peak (backward, above inputs) = saved + dW + vectors + (accumulator in dH:
       dH + max(side + rows, finish)) | (separate: max(acc + side + rows, acc + dH + finish)).
 
-    The forward peak (~(8 + 12 * splits) N + 8T) is far below the backward's."""
+    The forward peak (Triton: ~(8 + 12 * splits) N + 8T; PyTorch: the gathered rows and one fp32 N x C chunk) is
+    below the backward's."""
     t, n, h, v, e = tokens, loss_tokens, hidden_size, vocab, dtype_bytes
-    c = _vocab_chunk(v, vocab_chunk or 0, weight_grad)
+    c = _vocab_chunk(v, vocab_chunk or 0, weight_grad and not pytorch_path)
     saved = 4 * t
     d_weight = e * v * h if weight_grad else 0
     d_hidden = e * t * h
-    # every token a loss token: the steps read hidden itself, no copy (a single loss range with n < t
-    # does too; its side buffer may then differ from this plan's by up to e * max(TAIL_ELEMENTS, n * STEP_ALIGN))
-    copy_rows = _copy_rows(n, weight_grad) if n < t else 0
-    side = e * n * _backward_plan(v, h, n, c, weight_grad, copy_rows)[1] if n else 0
-    rows = e * n * h if weight_grad and DW_MATMUL == "cublas" and n < t else 0
+    if pytorch_path:   # a step's peak: its fp32 chunk and, in 16-bit, a weight chunk's fp32 copy, else its label
+        # vectors (a mask, the chunk's label ids, the -1s scattered: 17 bytes a loss token)
+        side = (4 * n * c + (4 * c * h if e != 4 else 17 * n)) if n else 0
+        rows = 4 * n * h if n < t or e != 4 else 0
+    else:
+        # every token a loss token: the steps read hidden itself, no copy (a single loss range with n < t
+        # does too; its side buffer may then differ from this plan's by up to e * max(TAIL_ELEMENTS, n * STEP_ALIGN))
+        copy_rows = _copy_rows(n, weight_grad) if n < t else 0
+        side = e * n * _backward_plan(v, h, n, c, weight_grad, copy_rows)[1] if n else 0
+        rows = e * n * h if weight_grad and DW_MATMUL == "cublas" and n < t else 0
     vectors = 24 * n + 8 * (t - n)
     aliased = HIDDEN_ACC == "in-buffer" and 4 * n * h <= e * t * h
     finish = e * min(n, _finish_block(h)) * h if n < t and (aliased or e != 4) else 0
@@ -832,7 +874,7 @@ def _linear_ce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
 
     ``vocab_chunk``: backward columns per step (0: ``_vocab_chunk``'s default). ``path``: None follows
     MEMFIT_KERNELS (default auto), else "auto" | "triton" | "reference"."""
-    triton_path = use_triton("linear_ce", hidden, weight, path=path)
+    triton_path = _runs_triton(hidden, weight, path)
     return _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton_path)
 
 
@@ -847,7 +889,7 @@ def _linear_ce_backward_op(grad_loss: torch.Tensor, hidden: torch.Tensor, weight
                            bias: Optional[torch.Tensor], lse: torch.Tensor, ignore_index: int, softcap: float,
                            z_loss: float, need_weight_grad: bool, vocab_chunk: int, path: Optional[str]
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    triton_path = use_triton("linear_ce", hidden, weight, path=path)
+    triton_path = _runs_triton(hidden, weight, path)
     return _backward(grad_loss, hidden, weight, labels, bias, lse, ignore_index, softcap, z_loss,
                      need_weight_grad, vocab_chunk, triton_path)
 
@@ -960,7 +1002,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     weight the backward holds one N x vocab_chunk logit-gradient chunk, with a trained one the
     chunks live in the weight gradient's unwritten rows (see ``backward_memory``).
     ``path``: "auto" | "triton" | "reference"; None follows env MEMFIT_KERNELS (see
-    ``memfit.kernels.dispatch``).
+    ``memfit.kernels.dispatch``); auto runs fp32 on CUDA at IEEE precision by the PyTorch path
+    (``takes_pytorch_path``).
     """
     _check(hidden, weight, labels, reduction, softcap, z_loss, bias, vocab_subset, vocab_chunk)
     if vocab_subset is not None:
