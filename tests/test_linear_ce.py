@@ -31,6 +31,7 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
 def _small_chunks_and_poison(monkeypatch):
     monkeypatch.setattr(linear_ce, "VOCAB_CHUNK", 256)
     monkeypatch.setattr(linear_ce, "TRAINED_VOCAB_CHUNK", 192)
+    monkeypatch.setattr(linear_ce, "FROZEN_STEP_ELEMENTS", 0)    # the frozen chunk widens only where a test says
     monkeypatch.setattr(linear_ce, "COPY_MIN_WIDTH", 96)
     monkeypatch.setattr(linear_ce, "TAIL_ELEMENTS", 512)
     monkeypatch.setattr(linear_ce, "STEP_ALIGN", 8)
@@ -67,10 +68,10 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
-def _check_against_reference(hidden, weight, labels, bias=None, path="triton", vocab_chunk=None, **kw):
+def _check_against_reference(hidden, weight, labels, bias=None, path="triton", vocab_chunk=None, tol=None, **kw):
     loss = linear_cross_entropy(hidden, weight, labels, bias=bias, path=path, vocab_chunk=vocab_chunk, **kw)
     ref, leaves = _reference(hidden, weight, labels, bias=bias, **kw)
-    tol = TOL[hidden.dtype]
+    tol = tol or TOL[hidden.dtype]
     assert torch.isfinite(loss).all()
     assert _rel(loss.detach(), ref.detach()) < tol
     upstream = torch.randn_like(ref) if ref.dim() else torch.tensor(1.7, dtype=torch.float64)
@@ -354,10 +355,17 @@ def test_memory_model_matches_the_tracked_backward(monkeypatch, weight_grad, dw_
 @pytest.mark.parametrize("weight_grad", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("loss_tokens", [32, 64])
-def test_memory_model_of_the_pytorch_path_matches_the_tracked_backward(weight_grad, dtype, loss_tokens):
+@pytest.mark.parametrize("widened", [False, True])
+def test_memory_model_of_the_pytorch_path_matches_the_tracked_backward(monkeypatch, weight_grad, dtype, loss_tokens,
+                                                                       widened):
     """``backward_memory(pytorch_path=True)`` against the PyTorch path's backward (CPU storage tracker): its own fp32
-    chunk whether or not the weight trains, the gathered fp32 loss rows, in 16-bit a fp32 weight chunk."""
+    chunk whether or not the weight trains (``widened``: twice VOCAB_CHUNK at 32 loss tokens), the gathered fp32
+    loss rows, in 16-bit a fp32 weight chunk."""
     from memfit.measure.memory import CpuAllocationTracker
+
+    if widened:
+        monkeypatch.setattr(linear_ce, "TRAINED_VOCAB_CHUNK", 512)
+        monkeypatch.setattr(linear_ce, "FROZEN_STEP_ELEMENTS", 48 * 256)
 
     tokens, hdim, vocab = 64, 32, 700
     hidden, weight, labels, _ = _inputs((tokens,), hdim, vocab, dtype, ignore_frac=0.0)
@@ -382,10 +390,10 @@ def test_fp32_at_ieee_on_cuda_takes_the_pytorch_path(monkeypatch):
     assert linear_ce.takes_pytorch_path(torch.float32, "cuda")
     assert not linear_ce.takes_pytorch_path(torch.float32, "cuda", path="triton")
     assert not linear_ce.takes_pytorch_path(torch.bfloat16, "cuda")
-    assert not linear_ce.takes_pytorch_path(torch.float32, "cpu")   # under the interpreter (conftest)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not linear_ce.takes_pytorch_path(torch.float32, "cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert linear_ce.takes_pytorch_path(torch.bfloat16, "cpu")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("MEMFIT_KERNELS", "reference")
     assert linear_ce.takes_pytorch_path(torch.bfloat16, "cuda")
     monkeypatch.delenv("MEMFIT_KERNELS")
@@ -410,7 +418,8 @@ def test_the_op_runs_the_path_chosen_for_fp32_and_says_so_once(monkeypatch, capl
     torch.set_float32_matmul_precision(precision)   # the conftest fixture restores it
     for _ in range(2):
         hidden, weight, labels, _ = _inputs((2, 11), 48, 1037, torch.float32)
-        _check_against_reference(hidden, weight, labels, path=None)
+        tf32 = precision == "high" and hidden.is_cuda       # the kernels' TF32 dots (the interpreter's are fp32)
+        _check_against_reference(hidden, weight, labels, path=None, tol=2e-3 if tf32 else None)
     said = [r for r in caplog.records if "runs the PyTorch path" in r.getMessage()]
     if precision == "highest":
         assert ran == [] and len(said) == 1
@@ -490,6 +499,28 @@ def test_reference_backward_keeps_the_frozen_chunk(monkeypatch):
     hidden, weight, labels, _ = _inputs((9,), 16, 1037, torch.float32)
     linear_cross_entropy(hidden, weight, labels, path="reference").backward()
     assert max(widths) == linear_ce.VOCAB_CHUNK and sum(widths) == 1037
+
+
+def test_frozen_chunk_widens_for_few_loss_tokens(monkeypatch):
+    """A frozen weight's step (a buffer of its own) doubles from VOCAB_CHUNK up to TRAINED_VOCAB_CHUNK while N x C
+    stays below FROZEN_STEP_ELEMENTS; a trained weight's and a given chunk do not move. The Triton backward then
+    walks the wider steps, exactly."""
+    for name, value in (("VOCAB_CHUNK", 2048), ("TRAINED_VOCAB_CHUNK", 8192), ("FROZEN_STEP_ELEMENTS", 1 << 23)):
+        monkeypatch.setattr(linear_ce, name, value)
+    chunk = linear_ce._vocab_chunk
+    assert [chunk(128256, 0, False, n) for n in (1, 1024, 2048, 4096, 16384)] == [8192, 8192, 4096, 2048, 2048]
+    assert (chunk(128256, 0, True, 1024), chunk(128256, 512, False, 1024), chunk(3000, 0, False, 1024)) == (
+        8192, 512, 3000)
+    for name, value in (("VOCAB_CHUNK", 256), ("TRAINED_VOCAB_CHUNK", 1024), ("FROZEN_STEP_ELEMENTS", 40 * 256)):
+        monkeypatch.setattr(linear_ce, name, value)
+    widths = []
+    dlogits = linear_ce._dlogits_triton
+    monkeypatch.setattr(linear_ce, "_dlogits_triton", lambda *a: widths.append(a[-2].shape[1]) or dlogits(*a))
+    hidden, weight, labels, _ = _inputs((20,), 16, 1037, torch.float32, ignore_frac=0.0)
+    linear_cross_entropy(hidden, weight.detach(), labels, path="triton").backward()
+    ref, (h, _, _) = _reference(hidden, weight, labels)
+    ref.backward()
+    assert widths == [512, 512, 13] and _rel(hidden.grad, h.grad) < 2 * TOL[torch.float32]   # 20 x 512 reaches it
 
 
 def test_env_reference_is_not_overridden(monkeypatch):

@@ -4,7 +4,9 @@ Why: at torch's default float32 matmul precision ("highest", IEEE) memfit's Trit
 CUDA cores, and a step at Llama-1B's head took 2.17x torch's F.linear + cross_entropy (97.2 against 44.7 ms,
 ``linear_ce_first_call_ea3eb89.jsonl``). The PyTorch path (``path="reference"``) computes the same chunks of logits
 by cuBLAS SGEMMs, N x C fp32 at a time. This measures both paths' time, extra peak memory and error where a user's
-fp32 step would run them, so that the op's choice between them rests on a measurement.
+fp32 step would run them, so that the op's choice between them rests on a measurement. Two bf16 cases and the
+``memfit_chunk2048`` method time the frozen weight's backward step at its former fixed width against the width
+``linear_ce._vocab_chunk`` now picks for few loss tokens.
 
 Per case and method: median forward + backward ms (``bench_ms``), peak memory above the inputs (gradients
 included), and the relative error of the loss and of each gradient against an fp64 computation on the GPU.
@@ -13,11 +15,13 @@ import argparse
 import json
 from pathlib import Path
 
-CASES = {   # name: (tokens, hidden, vocab, weight trains); half the tokens carry a loss
-    "llama1b_frozen": (2048, 2048, 128256, False),
-    "llama1b_trained": (2048, 2048, 128256, True),
-    "llama3b_frozen": (4096, 3072, 128256, False),
-    "llama8b_frozen_8k": (8192, 4096, 128256, False),
+CASES = {   # name: (tokens, hidden, vocab, weight trains, dtype); half the tokens carry a loss
+    "llama1b_frozen": (2048, 2048, 128256, False, "float32"),
+    "llama1b_trained": (2048, 2048, 128256, True, "float32"),
+    "llama3b_frozen": (4096, 3072, 128256, False, "float32"),
+    "llama8b_frozen_8k": (8192, 4096, 128256, False, "float32"),
+    "llama1b_frozen_bf16": (2048, 2048, 128256, False, "bfloat16"),
+    "llama3b_frozen_bf16": (4096, 3072, 128256, False, "bfloat16"),
 }
 METHODS = {   # name: (memfit path or None for torch, float32 matmul precision, backward vocab chunk or None)
     "memfit_auto": ("auto", "highest", None),      # what a user's fp32 step runs (linear_ce.takes_pytorch_path)
@@ -27,16 +31,18 @@ METHODS = {   # name: (memfit path or None for torch, float32 matmul precision, 
     "memfit_triton_tf32": ("triton", "high", None),
     # the frozen weight's chunk (2048) chosen at 4-16K loss tokens (39f85a3), against the trained one's, at fewer
     "memfit_triton_tf32_chunk8192": ("triton", "high", 8192),
+    "memfit_chunk2048": ("auto", "high", 2048),     # the frozen weight's step width before _vocab_chunk widened it
     "torch_tf32": (None, "high", None),
 }
 
 
-def _inputs(tokens, hidden, vocab, weight_trains):
+def _inputs(tokens, hidden, vocab, weight_trains, dtype):
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(tokens, hidden, device="cuda", generator=gen).requires_grad_()
-    w = (torch.randn(vocab, hidden, device="cuda", generator=gen) / hidden ** 0.5).requires_grad_(weight_trains)
+    h = torch.randn(tokens, hidden, device="cuda", generator=gen).to(getattr(torch, dtype)).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=gen) / hidden ** 0.5).to(h.dtype)
+    w.requires_grad_(weight_trains)
     labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
     labels[::2] = -100
     return h, w, labels
@@ -67,7 +73,7 @@ def _method(name, h, w, labels, exact) -> dict:
     path, precision, chunk = METHODS[name]
     torch.set_float32_matmul_precision(precision)
     if path is None:
-        loss_of = lambda: F.cross_entropy(F.linear(h, w), labels)                               # noqa: E731
+        loss_of = lambda: F.cross_entropy(F.linear(h, w).float(), labels)                       # noqa: E731
     else:
         loss_of = lambda: linear_cross_entropy(h, w, labels, path=path, vocab_chunk=chunk)      # noqa: E731
 

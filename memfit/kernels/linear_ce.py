@@ -16,7 +16,8 @@ How (exact mode):
   the vocabulary slices are combined in PyTorch (a few bytes per token). Saved for
   backward: only the per-token log-sum-exp (fp32).
 * **Backward**: the vocabulary is walked in steps of up to ``C`` columns (8192 when the
-  weight trains, 2048 when it is frozen). ``_dlogits_kernel``
+  weight trains; when it is frozen 2048, widened to at most 8192 while N x C < FROZEN_STEP_ELEMENTS).
+  ``_dlogits_kernel``
   recomputes the step's logits on chip and writes ``d = g * (softmax - onehot)`` (with the
   soft-cap and z-loss chain rules) once, in the input dtype, into an ``N x w`` buffer. When
   the weight trains, that buffer is the weight gradient's own not-yet-written rows (rows past
@@ -79,6 +80,11 @@ REDUCTIONS = ("mean", "sum", "none")
 # took 19.6 / 54.2 / 140.8 ms against 20.1 / 57.7 / 144.5 for 2048).
 VOCAB_CHUNK = 2048
 TRAINED_VOCAB_CHUNK = 8192
+# With few loss tokens a VOCAB_CHUNK-wide step's grid leaves much of the GPU idle: a step whose chunk is a buffer of
+# its own widens (doubling, up to TRAINED_VOCAB_CHUNK) until its N x C reaches this many elements, 32 MiB in fp32.
+# On the H200 (031b9b9, benchmarks/probes/linear_ce_fp32_paths.py, TF32, frozen weight) 8192 columns took 7.69 ms
+# against 2048's 16.83 at 1024 loss tokens, 17.37 against 18.66 at 2048 and 48.02 against 50.98 at 4096.
+FROZEN_STEP_ELEMENTS = 1 << 23
 # Elements of the side buffer that holds the logit-gradient chunks of the last vocabulary rows
 # (those whose chunk no longer fits in the weight gradient's unwritten rows): the tail goes through
 # it in steps of max(STEP_ALIGN, TAIL_ELEMENTS // N) columns, so it holds at most
@@ -158,11 +164,16 @@ def _runs_triton(hidden: torch.Tensor, weight: torch.Tensor, path: str | None) -
     return False
 
 
-def _vocab_chunk(vocab: int, chunk: int = 0, weight_grad: bool = False) -> int:
+def _vocab_chunk(vocab: int, chunk: int, weight_grad: bool, loss_tokens: int) -> int:
     """Columns per backward step: ``chunk`` if given (> 0), else TRAINED_VOCAB_CHUNK when the
     weight trains (``weight_grad``: on the Triton path, where the chunks live in its gradient)
-    and VOCAB_CHUNK otherwise; at most V."""
-    return min(vocab, chunk or (TRAINED_VOCAB_CHUNK if weight_grad else VOCAB_CHUNK))
+    and otherwise VOCAB_CHUNK, doubled while ``loss_tokens`` x it stays below FROZEN_STEP_ELEMENTS
+    (up to TRAINED_VOCAB_CHUNK); at most V."""
+    if not chunk and not weight_grad:
+        chunk = VOCAB_CHUNK
+        while chunk < TRAINED_VOCAB_CHUNK and loss_tokens * chunk < FROZEN_STEP_ELEMENTS:
+            chunk *= 2
+    return min(vocab, chunk or TRAINED_VOCAB_CHUNK)
 
 
 def _split_tokens(labels: torch.Tensor, ignore_index: int
@@ -554,7 +565,7 @@ def _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton
         lse, tgt = _lse_triton(hidden, weight, bias, rows, labels_n, softcap)
     else:
         lse, tgt = _lse_reference(hidden.index_select(0, rows), weight, bias, labels_n, softcap,
-                                  _vocab_chunk(weight.shape[0]))
+                                  _vocab_chunk(weight.shape[0], 0, False, rows.numel()))
     loss.index_copy_(0, rows, lse - tgt + z_loss * lse * lse)
     lse_all.index_copy_(0, rows, lse)
     return loss, lse_all
@@ -780,7 +791,7 @@ def _backward(grad_loss, hidden, weight, labels, bias, lse_all, ignore_index, so
     d_hidden, acc = _hidden_grad_buffers(hidden, rows_host)
     # the wider trained-weight chunk only where its chunks live in the weight gradient (the
     # reference's fp32 chunks are buffers of their own)
-    chunk = _vocab_chunk(vocab, vocab_chunk, triton_weight_grad)
+    chunk = _vocab_chunk(vocab, vocab_chunk, triton_weight_grad, n)
     steps, side_width = _backward_plan(vocab, hdim, n, chunk, triton_weight_grad,
                                        _copy_rows(n, triton_weight_grad) if hs is None else 0)
     if any(copied for *_, copied in steps):  # the copy sits in the weight gradient's last n rows
@@ -810,7 +821,7 @@ def backward_memory(tokens: int, loss_tokens: int, hidden_size: int, vocab: int,
                     weight_grad: bool = True, vocab_chunk: int | None = None, pytorch_path: bool = False) -> dict:
     """Bytes the op holds beyond its inputs (hidden, weight, labels), for the ledger: on the Triton path under the
     current DW_MATMUL / HIDDEN_ACC / TAIL_ELEMENTS settings, or on the PyTorch path (``pytorch_path``, see
-    :func:`takes_pytorch_path`), whose steps hold their fp32 chunk (N x C, C = VOCAB_CHUNK unless given) in a
+    :func:`takes_pytorch_path`), whose steps hold their fp32 chunk (N x C, C as for a frozen weight) in a
     buffer of their own whether or not the weight trains, and a gathered fp32 copy of the loss rows (4NH) where
     some token is ignored or the inputs are 16-bit; in 16-bit also one fp32 copy of a weight chunk (4CH) at a time.
 
@@ -833,7 +844,7 @@ def backward_memory(tokens: int, loss_tokens: int, hidden_size: int, vocab: int,
     The forward peak (Triton: ~(8 + 12 * splits) N + 8T; PyTorch: the gathered rows and one fp32 N x C chunk) is
     below the backward's."""
     t, n, h, v, e = tokens, loss_tokens, hidden_size, vocab, dtype_bytes
-    c = _vocab_chunk(v, vocab_chunk or 0, weight_grad and not pytorch_path)
+    c = _vocab_chunk(v, vocab_chunk or 0, weight_grad and not pytorch_path, n)
     saved = 4 * t
     d_weight = e * v * h if weight_grad else 0
     d_hidden = e * t * h
@@ -998,7 +1009,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     ``vocab_subset`` (approximate, opt-in): the softmax runs over labels ∪ subset only (padded with
     the lowest other ids to a multiple of SUBSET_ROWS_STEP, so that compiles and tunings are reused).
     ``vocab_chunk``: vocabulary columns per backward step (default TRAINED_VOCAB_CHUNK when the
-    weight trains on the Triton path, else VOCAB_CHUNK); with a frozen
+    weight trains on the Triton path, else VOCAB_CHUNK widened for few loss tokens, ``_vocab_chunk``); with a frozen
     weight the backward holds one N x vocab_chunk logit-gradient chunk, with a trained one the
     chunks live in the weight gradient's unwritten rows (see ``backward_memory``).
     ``path``: "auto" | "triton" | "reference"; None follows env MEMFIT_KERNELS (see
