@@ -325,30 +325,35 @@ def test_dweight_kernel_reads_rows_through_the_index(tokens, width, hdim):
     assert _rel(out, ref) < 2e-5
 
 
+def _check_memory_model(dtype, loss_tokens, weight_grad, triton_path):
+    """Peak bytes the backward allocates (CPU storage tracker) against ``backward_memory`` of its path, within 1%."""
+    from memfit.measure.memory import CpuAllocationTracker
+
+    tokens, hdim, vocab = 64, 32, 700
+    hidden, weight, labels, _ = _inputs((tokens,), hdim, vocab, dtype, ignore_frac=0.0)
+    labels[torch.randperm(tokens)[: tokens - loss_tokens]] = -100
+    hidden, weight = hidden.detach(), weight.detach()
+    _, lse = linear_ce._forward(hidden, weight, labels, None, -100, 0.0, 0.0, triton_path)
+    grad = torch.ones(tokens)
+    with CpuAllocationTracker((hidden, weight, labels, lse, grad)) as tracker:
+        linear_ce._backward(grad, hidden, weight, labels, None, lse, -100, 0.0, 0.0, weight_grad, 0, triton_path)
+    model = linear_ce.backward_memory(tokens, loss_tokens, hdim, vocab, hidden.element_size(), weight_grad=weight_grad,
+                                      pytorch_path=not triton_path)
+    measured = tracker.peak - tracker.baseline
+    assert abs(measured - (model["peak"] - model["saved"])) <= 0.01 * measured, (measured, model)
+
+
 @pytest.mark.cpu_only(reason="CpuAllocationTracker counts CPU allocations")
 @pytest.mark.parametrize("weight_grad", [True, False])
 @pytest.mark.parametrize("dw_matmul", ["triton", "cublas", "cublas-in-grad"])
 @pytest.mark.parametrize("loss_tokens", [32, 64])
 def test_memory_model_matches_the_tracked_backward(monkeypatch, weight_grad, dw_matmul, loss_tokens):
-    """Peak bytes the backward allocates (CPU storage tracker) against ``backward_memory``.
-    fp32 and the accumulator in dH's buffer: the interpreter frees a side buffer only at the
-    next garbage collection, which only the separate-accumulator timeline would notice."""
-    from memfit.measure.memory import CpuAllocationTracker
-
+    """The Triton path's backward against ``backward_memory``. fp32 and the accumulator in dH's buffer: the
+    interpreter frees a side buffer only at the next garbage collection, which only the separate-accumulator
+    timeline would notice."""
     monkeypatch.setattr(linear_ce, "DW_MATMUL", dw_matmul)
     monkeypatch.setattr(linear_ce, "TAIL_ELEMENTS", 4096)
-    tokens, hdim, vocab = 64, 32, 700
-    hidden, weight, labels, _ = _inputs((tokens,), hdim, vocab, torch.float32, ignore_frac=0.0)
-    labels[torch.randperm(tokens)[: tokens - loss_tokens]] = -100
-    hidden, weight = hidden.detach(), weight.detach()
-    _, lse = linear_ce._forward(hidden, weight, labels, None, -100, 0.0, 0.0, True)
-    grad = torch.ones(tokens)
-    with CpuAllocationTracker((hidden, weight, labels, lse, grad)) as tracker:
-        linear_ce._backward(grad, hidden, weight, labels, None, lse, -100, 0.0, 0.0, weight_grad, 0, True)
-    model = linear_ce.backward_memory(tokens, loss_tokens, hdim, vocab, 4, weight_grad=weight_grad)
-    measured = tracker.peak - tracker.baseline
-    assert abs(measured - (model["peak"] - model["saved"])) <= 0.01 * measured, (measured, model)
-
+    _check_memory_model(torch.float32, loss_tokens, weight_grad, triton_path=True)
 
 
 @pytest.mark.cpu_only(reason="CpuAllocationTracker counts CPU allocations")
@@ -358,27 +363,13 @@ def test_memory_model_matches_the_tracked_backward(monkeypatch, weight_grad, dw_
 @pytest.mark.parametrize("widened", [False, True])
 def test_memory_model_of_the_pytorch_path_matches_the_tracked_backward(monkeypatch, weight_grad, dtype, loss_tokens,
                                                                        widened):
-    """``backward_memory(pytorch_path=True)`` against the PyTorch path's backward (CPU storage tracker): its own fp32
-    chunk whether or not the weight trains (``widened``: twice VOCAB_CHUNK at 32 loss tokens), the gathered fp32
-    loss rows, in 16-bit a fp32 weight chunk."""
-    from memfit.measure.memory import CpuAllocationTracker
-
+    """The PyTorch path's backward against ``backward_memory(pytorch_path=True)``: its own fp32 chunk whether or not
+    the weight trains (``widened``: twice VOCAB_CHUNK at 32 loss tokens), the gathered fp32 loss rows, in 16-bit a
+    fp32 weight chunk."""
     if widened:
         monkeypatch.setattr(linear_ce, "TRAINED_VOCAB_CHUNK", 512)
         monkeypatch.setattr(linear_ce, "FROZEN_STEP_ELEMENTS", 48 * 256)
-
-    tokens, hdim, vocab = 64, 32, 700
-    hidden, weight, labels, _ = _inputs((tokens,), hdim, vocab, dtype, ignore_frac=0.0)
-    labels[torch.randperm(tokens)[: tokens - loss_tokens]] = -100
-    hidden, weight = hidden.detach(), weight.detach()
-    _, lse = linear_ce._forward(hidden, weight, labels, None, -100, 0.0, 0.0, False)
-    grad = torch.ones(tokens)
-    with CpuAllocationTracker((hidden, weight, labels, lse, grad)) as tracker:
-        linear_ce._backward(grad, hidden, weight, labels, None, lse, -100, 0.0, 0.0, weight_grad, 0, False)
-    model = linear_ce.backward_memory(tokens, loss_tokens, hdim, vocab, hidden.element_size(), weight_grad=weight_grad,
-                                      pytorch_path=True)
-    measured = tracker.peak - tracker.baseline
-    assert abs(measured - (model["peak"] - model["saved"])) <= 0.01 * measured, (measured, model)
+    _check_memory_model(dtype, loss_tokens, weight_grad, triton_path=False)
 
 
 def test_fp32_at_ieee_on_cuda_takes_the_pytorch_path(monkeypatch):
