@@ -288,7 +288,10 @@ def main() -> None:
     spec = PRESETS["tiny" if args.smoke else "llama-3.2-3b"]
     contexts = parse_contexts(parser, args.contexts) if args.contexts else (33, 48) if args.smoke else CONTEXTS
     parse_dtypes(parser, args.dtypes)
-    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 storage and activations as in the paper; TF32 changes no byte
+    # fp32 storage and activations as in the paper, matmuls in TF32: no tensor's size changes, but the fused loss then
+    # runs its Triton kernels, not the PyTorch path it takes at IEEE precision (linear_ce.takes_pytorch_path), and
+    # finetune_ledger.py predicts the table at this precision
+    torch.backends.cuda.matmul.allow_tf32 = True
     started = time.perf_counter()
     ceilings = None
     if device.type == "cuda":

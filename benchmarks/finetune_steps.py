@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     if device.type == "cuda" and (why_not := bnb_unavailable_reason(device)):
         parser.error(f"the 8-bit row needs bitsandbytes (4-bit base, 8-bit AdamW): {why_not}")
     spec = PRESETS["tiny" if args.smoke else "llama-3.2-3b"]
-    torch.backends.cuda.matmul.allow_tf32 = True   # as finetune_memory.py
+    torch.backends.cuda.matmul.allow_tf32 = True   # as finetune_memory.py (which says what it changes)
     name = "finetune_steps" + ("_ab" if args.ab else "") + ("_history" if args.history else "") + \
         ("_resident" if args.resident else "") + ("_smoke" if args.smoke else "")
     out_dir = args.out or (tempfile.mkdtemp(prefix="memfit-smoke-") if args.smoke else None)

@@ -347,7 +347,7 @@ def test_fused_loss_on_cpu_within_one_percent(interpreter_frees_at_return):
 @MEASURES_A_CPU_RUN
 def test_fused_loss_on_its_cpu_reference_within_three_percent(monkeypatch):
     """Without Triton the fused loss runs its PyTorch reference, which computes each vocabulary chunk's logits and
-    their gradient in one buffer, as the kernel's side buffer holds them: the ledger's count (it read 27% low when
+    their gradient in one buffer, as ``backward_memory(pytorch_path=True)`` counts them (the ledger read 27% low when
     the reference built four chunk-sized temporaries, hidden until the CPU tracker saw inside custom ops)."""
     monkeypatch.setenv("MEMFIT_KERNELS", "reference")
     result = verify(Job(TINY, task="lora", seq=256, device="cpu"), Knobs(dtype="float32", fused_ce=True))
@@ -771,24 +771,32 @@ def test_rms_norm_backward_peak_matches_torch(dtype):
     assert memory.peak.total == pytest.approx(measured, rel=0.01)
 
 
-
-@pytest.mark.parametrize("dtype,device,precision,pytorch_path", [
-    ("float32", "cuda", "highest", True), ("float32", "cuda", "high", False), ("bfloat16", "cuda", "highest", False)])
-def test_fused_loss_workspace_is_the_path_the_op_takes(monkeypatch, dtype, device, precision, pytorch_path):
+def test_fused_loss_workspace_follows_the_path_the_op_takes(monkeypatch):
     """The fused loss's backward workspace is ``backward_memory`` of the path the op takes on the job's dtype and
-    device: fp32 on CUDA at torch's default precision runs the PyTorch path (``linear_ce.takes_pytorch_path``)."""
+    device (``linear_ce.takes_pytorch_path``): fp32 on CUDA at torch's default precision runs the PyTorch path, TF32 and
+    bf16 the Triton kernels. The cached graphs and predictions follow a change of precision."""
     from memfit.kernels.linear_ce import backward_memory
-    from memfit.ledger.graph import ModelGraph, Trainable
+    from memfit.ledger.predict import _cached_predict, _train_graph
 
     monkeypatch.delenv("MEMFIT_KERNELS", raising=False)
-    torch.set_float32_matmul_precision(precision)   # the conftest fixture restores it
-    tokens, loss_tokens, size = 256, 100, torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-    graph = ModelGraph(TINY, 1, tokens, dtype, Trainable(), device)
-    graph.fused_linear_ce(*graph.embed(), loss_tokens)
-    workspace = {path: backward_memory(tokens, loss_tokens, TINY.hidden, TINY.vocab, size, weight_grad=False,
-                                       pytorch_path=path)["transient"] for path in (True, False)}
-    assert workspace[True] != workspace[False]
-    assert graph.ops[-1].name == "linear_ce" and graph.ops[-1].backward_workspace == workspace[pytorch_path]
+    seq = 256
+    job = Job(TINY, task="lora", seq=seq, loss_fraction=0.5)
+    for dtype, precision, pytorch_path in (("float32", "highest", True), ("float32", "high", False),
+                                           ("bfloat16", "highest", False)):
+        torch.set_float32_matmul_precision(precision)   # the conftest fixture restores it
+        graph, _ = _train_graph(job, Knobs(dtype=dtype, fused_ce=True))
+        size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        workspace = {path: backward_memory(seq, seq // 2, TINY.hidden, TINY.vocab, size, weight_grad=False,
+                                           pytorch_path=path)["transient"] for path in (True, False)}
+        assert workspace[True] != workspace[False]
+        ops = [op for op in graph.ops if op.name == "linear_ce"]
+        assert [op.backward_workspace for op in ops] == [workspace[pytorch_path]], (dtype, precision)
+    _cached_predict.cache_clear()
+    for precision in ("highest", "high", "highest"):   # one prediction per path, each made once
+        torch.set_float32_matmul_precision(precision)
+        predict(job, Knobs(dtype="float32", fused_ce=True))
+    assert (_cached_predict.cache_info().misses, _cached_predict.cache_info().hits) == (2, 1)
+
 
 @pytest.mark.parametrize("argv,message", [(["tiny", "lora", "64", "--dtype", "x"], "unknown dtype"),
                                           (["tiny", "lora", "64", "--loss-fraction", "2"], "loss_fraction"),

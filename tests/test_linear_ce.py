@@ -359,8 +359,7 @@ def test_memory_model_matches_the_tracked_backward(monkeypatch, weight_grad, dw_
 @pytest.mark.cpu_only(reason="CpuAllocationTracker counts CPU allocations")
 @pytest.mark.parametrize("weight_grad", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("loss_tokens", [32, 64])
-@pytest.mark.parametrize("widened", [False, True])
+@pytest.mark.parametrize("loss_tokens,widened", [(32, False), (64, False), (32, True)])
 def test_memory_model_of_the_pytorch_path_matches_the_tracked_backward(monkeypatch, weight_grad, dtype, loss_tokens,
                                                                        widened):
     """The PyTorch path's backward against ``backward_memory(pytorch_path=True)``: its own fp32 chunk whether or not
@@ -368,14 +367,14 @@ def test_memory_model_of_the_pytorch_path_matches_the_tracked_backward(monkeypat
     fp32 weight chunk."""
     if widened:
         monkeypatch.setattr(linear_ce, "TRAINED_VOCAB_CHUNK", 512)
-        monkeypatch.setattr(linear_ce, "FROZEN_STEP_ELEMENTS", 48 * 256)
+        monkeypatch.setattr(linear_ce, "FROZEN_STEP_ELEMENTS", 32 * 512)
     _check_memory_model(dtype, loss_tokens, weight_grad, triton_path=False)
 
 
 def test_fp32_at_ieee_on_cuda_takes_the_pytorch_path(monkeypatch):
     """In auto mode only fp32 on CUDA at torch's default ("highest") precision leaves the Triton kernels, whose dots
     would run on CUDA cores; a forced path, TF32, 16-bit inputs and CPU tensors under the interpreter keep theirs,
-    and without Triton every input takes the PyTorch path."""
+    and CPU tensors where Triton cannot run (no interpreter) take the PyTorch path whatever their dtype."""
     monkeypatch.delenv("MEMFIT_KERNELS", raising=False)
     torch.set_float32_matmul_precision("highest")   # the conftest fixture restores the precision
     assert linear_ce.takes_pytorch_path(torch.float32, "cuda")
@@ -416,6 +415,7 @@ def test_the_op_runs_the_path_chosen_for_fp32_and_says_so_once(monkeypatch, capl
         assert ran == [] and len(said) == 1
     else:
         assert set(ran) == {"_lse_triton", "_dlogits_triton"} and said == []
+
 
 class _DeviceReads(TorchDispatchMode):
     """Records the host reads of device data: a scalar read or a data-dependent output shape
@@ -476,8 +476,9 @@ def test_one_host_sync_per_pass(monkeypatch, dtype, hidden_acc):
 
 
 def test_reference_backward_keeps_the_frozen_chunk(monkeypatch):
-    """TRAINED_VOCAB_CHUNK is wide because a Triton step's chunk lives in the weight gradient;
-    the reference's fp32 chunks are buffers of their own, so it keeps VOCAB_CHUNK."""
+    """TRAINED_VOCAB_CHUNK is wide because a Triton step's chunk lives in the weight gradient; the reference's fp32
+    chunks are buffers of their own, so with a trained weight too it takes a frozen weight's width (VOCAB_CHUNK
+    here, where the fixture keeps FROZEN_STEP_ELEMENTS from widening it)."""
     widths = []
     dlogits = linear_ce._dlogits_reference
 
@@ -493,16 +494,17 @@ def test_reference_backward_keeps_the_frozen_chunk(monkeypatch):
 
 
 def test_frozen_chunk_widens_for_few_loss_tokens(monkeypatch):
-    """A frozen weight's step (a buffer of its own) doubles from VOCAB_CHUNK up to TRAINED_VOCAB_CHUNK while N x C
-    stays below FROZEN_STEP_ELEMENTS; a trained weight's and a given chunk do not move. The Triton backward then
-    walks the wider steps, exactly."""
+    """A frozen weight's step (a buffer of its own) is FROZEN_STEP_ELEMENTS / N's power-of-two bucket columns wide,
+    from VOCAB_CHUNK up to TRAINED_VOCAB_CHUNK; a trained weight's and a given chunk do not move. The Triton backward
+    then walks the wider steps, exactly."""
     for name, value in (("VOCAB_CHUNK", 2048), ("TRAINED_VOCAB_CHUNK", 8192), ("FROZEN_STEP_ELEMENTS", 1 << 23)):
         monkeypatch.setattr(linear_ce, name, value)
     chunk = linear_ce._vocab_chunk
-    assert [chunk(128256, 0, False, n) for n in (1, 1024, 2048, 4096, 16384)] == [8192, 8192, 4096, 2048, 2048]
+    assert [chunk(128256, 0, False, n) for n in (1, 1024, 1025, 2047, 2048, 4095, 4096, 16384)] == [
+        8192, 8192, 4096, 4096, 4096, 2048, 2048, 2048]      # N x C at most 8M, one width per power-of-two bucket
     assert (chunk(128256, 0, True, 1024), chunk(128256, 512, False, 1024), chunk(3000, 0, False, 1024)) == (
         8192, 512, 3000)
-    for name, value in (("VOCAB_CHUNK", 256), ("TRAINED_VOCAB_CHUNK", 1024), ("FROZEN_STEP_ELEMENTS", 40 * 256)):
+    for name, value in (("VOCAB_CHUNK", 256), ("TRAINED_VOCAB_CHUNK", 1024), ("FROZEN_STEP_ELEMENTS", 32 * 512)):
         monkeypatch.setattr(linear_ce, name, value)
     widths = []
     dlogits = linear_ce._dlogits_triton
@@ -511,7 +513,7 @@ def test_frozen_chunk_widens_for_few_loss_tokens(monkeypatch):
     linear_cross_entropy(hidden, weight.detach(), labels, path="triton").backward()
     ref, (h, _, _) = _reference(hidden, weight, labels)
     ref.backward()
-    assert widths == [512, 512, 13] and _rel(hidden.grad, h.grad) < 2 * TOL[torch.float32]   # 20 x 512 reaches it
+    assert widths == [512, 512, 13] and _rel(hidden.grad, h.grad) < 2 * TOL[torch.float32]   # 20 tokens: bucket 32
 
 
 def test_env_reference_is_not_overridden(monkeypatch):

@@ -8,8 +8,9 @@ fp32 step would run them, so that the op's choice between them rests on a measur
 ``memfit_chunk2048`` method time the frozen weight's backward step at its former fixed width against the width
 ``linear_ce._vocab_chunk`` now picks for few loss tokens.
 
-Per case and method: median forward + backward ms (``bench_ms``), peak memory above the inputs (gradients
-included), and the relative error of the loss and of each gradient against an fp64 computation on the GPU.
+Per case and method: ``ms``, the median forward + backward (``bench_ms``); ``extra_peak_mb``, the peak allocated
+memory above the inputs in MiB (gradients included); the relative error of the loss and of each gradient against an
+fp64 computation on the GPU.
 Usage: ``python benchmarks/probes/linear_ce_fp32_paths.py [--cases ...] [--out FILE]`` (JSON lines)."""
 import argparse
 import json
@@ -29,7 +30,7 @@ METHODS = {   # name: (memfit path or None for torch, float32 matmul precision, 
     "memfit_reference": ("reference", "highest", None),
     "torch": (None, "highest", None),
     "memfit_triton_tf32": ("triton", "high", None),
-    # the frozen weight's chunk (2048) chosen at 4-16K loss tokens (39f85a3), against the trained one's, at fewer
+    # the trained weight's width for a frozen one; at 031b9b9 a frozen step was 2048 columns at any loss-token count
     "memfit_triton_tf32_chunk8192": ("triton", "high", 8192),
     "memfit_chunk2048": ("auto", "high", 2048),     # the frozen weight's step width before _vocab_chunk widened it
     "torch_tf32": (None, "high", None),

@@ -8,7 +8,8 @@ The choice is explicit and observable:
 * unset (``auto``): Triton on CUDA tensors or under the interpreter, otherwise the
   reference, and that fallback is logged once per op.
 
-An op may also take an explicit ``path=`` argument that overrides the environment.
+An op may also take an explicit ``path=`` argument that overrides the environment, and may narrow auto mode further
+(``linear_ce.takes_pytorch_path``: fp32 at IEEE precision on CUDA runs its reference, said once).
 
 :func:`outside_the_dispatcher` says when an op's wrapper may run its implementation without its custom op.
 """
@@ -102,6 +103,16 @@ def outside_the_dispatcher(*tensors: torch.Tensor | None) -> bool:
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
+def fp32_matmul_is_ieee() -> bool:
+    """Whether torch computes fp32 matmuls in IEEE fp32, its default: not once the user allows TF32, by the legacy
+    setting (``torch.set_float32_matmul_precision``, ``torch.backends.cuda.matmul.allow_tf32``) or by the newer
+    per-backend one (``torch.backends.cuda.matmul.fp32_precision``), after which torch's legacy getter raises."""
+    try:
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:                  # the two APIs mixed: the per-backend setting is the one the matmuls follow
+        return torch.backends.cuda.matmul.fp32_precision != "tf32"
+
+
 def dot_precision(dtype: torch.dtype, op: str) -> str:
     """``tl.dot``'s input precision for ``op``'s kernels on ``dtype`` inputs.
 
@@ -112,7 +123,7 @@ def dot_precision(dtype: torch.dtype, op: str) -> str:
     """
     if dtype != torch.float32:
         return "tf32"
-    if torch.get_float32_matmul_precision() == "highest":
+    if fp32_matmul_is_ieee():
         return "ieee"
     warn_once(f"tf32:{op}", f"{op}: fp32 inputs use TF32 dots, as torch's float32 matmul precision allows "
                             "(set it to 'highest' for IEEE fp32)")

@@ -16,7 +16,7 @@ How (exact mode):
   the vocabulary slices are combined in PyTorch (a few bytes per token). Saved for
   backward: only the per-token log-sum-exp (fp32).
 * **Backward**: the vocabulary is walked in steps of up to ``C`` columns (8192 when the
-  weight trains; when it is frozen 2048, widened to at most 8192 while N x C < FROZEN_STEP_ELEMENTS).
+  weight trains; when it is frozen 2048, widened up to 8192 for few loss tokens, FROZEN_STEP_ELEMENTS).
   ``_dlogits_kernel``
   recomputes the step's logits on chip and writes ``d = g * (softmax - onehot)`` (with the
   soft-cap and z-loss chain rules) once, in the input dtype, into an ``N x w`` buffer. When
@@ -62,7 +62,14 @@ from typing import Optional
 import torch
 
 from memfit.errors import MemfitError
-from memfit.kernels.dispatch import dot_precision, interpreting, kernel_mode, triton_runnable, use_triton
+from memfit.kernels.dispatch import (
+    dot_precision,
+    fp32_matmul_is_ieee,
+    interpreting,
+    kernel_mode,
+    triton_runnable,
+    use_triton,
+)
 from memfit.log import warn_once
 
 try:
@@ -81,11 +88,13 @@ REDUCTIONS = ("mean", "sum", "none")
 VOCAB_CHUNK = 2048
 TRAINED_VOCAB_CHUNK = 8192
 # With few loss tokens a VOCAB_CHUNK-wide step's grid leaves much of the GPU idle: a step whose chunk is a buffer of
-# its own widens (doubling, up to TRAINED_VOCAB_CHUNK) until its N x C reaches this many elements, 32 MiB in fp32.
+# its own takes FROZEN_STEP_ELEMENTS / (N's power-of-two bucket) columns, from VOCAB_CHUNK up to TRAINED_VOCAB_CHUNK,
+# so a widened N x C chunk holds at most this many elements (32 MiB in fp32) and N's bucket, which the kernels tune
+# for, sets the width.
 # On the H200 (benchmarks/probes/linear_ce_fp32_paths.py, frozen weight) at 031b9b9, fp32 as TF32, 8192 columns took
 # 7.69 ms against 2048's 16.83 at 1024 loss tokens, 17.37 against 18.66 at 2048 and 48.02 against 50.98 at 4096;
-# with this rule (4459d84) a step took 6.29 / 17.54 ms against 2048's 9.13 / 18.31 at 1024 / 2048 loss tokens, and
-# in bf16 3.90 / 8.44 against 7.55 / 13.17.
+# at 4459d84 (8192 and 4096 columns, the widths this rule gives there) a step took 6.29 / 17.54 ms against 2048's
+# 9.13 / 18.31 at 1024 / 2048 loss tokens, and in bf16 3.90 / 8.44 against 7.55 / 13.17.
 FROZEN_STEP_ELEMENTS = 1 << 23
 # Elements of the side buffer that holds the logit-gradient chunks of the last vocabulary rows
 # (those whose chunk no longer fits in the weight gradient's unwritten rows): the tail goes through
@@ -139,23 +148,29 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 
 def takes_pytorch_path(dtype: torch.dtype, device_type: str, path: str | None = None) -> bool:
-    """Whether the op runs its PyTorch path (chunked matmuls by torch: cuBLAS SGEMMs on CUDA) and not its Triton
-    kernels, on inputs of ``dtype`` on ``device_type``: where ``path`` (or MEMFIT_KERNELS) says so, where Triton
-    cannot run, and in auto mode for fp32 on CUDA at torch's default float32 matmul precision ("highest", IEEE).
-    There the Triton kernels' dots run as FMAs on CUDA cores: on the H200 a step took 1.8-2.8x the PyTorch path's
-    time at Llama-1B/3B/8B heads, which holds 8-64 MB more, a gathered fp32 copy of the loss rows
-    (``benchmarks/probes/linear_ce_fp32_paths.py``, ``results/probes/linear_ce_fp32_paths_9c13911.jsonl``).
-    Said nothing here: the ledger asks it, without tensors (the op says it once, ``_runs_triton``)."""
+    """Whether a job's fused loss runs the op's PyTorch path (``path="reference"``: chunked matmuls by torch, cuBLAS
+    SGEMMs on CUDA) and not its Triton kernels, on inputs of ``dtype`` on ``device_type``, for the ledger, which has
+    no tensors and plans for a CUDA machine with Triton: where ``path`` (or MEMFIT_KERNELS) says so, off CUDA where
+    Triton cannot run here, and in auto mode for fp32 on CUDA at torch's default float32 matmul precision (IEEE,
+    :func:`_ieee_fp32`). Says nothing; the op says its choice once (``_runs_triton``)."""
     mode = kernel_mode("linear_ce", path)
     if mode != "auto":
         return mode == "reference"
-    return not triton_runnable(device_type) or (
-        dtype == torch.float32 and device_type == "cuda" and torch.get_float32_matmul_precision() == "highest")
+    return _ieee_fp32(dtype) if device_type == "cuda" else not triton_runnable(device_type)
+
+
+def _ieee_fp32(dtype: torch.dtype) -> bool:
+    """fp32 inputs at IEEE precision, where on CUDA auto mode takes the PyTorch path: the Triton kernels' dots run as
+    FMAs on CUDA cores there, and on the H200 a step took 1.8-2.8x the PyTorch path's time at Llama-1B/3B/8B heads,
+    which holds 8-64 MB more, a gathered fp32 copy of the loss rows (``benchmarks/probes/linear_ce_fp32_paths.py``,
+    ``results/probes/linear_ce_fp32_paths_9c13911.jsonl``)."""
+    return dtype == torch.float32 and fp32_matmul_is_ieee()
 
 
 def _runs_triton(hidden: torch.Tensor, weight: torch.Tensor, path: str | None) -> bool:
     """The op's choice of path: ``use_triton``'s (its errors, its said-once fallback where Triton cannot run), then
-    :func:`takes_pytorch_path`'s fp32-at-IEEE rule, said once."""
+    :func:`takes_pytorch_path`'s, which differs from it only in auto mode for fp32 CUDA inputs at IEEE precision,
+    said once."""
     if not use_triton("linear_ce", hidden, weight, path=path):
         return False
     if not takes_pytorch_path(hidden.dtype, hidden.device.type, path):
@@ -169,12 +184,10 @@ def _runs_triton(hidden: torch.Tensor, weight: torch.Tensor, path: str | None) -
 def _vocab_chunk(vocab: int, chunk: int, weight_grad: bool, loss_tokens: int) -> int:
     """Columns per backward step: ``chunk`` if given (> 0), else TRAINED_VOCAB_CHUNK when the
     weight trains (``weight_grad``: on the Triton path, where the chunks live in its gradient)
-    and otherwise VOCAB_CHUNK, doubled while ``loss_tokens`` x it stays below FROZEN_STEP_ELEMENTS
-    (up to TRAINED_VOCAB_CHUNK); at most V."""
+    and otherwise FROZEN_STEP_ELEMENTS / (``loss_tokens``' power-of-two bucket), between VOCAB_CHUNK and
+    TRAINED_VOCAB_CHUNK; at most V."""
     if not chunk and not weight_grad:
-        chunk = VOCAB_CHUNK
-        while chunk < TRAINED_VOCAB_CHUNK and loss_tokens * chunk < FROZEN_STEP_ELEMENTS:
-            chunk *= 2
+        chunk = max(VOCAB_CHUNK, min(TRAINED_VOCAB_CHUNK, FROZEN_STEP_ELEMENTS // _bucket(loss_tokens)))
     return min(vocab, chunk or TRAINED_VOCAB_CHUNK)
 
 
@@ -229,12 +242,10 @@ def _lse_reference(hs, weight, bias, labels_n, softcap, chunk):
 
 def _dlogits_reference(hs, weight, bias, labels_n, lse, g, softcap, z_loss, v0, v1):
     """fp32 gradient of the loss w.r.t. the raw logits of vocabulary columns [v0, v1), computed in the logits'
-    own buffer: one N x (v1 - v0) fp32 tensor (about three with a soft cap), where the kernel's side buffer holds
-    one chunk in the model's dtype. That is the ledger's count for a frozen weight in fp32; with a trained weight
-    the kernel writes its chunks into the weight gradient's unwritten rows, and in bf16 this reference also copies
-    the rows and the weight chunk to fp32, neither of which the ledger (the Triton path's) counts. The label's -1 is
-    a scatter of -1 (and -0.0 off the chunk), so the values are the ones the out-of-place formula gives, bit for
-    bit."""
+    own buffer: one N x (v1 - v0) fp32 tensor (about three with a soft cap, which ``backward_memory`` does not
+    count), where the kernel's side buffer holds one chunk in the model's dtype. In 16-bit it also copies the rows
+    and the weight chunk to fp32 (``backward_memory(pytorch_path=True)`` counts both). The label's -1 is a scatter
+    of -1 (and -0.0 off the chunk), so the values are the ones the out-of-place formula gives, bit for bit."""
     y = _transform(hs.float() @ weight[v0:v1].float().T, None if bias is None else bias[v0:v1], softcap)
     cap = 1.0 - (y / softcap) ** 2 if softcap else None
     d = y.sub_(lse[:, None]).exp_().mul_((1.0 + 2.0 * z_loss * lse)[:, None])
@@ -826,6 +837,7 @@ def backward_memory(tokens: int, loss_tokens: int, hidden_size: int, vocab: int,
     :func:`takes_pytorch_path`), whose steps hold their fp32 chunk (N x C, C as for a frozen weight) in a
     buffer of their own whether or not the weight trains, and a gathered fp32 copy of the loss rows (4NH) where
     some token is ignored or the inputs are 16-bit; in 16-bit also one fp32 copy of a weight chunk (4CH) at a time.
+    Without a soft cap, whose temporaries (two more N x C fp32 on the PyTorch path) it does not count.
 
     T tokens, N loss tokens, H hidden, V vocabulary, e bytes per element, C vocab chunk:
 

@@ -337,7 +337,7 @@ class ModelGraph:
         logits.component = "logits"
         return logits
 
-    def fused_linear_ce(self, x: Sym, embedding: Sym, loss_tokens: int) -> Sym:
+    def fused_linear_ce(self, x: Sym, embedding: Sym, loss_tokens: int, pytorch_path: bool = False) -> Sym:
         """Final norm, then ``memfit.kernels.linear_ce``: no logits ever exist.
 
         It saves the normalised hidden states and one fp32 log-sum-exp per token; its
@@ -345,21 +345,18 @@ class ModelGraph:
         weight is frozen; when it trains, a side buffer for the last vocabulary rows of at most
         max(TAIL_ELEMENTS, loss tokens x STEP_ALIGN) elements; the hidden-gradient finish's
         temporary of at most FINISH_ELEMENTS) are the kernel's own account,
-        ``linear_ce.backward_memory``, for the path the op takes on this job's dtype and device
-        (``linear_ce.takes_pytorch_path``: fp32 on CUDA at torch's default IEEE precision runs
-        chunked cuBLAS matmuls, with buffers of their own).
+        ``linear_ce.backward_memory``, for the op's Triton kernels or its PyTorch path (``pytorch_path``:
+        chunked cuBLAS matmuls with buffers of their own, which fp32 on CUDA at torch's default IEEE
+        precision runs; ``predict`` finds it by ``linear_ce.takes_pytorch_path``).
         """
-        import torch
-
-        from memfit.kernels.linear_ce import backward_memory, takes_pytorch_path
+        from memfit.kernels.linear_ce import backward_memory
 
         s = self.spec
         y, weight = self.final_hidden(x, embedding)
         lse = self.act("linear_ce.lse", 1, True, FP32, "logits")
         loss = Sym("loss", 4, True, "temporaries")
         memory = backward_memory(self.tokens, loss_tokens, s.hidden, s.vocab, dtype_bytes(self.dtype),
-                                 weight_grad=weight.requires_grad,
-                                 pytorch_path=takes_pytorch_path(getattr(torch, self.dtype), self.device))
+                                 weight_grad=weight.requires_grad, pytorch_path=pytorch_path)
         self.ops.append(Op("linear_ce", [y, weight], [loss, lse], [y, lse], backward_workspace=memory["transient"],
                            segment=self.segment))
         return loss

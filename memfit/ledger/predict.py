@@ -23,7 +23,7 @@ from memfit.errors import MemfitError
 from memfit.ledger.graph import ModelGraph, Trainable
 from memfit.ledger.job import OPTIMIZERS, TASK_ONLY_FIELDS, Job, Knobs, field_flag
 from memfit.ledger.simulate import Event, Memory, Sym, replay_backward, replay_forward
-from memfit.models.spec import dtype_bytes
+from memfit.models.spec import dtype_bytes, dtype_of
 from memfit.units import MiB
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "kv_cache", "temporaries", "workspace")
@@ -111,16 +111,31 @@ def _optimizer_temporary(param_bytes: list[tuple[int, int]], optimizer: str, dev
     return 2 * max(n * s for n, s in param_bytes)
 
 
-def _train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
+def _fused_loss_on_pytorch_path(job: Job, knobs: Knobs) -> bool:
+    """Whether this job's fused loss runs linear_ce's PyTorch path (``linear_ce.takes_pytorch_path``: it reads torch's
+    float32 matmul precision and MEMFIT_KERNELS, state of this process). The cached functions below take it as an
+    argument, so that a prediction follows a change of either."""
+    if not knobs.fused_ce or job.task == "infer":
+        return False
+    from memfit.kernels.linear_ce import takes_pytorch_path
+
+    return takes_pytorch_path(dtype_of(knobs.dtype), job.device)
+
+
+def _train_graph(job: Job, knobs: Knobs, ce_pytorch_path: bool | None = None) -> tuple[ModelGraph, Sym]:
     """The ops of one micro-batch's forward and loss; returns the graph and the loss. Every decoder layer's ops are
     its own segment, so one graph serves every choice of checkpointed and offloaded layers (the replay's
     ``checkpointed`` set picks them) and every optimizer: the planner replays candidates that differ only there
-    (most of them at large --batch) from one graph, which callers must not change."""
-    return _built_train_graph(job, knobs.with_(checkpoint_layers=0, offload_layers=0, optimizer=OPTIMIZERS[0]))
+    (most of them at large --batch) from one graph, which callers must not change. ``ce_pytorch_path``: the fused
+    loss's path, by default :func:`_fused_loss_on_pytorch_path`'s."""
+    if ce_pytorch_path is None:
+        ce_pytorch_path = _fused_loss_on_pytorch_path(job, knobs)
+    return _built_train_graph(job, knobs.with_(checkpoint_layers=0, offload_layers=0, optimizer=OPTIMIZERS[0]),
+                              ce_pytorch_path)
 
 
 @lru_cache(maxsize=32)
-def _built_train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
+def _built_train_graph(job: Job, knobs: Knobs, ce_pytorch_path: bool) -> tuple[ModelGraph, Sym]:
     micro = knobs.micro_batch or job.batch
     graph = ModelGraph(job.spec, micro, job.seq, knobs.dtype, _trainable(job, knobs), job.device,
                        four_bit=knobs.four_bit and job.task == "lora", attention=knobs.attention,
@@ -130,8 +145,9 @@ def _built_train_graph(job: Job, knobs: Knobs) -> tuple[ModelGraph, Sym]:
         graph.segment = layer
         x = graph.decoder_layer(x, layer)
     graph.segment = None
-    if knobs.fused_ce:
-        loss = graph.fused_linear_ce(x, embedding, loss_tokens=max(1, round(micro * job.seq * job.loss_fraction)))
+    if knobs.fused_ce:   # the shift leaves the last position of every sequence without a label
+        loss_tokens = max(1, min(round(micro * job.seq * job.loss_fraction), micro * (job.seq - 1)))
+        loss = graph.fused_linear_ce(x, embedding, loss_tokens, pytorch_path=ce_pytorch_path)
     else:
         loss = graph.causal_lm_loss(graph.head(x, embedding))
     return graph, loss
@@ -142,7 +158,7 @@ def predict(job: Job, knobs: Knobs) -> Ledger:
     check_knobs_fit_job(job, knobs)
     check_device(job, knobs)
     check_blr(job, knobs)
-    ledger = _cached_predict(job, knobs)
+    ledger = _cached_predict(job, knobs, _fused_loss_on_pytorch_path(job, knobs))
     return replace(ledger, peak=dict(ledger.peak), phases=dict(ledger.phases),
                    notes=_length_notes(job) + list(ledger.notes))
 
@@ -158,8 +174,8 @@ def _length_notes(job: Job) -> list[str]:
 
 
 @lru_cache(maxsize=512)
-def _cached_predict(job: Job, knobs: Knobs) -> Ledger:
-    return _predict_infer(job, knobs) if job.task == "infer" else _predict_train(job, knobs)
+def _cached_predict(job: Job, knobs: Knobs, ce_pytorch_path: bool) -> Ledger:
+    return _predict_infer(job, knobs) if job.task == "infer" else _predict_train(job, knobs, ce_pytorch_path)
 
 
 def _persistent(graph: ModelGraph) -> tuple[int, list[tuple[int, int]]]:
@@ -186,7 +202,7 @@ class _TrainReplay:
 
 
 @lru_cache(maxsize=256)
-def _train_replay(job: Job, knobs: Knobs) -> _TrainReplay:
+def _train_replay(job: Job, knobs: Knobs, ce_pytorch_path: bool) -> _TrainReplay:
     """Replay one micro-batch's forward and backward, and where there are several a second one with the gradients
     already there. The optimizer's states are left out: they add the same bytes to every moment of the replay, so the
     peaks are the same moments for every optimizer, and the planner's candidates that differ only in the optimizer
@@ -195,7 +211,7 @@ def _train_replay(job: Job, knobs: Knobs) -> _TrainReplay:
     workspace = TRAINING_CUBLAS_WORKSPACES if job.device == "cuda" else 0
     phases: dict[str, int] = {}
     best = None
-    graph, loss = _train_graph(job, knobs)       # replayed once per micro-batch below; a replay changes no op
+    graph, loss = _train_graph(job, knobs, ce_pytorch_path)   # replayed once per micro-batch; a replay changes no op
     weights, sizes = _persistent(graph)
     grads = sum(n * s for n, s in sizes)
     for index in range(min(steps, 2)):  # the first micro-batch, and one with gradients already there
@@ -229,12 +245,12 @@ def _with_optimizer(live: dict[str, int], optimizer: int) -> dict[str, int]:
     return out
 
 
-def _predict_train(job: Job, knobs: Knobs) -> Ledger:
+def _predict_train(job: Job, knobs: Knobs, ce_pytorch_path: bool) -> Ledger:
     micro = knobs.micro_batch or job.batch
     if job.batch % micro:
         raise MemfitError(f"{field_flag('batch')} {job.batch} is not a multiple of {field_flag('micro_batch')} {micro}")
     workspace = TRAINING_CUBLAS_WORKSPACES if job.device == "cuda" else 0
-    replay = _train_replay(job, knobs.with_(optimizer=OPTIMIZERS[0]))
+    replay = _train_replay(job, knobs.with_(optimizer=OPTIMIZERS[0]), ce_pytorch_path)
     weights, sizes = replay.weights, replay.sizes
     grads = sum(n * s for n, s in sizes)
     trainable_numel = sum(n for n, _ in sizes)
