@@ -798,6 +798,18 @@ def test_fused_loss_workspace_follows_the_path_the_op_takes(monkeypatch):
     assert (_cached_predict.cache_info().misses, _cached_predict.cache_info().hits) == (2, 1)
 
 
+def test_fused_loss_counts_the_labels_the_shift_leaves():
+    """At loss_fraction 1 every position carries a label, but the shift leaves the last one of each sequence without
+    one: the op sees batch x (seq - 1) loss tokens, so its PyTorch path gathers the loss rows."""
+    from memfit.kernels.linear_ce import backward_memory
+    from memfit.ledger.predict import _train_graph
+
+    graph, _ = _train_graph(Job(TINY, task="lora", seq=64, batch=2), Knobs(dtype="float32", fused_ce=True), True)
+    [op] = [op for op in graph.ops if op.name == "linear_ce"]
+    assert op.backward_workspace == backward_memory(128, 126, TINY.hidden, TINY.vocab, 4, weight_grad=False,
+                                                    pytorch_path=True)["transient"]
+
+
 @pytest.mark.parametrize("argv,message", [(["tiny", "lora", "64", "--dtype", "x"], "unknown dtype"),
                                           (["tiny", "lora", "64", "--loss-fraction", "2"], "loss_fraction"),
                                           (["tiny", "lora", "64"], "run this on a GPU machine")])
