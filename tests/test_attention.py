@@ -589,11 +589,16 @@ def test_fp32_dots_follow_torch_matmul_precision():
         torch.set_float32_matmul_precision("high")
         assert dot_precision(torch.float32, "op") == "tf32"
         assert dot_precision(torch.bfloat16, "op") == "tf32"
-        torch.set_float32_matmul_precision("highest")
-        torch.backends.cuda.matmul.fp32_precision = "tf32"    # torch's per-backend setting: its legacy getter raises
-        assert dot_precision(torch.float32, "op") == "tf32"
+        if hasattr(torch.backends.cuda.matmul, "fp32_precision"):    # torch >= 2.9's per-backend setting
+            torch.set_float32_matmul_precision("highest")
+            torch.backends.cuda.matmul.fp32_precision = "tf32"        # torch's legacy getter raises after this
+            assert dot_precision(torch.float32, "op") == "tf32"
+            torch.set_float32_matmul_precision("high")
+            torch.backends.cuda.matmul.fp32_precision = "ieee"        # the legacy getter still says "high"
+            assert dot_precision(torch.float32, "op") == "ieee"
     finally:
-        torch.backends.cuda.matmul.fp32_precision = "none"
+        if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+            torch.backends.cuda.matmul.fp32_precision = "none"
         torch.set_float32_matmul_precision(before)
 
 

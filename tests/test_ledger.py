@@ -798,15 +798,18 @@ def test_fused_loss_workspace_follows_the_path_the_op_takes(monkeypatch):
     assert (_cached_predict.cache_info().misses, _cached_predict.cache_info().hits) == (2, 1)
 
 
-def test_fused_loss_counts_the_labels_the_shift_leaves():
-    """At loss_fraction 1 every position carries a label, but the shift leaves the last one of each sequence without
-    one: the op sees batch x (seq - 1) loss tokens, so its PyTorch path gathers the loss rows."""
+@pytest.mark.parametrize("seq,fraction,loss_tokens", [(64, 1.0, 2 * 63), (65, 0.5, 2 * 32)])
+def test_fused_loss_counts_the_labels_as_verify_leaves_them(seq, fraction, loss_tokens):
+    """Loss tokens per sequence as ``verify`` masks them (round(seq x fraction), at least one), less the last
+    position, which the shift leaves unlabelled: at loss_fraction 1 batch x (seq - 1) (so the PyTorch path gathers
+    the loss rows), and 2 x 32 for two sequences of 65 at 0.5, where rounding over the batch counted 65."""
     from memfit.kernels.linear_ce import backward_memory
     from memfit.ledger.predict import _train_graph
 
-    graph, _ = _train_graph(Job(TINY, task="lora", seq=64, batch=2), Knobs(dtype="float32", fused_ce=True), True)
+    job = Job(TINY, task="lora", seq=seq, batch=2, loss_fraction=fraction)
+    graph, _ = _train_graph(job, Knobs(dtype="float32", fused_ce=True), True)
     [op] = [op for op in graph.ops if op.name == "linear_ce"]
-    assert op.backward_workspace == backward_memory(128, 126, TINY.hidden, TINY.vocab, 4, weight_grad=False,
+    assert op.backward_workspace == backward_memory(2 * seq, loss_tokens, TINY.hidden, TINY.vocab, 4, weight_grad=False,
                                                     pytorch_path=True)["transient"]
 
 

@@ -493,6 +493,17 @@ def test_reference_backward_keeps_the_frozen_chunk(monkeypatch):
     assert max(widths) == linear_ce.VOCAB_CHUNK and sum(widths) == 1037
 
 
+def test_reference_forward_takes_the_given_chunk(monkeypatch):
+    """A ``vocab_chunk`` sets the PyTorch path's forward chunk too, so that its N x C logits stay within what the
+    backward holds."""
+    chunks = []
+    lse_reference = linear_ce._lse_reference
+    monkeypatch.setattr(linear_ce, "_lse_reference", lambda *a: chunks.append(a[-1]) or lse_reference(*a))
+    hidden, weight, labels, _ = _inputs((9,), 16, 1037, torch.float32)
+    linear_cross_entropy(hidden, weight, labels, path="reference", vocab_chunk=96)
+    assert chunks == [96]
+
+
 def test_frozen_chunk_widens_for_few_loss_tokens(monkeypatch):
     """A frozen weight's step (a buffer of its own) is FROZEN_STEP_ELEMENTS / N's power-of-two bucket columns wide,
     from VOCAB_CHUNK up to TRAINED_VOCAB_CHUNK; a trained weight's and a given chunk do not move. The Triton backward

@@ -104,13 +104,17 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def fp32_matmul_is_ieee() -> bool:
-    """Whether torch computes fp32 matmuls in IEEE fp32, its default: not once the user allows TF32, by the legacy
-    setting (``torch.set_float32_matmul_precision``, ``torch.backends.cuda.matmul.allow_tf32``) or by the newer
-    per-backend one (``torch.backends.cuda.matmul.fp32_precision``), after which torch's legacy getter raises."""
+    """Whether torch computes fp32 matmuls in IEEE fp32, its default: not once the user allows TF32, by the per-backend
+    setting (``torch.backends.cuda.matmul.fp32_precision``, torch >= 2.9, which the legacy setters set too) or by the
+    legacy one (``torch.set_float32_matmul_precision``, ``allow_tf32``). The per-backend setting is read first:
+    where the two were mixed, torch's legacy getter can raise, or name another precision than the matmuls run."""
+    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
+    if setting != "none":
+        return setting == "ieee"
     try:
         return torch.get_float32_matmul_precision() == "highest"
-    except RuntimeError:                  # the two APIs mixed: the per-backend setting is the one the matmuls follow
-        return torch.backends.cuda.matmul.fp32_precision != "tf32"
+    except RuntimeError:                  # mixed settings, none of them the matmuls' own: the global one
+        return getattr(torch.backends, "fp32_precision", "ieee") != "tf32"
 
 
 def dot_precision(dtype: torch.dtype, op: str) -> str:

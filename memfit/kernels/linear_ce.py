@@ -562,7 +562,7 @@ def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
     acc += torch.mm(a, b)
 
 
-def _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton_path):
+def _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton_path, vocab_chunk=0):
     """Per-token loss and log-sum-exp, length T, zero at ignored tokens."""
     loss = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     lse_all = torch.zeros_like(loss)
@@ -578,7 +578,7 @@ def _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton
         lse, tgt = _lse_triton(hidden, weight, bias, rows, labels_n, softcap)
     else:
         lse, tgt = _lse_reference(hidden.index_select(0, rows), weight, bias, labels_n, softcap,
-                                  _vocab_chunk(weight.shape[0], 0, False, rows.numel()))
+                                  _vocab_chunk(weight.shape[0], vocab_chunk, False, rows.numel()))
     loss.index_copy_(0, rows, lse - tgt + z_loss * lse * lse)
     lse_all.index_copy_(0, rows, lse)
     return loss, lse_all
@@ -855,8 +855,8 @@ def backward_memory(tokens: int, loss_tokens: int, hidden_size: int, vocab: int,
     * peak (backward, above inputs) = saved + dW + vectors + (accumulator in dH:
       dH + max(side + rows, finish)) | (separate: max(acc + side + rows, acc + dH + finish)).
 
-    The forward peak (Triton: ~(8 + 12 * splits) N + 8T; PyTorch: the gathered rows and one fp32 N x C chunk) is
-    below the backward's."""
+    The forward peak (Triton: ~(8 + 12 * splits) N + 8T; PyTorch: the gathered rows, in 16-bit also their fp32 copy
+    and a fp32 weight chunk, and one fp32 N x C chunk) is below the backward's."""
     t, n, h, v, e = tokens, loss_tokens, hidden_size, vocab, dtype_bytes
     c = _vocab_chunk(v, vocab_chunk or 0, weight_grad and not pytorch_path, n)
     saved = 4 * t
@@ -900,7 +900,7 @@ def _linear_ce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     ``vocab_chunk``: backward columns per step (0: ``_vocab_chunk``'s default). ``path``: None follows
     MEMFIT_KERNELS (default auto), else "auto" | "triton" | "reference"."""
     triton_path = _runs_triton(hidden, weight, path)
-    return _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton_path)
+    return _forward(hidden, weight, labels, bias, ignore_index, softcap, z_loss, triton_path, vocab_chunk)
 
 
 @_linear_ce_op.register_fake

@@ -145,8 +145,8 @@ def _built_train_graph(job: Job, knobs: Knobs, ce_pytorch_path: bool) -> tuple[M
         graph.segment = layer
         x = graph.decoder_layer(x, layer)
     graph.segment = None
-    if knobs.fused_ce:   # the shift leaves the last position of every sequence without a label
-        loss_tokens = max(1, min(round(micro * job.seq * job.loss_fraction), micro * (job.seq - 1)))
+    if knobs.fused_ce:   # per sequence (as verify masks them), less the last position, which the shift leaves unlabelled
+        loss_tokens = micro * min(max(1, round(job.seq * job.loss_fraction)), job.seq - 1) or 1
         loss = graph.fused_linear_ce(x, embedding, loss_tokens, pytorch_path=ce_pytorch_path)
     else:
         loss = graph.causal_lm_loss(graph.head(x, embedding))
@@ -154,7 +154,9 @@ def _built_train_graph(job: Job, knobs: Knobs, ce_pytorch_path: bool) -> tuple[M
 
 
 def predict(job: Job, knobs: Knobs) -> Ledger:
-    """The ledger of ``job`` run with ``knobs`` (a fresh copy: callers may change it)."""
+    """The ledger of ``job`` run with ``knobs`` (a fresh copy: callers may change it). A fused loss is counted on the
+    path it takes in this process: fp32 at torch's float32 matmul precision now (IEEE, its default, or TF32) and
+    MEMFIT_KERNELS choose between linear_ce's PyTorch path and its kernels (``linear_ce.takes_pytorch_path``)."""
     check_knobs_fit_job(job, knobs)
     check_device(job, knobs)
     check_blr(job, knobs)
