@@ -34,19 +34,27 @@ def _seconds(step) -> float:
     return time.perf_counter() - start
 
 
+def head_inputs(tokens: int, hidden: int, vocab: int, dtype: str, weight_trains: bool):
+    """(hidden states, output-head weight, labels) on the GPU, seeded: N(0, 1) states, a weight of std 1/sqrt(hidden)
+    (logits of unit spread), half the tokens without a loss, as in a chat batch."""
+    import torch
+
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(tokens, hidden, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", dtype=dtype, generator=gen) / hidden ** 0.5).requires_grad_(weight_trains)
+    labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
+    labels[::2] = -100
+    return h, w, labels
+
+
 def _case(name: str) -> dict:
     import torch
     import torch.nn.functional as F
 
     from memfit.kernels.linear_ce import linear_cross_entropy
 
-    tokens, hidden, vocab, dtype, weight_trains = CASES[name]
-    dtype = getattr(torch, dtype)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(tokens, hidden, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-    w = (torch.randn(vocab, hidden, device="cuda", dtype=dtype, generator=gen) / hidden ** 0.5).requires_grad_(weight_trains)
-    labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
-    labels[::2] = -100                                    # half the tokens without a loss, as in a chat batch
+    h, w, labels = head_inputs(*CASES[name])
     fused = _seconds(lambda: linear_cross_entropy(h, w, labels).backward())
     cubins = sum(1 for _ in Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin"))
     later = statistics.median(_seconds(lambda: linear_cross_entropy(h, w, labels).backward()) for _ in range(5))

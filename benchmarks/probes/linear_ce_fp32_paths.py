@@ -16,6 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
+from linear_ce_first_call import head_inputs  # this folder: the script's own, first on sys.path
+
 CASES = {   # name: (tokens, hidden, vocab, weight trains, dtype); half the tokens carry a loss
     "llama1b_frozen": (2048, 2048, 128256, False, "float32"),
     "llama1b_trained": (2048, 2048, 128256, True, "float32"),
@@ -35,18 +37,6 @@ METHODS = {   # name: (memfit path or None for torch, float32 matmul precision, 
     "memfit_chunk2048": ("auto", "high", 2048),     # the frozen weight's step width before _vocab_chunk widened it
     "torch_tf32": (None, "high", None),
 }
-
-
-def _inputs(tokens, hidden, vocab, weight_trains, dtype):
-    import torch
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(tokens, hidden, device="cuda", generator=gen).to(getattr(torch, dtype)).requires_grad_()
-    w = (torch.randn(vocab, hidden, device="cuda", generator=gen) / hidden ** 0.5).to(h.dtype)
-    w.requires_grad_(weight_trains)
-    labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
-    labels[::2] = -100
-    return h, w, labels
 
 
 def _exact(h, w, labels):
@@ -113,7 +103,8 @@ def main() -> None:
     from memfit.measure.results import environment
 
     for case in args.cases:
-        h, w, labels = _inputs(*CASES[case])
+        tokens, hidden, vocab, weight_trains, dtype = CASES[case]
+        h, w, labels = head_inputs(tokens, hidden, vocab, dtype, weight_trains)
         exact = _exact(h, w, labels)
         for name in args.methods:
             line = json.dumps({"case": case, **_method(name, h, w, labels, exact), **environment()})
