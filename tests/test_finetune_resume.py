@@ -105,10 +105,16 @@ def test_a_resume_refuses_what_changes_the_saved_states_meaning(tmp_path, change
 
 @pytest.mark.parametrize("change, message", [(["--batch-size", "3"], r"batch_size=2, this run asks for 3"),
                                              (["--seed", "7"], r"seed=0, this run asks for 7"),
-                                             (["--max-len", "16"], r"trained on other data")])
+                                             (["--max-len", "16"], r"trained on other data"),
+                                             (["--lora-r", "4"], r"lora_r=16, this run asks for 4 \(another --lora-r\?\)"),
+                                             (["--lora-alpha", "3"], r"lora_alpha=32, this run asks for 3"),
+                                             (["--no-train-norm"], r"modules_to_save=\['model.norm'\], this run asks "
+                                                                   r"for None"),
+                                             (["--dtype", "bfloat16"], r"dtype=float32, this run asks for bfloat16")])
 def test_the_cli_refuses_a_resume_before_it_loads_the_model(tmp_path, monkeypatch, change, message):
-    """Another batch size, seed or data is refused from progress.json and the tokenized data, before the model
-    loads: the CLI had loaded the model first."""
+    """Another batch size, seed, data, LoRA setting or dtype is refused from progress.json, the tokenized data and
+    the asked settings, before the model loads: the CLI had loaded the model first (the LoRA settings and dtype until
+    this test named them)."""
     from memfit.commands import finetune
 
     common = ["--device", "cpu", "--out", str(tmp_path / "run"), "--batch-size", "2", "--max-len", "64"]

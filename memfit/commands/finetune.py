@@ -245,6 +245,7 @@ def run(args) -> int:
         checkpoint_to_resume,
         data_settings,
         latest_checkpoint,
+        lora_settings,
         peak_bytes,
     )
     from memfit.train.patch import lora_config, patch
@@ -286,7 +287,9 @@ def run(args) -> int:
     examples = tokenize_records(data, records, tokenizer, args.max_len)
     data_name = f"{data} cut at {args.max_len} tokens"
     if args.resume:                                    # what a resume needs no model for, checked before loading it
-        check_resumable(checkpoint_to_resume(out), config, data_settings(examples, data_name))
+        asked = {**lora_settings(lora), "dtype": str(dtype).removeprefix("torch."),
+                 "data": data_settings(examples, data_name)}
+        check_resumable(checkpoint_to_resume(out), config, asked)
     model = load_model(args.model, spec, dtype, device)
     techniques = choose_techniques(args, spec, device, dtype, console)
     model = patch(model, lora=lora, **techniques.patch_kwargs())

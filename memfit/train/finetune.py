@@ -147,13 +147,18 @@ def run_settings(model: torch.nn.Module, examples: list[Example], data_name: str
     file, --max-len or tokenizer changes (``data_name``, the caller's words for the data, only labels it in
     messages)."""
     configs = getattr(model, "peft_config", None)
-    lora = configs[model.active_adapter] if configs else None
-    settings = {key: None if lora is None else _plain(getattr(lora, field)) for key, field, _ in LORA_SETTINGS}
+    settings = lora_settings(configs[model.active_adapter] if configs else None)
     frozen = [p.dtype for p in model.parameters() if p.is_floating_point() and not p.requires_grad]
     given = [getattr(p, "_memfit_dtype", p.dtype) for p in model.parameters()]     # before any master weights
     settings["dtype"] = str((frozen or given)[0]).removeprefix("torch.")
     settings["data"] = data_settings(examples, data_name)
     return settings
+
+
+def lora_settings(lora) -> dict:
+    """:func:`run_settings`' entries for a peft LoraConfig (None: a model without an adapter). Needs no model, so a
+    caller can check a resume's adapter before loading one."""
+    return {key: None if lora is None else _plain(getattr(lora, field)) for key, field, _ in LORA_SETTINGS}
 
 
 def data_settings(examples: list[Example], data_name: str | None = None) -> dict:
@@ -253,12 +258,13 @@ def _recorded_data(data: dict) -> dict:
     return {"name": data.get("name"), **{key: data[key] for key in ("sha256", "examples", "tokens")}}
 
 
-def check_resumable(path: Path, config: TrainConfig, data: dict | None) -> dict:
-    """The checks of a resume from ``path`` that need no model: its progress.json is readable, of a version this
-    memfit reads and whole, and it was trained with ``config``'s batch size and seed and on the same tokenized data
-    (``data``: :func:`data_settings`, None to leave it unchecked; a checkpoint that did not record it, progress version
-    1, is assumed to match). Returns the progress record; a MemfitError names what differs. :func:`load_checkpoint`
-    makes them before it reads the tensor files; the CLI before it loads the model."""
+def check_resumable(path: Path, config: TrainConfig, settings: dict | None) -> dict:
+    """The checks of a resume from ``path`` that need no tensors: its progress.json is readable, of a version this
+    memfit reads and whole, and it was trained with ``config``'s batch size and seed and with ``settings``, any of
+    :func:`run_settings`' entries (the data, the LoRA settings, the dtype: those left out, or all where None, are not
+    compared; a checkpoint that did not record them, progress version 1, is assumed to match, said once). Returns
+    the progress record; a MemfitError names what differs. :func:`load_checkpoint` makes them with the model's own
+    settings before it reads the tensor files; the CLI with the settings it asks for before it loads the model."""
     try:
         progress = json.loads((path / "progress.json").read_text())
         if (version := progress.get("version", 1)) > PROGRESS_VERSION:    # before its other files, whose form may differ
@@ -277,11 +283,20 @@ def check_resumable(path: Path, config: TrainConfig, data: dict | None) -> dict:
         if was != getattr(config, key):
             raise MemfitError(f"cannot resume {path}: it was trained with {key}={was}, "
                               f"this run asks for {getattr(config, key)}")
-    if was_data is None or data is None:      # version 1: load_checkpoint says once that it assumes the settings match
+    if settings and recorded is None:
+        warn_once("finetune:resume-unrecorded", f"--resume: {path} does not record the LoRA settings, dtype and data "
+                                                "it was trained with (an earlier memfit wrote it); assuming they are "
+                                                "this run's")
+    if not settings or recorded is None:
         return progress
-    if (was_data["sha256"], was_data["examples"]) != (data["sha256"], data["examples"]):
+    if (data := settings.get("data")) is not None and \
+            (was_data["sha256"], was_data["examples"]) != (data["sha256"], data["examples"]):
         raise MemfitError(f"cannot resume {path}: it was trained on other data ({_data_words(was_data)}) than this "
                           f"run's ({_data_words(data)}); another --data, --max-len or tokenizer?")
+    for key, now in settings.items():
+        if key != "data" and (was := recorded.get(key)) != now:
+            hint = f" ({SETTING_HINTS[key]}?)" if SETTING_HINTS.get(key) else ""
+            raise MemfitError(f"cannot resume {path}: it was trained with {key}={was}, this run asks for {now}{hint}")
     return progress
 
 
@@ -292,7 +307,7 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig, settings:
     said once where it is not the checkpoint's (as is another max_grad_norm)."""
     from safetensors.torch import load_file
 
-    progress = check_resumable(path, config, settings.get("data"))
+    progress = check_resumable(path, config, settings)
     saved, step, losses = progress["config"], progress["step"], progress["losses"]
     try:
         tensors = load_file(str(path / "trainable.safetensors"))
@@ -300,7 +315,6 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig, settings:
         optimizer_state, rng = state["optimizer"], state["rng"]
     except Exception as err:  # noqa: BLE001 - safetensors' and torch.load's errors share no base
         raise MemfitError(f"cannot resume {path}: the checkpoint cannot be read ({type(err).__name__}: {err})") from None
-    _check_settings(path, progress.get("settings"), settings)
     params = trainable_parameters(model)
     if set(tensors) != set(params):
         raise MemfitError(f"cannot resume {path}: its trainable parameters do not match this model's "
@@ -320,21 +334,6 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig, settings:
                                              f"{', '.join(changed)} (the checkpoint's -> this run's)")
     _set_rng_state(rng)
     return step, losses
-
-
-def _check_settings(path: Path, saved: dict | None, settings: dict) -> None:
-    """Refuse a resume whose :func:`run_settings` other than the data (:func:`check_resumable`'s) are not the
-    checkpoint's, naming both; a checkpoint that did not record them (progress version 1) is assumed to match, said
-    once."""
-    if saved is None:
-        warn_once("finetune:resume-unrecorded", f"--resume: {path} does not record the LoRA settings, dtype and data "
-                                                "it was trained with (an earlier memfit wrote it); assuming they are "
-                                                "this run's")
-        return
-    for key, now in settings.items():
-        if key != "data" and (was := saved.get(key)) != now:
-            hint = f" ({SETTING_HINTS[key]}?)" if SETTING_HINTS.get(key) else ""
-            raise MemfitError(f"cannot resume {path}: it was trained with {key}={was}, this run asks for {now}{hint}")
 
 
 # ---- the loop -------------------------------------------------------------------------
