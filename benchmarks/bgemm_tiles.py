@@ -1,7 +1,7 @@
 """Tile sweep of bgemm (the BLR kernels' strided batched GEMM with a regrouping store) against cuBLAS.
 
 Most Monarch pipelines run their stage 1 (z = x_j @ w1[j] for every input block j, P^T folded
-into the store) on ``blr_common.bgemm``, at decode both stages, and ``bmm_gather`` its stage 2.
+into the store) on ``batched_gemm.bgemm``, at decode both stages, and ``bmm_gather`` its stage 2.
 For the paper's shapes this times, in one run and each alone:
 
 * every tile config of the mode's list (BN x BC x BK, warps, stages) that fits, with the K mask
@@ -98,7 +98,7 @@ def parse():
 
 def mode_tiles(args) -> tuple[tuple[int, ...], list[tuple]]:
     """The stages the mode of ``args`` times and its list of tiles, of which --tiles keeps the first T."""
-    from memfit.kernels.blr_common import BGEMM_SHORT_RUNS
+    from memfit.kernels.batched_gemm import BGEMM_SHORT_RUNS
 
     return (((1, 2), DECODE_CONFIGS) if args.decode else ((1, 2), MID_CONFIGS) if args.mid
             else ((2,), CONFIGS + BGEMM_SHORT_RUNS) if args.gather else ((1,), CONFIGS))
@@ -116,7 +116,7 @@ class Gemm:
     """
 
     def __init__(self, torch, stage, d_in, d_out, rank, n, copies, token_major, device="cuda", gather=False):
-        from memfit.kernels.blr_common import A_WINDOW_SLACK
+        from memfit.kernels.batched_gemm import A_WINDOW_SLACK
 
         b, m, r, p = BLOCKS, d_in // BLOCKS, rank, d_out // BLOCKS
         t = r // b
@@ -170,9 +170,9 @@ class Gemm:
 
     def window(self, a) -> int:
         """The aligned-window width bgemm would read this call's A in (0: it reads the runs)."""
-        from memfit.kernels import blr_common
+        from memfit.kernels import batched_gemm
 
-        return blr_common.a_window(a, *self.a_strides, self.runs[1], True) if self.runs else 0
+        return batched_gemm.a_window(a, *self.a_strides, self.runs[1], True) if self.runs else 0
 
     def launcher(self, a, b, c, config, even_k, window=0, group=1):
         """fn() running this call through the bgemm kernel with one tile config, no autotuning; ``window``:
@@ -180,14 +180,14 @@ class Gemm:
         per program (``BATCH_GROUP``). An unchained launch (chains time their tile pairs through the op's own
         pipeline: chain_tiles.py)."""
 
-        from memfit.kernels import blr_common
+        from memfit.kernels import batched_gemm, blr_common
 
         bn, bc, bk, warps, stages = config
-        jit = blr_common.jit_function(blr_common._bgemm_kernel)
-        grid = blr_common.bgemm_grid(self.n, self.cols, self.batches, bn, bc, group)
+        jit = batched_gemm.jit_function(batched_gemm._bgemm_kernel)
+        grid = batched_gemm.bgemm_grid(self.n, self.cols, self.batches, bn, bc, group)
         run_stride = self.runs[1] if self.runs else 0
         g = self.b_interleaved
-        b_strides = blr_common.bgemm_b_strides(self.b_strides, self.run_length(), g)
+        b_strides = batched_gemm.bgemm_b_strides(self.b_strides, self.run_length(), g)
         unchained = blr_common.chain_options(launch_dependents=False, wait_for_previous=False)
         return lambda: jit[grid](a, b, c, c, self.n, self.k, self.cols, self.grp, self.run_length(), self.batches,
                                  blr_common.n_bucket(self.n), *self.a_strides, run_stride, *b_strides,
@@ -205,7 +205,7 @@ def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, b
     ``groups`` above 1), the autotuned call, cuBLAS."""
     import triton
 
-    from memfit.kernels import blr_common
+    from memfit.kernels import batched_gemm
 
     probe = Gemm(torch, stage, d_in, d_out, rank, n, 1, token_major, device, gather)
     gemm = Gemm(torch, stage, d_in, d_out, rank, n, copies_for(probe.bytes, device), token_major, device, gather)
@@ -232,7 +232,7 @@ def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, b
     for config in configs:
         bn, bc, bk, warps, stages = config
         tile = triton.Config({"BN": bn, "BC": bc, "BK": bk}, num_warps=warps, num_stages=stages)
-        if not blr_common.bgemm_tile_fits(tile, gemm.cols, gemm.run_length(), a0.element_size()):
+        if not batched_gemm.bgemm_tile_fits(tile, gemm.cols, gemm.run_length(), a0.element_size()):
             continue
         even, window_width = [False, True] if gemm.run_length() % bk == 0 else [False], gemm.window(a0)
         variants = [(e, 0, 1) for e in even] + [(even[-1], 0, g) for g in groups if g > 1]   # grouped: as bgemm picks EVEN_K
@@ -244,11 +244,11 @@ def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, b
             except Exception as err:  # noqa: BLE001 (a config this GPU cannot run is recorded, not fatal)
                 rows.append({"shape": name, "n": n, "stage": stage, "candidate": label, "ms": float("nan"),
                              "error": f"{type(err).__name__}: {err}"[:300]})
-    rows.append(timed("bgemm (autotuned)", [lambda ops=ops: blr_common.bgemm(*gemm.args(*ops), grp=gemm.grp,
+    rows.append(timed("bgemm (autotuned)", [lambda ops=ops: batched_gemm.bgemm(*gemm.args(*ops), grp=gemm.grp,
                                                                              a_runs=gemm.runs,
                                                                              b_interleaved=gemm.b_interleaved)
                                             for ops in gemm.operands]))
-    rows[-1]["pick"] = str(blr_common._bgemm_kernel.best_config)
+    rows[-1]["pick"] = str(batched_gemm._bgemm_kernel.best_config)
     natural = [(*gemm.views(torch, a, b), torch.empty(gemm.batches, n, gemm.cols, device=device, dtype=a.dtype))
                for a, b, _ in gemm.operands]                       # a gathered A: its P^T copy, made here, untimed
     rows.append(timed(CUBLAS_GATHERED if gather else CUBLAS,

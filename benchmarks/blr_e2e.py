@@ -53,7 +53,7 @@ from memfit.compress.convert import decoder_linears, model_shapes, replace_modul
 from memfit.compress.plan import plan_kinds
 from memfit.errors import MemfitError
 from memfit.infer.decode_gemv import use_decode_gemv
-from memfit.kernels import blr_common
+from memfit.kernels import batched_gemm, pick
 from memfit.measure.results import check_out_dir, target, write_results
 from memfit.measure.timing import queued_ms
 from memfit.models import PRESETS, build_model
@@ -215,11 +215,13 @@ def blr_kernel_names() -> frozenset[str]:
     being listed here. The GEMV module is one: its kernels run BLAST's last stage and Monarch's two at one token (and
     with ``--decode-gemv`` the dense layers, which then count here too)."""
     from triton.runtime import JITFunction
-    from triton.runtime.interpreter import InterpretedFunction  # what triton.jit makes under TRITON_INTERPRET=1
+    from triton.runtime.interpreter import (
+        InterpretedFunction,  # what triton.jit makes under TRITON_INTERPRET=1
+    )
 
-    from memfit.kernels import blast, gemv, lowrank, monarch
+    from memfit.kernels import blast, blr_common, gemv, lowrank, monarch
 
-    functions = [blr_common.jit_function(value) for module in (blast, blr_common, gemv, lowrank, monarch)
+    functions = [batched_gemm.jit_function(value) for module in (batched_gemm, blast, blr_common, gemv, lowrank, monarch)
                  for value in vars(module).values()]
     return frozenset(fn.__name__ for fn in functions
                      if isinstance(fn, (JITFunction, InterpretedFunction)) and fn.__name__.endswith("_kernel"))
@@ -310,8 +312,8 @@ def main(argv=None) -> int:
         return write_results(name, rows, targets, out_dir=args.out, model=spec.name, blocks=blocks, ranks=ranks,
                              attention=args.attention, inductor_pdl=args.inductor_pdl,
                              decode_gemv=args.decode_gemv,
-                             pick_timings=blr_common.PICK_TIMINGS,
-                             tile_picks=blr_common.tile_picks(), complete=complete)
+                             pick_timings=pick.PICK_TIMINGS,
+                             tile_picks=pick.tile_picks(), complete=complete)
 
     for variant in variants:
         torch.manual_seed(0)

@@ -7,11 +7,11 @@ tables read ``two_stage_pdl`` at Llama-1B up, N = 128, at 11.15, 12.69 and 13.32
 f969028; the first and the last offered the same tiles), and none of them recorded the tiles taken. The first
 run of this benchmark (19084f9, each stage autotuned alone) put the op at 1.00-1.07x the best pair and the pairs
 of Llama-1B up at 10.88-18.47 us, 13.33 with a stage-2 tile its autotuner may take alone; since then the op
-times the pairs itself (``blr_common.pick_chain_tiles``). For the paper's shapes at the token counts given
+times the pairs itself (``batched_gemm.pick_chain_tiles``). For the paper's shapes at the token counts given
 (default N = 128) this times, in one run:
 
 * every pair (stage-1 tile, stage-2 tile) of the tiles bgemm offers the two chained launches
-  (``blr_common.bgemm_tiles_offered``), run through the op's own pipeline with that pair fixed
+  (``batched_gemm.bgemm_tiles_offered``), run through the op's own pipeline with that pair fixed
   (``monarch._chained_two_stage``, which allocates z and y as the op does), each pair's output checked against
   torch (until 34f6713 the pairs ran through bgemm_tiles' launcher into preallocated z and y);
 * ``two_stage_pdl`` as the op runs it, with the tiles it took (``tile_picks``): its own pick among the same
@@ -123,7 +123,7 @@ def main() -> int:
         return 2
     from rich.progress import Progress
 
-    from memfit.kernels import blr_common
+    from memfit.kernels import batched_gemm, pick
     from memfit.measure.results import write_results
 
     started, rows = time.time(), []
@@ -132,14 +132,14 @@ def main() -> int:
         for name, d_in, d_out, rank in args.shapes:
             for n in args.tokens:
                 probe = torch.empty(1, device="cuda", dtype=torch.bfloat16)
-                tiles1 = blr_common.bgemm_tiles_offered(probe, n, d_in // BLOCKS, rank, BLOCKS, launch_dependents=True)
-                tiles2 = blr_common.bgemm_tiles_offered(probe, n, rank, d_out // BLOCKS, BLOCKS, wait_for_previous=True)
+                tiles1 = batched_gemm.bgemm_tiles_offered(probe, n, d_in // BLOCKS, rank, BLOCKS, launch_dependents=True)
+                tiles2 = batched_gemm.bgemm_tiles_offered(probe, n, rank, d_out // BLOCKS, BLOCKS, wait_for_previous=True)
                 rows += sweep_pairs(torch, name, d_in, d_out, rank, n, tiles1, tiles2)
                 write_results("chain_tiles", rows, [], args.out, summary=summary(rows), complete=False,
-                              tile_picks=blr_common.tile_picks())
+                              tile_picks=pick.tile_picks())
                 progress.advance(task)
     path = write_results("chain_tiles", rows, [], args.out, summary=summary(rows), complete=True,
-                         seconds=time.time() - started, tile_picks=blr_common.tile_picks())
+                         seconds=time.time() - started, tile_picks=pick.tile_picks())
     for s in summary(rows):
         print(f"{s['shape']:20s} N={s['n']:5d} best pair {s['best_pair']:40s} {1e3 * s['best_ms']:7.2f} us  "
               f"op {1e3 * s['op_ms']:7.2f} us (x{s['op_over_best']:.2f}, {s['pairs']} pairs)")

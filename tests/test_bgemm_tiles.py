@@ -108,7 +108,7 @@ def test_bad_sweep_options_are_usage_errors(bgemm_tiles, monkeypatch, capsys, ar
 @pytest.mark.parametrize("mode,tiles", [([], "CONFIGS"), (["--decode"], "DECODE_CONFIGS"), (["--mid"], "MID_CONFIGS"),
                                         (["--gather"], "CONFIGS")])
 def test_tiles_past_the_modes_list_are_a_usage_error(bgemm_tiles, monkeypatch, capsys, mode, tiles):
-    from memfit.kernels.blr_common import BGEMM_SHORT_RUNS
+    from memfit.kernels.batched_gemm import BGEMM_SHORT_RUNS
 
     offered = len(getattr(bgemm_tiles, tiles)) + (len(BGEMM_SHORT_RUNS) if mode == ["--gather"] else 0)
     monkeypatch.setattr(sys, "argv", ["bgemm_tiles.py", *mode, "--tiles", str(offered)])

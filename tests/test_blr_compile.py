@@ -139,7 +139,7 @@ def _training_step(model, ids):
 def test_a_compressed_model_trains_under_compile_in_one_graph_with_the_eager_gradients(method, path, monkeypatch,
                                                                                          caplog):
     """A training step (forward, loss, backward) of a compressed tiny Llama compiles with no graph break and gives
-    eager's loss and gradients: through each Triton op (their autograd: blr_common.recompute_backward), and on the
+    eager's loss and gradients: through each Triton op (their autograd: recompute.recompute_backward), and on the
     CPU reference path, whose recomputing autograd function (one for all three structures) broke the graph in
     training (its backward's autograd.grad) and which torch.compile now differentiates as it is, said once."""
     from torch._dynamo.utils import counters

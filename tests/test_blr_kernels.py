@@ -16,7 +16,7 @@ import triton.language as tl
 from conftest import rel, seeded
 
 from memfit.errors import MemfitError
-from memfit.kernels import blast, blr_common, lowrank, monarch
+from memfit.kernels import batched_gemm, blast, blr_common, lowrank, monarch, pick
 from memfit.kernels.blast import blast_linear, blast_linear_reference
 from memfit.kernels.dispatch import interpreting
 from memfit.kernels.lowrank import lowrank_linear, lowrank_linear_reference
@@ -271,11 +271,11 @@ def test_the_ops_hand_the_pick_its_candidates(op, module, shapes, monkeypatch):
         monkeypatch.setattr(where, "pdl_offered", lambda: True)
     seen = {}
 
-    def pick(name, key, offer, args):
+    def fake_pick(name, key, offer, args):
         seen["names"] = set(offer()[0])
         return "torch" if "torch" in seen["names"] else "cublas"
 
-    monkeypatch.setattr(module, "auto_variant", pick)
+    monkeypatch.setattr(module, "auto_variant", fake_pick)
     op(*(torch.randn(*shape) for shape in shapes), path="triton")
     assert seen["names"] and not seen["names"] & set(module.UNPICKED_WITH_PDL)
 
@@ -283,20 +283,20 @@ def test_the_ops_hand_the_pick_its_candidates(op, module, shapes, monkeypatch):
 def test_a_chained_stage_needs_weights_with_a_unit_stride():
     a, b, c = torch.randn(1, 4, 6), torch.randn(6, 10)[:, ::2], torch.empty(1, 4, 5)
     with pytest.raises(MemfitError, match="unit stride"):
-        blr_common.bgemm(a, b, c, 4, 6, 5, 1, (0, 6, 1), (0, *b.stride()), (0, 5, 0, 1), wait_for_previous=True)
+        batched_gemm.bgemm(a, b, c, 4, 6, 5, 1, (0, 6, 1), (0, *b.stride()), (0, 5, 0, 1), wait_for_previous=True)
 
 
 SM90_PTX_SCRIPT = """
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from memfit.kernels import blast, blr_common, gemv
+from memfit.kernels import batched_gemm, blast, blr_common, gemv, pick
 
-kernels = {"bgemm": blr_common._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
+kernels = {"bgemm": batched_gemm._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
            "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "row_gemv": gemv._row_gemv_kernel}
 out = {}
 for name, (kernel, constexprs, divisible, stages, warps) in json.loads(sys.argv[1]).items():
-    fn = blr_common.jit_function(kernels[kernel])
+    fn = batched_gemm.jit_function(kernels[kernel])
     signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
                  for p in fn.params}
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
@@ -548,19 +548,19 @@ def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
         return None
 
     candidates = {"slow": slow, "fast": fast}
-    monkeypatch.setattr(blr_common, "_CACHE", {})
-    monkeypatch.setattr(blr_common, "PICK_TIMINGS", {})
-    monkeypatch.setattr(blr_common, "_save_cache", lambda cache: None)
+    monkeypatch.setattr(pick, "_CACHE", {})
+    monkeypatch.setattr(pick, "PICK_TIMINGS", {})
+    monkeypatch.setattr(pick, "_save_cache", lambda cache: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
-    monkeypatch.setattr(blr_common, "_time_candidate",
+    monkeypatch.setattr(pick, "_time_candidate",
                         lambda op, name, fn, args, rep_ms: {"slow": 2.0, "fast": 1.0}[name])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert blr_common.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
+    assert pick.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert blr_common.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
+    assert pick.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
     warned = []
-    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
-    assert blr_common.pick_variant("op", (16,), candidates, "slow", ()) == "slow"
+    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
+    assert pick.pick_variant("op", (16,), candidates, "slow", ()) == "slow"
     assert warned and "capture" in warned[0]
 
 
@@ -577,48 +577,48 @@ def test_auto_variant_remembers_a_gpu_pick_but_not_an_untimed_default(monkeypatc
 
     monkeypatch.setenv("MEMFIT_AUTOTUNE_CACHE", str(tmp_path / "picks.json"))
     for name, value in (("_CACHE", {}), ("_VARIANT_MEMO", {}), ("PICK_TIMINGS", {}), ("_UNTIMED", set())):
-        monkeypatch.setattr(blr_common, name, value)
-    monkeypatch.setattr(blr_common, "_save_cache", lambda cache: None)
-    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: None)
+        monkeypatch.setattr(pick, name, value)
+    monkeypatch.setattr(pick, "_save_cache", lambda cache: None)
+    monkeypatch.setattr(pick, "warn_once", lambda key, message: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
-    monkeypatch.setattr(blr_common, "_time_candidate",
+    monkeypatch.setattr(pick, "_time_candidate",
                         lambda op, name, fn, args, rep_ms: {"slow": 2.0, "fast": 1.0}[name])
     capturing = [True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     gpu0, gpu1 = (types.SimpleNamespace(device=torch.device("cuda", i)) for i in (0, 1))
 
-    def pick(x):
-        return blr_common.auto_variant("op", (8,), offer, (x,))
+    def pick_on(x):
+        return pick.auto_variant("op", (8,), offer, (x,))
 
-    assert pick(gpu0) == "slow" and len(offers) == 1                  # in a capture, untimed
+    assert pick_on(gpu0) == "slow" and len(offers) == 1                  # in a capture, untimed
     capturing[0] = False
-    assert pick(gpu0) == "fast" and len(offers) == 2
-    assert pick(gpu0) == "fast" and len(offers) == 2                  # remembered
-    assert pick(gpu1) == "fast" and len(offers) == 3                  # another device has its own
+    assert pick_on(gpu0) == "fast" and len(offers) == 2
+    assert pick_on(gpu0) == "fast" and len(offers) == 2                  # remembered
+    assert pick_on(gpu1) == "fast" and len(offers) == 3                  # another device has its own
     off_gpu = torch.zeros(1, device="cpu")
-    assert [pick(off_gpu) for _ in range(2)] == ["slow"] * 2 and len(offers) == 5         # off the GPU: never
-    blr_common.forget_picks()
-    assert pick(gpu0) == "fast" and len(offers) == 6
-    monkeypatch.setattr(blr_common, "_time_candidate", lambda op, name, fn, args, rep_ms: math.inf)
-    untimed = blr_common.auto_variant("op", (16,), offer, (gpu0,))
-    assert untimed == blr_common.auto_variant("op", (16,), offer, (gpu0,)) == "slow" and len(offers) == 7
+    assert [pick_on(off_gpu) for _ in range(2)] == ["slow"] * 2 and len(offers) == 5         # off the GPU: never
+    pick.forget_picks()
+    assert pick_on(gpu0) == "fast" and len(offers) == 6
+    monkeypatch.setattr(pick, "_time_candidate", lambda op, name, fn, args, rep_ms: math.inf)
+    untimed = pick.auto_variant("op", (16,), offer, (gpu0,))
+    assert untimed == pick.auto_variant("op", (16,), offer, (gpu0,)) == "slow" and len(offers) == 7
 
 
 def test_a_pick_where_no_variant_could_be_timed_runs_the_default_and_says_so(monkeypatch):
     """E.g. every candidate out of memory while timed (each failure is said by _time_candidate): the layer still
     runs, on its default, which later calls in the process take without timing again; nothing goes to disk."""
-    monkeypatch.setattr(blr_common, "_CACHE", {})
-    monkeypatch.setattr(blr_common, "_UNTIMED", set())
-    monkeypatch.setattr(blr_common, "_save_cache", lambda cache: pytest.fail("nothing to cache"))
+    monkeypatch.setattr(pick, "_CACHE", {})
+    monkeypatch.setattr(pick, "_UNTIMED", set())
+    monkeypatch.setattr(pick, "_save_cache", lambda cache: pytest.fail("nothing to cache"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     timed, warned = [], []
-    monkeypatch.setattr(blr_common, "_time_candidate", lambda op, name, fn, args, rep_ms: timed.append(name) or math.inf)
-    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(pick, "_time_candidate", lambda op, name, fn, args, rep_ms: timed.append(name) or math.inf)
+    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
     candidates = {"a": lambda: None, "b": lambda: None}
-    assert blr_common.pick_variant("op", (8,), candidates, "b", ()) == "b"
+    assert pick.pick_variant("op", (8,), candidates, "b", ()) == "b"
     assert "untimed" in warned[0] and "'b'" in warned[0]
-    assert blr_common.pick_variant("op", (8,), candidates, "b", ()) == "b" and timed == ["a", "b"]
+    assert pick.pick_variant("op", (8,), candidates, "b", ()) == "b" and timed == ["a", "b"]
 
 
 def test_a_pick_calls_each_candidate_once_before_copying_its_arguments(monkeypatch):
@@ -626,19 +626,19 @@ def test_a_pick_calls_each_candidate_once_before_copying_its_arguments(monkeypat
     before the pick's own copies exist, so the two sets are not alive together; a candidate whose first call fails
     is said once and not timed."""
     events, warned = [], []
-    monkeypatch.setattr(blr_common, "rotation", lambda op, args: events.append("copies") or [args])
-    monkeypatch.setattr(blr_common, "_time_candidate",
+    monkeypatch.setattr(pick, "rotation", lambda op, args: events.append("copies") or [args])
+    monkeypatch.setattr(pick, "_time_candidate",
                         lambda op, name, fn, args, rep_ms: events.append(f"time {name}") or {"ok": 1.0}[name])
-    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
 
     def broken(*args):
         raise RuntimeError("no kernel for this tile")
 
-    timings = blr_common._timed_fastest("op", {"ok": lambda *args: events.append("call ok"), "broken": broken}, (1,))
+    timings = pick._timed_fastest("op", {"ok": lambda *args: events.append("call ok"), "broken": broken}, (1,))
     assert events == ["call ok", "copies", "time ok"] and timings["pick"] == "ok"
     assert timings["first"] == {"ok": 1.0, "broken": math.inf} and "variant broken failed" in warned[0]
     events.clear()
-    assert blr_common._timed_fastest("op", {"broken": broken}, (1,)) == {"first": {"broken": math.inf}}
+    assert pick._timed_fastest("op", {"broken": broken}, (1,)) == {"first": {"broken": math.inf}}
     assert events == []                                                   # none settled: nothing copied or timed
 
 
@@ -650,32 +650,32 @@ def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
     again = iter([{"a": 1.0, "b": 0.9}, {"b": 1.2, "a": 1.1}, {"a": 1.3, "b": 0.8}])
     orders, reps, rotations = [], [], []
 
-    def timer(op, candidates, copies, rep_ms=blr_common.PICK_REP_MS):
+    def timer(op, candidates, copies, rep_ms=pick.PICK_REP_MS):
         rotations.append(copies)
         orders.append(list(candidates))
         reps.append(rep_ms)
         return first if len(orders) == 1 else next(again)
 
-    monkeypatch.setattr(blr_common, "_CACHE", {})
-    monkeypatch.setattr(blr_common, "_save_cache", lambda cache: None)
+    monkeypatch.setattr(pick, "_CACHE", {})
+    monkeypatch.setattr(pick, "_save_cache", lambda cache: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(blr_common, "_rotated_times", timer)
+    monkeypatch.setattr(pick, "_rotated_times", timer)
     candidates = {"a": lambda: None, "b": lambda: None, "c": lambda: None}
-    assert blr_common.PICK_FINALIST_SLACK < 1.5 and blr_common.PICK_FINAL_ROUNDS == 3
-    monkeypatch.setattr(blr_common, "PICK_TIMINGS", {})
-    assert blr_common.pick_variant("op", (8,), candidates, "c", ()) == "b"
+    assert pick.PICK_FINALIST_SLACK < 1.5 and pick.PICK_FINAL_ROUNDS == 3
+    monkeypatch.setattr(pick, "PICK_TIMINGS", {})
+    assert pick.pick_variant("op", (8,), candidates, "c", ()) == "b"
     assert orders == [["a", "b", "c"], ["a", "b"], ["b", "a"], ["a", "b"]]
     assert len(rotations) == 4 and all(r is rotations[0] for r in rotations)          # one set of copies
-    assert reps == [blr_common.PICK_REP_MS] + [blr_common.PICK_REP_MS / 3] * 3    # the rounds share one timing's replays
-    assert blr_common.PICK_TIMINGS == {"op (8,)": {"first": first, "finalists": {"a": 1.1, "b": 0.9}, "pick": "b"}}
+    assert reps == [pick.PICK_REP_MS] + [pick.PICK_REP_MS / 3] * 3    # the rounds share one timing's replays
+    assert pick.PICK_TIMINGS == {"op (8,)": {"first": first, "finalists": {"a": 1.1, "b": 0.9}, "pick": "b"}}
     first, orders[:] = {"a": 1.0, "b": 2.0, "c": 3.0}, []
-    assert blr_common.pick_variant("op", (16,), candidates, "c", ()) == "a"
+    assert pick.pick_variant("op", (16,), candidates, "c", ()) == "a"
     assert orders == [["a", "b", "c"]]
-    assert blr_common.PICK_TIMINGS["op (16,)"] == {"first": first, "finalists": {"a": 1.0}, "pick": "a"}
-    blr_common.PICK_TIMINGS.clear()                  # a later process: the pick comes from the cache, and says so
-    assert blr_common.pick_variant("op", (16,), candidates, "c", ()) == "a" and len(orders) == 1
-    assert blr_common.PICK_TIMINGS == {"op (16,)": {"pick": "a", "cached": True}}
+    assert pick.PICK_TIMINGS["op (16,)"] == {"first": first, "finalists": {"a": 1.0}, "pick": "a"}
+    pick.PICK_TIMINGS.clear()                  # a later process: the pick comes from the cache, and says so
+    assert pick.pick_variant("op", (16,), candidates, "c", ()) == "a" and len(orders) == 1
+    assert pick.PICK_TIMINGS == {"op (16,)": {"pick": "a", "cached": True}}
 
 
 def test_the_host_side_powers_of_two_are_tritons():
@@ -733,22 +733,22 @@ def test_pick_times_each_variant_over_rotating_copies_of_its_arguments(monkeypat
         reps.append(rep_ms)
         return medians.pop(0)
 
-    monkeypatch.setattr(blr_common, "graph_ms", bench)
-    monkeypatch.setattr(blr_common, "_cuda_device", lambda args: torch.device("cpu"))  # stands for the GPU here
-    monkeypatch.setattr(blr_common, "ROTATE_BYTES", 10)
+    monkeypatch.setattr(pick, "graph_ms", bench)
+    monkeypatch.setattr(pick, "cuda_device", lambda args: torch.device("cpu"))  # stands for the GPU here
+    monkeypatch.setattr(pick, "ROTATE_BYTES", 10)
     x = torch.ones(1)                                                  # 4 bytes: 3 copies hold 10
-    copies = blr_common.rotation("op", (x, "option"))
+    copies = pick.rotation("op", (x, "option"))
     assert len(copies) == 3 and copies[0][0] is x and all(c[1] == "option" for c in copies)
     assert len({c[0].data_ptr() for c in copies}) == 3 and all(torch.equal(c[0], x) for c in copies)
     candidates = {"a": lambda x, option: calls.append(("a", x.data_ptr())),
                   "b": lambda x, option: calls.append(("b", x.data_ptr()))}
-    assert blr_common._rotated_times("op", candidates, copies, rep_ms=2.5) == {"a": 8.0 / 3, "b": 4.0 / 3}
+    assert pick._rotated_times("op", candidates, copies, rep_ms=2.5) == {"a": 8.0 / 3, "b": 4.0 / 3}
     assert calls == [(name, c[0].data_ptr()) for name in "ab" for c in copies] and reps == [2.5, 2.5]
-    assert [blr_common.rotation_copies(size) for size in (0, 1, 5, 11)] == [10, 10, 2, 1]
-    monkeypatch.setattr(blr_common, "_l2_bytes", lambda device=None: 10)   # three times the L2 when that is more
-    assert blr_common.rotation_copies(5) == 6
-    monkeypatch.setattr(blr_common, "ROTATE_BYTES", 10**6)
-    assert blr_common.rotation_copies(1) == blr_common.ROTATE_MAX_COPIES
+    assert [pick.rotation_copies(size) for size in (0, 1, 5, 11)] == [10, 10, 2, 1]
+    monkeypatch.setattr(pick, "_l2_bytes", lambda device=None: 10)   # three times the L2 when that is more
+    assert pick.rotation_copies(5) == 6
+    monkeypatch.setattr(pick, "ROTATE_BYTES", 10**6)
+    assert pick.rotation_copies(1) == pick.ROTATE_MAX_COPIES
 
 
 @pytest.mark.cpu_only(reason="its first call expects CPU arguments not to be copied")
@@ -757,30 +757,30 @@ def test_rotation_copies_nested_and_strided_arguments_as_they_are(monkeypatch):
     weights), a row-strided view keeps its strides (gemv keys its pick by them), a tensor passed twice stays one
     tensor, other values are shared; arguments on the CPU are not copied at all."""
     x = torch.ones(2, 3)
-    assert blr_common.rotation("op", (x,)) == [(x,)]                  # no GPU tensor: one copy, nothing cloned
-    monkeypatch.setattr(blr_common, "_cuda_device", lambda args: torch.device("cpu"))  # stands for the GPU here
-    monkeypatch.setattr(blr_common, "ROTATE_BYTES", 10**6)
+    assert pick.rotation("op", (x,)) == [(x,)]                  # no GPU tensor: one copy, nothing cloned
+    monkeypatch.setattr(pick, "cuda_device", lambda args: torch.device("cpu"))  # stands for the GPU here
+    monkeypatch.setattr(pick, "ROTATE_BYTES", 10**6)
     down = torch.randn(4, 8)[:, :3]                                    # a partial FFN's down[:, :a]
     weights = [(down, None), (down, torch.ones(4))]
-    copy = blr_common.rotation("op", (x, weights))[1]
+    copy = pick.rotation("op", (x, weights))[1]
     assert isinstance(copy[1], list) and isinstance(copy[1][0], tuple) and copy[1][0][1] is None
     assert copy[1][0][0] is not down and copy[1][0][0].stride() == down.stride() == (8, 1)
     assert torch.equal(copy[1][0][0], down) and copy[1][1][0] is copy[1][0][0]     # passed twice, copied once
-    assert blr_common._nbytes((x, weights)) == x.nbytes + down.nbytes + 16
+    assert pick._nbytes((x, weights)) == x.nbytes + down.nbytes + 16
     row = torch.ones(3).expand(4, 3)                                   # overlapping: copied whole, values kept
-    copied = blr_common.rotation("op", (x, row))[1][1]
+    copied = pick.rotation("op", (x, row))[1][1]
     assert copied is not row and torch.equal(copied, row)
 
 
 def test_rotation_says_when_it_times_partly_from_l2(monkeypatch):
     """Copies that together stay under twice the L2 (the copy cap reached), or no memory for them, are said once."""
     warned = []
-    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
     stand_in, asked = torch.device("cpu"), []                          # stands for the arguments' GPU
-    monkeypatch.setattr(blr_common, "_cuda_device", lambda args: stand_in)
-    monkeypatch.setattr(blr_common, "_l2_bytes", lambda device: asked.append(device) or 2**20)
+    monkeypatch.setattr(pick, "cuda_device", lambda args: stand_in)
+    monkeypatch.setattr(pick, "_l2_bytes", lambda device: asked.append(device) or 2**20)
     x = torch.ones(16)                                                 # 64 bytes: 64 copies hold 4 KiB
-    assert len(blr_common.rotation("op", (x,))) == blr_common.ROTATE_MAX_COPIES
+    assert len(pick.rotation("op", (x,))) == pick.ROTATE_MAX_COPIES
     assert "less than twice the L2" in warned[0] and asked and all(device is stand_in for device in asked)
     real_empty_strided = torch.empty_strided
 
@@ -788,13 +788,13 @@ def test_rotation_says_when_it_times_partly_from_l2(monkeypatch):
         raise torch.cuda.OutOfMemoryError("no room")
 
     monkeypatch.setattr(torch, "empty_strided", no_memory)
-    assert blr_common.rotation("op", (x,)) == [(x,)] and "no memory" in warned[1] and "partly from L2" in warned[1]
+    assert pick.rotation("op", (x,)) == [(x,)] and "no memory" in warned[1] and "partly from L2" in warned[1]
     monkeypatch.setattr(torch, "empty_strided", real_empty_strided)
 
 
 def record_bgemm_choices(monkeypatch, *names) -> dict:
     """name -> the values bgemm's heuristics chose for ``names`` in the launches that follow (which loop ran)."""
-    heuristics, taken = blr_common._bgemm_kernel.fn, {name: [] for name in names}
+    heuristics, taken = batched_gemm._bgemm_kernel.fn, {name: [] for name in names}
     for name in names:
         decide = heuristics.values[name]
         monkeypatch.setitem(heuristics.values, name,
@@ -813,7 +813,7 @@ def test_bgemm_with_and_without_the_k_mask(dtype, k, monkeypatch):
     c = torch.full((batches * cols * n,), math.nan, dtype=dtype)
     taken = record_bgemm_choices(monkeypatch, "EVEN_K")
     # column col of batch bt at bt * cols + (col // grp) * grp + col % grp, token stride batches * cols
-    blr_common.bgemm(a, b, c, n, k, cols, batches, a.stride(), b.stride(), (cols, batches * cols, grp, 1), grp=grp,
+    batched_gemm.bgemm(a, b, c, n, k, cols, batches, a.stride(), b.stride(), (cols, batches * cols, grp, 1), grp=grp,
                      bias=bias)
     if interpreting():                        # one launch of the interpreter's tile; a GPU autotunes over BKs
         assert taken["EVEN_K"] == [k == 64]
@@ -831,11 +831,11 @@ def test_bgemm_gathers_runs_of_a(dtype, run, runs, stride, window, monkeypatch):
     rows and runs (strides 16, 64), the loop over aligned windows (31 plus a window's lead: two steps)."""
     batches, n, cols = 2, 9, 11
     size = n * runs * stride
-    store = torch.randn(size + blr_common.A_WINDOW_SLACK, dtype=dtype)[:size].view(n, runs * stride)
+    store = torch.randn(size + batched_gemm.A_WINDOW_SLACK, dtype=dtype)[:size].view(n, runs * stride)
     b = torch.randn(batches, runs * run, cols, dtype=dtype)
     c = torch.full((n, batches * cols), math.nan, dtype=dtype)
     taken = record_bgemm_choices(monkeypatch, "A_GROUPED", "A_WINDOW")
-    blr_common.bgemm(store, b, c, n, runs * run, cols, batches, (run, store.stride(0), 1), b.stride(),
+    batched_gemm.bgemm(store, b, c, n, runs * run, cols, batches, (run, store.stride(0), 1), b.stride(),
                      (cols, c.stride(0), 0, 1), a_runs=(run, stride))
     assert set(taken["A_GROUPED"]) == {True} and {bool(w) for w in taken["A_WINDOW"]} == {window}   # every tile
     a = torch.stack([torch.cat([store[:, g * stride + bt * run:][:, :run] for g in range(runs)], dim=1)
@@ -864,19 +864,19 @@ def test_bgemm_windows_need_slack_past_the_last_run():
     """Runs starting misaligned in aligned rows are read in aligned windows, past the last run: a without
     that slack is refused instead of read out of bounds."""
     b, c = torch.randn(2, 6, 5), torch.empty(4, 10)
-    last_run_end, slack = 3 + 3 * 16 + 8 + 3, blr_common.A_WINDOW_SLACK
+    last_run_end, slack = 3 + 3 * 16 + 8 + 3, batched_gemm.A_WINDOW_SLACK
     with pytest.raises(MemfitError, match="slack"):
-        blr_common.bgemm(torch.randn(4, 16), b, c, 4, 6, 5, 2, (3, 16, 1), b.stride(), (5, 10, 0, 1), a_runs=(3, 8))
+        batched_gemm.bgemm(torch.randn(4, 16), b, c, 4, 6, 5, 2, (3, 16, 1), b.stride(), (5, 10, 0, 1), a_runs=(3, 8))
     room = torch.randn(7 + last_run_end + slack)            # enough from its start, not from a view 8 in
-    blr_common.bgemm(room, b, c, 4, 6, 5, 2, (3, 16, 1), b.stride(), (5, 10, 0, 1), a_runs=(3, 8))
+    batched_gemm.bgemm(room, b, c, 4, 6, 5, 2, (3, 16, 1), b.stride(), (5, 10, 0, 1), a_runs=(3, 8))
     with pytest.raises(MemfitError, match="slack"):
-        blr_common.bgemm(room[8:], b, c, 4, 6, 5, 2, (3, 16, 1), b.stride(), (5, 10, 0, 1), a_runs=(3, 8))
+        batched_gemm.bgemm(room[8:], b, c, 4, 6, 5, 2, (3, 16, 1), b.stride(), (5, 10, 0, 1), a_runs=(3, 8))
 
 
 def test_bgemm_runs_must_divide_k():
     a, b, c = torch.randn(4, 6), torch.randn(1, 6, 5), torch.empty(4, 5)
     with pytest.raises(MemfitError, match="runs of 4 do not divide k = 6"):
-        blr_common.bgemm(a, b, c, 4, 6, 5, 1, (0, 6, 1), (0, *b.stride()), (0, 5, 0, 1), a_runs=(4, 6))
+        batched_gemm.bgemm(a, b, c, 4, 6, 5, 1, (0, 6, 1), (0, *b.stride()), (0, 5, 0, 1), a_runs=(4, 6))
 
 
 def pruned_bgemm_tiles(n: int, k: int, run: int | None = None, batches: int = 16, cols: int = 512, b_run: int = 0,
@@ -892,20 +892,20 @@ def pruned_bgemm_tiles(n: int, k: int, run: int | None = None, batches: int = 16
             return 2
 
     configs = [triton.Config({"BN": bn, "BC": bc, "BK": bk, "BATCH_GROUP": g}, num_warps=w, num_stages=st)
-               for bn, bc, bk, g, w, st in blr_common.BGEMM_TUNED]
+               for bn, bc, bk, g, w, st in batched_gemm.BGEMM_TUNED]
     shape = {"N": n, "N_BUCKET": blr_common.n_bucket(n), "C": cols, "K": k, "AGRP": run or k, "BGRP": b_run,
              "BATCHES": batches, "a_ptr": Tensor()}
-    return blr_common._prune_bgemm(configs, shape, **({"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False} | flags))
+    return batched_gemm._prune_bgemm(configs, shape, **({"LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False} | flags))
 
 
 @pytest.mark.parametrize("chain", [{}, {"LAUNCH_DEPENDENTS": True}, {"WAIT_FOR_PREVIOUS": True}])
 def test_decode_bgemm_tiles_depend_on_whether_the_launch_is_in_a_chain(chain):
     """A bgemm launch on its own tunes over the decode sweep's tiles, a stage in a chain over its own."""
     kept = pruned_bgemm_tiles(1, 512, **chain)
-    want = blr_common.BGEMM_CHAINED_DECODE if chain else blr_common.BGEMM_PLAIN_DECODE
-    assert [blr_common.bgemm_tile(c) for c in kept] == want
-    assert {"LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS", "AGRP"} <= set(blr_common._bgemm_kernel.keys)
-    assert not set(blr_common.BGEMM_PLAIN_DECODE) & set(blr_common.BGEMM_CHAINED_DECODE)   # else pruned from both
+    want = batched_gemm.BGEMM_CHAINED_DECODE if chain else batched_gemm.BGEMM_PLAIN_DECODE
+    assert [batched_gemm.bgemm_tile(c) for c in kept] == want
+    assert {"LAUNCH_DEPENDENTS", "WAIT_FOR_PREVIOUS", "AGRP"} <= set(batched_gemm._bgemm_kernel.keys)
+    assert not set(batched_gemm.BGEMM_PLAIN_DECODE) & set(batched_gemm.BGEMM_CHAINED_DECODE)   # else pruned from both
 
 
 @pytest.mark.parametrize("n,cols,mid", [(16, 128, False), (17, 128, True), (128, 128, True), (128, 256, True),
@@ -915,10 +915,10 @@ def test_mid_tiles_only_where_the_large_tiles_leave_most_sms_idle(monkeypatch, n
     """The 64-token tiles of few columns are tuned over in the N buckets above decode up to MID_MAX_N (256: N = 257
     shares 512's bucket, where the large tiles won) where 64 x 128 tiles give fewer programs than half the SMs (16
     batches on 132 SMs: at N = 128, 256 columns make 64 programs, 512 make 128), chained or not."""
-    monkeypatch.setattr(blr_common, "sm_count", lambda device: 132)
+    monkeypatch.setattr(batched_gemm, "sm_count", lambda device: 132)
     for chain in ({}, {"WAIT_FOR_PREVIOUS": True}):
-        kept = {blr_common.bgemm_tile(c) for c in pruned_bgemm_tiles(n, 128, cols=cols, **chain)}
-        assert (set(blr_common.BGEMM_MID) <= kept) == mid and bool(kept & set(blr_common.BGEMM_MID)) == mid
+        kept = {batched_gemm.bgemm_tile(c) for c in pruned_bgemm_tiles(n, 128, cols=cols, **chain)}
+        assert (set(batched_gemm.BGEMM_MID) <= kept) == mid and bool(kept & set(batched_gemm.BGEMM_MID)) == mid
 
 
 @pytest.mark.cpu_only(reason="on a GPU the process's other tests leave their chained tile pairs in the record")
@@ -929,15 +929,15 @@ def test_tile_picks_read_every_tuned_kernels_autotuning_cache(monkeypatch):
 
     from memfit.kernels import blast, monarch
 
-    names = {kernel.base_fn.__name__ for kernel in blr_common.TUNED_KERNELS}
+    names = {kernel.base_fn.__name__ for kernel in pick.TUNED_KERNELS}
     assert {"_bgemm_kernel", "_fused_kernel", "_permute_kernel", "_tmix_kernel", "_zmix_kernel"} <= names
-    for kernel in blr_common.TUNED_KERNELS:
+    for kernel in pick.TUNED_KERNELS:
         monkeypatch.setattr(kernel, "cache", {})
-    monkeypatch.setattr(blr_common._bgemm_kernel, "cache", {(128, "torch.bfloat16"): triton.Config({"BN": 64},
+    monkeypatch.setattr(batched_gemm._bgemm_kernel, "cache", {(128, "torch.bfloat16"): triton.Config({"BN": 64},
                                                                                                     num_warps=4)})
     monkeypatch.setattr(monarch._fused_kernel, "cache", {})
-    picks = blr_common.tile_picks()
-    assert list(picks) == ["_bgemm_kernel"] and blast._tmix_kernel in blr_common.TUNED_KERNELS
+    picks = pick.tile_picks()
+    assert list(picks) == ["_bgemm_kernel"] and blast._tmix_kernel in pick.TUNED_KERNELS
     assert picks["_bgemm_kernel"] == {"(128, 'torch.bfloat16')": str(triton.Config({"BN": 64}, num_warps=4))}
     assert "BN: 64" in picks["_bgemm_kernel"]["(128, 'torch.bfloat16')"]
 
@@ -947,22 +947,22 @@ def tuned_bgemm_configs():
     import triton
 
     return [triton.Config({"BN": bn, "BC": bc, "BK": bk, "BATCH_GROUP": g}, num_warps=w, num_stages=st)
-            for bn, bc, bk, g, w, st in blr_common.BGEMM_TUNED]
+            for bn, bc, bk, g, w, st in batched_gemm.BGEMM_TUNED]
 
 
 def test_the_tiles_offered_a_chained_launch_are_the_autotuners_own(monkeypatch):
     """bgemm_tiles_offered lists what the autotuner would choose between (on a GPU of 132 SMs here): at N = 128 with
     128 columns the mid tiles, no 16-token decode tile and no batch-grouped one; at N = 16 only the chained decode
     tiles for a chained launch and only the plain ones for a plain launch (K = 512: none too deep for it)."""
-    monkeypatch.setattr(blr_common._bgemm_kernel, "configs", tuned_bgemm_configs())
-    monkeypatch.setattr(blr_common, "sm_count", lambda device: 132)
+    monkeypatch.setattr(batched_gemm._bgemm_kernel, "configs", tuned_bgemm_configs())
+    monkeypatch.setattr(batched_gemm, "sm_count", lambda device: 132)
     a = torch.empty(1, dtype=torch.bfloat16)
     for flags in ({"launch_dependents": True}, {"wait_for_previous": True}):
-        tiles = blr_common.bgemm_tiles_offered(a, 128, 128, 128, 16, **flags)
-        assert set(blr_common.BGEMM_MID) <= set(tiles) and all(tile[0] > 16 for tile in tiles)
+        tiles = batched_gemm.bgemm_tiles_offered(a, 128, 128, 128, 16, **flags)
+        assert set(batched_gemm.BGEMM_MID) <= set(tiles) and all(tile[0] > 16 for tile in tiles)
         assert len(tiles) == len(set(tiles)) and all(len(tile) == 5 for tile in tiles)
-        assert set(blr_common.bgemm_tiles_offered(a, 16, 512, 128, 16, **flags)) == set(blr_common.BGEMM_CHAINED_DECODE)
-    assert set(blr_common.bgemm_tiles_offered(a, 16, 512, 128, 16)) == set(blr_common.BGEMM_PLAIN_DECODE)
+        assert set(batched_gemm.bgemm_tiles_offered(a, 16, 512, 128, 16, **flags)) == set(batched_gemm.BGEMM_CHAINED_DECODE)
+    assert set(batched_gemm.bgemm_tiles_offered(a, 16, 512, 128, 16)) == set(batched_gemm.BGEMM_PLAIN_DECODE)
 
 
 @pytest.fixture
@@ -970,7 +970,7 @@ def launched_tiles(monkeypatch):
     """The (BN, BC, BK, warps, stages) of every bgemm launch made with a fixed tile, in order (the autotuner's own
     launches go through it too, so they would show as extra entries)."""
     launched = []
-    heuristics = blr_common._bgemm_kernel.fn
+    heuristics = batched_gemm._bgemm_kernel.fn
     run = heuristics.run
 
     def spy(*args, **kwargs):
@@ -989,9 +989,9 @@ def test_bgemm_runs_the_tile_it_is_given(launched_tiles):
     gen = seeded(3)
     a, b = torch.randn(2, 24, 40, generator=gen), torch.randn(2, 40, 20, generator=gen)
     c = torch.empty(2, 24, 20)
-    tile = blr_common.BGEMM_PLAIN_DECODE[1]
+    tile = batched_gemm.BGEMM_PLAIN_DECODE[1]
     assert tile[2] == 64
-    launch = lambda tile: blr_common.bgemm(a, b, c, 24, 40, 20, 2, a.stride(), b.stride(),   # noqa: E731
+    launch = lambda tile: batched_gemm.bgemm(a, b, c, 24, 40, 20, 2, a.stride(), b.stride(),   # noqa: E731
                                            (c.stride(0), c.stride(1), 0, 1), tile=tile)
     launch(tile)
     assert rel(c, torch.bmm(a, b)) < 1e-5 and launched_tiles == [tile]
@@ -999,10 +999,10 @@ def test_bgemm_runs_the_tile_it_is_given(launched_tiles):
         with pytest.raises(MemfitError, match="none of its"):
             launch(wrong)
     with pytest.raises(MemfitError, match="cuBLAS takes no bgemm tile"):
-        blr_common.per_block_gemm(torch.randn(24, 2, 8), torch.randn(2, 8, 5), None, cublas=True, tile=tile)
+        batched_gemm.per_block_gemm(torch.randn(24, 2, 8), torch.randn(2, 8, 5), None, cublas=True, tile=tile)
 
 
-CHAINED_TILES = (blr_common.BGEMM_PLAIN_DECODE[1], blr_common.BGEMM_CHAINED_DECODE[1])   # K steps of 64 and 128
+CHAINED_TILES = (batched_gemm.BGEMM_PLAIN_DECODE[1], batched_gemm.BGEMM_CHAINED_DECODE[1])   # K steps of 64 and 128
 
 
 def chained_layer(structure: str, tiles=None):
@@ -1037,14 +1037,14 @@ def test_each_chained_pipeline_computes_its_layer_with_the_tiles_it_is_given(str
 def fake_gpu_chain(monkeypatch):
     """pick_chain_tiles as on a GPU of 132 SMs with every bgemm config, the copies being the arguments themselves and
     each pair's time given by ``times`` (label -> ms; unlisted pairs read 10 ms); nothing written to disk."""
-    monkeypatch.setattr(blr_common, "_CACHE", {})
-    monkeypatch.setattr(blr_common, "_CHAIN_TILE_MEMO", {})
-    monkeypatch.setattr(blr_common, "CHAIN_TILE_PICKS", {})
-    monkeypatch.setattr(blr_common, "_save_cache", lambda cache: None)
-    monkeypatch.setattr(blr_common, "_cuda_device", lambda args: "cuda:0")
-    monkeypatch.setattr(blr_common, "rotation", lambda op, args: [args])
-    monkeypatch.setattr(blr_common, "sm_count", lambda device: 132)
-    monkeypatch.setattr(blr_common._bgemm_kernel, "configs", tuned_bgemm_configs())
+    monkeypatch.setattr(pick, "_CACHE", {})
+    monkeypatch.setattr(pick, "CHAIN_TILE_MEMO", {})
+    monkeypatch.setattr(pick, "CHAIN_TILE_PICKS", {})
+    monkeypatch.setattr(pick, "_save_cache", lambda cache: None)
+    monkeypatch.setattr(pick, "cuda_device", lambda args: "cuda:0")
+    monkeypatch.setattr(pick, "rotation", lambda op, args: [args])
+    monkeypatch.setattr(batched_gemm, "sm_count", lambda device: 132)
+    monkeypatch.setattr(batched_gemm._bgemm_kernel, "configs", tuned_bgemm_configs())
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     times, timed = {}, []
@@ -1054,7 +1054,7 @@ def fake_gpu_chain(monkeypatch):
         fn()
         return times.get(name, 10.0)
 
-    monkeypatch.setattr(blr_common, "_time_candidate", time_candidate)
+    monkeypatch.setattr(pick, "_time_candidate", time_candidate)
     return times, timed
 
 
@@ -1066,17 +1066,17 @@ def test_a_chain_takes_the_pair_of_tiles_fastest_together_and_caches_it(fake_gpu
     run_with = lambda x, tiles: ran.append(tiles)               # noqa: E731
     x = torch.empty(128, 256, dtype=torch.bfloat16)
     stages = ((128, 256, 16), (256, 128, 16))
-    firsts = blr_common.bgemm_tiles_offered(x, 128, 128, 256, 16, launch_dependents=True)
-    seconds = blr_common.bgemm_tiles_offered(x, 128, 256, 128, 16, wait_for_previous=True)
+    firsts = batched_gemm.bgemm_tiles_offered(x, 128, 128, 256, 16, launch_dependents=True)
+    seconds = batched_gemm.bgemm_tiles_offered(x, 128, 256, 128, 16, wait_for_previous=True)
     best = (firsts[-1], seconds[0])
     times[f"{best[0]} + {best[1]}"] = 1.0
-    assert blr_common.pick_chain_tiles("op", (128,), stages, run_with, (x,)) == best
+    assert batched_gemm.pick_chain_tiles("op", (128,), stages, run_with, (x,)) == best
     assert len(timed) == len(firsts) * len(seconds) and len(set(ran)) == len(timed)
-    record = blr_common.tile_picks()["chained bgemm pairs"]["op (128,)"]           # with every pair's timing
+    record = pick.tile_picks()["chained bgemm pairs"]["op (128,)"]           # with every pair's timing
     assert record["pick"] == f"{best[0]} + {best[1]}" and set(record["first"]) == set(timed)
     timed.clear()
-    monkeypatch.setattr(blr_common, "_CHAIN_TILE_MEMO", {})                   # a later process, the same disk cache
-    assert blr_common.pick_chain_tiles("op", (128,), stages, run_with, (x,)) == best and timed == []
+    monkeypatch.setattr(pick, "CHAIN_TILE_MEMO", {})                   # a later process, the same disk cache
+    assert batched_gemm.pick_chain_tiles("op", (128,), stages, run_with, (x,)) == best and timed == []
 
 
 @pytest.mark.parametrize("structure", ["monarch", "blast", "lowrank"])
@@ -1092,11 +1092,11 @@ def test_each_chained_op_runs_the_pair_its_pick_took(structure, fake_gpu_chain, 
         fn()
         return 1000.0 - len(timed)
 
-    monkeypatch.setattr(blr_common, "_time_candidate", time_candidate)
+    monkeypatch.setattr(pick, "_time_candidate", time_candidate)
     got, want = chained_layer(structure)
-    label = next(iter(blr_common.CHAIN_TILE_PICKS.values()))["pick"]
+    label = next(iter(pick.CHAIN_TILE_PICKS.values()))["pick"]
     assert rel(got, want) < 1e-5 and label in timed
-    pairs = len(next(iter(blr_common.CHAIN_TILE_PICKS.values()))["first"])
+    pairs = len(next(iter(pick.CHAIN_TILE_PICKS.values()))["first"])
     assert len(launched_tiles) == 2 * pairs + 2 * len(timed) + 2                  # settled, timed, then the run
     assert launched_tiles[-2:] == [ast.literal_eval(tile) for tile in label.split(" + ")]
 
@@ -1108,11 +1108,11 @@ def test_blasts_gemv_chain_runs_stage_one_with_the_gemm_chains_tile(fake_gpu_cha
     gen = seeded(5)
     x, u, v, s = (torch.randn(*shape, generator=gen) / 8 for shape in [(1, 3 * 128), (3, 10, 128), (3, 128, 128),
                                                                        (3, 3, 128)])   # K = 128: two stage-1 tiles fit
-    firsts = blr_common.bgemm_tiles_offered(x, 1, 128, 128, 3, launch_dependents=True)
-    seconds = blr_common.bgemm_tiles_offered(x, 1, 128, 10, 3, wait_for_previous=True)
+    firsts = batched_gemm.bgemm_tiles_offered(x, 1, 128, 128, 3, launch_dependents=True)
+    seconds = batched_gemm.bgemm_tiles_offered(x, 1, 128, 10, 3, wait_for_previous=True)
     times[f"{firsts[-1]} + {seconds[0]}"] = 1.0                   # not the first pair: the GEMM chain's pick
     y = blast._bgemm_mix_gemv_pdl(x, u, v, s, None)
-    label = next(iter(blr_common.CHAIN_TILE_PICKS.values()))["pick"]
+    label = next(iter(pick.CHAIN_TILE_PICKS.values()))["pick"]
     assert rel(y, blast_linear_reference(x, u, v, s)) < 1e-5 and len(firsts) > 1
     assert label == f"{firsts[-1]} + {seconds[0]}" and launched_tiles[-1] == firsts[-1]
 
@@ -1121,11 +1121,11 @@ def test_a_chain_first_called_inside_a_capture_leaves_its_tiles_to_the_autotuner
                                                                                                  monkeypatch):
     _, timed = fake_gpu_chain
     warned = []
-    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     x = torch.empty(16, 256, dtype=torch.bfloat16)
     run_with = lambda x, tiles: pytest.fail("nothing is timed inside a capture")   # noqa: E731
-    assert blr_common.pick_chain_tiles("op", (16,), ((128, 256, 16), (256, 128, 16)), run_with, (x,)) == (None, None)
+    assert batched_gemm.pick_chain_tiles("op", (16,), ((128, 256, 16), (256, 128, 16)), run_with, (x,)) == (None, None)
     assert timed == [] and "capture" in warned[0] and "autotuner picks alone" in warned[0]
 
 
@@ -1135,22 +1135,22 @@ def test_a_chain_whose_pairs_all_fail_leaves_its_tiles_to_the_autotuner_says_so_
     take their own tiles; later calls in the process neither time again nor write the cache."""
     times, timed = fake_gpu_chain
     warned = []
-    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
-    monkeypatch.setattr(blr_common, "_save_cache", lambda cache: pytest.fail("nothing to cache"))
-    monkeypatch.setattr(blr_common, "_time_candidate", lambda op, name, fn, args, rep_ms: timed.append(name) or math.inf)
+    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(pick, "_save_cache", lambda cache: pytest.fail("nothing to cache"))
+    monkeypatch.setattr(pick, "_time_candidate", lambda op, name, fn, args, rep_ms: timed.append(name) or math.inf)
     x = torch.empty(16, 256, dtype=torch.bfloat16)
     stages = ((128, 256, 16), (256, 128, 16))
-    assert blr_common.pick_chain_tiles("op", (16,), stages, lambda x, tiles: None, (x,)) == (None, None)
+    assert batched_gemm.pick_chain_tiles("op", (16,), stages, lambda x, tiles: None, (x,)) == (None, None)
     assert len(warned) == 1 and "nothing could be timed" in warned[0] and "autotuner picks alone" in warned[0] and timed
     timed.clear()
-    assert blr_common.pick_chain_tiles("op", (16,), stages, lambda x, tiles: None, (x,)) == (None, None)
+    assert batched_gemm.pick_chain_tiles("op", (16,), stages, lambda x, tiles: None, (x,)) == (None, None)
     assert timed == []
 
 
 @pytest.mark.cpu_only(reason="it checks the pick off the GPU")
 def test_off_the_gpu_a_chain_leaves_its_tiles_to_the_autotuner():
     x = torch.empty(16, 256)
-    assert blr_common.pick_chain_tiles("op", (16,), ((128, 256, 16), (256, 128, 16)), None, (x,)) == (None, None)
+    assert batched_gemm.pick_chain_tiles("op", (16,), ((128, 256, 16), (256, 128, 16)), None, (x,)) == (None, None)
 
 
 @pytest.mark.parametrize("run,want_bk", [(768, {64}), (48, {64, 32, 16}), (16, {32, 16})])
@@ -1159,7 +1159,7 @@ def test_short_run_tiles_only_for_a_gathered_a(run, want_bk):
     48 adds the short-run tiles, and runs of 16 keep only those (a 64-wide step would mask 3/4 of it)."""
     kept = pruned_bgemm_tiles(1024, 768, run)
     assert {c.kwargs["BK"] for c in kept} == want_bk
-    short = {blr_common.bgemm_tile(c) for c in kept} & set(blr_common.BGEMM_SHORT_RUNS)
+    short = {batched_gemm.bgemm_tile(c) for c in kept} & set(batched_gemm.BGEMM_SHORT_RUNS)
     assert bool(short) == (run < 768)
 
 
@@ -1193,12 +1193,12 @@ def test_interleaved_b_rows_at_every_step_width(tile, t, gathered):
     c = torch.full((n, p), math.nan)
     if gathered:                                                         # a's run j: t columns, 2 t apart
         a = torch.randn(n, 2 * t * g, generator=gen)
-        blr_common.bgemm(a, w, c, n, g * t, p, 1, (0, a.stride(0), 1), w.stride(), (0, p, 0, 1), a_runs=(t, 2 * t),
+        batched_gemm.bgemm(a, w, c, n, g * t, p, 1, (0, a.stride(0), 1), w.stride(), (0, p, 0, 1), a_runs=(t, 2 * t),
                          b_interleaved=g, tile=tile)
         a = a.view(n, g, 2 * t)[:, :, :t].reshape(n, g * t)
     else:
         a = torch.randn(n, g * t, generator=gen)
-        blr_common.bgemm(a, w, c, n, g * t, p, 1, (0, a.stride(0), 1), w.stride(), (0, p, 0, 1), b_interleaved=g,
+        batched_gemm.bgemm(a, w, c, n, g * t, p, 1, (0, a.stride(0), 1), w.stride(), (0, p, 0, 1), b_interleaved=g,
                          tile=tile)
     torch.testing.assert_close(c, a @ in_j_s_order[0], rtol=1e-4, atol=1e-4)
 
@@ -1207,12 +1207,12 @@ def test_bgemm_refuses_interleaved_rows_it_cannot_read():
     a, w, c = torch.randn(4, 12), torch.randn(1, 12, 8), torch.empty(4, 8)
     args = (a, w, c, 4, 12, 8, 1, (0, 12, 1), w.stride(), (0, 8, 0, 1))
     with pytest.raises(MemfitError, match="5 interleaved runs do not divide k = 12"):
-        blr_common.bgemm(*args, b_interleaved=5)
+        batched_gemm.bgemm(*args, b_interleaved=5)
     with pytest.raises(MemfitError, match="runs of 4 must be a's runs of 3"):
-        blr_common.bgemm(*args, a_runs=(3, 3), b_interleaved=3)
+        batched_gemm.bgemm(*args, a_runs=(3, 3), b_interleaved=3)
     k_major = torch.randn(1, 8, 12).transpose(1, 2)                      # unit stride along k, not along col
     with pytest.raises(MemfitError, match="interleaved b rows only with a unit column stride"):
-        blr_common.bgemm(a, k_major, c, 4, 12, 8, 1, (0, 12, 1), k_major.stride(), (0, 8, 0, 1), b_interleaved=3,
+        batched_gemm.bgemm(a, k_major, c, 4, 12, 8, 1, (0, 12, 1), k_major.stride(), (0, 8, 0, 1), b_interleaved=3,
                          wait_for_previous=True)
 
 
@@ -1228,8 +1228,8 @@ def test_bgemm_batch_groups(dtype, batches, group, k, even_k):
     a, b = torch.randn(batches, n, k, dtype=dtype), torch.randn(batches, k, cols, dtype=dtype)
     bias = torch.randn(batches * cols, dtype=dtype)
     c = torch.full((batches * cols * n,), math.nan, dtype=dtype)
-    grid = blr_common.bgemm_grid(n, cols, batches, bn, bc, group)
-    blr_common.jit_function(blr_common._bgemm_kernel)[grid](
+    grid = batched_gemm.bgemm_grid(n, cols, batches, bn, bc, group)
+    batched_gemm.jit_function(batched_gemm._bgemm_kernel)[grid](
         a, b, c, bias, n, k, cols, grp, k, batches, 0, *a.stride(), 0, *b.stride(), k * b.stride(1), cols,
         batches * cols, grp, 1, 0,
         HAS_BIAS=True, PRECISION=blr_common.blr_precision(dtype), LAUNCH_DEPENDENTS=False, WAIT_FOR_PREVIOUS=False,
@@ -1248,7 +1248,7 @@ def test_batch_grouped_loop_pipelines_across_batches():
     tile = {"HAS_BIAS": False, "PRECISION": "tf32", "LINE": 64, "BN": 256, "BC": 128, "BK": 64, "EVEN_K": True,
             "LAUNCH_DEPENDENTS": False, "WAIT_FOR_PREVIOUS": False, "B_ROWS_CONTIGUOUS": False, "A_GROUPED": False,
             "A_WINDOW": 0, "sak": 1, "sbc": 1, "scn": 1, "BATCH_GROUP": 8, "BGRP": 0}
-    assert (256, 128, 64, 8, 8, 3) in blr_common.BGEMM_GROUPED
+    assert (256, 128, 64, 8, 8, 3) in batched_gemm.BGEMM_GROUPED
     ptx = compile_sm90({"grouped": ("bgemm", tile, aligned, 3, 8)})["grouped"]
     assert "cp.async.cg" in ptx and "wgmma.mma_async" in ptx
     assert set(re.findall(r"st\.global[a-z0-9.]*", ptx)) == {"st.global.v4.b32"}
@@ -1260,42 +1260,45 @@ def test_tile_configs_are_tuned_by_autotune_bench(monkeypatch):
     CUDA graph capture."""
     import triton
 
-    monkeypatch.setattr(blr_common, "interpreting", lambda: False)
+    monkeypatch.setattr(pick, "interpreting", lambda: False)
 
     @triton.jit
     def plain(x_ptr, B: tl.constexpr):
         pass
 
-    tuner = blr_common.tuned([(16, 4, 2), (32, 4, 2)], ("B",), (16, 4, 1), key=[])(plain)
-    assert tuner.do_bench is blr_common.autotune_bench
+    tuner = pick.tuned([(16, 4, 2), (32, 4, 2)], ("B",), (16, 4, 1), key=[])(plain)
+    assert tuner.do_bench is pick.autotune_bench
 
     sizes, timed = stub_l2_flush(monkeypatch), []
-    monkeypatch.setattr(blr_common, "_graph_ms", lambda fn, args: fn() and timed.append("timed") or 1.5)
+    monkeypatch.setattr(pick, "_graph_ms", lambda fn, args: fn() and timed.append("timed") or 1.5)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     calls = []
-    assert blr_common.autotune_bench(lambda: calls.append("call"), quantiles=(0.5, 0.2, 0.8)) == [1.5, 1.5, 1.5]
+    assert pick.autotune_bench(lambda: calls.append("call"), quantiles=(0.5, 0.2, 0.8)) == [1.5, 1.5, 1.5]
     assert sizes == [2 * 2**20] and calls == ["call"] and timed == ["timed"]     # flush and call in one timing
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(MemfitError, match="before capturing"):
-        blr_common.autotune_bench(lambda: None, quantiles=(0.5,))
+        pick.autotune_bench(lambda: None, quantiles=(0.5,))
 
 
 def test_a_picks_source_digest_looks_each_code_object_up_once(monkeypatch):
     """The digest in every pick's cache key (built at each call of an op) looks up a candidate's source file once
-    per code object, closures made anew at each call too (gemv's), and gives the same digest as before."""
+    per code object, closures made anew at each call too (gemv's), and gives the same digest as before. The digest
+    covers every kernel module, so that an edited kernel which no candidate defines (bgemm, gemv's block GEMV in
+    BLAST's chain) invalidates the picks too."""
     import inspect
 
     from memfit.kernels import gemv, monarch
 
     looked_up, real = [], inspect.getsourcefile
     monkeypatch.setattr(inspect, "getsourcefile", lambda obj: looked_up.append(obj) or real(obj))
-    monkeypatch.setattr(blr_common, "_code_source_file", functools.cache(blr_common._code_source_file.__wrapped__))
+    monkeypatch.setattr(pick, "_code_source_file", functools.cache(pick._code_source_file.__wrapped__))
     fns = tuple(monarch.VARIANTS.values()) + (gemv.over_group("cublas"),)
-    first = blr_common._source_digest(fns)
+    first = pick.source_digest(fns)
     assert len(looked_up) == len({fn.__code__ for fn in fns})
-    assert blr_common._source_digest(tuple(monarch.VARIANTS.values()) + (gemv.over_group("gemv_n4_k1024_w4"),)) == first
+    assert pick.source_digest(tuple(monarch.VARIANTS.values()) + (gemv.over_group("gemv_n4_k1024_w4"),)) == first
     assert len(looked_up) == len({fn.__code__ for fn in fns})
-    assert first == blr_common._digest_files(tuple(sorted({real(fn) for fn in fns} | {blr_common.__file__})))
+    assert first == pick._digest_files(tuple(sorted({real(fn) for fn in fns} | set(pick.kernel_sources()))))
+    assert batched_gemm.__file__ in pick.kernel_sources()     # the GEMM the candidates run, defined in no candidate's file
 
 
 def test_the_l2_flush_reads_its_buffer_without_a_copy_of_it():
@@ -1304,7 +1307,7 @@ def test_the_l2_flush_reads_its_buffer_without_a_copy_of_it():
     from torch.profiler import profile
 
     size = 32 * 2**20
-    flush = blr_common.l2_flush(size, torch.device("cpu"))
+    flush = pick.l2_flush(size, torch.device("cpu"))
     with profile(profile_memory=True) as prof:
         flush()
     allocated = sum(max(e.self_cpu_memory_usage, 0) for e in prof.key_averages())
@@ -1330,14 +1333,14 @@ def test_autotuning_without_memory_for_the_flush_times_warm_and_says_so(monkeypa
     stub_l2_flush(monkeypatch)
     monkeypatch.setattr(torch, "empty", no_memory)
     timed, warned = [], []
-    monkeypatch.setattr(blr_common, "_graph_ms", lambda fn, args: timed.append(fn) or 2.0)
-    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(pick, "_graph_ms", lambda fn, args: timed.append(fn) or 2.0)
+    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
     def kernel_call():
         return None
 
-    assert blr_common.autotune_bench(kernel_call) == 2.0
+    assert pick.autotune_bench(kernel_call) == 2.0
     assert timed == [kernel_call] and "warm L2" in warned[0]
 
 
@@ -1348,11 +1351,11 @@ def test_autotuning_lets_failures_through(monkeypatch):
         raise RuntimeError("a broken config")
 
     stub_l2_flush(monkeypatch)
-    monkeypatch.setattr(blr_common, "graph_ms", bench)
+    monkeypatch.setattr(pick, "graph_ms", bench)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with pytest.raises(RuntimeError, match="broken config"):
-        blr_common.autotune_bench(lambda: None)
-    assert blr_common._rotated_times("op", {"variant": lambda: None}, [()]) == {"variant": float("inf")}
+        pick.autotune_bench(lambda: None)
+    assert pick._rotated_times("op", {"variant": lambda: None}, [()]) == {"variant": float("inf")}
 
 
 def test_graph_timings_reuse_one_side_stream_after_the_callers_work(monkeypatch):
@@ -1418,9 +1421,9 @@ def test_a_variant_that_fails_to_run_is_not_picked(monkeypatch):
         raise RuntimeError("out of resources")
 
     warned = []
-    monkeypatch.setattr(blr_common, "graph_ms", bench)
-    monkeypatch.setattr(blr_common, "warn_once", lambda key, message: warned.append(message))
-    assert blr_common._time_candidate("op", "broken", broken, (1,)) == float("inf")
+    monkeypatch.setattr(pick, "graph_ms", bench)
+    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
+    assert pick._time_candidate("op", "broken", broken, (1,)) == float("inf")
     assert "broken" in warned[0] and "out of resources" in warned[0]
 
 

@@ -23,9 +23,9 @@ def untimed(chain_tiles, monkeypatch):
 @ON_THE_INTERPRETER
 def test_every_pair_and_the_op_are_checked_then_timed(chain_tiles, untimed, monkeypatch):
     """Each pair runs its own two tiles (checked, then timed: two calls), then the op runs its pick."""
-    from memfit.kernels import blr_common
+    from memfit.kernels import batched_gemm
 
-    launched, heuristics = [], blr_common._bgemm_kernel.fn
+    launched, heuristics = [], batched_gemm._bgemm_kernel.fn
     run = heuristics.run
     monkeypatch.setattr(heuristics, "run", lambda *args, **kwargs: launched.append(
         tuple(kwargs[name] for name in ("BN", "BC", "BK", "num_warps", "num_stages"))) or run(*args, **kwargs))

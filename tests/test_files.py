@@ -41,10 +41,10 @@ def _results(tmp_path):
 
 
 def _autotune_cache(tmp_path):
-    from memfit.kernels import blr_common
+    from memfit.kernels import pick
 
-    blr_common._save_cache({"key": "value"})
-    return blr_common._cache_path()
+    pick._save_cache({"key": "value"})
+    return pick._cache_path()
 
 
 def _model_dir(tmp_path):

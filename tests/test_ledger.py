@@ -648,7 +648,7 @@ def test_blr_transients_bound_the_pytorch_pipeline_forward_and_backward(method, 
     in its backward, as the custom ops do) bound what it holds in its forward and in its backward, trained or frozen,
     at shapes where z, the output and the input each dominate, with and without a bias; the forward bound is reached
     within 20% at one shape with and one without a bias, the backward's at one shape. The backward runs this same
-    PyTorch reference on every device (blr_common.recompute_backward)."""
+    PyTorch reference on every device (recompute.recompute_backward)."""
     from memfit.compress.plan import structure_class
     from memfit.ledger.predict import blr_transient_per_token
 

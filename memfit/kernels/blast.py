@@ -43,7 +43,7 @@ Pipelines; ``auto_variant`` (through ``pick_variant``) times the ones offered fo
   each launched while the one before runs (blr_common's programmatic dependent launch);
   stage 3 pulls its U_i slice into L2 before it waits for T. At decode the three launches
   and dependent reads of ``bmm_mix_bmm`` are most of its time. The two GEMMs' tiles are picked
-  together (blr_common.pick_chain_tiles).
+  together (batched_gemm.pick_chain_tiles).
 * ``bgemm_mix_gemv_pdl`` (N = 1, Hopper+): ``bgemm_mix_bgemm_pdl`` with stage 3 as a GEMV (:func:`gemv.block_gemv`):
   U stored (b, p, r) has each output feature's ranks contiguous, so a program streams whole rows of U_i with 16-byte
   loads and sums on CUDA cores, where ``bgemm``'s tensor-core tile pads the one token to 16 rows and reads U_i^T as
@@ -92,7 +92,7 @@ Pipelines; ``auto_variant`` (through ``pick_variant``) times the ones offered fo
   too, so the pick is never slower than plain PyTorch (it was the fastest at no shape in
   the 6cfd3c1 run).
 Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x (nothing where the
-weights are frozen: blr_common.save_for_recompute).
+weights are frozen: recompute.save_for_recompute).
 """
 import torch
 import triton
@@ -100,14 +100,17 @@ import triton.language as tl
 
 from memfit.errors import MemfitError
 from memfit.kernels import gemv
+from memfit.kernels.batched_gemm import (
+    bgemm,
+    bmm_into,
+    per_block_gemm,
+    pick_chain_tiles,
+)
 from memfit.kernels.blr_common import (
     PDL_MAX_N,
     TOKEN_MAJOR_MIN_N,
-    auto_variant,
-    bgemm,
     bind_shapes,
     blr_precision,
-    bmm_into,
     chain_options,
     contiguous_bias,
     fits_smem,
@@ -116,20 +119,16 @@ from memfit.kernels.blr_common import (
     mma,
     n_bucket,
     pdl_offered,
-    per_block_gemm,
     pick_bucket,
     pick_candidates,
-    pick_chain_tiles,
     pow2_at_least,
     prefetch_l2,
-    recompute_backward,
-    recomputing,
     require_offered,
     runs_triton,
-    save_for_recompute,
     skips_dispatcher,
-    tuned,
 )
+from memfit.kernels.pick import auto_variant, tuned
+from memfit.kernels.recompute import recompute_backward, recomputing, save_for_recompute
 from memfit.kernels.tangents import carries_tangents
 
 MIXGEMM_MAX_N = 128      # beyond this the mixing prologue's per-column-tile repeats and Z's b-fold reads cost too much
@@ -374,7 +373,7 @@ def _chained_bgemm_mix_bgemm(x2, u, v, s, bias, tiles=(None, None)):
 
 
 def _gemm_chain_tiles(x2, u, v, s, bias) -> tuple:
-    """The tiles of ``bgemm_mix_bgemm_pdl``'s two GEMMs, picked together (:func:`blr_common.pick_chain_tiles`)."""
+    """The tiles of ``bgemm_mix_bgemm_pdl``'s two GEMMs, picked together (:func:`batched_gemm.pick_chain_tiles`)."""
     (b, m, r), p = v.shape, u.shape[1]
     return pick_chain_tiles("blast_linear bgemm_mix_bgemm_pdl", (pick_bucket(x2.shape[0]), b, p, r, m, str(x2.dtype)),
                             ((m, r, b), (r, p, b)), _chained_bgemm_mix_bgemm, (x2, u, v, s, bias))
@@ -383,7 +382,7 @@ def _gemm_chain_tiles(x2, u, v, s, bias) -> tuple:
 def _bgemm_mix_bgemm_pdl(x2, u, v, s, bias):
     """The three stages of ``bmm_mix_bmm`` as a chain of Triton kernels, each launched while the
     previous one runs; stage 3 prefetches its U_i slice before waiting for T. The two GEMMs' tiles are
-    picked together (:func:`blr_common.pick_chain_tiles`; the mixing's alone, by its autotuner)."""
+    picked together (:func:`batched_gemm.pick_chain_tiles`; the mixing's alone, by its autotuner)."""
     return _chained_bgemm_mix_bgemm(x2, u, v, s, bias, tiles=_gemm_chain_tiles(x2, u, v, s, bias))
 
 
@@ -531,7 +530,7 @@ _blast_recomputing = recomputing(blast_linear_reference, 5, 0)
 @carries_tangents
 def blast_linear(x, u, v, s, bias=None, path=None, variant="auto"):
     """BLAST forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS), else the
-    reference with the op's memory behaviour (:func:`blr_common.recomputing`)."""
+    reference with the op's memory behaviour (:func:`recompute.recomputing`)."""
     size = bind_shapes("blast_linear", x, bias, {"u": (u, "b p r"), "v": (v, "b m r"), "s": (s, "b b r")}, "b m",
                        "b p")
     cast = [w if w is None else w.to(x.dtype) for w in (u, v, s, bias)]

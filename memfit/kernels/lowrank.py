@@ -12,35 +12,32 @@ Three pipelines, all two GEMMs with z = x V (N r elements) written and read once
   tiles to cover the SMs: a decode competitor, and a check on cuBLAS at large N.
 * ``bgemm_pdl`` (N <= PDL_MAX_N, Hopper+): ``bgemm`` with the second GEMM chained to the first
   (blr_common's programmatic dependent launch: it starts early, pulls its U slice into
-  L2, then waits for z), the two GEMMs' tiles picked together (blr_common.pick_chain_tiles). On a GPU
+  L2, then waits for z), the two GEMMs' tiles picked together (batched_gemm.pick_chain_tiles). On a GPU
   that offers it the pick does not time ``bgemm`` at any N: on the H200 it never came within 5% of the
   fastest (:func:`blr_common.pick_candidates`).
 A chained single kernel (z on chip) is not offered: each output tile would recompute
 its z, repeating the first GEMM out/BO times, which lost by 50-170x on the H200.
 Backward: PyTorch ops (recompute-and-differentiate of the reference); saves only x (nothing where the
-weights are frozen: blr_common.save_for_recompute).
+weights are frozen: recompute.save_for_recompute).
 """
 from __future__ import annotations
 
 import torch
 
+from memfit.kernels.batched_gemm import bgemm, pick_chain_tiles
 from memfit.kernels.blr_common import (
     PDL_MAX_N,
-    auto_variant,
-    bgemm,
     bind_shapes,
     contiguous_bias,
     pdl_offered,
     pick_bucket,
     pick_candidates,
-    pick_chain_tiles,
-    recompute_backward,
-    recomputing,
     require_offered,
     runs_triton,
-    save_for_recompute,
     skips_dispatcher,
 )
+from memfit.kernels.pick import auto_variant
+from memfit.kernels.recompute import recompute_backward, recomputing, save_for_recompute
 from memfit.kernels.tangents import carries_tangents
 
 
@@ -66,7 +63,7 @@ def _chained_bgemm(x2, u, v, bias, tiles=(None, None)):
 
 
 def _bgemm_pdl(x2, u, v, bias):
-    """``bgemm`` chained, the two GEMMs' tiles picked together (:func:`blr_common.pick_chain_tiles`)."""
+    """``bgemm`` chained, the two GEMMs' tiles picked together (:func:`batched_gemm.pick_chain_tiles`)."""
     (out, r), d_in = u.shape, v.shape[0]
     args = (x2, u, v, bias)
     tiles = pick_chain_tiles("lowrank_linear bgemm_pdl", (pick_bucket(x2.shape[0]), out, r, d_in, str(x2.dtype)),
@@ -120,7 +117,7 @@ _lowrank_recomputing = recomputing(lowrank_linear_reference, 4, 0)
 @carries_tangents
 def lowrank_linear(x, u, v, bias=None, path=None, variant="auto"):
     """y = (x V) U^T + bias by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS), else
-    the reference with the op's memory behaviour (:func:`blr_common.recomputing`)."""
+    the reference with the op's memory behaviour (:func:`recompute.recomputing`)."""
     size = bind_shapes("lowrank_linear", x, bias, {"u": (u, "o r"), "v": (v, "i r")}, "i", "o")
     cast = [w if w is None else w.to(x.dtype) for w in (u, v, bias)]
     if not runs_triton("lowrank_linear", x, (u, v), path, variant):

@@ -22,7 +22,7 @@ Pipelines; ``auto_variant`` (through ``pick_variant``) times the ones offered fo
   (blr_common's programmatic dependent launch: stage 2 starts while stage 1 runs, pulls
   its w2 slice into L2, then waits for z). At decode each stage is a launch plus one
   dependent weight read, so overlapping them is most of what is left to gain. The two stages' tiles
-  are picked together (blr_common.pick_chain_tiles). Both layouts.
+  are picked together (batched_gemm.pick_chain_tiles). Both layouts.
 * ``gemv_gemv_pdl`` (N = 1, Hopper+): ``two_stage_pdl`` with both stages as row-streaming GEMVs
   (:func:`gemv.block_row_gemv`: w1 and w2 read along their unit-stride columns on CUDA cores, stage 2's vector
   gathered from z in w2's row order), where ``bgemm``'s tensor-core tile pads the one token to 16 rows. On the H200
@@ -114,8 +114,8 @@ Pipelines; ``auto_variant`` (through ``pick_variant``) times the ones offered fo
 * ``torch`` (the reference: two cuBLAS batched GEMMs with the permutations as copies)
   competes too, so the pick is never slower than plain PyTorch on a shape where the
   Triton stage 1 stores badly (e.g. a per-block rank t = 93, not a multiple of 8).
-Backward: PyTorch ops (recompute-and-differentiate of the reference, see blr_common);
-the forward saves only x (nothing where the weights are frozen: blr_common.save_for_recompute).
+Backward: PyTorch ops (recompute-and-differentiate of the reference, memfit.kernels.recompute);
+the forward saves only x (nothing where the weights are frozen: recompute.save_for_recompute).
 """
 import torch
 import triton
@@ -123,33 +123,32 @@ import triton.language as tl
 
 from memfit.errors import MemfitError
 from memfit.kernels import gemv
-from memfit.kernels.blr_common import (
+from memfit.kernels.batched_gemm import (
     A_WINDOW_SLACK,
-    TOKEN_MAJOR_MIN_N,
-    auto_variant,
     bgemm,
+    bmm_into,
+    per_block_gemm,
+    pick_chain_tiles,
+)
+from memfit.kernels.blr_common import (
+    TOKEN_MAJOR_MIN_N,
     bind_shapes,
     blr_precision,
-    bmm_into,
     contiguous_bias,
     fits_smem,
     keep_small_n,
     mma,
     n_bucket,
     pdl_offered,
-    per_block_gemm,
     pick_bucket,
     pick_candidates,
-    pick_chain_tiles,
     pow2_at_least,
-    recompute_backward,
-    recomputing,
     require_offered,
     runs_triton,
-    save_for_recompute,
     skips_dispatcher,
-    tuned,
 )
+from memfit.kernels.pick import auto_variant, tuned
+from memfit.kernels.recompute import recompute_backward, recomputing, save_for_recompute
 from memfit.kernels.tangents import carries_tangents
 
 # Up to this N the chained two_stage is offered, past blr_common.PDL_MAX_N: at 19084f9 Monarch's pick read 0.873-0.978x
@@ -201,7 +200,7 @@ def _chained_two_stage(x2, w1, w2, bias, permute_output, tiles=(None, None)):
 
 
 def _two_stage_pdl(x2, w1, w2, bias, permute_output):
-    """``two_stage`` chained, with the two stages' tiles picked together (:func:`blr_common.pick_chain_tiles`)."""
+    """``two_stage`` chained, with the two stages' tiles picked together (:func:`batched_gemm.pick_chain_tiles`)."""
     (b, m, r), p = w1.shape, w2.shape[2]
     args = (x2, w1, w2, bias, permute_output)
     tiles = pick_chain_tiles("monarch_linear two_stage_pdl", (pick_bucket(x2.shape[0]), b, m, r, p, permute_output,
@@ -447,7 +446,7 @@ _monarch_recomputing = recomputing(monarch_linear_reference, 4, 1)
 @carries_tangents
 def monarch_linear(x, w1, w2, bias=None, permute_output=False, path=None, variant="auto"):
     """Monarch forward by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS), else the
-    reference with the op's memory behaviour (:func:`blr_common.recomputing`: only x kept, the backward recomputes,
+    reference with the op's memory behaviour (:func:`recompute.recomputing`: only x kept, the backward recomputes,
     as the ledger counts on every device)."""
     size = bind_shapes("monarch_linear", x, bias, {"w1": (w1, "b m r"), "w2": (w2, "b r p")}, "b m", "b p")
     b, m, r, p = size["b"], size["m"], size["r"], size["p"]

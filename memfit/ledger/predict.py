@@ -385,7 +385,7 @@ def blr_transient_per_token(method: str, rank: int, blocks: int, in_features: in
     the Monarch and BLAST picks may take (low-rank's GPU pipelines hold z alone). Low-rank holds z (r), or with a
     bias the larger of z and the product before the bias is added (out); Monarch z (b r) and either its P^T copy
     or the output before its layout copy; BLAST z and T (b r each) and the output before its layout copy.
-    Backward, on every device the reference recomputed under autograd (blr_common.recompute_backward): its
+    Backward, on every device the reference recomputed under autograd (recompute.recompute_backward): its
     intermediates and their gradients, or an input-sized copy (a transposed input gradient; x itself where the
     weights are frozen, an expanded zero the reference's reshape or matmul materialises) beside the output's
     gradient. Measured on CPU by tests/test_ledger.py (each bound holds at its shapes and is reached within 20% at
