@@ -124,6 +124,28 @@ def test_the_cli_refuses_a_resume_before_it_loads_the_model(tmp_path, monkeypatc
         _cli([*common, "--steps", "2", "--resume", *change])
 
 
+def test_the_cli_resumes_a_run_with_settings_other_than_the_defaults(tmp_path):
+    """The settings the CLI asks for before loading the model are those the model records once built and patched,
+    for a command line that differs from the defaults everywhere the early check looks: a resume with the same
+    arguments is not refused."""
+    common = ["--device", "cpu", "--out", str(tmp_path / "run"), "--batch-size", "2", "--max-len", "64",
+              "--dtype", "bfloat16", "--lora-r", "4", "--lora-alpha", "7.5", "--no-train-norm"]
+    assert _cli([*common, "--steps", "1"]) == 0
+    assert _cli([*common, "--steps", "2", "--resume"]) == 0
+    assert json.loads((_latest(tmp_path / "run") / "progress.json").read_text())["step"] == 2
+
+
+def test_check_resumable_refuses_a_setting_run_settings_does_not_have(tmp_path):
+    """Its settings had been the data entry alone: passed that way, each of the entry's fields was compared as a
+    setting the checkpoint lacked ("trained with examples=None")."""
+    from memfit.train.finetune import data_settings
+
+    _run(tmp_path, 1)
+    examples = load_jsonl(DEFAULT_DATA, ByteTokenizer(), 128)[:24]
+    with pytest.raises(ValueError, match="examples, name, sha256, tokens are not run_settings' entries"):
+        check_resumable(_latest(tmp_path), TrainConfig(steps=2, batch_size=2), data_settings(examples))
+
+
 def test_the_cli_refuses_a_resume_with_nothing_to_resume_before_it_loads_the_model(tmp_path, monkeypatch):
     from memfit.commands import finetune
 

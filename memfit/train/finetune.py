@@ -55,6 +55,7 @@ LORA_SETTINGS = (("lora_r", "r", "another --lora-r"), ("lora_alpha", "lora_alpha
                  ("lora_rslora", "use_rslora", None), ("lora_targets", "target_modules", None),
                  ("modules_to_save", "modules_to_save", "--train-norm or --no-train-norm"))
 SETTING_HINTS = {key: hint for key, _, hint in LORA_SETTINGS} | {"dtype": "another --dtype"}
+RUN_SETTINGS = frozenset(SETTING_HINTS) | {"data"}     # run_settings' entries
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,11 @@ def check_resumable(path: Path, config: TrainConfig, settings: dict | None) -> d
     :func:`run_settings`' entries (the data, the LoRA settings, the dtype: those left out, or all where None, are not
     compared; a checkpoint that did not record them, progress version 1, is assumed to match, said once). Returns
     the progress record; a MemfitError names what differs. :func:`load_checkpoint` makes them with the model's own
-    settings before it reads the tensor files; the CLI with the settings it asks for before it loads the model."""
+    settings before it reads the tensor files; the CLI with the settings it asks for before it loads the model. A key
+    that is none of run_settings' is a ValueError (compared, it would read as a setting the checkpoint lacks)."""
+    if unknown := set(settings or ()) - RUN_SETTINGS:
+        raise ValueError(f"check_resumable: {', '.join(sorted(unknown))} are not run_settings' entries "
+                         f"({', '.join(sorted(RUN_SETTINGS))})")
     try:
         progress = json.loads((path / "progress.json").read_text())
         if (version := progress.get("version", 1)) > PROGRESS_VERSION:    # before its other files, whose form may differ
