@@ -245,8 +245,8 @@ def sweep_case(torch, name, d_in, d_out, rank, n, stage, configs, token_major, b
                 rows.append({"shape": name, "n": n, "stage": stage, "candidate": label, "ms": float("nan"),
                              "error": f"{type(err).__name__}: {err}"[:300]})
     rows.append(timed("bgemm (autotuned)", [lambda ops=ops: batched_gemm.bgemm(*gemm.args(*ops), grp=gemm.grp,
-                                                                             a_runs=gemm.runs,
-                                                                             b_interleaved=gemm.b_interleaved)
+                                                                               a_runs=gemm.runs,
+                                                                               b_interleaved=gemm.b_interleaved)
                                             for ops in gemm.operands]))
     rows[-1]["pick"] = str(batched_gemm._bgemm_kernel.best_config)
     natural = [(*gemm.views(torch, a, b), torch.empty(gemm.batches, n, gemm.cols, device=device, dtype=a.dtype))

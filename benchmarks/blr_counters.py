@@ -110,14 +110,14 @@ def profiled_run() -> None:
     after an unprofiled read of twice the L2, which writes back the dirty lines earlier work left there. In a first
     run without it (results/earlier/blr_counters_no_flush_80c60c8.json) cuBLAS at Llama-1B gate, N = 1, whose output
     is 16 KB, wrote 9.04 MB to DRAM, and 2.25 MB with it (3ce8478): the flush accounts for part of it only. Until
-    the flush became ``pick.l2_flush`` it summed its uint8 buffer, which first wrote an int64 copy eight times
+    the flush became ``autotune.l2_flush`` it summed its uint8 buffer, which first wrote an int64 copy eight times
     its size: the files up to 7eeb2bd's (results/earlier/) were measured with that flush, dfd69a8's
     (results/blr_counters.json) with the read-only one, its decode cases' DRAM bytes as before."""
     import torch
     import triton
     import triton.language as tl
 
-    from memfit.kernels.pick import l2_flush
+    from memfit.kernels.autotune import l2_flush
 
     @triton.jit
     def _case_marker(ptr):

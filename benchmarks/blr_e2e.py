@@ -53,7 +53,7 @@ from memfit.compress.convert import decoder_linears, model_shapes, replace_modul
 from memfit.compress.plan import plan_kinds
 from memfit.errors import MemfitError
 from memfit.infer.decode_gemv import use_decode_gemv
-from memfit.kernels import batched_gemm, pick
+from memfit.kernels import autotune, batched_gemm
 from memfit.measure.results import check_out_dir, target, write_results
 from memfit.measure.timing import queued_ms
 from memfit.models import PRESETS, build_model
@@ -312,8 +312,8 @@ def main(argv=None) -> int:
         return write_results(name, rows, targets, out_dir=args.out, model=spec.name, blocks=blocks, ranks=ranks,
                              attention=args.attention, inductor_pdl=args.inductor_pdl,
                              decode_gemv=args.decode_gemv,
-                             pick_timings=pick.PICK_TIMINGS,
-                             tile_picks=pick.tile_picks(), complete=complete)
+                             pick_timings=autotune.PICK_TIMINGS,
+                             tile_picks=autotune.tile_picks(), complete=complete)
 
     for variant in variants:
         torch.manual_seed(0)

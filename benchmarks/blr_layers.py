@@ -162,7 +162,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     from rich.table import Table
 
     from memfit.errors import MemfitError
-    from memfit.kernels import pick
+    from memfit.kernels import autotune
     from memfit.measure.results import (
         partial_results,
         results_path,
@@ -222,8 +222,8 @@ def run_table(args, torch, device: str, blocks: int) -> int:
                                           "bandwidth_gbs": ceilings.bandwidth / 1e9, "empty_kernel_ms": empty_ms},
                                 decode_floor_check=decode_floor_check(rows, empty_ms), pick_check=pick_check(rows),
                                 pick_slack=PICK_SLACK,
-                                pick_timings=pick_timings | pick.PICK_TIMINGS,
-                                tile_picks=merged_tile_picks(tile_picks, pick.tile_picks()), gpu_states=gpu_states,
+                                pick_timings=pick_timings | autotune.PICK_TIMINGS,
+                                tile_picks=merged_tile_picks(tile_picks, autotune.tile_picks()), gpu_states=gpu_states,
                                 case_seconds=case_seconds)
         points = [{"label": r["impl"], "flops": r["flops"], "bytes": r["ideal_bytes"], "ms": r["ms"]}
                   for r in rows if r["impl"] in ("dense_eager", "lowrank_ours", "monarch_ours", "blast_ours")]
@@ -260,7 +260,7 @@ def own_pick_cache(results: Path, resume: bool) -> Path | None:
     tile configs stay in Triton's own cache, shared. A fresh run starts the file afresh, ``--resume`` keeps it; what
     this process held of the picks is dropped; where MEMFIT_AUTOTUNE_CACHE is set, that cache is used and None
     returned."""
-    from memfit.kernels import pick
+    from memfit.kernels import autotune
 
     if os.environ.get("MEMFIT_AUTOTUNE_CACHE"):
         return None
@@ -268,7 +268,7 @@ def own_pick_cache(results: Path, resume: bool) -> Path | None:
     if not resume:
         picks.unlink(missing_ok=True)
     os.environ["MEMFIT_AUTOTUNE_CACHE"] = str(picks)
-    pick.forget_picks()                       # the next pick reads the new path
+    autotune.forget_picks()                       # the next pick reads the new path
     return picks
 
 
@@ -413,7 +413,7 @@ def pick_check(rows) -> list[dict]:
     that became the fastest would show here), each timed in its own row of the same rounds: the pick's time, that
     pipeline and its time. Noise puts some cases here (the pick is one of the pipelines); a case listed run after
     run is a ranking that the pick's own timing gets wrong. What the pick measured for each candidate, or that it
-    came from the cache, is in the results' ``pick_timings`` (pick.PICK_TIMINGS, keyed by op and the op's
+    came from the cache, is in the results' ``pick_timings`` (autotune.PICK_TIMINGS, keyed by op and the op's
     shape key: a pick is timed at the first N called in its ``pick_bucket``)."""
     out = []
     pipelines = case_pipelines(rows)
@@ -506,7 +506,7 @@ def cpu_ms(fn) -> float:
 def copies_for(bytes_per_call: int, device: str) -> int:
     """Copies of inputs and weights to rotate through so nothing is served from L2, by the variant pick's rule
     (one on the CPU smoke run)."""
-    from memfit.kernels.pick import rotation_copies
+    from memfit.kernels.autotune import rotation_copies
 
     return rotation_copies(bytes_per_call) if device == "cuda" else 1
 

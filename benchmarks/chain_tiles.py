@@ -123,7 +123,7 @@ def main() -> int:
         return 2
     from rich.progress import Progress
 
-    from memfit.kernels import batched_gemm, pick
+    from memfit.kernels import autotune, batched_gemm
     from memfit.measure.results import write_results
 
     started, rows = time.time(), []
@@ -136,10 +136,10 @@ def main() -> int:
                 tiles2 = batched_gemm.bgemm_tiles_offered(probe, n, rank, d_out // BLOCKS, BLOCKS, wait_for_previous=True)
                 rows += sweep_pairs(torch, name, d_in, d_out, rank, n, tiles1, tiles2)
                 write_results("chain_tiles", rows, [], args.out, summary=summary(rows), complete=False,
-                              tile_picks=pick.tile_picks())
+                              tile_picks=autotune.tile_picks())
                 progress.advance(task)
     path = write_results("chain_tiles", rows, [], args.out, summary=summary(rows), complete=True,
-                         seconds=time.time() - started, tile_picks=pick.tile_picks())
+                         seconds=time.time() - started, tile_picks=autotune.tile_picks())
     for s in summary(rows):
         print(f"{s['shape']:20s} N={s['n']:5d} best pair {s['best_pair']:40s} {1e3 * s['best_ms']:7.2f} us  "
               f"op {1e3 * s['op_ms']:7.2f} us (x{s['op_over_best']:.2f}, {s['pairs']} pairs)")

@@ -1,7 +1,7 @@
 """The cold cost of the BLR layers' variant pick: the seconds a model's first call of each layer takes.
 
 A layer's first call for a shape compiles the kernels of every candidate pipeline, tunes their tiles, times the
-candidates and keeps the fastest (``pick.pick_variant``). This runs, in one process with an empty pick cache
+candidates and keeps the fastest (``autotune.pick_variant``). This runs, in one process with an empty pick cache
 and an empty Triton cache (both in a temporary directory, so nothing an earlier run compiled or picked is
 reused), the first and the second call of the low-rank, Monarch and BLAST layers at each of ``blr_layers``'
 shapes and each N asked (default 1 and 16: decode, where the pick offers the most pipelines), and records the
@@ -38,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
 
 def first_call(torch, layer, x, pick_timings: dict) -> tuple[float, dict]:
     """Wall-clock seconds of ``layer(x)``, the GPU's work included, and the record of the variant pick it made
-    (``pick_timings`` is pick.PICK_TIMINGS; {} where the call made none: a cached or untimed pick)."""
+    (``pick_timings`` is autotune.PICK_TIMINGS; {} where the call made none: a cached or untimed pick)."""
     before = set(pick_timings)
     start = time.perf_counter()
     layer(x)
@@ -74,7 +74,7 @@ def run(parse, args) -> int:
     elif not torch.cuda.is_available():
         print("pick_cost: needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
-    from memfit.kernels import blr_common, pick
+    from memfit.kernels import autotune, blr_common
     from memfit.measure.results import write_results
 
     buckets = [blr_common.pick_bucket(n) for n in args.tokens]
@@ -92,9 +92,9 @@ def run(parse, args) -> int:
                                           blr_layers.STRUCTURES)
             for kind, (make, _, _) in built.items():
                 layer, x = make(), torch.randn(n, d_in, device=device, dtype=torch.bfloat16)
-                first_s, timings = first_call(torch, layer, x, pick.PICK_TIMINGS)
+                first_s, timings = first_call(torch, layer, x, autotune.PICK_TIMINGS)
                 rows.append({"structure": kind, "shape": name, "n": n, "first_call_s": first_s,
-                             "second_call_s": first_call(torch, layer, x, pick.PICK_TIMINGS)[0],
+                             "second_call_s": first_call(torch, layer, x, autotune.PICK_TIMINGS)[0],
                              "candidates_timed": len(timings.get("first", {})), "pick": timings.get("pick")})
                 print(f"{kind} {name} N={n}: first call {first_s:.1f} s, {rows[-1]['candidates_timed']} "
                       f"candidates timed, pick {rows[-1]['pick']}", flush=True)

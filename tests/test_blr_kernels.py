@@ -16,7 +16,7 @@ import triton.language as tl
 from conftest import rel, seeded
 
 from memfit.errors import MemfitError
-from memfit.kernels import batched_gemm, blast, blr_common, lowrank, monarch, pick
+from memfit.kernels import autotune, batched_gemm, blast, blr_common, lowrank, monarch
 from memfit.kernels.blast import blast_linear, blast_linear_reference
 from memfit.kernels.dispatch import interpreting
 from memfit.kernels.lowrank import lowrank_linear, lowrank_linear_reference
@@ -290,7 +290,7 @@ SM90_PTX_SCRIPT = """
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from memfit.kernels import batched_gemm, blast, blr_common, gemv, pick
+from memfit.kernels import autotune, batched_gemm, blast, blr_common, gemv
 
 kernels = {"bgemm": batched_gemm._bgemm_kernel, "mixgemm": blast._mixgemm_kernel, "zmix": blast._zmix_kernel,
            "tmix": blast._tmix_kernel, "xvmix": blast._xvmix_kernel, "row_gemv": gemv._row_gemv_kernel}
@@ -548,19 +548,19 @@ def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
         return None
 
     candidates = {"slow": slow, "fast": fast}
-    monkeypatch.setattr(pick, "_CACHE", {})
-    monkeypatch.setattr(pick, "PICK_TIMINGS", {})
-    monkeypatch.setattr(pick, "_save_cache", lambda cache: None)
+    monkeypatch.setattr(autotune, "_CACHE", {})
+    monkeypatch.setattr(autotune, "PICK_TIMINGS", {})
+    monkeypatch.setattr(autotune, "_save_cache", lambda cache: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
-    monkeypatch.setattr(pick, "_time_candidate",
+    monkeypatch.setattr(autotune, "_time_candidate",
                         lambda op, name, fn, args, rep_ms: {"slow": 2.0, "fast": 1.0}[name])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert pick.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
+    assert autotune.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert pick.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
+    assert autotune.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
     warned = []
-    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
-    assert pick.pick_variant("op", (16,), candidates, "slow", ()) == "slow"
+    monkeypatch.setattr(autotune, "warn_once", lambda key, message: warned.append(message))
+    assert autotune.pick_variant("op", (16,), candidates, "slow", ()) == "slow"
     assert warned and "capture" in warned[0]
 
 
@@ -577,18 +577,18 @@ def test_auto_variant_remembers_a_gpu_pick_but_not_an_untimed_default(monkeypatc
 
     monkeypatch.setenv("MEMFIT_AUTOTUNE_CACHE", str(tmp_path / "picks.json"))
     for name, value in (("_CACHE", {}), ("_VARIANT_MEMO", {}), ("PICK_TIMINGS", {}), ("_UNTIMED", set())):
-        monkeypatch.setattr(pick, name, value)
-    monkeypatch.setattr(pick, "_save_cache", lambda cache: None)
-    monkeypatch.setattr(pick, "warn_once", lambda key, message: None)
+        monkeypatch.setattr(autotune, name, value)
+    monkeypatch.setattr(autotune, "_save_cache", lambda cache: None)
+    monkeypatch.setattr(autotune, "warn_once", lambda key, message: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
-    monkeypatch.setattr(pick, "_time_candidate",
+    monkeypatch.setattr(autotune, "_time_candidate",
                         lambda op, name, fn, args, rep_ms: {"slow": 2.0, "fast": 1.0}[name])
     capturing = [True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     gpu0, gpu1 = (types.SimpleNamespace(device=torch.device("cuda", i)) for i in (0, 1))
 
     def pick_on(x):
-        return pick.auto_variant("op", (8,), offer, (x,))
+        return autotune.auto_variant("op", (8,), offer, (x,))
 
     assert pick_on(gpu0) == "slow" and len(offers) == 1                  # in a capture, untimed
     capturing[0] = False
@@ -597,28 +597,28 @@ def test_auto_variant_remembers_a_gpu_pick_but_not_an_untimed_default(monkeypatc
     assert pick_on(gpu1) == "fast" and len(offers) == 3                  # another device has its own
     off_gpu = torch.zeros(1, device="cpu")
     assert [pick_on(off_gpu) for _ in range(2)] == ["slow"] * 2 and len(offers) == 5         # off the GPU: never
-    pick.forget_picks()
+    autotune.forget_picks()
     assert pick_on(gpu0) == "fast" and len(offers) == 6
-    monkeypatch.setattr(pick, "_time_candidate", lambda op, name, fn, args, rep_ms: math.inf)
-    untimed = pick.auto_variant("op", (16,), offer, (gpu0,))
-    assert untimed == pick.auto_variant("op", (16,), offer, (gpu0,)) == "slow" and len(offers) == 7
+    monkeypatch.setattr(autotune, "_time_candidate", lambda op, name, fn, args, rep_ms: math.inf)
+    untimed = autotune.auto_variant("op", (16,), offer, (gpu0,))
+    assert untimed == autotune.auto_variant("op", (16,), offer, (gpu0,)) == "slow" and len(offers) == 7
 
 
 def test_a_pick_where_no_variant_could_be_timed_runs_the_default_and_says_so(monkeypatch):
     """E.g. every candidate out of memory while timed (each failure is said by _time_candidate): the layer still
     runs, on its default, which later calls in the process take without timing again; nothing goes to disk."""
-    monkeypatch.setattr(pick, "_CACHE", {})
-    monkeypatch.setattr(pick, "_UNTIMED", set())
-    monkeypatch.setattr(pick, "_save_cache", lambda cache: pytest.fail("nothing to cache"))
+    monkeypatch.setattr(autotune, "_CACHE", {})
+    monkeypatch.setattr(autotune, "_UNTIMED", set())
+    monkeypatch.setattr(autotune, "_save_cache", lambda cache: pytest.fail("nothing to cache"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     timed, warned = [], []
-    monkeypatch.setattr(pick, "_time_candidate", lambda op, name, fn, args, rep_ms: timed.append(name) or math.inf)
-    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(autotune, "_time_candidate", lambda op, name, fn, args, rep_ms: timed.append(name) or math.inf)
+    monkeypatch.setattr(autotune, "warn_once", lambda key, message: warned.append(message))
     candidates = {"a": lambda: None, "b": lambda: None}
-    assert pick.pick_variant("op", (8,), candidates, "b", ()) == "b"
+    assert autotune.pick_variant("op", (8,), candidates, "b", ()) == "b"
     assert "untimed" in warned[0] and "'b'" in warned[0]
-    assert pick.pick_variant("op", (8,), candidates, "b", ()) == "b" and timed == ["a", "b"]
+    assert autotune.pick_variant("op", (8,), candidates, "b", ()) == "b" and timed == ["a", "b"]
 
 
 def test_a_pick_calls_each_candidate_once_before_copying_its_arguments(monkeypatch):
@@ -626,19 +626,19 @@ def test_a_pick_calls_each_candidate_once_before_copying_its_arguments(monkeypat
     before the pick's own copies exist, so the two sets are not alive together; a candidate whose first call fails
     is said once and not timed."""
     events, warned = [], []
-    monkeypatch.setattr(pick, "rotation", lambda op, args: events.append("copies") or [args])
-    monkeypatch.setattr(pick, "_time_candidate",
+    monkeypatch.setattr(autotune, "rotation", lambda op, args: events.append("copies") or [args])
+    monkeypatch.setattr(autotune, "_time_candidate",
                         lambda op, name, fn, args, rep_ms: events.append(f"time {name}") or {"ok": 1.0}[name])
-    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(autotune, "warn_once", lambda key, message: warned.append(message))
 
     def broken(*args):
         raise RuntimeError("no kernel for this tile")
 
-    timings = pick._timed_fastest("op", {"ok": lambda *args: events.append("call ok"), "broken": broken}, (1,))
+    timings = autotune._timed_fastest("op", {"ok": lambda *args: events.append("call ok"), "broken": broken}, (1,))
     assert events == ["call ok", "copies", "time ok"] and timings["pick"] == "ok"
     assert timings["first"] == {"ok": 1.0, "broken": math.inf} and "variant broken failed" in warned[0]
     events.clear()
-    assert pick._timed_fastest("op", {"broken": broken}, (1,)) == {"first": {"broken": math.inf}}
+    assert autotune._timed_fastest("op", {"broken": broken}, (1,)) == {"first": {"broken": math.inf}}
     assert events == []                                                   # none settled: nothing copied or timed
 
 
@@ -650,32 +650,32 @@ def test_pick_variant_times_the_finalists_again_interleaved(monkeypatch):
     again = iter([{"a": 1.0, "b": 0.9}, {"b": 1.2, "a": 1.1}, {"a": 1.3, "b": 0.8}])
     orders, reps, rotations = [], [], []
 
-    def timer(op, candidates, copies, rep_ms=pick.PICK_REP_MS):
+    def timer(op, candidates, copies, rep_ms=autotune.PICK_REP_MS):
         rotations.append(copies)
         orders.append(list(candidates))
         reps.append(rep_ms)
         return first if len(orders) == 1 else next(again)
 
-    monkeypatch.setattr(pick, "_CACHE", {})
-    monkeypatch.setattr(pick, "_save_cache", lambda cache: None)
+    monkeypatch.setattr(autotune, "_CACHE", {})
+    monkeypatch.setattr(autotune, "_save_cache", lambda cache: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(pick, "_rotated_times", timer)
+    monkeypatch.setattr(autotune, "_rotated_times", timer)
     candidates = {"a": lambda: None, "b": lambda: None, "c": lambda: None}
-    assert pick.PICK_FINALIST_SLACK < 1.5 and pick.PICK_FINAL_ROUNDS == 3
-    monkeypatch.setattr(pick, "PICK_TIMINGS", {})
-    assert pick.pick_variant("op", (8,), candidates, "c", ()) == "b"
+    assert autotune.PICK_FINALIST_SLACK < 1.5 and autotune.PICK_FINAL_ROUNDS == 3
+    monkeypatch.setattr(autotune, "PICK_TIMINGS", {})
+    assert autotune.pick_variant("op", (8,), candidates, "c", ()) == "b"
     assert orders == [["a", "b", "c"], ["a", "b"], ["b", "a"], ["a", "b"]]
     assert len(rotations) == 4 and all(r is rotations[0] for r in rotations)          # one set of copies
-    assert reps == [pick.PICK_REP_MS] + [pick.PICK_REP_MS / 3] * 3    # the rounds share one timing's replays
-    assert pick.PICK_TIMINGS == {"op (8,)": {"first": first, "finalists": {"a": 1.1, "b": 0.9}, "pick": "b"}}
+    assert reps == [autotune.PICK_REP_MS] + [autotune.PICK_REP_MS / 3] * 3    # the rounds share one timing's replays
+    assert autotune.PICK_TIMINGS == {"op (8,)": {"first": first, "finalists": {"a": 1.1, "b": 0.9}, "pick": "b"}}
     first, orders[:] = {"a": 1.0, "b": 2.0, "c": 3.0}, []
-    assert pick.pick_variant("op", (16,), candidates, "c", ()) == "a"
+    assert autotune.pick_variant("op", (16,), candidates, "c", ()) == "a"
     assert orders == [["a", "b", "c"]]
-    assert pick.PICK_TIMINGS["op (16,)"] == {"first": first, "finalists": {"a": 1.0}, "pick": "a"}
-    pick.PICK_TIMINGS.clear()                  # a later process: the pick comes from the cache, and says so
-    assert pick.pick_variant("op", (16,), candidates, "c", ()) == "a" and len(orders) == 1
-    assert pick.PICK_TIMINGS == {"op (16,)": {"pick": "a", "cached": True}}
+    assert autotune.PICK_TIMINGS["op (16,)"] == {"first": first, "finalists": {"a": 1.0}, "pick": "a"}
+    autotune.PICK_TIMINGS.clear()                  # a later process: the pick comes from the cache, and says so
+    assert autotune.pick_variant("op", (16,), candidates, "c", ()) == "a" and len(orders) == 1
+    assert autotune.PICK_TIMINGS == {"op (16,)": {"pick": "a", "cached": True}}
 
 
 def test_the_host_side_powers_of_two_are_tritons():
@@ -733,22 +733,22 @@ def test_pick_times_each_variant_over_rotating_copies_of_its_arguments(monkeypat
         reps.append(rep_ms)
         return medians.pop(0)
 
-    monkeypatch.setattr(pick, "graph_ms", bench)
-    monkeypatch.setattr(pick, "cuda_device", lambda args: torch.device("cpu"))  # stands for the GPU here
-    monkeypatch.setattr(pick, "ROTATE_BYTES", 10)
+    monkeypatch.setattr(autotune, "graph_ms", bench)
+    monkeypatch.setattr(autotune, "cuda_device", lambda args: torch.device("cpu"))  # stands for the GPU here
+    monkeypatch.setattr(autotune, "ROTATE_BYTES", 10)
     x = torch.ones(1)                                                  # 4 bytes: 3 copies hold 10
-    copies = pick.rotation("op", (x, "option"))
+    copies = autotune.rotation("op", (x, "option"))
     assert len(copies) == 3 and copies[0][0] is x and all(c[1] == "option" for c in copies)
     assert len({c[0].data_ptr() for c in copies}) == 3 and all(torch.equal(c[0], x) for c in copies)
     candidates = {"a": lambda x, option: calls.append(("a", x.data_ptr())),
                   "b": lambda x, option: calls.append(("b", x.data_ptr()))}
-    assert pick._rotated_times("op", candidates, copies, rep_ms=2.5) == {"a": 8.0 / 3, "b": 4.0 / 3}
+    assert autotune._rotated_times("op", candidates, copies, rep_ms=2.5) == {"a": 8.0 / 3, "b": 4.0 / 3}
     assert calls == [(name, c[0].data_ptr()) for name in "ab" for c in copies] and reps == [2.5, 2.5]
-    assert [pick.rotation_copies(size) for size in (0, 1, 5, 11)] == [10, 10, 2, 1]
-    monkeypatch.setattr(pick, "_l2_bytes", lambda device=None: 10)   # three times the L2 when that is more
-    assert pick.rotation_copies(5) == 6
-    monkeypatch.setattr(pick, "ROTATE_BYTES", 10**6)
-    assert pick.rotation_copies(1) == pick.ROTATE_MAX_COPIES
+    assert [autotune.rotation_copies(size) for size in (0, 1, 5, 11)] == [10, 10, 2, 1]
+    monkeypatch.setattr(autotune, "_l2_bytes", lambda device=None: 10)   # three times the L2 when that is more
+    assert autotune.rotation_copies(5) == 6
+    monkeypatch.setattr(autotune, "ROTATE_BYTES", 10**6)
+    assert autotune.rotation_copies(1) == autotune.ROTATE_MAX_COPIES
 
 
 @pytest.mark.cpu_only(reason="its first call expects CPU arguments not to be copied")
@@ -757,30 +757,30 @@ def test_rotation_copies_nested_and_strided_arguments_as_they_are(monkeypatch):
     weights), a row-strided view keeps its strides (gemv keys its pick by them), a tensor passed twice stays one
     tensor, other values are shared; arguments on the CPU are not copied at all."""
     x = torch.ones(2, 3)
-    assert pick.rotation("op", (x,)) == [(x,)]                  # no GPU tensor: one copy, nothing cloned
-    monkeypatch.setattr(pick, "cuda_device", lambda args: torch.device("cpu"))  # stands for the GPU here
-    monkeypatch.setattr(pick, "ROTATE_BYTES", 10**6)
+    assert autotune.rotation("op", (x,)) == [(x,)]                  # no GPU tensor: one copy, nothing cloned
+    monkeypatch.setattr(autotune, "cuda_device", lambda args: torch.device("cpu"))  # stands for the GPU here
+    monkeypatch.setattr(autotune, "ROTATE_BYTES", 10**6)
     down = torch.randn(4, 8)[:, :3]                                    # a partial FFN's down[:, :a]
     weights = [(down, None), (down, torch.ones(4))]
-    copy = pick.rotation("op", (x, weights))[1]
+    copy = autotune.rotation("op", (x, weights))[1]
     assert isinstance(copy[1], list) and isinstance(copy[1][0], tuple) and copy[1][0][1] is None
     assert copy[1][0][0] is not down and copy[1][0][0].stride() == down.stride() == (8, 1)
     assert torch.equal(copy[1][0][0], down) and copy[1][1][0] is copy[1][0][0]     # passed twice, copied once
-    assert pick._nbytes((x, weights)) == x.nbytes + down.nbytes + 16
+    assert autotune._nbytes((x, weights)) == x.nbytes + down.nbytes + 16
     row = torch.ones(3).expand(4, 3)                                   # overlapping: copied whole, values kept
-    copied = pick.rotation("op", (x, row))[1][1]
+    copied = autotune.rotation("op", (x, row))[1][1]
     assert copied is not row and torch.equal(copied, row)
 
 
 def test_rotation_says_when_it_times_partly_from_l2(monkeypatch):
     """Copies that together stay under twice the L2 (the copy cap reached), or no memory for them, are said once."""
     warned = []
-    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(autotune, "warn_once", lambda key, message: warned.append(message))
     stand_in, asked = torch.device("cpu"), []                          # stands for the arguments' GPU
-    monkeypatch.setattr(pick, "cuda_device", lambda args: stand_in)
-    monkeypatch.setattr(pick, "_l2_bytes", lambda device: asked.append(device) or 2**20)
+    monkeypatch.setattr(autotune, "cuda_device", lambda args: stand_in)
+    monkeypatch.setattr(autotune, "_l2_bytes", lambda device: asked.append(device) or 2**20)
     x = torch.ones(16)                                                 # 64 bytes: 64 copies hold 4 KiB
-    assert len(pick.rotation("op", (x,))) == pick.ROTATE_MAX_COPIES
+    assert len(autotune.rotation("op", (x,))) == autotune.ROTATE_MAX_COPIES
     assert "less than twice the L2" in warned[0] and asked and all(device is stand_in for device in asked)
     real_empty_strided = torch.empty_strided
 
@@ -788,7 +788,7 @@ def test_rotation_says_when_it_times_partly_from_l2(monkeypatch):
         raise torch.cuda.OutOfMemoryError("no room")
 
     monkeypatch.setattr(torch, "empty_strided", no_memory)
-    assert pick.rotation("op", (x,)) == [(x,)] and "no memory" in warned[1] and "partly from L2" in warned[1]
+    assert autotune.rotation("op", (x,)) == [(x,)] and "no memory" in warned[1] and "partly from L2" in warned[1]
     monkeypatch.setattr(torch, "empty_strided", real_empty_strided)
 
 
@@ -814,7 +814,7 @@ def test_bgemm_with_and_without_the_k_mask(dtype, k, monkeypatch):
     taken = record_bgemm_choices(monkeypatch, "EVEN_K")
     # column col of batch bt at bt * cols + (col // grp) * grp + col % grp, token stride batches * cols
     batched_gemm.bgemm(a, b, c, n, k, cols, batches, a.stride(), b.stride(), (cols, batches * cols, grp, 1), grp=grp,
-                     bias=bias)
+                       bias=bias)
     if interpreting():                        # one launch of the interpreter's tile; a GPU autotunes over BKs
         assert taken["EVEN_K"] == [k == 64]
     want = (a.double() @ b.double()).transpose(0, 1).reshape(n, batches * cols) + bias.double()
@@ -836,7 +836,7 @@ def test_bgemm_gathers_runs_of_a(dtype, run, runs, stride, window, monkeypatch):
     c = torch.full((n, batches * cols), math.nan, dtype=dtype)
     taken = record_bgemm_choices(monkeypatch, "A_GROUPED", "A_WINDOW")
     batched_gemm.bgemm(store, b, c, n, runs * run, cols, batches, (run, store.stride(0), 1), b.stride(),
-                     (cols, c.stride(0), 0, 1), a_runs=(run, stride))
+                       (cols, c.stride(0), 0, 1), a_runs=(run, stride))
     assert set(taken["A_GROUPED"]) == {True} and {bool(w) for w in taken["A_WINDOW"]} == {window}   # every tile
     a = torch.stack([torch.cat([store[:, g * stride + bt * run:][:, :run] for g in range(runs)], dim=1)
                      for bt in range(batches)]).double()
@@ -929,15 +929,15 @@ def test_tile_picks_read_every_tuned_kernels_autotuning_cache(monkeypatch):
 
     from memfit.kernels import blast, monarch
 
-    names = {kernel.base_fn.__name__ for kernel in pick.TUNED_KERNELS}
+    names = {kernel.base_fn.__name__ for kernel in autotune.TUNED_KERNELS}
     assert {"_bgemm_kernel", "_fused_kernel", "_permute_kernel", "_tmix_kernel", "_zmix_kernel"} <= names
-    for kernel in pick.TUNED_KERNELS:
+    for kernel in autotune.TUNED_KERNELS:
         monkeypatch.setattr(kernel, "cache", {})
     monkeypatch.setattr(batched_gemm._bgemm_kernel, "cache", {(128, "torch.bfloat16"): triton.Config({"BN": 64},
-                                                                                                    num_warps=4)})
+                                                                                                     num_warps=4)})
     monkeypatch.setattr(monarch._fused_kernel, "cache", {})
-    picks = pick.tile_picks()
-    assert list(picks) == ["_bgemm_kernel"] and blast._tmix_kernel in pick.TUNED_KERNELS
+    picks = autotune.tile_picks()
+    assert list(picks) == ["_bgemm_kernel"] and blast._tmix_kernel in autotune.TUNED_KERNELS
     assert picks["_bgemm_kernel"] == {"(128, 'torch.bfloat16')": str(triton.Config({"BN": 64}, num_warps=4))}
     assert "BN: 64" in picks["_bgemm_kernel"]["(128, 'torch.bfloat16')"]
 
@@ -992,7 +992,7 @@ def test_bgemm_runs_the_tile_it_is_given(launched_tiles):
     tile = batched_gemm.BGEMM_PLAIN_DECODE[1]
     assert tile[2] == 64
     launch = lambda tile: batched_gemm.bgemm(a, b, c, 24, 40, 20, 2, a.stride(), b.stride(),   # noqa: E731
-                                           (c.stride(0), c.stride(1), 0, 1), tile=tile)
+                                             (c.stride(0), c.stride(1), 0, 1), tile=tile)
     launch(tile)
     assert rel(c, torch.bmm(a, b)) < 1e-5 and launched_tiles == [tile]
     for wrong in [(16, 32, 64, 2), (16, 32, 64, 1, 2, 8), (24, 32, 64, 2, 8)]:   # short, BGEMM_TUNED's order, not one
@@ -1037,12 +1037,12 @@ def test_each_chained_pipeline_computes_its_layer_with_the_tiles_it_is_given(str
 def fake_gpu_chain(monkeypatch):
     """pick_chain_tiles as on a GPU of 132 SMs with every bgemm config, the copies being the arguments themselves and
     each pair's time given by ``times`` (label -> ms; unlisted pairs read 10 ms); nothing written to disk."""
-    monkeypatch.setattr(pick, "_CACHE", {})
-    monkeypatch.setattr(pick, "CHAIN_TILE_MEMO", {})
-    monkeypatch.setattr(pick, "CHAIN_TILE_PICKS", {})
-    monkeypatch.setattr(pick, "_save_cache", lambda cache: None)
-    monkeypatch.setattr(pick, "cuda_device", lambda args: "cuda:0")
-    monkeypatch.setattr(pick, "rotation", lambda op, args: [args])
+    monkeypatch.setattr(autotune, "_CACHE", {})
+    monkeypatch.setattr(autotune, "CHAIN_TILE_MEMO", {})
+    monkeypatch.setattr(autotune, "CHAIN_TILE_PICKS", {})
+    monkeypatch.setattr(autotune, "_save_cache", lambda cache: None)
+    monkeypatch.setattr(autotune, "cuda_device", lambda args: "cuda:0")
+    monkeypatch.setattr(autotune, "rotation", lambda op, args: [args])
     monkeypatch.setattr(batched_gemm, "sm_count", lambda device: 132)
     monkeypatch.setattr(batched_gemm._bgemm_kernel, "configs", tuned_bgemm_configs())
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
@@ -1054,7 +1054,7 @@ def fake_gpu_chain(monkeypatch):
         fn()
         return times.get(name, 10.0)
 
-    monkeypatch.setattr(pick, "_time_candidate", time_candidate)
+    monkeypatch.setattr(autotune, "_time_candidate", time_candidate)
     return times, timed
 
 
@@ -1072,10 +1072,10 @@ def test_a_chain_takes_the_pair_of_tiles_fastest_together_and_caches_it(fake_gpu
     times[f"{best[0]} + {best[1]}"] = 1.0
     assert batched_gemm.pick_chain_tiles("op", (128,), stages, run_with, (x,)) == best
     assert len(timed) == len(firsts) * len(seconds) and len(set(ran)) == len(timed)
-    record = pick.tile_picks()["chained bgemm pairs"]["op (128,)"]           # with every pair's timing
+    record = autotune.tile_picks()["chained bgemm pairs"]["op (128,)"]           # with every pair's timing
     assert record["pick"] == f"{best[0]} + {best[1]}" and set(record["first"]) == set(timed)
     timed.clear()
-    monkeypatch.setattr(pick, "CHAIN_TILE_MEMO", {})                   # a later process, the same disk cache
+    monkeypatch.setattr(autotune, "CHAIN_TILE_MEMO", {})                   # a later process, the same disk cache
     assert batched_gemm.pick_chain_tiles("op", (128,), stages, run_with, (x,)) == best and timed == []
 
 
@@ -1092,11 +1092,11 @@ def test_each_chained_op_runs_the_pair_its_pick_took(structure, fake_gpu_chain, 
         fn()
         return 1000.0 - len(timed)
 
-    monkeypatch.setattr(pick, "_time_candidate", time_candidate)
+    monkeypatch.setattr(autotune, "_time_candidate", time_candidate)
     got, want = chained_layer(structure)
-    label = next(iter(pick.CHAIN_TILE_PICKS.values()))["pick"]
+    label = next(iter(autotune.CHAIN_TILE_PICKS.values()))["pick"]
     assert rel(got, want) < 1e-5 and label in timed
-    pairs = len(next(iter(pick.CHAIN_TILE_PICKS.values()))["first"])
+    pairs = len(next(iter(autotune.CHAIN_TILE_PICKS.values()))["first"])
     assert len(launched_tiles) == 2 * pairs + 2 * len(timed) + 2                  # settled, timed, then the run
     assert launched_tiles[-2:] == [ast.literal_eval(tile) for tile in label.split(" + ")]
 
@@ -1112,7 +1112,7 @@ def test_blasts_gemv_chain_runs_stage_one_with_the_gemm_chains_tile(fake_gpu_cha
     seconds = batched_gemm.bgemm_tiles_offered(x, 1, 128, 10, 3, wait_for_previous=True)
     times[f"{firsts[-1]} + {seconds[0]}"] = 1.0                   # not the first pair: the GEMM chain's pick
     y = blast._bgemm_mix_gemv_pdl(x, u, v, s, None)
-    label = next(iter(pick.CHAIN_TILE_PICKS.values()))["pick"]
+    label = next(iter(autotune.CHAIN_TILE_PICKS.values()))["pick"]
     assert rel(y, blast_linear_reference(x, u, v, s)) < 1e-5 and len(firsts) > 1
     assert label == f"{firsts[-1]} + {seconds[0]}" and launched_tiles[-1] == firsts[-1]
 
@@ -1121,7 +1121,7 @@ def test_a_chain_first_called_inside_a_capture_leaves_its_tiles_to_the_autotuner
                                                                                                  monkeypatch):
     _, timed = fake_gpu_chain
     warned = []
-    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(autotune, "warn_once", lambda key, message: warned.append(message))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     x = torch.empty(16, 256, dtype=torch.bfloat16)
     run_with = lambda x, tiles: pytest.fail("nothing is timed inside a capture")   # noqa: E731
@@ -1135,9 +1135,9 @@ def test_a_chain_whose_pairs_all_fail_leaves_its_tiles_to_the_autotuner_says_so_
     take their own tiles; later calls in the process neither time again nor write the cache."""
     times, timed = fake_gpu_chain
     warned = []
-    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
-    monkeypatch.setattr(pick, "_save_cache", lambda cache: pytest.fail("nothing to cache"))
-    monkeypatch.setattr(pick, "_time_candidate", lambda op, name, fn, args, rep_ms: timed.append(name) or math.inf)
+    monkeypatch.setattr(autotune, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(autotune, "_save_cache", lambda cache: pytest.fail("nothing to cache"))
+    monkeypatch.setattr(autotune, "_time_candidate", lambda op, name, fn, args, rep_ms: timed.append(name) or math.inf)
     x = torch.empty(16, 256, dtype=torch.bfloat16)
     stages = ((128, 256, 16), (256, 128, 16))
     assert batched_gemm.pick_chain_tiles("op", (16,), stages, lambda x, tiles: None, (x,)) == (None, None)
@@ -1194,12 +1194,12 @@ def test_interleaved_b_rows_at_every_step_width(tile, t, gathered):
     if gathered:                                                         # a's run j: t columns, 2 t apart
         a = torch.randn(n, 2 * t * g, generator=gen)
         batched_gemm.bgemm(a, w, c, n, g * t, p, 1, (0, a.stride(0), 1), w.stride(), (0, p, 0, 1), a_runs=(t, 2 * t),
-                         b_interleaved=g, tile=tile)
+                           b_interleaved=g, tile=tile)
         a = a.view(n, g, 2 * t)[:, :, :t].reshape(n, g * t)
     else:
         a = torch.randn(n, g * t, generator=gen)
         batched_gemm.bgemm(a, w, c, n, g * t, p, 1, (0, a.stride(0), 1), w.stride(), (0, p, 0, 1), b_interleaved=g,
-                         tile=tile)
+                           tile=tile)
     torch.testing.assert_close(c, a @ in_j_s_order[0], rtol=1e-4, atol=1e-4)
 
 
@@ -1213,7 +1213,7 @@ def test_bgemm_refuses_interleaved_rows_it_cannot_read():
     k_major = torch.randn(1, 8, 12).transpose(1, 2)                      # unit stride along k, not along col
     with pytest.raises(MemfitError, match="interleaved b rows only with a unit column stride"):
         batched_gemm.bgemm(a, k_major, c, 4, 12, 8, 1, (0, 12, 1), k_major.stride(), (0, 8, 0, 1), b_interleaved=3,
-                         wait_for_previous=True)
+                           wait_for_previous=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -1260,24 +1260,24 @@ def test_tile_configs_are_tuned_by_autotune_bench(monkeypatch):
     CUDA graph capture."""
     import triton
 
-    monkeypatch.setattr(pick, "interpreting", lambda: False)
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)
 
     @triton.jit
     def plain(x_ptr, B: tl.constexpr):
         pass
 
-    tuner = pick.tuned([(16, 4, 2), (32, 4, 2)], ("B",), (16, 4, 1), key=[])(plain)
-    assert tuner.do_bench is pick.autotune_bench
+    tuner = autotune.tuned([(16, 4, 2), (32, 4, 2)], ("B",), (16, 4, 1), key=[])(plain)
+    assert tuner.do_bench is autotune.autotune_bench
 
     sizes, timed = stub_l2_flush(monkeypatch), []
-    monkeypatch.setattr(pick, "_graph_ms", lambda fn, args: fn() and timed.append("timed") or 1.5)
+    monkeypatch.setattr(autotune, "_graph_ms", lambda fn, args: fn() and timed.append("timed") or 1.5)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     calls = []
-    assert pick.autotune_bench(lambda: calls.append("call"), quantiles=(0.5, 0.2, 0.8)) == [1.5, 1.5, 1.5]
+    assert autotune.autotune_bench(lambda: calls.append("call"), quantiles=(0.5, 0.2, 0.8)) == [1.5, 1.5, 1.5]
     assert sizes == [2 * 2**20] and calls == ["call"] and timed == ["timed"]     # flush and call in one timing
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(MemfitError, match="before capturing"):
-        pick.autotune_bench(lambda: None, quantiles=(0.5,))
+        autotune.autotune_bench(lambda: None, quantiles=(0.5,))
 
 
 def test_a_picks_source_digest_looks_each_code_object_up_once(monkeypatch):
@@ -1291,14 +1291,14 @@ def test_a_picks_source_digest_looks_each_code_object_up_once(monkeypatch):
 
     looked_up, real = [], inspect.getsourcefile
     monkeypatch.setattr(inspect, "getsourcefile", lambda obj: looked_up.append(obj) or real(obj))
-    monkeypatch.setattr(pick, "_code_source_file", functools.cache(pick._code_source_file.__wrapped__))
+    monkeypatch.setattr(autotune, "_code_source_file", functools.cache(autotune._code_source_file.__wrapped__))
     fns = tuple(monarch.VARIANTS.values()) + (gemv.over_group("cublas"),)
-    first = pick.source_digest(fns)
+    first = autotune.source_digest(fns)
     assert len(looked_up) == len({fn.__code__ for fn in fns})
-    assert pick.source_digest(tuple(monarch.VARIANTS.values()) + (gemv.over_group("gemv_n4_k1024_w4"),)) == first
+    assert autotune.source_digest(tuple(monarch.VARIANTS.values()) + (gemv.over_group("gemv_n4_k1024_w4"),)) == first
     assert len(looked_up) == len({fn.__code__ for fn in fns})
-    assert first == pick._digest_files(tuple(sorted({real(fn) for fn in fns} | set(pick.kernel_sources()))))
-    assert batched_gemm.__file__ in pick.kernel_sources()     # the GEMM the candidates run, defined in no candidate's file
+    assert first == autotune._digest_files(tuple(sorted({real(fn) for fn in fns} | set(autotune.kernel_sources()))))
+    assert batched_gemm.__file__ in autotune.kernel_sources()   # the GEMM the candidates run, in no candidate's file
 
 
 def test_the_l2_flush_reads_its_buffer_without_a_copy_of_it():
@@ -1307,7 +1307,7 @@ def test_the_l2_flush_reads_its_buffer_without_a_copy_of_it():
     from torch.profiler import profile
 
     size = 32 * 2**20
-    flush = pick.l2_flush(size, torch.device("cpu"))
+    flush = autotune.l2_flush(size, torch.device("cpu"))
     with profile(profile_memory=True) as prof:
         flush()
     allocated = sum(max(e.self_cpu_memory_usage, 0) for e in prof.key_averages())
@@ -1333,14 +1333,14 @@ def test_autotuning_without_memory_for_the_flush_times_warm_and_says_so(monkeypa
     stub_l2_flush(monkeypatch)
     monkeypatch.setattr(torch, "empty", no_memory)
     timed, warned = [], []
-    monkeypatch.setattr(pick, "_graph_ms", lambda fn, args: timed.append(fn) or 2.0)
-    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
+    monkeypatch.setattr(autotune, "_graph_ms", lambda fn, args: timed.append(fn) or 2.0)
+    monkeypatch.setattr(autotune, "warn_once", lambda key, message: warned.append(message))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
     def kernel_call():
         return None
 
-    assert pick.autotune_bench(kernel_call) == 2.0
+    assert autotune.autotune_bench(kernel_call) == 2.0
     assert timed == [kernel_call] and "warm L2" in warned[0]
 
 
@@ -1351,11 +1351,11 @@ def test_autotuning_lets_failures_through(monkeypatch):
         raise RuntimeError("a broken config")
 
     stub_l2_flush(monkeypatch)
-    monkeypatch.setattr(pick, "graph_ms", bench)
+    monkeypatch.setattr(autotune, "graph_ms", bench)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with pytest.raises(RuntimeError, match="broken config"):
-        pick.autotune_bench(lambda: None)
-    assert pick._rotated_times("op", {"variant": lambda: None}, [()]) == {"variant": float("inf")}
+        autotune.autotune_bench(lambda: None)
+    assert autotune._rotated_times("op", {"variant": lambda: None}, [()]) == {"variant": float("inf")}
 
 
 def test_graph_timings_reuse_one_side_stream_after_the_callers_work(monkeypatch):
@@ -1421,9 +1421,9 @@ def test_a_variant_that_fails_to_run_is_not_picked(monkeypatch):
         raise RuntimeError("out of resources")
 
     warned = []
-    monkeypatch.setattr(pick, "graph_ms", bench)
-    monkeypatch.setattr(pick, "warn_once", lambda key, message: warned.append(message))
-    assert pick._time_candidate("op", "broken", broken, (1,)) == float("inf")
+    monkeypatch.setattr(autotune, "graph_ms", bench)
+    monkeypatch.setattr(autotune, "warn_once", lambda key, message: warned.append(message))
+    assert autotune._time_candidate("op", "broken", broken, (1,)) == float("inf")
     assert "broken" in warned[0] and "out of resources" in warned[0]
 
 

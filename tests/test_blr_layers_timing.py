@@ -190,20 +190,20 @@ def test_summarize_reads_the_noise_and_pick_misses_of_results_files(blr_layers):
 
 def test_the_table_keeps_its_own_pick_cache(blr_layers, tmp_path, monkeypatch):
     """Beside the results, started afresh by a new run and kept by --resume; a cache the user names is left alone."""
-    from memfit.kernels import pick
+    from memfit.kernels import autotune
 
     results = tmp_path / "blr_layers.json"
     picks = tmp_path / "blr_layers_picks.json"
     picks.write_text("{}")
     monkeypatch.setenv("MEMFIT_AUTOTUNE_CACHE", "")                  # records the variable's state for teardown
     monkeypatch.delenv("MEMFIT_AUTOTUNE_CACHE")
-    monkeypatch.setattr(pick, "_CACHE", {"a pick": "loaded from elsewhere"})
-    monkeypatch.setattr(pick, "_UNTIMED", {"a pick untimed elsewhere"})
-    monkeypatch.setattr(pick, "CHAIN_TILE_MEMO", {"a chain": "paired elsewhere"})
-    monkeypatch.setattr(pick, "_VARIANT_MEMO", {"an op": "picked elsewhere"})
+    monkeypatch.setattr(autotune, "_CACHE", {"a pick": "loaded from elsewhere"})
+    monkeypatch.setattr(autotune, "_UNTIMED", {"a pick untimed elsewhere"})
+    monkeypatch.setattr(autotune, "CHAIN_TILE_MEMO", {"a chain": "paired elsewhere"})
+    monkeypatch.setattr(autotune, "_VARIANT_MEMO", {"an op": "picked elsewhere"})
     assert blr_layers.own_pick_cache(results, resume=True) == picks and picks.exists()
-    assert pick._CACHE is None                                  # the next pick loads the table's own file
-    held = (pick._UNTIMED, pick.CHAIN_TILE_MEMO, pick._VARIANT_MEMO)
+    assert autotune._CACHE is None                                  # the next pick loads the table's own file
+    held = (autotune._UNTIMED, autotune.CHAIN_TILE_MEMO, autotune._VARIANT_MEMO)
     assert not any(held)                                              # and nothing held from before is reused
     assert os.environ["MEMFIT_AUTOTUNE_CACHE"] == str(picks)
     monkeypatch.delenv("MEMFIT_AUTOTUNE_CACHE")

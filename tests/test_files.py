@@ -41,10 +41,10 @@ def _results(tmp_path):
 
 
 def _autotune_cache(tmp_path):
-    from memfit.kernels import pick
+    from memfit.kernels import autotune
 
-    pick._save_cache({"key": "value"})
-    return pick._cache_path()
+    autotune._save_cache({"key": "value"})
+    return autotune._cache_path()
 
 
 def _model_dir(tmp_path):

@@ -1,7 +1,7 @@
 """Probe: what is live at the memory peak while memfit's decode loop (``Generator``) is built for a Monarch
 Llama-3.2-1B (paper ranks, bf16, on a GPU): CUDA's allocation history from the Generator's start, replayed to its
 peak, the live blocks grouped by their innermost memfit frames. Found the tile timings' L2 flush copying its buffer
-to int64 (``pick.l2_flush``). Writes OUT/peak.json:
+to int64 (``autotune.l2_flush``). Writes OUT/peak.json:
 
     OUT=/some/dir python benchmarks/probes/generator_peak.py
 """

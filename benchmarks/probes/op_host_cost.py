@@ -9,7 +9,7 @@ say what each level costs:
     wrapper     memfit.kernels.<op>(...): shape checks, then the op's function (from b3c4e90 called directly where
                 nothing needs the dispatcher, blr_common.skips_dispatcher) or the custom op, with variant="auto"
     op_auto     torch.ops.memfit.<op>(..., "auto"): the custom op, its pick (offer, key, cache; from b3c4e90
-                remembered, pick.auto_variant) and its pipeline
+                remembered, autotune.auto_variant) and its pipeline
     op_named    the custom op with the picked variant named: its dispatch and the pipeline
     function_named  the op's function with the variant named, without the custom op (from the run after dfd69a8)
     pipeline    the picked pipeline's Python function alone (its launches, its tile picks)

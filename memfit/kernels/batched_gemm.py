@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from memfit.errors import MemfitError
-from memfit.kernels import pick
+from memfit.kernels import autotune
+from memfit.kernels.autotune import tuned
 from memfit.kernels.blr_common import (
     blr_precision,
     chain_options,
@@ -27,7 +28,6 @@ from memfit.kernels.blr_common import (
     pow2_at_least,
     prefetch_l2,
 )
-from memfit.kernels.pick import tuned
 
 
 def _prune_bgemm(configs, named_args, **kwargs):
@@ -365,8 +365,8 @@ def pick_chain_tiles(op: str, shape_key: tuple, stages: tuple[tuple[int, int, in
     """The tiles of a pipeline's two chained bgemm launches (the first launching its dependents, the last waiting
     for the kernel before it), picked together: every pair of the tiles each launch is offered
     (:func:`bgemm_tiles_offered`), the whole pipeline ``run_with(*args, tiles=pair)`` timed as the variant pick times
-    pipelines, by the same :func:`pick.disk_pick` (rotating copies, CUDA-graph replays, finalists again; cached on disk
-    beside the variant picks; every pair's timing recorded in ``pick.CHAIN_TILE_PICKS``, so in ``pick.tile_picks``).
+    pipelines, by the same :func:`autotune.disk_pick` (rotating copies, CUDA-graph replays, finalists again; cached on disk
+    beside the variant picks; every pair's timing recorded in ``autotune.CHAIN_TILE_PICKS``, so in ``autotune.tile_picks``).
     ``stages``: each launch's (K, columns, batches); args[0] is the (N, in) input. AUTOTUNED_PAIR where the launches are left
     to the autotuner: off the GPU, where nothing is timed; at a first call inside a CUDA graph capture, or
     where no pair could be timed (each said once).
@@ -377,26 +377,26 @@ def pick_chain_tiles(op: str, shape_key: tuple, stages: tuple[tuple[int, int, in
     time the f969028 layer table read (``benchmarks/chain_tiles.py``, 19084f9). The price is paid once per shape and
     N bucket (the pick is cached on disk): a layer's first calls at N = 1 and 16, three structures at the seven
     shapes, took 142.5 s against 92.3 s before (``benchmarks/pick_cost.py``, af7a5bc and d1edfef)."""
-    x, device = args[0], pick.cuda_device(args)
+    x, device = args[0], autotune.cuda_device(args)
     if device is None:
         return AUTOTUNED_PAIR
     memo = (op, shape_key, device)
-    if memo in pick.CHAIN_TILE_MEMO:
-        return pick.CHAIN_TILE_MEMO[memo]
+    if memo in autotune.CHAIN_TILE_MEMO:
+        return autotune.CHAIN_TILE_MEMO[memo]
     n = x.shape[0]
     (k1, cols1, batches1), (k2, cols2, batches2) = stages
     pairs = {f"{t1} + {t2}": (t1, t2)
              for t1 in bgemm_tiles_offered(x, n, k1, cols1, batches1, launch_dependents=True)
              for t2 in bgemm_tiles_offered(x, n, k2, cols2, batches2, wait_for_previous=True)}
-    key = "|".join([torch.cuda.get_device_name(), triton.__version__, pick.source_digest((run_with,)), op,
+    key = "|".join([torch.cuda.get_device_name(), triton.__version__, autotune.source_digest((run_with,)), op,
                     "chained tiles", *map(str, shape_key)])
-    picked = pick.disk_pick(op, shape_key, key, {label: functools.partial(run_with, tiles=tiles)
-                                                   for label, tiles in pairs.items()}, args, pick.CHAIN_TILE_PICKS,
-                            "each chained launch takes the tile its autotuner picks alone")
+    picked = autotune.disk_pick(op, shape_key, key, {label: functools.partial(run_with, tiles=tiles)
+                                                     for label, tiles in pairs.items()}, args, autotune.CHAIN_TILE_PICKS,
+                                "each chained launch takes the tile its autotuner picks alone")
     if picked is None and torch.cuda.is_current_stream_capturing():
         return AUTOTUNED_PAIR                       # not remembered: the next call outside a capture times the pairs
-    pick.CHAIN_TILE_MEMO[memo] = AUTOTUNED_PAIR if picked is None else pairs[picked]
-    return pick.CHAIN_TILE_MEMO[memo]
+    autotune.CHAIN_TILE_MEMO[memo] = AUTOTUNED_PAIR if picked is None else pairs[picked]
+    return autotune.CHAIN_TILE_MEMO[memo]
 
 
 def bmm_into(a, b, out, bias=None) -> None:

@@ -100,6 +100,7 @@ import triton.language as tl
 
 from memfit.errors import MemfitError
 from memfit.kernels import gemv
+from memfit.kernels.autotune import auto_variant, tuned
 from memfit.kernels.batched_gemm import (
     bgemm,
     bmm_into,
@@ -127,7 +128,6 @@ from memfit.kernels.blr_common import (
     runs_triton,
     skips_dispatcher,
 )
-from memfit.kernels.pick import auto_variant, tuned
 from memfit.kernels.recompute import recompute_backward, recomputing, save_for_recompute
 from memfit.kernels.tangents import carries_tangents
 

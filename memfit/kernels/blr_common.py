@@ -1,6 +1,6 @@
 """Pieces the block-low-rank kernels (lowrank, monarch, blast) share: shape binding and the Triton-or-reference
 choice, the dot precision, tile helpers, and the chaining of stages. The pipelines' timed pick is
-:mod:`memfit.kernels.pick`, their shared GEMM :mod:`memfit.kernels.batched_gemm`, their backward
+:mod:`memfit.kernels.autotune`, their shared GEMM :mod:`memfit.kernels.batched_gemm`, their backward
 :mod:`memfit.kernels.recompute`.
 
 * ``n_bucket``: the token count rounded up to a power of two, at least 16 (one 16-token tile), the

@@ -23,7 +23,7 @@ With more than one split, each writes its (max, sum, unnormalised output) in fp3
 second small kernel combines them (flash-decoding); with one split the kernel writes
 the output itself. The chunk length is the speed knob: short chunks give many programs
 (the cache read is spread over the GPU) and a bigger combine; ``pick_attention`` times the
-variants at the full cache length with ``pick.pick_variant``.
+variants at the full cache length with ``autotune.pick_variant``.
 
 Output: (B, H * D), head ``h = kv * G + g`` (the layout o_proj takes). Prefill (many
 queries) stays with SDPA in ``memfit.infer.generate``.
@@ -43,8 +43,8 @@ import triton
 import triton.language as tl
 
 from memfit.errors import MemfitError
+from memfit.kernels.autotune import pick_variant
 from memfit.kernels.dispatch import dot_precision, use_triton
-from memfit.kernels.pick import pick_variant
 
 LOG2E = 1.4426950408889634
 # name -> (chunk of cache slots per program, 0 = the whole cache in one program; keys per block; warps)

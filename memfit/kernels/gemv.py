@@ -26,7 +26,7 @@ row order.
 
 Which path is fastest depends on the shape, so ``pick_path`` times cuBLAS (``F.linear``)
 against every tile variant over a whole group of same-shaped weights (all layers' q/k/v,
-say: more than L2 holds, as in a real decode step) with ``pick.pick_variant``,
+say: more than L2 holds, as in a real decode step) with ``autotune.pick_variant``,
 which caches the winner on disk. Results differ from cuBLAS only in summation order.
 :func:`decode_linear` is ``F.linear`` with that choice made per weight shape on its first call, one opaque op to
 torch.compile (memfit.infer.decode_gemv puts it behind a model's linear layers).
@@ -39,13 +39,13 @@ import triton
 import triton.language as tl
 
 from memfit.errors import MemfitError
+from memfit.kernels.autotune import pick_variant, tuned
 from memfit.kernels.blr_common import (
     chain_options,
     contiguous_bias,
     line_elements,
     prefetch_l2,
 )
-from memfit.kernels.pick import pick_variant, tuned
 from memfit.log import warn_once
 
 MAX_ROWS = 4                     # x rows (batch x tokens) the GEMV path takes; more is a GEMM

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from memfit.kernels.autotune import auto_variant
 from memfit.kernels.batched_gemm import bgemm, pick_chain_tiles
 from memfit.kernels.blr_common import (
     PDL_MAX_N,
@@ -36,7 +37,6 @@ from memfit.kernels.blr_common import (
     runs_triton,
     skips_dispatcher,
 )
-from memfit.kernels.pick import auto_variant
 from memfit.kernels.recompute import recompute_backward, recomputing, save_for_recompute
 from memfit.kernels.tangents import carries_tangents
 
