@@ -14,7 +14,8 @@ from pathlib import Path
 
 def resolve_device(name):
     """``name`` (auto, cpu, cuda or cuda:N, or a torch.device) as a torch device; auto takes the GPU when there is
-    one."""
+    one. Any other device torch knows (mps, xpu, meta) is refused here: memfit's paths run on the CPU or CUDA, and
+    there it had failed deep inside torch with a traceback."""
     import torch
 
     from memfit.errors import MemfitError
@@ -24,9 +25,14 @@ def resolve_device(name):
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):
-        raise MemfitError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):   # mps, xpu, meta...: memfit runs on neither
+        raise MemfitError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MemfitError(f"device {name!r} asked for, but this machine has no CUDA GPU; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= (count := torch.cuda.device_count()):
+        raise MemfitError(f"device {name!r} asked for, but this machine has {count} CUDA GPU"
+                          f"{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})")
     return device
 
 

@@ -7,6 +7,7 @@ import torch
 
 import memfit.models
 from memfit.cli import main
+from memfit.errors import MemfitError
 from memfit.models import PRESETS, save_model_dir
 
 
@@ -80,10 +81,24 @@ def test_compress_cuda_without_gpu(tmp_path, capsys, no_model_load, device):
     _fails(capsys, argv, "this machine has no CUDA GPU")
 
 
-def test_compress_unknown_device(tmp_path, capsys, no_model_load):
-    argv = _compress(tmp_path)
-    argv[argv.index("--device") + 1] = "gpu"
-    _fails(capsys, argv, "unknown device 'gpu'")
+@pytest.mark.parametrize("device", ["gpu", "mps", "xpu", "meta"])
+@pytest.mark.parametrize("verb", ["compress", "finetune"])
+def test_a_device_memfit_does_not_run_on_is_refused(tmp_path, capsys, no_model_load, verb, device):
+    """mps, xpu and meta are devices torch parses: they had gone through to fail inside torch (a dispatcher dump, an
+    assertion) or, on meta, with a message about missing tensors."""
+    argv = _compress(tmp_path) if verb == "compress" else _finetune(tmp_path)
+    argv[argv.index("--device") + 1] = device
+    _fails(capsys, argv, f"unknown device '{device}': use auto, cpu, cuda or cuda:N")
+
+
+def test_a_cuda_device_past_the_machines_gpus_is_refused(monkeypatch):
+    from memfit.local import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(MemfitError, match=r"device 'cuda:2' asked for, but this machine has 2 CUDA GPUs \(cuda:0 to"):
+        resolve_device("cuda:2")
 
 
 def test_compress_existing_out_names_the_flag_and_is_left_alone(tmp_path, capsys, no_model_load):
