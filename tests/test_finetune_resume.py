@@ -247,3 +247,34 @@ def test_a_non_finite_loss_before_any_update_does_not_blame_the_lr(tmp_path):
     with pytest.raises(MemfitError, match=r"at step 1 the loss is nan .*no update has been made yet, so the learning "
                                           r"rate is not the cause; check the model and the data \(float16 overflows"):
         train(model, load_jsonl(DEFAULT_DATA, tok, 64)[:8], tok.pad_token_id, config, tmp_path)
+
+
+def test_a_new_run_leaves_an_out_directory_it_did_not_write_alone(tmp_path, monkeypatch):
+    """A run into a directory holding an adapter/ of the user's had replaced it at its end (the user's files gone),
+    and written beside anything else there; now it is refused before the model loads, and nothing is touched."""
+    from memfit.commands import finetune
+
+    monkeypatch.setattr(finetune, "load_model", lambda *a: pytest.fail("loaded the model first"))
+    out = tmp_path / "run"
+    (out / "adapter").mkdir(parents=True)
+    (out / "adapter" / "notes.txt").write_text("precious")
+    (out / "memfit_compress.json").write_text("{}")
+    with pytest.raises(MemfitError, match=r"--out .*run holds adapter, memfit_compress.json, which no memfit "
+                                          r"finetune run wrote"):
+        _cli(["--device", "cpu", "--out", str(out), "--steps", "1", "--batch-size", "2", "--max-len", "64"])
+    assert (out / "adapter" / "notes.txt").read_text() == "precious"
+    assert sorted(path.name for path in out.iterdir()) == ["adapter", "memfit_compress.json"]
+
+
+def test_checkpoints_without_their_pointer_are_resumed_not_removed(tmp_path):
+    """A run killed after its first checkpoint was made whole but before ``latest`` named it left a checkpoint that a
+    resume did not find ("holds no checkpoint"), and a new run then removed at its first save. The newest checkpoint
+    directory is the one to resume, and a new run is refused as for any run there."""
+    out = tmp_path / "run"
+    common = ["--device", "cpu", "--out", str(out), "--batch-size", "2", "--max-len", "64", "--save-every", "1"]
+    assert _cli([*common, "--steps", "2"]) == 0
+    (out / "checkpoints" / "latest").unlink()
+    with pytest.raises(MemfitError, match="already holds a run; pass --resume"):
+        _cli([*common, "--steps", "3"])
+    assert _cli([*common, "--steps", "3", "--resume"]) == 0
+    assert json.loads((_latest(out) / "progress.json").read_text())["step"] == 3

@@ -71,7 +71,9 @@ def add_parser(sub):
                         help="GPU memory budget, e.g. 8GiB: on CUDA the planner picks the techniques (the fastest plan "
                              "that fits, without those turned off by name below); the measured peak is checked against "
                              "it")
-    parser.add_argument("--out", default="memfit-finetune", help="output directory (default: ./memfit-finetune)")
+    parser.add_argument("--out", default="memfit-finetune",
+                        help="output directory, new or empty unless --resume (default: ./memfit-finetune); the run "
+                             "writes checkpoints/ and adapter/ there")
     parser.add_argument("--steps", type=int, default=60, help="total optimizer steps (default: 60)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the last checkpoint in --out; refused, naming both values, where this "
@@ -269,6 +271,9 @@ def run(args) -> int:
         raise MemfitError(f"--out {out}: {problem}")
     if not args.resume and latest_checkpoint(out) is not None:
         raise MemfitError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    if not args.resume and (foreign := _not_a_runs(out)):
+        raise MemfitError(f"--out {out} holds {', '.join(foreign)}, which no memfit finetune run wrote, and a run "
+                          "writes its adapter/ and checkpoints/ there; choose a new or empty directory")
     lr = args.lr
     if lr is None and args.resume and (checkpoint := latest_checkpoint(out)) is not None:
         lr = checkpoint_lr(checkpoint)                 # a resumed run keeps its learning rate unless --lr is given
@@ -334,6 +339,18 @@ def _train_with_progress(model, examples, tokenizer, config, out, resume, device
 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return train(model, examples, pad, config, out, resume=resume, on_step=on_step, data_name=data_name)
+
+
+def _not_a_runs(out: Path, shown: int = 3) -> list[str]:
+    """The first ``shown`` names in ``out`` that a run starting there would not have left (its checkpoints directory
+    with no checkpoint yet, an adapter save's temporary or set-aside copies), sorted: a new run writes adapter/ and
+    checkpoints/ into ``out``, and its adapter save had replaced an adapter/ of the user's."""
+    from memfit.train.finetune import CHECKPOINTS
+
+    if not out.is_dir():
+        return []
+    own = {CHECKPOINTS, ".adapter.tmp", *(path.name for path in set_aside_of(out / "adapter"))}
+    return sorted(path.name for path in out.iterdir() if path.name not in own)[:shown]
 
 
 def _save_adapter(model, out: Path) -> Path:

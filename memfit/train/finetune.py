@@ -230,11 +230,16 @@ STEP_NAME = re.compile(r"(?:\.)?(step-\d{7,})(?:\.old-.*)?")
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
-    pointer = Path(out_dir) / CHECKPOINTS / LATEST
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    """The checkpoint ``latest`` names, or where it names none (a run killed between its first checkpoint and the
+    pointer's write, or the pointer removed) the newest checkpoint directory: each is made whole before it gets its
+    name (atomic_dir), so one that exists is complete. None where there is no checkpoint directory (until this
+    fallback a run that found no pointer started afresh and removed the checkpoints at its first save)."""
+    root = Path(out_dir) / CHECKPOINTS
+    pointer = root / LATEST
+    if pointer.is_file() and (path := root / pointer.read_text().strip()).is_dir():
+        return path
+    steps = [path for path in root.glob("step-*") if re.fullmatch(r"step-\d{7,}", path.name) and path.is_dir()]
+    return max(steps, key=lambda path: int(path.name.removeprefix("step-")), default=None)
 
 
 def checkpoint_to_resume(out_dir: Path) -> Path:
