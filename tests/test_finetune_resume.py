@@ -278,3 +278,27 @@ def test_checkpoints_without_their_pointer_are_resumed_not_removed(tmp_path):
         _cli([*common, "--steps", "3"])
     assert _cli([*common, "--steps", "3", "--resume"]) == 0
     assert json.loads((_latest(out) / "progress.json").read_text())["step"] == 3
+
+
+def test_a_batch_is_picked_from_one_permutation_an_epoch(monkeypatch):
+    """The same examples as a permutation drawn for each example (resumed runs depend on it), with one permutation
+    drawn per epoch: drawn for each example of each batch, a step cost n x batch size of host time."""
+    from memfit.train import finetune as loop
+
+    examples = list(range(23))                 # stand-ins: batch_at only indexes them
+
+    def drawn_per_example(step, batch_size, seed):
+        picked = []
+        for position in range(step * batch_size, (step + 1) * batch_size):
+            epoch, offset = divmod(position, len(examples))
+            generator = torch.Generator().manual_seed(seed * 100003 + epoch)
+            picked.append(examples[int(torch.randperm(len(examples), generator=generator)[offset])])
+        return picked
+
+    expected = {(step, seed): drawn_per_example(step, 8, seed) for step in range(9) for seed in (0, 5)}
+    loop._epoch_order.cache_clear()
+    draws = []
+    real = torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda *a, **k: draws.append(a) or real(*a, **k))
+    assert {(step, seed): loop.batch_at(examples, 8, seed, step) for seed in (0, 5) for step in range(9)} == expected
+    assert len(draws) == 2 * 4                 # 72 positions of 23 examples: epochs 0 to 3, for each seed

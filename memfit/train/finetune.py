@@ -23,6 +23,7 @@ run's (said once); a later version is refused.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -87,12 +88,15 @@ class StepReport:
 def batch_at(examples: list[Example], batch_size: int, seed: int, step: int) -> list[Example]:
     """The examples of ``step``: consecutive slices of a per-epoch permutation seeded by (seed, epoch)."""
     n = len(examples)
-    picked = []
-    for position in range(step * batch_size, (step + 1) * batch_size):
-        epoch, offset = divmod(position, n)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch), device="cpu")
-        picked.append(examples[int(order[offset])])
-    return picked
+    return [examples[_epoch_order(n, seed, position // n)[position % n]]
+            for position in range(step * batch_size, (step + 1) * batch_size)]
+
+
+@functools.lru_cache(maxsize=2)      # a batch spans the epoch it ends in and at most the one before
+def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """Epoch ``epoch``'s permutation of ``n`` examples, made once: made again for every example of every batch, it
+    cost each step host time in proportion to n x batch size."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch), device="cpu").tolist()
 
 
 def peak_bytes(device: torch.device) -> int:
