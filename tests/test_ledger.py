@@ -948,3 +948,13 @@ def test_a_dtype_alias_predicts_as_its_name():
     for GQA in fp32): qwen2.5-0.5b infer at 8192 tokens predicted 2.81 GB as fp32 against 14.55 GB as float32."""
     job = Job(PRESETS["qwen2.5-0.5b"], task="infer", seq=8192, device="cuda")
     assert predict(job, Knobs(dtype="fp32")).total == predict(job, Knobs(dtype="float32")).total
+
+
+@pytest.mark.parametrize("task", ["lora", "infer"])
+def test_verify_says_each_phase_as_it_starts(task):
+    """memfit verify had shown nothing for a minute on a CPU before its table (a helper's CLI audit); its status line
+    follows these phases."""
+    phases = []
+    verify(Job(TINY, task=task, seq=64, batch=1, device="cpu", new_tokens=2), Knobs(dtype="float32"), warmup=2,
+           progress=phases.append)
+    assert phases == ["building the random-init model", "warm-up step 1/2", "warm-up step 2/2", "measured step"]

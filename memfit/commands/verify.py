@@ -36,6 +36,8 @@ def add_parser(sub):
 def run(args) -> int:
     """Verify the job; with --json, an error that ends the command (exit 2) is a JSON object on stdout too, as
     ``memfit plan --json`` prints one, with the job as far as it was read (null before)."""
+    from rich.console import Console
+
     from memfit.ledger.verify import NO_PARTIAL_FFN, verify
 
     job = None
@@ -46,7 +48,10 @@ def run(args) -> int:
         if args.warmup < 1:
             raise MemfitError(f"--warmup must be at least 1 (optimizer state appears at the first step), got "
                               f"{args.warmup}")
-        result = verify(job, knobs, tolerance=args.tolerance, warmup=args.warmup)
+        with Console(stderr=True).status(f"verify: {job.spec.name} {job.task} on {job.device}") as status:
+            result = verify(job, knobs, tolerance=args.tolerance, warmup=args.warmup,
+                            progress=lambda phase: status.update(f"verify: {job.spec.name} {job.task} on "
+                                                                 f"{job.device}: {phase}"))
     except MemfitError as err:
         if args.json:
             print_json_error(err, job)
@@ -54,7 +59,6 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:
-        from rich.console import Console
         from rich.table import Table
 
         blr = f" ({knobs.blr_method} block-low-rank, {knobs.blr_ratio:g})" if knobs.blr_method else ""

@@ -11,6 +11,7 @@ allocator's events read off ``torch.profiler`` (``memfit.measure.memory``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -133,14 +134,17 @@ def make_optimizer(name: str, params):
     return bnb.optim.AdamW8bit(params, lr=1e-5)
 
 
-def measure(job: Job, knobs: Knobs, warmup: int = 1) -> Measurement:
-    """Run ``warmup`` steps, then measure one step of ``job`` with ``knobs``."""
+def measure(job: Job, knobs: Knobs, warmup: int = 1, progress: Callable[[str], None] | None = None) -> Measurement:
+    """Run ``warmup`` steps, then measure one step of ``job`` with ``knobs``; ``progress(phase)`` is told each phase
+    as it starts (the model's build, each warm-up step, the measured step: seconds each on a CPU)."""
+    say = progress or (lambda phase: None)
     check_runnable(job, knobs)
+    say("building the random-init model")
     model = _prepare(job, knobs)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, job.spec.vocab, (job.batch, job.seq), generator=generator, device="cpu").to(job.device)
     if job.task == "infer":
-        return _measure_infer(job, model, ids, warmup)
+        return _measure_infer(job, model, ids, warmup, say)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(knobs.optimizer, params)
     micro = knobs.micro_batch or job.batch
@@ -159,10 +163,12 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1) -> Measurement:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
+    for done in range(warmup):
+        say(f"warm-up step {done + 1}/{warmup}")
         step()
     states = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
     baseline = tuple(model.parameters()) + tuple(model.buffers()) + tuple(states)
+    say("measured step")
     with PeakMeter(job.device, baseline) as meter:
         step()
     return Measurement(meter.peak, meter.reserved, storage_bytes(list(model.parameters()) + list(model.buffers())),
@@ -170,7 +176,7 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1) -> Measurement:
 
 
 @torch.no_grad()
-def _measure_infer(job: Job, model, ids, warmup: int) -> Measurement:
+def _measure_infer(job: Job, model, ids, warmup: int, say: Callable[[str], None]) -> Measurement:
     name = cache_keyword(model)
 
     def generate():
@@ -182,18 +188,22 @@ def _measure_infer(job: Job, model, ids, warmup: int) -> Measurement:
             token = out.logits[:, -1:].argmax(-1)
             del out
 
-    for _ in range(warmup):
+    for done in range(warmup):
+        say(f"warm-up step {done + 1}/{warmup}")
         generate()
     baseline = tuple(model.parameters()) + tuple(model.buffers())
+    say("measured step")
     with PeakMeter(job.device, baseline) as meter:
         generate()
     return Measurement(meter.peak, meter.reserved, storage_bytes(baseline), 0, 0)
 
 
-def verify(job: Job, knobs: Knobs, tolerance: float = 0.05, warmup: int = 1) -> VerifyResult:
-    """Predict, measure, compare. ``result.ok`` is False when the total is off by more than ``tolerance``."""
+def verify(job: Job, knobs: Knobs, tolerance: float = 0.05, warmup: int = 1,
+           progress: Callable[[str], None] | None = None) -> VerifyResult:
+    """Predict, measure, compare. ``result.ok`` is False when the total is off by more than ``tolerance``;
+    ``progress`` is :func:`measure`'s."""
     if not 0 < tolerance < math.inf:                   # NaN fails both comparisons
         raise MemfitError(f"{field_flag('tolerance')} must be a positive, finite fraction (0.05 is 5%), got {tolerance}")
     check_runnable(job, knobs)
     ledger = predict(job, knobs)
-    return VerifyResult(ledger, measure(job, knobs, warmup), tolerance)
+    return VerifyResult(ledger, measure(job, knobs, warmup, progress), tolerance)
