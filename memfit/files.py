@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+from memfit.errors import MemfitError
+
 PROC_STATUS = Path("/proc/self/status")   # Linux 4.7 on: the process's umask among its fields
 _UMASK_LOCK = threading.Lock()
 
@@ -127,3 +129,24 @@ def atomic_dir(out: Path, tmp: Path, placed: Callable[[Path], None] | None = Non
         placed(out)
     if old is not None:
         shutil.rmtree(old)
+
+
+def input_file(path: str | Path, role: str, expected: str) -> Path:
+    """``path`` as a file memfit reads once: a one-line MemfitError naming its ``role`` (e.g. "data file") where it
+    is a directory (``expected`` says what to pass) or does not exist. A pipe or a device is taken (``--data
+    <(...)``): a regular-file test had called one "does not exist"."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise MemfitError(f"{role} {str(path)!r} is a directory; {expected}")
+    if not path.exists():
+        raise MemfitError(f"{role} {str(path)!r} does not exist")
+    return path
+
+
+def read_input_text(path: Path, role: str, encoding: str = "utf-8", errors: str = "strict") -> str:
+    """The text of :func:`input_file` ``path``; a file that cannot be read (permissions, an I/O error) is a one-line
+    MemfitError naming its ``role``, where it had been a bare errno line."""
+    try:
+        return path.read_text(encoding=encoding, errors=errors)
+    except OSError as err:
+        raise MemfitError(f"{role} {str(path)!r} cannot be read ({err.strerror or err})") from None

@@ -577,7 +577,7 @@ def test_a_rope_parameters_value_that_is_no_mapping_keeps_the_default_theta(tmp_
 def test_calibration_data_given_as_a_directory_is_called_one(tiny_dir, tmp_path, capsys):
     _fails(capsys, ["calibrate", str(tiny_dir), "--data", str(tmp_path), "--out", str(tmp_path / "r.st"),
                     "--device", "cpu"], "is a directory")
-    _fails(capsys, _compress(tmp_path, "--calib", str(tmp_path)), "is a directory: pass a text file")
+    _fails(capsys, _compress(tmp_path, "--calib", str(tmp_path)), "is a directory; pass a text file")
 
 
 def test_finetune_refuses_an_empty_out_or_the_model_directory(tiny_dir, tmp_path, capsys, no_model_load):

@@ -185,3 +185,38 @@ def test_the_umask_read_is_right_from_many_threads(umask, proc, monkeypatch, tmp
     finally:
         sys.setswitchinterval(switching)
     assert modes == {int(umask, 8)} and os.umask(0o027) == 0o027
+
+
+def test_data_from_a_pipe_is_read(tmp_path):
+    """``--data <(...)`` names a pipe: a regular-file test had called it "does not exist"."""
+    import os
+    import threading
+
+    from memfit.data.jsonl import read_records
+
+    fifo = tmp_path / "data.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text('{"prompt": "a", "response": "bc"}\n'))
+    writer.start()
+    assert read_records(fifo, 64) == [[("a\n", False), ("bc", True)]]   # the prompt's template adds the newline
+    writer.join()
+
+
+@pytest.mark.parametrize("reader", ["data file", "calibration data", "calibration file"])
+def test_an_input_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch, reader):
+    """An unreadable --data, --calib or calibrate --data had given a bare '[Errno 13] Permission denied' (root reads
+    any file, so the refusal is made by a stand-in read)."""
+    from memfit.compress.calibration import load_calibration
+    from memfit.data.jsonl import read_records
+    from memfit.errors import MemfitError
+    from memfit.infer.calibrate import read_prompts
+
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "a"}\n')
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied")) if self == path else real(self, *a, **k))
+    read = {"data file": lambda: read_records(path, 64), "calibration data": lambda: read_prompts(path),
+            "calibration file": lambda: load_calibration(str(path), False, None, 256, 2, 8)}[reader]
+    with pytest.raises(MemfitError, match=f"{reader} '.*in.jsonl' cannot be read \\(Permission denied\\)"):
+        read()

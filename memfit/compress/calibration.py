@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from memfit.errors import MemfitError
+from memfit.files import input_file, read_input_text
 
 
 def text_tokenizer(model_dir: str | Path | None, vocab: int):
@@ -44,11 +45,8 @@ def load_calibration(calib_file: str | None, builtin: bool, model_dir: str | Pat
     if not calib_file and not builtin:
         return None
     if calib_file:
-        path = Path(calib_file).expanduser()
-        if not path.is_file():
-            what = "is a directory: pass a text file" if path.is_dir() else "does not exist"
-            raise MemfitError(f"calibration file {calib_file} {what}")
-        text = path.read_text(encoding="utf-8", errors="replace")
+        path = input_file(calib_file, "calibration file", "pass a text file")
+        text = read_input_text(path, "calibration file", errors="replace")
     else:
         from memfit.data import build_corpus
 

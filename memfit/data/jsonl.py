@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from memfit.errors import MemfitError
+from memfit.files import input_file, read_input_text
 from memfit.log import warn_once
 
 IGNORE_INDEX = -100
@@ -83,19 +84,15 @@ def check_source(path: str | Path, max_len: int) -> Path:
     """``path`` as a readable JSONL file and ``max_len`` as a usable length (callers check before any work)."""
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 2:
         raise MemfitError(f"max_len must be an integer >= 2 (a prompt token and a response token), got {max_len!r}")
-    path = Path(path).expanduser()
-    if path.is_dir():
-        raise MemfitError(f"data file {str(path)!r} is a directory; pass a JSONL file")
-    if not path.is_file():
-        raise MemfitError(f"data file {str(path)!r} does not exist")
-    return path
+    return input_file(path, "data file", "pass a JSONL file")
 
 
-def text_lines(path: Path) -> list[str]:
+def text_lines(path: Path, role: str = "data file") -> list[str]:
     """The lines of a UTF-8 text file, a byte-order mark first allowed (Windows Notepad writes one); a one-line
-    MemfitError where the file is not UTF-8 (a PowerShell ``>`` redirect writes UTF-16)."""
+    MemfitError where the file is not UTF-8 (a PowerShell ``>`` redirect writes UTF-16) or cannot be read (naming its
+    ``role``)."""
     try:                                                # split at newlines only: a JSON string may hold U+2028
-        return path.read_text(encoding="utf-8-sig").removesuffix("\n").split("\n")
+        return read_input_text(path, role, encoding="utf-8-sig").removesuffix("\n").split("\n")
     except UnicodeDecodeError as err:
         raise MemfitError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from None
 

@@ -21,7 +21,7 @@ import torch
 
 from memfit.data.jsonl import text_lines
 from memfit.errors import MemfitError
-from memfit.files import atomic_path
+from memfit.files import atomic_path, input_file
 
 RANKINGS_FILE = "rankings.safetensors"
 FORMAT = "memfit-rankings-v1"
@@ -89,12 +89,9 @@ class Rankings:
 
 def read_prompts(path: str | Path) -> list[dict]:
     """Lines of ``{"text": ..., "task": optional label}`` (``prompt`` is accepted for ``text``)."""
-    path = Path(path)
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
-        raise MemfitError(f"calibration data {path} {what} (expected a .jsonl file, one JSON object a line)")
+    path = input_file(path, "calibration data", "expected a .jsonl file, one JSON object a line")
     prompts = []
-    for number, line in enumerate(text_lines(path), 1):
+    for number, line in enumerate(text_lines(path, "calibration data"), 1):
         if not line.strip():
             continue
         try:
