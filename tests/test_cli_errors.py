@@ -187,9 +187,10 @@ def test_generate_partial_load_still_needs_the_layers(tiny_dir, capsys):
 
 
 @pytest.mark.parametrize("extra", [("--task", "qa"), ("--rankings", "r.safetensors"), ("--base", "0.2"),
-                                   ("--compute-all-layers",)])
+                                   ("--compute-all-layers",), ("--full-first", "0"), ("--full-last", "1")])
 def test_generate_refuses_a_neuron_choice_with_every_neuron(tiny_dir, capsys, extra):
-    """With every FFN neuron loaded and computed, the options that choose neurons had been dropped unsaid."""
+    """With every FFN neuron loaded and computed, the options that choose neurons or partial layers had been dropped
+    unsaid."""
     _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--device", "cpu", *extra],
            f"{extra[0]}: only for partial layers; at --load 1 and --compute 1 every one of the 176 FFN neurons")
     _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--device", "cpu", "--load", "0.99", *extra],
@@ -701,3 +702,11 @@ def test_generate_checks_its_options_before_the_decode_length(capsys, tiny_dir, 
     options are checked first, not after the length refusal."""
     _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--max-new", str(PRESETS["tiny"].max_position),
                     "--device", "cpu", *extra], message)
+
+
+def test_an_empty_out_is_refused_by_name(tiny_dir, tmp_path, capsys, no_model_load):
+    """compress had said "got '.'" (Path("") is the current directory) and calibrate wrote its default file."""
+    _fails(capsys, ["compress", "tiny", "--out", "", "--device", "cpu"], "--out is empty: name the directory")
+    (tmp_path / "prompts.jsonl").write_text('{"text": "hello"}\n')
+    _fails(capsys, ["calibrate", str(tiny_dir), "--data", str(tmp_path / "prompts.jsonl"), "--out", " ",
+                    "--device", "cpu"], "--out is empty: name the rankings file")

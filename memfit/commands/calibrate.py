@@ -31,6 +31,8 @@ def run(args) -> int:
     from memfit.local import check_model_dir, output_dir_problem, resolve_device
 
     model_dir = check_model_dir(args.model)
+    if args.out is not None and not args.out.strip():  # had written MODEL/rankings.safetensors, unsaid
+        raise MemfitError("--out is empty: name the rankings file, or leave --out out for MODEL/rankings.safetensors")
     out = Path(args.out) if args.out else model_dir / RANKINGS_FILE
     if out.is_dir():
         raise MemfitError(f"--out {out} is a directory: name the rankings file (e.g. {out / RANKINGS_FILE})")

@@ -26,8 +26,8 @@ def add_parser(sub):
     parser.add_argument("--compute", type=float, default=None, help="phi: fraction computed at decode (default: = --load)")
     parser.add_argument("--base", type=float, default=None, help="delta: top task-ranked fraction always loaded and computed "
                                                                 "(default min(0.3, compute))")
-    parser.add_argument("--full-first", type=int, default=2, help="first layers loaded fully (default 2)")
-    parser.add_argument("--full-last", type=int, default=2, help="last layers loaded fully (default 2)")
+    parser.add_argument("--full-first", type=int, help="first layers loaded fully (default 2)")
+    parser.add_argument("--full-last", type=int, help="last layers loaded fully (default 2)")
     parser.add_argument("--compute-all-layers", action="store_true",
                         help="apply --compute to the fully loaded first/last layers too")
     parser.add_argument("--task", help="task ranking to take the base neurons from (default: the general ranking)")
@@ -40,9 +40,9 @@ def add_parser(sub):
 
 
 def _refuse_unused_selection(args, partial, intermediate: int) -> None:
-    """--rankings, --task, --base and --compute-all-layers choose the neurons of partial layers: refuse them where
-    every FFN neuron is loaded and computed, where they would do nothing (the library takes a ranking there, for a
-    sweep over load and compute that includes the full model)."""
+    """--rankings, --task, --base and --compute-all-layers choose the neurons of partial layers, --full-first and
+    --full-last which layers are partial: refuse them where every FFN neuron is loaded and computed, where they would
+    do nothing (the library takes a ranking there, for a sweep over load and compute that includes the full model)."""
     if not partial.loads_everything(intermediate):
         return
     if given := _neuron_choice_flags(args):
@@ -51,9 +51,11 @@ def _refuse_unused_selection(args, partial, intermediate: int) -> None:
 
 
 def _neuron_choice_flags(args) -> list[str]:
-    """The options given that choose which FFN neurons a partial layer keeps."""
+    """The options given that choose which FFN neurons a partial layer keeps, and which layers are partial."""
     return [flag for flag, value in (("--rankings", args.rankings), ("--task", args.task), ("--base", args.base),
-                                     ("--compute-all-layers", args.compute_all_layers or None)) if value is not None]
+                                     ("--compute-all-layers", args.compute_all_layers or None),
+                                     ("--full-first", args.full_first), ("--full-last", args.full_last))
+            if value is not None]
 
 
 def _refuse_partial_options(args) -> None:
@@ -90,8 +92,10 @@ def _dense_loader(args, device, console):
 
     model_dir = check_model_dir(args.model)
     spec = load_spec(model_dir)
-    partial = PartialConfig(load=args.load, compute=args.compute, base=args.base, full_first=args.full_first,
-                            full_last=args.full_last, task=args.task, compute_all_layers=args.compute_all_layers)
+    fully_loaded = {name: count for name, count in (("full_first", args.full_first), ("full_last", args.full_last))
+                    if count is not None}                      # left out: PartialConfig's defaults
+    partial = PartialConfig(load=args.load, compute=args.compute, base=args.base, task=args.task,
+                            compute_all_layers=args.compute_all_layers, **fully_loaded)
     if partial.loads_everything(spec.intermediate):   # no layer is partial: the full/partial split is moot
         first = min(partial.full_first, spec.num_layers)
         partial = replace(partial, full_first=first, full_last=min(partial.full_last, spec.num_layers - first))

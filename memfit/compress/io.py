@@ -49,6 +49,8 @@ def check_output(out: str | Path, force: bool) -> Path:
     never deletes a source model or other data. An ``out`` that a save killed between its two renames left only as
     its set-aside old copy is put back first (:func:`_put_back_set_aside`), so that rule holds for it too. What the
     file system refuses is a MemfitError too (e.g. a name too long), as on the command line."""
+    if not str(out).strip():                           # Path("") is the current directory: "got '.'" said little
+        raise MemfitError("--out is empty: name the directory the compressed model goes to")
     try:
         return _checked_output(Path(out).expanduser(), force)
     except OSError as err:
