@@ -32,6 +32,8 @@ def add_parser(sub):
                         help="apply --compute to the fully loaded first/last layers too")
     parser.add_argument("--task", help="task ranking to take the base neurons from (default: the general ranking)")
     parser.add_argument("--rankings", help="rankings file (default: MODEL/rankings.safetensors)")
+    parser.add_argument("--adapter", help="a LoRA adapter directory (memfit finetune's OUT/adapter, or any plain peft "
+                                          "LoRA adapter of MODEL), merged into the weights before decoding")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
     parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: the model's)")
@@ -73,6 +75,9 @@ def _compressed_loader(args, device, console):
     from memfit.compress.io import read_compressed_dir
 
     _refuse_partial_options(args)
+    if args.adapter:
+        raise MemfitError(f"--adapter: a LoRA adapter merges into a dense model's linear layers; {args.model} is a "
+                          "memfit-compressed model")
     read_compressed_dir(args.model)
 
     def load():
@@ -86,6 +91,7 @@ def _dense_loader(args, device, console):
     model, with a partial FFN as the options ask."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    from memfit.infer.adapter import merge_adapter, read_adapter_config
     from memfit.infer.partial_load import PartialConfig, describe, load_model, partial_rankings
     from memfit.local import check_model_dir
     from memfit.models import load_spec
@@ -101,6 +107,11 @@ def _dense_loader(args, device, console):
         partial = replace(partial, full_first=first, full_last=min(partial.full_last, spec.num_layers - first))
     partial.check(spec.num_layers)
     _refuse_unused_selection(args, partial, spec.intermediate)
+    if args.adapter and not partial.loads_everything(spec.intermediate):
+        raise MemfitError("--adapter with partial FFN layers (--load or --compute below 1): the adapter's MLP updates "
+                          "are for every neuron; merge it into a full model, or leave --load and --compute at 1")
+    if args.adapter:
+        read_adapter_config(args.adapter)
     rankings = partial_rankings(model_dir, partial, spec, args.rankings)   # None where no layer is partial
 
     def load():
@@ -109,6 +120,9 @@ def _dense_loader(args, device, console):
             task = bar.add_task("loading tensors", total=None)
             model = load_model(model_dir, partial, dtype=args.dtype, device=device, rankings=rankings,
                                progress=lambda done, total: bar.update(task, completed=done, total=total))
+        if args.adapter:
+            with console.status(f"merging the adapter {args.adapter}"):
+                merge_adapter(model, args.adapter)
         if not partial.loads_everything(spec.intermediate):
             console.print(f"partial FFN: {describe(partial, spec)}")
         return model

@@ -1,0 +1,106 @@
+"""A LoRA adapter merged into a loaded model (memfit.infer.adapter) against peft's own merge, and `memfit generate
+--adapter`: the fine-tuned model's text, and the adapters and options it refuses."""
+import dataclasses
+
+import pytest
+import torch
+
+from memfit.cli import main
+from memfit.errors import MemfitError
+from memfit.infer.adapter import merge_adapter
+from memfit.infer.partial_load import load_model
+from memfit.models import PRESETS, save_model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_model_dir(PRESETS["tiny"], tmp_path_factory.mktemp("tiny"), dtype="float32")
+
+
+def _adapter(base_dir, out, rslora=False):
+    """A peft adapter of ``base_dir`` whose every LoRA B and the trained norm are random, so the merge shows."""
+    from transformers import AutoModelForCausalLM
+
+    from memfit.train.patch import lora_config, patch
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = lora_config({"r": 4, "lora_alpha": 12, "use_rslora": rslora, "modules_to_save": ["model.norm"]})
+    model = patch(model, lora=config, fused_ce=False)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    model.save_pretrained(out)
+    return out
+
+
+def _peft_merged(base_dir, adapter):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter).merge_and_unload()
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_the_merge_is_peft_s_into_memfit_s_fused_layout(tiny_dir, tmp_path, rslora):
+    adapter = _adapter(tiny_dir, tmp_path / "adapter", rslora)
+    reference = dict(_peft_merged(tiny_dir, adapter).named_parameters())
+    model = load_model(tiny_dir, None, dtype=torch.float32)         # q/k/v and gate/up views of shared buffers
+    before = {name: param.clone() for name, param in model.named_parameters()}
+    merge_adapter(model, adapter)
+    merged = dict(model.named_parameters())
+    assert set(merged) <= set(reference)
+    changed = [name for name in merged if not torch.equal(merged[name], before[name])]
+    assert any("q_proj" in name for name in changed) and any("up_proj" in name for name in changed)
+    assert "model.norm.weight" in changed
+    for name, param in merged.items():
+        torch.testing.assert_close(param, reference[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_generate_with_an_adapter_writes_the_merged_models_text(tiny_dir, tmp_path, capsys):
+    """What a run of memfit finetune saves is read back by generate: its text is that of peft's merged model saved
+    whole and generated from, and not the base model's."""
+    adapter = _adapter(tiny_dir, tmp_path / "adapter")
+    _peft_merged(tiny_dir, adapter).save_pretrained(tmp_path / "merged")
+    common = ["--prompt", "hello", "--max-new", "12", "--device", "cpu", "--no-graphs"]
+
+    def text(*argv):
+        assert main(["generate", *argv, *common]) == 0
+        return capsys.readouterr().out
+
+    with_adapter = text(str(tiny_dir), "--adapter", str(adapter))
+    assert with_adapter == text(str(tmp_path / "merged"))
+    assert with_adapter != text(str(tiny_dir))
+
+
+def test_adapters_that_cannot_merge_are_refused(tiny_dir, tmp_path, capsys):
+    import json
+
+    def fails(argv, message):
+        assert main(["generate", str(tiny_dir), "--prompt", "hi", "--device", "cpu", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+    fails(["--adapter", str(tmp_path)], "not a LoRA adapter directory")
+    adapter = _adapter(tiny_dir, tmp_path / "adapter")
+    fails(["--adapter", str(adapter), "--load", "0.5", "--full-first", "0", "--full-last", "0"],
+          "--adapter with partial FFN layers")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps(config | {"use_dora": True}))
+    fails(["--adapter", str(adapter)], "only plain LoRA adapters merge here, this one has DoRA")
+    other = save_model_dir(dataclasses.replace(PRESETS["tiny"], hidden=2 * PRESETS["tiny"].hidden), tmp_path / "wider",
+                           dtype="float32")
+    with pytest.raises(MemfitError, match=r"it holds model.layers.0.*as \(.*\), this model's is \("):
+        merge_adapter(load_model(other, None, dtype=torch.float32), _adapter(tiny_dir, tmp_path / "fresh"))
+
+
+def test_what_finetune_saves_generates(tiny_dir, tmp_path, capsys):
+    """The round trip a user makes: memfit finetune on a local model, then generate with its OUT/adapter."""
+    out = tmp_path / "run"
+    assert main(["finetune", str(tiny_dir), "--out", str(out), "--steps", "2", "--batch-size", "2", "--max-len", "32",
+                 "--device", "cpu", "--train-norm"]) == 0
+    assert main(["generate", str(tiny_dir), "--adapter", str(out / "adapter"), "--prompt", "hi", "--max-new", "4",
+                 "--device", "cpu", "--no-graphs"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
