@@ -30,7 +30,7 @@ def _adapter(base_dir, out, rslora=False):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name or "modules_to_save" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+                param.copy_(torch.randn(param.shape, generator=generator, device="cpu") * 0.5)
     model.save_pretrained(out)
     return out
 

@@ -320,7 +320,7 @@ def test_an_out_where_nothing_can_be_written_is_refused_before_any_work(tmp_path
     with pytest.raises(MemfitError, match="--out /proc/memfit-out: cannot write in /proc"):
         check_output("/proc/memfit-out", force=False)
     assert check_output(tmp_path / "a" / "b", force=False) == tmp_path / "a" / "b"
-    with pytest.raises(MemfitError, match="--out needs a directory name, got ' '"):
+    with pytest.raises(MemfitError, match="--out is empty: name the directory"):
         check_output(" ", force=False)
     assert list(tmp_path.iterdir()) == []                   # the probe leaves nothing behind
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")

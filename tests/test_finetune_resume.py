@@ -292,7 +292,7 @@ def test_a_batch_is_picked_from_one_permutation_an_epoch(monkeypatch):
         for position in range(step * batch_size, (step + 1) * batch_size):
             epoch, offset = divmod(position, len(examples))
             generator = torch.Generator().manual_seed(seed * 100003 + epoch)
-            picked.append(examples[int(torch.randperm(len(examples), generator=generator)[offset])])
+            picked.append(examples[int(torch.randperm(len(examples), generator=generator, device="cpu")[offset])])
         return picked
 
     expected = {(step, seed): drawn_per_example(step, 8, seed) for step in range(9) for seed in (0, 5)}
