@@ -17,14 +17,14 @@ def tiny_dir(tmp_path_factory):
     return save_model_dir(PRESETS["tiny"], tmp_path_factory.mktemp("tiny"), dtype="float32")
 
 
-def _adapter(base_dir, out, rslora=False):
+def _adapter(base_dir, out, rslora=False, dtype=torch.float32, **lora):
     """A peft adapter of ``base_dir`` whose every LoRA B and the trained norm are random, so the merge shows."""
     from transformers import AutoModelForCausalLM
 
     from memfit.train.patch import lora_config, patch
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = lora_config({"r": 4, "lora_alpha": 12, "use_rslora": rslora, "modules_to_save": ["model.norm"]})
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    config = lora_config({"r": 4, "lora_alpha": 12, "use_rslora": rslora, "modules_to_save": ["model.norm"], **lora})
     model = patch(model, lora=config, fused_ce=False)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -35,11 +35,11 @@ def _adapter(base_dir, out, rslora=False):
     return out
 
 
-def _peft_merged(base_dir, adapter):
+def _peft_merged(base_dir, adapter, dtype=torch.float32):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
     return PeftModel.from_pretrained(base, adapter).merge_and_unload()
 
 
@@ -57,6 +57,16 @@ def test_the_merge_is_peft_s_into_memfit_s_fused_layout(tiny_dir, tmp_path, rslo
     assert "model.norm.weight" in changed
     for name, param in merged.items():
         torch.testing.assert_close(param, reference[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_16_bit_model_merges_within_a_rounding_of_peft(tiny_dir, tmp_path):
+    adapter = _adapter(tiny_dir, tmp_path / "adapter", dtype=torch.bfloat16)
+    reference = dict(_peft_merged(tiny_dir, adapter, torch.bfloat16).named_parameters())
+    model = load_model(tiny_dir, None, dtype=torch.bfloat16)
+    merge_adapter(model, adapter)
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.bfloat16
+        torch.testing.assert_close(param, reference[name], rtol=2 ** -7, atol=2 ** -7, msg=name)   # one bf16 ulp
 
 
 def test_generate_with_an_adapter_writes_the_merged_models_text(tiny_dir, tmp_path, capsys):
@@ -94,6 +104,22 @@ def test_adapters_that_cannot_merge_are_refused(tiny_dir, tmp_path, capsys):
                            dtype="float32")
     with pytest.raises(MemfitError, match=r"it holds model.layers.0.*as \(.*\), this model's is \("):
         merge_adapter(load_model(other, None, dtype=torch.float32), _adapter(tiny_dir, tmp_path / "fresh"))
+    head = _adapter(tiny_dir, tmp_path / "head", target_modules=["q_proj", "lm_head"])
+    fails(["--adapter", str(head)], "this one has lm_head trained (this merge takes the decoder layers")
+
+
+def test_a_refused_adapter_changes_no_weight(tiny_dir, tmp_path):
+    """Every tensor is checked before the first is merged: a library caller's model is not left half-merged."""
+    from safetensors.torch import load_file, save_file
+
+    adapter = _adapter(tiny_dir, tmp_path / "adapter")
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    save_file({**tensors, "base_model.model.model.not_here.weight": torch.ones(3)}, adapter / "adapter_model.safetensors")
+    model = load_model(tiny_dir, None, dtype=torch.float32)
+    before = {name: param.clone() for name, param in model.named_parameters()}
+    with pytest.raises(MemfitError, match="it holds model.not_here.weight as \\(3,\\), this model's is absent"):
+        merge_adapter(model, adapter)
+    assert all(torch.equal(param, before[name]) for name, param in model.named_parameters())
 
 
 def test_what_finetune_saves_generates(tiny_dir, tmp_path, capsys):
@@ -104,3 +130,7 @@ def test_what_finetune_saves_generates(tiny_dir, tmp_path, capsys):
     assert main(["generate", str(tiny_dir), "--adapter", str(out / "adapter"), "--prompt", "hi", "--max-new", "4",
                  "--device", "cpu", "--no-graphs"]) == 0
     assert "Traceback" not in capsys.readouterr().err
+    base, tuned = (load_model(tiny_dir, None, dtype=torch.float32) for _ in range(2))
+    merge_adapter(tuned, out / "adapter")                # the saved adapter moves the weights it trained
+    moved = {name for (name, a), b in zip(base.named_parameters(), tuned.parameters()) if not torch.equal(a, b)}
+    assert "model.norm.weight" in moved and any("q_proj" in name for name in moved)
