@@ -139,7 +139,7 @@ def input_file(path: str | Path, role: str, expected: str) -> Path:
     if path.is_dir():
         raise MemfitError(f"{role} {str(path)!r} is a directory; {expected}")
     if not path.exists():
-        raise MemfitError(f"{role} {str(path)!r} does not exist")
+        raise MemfitError(f"{role} {str(path)!r} does not exist; {expected}")
     return path
 
 

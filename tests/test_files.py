@@ -196,7 +196,7 @@ def test_data_from_a_pipe_is_read(tmp_path):
 
     fifo = tmp_path / "data.fifo"
     os.mkfifo(fifo)
-    writer = threading.Thread(target=lambda: fifo.write_text('{"prompt": "a", "response": "bc"}\n'))
+    writer = threading.Thread(target=lambda: fifo.write_text('{"prompt": "a", "response": "bc"}\n'), daemon=True)
     writer.start()
     assert read_records(fifo, 64) == [[("a\n", False), ("bc", True)]]   # the prompt's template adds the newline
     writer.join()

@@ -259,21 +259,25 @@ def test_a_new_run_leaves_an_out_directory_it_did_not_write_alone(tmp_path, monk
     (out / "adapter").mkdir(parents=True)
     (out / "adapter" / "notes.txt").write_text("precious")
     (out / "memfit_compress.json").write_text("{}")
-    with pytest.raises(MemfitError, match=r"--out .*run holds adapter, memfit_compress.json, which no memfit "
-                                          r"finetune run wrote"):
+    (out / ".DS_Store").write_text("")                # hidden names are not counted
+    with pytest.raises(MemfitError, match=r"--out .*run holds adapter, memfit_compress.json and no run to resume"):
         _cli(["--device", "cpu", "--out", str(out), "--steps", "1", "--batch-size", "2", "--max-len", "64"])
     assert (out / "adapter" / "notes.txt").read_text() == "precious"
-    assert sorted(path.name for path in out.iterdir()) == ["adapter", "memfit_compress.json"]
+    assert sorted(path.name for path in out.iterdir()) == [".DS_Store", "adapter", "memfit_compress.json"]
 
 
-def test_checkpoints_without_their_pointer_are_resumed_not_removed(tmp_path):
+@pytest.mark.parametrize("pointer", [None, "", "../elsewhere"], ids=["removed", "empty", "foreign"])
+def test_checkpoints_without_their_pointer_are_resumed_not_removed(tmp_path, pointer):
     """A run killed after its first checkpoint was made whole but before ``latest`` named it left a checkpoint that a
-    resume did not find ("holds no checkpoint"), and a new run then removed at its first save. The newest checkpoint
-    directory is the one to resume, and a new run is refused as for any run there."""
+    resume did not find ("holds no checkpoint"), and a new run then removed at its first save; an empty pointer had
+    named the checkpoints directory itself. The newest checkpoint directory is the one to resume, and a new run is
+    refused as for any run there."""
     out = tmp_path / "run"
     common = ["--device", "cpu", "--out", str(out), "--batch-size", "2", "--max-len", "64", "--save-every", "1"]
     assert _cli([*common, "--steps", "2"]) == 0
     (out / "checkpoints" / "latest").unlink()
+    if pointer is not None:
+        (out / "checkpoints" / "latest").write_text(pointer)
     with pytest.raises(MemfitError, match="already holds a run; pass --resume"):
         _cli([*common, "--steps", "3"])
     assert _cli([*common, "--steps", "3", "--resume"]) == 0

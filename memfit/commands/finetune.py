@@ -272,8 +272,9 @@ def run(args) -> int:
     if not args.resume and latest_checkpoint(out) is not None:
         raise MemfitError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     if not args.resume and (foreign := _not_a_runs(out)):
-        raise MemfitError(f"--out {out} holds {', '.join(foreign)}, which no memfit finetune run wrote, and a run "
-                          "writes its adapter/ and checkpoints/ there; choose a new or empty directory")
+        raise MemfitError(f"--out {out} holds {', '.join(foreign)} and no run to resume, and a new run writes its "
+                          "adapter/ and checkpoints/ there, replacing an adapter/; choose a new or empty directory "
+                          "(or remove them)")
     lr = args.lr
     if lr is None and args.resume and (checkpoint := latest_checkpoint(out)) is not None:
         lr = checkpoint_lr(checkpoint)                 # a resumed run keeps its learning rate unless --lr is given
@@ -343,14 +344,15 @@ def _train_with_progress(model, examples, tokenizer, config, out, resume, device
 
 def _not_a_runs(out: Path, shown: int = 3) -> list[str]:
     """The first ``shown`` names in ``out`` that a run starting there would not have left (its checkpoints directory
-    with no checkpoint yet, an adapter save's temporary or set-aside copies), sorted: a new run writes adapter/ and
-    checkpoints/ into ``out``, and its adapter save had replaced an adapter/ of the user's."""
+    with no checkpoint yet), sorted; hidden names (.DS_Store, .git, an adapter save's temporary and set-aside copies)
+    are not counted. A new run writes adapter/ and checkpoints/ into ``out``, and its adapter save had replaced an
+    adapter/ of the user's."""
     from memfit.train.finetune import CHECKPOINTS
 
     if not out.is_dir():
         return []
-    own = {CHECKPOINTS, ".adapter.tmp", *(path.name for path in set_aside_of(out / "adapter"))}
-    return sorted(path.name for path in out.iterdir() if path.name not in own)[:shown]
+    return sorted(path.name for path in out.iterdir()
+                  if not path.name.startswith(".") and not (path.name == CHECKPOINTS and path.is_dir()))[:shown]
 
 
 def _save_adapter(model, out: Path) -> Path:

@@ -92,7 +92,7 @@ def batch_at(examples: list[Example], batch_size: int, seed: int, step: int) -> 
             for position in range(step * batch_size, (step + 1) * batch_size)]
 
 
-@functools.lru_cache(maxsize=2)      # a batch spans the epoch it ends in and at most the one before
+@functools.lru_cache(maxsize=2)      # a batch spans the epoch it ends in and, unless it is larger, the one before
 def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     """Epoch ``epoch``'s permutation of ``n`` examples, made once: made again for every example of every batch, it
     cost each step host time in proportion to n x batch size."""
@@ -231,6 +231,7 @@ def save_checkpoint(out_dir: Path, model, optimizer, step: int, losses: list[flo
 # removes the earlier ones and those copies, and nothing else in the checkpoints directory (the globs before had taken
 # any name after "step-").
 STEP_NAME = re.compile(r"(?:\.)?(step-\d{7,})(?:\.old-.*)?")
+CHECKPOINT_NAME = r"step-\d{7,}"            # a checkpoint's own directory
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -240,9 +241,10 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     fallback a run that found no pointer started afresh and removed the checkpoints at its first save)."""
     root = Path(out_dir) / CHECKPOINTS
     pointer = root / LATEST
-    if pointer.is_file() and (path := root / pointer.read_text().strip()).is_dir():
-        return path
-    steps = [path for path in root.glob("step-*") if re.fullmatch(r"step-\d{7,}", path.name) and path.is_dir()]
+    named = pointer.read_text().strip() if pointer.is_file() else ""
+    if re.fullmatch(CHECKPOINT_NAME, named) and (root / named).is_dir():     # an empty pointer named root itself
+        return root / named
+    steps = [path for path in root.glob("step-*") if re.fullmatch(CHECKPOINT_NAME, path.name) and path.is_dir()]
     return max(steps, key=lambda path: int(path.name.removeprefix("step-")), default=None)
 
 
