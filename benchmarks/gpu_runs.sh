@@ -59,7 +59,9 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # cpu_only since); at d3712f4 327.7 s (21 failed, 622 passed, 24 skipped; two tests stopped at the 200 s per-test
 # limit), logs gpu_tests_rest_*.log; at 0b1eb37 285.6 s (2 failed, 615 passed, 51 skipped; on a machine whose caches
 # a solo run of the two slow tests had just filled); at 9c13911 288.4 s on a machine just started (628 passed, 51
-# skipped); at 4459d84 266.4 s, warm (631 passed, 51 skipped). test_linear_ce at 031b9b9 took 168.2 s under -n 12.
+# skipped); at 4459d84 266.4 s, warm (631 passed, 51 skipped); at dbf0189 173.9 s on a machine just started (3
+# failed, 663 passed, 51 skipped: test_adapter compared across devices, fixed in a0c7843, whose files took 58.4 s
+# alone, gpu_tests_adapter_a0c7843.log). test_linear_ce at 031b9b9 took 168.2 s under -n 12.
 # tests/test_queued_timing.py runs alone (gpu_tests_timing): it times the GPU, which other test processes would share.
 # At a77f798 blr_generate's file records 239 s (229 s at dfd69a8); gpu_tests_timing's log 1.8 s at 54fbce2.
 # At 6a23ce9 the BLR file took 79.9 s (324 passed; the one failure, the pick memo's CPU stand-in made on the default
