@@ -227,11 +227,11 @@ def save_checkpoint(out_dir: Path, model, optimizer, step: int, losses: list[flo
     return final
 
 
+CHECKPOINT_NAME = r"step-\d{7,}"            # a checkpoint's own directory
 # A checkpoint's directory, or a name beginning like its set-aside copy (files.set_aside_of says which are): a save
 # removes the earlier ones and those copies, and nothing else in the checkpoints directory (the globs before had taken
 # any name after "step-").
-STEP_NAME = re.compile(r"(?:\.)?(step-\d{7,})(?:\.old-.*)?")
-CHECKPOINT_NAME = r"step-\d{7,}"            # a checkpoint's own directory
+STEP_NAME = re.compile(rf"(?:\.)?({CHECKPOINT_NAME})(?:\.old-.*)?")
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
