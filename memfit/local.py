@@ -83,6 +83,15 @@ def load_hf_tokenizer(model_dir: str | Path):
         raise MemfitError(f"{model_dir}: its tokenizer cannot be read ({type(err).__name__}: {err})") from None
 
 
+def refuse_blank_out(out: str | Path, what: str) -> None:
+    """A one-line MemfitError where ``--out`` was given blank (``Path("")`` is the current directory, so the verb
+    would have written there or said "got '.'"), asking to name ``what``."""
+    from memfit.errors import MemfitError
+
+    if not str(out).strip():
+        raise MemfitError(f"--out is empty: name {what}")
+
+
 def output_dir_problem(path: str | Path) -> str | None:
     """Why no directory can be made and written at ``path``, or None: a symbolic link to nothing on the way, a file
     where a directory must be, a directory nothing can be written in, or a path the file system refuses (a name

@@ -95,6 +95,7 @@ def test_adapters_that_cannot_merge_are_refused(tiny_dir, tmp_path, capsys):
         assert message in err and "Traceback" not in err, err
 
     fails(["--adapter", str(tmp_path)], "not a LoRA adapter directory")
+    fails(["--adapter", ""], "not a LoRA adapter directory")              # blank: not taken as left out
     adapter = _adapter(tiny_dir, tmp_path / "adapter")
     fails(["--adapter", str(adapter), "--load", "0.5", "--full-first", "0", "--full-last", "0"],
           "--adapter with partial FFN layers")

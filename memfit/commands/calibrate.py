@@ -28,11 +28,11 @@ def run(args) -> int:
     from memfit.infer.calibrate import RANKINGS_FILE, calibrate, prompt_batches, read_prompts
     from memfit.infer.partial_load import load_model
     from memfit.infer.text import load_codec
-    from memfit.local import check_model_dir, output_dir_problem, resolve_device
+    from memfit.local import check_model_dir, output_dir_problem, refuse_blank_out, resolve_device
 
     model_dir = check_model_dir(args.model)
-    if args.out is not None and not args.out.strip():  # had written MODEL/rankings.safetensors, unsaid
-        raise MemfitError("--out is empty: name the rankings file, or leave --out out for MODEL/rankings.safetensors")
+    if args.out is not None:                           # blank, it had written MODEL/rankings.safetensors, unsaid
+        refuse_blank_out(args.out, "the rankings file, or leave --out out for MODEL/rankings.safetensors")
     out = Path(args.out) if args.out else model_dir / RANKINGS_FILE
     if out.is_dir():
         raise MemfitError(f"--out {out} is a directory: name the rankings file (e.g. {out / RANKINGS_FILE})")

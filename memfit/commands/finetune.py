@@ -255,12 +255,11 @@ def run(args) -> int:
 
     console = Console(stderr=True)
     budget = parse_bytes(args.gpu_memory) if args.gpu_memory else None
-    from memfit.local import output_dir_problem, resolve_device
+    from memfit.local import output_dir_problem, refuse_blank_out, resolve_device
 
     device = resolve_device(args.device)
     dtype = dtype_of(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    if not args.out.strip():                            # Path("") is the current directory
-        raise MemfitError("--out is empty: name the directory the run writes into")
+    refuse_blank_out(args.out, "the directory the run writes into")
     out = Path(args.out).expanduser()
     source = Path(args.model).expanduser()
     if source.is_dir() and out.resolve() == source.resolve():
@@ -271,7 +270,7 @@ def run(args) -> int:
         raise MemfitError(f"--out {out}: {problem}")
     if not args.resume and latest_checkpoint(out) is not None:
         raise MemfitError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-    if not args.resume and (foreign := _not_a_runs(out)):
+    if not args.resume and (foreign := _entries_not_its_own(out)):
         raise MemfitError(f"--out {out} holds {', '.join(foreign)} and no run to resume, and a new run writes its "
                           "adapter/ and checkpoints/ there, replacing an adapter/; choose a new or empty directory "
                           "(or remove them)")
@@ -342,7 +341,7 @@ def _train_with_progress(model, examples, tokenizer, config, out, resume, device
         return train(model, examples, pad, config, out, resume=resume, on_step=on_step, data_name=data_name)
 
 
-def _not_a_runs(out: Path, shown: int = 3) -> list[str]:
+def _entries_not_its_own(out: Path, shown: int = 3) -> list[str]:
     """The first ``shown`` names in ``out`` that a run starting there would not have left (its checkpoints directory
     with no checkpoint yet), sorted; hidden names (.DS_Store, .git, an adapter save's temporary and set-aside copies)
     are not counted. A new run writes adapter/ and checkpoints/ into ``out``, and its adapter save had replaced an

@@ -75,7 +75,7 @@ def _compressed_loader(args, device, console):
     from memfit.compress.io import read_compressed_dir
 
     _refuse_partial_options(args)
-    if args.adapter:
+    if args.adapter is not None:
         raise MemfitError(f"--adapter: a LoRA adapter merges into a dense model's linear layers; {args.model} is a "
                           "memfit-compressed model")
     read_compressed_dir(args.model)
@@ -107,10 +107,10 @@ def _dense_loader(args, device, console):
         partial = replace(partial, full_first=first, full_last=min(partial.full_last, spec.num_layers - first))
     partial.check(spec.num_layers)
     _refuse_unused_selection(args, partial, spec.intermediate)
-    if args.adapter and not partial.loads_everything(spec.intermediate):
-        raise MemfitError("--adapter with partial FFN layers (--load or --compute below 1): the adapter's MLP updates "
-                          "are for every neuron; merge it into a full model, or leave --load and --compute at 1")
-    if args.adapter:
+    if args.adapter is not None:
+        if not partial.loads_everything(spec.intermediate):
+            raise MemfitError("--adapter with partial FFN layers (--load or --compute below 1): the adapter's MLP "
+                              "updates are for every neuron; leave --load and --compute at 1")
         read_adapter_config(args.adapter)
     rankings = partial_rankings(model_dir, partial, spec, args.rankings)   # None where no layer is partial
 
@@ -120,7 +120,7 @@ def _dense_loader(args, device, console):
             task = bar.add_task("loading tensors", total=None)
             model = load_model(model_dir, partial, dtype=args.dtype, device=device, rankings=rankings,
                                progress=lambda done, total: bar.update(task, completed=done, total=total))
-        if args.adapter:
+        if args.adapter is not None:
             with console.status(f"merging the adapter {args.adapter}"):
                 merge_adapter(model, args.adapter)
         if not partial.loads_everything(spec.intermediate):

@@ -28,7 +28,7 @@ from torch import nn
 from memfit.compress.plan import structure_class
 from memfit.errors import MemfitError
 from memfit.files import atomic_dir, follow_umask, named_prefix_hex, set_aside_of
-from memfit.local import output_dir_problem, resolve_device
+from memfit.local import output_dir_problem, refuse_blank_out, resolve_device
 from memfit.log import logger
 from memfit.models.spec import COMPRESSED_MARKER as CONFIG_NAME
 from memfit.models.spec import is_compressed_dir
@@ -49,8 +49,7 @@ def check_output(out: str | Path, force: bool) -> Path:
     never deletes a source model or other data. An ``out`` that a save killed between its two renames left only as
     its set-aside old copy is put back first (:func:`_put_back_set_aside`), so that rule holds for it too. What the
     file system refuses is a MemfitError too (e.g. a name too long), as on the command line."""
-    if not str(out).strip():                           # Path("") is the current directory: "got '.'" said little
-        raise MemfitError("--out is empty: name the directory the compressed model goes to")
+    refuse_blank_out(out, "the directory the compressed model goes to")
     try:
         return _checked_output(Path(out).expanduser(), force)
     except OSError as err:

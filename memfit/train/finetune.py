@@ -299,11 +299,11 @@ def check_resumable(path: Path, config: TrainConfig, settings: dict | None) -> d
         if was != getattr(config, key):
             raise MemfitError(f"cannot resume {path}: it was trained with {key}={was}, "
                               f"this run asks for {getattr(config, key)}")
-    if settings and recorded is None:
+    if recorded is None and settings:
         warn_once("finetune:resume-unrecorded", f"--resume: {path} does not record the LoRA settings, dtype and data "
                                                 "it was trained with (an earlier memfit wrote it); assuming they are "
                                                 "this run's")
-    if not settings or recorded is None:
+    if recorded is None or not settings:
         return progress
     if (data := settings.get("data")) is not None and \
             (was_data["sha256"], was_data["examples"]) != (data["sha256"], data["examples"]):
