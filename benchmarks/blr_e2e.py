@@ -215,13 +215,12 @@ def blr_kernel_names() -> frozenset[str]:
     being listed here. The GEMV module is one: its kernels run BLAST's last stage and Monarch's two at one token (and
     with ``--decode-gemv`` the dense layers, which then count here too)."""
     from triton.runtime import JITFunction
-    from triton.runtime.interpreter import (
-        InterpretedFunction,  # what triton.jit makes under TRITON_INTERPRET=1
-    )
+    from triton.runtime.interpreter import InterpretedFunction  # what triton.jit makes under TRITON_INTERPRET=1
 
     from memfit.kernels import blast, blr_common, gemv, lowrank, monarch
 
-    functions = [batched_gemm.jit_function(value) for module in (batched_gemm, blast, blr_common, gemv, lowrank, monarch)
+    functions = [batched_gemm.jit_function(value)
+                 for module in (batched_gemm, blast, blr_common, gemv, lowrank, monarch)
                  for value in vars(module).values()]
     return frozenset(fn.__name__ for fn in functions
                      if isinstance(fn, (JITFunction, InterpretedFunction)) and fn.__name__.endswith("_kernel"))

@@ -163,12 +163,7 @@ def run_table(args, torch, device: str, blocks: int) -> int:
 
     from memfit.errors import MemfitError
     from memfit.kernels import autotune
-    from memfit.measure.results import (
-        partial_results,
-        results_path,
-        target,
-        write_results,
-    )
+    from memfit.measure.results import partial_results, results_path, target, write_results
     from memfit.measure.roofline import layer_cost, plot_roofline
     from memfit.measure.timing import Ceilings, empty_kernel_ms, measure_ceilings
 
