@@ -135,6 +135,47 @@ def test_the_cli_resumes_a_run_with_settings_other_than_the_defaults(tmp_path):
     assert json.loads((_latest(tmp_path / "run") / "progress.json").read_text())["step"] == 2
 
 
+def test_a_resume_refuses_another_base_precision(tmp_path, said):
+    """An adapter trained against a dense base had resumed on a 4-bit NF4 one (and the reverse) unsaid: whether the
+    base is 4-bit was not recorded. run_settings reads it from the model (``is_loaded_in_4bit``, which memfit's patch
+    and transformers set), so the library loop is held to it; a checkpoint of a memfit that did not record it resumes
+    with the assumption said."""
+    def resume_on_4bit_base(steps):
+        tok = ByteTokenizer()
+        model = patch(build_model(PRESETS["tiny"], device=torch.get_default_device()), lora={"r": 4})
+        model.get_base_model().is_loaded_in_4bit = True     # what patch(four_bit=True) marks; NF4 itself needs CUDA
+        config = TrainConfig(steps=steps, batch_size=2, lr=1e-2, save_every=1)
+        return train(model, load_jsonl(DEFAULT_DATA, tok, 128)[:24], tok.pad_token_id, config, tmp_path, resume=True)
+
+    _run(tmp_path, 2)
+    with pytest.raises(MemfitError, match=r"step-0000002: it was trained with four_bit=False, this run asks for True "
+                                          r"\(--four-bit, --no-four-bit or another --gpu-memory\?\)"):
+        resume_on_4bit_base(3)
+    progress_file = _latest(tmp_path) / "progress.json"
+    progress = json.loads(progress_file.read_text())
+    del progress["settings"]["four_bit"]                   # as the memfit before this test wrote version 2
+    progress_file.write_text(json.dumps(progress))
+    assert len(resume_on_4bit_base(3)) == 3
+    assert said == [f"--resume: {_latest(tmp_path).parent / 'step-0000002'} does not record four_bit (an earlier "
+                    "memfit wrote it); assuming this run's"]
+
+
+def test_the_cli_checks_the_base_precision_before_it_loads_the_model(tmp_path, monkeypatch):
+    """The CLI asks for the 4-bit base its techniques choose (the flags, or a --gpu-memory plan), checked against
+    the checkpoint before the model loads. NF4 needs CUDA, so the techniques are made to choose it here."""
+    from dataclasses import replace
+
+    from memfit.commands import finetune
+
+    common = ["--device", "cpu", "--out", str(tmp_path / "run"), "--batch-size", "2", "--max-len", "64"]
+    assert _cli([*common, "--steps", "1"]) == 0
+    chosen = finetune.choose_techniques
+    monkeypatch.setattr(finetune, "choose_techniques", lambda *a: replace(chosen(*a), four_bit=True))
+    monkeypatch.setattr(finetune, "load_model", lambda *a: pytest.fail("loaded the model first"))
+    with pytest.raises(MemfitError, match=r"step-0000001: it was trained with four_bit=False, this run asks for True"):
+        _cli([*common, "--steps", "2", "--resume"])
+
+
 def test_check_resumable_refuses_a_setting_run_settings_does_not_have(tmp_path):
     """Its settings had been the data entry alone: passed that way, each of the entry's fields was compared as a
     setting the checkpoint lacked ("trained with examples=None")."""

@@ -291,12 +291,12 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.model, spec)
     examples = tokenize_records(data, records, tokenizer, args.max_len)
     data_name = f"{data} cut at {args.max_len} tokens"
+    techniques = choose_techniques(args, spec, device, dtype, console)
     if args.resume:                                    # what a resume needs no model for, checked before loading it
-        asked = {**lora_settings(lora), "dtype": str(dtype).removeprefix("torch."),
+        asked = {**lora_settings(lora), "dtype": str(dtype).removeprefix("torch."), "four_bit": techniques.four_bit,
                  "data": data_settings(examples, data_name)}
         check_resumable(checkpoint_to_resume(out), config, asked)
     model = load_model(args.model, spec, dtype, device)
-    techniques = choose_techniques(args, spec, device, dtype, console)
     model = patch(model, lora=lora, **techniques.patch_kwargs())
     if techniques.places is not None:
         from memfit.train.checkpoint import CheckpointPolicy

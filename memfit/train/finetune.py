@@ -10,16 +10,18 @@ all of it, and the loss sequence continues exactly as an uninterrupted run's wou
 A resume is refused, naming the checkpoint's value and this run's, where the run asks for
 something that changes what the saved state means or which batch comes next: another
 batch size or seed, other LoRA settings (rank, alpha, rsLoRA, target modules,
-modules_to_save, which ``--train-norm`` sets), another dtype for the frozen model, or
-other tokenized data (another file, or a ``--max-len`` or tokenizer that changes the
-examples; one that does not changes nothing and is let through). What governs only the
+modules_to_save, which ``--train-norm`` sets), another dtype for the frozen model, a
+4-bit base where it was dense or the reverse, or other tokenized data (another file, or a
+``--max-len`` or tokenizer that changes the examples; one that does not changes nothing
+and is let through). What governs only the
 steps still to come may change: the step count, the save interval, and the learning rate
 and gradient clipping, which the resumed steps take from this run (said once where they
 differ from the checkpoint's).
 
 progress.json carries ``"version"``: 2 records those settings; a file without the key
 (version 1, before they were recorded) still loads, its settings assumed to be this
-run's (said once); a later version is refused.
+run's (said once), as does a version 2 file written before the 4-bit base was recorded,
+in that setting; a later version is refused.
 """
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ PROGRESS_VERSION = 2   # 1 (no "version" key): the LoRA settings, dtype and data
 LORA_SETTINGS = (("lora_r", "r", "another --lora-r"), ("lora_alpha", "lora_alpha", "another --lora-alpha"),
                  ("lora_rslora", "use_rslora", None), ("lora_targets", "target_modules", None),
                  ("modules_to_save", "modules_to_save", "--train-norm or --no-train-norm"))
-SETTING_HINTS = {key: hint for key, _, hint in LORA_SETTINGS} | {"dtype": "another --dtype"}
+SETTING_HINTS = {key: hint for key, _, hint in LORA_SETTINGS} | {
+    "dtype": "another --dtype", "four_bit": "--four-bit, --no-four-bit or another --gpu-memory"}
 RUN_SETTINGS = frozenset(SETTING_HINTS) | {"data"}     # run_settings' entries
 
 
@@ -148,14 +151,16 @@ def _to(value, dtype: torch.dtype):
 def run_settings(model: torch.nn.Module, examples: list[Example], data_name: str | None = None) -> dict:
     """What the state a checkpoint holds means beyond its tensors' names and shapes, read from the model and the data
     themselves, so a library caller is held to them as the CLI is: the active peft adapter's LoRA settings (None for
-    a model without one), the dtype of the frozen model, and a digest of the tokenized examples, which another data
-    file, --max-len or tokenizer changes (``data_name``, the caller's words for the data, only labels it in
-    messages)."""
+    a model without one), the dtype of the frozen model, whether its base is 4-bit (an adapter trained against NF4
+    weights learned their rounding too), and a digest of the tokenized examples, which another data file, --max-len
+    or tokenizer changes (``data_name``, the caller's words for the data, only labels it in messages)."""
     configs = getattr(model, "peft_config", None)
     settings = lora_settings(configs[model.active_adapter] if configs else None)
     frozen = [p.dtype for p in model.parameters() if p.is_floating_point() and not p.requires_grad]
     given = [getattr(p, "_memfit_dtype", p.dtype) for p in model.parameters()]     # before any master weights
     settings["dtype"] = str((frozen or given)[0]).removeprefix("torch.")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    settings["four_bit"] = bool(getattr(base, "is_loaded_in_4bit", False))   # set by memfit's patch and transformers'
     settings["data"] = data_settings(examples, data_name)
     return settings
 
@@ -273,8 +278,9 @@ def _recorded_data(data: dict) -> dict:
 def check_resumable(path: Path, config: TrainConfig, settings: dict | None) -> dict:
     """The checks of a resume from ``path`` that need no tensors: its progress.json is readable, of a version this
     memfit reads and whole, and it was trained with ``config``'s batch size and seed and with ``settings``, any of
-    :func:`run_settings`' entries (the data, the LoRA settings, the dtype: those left out, or all where None, are not
-    compared; a checkpoint that did not record them, progress version 1, is assumed to match, said once). Returns
+    :func:`run_settings`' entries (the data, the LoRA settings, the dtype, the 4-bit base: those left out, or all where
+    None, are not compared; a checkpoint that did not record them, progress version 1, or some of them, as version 2
+    did not record the 4-bit base, is assumed to match in those, said once). Returns
     the progress record; a MemfitError names what differs. :func:`load_checkpoint` makes them with the model's own
     settings before it reads the tensor files; the CLI with the settings it asks for before it loads the model. A key
     that is none of run_settings' is a ValueError (compared, it would read as a setting the checkpoint lacks)."""
@@ -309,8 +315,11 @@ def check_resumable(path: Path, config: TrainConfig, settings: dict | None) -> d
             (was_data["sha256"], was_data["examples"]) != (data["sha256"], data["examples"]):
         raise MemfitError(f"cannot resume {path}: it was trained on other data ({_data_words(was_data)}) than this "
                           f"run's ({_data_words(data)}); another --data, --max-len or tokenizer?")
+    if unrecorded := [key for key in settings if key != "data" and key not in recorded]:
+        warn_once("finetune:resume-unrecorded-some", f"--resume: {path} does not record {', '.join(unrecorded)} (an "
+                                                     "earlier memfit wrote it); assuming this run's")
     for key, now in settings.items():
-        if key != "data" and (was := recorded.get(key)) != now:
+        if key != "data" and key in recorded and (was := recorded[key]) != now:
             hint = f" ({SETTING_HINTS[key]}?)" if SETTING_HINTS.get(key) else ""
             raise MemfitError(f"cannot resume {path}: it was trained with {key}={was}, this run asks for {now}{hint}")
     return progress
