@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import replace
+from pathlib import Path
 
 from memfit.errors import MemfitError
 from memfit.ledger.job import LORA_TARGETS_ALL, OPTIMIZERS, TASK_ONLY_FIELDS, TASKS, Job, Knobs
@@ -88,6 +89,48 @@ def print_json_error(err: Exception, job: Job | None, **fields) -> None:
     """``--json``'s form of an error that ends ``memfit plan`` or ``memfit verify`` (exit 2), on stdout: the job as far
     as it was built (null before), the command's own fields, and the message."""
     print(json.dumps({"job": None if job is None else job.to_dict(), **fields, "error": str(err)}, indent=1))
+
+
+def job_options_given(args) -> list[str]:
+    """The job options (:func:`add_job_arguments`') whose values in ``args`` are not their defaults, as flags: what a
+    command that takes its job from elsewhere (``memfit verify --plan``) refuses rather than drops."""
+    parser = argparse.ArgumentParser()
+    add_job_arguments(parser)
+    return ["--" + dest.replace("_", "-") for dest, default in vars(parser.parse_args([])).items()
+            if getattr(args, dest) != default]
+
+
+def job_from_plan_file(path: str, pick: int) -> tuple[Job, Knobs, list[str]]:
+    """The job, knobs and techniques of plan ``pick`` (numbered as ``memfit plan`` lists them; 0: the job as asked)
+    in ``path``, a ``memfit plan --json`` output ("-": stdin), checked as :func:`job_from_args` checks its own."""
+    from memfit.files import input_file, read_input_text
+
+    role = "--plan file"
+    source = Path("/dev/stdin") if path == "-" else input_file(path, role, "pass what `memfit plan --json` printed")
+    try:
+        record = json.loads(read_input_text(source, role))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise MemfitError(f"{role} {path!r} is not JSON ({err}); pass what `memfit plan --json` printed") from None
+    if not isinstance(record, dict) or not {"job", "asked", "plans"} <= set(record):
+        raise MemfitError(f"{role} {path!r} is not `memfit plan --json` output (it has no \"job\", \"asked\" and "
+                          "\"plans\")")
+    if record.get("error"):
+        raise MemfitError(f"{role} {path!r} holds a plan that failed: {record['error']}")
+    plans = record["plans"]
+    if not 0 <= pick <= len(plans):
+        held = f"plans 1-{len(plans)}" if plans else "no plan that fits its budget"
+        raise MemfitError(f"--pick {pick}: {path} holds {held}; --pick 0 is the job as asked")
+    entry = record["asked"] if pick == 0 else plans[pick - 1]
+    try:
+        job, knobs = Job.from_dict(entry["job"]), Knobs.from_dict(entry["knobs"])
+    except (KeyError, TypeError) as err:               # an entry that is not a ledger's record
+        raise MemfitError(f"{role} {path!r}: its entry {pick} is not a plan's record ({type(err).__name__}: {err})") \
+            from None
+    except MemfitError as err:
+        raise MemfitError(f"{role} {path!r}, entry {pick}: {err}") from None
+    check_knobs_fit_job(job, knobs)
+    check_blr(job, knobs)
+    return job, knobs, [] if pick == 0 else list(entry.get("techniques", []))
 
 
 def job_from_args(args) -> tuple[Job, Knobs]:

@@ -4,7 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from memfit.commands.job_args import add_job_arguments, job_from_args, print_json_error
+from memfit.commands.job_args import (
+    add_job_arguments,
+    job_from_args,
+    job_from_plan_file,
+    job_options_given,
+    print_json_error,
+)
 from memfit.errors import MemfitError
 from memfit.units import format_bytes
 
@@ -14,6 +20,8 @@ examples:
   memfit verify --model llama-3.2-1b --task full --seq 2048 --checkpoint-layers 8 --optimizer adamw8bit
   memfit verify --model qwen2.5-1.5b --task infer --seq 4096 --json
   memfit verify --model llama-3.2-1b --task lora --seq 2048 --blr monarch   # random-init BLR layers, planned ranks
+  memfit plan --model llama-3.2-1b --task full --seq 2048 --gpu-memory 12GiB --json > plans.json
+  memfit verify --plan plans.json --pick 2      # the second plan listed: its job and techniques
 
 The model is random-init (memory does not depend on values). On CUDA the peak is
 torch.cuda.max_memory_allocated over one step after a warm-up step; on CPU the same
@@ -25,6 +33,13 @@ def add_parser(sub):
     parser = sub.add_parser("verify", help="measure a job's peak and compare it with the prediction",
                             description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_arguments(parser, partial=False)    # memfit.ledger.verify builds no partial-FFN model
+    plan = parser.add_argument_group("a plan instead of the job options")
+    plan.add_argument("--plan", metavar="FILE",
+                      help="measure a plan that `memfit plan --json` wrote to FILE (- reads stdin): its job and "
+                           "techniques, in place of the job options above, which are refused with it")
+    plan.add_argument("--pick", type=int, default=None,
+                      help="with --plan: which plan, numbered as `memfit plan` lists them (default 1, the fastest "
+                           "that fits); 0 is the job as asked")
     parser.add_argument("--tolerance", type=float, default=0.05, help="allowed relative error of the total (default 0.05)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
     parser.add_argument("--json", action="store_true",
@@ -40,11 +55,18 @@ def run(args) -> int:
 
     from memfit.ledger.verify import NO_PARTIAL_FFN, verify
 
-    job = None
+    job, techniques = None, None
     try:
         if args.partial_load is not None or args.partial_compute is not None:   # not job_from_args' "for --task infer"
             raise MemfitError(NO_PARTIAL_FFN)
-        job, knobs = job_from_args(args)
+        if args.plan is not None:
+            if given := job_options_given(args):
+                raise MemfitError(f"{', '.join(given)}: --plan {args.plan} sets the job; leave out the job options")
+            job, knobs, techniques = job_from_plan_file(args.plan, 1 if args.pick is None else args.pick)
+        elif args.pick is not None:
+            raise MemfitError("--pick chooses among a --plan file's plans; pass --plan FILE too")
+        else:
+            job, knobs = job_from_args(args)
         if args.warmup < 1:
             raise MemfitError(f"--warmup must be at least 1 (optimizer state appears at the first step), got "
                               f"{args.warmup}")
@@ -56,8 +78,10 @@ def run(args) -> int:
         if args.json:
             print_json_error(err, job)
         raise
+    picked = None if args.plan is None else {"file": args.plan, "pick": 1 if args.pick is None else args.pick,
+                                             "techniques": techniques}
     if args.json:
-        print(json.dumps(result.to_dict(), indent=1))
+        print(json.dumps({**result.to_dict(), **({"plan": picked} if picked else {})}, indent=1))
     else:
         from rich.table import Table
 
@@ -68,6 +92,9 @@ def run(args) -> int:
         for name, predicted, measured in result.rows():
             table.add_row(name, format_bytes(predicted), "-" if measured is None else format_bytes(measured))
         console = Console()
+        if picked:
+            which = "the job as asked" if picked["pick"] == 0 else f"plan {picked['pick']}"
+            console.print(f"{which} of {args.plan}: {', '.join(techniques) or 'no technique added'}")
         for note in result.ledger.notes:
             console.print(f"[yellow]note: {note}[/]")
         console.print(table)

@@ -1,10 +1,10 @@
 """A job (what the user wants to run) and the knobs a plan sets (how memfit runs it)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from memfit.errors import MemfitError
-from memfit.models.spec import PROJECTIONS, ModelSpec, dtype_name
+from memfit.models.spec import PROJECTIONS, ModelSpec, dtype_name, load_spec
 
 TASKS = ("full", "lora", "infer")
 TRAINING_TASKS = ("full", "lora")   # the tasks that take optimizer steps
@@ -34,6 +34,19 @@ def field_flag(name: str) -> str:
     """How an error names a Job or Knobs field (or verify's tolerance): the field, as a library caller wrote it, and
     the option of ``memfit plan``/``memfit verify`` that sets it, as a user of the command typed it: ``seq (--seq)``."""
     return f"{name} (--{name.replace('_', '-')})"
+
+
+def _record_fields(cls, data, keys: set[str]) -> dict:
+    """``data`` as the keyword arguments of ``cls``, which :meth:`to_dict` wrote with ``keys``: a record that is not
+    a JSON object, lacks one of them or holds another (a newer memfit's) is a MemfitError naming them."""
+    name = cls.__name__.lower()
+    if not isinstance(data, dict):
+        raise MemfitError(f"a {name} record is a JSON object, got {type(data).__name__}")
+    if missing := sorted(keys - set(data)):
+        raise MemfitError(f"the {name} record lacks {', '.join(missing)}")
+    if unknown := sorted(set(data) - keys):
+        raise MemfitError(f"the {name} record holds {', '.join(unknown)}, which this memfit does not know")
+    return dict(data)
 
 
 def _positive(name: str, value) -> None:
@@ -77,6 +90,15 @@ class Job:
         return {"model": self.spec.name, "task": self.task, "seq": self.seq, "batch": self.batch,
                 "new_tokens": self.new_tokens if self.task == "infer" else None, "device": self.device,
                 "loss_fraction": self.loss_fraction}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Job":
+        """The job :meth:`to_dict` wrote, its model read again from its preset name or directory (a directory given
+        relative to where the record was made is found relative to the current one)."""
+        data = _record_fields(cls, data, {"model", "task", "seq", "batch", "new_tokens", "device", "loss_fraction"})
+        if data["new_tokens"] is None:                 # a training job's record
+            del data["new_tokens"]
+        return cls(load_spec(data.pop("model")), **data)
 
 
 @dataclass(frozen=True)
@@ -143,3 +165,14 @@ class Knobs:
         data = asdict(self)
         data["lora_targets"] = list(self.lora_targets)
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Knobs":
+        """The knobs :meth:`to_dict` wrote."""
+        data = _record_fields(cls, data, {field.name for field in fields(cls)})
+        if not isinstance(data["lora_targets"], list):
+            raise MemfitError(f"the knobs record's lora_targets is a list of module names, got {data['lora_targets']!r}")
+        try:
+            return cls(**{**data, "lora_targets": tuple(data["lora_targets"])})
+        except TypeError as err:                       # a value of another type, e.g. "2" for checkpoint_layers
+            raise MemfitError(f"the knobs record holds a value of the wrong type ({err})") from None

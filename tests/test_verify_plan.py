@@ -1,0 +1,141 @@
+"""`memfit verify --plan FILE --pick N`: the job and techniques of a plan `memfit plan --json` wrote, measured, and
+the records that carry them (Job.from_dict, Knobs.from_dict); what it refuses, each in one line before any work."""
+import json
+
+import pytest
+from conftest import MEASURES_A_CPU_RUN
+
+from memfit.cli import main
+from memfit.errors import MemfitError
+from memfit.ledger.job import Job, Knobs
+from memfit.models import PRESETS
+
+PLAN = ["plan", "--model", "tiny", "--task", "lora", "--seq", "64", "--device", "cpu", "--gpu-memory", "1GiB",
+        "--lora-rank", "4", "--lora-targets", "q_proj,v_proj", "--json"]
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    """A plan file of the tiny LoRA job on the CPU: the job as asked (fused loss off) and the plans that fit."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(PLAN) == 0
+    path = tmp_path_factory.mktemp("plan") / "plans.json"
+    path.write_text(out.getvalue())
+    return path
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """The job and knobs verify is asked to measure (nothing is run; the test of a real run is below)."""
+    from memfit.ledger import verify as ledger_verify
+
+    calls = []
+
+    def fake(job, knobs, **kwargs):
+        calls.append((job, knobs))
+        raise MemfitError("measured")                 # ends the command before it prints a result
+
+    monkeypatch.setattr(ledger_verify, "verify", fake)
+    return calls
+
+
+@pytest.mark.parametrize("job, knobs", [
+    (Job(PRESETS["tiny"], task="infer", seq=40, batch=2, new_tokens=7, device="cpu"),
+     Knobs(dtype="float16", partial_load=0.5, partial_compute=0.25)),
+    (Job(PRESETS["tiny"], task="lora", seq=64, loss_fraction=0.3),
+     Knobs(lora_rank=4, lora_targets=("q_proj", "down_proj"), checkpoint_layers=2, offload_layers=1, fused_ce=True,
+           optimizer="adamw8bit", micro_batch=1)),
+    (Job(PRESETS["tiny"], task="full"), Knobs(blr_method="monarch", blr_ratio=0.4, blr_blocks=4, attention="memfit")),
+])
+def test_a_record_reads_back_as_the_job_and_knobs_it_was_written_from(job, knobs):
+    assert Job.from_dict(json.loads(json.dumps(job.to_dict()))) == job
+    assert Knobs.from_dict(json.loads(json.dumps(knobs.to_dict()))) == knobs
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda job, knobs: job.pop("seq"), "the job record lacks seq"),
+    (lambda job, knobs: job.update(budget=1), "the job record holds budget, which this memfit does not know"),
+    (lambda job, knobs: knobs.update(checkpoint_layers="2"), r"the knobs record holds a value of the wrong type"),
+    (lambda job, knobs: knobs.update(lora_targets="q_proj"), "lora_targets is a list of module names, got 'q_proj'"),
+    (lambda job, knobs: knobs.update(new_knob=True), "the knobs record holds new_knob"),
+])
+def test_a_record_that_is_not_one_is_refused_by_name(change, message):
+    job, knobs = Job(PRESETS["tiny"]).to_dict(), Knobs().to_dict()
+    change(job, knobs)
+    with pytest.raises(MemfitError, match=message):
+        Job.from_dict(job), Knobs.from_dict(knobs)
+
+
+@pytest.mark.parametrize("pick", [0, 1, 3])
+def test_verify_measures_the_picked_plans_job_and_knobs(plans, measured, capsys, pick):
+    record = json.loads(plans.read_text())
+    entry = record["asked"] if pick == 0 else record["plans"][pick - 1]
+    assert main(["verify", "--plan", str(plans), "--pick", str(pick)]) == 2
+    assert "measured" in capsys.readouterr().err
+    (job, knobs), = measured
+    assert job.to_dict() == entry["job"] and knobs.to_dict() == entry["knobs"]
+
+
+def test_the_plans_differ_so_that_the_pick_is_seen(plans):
+    """The test above could not tell its picks apart if their entries held the same knobs."""
+    record = json.loads(plans.read_text())
+    knobs = [record["asked"]["knobs"], record["plans"][0]["knobs"], record["plans"][2]["knobs"]]
+    assert len({json.dumps(k, sort_keys=True) for k in knobs}) == 3
+
+
+@MEASURES_A_CPU_RUN
+def test_verify_runs_the_fastest_plan_and_says_which(plans, capsys, monkeypatch):
+    """A real measurement of plan 1 on the CPU, its techniques named; --json carries the plan beside the result. The
+    fused loss runs its CPU reference, as on a CPU outside the tests (the interpreter's kernel holds other buffers)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    record = json.loads(plans.read_text())
+    assert main(["verify", "--plan", str(plans), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["plan"] == {"file": str(plans), "pick": 1, "techniques": record["plans"][0]["techniques"]}
+    assert result["knobs"] == record["plans"][0]["knobs"] and result["ok"]
+    assert main(["verify", "--plan", str(plans)]) == 0
+    said = " ".join(capsys.readouterr().out.split())     # rich wraps at the terminal's width
+    assert f"plan 1 of {plans}: {', '.join(record['plans'][0]['techniques'])}" in said
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq", "128", "--task", "full"], "--task, --seq: --plan {plans} sets the job; leave out the job options"),
+    (["--pick", "99"], "--pick 99: {plans} holds plans 1-"),
+    (["--pick", "-1"], "--pick -1: {plans} holds plans 1-"),
+])
+def test_verify_refuses_job_options_and_a_pick_the_file_lacks(plans, measured, capsys, argv, message):
+    assert main(["verify", "--plan", str(plans), *argv]) == 2
+    assert message.format(plans=plans) in capsys.readouterr().err
+    assert measured == []
+
+
+def test_verify_refuses_a_pick_without_a_plan(measured, capsys):
+    assert main(["verify", "--pick", "2"]) == 2
+    assert "--pick chooses among a --plan file's plans; pass --plan FILE too" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("not json", "is not JSON"),
+    ('{"ok": 1}', 'is not `memfit plan --json` output (it has no "job", "asked" and "plans")'),
+    ('{"job": null, "budget_bytes": null, "asked": null, "plans": [], "error": "seq must be positive"}',
+     "holds a plan that failed: seq must be positive"),
+    ('{"job": {}, "budget_bytes": 1, "asked": {}, "plans": [{"knobs": {}}]}',
+     "its entry 1 is not a plan's record (KeyError: 'job')"),
+    ('{"job": {}, "budget_bytes": 1, "asked": {}, "plans": [{"job": 1, "knobs": {}}]}',
+     "entry 1: a job record is a JSON object, got int"),
+])
+def test_verify_refuses_a_file_that_holds_no_plan(tmp_path, measured, capsys, text, message):
+    path = tmp_path / "plans.json"
+    path.write_text(text)
+    assert main(["verify", "--plan", str(path)]) == 2
+    assert message in capsys.readouterr().err
+    assert measured == []
+
+
+def test_verify_refuses_a_plan_file_that_is_not_there(tmp_path, measured, capsys):
+    assert main(["verify", "--plan", str(tmp_path / "missing.json")]) == 2
+    assert "does not exist; pass what `memfit plan --json` printed" in capsys.readouterr().err
