@@ -126,4 +126,5 @@ def _print(job, knobs, asked: Ledger, plans, budget: int) -> None:
     for note, numbers in by_note.items():
         console.print(f"[yellow]note (plan{'s' if len(numbers) > 1 else ''} {', '.join(numbers)}): {note}[/]")
     console.print("time: relative to the job as asked, FLOPs x (1 + recompute) + overheads. "
-                  "`memfit plan --json` has every component; `memfit verify` measures a plan.")
+                  "`memfit plan --json` has every component; `memfit verify --plan FILE --pick N` measures plan N "
+                  "from it.")
