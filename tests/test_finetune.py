@@ -1,6 +1,7 @@
 """Fused-loss patch, JSONL loading, the training loop's exact resume and `memfit finetune`."""
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -157,9 +158,11 @@ def test_a_bad_data_file_is_found_before_the_model_loads(tmp_path, monkeypatch):
         _cli(["--data", str(data), "--out", str(tmp_path / "run")])
 
 
-def test_finetune_default_runs_and_loss_falls(tmp_path):
+def test_finetune_default_runs_and_loss_falls(tmp_path, capsys):
     out = tmp_path / "run"
     assert _cli(["--out", str(out), "--steps", "40", "--save-every", "40"]) == 0
+    said = " ".join(capsys.readouterr().err.split())   # the console is stderr's; rich wraps at the terminal's width
+    assert re.search(r"over 40 steps, [\d,]+ tok/s over steps 2-40; adapter saved to", said)
     progress = json.loads(next((out / "checkpoints").glob("step-*/progress.json")).read_text())
     losses = progress["losses"]
     assert len(losses) == 40
@@ -172,6 +175,18 @@ def test_finetune_default_runs_and_loss_falls(tmp_path):
         assert [name for name in saved.keys() if "norm" in name] == ["base_model.model.model.norm.weight"]
     with pytest.raises(MemfitError, match="--resume"):
         _cli(["--out", str(out), "--steps", "2"])
+
+
+def test_the_summary_rate_leaves_out_the_first_step():
+    """The summary's tok/s is the run's after its first step (kernel builds, optimizer state); the progress bar had
+    been the only rate shown, each step's alone, and the last step's stayed on screen."""
+    from memfit.commands.finetune import _throughput
+    from memfit.train.finetune import StepReport
+
+    reports = [StepReport(step, 1.0, tokens, seconds, 0) for step, tokens, seconds in ((5, 100, 10.0), (6, 100, 1.0),
+                                                                                         (7, 300, 1.0))]
+    assert _throughput(reports) == ", 200 tok/s over steps 6-7"
+    assert _throughput(reports[:1]) == ""
 
 
 def test_gpu_memory_plan_becomes_the_run_techniques():

@@ -305,18 +305,32 @@ def run(args) -> int:
         patch_state(model).policy = CheckpointPolicy(techniques.places)
     console.print(f"memfit finetune: {spec.name} on {device} ({str(dtype).replace('torch.', '')}), "
                   f"{len(examples)} examples, LoRA r={args.lora_r}, {techniques}")
+    reports: list = []
     losses = _train_with_progress(model, examples, tokenizer, config, out, args.resume, device, console, format_bytes,
-                                  data_name=data_name)
+                                  data_name=data_name, on_step=reports.append)
     adapter = _save_adapter(model, out)
     peak = peak_bytes(device)
-    console.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; adapter saved to {adapter}")
+    console.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps{_throughput(reports)}; adapter "
+                  f"saved to {adapter}")
     if budget is not None and device.type == "cuda" and peak > budget:
         console.print(f"[yellow]peak {format_bytes(peak)} exceeded --gpu-memory {format_bytes(budget)}: the plan's "
                       "prediction was short; a smaller --gpu-memory plans with more room[/yellow]")
     return 0
 
 
-def _train_with_progress(model, examples, tokenizer, config, out, resume, device, console, format_bytes, data_name):
+def _throughput(reports: list) -> str:
+    """The run's tokens per second over the steps it trained after its first (which builds kernels, allocates the
+    optimizer state and warms the allocator), as the summary's words; the progress bar shows each step's alone."""
+    timed = reports[1:]
+    if not timed:
+        return ""
+    seconds = sum(report.seconds for report in timed)
+    return (f", {sum(report.tokens for report in timed) / max(seconds, 1e-9):,.0f} tok/s over steps "
+            f"{timed[0].step}-{timed[-1].step}")
+
+
+def _train_with_progress(model, examples, tokenizer, config, out, resume, device, console, format_bytes, data_name,
+                         on_step):
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -333,12 +347,13 @@ def _train_with_progress(model, examples, tokenizer, config, out, resume, device
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("finetune", total=config.steps, loss="-", speed="-", peak="-")
 
-        def on_step(report):
+        def show(report):
             progress.update(task, completed=report.step, loss=f"{report.loss:.3f}",
                             speed=f"{report.tokens / max(report.seconds, 1e-9):,.0f}", peak=format_bytes(report.peak_bytes))
+            on_step(report)
 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return train(model, examples, pad, config, out, resume=resume, on_step=on_step, data_name=data_name)
+        return train(model, examples, pad, config, out, resume=resume, on_step=show, data_name=data_name)
 
 
 def _entries_not_its_own(out: Path, shown: int = 3) -> list[str]:
