@@ -57,6 +57,62 @@ def test_four_bit_needs_cuda_and_says_so():
         patch(model, four_bit=True)
 
 
+def _record_quantizing(monkeypatch):
+    """Replace the NF4 quantizer (bitsandbytes, CUDA) by one that records, at each call, which of the tiny model's
+    parts are on the meta device (the stand-in GPU here) and leaves the layer as it is."""
+    from memfit.train import four_bit
+
+    seen = []
+
+    def record(layer, compute_dtype):
+        decoder = record.model.model
+        seen.append(([next(each.parameters()).device.type for each in decoder.layers],
+                     decoder.embed_tokens.weight.device.type, layer is decoder.layers[len(seen)]))
+        return 0
+
+    monkeypatch.setattr(four_bit, "quantize_linears_4bit", record)
+    return seen, record
+
+
+def test_a_4bit_base_reaches_the_gpu_one_dense_layer_at_a_time(monkeypatch):
+    """Each decoder layer is moved, then quantized, before the next one moves; the embeddings and head follow. The
+    model had been moved whole, in its dense dtype, before patch quantized it."""
+    from memfit.train.four_bit import to_device_4bit
+
+    seen, record = _record_quantizing(monkeypatch)
+    record.model = build_model(PRESETS["tiny"], dtype="float32")
+    moved = to_device_4bit(record.model, "meta", torch.float32)
+    layers = len(moved.model.layers)
+    assert seen == [(["meta"] * (done + 1) + ["cpu"] * (layers - done - 1), "cpu", True) for done in range(layers)]
+    assert {p.device.type for p in moved.parameters()} == {"meta"}
+
+
+def test_finetune_and_verify_load_a_4bit_base_through_the_cpu(monkeypatch, tmp_path):
+    """The finetune command loads the model on the CPU when its techniques take a 4-bit base, and verify builds it so,
+    inference included: verify had measured an inference job's dense weights against the ledger's NF4 ones."""
+    from dataclasses import replace
+
+    from memfit.commands import finetune
+    from memfit.ledger import verify
+    from memfit.ledger.job import Job, Knobs
+    from memfit.train import four_bit
+
+    moved = []
+
+    def to_device(model, device, dtype):
+        moved.append((next(model.parameters()).device.type, str(device), dtype))
+        raise MemfitError("stop")
+
+    monkeypatch.setattr(four_bit, "to_device_4bit", to_device)
+    chosen = finetune.choose_techniques
+    monkeypatch.setattr(finetune, "choose_techniques", lambda *a: replace(chosen(*a), four_bit=True))
+    with pytest.raises(MemfitError, match="stop"):
+        _cli(["--device", "cpu", "--out", str(tmp_path / "run"), "--steps", "1"])
+    with pytest.raises(MemfitError, match="stop"):
+        verify._prepare(Job(PRESETS["tiny"], task="infer", device="cpu"), Knobs(dtype="bfloat16", four_bit=True))
+    assert moved == [("cpu", "cpu", torch.float32), ("cpu", "cpu", torch.bfloat16)]
+
+
 def _write(tmp_path, lines):
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(lines) + "\n")

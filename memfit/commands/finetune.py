@@ -218,7 +218,7 @@ def load_tokenizer(name: str, spec):
     return tokenizer
 
 
-def load_model(name: str, spec, dtype: torch.dtype, device: torch.device):
+def load_model(name: str, spec, dtype: torch.dtype, device: torch.device | str):
     """A preset (random init) or a local HF directory's model, in ``dtype`` on ``device``."""
     from memfit.local import check_model_dir, unreadable_weights
     from memfit.models import PRESETS, build_model
@@ -296,7 +296,12 @@ def run(args) -> int:
         asked = {**lora_settings(lora), "dtype": str(dtype).removeprefix("torch."), "four_bit": techniques.four_bit,
                  "data": data_settings(examples, data_name)}
         check_resumable(checkpoint_to_resume(out), config, asked)
-    model = load_model(args.model, spec, dtype, device)
+    if techniques.four_bit:       # the dense weights never all on the GPU: each layer quantized as it arrives there
+        from memfit.train.four_bit import to_device_4bit
+
+        model = to_device_4bit(load_model(args.model, spec, dtype, "cpu"), device, dtype)
+    else:
+        model = load_model(args.model, spec, dtype, device)
     model = patch(model, lora=lora, **techniques.patch_kwargs())
     if techniques.places is not None:
         from memfit.train.checkpoint import CheckpointPolicy

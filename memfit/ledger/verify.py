@@ -22,6 +22,7 @@ from memfit.ledger.predict import Ledger, check_device, check_knobs_fit_job, pre
 from memfit.measure.memory import PeakMeter, storage_bytes
 from memfit.models.build import build_model
 from memfit.models.hf_calls import cache_keyword, enable_checkpointing, peft_model
+from memfit.models.spec import dtype_of
 
 
 @dataclass
@@ -70,11 +71,17 @@ def _prepare(job: Job, knobs: Knobs):
         from memfit.train.attention_hf import register
 
         attention = register()
-    model = build_model(job.spec, dtype=knobs.dtype, device=job.device, attn_implementation=attention)
+    # a 4-bit base is built on the CPU and quantized on its way to the GPU, as memfit finetune loads one
+    model = build_model(job.spec, dtype=knobs.dtype, device="cpu" if knobs.four_bit else job.device,
+                        attn_implementation=attention)
     if knobs.blr_method:                               # random-init BLR layers: memory depends on shapes only
         from memfit.compress.convert import structure_model
 
         structure_model(model, knobs.blr_method, knobs.blr_ratio, knobs.blr_blocks)
+    if knobs.four_bit:                                 # inference's too: the ledger predicts its NF4 weights
+        from memfit.train.four_bit import to_device_4bit
+
+        model = to_device_4bit(model, job.device, dtype_of(knobs.dtype))
     if job.training and knobs.patched:
         return _patched(job, knobs, model)
     if job.task == "lora":

@@ -52,6 +52,21 @@ def quantize_linears_4bit(root: torch.nn.Module, compute_dtype: torch.dtype) -> 
     return len(targets)
 
 
+def to_device_4bit(model: torch.nn.Module, device: torch.device | str, compute_dtype: torch.dtype) -> torch.nn.Module:
+    """Move a ``*ForCausalLM`` held on the CPU to ``device`` with its decoder layers' linears in NF4, one layer at a
+    time (the layer moved, then quantized), then the rest of the model; return it.
+
+    ``patch(four_bit=True)`` quantizes a model already on the GPU, which a model that fits only in 4 bits never is:
+    loading the dense weights first had needed their whole size on the GPU (16 GB for an 8B model in bfloat16, above
+    the 16 GiB its 4-bit LoRA plan fits in). Here the GPU holds at most one dense layer beyond the NF4 ones; patch then
+    finds the layers quantized and leaves them."""
+    layers = model.get_decoder().layers
+    for layer in layers:
+        layer.to(device)
+        quantize_linears_4bit(layer, compute_dtype)
+    return model.to(device)
+
+
 def nf4_bytes(in_features: int, out_features: int) -> int:
     """Device bytes of one NF4 weight with double-quantized statistics (for the ledger).
 
