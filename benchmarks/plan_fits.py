@@ -24,6 +24,8 @@ import argparse
 import contextlib
 import io
 import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -59,11 +61,15 @@ def plan_file(preset: str, task: str, seq: int, batch: int, budget: str, limit: 
     return path
 
 
-def run_child(path: Path, pick: int, cap_bytes: int | None) -> dict:
-    """Plan ``pick`` of ``path`` measured in a process of its own (:func:`child`), its allocator capped at ``cap_bytes``."""
+def run_child(path: Path, pick: int, cap_bytes: int | None, allocator: str | None) -> dict:
+    """Plan ``pick`` of ``path`` measured in a process of its own (:func:`child`), its allocator capped at ``cap_bytes``
+    and configured by ``allocator`` (PYTORCH_CUDA_ALLOC_CONF; None: torch's default)."""
     command = [sys.executable, __file__, "--child", str(path), str(pick), str(cap_bytes or 0)]
+    env = {key: value for key, value in os.environ.items() if key != "PYTORCH_CUDA_ALLOC_CONF"}
+    if allocator:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = allocator
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_SECONDS)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_SECONDS, env=env)
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "seconds": CHILD_SECONDS}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -101,7 +107,7 @@ def child(path: str, pick: int, cap_bytes: int) -> None:
     print(json.dumps(row), flush=True)
 
 
-def run(cases, device: str, save) -> list[dict]:
+def run(cases, device: str, save, allocator: str | None = None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for preset, task, seq, batch, budget, limit in cases:
@@ -118,12 +124,12 @@ def run(cases, device: str, save) -> list[dict]:
                     row["not_run"] = "verify builds no partial-FFN model (benchmarks/partial_ffn.py measures them)"
                 else:
                     share = entry["device_bytes"] - entry["cuda_context"]
-                    row["within_prediction"] = run_child(path, pick, share if device == "cuda" else None)
+                    row["within_prediction"] = run_child(path, pick, share if device == "cuda" else None, allocator)
                     row["cap_bytes"] = share
                     outside = row["within_prediction"].get("outside_allocator_bytes")
                     if row["within_prediction"]["status"] != "ran" and outside is not None:
                         row["budget_cap_bytes"] = record["budget_bytes"] - outside
-                        row["within_budget"] = run_child(path, pick, row["budget_cap_bytes"])
+                        row["within_budget"] = run_child(path, pick, row["budget_cap_bytes"], allocator)
                 rows.append(row)
                 _say(row)
                 save(rows)
@@ -153,6 +159,9 @@ def main(argv=None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="the tiny preset on CPU, no cap: checks the code path")
+    parser.add_argument("--allocator", default=None,
+                        help="PYTORCH_CUDA_ALLOC_CONF for the plans' processes, e.g. expandable_segments:True (default: "
+                             "torch's own); the results file's name takes a suffix")
     parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
     args = parser.parse_args(argv)
     check_out_dir(parser, args.out)
@@ -162,9 +171,10 @@ def main(argv=None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU: run with --smoke on CPU", file=sys.stderr)
         return 2
-    name = "plan_fits" + ("_smoke" if args.smoke else "")
-    rows = run(SMOKE_CASES if args.smoke else CASES, device,
-               save=lambda done: write_results(name, done, [], args.out, complete=False))
+    suffix = "_" + re.sub(r"\W+", "_", args.allocator).strip("_").lower() if args.allocator else ""
+    name = "plan_fits" + suffix + ("_smoke" if args.smoke else "")
+    rows = run(SMOKE_CASES if args.smoke else CASES, device, allocator=args.allocator,
+               save=lambda done: write_results(name, done, [], args.out, allocator=args.allocator, complete=False))
     ran = [row for row in rows if "within_prediction" in row]
     fit = [row for row in ran if row["within_prediction"]["status"] == "ran"]
     targets = [target("plans run within their predicted allocator share", len(fit), len(ran), "plans", "higher")]
@@ -172,7 +182,7 @@ def main(argv=None) -> int:
         outside = max(row["within_prediction"]["outside_allocator_bytes"] for row in ran)
         targets.append(target("most memory outside the allocator, against the predicted CUDA context",
                               outside / ran[0]["predicted"]["cuda_context"], 1.0, "x", "lower"))
-    path = write_results(name, rows, targets, args.out, complete=True)
+    path = write_results(name, rows, targets, args.out, allocator=args.allocator, complete=True)
     print(f"{len(fit)} of {len(ran)} plans ran within their predicted allocator share -> {path}")
     return 0
 
