@@ -4,7 +4,8 @@
 the CUDA context (the ledger's CUDA_CONTEXT). ``ledger_accuracy.py`` checks the peak; this checks the whole claim. For
 each case (a model, a job, a budget) the planner's first plans are written as ``memfit plan --json`` writes them, and
 each plan is read back as ``memfit verify --plan FILE --pick N`` reads it and run as verify runs it (random-init model,
-a warm-up step, a measured step), in a process of its own, with torch's caching allocator limited
+a warm-up step, a measured step), in a process of its own, with torch's caching allocator set as memfit's commands
+set it (expandable segments; ``--allocator`` sets another) and limited
 (``torch.cuda.set_per_process_memory_fraction``) to the plan's share: ``device_bytes`` less the predicted context. An
 allocation past the limit makes the allocator free its cached blocks and try again before it raises, as it does at
 the card's end, so a plan that runs needed no more of the allocator than the ledger said. What the process holds
@@ -15,7 +16,7 @@ the cap is run again capped at its budget less the measured context: whether the
 Plans verify cannot build (partial FFN) are listed as not run. The file is written after every plan
 (``complete: false`` until the last).
 
-    python benchmarks/plan_fits.py            # a CUDA machine (bitsandbytes for the 8-bit and 4-bit plans), ~6 min
+    python benchmarks/plan_fits.py            # a CUDA machine (bitsandbytes for the 8-bit and 4-bit plans), ~15 min
     python benchmarks/plan_fits.py --smoke    # CPU: the tiny preset, no cap: checks the code path
 """
 from __future__ import annotations
@@ -63,7 +64,7 @@ def plan_file(preset: str, task: str, seq: int, batch: int, budget: str, limit: 
 
 def run_child(path: Path, pick: int, cap_bytes: int | None, allocator: str | None) -> dict:
     """Plan ``pick`` of ``path`` measured in a process of its own (:func:`child`), its allocator capped at ``cap_bytes``
-    and configured by ``allocator`` (PYTORCH_CUDA_ALLOC_CONF; None: torch's default)."""
+    and configured by ``allocator`` (PYTORCH_CUDA_ALLOC_CONF; None: memfit's, as its commands set it)."""
     command = [sys.executable, __file__, "--child", str(path), str(pick), str(cap_bytes or 0)]
     env = {key: value for key, value in os.environ.items() if key != "PYTORCH_CUDA_ALLOC_CONF"}
     if allocator:
@@ -84,7 +85,9 @@ def child(path: str, pick: int, cap_bytes: int) -> None:
 
     from memfit.commands.job_args import job_from_plan_file
     from memfit.ledger.verify import measure
+    from memfit.local import use_expandable_segments
 
+    use_expandable_segments()          # as memfit finetune and verify run (--allocator's setting is kept)
     job, knobs, _ = job_from_plan_file(path, pick)
     cuda = job.device == "cuda"
     if cuda and cap_bytes:
@@ -160,8 +163,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="the tiny preset on CPU, no cap: checks the code path")
     parser.add_argument("--allocator", default=None,
-                        help="PYTORCH_CUDA_ALLOC_CONF for the plans' processes, e.g. expandable_segments:True (default: "
-                             "torch's own); the results file's name takes a suffix")
+                        help="PYTORCH_CUDA_ALLOC_CONF for the plans' processes, e.g. expandable_segments:False for "
+                             "torch's default (default: memfit's, expandable segments); the results file's name takes "
+                             "a suffix")
     parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
     args = parser.parse_args(argv)
     check_out_dir(parser, args.out)

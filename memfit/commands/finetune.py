@@ -238,6 +238,10 @@ def load_model(name: str, spec, dtype: torch.dtype, device: torch.device | str):
 def run(args) -> int:
     from rich.console import Console
 
+    from memfit.local import use_expandable_segments
+
+    use_expandable_segments()          # before CUDA starts: the allocator the ledger's overhead assumes
+
     from memfit.data.jsonl import DEFAULT_DATA, check_source, read_records, tokenize_records
     from memfit.models import dtype_of, load_spec
     from memfit.train.finetune import (

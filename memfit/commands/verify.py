@@ -53,6 +53,10 @@ def run(args) -> int:
     ``memfit plan --json`` prints one, with the job as far as it was read (null before)."""
     from rich.console import Console
 
+    from memfit.local import use_expandable_segments
+
+    use_expandable_segments()          # before CUDA starts: the allocator the ledger's overhead assumes
+
     from memfit.ledger.verify import NO_PARTIAL_FFN, verify
 
     job, techniques = None, None
