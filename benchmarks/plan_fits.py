@@ -17,6 +17,7 @@ Plans verify cannot build (partial FFN) are listed as not run. The file is writt
 (``complete: false`` until the last).
 
     python benchmarks/plan_fits.py            # a CUDA machine (bitsandbytes for the 8-bit and 4-bit plans), ~15 min
+    python benchmarks/plan_fits.py --resume   # the plans a stopped run of this commit did not reach
     python benchmarks/plan_fits.py --smoke    # CPU: the tiny preset, no cap: checks the code path
 """
 from __future__ import annotations
@@ -34,7 +35,8 @@ import time
 from pathlib import Path
 
 from memfit.cli import main as cli
-from memfit.measure.results import check_out_dir, target, write_results
+from memfit.errors import MemfitError
+from memfit.measure.results import check_out_dir, partial_results, results_path, target, write_results
 
 # (preset, task, seq, batch, budget, plans to run): budgets the job as asked does not fit, so the planner adds techniques
 CASES = [
@@ -110,17 +112,21 @@ def child(path: str, pick: int, cap_bytes: int) -> None:
     print(json.dumps(row), flush=True)
 
 
-def run(cases, device: str, save, allocator: str | None = None) -> list[dict]:
-    rows = []
+def run(cases, device: str, save, allocator: str | None = None, done: list[dict] = ()) -> list[dict]:
+    """Each case's plans, less those ``done`` holds (a stopped run's rows, which lead the result)."""
+    rows = list(done)
+    measured = {(json.dumps(row["case"], sort_keys=True), row["pick"]) for row in rows}
     with tempfile.TemporaryDirectory() as folder:
         for preset, task, seq, batch, budget, limit in cases:
             path = plan_file(preset, task, seq, batch, budget, limit, device, Path(folder))
             record = json.loads(path.read_text())
+            case = {"model": preset, "task": task, "seq": seq, "batch": batch, "budget": budget,
+                    "budget_bytes": record["budget_bytes"]}
             for pick, entry in enumerate(record["plans"], 1):
+                if (json.dumps(case, sort_keys=True), pick) in measured:
+                    continue
                 knobs = entry["knobs"]
-                row = {"case": {"model": preset, "task": task, "seq": seq, "batch": batch, "budget": budget,
-                                "budget_bytes": record["budget_bytes"]},
-                       "pick": pick, "techniques": entry["techniques"], "knobs": knobs,
+                row = {"case": case, "pick": pick, "techniques": entry["techniques"], "knobs": knobs,
                        "predicted": {key: entry[key] for key in ("peak_bytes", "allocator_overhead", "cuda_context",
                                                                  "device_bytes")}}
                 if (knobs["partial_load"], knobs["partial_compute"]) != (1.0, 1.0):
@@ -166,6 +172,9 @@ def main(argv=None) -> int:
                         help="PYTORCH_CUDA_ALLOC_CONF for the plans' processes, e.g. expandable_segments:False for "
                              "torch's default (default: memfit's, expandable segments); the results file's name takes "
                              "a suffix")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue a run of this commit that stopped (its file says complete: false), measuring "
+                             "only the plans it has no row for")
     parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
     args = parser.parse_args(argv)
     check_out_dir(parser, args.out)
@@ -177,8 +186,12 @@ def main(argv=None) -> int:
         return 2
     suffix = "_" + re.sub(r"\W+", "_", args.allocator).strip("_").lower() if args.allocator else ""
     name = "plan_fits" + suffix + ("_smoke" if args.smoke else "")
-    rows = run(SMOKE_CASES if args.smoke else CASES, device, allocator=args.allocator,
-               save=lambda done: write_results(name, done, [], args.out, allocator=args.allocator, complete=False))
+    try:
+        done = partial_results(results_path(name, args.out), allocator=args.allocator)["rows"] if args.resume else []
+    except MemfitError as err:
+        parser.error(str(err))
+    rows = run(SMOKE_CASES if args.smoke else CASES, device, allocator=args.allocator, done=done,
+               save=lambda rows: write_results(name, rows, [], args.out, allocator=args.allocator, complete=False))
     ran = [row for row in rows if "within_prediction" in row]
     fit = [row for row in ran if row["within_prediction"]["status"] == "ran"]
     targets = [target("plans run within their predicted allocator share", len(fit), len(ran), "plans", "higher")]

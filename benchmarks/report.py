@@ -67,6 +67,39 @@ def ledger_section(data: dict) -> str:
     return "\n".join(out) + "\n\n" + _targets(data)
 
 
+def plan_fits_section(data: dict) -> str:
+    """The planner's plans run under an allocator capped at their predicted share; and, from the run with torch's
+    default allocator, how many of its plans the same cap refused."""
+    gib = 2 ** 30
+    out = ["### Planner: do the plans fit what they predict?\n",
+           _header(data, "python benchmarks/plan_fits.py"),
+           "Each plan run as `memfit verify --plan` runs it, the caching allocator capped at the plan's predicted share "
+           "(its device total less the predicted CUDA context).\n",
+           "| model | task | seq x batch | budget | plan | techniques | predicted GiB | cap GiB | result | max reserved GiB "
+           "| outside the allocator MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        case, result = r["case"], r.get("within_prediction", {})
+        status = result.get("status", "not run")
+        reserved = f"{result['max_reserved_bytes'] / gib:.2f}" if "max_reserved_bytes" in result else "-"
+        outside = f"{result['outside_allocator_bytes'] / 2**20:.0f}" if "outside_allocator_bytes" in result else "-"
+        cap = f"{r['cap_bytes'] / gib:.2f}" if "cap_bytes" in r else "-"
+        out.append(f"| {case['model']} | {case['task']} | {case['seq']} x {case['batch']} | {case['budget']} | {r['pick']} "
+                   f"| {', '.join(r['techniques']) or 'as asked'} | {r['predicted']['device_bytes'] / gib:.2f} | {cap} "
+                   f"| {status} | {reserved} | {outside} |")
+    text = "\n".join(out) + "\n" + ("\n" + _targets(data) if data["targets"] else "")
+    default = _load("plan_fits_expandable_segments_false")
+    if default is not None:
+        ran = [r for r in default["rows"] if "within_prediction" in r]
+        refused = sum(r["within_prediction"]["status"] != "ran" for r in ran)
+        held = sum(r.get("within_budget", {}).get("status") == "ran" for r in ran)
+        text += (f"\nWith torch's default allocator and the ledger of commit {_short(default['commit'])} (before its "
+                 f"allocator slack and context were measured here), {refused} of {len(ran)} plans ran out of memory "
+                 f"under the same cap, and {held} of those {refused} ran under their budget "
+                 "(`plan_fits_expandable_segments_false.json`).\n")
+    return text
+
+
 def linear_ce_section(data: dict) -> str:
     out = ["### Fused linear cross-entropy (vocab 128256, half the tokens ignored, bf16)\n",
            _header(data, "python benchmarks/linear_ce.py"),
@@ -412,7 +445,8 @@ def swiglu_step_section(data: dict) -> str:
 REPEATS = 5
 SWIGLU_STEPS = f"finetune_memory_rows_beyond_the_paper_repeats{REPEATS}"
 SWIGLU_ROWS = "finetune_memory_bfloat16_rows_fused_SwiGLU"
-SECTIONS = [("ledger_accuracy", ledger_section), ("ledger_accuracy_blr", ledger_section), ("linear_ce", linear_ce_section), ("attention", attention_section),
+SECTIONS = [("ledger_accuracy", ledger_section), ("ledger_accuracy_blr", ledger_section), ("plan_fits", plan_fits_section),
+            ("linear_ce", linear_ce_section), ("attention", attention_section),
             ("finetune_memory", finetune_section), ("finetune_ledger", finetune_ledger_section),
             (SWIGLU_ROWS, functools.partial(
                 finetune_section, command="python benchmarks/finetune_memory.py --dtypes bfloat16 --rows 'fused SwiGLU'",

@@ -34,3 +34,21 @@ def test_a_plan_the_allocator_refuses_is_recorded_with_its_phase(tmp_path, monke
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["status"] == "out of memory" and row["at"] == "warm-up step 1/1"
     assert row["message"] == "CUDA out of memory. Tried to allocate 2.00 MiB"
+
+
+def test_a_resumed_run_measures_only_the_plans_it_has_no_row_for(tmp_path, monkeypatch):
+    from memfit.measure import results
+
+    here = {"gpu": None, "torch": torch.__version__, "triton": None, "commit": "abc1234", "date": "today"}
+    monkeypatch.setattr(results, "environment", lambda: dict(here))
+    plan_fits = load_benchmark("plan_fits")
+    measured = []
+    monkeypatch.setattr(plan_fits, "run_child", lambda path, pick, cap, allocator: measured.append(pick) or
+                        {"status": "ran", "peak_bytes": 1})
+    assert plan_fits.main(["--smoke", "--out", str(tmp_path)]) == 0
+    path = tmp_path / "plan_fits_smoke.json"
+    stopped = json.loads(path.read_text())
+    path.write_text(json.dumps({**stopped, "rows": stopped["rows"][:1], "complete": False}))
+    assert plan_fits.main(["--smoke", "--out", str(tmp_path), "--resume"]) == 0
+    assert measured == [1, 2, 2]
+    assert [row["pick"] for row in json.loads(path.read_text())["rows"]] == [1, 2]
