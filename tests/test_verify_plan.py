@@ -104,6 +104,7 @@ def test_verify_runs_the_fastest_plan_and_says_which(plans, capsys, monkeypatch)
 
 @pytest.mark.parametrize("argv, message", [
     (["--seq", "128", "--task", "full"], "--task, --seq: --plan {plans} sets the job; leave out the job options"),
+    (["--device", "cuda", "--attention", "sdpa"], "--device, --attention: --plan {plans} sets the job"),  # defaults
     (["--pick", "99"], "--pick 99: {plans} holds plans 1-"),
     (["--pick", "-1"], "--pick -1: {plans} holds plans 1-"),
 ])
@@ -127,6 +128,8 @@ def test_verify_refuses_a_pick_without_a_plan(measured, capsys):
      "its entry 1 is not a plan's record (KeyError: 'job')"),
     ('{"job": {}, "budget_bytes": 1, "asked": {}, "plans": [{"job": 1, "knobs": {}}]}',
      "entry 1: a job record is a JSON object, got int"),
+    ('{"job": {}, "budget_bytes": 1, "asked": {}, "plans": {"1": {}}}', 'its "plans" is not a list of plans'),
+    ('{"job": {}, "budget_bytes": 1, "asked": {}, "plans": null}', 'its "plans" is not a list of plans'),
 ])
 def test_verify_refuses_a_file_that_holds_no_plan(tmp_path, measured, capsys, text, message):
     path = tmp_path / "plans.json"
@@ -139,3 +142,49 @@ def test_verify_refuses_a_file_that_holds_no_plan(tmp_path, measured, capsys, te
 def test_verify_refuses_a_plan_file_that_is_not_there(tmp_path, measured, capsys):
     assert main(["verify", "--plan", str(tmp_path / "missing.json")]) == 2
     assert "does not exist; pass what `memfit plan --json` printed" in capsys.readouterr().err
+
+
+def test_verify_refuses_techniques_that_are_not_names(plans, tmp_path, measured, capsys):
+    record = json.loads(plans.read_text())
+    record["plans"][0]["techniques"] = "abc"
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(record))
+    assert main(["verify", "--plan", str(path)]) == 2
+    assert 'entry 1: its "techniques" is not a list of names' in capsys.readouterr().err
+
+
+def test_a_cuda_plan_on_a_machine_without_one_is_not_told_to_use_device_cpu(plans, tmp_path, measured, capsys,
+                                                                            monkeypatch):
+    """check_runnable's own line says "use --device cpu here", an option --plan refuses."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    record = json.loads(plans.read_text())
+    for entry in (record["asked"], *record["plans"]):
+        entry["job"]["device"] = "cuda"
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(record))
+    assert main(["verify", "--plan", str(path)]) == 2
+    assert "its job runs on cuda and this machine has no CUDA GPU; run it on one, or plan again with --device cpu" \
+        in capsys.readouterr().err
+
+
+def test_a_model_directory_reads_back_from_anywhere_and_not_as_a_preset(tmp_path, monkeypatch, measured, capsys):
+    """A directory given relative to where `memfit plan` ran had been recorded as typed, so verify run elsewhere did
+    not find it; one named like a preset had read back as the preset."""
+    import contextlib
+    import io
+
+    from memfit.models import save_model_dir
+
+    save_model_dir(PRESETS["tiny"], tmp_path / "llama-3.2-1b", dtype="float32")
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", "--json", "--model", "./llama-3.2-1b", "--device", "cpu", "--seq", "64"]) == 0
+    (tmp_path / "plans.json").write_text(out.getvalue())
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["verify", "--plan", "../plans.json"]) == 2      # the fake measure ends it
+    (job, _), = measured
+    assert job.spec.hidden == PRESETS["tiny"].hidden and job.spec.name == str(tmp_path / "llama-3.2-1b")

@@ -91,13 +91,34 @@ def print_json_error(err: Exception, job: Job | None, **fields) -> None:
     print(json.dumps({"job": None if job is None else job.to_dict(), **fields, "error": str(err)}, indent=1))
 
 
-def job_options_given(args) -> list[str]:
-    """The job options (:func:`add_job_arguments`') whose values in ``args`` are not their defaults, as flags: what a
+NOT_GIVEN = object()    # a job option's parser-level default where given_job_options must tell (not a str: argparse
+                        # would run a string default through the option's type)
+
+
+def defer_job_defaults(parser: argparse.ArgumentParser) -> None:
+    """Make every job option of ``parser`` (:func:`add_job_arguments`') default to NOT_GIVEN, so that
+    :func:`given_job_options` tells an option typed with its default value from one left out; :func:`fill_job_defaults`
+    then puts the defaults in. The --help texts name the defaults themselves, so they do not change."""
+    parser.set_defaults(**dict.fromkeys(_job_defaults(), NOT_GIVEN))
+
+
+def given_job_options(args) -> list[str]:
+    """The job options given on the command line (of a parser :func:`defer_job_defaults` marked), as flags: what a
     command that takes its job from elsewhere (``memfit verify --plan``) refuses rather than drops."""
+    return ["--" + dest.replace("_", "-") for dest in _job_defaults() if getattr(args, dest) is not NOT_GIVEN]
+
+
+def fill_job_defaults(args) -> None:
+    """Each job option left out takes its default (see :func:`defer_job_defaults`)."""
+    for dest, default in _job_defaults().items():
+        if getattr(args, dest) is NOT_GIVEN:
+            setattr(args, dest, default)
+
+
+def _job_defaults() -> dict:
     parser = argparse.ArgumentParser()
     add_job_arguments(parser)
-    return ["--" + dest.replace("_", "-") for dest, default in vars(parser.parse_args([])).items()
-            if getattr(args, dest) != default]
+    return vars(parser.parse_args([]))
 
 
 def job_from_plan_file(path: str, pick: int) -> tuple[Job, Knobs, list[str]]:
@@ -117,6 +138,8 @@ def job_from_plan_file(path: str, pick: int) -> tuple[Job, Knobs, list[str]]:
     if record.get("error"):
         raise MemfitError(f"{role} {path!r} holds a plan that failed: {record['error']}")
     plans = record["plans"]
+    if not isinstance(plans, list) or not all(isinstance(entry, dict) for entry in plans):
+        raise MemfitError(f"{role} {path!r}: its \"plans\" is not a list of plans")
     if not 0 <= pick <= len(plans):
         held = f"plans 1-{len(plans)}" if plans else "no plan that fits its budget"
         raise MemfitError(f"--pick {pick}: {path} holds {held}; --pick 0 is the job as asked")
@@ -126,11 +149,14 @@ def job_from_plan_file(path: str, pick: int) -> tuple[Job, Knobs, list[str]]:
     except (KeyError, TypeError) as err:               # an entry that is not a ledger's record
         raise MemfitError(f"{role} {path!r}: its entry {pick} is not a plan's record ({type(err).__name__}: {err})") \
             from None
+        check_knobs_fit_job(job, knobs)                # values a plan never holds, named by the options that set them
+        check_blr(job, knobs)
     except MemfitError as err:
         raise MemfitError(f"{role} {path!r}, entry {pick}: {err}") from None
-    check_knobs_fit_job(job, knobs)
-    check_blr(job, knobs)
-    return job, knobs, [] if pick == 0 else list(entry.get("techniques", []))
+    techniques = [] if pick == 0 else entry.get("techniques", [])
+    if not isinstance(techniques, list) or not all(isinstance(name, str) for name in techniques):
+        raise MemfitError(f"{role} {path!r}, entry {pick}: its \"techniques\" is not a list of names")
+    return job, knobs, techniques
 
 
 def job_from_args(args) -> tuple[Job, Knobs]:

@@ -6,9 +6,11 @@ import json
 
 from memfit.commands.job_args import (
     add_job_arguments,
+    defer_job_defaults,
+    fill_job_defaults,
+    given_job_options,
     job_from_args,
     job_from_plan_file,
-    job_options_given,
     print_json_error,
 )
 from memfit.errors import MemfitError
@@ -33,11 +35,13 @@ def add_parser(sub):
     parser = sub.add_parser("verify", help="measure a job's peak and compare it with the prediction",
                             description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_arguments(parser, partial=False)    # memfit.ledger.verify builds no partial-FFN model
+    defer_job_defaults(parser)                  # --plan refuses a job option even where it is given its default
     plan = parser.add_argument_group("a plan instead of the job options")
     plan.add_argument("--plan", metavar="FILE",
                       help="measure a plan that `memfit plan --json` wrote to FILE (- reads stdin): its job and "
-                           "techniques, in place of the job options above, which are refused with it")
-    plan.add_argument("--pick", type=int, default=None,
+                           "techniques, in place of the job options above, which are refused with it (--tolerance, "
+                           "--warmup and --json still apply)")
+    plan.add_argument("--pick", type=int, default=None, metavar="N",
                       help="with --plan: which plan, numbered as `memfit plan` lists them (default 1, the fastest "
                            "that fits); 0 is the job as asked")
     parser.add_argument("--tolerance", type=float, default=0.05, help="allowed relative error of the total (default 0.05)")
@@ -57,16 +61,23 @@ def run(args) -> int:
 
     use_expandable_segments()          # before CUDA starts: the allocator the ledger's overhead assumes
 
+    from torch.cuda import is_available as cuda_available
+
     from memfit.ledger.verify import NO_PARTIAL_FFN, verify
 
     job, techniques = None, None
     try:
+        given = given_job_options(args)
+        fill_job_defaults(args)
         if args.partial_load is not None or args.partial_compute is not None:   # not job_from_args' "for --task infer"
             raise MemfitError(NO_PARTIAL_FFN)
         if args.plan is not None:
-            if given := job_options_given(args):
+            if given:
                 raise MemfitError(f"{', '.join(given)}: --plan {args.plan} sets the job; leave out the job options")
             job, knobs, techniques = job_from_plan_file(args.plan, 1 if args.pick is None else args.pick)
+            if job.device == "cuda" and not cuda_available():   # check_runnable's line would say --device cpu
+                raise MemfitError(f"--plan {args.plan}: its job runs on cuda and this machine has no CUDA GPU; run it "
+                                  "on one, or plan again with --device cpu")
         elif args.pick is not None:
             raise MemfitError("--pick chooses among a --plan file's plans; pass --plan FILE too")
         else:

@@ -93,8 +93,8 @@ class Job:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Job":
-        """The job :meth:`to_dict` wrote, its model read again from its preset name or directory (a directory given
-        relative to where the record was made is found relative to the current one)."""
+        """The job :meth:`to_dict` wrote, its model read again from its preset name or its directory (which
+        :func:`~memfit.models.spec.load_spec` names by its absolute path)."""
         data = _record_fields(cls, data, {"model", "task", "seq", "batch", "new_tokens", "device", "loss_fraction"})
         if data["new_tokens"] is None:                 # a training job's record
             del data["new_tokens"]

@@ -268,6 +268,8 @@ def load_spec(model: str | Path | ModelSpec) -> ModelSpec:
             config = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise MemfitError(f"{path}: malformed config.json ({err})") from None
-        return ModelSpec.from_hf_config(config, name=str(path.parent if path.name == "config.json" else path))
+        # named by its absolute path: a record of the job (plan --json) then reads back from any directory, and a
+        # directory named like a preset (./llama-3.2-1b) is not read back as the preset
+        return ModelSpec.from_hf_config(config, name=str((path.parent if path.name == "config.json" else path).resolve()))
     hint = " (memfit downloads nothing: save the model locally and pass its directory)" if "/" in text else ""
     raise MemfitError(f"unknown model {text!r}{hint}. Presets: {', '.join(PRESETS)}; or a local directory with config.json")
