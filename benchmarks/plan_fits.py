@@ -48,7 +48,7 @@ CASES = [
     ("llama-3.1-8b", "lora", 2048, 1, "16GiB", 2),
 ]
 SMOKE_CASES = [("tiny", "lora", 64, 2, "4MiB", 2)]
-CHILD_SECONDS = 240
+CHILD_SECONDS = 480     # a 4-bit plan builds its model on the CPU: 58-120 s at 1B-3B (d2e16e1), longer at 8B
 
 
 def plan_file(preset: str, task: str, seq: int, batch: int, budget: str, limit: int, device: str, folder: Path) -> Path:
@@ -195,10 +195,11 @@ def main(argv=None) -> int:
     ran = [row for row in rows if "within_prediction" in row]
     fit = [row for row in ran if row["within_prediction"]["status"] == "ran"]
     targets = [target("plans run within their predicted allocator share", len(fit), len(ran), "plans", "higher")]
-    if device == "cuda":
-        outside = max(row["within_prediction"]["outside_allocator_bytes"] for row in ran)
-        targets.append(target("most memory outside the allocator, against the predicted CUDA context",
-                              outside / ran[0]["predicted"]["cuda_context"], 1.0, "x", "lower"))
+    if device == "cuda" and fit:                       # a child that failed or timed out measured nothing outside
+        outside = max(row["within_prediction"]["outside_allocator_bytes"] / row["predicted"]["cuda_context"]
+                      for row in fit)
+        targets.append(target("most memory outside the allocator, against the predicted CUDA context", outside, 1.0,
+                              "x", "lower"))
     path = write_results(name, rows, targets, args.out, allocator=args.allocator, complete=True)
     print(f"{len(fit)} of {len(ran)} plans ran within their predicted allocator share -> {path}")
     return 0

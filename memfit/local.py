@@ -37,21 +37,32 @@ def resolve_device(name):
 
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
+ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")   # torch's newer name, and the older one
 
 
 def use_expandable_segments() -> None:
-    """Have torch's CUDA caching allocator grow its segments in place (PYTORCH_CUDA_ALLOC_CONF), as the ledger's
-    allocator overhead assumes; call it before CUDA starts. With torch's default segments, 6 of the first 8 plans of
-    benchmarks/plan_fits.py ran out of memory under their predicted share, their reserved bytes up to 1.3 GiB above
-    their peaks. A setting of the user's is kept, and said once where it leaves expandable segments off."""
+    """Have torch's CUDA caching allocator grow its segments in place, as the ledger's allocator overhead assumes;
+    call it before the first CUDA allocation (torch reads the setting then). benchmarks/plan_fits.py ran the planner's
+    plans capped at their predicted share: with torch's default segments and the ledger without its slack, 6 of 8 ran
+    out of memory, their reserved bytes up to 1.3 GiB above their peaks (run again under their budget); with expandable
+    segments 4 of 8, the gap 0.05-0.26 GiB; with these and the slack, all 10 it reached ran. A setting of the user's
+    (either variable, not empty) is kept, said once where it leaves expandable segments off; so is the running
+    allocator's where CUDA has already started (a library caller's process)."""
+    import torch
+
     from memfit.log import warn_once
 
-    current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    if current is None:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
-    elif EXPANDABLE_SEGMENTS not in current.replace(" ", ""):
-        warn_once("allocator", f"PYTORCH_CUDA_ALLOC_CONF={current} is kept; the ledger's allocator overhead assumes "
-                               f"{EXPANDABLE_SEGMENTS}, so a plan's headroom may not hold")
+    given = {name: os.environ[name] for name in ALLOCATOR_VARIABLES if os.environ.get(name)}
+    if torch.cuda.is_initialized():
+        warn_once("allocator", "CUDA has already started, so its allocator keeps its segments; the ledger's allocator "
+                               f"overhead assumes {EXPANDABLE_SEGMENTS}")
+    elif not given:
+        for name in ALLOCATOR_VARIABLES:
+            os.environ[name] = EXPANDABLE_SEGMENTS
+    elif not any(EXPANDABLE_SEGMENTS in value.replace(" ", "") for value in given.values()):
+        setting = ", ".join(f"{name}={value}" for name, value in given.items())
+        warn_once("allocator", f"{setting} is kept; the ledger's allocator overhead assumes {EXPANDABLE_SEGMENTS}, so "
+                               "a plan's headroom may not hold")
 
 
 def check_model_dir(model: str | Path) -> Path:
