@@ -176,6 +176,29 @@ def test_the_cli_checks_the_base_precision_before_it_loads_the_model(tmp_path, m
         _cli([*common, "--steps", "2", "--resume"])
 
 
+def test_a_resume_keeps_the_checkpoints_base_unless_a_flag_names_one(tmp_path, monkeypatch):
+    """Without --four-bit or --no-four-bit a resume takes the base its checkpoint recorded: a --gpu-memory plan made
+    again (another memfit's ledger, say) could choose the other, and the resume was refused for a setting the user
+    never gave. With a flag, the flag is what the checkpoint is held to."""
+    from memfit.commands import finetune
+
+    common = ["--device", "cpu", "--out", str(tmp_path / "run"), "--batch-size", "2", "--max-len", "64"]
+    assert _cli([*common, "--steps", "1"]) == 0
+    progress_file = _latest(tmp_path / "run") / "progress.json"
+    progress = json.loads(progress_file.read_text())
+    progress["settings"]["four_bit"] = True                # as a run on a 4-bit base records it
+    progress_file.write_text(json.dumps(progress))
+
+    def reached(name, spec, dtype, device):
+        raise RuntimeError(f"loading on {device}")
+
+    monkeypatch.setattr(finetune, "load_model", reached)
+    with pytest.raises(RuntimeError, match="loading on cpu"):     # the checks passed; a 4-bit base loads on the CPU
+        _cli([*common, "--steps", "2", "--resume"])
+    with pytest.raises(MemfitError, match=r"four_bit=True, this run asks for False"):
+        _cli([*common, "--steps", "2", "--resume", "--no-four-bit"])
+
+
 def test_check_resumable_refuses_a_setting_run_settings_does_not_have(tmp_path):
     """Its settings had been the data entry alone: passed that way, each of the entry's fields was compared as a
     setting the checkpoint lacked ("trained with examples=None")."""

@@ -248,6 +248,7 @@ def run(args) -> int:
         TrainConfig,
         check_resumable,
         checkpoint_lr,
+        checkpoint_setting,
         checkpoint_to_resume,
         data_settings,
         latest_checkpoint,
@@ -278,9 +279,13 @@ def run(args) -> int:
         raise MemfitError(f"--out {out} holds {', '.join(foreign)} and no run to resume, and a new run writes its "
                           "adapter/ and checkpoints/ there, replacing an adapter/; choose a new or empty directory "
                           "(or remove them)")
+    checkpoint = latest_checkpoint(out) if args.resume else None
     lr = args.lr
-    if lr is None and args.resume and (checkpoint := latest_checkpoint(out)) is not None:
+    if lr is None and checkpoint is not None:
         lr = checkpoint_lr(checkpoint)                 # a resumed run keeps its learning rate unless --lr is given
+    if args.four_bit is None and checkpoint is not None:
+        # and its base unless --four-bit or --no-four-bit is given: a --gpu-memory plan made again may choose another
+        args.four_bit = checkpoint_setting(checkpoint, "four_bit")
     if lr is None:
         lr = 5e-2 if args.model == DEFAULT_MODEL else 2e-4
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, save_every=args.save_every, lr=lr)

@@ -264,9 +264,25 @@ def checkpoint_lr(path: Path) -> float | None:
     """The learning rate checkpoint ``path`` was trained at; None where its progress.json cannot say
     (:func:`load_checkpoint` reports a checkpoint it cannot read)."""
     try:
-        return float(json.loads((path / "progress.json").read_text())["config"]["lr"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return float(_progress(path)["config"]["lr"])
+    except (KeyError, TypeError, ValueError):
         return None
+
+
+def checkpoint_setting(path: Path, key: str):
+    """The :func:`run_settings` entry ``key`` checkpoint ``path`` recorded; None where it recorded none or its
+    progress.json cannot say."""
+    settings = _progress(path).get("settings")
+    return settings.get(key) if isinstance(settings, dict) else None
+
+
+def _progress(path: Path) -> dict:
+    """Checkpoint ``path``'s progress record; {} where it cannot be read (:func:`load_checkpoint` reports that)."""
+    try:
+        record = json.loads((path / "progress.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _recorded_data(data: dict) -> dict:
