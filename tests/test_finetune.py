@@ -89,9 +89,11 @@ def test_a_4bit_base_reaches_the_gpu_one_dense_layer_at_a_time(monkeypatch):
 
 def test_finetune_and_verify_load_a_4bit_base_through_the_cpu(monkeypatch, tmp_path):
     """The finetune command loads the model on the CPU when its techniques take a 4-bit base, and verify builds it so,
-    inference included: verify had measured an inference job's dense weights against the ledger's NF4 ones."""
+    inference included: verify had measured an inference job's dense weights against the ledger's NF4 ones. The run's
+    device is the meta device here (finetune) and a CUDA job (verify), so a model built on it is told apart."""
     from dataclasses import replace
 
+    from memfit import local
     from memfit.commands import finetune
     from memfit.ledger import verify
     from memfit.ledger.job import Job, Knobs
@@ -104,13 +106,14 @@ def test_finetune_and_verify_load_a_4bit_base_through_the_cpu(monkeypatch, tmp_p
         raise MemfitError("stop")
 
     monkeypatch.setattr(four_bit, "to_device_4bit", to_device)
+    monkeypatch.setattr(local, "resolve_device", lambda name: torch.device("meta"))
     chosen = finetune.choose_techniques
     monkeypatch.setattr(finetune, "choose_techniques", lambda *a: replace(chosen(*a), four_bit=True))
     with pytest.raises(MemfitError, match="stop"):
-        _cli(["--device", "cpu", "--out", str(tmp_path / "run"), "--steps", "1"])
+        _cli(["--out", str(tmp_path / "run"), "--steps", "1"])
     with pytest.raises(MemfitError, match="stop"):
-        verify._prepare(Job(PRESETS["tiny"], task="infer", device="cpu"), Knobs(dtype="bfloat16", four_bit=True))
-    assert moved == [("cpu", "cpu", torch.float32), ("cpu", "cpu", torch.bfloat16)]
+        verify._prepare(Job(PRESETS["tiny"], task="infer", device="cuda"), Knobs(dtype="bfloat16", four_bit=True))
+    assert moved == [("cpu", "meta", torch.float32), ("cpu", "cuda", torch.bfloat16)]
 
 
 def _write(tmp_path, lines):
