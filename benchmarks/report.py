@@ -74,7 +74,7 @@ def plan_fits_section(data: dict) -> str:
     out = ["### Planner: do the plans fit what they predict?\n",
            _header(data, "python benchmarks/plan_fits.py"),
            "Each plan run as `memfit verify --plan` runs it, the caching allocator capped at the plan's predicted share "
-           "(its device total less the predicted CUDA context).\n",
+           "(its device total less the predicted CUDA context), both as the ledger of the run's commit predicted them.\n",
            "| model | task | seq x batch | budget | plan | techniques | predicted GiB | cap GiB | result | max reserved GiB "
            "| outside the allocator MiB |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -95,8 +95,8 @@ def plan_fits_section(data: dict) -> str:
         held = sum(r.get("within_budget", {}).get("status") == "ran" for r in ran)
         text += (f"\nWith torch's default allocator and the ledger of commit {_short(default['commit'])} (before its "
                  f"allocator slack and context were measured here), {refused} of {len(ran)} plans ran out of memory "
-                 f"under the same cap, and {held} of those {refused} ran under their budget "
-                 "(`plan_fits_expandable_segments_false.json`).\n")
+                 "under their cap of then (that ledger's device total less its context), and "
+                 f"{held} of those {refused} ran under their budget (`plan_fits_expandable_segments_false.json`).\n")
     return text
 
 

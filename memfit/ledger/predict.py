@@ -43,7 +43,7 @@ CUDA_CONTEXT = 800 * MiB
 # commands run it with expandable segments (memfit.local.use_expandable_segments); modelled as a fraction of the
 # non-persistent bytes (activations and temporaries come and go; weights don't) plus, on CUDA, a fixed slack for its
 # rounding and its small-block pool. With the fraction alone, half of plan_fits' plans ran out of memory under their
-# predicted share; uncapped, their reserved bytes stood 0.16-0.26 GiB above their peaks (e85f891).
+# predicted share; run again under their budget, their reserved bytes stood 0.16-0.26 GiB above their peaks (e85f891).
 FRAGMENTATION = 0.04
 ALLOCATOR_SLACK = 256 * MiB
 
