@@ -188,3 +188,15 @@ def test_a_model_directory_reads_back_from_anywhere_and_not_as_a_preset(tmp_path
     assert main(["verify", "--plan", "../plans.json"]) == 2      # the fake measure ends it
     (job, _), = measured
     assert job.spec.hidden == PRESETS["tiny"].hidden and job.spec.name == str(tmp_path / "llama-3.2-1b")
+
+
+def test_a_plan_whose_knobs_do_not_fit_its_job_is_refused_naming_the_file(plans, tmp_path, measured, capsys):
+    """The file's values are checked as the options' are (the check had been unreachable, after a raise)."""
+    record = json.loads(plans.read_text())
+    record["plans"][0]["job"]["task"] = "infer"              # its knobs keep LoRA rank 4
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(record))
+    assert main(["verify", "--plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--plan file '{path}', entry 1: " in err and "lora_rank" in err
+    assert measured == []

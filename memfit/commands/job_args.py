@@ -146,11 +146,11 @@ def job_from_plan_file(path: str, pick: int) -> tuple[Job, Knobs, list[str]]:
     entry = record["asked"] if pick == 0 else plans[pick - 1]
     try:
         job, knobs = Job.from_dict(entry["job"]), Knobs.from_dict(entry["knobs"])
+        check_knobs_fit_job(job, knobs)                # values a plan never holds, named by the options that set them
+        check_blr(job, knobs)
     except (KeyError, TypeError) as err:               # an entry that is not a ledger's record
         raise MemfitError(f"{role} {path!r}: its entry {pick} is not a plan's record ({type(err).__name__}: {err})") \
             from None
-        check_knobs_fit_job(job, knobs)                # values a plan never holds, named by the options that set them
-        check_blr(job, knobs)
     except MemfitError as err:
         raise MemfitError(f"{role} {path!r}, entry {pick}: {err}") from None
     techniques = [] if pick == 0 else entry.get("techniques", [])
