@@ -11,7 +11,8 @@ RESULTS_OPTION = {"attention": "--out", "bgemm_tiles": "--out", "blr_accuracy": 
                   "decode_profile": "--out",
                   "finetune_ledger": "--out", "finetune_memory": "--out", "finetune_steps": "--out",
                   "ledger_accuracy": "--out", "ledger_repredict": "--out", "linear_ce": "--out", "partial_ffn": "--out",
-                  "pick_cost": "--out", "plan_fits": "--out", "sdpa_math_memory": "--out", "swiglu": "--out", "train_small_model": "--results"}
+                  "pick_cost": "--out", "plan_fits": "--out", "sdpa_math_memory": "--out", "swiglu": "--out",
+                  "train_small_model": "--results"}
 
 
 @pytest.mark.parametrize("name,option", RESULTS_OPTION.items())
