@@ -176,7 +176,7 @@ def test_the_cli_checks_the_base_precision_before_it_loads_the_model(tmp_path, m
         _cli([*common, "--steps", "2", "--resume"])
 
 
-def test_a_resume_keeps_the_checkpoints_base_unless_a_flag_names_one(tmp_path, monkeypatch):
+def test_a_resume_keeps_the_checkpoints_base_unless_a_flag_names_one(tmp_path, monkeypatch, capsys):
     """Without --four-bit or --no-four-bit a resume takes the base its checkpoint recorded: a --gpu-memory plan made
     again (another memfit's ledger, say) could choose the other, and the resume was refused for a setting the user
     never gave. With a flag, the flag is what the checkpoint is held to."""
@@ -195,6 +195,8 @@ def test_a_resume_keeps_the_checkpoints_base_unless_a_flag_names_one(tmp_path, m
     monkeypatch.setattr(finetune, "load_model", reached)
     with pytest.raises(RuntimeError, match="loading on cpu"):     # the checks passed; a 4-bit base loads on the CPU
         _cli([*common, "--steps", "2", "--resume"])
+    assert "--resume: on a 4-bit base, as the checkpoint was trained (--four-bit or --no-four-bit chooses)" in \
+        " ".join(capsys.readouterr().err.split())
     with pytest.raises(MemfitError, match=r"four_bit=True, this run asks for False"):
         _cli([*common, "--steps", "2", "--resume", "--no-four-bit"])
 

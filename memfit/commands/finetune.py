@@ -286,6 +286,9 @@ def run(args) -> int:
     if args.four_bit is None and checkpoint is not None:
         # and its base unless --four-bit or --no-four-bit is given: a --gpu-memory plan made again may choose another
         args.four_bit = checkpoint_setting(checkpoint, "four_bit")
+        if args.four_bit is not None:
+            console.print(f"--resume: on a {'4-bit' if args.four_bit else 'dense'} base, as the checkpoint was trained "
+                          "(--four-bit or --no-four-bit chooses)")
     if lr is None:
         lr = 5e-2 if args.model == DEFAULT_MODEL else 2e-4
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, save_every=args.save_every, lr=lr)
