@@ -52,6 +52,15 @@ def quantize_linears_4bit(root: torch.nn.Module, compute_dtype: torch.dtype) -> 
     return len(targets)
 
 
+def quantize_layers_4bit(layers, compute_dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+    """Quantize each decoder layer's linears to NF4 in turn (:func:`quantize_linears_4bit`), each first moved to
+    ``device`` where one is given, so that the GPU holds one dense layer at a time."""
+    for layer in layers:
+        if device is not None:
+            layer.to(device)
+        quantize_linears_4bit(layer, compute_dtype)
+
+
 def to_device_4bit(model: torch.nn.Module, device: torch.device | str, compute_dtype: torch.dtype) -> torch.nn.Module:
     """Move a ``*ForCausalLM`` held on the CPU to ``device`` with its decoder layers' linears in NF4, one layer at a
     time (the layer moved, then quantized), then the rest of the model; return it.
@@ -61,10 +70,7 @@ def to_device_4bit(model: torch.nn.Module, device: torch.device | str, compute_d
     where `memfit plan --model llama-3.1-8b --task lora --gpu-memory 16GiB` puts its fastest plan, 4-bit, at 12.15
     GiB). Here the GPU holds at most one dense layer beyond the NF4 ones; patch then finds the layers quantized and
     leaves them."""
-    layers = model.get_decoder().layers
-    for layer in layers:
-        layer.to(device)
-        quantize_linears_4bit(layer, compute_dtype)
+    quantize_layers_4bit(model.model.layers, compute_dtype, device)
     model.to(device)
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()       # the dense layers' blocks, cached as each was quantized, are not needed again

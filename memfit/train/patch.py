@@ -207,11 +207,9 @@ def patch(model: torch.nn.Module, *, checkpoint: str = "none", offload_layers="n
     layers = base.model.layers
     policy = CheckpointPolicy.build(len(layers), checkpoint, offload_layers, offload_to, prefetch)
     if four_bit:
-        from memfit.train.four_bit import quantize_linears_4bit
+        from memfit.train.four_bit import quantize_layers_4bit
 
-        dtype = next(p.dtype for p in base.parameters() if p.is_floating_point())
-        for layer in layers:
-            quantize_linears_4bit(layer, compute_dtype=dtype)
+        quantize_layers_4bit(layers, next(p.dtype for p in base.parameters() if p.is_floating_point()))
         base.is_loaded_in_4bit = True  # tells peft to wrap the NF4 layers with its 4-bit LoRA layer
     runner = install(layers, policy)
     base._memfit_patch = PatchState(runner, fused_ce=fused_ce, vocab_subset=vocab_subset, ce_path=ce_path,
