@@ -36,6 +36,8 @@ from pathlib import Path
 
 from memfit.cli import main as cli
 from memfit.errors import MemfitError
+from memfit.ledger.verify import NO_PARTIAL_FFN
+from memfit.local import ALLOCATOR_VARIABLES
 from memfit.measure.results import check_out_dir, partial_results, results_path, target, write_results
 
 # (preset, task, seq, batch, budget, plans to run): budgets the job as asked does not fit, so the planner adds techniques
@@ -66,11 +68,11 @@ def plan_file(preset: str, task: str, seq: int, batch: int, budget: str, limit: 
 
 def run_child(path: Path, pick: int, cap_bytes: int | None, allocator: str | None) -> dict:
     """Plan ``pick`` of ``path`` measured in a process of its own (:func:`child`), its allocator capped at ``cap_bytes``
-    and configured by ``allocator`` (PYTORCH_CUDA_ALLOC_CONF; None: memfit's, as its commands set it)."""
+    and configured by ``allocator`` (torch's allocator variables; None: memfit's, as its commands set it)."""
     command = [sys.executable, __file__, "--child", str(path), str(pick), str(cap_bytes or 0)]
-    env = {key: value for key, value in os.environ.items() if key != "PYTORCH_CUDA_ALLOC_CONF"}
+    env = {key: value for key, value in os.environ.items() if key not in ALLOCATOR_VARIABLES}
     if allocator:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = allocator
+        env.update(dict.fromkeys(ALLOCATOR_VARIABLES, allocator))
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_SECONDS, env=env)
     except subprocess.TimeoutExpired:
@@ -130,7 +132,7 @@ def run(cases, device: str, save, allocator: str | None = None, done: list[dict]
                        "predicted": {key: entry[key] for key in ("peak_bytes", "allocator_overhead", "cuda_context",
                                                                  "device_bytes")}}
                 if (knobs["partial_load"], knobs["partial_compute"]) != (1.0, 1.0):
-                    row["not_run"] = "verify builds no partial-FFN model (benchmarks/partial_ffn.py measures them)"
+                    row["not_run"] = NO_PARTIAL_FFN
                 else:
                     share = entry["device_bytes"] - entry["cuda_context"]
                     row["within_prediction"] = run_child(path, pick, share if device == "cuda" else None, allocator)
@@ -169,9 +171,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="the tiny preset on CPU, no cap: checks the code path")
     parser.add_argument("--allocator", default=None,
-                        help="PYTORCH_CUDA_ALLOC_CONF for the plans' processes, e.g. expandable_segments:False for "
-                             "torch's default (default: memfit's, expandable segments); the results file's name takes "
-                             "a suffix")
+                        help="PYTORCH_ALLOC_CONF (and PYTORCH_CUDA_ALLOC_CONF) for the plans' processes, e.g. "
+                             "expandable_segments:False for torch's default (default: memfit's, expandable segments); "
+                             "the results file's name takes a suffix")
     parser.add_argument("--resume", action="store_true",
                         help="continue a run of this commit that stopped (its file says complete: false), measuring "
                              "only the plans it has no row for")

@@ -1,6 +1,6 @@
 """What a local run checks before any work: the model directory it was given (its weights' headers read), the device
-it was asked for, the directory its output will go into; and the one-line errors for a model directory whose
-weights or tokenizer cannot be read when they load.
+it was asked for, the directory its output will go into; the allocator setting it runs with (expandable segments);
+and the one-line errors for a model directory whose weights or tokenizer cannot be read when they load.
 
 Shared by the commands and by library entry points such as :func:`memfit.compress.compress`, so a bad
 path or device fails with the same one-line :class:`~memfit.errors.MemfitError` before a model loads.

@@ -285,7 +285,8 @@ def run(args) -> int:
         lr = checkpoint_lr(checkpoint)                 # a resumed run keeps its learning rate unless --lr is given
     if args.four_bit is None and checkpoint is not None:
         # and its base unless --four-bit or --no-four-bit is given: a --gpu-memory plan made again may choose another
-        args.four_bit = checkpoint_setting(checkpoint, "four_bit")
+        recorded = checkpoint_setting(checkpoint, "four_bit")
+        args.four_bit = recorded if isinstance(recorded, bool) else None    # another value: check_resumable names it
         if args.four_bit is not None:
             console.print(f"--resume: on a {'4-bit' if args.four_bit else 'dense'} base, as the checkpoint was trained "
                           "(--four-bit or --no-four-bit chooses)")

@@ -66,10 +66,10 @@ def to_device_4bit(model: torch.nn.Module, device: torch.device | str, compute_d
     time (the layer moved, then quantized), then the rest of the model; return it.
 
     ``patch(four_bit=True)`` quantizes a model already on the GPU, which a model that fits only in 4 bits never is:
-    loading the dense weights first had needed their whole size on the GPU (14.96 GiB for Llama-3.1-8B in bfloat16,
-    where `memfit plan --model llama-3.1-8b --task lora --gpu-memory 16GiB` puts its fastest plan, 4-bit, at 12.15
-    GiB). Here the GPU holds at most one dense layer beyond the NF4 ones; patch then finds the layers quantized and
-    leaves them."""
+    loading the dense weights first had needed their whole size on the GPU (14.96 GiB for Llama-3.1-8B in bfloat16, the
+    weights of `memfit plan --model llama-3.1-8b --task infer --json`, where `memfit plan --model llama-3.1-8b --task
+    lora --gpu-memory 16GiB` puts its fastest plan, 4-bit, at 12.15 GiB). Here the GPU holds at most one dense layer
+    beyond the NF4 ones; patch then finds the layers quantized and leaves them."""
     quantize_layers_4bit(model.model.layers, compute_dtype, device)
     model.to(device)
     if torch.device(device).type == "cuda":
