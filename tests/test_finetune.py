@@ -374,3 +374,19 @@ def test_peft_model_silences_only_pefts_own_deprecation_warning(monkeypatch):
     monkeypatch.setattr(peft, "get_peft_model", warns("something else"))
     with pytest.warns(FutureWarning, match="something else"):
         peft_model(model, None)
+
+
+@pytest.mark.parametrize("lr, says", [(1e6, True), (10.0, False)])
+def test_a_model_driven_to_a_uniform_guess_is_said_once(tmp_path, monkeypatch, lr, says):
+    """--lr 1e6 sends the loss to ln(vocab) and keeps it there, finite: it had trained on without a word. A
+    random-init model starts near ln(vocab) too (lr 10 moves it about there) and must not be taken for it."""
+    from memfit.train import finetune as loop
+
+    said = {}
+    monkeypatch.setattr(loop, "warn_once", lambda key, message: said.setdefault(key, message))
+    losses = _run(tmp_path, 8, lr=lr)
+    assert len(losses) == 8
+    if says:
+        assert re.fullmatch(r"since step 2 the loss has been 6\.2383, ln 512: .*lower --lr \(1e\+06\)",
+                            said.pop("finetune:uniform")), said
+    assert said == {}

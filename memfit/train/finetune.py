@@ -50,6 +50,8 @@ from memfit.log import warn_once
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+UNIFORM_STEPS = 3            # losses in a row at ln(vocab) that say the model predicts uniformly
+UNIFORM_TOLERANCE = 1e-5     # of ln(vocab): a uniform model's loss is ln(vocab) to float32 rounding
 PROGRESS_VERSION = 2   # 1 (no "version" key): the LoRA settings, dtype and data of the run were not recorded
 
 # The LoRA settings a checkpoint records: its name for one, peft's LoraConfig field, and what in the CLI sets it
@@ -412,6 +414,10 @@ def train(model, examples: list[Example], pad_id: int, config: TrainConfig, out_
         if not (math.isfinite(losses[-1]) and math.isfinite(norm)):   # before the step makes the weights NaN
             raise MemfitError(f"at step {step + 1} the loss is {losses[-1]} and the gradient norm {norm}: "
                               + _non_finite_cause(step, config, settings["dtype"]))
+        if uniform := _predicts_uniformly(losses, model.config.vocab_size):
+            warn_once("finetune:uniform", f"since step {step + 2 - UNIFORM_STEPS} the loss has been {uniform}: the "
+                                          "model gives every token the same probability whatever the input, so it has "
+                                          f"stopped learning; training diverged: lower --lr ({config.lr:g})")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -421,6 +427,19 @@ def train(model, examples: list[Example], pad_id: int, config: TrainConfig, out_
         if step % config.save_every == 0 or step == config.steps:
             save_checkpoint(out_dir, model, optimizer, step, losses, config, settings)
     return losses
+
+
+def _predicts_uniformly(losses: list[float], vocab_size: int) -> str | None:
+    """Where the last UNIFORM_STEPS losses all equal ln(vocab_size) (to UNIFORM_TOLERANCE), the loss of predicting
+    every token with the same probability, the words for it, else None. A learning rate far too high (--lr 1e6) drives
+    the model there in a step or two and it stays, finite, so the non-finite check never fires; a random-init model
+    starts near ln V, but its loss moves from batch to batch by more than the tolerance; a uniform model's is the
+    same on every batch."""
+    uniform = math.log(vocab_size)
+    recent = losses[-UNIFORM_STEPS:]
+    if len(recent) == UNIFORM_STEPS and all(abs(loss - uniform) <= UNIFORM_TOLERANCE * uniform for loss in recent):
+        return f"{recent[-1]:.4f}, ln {vocab_size}"
+    return None
 
 
 def _non_finite_cause(step: int, config: TrainConfig, dtype: str) -> str:
