@@ -47,19 +47,21 @@ def use_expandable_segments() -> None:
     out of memory, their reserved bytes up to 1.3 GiB above their peaks (run again under their budget); with expandable
     segments 4 of 8, the gap 0.05-0.26 GiB; with these and the slack, all 10 it reached ran. A setting of the user's
     (either variable, not empty) is kept, said once where it leaves expandable segments off; so is the running
-    allocator's where CUDA has already started (a library caller's process)."""
+    allocator's where CUDA has already started (a library caller's process), unless its setting has them."""
     import torch
 
     from memfit.log import warn_once
 
     given = {name: os.environ[name] for name in ALLOCATOR_VARIABLES if os.environ.get(name)}
+    if any(EXPANDABLE_SEGMENTS in value.replace(" ", "") for value in given.values()):
+        return
     if torch.cuda.is_initialized():
         warn_once("allocator", "CUDA has already started, so its allocator keeps its segments; the ledger's allocator "
                                f"overhead assumes {EXPANDABLE_SEGMENTS}")
     elif not given:
         for name in ALLOCATOR_VARIABLES:
             os.environ[name] = EXPANDABLE_SEGMENTS
-    elif not any(EXPANDABLE_SEGMENTS in value.replace(" ", "") for value in given.values()):
+    else:
         setting = ", ".join(f"{name}={value}" for name, value in given.items())
         warn_once("allocator", f"{setting} is kept; the ledger's allocator overhead assumes {EXPANDABLE_SEGMENTS}, so "
                                "a plan's headroom may not hold")

@@ -1,6 +1,6 @@
-"""memfit finetune and verify run torch's CUDA allocator with expandable segments, the setting the ledger's allocator
-overhead assumes (benchmarks/plan_fits.py), and keep a user's own setting (either of torch's two variables), said
-once where it leaves them off, as they say where CUDA started before them."""
+"""memfit finetune and verify, and memfit.verify(), run torch's CUDA allocator with expandable segments, the setting
+the ledger's allocator overhead assumes (benchmarks/plan_fits.py), and keep a user's own setting (either of torch's two
+variables), said once where it leaves them off, as they say where CUDA started before them without them."""
 import os
 
 import pytest
@@ -59,6 +59,33 @@ def test_cuda_started_before_it_is_said(unset, monkeypatch, said):
     use_expandable_segments()
     assert said == ["CUDA has already started, so its allocator keeps its segments; the ledger's allocator overhead "
                     f"assumes {EXPANDABLE_SEGMENTS}"]
+
+
+def test_cuda_started_with_them_set_says_nothing(unset, monkeypatch, said):
+    """A library caller that set them before its CUDA started has them: nothing to say."""
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", EXPANDABLE_SEGMENTS)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    use_expandable_segments()
+    assert said == []
+
+
+@pytest.mark.parametrize("device, sets", [("cuda", True), ("cpu", False)])
+def test_measure_sets_it_for_a_library_callers_cuda_job(monkeypatch, device, sets):
+    """memfit.verify() (through measure) runs a CUDA job as the verify command does; before, only the commands set it."""
+    from memfit import Job, Knobs, load_spec
+    from memfit.ledger import verify
+
+    calls = []
+
+    class Built(Exception):
+        pass
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(verify, "use_expandable_segments", lambda: calls.append("set"))
+    monkeypatch.setattr(verify, "_prepare", lambda job, knobs: (_ for _ in ()).throw(Built()))
+    with pytest.raises(Built):
+        verify.measure(Job(load_spec("tiny"), seq=16, device=device), Knobs())
+    assert calls == (["set"] if sets else [])
 
 
 @pytest.mark.parametrize("argv", [["verify", "--pick", "2"], ["finetune", "--device", "mps"]])

@@ -19,6 +19,7 @@ import torch
 from memfit.errors import MemfitError
 from memfit.ledger.job import Job, Knobs, field_flag
 from memfit.ledger.predict import Ledger, check_device, check_knobs_fit_job, predict
+from memfit.local import use_expandable_segments
 from memfit.measure.memory import PeakMeter, storage_bytes
 from memfit.models.build import build_model
 from memfit.models.hf_calls import cache_keyword, enable_checkpointing, peft_model
@@ -146,6 +147,8 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1, progress: Callable[[str], N
     as it starts (the model's build, each warm-up step, the measured step: seconds each on a CPU)."""
     say = progress or (lambda phase: None)
     check_runnable(job, knobs)
+    if job.device == "cuda":
+        use_expandable_segments()      # a library caller's too: the allocator the ledger's overhead assumes
     say("building the random-init model")
     model = _prepare(job, knobs)
     generator = torch.Generator().manual_seed(0)
