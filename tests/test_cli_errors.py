@@ -495,6 +495,17 @@ def test_calibrate_refuses_a_directory_as_its_output_before_loading(tiny_dir, tm
            "is a directory: name the rankings file")
 
 
+def test_calibrate_force_replaces_only_a_rankings_file(tiny_dir, tmp_path, capsys, no_model_load):
+    """--out MODEL/model.safetensors --force had written the rankings over the model's weights (a usage audit)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "hello"}\n')
+    weights = tiny_dir / "model.safetensors"
+    before = weights.read_bytes()
+    _fails(capsys, ["calibrate", str(tiny_dir), "--data", str(prompts), "--out", str(weights), "--force", "--device",
+                    "cpu"], "is not a rankings file an earlier memfit calibrate wrote, so --force does not replace it")
+    assert weights.read_bytes() == before
+
+
 def test_data_files_may_start_with_a_byte_order_mark_and_must_be_utf8(tmp_path):
     from memfit.data.jsonl import text_lines
     from memfit.errors import MemfitError

@@ -12,7 +12,8 @@ def add_parser(sub):
     parser.add_argument("model", help="local model directory (config.json + safetensors)")
     parser.add_argument("--data", required=True, help='JSONL, one {"text": ..., "task": optional label} a line')
     parser.add_argument("--out", help="output file (default: MODEL/rankings.safetensors)")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite an existing rankings file (one an earlier calibrate wrote; no other file)")
     parser.add_argument("--max-tokens", type=int, default=512, help="truncate each prompt to this many tokens (default 512)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per forward pass (default 8)")
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
@@ -25,7 +26,7 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from memfit.errors import MemfitError
-    from memfit.infer.calibrate import RANKINGS_FILE, calibrate, prompt_batches, read_prompts
+    from memfit.infer.calibrate import RANKINGS_FILE, calibrate, is_rankings_file, prompt_batches, read_prompts
     from memfit.infer.partial_load import load_model
     from memfit.infer.text import load_codec
     from memfit.local import check_model_dir, output_dir_problem, refuse_blank_out, resolve_device
@@ -38,6 +39,9 @@ def run(args) -> int:
         raise MemfitError(f"--out {out} is a directory: name the rankings file (e.g. {out / RANKINGS_FILE})")
     if out.exists() and not args.force:
         raise MemfitError(f"{out} exists; pass --force to overwrite it or --out to write elsewhere")
+    if out.exists() and not is_rankings_file(out):       # --force had replaced MODEL/model.safetensors itself
+        raise MemfitError(f"{out} is not a rankings file an earlier memfit calibrate wrote, so --force does not "
+                          "replace it; choose another --out")
     if problem := output_dir_problem(out.parent):      # before the model loads, not at the save
         raise MemfitError(f"--out {out}: {problem}")
     if args.max_tokens < 1 or args.batch_size < 1:

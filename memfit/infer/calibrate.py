@@ -87,6 +87,18 @@ class Rankings:
         return cls(scores=scores, tokens=json.loads(meta.get("tokens", "{}")))
 
 
+def is_rankings_file(path: str | Path) -> bool:
+    """Whether ``path`` is a file :meth:`Rankings.save` wrote (its metadata's format; no tensor is read): the only
+    file ``memfit calibrate --force`` replaces, so that a mistyped --out never overwrites a model's own weights."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return (handle.metadata() or {}).get("format") == FORMAT
+    except Exception:  # noqa: BLE001 - safetensors raises its own error types for what is not its file
+        return False
+
+
 def read_prompts(path: str | Path) -> list[dict]:
     """Lines of ``{"text": ..., "task": optional label}`` (``prompt`` is accepted for ``text``)."""
     path = input_file(path, "calibration data", "expected a .jsonl file, one JSON object a line")
