@@ -1,9 +1,10 @@
 """memfit.compress: projections, rank planning, model conversion, save/load and the CLI verb."""
+import math
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import default_device
+from conftest import default_device, seeded
 
 from memfit.compress import compress_model, compressed_param_count, load_compressed, plan_kinds, save_compressed
 from memfit.compress import projection as proj
@@ -128,6 +129,53 @@ def test_convert_tiny_model_stays_close_at_high_rank(method):
     assert (out - ref).norm() / ref.norm() < 0.5
     assert result.summary()["linear_ratio"] <= 0.9
     assert len(result.report) == 2 * 7 and all(0 <= r["weight_error"] < 1 for r in result.report)
+
+
+def test_blast_of_rank_deficient_and_all_zero_weights_is_finite_and_exact():
+    """A weight exactly of lower rank than asked had run the descent away to non-finite factors once its fit was exact
+    (saved, exit 0, and the model generated nothing); an all-zero weight made a solve raise (a usage audit)."""
+    model = build_model(PRESETS["tiny"])
+    attention = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attention.o_proj.weight.zero_()
+        attention.q_proj.weight.copy_(torch.randn(64, 2, generator=seeded(0)) @ torch.randn(2, 64, generator=seeded(1)))
+    dense = {name: attention.get_submodule(name).weight.detach().clone() for name in ("q_proj", "o_proj")}
+    result = compress_model(model, "blast", blocks=4, skip=(), device="cpu")
+    for name, weight in dense.items():
+        layer = attention.get_submodule(name)
+        assert all(bool(p.isfinite().all()) for p in layer.parameters()), name
+        assert (layer.to_dense() - weight).norm() <= 1e-4 * max(weight.norm(), 1), name
+    assert all(math.isfinite(row["weight_error"]) for row in result.report)
+
+
+@pytest.mark.parametrize("method", ["lowrank", "monarch", "blast"])
+def test_a_non_finite_weight_is_refused_before_any_projection(method, monkeypatch):
+    """lowrank and Monarch had raised SVD's traceback; BLAST had saved non-finite factors."""
+    from memfit.compress import convert
+
+    model = build_model(PRESETS["tiny"])
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] = math.nan
+    monkeypatch.setattr(convert, "project", lambda *a: pytest.fail("projected"))
+    with pytest.raises(MemfitError, match=r"model.layers.1.mlp.up_proj: its weight has non-finite values"):
+        convert.compress_model(model, method, blocks=4, skip=(), device="cpu")
+
+
+def test_non_finite_factors_are_refused_before_they_reach_the_model(monkeypatch):
+    from memfit.compress import convert
+
+    real = convert.project
+
+    def one_nan(*args):
+        factors, W_hat = real(*args)
+        factors[0][1, 0, 0] = math.nan                  # the second matrix of the first group
+        return factors, W_hat
+
+    model = build_model(PRESETS["tiny"])
+    monkeypatch.setattr(convert, "project", one_nan)
+    with pytest.raises(MemfitError, match=r"model.layers.1.self_attn.q_proj: its lowrank factors are not finite"):
+        convert.compress_model(model, "lowrank", skip=(), device="cpu")
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear     # nothing built from that group
 
 
 def test_exact_model_roundtrip_through_compression():

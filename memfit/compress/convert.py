@@ -168,6 +168,15 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
+def _refuse_non_finite_factors(method: str, names: list[str], factors) -> None:
+    """A MemfitError naming the first layer of ``names`` whose factors are not finite (from finite weights: a defect),
+    before any is built into the model: they would be saved, and the model would generate nothing."""
+    for k, name in enumerate(names):
+        if not all(bool(f[k].isfinite().all()) for f in factors):
+            raise MemfitError(f"{name}: its {method} factors are not finite, from a finite weight (a memfit defect: "
+                              "please report it with the model); nothing is written")
+
+
 def compress_model(model: nn.Module, method: str = "blast", ratio: float | None = 0.5, blocks: int = 16,
                    ranks: dict[str, int] | None = None, skip: tuple[str, ...] | None = None,
                    calibration=None, activation_aware: bool = False, steps: int = 300,
@@ -188,6 +197,9 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
     plan = plan_kinds(model_shapes(linears), method, ratio, blocks, ranks, skip)
     blocks = 1 if method == "lowrank" else blocks
     chosen = [n for n in linears if plan[n.rsplit(".", 1)[-1]].rank is not None]
+    if broken := next((n for n in chosen if not bool(linears[n].weight.isfinite().all())), None):
+        raise MemfitError(f"{broken}: its weight has non-finite values (inf or NaN), which no projection can fit; "
+                          "nothing is written")
     work = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model_device = next(model.parameters()).device
     covs = {}
@@ -205,6 +217,7 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
             W = torch.stack([linears[n].weight.detach().to(work, torch.float32) for n in group])
             cov = torch.stack([covs[n].to(work) for n in group]) if covs else None
             factors, W_hat = project(method, W, kp.rank, blocks, cov if activation_aware else None, steps)
+            _refuse_non_finite_factors(method, group, factors)
             weight_err = proj.relative_weight_error(W, W_hat)
             out_err = proj.relative_output_error(W, W_hat, cov) if cov is not None else None
             for k, name in enumerate(group):

@@ -39,6 +39,9 @@ from memfit.layers.structured import truncated_svd
 # (a matrix that is not BLAST of the rank) those bases can be ill-conditioned, and from a start that fits better the
 # descent has ended worse than from the block SVD's.
 NEARLY_EXACT = 1e-3
+# Steps of blast_factorize between checks of its iterate's true error (the dense miss, not the descent's expanded loss,
+# which cancels): the best iterate checked is the result. A check is one dense reconstruction: fewer FLOPs than a step.
+BLAST_CHECK_EVERY = 25
 
 # Relative damping added to a calibration covariance before its Cholesky factor, so dead
 # input features (zero variance) do not blow the input-side factor up.
@@ -180,7 +183,7 @@ def _solve_s(U, V, D, delta):
     r = U.shape[-1]
     gram = (U.transpose(-1, -2) @ U).unsqueeze(-3) * (V.transpose(-1, -2) @ V).unsqueeze(-4)  # (...,i,j,r,r)
     eye = torch.eye(r, dtype=U.dtype, device=U.device)
-    return torch.linalg.solve(gram + delta[..., None, None, None, None] * eye, D.unsqueeze(-1)).squeeze(-1), gram
+    return torch.linalg.solve_ex(gram + delta[..., None, None, None, None] * eye, D.unsqueeze(-1))[0].squeeze(-1), gram
 
 
 def _diag_uav(Ab, U, V):
@@ -240,6 +243,12 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     exactly BLAST of this rank starts within that and is recovered by the descent (in float64;
     in float32 at ranks near the block size the bases can miss the gate, and the start is the
     block SVD's). ``history`` (a list) receives the relative error after every step.
+
+    The result is, per matrix, the iterate with the lowest true error among the start and every
+    ``BLAST_CHECK_EVERY``-th step (and the last): where a matrix is fitted exactly at a lower rank
+    than asked (a rank-deficient weight), the spare rank components pair up with large opposite
+    weights once the fit is exact and the descent runs away to non-finite factors; an all-zero
+    matrix makes every Gram matrix singular. Every solve is non-raising, and those iterates lose.
     """
     check_structure("blast", A.shape[-1], A.shape[-2], rank, blocks)
     A = A.to(_work_dtype(A))
@@ -265,6 +274,13 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
         S, gram = _solve_s(U, V, D, tiny)
         return U, V, S, gram, loss(S, gram, D)
 
+    def per_matrix(mask, new, old):                    # where(mask) over the matrices of the batch
+        return torch.where(mask.view(mask.shape + (1,) * (new.dim() - mask.dim())), new, old)
+
+    def true_miss(U, V, S):                            # squared dense error, +inf where not finite
+        miss = (A - blast_dense(U, V, S)).square().sum((-2, -1))
+        return torch.where(miss.isfinite(), miss, torch.full_like(miss, math.inf))
+
     U = _top_eigvecs(Arow @ Arow.transpose(-1, -2), rank, gen)          # (..., i, p, r)
     V = _top_eigvecs(Acol.transpose(-1, -2) @ Acol, rank, gen)          # (..., j, q, r)
     U, V, S, gram, err = start(U, V)
@@ -274,32 +290,38 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
                          V2 / V2.norm(dim=-2, keepdim=True).clamp_min(1e-30))
         miss = (A - blast_dense(*diagonal[:3])).square().sum((-2, -1))     # not from loss(): it cancels at large S
         better = miss < NEARLY_EXACT ** 2 * a_norm2    # False where the diagonalising start is not finite
-        U, V, S, gram, err = (torch.where(better.view(better.shape + (1,) * (x.dim() - better.dim())), y, x)
-                              for x, y in zip((U, V, S, gram, err), diagonal))
+        U, V, S, gram, err = (per_matrix(better, y, x) for x, y in zip((U, V, S, gram, err), diagonal))
         del U2, V2, diagonal, miss, better             # not held through the descent
-    for _ in range(steps):
+    best, best_miss = (U, V, S), true_miss(U, V, S)
+    for step in range(1, steps + 1):
         delta = (delta0 * err.sqrt()).clamp_min(tiny)
         dd = delta[..., None, None, None]
         # U_i: gradient (U_i M_i - A_{i,*} Vbar_i), preconditioner (M_i + delta I)^{-1}
         Vbar = (V.unsqueeze(-4) * S.unsqueeze(-2)).flatten(-3, -2)         # (..., i, in, r)
         M = Vbar.transpose(-1, -2) @ Vbar
         grad = U @ M - Arow @ Vbar
-        U = U - step_size * torch.linalg.solve(M + dd * eye, grad.transpose(-1, -2)).transpose(-1, -2)
+        U = U - step_size * torch.linalg.solve_ex(M + dd * eye, grad.transpose(-1, -2))[0].transpose(-1, -2)
         # V_j: gradient (V_j N_j - A_{*,j}^T Ubar_j), preconditioner (N_j + delta I)^{-1}
         Ubar = (U.unsqueeze(-3) * S.unsqueeze(-2)).transpose(-4, -3).flatten(-3, -2)  # (..., j, out, r)
         N = Ubar.transpose(-1, -2) @ Ubar
         grad = V @ N - Acol.transpose(-1, -2) @ Ubar
-        V = V - step_size * torch.linalg.solve(N + dd * eye, grad.transpose(-1, -2)).transpose(-1, -2)
+        V = V - step_size * torch.linalg.solve_ex(N + dd * eye, grad.transpose(-1, -2))[0].transpose(-1, -2)
         U, V, S = _normalise(U, V, S)
         # S_ij: gradient (G_ij s_ij - diag(U_i^T A_ij V_j)), preconditioner (G_ij + delta I)^{-1}
         D = _diag_uav(Ab, U, V)
         gram = (U.transpose(-1, -2) @ U).unsqueeze(-3) * (V.transpose(-1, -2) @ V).unsqueeze(-4)
         g = (gram @ S.unsqueeze(-1)).squeeze(-1) - D
-        S = S - step_size * torch.linalg.solve(gram + delta[..., None, None, None, None] * eye, g.unsqueeze(-1)).squeeze(-1)
+        S = S - step_size * torch.linalg.solve_ex(gram + delta[..., None, None, None, None] * eye,
+                                                  g.unsqueeze(-1))[0].squeeze(-1)
         err = loss(S, gram, D)
         if history is not None:
             history.append((err / a_norm2.clamp_min(1e-30)).sqrt())
-    return _balance(U, V, S)
+        if step % BLAST_CHECK_EVERY == 0 or step == steps:
+            miss = true_miss(U, V, S)
+            better = miss < best_miss
+            best = tuple(per_matrix(better, new, old) for new, old in zip((U, V, S), best))
+            best_miss = torch.minimum(miss, best_miss)
+    return _balance(*best)
 
 
 def _balance(U, V, S):
