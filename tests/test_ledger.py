@@ -958,3 +958,21 @@ def test_verify_says_each_phase_as_it_starts(task):
     verify(Job(TINY, task=task, seq=64, batch=1, device="cpu", new_tokens=2), Knobs(dtype="float32"), warmup=2,
            progress=phases.append)
     assert phases == ["building the random-init model", "warm-up step 1/2", "warm-up step 2/2", "measured step"]
+
+
+def test_the_job_as_asked_is_a_plan_and_the_labels_say_what_a_plan_drops():
+    """An asked --checkpoint-layers 5 is none of checkpoint's counts, so the job as asked, which fits, was in none of
+    30 plans; the plans that drop what was asked read "checkpoint 0 layers" and "micro-batch 6" of a batch of 6
+    (a usage audit)."""
+    from memfit.ledger.planner import plan
+
+    job = Job(PRESETS["llama-3.2-1b"], task="lora", seq=1024, batch=6)
+    asked = Knobs(checkpoint_layers=5, micro_batch=3)
+    _, plans = plan(job, asked, budget=parse_bytes("40GiB"), limit=400)
+    labels = {tuple(p.techniques) for p in plans}
+    assert () in labels                                                  # the job as asked
+    assert ("no checkpointing", "no gradient accumulation") in labels
+    assert not any("checkpoint 0" in label or "micro-batch 6" in label for plan_labels in labels for label in plan_labels)
+    one = [p for p in plan(Job(PRESETS["tiny"], task="lora", seq=64), Knobs(), budget=parse_bytes("4GiB"), limit=400)[1]
+           if p.knobs.checkpoint_layers == 1]
+    assert one and one[0].techniques[0] == "checkpoint 1 layer"

@@ -125,6 +125,6 @@ def _print(job, knobs, asked: Ledger, plans, budget: int) -> None:
                 by_note.setdefault(note, []).append(str(index))
     for note, numbers in by_note.items():
         console.print(f"[yellow]note (plan{'s' if len(numbers) > 1 else ''} {', '.join(numbers)}): {note}[/]")
-    console.print("time: relative to the job as asked, FLOPs x (1 + recompute) + overheads. "
+    console.print("time: relative to the plain step (no technique), FLOPs x (1 + recompute) + overheads. "
                   "`memfit plan --json` has every component; `memfit verify --plan FILE --pick N` measures plan N "
                   "from it.")

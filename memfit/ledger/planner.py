@@ -47,11 +47,12 @@ def relative_time(job: Job, cost: Cost) -> float:
 
 def candidates(job: Job, base: Knobs, allowed: tuple[str, ...] | None = None,
                keep: Callable[[Knobs], bool] | None = None) -> list[Knobs]:
-    """Every combination of the registered techniques' variants (or only the ``allowed`` ones) on top of ``base``,
-    less those ``keep`` refuses."""
+    """``base`` itself (the job as asked, which no technique's variants need include: an asked --checkpoint-layers 5
+    is none of checkpoint's counts) and every combination of the registered techniques' variants (or only the
+    ``allowed`` ones) on top of it, less those ``keep`` refuses."""
     options = [t.variants(job, base) or [{}] for name, t in REGISTRY.items() if allowed is None or name in allowed]
     out, seen = [], set()
-    for combo in itertools.product(*options):
+    for combo in [(), *itertools.product(*options)]:
         changes = {k: v for part in combo for k, v in part.items()}
         knobs = base.with_(**changes)
         if knobs not in seen and (keep is None or keep(knobs)):

@@ -89,6 +89,15 @@ def _offload_cost(job: Job, knobs: Knobs) -> Cost:
     return Cost(pcie_bytes=2 * knobs.offload_layers * per_layer * steps)
 
 
+def _checkpoint_words(knobs: Knobs) -> str:
+    """The checkpoint variant in words; none is "no checkpointing" (a plan that drops an asked --checkpoint-layers)."""
+    if not knobs.checkpoint_layers:
+        return "no checkpointing"
+    count = knobs.checkpoint_layers
+    offloaded = f" ({knobs.offload_layers} offloaded to CPU)" if knobs.offload_layers else ""
+    return f"checkpoint {count} layer{'s' if count != 1 else ''}{offloaded}"
+
+
 register(Technique(
     name="checkpoint",
     summary="activation checkpointing per decoder layer: keep only each layer's input (optionally in pinned "
@@ -96,8 +105,7 @@ register(Technique(
     variants=_checkpoint_variants,
     cost=lambda job, knobs: Cost(recompute=knobs.checkpoint_layers * layer_forward_fraction(job))
     + _offload_cost(job, knobs),
-    describe=lambda knobs, base: (f"checkpoint {knobs.checkpoint_layers} layers"
-                                  + (f" ({knobs.offload_layers} offloaded to CPU)" if knobs.offload_layers else ""))
+    describe=lambda knobs, base: _checkpoint_words(knobs)
     if (knobs.checkpoint_layers, knobs.offload_layers) != (base.checkpoint_layers, base.offload_layers) else None,
 ))
 
@@ -136,7 +144,8 @@ register(Technique(
 def _micro_batches(job: Job, knobs: Knobs) -> list[dict]:
     if not job.training or job.batch == 1:
         return []
-    return [{"micro_batch": m} for m in sorted({d for d in range(1, job.batch + 1) if job.batch % d == 0}, reverse=True)]
+    return [{"micro_batch": m if m < job.batch else None}          # the whole batch at once: no accumulation
+            for m in sorted({d for d in range(1, job.batch + 1) if job.batch % d == 0}, reverse=True)]
 
 
 register(Technique(
@@ -145,8 +154,8 @@ register(Technique(
     variants=_micro_batches,
     # smaller matmuls and more launches: a few percent per extra micro-batch
     cost=lambda job, knobs: Cost(overhead=0.03 * (job.batch // (knobs.micro_batch or job.batch) - 1)),
-    describe=lambda knobs, base: f"gradient accumulation (micro-batch {knobs.micro_batch})"
-    if knobs.micro_batch != base.micro_batch else None,
+    describe=lambda knobs, base: (f"gradient accumulation (micro-batch {knobs.micro_batch})" if knobs.micro_batch
+                                  else "no gradient accumulation") if knobs.micro_batch != base.micro_batch else None,
 ))
 
 register(Technique(
