@@ -957,3 +957,20 @@ def test_a_preset_is_compressed_and_saved_in_its_own_dtype(tmp_path, monkeypatch
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
     planned = compressed_param_count(spec, "blast", 0.5, 2)["bytes_compressed"]
     assert sum(p.numel() * p.element_size() for p in loaded.parameters()) == planned
+
+
+def test_calibration_windows_the_text_cannot_fill_are_said(monkeypatch):
+    """--calib-samples 100 on a 30-token text had run one window unsaid, and a text shorter than one window named
+    seq_len, not --calib-seq (a usage audit)."""
+    from memfit.compress import calibration
+
+    said = []
+    monkeypatch.setattr(calibration, "warn_once", lambda key, message: said.append(message))
+    batches = calibration.calibration_batches(lambda text: list(range(len(text))), "x" * 30, samples=100, seq_len=16)
+    assert [b.shape for b in batches] == [(1, 16)]
+    assert said == ["calibration text has 30 tokens: 1 window(s) of --calib-seq 16, not the --calib-samples 100 asked; "
+                    "give more text"]
+    assert len(calibration.calibration_batches(lambda text: list(range(len(text))), "x" * 64, samples=4, seq_len=16)) == 1
+    assert len(said) == 1                                         # four windows of 16 fill 64 tokens: nothing to say
+    with pytest.raises(MemfitError, match="calibration text has 30 tokens, fewer than one window of --calib-seq 50"):
+        calibration.calibration_batches(lambda text: list(range(len(text))), "x" * 30, samples=4, seq_len=50)

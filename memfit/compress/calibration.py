@@ -14,6 +14,7 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.files import input_file, read_input_text
+from memfit.log import warn_once
 
 
 def text_tokenizer(model_dir: str | Path | None, vocab: int):
@@ -25,11 +26,15 @@ def text_tokenizer(model_dir: str | Path | None, vocab: int):
 
 
 def calibration_batches(encode, text: str, samples: int = 32, seq_len: int = 512, batch: int = 8) -> list[torch.Tensor]:
-    """Up to ``samples`` windows of ``seq_len`` tokens, in ``batch``-row tensors."""
+    """Up to ``samples`` windows of ``seq_len`` tokens, in ``batch``-row tensors; fewer, said once, where the text
+    is too short for them."""
     ids = torch.tensor(encode(text), dtype=torch.long)
     if ids.numel() < seq_len:
-        raise MemfitError(f"calibration text has {ids.numel()} tokens; at least seq_len={seq_len} are needed")
+        raise MemfitError(f"calibration text has {ids.numel()} tokens, fewer than one window of --calib-seq {seq_len}")
     n = min(samples, ids.numel() // seq_len)
+    if n < samples:
+        warn_once("calibration-windows", f"calibration text has {ids.numel()} tokens: {n} window(s) of --calib-seq "
+                                         f"{seq_len}, not the --calib-samples {samples} asked; give more text")
     rows = ids[: n * seq_len].reshape(n, seq_len)
     return list(rows.split(batch))
 
