@@ -81,7 +81,7 @@ def test_generate_with_an_adapter_writes_the_merged_models_text(tiny_dir, tmp_pa
         assert main(["generate", *argv, *common]) == 0
         return capsys.readouterr().out
 
-    with_adapter = text(str(tiny_dir), "--adapter", str(adapter))
+    with_adapter = text(str(tiny_dir), "--adapter", str(adapter), "--raw-prompt")     # as the merged model reads it
     assert with_adapter == text(str(tmp_path / "merged"))
     assert with_adapter != text(str(tiny_dir))
 
@@ -136,3 +136,40 @@ def test_what_finetune_saves_generates(tiny_dir, tmp_path, capsys):
     merge_adapter(tuned, out / "adapter")                # the saved adapter moves the weights it trained
     moved = {name for (name, a), b in zip(base.named_parameters(), tuned.parameters()) if not torch.equal(a, b)}
     assert "model.norm.weight" in moved and any("q_proj" in name for name in moved)
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_generate_encodes_an_adapters_prompt_as_finetune_trained_it(tiny_dir, tmp_path, capsys, monkeypatch, raw):
+    """finetune trains on PROMPT + newline with no special tokens; generate had given an adapter the prompt as the
+    tokenizer encodes it by default (a BOS where it adds one) and no newline (a usage audit). --raw-prompt keeps that."""
+    import json
+
+    from memfit.data.jsonl import load_jsonl
+    from memfit.data.tokenizer import ByteTokenizer
+    from memfit.infer import generate
+
+    class Stop(Exception):
+        pass
+
+    given = []
+
+    def capture(self, ids, *args, **kwargs):
+        given.append(ids[0].tolist())
+        raise Stop
+
+    monkeypatch.setattr(generate.Generator, "generate", capture)
+    adapter = _adapter(tiny_dir, tmp_path / "adapter")
+    with pytest.raises(Stop):
+        main(["generate", str(tiny_dir), "--adapter", str(adapter), "--prompt", "hi there", "--max-new", "2",
+              "--device", "cpu", "--no-graphs", *(["--raw-prompt"] if raw else [])])
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"prompt": "hi there", "response": "yo"}) + "\n")
+    example = load_jsonl(data, ByteTokenizer(), 64)[0]
+    trained_prompt = [t for t, label in zip(example.input_ids, example.labels) if label == -100]
+    assert given == [ByteTokenizer().encode("hi there") if raw else trained_prompt]
+    assert raw or trained_prompt[-1] == ord("\n")
+
+
+def test_raw_prompt_without_an_adapter_is_refused(tiny_dir, capsys):
+    assert main(["generate", str(tiny_dir), "--prompt", "hi", "--device", "cpu", "--raw-prompt"]) == 2
+    assert "--raw-prompt goes with --adapter" in capsys.readouterr().err

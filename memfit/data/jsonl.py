@@ -38,6 +38,12 @@ class Example:
         return sum(label != IGNORE_INDEX for label in self.labels)
 
 
+def prompt_text(prompt: str) -> str:
+    """A prompt/response example's prompt as it is trained on (tokenized with no special tokens, no loss): what
+    ``memfit generate --adapter`` gives the model for a ``--prompt``, so that it reads what the adapter learnt from."""
+    return prompt + "\n"
+
+
 def _segments(record, where: str) -> list[tuple[str, bool]]:
     """(text, carries loss) pieces of one record; the EOS is added after every loss piece."""
     if not isinstance(record, dict):
@@ -63,7 +69,7 @@ def _segments(record, where: str) -> list[tuple[str, bool]]:
                 raise MemfitError(f"{where}: {key!r} must be a string, got {record.get(key)!r}")
         if not record["response"]:
             raise MemfitError(f"{where}: 'response' is empty, so nothing to learn")
-        return [(record["prompt"] + "\n", False), (record["response"], True)]
+        return [(prompt_text(record["prompt"]), False), (record["response"], True)]
     raise MemfitError(f"{where}: expected keys 'prompt' and 'response', or 'messages'; got {sorted(record)}")
 
 

@@ -21,10 +21,11 @@ _HF_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 @dataclass
 class TextCodec:
-    encode: Callable[[str], list[int]]
+    encode: Callable[[str], list[int]]            # as the tokenizer encodes a text by default (a BOS where it adds one)
     decode: Callable[[list[int]], str]
     eos: int | None
     kind: str
+    encode_plain: Callable[[str], list[int]]      # no special tokens: as memfit finetune encodes its examples
 
 
 def _memfit_bytes():
@@ -41,7 +42,7 @@ def _memfit_bytes():
                                            "(the model's vocabulary is larger: a random-init model?)")
         return tok.decode(kept)
 
-    return TextCodec(tok.encode, decode, tok.eos_id, "memfit-bytes")
+    return TextCodec(tok.encode, decode, tok.eos_id, "memfit-bytes", lambda text: tok.encode(text, add_special_tokens=False))
 
 
 def load_codec(model_dir: str | Path | None, vocab: int) -> TextCodec:
@@ -49,13 +50,14 @@ def load_codec(model_dir: str | Path | None, vocab: int) -> TextCodec:
     if model_dir is not None and any((Path(model_dir) / name).is_file() for name in _HF_FILES):
         tok = load_hf_tokenizer(model_dir)
         return TextCodec(lambda text: tok.encode(text), lambda ids: tok.decode(ids, skip_special_tokens=True),
-                         tok.eos_token_id, "hf")
+                         tok.eos_token_id, "hf", lambda text: tok.encode(text, add_special_tokens=False))
     codec = _memfit_bytes()
     if codec is None:
         warn_once("text:raw-bytes", "no tokenizer in the model directory and no memfit.data.tokenizer: "
                                     "using raw UTF-8 bytes as token ids 0..255")
-        codec = TextCodec(lambda text: list(text.encode("utf-8")),
-                          lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace"), None, "raw-bytes")
+        raw = lambda text: list(text.encode("utf-8"))  # noqa: E731 - no special tokens either way
+        codec = TextCodec(raw, lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace"), None,
+                          "raw-bytes", raw)
     if vocab < 256:
         raise MemfitError(f"a byte-level tokenizer needs a vocabulary of at least 256 ids; this model has {vocab}")
     if model_dir is not None:
