@@ -285,6 +285,9 @@ def _predict_train(job: Job, knobs: Knobs, ce_pytorch_path: bool) -> Ledger:
                   CUDA_CONTEXT if job.device == "cuda" else 0, trainable_numel, notes)
 
 
+PARTIAL_FFN_NOTE = "memfit verify does not build partial FFN; benchmarks/partial_ffn.py measures it"
+
+
 def blr_dense_kinds(spec, knobs: Knobs) -> tuple[str, ...] | None:
     """The projection kinds a block-low-rank model (``knobs.blr_method``) keeps as nn.Linear, or None for a dense
     model."""
@@ -455,5 +458,6 @@ def _predict_infer(job: Job, knobs: Knobs) -> Ledger:
     else:
         peak, phase, where = prefill_peak.live, "prefill", prefill_peak.where
     transient = sum(v for k, v in peak.items() if k not in ("weights",))
+    partial = (knobs.partial_load, knobs.partial_compute) != (1.0, 1.0)
     return Ledger(job, knobs, dict(peak), phase, where, phases, _allocator_overhead(job, transient),
-                  CUDA_CONTEXT if job.device == "cuda" else 0, 0, [])
+                  CUDA_CONTEXT if job.device == "cuda" else 0, 0, [PARTIAL_FFN_NOTE] if partial else [])
