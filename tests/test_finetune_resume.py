@@ -135,6 +135,31 @@ def test_the_cli_resumes_a_run_with_settings_other_than_the_defaults(tmp_path):
     assert json.loads((_latest(tmp_path / "run") / "progress.json").read_text())["step"] == 2
 
 
+def test_a_resume_onto_another_base_model_is_refused(tmp_path, said):
+    """A resume onto another model of the same shapes (another directory, or the same one changed) had trained on,
+    its losses mixed with the first model's (a usage audit): run_settings records a digest of the frozen weights."""
+    def resume_on(scale):
+        tok = ByteTokenizer()
+        model = build_model(PRESETS["tiny"], device=torch.get_default_device())
+        with torch.no_grad():
+            model.model.layers[1].mlp.down_proj.weight.mul_(scale)
+        model = patch(model, lora={"r": 4})
+        config = TrainConfig(steps=3, batch_size=2, lr=1e-2, save_every=1)
+        return train(model, load_jsonl(DEFAULT_DATA, tok, 128)[:24], tok.pad_token_id, config, tmp_path, resume=True)
+
+    _run(tmp_path, 2)
+    with pytest.raises(MemfitError, match=r"step-0000002: it was trained with base=[0-9a-f]{16}, this run asks for "
+                                          r"[0-9a-f]{16} \(another model, or the same one changed\?\)"):
+        resume_on(1.5)
+    progress_file = _latest(tmp_path) / "progress.json"
+    progress = json.loads(progress_file.read_text())
+    del progress["settings"]["base"]                       # as the memfit before this test wrote version 2
+    progress_file.write_text(json.dumps(progress))
+    assert len(resume_on(1.5)) == 3
+    assert said == [f"--resume: {_latest(tmp_path).parent / 'step-0000002'} does not record base (an earlier "
+                    "memfit wrote it); assuming this run's"]
+
+
 def test_a_resume_refuses_another_base_precision(tmp_path, said):
     """An adapter trained against a dense base had resumed on a 4-bit NF4 one (and the reverse) unsaid: whether the
     base is 4-bit was not recorded. run_settings reads it from the model (``is_loaded_in_4bit``, which memfit's patch

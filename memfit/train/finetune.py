@@ -11,7 +11,8 @@ A resume is refused, naming the checkpoint's value and this run's, where the run
 something that changes what the saved state means or which batch comes next: another
 batch size or seed, other LoRA settings (rank, alpha, rsLoRA, target modules,
 modules_to_save, which ``--train-norm`` sets), another dtype for the frozen model, a
-4-bit base where it was dense or the reverse, or other tokenized data (another file, or a
+4-bit base where it was dense or the reverse, another base model (a digest of a sample of
+its frozen weights), or other tokenized data (another file, or a
 ``--max-len`` or tokenizer that changes the examples; one that does not changes nothing
 and is let through). What governs only the
 steps still to come may change: the step count, the save interval, and the learning rate
@@ -21,7 +22,7 @@ differ from the checkpoint's).
 progress.json carries ``"version"``: 2 records those settings; a file without the key
 (version 1, before they were recorded) still loads, its settings assumed to be this
 run's (said once), as does a version 2 file written before the 4-bit base was recorded,
-in that setting; a later version is refused.
+or the base model's digest, in that setting; a later version is refused.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 UNIFORM_STEPS = 3            # losses in a row at ln(vocab) that say the model predicts uniformly
 UNIFORM_TOLERANCE = 1e-5     # of ln(vocab): a uniform model's loss is ln(vocab) to float32 rounding
+BASE_SAMPLE = 16             # values from each end of a frozen weight that base_digest reads
 PROGRESS_VERSION = 2   # 1 (no "version" key): the LoRA settings, dtype and data of the run were not recorded
 
 # The LoRA settings a checkpoint records: its name for one, peft's LoraConfig field, and what in the CLI sets it
@@ -60,7 +62,8 @@ LORA_SETTINGS = (("lora_r", "r", "another --lora-r"), ("lora_alpha", "lora_alpha
                  ("lora_rslora", "use_rslora", None), ("lora_targets", "target_modules", None),
                  ("modules_to_save", "modules_to_save", "--train-norm or --no-train-norm"))
 SETTING_HINTS = {key: hint for key, _, hint in LORA_SETTINGS} | {
-    "dtype": "another --dtype", "four_bit": "--four-bit, --no-four-bit or another --gpu-memory"}
+    "dtype": "another --dtype", "four_bit": "--four-bit, --no-four-bit or another --gpu-memory",
+    "base": "another model, or the same one changed"}
 RUN_SETTINGS = frozenset(SETTING_HINTS) | {"data"}     # run_settings' entries
 
 
@@ -164,7 +167,23 @@ def run_settings(model: torch.nn.Module, examples: list[Example], data_name: str
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     settings["four_bit"] = bool(getattr(base, "is_loaded_in_4bit", False))   # set by memfit's patch and transformers'
     settings["data"] = data_settings(examples, data_name)
+    settings["base"] = base_digest(model)           # last: a changed dtype or 4-bit base is named first
     return settings
+
+
+def base_digest(model: torch.nn.Module) -> str:
+    """A digest of the frozen weights: each one's name, shape and first and last BASE_SAMPLE values. A resume onto
+    another model of the same shapes had trained on, its losses mixed with the first model's; a sample, not every
+    value, so that it costs nothing at 8B."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            continue
+        flat = param.detach().reshape(-1)
+        sample = torch.cat([flat[:BASE_SAMPLE], flat[-BASE_SAMPLE:]]).to("cpu", torch.float64)
+        digest.update(f"{name}{tuple(param.shape)}".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def lora_settings(lora) -> dict:
@@ -364,7 +383,7 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig, settings:
                           "(different model or LoRA settings?)")
     if reshaped := next((name for name, value in tensors.items() if value.shape != params[name].shape), None):
         raise MemfitError(f"cannot resume {path}: it holds {reshaped} as {tuple(tensors[reshaped].shape)}, this run "
-                          f"makes it {tuple(params[reshaped].shape)} (another --lora-r?)")
+                          f"makes it {tuple(params[reshaped].shape)} (another --lora-r, or another model?)")
     with torch.no_grad():
         for name, value in tensors.items():
             params[name].copy_(value)
