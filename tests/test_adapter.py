@@ -1,6 +1,7 @@
 """A LoRA adapter merged into a loaded model (memfit.infer.adapter) against peft's own merge, and `memfit generate
 --adapter`: the fine-tuned model's text, and the adapters and options it refuses."""
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -87,7 +88,6 @@ def test_generate_with_an_adapter_writes_the_merged_models_text(tiny_dir, tmp_pa
 
 
 def test_adapters_that_cannot_merge_are_refused(tiny_dir, tmp_path, capsys):
-    import json
 
     def fails(argv, message):
         assert main(["generate", str(tiny_dir), "--prompt", "hi", "--device", "cpu", *argv]) == 2
@@ -124,13 +124,16 @@ def test_a_refused_adapter_changes_no_weight(tiny_dir, tmp_path):
     assert all(torch.equal(param, before[name]) for name, param in model.named_parameters())
 
 
-def test_what_finetune_saves_generates(tiny_dir, tmp_path, capsys):
+def test_what_finetune_saves_generates(tiny_dir, tmp_path, capsys, monkeypatch):
     """The round trip a user makes: memfit finetune on a local model, then generate with its OUT/adapter."""
     out = tmp_path / "run"
-    assert main(["finetune", str(tiny_dir), "--out", str(out), "--steps", "2", "--batch-size", "2", "--max-len", "32",
+    monkeypatch.chdir(tiny_dir.parent)                  # the model named as a user types it, relative
+    assert main(["finetune", tiny_dir.name, "--out", str(out), "--steps", "2", "--batch-size", "2", "--max-len", "32",
                  "--device", "cpu", "--train-norm"]) == 0
     assert main(["generate", str(tiny_dir), "--adapter", str(out / "adapter"), "--prompt", "hi", "--max-new", "4",
                  "--device", "cpu", "--no-graphs"]) == 0
+    config = (out / "adapter" / "adapter_config.json").read_text()   # peft finds the base from anywhere (not as typed)
+    assert json.loads(config)["base_model_name_or_path"] == str(tiny_dir.resolve())
     assert "Traceback" not in capsys.readouterr().err
     base, tuned = (load_model(tiny_dir, None, dtype=torch.float32) for _ in range(2))
     merge_adapter(tuned, out / "adapter")                # the saved adapter moves the weights it trained
@@ -142,8 +145,6 @@ def test_what_finetune_saves_generates(tiny_dir, tmp_path, capsys):
 def test_generate_encodes_an_adapters_prompt_as_finetune_trained_it(tiny_dir, tmp_path, capsys, monkeypatch, raw):
     """finetune trains on PROMPT + newline with no special tokens; generate had given an adapter the prompt as the
     tokenizer encodes it by default (a BOS where it adds one) and no newline (a usage audit). --raw-prompt keeps that."""
-    import json
-
     from memfit.data.jsonl import load_jsonl
     from memfit.data.tokenizer import ByteTokenizer
     from memfit.infer import generate

@@ -227,7 +227,7 @@ def load_model(name: str, spec, dtype: torch.dtype, device: torch.device | str):
         return build_model(spec, dtype=dtype, device=device)
     from transformers import AutoModelForCausalLM
 
-    path = check_model_dir(name)
+    path = check_model_dir(name).resolve()        # the saved adapter's base_model_name_or_path: found from anywhere
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except Exception as err:  # noqa: BLE001 - transformers' and safetensors' errors (a truncated file) share no base
