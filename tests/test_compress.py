@@ -299,6 +299,9 @@ def test_plan_takes_the_smallest_rank_where_a_kind_cannot_go_lower():
     assert "--skip none" not in str(refused.value)                       # nothing is kept dense to compress
     with pytest.raises(MemfitError, match=r"the ones kept dense hold 8\.9%: --skip none"):
         plan_kinds(shapes, "monarch", 0.3, 16)
+    assert "or lower blocks" in str(refused.value)
+    with pytest.raises(MemfitError, match=r"ratio=0\.01 is out of reach for lowrank: .* at least that\Z"):
+        plan_kinds(shapes, "lowrank", 0.01, 1, skip=())                 # low-rank has no blocks to lower
 
 
 def test_compressed_param_count_matches_a_built_model():

@@ -134,9 +134,10 @@ def plan_kinds(shapes: dict[str, tuple[int, int]], method: str, ratio: float | N
         kept = sum(shapes[k][0] * shapes[k][1] for k in shapes if k not in candidates) / total
         hint = (f", or compress more kinds (the ones kept dense hold {kept:.1%}: {skip_option} none)"
                 if kept and skip_option else "")
-        raise MemfitError(f"ratio={ratio} is out of reach for {method} with blocks={blocks}: at the smallest ranks "
-                          f"the linear layers keep {smallest:.1%} of their parameters; raise the ratio to at least "
-                          f"that, or lower blocks{hint}")
+        blocked = method != "lowrank"                  # low-rank has no blocks to lower
+        raise MemfitError(f"ratio={ratio} is out of reach for {method}{f' with blocks={blocks}' if blocked else ''}: at "
+                          f"the smallest ranks the linear layers keep {smallest:.1%} of their parameters; raise the "
+                          f"ratio to at least that{', or lower blocks' if blocked else ''}{hint}")
     return best
 
 
