@@ -217,6 +217,19 @@ def test_a_bad_data_file_is_found_before_the_model_loads(tmp_path, monkeypatch):
         _cli(["--data", str(data), "--out", str(tmp_path / "run")])
 
 
+def test_examples_past_the_models_positions_are_refused_before_it_loads(tmp_path, monkeypatch):
+    """generate refuses a decode past max_position_embeddings; finetune had trained on such examples unsaid (a usage
+    audit). The tiny preset has 4096 positions; a byte-tokenized example of 5000 characters is past them."""
+    from memfit.commands import finetune
+
+    monkeypatch.setattr(finetune, "load_model", lambda *a: pytest.fail("loaded the model first"))
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "response": "b" * 5000}) + "\n")
+    with pytest.raises(MemfitError, match=r"--max-len 8192: .*long.jsonl has examples of 5003 tokens, past tiny's 4096 "
+                                          r"positions \(max_position_embeddings\); lower --max-len"):
+        _cli(["--data", str(data), "--max-len", "8192", "--out", str(tmp_path / "run"), "--device", "cpu"])
+
+
 def test_finetune_default_runs_and_loss_falls(tmp_path, capsys):
     out = tmp_path / "run"
     assert _cli(["--out", str(out), "--steps", "40", "--save-every", "40"]) == 0

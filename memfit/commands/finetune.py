@@ -303,6 +303,9 @@ def run(args) -> int:
     check_technique_flags(args, spec, device)
     tokenizer = load_tokenizer(args.model, spec)
     examples = tokenize_records(data, records, tokenizer, args.max_len)
+    if (longest := max((len(e.input_ids) for e in examples), default=0)) > spec.max_position:
+        raise MemfitError(f"--max-len {args.max_len}: {data} has examples of {longest} tokens, past {spec.name}'s "
+                          f"{spec.max_position} positions (max_position_embeddings); lower --max-len")
     data_name = f"{data} cut at {args.max_len} tokens"
     techniques = choose_techniques(args, spec, device, dtype, console)
     if args.resume:                                    # what a resume needs no model for, checked before loading it
