@@ -135,53 +135,39 @@ def test_the_cli_resumes_a_run_with_settings_other_than_the_defaults(tmp_path):
     assert json.loads((_latest(tmp_path / "run") / "progress.json").read_text())["step"] == 2
 
 
-def test_a_resume_onto_another_base_model_is_refused(tmp_path, said):
-    """A resume onto another model of the same shapes (another directory, or the same one changed) had trained on,
-    its losses mixed with the first model's (a usage audit): run_settings records a digest of the frozen weights."""
-    def resume_on(scale):
+def _scale_a_frozen_weight(model):
+    with torch.no_grad():
+        model.get_base_model().model.layers[1].mlp.down_proj.weight.mul_(1.5)
+
+
+@pytest.mark.parametrize("setting, change, message", [
+    ("four_bit", lambda model: setattr(model.get_base_model(), "is_loaded_in_4bit", True),   # patch(four_bit=True)'s
+     r"four_bit=False, this run asks for True \(--four-bit, --no-four-bit or another --gpu-memory\?\)"),  # mark
+    ("base", _scale_a_frozen_weight,
+     r"base=[0-9a-f]{16}, this run asks for [0-9a-f]{16} \(another model, or the same one changed\?\)"),
+])
+def test_a_resume_refuses_another_base(tmp_path, said, setting, change, message):
+    """An adapter trained against a dense base had resumed on a 4-bit NF4 one (and the reverse), and one trained on a
+    model onto another of the same shapes (another directory, or the same one changed), its losses mixed with the
+    first's, unsaid. run_settings reads both from the model (``is_loaded_in_4bit``, which memfit's patch and
+    transformers set; a digest of the frozen weights), so the library loop is held to them; a checkpoint of a memfit
+    that did not record one resumes with the assumption said."""
+    def resume():
         tok = ByteTokenizer()
-        model = build_model(PRESETS["tiny"], device=torch.get_default_device())
-        with torch.no_grad():
-            model.model.layers[1].mlp.down_proj.weight.mul_(scale)
-        model = patch(model, lora={"r": 4})
+        model = patch(build_model(PRESETS["tiny"], device=torch.get_default_device()), lora={"r": 4})
+        change(model)
         config = TrainConfig(steps=3, batch_size=2, lr=1e-2, save_every=1)
         return train(model, load_jsonl(DEFAULT_DATA, tok, 128)[:24], tok.pad_token_id, config, tmp_path, resume=True)
 
     _run(tmp_path, 2)
-    with pytest.raises(MemfitError, match=r"step-0000002: it was trained with base=[0-9a-f]{16}, this run asks for "
-                                          r"[0-9a-f]{16} \(another model, or the same one changed\?\)"):
-        resume_on(1.5)
+    with pytest.raises(MemfitError, match=r"step-0000002: it was trained with " + message):
+        resume()
     progress_file = _latest(tmp_path) / "progress.json"
     progress = json.loads(progress_file.read_text())
-    del progress["settings"]["base"]                       # as the memfit before this test wrote version 2
+    del progress["settings"][setting]                      # as the memfit before this test wrote version 2
     progress_file.write_text(json.dumps(progress))
-    assert len(resume_on(1.5)) == 3
-    assert said == [f"--resume: {_latest(tmp_path).parent / 'step-0000002'} does not record base (an earlier "
-                    "memfit wrote it); assuming this run's"]
-
-
-def test_a_resume_refuses_another_base_precision(tmp_path, said):
-    """An adapter trained against a dense base had resumed on a 4-bit NF4 one (and the reverse) unsaid: whether the
-    base is 4-bit was not recorded. run_settings reads it from the model (``is_loaded_in_4bit``, which memfit's patch
-    and transformers set), so the library loop is held to it; a checkpoint of a memfit that did not record it resumes
-    with the assumption said."""
-    def resume_on_4bit_base(steps):
-        tok = ByteTokenizer()
-        model = patch(build_model(PRESETS["tiny"], device=torch.get_default_device()), lora={"r": 4})
-        model.get_base_model().is_loaded_in_4bit = True     # what patch(four_bit=True) marks; NF4 itself needs CUDA
-        config = TrainConfig(steps=steps, batch_size=2, lr=1e-2, save_every=1)
-        return train(model, load_jsonl(DEFAULT_DATA, tok, 128)[:24], tok.pad_token_id, config, tmp_path, resume=True)
-
-    _run(tmp_path, 2)
-    with pytest.raises(MemfitError, match=r"step-0000002: it was trained with four_bit=False, this run asks for True "
-                                          r"\(--four-bit, --no-four-bit or another --gpu-memory\?\)"):
-        resume_on_4bit_base(3)
-    progress_file = _latest(tmp_path) / "progress.json"
-    progress = json.loads(progress_file.read_text())
-    del progress["settings"]["four_bit"]                   # as the memfit before this test wrote version 2
-    progress_file.write_text(json.dumps(progress))
-    assert len(resume_on_4bit_base(3)) == 3
-    assert said == [f"--resume: {_latest(tmp_path).parent / 'step-0000002'} does not record four_bit (an earlier "
+    assert len(resume()) == 3
+    assert said == [f"--resume: {_latest(tmp_path).parent / 'step-0000002'} does not record {setting} (an earlier "
                     "memfit wrote it); assuming this run's"]
 
 
