@@ -965,6 +965,7 @@ def test_the_job_as_asked_is_a_plan_and_the_labels_say_what_a_plan_drops():
     30 plans; the plans that drop what was asked read "checkpoint 0 layers" and "micro-batch 6" of a batch of 6
     (a usage audit)."""
     from memfit.ledger.planner import plan
+    from memfit.ledger.techniques import approximate
 
     job = Job(PRESETS["llama-3.2-1b"], task="lora", seq=1024, batch=6)
     asked = Knobs(checkpoint_layers=5, micro_batch=3)
@@ -976,6 +977,14 @@ def test_the_job_as_asked_is_a_plan_and_the_labels_say_what_a_plan_drops():
     one = [p for p in plan(Job(PRESETS["tiny"], task="lora", seq=64), Knobs(), budget=parse_bytes("4GiB"), limit=400)[1]
            if p.knobs.checkpoint_layers == 1]
     assert one and one[0].techniques[0] == "checkpoint 1 layer"
+    whole = plan(job, Knobs(micro_batch=6), budget=parse_bytes("80GiB"), limit=400)[1]   # as the CLI asks the batch
+    assert [p.techniques for p in whole].count([]) == 1
+    assert not any("gradient accumulation" in label and "micro-batch" not in label for p in whole for label in p.techniques)
+    infer = Job(PRESETS["llama-3.2-3b"], task="infer", seq=1024)
+    full = [p for p in plan(infer, Knobs(partial_load=0.5, partial_compute=0.5), budget=parse_bytes("80GiB"),
+                            limit=400)[1] if (p.knobs.partial_load, p.knobs.partial_compute) == (1.0, 1.0)]
+    assert full and all("no partial FFN" in p.techniques for p in full)
+    assert [approximate(p.knobs, p.base) for p in full if p.techniques == ["no partial FFN"]] == [False]
 
 
 def test_a_partial_ffn_ledger_notes_that_verify_does_not_measure_it(capsys):

@@ -40,7 +40,8 @@ class Technique:
     variants: Callable[[Job, Knobs], list[dict]]  # knob changes to try; the first is "off"
     cost: Callable[[Job, Knobs], Cost]
     describe: Callable[[Knobs, Knobs], str | None]  # (knobs, as asked) -> a label when it changes them
-    approximate: bool = False  # changes the numbers the model computes (its label says "approximate")
+    # whether a variant changes the numbers the model computes (its label then says "approximate"); None: never
+    approximate: Callable[[Knobs], bool] | None = None
 
 
 def register(technique: Technique) -> Technique:
@@ -128,7 +129,7 @@ register(Technique(
     # dequantisation reads the 4-bit weights and writes a dense copy per linear, forward and backward
     cost=lambda job, knobs: Cost(overhead=0.15 if knobs.four_bit else 0.0),
     describe=lambda knobs, base: "4-bit NF4 base (approximate)" if knobs.four_bit != base.four_bit else None,
-    approximate=True,
+    approximate=lambda knobs: knobs.four_bit,
 ))
 
 register(Technique(
@@ -144,7 +145,8 @@ register(Technique(
 def _micro_batches(job: Job, knobs: Knobs) -> list[dict]:
     if not job.training or job.batch == 1:
         return []
-    return [{"micro_batch": m if m < job.batch else None}          # the whole batch at once: no accumulation
+    whole = knobs.micro_batch if knobs.micro_batch in (None, job.batch) else None   # as asked, if the job asked it
+    return [{"micro_batch": m if m < job.batch else whole}
             for m in sorted({d for d in range(1, job.batch + 1) if job.batch % d == 0}, reverse=True)]
 
 
@@ -165,7 +167,7 @@ register(Technique(
     variants=lambda job, knobs: [{"dtype": "float32"}, {"dtype": "bfloat16"}] if knobs.dtype == "float32" else [],
     cost=lambda job, knobs: Cost(),
     describe=lambda knobs, base: "bf16 weights (approximate)" if knobs.dtype != base.dtype else None,
-    approximate=True,
+    approximate=lambda knobs: knobs.dtype == "bfloat16",
 ))
 
 
@@ -183,6 +185,14 @@ def _decode_bytes(job: Job, knobs: Knobs) -> float:
     return (spec.num_layers * attention + ffn + spec.vocab * spec.hidden) * dtype_bytes(knobs.dtype)
 
 
+def _partial_ffn_words(knobs: Knobs) -> str:
+    """The partial-FFN variant in words; the whole FFN is "no partial FFN" (a plan that drops an asked
+    --partial-load), which computes the model's own numbers."""
+    if (knobs.partial_load, knobs.partial_compute) == (1.0, 1.0):
+        return "no partial FFN"
+    return f"partial FFN (load {knobs.partial_load:g}, compute {knobs.partial_compute:g}; approximate)"
+
+
 register(Technique(
     name="partial_ffn",
     summary="partial FFN loading and computation (memfit.infer): load gamma of the middle layers' FFN neurons, "
@@ -192,10 +202,9 @@ register(Technique(
     if job.task == "infer" and ffn_partial_layers(job.spec) and knobs.blr_method is None else [],
     # decode reads the weights once per token: time follows the bytes read
     cost=lambda job, knobs: Cost(overhead=_decode_bytes(job, knobs) / _decode_bytes(job, Knobs(dtype=knobs.dtype)) - 1),
-    describe=lambda knobs, base: f"partial FFN (load {knobs.partial_load:g}, compute {knobs.partial_compute:g}; "
-                                 "approximate)" if (knobs.partial_load, knobs.partial_compute)
+    describe=lambda knobs, base: _partial_ffn_words(knobs) if (knobs.partial_load, knobs.partial_compute)
     != (base.partial_load, base.partial_compute) else None,
-    approximate=True,
+    approximate=lambda knobs: (knobs.partial_load, knobs.partial_compute) != (1.0, 1.0),
 ))
 
 
@@ -213,4 +222,5 @@ def active(knobs: Knobs, base: Knobs) -> list[str]:
 
 def approximate(knobs: Knobs, base: Knobs) -> bool:
     """Whether these knobs turn on a technique that changes the numbers the model computes."""
-    return any(t.approximate and t.describe(knobs, base) for t in REGISTRY.values())
+    return any(t.approximate is not None and t.approximate(knobs) and t.describe(knobs, base)
+               for t in REGISTRY.values())
