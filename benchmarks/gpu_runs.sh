@@ -36,8 +36,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # 11b0a19, 92.3 s at d1edfef, 142.5 s at af7a5bc, 179.2 s at 491a2d6, 177.1 s at 83e4b53 (give it 240 s); partial_ffn
 # 115 s at 0a7cc7e, 128.5 s at 83e4b53.
 # plan_fits (bitsandbytes needed: its 8-bit and 4-bit plans) ran 10 of its 17 plans at d2e16e1 before its call's limit,
-# the plans' times in its file 337 s together (a 4-bit plan builds its model on the CPU: 58-120 s), and 14 at 027117b
-# (459 s of plan times in its file); plan_fits_resume measures the rest.
+# the plans' times in its file 337 s together (a 4-bit plan builds its model on the CPU: 58-120 s), and reached 14 at
+# 027117b (13 ran, a partial-FFN plan is not built; 459 s of plan times in its file); plan_fits_resume measures the rest.
 # The Monarch-only table at 412d845 records 490 s; its first call, under `timeout 430`, stopped after 27 of its 35 cases.
 # At 0888d75 the full table records 851 s: a first call timed 14 cases, blr_layers_resume the other 21 (their case
 # times 405.3 s); the models of blr_e2e --profile record 246.8 s of set-up and timing. The kernel tests there: the BLR file

@@ -69,23 +69,28 @@ def test_cuda_started_with_them_set_says_nothing(unset, monkeypatch, said):
     assert said == []
 
 
+@pytest.mark.parametrize("entry", ["verify", "measure"])
 @pytest.mark.parametrize("device, sets", [("cuda", True), ("cpu", False)])
-def test_measure_sets_it_for_a_library_callers_cuda_job(monkeypatch, device, sets):
-    """memfit.verify() (through measure) runs a CUDA job as the verify command does; before, only the commands set it."""
+def test_verify_and_measure_set_it_for_a_library_callers_cuda_job_first(monkeypatch, entry, device, sets):
+    """memfit.verify() and measure() run a CUDA job as the verify command does (before, only the commands set it),
+    before check_runnable, whose bitsandbytes import starts CUDA (a review)."""
     from memfit import Job, Knobs, load_spec
     from memfit.ledger import verify
 
     calls = []
 
-    class Built(Exception):
+    class Checked(Exception):
         pass
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    def check_runnable(job, knobs):
+        calls.append("check")
+        raise Checked
+
     monkeypatch.setattr(verify, "use_expandable_segments", lambda: calls.append("set"))
-    monkeypatch.setattr(verify, "_prepare", lambda job, knobs: (_ for _ in ()).throw(Built()))
-    with pytest.raises(Built):
-        verify.measure(Job(load_spec("tiny"), seq=16, device=device), Knobs())
-    assert calls == (["set"] if sets else [])
+    monkeypatch.setattr(verify, "check_runnable", check_runnable)
+    with pytest.raises(Checked):
+        getattr(verify, entry)(Job(load_spec("tiny"), seq=16, device=device), Knobs())
+    assert calls == (["set", "check"] if sets else ["check"])
 
 
 @pytest.mark.parametrize("argv", [["verify", "--pick", "2"], ["finetune", "--device", "mps"]])

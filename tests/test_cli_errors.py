@@ -501,8 +501,10 @@ def test_calibrate_force_replaces_only_a_rankings_file(tiny_dir, tmp_path, capsy
     prompts.write_text('{"text": "hello"}\n')
     weights = tiny_dir / "model.safetensors"
     before = weights.read_bytes()
-    _fails(capsys, ["calibrate", str(tiny_dir), "--data", str(prompts), "--out", str(weights), "--force", "--device",
-                    "cpu"], "is not a rankings file an earlier memfit calibrate wrote, so --force does not replace it")
+    for force in (["--force"], []):                       # without it, no advice to pass it (a review)
+        _fails(capsys, ["calibrate", str(tiny_dir), "--data", str(prompts), "--out", str(weights), *force, "--device",
+                        "cpu"], "exists and is not a rankings file an earlier memfit calibrate wrote, so it is never "
+                                "replaced (not even with --force)")
     assert weights.read_bytes() == before
 
 

@@ -972,7 +972,7 @@ def test_calibration_windows_the_text_cannot_fill_are_said(monkeypatch):
     batches = calibration.calibration_batches(lambda text: list(range(len(text))), "x" * 30, samples=100, seq_len=16)
     assert [b.shape for b in batches] == [(1, 16)]
     assert said == ["calibration text has 30 tokens: 1 window(s) of --calib-seq 16, not the --calib-samples 100 asked; "
-                    "give more text"]
+                    "give more text or ask fewer"]
     assert len(calibration.calibration_batches(lambda text: list(range(len(text))), "x" * 64, samples=4, seq_len=16)) == 1
     assert len(said) == 1                                         # four windows of 16 fill 64 tokens: nothing to say
     with pytest.raises(MemfitError, match="calibration text has 30 tokens, fewer than one window of --calib-seq 50"):

@@ -991,11 +991,11 @@ def test_a_partial_ffn_ledger_notes_that_verify_does_not_measure_it(capsys):
     """plan's footer sends the user to `memfit verify --plan FILE --pick N`, which refuses a partial-FFN plan, and
     the fastest inference plan is often one (a usage audit): the plan now says so beside it."""
     from memfit.cli import main
-    from memfit.ledger.predict import PARTIAL_FFN_NOTE
+    from memfit.ledger.predict import NO_PARTIAL_FFN
 
     job = Job(PRESETS["llama-3.2-3b"], task="infer", seq=8192, batch=8)
-    assert predict(job, Knobs(partial_load=0.7, partial_compute=0.4)).notes == [PARTIAL_FFN_NOTE]
+    assert predict(job, Knobs(partial_load=0.7, partial_compute=0.4)).notes == [NO_PARTIAL_FFN]
     assert predict(job, Knobs()).notes == []
     assert main(["plan", "--model", "llama-3.2-3b", "--task", "infer", "--seq", "8192", "--batch", "8",
                  "--gpu-memory", "16GiB"]) == 0
-    assert "note (plan 1): memfit verify does not build partial FFN" in " ".join(capsys.readouterr().out.split())
+    assert "note (plan 1): verify does not build partial-FFN models" in " ".join(capsys.readouterr().out.split())

@@ -37,11 +37,11 @@ def run(args) -> int:
     out = Path(args.out) if args.out else model_dir / RANKINGS_FILE
     if out.is_dir():
         raise MemfitError(f"--out {out} is a directory: name the rankings file (e.g. {out / RANKINGS_FILE})")
+    if out.exists() and not is_rankings_file(out):       # --force had replaced MODEL/model.safetensors itself
+        raise MemfitError(f"{out} exists and is not a rankings file an earlier memfit calibrate wrote, so it is never "
+                          "replaced (not even with --force); choose another --out")
     if out.exists() and not args.force:
         raise MemfitError(f"{out} exists; pass --force to overwrite it or --out to write elsewhere")
-    if out.exists() and not is_rankings_file(out):       # --force had replaced MODEL/model.safetensors itself
-        raise MemfitError(f"{out} is not a rankings file an earlier memfit calibrate wrote, so --force does not "
-                          "replace it; choose another --out")
     if problem := output_dir_problem(out.parent):      # before the model loads, not at the save
         raise MemfitError(f"--out {out}: {problem}")
     if args.max_tokens < 1 or args.batch_size < 1:

@@ -34,7 +34,7 @@ def calibration_batches(encode, text: str, samples: int = 32, seq_len: int = 512
     n = min(samples, ids.numel() // seq_len)
     if n < samples:
         warn_once("calibration-windows", f"calibration text has {ids.numel()} tokens: {n} window(s) of --calib-seq "
-                                         f"{seq_len}, not the --calib-samples {samples} asked; give more text")
+                                         f"{seq_len}, not the --calib-samples {samples} asked; give more text or ask fewer")
     rows = ids[: n * seq_len].reshape(n, seq_len)
     return list(rows.split(batch))
 

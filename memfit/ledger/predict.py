@@ -37,7 +37,8 @@ TRAINING_CUBLAS_WORKSPACES = 2 * CUBLAS_WORKSPACE
 # What a training or inference process holds on the GPU outside the caching allocator: the CUDA context, the kernels
 # it has loaded (torch's, Triton's, bitsandbytes'), library handles. Only shown and added to the budget check;
 # max_memory_allocated never sees it. benchmarks/plan_fits.py measured 767-769 MiB at the end of every plan that ran on
-# the H200 (torch 2.11, CUDA 13; e85f891, d2e16e1), where 520 MiB, the bare context, had been assumed; 800 leaves 31.
+# the H200 (torch 2.11, CUDA 13; e85f891, d2e16e1, 027117b), where 520 MiB, the bare context, had been assumed; 800
+# leaves 31. A plan that offloads checkpoint inputs to pinned CPU memory read 839 (027117b; not traced).
 CUDA_CONTEXT = 800 * MiB
 # The caching allocator reserves more than it hands out: the gap between reserved and allocated at the peak. memfit's
 # commands run it with expandable segments (memfit.local.use_expandable_segments); modelled as a fraction of the
@@ -46,6 +47,9 @@ CUDA_CONTEXT = 800 * MiB
 # predicted share; run again under their budget, their reserved bytes stood 0.16-0.26 GiB above their peaks (e85f891).
 FRAGMENTATION = 0.04
 ALLOCATOR_SLACK = 256 * MiB
+# Said by a partial-FFN plan's ledger and by memfit verify, which refuses one.
+NO_PARTIAL_FFN = ("verify does not build partial-FFN models: they are predicted by `memfit plan` and measured by "
+                  "benchmarks/partial_ffn.py")
 
 
 @dataclass
@@ -285,9 +289,6 @@ def _predict_train(job: Job, knobs: Knobs, ce_pytorch_path: bool) -> Ledger:
                   CUDA_CONTEXT if job.device == "cuda" else 0, trainable_numel, notes)
 
 
-PARTIAL_FFN_NOTE = "memfit verify does not build partial FFN; benchmarks/partial_ffn.py measures it"
-
-
 def blr_dense_kinds(spec, knobs: Knobs) -> tuple[str, ...] | None:
     """The projection kinds a block-low-rank model (``knobs.blr_method``) keeps as nn.Linear, or None for a dense
     model."""
@@ -460,4 +461,4 @@ def _predict_infer(job: Job, knobs: Knobs) -> Ledger:
     transient = sum(v for k, v in peak.items() if k not in ("weights",))
     partial = (knobs.partial_load, knobs.partial_compute) != (1.0, 1.0)
     return Ledger(job, knobs, dict(peak), phase, where, phases, _allocator_overhead(job, transient),
-                  CUDA_CONTEXT if job.device == "cuda" else 0, 0, [PARTIAL_FFN_NOTE] if partial else [])
+                  CUDA_CONTEXT if job.device == "cuda" else 0, 0, [NO_PARTIAL_FFN] if partial else [])

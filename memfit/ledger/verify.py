@@ -18,7 +18,7 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.ledger.job import Job, Knobs, field_flag
-from memfit.ledger.predict import Ledger, check_device, check_knobs_fit_job, predict
+from memfit.ledger.predict import NO_PARTIAL_FFN, Ledger, check_device, check_knobs_fit_job, predict
 from memfit.local import use_expandable_segments
 from memfit.measure.memory import PeakMeter, storage_bytes
 from memfit.models.build import build_model
@@ -98,8 +98,13 @@ def _prepare(job: Job, knobs: Knobs):
     return model
 
 
-NO_PARTIAL_FFN = ("verify does not build partial-FFN models: they are predicted by `memfit plan` and measured by "
-                  "benchmarks/partial_ffn.py")
+
+
+def _ledgers_allocator(job: Job) -> None:
+    """For a CUDA job, the allocator the ledger's overhead assumes (a library caller's too), set before anything
+    starts CUDA: check_runnable's bitsandbytes import reads the GPU's capability."""
+    if job.device == "cuda":
+        use_expandable_segments()
 
 
 def check_runnable(job: Job, knobs: Knobs) -> None:
@@ -146,9 +151,8 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1, progress: Callable[[str], N
     """Run ``warmup`` steps, then measure one step of ``job`` with ``knobs``; ``progress(phase)`` is told each phase
     as it starts (the model's build, each warm-up step, the measured step: seconds each on a CPU)."""
     say = progress or (lambda phase: None)
+    _ledgers_allocator(job)
     check_runnable(job, knobs)
-    if job.device == "cuda":
-        use_expandable_segments()      # a library caller's too: the allocator the ledger's overhead assumes
     say("building the random-init model")
     model = _prepare(job, knobs)
     generator = torch.Generator().manual_seed(0)
@@ -214,6 +218,7 @@ def verify(job: Job, knobs: Knobs, tolerance: float = 0.05, warmup: int = 1,
     ``progress`` is :func:`measure`'s."""
     if not 0 < tolerance < math.inf:                   # NaN fails both comparisons
         raise MemfitError(f"{field_flag('tolerance')} must be a positive, finite fraction (0.05 is 5%), got {tolerance}")
+    _ledgers_allocator(job)
     check_runnable(job, knobs)
     ledger = predict(job, knobs)
     return VerifyResult(ledger, measure(job, knobs, warmup, progress), tolerance)
