@@ -217,17 +217,26 @@ def test_a_bad_data_file_is_found_before_the_model_loads(tmp_path, monkeypatch):
         _cli(["--data", str(data), "--out", str(tmp_path / "run")])
 
 
-def test_examples_past_the_models_positions_are_refused_before_it_loads(tmp_path, monkeypatch):
-    """generate refuses a decode past max_position_embeddings; finetune had trained on such examples unsaid (a usage
-    audit). The tiny preset has 4096 positions; a byte-tokenized example of 5000 characters is past them."""
+def test_examples_past_the_models_positions_are_said_before_it_loads(tmp_path, monkeypatch):
+    """finetune had trained on examples past max_position_embeddings unsaid (a usage audit); they are said, as plan
+    notes such a job, not refused: a RoPE model runs them, and a long-context one (rope_scaling) keeps its original
+    max_position_embeddings. The tiny preset has 4096 positions; a byte-tokenized example of 5000 characters is past."""
     from memfit.commands import finetune
 
-    monkeypatch.setattr(finetune, "load_model", lambda *a: pytest.fail("loaded the model first"))
+    class Loaded(Exception):
+        pass
+
+    said = []
+    monkeypatch.setattr(finetune, "warn_once", lambda key, message: said.append(message))
+    monkeypatch.setattr(finetune, "load_model", lambda *a: (_ for _ in ()).throw(Loaded()))
     data = tmp_path / "long.jsonl"
-    data.write_text(json.dumps({"prompt": "a", "response": "b" * 5000}) + "\n")
-    with pytest.raises(MemfitError, match=r"--max-len 8192: .*long.jsonl has examples of 5003 tokens, past tiny's 4096 "
-                                          r"positions \(max_position_embeddings\); lower --max-len"):
-        _cli(["--data", str(data), "--max-len", "8192", "--out", str(tmp_path / "run"), "--device", "cpu"])
+    for length, says in ((4000, False), (5000, True)):
+        data.write_text(json.dumps({"prompt": "a", "response": "b" * length}) + "\n")
+        with pytest.raises(Loaded):
+            _cli(["--data", str(data), "--max-len", "8192", "--out", str(tmp_path / f"run{length}"), "--device", "cpu"])
+        assert bool(said) == says
+    assert re.fullmatch(r"--max-len 8192: .*long.jsonl has examples of 5003 tokens, past tiny's max_position_embeddings "
+                        r"\(4096\): they train .*", said[0])
 
 
 def test_finetune_default_runs_and_loss_falls(tmp_path, capsys):

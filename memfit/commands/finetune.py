@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from memfit.errors import MemfitError
 from memfit.files import atomic_dir, follow_umask, set_aside_of
+from memfit.log import warn_once
 
 if TYPE_CHECKING:  # the annotations only; torch loads when a run starts, not for `memfit --help`
     import torch
@@ -303,9 +304,10 @@ def run(args) -> int:
     check_technique_flags(args, spec, device)
     tokenizer = load_tokenizer(args.model, spec)
     examples = tokenize_records(data, records, tokenizer, args.max_len)
-    if (longest := max((len(e.input_ids) for e in examples), default=0)) > spec.max_position:
-        raise MemfitError(f"--max-len {args.max_len}: {data} has examples of {longest} tokens, past {spec.name}'s "
-                          f"{spec.max_position} positions (max_position_embeddings); lower --max-len")
+    if (longest := max((len(e.input_ids) for e in examples), default=0)) > spec.max_position:   # as plan notes it
+        warn_once("finetune:positions", f"--max-len {args.max_len}: {data} has examples of {longest} tokens, past "
+                                        f"{spec.name}'s max_position_embeddings ({spec.max_position}): they train (RoPE "
+                                        "has no table to run out of), but the model was not configured for that length")
     data_name = f"{data} cut at {args.max_len} tokens"
     techniques = choose_techniques(args, spec, device, dtype, console)
     if args.resume:                                    # what a resume needs no model for, checked before loading it
