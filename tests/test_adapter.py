@@ -82,7 +82,7 @@ def test_generate_with_an_adapter_writes_the_merged_models_text(tiny_dir, tmp_pa
         assert main(["generate", *argv, *common]) == 0
         return capsys.readouterr().out
 
-    with_adapter = text(str(tiny_dir), "--adapter", str(adapter), "--raw-prompt")     # as the merged model reads it
+    with_adapter = text(str(tiny_dir), "--adapter", str(adapter))
     assert with_adapter == text(str(tmp_path / "merged"))
     assert with_adapter != text(str(tiny_dir))
 
@@ -141,11 +141,12 @@ def test_what_finetune_saves_generates(tiny_dir, tmp_path, capsys, monkeypatch):
     assert "model.norm.weight" in moved and any("q_proj" in name for name in moved)
 
 
-@pytest.mark.parametrize("raw", [False, True])
-def test_generate_encodes_an_adapters_prompt_as_finetune_trained_it(tiny_dir, tmp_path, capsys, monkeypatch, raw):
-    """finetune trains on PROMPT + newline with no special tokens; generate had given an adapter the prompt as the
-    tokenizer encodes it by default (a BOS where it adds one) and no newline (a usage audit). --raw-prompt keeps that."""
-    from memfit.data.jsonl import load_jsonl
+@pytest.mark.parametrize("marked, raw", [(True, False), (True, True), (False, False)])
+def test_generate_encodes_a_finetune_adapters_prompt_as_it_was_trained(tiny_dir, tmp_path, monkeypatch, marked, raw):
+    """finetune trains on PROMPT + newline with no special tokens; generate had given its adapter the prompt as the
+    tokenizer encodes it by default (a BOS where it adds one) and no newline (a usage audit). --raw-prompt keeps that,
+    and an adapter finetune did not save (no mark: record_prompt_template) gets its prompt as given (a review)."""
+    from memfit.data.jsonl import load_jsonl, record_prompt_template
     from memfit.data.tokenizer import ByteTokenizer
     from memfit.infer import generate
 
@@ -160,6 +161,8 @@ def test_generate_encodes_an_adapters_prompt_as_finetune_trained_it(tiny_dir, tm
 
     monkeypatch.setattr(generate.Generator, "generate", capture)
     adapter = _adapter(tiny_dir, tmp_path / "adapter")
+    if marked:
+        record_prompt_template(adapter)
     with pytest.raises(Stop):
         main(["generate", str(tiny_dir), "--adapter", str(adapter), "--prompt", "hi there", "--max-new", "2",
               "--device", "cpu", "--no-graphs", *(["--raw-prompt"] if raw else [])])
@@ -167,8 +170,25 @@ def test_generate_encodes_an_adapters_prompt_as_finetune_trained_it(tiny_dir, tm
     data.write_text(json.dumps({"prompt": "hi there", "response": "yo"}) + "\n")
     example = load_jsonl(data, ByteTokenizer(), 64)[0]
     trained_prompt = [t for t, label in zip(example.input_ids, example.labels) if label == -100]
-    assert given == [ByteTokenizer().encode("hi there") if raw else trained_prompt]
-    assert raw or trained_prompt[-1] == ord("\n")
+    assert trained_prompt[-1] == ord("\n")
+    assert given == [trained_prompt if marked and not raw else ByteTokenizer().encode("hi there")]
+
+
+def test_a_tokenizer_that_adds_a_bos_encodes_prompts_as_finetune_did_without_it(tmp_path):
+    """The BOS half of the prompt template: encode_plain (finetune's examples, an adapter's prompts) adds none where
+    the tokenizer's default encode adds one."""
+    from tokenizers import Tokenizer, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from memfit.infer.text import load_codec
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"<unk>": 256, "</s>": 257, "<s>": 258}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 258)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>",
+                            bos_token="<s>").save_pretrained(tmp_path)
+    codec = load_codec(tmp_path, 259)
+    assert codec.encode("hi") == [258, *b"hi"] and codec.encode_plain("hi") == list(b"hi")
 
 
 def test_raw_prompt_without_an_adapter_is_refused(tiny_dir, capsys):

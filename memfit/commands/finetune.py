@@ -393,11 +393,15 @@ def _entries_not_its_own(out: Path, shown: int = 3) -> list[str]:
 
 
 def _save_adapter(model, out: Path) -> Path:
-    """Save the LoRA adapter (peft format) to OUT/adapter, replacing the previous one atomically."""
+    """Save the LoRA adapter (peft format) to OUT/adapter, replacing the previous one atomically, with the mark that
+    tells generate how its prompts were encoded."""
+    from memfit.data.jsonl import record_prompt_template
+
     final = out / "adapter"
     for leftover in (out / ".adapter.tmp", *set_aside_of(final)):   # left by a run killed while it saved
         shutil.rmtree(leftover, ignore_errors=True)
     with atomic_dir(final, out / ".adapter.tmp") as tmp:
         model.save_pretrained(tmp)
         follow_umask(*tmp.rglob("*.safetensors"))      # peft's weights (below tmp for a named adapter), written 0600
+        record_prompt_template(tmp)                    # generate --adapter then encodes prompts as they were trained
     return final

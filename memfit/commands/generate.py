@@ -33,12 +33,13 @@ def add_parser(sub):
     parser.add_argument("--task", help="task ranking to take the base neurons from (default: the general ranking)")
     parser.add_argument("--rankings", help="rankings file (default: MODEL/rankings.safetensors)")
     parser.add_argument("--adapter", help="a LoRA adapter directory (memfit finetune's OUT/adapter, or any plain peft "
-                                          "LoRA adapter of MODEL), merged into the weights before decoding; each "
-                                          "--prompt is then encoded as memfit finetune encodes a prompt/response "
-                                          "example's prompt: the text and a newline, no special tokens (no BOS)")
+                                          "LoRA adapter of MODEL), merged into the weights before decoding. For one "
+                                          "memfit finetune saved, each --prompt is encoded as its prompts were trained: "
+                                          "the text and a newline, no special tokens (no BOS); a chat-trained one reads "
+                                          "its markers as typed, e.g. --prompt $'<|user|>\\nhi<|assistant|>'")
     parser.add_argument("--raw-prompt", action="store_true",
-                        help="with --adapter, encode each --prompt as given, as without one (the tokenizer's "
-                             "default special tokens; an adapter trained on chat messages needs its markers typed)")
+                        help="with an --adapter memfit finetune saved, encode each --prompt as given, as without one "
+                             "(with the tokenizer's default special tokens)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
     parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: the model's)")
@@ -171,7 +172,7 @@ def run(args) -> int:
     import torch
     from rich.console import Console
 
-    from memfit.data.jsonl import prompt_text
+    from memfit.data.jsonl import has_prompt_template, prompt_text
     from memfit.infer.generate import Generator, check_decode_length, weight_bytes_per_token
     from memfit.infer.text import load_codec
     from memfit.local import resolve_device
@@ -181,6 +182,8 @@ def run(args) -> int:
 
     if args.max_new < 1:
         raise MemfitError(f"--max-new must be >= 1, got {args.max_new}")
+    if args.raw_prompt and args.adapter is None:
+        raise MemfitError("--raw-prompt goes with --adapter (without one every --prompt is encoded as given)")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise MemfitError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     device = resolve_device(args.device)
@@ -192,9 +195,7 @@ def run(args) -> int:
     load = (_compressed_loader if compressed else _dense_loader)(args, device, console)
     skeleton = model_skeleton(model_dir)        # the architecture alone: what a refusal needs, before any weight
     codec = load_codec(model_dir, skeleton.config.vocab_size)
-    if args.raw_prompt and args.adapter is None:
-        raise MemfitError("--raw-prompt goes with --adapter (without one every --prompt is encoded as given)")
-    if args.adapter is not None and not args.raw_prompt:     # as the adapter was trained: finetune's prompt template
+    if args.adapter is not None and not args.raw_prompt and has_prompt_template(args.adapter):   # as it was trained
         encoded = [codec.encode_plain(prompt_text(text)) for text in args.prompt]
         console.print("[dim]--adapter: each prompt encoded as memfit finetune's prompts are (the text and a newline, "
                       "no special tokens); --raw-prompt encodes it as given[/dim]")

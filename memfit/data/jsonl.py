@@ -38,10 +38,26 @@ class Example:
         return sum(label != IGNORE_INDEX for label in self.labels)
 
 
+PROMPT_TEMPLATE_FILE = "memfit_prompt_template.json"     # in an adapter memfit finetune saved: how it read prompts
+
+
 def prompt_text(prompt: str) -> str:
     """A prompt/response example's prompt as it is trained on (tokenized with no special tokens, no loss): what
-    ``memfit generate --adapter`` gives the model for a ``--prompt``, so that it reads what the adapter learnt from."""
+    ``memfit generate --adapter`` gives an adapter memfit finetune saved for a ``--prompt``, so that it reads what the
+    adapter learnt from."""
     return prompt + "\n"
+
+
+def record_prompt_template(adapter_dir: Path) -> None:
+    """Mark ``adapter_dir`` as trained on :func:`prompt_text`'s template with no special tokens, which generate reads
+    (:func:`has_prompt_template`); a peft adapter from elsewhere has no mark and gets its prompts as given."""
+    (Path(adapter_dir) / PROMPT_TEMPLATE_FILE).write_text(json.dumps(
+        {"prompt": prompt_text("{prompt}"), "special_tokens": False}) + "\n")
+
+
+def has_prompt_template(adapter_dir: str | Path) -> bool:
+    """Whether memfit finetune saved ``adapter_dir`` (:func:`record_prompt_template`)."""
+    return (Path(adapter_dir) / PROMPT_TEMPLATE_FILE).is_file()
 
 
 def _segments(record, where: str) -> list[tuple[str, bool]]:
