@@ -135,6 +135,17 @@ def test_the_cli_resumes_a_run_with_settings_other_than_the_defaults(tmp_path):
     assert json.loads((_latest(tmp_path / "run") / "progress.json").read_text())["step"] == 2
 
 
+def test_a_4bit_bases_digest_reads_its_block_scales():
+    """NF4 codes do not change when a block is rescaled; its absmax does (a review). A stand-in for Params4bit."""
+    from memfit.train.finetune import base_digest
+
+    model = torch.nn.Linear(4, 4, bias=False).requires_grad_(False)
+    model.weight.quant_state = type("QuantState", (), {"absmax": torch.ones(2)})()
+    before = base_digest(model)
+    model.weight.quant_state.absmax *= 1.5
+    assert base_digest(model) != before
+
+
 def _scale_a_frozen_weight(model):
     with torch.no_grad():
         model.get_base_model().model.layers[1].mlp.down_proj.weight.mul_(1.5)
@@ -144,7 +155,8 @@ def _scale_a_frozen_weight(model):
     ("four_bit", lambda model: setattr(model.get_base_model(), "is_loaded_in_4bit", True),   # patch(four_bit=True)'s
      r"four_bit=False, this run asks for True \(--four-bit, --no-four-bit or another --gpu-memory\?\)"),  # mark
     ("base", _scale_a_frozen_weight,
-     r"base=[0-9a-f]{16}, this run asks for [0-9a-f]{16} \(another model, or the same one changed\?\)"),
+     r"base=[0-9a-f]{16}, this run asks for [0-9a-f]{16} \(another model, the same one changed, or a preset built "
+     r"on another device\?\)"),
 ])
 def test_a_resume_refuses_another_base(tmp_path, said, setting, change, message):
     """An adapter trained against a dense base had resumed on a 4-bit NF4 one (and the reverse), and one trained on a

@@ -63,7 +63,7 @@ LORA_SETTINGS = (("lora_r", "r", "another --lora-r"), ("lora_alpha", "lora_alpha
                  ("modules_to_save", "modules_to_save", "--train-norm or --no-train-norm"))
 SETTING_HINTS = {key: hint for key, _, hint in LORA_SETTINGS} | {
     "dtype": "another --dtype", "four_bit": "--four-bit, --no-four-bit or another --gpu-memory",
-    "base": "another model, or the same one changed"}
+    "base": "another model, the same one changed, or a preset built on another device"}
 RUN_SETTINGS = frozenset(SETTING_HINTS) | {"data"}     # run_settings' entries
 
 
@@ -172,17 +172,21 @@ def run_settings(model: torch.nn.Module, examples: list[Example], data_name: str
 
 
 def base_digest(model: torch.nn.Module) -> str:
-    """A digest of the frozen weights: each one's name, shape and first and last BASE_SAMPLE values. A resume onto
-    another model of the same shapes had trained on, its losses mixed with the first model's; a sample, not every
-    value, so that it costs nothing at 8B."""
+    """A digest of the frozen weights: each one's name, shape and first and last BASE_SAMPLE values (and of a 4-bit
+    weight's block scales, which its packed codes do not change with). A resume onto another model of the same shapes
+    had trained on, its losses mixed with the first model's; a sample, not every value, so that it costs nothing at
+    8B. A preset's random init differs by device (CPU and CUDA generators), so it differs too."""
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
         if param.requires_grad:
             continue
-        flat = param.detach().reshape(-1)
-        sample = torch.cat([flat[:BASE_SAMPLE], flat[-BASE_SAMPLE:]]).to("cpu", torch.float64)
         digest.update(f"{name}{tuple(param.shape)}".encode())
-        digest.update(sample.numpy().tobytes())
+        state = getattr(param, "quant_state", None)          # bitsandbytes' Params4bit
+        for values in (param, getattr(state, "absmax", None)):
+            if values is not None:
+                flat = values.detach().reshape(-1)
+                sample = torch.cat([flat[:BASE_SAMPLE], flat[-BASE_SAMPLE:]]).to("cpu", torch.float64)
+                digest.update(sample.numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
