@@ -161,6 +161,21 @@ def test_a_non_finite_weight_is_refused_before_any_projection(method, monkeypatc
         convert.compress_model(model, method, blocks=4, skip=(), device="cpu")
 
 
+def test_non_finite_calibration_inputs_are_refused_before_any_projection(monkeypatch):
+    """A model that overflows on the calibration data (float16) had reached the projection, whose non-finite factors
+    were then blamed on memfit (a review)."""
+    from memfit.compress import convert
+
+    model = build_model(PRESETS["tiny"])
+    with torch.no_grad():
+        model.model.layers[0].post_attention_layernorm.weight.fill_(math.inf)
+    monkeypatch.setattr(convert, "project", lambda *a: pytest.fail("projected"))
+    with pytest.raises(MemfitError, match=r"model.layers.0.mlp.gate_proj: its inputs on the calibration data are not "
+                                          r"finite"):
+        convert.compress_model(model, "lowrank", skip=(), calibration=[torch.randint(0, 512, (1, 8))],
+                               activation_aware=True, device="cpu")
+
+
 def test_non_finite_factors_are_refused_before_they_reach_the_model(monkeypatch):
     from memfit.compress import convert
 

@@ -99,6 +99,9 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
             h.remove()
     if not sums:
         raise MemfitError("the calibration data produced no tokens")
+    if broken := next((rep for rep, cov in sums.items() if not bool(cov.isfinite().all())), None):
+        raise MemfitError(f"{broken}: its inputs on the calibration data are not finite (the model overflows there: "
+                          "a float16 model? load it in bfloat16 or float32); nothing is written")
     if tokens < (width := max(cov.shape[0] for cov in sums.values())):
         warn_once("calibration-short", f"calibration: {tokens} tokens for layers up to {width} inputs wide: their "
                   "input covariance is rank-deficient, and the output errors, measured on the same tokens, read "
@@ -189,7 +192,8 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
     given also yields each layer's relative output error in the report. ``ranks`` (kind ->
     rank) overrides ``ratio``. ``steps``: BLAST descent steps. ``device``: where the
     projections run (default: CUDA when available). ``progress(kind, n_done)`` is called
-    as matrices finish.
+    as matrices finish. A MemfitError raised once projections have begun (a defect's non-finite
+    factors) leaves the model partly compressed: load it again to retry.
     """
     if activation_aware and calibration is None:
         raise MemfitError("activation-aware projection needs calibration data (--calib FILE or --calib-builtin)")
