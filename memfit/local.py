@@ -47,7 +47,8 @@ def use_expandable_segments() -> None:
     out of memory, their reserved bytes up to 1.3 GiB above their peaks (run again under their budget); with expandable
     segments 4 of 8, the gap 0.05-0.26 GiB; with these and the slack, all 10 it reached ran. A setting of the user's
     (either variable, not empty) is kept, said once where it leaves expandable segments off; so is the running
-    allocator's where CUDA has already started (a library caller's process), unless its setting has them."""
+    allocator's where CUDA has already started (a library caller's process), unless its setting has them: a setting
+    found then is taken to be the one CUDA started with (torch reads it at that start; one set later is not read)."""
     import torch
 
     from memfit.log import warn_once
