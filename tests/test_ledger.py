@@ -963,7 +963,8 @@ def test_verify_says_each_phase_as_it_starts(task):
 def test_the_job_as_asked_is_a_plan_and_the_labels_say_what_a_plan_drops():
     """An asked --checkpoint-layers 5 is none of checkpoint's counts, so the job as asked, which fits, was in none of
     30 plans; the plans that drop what was asked read "checkpoint 0 layers" and "micro-batch 6" of a batch of 6
-    (a usage audit)."""
+    (a usage audit). A whole batch asked as the CLI asks it (micro_batch = batch) is listed once and labels no plan
+    (a review), and a plan without an asked partial FFN reads "no partial FFN" and ranks as exact."""
     from memfit.ledger.planner import plan
     from memfit.ledger.techniques import approximate
 
