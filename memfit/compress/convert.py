@@ -101,7 +101,8 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
         raise MemfitError("the calibration data produced no tokens")
     if broken := next((rep for rep, cov in sums.items() if not bool(cov.isfinite().all())), None):
         raise MemfitError(f"{broken}: its inputs on the calibration data are not finite (the model overflows there: "
-                          "a float16 model? load it in bfloat16 or float32); nothing is written")
+                          "float16 weights?), so no projection or error can use them; compress without calibration "
+                          "data, or from Python on the model in bfloat16 or float32; nothing is written")
     if tokens < (width := max(cov.shape[0] for cov in sums.values())):
         warn_once("calibration-short", f"calibration: {tokens} tokens for layers up to {width} inputs wide: their "
                   "input covariance is rank-deficient, and the output errors, measured on the same tokens, read "
