@@ -16,11 +16,12 @@ import triton.language as tl
 from conftest import rel, seeded
 
 from memfit.errors import MemfitError
-from memfit.kernels import autotune, batched_gemm, blast, blr_common, lowrank, monarch
+from memfit.kernels import autotune, batched_gemm, blast, blr_common, dispatch, lowrank, monarch
 from memfit.kernels.blast import blast_linear, blast_linear_reference
 from memfit.kernels.dispatch import interpreting
 from memfit.kernels.lowrank import lowrank_linear, lowrank_linear_reference
 from memfit.kernels.monarch import monarch_linear, monarch_linear_reference
+from memfit.layers import BlastLinear, LowRankLinear, MonarchLinear
 from memfit.ledger.predict import blr_transient_per_token
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -78,6 +79,24 @@ def test_monarch(dtype, variant, permute, lead, bias, monkeypatch):
                torch.randn(B * P)]
     check(monarch_linear, monarch_linear_reference, drop_bias(tensors, bias), dtype, permute_output=permute,
                   variant=variant)
+
+
+@pytest.mark.parametrize("layer", [LowRankLinear(12, 8, rank=3, bias=True, dtype=torch.float64),
+                                   MonarchLinear(12, 9, rank=6, blocks=3, bias=True, dtype=torch.float64),
+                                   BlastLinear(12, 9, rank=4, blocks=3, bias=True, dtype=torch.float64)],
+                         ids=["lowrank", "monarch", "blast"])
+def test_float64_runs_the_reference_said_once_and_a_forced_triton_path_refuses_it(layer, monkeypatch):
+    """The kernels' fp32 accumulators had returned garbage (or NaN) for float64, unsaid: gradcheck now passes on
+    the reference, which auto mode runs, and says so once; the forced path names the dtype."""
+    said = []
+    monkeypatch.setattr(dispatch, "warn_once", lambda key, message: said.append(message))
+    x = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
+    assert rel(layer(x), x @ layer.to_dense().T + layer.bias) < 1e-12
+    assert torch.autograd.gradcheck(layer, (x,))
+    assert said and all("no Triton kernel for torch.float64" in message for message in said)
+    monkeypatch.setenv("MEMFIT_KERNELS", "triton")
+    with pytest.raises(MemfitError, match="forced.*not torch.float64"):
+        layer(x)
 
 
 def test_monarch_variants_offered():

@@ -86,7 +86,7 @@ def test_swiglu_of_one_tensor_twice_and_of_leaves_keeps_the_callers_tensors_and_
     """silu(h) * h: both gradients would have been written into one buffer, then added as one (wrong); a leaf the caller
     holds, or an input that wants no gradient, keeps its values (only a copy, or nothing, is overwritten)."""
     gen = seeded(6)
-    h0 = torch.randn(3, 50, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(3, 50, generator=gen)
     h = h0.clone().requires_grad_()
     swiglu(h * 1, h * 1, path=path).sum().backward()                     # two tensors: the usual case
     once = h.grad.clone()
@@ -113,6 +113,15 @@ def test_swiglu_reads_strided_inputs_through_a_copy():
     gen = seeded(5)
     gate, up = (torch.randn(6, 8, generator=gen).t() for _ in range(2))
     assert torch.allclose(swiglu(gate, up, path="triton"), swiglu_reference(gate, up), atol=1e-6)
+
+
+def test_swiglu_runs_float64_on_its_reference_and_refuses_it_on_the_forced_kernel():
+    """The kernel computes in fp32: float64 had come out rounded to it (about 2e-7 off), unsaid."""
+    gen = seeded(6)
+    gate, up = (torch.randn(5, 7, dtype=torch.float64, generator=gen) for _ in range(2))
+    assert torch.equal(swiglu(gate, up), swiglu_reference(gate, up))
+    with pytest.raises(MemfitError, match="forced.*not torch.float64"):
+        swiglu(gate, up, path="triton")
 
 
 @pytest.mark.parametrize("gate,up,message", [

@@ -128,7 +128,8 @@ def runs_triton(op: str, x: torch.Tensor, tensors: tuple, path: str | None, vari
         return True
     if variant != "auto" and x.numel():
         raise MemfitError(f"{op}: variant={variant!r} names a Triton pipeline, and this call runs the PyTorch "
-                          f"reference (path={path or 'auto'}, tensors on {x.device.type}); leave variant='auto'")
+                          f"reference (path={path or 'auto'}, {x.dtype} tensors on {x.device.type}); leave "
+                          "variant='auto'")
     return False
 
 

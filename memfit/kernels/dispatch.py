@@ -8,6 +8,10 @@ The choice is explicit and observable:
 * unset (``auto``): Triton on CUDA tensors or under the interpreter, otherwise the
   reference, and that fallback is logged once per op.
 
+The kernels take float16, bfloat16 and float32 (``TRITON_DTYPES``): a float64 tensor runs the reference in auto mode,
+said once, and is refused where the Triton path is forced (the BLR kernels' fp32 accumulators had returned garbage
+for it, unsaid).
+
 An op may also take an explicit ``path=`` argument that overrides the environment, and may narrow auto mode further
 (``linear_ce.takes_pytorch_path``: fp32 at IEEE precision on CUDA runs its reference, said once).
 
@@ -25,6 +29,7 @@ from memfit.errors import MemfitError
 from memfit.log import warn_once
 
 PATHS = ("auto", "triton", "reference")
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def interpreting() -> bool:
@@ -66,6 +71,8 @@ def use_triton(op: str, *tensors: torch.Tensor, path: str | None = None) -> bool
     """
     mode = kernel_mode(op, path)
     runnable = triton_runnable("cuda" if all(t.is_cuda for t in tensors) else "cpu")
+    other_dtypes = ", ".join(sorted({str(t.dtype) for t in tensors if t.is_floating_point()
+                                     and t.dtype not in TRITON_DTYPES}))
     if mode == "reference":
         return False
     if mode == "triton":
@@ -74,7 +81,14 @@ def use_triton(op: str, *tensors: torch.Tensor, path: str | None = None) -> bool
                 f"{op}: the Triton path was forced but cannot run here (needs CUDA tensors, "
                 "or TRITON_INTERPRET=1 for CPU tensors, and triton installed)"
             )
+        if other_dtypes:
+            raise MemfitError(f"{op}: the Triton path was forced, and its kernels take float16, bfloat16 or float32, "
+                              f"not {other_dtypes}")
         return True
+    if other_dtypes:
+        warn_once(f"fallback:{op}:{other_dtypes}", f"{op}: no Triton kernel for {other_dtypes}; running the PyTorch "
+                                                    "reference")
+        return False
     if not runnable:
         device = tensors[0].device.type if tensors else "?"
         warn_once(f"fallback:{op}:{device}", f"{op}: no Triton kernel on {device}; running the PyTorch reference")
