@@ -15,7 +15,9 @@ head, split of the cache):
   reads the cache at ``slot`` (so no program waits for the write);
 * keys ``j < slot`` with ``valid[b, j]`` (left padding is invalid) of the split's chunk,
   read only up to ``slot``: the length comes from device memory, so one captured CUDA
-  graph serves every step;
+  graph serves every step. For the same reason no check of ``slot`` can raise: a slot outside the cache's
+  [0, L) writes nothing and reads no key past the cache (it had written past the cache, into whatever memory
+  followed), and the output is then not the reference's, which raises;
 * online softmax in base 2 (log2 e folded into the scale), p in the model dtype for the
   p V product as in flash attention.
 
@@ -117,13 +119,14 @@ def _rope_rows(ptr, rows, row_stride, row_mask, cos, sin, d, D: tl.constexpr):
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, valid_ptr, slot_ptr,
                              out_ptr, m_ptr, l_ptr, acc_ptr,
                              sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, scs_b, sc_b, sc_h, sc_n, sval_b,
-                             qk_scale, G, H, S,
+                             qk_scale, G, H, S, L,
                              D: tl.constexpr, GP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
                              SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
     split = tl.program_id(2)
     slot = tl.load(slot_ptr)
+    in_cache = (slot >= 0) & (slot < L)        # outside: no store and no read past the cache (the caller's defect)
     d = tl.arange(0, D)
     g = tl.arange(0, GP)
     one = tl.arange(0, 1)
@@ -135,8 +138,8 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_p
     cache = b * sc_b + kv * sc_h
     first = split == 0
     if first:
-        tl.store(kc_ptr + cache + slot * sc_n + one[:, None] * 0 + d[None, :], k_new)
-        tl.store(vc_ptr + cache + slot * sc_n + one[:, None] * 0 + d[None, :], v_new)
+        tl.store(kc_ptr + cache + slot * sc_n + one[:, None] * 0 + d[None, :], k_new, mask=in_cache)
+        tl.store(vc_ptr + cache + slot * sc_n + one[:, None] * 0 + d[None, :], v_new, mask=in_cache)
     # split 0 starts from the new token (every query sees itself); the others from nothing
     s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale             # (GP,)
     m_i = tl.where(first, s_new, float("-inf"))
@@ -144,7 +147,8 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_p
     acc = tl.where(first, 1.0, 0.0) * v_new.to(tl.float32) + tl.zeros((GP, D), tl.float32)
     start = split * CHUNK
     m_i, l_i, acc = _attend_cache(q, kc_ptr, vc_ptr, valid_ptr + b * sval_b, cache, sc_n, start,
-                                  tl.minimum(start + CHUNK, slot), m_i, l_i, acc, qk_scale, D, BLOCK_N, True, DOT_PREC)
+                                  tl.minimum(start + CHUNK, tl.minimum(slot, L)), m_i, l_i, acc, qk_scale, D, BLOCK_N,
+                                  True, DOT_PREC)
     _store_heads(out_ptr, m_ptr, l_ptr, acc_ptr, b, kv * G + g, g < G, split, m_i, l_i, acc, H, S, D, SPLIT)
 
 
@@ -308,7 +312,7 @@ def _attention_launch(q, k, v, cos, sin, k_cache, v_cache, valid, slot, scale, v
         q, k, v, cos, sin, k_cache, v_cache, valid8, slot, out, m, l_, acc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid8.stride(0),
-        scale * LOG2E, G, H, S, D=D, GP=max(MIN_DOT, triton.next_power_of_2(G)), CHUNK=chunk, BLOCK_N=block_n,
+        scale * LOG2E, G, H, S, L, D=D, GP=max(MIN_DOT, triton.next_power_of_2(G)), CHUNK=chunk, BLOCK_N=block_n,
         SPLIT=split, DOT_PREC=dot_precision(q.dtype, "decode attention"), num_warps=warps)
     if split:
         _attention_combine_kernel[(B * H,)](m, l_, acc, out, slot, S, D=D, CHUNK=chunk, SP=triton.next_power_of_2(S))
