@@ -49,7 +49,14 @@ def candidates(job: Job, base: Knobs, allowed: tuple[str, ...] | None = None,
                keep: Callable[[Knobs], bool] | None = None) -> list[Knobs]:
     """``base`` itself (the job as asked, which no technique's variants need include: an asked --checkpoint-layers 5
     is none of checkpoint's counts) and every combination of the registered techniques' variants (or only the
-    ``allowed`` ones) on top of it, less those ``keep`` refuses."""
+    ``allowed`` ones) on top of it, less those ``keep`` refuses. A name ``allowed`` gives that no technique has is
+    refused: it had been left out of the search, unsaid, so a misspelt list planned the job as asked alone."""
+    if allowed is not None:
+        if isinstance(allowed, str):       # "checkpoint" would match by substring, letter by letter
+            allowed = (allowed,)
+        if unknown := [name for name in allowed if name not in REGISTRY]:
+            raise MemfitError(f"allowed: no technique named {', '.join(map(repr, unknown))}; the techniques are "
+                              f"{', '.join(REGISTRY)}")
     options = [t.variants(job, base) or [{}] for name, t in REGISTRY.items() if allowed is None or name in allowed]
     out, seen = [], set()
     for combo in [(), *itertools.product(*options)]:
