@@ -300,6 +300,20 @@ def test_plan_skips_gqa_kv_and_break_even():
     assert plan["q_proj"].rank is None and "break-even" in plan["q_proj"].reason and plan["o_proj"].rank == 256
 
 
+@pytest.mark.parametrize("ranks,skip,message", [
+    ({"k_proj": 4}, None, "ranks gives k_proj a rank, and the default skip keeps the small GQA k/v projections dense"),
+    ({"q_proj": 4, "up_proj": 4}, ("up_proj",), r"ranks gives up_proj a rank, and skip=\('up_proj',\)"),
+    ({"q_proj": 40}, None, "nothing to compress: .*q_proj: rank 40 is past break-even"),
+    ({}, None, "nothing to compress: .*ranks is empty"),
+    ({"q_proj": 0}, None, "ranks must be positive integers, got {'q_proj': 0}"),
+    ({"q_proj": 2.5}, None, "ranks must be positive integers"),
+])
+def test_explicit_ranks_that_would_compress_nothing_are_refused(ranks, skip, message):
+    """Each had planned every kind dense, and compress_model replaced no layer without a word."""
+    with pytest.raises(MemfitError, match=message):
+        plan_kinds(PRESETS["tiny"].linear_shapes(), "lowrank", None, 16, ranks=ranks, skip=skip)
+
+
 def test_plan_takes_the_smallest_rank_where_a_kind_cannot_go_lower():
     """A kind whose smallest rank holds more than the shared fraction takes that rank (the bisection used to read
     it as a plan too big, and refused every ratio of the tiny model's Monarch plan at blocks=16 up to 0.8); a ratio

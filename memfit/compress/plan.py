@@ -60,6 +60,19 @@ def default_skip(shapes: dict[str, tuple[int, int]]) -> tuple[str, ...]:
     return ()
 
 
+def _check_ranks(ranks: dict[str, int] | None, skip: tuple[str, ...], skip_defaulted: bool) -> None:
+    """Explicit ranks: positive integers, for kinds not kept dense (a skipped kind's rank had been ignored, unsaid)."""
+    if ranks is None:
+        return
+    if bad := {k: r for k, r in ranks.items() if not isinstance(r, int) or isinstance(r, bool) or r < 1}:
+        raise MemfitError(f"ranks must be positive integers, got {bad}")
+    if skipped := [k for k in ranks if k in skip]:
+        them = "it" if len(skipped) == 1 else "them"
+        why = "the default skip keeps the small GQA k/v projections dense" if skip_defaulted else f"skip={skip}"
+        raise MemfitError(f"ranks gives {', '.join(skipped)} a rank, and {why}; pass a skip without {them} (e.g. "
+                          "skip=() to compress every kind)")
+
+
 def _check_args(method, ratio, blocks, ranks):
     """The structure class of ``method``, after checking ``blocks`` and (without explicit ``ranks``) ``ratio``."""
     cls = structure_class(method)
@@ -78,10 +91,12 @@ def plan_kinds(shapes: dict[str, tuple[int, int]], method: str, ratio: float | N
     --blr`, which plans the default kinds)."""
     cls = _check_args(method, ratio, blocks, ranks)  # before the divisibility test divides by blocks
     blocks = 1 if method == "lowrank" else blocks
-    skip = default_skip(shapes) if skip is None else tuple(skip)
+    skip_defaulted = skip is None
+    skip = default_skip(shapes) if skip_defaulted else tuple(skip)
     unknown = [k for k in (*skip, *(ranks or {})) if k not in shapes]
     if unknown:
         raise MemfitError(f"unknown projection kind(s) {unknown}; the model has {', '.join(shapes)}")
+    _check_ranks(ranks, skip, skip_defaulted)
     candidates = [k for k in shapes if k not in skip]
     if not candidates:
         raise MemfitError(f"nothing to compress: every projection kind ({', '.join(shapes)}) is skipped"
@@ -119,7 +134,11 @@ def plan_kinds(shapes: dict[str, tuple[int, int]], method: str, ratio: float | N
         return out
 
     if ranks is not None:
-        return plan_at(None)
+        plan = plan_at(None)
+        if all(p.rank is None for p in plan.values()):     # it had returned, and compress replaced no layer, unsaid
+            why = "; ".join(f"{k}: {p.reason}" for k, p in plan.items() if k in ranks) or "ranks is empty"
+            raise MemfitError(f"nothing to compress: no kind ranks leaves below its dense size ({why})")
+        return plan
     total = sum(fin * fout for fin, fout in shapes.values())
     lo, hi, best = 0.0, 1.0, None
     for _ in range(40):  # largest shared fraction whose plan fits ratio * total (its size grows with the fraction)
