@@ -1,5 +1,6 @@
 """`memfit verify --plan FILE --pick N`: the job and techniques of a plan `memfit plan --json` wrote, measured, and
 the records that carry them (Job.from_dict, Knobs.from_dict); what it refuses, each in one line before any work."""
+import dataclasses
 import json
 
 import pytest
@@ -50,9 +51,16 @@ def measured(monkeypatch):
      Knobs(lora_rank=4, lora_targets=("q_proj", "down_proj"), checkpoint_layers=2, offload_layers=1, fused_ce=True,
            optimizer="adamw8bit", micro_batch=1)),
     (Job(PRESETS["tiny"], task="full"), Knobs(blr_method="monarch", blr_ratio=0.4, blr_blocks=4, attention="memfit")),
+    (Job(dataclasses.replace(PRESETS["tiny"], num_layers=6)), Knobs()),
+    (Job(dataclasses.replace(PRESETS["tiny"], name="my-model", extra={"rope_scaling": {"factor": 8.0}})), Knobs()),
 ])
 def test_a_record_reads_back_as_the_job_and_knobs_it_was_written_from(job, knobs):
-    assert Job.from_dict(json.loads(json.dumps(job.to_dict()))) == job
+    """A spec built or changed in Python carries its fields (a preset's record only its name): a 6-layer copy of
+    tiny had read back as tiny, and a model named my-model not at all."""
+    record = json.loads(json.dumps(job.to_dict()))
+    back = Job.from_dict(record)
+    assert back == job and back.spec.extra == job.spec.extra
+    assert ("spec" in record) == (job.spec != PRESETS["tiny"] or job.spec.extra != PRESETS["tiny"].extra)
     assert Knobs.from_dict(json.loads(json.dumps(knobs.to_dict()))) == knobs
 
 
@@ -62,6 +70,8 @@ def test_a_record_reads_back_as_the_job_and_knobs_it_was_written_from(job, knobs
     (lambda job, knobs: knobs.update(checkpoint_layers="2"), r"the knobs record holds a value of the wrong type"),
     (lambda job, knobs: knobs.update(lora_targets="q_proj"), "lora_targets is a list of module names, got 'q_proj'"),
     (lambda job, knobs: knobs.update(new_knob=True), "the knobs record holds new_knob"),
+    (lambda job, knobs: job.update(spec={"name": "x", "layers": 2}), "the job record's spec holds layers"),
+    (lambda job, knobs: job.update(spec={"name": "x"}), "the job record's spec: .*missing"),
 ])
 def test_a_record_that_is_not_one_is_refused_by_name(change, message):
     job, knobs = Job(PRESETS["tiny"]).to_dict(), Knobs().to_dict()

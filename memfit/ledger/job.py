@@ -36,17 +36,41 @@ def field_flag(name: str) -> str:
     return f"{name} (--{name.replace('_', '-')})"
 
 
-def _record_fields(cls, data, keys: set[str]) -> dict:
-    """``data`` as the keyword arguments of ``cls``, which :meth:`to_dict` wrote with ``keys``: a record that is not
-    a JSON object, lacks one of them or holds another (a newer memfit's) is a MemfitError naming them."""
+def _record_fields(cls, data, keys: set[str], optional: frozenset[str] = frozenset()) -> dict:
+    """``data`` as the keyword arguments of ``cls``, which :meth:`to_dict` wrote with ``keys`` (and perhaps some of
+    ``optional``): a record that is not a JSON object, lacks one of them or holds another (a newer memfit's) is a
+    MemfitError naming them."""
     name = cls.__name__.lower()
     if not isinstance(data, dict):
         raise MemfitError(f"a {name} record is a JSON object, got {type(data).__name__}")
     if missing := sorted(keys - set(data)):
         raise MemfitError(f"the {name} record lacks {', '.join(missing)}")
-    if unknown := sorted(set(data) - keys):
+    if unknown := sorted(set(data) - keys - optional):
         raise MemfitError(f"the {name} record holds {', '.join(unknown)}, which this memfit does not know")
     return dict(data)
+
+
+def _read_back_by_name(spec: ModelSpec) -> bool:
+    """Whether ``load_spec(spec.name)`` gives ``spec`` again: a preset's or a directory's, unchanged. One built or
+    changed in Python (``dataclasses.replace(preset, num_layers=6)``) had come back as the preset, unsaid, or not at
+    all (an unknown name)."""
+    try:
+        named = load_spec(spec.name)
+    except MemfitError:
+        return False
+    return named == spec and named.extra == spec.extra     # extra (rope scaling, windows) is left out of ==
+
+
+def _spec_from_record(record) -> ModelSpec:
+    if not isinstance(record, dict):
+        raise MemfitError(f"the job record's spec is a JSON object, got {type(record).__name__}")
+    known = {field.name for field in fields(ModelSpec)}
+    if unknown := sorted(set(record) - known):
+        raise MemfitError(f"the job record's spec holds {', '.join(unknown)}, which this memfit does not know")
+    try:
+        return ModelSpec(**record)
+    except TypeError as err:                           # a required field missing
+        raise MemfitError(f"the job record's spec: {err}") from None
 
 
 def _positive(name: str, value) -> None:
@@ -87,18 +111,22 @@ class Job:
         return self.batch * self.seq
 
     def to_dict(self) -> dict:
+        """The job as a JSON object; ``spec``, the model's every field, only where its name does not read it back."""
+        spec = None if _read_back_by_name(self.spec) else asdict(self.spec)
         return {"model": self.spec.name, "task": self.task, "seq": self.seq, "batch": self.batch,
                 "new_tokens": self.new_tokens if self.task == "infer" else None, "device": self.device,
-                "loss_fraction": self.loss_fraction}
+                "loss_fraction": self.loss_fraction, **({"spec": spec} if spec else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Job":
         """The job :meth:`to_dict` wrote, its model read again from its preset name or its directory (which
-        :func:`~memfit.models.spec.load_spec` names by its absolute path)."""
-        data = _record_fields(cls, data, {"model", "task", "seq", "batch", "new_tokens", "device", "loss_fraction"})
+        :func:`~memfit.models.spec.load_spec` names by its absolute path), or from the record's ``spec``."""
+        data = _record_fields(cls, data, {"model", "task", "seq", "batch", "new_tokens", "device", "loss_fraction"},
+                              frozenset({"spec"}))
         if data["new_tokens"] is None:                 # a training job's record
             del data["new_tokens"]
-        return cls(load_spec(data.pop("model")), **data)
+        model, spec = data.pop("model"), data.pop("spec", None)
+        return cls(load_spec(model) if spec is None else _spec_from_record(spec), **data)
 
 
 @dataclass(frozen=True)
