@@ -314,6 +314,25 @@ def test_explicit_ranks_that_would_compress_nothing_are_refused(ranks, skip, mes
         plan_kinds(PRESETS["tiny"].linear_shapes(), "lowrank", None, 16, ranks=ranks, skip=skip)
 
 
+@pytest.mark.parametrize("steps", [0, -5, 2.5])
+def test_blast_steps_that_are_not_a_positive_integer_are_refused_before_any_work(steps, tmp_path):
+    """0 and -5 had returned the descent's start (the block SVD) without a word; 2.5 ended in a TypeError."""
+    import memfit
+    from memfit.layers import BlastLinear
+
+    model = build_model(PRESETS["tiny"])
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(MemfitError, match=f"steps \\(BLAST's descent steps per matrix\\) must be a positive "
+                                          f"integer, got {steps}"):
+        compress_model(model, "blast", 0.5, 4, steps=steps)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with pytest.raises(MemfitError, match="^steps .* got"):
+        BlastLinear.from_dense(torch.nn.Linear(16, 16), rank=4, blocks=4, steps=steps)
+    with pytest.raises(MemfitError, match="^--steps .* got"):
+        memfit.compress("tiny", tmp_path / "out", steps=steps, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_plan_takes_the_smallest_rank_where_a_kind_cannot_go_lower():
     """A kind whose smallest rank holds more than the shared fraction takes that rank (the bisection used to read
     it as a plan too big, and refused every ratio of the tiny model's Monarch plan at blocks=16 up to 0.8); a ratio

@@ -198,6 +198,7 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
     """
     if activation_aware and calibration is None:
         raise MemfitError("activation-aware projection needs calibration data (--calib FILE or --calib-builtin)")
+    proj.check_steps(steps)
     linears = decoder_linears(model)
     plan = plan_kinds(model_shapes(linears), method, ratio, blocks, ranks, skip)
     blocks = 1 if method == "lowrank" else blocks

@@ -22,8 +22,9 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
              device: str = "auto", force: bool = False, progress: bool = True) -> CompressionResult:
     """Compress ``model`` (a preset, random weights, or a local Hugging Face directory) and save it to ``out``.
 
-    ``method``: blast, monarch or lowrank; ``ratio``: the fraction of each compressed layer's
-    parameters kept; ``blocks``: blocks per side (Monarch, BLAST); ``skip``: projection kinds kept
+    ``method``: blast, monarch or lowrank; ``ratio``: the fraction of the decoder's dense linear parameters
+    that remain, the kinds kept dense counted in full (so each compressed kind keeps less than ``ratio`` of its
+    own: :mod:`memfit.compress.plan`); ``blocks``: blocks per side (Monarch, BLAST); ``skip``: projection kinds kept
     dense, as a tuple or a comma-separated string ("none" or "" for none; default: k_proj and v_proj
     of GQA models). ``activation_aware`` minimises each layer's
     output error on calibration text (``calib``, a text file, or ``calib_builtin``, the built-in
@@ -37,6 +38,7 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     from memfit.compress.convert import compress_model, decoder_linears, model_shapes
     from memfit.compress.io import check_output, save_compressed
     from memfit.compress.plan import plan_kinds
+    from memfit.compress.projection import check_steps
     from memfit.errors import MemfitError
     from memfit.local import check_model_dir, resolve_device, unreadable_weights
     from memfit.log import warn_once
@@ -44,8 +46,7 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
 
     model, skip = str(model), parse_skip(skip)
     check_output(out, force)
-    if steps < 1:
-        raise MemfitError(f"--steps must be >= 1, got {steps}")
+    check_steps(steps, "--steps")
     spec = load_spec(model)
     plan_kinds(spec.linear_shapes(), method, ratio, blocks, skip=skip)          # shape errors before any work
     if activation_aware and not (calib or calib_builtin):
