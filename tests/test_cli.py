@@ -77,7 +77,7 @@ def test_plan_json_reports_every_error_on_stdout(capsys, extra, message, built):
 
 @pytest.mark.parametrize("extra, message, built", [
     (("--seq", "0"), "seq (--seq) must be a positive integer, got 0", False),
-    (("--warmup", "0"), "--warmup must be at least 1", True),
+    (("--warmup", "0"), "warmup (--warmup) must be an integer of at least 1", True),
     (("--tolerance", "nan"), "tolerance (--tolerance) must be a positive, finite fraction", True),
 ])
 def test_verify_json_reports_its_errors_on_stdout(capsys, extra, message, built):

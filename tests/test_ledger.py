@@ -268,6 +268,20 @@ def test_verify_refuses_what_it_would_not_build():
             verify(job, knobs)
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"warmup": 0}, r"warmup \(--warmup\) must be an integer of at least 1 .*got 0"),
+    ({"warmup": -1}, r"warmup \(--warmup\) must be .*got -1"),
+    ({"tolerance": "0.1"}, r"tolerance \(--tolerance\) must be a positive, finite fraction .*got 0.1"),
+])
+def test_verify_refuses_a_warmup_or_tolerance_the_command_would_refuse(options, message):
+    """A library caller's warmup of 0 had measured the optimizer state appearing (ok=False, unexplained), and a
+    string tolerance ended in a TypeError."""
+    from memfit.errors import MemfitError
+
+    with pytest.raises(MemfitError, match=message):
+        verify(Job(TINY, task="lora", seq=16, device="cpu"), Knobs(dtype="float32"), **options)
+
+
 def test_the_library_refuses_what_the_command_refuses():
     """Through the Python API too: more checkpointed layers than the model has (its ledger had been the whole
     model's), a 4-bit base under full fine-tuning, a budget that is not a positive number of bytes (a string had

@@ -82,9 +82,6 @@ def run(args) -> int:
             raise MemfitError("--pick chooses among a --plan file's plans; pass --plan FILE too")
         else:
             job, knobs = job_from_args(args)
-        if args.warmup < 1:
-            raise MemfitError(f"--warmup must be at least 1 (optimizer state appears at the first step), got "
-                              f"{args.warmup}")
         with Console(stderr=True).status(f"verify: {job.spec.name} {job.task} on {job.device}") as status:
             result = verify(job, knobs, tolerance=args.tolerance, warmup=args.warmup,
                             progress=lambda phase: status.update(f"verify: {job.spec.name} {job.task} on "

@@ -111,7 +111,7 @@ def check_runnable(job: Job, knobs: Knobs) -> None:
     """Refuse, before any work, what no machine can run and what this one cannot."""
     check_knobs_fit_job(job, knobs)
     if job.device == "cuda" and not torch.cuda.is_available():
-        raise MemfitError("verify on cuda needs a CUDA GPU; use --device cpu here")
+        raise MemfitError(f"verify on cuda needs a CUDA GPU; a job with {field_flag('device')} cpu runs here")
     check_device(job, knobs)
     if (knobs.partial_load, knobs.partial_compute) != (1.0, 1.0):
         raise MemfitError(NO_PARTIAL_FFN)
@@ -151,6 +151,9 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1, progress: Callable[[str], N
     """Run ``warmup`` steps, then measure one step of ``job`` with ``knobs``; ``progress(phase)`` is told each phase
     as it starts (the model's build, each warm-up step, the measured step: seconds each on a CPU)."""
     say = progress or (lambda phase: None)
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:   # 0 measured the state appearing
+        raise MemfitError(f"{field_flag('warmup')} must be an integer of at least 1 (optimizer state appears at "
+                          f"the first step), got {warmup!r}")
     _ledgers_allocator(job)
     check_runnable(job, knobs)
     say("building the random-init model")
@@ -216,7 +219,7 @@ def verify(job: Job, knobs: Knobs, tolerance: float = 0.05, warmup: int = 1,
            progress: Callable[[str], None] | None = None) -> VerifyResult:
     """Predict, measure, compare. ``result.ok`` is False when the total is off by more than ``tolerance``;
     ``progress`` is :func:`measure`'s."""
-    if not 0 < tolerance < math.inf:                   # NaN fails both comparisons
+    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not 0 < tolerance < math.inf:
         raise MemfitError(f"{field_flag('tolerance')} must be a positive, finite fraction (0.05 is 5%), got {tolerance}")
     _ledgers_allocator(job)
     check_runnable(job, knobs)
