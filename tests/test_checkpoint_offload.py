@@ -136,6 +136,24 @@ def test_policy_errors_name_the_bad_value():
     assert CheckpointPolicy.build(4, offload_layers=2).places == ("cpu", "cpu", "gpu", "gpu")
 
 
+@pytest.mark.parametrize("bad, match", [
+    ({"lora": {"r": 4, "target_modules": ["qproj"]}}, r"LoRA target_modules qproj match no module of this "
+                                                      "model; its linear layers are named down_proj, gate_proj"),
+    ({"lora": {"r": 0}}, "LoRA rank r must be a positive integer"),
+    ({"attention": "flash"}, "attention='flash' is not one of sdpa, memfit"),
+    ({"ce_path": "fast"}, "kernel path 'fast' for linear_ce is not one of"),
+    ({"offload_layers": [9]}, "layer 9"),
+])
+def test_a_refused_patch_leaves_the_model_as_it_was(bad, match):
+    """Each refusal comes before any change: a LoRA target peft found nowhere had left the model patched (attention,
+    checkpointing and the loss installed), so the corrected call was told the model was already patched."""
+    model = _tiny_model()
+    with pytest.raises(MemfitError, match=match):
+        patch(model, checkpoint="layer", **bad)
+    assert model.config._attn_implementation == "sdpa" and type(model).forward is model.forward.__func__
+    patch(model, checkpoint="layer", lora={"r": 4, "target_modules": ["q_proj"]}, attention="memfit")
+
+
 @pytest.mark.parametrize("knobs,match", [({"offload_layers": 2.5}, "offload_layers=2.5: use"),
                                          ({"offload_layers": [0, 1.0]}, "offload_layers=\\[0, 1.0\\]: use"),
                                          ({"offload_layers": ["0"]}, "a list of indices"),

@@ -157,7 +157,7 @@ def _swiglu_mlp_forward(self, x):
     the class's own forward. What it reads lives on the module, so a copy of the model runs its own."""
     if not self._memfit_swiglu_state.fused_swiglu:
         return type(self).forward(self, x)
-    _check_silu(self)
+    _check_silu(self, self._memfit_swiglu_silu)
     from memfit.kernels.swiglu import swiglu
 
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
@@ -171,21 +171,54 @@ def _install_swiglu(base: torch.nn.Module, state: PatchState) -> None:
     for layer in base.model.layers:
         mlp = layer.mlp
         mlp._memfit_swiglu_state, mlp._memfit_swiglu_silu = state, silu_activation(mlp)
-        if state.fused_swiglu:
-            _check_silu(mlp)
         mlp.forward = types.MethodType(_swiglu_mlp_forward, mlp)
 
 
-def _check_silu(mlp: torch.nn.Module) -> None:
-    """Refuse the fused SwiGLU for an MLP whose activation is not SiLU (read once, at patch time)."""
-    if not mlp._memfit_swiglu_silu:
+def _check_silu(mlp: torch.nn.Module, silu: bool) -> None:
+    """Refuse the fused SwiGLU for an MLP whose activation is not SiLU (``silu``: read once, at patch time)."""
+    if not silu:
         raise MemfitError(f"fused_swiglu computes silu(gate) * up; this model's MLP activation is "
                           f"{getattr(mlp, 'act_fn', None)!r}")
 
 
-def _set_attention(base: torch.nn.Module, attention: str) -> None:
+def _check_lora_targets(base: torch.nn.Module, config) -> None:
+    """Refuse LoRA targets that name no module of ``base``, as peft would after the rest of the patch (by peft's
+    own matching: names by suffix, a string as a regular expression; peft's defaults and "all-linear" pass)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    targets = config.target_modules
+    if targets is None or targets == "all-linear":
+        return
+    if not any(check_target_module_exists(config, name) for name, _ in base.named_modules()):
+        linears = sorted({name.rsplit(".", 1)[-1] for name, module in base.named_modules()
+                          if isinstance(module, torch.nn.Linear)})
+        asked = repr(targets) if isinstance(targets, str) else ", ".join(sorted(targets))   # peft keeps a set
+        raise MemfitError(f"LoRA target_modules {asked} match no module of this model; its linear layers are "
+                          f"named {', '.join(linears)}")
+
+
+def _check_patch(base: torch.nn.Module, attention: str, fused_swiglu: bool, ce_path: str | None, lora) -> object:
+    """Every refusal of :func:`patch` that needs no change to the model, before it changes any: a LoRA setting peft
+    refused had left the model patched, so that the corrected call was told it already was. Returns the LoRA
+    config (None without LoRA). A ``ce_path`` that is not a kernel path had been refused only at the first forward."""
+    from memfit.infer.fused import silu_activation
+    from memfit.kernels.dispatch import kernel_mode
+
+    if ce_path is not None:
+        kernel_mode("linear_ce", ce_path)
     if attention not in ATTENTION:
         raise MemfitError(f"attention={attention!r} is not one of {', '.join(ATTENTION)}")
+    if fused_swiglu:
+        for layer in base.model.layers:
+            _check_silu(layer.mlp, silu_activation(layer.mlp))
+    if lora is None:
+        return None
+    config = lora_config(lora)
+    _check_lora_targets(base, config)
+    return config
+
+
+def _set_attention(base: torch.nn.Module, attention: str) -> None:
     if attention == "memfit":
         from memfit.train.attention_hf import register
 
@@ -203,9 +236,10 @@ def patch(model: torch.nn.Module, *, checkpoint: str = "none", offload_layers="n
         raise MemfitError("this model is already patched; change its switches through patch_state(model)")
     if lora is not None and base is not model:
         raise MemfitError("the model already carries peft adapters: pass lora=None to keep them")
-    _set_attention(base, attention)
+    config = _check_patch(base, attention, fused_swiglu, ce_path, lora)
     layers = base.model.layers
     policy = CheckpointPolicy.build(len(layers), checkpoint, offload_layers, offload_to, prefetch)
+    _set_attention(base, attention)
     if four_bit:
         from memfit.train.four_bit import quantize_layers_4bit
 
@@ -216,8 +250,8 @@ def patch(model: torch.nn.Module, *, checkpoint: str = "none", offload_layers="n
                                     four_bit=four_bit, attention=attention, fused_swiglu=fused_swiglu)
     _install_swiglu(base, base._memfit_patch)
     base.forward = types.MethodType(_fused_forward(base.forward), base)
-    if lora is None:
+    if config is None:
         return model
     from memfit.models.hf_calls import peft_model
 
-    return peft_model(base, lora_config(lora))
+    return peft_model(base, config)
