@@ -66,8 +66,8 @@ def _finetune(tmp_path, *extra, model="tiny"):
     (("--calib-builtin", "--calib-samples", "0"), "--calib-samples must be a positive integer, got 0"),
     (("--calib-builtin", "--calib-seq", "0"), "--calib-seq must be a positive integer, got 0"),
     (("--calib-builtin", "--calib-samples=-1"), "--calib-samples must be a positive integer, got -1"),
-    (("--steps", "0"), "--steps must be >= 1, got 0"),
-    (("--steps=-3",), "--steps must be >= 1, got -3"),
+    (("--steps", "0"), "--steps (BLAST's descent steps per matrix) must be a positive integer, got 0"),
+    (("--steps=-3",), "--steps (BLAST's descent steps per matrix) must be a positive integer, got -3"),
 ])
 def test_compress_bad_numbers(tmp_path, capsys, no_model_load, extra, message):
     _fails(capsys, _compress(tmp_path, *extra), message)
