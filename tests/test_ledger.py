@@ -282,6 +282,38 @@ def test_verify_refuses_a_warmup_or_tolerance_the_command_would_refuse(options, 
         verify(Job(TINY, task="lora", seq=16, device="cpu"), Knobs(dtype="float32"), **options)
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda: Knobs(fused_ce="no"), r"fused_ce \(--fused-ce\) must be True or False, got 'no'"),
+    (lambda: Knobs(checkpoint_layers=1.5), r"checkpoint_layers \(--checkpoint-layers\) must be an integer, got 1.5"),
+    (lambda: Knobs(partial_load="0.5"), r"partial_load \(--partial-load\) must be a number, got '0.5'"),
+    (lambda: Knobs(blr_ratio="0.5"), r"blr_ratio \(--blr-ratio\) must be a number"),
+    (lambda: Knobs(micro_batch=True), r"micro_batch \(--micro-batch\) must be an integer, got True"),
+    (lambda: Knobs(lora_targets="q_proj"), r"lora_targets \(--lora-targets\) is a sequence of module names"),
+    (lambda: Job(TINY, loss_fraction="0.5"), r"loss_fraction \(--loss-fraction\) must be a number"),
+    (lambda: Job(TINY, seq=2.0), r"seq \(--seq\) must be an integer, got 2.0"),
+    (lambda: Job(object()), "a job's spec is a ModelSpec .*, got object"),
+    (lambda: predict(Job(TINY, device="cpu"), Knobs(lora_targets=())), r"lora_targets .* names no module"),
+])
+def test_a_job_or_knobs_value_of_another_type_is_refused_by_name(make, message):
+    """A string for a flag had read as True, a fraction or a string for a count had ended in a TypeError in the
+    ledger, a list of targets in one at the cache, and LoRA with no target in peft's at verify."""
+    from memfit.errors import MemfitError
+
+    with pytest.raises(MemfitError, match=message):
+        make()
+
+
+def test_a_job_and_knobs_take_what_a_caller_naturally_passes():
+    """A preset's name for the spec, a list of targets, numpy numbers: each read as the plain value, so the job and
+    its knobs equal (and hash as) the ones written plainly."""
+    import numpy as np
+
+    assert Job("tiny", seq=np.int64(64)) == Job(TINY, seq=64) and type(Job(TINY, seq=np.int64(64)).seq) is int
+    knobs = Knobs(lora_targets=["q_proj", "v_proj"], checkpoint_layers=np.int32(1), blr_ratio=np.float32(0.5))
+    assert knobs == Knobs(lora_targets=("q_proj", "v_proj"), checkpoint_layers=1, blr_ratio=0.5)
+    assert hash(knobs) == hash(Knobs(lora_targets=("q_proj", "v_proj"), checkpoint_layers=1, blr_ratio=0.5))
+
+
 def test_the_library_refuses_what_the_command_refuses():
     """Through the Python API too: more checkpointed layers than the model has (its ledger had been the whole
     model's), a 4-bit base under full fine-tuning, a budget that is not a positive number of bytes (a string had

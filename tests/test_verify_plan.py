@@ -67,7 +67,8 @@ def test_a_record_reads_back_as_the_job_and_knobs_it_was_written_from(job, knobs
 @pytest.mark.parametrize("change, message", [
     (lambda job, knobs: job.pop("seq"), "the job record lacks seq"),
     (lambda job, knobs: job.update(budget=1), "the job record holds budget, which this memfit does not know"),
-    (lambda job, knobs: knobs.update(checkpoint_layers="2"), r"the knobs record holds a value of the wrong type"),
+    (lambda job, knobs: knobs.update(checkpoint_layers="2"), r"checkpoint_layers \(--checkpoint-layers\) must be "
+                                                             "an integer, got '2'"),
     (lambda job, knobs: knobs.update(lora_targets="q_proj"), "lora_targets is a list of module names, got 'q_proj'"),
     (lambda job, knobs: knobs.update(new_knob=True), "the knobs record holds new_knob"),
     (lambda job, knobs: job.update(spec={"name": "x", "layers": 2}), "the job record's spec holds layers"),

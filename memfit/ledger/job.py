@@ -1,7 +1,9 @@
 """A job (what the user wants to run) and the knobs a plan sets (how memfit runs it)."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 from memfit.errors import MemfitError
 from memfit.models.spec import PROJECTIONS, ModelSpec, dtype_name, load_spec
@@ -73,6 +75,29 @@ def _spec_from_record(record) -> ModelSpec:
         raise MemfitError(f"the job record's spec: {err}") from None
 
 
+_TYPE_NAMES = {"bool": "True or False", "int": "an integer", "float": "a number", "str": "a string"}
+
+
+def _check_field_types(record) -> None:
+    """Each bool, int, float and str field of a Job or Knobs of its annotated type (None where the annotation allows
+    it), a numpy scalar taken as the Python number it is: ``fused_ce="no"`` had read as True, and a string or a
+    fraction where a count goes ended in a TypeError in the ledger."""
+    for f in fields(record):
+        value, (kind, *rest) = getattr(record, f.name), f.type.split(" | ")
+        if kind not in _TYPE_NAMES or (value is None and "None" in rest):
+            continue
+        if kind == "bool":
+            ok = isinstance(value, bool)
+        elif kind == "str":
+            ok = isinstance(value, str)
+        else:
+            ok = isinstance(value, numbers.Integral if kind == "int" else numbers.Real) and not isinstance(value, bool)
+            if ok:
+                object.__setattr__(record, f.name, int(value) if kind == "int" else float(value))
+        if not ok:
+            raise MemfitError(f"{field_flag(f.name)} must be {_TYPE_NAMES[kind]}, got {value!r}")
+
+
 def _positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise MemfitError(f"{field_flag(name)} must be a positive integer, got {value!r}")
@@ -91,6 +116,12 @@ class Job:
     loss_fraction: float = 1.0  # training: share of tokens that carry a loss (prompt tokens do not)
 
     def __post_init__(self):
+        if isinstance(self.spec, (str, Path)):          # a preset's name or a model directory, as load_spec takes
+            object.__setattr__(self, "spec", load_spec(self.spec))
+        if not isinstance(self.spec, ModelSpec):
+            raise MemfitError(f"a job's spec is a ModelSpec (memfit.load_spec), a preset name or a model directory, "
+                              f"got {type(self.spec).__name__}")
+        _check_field_types(self)
         if self.task not in TASKS:
             raise MemfitError(f"task {self.task!r} is not one of {', '.join(TASKS)}")
         _positive("seq", self.seq)
@@ -155,6 +186,11 @@ class Knobs:
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtype_name(self.dtype))   # fp16 and float16 are one job (and cache key)
+        if isinstance(self.lora_targets, str) or not all(isinstance(t, str) for t in self.lora_targets):
+            raise MemfitError(f"{field_flag('lora_targets')} is a sequence of module names such as ('q_proj', "
+                              f"'v_proj'), got {self.lora_targets!r}")
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))   # a list is not hashable: no cache key
+        _check_field_types(self)
         if self.optimizer not in OPTIMIZERS:
             raise MemfitError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         unknown = set(self.lora_targets) - set(LORA_TARGETS_ALL)
@@ -200,7 +236,4 @@ class Knobs:
         data = _record_fields(cls, data, {field.name for field in fields(cls)})
         if not isinstance(data["lora_targets"], list):
             raise MemfitError(f"the knobs record's lora_targets is a list of module names, got {data['lora_targets']!r}")
-        try:
-            return cls(**{**data, "lora_targets": tuple(data["lora_targets"])})
-        except TypeError as err:                       # a value of another type, e.g. "2" for checkpoint_layers
-            raise MemfitError(f"the knobs record holds a value of the wrong type ({err})") from None
+        return cls(**{**data, "lora_targets": tuple(data["lora_targets"])})   # __post_init__ checks the types

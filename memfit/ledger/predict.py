@@ -306,11 +306,11 @@ def blr_dense_kinds(spec, knobs: Knobs) -> tuple[str, ...] | None:
 
 def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
     """Refuse knobs this job cannot take, which would otherwise describe a run that cannot happen: more checkpointed
-    layers than the model has (the ledger would count its layers), a frozen 4-bit base in full fine-tuning, the fused
-    SwiGLU for a model whose MLP activation is not SiLU, and a
-    knob of the other kind of job set away from its default (the ledger would leave it out unsaid, as memfit plan
-    refuses the option; a micro-batch of the whole batch is no change). A training job's micro-batch is checked where
-    it is read, in ``_predict_train``."""
+    layers than the model has (the ledger would count its layers), LoRA with no target, a frozen 4-bit base in full
+    fine-tuning, the fused SwiGLU for a model whose MLP activation is not SiLU, and a knob of the other kind of job
+    set away from its default (the ledger would leave it out unsaid, as memfit plan refuses the option; a micro-batch
+    of the whole batch is no change). A training job's micro-batch is checked where it is read, in
+    ``_predict_train``."""
     default = Knobs()
     for name, (tasks, why) in TASK_ONLY_FIELDS.items():
         if job.task in tasks or not hasattr(default, name):                  # a Job field: the job's own task
@@ -321,6 +321,8 @@ def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
     if knobs.checkpoint_layers > layers:
         raise MemfitError(f"{field_flag('checkpoint_layers')} {knobs.checkpoint_layers} exceeds the model's {layers} "
                           "layers")
+    if job.task == "lora" and not knobs.lora_targets and not knobs.blr_method:   # check_blr says it for a BLR model
+        raise MemfitError(f"{field_flag('lora_targets')} names no module: LoRA would train nothing (peft refuses it)")
     if knobs.four_bit and job.task == "full":
         raise MemfitError(f"{field_flag('four_bit')} freezes the base weights: it goes with task lora or infer")
     if knobs.fused_swiglu and not job.spec.silu_mlp:
