@@ -108,6 +108,12 @@ def test_from_dense_keeps_dtype():
     (lambda: MonarchLinear.from_dense(nn.Linear(48, 80), ratio=0.01, blocks=4), "ratio=0.01"),
     (lambda: LowRankLinear.from_dense(nn.Linear(48, 80), rank=4, ratio=0.5), "exactly one"),
     (lambda: LowRankLinear.from_dense(nn.Conv1d(3, 3, 1), rank=4), "nn.Linear"),
+    (lambda: MonarchLinear.from_dense(nn.Linear(48, 80), rank=8), r"MonarchLinear.from_dense needs blocks= "),
+    (lambda: BlastLinear.from_dense(nn.Linear(48, 80), ratio=0.5), r"BlastLinear.from_dense needs blocks= "),
+    (lambda: LowRankLinear.from_dense(nn.Linear(48, 80), rank=4, blocks=4),
+     "LowRankLinear.from_dense takes no blocks; it takes rank=, ratio=$"),
+    (lambda: BlastLinear.from_dense(nn.Linear(48, 80), rank=4, blocks=4, step=3),
+     "BlastLinear.from_dense takes no step; it takes rank=, ratio=, blocks=, steps=$"),
     (lambda: MonarchLinear(48, 80, 8, blocks=4).set_factors(torch.randn(4, 4, 2, 20), torch.randn(4, 4, 12, 2)),
      r"set_factors: factors of shapes .*'left': \(4, 4, 2, 20\).*takes .*'left': \(4, 4, 20, 2\)"),
 ])
@@ -154,3 +160,4 @@ def test_fold_rejects_block_consumer():
     gate = MonarchLinear(IN, OUT, 8, blocks=4, permute_output=True)
     with pytest.raises(MemfitError, match="MonarchLinear"):
         fold_output_permutation([gate], MonarchLinear(OUT, IN, 8, blocks=4))
+

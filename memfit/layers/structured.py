@@ -9,6 +9,7 @@ parameter and FLOP counts. This base holds the rest: shape checks, rank-by-ratio
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -29,6 +30,20 @@ def check_divisible(what: str, value: int, blocks: int) -> None:
             f"{what}={value} is not divisible by blocks={blocks}; choose blocks that divide it "
             f"(divisors up to 64: {[d for d in range(1, 65) if value % d == 0]})"
         )
+
+
+def _check_from_dense_options(cls, options: dict) -> None:
+    """``from_dense``'s options: the structure's constructor options (``blocks``, required where the constructor has
+    no default for it) and its projection's (BLAST's ``steps``); a missing or unknown one had ended in a TypeError
+    from a constructor or ``_project`` the caller never called."""
+    ctor = inspect.signature(cls).parameters
+    projection = [name for name in inspect.signature(cls._project).parameters if name not in ("self", "weight")]
+    if missing := [k for k in cls._ctor_options() if ctor[k].default is inspect.Parameter.empty and k not in options]:
+        raise MemfitError(f"{cls.__name__}.from_dense needs {', '.join(f'{k}=' for k in missing)} (e.g. blocks=16: "
+                          "blocks per side, dividing in_features and out_features)")
+    if unknown := sorted(set(options) - set(cls._ctor_options()) - set(projection)):
+        takes = ", ".join(f"{k}=" for k in ("rank", "ratio", *cls._ctor_options(), *projection))
+        raise MemfitError(f"{cls.__name__}.from_dense takes no {', '.join(unknown)}; it takes {takes}")
 
 
 class StructuredLinear(nn.Module):
@@ -123,6 +138,7 @@ class StructuredLinear(nn.Module):
             raise MemfitError(f"from_dense needs an nn.Linear, got {type(linear).__name__}")
         if (rank is None) == (ratio is None):
             raise MemfitError(f"give exactly one of rank= and ratio= (got rank={rank!r}, ratio={ratio!r})")
+        _check_from_dense_options(cls, options)
         ctor = {k: options.pop(k) for k in cls._ctor_options() if k in options}
         if rank is None:
             rank = cls.rank_for_ratio(linear.in_features, linear.out_features, ratio, ctor.get("blocks", 1))
