@@ -1,4 +1,5 @@
 """Structured linear layers: definitions, projections, errors, training, permutation folding."""
+import copy
 import itertools
 
 import pytest
@@ -161,3 +162,19 @@ def test_fold_rejects_block_consumer():
     with pytest.raises(MemfitError, match="MonarchLinear"):
         fold_output_permutation([gate], MonarchLinear(OUT, IN, 8, blocks=4))
 
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("cls,kw", CASES, ids=IDS)
+def test_under_autocast_a_layer_computes_in_autocasts_dtype_as_nn_linear_does(cls, kw, path, monkeypatch):
+    """fp32 weights and input under bf16 autocast: the output is bf16, as nn.Linear's, and equals the layer run on
+    bf16 copies; the gradient reaches the fp32 weights. The layers had computed in fp32 and returned fp32 there."""
+    monkeypatch.setenv("MEMFIT_KERNELS", path)
+    layer = cls(IN, OUT, rank=8, bias=True, **kw)
+    x = torch.randn(5, IN)
+    with torch.autocast("cpu", torch.bfloat16):
+        y = layer(x)
+        assert y.dtype == nn.Linear(IN, OUT)(x).dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in layer.parameters())
+    with torch.no_grad():
+        assert torch.equal(y, copy.deepcopy(layer).to(torch.bfloat16)(x.to(torch.bfloat16)))

@@ -115,6 +115,7 @@ from memfit.kernels.blr_common import (
     chain_options,
     contiguous_bias,
     fits_smem,
+    in_compute_dtype,
     keep_small_n,
     line_elements,
     mma,
@@ -533,8 +534,8 @@ def blast_linear(x, u, v, s, bias=None, path=None, variant="auto"):
     reference with the op's memory behaviour (:func:`recompute.recomputing`)."""
     size = bind_shapes("blast_linear", x, bias, {"u": (u, "b p r"), "v": (v, "b m r"), "s": (s, "b b r")}, "b m",
                        "b p")
-    cast = [w if w is None else w.to(x.dtype) for w in (u, v, s, bias)]
-    if not runs_triton("blast_linear", x, (u, v, s), path, variant):
+    x, cast = in_compute_dtype(x, u, v, s, bias)
+    if not runs_triton("blast_linear", x, cast[:3], path, variant):
         return _blast_recomputing(x, *cast)
     require_offered("blast_linear", variant, lambda: variants_for(x.numel() // (size["b"] * size["m"])),
                     "at this token count")

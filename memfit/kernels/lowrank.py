@@ -30,6 +30,7 @@ from memfit.kernels.blr_common import (
     PDL_MAX_N,
     bind_shapes,
     contiguous_bias,
+    in_compute_dtype,
     pdl_offered,
     pick_bucket,
     pick_candidates,
@@ -119,8 +120,8 @@ def lowrank_linear(x, u, v, bias=None, path=None, variant="auto"):
     """y = (x V) U^T + bias by the Triton op where ``use_triton`` allows (``variant``: auto or one of VARIANTS), else
     the reference with the op's memory behaviour (:func:`recompute.recomputing`)."""
     size = bind_shapes("lowrank_linear", x, bias, {"u": (u, "o r"), "v": (v, "i r")}, "i", "o")
-    cast = [w if w is None else w.to(x.dtype) for w in (u, v, bias)]
-    if not runs_triton("lowrank_linear", x, (u, v), path, variant):
+    x, cast = in_compute_dtype(x, u, v, bias)
+    if not runs_triton("lowrank_linear", x, cast[:2], path, variant):
         return _lowrank_recomputing(x, *cast)
     require_offered("lowrank_linear", variant, lambda: variants_for(x.numel() // size["i"]), "at this token count")
     op = _lowrank_forward if skips_dispatcher(x, *cast) else _lowrank_op

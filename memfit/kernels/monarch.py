@@ -137,6 +137,7 @@ from memfit.kernels.blr_common import (
     blr_precision,
     contiguous_bias,
     fits_smem,
+    in_compute_dtype,
     keep_small_n,
     mma,
     n_bucket,
@@ -452,8 +453,8 @@ def monarch_linear(x, w1, w2, bias=None, permute_output=False, path=None, varian
     b, m, r, p = size["b"], size["m"], size["r"], size["p"]
     if r % b:
         raise MemfitError(f"monarch_linear: rank r = {r} (w1's last dimension) is not a multiple of blocks b = {b}")
-    cast = [w if w is None else w.to(x.dtype) for w in (w1, w2, bias)]
-    if not runs_triton("monarch_linear", x, (w1, w2), path, variant):
+    x, cast = in_compute_dtype(x, w1, w2, bias)
+    if not runs_triton("monarch_linear", x, cast[:2], path, variant):
         return _monarch_recomputing(x, *cast, permute_output)
     require_offered("monarch_linear", variant, lambda: variants_for(x.numel() // (b * m), b, m, r // b, p, permute_output),
                     f"for this shape, token count and layout (permute_output={permute_output})")
