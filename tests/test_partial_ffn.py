@@ -301,6 +301,35 @@ def test_bad_inputs_are_memfit_errors(model_dir, dense, tmp_path):
         gen.generate(_ids((1, 4), 0), 2, attention_mask=mask)
 
 
+@pytest.mark.parametrize("prompt, match", [
+    (torch.arange(5), r"input_ids must be an integer tensor of shape \(batch, prompt length >= 1\), got torch.int64 of "
+                      r"shape \(5,\)"),
+    (torch.zeros(1, 0, dtype=torch.long), r"got torch.int64 of shape \(1, 0\)"),
+    (torch.zeros(1, 3), "got torch.float32"),
+    (torch.tensor([[1, 512, 2]]), "input_ids hold ids from 1 to 512; the model's vocabulary is 0 to 511"),
+    (torch.tensor([[-1, 2]]), "ids from -1 to 2"),
+])
+def test_the_generator_refuses_prompts_it_cannot_read(dense, prompt, match):
+    """Each had ended in an IndexError deep in the loop or the embedding (from an API audit)."""
+    gen = Generator(dense, 8)
+    for call in (lambda: gen.generate(prompt, 2), lambda: gen.prefill(prompt)):
+        with pytest.raises(MemfitError, match=match):
+            call()
+
+
+def test_the_generator_and_loader_refuse_or_take_arguments_by_name(model_dir, dense):
+    """A float max_len had ended in a TypeError at the cache's allocation; a preset's name in load_model in a
+    network error (read as a hub id); device="auto" and dtype="auto", which load_compressed takes, in a RuntimeError
+    and a refusal."""
+    with pytest.raises(MemfitError, match="max_len must be an integer >= 2 .*got max_len=32.0"):
+        Generator(dense, 32.0)
+    with pytest.raises(MemfitError, match="'tiny' is not a model directory \\(a preset is a shape without weights"):
+        load_model("tiny")
+    model = load_model(model_dir, device="auto", dtype="auto")
+    assert model.get_input_embeddings().weight.dtype == dense.get_input_embeddings().weight.dtype
+    assert build_model("tiny", device="auto").config.num_hidden_layers == PRESETS["tiny"].num_layers
+
+
 def test_cli_calibrate_then_generate(model_dir, tmp_path, capsys):
     from memfit.commands import calibrate as calibrate_cmd
     from memfit.commands import generate as generate_cmd

@@ -219,8 +219,10 @@ class Generator:
     def __init__(self, model, max_len: int, batch: int = 1, graphs: bool | None = None, temperature: float = 0.0,
                  compile: bool | None = None, fused: bool = True, fast: bool | None = None):
         cfg = model.config
-        if max_len < 2 or batch < 1:
-            raise MemfitError(f"max_len must be >= 2 and batch >= 1, got max_len={max_len}, batch={batch}")
+        counts = (max_len, batch)
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts) or max_len < 2 or batch < 1:
+            raise MemfitError(f"max_len must be an integer >= 2 and batch one >= 1, got max_len={max_len!r}, "
+                              f"batch={batch!r}")
         if temperature < 0:
             raise MemfitError(f"temperature must be >= 0, got {temperature}")
         check_decode_length(model, max_len)
@@ -447,7 +449,24 @@ class Generator:
         """Reset the cache, run the prompts (B, T; left-padded), select decode neurons; returns the first new tokens."""
         return self._prefill(input_ids, attention_mask)[1]
 
+    def _check_prompts(self, input_ids, attention_mask) -> None:
+        """Prompts as the loop reads them: (batch, T >= 1) token ids within the vocabulary, a mask of their shape. A
+        1-D, empty or out-of-vocabulary prompt had ended in an IndexError deep in the loop or the embedding."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
+                or input_ids.is_complex() or input_ids.dtype == torch.bool or input_ids.shape[1] < 1:
+            raise MemfitError("input_ids must be an integer tensor of shape (batch, prompt length >= 1), got "
+                              + (f"{input_ids.dtype} of shape {tuple(input_ids.shape)}"
+                                 if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__))
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+            raise MemfitError(f"input_ids hold ids from {int(input_ids.min())} to {int(input_ids.max())}; the "
+                              f"model's vocabulary is 0 to {vocab - 1}")
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise MemfitError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                              f"{tuple(input_ids.shape)}")
+
     def _prefill(self, input_ids, attention_mask):
+        self._check_prompts(input_ids, attention_mask)
         B, T = input_ids.shape
         if B != self.batch:
             raise MemfitError(f"this generator was built for batch {self.batch}, got {B} prompts")
@@ -489,6 +508,7 @@ class Generator:
                  on_tokens=None, eos: int | None = None) -> GenerationResult:
         """Generate ``max_new`` tokens after the prompts. ``on_tokens(ids (B,))`` streams each new token
         (one host sync per token); with ``eos`` (batch 1) it stops at that token."""
+        self._check_prompts(input_ids, attention_mask)
         T = input_ids.shape[1]
         if max_new < 1 or T + max_new > self.max_len:
             raise MemfitError(f"max_new={max_new} must be >= 1 and fit in max_len={self.max_len} after a {T}-token prompt")
@@ -527,6 +547,7 @@ class Generator:
         one decode-mode forward (selected neurons): what token-by-token decode would compute, up to rounding
         (with ``fast`` a decode step's matmuls may run memfit's GEMV, these longer ones cuBLAS).
         """
+        self._check_prompts(input_ids, None)
         B, T = input_ids.shape
         if not 0 < prompt_len < T <= self.max_len:
             raise MemfitError(f"score needs 0 < prompt_len ({prompt_len}) < length ({T}) <= max_len ({self.max_len})")

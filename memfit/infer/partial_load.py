@@ -242,7 +242,8 @@ def load_model(model_dir: str | Path, partial: PartialConfig | None = None, *, d
     """A ``*ForCausalLM`` from a local safetensors directory; partial FFN layers when ``partial`` is given.
 
     ``partial=None`` loads the dense model through the same path (a baseline with the
-    same allocation behaviour). ``rankings``: a Rankings, a path, or None for
+    same allocation behaviour). ``dtype``: None or "auto" for the one the weights were saved in; ``device``: auto,
+    cpu, cuda or cuda:N (:func:`memfit.local.resolve_device`). ``rankings``: a Rankings, a path, or None for
     ``model_dir/rankings.safetensors`` (needed when load or compute < 1).
     ``progress``: optional callable(done, total) after each tensor read.
     ``fuse``: lay q/k/v and gate/up out in shared buffers (see the module docstring); False keeps
@@ -251,13 +252,15 @@ def load_model(model_dir: str | Path, partial: PartialConfig | None = None, *, d
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_dir = Path(model_dir)
+    from memfit.local import check_model_dir, resolve_device
+
+    model_dir = check_model_dir(model_dir)      # a preset's name had been read as a hub id, a network error
     spec = load_spec(model_dir)
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     if getattr(config, "mlp_bias", False):
         raise MemfitError(f"{model_dir}: FFN biases (mlp_bias=true) are not supported by partial loading")
-    torch_dtype = dtype_of(dtype or spec.dtype)
-    device = torch.device(device)
+    torch_dtype = dtype_of(spec.dtype if dtype in (None, "auto") else dtype)
+    device = resolve_device(device)
     files = weight_files(model_dir)
 
     plan: dict[int, tuple] = {}

@@ -13,7 +13,7 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.files import files_written, follow_umask, snapshot
-from memfit.models.spec import ModelSpec, dtype_of
+from memfit.models.spec import ModelSpec, dtype_of, load_spec
 
 
 @contextlib.contextmanager
@@ -26,11 +26,16 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def build_model(spec: ModelSpec, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
-                attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
-    """A random-init ``*ForCausalLM`` of ``spec``'s shape, created directly in ``dtype`` on ``device``."""
+def build_model(spec: ModelSpec | str | Path, dtype: str | torch.dtype | None = None,
+                device: str | torch.device = "cpu", attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+    """A random-init ``*ForCausalLM`` of ``spec``'s shape (a ModelSpec, a preset's name or a model directory, as
+    :func:`~memfit.models.spec.load_spec` takes), created directly in ``dtype`` on ``device`` (auto, cpu, cuda or
+    cuda:N: :func:`memfit.local.resolve_device`)."""
     from transformers import AutoModelForCausalLM
 
+    from memfit.local import resolve_device
+
+    spec, device = load_spec(spec), resolve_device(device)
     torch_dtype = dtype_of(dtype or spec.dtype)
     config = spec.to_hf_config()
     config.dtype = str(torch_dtype).removeprefix("torch.")  # from_config builds in config.dtype
