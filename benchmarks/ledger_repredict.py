@@ -24,6 +24,8 @@ SOURCES = ("ledger_accuracy", "ledger_accuracy_blr")
 def repredict(row: dict) -> dict:
     """One stored measurement, predicted again: its job, the measured and predicted bytes, the errors then and now."""
     job_fields, knob_fields = dict(row["job"]), dict(row["knobs"])
+    if job_fields.get("new_tokens", 0) is None:        # a training job's record, as Job.from_dict reads one
+        del job_fields["new_tokens"]
     knob_fields["lora_targets"] = tuple(knob_fields["lora_targets"])
     job = Job(PRESETS[job_fields.pop("model")], **job_fields)
     ledger = predict(job, Knobs(**knob_fields))
