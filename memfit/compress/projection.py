@@ -228,11 +228,12 @@ def _diagonalising_bases(Ab: torch.Tensor, U: torch.Tensor, V: torch.Tensor, gen
     return U @ P, V @ T.transpose(-1, -2)
 
 
-def check_steps(steps, name: str = "steps") -> None:
-    """BLAST's descent steps per matrix, a positive integer: 0 or fewer had returned the start (a block SVD, about
-    twice the weight error of 300 steps at the tiny preset's layers), unsaid."""
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise MemfitError(f"{name} (BLAST's descent steps per matrix) must be a positive integer, got {steps!r}")
+def check_steps(steps, name: str = "steps", least: int = 1) -> None:
+    """BLAST's descent steps per matrix, an integer of at least ``least``: where a caller asks for a projection, 0 or
+    fewer had returned the descent's start (a block SVD) unsaid; :func:`blast_factorize` takes 0 for that start."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < least:
+        what = "a positive integer" if least == 1 else f"an integer of at least {least}"
+        raise MemfitError(f"{name} (BLAST's descent steps per matrix) must be {what}, got {steps!r}")
 
 
 def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, step_size: float = 1.0,
@@ -252,13 +253,13 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     block SVD's). ``history`` (a list) receives the relative error after every step.
 
     The result is, per matrix, the iterate with the lowest true error among the start and every
-    ``BLAST_CHECK_EVERY``-th step (and the last): where a matrix is fitted exactly at a lower rank
+    ``BLAST_CHECK_EVERY``-th step (and the last; ``steps=0`` returns the start): where a matrix is fitted exactly at a lower rank
     than asked (a rank-deficient weight), the spare rank components pair up with large opposite
     weights once the fit is exact and the descent runs away to non-finite factors; an all-zero
     matrix makes every Gram matrix singular. Every solve is non-raising, and those iterates lose.
     """
     check_structure("blast", A.shape[-1], A.shape[-2], rank, blocks)
-    check_steps(steps)
+    check_steps(steps, least=0)
     A = A.to(_work_dtype(A))
     gen = torch.Generator(device=A.device).manual_seed(seed)
     b = blocks

@@ -53,8 +53,9 @@ class BlastLinear(StructuredLinear):
         return blocks.reshape(self.out_features, self.in_features)
 
     def _project(self, weight: torch.Tensor, steps: int = 100) -> None:
-        from memfit.compress.projection import blast_project  # compress builds on layers: import at use
+        from memfit.compress.projection import blast_project, check_steps  # compress builds on layers: at use
 
+        check_steps(steps)
         u, v, s = blast_project(weight, self.rank, self.blocks, steps=steps)
         self.U.copy_(u)
         self.V.copy_(v)
