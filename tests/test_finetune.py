@@ -106,7 +106,8 @@ def test_finetune_and_verify_load_a_4bit_base_through_the_cpu(monkeypatch, tmp_p
         raise MemfitError("stop")
 
     monkeypatch.setattr(four_bit, "to_device_4bit", to_device)
-    monkeypatch.setattr(local, "resolve_device", lambda name: torch.device("meta"))
+    monkeypatch.setattr(local, "resolve_device",              # the run's device (auto); a model built on the CPU too
+                        lambda name: torch.device("meta") if name == "auto" else torch.device(name))
     chosen = finetune.choose_techniques
     monkeypatch.setattr(finetune, "choose_techniques", lambda *a: replace(chosen(*a), four_bit=True))
     with pytest.raises(MemfitError, match="stop"):
