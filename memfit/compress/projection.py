@@ -253,8 +253,8 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     block SVD's). ``history`` (a list) receives the relative error after every step.
 
     The result is, per matrix, the iterate with the lowest true error among the start and every
-    ``BLAST_CHECK_EVERY``-th step (and the last; ``steps=0`` returns the start): where a matrix is fitted exactly at a lower rank
-    than asked (a rank-deficient weight), the spare rank components pair up with large opposite
+    ``BLAST_CHECK_EVERY``-th step (and the last; ``steps=0`` returns the start): where a matrix is fitted exactly at
+    a lower rank than asked (a rank-deficient weight), the spare rank components pair up with large opposite
     weights once the fit is exact and the descent runs away to non-finite factors; an all-zero
     matrix makes every Gram matrix singular. Every solve is non-raising, and those iterates lose.
     """
