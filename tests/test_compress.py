@@ -333,6 +333,15 @@ def test_blast_steps_that_are_not_a_positive_integer_are_refused_before_any_work
     assert not (tmp_path / "out").exists()
 
 
+def test_a_compressed_model_is_not_compressed_again():
+    """A second compress_model had compressed the k/v projections the first kept dense, at the ratio asked of them
+    alone, and said nothing."""
+    model = build_model(PRESETS["tiny"])
+    compress_model(model, "lowrank", 0.5)
+    with pytest.raises(MemfitError, match=r"already compressed \(model.layers.0.self_attn.q_proj is a LowRankLinear\)"):
+        compress_model(model, "lowrank", 0.5)
+
+
 def test_plan_takes_the_smallest_rank_where_a_kind_cannot_go_lower():
     """A kind whose smallest rank holds more than the shared fraction takes that rank (the bisection used to read
     it as a plan too big, and refused every ratio of the tiny model's Monarch plan at blocks=16 up to 0.8); a ratio

@@ -47,7 +47,14 @@ class CompressionResult:
 
 
 def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """Module name -> nn.Linear for every projection of every decoder layer."""
+    """Module name -> nn.Linear for every projection of every decoder layer. A model that already holds
+    block-low-rank layers is refused: its remaining dense projections (the k/v a GQA model keeps) had been compressed
+    in turn, at the ratio asked of them alone."""
+    from memfit.layers.structured import StructuredLinear
+
+    if found := next(((n, m) for n, m in model.named_modules() if isinstance(m, StructuredLinear)), None):
+        raise MemfitError(f"this model is already compressed ({found[0]} is a {type(found[1]).__name__}); compress "
+                          "its dense source instead")
     found = {name: m for name, m in model.named_modules()
              if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in KINDS and ".layers." in f".{name}"}
     if not found:
