@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run memfit's GPU benchmarks in one go, most pending first, each under its own time limit,
+# Run memfit's GPU benchmarks in one go, in the order of RUNS below, each under its own time limit,
 # writing results and logs to OUT (default benchmarks/results). Usage on a CUDA machine:
 #   OUT=/some/dir bash benchmarks/gpu_runs.sh [name ...]      # names: see RUNS below
 # Competitor and bitsandbytes wheels, when needed, must already be importable (PYTHONPATH).
