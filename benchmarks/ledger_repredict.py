@@ -16,18 +16,15 @@ import time
 from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import predict
 from memfit.measure.results import RESULTS_DIR, check_out_dir, target, write_results
-from memfit.models import PRESETS
 
 SOURCES = ("ledger_accuracy", "ledger_accuracy_blr")
 
 
 def repredict(row: dict) -> dict:
     """One stored measurement, predicted again: its job, the measured and predicted bytes, the errors then and now."""
-    job_fields, knob_fields = dict(row["job"]), dict(row["knobs"])
-    if job_fields.get("new_tokens", 0) is None:        # a training job's record, as Job.from_dict reads one
-        del job_fields["new_tokens"]
+    knob_fields = dict(row["knobs"])
     knob_fields["lora_targets"] = tuple(knob_fields["lora_targets"])
-    job = Job(PRESETS[job_fields.pop("model")], **job_fields)
+    job = Job.from_dict(row["job"])
     ledger = predict(job, Knobs(**knob_fields))
     measured = row["measured"]["peak_bytes"]
     return {"job": row["job"], "knobs": row["knobs"], "measured_bytes": measured, "predicted_bytes": ledger.total,

@@ -178,3 +178,10 @@ def test_under_autocast_a_layer_computes_in_autocasts_dtype_as_nn_linear_does(cl
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in layer.parameters())
     with torch.no_grad():
         assert torch.equal(y, copy.deepcopy(layer).to(torch.bfloat16)(x.to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("cls,kw", CASES, ids=IDS)
+def test_a_layer_on_the_meta_device_gives_its_output_shape(cls, kw):
+    """Shape inference, as nn.Linear allows it: autocast, which the layers now follow, has no meta device."""
+    layer = cls(IN, OUT, rank=8, bias=True, device="meta", **kw)
+    assert layer(torch.empty(3, 5, IN, device="meta")).shape == (3, 5, OUT)

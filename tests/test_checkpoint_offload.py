@@ -149,7 +149,7 @@ def test_a_refused_patch_leaves_the_model_as_it_was(bad, match):
     checkpointing and the loss installed), so the corrected call was told the model was already patched."""
     model = _tiny_model()
     with pytest.raises(MemfitError, match=match):
-        patch(model, checkpoint="layer", **bad)
+        patch(model, checkpoint="layer", **{"attention": "memfit", **bad})    # memfit's: a change that would show
     assert model.config._attn_implementation == "sdpa" and type(model).forward is model.forward.__func__
     patch(model, checkpoint="layer", lora={"r": 4, "target_modules": ["q_proj"]}, attention="memfit")
 

@@ -271,7 +271,7 @@ def test_verify_refuses_what_it_would_not_build():
 @pytest.mark.parametrize("options, message", [
     ({"warmup": 0}, r"warmup \(--warmup\) must be an integer of at least 1 .*got 0"),
     ({"warmup": -1}, r"warmup \(--warmup\) must be .*got -1"),
-    ({"tolerance": "0.1"}, r"tolerance \(--tolerance\) must be a positive, finite fraction .*got 0.1"),
+    ({"tolerance": "0.1"}, r"tolerance \(--tolerance\) must be a positive, finite fraction .*got '0.1'"),
 ])
 def test_verify_refuses_a_warmup_or_tolerance_the_command_would_refuse(options, message):
     """A library caller's warmup of 0 had measured the optimizer state appearing (ok=False, unexplained), and a
@@ -289,6 +289,8 @@ def test_verify_refuses_a_warmup_or_tolerance_the_command_would_refuse(options, 
     (lambda: Knobs(blr_ratio="0.5"), r"blr_ratio \(--blr-ratio\) must be a number"),
     (lambda: Knobs(micro_batch=True), r"micro_batch \(--micro-batch\) must be an integer, got True"),
     (lambda: Knobs(lora_targets="q_proj"), r"lora_targets \(--lora-targets\) is a sequence of module names"),
+    (lambda: Knobs(lora_targets=None), r"lora_targets \(--lora-targets\) is a sequence of module names"),
+    (lambda: Knobs(blr_method=[]), r"blr_method \(--blr\) must be a string, got \[\]"),
     (lambda: Job(TINY, loss_fraction="0.5"), r"loss_fraction \(--loss-fraction\) must be a number"),
     (lambda: Job(TINY, seq=2.0), r"seq \(--seq\) must be an integer, got 2.0"),
     (lambda: Job(object()), "a job's spec is a ModelSpec .*, got object"),

@@ -308,6 +308,7 @@ def test_bad_inputs_are_memfit_errors(model_dir, dense, tmp_path):
     (torch.zeros(1, 3), "got torch.float32"),
     (torch.tensor([[1, 512, 2]]), "input_ids hold ids from 1 to 512; the model's vocabulary is 0 to 511"),
     (torch.tensor([[-1, 2]]), "ids from -1 to 2"),
+    (torch.zeros(0, 3, dtype=torch.long), "this generator was built for batch 1, got 0 prompts"),
 ])
 def test_the_generator_refuses_prompts_it_cannot_read(dense, prompt, match):
     """Each had ended in an IndexError deep in the loop or the embedding (from an API audit)."""

@@ -146,7 +146,8 @@ def use_decode_kernels(fast: bool | None, embed: torch.Tensor, heads: int, kv_he
         return True
     if fast is not None or embed.device.type != "cuda":
         return False
-    reason = problem if use_triton("decode kernels", embed) else "MEMFIT_KERNELS=reference or no Triton"
+    reason = problem if use_triton("decode kernels", embed) else ("MEMFIT_KERNELS=reference, no Triton, or weights "
+                                                                  "in a dtype the kernels do not take")
     if reason is not None:
         warn_once("generate:no-decode-kernels", f"decode runs without memfit's decode kernels ({reason}): cuBLAS, "
                                                 "compiled rope/cache writes and SDPA")
@@ -447,29 +448,30 @@ class Generator:
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Reset the cache, run the prompts (B, T; left-padded), select decode neurons; returns the first new tokens."""
+        self._check_prompts(input_ids, attention_mask)
         return self._prefill(input_ids, attention_mask)[1]
 
     def _check_prompts(self, input_ids, attention_mask) -> None:
         """Prompts as the loop reads them: (batch, T >= 1) token ids within the vocabulary, a mask of their shape. A
-        1-D, empty or out-of-vocabulary prompt had ended in an IndexError deep in the loop or the embedding."""
+        1-D, empty or out-of-vocabulary prompt had ended in an IndexError deep in the loop or the embedding. Checked
+        once per public call (one host sync, before any timing starts)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
                 or input_ids.is_complex() or input_ids.dtype == torch.bool or input_ids.shape[1] < 1:
             raise MemfitError("input_ids must be an integer tensor of shape (batch, prompt length >= 1), got "
                               + (f"{input_ids.dtype} of shape {tuple(input_ids.shape)}"
                                  if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__))
+        if input_ids.shape[0] != self.batch:
+            raise MemfitError(f"this generator was built for batch {self.batch}, got {input_ids.shape[0]} prompts")
         vocab = self.model.get_input_embeddings().weight.shape[0]
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
-            raise MemfitError(f"input_ids hold ids from {int(input_ids.min())} to {int(input_ids.max())}; the "
-                              f"model's vocabulary is 0 to {vocab - 1}")
+        low, high = (int(v) for v in torch.aminmax(input_ids))
+        if low < 0 or high >= vocab:
+            raise MemfitError(f"input_ids hold ids from {low} to {high}; the model's vocabulary is 0 to {vocab - 1}")
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise MemfitError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
                               f"{tuple(input_ids.shape)}")
 
     def _prefill(self, input_ids, attention_mask):
-        self._check_prompts(input_ids, attention_mask)
         B, T = input_ids.shape
-        if B != self.batch:
-            raise MemfitError(f"this generator was built for batch {self.batch}, got {B} prompts")
         if T >= self.max_len:
             raise MemfitError(f"the prompt ({T} tokens) leaves no room in max_len={self.max_len}")
         input_ids = input_ids.to(self.device)
@@ -514,7 +516,7 @@ class Generator:
             raise MemfitError(f"max_new={max_new} must be >= 1 and fit in max_len={self.max_len} after a {T}-token prompt")
         self._sync()
         t0 = time.perf_counter()
-        first = self.prefill(input_ids, attention_mask)
+        first = self._prefill(input_ids, attention_mask)[1]
         self._sync()
         t1 = time.perf_counter()
         steps = max_new - 1

@@ -67,14 +67,17 @@ def triton_runnable(device_type: str) -> bool:
 def use_triton(op: str, *tensors: torch.Tensor, path: str | None = None) -> bool:
     """Decide whether ``op`` runs its Triton kernel on ``tensors``.
 
-    ``path`` (or env ``MEMFIT_KERNELS``) is one of ``auto``, ``triton``, ``reference``.
+    ``path`` (or env ``MEMFIT_KERNELS``) is one of ``auto``, ``triton``, ``reference``; a floating-point tensor of a
+    dtype the kernels do not take (``TRITON_DTYPES``) runs the reference in auto mode and is refused in triton mode.
     """
     mode = kernel_mode(op, path)
-    runnable = triton_runnable("cuda" if all(t.is_cuda for t in tensors) else "cpu")
-    other_dtypes = ", ".join(sorted({str(t.dtype) for t in tensors if t.is_floating_point()
-                                     and t.dtype not in TRITON_DTYPES}))
     if mode == "reference":
         return False
+    runnable = triton_runnable("cuda" if all(t.is_cuda for t in tensors) else "cpu")
+    other_dtypes = None                # built only for a tensor the kernels do not take: this runs at every op call
+    if any(t.is_floating_point() and t.dtype not in TRITON_DTYPES for t in tensors):
+        other_dtypes = ", ".join(sorted({str(t.dtype) for t in tensors if t.is_floating_point()
+                                         and t.dtype not in TRITON_DTYPES}))
     if mode == "triton":
         if not runnable:
             raise MemfitError(

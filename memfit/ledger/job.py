@@ -32,10 +32,14 @@ TASK_ONLY_FIELDS = {
 LORA_TARGETS_ALL = PROJECTIONS
 
 
+FLAGS = {"blr_method": "--blr"}     # the fields whose option is not their name's
+
+
 def field_flag(name: str) -> str:
-    """How an error names a Job or Knobs field (or verify's tolerance): the field, as a library caller wrote it, and
-    the option of ``memfit plan``/``memfit verify`` that sets it, as a user of the command typed it: ``seq (--seq)``."""
-    return f"{name} (--{name.replace('_', '-')})"
+    """How an error names a Job or Knobs field (or verify's tolerance and warmup): the field, as a library caller
+    wrote it, and the option of ``memfit plan``/``memfit verify`` that sets it, as a user of the command typed it:
+    ``seq (--seq)``."""
+    return f"{name} ({FLAGS.get(name, '--' + name.replace('_', '-'))})"
 
 
 def _record_fields(cls, data, keys: set[str], optional: frozenset[str] = frozenset()) -> dict:
@@ -186,7 +190,7 @@ class Knobs:
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtype_name(self.dtype))   # fp16 and float16 are one job (and cache key)
-        if isinstance(self.lora_targets, str) or not all(isinstance(t, str) for t in self.lora_targets):
+        if not isinstance(self.lora_targets, (list, tuple)) or not all(isinstance(t, str) for t in self.lora_targets):
             raise MemfitError(f"{field_flag('lora_targets')} is a sequence of module names such as ('q_proj', "
                               f"'v_proj'), got {self.lora_targets!r}")
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))   # a list is not hashable: no cache key

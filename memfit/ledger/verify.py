@@ -11,6 +11,7 @@ allocator's events read off ``torch.profiler`` (``memfit.measure.memory``).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -107,6 +108,13 @@ def _ledgers_allocator(job: Job) -> None:
         use_expandable_segments()
 
 
+def _check_warmup(warmup) -> None:
+    """Unmeasured steps first, at least one: optimizer state appears at the first step (0 measured it appearing)."""
+    if not isinstance(warmup, numbers.Integral) or isinstance(warmup, bool) or warmup < 1:
+        raise MemfitError(f"{field_flag('warmup')} must be an integer of at least 1 (optimizer state appears at "
+                          f"the first step), got {warmup!r}")
+
+
 def check_runnable(job: Job, knobs: Knobs) -> None:
     """Refuse, before any work, what no machine can run and what this one cannot."""
     check_knobs_fit_job(job, knobs)
@@ -151,9 +159,7 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1, progress: Callable[[str], N
     """Run ``warmup`` steps, then measure one step of ``job`` with ``knobs``; ``progress(phase)`` is told each phase
     as it starts (the model's build, each warm-up step, the measured step: seconds each on a CPU)."""
     say = progress or (lambda phase: None)
-    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:   # 0 measured the state appearing
-        raise MemfitError(f"{field_flag('warmup')} must be an integer of at least 1 (optimizer state appears at "
-                          f"the first step), got {warmup!r}")
+    _check_warmup(warmup)
     _ledgers_allocator(job)
     check_runnable(job, knobs)
     say("building the random-init model")
@@ -219,8 +225,10 @@ def verify(job: Job, knobs: Knobs, tolerance: float = 0.05, warmup: int = 1,
            progress: Callable[[str], None] | None = None) -> VerifyResult:
     """Predict, measure, compare. ``result.ok`` is False when the total is off by more than ``tolerance``;
     ``progress`` is :func:`measure`'s."""
-    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not 0 < tolerance < math.inf:
-        raise MemfitError(f"{field_flag('tolerance')} must be a positive, finite fraction (0.05 is 5%), got {tolerance}")
+    if not isinstance(tolerance, numbers.Real) or isinstance(tolerance, bool) or not 0 < tolerance < math.inf:
+        raise MemfitError(f"{field_flag('tolerance')} must be a positive, finite fraction (0.05 is 5%), got "
+                          f"{tolerance!r}")
+    _check_warmup(warmup)
     _ledgers_allocator(job)
     check_runnable(job, knobs)
     ledger = predict(job, knobs)

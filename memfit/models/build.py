@@ -27,7 +27,8 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(spec: ModelSpec | str | Path, dtype: str | torch.dtype | None = None,
-                device: str | torch.device = "cpu", attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+                device: str | torch.device = "cpu", attn_implementation: str = "sdpa",
+                seed: int = 0) -> torch.nn.Module:
     """A random-init ``*ForCausalLM`` of ``spec``'s shape (a ModelSpec, a preset's name or a model directory, as
     :func:`~memfit.models.spec.load_spec` takes), created directly in ``dtype`` on ``device`` (auto, cpu, cuda or
     cuda:N: :func:`memfit.local.resolve_device`)."""

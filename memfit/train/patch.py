@@ -18,7 +18,7 @@ lora={"r": 16})`` applies, in this order:
    default r=16, alpha=32, no dropout, all seven linears of each layer).
 6. **attention** (``attention``): the transformers attention implementation every layer
    uses, ``"sdpa"`` (default) or ``"memfit"`` (:mod:`memfit.train.attention_hf`, O(N)
-   memory in every dtype). memfit matters for fp32 training: torch SDPA (2.11, CUDA) ran
+   memory in fp16, bf16 and fp32, the dtypes its kernels take). memfit matters for fp32 training: torch SDPA (2.11, CUDA) ran
    fp32 grouped-query attention on its math kernel, which materialises the scores,
    heads x N^2 x 4 bytes per layer (6.4 GB at 8K tokens with Llama-3.2-3B's 24 heads).
 
