@@ -395,3 +395,19 @@ def test_a_batch_is_picked_from_one_permutation_an_epoch(monkeypatch):
     monkeypatch.setattr(torch, "randperm", lambda *a, **k: draws.append(a) or real(*a, **k))
     assert {(step, seed): loop.batch_at(examples, 8, seed, step) for seed in (0, 5) for step in range(9)} == expected
     assert len(draws) == 2 * 4                 # 72 positions of 23 examples: epochs 0 to 3, for each seed
+
+
+def test_the_library_refuses_a_new_run_over_an_earlier_one_and_a_save_removes_a_killed_saves_temporary(tmp_path):
+    """train() without resume had removed an earlier run's checkpoints at its first save (only the command refused
+    it); a run killed while it saved left .step-N.tmp for good, since a save removed only its own step's."""
+    out = tmp_path / "run"
+    _run(out, 2)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    with pytest.raises(MemfitError, match="already holds a run; pass --resume \\(resume=True\\)"):
+        _run(out, 3)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    killed = out / "checkpoints" / ".step-0000009.tmp"      # a step this run does not save
+    killed.mkdir()
+    (killed / "trainable.safetensors").write_bytes(b"half")
+    _run(out, 4, resume=True)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-0000004"]

@@ -255,6 +255,7 @@ def run(args) -> int:
         latest_checkpoint,
         lora_settings,
         peak_bytes,
+        refuse_overwriting_a_run,
     )
     from memfit.train.patch import lora_config, patch
     from memfit.units import format_bytes, parse_bytes
@@ -274,8 +275,7 @@ def run(args) -> int:
         raise MemfitError(f"--out {out} exists and is not a directory; choose another --out")
     if problem := output_dir_problem(out):             # before the training, not at its first checkpoint
         raise MemfitError(f"--out {out}: {problem}")
-    if not args.resume and latest_checkpoint(out) is not None:
-        raise MemfitError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    refuse_overwriting_a_run(out, args.resume)
     if not args.resume and (foreign := _entries_not_its_own(out)):
         raise MemfitError(f"--out {out} holds {', '.join(foreign)} and no run to resume, and a new run writes its "
                           "adapter/ and checkpoints/ there, replacing an adapter/; choose a new or empty directory "

@@ -252,16 +252,18 @@ def save_checkpoint(out_dir: Path, model, optimizer, step: int, losses: list[flo
     os.replace(pointer, root / LATEST)
     steps = {root / match[1] for path in root.iterdir() if (match := STEP_NAME.fullmatch(path.name))}
     for old in [path for path in steps if path.name != name and path.is_dir()] + \
-            [copy for path in steps for copy in set_aside_of(path)]:   # atomic_dir's, left by a save killed mid-swap
+            [copy for path in steps for copy in set_aside_of(path)] + \
+            [root / f".{path.name}.tmp" for path in steps if path.name != name]:   # a save killed before its rename
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 CHECKPOINT_NAME = r"step-\d{7,}"            # a checkpoint's own directory
-# A checkpoint's directory, or a name beginning like its set-aside copy (files.set_aside_of says which are): a save
-# removes the earlier ones and those copies, and nothing else in the checkpoints directory (the globs before had taken
-# any name after "step-").
-STEP_NAME = re.compile(rf"(?:\.)?({CHECKPOINT_NAME})(?:\.old-.*)?")
+# A checkpoint's directory, a name beginning like its set-aside copy (files.set_aside_of says which are) or its
+# temporary directory: a save removes the earlier ones, those copies and temporaries (a run killed mid-save had left
+# its .step-N.tmp for good), and nothing else in the checkpoints directory (the globs before had taken any name after
+# "step-").
+STEP_NAME = re.compile(rf"(?:\.)?({CHECKPOINT_NAME})(?:\.old-.*|\.tmp)?")
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -403,11 +405,21 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig, settings:
 
 
 # ---- the loop -------------------------------------------------------------------------
+def refuse_overwriting_a_run(out_dir: Path, resume: bool) -> None:
+    """A new run (not ``resume``) into a directory that holds one is refused: its first checkpoint would remove the
+    earlier run's. The command checks it before the model loads; :func:`train` checks it for a library caller, whose
+    earlier checkpoints it had removed unsaid."""
+    if not resume and latest_checkpoint(out_dir) is not None:
+        raise MemfitError(f"{out_dir} already holds a run; pass --resume (resume=True) to continue it or choose "
+                          "another --out")
+
+
 def train(model, examples: list[Example], pad_id: int, config: TrainConfig, out_dir: Path, *, resume: bool = False,
           on_step: Callable[[StepReport], None] | None = None, data_name: str | None = None) -> list[float]:
     """Train ``model`` for ``config.steps`` total steps; return the loss of every step (resumed ones included).
     Its trainable parameters become float32 first (:func:`float32_master_weights`); ``data_name`` names the data in
     a refused resume's message."""
+    refuse_overwriting_a_run(out_dir, resume)
     device = next(p.device for p in model.parameters())
     settings = run_settings(model, examples, data_name)     # before the master weights: the dtype asked for
     float32_master_weights(model)
