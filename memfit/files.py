@@ -80,6 +80,22 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         raise
 
 
+@contextmanager
+def serializing(path: str | Path) -> Iterator[None]:
+    """A library's write of ``path`` (safetensors, ``torch.save``), its failure to write as the ``OSError`` it is,
+    naming the file: both raise their own types for a full disk (safetensors' SafetensorError "I/O error",
+    torch's RuntimeError from its stream writer), which the command line showed as a traceback where an OSError is
+    one line. Any other error passes as it is."""
+    try:
+        yield
+    except Exception as err:
+        text = str(err)
+        if (type(err).__name__ == "SafetensorError" and "I/O error" in text) or \
+                (isinstance(err, RuntimeError) and ("PytorchStreamWriter" in text or "inline_container" in text)):
+            raise OSError(f"{path}: the write failed ({text.strip()}); is the disk full?") from err
+        raise
+
+
 SET_ASIDE_HEX = 16
 
 

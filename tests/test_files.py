@@ -220,3 +220,35 @@ def test_an_input_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatc
             "calibration file": lambda: load_calibration(str(path), False, None, 256, 2, 8)}[reader]
     with pytest.raises(MemfitError, match=f"{reader} '.*in.jsonl' cannot be read \\(Permission denied\\)"):
         read()
+
+
+def _disk_full(*args, **kwargs):
+    import safetensors
+
+    raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def _stream_writer_failed(*args, **kwargs):
+    raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 61824 vs 61716")
+
+
+@pytest.mark.parametrize("write, failing, name", [
+    (_rankings, "safetensors", "r.safetensors"), (_compressed, "safetensors", "model.safetensors"),
+    (_checkpoint, "safetensors", "trainable.safetensors"), (_checkpoint, "torch", "state.pt"),
+    (_adapter, "safetensors", "adapter"),
+])
+def test_a_full_disk_is_an_oserror_naming_the_file_and_leaves_nothing_behind(write, failing, name, tmp_path,
+                                                                             monkeypatch):
+    """safetensors and torch.save raise their own types for a full disk, which the command line showed as a
+    traceback; an OSError is its one line. The temporary the write went to is removed."""
+    import safetensors.torch
+
+    if failing == "torch":
+        monkeypatch.setattr(torch, "save", _stream_writer_failed)
+    else:                                              # imported where they are called
+        monkeypatch.setattr(safetensors.torch, "save_file", _disk_full)
+        monkeypatch.setattr(safetensors.torch, "save_model", _disk_full)
+    before = set(tmp_path.rglob("*"))
+    with pytest.raises(OSError, match=rf"{name}: the write failed .*; is the disk full\?"):
+        write(tmp_path)
+    assert not [p for p in set(tmp_path.rglob("*")) - before if p.is_file()]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memfit.errors import MemfitError
-from memfit.files import atomic_dir, follow_umask, set_aside_of
+from memfit.files import atomic_dir, follow_umask, serializing, set_aside_of
 from memfit.log import warn_once
 
 if TYPE_CHECKING:  # the annotations only; torch loads when a run starts, not for `memfit --help`
@@ -400,7 +400,7 @@ def _save_adapter(model, out: Path) -> Path:
     final = out / "adapter"
     for leftover in (out / ".adapter.tmp", *set_aside_of(final)):   # left by a run killed while it saved
         shutil.rmtree(leftover, ignore_errors=True)
-    with atomic_dir(final, out / ".adapter.tmp") as tmp:
+    with atomic_dir(final, out / ".adapter.tmp") as tmp, serializing(final):
         model.save_pretrained(tmp)
         follow_umask(*tmp.rglob("*.safetensors"))      # peft's weights (below tmp for a named adapter), written 0600
         record_prompt_template(tmp)                    # generate --adapter then encodes prompts as they were trained

@@ -27,7 +27,7 @@ from torch import nn
 
 from memfit.compress.plan import structure_class
 from memfit.errors import MemfitError
-from memfit.files import atomic_dir, follow_umask, named_prefix_hex, set_aside_of
+from memfit.files import atomic_dir, follow_umask, named_prefix_hex, serializing, set_aside_of
 from memfit.local import output_dir_problem, refuse_blank_out, resolve_device
 from memfit.log import logger
 from memfit.models.spec import COMPRESSED_MARKER as CONFIG_NAME
@@ -188,7 +188,8 @@ def save_compressed(model: nn.Module, out: str | Path, layers: dict[str, dict], 
                     placed=lambda done: (done / OWNER_NAME).unlink()) as tmp:
         (tmp / OWNER_NAME).write_text(_owner())
         model.config.save_pretrained(tmp)
-        save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "memfit": "compressed"})
+        with serializing(out / WEIGHTS_NAME):
+            save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "memfit": "compressed"})
         follow_umask(tmp / WEIGHTS_NAME)               # safetensors writes it 0600
         meta = {"format": FORMAT_VERSION, "layers": layers, **(info or {})}
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=1))

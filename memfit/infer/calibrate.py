@@ -21,7 +21,7 @@ import torch
 
 from memfit.data.jsonl import text_lines
 from memfit.errors import MemfitError
-from memfit.files import atomic_path, input_file
+from memfit.files import atomic_path, input_file, serializing
 
 RANKINGS_FILE = "rankings.safetensors"
 FORMAT = "memfit-rankings-v1"
@@ -66,7 +66,8 @@ class Rankings:
         meta = {"format": FORMAT, "tokens": json.dumps(self.tokens)}
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata=meta)
+            with serializing(path):
+                save_file(tensors, str(tmp), metadata=meta)
         return path
 
     @classmethod

@@ -46,7 +46,7 @@ import torch
 
 from memfit.data.jsonl import Example, collate
 from memfit.errors import MemfitError
-from memfit.files import atomic_dir, follow_umask, set_aside_of
+from memfit.files import atomic_dir, follow_umask, serializing, set_aside_of
 from memfit.log import warn_once
 
 CHECKPOINTS = "checkpoints"
@@ -241,10 +241,12 @@ def save_checkpoint(out_dir: Path, model, optimizer, step: int, losses: list[flo
     final = root / name
     shutil.rmtree(root / f".{name}.tmp", ignore_errors=True)       # left by a run killed while it saved
     with atomic_dir(final, root / f".{name}.tmp") as tmp:
-        save_file({k: p.detach().cpu().contiguous() for k, p in trainable_parameters(model).items()},
-                  str(tmp / "trainable.safetensors"))
+        with serializing(final / "trainable.safetensors"):
+            save_file({k: p.detach().cpu().contiguous() for k, p in trainable_parameters(model).items()},
+                      str(tmp / "trainable.safetensors"))
         follow_umask(tmp / "trainable.safetensors")   # safetensors writes it 0600
-        torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "state.pt")
+        with serializing(final / "state.pt"):
+            torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "state.pt")
         (tmp / "progress.json").write_text(json.dumps({"version": PROGRESS_VERSION, "step": step, "losses": losses,
                                                        "config": asdict(config), "settings": settings}))
     pointer = root / f".{LATEST}.tmp"
