@@ -252,3 +252,27 @@ def test_a_full_disk_is_an_oserror_naming_the_file_and_leaves_nothing_behind(wri
     with pytest.raises(OSError, match=rf"{name}: the write failed .*; is the disk full\?"):
         write(tmp_path)
     assert not [p for p in set(tmp_path.rglob("*")) - before if p.is_file()]
+
+
+def test_the_autotune_cache_keeps_another_processs_picks_and_survives_a_file_that_is_no_object(tmp_path, monkeypatch):
+    """Each process wrote back the file as it first read it (the last to save dropped the others' picks); a file
+    holding a JSON list ended the first lookup in an AttributeError, and an empty MEMFIT_AUTOTUNE_CACHE the first
+    save in a ValueError."""
+    import json
+
+    from memfit.kernels import autotune
+
+    said = []
+    monkeypatch.setattr(autotune, "warn_once", lambda key, message: said.append(message))
+    monkeypatch.setattr(autotune, "_CACHE", None)            # this process's copy, put back after the test
+    path = tmp_path / "autotune.json"
+    monkeypatch.setenv("MEMFIT_AUTOTUNE_CACHE", str(path))
+    path.write_text("[1, 2]")
+    assert autotune._load_cache() == {} and said == [f"the autotune cache {path} is not a JSON object; tuning again "
+                                                     "and writing it anew"]
+    autotune._load_cache()["mine"] = "a"
+    path.write_text(json.dumps({"theirs": "b", "mine": "old"}))       # another process saved since
+    autotune._save_cache(autotune._load_cache())
+    assert json.loads(path.read_text()) == {"mine": "a", "theirs": "b"}
+    monkeypatch.setenv("MEMFIT_AUTOTUNE_CACHE", "")
+    assert autotune._cache_path() == Path.home() / ".cache" / "memfit" / "autotune.json"

@@ -55,23 +55,38 @@ CHAIN_TILE_MEMO: dict[tuple, tuple] = {}   # (op, shape_key, device) -> the pair
 
 
 def _cache_path() -> Path:
-    return Path(os.environ.get("MEMFIT_AUTOTUNE_CACHE", Path.home() / ".cache" / "memfit" / "autotune.json"))
+    """``$MEMFIT_AUTOTUNE_CACHE``, where set and not empty (an empty one had ended the first save in a ValueError)."""
+    return Path(os.environ.get("MEMFIT_AUTOTUNE_CACHE") or Path.home() / ".cache" / "memfit" / "autotune.json")
+
+
+def _read_cache(path: Path) -> dict:
+    """The picks the file holds; none where it is missing, unreadable or not a JSON object (said once: a list had
+    ended the first lookup in an AttributeError)."""
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(cache, dict):
+        warn_once(f"autotune-cache-shape:{path}", f"the autotune cache {path} is not a JSON object; tuning again "
+                                                  "and writing it anew")
+        return {}
+    return cache
 
 
 def _load_cache() -> dict:
     global _CACHE
     if _CACHE is None:
-        try:
-            _CACHE = json.loads(_cache_path().read_text())
-        except (OSError, ValueError):
-            _CACHE = {}
+        _CACHE = _read_cache(_cache_path())
     return _CACHE
 
 
 def _save_cache(cache: dict) -> None:
+    """Write ``cache`` with the picks another process saved since this one read the file (this one's win a tie): each
+    had written back the file as it first read it, and the last to save dropped the others' picks."""
     path = _cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        cache.update({key: value for key, value in _read_cache(path).items() if key not in cache})
         with atomic_path(path) as tmp:
             tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
     except OSError as err:
