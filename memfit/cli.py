@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import signal
 import sys
 
 from memfit.errors import MemfitError
@@ -53,17 +55,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:  # the built-in default job: plan the default model
         args = parser.parse_args([*argv, "plan"])
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="memfit: %(message)s")
-    try:
+    previous = signal.signal(signal.SIGTERM, _interrupt)   # as Ctrl-C: the writers' cleanups run (kill's default
+    try:                                                   # had left their temporary files)
         return int(args.handler(args) or 0)
     except MemfitError as err:
         print(f"memfit {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:                            # `memfit generate ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error as Python flushes stdout
+        return 128 + signal.SIGPIPE
     except OSError as err:                             # the disk or the file system (full, permissions): one line
         print(f"memfit {args.command}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("memfit: interrupted", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

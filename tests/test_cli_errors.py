@@ -723,3 +723,42 @@ def test_an_empty_out_is_refused_by_name(tiny_dir, tmp_path, capsys, no_model_lo
     (tmp_path / "prompts.jsonl").write_text('{"text": "hello"}\n')
     _fails(capsys, ["calibrate", str(tiny_dir), "--data", str(tmp_path / "prompts.jsonl"), "--out", " ",
                     "--device", "cpu"], "--out is empty: name the rankings file")
+
+
+def test_sigterm_interrupts_as_ctrl_c_does_so_that_cleanups_run(monkeypatch, capsys):
+    """kill's default SIGTERM had ended a run without its writers' cleanups (their temporary files stayed); it now
+    ends as Ctrl-C does, and the handler before the command is put back."""
+    import os
+    import signal
+
+    from memfit.commands import presets
+
+    finished = []
+
+    def terminated(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)       # delivered to this, the main, thread before the next line
+        finally:
+            finished.append("cleanup")
+
+    def unheard(signum, frame):                        # without memfit's handler the test ends cleanly, failed
+        finished.append("unheard")
+
+    before = signal.signal(signal.SIGTERM, unheard)
+    try:
+        monkeypatch.setattr(presets, "run", terminated)
+        assert main(["presets"]) == 130 and finished == ["cleanup"]
+        assert capsys.readouterr().err == "memfit: interrupted\n" and signal.getsignal(signal.SIGTERM) is unheard
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly():
+    """`memfit plan --json | head -c 1` had printed "error: [Errno 32] Broken pipe" and exited 1; it now exits as a
+    command killed by SIGPIPE does, 141, and says nothing."""
+    import subprocess
+
+    run = subprocess.Popen([sys.executable, "-m", "memfit", "plan", "--json"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    run.stdout.close()                                 # before the command has written anything
+    assert run.stderr.read() == b"" and run.wait(timeout=120) == 141
