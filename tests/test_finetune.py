@@ -11,7 +11,7 @@ from memfit.data.jsonl import DEFAULT_DATA, IGNORE_INDEX, load_jsonl
 from memfit.data.tokenizer import ByteTokenizer
 from memfit.errors import MemfitError
 from memfit.models import PRESETS, build_model
-from memfit.train.finetune import TrainConfig, train
+from memfit.train.finetune import TrainConfig, save_checkpoint, train
 from memfit.train.patch import patch
 
 
@@ -178,9 +178,11 @@ def test_a_checkpoint_save_removes_what_a_killed_save_left(tmp_path):
     """A save killed between atomic_dir's renames leaves .step-N.old-<hex>, one killed while it wrote .step-N.tmp;
     a name a save cannot have made stays (the globs before had removed any name after "step-")."""
     kept = ["step-notes", ".step-0000001.old-backup", "step-0000001.bak"]
-    for leftover in (".step-0000001.old-0123456789abcdef", ".step-0000003.tmp", "step-0000002", *kept):
+    for leftover in (".step-0000001.old-0123456789abcdef", ".step-0000003.tmp", ".step-0000002.tmp", "step-0000002",
+                     *kept):
         (tmp_path / "checkpoints" / leftover).mkdir(parents=True)
-    _run(tmp_path, 3)
+    model = torch.nn.Linear(2, 2)          # the save itself: train() refuses a new run where step-0000002 is
+    save_checkpoint(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1), 3, [1.0], TrainConfig())
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == sorted(["latest", "step-0000003", *kept])
 
 
