@@ -1,8 +1,10 @@
 """The ``memfit`` command: parses arguments, calls the library, prints. Nothing else.
 
 Each verb lives in ``memfit/commands/<verb>.py`` with ``add_parser(subparsers)`` and
-``run(args) -> int``; this file only wires them together and turns MemfitError into a
-clear message and exit status 2.
+``run(args) -> int``; this file only wires them together and turns what ends a command into one line and an exit
+status: a MemfitError 2, the disk or file system (an OSError) 1, Ctrl-C 130, SIGTERM 143 (both after the writers'
+cleanups have run), and a reader that stopped reading 141, silently (what rich prints exits 1, silently: rich
+handles that itself).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from memfit.errors import MemfitError
 
@@ -55,27 +58,51 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:  # the built-in default job: plan the default model
         args = parser.parse_args([*argv, "plan"])
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="memfit: %(message)s")
-    previous = signal.signal(signal.SIGTERM, _interrupt)   # as Ctrl-C: the writers' cleanups run (kill's default
-    try:                                                   # had left their temporary files)
+    handled = _terminate_as_an_exception()
+    try:
         return int(args.handler(args) or 0)
     except MemfitError as err:
         print(f"memfit {args.command}: error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:                            # `memfit generate ... | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error as Python flushes stdout
+        try:                                           # no second error as Python flushes stdout at exit
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):                  # a stdout with no file (a caller's in-process capture)
+            pass
         return 128 + signal.SIGPIPE
     except OSError as err:                             # the disk or the file system (full, permissions): one line
         print(f"memfit {args.command}: error: {err}", file=sys.stderr)
         return 1
+    except Terminated:
+        print("memfit: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("memfit: interrupted", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if handled:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, so that what cleans up after Ctrl-C cleans up after it too (kill's default
+    had ended a run with its writers' temporary files left)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
+def _terminate_as_an_exception() -> bool:
+    """Turn SIGTERM into :class:`Terminated` for the command, where that is this process's to decide: on the main
+    thread (the only one that can set a handler), and where SIGTERM has its default action (a parent that ignores it,
+    or a caller's own handler, is kept). Whether it was set."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    return True
 
 
 if __name__ == "__main__":

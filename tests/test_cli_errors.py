@@ -725,32 +725,49 @@ def test_an_empty_out_is_refused_by_name(tiny_dir, tmp_path, capsys, no_model_lo
                     "--device", "cpu"], "--out is empty: name the rankings file")
 
 
-def test_sigterm_interrupts_as_ctrl_c_does_so_that_cleanups_run(monkeypatch, capsys):
-    """kill's default SIGTERM had ended a run without its writers' cleanups (their temporary files stayed); it now
-    ends as Ctrl-C does, and the handler before the command is put back."""
-    import os
-    import signal
-
-    from memfit.commands import presets
-
-    finished = []
-
-    def terminated(args):
-        try:
-            os.kill(os.getpid(), signal.SIGTERM)       # delivered to this, the main, thread before the next line
-        finally:
-            finished.append("cleanup")
-
-    def unheard(signum, frame):                        # without memfit's handler the test ends cleanly, failed
-        finished.append("unheard")
-
-    before = signal.signal(signal.SIGTERM, unheard)
+TERMINATED = """
+import os, signal, sys
+from memfit.cli import main
+from memfit.commands import presets
+def run(args):
     try:
-        monkeypatch.setattr(presets, "run", terminated)
-        assert main(["presets"]) == 130 and finished == ["cleanup"]
-        assert capsys.readouterr().err == "memfit: interrupted\n" and signal.getsignal(signal.SIGTERM) is unheard
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pause()
     finally:
-        signal.signal(signal.SIGTERM, before)
+        print("cleanup", flush=True)
+presets.run = run
+if sys.argv[1] == "ignored":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    presets.run = lambda args: os.kill(os.getpid(), signal.SIGTERM)
+status = main(["presets"])
+print("handler back:", signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN), flush=True)
+sys.exit(status)
+"""
+
+
+@pytest.mark.parametrize("parent", ["default", "ignored"])
+def test_sigterm_ends_a_command_after_its_cleanups_unless_the_process_ignores_it(parent):
+    """kill's default SIGTERM had ended a run without its writers' cleanups (their temporary files stayed); it now
+    ends as Ctrl-C does, with 143 and one line, and the default action comes back after. A process that ignores
+    SIGTERM (as its parent set it) keeps ignoring it."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", TERMINATED, parent], capture_output=True, text=True, timeout=120)
+    if parent == "default":
+        assert (run.returncode, run.stdout, run.stderr) == (143, "cleanup\nhandler back: True\n", "memfit: terminated\n")
+    else:
+        assert (run.returncode, run.stdout, run.stderr) == (0, "handler back: True\n", "")
+
+
+def test_the_command_runs_from_another_thread():
+    """Setting a signal handler is for the main thread only: a caller's thread had got a ValueError."""
+    import threading
+
+    results = []
+    worker = threading.Thread(target=lambda: results.append(main(["presets"])))
+    worker.start()
+    worker.join(timeout=120)
+    assert results == [0]
 
 
 def test_a_reader_that_stops_reading_ends_the_command_quietly():
