@@ -8,6 +8,7 @@ readable by the others who should read it.
 """
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -80,6 +81,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         raise
 
 
+DISK_FULL = ("os error 28", "No space left", "unexpected pos")   # safetensors' and torch's stream writer's words
+
+
 @contextmanager
 def serializing(path: str | Path) -> Iterator[None]:
     """A library's write of ``path`` (safetensors, ``torch.save``), its failure to write as the ``OSError`` it is,
@@ -92,7 +96,9 @@ def serializing(path: str | Path) -> Iterator[None]:
         text = str(err)
         if (type(err).__name__ == "SafetensorError" and "I/O error" in text) or \
                 (isinstance(err, RuntimeError) and ("PytorchStreamWriter" in text or "inline_container" in text)):
-            raise OSError(f"{path}: the write failed ({text.strip()}); is the disk full?") from err
+            if any(mark in text for mark in DISK_FULL):
+                raise OSError(errno.ENOSPC, f"{path}: the write failed, the disk is full ({text.strip()})") from err
+            raise OSError(f"{path}: the write failed ({text.strip()})") from err
         raise
 
 

@@ -1,5 +1,6 @@
 """Files memfit writes get the mode a plain open() gives a new file under the user's umask, not tempfile's or
 safetensors' 0600."""
+import errno
 import os
 import sys
 from pathlib import Path
@@ -223,8 +224,10 @@ def test_an_input_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatc
 
 
 def _disk_full(*args, **kwargs):
+    """A full disk as safetensors reports it, after part of the file memfit named (its temporary) is written."""
     import safetensors
 
+    Path(args[1]).write_bytes(b"half")
     raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
 
@@ -249,9 +252,25 @@ def test_a_full_disk_is_an_oserror_naming_the_file_and_leaves_nothing_behind(wri
         monkeypatch.setattr(safetensors.torch, "save_file", _disk_full)
         monkeypatch.setattr(safetensors.torch, "save_model", _disk_full)
     before = set(tmp_path.rglob("*"))
-    with pytest.raises(OSError, match=rf"{name}: the write failed .*; is the disk full\?"):
+    with pytest.raises(OSError, match=rf"{name}: the write failed, the disk is full \(") as raised:
         write(tmp_path)
-    assert not [p for p in set(tmp_path.rglob("*")) - before if p.is_file()]
+    assert raised.value.errno == errno.ENOSPC
+    assert not [p for p in set(tmp_path.rglob("*")) - before if p.name != "checkpoints"]
+
+
+def test_a_write_that_fails_for_another_reason_is_not_called_a_full_disk(tmp_path):
+    import safetensors
+
+    from memfit.files import serializing
+
+    with pytest.raises(OSError, match=r"x.safetensors: the write failed \(.*Permission denied.*\)$") as raised:
+        with serializing(tmp_path / "x.safetensors"):
+            raise safetensors.SafetensorError("Error while serializing: I/O error: Permission denied (os error 13)")
+    assert raised.value.errno is None
+    with pytest.raises(safetensors.SafetensorError, match="shared tensors"):     # not a write failure: as it is
+        with serializing(tmp_path / "x.safetensors"):
+            raise safetensors.SafetensorError("Some tensors share memory, this will lead to duplicate memory on disk "
+                                              "(shared tensors)")
 
 
 def test_the_autotune_cache_keeps_another_processs_picks_and_survives_a_file_that_is_no_object(tmp_path, monkeypatch):
