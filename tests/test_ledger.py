@@ -314,6 +314,8 @@ def test_a_job_and_knobs_take_what_a_caller_naturally_passes():
     knobs = Knobs(lora_targets=["q_proj", "v_proj"], checkpoint_layers=np.int32(1), blr_ratio=np.float32(0.5))
     assert knobs == Knobs(lora_targets=("q_proj", "v_proj"), checkpoint_layers=1, blr_ratio=0.5)
     assert hash(knobs) == hash(Knobs(lora_targets=("q_proj", "v_proj"), checkpoint_layers=1, blr_ratio=0.5))
+    assert Knobs(lora_targets={"v_proj", "q_proj"}) == Knobs(lora_targets=(t for t in ("q_proj", "v_proj"))) == \
+        Knobs(lora_targets=("q_proj", "v_proj"))
 
 
 def test_the_library_refuses_what_the_command_refuses():

@@ -463,7 +463,7 @@ class Generator:
         if input_ids.shape[0] != self.batch:
             raise MemfitError(f"this generator was built for batch {self.batch}, got {input_ids.shape[0]} prompts")
         vocab = self.model.get_input_embeddings().weight.shape[0]
-        low, high = (int(v) for v in torch.aminmax(input_ids))
+        low, high = torch.stack(torch.aminmax(input_ids)).tolist()
         if low < 0 or high >= vocab:
             raise MemfitError(f"input_ids hold ids from {low} to {high}; the model's vocabulary is 0 to {vocab - 1}")
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):

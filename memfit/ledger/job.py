@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -190,10 +191,14 @@ class Knobs:
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtype_name(self.dtype))   # fp16 and float16 are one job (and cache key)
-        if not isinstance(self.lora_targets, (list, tuple)) or not all(isinstance(t, str) for t in self.lora_targets):
+        given = self.lora_targets
+        targets = None if isinstance(given, (str, bytes)) or not isinstance(given, Iterable) else tuple(given)
+        if targets is None or not all(isinstance(t, str) for t in targets):
             raise MemfitError(f"{field_flag('lora_targets')} is a sequence of module names such as ('q_proj', "
                               f"'v_proj'), got {self.lora_targets!r}")
-        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))   # a list is not hashable: no cache key
+        if isinstance(given, (set, frozenset)):
+            targets = tuple(sorted(targets))           # one order, so that equal sets make equal knobs
+        object.__setattr__(self, "lora_targets", targets)   # a list is not hashable: no cache key
         _check_field_types(self)
         if self.optimizer not in OPTIMIZERS:
             raise MemfitError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")

@@ -412,8 +412,8 @@ def refuse_overwriting_a_run(out_dir: Path, resume: bool) -> None:
     earlier run's. The command checks it before the model loads; :func:`train` checks it for a library caller, whose
     earlier checkpoints it had removed unsaid."""
     if not resume and latest_checkpoint(out_dir) is not None:
-        raise MemfitError(f"{out_dir} already holds a run; pass --resume (resume=True) to continue it or choose "
-                          "another --out")
+        raise MemfitError(f"{out_dir} already holds a run; pass --resume (resume=True) to continue it, or choose "
+                          "another --out (out_dir)")
 
 
 def train(model, examples: list[Example], pad_id: int, config: TrainConfig, out_dir: Path, *, resume: bool = False,
