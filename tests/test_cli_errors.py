@@ -251,6 +251,25 @@ def test_byte_tokenizer_save_is_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [tokenizer.CONFIG_NAME]
 
 
+def test_rankings_save_replaces_only_a_rankings_file(tmp_path):
+    """As calibrate --force: a library caller's mistyped path had replaced the model's own weights."""
+    from safetensors.torch import save_file
+
+    from memfit.infer.calibrate import Rankings
+
+    rankings = Rankings({"general": torch.rand(2, 16)}, {"general": 5})
+    weights = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(3)}, str(weights))
+    before = weights.read_bytes()
+    with pytest.raises(MemfitError, match="model.safetensors exists and is not a rankings file; Rankings.save "
+                                          "replaces only an earlier one"):
+        rankings.save(weights)
+    assert weights.read_bytes() == before
+    rankings.save(tmp_path / "r.safetensors")
+    Rankings({"general": torch.rand(2, 16)}, {"general": 7}).save(tmp_path / "r.safetensors")     # an earlier one
+    assert Rankings.load(tmp_path / "r.safetensors").tokens["general"] == 7
+
+
 def test_rankings_save_leaves_no_temp_file_on_failure(tmp_path, monkeypatch):
     import safetensors.torch
 

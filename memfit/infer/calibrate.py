@@ -55,10 +55,13 @@ class Rankings:
                               f"but the model has {num_layers} x {intermediate}; run `memfit calibrate` on this model")
 
     def save(self, path: str | Path) -> Path:
-        """Write atomically (temp file + rename)."""
+        """Write atomically (temp file + rename), replacing only a rankings file: a library caller's mistyped path
+        had replaced whatever was there, a model's own weights included (the command refused it already)."""
         from safetensors.torch import save_file
 
         path = Path(path)
+        if path.exists() and not is_rankings_file(path):
+            raise MemfitError(f"{path} exists and is not a rankings file; Rankings.save replaces only an earlier one")
         tensors = {}
         for name, score in self.scores.items():
             tensors[f"{name}.score"] = score.float().contiguous()
