@@ -86,9 +86,14 @@ class Rankings:
                 scores = {key[: -len(".score")]: handle.get_tensor(key) for key in handle.keys() if key.endswith(".score")}
         except Exception as err:  # safetensors raises its own error types for corrupt files
             raise MemfitError(f"{path}: not a readable safetensors file ({err})") from None
-        if meta.get("format") != FORMAT or "general" not in scores:
+        if not _written_by_save(meta) or "general" not in scores:
             raise MemfitError(f"{path}: not a memfit rankings file (format {meta.get('format')!r}, expected {FORMAT})")
         return cls(scores=scores, tokens=json.loads(meta.get("tokens", "{}")))
+
+
+def _written_by_save(metadata: dict) -> bool:
+    """Whether a safetensors file's metadata is what :meth:`Rankings.save` writes: its format."""
+    return metadata.get("format") == FORMAT
 
 
 def is_rankings_file(path: str | Path) -> bool:
@@ -98,7 +103,7 @@ def is_rankings_file(path: str | Path) -> bool:
 
     try:
         with safe_open(str(path), framework="pt") as handle:
-            return (handle.metadata() or {}).get("format") == FORMAT
+            return _written_by_save(handle.metadata() or {})
     except Exception:  # noqa: BLE001 - safetensors raises its own error types for what is not its file
         return False
 
