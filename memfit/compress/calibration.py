@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, is_count
 from memfit.files import input_file, read_input_text
 from memfit.log import warn_once
 
@@ -43,7 +43,7 @@ def load_calibration(calib_file: str | None, builtin: bool, model_dir: str | Pat
                      samples: int = 32, seq_len: int = 512) -> list[torch.Tensor] | None:
     """Batches from ``calib_file`` or the built-in corpus; None when neither was asked for."""
     for flag, value in (("--calib-samples", samples), ("--calib-seq", seq_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_count(value):
             raise MemfitError(f"{flag} must be a positive integer, got {value!r}")
     if calib_file and builtin:
         raise MemfitError("give either --calib FILE or --calib-builtin, not both")

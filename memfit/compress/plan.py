@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, is_count
 from memfit.models import ModelSpec, dtype_bytes
 from memfit.models.spec import PROJECTIONS
 
@@ -64,7 +64,7 @@ def _check_ranks(ranks: dict[str, int] | None, skip: tuple[str, ...], skip_defau
     """Explicit ranks: positive integers, for kinds not kept dense (a skipped kind's rank had been ignored, unsaid)."""
     if ranks is None:
         return
-    if bad := {k: r for k, r in ranks.items() if not isinstance(r, int) or isinstance(r, bool) or r < 1}:
+    if bad := {k: r for k, r in ranks.items() if not is_count(r)}:
         raise MemfitError(f"ranks must be positive integers, got {bad}")
     if skipped := [k for k in ranks if k in skip]:
         them = "it" if len(skipped) == 1 else "them"
@@ -78,7 +78,7 @@ def _check_args(method, ratio, blocks, ranks):
     cls = structure_class(method)
     if ranks is None and (not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio < 1):
         raise MemfitError(f"ratio must be a fraction of the linear parameters in (0, 1), got {ratio!r}")
-    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+    if not is_count(blocks):
         raise MemfitError(f"blocks must be a positive integer, got {blocks!r}")
     return cls
 

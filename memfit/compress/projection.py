@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, is_count
 from memfit.layers.structured import truncated_svd
 
 # The relative error below which blast_factorize starts from the bases that diagonalise a matrix's cores. Elsewhere
@@ -231,7 +231,7 @@ def _diagonalising_bases(Ab: torch.Tensor, U: torch.Tensor, V: torch.Tensor, gen
 def check_steps(steps, name: str = "steps", least: int = 1) -> None:
     """BLAST's descent steps per matrix, an integer of at least ``least``: where a caller asks for a projection, 0 or
     fewer had returned the descent's start (a block SVD) unsaid; :func:`blast_factorize` takes 0 for that start."""
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < least:
+    if not is_count(steps, least):
         what = "a positive integer" if least == 1 else f"an integer of at least {least}"
         raise MemfitError(f"{name} (BLAST's descent steps per matrix) must be {what}, got {steps!r}")
 

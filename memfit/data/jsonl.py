@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, is_count
 from memfit.files import input_file, read_input_text
 from memfit.log import warn_once
 
@@ -104,7 +104,7 @@ def _tokenize(pieces: list[tuple[str, bool]], tokenizer, max_len: int) -> Exampl
 
 def check_source(path: str | Path, max_len: int) -> Path:
     """``path`` as a readable JSONL file and ``max_len`` as a usable length (callers check before any work)."""
-    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 2:
+    if not is_count(max_len, 2):
         raise MemfitError(f"max_len must be an integer >= 2 (a prompt token and a response token), got {max_len!r}")
     return input_file(path, "data file", "pass a JSONL file")
 

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, is_count
 from memfit.infer.fused import act_mul, fused_gate_up, fused_qkv, plain_linear
 from memfit.infer.selection import (
     begin_prompt,
@@ -220,8 +220,7 @@ class Generator:
     def __init__(self, model, max_len: int, batch: int = 1, graphs: bool | None = None, temperature: float = 0.0,
                  compile: bool | None = None, fused: bool = True, fast: bool | None = None):
         cfg = model.config
-        counts = (max_len, batch)
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts) or max_len < 2 or batch < 1:
+        if not (is_count(max_len, 2) and is_count(batch)):
             raise MemfitError(f"max_len must be an integer >= 2 and batch one >= 1, got max_len={max_len!r}, "
                               f"batch={batch!r}")
         if temperature < 0:

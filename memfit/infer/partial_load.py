@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, is_count
 from memfit.infer.calibrate import RANKINGS_FILE, Rankings
 from memfit.infer.fused import share_gate_up, share_qkv
 from memfit.infer.selection import PartialMLP
@@ -73,7 +73,7 @@ class PartialConfig:
             raise MemfitError(f"base (delta={self.delta}) must be in [0, compute={self.phi}]: base neurons are always computed")
         for name in ("full_first", "full_last"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not is_count(value, 0):
                 raise MemfitError(f"{name} must be a non-negative integer, got {value!r}")
         if self.full_first + self.full_last > num_layers:
             raise MemfitError(f"full_first + full_last (--full-first, --full-last) = {self.full_first + self.full_last} "

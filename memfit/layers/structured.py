@@ -15,11 +15,11 @@ import math
 import torch
 from torch import nn
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, is_count
 
 
 def check_positive(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_count(value):
         raise MemfitError(f"{name} must be a positive integer, got {value!r}")
     return value
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, is_count
 from memfit.models.spec import PROJECTIONS, ModelSpec, dtype_name, load_spec
 
 TASKS = ("full", "lora", "infer")
@@ -104,7 +104,7 @@ def _check_field_types(record) -> None:
 
 
 def _positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not is_count(value):
         raise MemfitError(f"{field_flag(name)} must be a positive integer, got {value!r}")
 
 

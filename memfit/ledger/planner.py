@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, is_count
 from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import Ledger, predict
 from memfit.ledger.techniques import REGISTRY, Cost, active, approximate, step_flops, total_cost
@@ -87,7 +87,7 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
     """
     if limit < 1:
         raise MemfitError(f"limit must be at least 1, got {limit}")
-    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
+    if budget is not None and not is_count(budget):
         raise MemfitError(f"budget must be a positive number of bytes (e.g. memfit.parse_bytes('16GiB')), got "
                           f"{budget!r}")
     asked = predict(job, base)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, is_count
 
 if TYPE_CHECKING:  # annotations only: the ledger and `memfit plan` run without torch
     import torch
@@ -79,7 +79,7 @@ class ModelSpec:
     def __post_init__(self):
         for key in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "vocab"):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_count(value):
                 raise MemfitError(f"model {self.name!r}: {key} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise MemfitError(

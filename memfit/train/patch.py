@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, is_count
 from memfit.models.spec import PROJECTIONS
 from memfit.train.checkpoint import CheckpointPolicy, OffloadRunner, install
 
@@ -100,7 +100,7 @@ def lora_config(lora):
     if "lora_alpha" not in lora and "r" in lora:
         fields["lora_alpha"] = 2 * lora["r"]
     rank, alpha = fields.get("r"), fields.get("lora_alpha")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+    if not is_count(rank):
         raise MemfitError(f"LoRA rank r must be a positive integer, got {rank!r}")
     if alpha is not None and (not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0):
         raise MemfitError(f"lora_alpha must be a positive number, got {alpha!r}")
