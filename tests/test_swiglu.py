@@ -116,7 +116,7 @@ def test_swiglu_reads_strided_inputs_through_a_copy():
 
 
 def test_swiglu_runs_float64_on_its_reference_and_refuses_it_on_the_forced_kernel():
-    """The kernel computes in fp32: float64 had come out rounded to it, unsaid: the reference is now equal to it bit for bit."""
+    """The kernel computes in fp32, so float64 had come out rounded to fp32, unsaid; it now runs the reference."""
     gen = seeded(6)
     gate, up = (torch.randn(5, 7, dtype=torch.float64, generator=gen) for _ in range(2))
     assert torch.equal(swiglu(gate, up), swiglu_reference(gate, up))
