@@ -206,6 +206,52 @@ def test_fused_qkv_split_matches_float64(layout, dtype, backward, fused, monkeyp
                   f"{layout} {dtype} {backward} fused={fused}", names=("out", "dqkv"))
 
 
+# Rows 2**30 + 64 elements apart, so that row 2's offset, 2**31 + 128, passes int32 while every stride still fits
+# it (Triton passes a stride below 2**31 as int32). The storage is 2**31 elements of float16 (4 GiB) of which the
+# run touches a few rows; in a child process, since an offset that overflows reads outside the tensor: a crash.
+WIDE_ROWS_SCRIPT = """
+import sys, torch
+from memfit.kernels.attention import VARIANTS, attention, attention_recompute_backward, attention_reference
+stride, rows, dim = 2**30 + 64, 3, 16
+base = torch.empty(rows * stride, dtype=torch.float16, device=sys.argv[1])
+torch.manual_seed(0)
+q, k, v, do = (torch.as_strided(base, (1, 1, rows, dim), (rows * stride, rows * stride, stride, 1), i * dim)
+               .copy_(torch.randn(1, 1, rows, dim)) for i in range(4))
+leaves = [t.double().requires_grad_() for t in (q, k, v)]
+out = attention_reference(*leaves, causal=True)
+want = (out, *torch.autograd.grad(out, leaves, do.double()))
+def worst(got):
+    return max(((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want))
+for variant in VARIANTS:
+    qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = attention(*qkv, causal=True, backward=variant, path="triton")
+    got = (out, *torch.autograd.grad(out, qkv, do))
+    recomputed = attention_recompute_backward(q, k, v, do, causal=True, backward=variant, path="triton")
+    print(variant, worst(got), worst((want[0], *recomputed)))
+"""
+
+
+def test_row_offsets_past_int32_are_computed_in_int64():
+    """A sequence whose row offsets pass 2**31 elements (about 175K tokens with a fused QKV projection's 12288-element
+    rows) had its offsets wrap around in int32: the kernels read and wrote outside their tensors. Such a launch now
+    computes them in int64 (WIDE); an ordinary one keeps int32."""
+    import subprocess
+    import sys
+
+    from memfit.kernels.attention import _geom, _wide_rows
+
+    small = torch.empty(1, 2, 4096, 64)
+    assert not _wide_rows(_geom(small, small, None, None), small)
+    device = str(torch.get_default_device())
+    done = subprocess.run([sys.executable, "-c", WIDE_ROWS_SCRIPT, device], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    errors = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in done.stdout.splitlines()}
+    assert sorted(errors) == sorted(VARIANTS), done.stdout
+    for variant, (separate, recomputed) in errors.items():
+        assert separate < TOL[torch.float16] and recomputed < TOL[torch.float16], (variant, separate, recomputed)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused_recompute"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_keys_expanded_over_heads_match_float64(variant, fused, monkeypatch):

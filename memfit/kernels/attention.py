@@ -136,9 +136,17 @@ if triton is not None:
                                                    4: _configs([(32, 64, 4, 2), (32, 32, 4, 2)])})
 
     @triton.jit
-    def _load_rows(base, rows, offs_d, stride_m, L, HEAD_DIM: tl.constexpr):
+    def _tile_offsets(rows, offs_d, stride_m, WIDE: tl.constexpr):
+        """Element offsets of a (rows, head dim) tile within one sequence. Row offsets are int32 (fewer registers
+        on every tile) unless WIDE: a sequence whose row offsets pass 2**31 elements (see :func:`_wide_rows`)."""
+        if WIDE:
+            rows = rows.to(tl.int64)
+        return rows[:, None] * stride_m + offs_d[None, :]
+
+    @triton.jit
+    def _load_rows(base, rows, offs_d, stride_m, L, HEAD_DIM: tl.constexpr, WIDE: tl.constexpr):
         mask = (rows < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        return tl.load(base + rows[:, None] * stride_m + offs_d[None, :], mask=mask, other=0.0)
+        return tl.load(base + _tile_offsets(rows, offs_d, stride_m, WIDE), mask=mask, other=0.0)
 
     @triton.jit
     def _seq_bounds(CU, b, N_CTX, VARLEN: tl.constexpr):
@@ -167,13 +175,13 @@ if triton is not None:
     @triton.jit
     def _stats_sweep(acc, m_i, l_i, q, do, k_ptr, v_ptr, skm, svm, lo, hi, offs_m, offs_d, L, qk_scale,
                      MASK: tl.constexpr, CAUSAL: tl.constexpr, FOR_DELTA: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+                     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, WIDE: tl.constexpr):
         """Online softmax over key blocks [lo, hi). Accumulates P V (forward) or rowsum(P * dO V^T)."""
         offs_n0 = tl.arange(0, BLOCK_N)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
-            k = _load_rows(k_ptr, offs_n, offs_d, skm, L, HEAD_DIM)
-            v = _load_rows(v_ptr, offs_n, offs_d, svm, L, HEAD_DIM)
+            k = _load_rows(k_ptr, offs_n, offs_d, skm, L, HEAD_DIM, WIDE)
+            v = _load_rows(v_ptr, offs_n, offs_d, svm, L, HEAD_DIM, WIDE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
             if MASK:
                 keep = offs_n[None, :] < L
@@ -198,7 +206,7 @@ if triton is not None:
                     sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, sob, soh, som,
                     H, GROUP, N_CTX, N_TOT,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-                    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    DOT_PREC: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         bh = tl.program_id(0)
         pid_m = tl.program_id(1)
         if CAUSAL:  # heaviest (last) query blocks first: shorter tail
@@ -215,25 +223,26 @@ if triton is not None:
         v_ptr = V + bt.to(tl.int64) * svb + hk.to(tl.int64) * svh + start * svm
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        q = _load_rows(q_ptr, offs_m, offs_d, sqm, L, HEAD_DIM)
+        q = _load_rows(q_ptr, offs_m, offs_d, sqm, L, HEAD_DIM, WIDE)
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         full_end, hi = _query_ranges(m0, L, CAUSAL, BLOCK_M, BLOCK_N)
         acc, m_i, l_i = _stats_sweep(acc, m_i, l_i, q, q, k_ptr, v_ptr, skm, svm, 0, full_end, offs_m, offs_d, L,
-                                     qk_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, DOT_PREC)
+                                     qk_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, DOT_PREC, WIDE)
         acc, m_i, l_i = _stats_sweep(acc, m_i, l_i, q, q, k_ptr, v_ptr, skm, svm, full_end, hi, offs_m, offs_d, L,
-                                     qk_scale, True, CAUSAL, False, HEAD_DIM, BLOCK_N, DOT_PREC)
+                                     qk_scale, True, CAUSAL, False, HEAD_DIM, BLOCK_N, DOT_PREC, WIDE)
         o = acc / l_i[:, None]
         o_ptr = O + bt.to(tl.int64) * sob + h.to(tl.int64) * soh + start * som
         mask = (offs_m < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        tl.store(o_ptr + offs_m[:, None] * som + offs_d[None, :], o.to(O.dtype.element_ty), mask=mask)
+        tl.store(o_ptr + _tile_offsets(offs_m, offs_d, som, WIDE), o.to(O.dtype.element_ty), mask=mask)
         lse_ptr = LSE + (bt * H + h).to(tl.int64) * N_TOT + start
         tl.store(lse_ptr + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < L)
 
     @triton.jit
     def _delta_kernel(O, DO, DELTA, CU, sqb, sqh, sqm, sdb, sdh, sdm, H, N_CTX, N_TOT,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, WIDE: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
         """delta = rowsum(O * dO) in fp32, the softmax-backward row term."""
         bh = tl.program_id(0)
         b = bh // H
@@ -241,9 +250,10 @@ if triton is not None:
         start, L, bt = _seq_bounds(CU, b, N_CTX, VARLEN)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        o = _load_rows(O + bt.to(tl.int64) * sqb + h.to(tl.int64) * sqh + start * sqm, offs_m, offs_d, sqm, L, HEAD_DIM)
+        o = _load_rows(O + bt.to(tl.int64) * sqb + h.to(tl.int64) * sqh + start * sqm, offs_m, offs_d, sqm, L,
+                       HEAD_DIM, WIDE)
         do = _load_rows(DO + bt.to(tl.int64) * sdb + h.to(tl.int64) * sdh + start * sdm, offs_m, offs_d, sdm, L,
-                        HEAD_DIM)
+                        HEAD_DIM, WIDE)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         tl.store(DELTA + (bt * H + h).to(tl.int64) * N_TOT + start + offs_m, delta, mask=offs_m < L)
 
@@ -251,7 +261,7 @@ if triton is not None:
     def _key_block_sweep(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, dl_ptr, dq_ptr, sqm, sdom, sdqm, first, count, rot,
                          offs_n, offs_d, L, qk_scale, sm_scale,
                          MASK: tl.constexpr, DQ_MODE: tl.constexpr, REMAP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr):
+                         BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr, WIDE: tl.constexpr):
         """For one key block, accumulate dK, dV over query blocks first + j*BLOCK_M, j < count."""
         offs_m0 = tl.arange(0, BLOCK_M)
         for i in range(0, count):
@@ -260,8 +270,8 @@ if triton is not None:
             else:
                 j = i
             offs_m = first + j * BLOCK_M + offs_m0
-            q = _load_rows(q_ptr, offs_m, offs_d, sqm, L, HEAD_DIM)
-            do = _load_rows(do_ptr, offs_m, offs_d, sdom, L, HEAD_DIM)
+            q = _load_rows(q_ptr, offs_m, offs_d, sqm, L, HEAD_DIM, WIDE)
+            do = _load_rows(do_ptr, offs_m, offs_d, sdom, L, HEAD_DIM, WIDE)
             lse = tl.load(lse_ptr + offs_m, mask=offs_m < L, other=0.0)
             dl = tl.load(dl_ptr + offs_m, mask=offs_m < L, other=0.0)
             # Rows past L load as zeros: their q and dO are 0, so every contribution below is 0.
@@ -274,7 +284,7 @@ if triton is not None:
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PREC)
             if DQ_MODE != 0:
                 dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PREC) * sm_scale
-                ptrs = dq_ptr + offs_m[:, None] * sdqm + offs_d[None, :]
+                ptrs = dq_ptr + _tile_offsets(offs_m, offs_d, sdqm, WIDE)
                 mask = (offs_m < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
                 if DQ_MODE == 1:
                     tl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
@@ -290,7 +300,7 @@ if triton is not None:
                         sdkb, sdkh, sdkm, sdvb, sdvh, sdvm, sdqb, sdqh, sdqm, dq_slot,
                         H, GROUP, N_CTX, N_TOT,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-                        DQ_MODE: tl.constexpr, REMAP: tl.constexpr, DOT_PREC: tl.constexpr,
+                        DQ_MODE: tl.constexpr, REMAP: tl.constexpr, DOT_PREC: tl.constexpr, WIDE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """dK, dV per key block (summed over the kv head's query-head group); dQ per DQ_MODE.
 
@@ -313,8 +323,8 @@ if triton is not None:
         for pid_n in range(pid, tl.cdiv(L, BLOCK_N), nprog):
             n0 = pid_n * BLOCK_N
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            k = _load_rows(k_ptr, offs_n, offs_d, skm, L, HEAD_DIM)
-            v = _load_rows(v_ptr, offs_n, offs_d, svm, L, HEAD_DIM)
+            k = _load_rows(k_ptr, offs_n, offs_d, skm, L, HEAD_DIM, WIDE)
+            v = _load_rows(v_ptr, offs_n, offs_d, svm, L, HEAD_DIM, WIDE)
             dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
             dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
             if CAUSAL:  # query blocks crossing the diagonal are masked, those below are full, above skipped
@@ -332,23 +342,24 @@ if triton is not None:
                 dk, dv = _key_block_sweep(dk, dv, k, v, q_ptr, do_ptr, LSE + row_off, DELTA + row_off,
                                           dq_ptr, sqm, sdm, sdqm, first_m * BLOCK_M, full_m - first_m, 0,
                                           offs_n, offs_d, L, qk_scale, sm_scale, True, DQ_MODE, False, HEAD_DIM,
-                                          BLOCK_M, DOT_PREC)
+                                          BLOCK_M, DOT_PREC, WIDE)
                 dk, dv = _key_block_sweep(dk, dv, k, v, q_ptr, do_ptr, LSE + row_off, DELTA + row_off,
                                           dq_ptr, sqm, sdm, sdqm, full_m * BLOCK_M, num_m - full_m, pid_n,
                                           offs_n, offs_d, L, qk_scale, sm_scale, False, DQ_MODE, REMAP, HEAD_DIM,
-                                          BLOCK_M, DOT_PREC)
+                                          BLOCK_M, DOT_PREC, WIDE)
             mask = (offs_n < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
             dk_ptr = DK + bt.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + start * sdkm
             dv_ptr = DV + bt.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + start * sdvm
-            tl.store(dk_ptr + offs_n[:, None] * sdkm + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+            tl.store(dk_ptr + _tile_offsets(offs_n, offs_d, sdkm, WIDE), (dk * sm_scale).to(DK.dtype.element_ty),
                      mask=mask)
-            tl.store(dv_ptr + offs_n[:, None] * sdvm + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=mask)
+            tl.store(dv_ptr + _tile_offsets(offs_n, offs_d, sdvm, WIDE), dv.to(DV.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _query_block_sweep(dq, q, do, lse, dl, k_ptr, v_ptr, dk_ptr, dv_ptr, skm, svm, sdkm, first, count, rot,
                            offs_m, offs_d, L, qk_scale, sm_scale,
                            MASK: tl.constexpr, CAUSAL: tl.constexpr, DKV_MODE: tl.constexpr, REMAP: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                           WIDE: tl.constexpr):
         """For one query block, accumulate dQ over key blocks first + j*BLOCK_N, j < count."""
         offs_n0 = tl.arange(0, BLOCK_N)
         for i in range(0, count):
@@ -357,8 +368,8 @@ if triton is not None:
             else:
                 j = i
             offs_n = first + j * BLOCK_N + offs_n0
-            k = _load_rows(k_ptr, offs_n, offs_d, skm, L, HEAD_DIM)
-            v = _load_rows(v_ptr, offs_n, offs_d, svm, L, HEAD_DIM)
+            k = _load_rows(k_ptr, offs_n, offs_d, skm, L, HEAD_DIM, WIDE)
+            v = _load_rows(v_ptr, offs_n, offs_d, svm, L, HEAD_DIM, WIDE)
             p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale - lse[:, None])
             if MASK:
                 keep = offs_n[None, :] < L
@@ -372,8 +383,8 @@ if triton is not None:
                 dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC) * sm_scale
                 dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
                 mask = (offs_n < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
-                dk_ptrs = dk_ptr + offs_n[:, None] * sdkm + offs_d[None, :]
-                dv_ptrs = dv_ptr + offs_n[:, None] * sdkm + offs_d[None, :]
+                dk_ptrs = dk_ptr + _tile_offsets(offs_n, offs_d, sdkm, WIDE)
+                dv_ptrs = dv_ptr + _tile_offsets(offs_n, offs_d, sdkm, WIDE)
                 if DKV_MODE == 1:
                     tl.atomic_add(dk_ptrs, dk, mask=mask, sem="relaxed")
                     tl.atomic_add(dv_ptrs, dv, mask=mask, sem="relaxed")
@@ -391,7 +402,7 @@ if triton is not None:
                           H, GROUP, N_CTX, N_TOT,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
                           STATS: tl.constexpr, DKV_MODE: tl.constexpr, REMAP: tl.constexpr, DOT_PREC: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """dQ per query block; dK/dV contributions per DKV_MODE.
 
         STATS: recompute lse and delta here (first sweep over the keys) instead of loading
@@ -422,17 +433,17 @@ if triton is not None:
         for pid_m in range(pid, tl.cdiv(L, BLOCK_M), nprog):
             m0 = pid_m * BLOCK_M
             offs_m = m0 + tl.arange(0, BLOCK_M)
-            q = _load_rows(q_ptr, offs_m, offs_d, sqm, L, HEAD_DIM)
-            do = _load_rows(do_ptr, offs_m, offs_d, sdm, L, HEAD_DIM)
+            q = _load_rows(q_ptr, offs_m, offs_d, sqm, L, HEAD_DIM, WIDE)
+            do = _load_rows(do_ptr, offs_m, offs_d, sdm, L, HEAD_DIM, WIDE)
             full_end, hi = _query_ranges(m0, L, CAUSAL, BLOCK_M, BLOCK_N)
             if STATS:
                 m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
                 l_i = tl.zeros([BLOCK_M], tl.float32)
                 acc = tl.zeros([BLOCK_M], tl.float32)
                 acc, m_i, l_i = _stats_sweep(acc, m_i, l_i, q, do, k_ptr, v_ptr, skm, svm, 0, full_end, offs_m,
-                                             offs_d, L, qk_scale, False, CAUSAL, True, HEAD_DIM, BLOCK_N, DOT_PREC)
+                                             offs_d, L, qk_scale, False, CAUSAL, True, HEAD_DIM, BLOCK_N, DOT_PREC, WIDE)
                 acc, m_i, l_i = _stats_sweep(acc, m_i, l_i, q, do, k_ptr, v_ptr, skm, svm, full_end, hi, offs_m,
-                                             offs_d, L, qk_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, DOT_PREC)
+                                             offs_d, L, qk_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, DOT_PREC, WIDE)
                 lse = m_i + tl.math.log2(l_i)
                 dl = acc / l_i
                 if DKV_MODE == 0:
@@ -444,13 +455,13 @@ if triton is not None:
             dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             dq = _query_block_sweep(dq, q, do, lse, dl, k_ptr, v_ptr, DK + dkv_off, DV + dkv_off, skm, svm, sdkm,
                                     0, full_end // BLOCK_N, pid_m, offs_m, offs_d, L, qk_scale, sm_scale,
-                                    False, CAUSAL, DKV_MODE, REMAP, HEAD_DIM, BLOCK_N, DOT_PREC)
+                                    False, CAUSAL, DKV_MODE, REMAP, HEAD_DIM, BLOCK_N, DOT_PREC, WIDE)
             dq = _query_block_sweep(dq, q, do, lse, dl, k_ptr, v_ptr, DK + dkv_off, DV + dkv_off, skm, svm, sdkm,
                                     full_end, tl.cdiv(hi - full_end, BLOCK_N), 0, offs_m, offs_d, L, qk_scale,
-                                    sm_scale, True, CAUSAL, DKV_MODE, False, HEAD_DIM, BLOCK_N, DOT_PREC)
+                                    sm_scale, True, CAUSAL, DKV_MODE, False, HEAD_DIM, BLOCK_N, DOT_PREC, WIDE)
             mask = (offs_m < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
-            tl.store(DQ + bt.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + start * sdqm + offs_m[:, None] * sdqm
-                     + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=mask)
+            tl.store(DQ + bt.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + start * sdqm
+                     + _tile_offsets(offs_m, offs_d, sdqm, WIDE), (dq * sm_scale).to(DQ.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------
@@ -487,6 +498,17 @@ def _strides(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+_MAX_TILE = 128   # rows in the largest tile any config uses: masked rows past a sequence's end still get offsets
+
+
+def _wide_rows(g, *tensors, row_strides=0) -> bool:
+    """Whether a row offset within one sequence (row times row stride, in elements) can pass int32 for a kernel
+    over these tensors (and a buffer of row stride ``row_strides``): a single sequence of about 175K tokens with
+    a fused QKV projection's 12288-element rows does. The kernels then compute those offsets in int64 (WIDE)."""
+    widest = max([row_strides, *(t.stride(2) for t in tensors)])
+    return (g.n_ctx + _MAX_TILE) * widest + g.block_d >= 2**31
+
+
 def _dummy(device):
     """Placeholder for a pointer argument a mode does not use (never the autotuner's reset target)."""
     return torch.zeros(1, dtype=torch.float32, device=device)
@@ -518,7 +540,8 @@ def _fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale):
     grid = lambda meta: (g.nseq * g.heads, triton.cdiv(g.n_ctx, meta["BLOCK_M"]))  # noqa: E731
     _fwd_kernel[grid](q, k, v, o, lse, _cu_arg(q, cu_seqlens), scale * LOG2E, *_strides(q), *_strides(k),
                       *_strides(v), *_strides(o), g.heads, g.group, g.n_ctx, g.n_tot, HEAD_DIM=g.head_dim,
-                      BLOCK_D=g.block_d, CAUSAL=causal, VARLEN=g.varlen, DOT_PREC=g.dot_prec)
+                      BLOCK_D=g.block_d, CAUSAL=causal, VARLEN=g.varlen, DOT_PREC=g.dot_prec,
+                      WIDE=_wide_rows(g, q, k, v, o))
     return o, lse
 
 
@@ -527,7 +550,7 @@ def _delta(o, do, cu_seqlens, g):
     block = 16 if interpreting() else 128
     _delta_kernel[(g.nseq * g.heads, triton.cdiv(g.n_ctx, block))](
         o, do, delta, _cu_arg(o, cu_seqlens), *_strides(o), *_strides(do), g.heads, g.n_ctx, g.n_tot,
-        HEAD_DIM=g.head_dim, BLOCK_D=g.block_d, VARLEN=g.varlen, BLOCK_M=block)
+        HEAD_DIM=g.head_dim, BLOCK_D=g.block_d, VARLEN=g.varlen, WIDE=_wide_rows(g, o, do), BLOCK_M=block)
     return delta
 
 
@@ -543,7 +566,7 @@ def _key_bwd(q, k, v, do, lse, delta, dq_buf, dq_strides, dq_slot, slots, cu_seq
                           *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
                           *dq_strides, dq_slot, g.heads, g.group, g.n_ctx, g.n_tot, HEAD_DIM=g.head_dim,
                           BLOCK_D=g.block_d, CAUSAL=causal, VARLEN=g.varlen, DQ_MODE=dq_mode, REMAP=remap,
-                          DOT_PREC=g.dot_prec)
+                          DOT_PREC=g.dot_prec, WIDE=_wide_rows(g, q, k, v, do, dk, dv, row_strides=dq_strides[2]))
     return dk, dv
 
 
@@ -558,7 +581,8 @@ def _query_bwd(q, k, v, do, lse, delta, dk_buf, dv_buf, dkv_strides, dkv_slot, s
                             scale, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
                             *dkv_strides, dkv_slot, g.heads, g.group, g.n_ctx, g.n_tot, HEAD_DIM=g.head_dim,
                             BLOCK_D=g.block_d, CAUSAL=causal, VARLEN=g.varlen, STATS=stats, DKV_MODE=dkv_mode,
-                            REMAP=remap, DOT_PREC=g.dot_prec)
+                            REMAP=remap, DOT_PREC=g.dot_prec,
+                            WIDE=_wide_rows(g, q, k, v, do, dq, row_strides=dkv_strides[2]))
     return dq
 
 
