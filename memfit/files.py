@@ -85,6 +85,21 @@ DISK_FULL = ("os error 28", "No space left", "unexpected pos")   # safetensors' 
 
 
 @contextmanager
+def held_exclusively(path: str | Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``<path>.lock`` while the block runs, for a read-modify-write of ``path`` that
+    other processes do too: without it, two that read the file before either wrote it back each drop the other's
+    change. An advisory lock (``flock``): it orders the processes that take it and nothing else."""
+    import fcntl
+
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextmanager
 def serializing(path: str | Path) -> Iterator[None]:
     """A library's write of ``path`` (safetensors, ``torch.save``), its failure to write as the ``OSError`` it is,
     naming the file: both raise their own types for a full disk (safetensors' SafetensorError "I/O error",

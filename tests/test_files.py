@@ -295,3 +295,25 @@ def test_the_autotune_cache_keeps_another_processs_picks_and_survives_a_file_tha
     assert json.loads(path.read_text()) == {"mine": "a", "theirs": "b"}
     monkeypatch.setenv("MEMFIT_AUTOTUNE_CACHE", "")
     assert autotune._cache_path() == Path.home() / ".cache" / "memfit" / "autotune.json"
+
+
+def test_autotune_cache_saves_wait_for_one_another(tmp_path, monkeypatch):
+    """Two saves at the same instant had each read the file before the other wrote it, and the later write dropped
+    the earlier one's picks. A save now holds the file's lock from its read to its write: one that starts while
+    another holds it waits, and then keeps the other's picks."""
+    import json
+    import threading
+
+    from memfit.files import held_exclusively
+    from memfit.kernels import autotune
+
+    path = tmp_path / "autotune.json"
+    monkeypatch.setenv("MEMFIT_AUTOTUNE_CACHE", str(path))
+    with held_exclusively(path):                 # another process, between its read and its write
+        saving = threading.Thread(target=autotune._save_cache, args=({"mine": "a"},))
+        saving.start()
+        saving.join(0.5)
+        assert saving.is_alive(), "the save did not wait for the lock"
+        path.write_text(json.dumps({"theirs": "b"}))
+    saving.join(10)
+    assert json.loads(path.read_text()) == {"mine": "a", "theirs": "b"}

@@ -30,7 +30,7 @@ import torch
 import triton
 
 from memfit.errors import MemfitError
-from memfit.files import atomic_path
+from memfit.files import atomic_path, held_exclusively
 from memfit.kernels.dispatch import interpreting
 from memfit.log import warn_once
 from memfit.measure.timing import graph_ms, turn_orders
@@ -82,13 +82,15 @@ def _load_cache() -> dict:
 
 def _save_cache(cache: dict) -> None:
     """Write ``cache`` with the picks another process saved since this one read the file (this one's win a tie): each
-    had written back the file as it first read it, and the last to save dropped the others' picks."""
+    had written back the file as it first read it, and the last to save dropped the others' picks. The read and the
+    write hold the file's lock, so that two saves at the same instant do not each miss the other's picks."""
     path = _cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        cache.update({key: value for key, value in _read_cache(path).items() if key not in cache})
-        with atomic_path(path) as tmp:
-            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        with held_exclusively(path):
+            cache.update({key: value for key, value in _read_cache(path).items() if key not in cache})
+            with atomic_path(path) as tmp:
+                tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
     except OSError as err:
         warn_once(f"autotune-cache:{path}", f"cannot write the autotune cache {path}: {err}; tuning again next run")
 
