@@ -243,6 +243,33 @@ def test_the_cli_refuses_a_resume_with_nothing_to_resume_before_it_loads_the_mod
         _cli(["--device", "cpu", "--out", str(tmp_path / "run"), "--steps", "2", "--resume"])
 
 
+def test_a_resumes_progress_bar_starts_at_its_checkpoint(tmp_path, capsys):
+    """The bar had started at 0/N on a resume, and stayed there where the checkpoint left nothing to train."""
+    common = ["--device", "cpu", "--out", str(tmp_path / "run"), "--batch-size", "2", "--max-len", "32"]
+    assert _cli([*common, "--steps", "1"]) == 0
+    capsys.readouterr()
+    assert _cli([*common, "--steps", "1", "--resume"]) == 0
+    bar = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("finetune "))
+    assert " 1/1 " in bar, bar
+
+
+def test_a_failed_adapter_save_says_the_checkpoint_holds_the_training(tmp_path, monkeypatch):
+    """A full disk at the adapter save had ended the command with the disk's error alone, after the training that
+    the last checkpoint still holds; the error now says so and how to write the adapter from it."""
+    import errno
+
+    from memfit.commands import finetune
+
+    def full(model, out):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(finetune, "_save_adapter", full)
+    with pytest.raises(OSError, match=r"^\[Errno 28\] No space left on device; the 1 trained steps are saved in "
+                                      r".*checkpoints: once the cause is fixed, the same command with --resume "
+                                      r"writes adapter/ without training again$"):
+        _cli(["--device", "cpu", "--out", str(tmp_path / "run"), "--batch-size", "2", "--max-len", "32", "--steps", "1"])
+
+
 def test_a_progress_record_without_its_step_or_data_cannot_be_read(tmp_path):
     """progress.json missing a field is 'cannot be read' before any other refusal (another seed here), and a
     recorded data entry without its digest too (it had raised a bare KeyError while naming the data)."""

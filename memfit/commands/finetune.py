@@ -331,7 +331,7 @@ def run(args) -> int:
     reports: list = []
     losses = _train_with_progress(model, examples, tokenizer, config, out, args.resume, device, console, format_bytes,
                                   data_name=data_name, on_step=reports.append)
-    adapter = _save_adapter(model, out)
+    adapter = _save_adapter_or_say_how(model, out, len(losses))
     peak = peak_bytes(device)
     console.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps{_throughput(reports)}; adapter "
                   f"saved to {adapter}")
@@ -362,13 +362,15 @@ def _train_with_progress(model, examples, tokenizer, config, out, resume, device
         TimeRemainingColumn,
     )
 
-    from memfit.train.finetune import train
+    from memfit.train.finetune import checkpoint_step, checkpoint_to_resume, train
 
     label = "peak GPU" if device.type == "cuda" else "peak RSS"
     columns = (TextColumn("finetune"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
                TextColumn("{task.fields[speed]} tok/s"), TextColumn(label + " {task.fields[peak]}"), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("finetune", total=config.steps, loss="-", speed="-", peak="-")
+        # a resume's bar starts at its checkpoint's step (it had shown 0/N, and stayed there with nothing to train)
+        done = min(checkpoint_step(checkpoint_to_resume(out)), config.steps) if resume else 0
+        task = progress.add_task("finetune", total=config.steps, completed=done, loss="-", speed="-", peak="-")
 
         def show(report):
             progress.update(task, completed=report.step, loss=f"{report.loss:.3f}",
@@ -390,6 +392,18 @@ def _entries_not_its_own(out: Path, shown: int = 3) -> list[str]:
         return []
     return sorted(path.name for path in out.iterdir()
                   if not path.name.startswith(".") and not (path.name == CHECKPOINTS and path.is_dir()))[:shown]
+
+
+def _save_adapter_or_say_how(model, out: Path, step: int) -> Path:
+    """:func:`_save_adapter`; where the disk or file system refuses it, its OSError also says that the training is not
+    lost: the last checkpoint holds it, and a resume with the same --steps writes the adapter without training."""
+    from memfit.train.finetune import CHECKPOINTS
+
+    try:
+        return _save_adapter(model, out)
+    except OSError as err:
+        raise OSError(f"{err}; the {step} trained steps are saved in {out / CHECKPOINTS}: once the cause is fixed, "
+                      "the same command with --resume writes adapter/ without training again") from err
 
 
 def _save_adapter(model, out: Path) -> Path:

@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from memfit.data.jsonl import Example, collate
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, is_count
 from memfit.files import atomic_dir, follow_umask, serializing, set_aside_of
 from memfit.log import warn_once
 
@@ -296,6 +296,13 @@ def checkpoint_lr(path: Path) -> float | None:
         return float(_progress(path)["config"]["lr"])
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step checkpoint ``path`` was saved at; 0 where its progress.json cannot say (:func:`load_checkpoint`
+    reports a checkpoint it cannot read)."""
+    step = _progress(path).get("step")
+    return step if is_count(step, least=0) else 0
 
 
 def checkpoint_setting(path: Path, key: str):
