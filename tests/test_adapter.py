@@ -191,6 +191,27 @@ def test_a_tokenizer_that_adds_a_bos_encodes_prompts_as_finetune_did_without_it(
     assert codec.encode("hi") == [258, *b"hi"] and codec.encode_plain("hi") == list(b"hi")
 
 
+def test_text_that_spells_a_special_token_is_trained_and_prompted_as_text(tmp_path):
+    """A response quoting ``</s>`` had trained the EOS token mid-answer (a Hugging Face tokenizer turns the text of a
+    special token into it unless told not to), and a prompt quoting it had ended there for an adapter. Both read it
+    as text now; the EOS after the response stays."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from memfit.data.jsonl import load_jsonl
+    from memfit.infer.text import load_codec
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"<unk>": 256, "</s>": 257}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(tmp_path)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "end tag?", "response": "use </s>"}) + "\n")
+    example = load_jsonl(data, AutoTokenizer.from_pretrained(tmp_path), 64)[0]
+    trained = [t for t, label in zip(example.input_ids, example.labels) if label != -100]
+    assert trained == [*b"use </s>", 257]
+    assert load_codec(tmp_path, 258).encode_plain("say </s>") == list(b"say </s>")
+
+
 def test_raw_prompt_without_an_adapter_is_refused(tiny_dir, capsys):
     assert main(["generate", str(tiny_dir), "--prompt", "hi", "--device", "cpu", "--raw-prompt"]) == 2
     assert "--raw-prompt goes with --adapter" in capsys.readouterr().err

@@ -91,11 +91,12 @@ def build_corpus(val_every: int = 20) -> tuple[str, str]:
     return "\n\n".join(train), "\n\n".join(val)
 
 
-def token_splits(tokenizer=None, val_every: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
-    """Train and validation token streams (1-D long tensors), documents joined by eos."""
+def token_splits(val_every: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and validation token streams (1-D long tensors) of the byte tokenizer, documents joined by eos. (It had
+    taken any tokenizer and failed for every one but the byte tokenizer, which every caller uses.)"""
     from memfit.data.tokenizer import ByteTokenizer
 
-    tok = tokenizer or ByteTokenizer()
+    tok = ByteTokenizer()
     train, val = split_documents(val_every)
 
     def stream(docs: list[str]) -> torch.Tensor:

@@ -89,11 +89,18 @@ def _segments(record, where: str) -> list[tuple[str, bool]]:
     raise MemfitError(f"{where}: expected keys 'prompt' and 'response', or 'messages'; got {sorted(record)}")
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of data or template ``text``: no special token added, and none made from text that spells one.
+    Hugging Face tokenizers turn ``</s>`` or ``<|endoftext|>`` written in a text into that special token unless told
+    ``split_special_tokens``: a response quoting one had trained an end of sequence mid-answer."""
+    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+
 def _tokenize(pieces: list[tuple[str, bool]], tokenizer, max_len: int) -> Example | None:
     """Token ids and labels of one record's pieces, truncated to ``max_len``; None if no loss token survives."""
     ids, labels = [], []
     for text, loss in pieces:
-        tokens = list(tokenizer.encode(text, add_special_tokens=False)) + ([tokenizer.eos_token_id] if loss else [])
+        tokens = encode_text(tokenizer, text) + ([tokenizer.eos_token_id] if loss else [])
         ids += tokens
         labels += tokens if loss else [IGNORE_INDEX] * len(tokens)
     ids, labels = ids[:max_len], labels[:max_len]

@@ -30,8 +30,10 @@ class ByteTokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
-    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text`` (``add_special_tokens`` adds both bos and eos, as HF does)."""
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False, add_special_tokens: bool = False,
+               split_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (``add_special_tokens`` adds both bos and eos, as HF does). Text never becomes a
+        special token here, so ``split_special_tokens`` (Hugging Face's switch for that) changes nothing."""
         if not isinstance(text, str):
             raise MemfitError(f"ByteTokenizer.encode takes a str, got {type(text).__name__}")
         ids = list(text.encode("utf-8"))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from memfit.data.jsonl import encode_text
 from memfit.errors import MemfitError
 from memfit.local import load_hf_tokenizer
 from memfit.log import warn_once
@@ -25,7 +26,7 @@ class TextCodec:
     decode: Callable[[list[int]], str]
     eos: int | None
     kind: str
-    encode_plain: Callable[[str], list[int]]      # no special tokens: as memfit finetune encodes its examples
+    encode_plain: Callable[[str], list[int]]      # as memfit finetune encodes its examples (encode_text)
 
 
 def _memfit_bytes():
@@ -42,7 +43,7 @@ def _memfit_bytes():
                                            "(the model's vocabulary is larger: a random-init model?)")
         return tok.decode(kept)
 
-    return TextCodec(tok.encode, decode, tok.eos_id, "memfit-bytes", lambda text: tok.encode(text, add_special_tokens=False))
+    return TextCodec(tok.encode, decode, tok.eos_id, "memfit-bytes", lambda text: encode_text(tok, text))
 
 
 def load_codec(model_dir: str | Path | None, vocab: int) -> TextCodec:
@@ -50,7 +51,7 @@ def load_codec(model_dir: str | Path | None, vocab: int) -> TextCodec:
     if model_dir is not None and any((Path(model_dir) / name).is_file() for name in _HF_FILES):
         tok = load_hf_tokenizer(model_dir)
         return TextCodec(lambda text: tok.encode(text), lambda ids: tok.decode(ids, skip_special_tokens=True),
-                         tok.eos_token_id, "hf", lambda text: tok.encode(text, add_special_tokens=False))
+                         tok.eos_token_id, "hf", lambda text: encode_text(tok, text))
     codec = _memfit_bytes()
     if codec is None:
         warn_once("text:raw-bytes", "no tokenizer in the model directory and no memfit.data.tokenizer: "
