@@ -55,6 +55,17 @@ def test_corpus_ignores_methods_other_packages_attach(monkeypatch):
     assert corpus_documents() == before
 
 
+def test_random_windows_reach_the_streams_last_token():
+    """The start's bound had left out the last window: the stream's last token was never a target, and a stream of
+    exactly one window was torch's error; a shorter one is memfit's."""
+    stream = torch.arange(10)
+    windows = random_windows(stream, 200, 4, torch.Generator().manual_seed(0))
+    assert int(windows.max()) == 9 and int(windows.min()) == 0
+    assert random_windows(torch.arange(5), 2, 4).tolist() == [[0, 1, 2, 3, 4]] * 2
+    with pytest.raises(MemfitError, match="4 tokens, fewer than one window of seq_len \\+ 1 = 5"):
+        random_windows(torch.arange(4), 1, 4)
+
+
 def test_lm_loop_lowers_perplexity():
     from memfit.models import ModelSpec, build_model
 
@@ -112,6 +123,8 @@ def test_lm_loop_validation_is_timed_apart_and_checked():
         perplexity(model, stream[:32], 32)
     with pytest.raises(MemfitError, match="validate_every=0"):
         train_lm(model, stream, steps=2, batch=2, seq_len=16, validate=lambda: 1.0, validate_every=0)
+    with pytest.raises(MemfitError, match="steps=0; give a positive number"):   # a ZeroDivisionError
+        train_lm(model, stream, steps=0, batch=2, seq_len=16)
     assert train_lm(model, stream, steps=2, batch=2, seq_len=16, validate_every=0)["validate_seconds"] == 0.0
 
     def slow_score():

@@ -13,12 +13,17 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, is_count
 
 
 def random_windows(stream: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``batch`` windows of ``seq_len + 1`` tokens (inputs and shifted targets) from ``stream``."""
-    starts = torch.randint(0, stream.numel() - seq_len - 1, (batch,), generator=generator, device="cpu")
+    """``batch`` windows of ``seq_len + 1`` tokens (inputs and shifted targets) from ``stream``, any start alike (the
+    bound had left out the last one: the stream's last token was never a target, and a stream of exactly one window
+    ended in torch's "from must be less than to")."""
+    if stream.numel() < seq_len + 1:
+        raise MemfitError(f"random_windows: the stream has {stream.numel()} tokens, fewer than one window of "
+                          f"seq_len + 1 = {seq_len + 1}")
+    starts = torch.randint(0, stream.numel() - seq_len, (batch,), generator=generator, device="cpu")
     return stream[starts.to(stream.device)[:, None] + torch.arange(seq_len + 1, device=stream.device)]
 
 
@@ -64,6 +69,8 @@ def train_lm(model, stream: torch.Tensor, steps: int, batch: int = 16, seq_len: 
     ``seconds`` and ``max_seconds`` include the scoring after step 0 (``validate_seconds``:
     scores and snapshots); ``tokens_per_s`` is over the training time alone.
     """
+    if not is_count(steps):       # 0 had ended in a ZeroDivisionError building the schedule
+        raise MemfitError(f"train_lm: steps={steps!r}; give a positive number of steps")
     if validate is not None and validate_every < 1:
         raise MemfitError(f"train_lm: validate_every={validate_every}; give a positive number of steps")
     params = [p for p in (params if params is not None else model.parameters()) if p.requires_grad]
