@@ -130,11 +130,29 @@ def _write(tmp_path, lines):
     ('{"messages": [{"role": "robot", "content": "x"}]}', "data.jsonl:2: messages\\[0\\] has role 'robot'"),
     ('{"messages": [{"role": "user", "content": "x"}]}', "data.jsonl:2: the conversation has no assistant"),
     ('[1, 2]', "data.jsonl:2: expected a JSON object"),
+    ('[' * 100_000, "data.jsonl:2: the JSON is nested too deeply to read"),          # a RecursionError
+    ('{"prompt": "\\ud800", "response": "b"}', r"data.jsonl:2: the text holds half a surrogate pair \('\\ud800' at "
+                                               "character 0\\)"),              # a UnicodeEncodeError at tokenizing
 ])
 def test_bad_jsonl_names_the_line(tmp_path, line, message):
     path = _write(tmp_path, ['{"prompt": "ok", "response": "fine"}', line])
     with pytest.raises(MemfitError, match=message):
         load_jsonl(path, ByteTokenizer(), 64)
+
+
+def test_examples_cut_short_are_said(tmp_path, monkeypatch):
+    """An example cut at max_len loses its end and the EOS that teaches the model to stop: that had gone unsaid
+    (only examples cut down to no response token were)."""
+    from memfit.data import jsonl
+
+    said = []
+    monkeypatch.setattr(jsonl, "warn_once", lambda key, message: said.append(message))
+    path = _write(tmp_path, ['{"prompt": "ab", "response": "cdefgh"}', '{"prompt": "ab", "response": "c"}',
+                             '{"prompt": "abcdefgh", "response": "i"}'])
+    assert len(load_jsonl(path, ByteTokenizer(), 6)) == 2
+    assert said == [f"{path}: 1 example(s) were cut at 6 tokens, so their end and its EOS are not trained; a longer "
+                    "--max-len keeps them whole",
+                    f"{path}: 1 example(s) lost all response tokens to truncation at 6 tokens and were skipped"]
 
 
 def test_loss_only_on_response_tokens(tmp_path):

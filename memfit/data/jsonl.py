@@ -96,17 +96,31 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
-def _tokenize(pieces: list[tuple[str, bool]], tokenizer, max_len: int) -> Example | None:
-    """Token ids and labels of one record's pieces, truncated to ``max_len``; None if no loss token survives."""
+def _utf8_text(pieces: list[tuple[str, bool]], where: str) -> list[tuple[str, bool]]:
+    """``pieces``, where each text is one UTF-8 can hold: a JSON escape of half a surrogate pair (``"\\ud800"``) reads
+    as a string no tokenizer can encode, which had ended in a UnicodeEncodeError's traceback."""
+    for text, _ in pieces:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise MemfitError(f"{where}: the text holds half a surrogate pair ({text[err.start]!r} at character "
+                              f"{err.start}), which is not text; write the character itself or its full pair") from None
+    return pieces
+
+
+def _tokenize(pieces: list[tuple[str, bool]], tokenizer, max_len: int) -> tuple[Example | None, bool]:
+    """Token ids and labels of one record's pieces, truncated to ``max_len`` (None if no loss token survives), and
+    whether truncation cut any."""
     ids, labels = [], []
     for text, loss in pieces:
         tokens = encode_text(tokenizer, text) + ([tokenizer.eos_token_id] if loss else [])
         ids += tokens
         labels += tokens if loss else [IGNORE_INDEX] * len(tokens)
+    cut = len(ids) > max_len
     ids, labels = ids[:max_len], labels[:max_len]
     if all(label == IGNORE_INDEX for label in labels[1:]):  # label 0 is never predicted
-        return None
-    return Example(tuple(ids), tuple(labels))
+        return None, cut
+    return Example(tuple(ids), tuple(labels)), cut
 
 
 def check_source(path: str | Path, max_len: int) -> Path:
@@ -139,7 +153,9 @@ def read_records(path: str | Path, max_len: int) -> list[list[tuple[str, bool]]]
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise MemfitError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-        records.append(_segments(record, where))
+        except RecursionError:                          # json's own error for it: a traceback
+            raise MemfitError(f"{where}: the JSON is nested too deeply to read") from None
+        records.append(_utf8_text(_segments(record, where), where))
     if not records:
         raise MemfitError(f"{path}: no usable examples (the file is empty)")
     return records
@@ -147,8 +163,13 @@ def read_records(path: str | Path, max_len: int) -> list[list[tuple[str, bool]]]
 
 def tokenize_records(path: str | Path, records: list[list[tuple[str, bool]]], tokenizer, max_len: int) -> list[Example]:
     """The examples of :func:`read_records`' ``records`` (read from ``path``), tokenized; those whose every response
-    token truncation at ``max_len`` cut are dropped, said once."""
-    examples = [example for pieces in records if (example := _tokenize(pieces, tokenizer, max_len)) is not None]
+    token truncation at ``max_len`` cut are dropped, said once, and so are those it cut short (their end and the EOS
+    that teaches the model to stop are not trained: that had gone unsaid)."""
+    tokenized = [_tokenize(pieces, tokenizer, max_len) for pieces in records]
+    examples = [example for example, _ in tokenized if example is not None]
+    if cut := sum(example is not None and was_cut for example, was_cut in tokenized):
+        warn_once(f"jsonl:cut:{path}", f"{path}: {cut} example(s) were cut at {max_len} tokens, so their end and "
+                  "its EOS are not trained; a longer --max-len keeps them whole")
     if dropped := len(records) - len(examples):
         warn_once(f"jsonl:dropped:{path}", f"{path}: {dropped} example(s) lost all response tokens to "
                   f"truncation at {max_len} tokens and were skipped")
