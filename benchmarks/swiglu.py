@@ -44,6 +44,8 @@ from memfit.measure.timing import device_ms, measure_ceilings, queued_ms  # noqa
 WIDTH = 8192
 TOKENS = (1024, 4096, 16384)
 DTYPES = (torch.bfloat16, torch.float32)
+OP_PASSES = 8       # tensor passes of the op alone: forward 3 (gate, up in; out), backward 5 (grad, gate, up in; two out)
+STEP_PASSES = 12    # what step() adds around it, timed with it: two clones, two multiplies by 1, their backward (4 each)
 
 
 def step(fn, gate0, up0, grad):
@@ -110,7 +112,8 @@ def main() -> None:
                         row[f"{name}_gpu_ms"], row[f"{name}_host_ms"] = queued_ms(
                             lambda fn=fn, args=(gate0, up0, grad): step(fn, *args))
             element = gate0.element_size() * n * w
-            row["floor_ms"] = 8 * element / bandwidth * 1e3 if bandwidth else None   # 3 + 5 tensor passes
+            row["floor_ms"] = OP_PASSES * element / bandwidth * 1e3 if bandwidth else None
+            row["step_floor_ms"] = (OP_PASSES + STEP_PASSES) * element / bandwidth * 1e3 if bandwidth else None
             rows.append(row)
             label = f"{str(dtype).removeprefix('torch.')}, {n} x {w}"
             targets.append(target(f"fused / unfused time, {label}", row["fused_ms"] / row["unfused_ms"], 1.0, "x",
