@@ -15,7 +15,12 @@ MIB = 2**20
 
 def live_at_peak(snapshot: dict) -> tuple[int, list[dict]]:
     """Replay the alloc/free events of the first device's trace; return the peak total and the blocks live then.
-    Blocks allocated before recording began are not in the trace: the total counts what the recorded span added."""
+    Blocks allocated before recording began are not in the trace: the total counts what the recorded span added.
+
+    A block stops counting at its ``free_requested``, where the caching allocator takes it off ``allocated_bytes``
+    (the total ``max_memory_allocated`` peaks): a block used on another stream (``record_stream``, as the offload
+    path's copies are) reaches ``free_completed`` only once that stream's work is done, and counting it until then
+    had put the replayed peak above the allocator's on offload jobs."""
     live: dict[int, dict] = {}
     total = peak = 0
     at_peak: list[dict] = []
@@ -25,7 +30,7 @@ def live_at_peak(snapshot: dict) -> tuple[int, list[dict]]:
             total += event["size"]
             if total > peak:
                 peak, at_peak = total, list(live.values())
-        elif event["action"] == "free_completed" and event["addr"] in live:
+        elif event["action"] == "free_requested" and event["addr"] in live:
             total -= live.pop(event["addr"])["size"]
     return peak, at_peak
 
@@ -44,7 +49,7 @@ def live_at_end(snapshot: dict) -> list[dict]:
     for event in snapshot["device_traces"][0]:
         if event["action"] == "alloc":
             live[event["addr"]] = event
-        elif event["action"] == "free_completed":
+        elif event["action"] == "free_requested":
             live.pop(event["addr"], None)
     return list(live.values())
 
