@@ -5,12 +5,15 @@
 
 * ``ideal``: every intermediate on chip; bytes = x + weights + y (read/written once).
   This is the floor a kernel is held against (``Ceilings.floor_ms``).
-* ``fused``: what memfit's default multi-token kernels move. Monarch's two GEMMs write
+* ``fused``: the least a multi-token pipeline of memfit's moves. Monarch's two GEMMs write
   z once, already in P^T order, and read it once (+2 N b r; the single fused kernel is
-  offered only at N <= 128); BLAST's writes and reads T once (+2 N b r); low-rank's is
-  two cuBLAS GEMMs (+2 N r for z).
+  offered only at N <= 128); BLAST's fused kernel (``xvmix_bmm``) writes and reads T once
+  (+2 N b r), but its timed pick is one of the three-kernel pipelines at nearly every
+  shape (memfit/kernels/blast.py), which move ``unfused``'s Z and T; low-rank's is two
+  cuBLAS GEMMs (+2 N r for z).
 * ``unfused``: one GEMM per stage, each intermediate written and read once
-  (low-rank +2 N r; Monarch +2 N b r; BLAST +4 N b r: Z and T).
+  (low-rank +2 N r; Monarch +2 N b r, as ``fused``; BLAST +4 N b r: Z and T, what its
+  default pipelines from N > 16 move).
 * ``reference``: the plain PyTorch reference, which also copies for the transposes
   (Monarch: z permute + output permute, +2 N b r + 2 N out; BLAST: output transpose +2 N out).
 
