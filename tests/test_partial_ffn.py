@@ -11,7 +11,7 @@ from memfit.errors import MemfitError
 from memfit.infer import partial_load
 from memfit.infer.calibrate import Rankings, calibrate, prompt_batches, read_prompts
 from memfit.infer.generate import Generator, weight_bytes_per_token
-from memfit.infer.partial_load import PartialConfig, expected_ffn_params, ffn_params, load_model
+from memfit.infer.partial_load import PartialConfig, expected_ffn_params, ffn_params, load_model, partial_rankings
 from memfit.infer.selection import PartialMLP, choose_neurons, count_top_activations, partial_mlps
 from memfit.models import PRESETS, build_model, save_model_dir
 
@@ -280,6 +280,28 @@ def test_bad_options_are_memfit_errors(model_dir, kwargs, match):
         load_model(model_dir, PartialConfig(**kwargs))
 
 
+def test_rankings_calibrated_on_other_weights_are_said(model_dir, tmp_path, monkeypatch):
+    """A rankings file passed only the shape check: one calibrated on another model of the same shape (another seed,
+    a fine-tune) chose neurons for weights it never saw, unsaid. It carries the calibrated weights' fingerprint now,
+    compared with the model directory's; a file without one (older) is taken as before."""
+    from memfit.infer import partial_load
+
+    said = []
+    monkeypatch.setattr(partial_load, "warn_once", lambda key, message: said.append(message))
+    rankings = Rankings.load(model_dir / "rankings.safetensors")
+    assert rankings.model is not None
+    partial = PartialConfig(load=0.5, **PARTIAL)
+    assert partial_rankings(model_dir, partial, SPEC) is not None and said == []
+    other_dir = tmp_path / "other"
+    build_model(SPEC, seed=123).save_pretrained(other_dir)
+    partial_rankings(other_dir, partial, SPEC, model_dir / "rankings.safetensors")
+    assert len(said) == 1 and said[0].startswith(f"the rankings were calibrated on a model with other weights than "
+                                                 f"{other_dir} (fingerprint {rankings.model}, this model's ")
+    rankings.model = None
+    partial_rankings(other_dir, partial, SPEC, rankings)
+    assert len(said) == 1
+
+
 def test_bad_inputs_are_memfit_errors(model_dir, dense, tmp_path):
     other = Rankings(scores={"general": torch.rand(3, 100)})
     with pytest.raises(MemfitError, match="3 layers x 100"):
@@ -316,6 +338,58 @@ def test_the_generator_refuses_prompts_it_cannot_read(dense, prompt, match):
     for call in (lambda: gen.generate(prompt, 2), lambda: gen.prefill(prompt)):
         with pytest.raises(MemfitError, match=match):
             call()
+
+
+def test_the_generator_refuses_an_architecture_its_loop_does_not_implement():
+    """The loop rebuilds Llama, Qwen2 and Mistral layers; a Qwen3 model (its attention normalises q and k) had
+    decoded other greedy tokens than its own generate, silently (from an API audit)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(num_hidden_layers=1, hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=512)
+    with pytest.raises(MemfitError, match="implements llama, qwen2, mistral models, not model_type 'qwen3'"):
+        Generator(AutoModelForCausalLM.from_config(config).eval(), 8)
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
+def test_the_generator_refuses_a_temperature_that_is_not_a_finite_number_from_0(dense, temperature):
+    """NaN had been taken (every token 0); the CLI refused it, the library did not (from an API audit)."""
+    with pytest.raises(MemfitError, match=f"temperature must be a finite number >= 0 .*got {temperature}"):
+        Generator(dense, 8, temperature=temperature)
+
+
+def test_a_tiny_temperature_samples_the_greedy_tokens_and_a_small_one_its_distribution():
+    """logits / 1e-39 had overflowed float32 to inf, every token 0; sampling at T < 1 is computed as logits + T noise
+    (the same argmax), whose limit at a tiny T is greedy. At T = 0.5 the tokens are drawn with softmax(logits / T)."""
+    model = build_model(SPEC.with_(num_layers=1), device=torch.get_default_device()).eval()
+    x = _ids((1, 5), 3)
+    assert torch.equal(Generator(model, 12, temperature=1e-39).generate(x, 6).tokens,
+                       Generator(model, 12).generate(x, 6).tokens)
+    torch.manual_seed(0)
+    logits = (0.5 * torch.tensor([1.0, 2.0, 3.0]).log()).expand(20000, 3).contiguous()
+    drawn = torch.bincount(Generator(model, 12, temperature=0.5)._sample(logits), minlength=3) / 20000
+    assert torch.allclose(drawn, torch.tensor([1 / 6, 2 / 6, 3 / 6]), atol=0.015)
+
+
+def test_decode_refuses_steps_past_max_len_before_running_one(dense):
+    """decode had no bound: a step past max_len indexed out of range (on CUDA a device-side assert in the replayed
+    graph, which ends the CUDA context). The slots left are counted on the host; a refused call runs no step."""
+    gen = Generator(dense, 8)
+    with pytest.raises(MemfitError, match="call prefill"):
+        gen.decode(1)
+    gen.prefill(_ids((1, 5), 4))
+    with pytest.raises(MemfitError, match=r"decode\(4\) takes an integer from 0 to 3, the cache slots left of max_len=8"):
+        gen.decode(4)
+    assert int(gen.slot) == 5
+    gen.decode(2)
+    with pytest.raises(MemfitError, match=r"decode\(-1\) takes an integer from 0 to 1"):
+        gen.decode(-1)
+    gen.decode(1)
+    with pytest.raises(MemfitError, match="from 0 to 0"):
+        gen.decode(1)
+    assert int(gen.slot) == 8
+    gen.prefill(_ids((1, 5), 4))                       # a new prompt: its slots counted afresh
+    gen.decode(3)
 
 
 def test_the_generator_and_loader_refuse_or_take_arguments_by_name(model_dir, dense):

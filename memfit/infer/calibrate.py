@@ -8,10 +8,13 @@ real text contributes little and is the first to drop. A forward pre-hook on eve
 ``rankings.safetensors`` (next to the model by default) holds, per ranking NAME
 (``general`` or ``task.<label>``): ``NAME.score`` (layers x intermediate, float32 mean |h|)
 and ``NAME.rank`` (neuron ids by decreasing score, int32); metadata records the token
-counts and the shape, so a file for another model is refused.
+counts and the shape, so a file for a model of another shape is refused, and a fingerprint
+of the calibrated model's weights (:func:`weights_fingerprint`), so that one calibrated on
+other weights of the same shape is said.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +28,18 @@ from memfit.files import atomic_path, input_file, serializing
 
 RANKINGS_FILE = "rankings.safetensors"
 FORMAT = "memfit-rankings-v1"
+FINGERPRINT_ELEMENTS = 256
+
+
+def weights_fingerprint(first_down: torch.Tensor, last_down: torch.Tensor) -> str:
+    """A digest of the first and last layers' ``down_proj`` weights, their first row's first FINGERPRINT_ELEMENTS
+    values rounded to bfloat16: the same for a model however it was loaded (a bfloat16 file read in float32, a float32
+    one in bfloat16), other for other weights. A fine-tune of the calibrated model differs too."""
+    digest = hashlib.sha256()
+    for weight in (first_down, last_down):
+        row = weight.detach()[0, :FINGERPRINT_ELEMENTS].to("cpu", torch.bfloat16).contiguous()
+        digest.update(row.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 @dataclass
@@ -33,6 +48,7 @@ class Rankings:
 
     scores: dict[str, torch.Tensor]           # "general" / "task.<label>" -> (layers, intermediate) float32
     tokens: dict[str, int] = field(default_factory=dict)
+    model: str | None = None                  # weights_fingerprint of the calibrated model; None in older files
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -66,7 +82,7 @@ class Rankings:
         for name, score in self.scores.items():
             tensors[f"{name}.score"] = score.float().contiguous()
             tensors[f"{name}.rank"] = torch.sort(score, dim=-1, descending=True, stable=True).indices.to(torch.int32).contiguous()
-        meta = {"format": FORMAT, "tokens": json.dumps(self.tokens)}
+        meta = {"format": FORMAT, "tokens": json.dumps(self.tokens), **({"model": self.model} if self.model else {})}
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp:
             with serializing(path):
@@ -88,7 +104,7 @@ class Rankings:
             raise MemfitError(f"{path}: not a readable safetensors file ({err})") from None
         if not _written_by_save(meta) or "general" not in scores:
             raise MemfitError(f"{path}: not a memfit rankings file (format {meta.get('format')!r}, expected {FORMAT})")
-        return cls(scores=scores, tokens=json.loads(meta.get("tokens", "{}")))
+        return cls(scores=scores, tokens=json.loads(meta.get("tokens", "{}")), model=meta.get("model"))
 
 
 def _written_by_save(metadata: dict) -> bool:
@@ -184,7 +200,8 @@ def calibrate(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor, str | N
     if not tokens.get("general"):
         raise MemfitError("calibration saw no tokens: give at least one non-empty prompt")
     scores = {name: (total / tokens[name]).float() for name, total in sums.items()}
-    return Rankings(scores=scores, tokens=tokens)
+    return Rankings(scores=scores, tokens=tokens,
+                    model=weights_fingerprint(recorder.modules[0].weight, recorder.modules[-1].weight))
 
 
 def prompt_batches(prompts: list[dict], encode, max_tokens: int = 512, batch_size: int = 8):

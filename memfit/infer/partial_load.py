@@ -32,10 +32,11 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError, is_count
-from memfit.infer.calibrate import RANKINGS_FILE, Rankings
+from memfit.infer.calibrate import RANKINGS_FILE, Rankings, weights_fingerprint
 from memfit.infer.fused import share_gate_up, share_qkv
 from memfit.infer.selection import PartialMLP
 from memfit.local import unreadable_weights
+from memfit.log import warn_once
 from memfit.models.spec import dtype_of, load_spec
 
 CHUNK_BYTES = 64 * 2**20
@@ -233,7 +234,27 @@ def partial_rankings(model_dir: str | Path, partial: PartialConfig, spec,
         rankings = Rankings.load(rankings or Path(model_dir) / RANKINGS_FILE)
     rankings.check(spec.num_layers, spec.intermediate)
     rankings.rank(partial.task)                      # an unknown task is refused here
+    if rankings.model is not None and (model := dir_fingerprint(Path(model_dir), spec.num_layers)) != rankings.model:
+        warn_once(f"rankings:model:{model_dir}", f"the rankings were calibrated on a model with other weights than "
+                                                 f"{model_dir} (fingerprint {rankings.model}, this model's {model}): "
+                                                 "their neuron choice may not fit it; `memfit calibrate` this model")
     return rankings
+
+
+def dir_fingerprint(model_dir: Path, num_layers: int) -> str | None:
+    """:func:`weights_fingerprint` of a model directory's weights, reading two rows' first values only; None where it
+    names its down projections otherwise (nothing to compare)."""
+    from safetensors import safe_open
+
+    files = weight_files(model_dir)
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in (0, num_layers - 1)]
+    if not all(name in files for name in names):
+        return None
+    rows = []
+    for name in names:
+        with safe_open(str(files[name]), framework="pt", device="cpu") as handle:
+            rows.append(handle.get_slice(name)[:1, :])
+    return weights_fingerprint(*rows)
 
 
 @torch.no_grad()
