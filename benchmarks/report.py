@@ -3,8 +3,9 @@
 Every number in that section comes from a results file written by a benchmark run;
 nothing is typed. The section lives between two markers in README.md:
 
-    python benchmarks/report.py            # rewrite README.md in place
-    python benchmarks/report.py --check    # exit 1 if README.md is out of date
+    python benchmarks/report.py            # rewrite README.md (a temp file renamed over it)
+    python benchmarks/report.py --check    # exit 1 if README.md is out of date, a results file it is
+                                           # rendered from is missing, or a target's stored ``met`` is wrong
 """
 from __future__ import annotations
 
@@ -15,14 +16,20 @@ import re
 import sys
 from pathlib import Path
 
+from memfit.files import atomic_path
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
 def _load(name: str) -> dict | None:
+    """The results file ``name``, or None where it is missing (said on stderr: what it would show is left out)."""
     path = RESULTS / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        print(f"{path.relative_to(ROOT)} is missing: README leaves out what it would show", file=sys.stderr)
+        return None
+    return json.loads(path.read_text())
 
 
 def _short(commit: str) -> str:
@@ -39,6 +46,11 @@ def _header(data: dict, command: str) -> str:
     stopped = " **A stopped run: its file is incomplete.**" if data.get("complete") is False else ""
     return (f"_{data['gpu']}, torch {data['torch']}, triton {data['triton']}, commit {_short(data['commit'])}, "
             f"{data.get('date', '')[:10]}; `{command}`_{stopped}\n")
+
+
+def _all_met(data: dict) -> bool:
+    """Whether the file meets every target it sets (a heading says so from this, never typed)."""
+    return all(t["met"] for t in data["targets"])
 
 
 def _targets(data: dict) -> str:
@@ -62,8 +74,9 @@ def ledger_section(data: dict) -> str:
                  f"ckpt {knobs['checkpoint_layers']}" if knobs["checkpoint_layers"] else "",
                  knobs["optimizer"] if job["task"] != "infer" and knobs["optimizer"] != "adamw" else "",
                  f"micro-batch {knobs['micro_batch']}" if knobs["micro_batch"] != job["batch"] else ""]
-        out.append(f"| {job['model']} | {job['task']} | {job['seq']} x {job['batch']} | {', '.join(e for e in extra if e) or '-'} "
-                   f"| {r['peak_bytes'] / 2**30:.3f} | {r['measured']['peak_bytes'] / 2**30:.3f} | {100 * r['error']:+.2f}% |")
+        out.append(f"| {job['model']} | {job['task']} | {job['seq']} x {job['batch']} "
+                   f"| {', '.join(e for e in extra if e) or '-'} | {r['peak_bytes'] / 2**30:.3f} "
+                   f"| {r['measured']['peak_bytes'] / 2**30:.3f} | {100 * r['error']:+.2f}% |")
     return "\n".join(out) + "\n\n" + _targets(data)
 
 
@@ -88,7 +101,7 @@ def plan_fits_section(data: dict) -> str:
                    f"| {', '.join(r['techniques']) or 'as asked'} | {r['predicted']['device_bytes'] / gib:.2f} | {cap} "
                    f"| {status} | {reserved} | {outside} |")
     text = "\n".join(out) + "\n" + ("\n" + _targets(data) if data["targets"] else "")
-    default = _load("plan_fits_expandable_segments_false")
+    default = _load(PLAN_FITS_DEFAULT)
     if default is not None:
         ran = [r for r in default["rows"] if "within_prediction" in r]
         refused = sum(r["within_prediction"]["status"] != "ran" for r in ran)
@@ -96,7 +109,7 @@ def plan_fits_section(data: dict) -> str:
         text += (f"\nWith torch's default allocator and the ledger of commit {_short(default['commit'])} (before its "
                  f"allocator slack and context were measured here), {refused} of {len(ran)} plans ran out of memory "
                  "under their cap of then (that ledger's device total less its context), and "
-                 f"{held} of those {refused} ran under their budget (`plan_fits_expandable_segments_false.json`).\n")
+                 f"{held} of those {refused} ran under their budget (`{PLAN_FITS_DEFAULT}.json`).\n")
     return text
 
 
@@ -117,7 +130,8 @@ def linear_ce_section(data: dict) -> str:
 def attention_section(data: dict) -> str:
     out = ["### Attention forward+backward TFLOP/s (16K tokens per batch, 32 heads, head dim 128, bf16)\n",
            _header(data, "python benchmarks/attention.py"),
-           "| impl | " + " | ".join(f"{n} {'causal' if c else 'full'}" for n in (1024, 4096, 16384) for c in (False, True)) + " |",
+           "| impl | " + " | ".join(f"{n} {'causal' if c else 'full'}" for n in (1024, 4096, 16384)
+                                   for c in (False, True)) + " |",
            "|---|" + "---|" * 6]
     impls = sorted({r["impl"] for r in data["rows"]})
     for impl in impls:
@@ -174,7 +188,8 @@ def finetune_ledger_section(data: dict, command: str = "python benchmarks/finetu
 def partial_ffn_section(data: dict) -> str:
     out = ["### Partial-load / partial-compute decode, Llama-3.2-3B shape, fp16, batch 1\n",
            _header(data, "python benchmarks/partial_ffn.py"),
-           "| case | tokens/s | ms/token | weight-read floor ms | fraction of floor | peak GB |", "|---|---|---|---|---|---|"]
+           "| case | tokens/s | ms/token | weight-read floor ms | fraction of floor | peak GB |",
+           "|---|---|---|---|---|---|"]
     for r in data["rows"]:
         if r.get("decode_tokens_per_s") is None:
             continue
@@ -248,14 +263,16 @@ def blr_layers_section(data: dict) -> str:
             cells[(r["shape"], r["n"], r["impl"])] = r
     keys = sorted({(shape, n) for shape, n, _ in cells}, key=lambda k: (list(dict.fromkeys(
         r["shape"] for r in data["rows"])).index(k[0]), k[1]))
-    out = ["### Block-low-rank layer kernels, bf16, b = 16 (work in progress: targets not met)\n",
+    blocks = f", b = {data['blocks']}" if "blocks" in data else ""
+    out = [f"### Block-low-rank layer kernels, bf16{blocks}"
+           + ("" if _all_met(data) else " (work in progress: targets not met)") + "\n",
            _header(data, "python benchmarks/blr_layers.py"),
            "us per call, and in brackets the ratio to that structure's roofline floor.\n",
            "| shape | N | dense cuBLAS | low-rank | Monarch | BLAST |", "|---|---|---|---|---|---|"]
     for shape, n in keys:
         row = [f"{1e3 * c['ms']:.0f} ({c['x_floor']:.1f}x)" if (c := cells.get((shape, n, k))) else "-" for k in kinds]
         out.append(f"| {shape} | {n} | " + " | ".join(row) + " |")
-    profile = _load("blr_layers_profile")
+    profile = _load(BLR_PROFILE)
     profiled = len({(r["shape"], r["n"]) for r in profile["rows"]}) if profile else 0
     plotted = (RESULTS / "blr_layers_roofline.png").exists()   # f969028's stopped run drew none (drawn at the end then)
     return ("\n".join(out) + "\n\n" + _decode_floor_note(data) + _pick_note(data) + _targets(data)
@@ -305,9 +322,11 @@ def blr_e2e_section(data: dict) -> str:
     queued = any(f"{step}_gpu_{field}" in r for r in data["rows"] for step in ("prefill", "decode")
                  for field in ("ms", "error"))
     gpu_only = " prefill / decode GPU only ms (host's ms to issue it) |" if queued else ""
-    out = [f"### Block-low-rank end to end, {data.get('model', '?')} shape, bf16, batch 1, {attention}{compiler} "
-           "(targets not met)\n", _header(data, command),
-           f"| model | mode | prefill 1024 tokens ms (floor) | decode ms/token (floor) | decode tokens/s |{gpu_only} "
+    lengths = {r.get("prefill_tokens") for r in data["rows"]}
+    prefill = f"prefill {lengths.pop()} tokens" if len(lengths) == 1 and None not in lengths else "prefill"
+    out = [f"### Block-low-rank end to end, {data.get('model', '?')} shape, bf16, batch 1, {attention}{compiler}"
+           + ("" if _all_met(data) else " (targets not met)") + "\n", _header(data, command),
+           f"| model | mode | {prefill} ms (floor) | decode ms/token (floor) | decode tokens/s |{gpu_only} "
            "graph breaks |", "|---|---|---|---|---|---|" + ("---|" if queued else "")]
     for r in data["rows"]:
         gpu_cell = (" " + " / ".join(f"{r[f'{step}_gpu_ms']:.{places}f} ({r[f'{step}_host_ms']:.{places}f})"
@@ -405,7 +424,9 @@ def swiglu_section(data: dict) -> str:
     """Per case: each way's time per step, then (files from 2f772b1 on) its GPU and host times with the steps queued,
     and the fused op's host time through its two custom ops."""
     queued = all("fused_gpu_ms" in r for r in data["rows"])
-    columns = ["dtype", "tokens x width", "unfused ms", "fused ms", "floor ms"]
+    step_floor = all(r.get("step_floor_ms") for r in data["rows"])
+    columns = ["dtype", "tokens x width", "unfused ms", "fused ms", "op floor ms"]
+    columns += ["step floor ms"] if step_floor else []
     if queued:
         columns += ["GPU ms, queued: unfused / fused", "host ms, queued: unfused / fused / through the custom ops"]
     out = ["### Fused SwiGLU against the unfused pair, forward + backward\n", _header(data, "python benchmarks/swiglu.py"),
@@ -414,13 +435,17 @@ def swiglu_section(data: dict) -> str:
     for r in data["rows"]:
         floor = f"{r['floor_ms']:.3f}" if r.get("floor_ms") else "-"
         cells = [r["dtype"].removeprefix("torch."), f"{r['tokens']} x {r['width']}", f"{r['unfused_ms']:.3f}",
-                 f"{r['fused_ms']:.3f}", floor]
+                 f"{r['fused_ms']:.3f}", floor] + ([f"{r['step_floor_ms']:.3f}"] if step_floor else [])
         if queued:
             cells += [f"{r['unfused_gpu_ms']:.3f} / {r['fused_gpu_ms']:.3f}",
                       f"{r['unfused_host_ms']:.3f} / {r['fused_host_ms']:.3f} / {r['fused_custom_ops_host_ms']:.3f}"]
         cells.append(f"{r['unfused_peak_bytes'] / 2**20:.0f} -> {r['fused_peak_bytes'] / 2**20:.0f}")
         out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out) + "\n\n" + _targets(data)
+    floors = ("The op floor is the op's 8 tensor passes at the copy bandwidth measured in the run; the timed step "
+              "makes 12 more around it (two clones, two multiplies by 1 and their backward), which "
+              + ("the step floor counts." if step_floor else "this file's floor leaves out (files from ba395f5 on "
+                 "record a step floor with them)."))
+    return "\n".join(out) + "\n\n" + floors + "\n\n" + _targets(data)
 
 
 def swiglu_step_section(data: dict) -> str:
@@ -443,6 +468,8 @@ def swiglu_step_section(data: dict) -> str:
 
 
 REPEATS = 5
+PLAN_FITS_DEFAULT = "plan_fits_expandable_segments_false"   # plan_fits' section adds a paragraph from it
+BLR_PROFILE = "blr_layers_profile"                           # blr_layers' section names its profiled cases
 SWIGLU_STEPS = f"finetune_memory_rows_beyond_the_paper_repeats{REPEATS}"
 SWIGLU_ROWS = "finetune_memory_bfloat16_rows_fused_SwiGLU"
 SECTIONS = [("ledger_accuracy", ledger_section), ("ledger_accuracy_blr", ledger_section), ("plan_fits", plan_fits_section),
@@ -467,6 +494,32 @@ SECTIONS = [("ledger_accuracy", ledger_section), ("ledger_accuracy_blr", ledger_
             ("blr_accuracy", blr_accuracy_section)]
 
 
+def results_read() -> list[str]:
+    """Every results file README's section is rendered from: each section's own, and the two that add to one."""
+    return [name for name, _ in SECTIONS] + [PLAN_FITS_DEFAULT, BLR_PROFILE]
+
+
+def results_problems() -> list[str]:
+    """Why the results files cannot stand behind README's section, one line each, naming the file: one it is
+    rendered from that is missing (rendering would just leave it out), or a target whose stored ``met`` is not
+    what its measured value, target and direction make it (the section prints the stored flag)."""
+    from memfit.measure.results import target  # imports torch: only --check pays for it
+
+    problems = []
+    for name in results_read():
+        path = RESULTS / f"{name}.json"
+        if not path.exists():
+            problems.append(f"{path.relative_to(ROOT)}: missing")
+            continue
+        for t in json.loads(path.read_text())["targets"]:
+            met = target(t["name"], t["measured"], t["target"], t["unit"], t["better"])["met"]
+            if met != t["met"]:
+                problems.append(f"{path.relative_to(ROOT)}: target {t['name']!r} stored met {t['met']}, but "
+                                f"{t['measured']:.4g} {t['unit']} against {t['better']} than {t['target']:.4g} is "
+                                f"met {met}")
+    return problems
+
+
 def render() -> str:
     parts = [START, "", "Generated by `python benchmarks/report.py` from `benchmarks/results/`; do not edit by hand.", ""]
     for name, section in SECTIONS:
@@ -477,19 +530,31 @@ def render() -> str:
     return "\n".join(parts)
 
 
+def _rendered(readme: str) -> str:
+    """README's text with the section between the markers rendered anew."""
+    return readme[:readme.index(START)] + render() + readme[readme.index(END) + len(END):]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md's section is out of date")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if README.md's section is out of date, a results file it reads is missing, or a "
+                        "target's stored met is wrong")
     args = parser.parse_args(argv)
     readme = ROOT / "README.md"
     text = readme.read_text()
     if START not in text or END not in text:
         print(f"README.md lacks the markers {START} ... {END}", file=sys.stderr)
         return 2
-    new = text[:text.index(START)] + render() + text[text.index(END) + len(END):]
     if args.check:
-        return 0 if new == text else 1
-    readme.write_text(new)
+        problems = results_problems() or ([] if _rendered(text) == text else
+                                          ["README.md: its performance section is out of date; run "
+                                           "python benchmarks/report.py"])
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        return 1 if problems else 0
+    with atomic_path(readme) as tmp:
+        tmp.write_text(_rendered(text))
     return 0
 
 

@@ -1,4 +1,7 @@
 """README's performance section is generated from benchmarks/results, never typed."""
+import json
+import shutil
+
 from conftest import ROOT, load_benchmark
 
 
@@ -100,3 +103,77 @@ def test_blr_e2e_section_rebuilds_methods_and_the_gemv_option():
     assert "--attention memfit --methods monarch`" in report.blr_e2e_section(run)
     both = report.blr_e2e_section({**run, "rows": rows + [{**row, "model": "blast"}], "decode_gemv": True})
     assert "--attention memfit --decode-gemv`" in both and "memfit's decode GEMV pick" in both
+
+
+def results_copy(report, tmp_path, monkeypatch):
+    """README and the results files it is rendered from, copied under ``tmp_path``, which the report then reads as
+    the repository; returns the copied results folder."""
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    for name in report.results_read():
+        shutil.copy(report.RESULTS / f"{name}.json", results)
+    shutil.copy(ROOT / "README.md", tmp_path)
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "RESULTS", results)
+    return results
+
+
+def test_check_fails_on_a_stored_met_its_numbers_contradict(tmp_path, monkeypatch, capsys):
+    """A file claiming a target it missed renders as met; README regenerated from it matches, and --check still fails
+    naming the file and the target."""
+    report = load_report()
+    path = results_copy(report, tmp_path, monkeypatch) / "linear_ce.json"
+    data = json.loads(path.read_text())
+    wrong = data["targets"][0]
+    wrong["met"] = not wrong["met"]
+    path.write_text(json.dumps(data))
+    assert report.main([]) == 0
+    capsys.readouterr()
+    assert report.main(["--check"]) == 1
+    problems = capsys.readouterr().err.splitlines()
+    assert len(problems) == 1 and problems[0].startswith(f"benchmarks/results/linear_ce.json: target {wrong['name']!r}")
+
+
+def test_check_fails_naming_each_missing_results_file_rendering_says_it_leaves_out(tmp_path, monkeypatch, capsys):
+    """A section's own file and one a section adds a paragraph from, deleted: rendering leaves them out and says so;
+    --check, even on README rendered without them, fails naming both."""
+    report = load_report()
+    results = results_copy(report, tmp_path, monkeypatch)
+    gone = ["blr_generate", report.PLAN_FITS_DEFAULT]
+    for name in gone:
+        (results / f"{name}.json").unlink()
+    assert report.main([]) == 0
+    err = capsys.readouterr().err
+    assert all(f"benchmarks/results/{name}.json is missing" in err for name in gone)
+    assert report.main(["--check"]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"benchmarks/results/{name}.json: missing" for name in gone]
+
+
+def test_readme_is_replaced_by_a_rename_not_rewritten_in_place(tmp_path, monkeypatch):
+    """An interrupted write must not leave README truncated: the new text goes to a temp file renamed over it (a new
+    inode), which leaves nothing behind."""
+    report = load_report()
+    results_copy(report, tmp_path, monkeypatch)
+    before = (tmp_path / "README.md").stat().st_ino
+    assert report.main([]) == 0
+    assert (tmp_path / "README.md").stat().st_ino != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "benchmarks"]
+
+
+def test_blr_headings_take_blocks_prefill_length_and_targets_met_from_the_file():
+    """b, the prefill length and "targets not met" come from the results file, not the text."""
+    report = load_report()
+    run = {"gpu": "H200", "torch": "2.11", "triton": "3.6", "commit": "abc", "date": "2026-12-01T00:00", "rows": []}
+    met = [{"name": "t", "measured": 1.0, "target": 2.0, "unit": "ms", "better": "lower", "met": True}]
+    missed = [{**met[0], "measured": 3.0, "met": False}]
+    layers = report.blr_layers_section({**run, "blocks": 8, "targets": met})
+    assert layers.startswith("### Block-low-rank layer kernels, bf16, b = 8\n")
+    unmet = report.blr_layers_section({**run, "blocks": 8, "targets": missed})
+    assert "b = 8 (work in progress: targets not met)\n" in unmet
+    row = {"model": "dense", "mode": "compiled", "prefill_ms": 2.0, "prefill_floor_ms": 1.0, "decode_ms": 1.0,
+           "decode_floor_ms": 0.5, "decode_tokens_per_s": 1000.0, "graph_breaks": 0, "prefill_tokens": 512}
+    e2e = report.blr_e2e_section({**E2E_RUN, "rows": [row], "targets": met})
+    assert "| prefill 512 tokens ms (floor) |" in e2e and "not met" not in e2e
+    assert "memfit's attention (targets not met)\n" in report.blr_e2e_section({**E2E_RUN, "rows": [row], "targets": missed})
+    unrecorded = {k: v for k, v in row.items() if k != "prefill_tokens"}
+    assert "| model | mode | prefill ms (floor) |" in report.blr_e2e_section({**E2E_RUN, "rows": [unrecorded]})
