@@ -13,6 +13,7 @@ ordering: the script prints the order of the variants to stderr.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -20,7 +21,12 @@ import torch
 from memfit.kernels.attention import VARIANTS, attention, attention_recompute_backward
 
 
-def main() -> None:
+def main(argv=None) -> int:
+    """Parse the command line first (--help needs no GPU), then profile each variant once; 2 without a CUDA GPU."""
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    if not torch.cuda.is_available():
+        print("attention_counters: needs a CUDA GPU (and ncu, see --help)", file=sys.stderr)
+        return 2
     b, h, n, d = 4, 32, 4096, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
@@ -41,7 +47,8 @@ def main() -> None:
         fn()
         torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

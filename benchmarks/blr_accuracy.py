@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import sys
 import tempfile
 import time
@@ -34,6 +35,7 @@ from memfit.layers import StructuredLinear
 from memfit.measure.results import RESULTS_DIR, check_out_dir, target, write_results
 
 METHODS = ("lowrank", "monarch", "blast")
+SMOKE_SETTINGS = {"blocks": 4, "blast_steps": 10, "recovery_steps": 4, "batch": 4, "seq": 64, "calib_samples": 4}
 
 
 def load_or_train(model_dir: Path, smoke: bool, device: str):
@@ -143,9 +145,12 @@ def plot(rows, dense_ppl, control_ppl, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def parse(argv=None) -> argparse.Namespace:
+    """The options, checked before any work (a bad one had failed after the model was trained and scored); --smoke
+    gives SMOKE_SETTINGS to the options the user did not give, and --model a temp dir there (main makes it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=RESULTS_DIR / "small_llama")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="the small model (default benchmarks/results/small_llama; with --smoke, a new temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="results directory")
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--blocks", type=int, default=16)
@@ -157,13 +162,28 @@ def main(argv=None) -> int:
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--validate-every", type=int, default=25,
                         help="recovery steps between dev-set scores; each model ends at its best")
-    parser.add_argument("--smoke", action="store_true", help="tiny model, few steps, CPU")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny model, few steps, CPU (the options given keep their values)")
     args = parser.parse_args(argv)
-    check_out_dir(parser, args.out)
     if args.smoke:
-        args.blocks, args.blast_steps, args.recovery_steps, args.batch, args.seq, args.calib_samples = 4, 10, 4, 4, 64, 4
-        if args.model == RESULTS_DIR / "small_llama":
-            args.model = Path(tempfile.mkdtemp()) / "small_llama"
+        parser.set_defaults(**SMOKE_SETTINGS)
+        args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)
+    if not 0 < args.ratio < 1:
+        parser.error(f"--ratio is a fraction of the linear parameters, in (0, 1); got {args.ratio}")
+    if not 0 < args.recovery_lr < math.inf:
+        parser.error(f"--recovery-lr must be a positive number; got {args.recovery_lr}")
+    for name in ("blocks", "blast_steps", "recovery_steps", "batch", "seq", "calib_samples", "validate_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer; got {getattr(args, name)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.model is None:
+        args.model = Path(tempfile.mkdtemp()) / "small_llama" if args.smoke else RESULTS_DIR / "small_llama"
+    if args.smoke:
         torch.set_num_threads(1)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     base = load_or_train(args.model, args.smoke, device)

@@ -156,7 +156,7 @@ def main() -> int:
 
 def run_table(args, torch, device: str, blocks: int) -> int:
     """Time every implementation at every (shape, N) and write blr_layers.json and its roofline plot;
-    2 where ``--resume`` finds nothing it may continue."""
+    2 where ``--resume`` finds neither a stopped run of these cases to continue nor a complete one."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -178,6 +178,11 @@ def run_table(args, torch, device: str, blocks: int) -> int:
     path = results_path(stem, args.out)
     state = run_state(path)
     if args.resume and state == "complete":              # the run a second call would continue already finished
+        written = json.loads(path.read_text())           # of other cases, this run's were never timed: refused
+        if differ := [f"{key} {written.get(key)!r}, this run has {value!r}"
+                      for key, value in cases.items() if written.get(key) != value]:
+            print(f"blr_layers: cannot resume {path}: it was written with {'; '.join(differ)}", file=sys.stderr)
+            return 2
         print(f"blr_layers: {path} is a complete run; nothing to resume")
         return 0
     if args.resume:                                      # the stopped run's rows, time so far and ceilings
@@ -687,7 +692,8 @@ def make_targets(rows, target, smoke: bool):
             if n <= 16:
                 targets.append(target(f"{kind} ours / floor, N={n}, worst shape", worst, 2.0, "x", "lower"))
             if n >= 16:
-                slowest = min(ms(s, n, "dense_eager") / ms(s, n, f"{kind}_ours") for s in shapes)
+                speedups = [ms(s, n, "dense_eager") / ms(s, n, f"{kind}_ours") for s in shapes]
+                slowest = min(0.0 if math.isnan(x) else x for x in speedups)  # failed: the worst (min's NaN is by order)
                 targets.append(target(f"{kind} speedup over dense cuBLAS, N={n}, worst shape", slowest, 1.0, "x",
                                       "higher"))
         gate = ms("llama-3.2-1b gate", 8192, f"{kind}_ours")

@@ -1,5 +1,6 @@
 """Every benchmark that writes results refuses, while it parses its arguments, a results directory that cannot
-hold them (measure.results.check_out_dir): a mistyped --out fails in a second, not after minutes of GPU time."""
+hold them (measure.results.check_out_dir): a mistyped --out fails in a second, not after minutes of GPU time; and
+other bad options likewise, before any work."""
 import sys
 from pathlib import Path
 
@@ -69,3 +70,37 @@ def test_an_empty_or_dangling_results_dir_is_refused(tmp_path):
     assert "too long" in out_dir_problem(tmp_path / ("x" * 300))
     if Path("/proc/self").is_dir():                       # writing is probed: os.access lets root through on /proc
         assert "cannot write in /proc" in out_dir_problem("/proc/memfit-results")
+
+
+@pytest.mark.parametrize("argv,message", [(["--ratio", "2"], "--ratio is a fraction of the linear parameters, in (0, 1)"),
+                                          (["--ratio", "0"], "in (0, 1); got 0.0"),
+                                          (["--blocks", "0"], "--blocks must be a positive integer; got 0"),
+                                          (["--smoke", "--recovery-steps", "-1"], "--recovery-steps must be a positive"),
+                                          (["--seq", "0"], "--seq must be a positive integer"),
+                                          (["--recovery-lr", "nan"], "--recovery-lr must be a positive number")])
+def test_blr_accuracy_refuses_bad_settings_before_it_trains(argv, message, monkeypatch, capsys):
+    """--ratio 2 had trained and scored the model, then failed with a traceback in the compression."""
+    benchmark = load_benchmark("blr_accuracy")
+    monkeypatch.setattr(benchmark, "load_or_train", lambda *a: pytest.fail("refused before the model is loaded"))
+    with pytest.raises(SystemExit) as raised:
+        benchmark.main(argv)
+    assert raised.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_blr_accuracy_smoke_keeps_the_options_given():
+    """--smoke's tiny settings fill only the options the user left out (it had overwritten --blocks and the rest)."""
+    benchmark = load_benchmark("blr_accuracy")
+    smoke = benchmark.parse(["--smoke", "--blocks", "2", "--model", str(ROOT / "benchmarks/results/small_llama")])
+    assert (smoke.blocks, smoke.seq, smoke.model) == (2, 64, ROOT / "benchmarks/results/small_llama")
+    assert vars(benchmark.parse(["--smoke"])).items() >= {**benchmark.SMOKE_SETTINGS, "model": None}.items()
+    assert benchmark.parse(["--blocks", "8"]).blocks == 8 and benchmark.parse([]).seq == 512
+
+
+def test_attention_counters_help_needs_no_gpu(monkeypatch, capsys):
+    """--help had started CUDA work first (a traceback on a machine without a GPU); without one, a one-line error."""
+    benchmark = load_benchmark("attention_counters")
+    with pytest.raises(SystemExit) as raised:
+        benchmark.main(["--help"])
+    assert raised.value.code == 0 and "Nsight Compute" in capsys.readouterr().out
+    monkeypatch.setattr(benchmark.torch.cuda, "is_available", lambda: False)
+    assert benchmark.main([]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err

@@ -352,3 +352,32 @@ def test_a_resumed_run_keeps_the_tile_picks_it_read_and_adds_its_own(blr_layers)
     now = {"_bgemm_kernel": {"(2,)": "B", "(4,)": "d"}, "_tmix_kernel": {"(5,)": "e"}}
     assert blr_layers.merged_tile_picks(earlier, now) == {"_bgemm_kernel": {"(1,)": "a", "(2,)": "B", "(4,)": "d"},
                                                           "_fused_kernel": {"(3,)": "c"}, "_tmix_kernel": {"(5,)": "e"}}
+
+
+def test_resuming_a_complete_run_of_other_cases_is_refused(blr_layers, monkeypatch, tmp_path, capsys):
+    """--resume on a finished file: "nothing to resume" (exit 0) only where it was written with this run's cases; a
+    complete file of other tokens or structures had passed too, and the structures asked for were never timed."""
+    import json
+
+    monkeypatch.setattr(blr_layers, "bench_case", lambda *a: pytest.fail("a resume of a complete file times nothing"))
+    (tmp_path / "blr_layers_smoke_subset.json").write_text(json.dumps(
+        {"complete": True, "shapes": ["smoke 48->80"], "tokens": [1], "blocks": 4, "structures": ["lowrank"]}))
+    argv = ["blr_layers.py", "--smoke", "--resume", "--out", str(tmp_path), "--tokens"]
+    monkeypatch.setattr("sys.argv", [*argv, "40", "--structures", "monarch"])
+    assert blr_layers.main() == 2
+    assert "it was written with tokens [1], this run has [40]; structures ['lowrank'], this run has ['monarch']" \
+        in capsys.readouterr().err
+    monkeypatch.setattr("sys.argv", [*argv, "1", "--structures", "lowrank"])
+    assert blr_layers.main() == 0 and "is a complete run; nothing to resume" in capsys.readouterr().out
+
+
+def test_a_failed_shape_is_the_worst_speedup_over_dense(blr_layers):
+    """A failed row's NaN ms counts as a speedup of 0: min() over NaN depends on the order, and a failed shape
+    sorted after a fast one had been dropped and the target reported met."""
+    from memfit.measure.results import target
+
+    rows = [{"shape": shape, "n": 16, "structure": structure, "impl": impl, "ms": ms, "x_floor": ms}
+            for shape, ours in (("a", 0.5), ("b", math.nan))
+            for structure, impl, ms in (("dense", "dense_eager", 1.0), ("monarch", "monarch_ours", ours))]
+    speedup, = [t for t in blr_layers.make_targets(rows, target, smoke=False) if "speedup" in t["name"]]
+    assert speedup["measured"] == 0.0 and not speedup["met"]
