@@ -381,3 +381,20 @@ def test_a_failed_shape_is_the_worst_speedup_over_dense(blr_layers):
             for structure, impl, ms in (("dense", "dense_eager", 1.0), ("monarch", "monarch_ours", ours))]
     speedup, = [t for t in blr_layers.make_targets(rows, target, smoke=False) if "speedup" in t["name"]]
     assert speedup["measured"] == 0.0 and not speedup["met"]
+
+
+def test_floors_are_never_below_a_rate_a_row_reached(blr_layers):
+    """The 8192^3 GEMM timed once was no ceiling: dense cuBLAS beat it, and its floor sat above its time (x_floor
+    0.958 at Llama-7B down). The matmul rate of the floors is raised to the best any row reached."""
+    from memfit.measure.timing import Ceilings
+
+    measured = Ceilings(matmul_flops=100e12, bandwidth=1e12)
+    rows = [{"impl": "dense_eager", "flops": 2e9, "ideal_bytes": 1e3, "ms": 0.01, "floor_ms": 0.02, "x_floor": 0.5},
+            {"impl": "monarch_ours", "flops": 1e9, "ideal_bytes": 1e3, "ms": 0.04, "floor_ms": 0.01, "x_floor": 4.0},
+            {"impl": "blast_ours", "flops": 1e9, "ideal_bytes": 1e3, "ms": float("nan"), "floor_ms": 0.01,
+             "x_floor": float("nan")}]
+    floored, out = blr_layers.floors_at_least_reached(rows, measured)
+    assert floored.matmul_flops == pytest.approx(200e12) and floored.bandwidth == measured.bandwidth
+    assert [r["floor_ms"] for r in out[:2]] == pytest.approx([0.01, 0.005])
+    assert [r["x_floor"] for r in out[:2]] == pytest.approx([1.0, 8.0]) and math.isnan(out[2]["x_floor"])
+    assert blr_layers.floors_at_least_reached(rows[1:], measured) == (measured, rows[1:])
