@@ -38,6 +38,7 @@ place, so the captured pointers stay valid for every later prompt.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -62,6 +63,7 @@ from memfit.kernels.decode import (
 )
 from memfit.kernels.dispatch import use_triton
 from memfit.log import warn_once
+from memfit.models.spec import SUPPORTED_TYPES
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -202,7 +204,7 @@ class Generator:
     """Static-cache generation for one model, batch size and maximum length.
 
     ``graphs``: None = use CUDA graphs on CUDA; False = eager steps (CPU, debugging).
-    ``temperature``: 0 = greedy; > 0 samples with the Gumbel-max trick (graph-safe).
+    ``temperature``: 0 = greedy; a finite > 0 samples with the Gumbel-max trick (graph-safe).
     ``compile``: None = compile the elementwise helpers (norms, rope, cache writes) with
     ``torch.compile`` on CUDA, for the decode steps (a prefill runs them eagerly); a failed compile falls back to
     eager, said once.
@@ -215,16 +217,23 @@ class Generator:
     Every query attends over all earlier keys in the cache: a model with a sliding window (``sliding_window``) shorter
     than the longest run of keys a query may see, ``max_len - 1`` (the last token is sampled, never attended from),
     is refused rather than decoded with attention it was not trained for. Within the window the two are the same.
+
+    The loop rebuilds each layer from its projections, norms and rope, as Llama, Qwen2 and Mistral compute them
+    (``memfit.models.spec.SUPPORTED_TYPES``): another architecture (Qwen3's q/k norms, ...) is refused, not decoded
+    into wrong text.
     """
 
     def __init__(self, model, max_len: int, batch: int = 1, graphs: bool | None = None, temperature: float = 0.0,
                  compile: bool | None = None, fused: bool = True, fast: bool | None = None):
         cfg = model.config
+        if cfg.model_type not in SUPPORTED_TYPES:
+            raise MemfitError(f"memfit's decode loop implements {', '.join(SUPPORTED_TYPES)} models, not model_type "
+                              f"{cfg.model_type!r} (it would decode wrong text): use the model's own generate")
         if not (is_count(max_len, 2) and is_count(batch)):
             raise MemfitError(f"max_len must be an integer >= 2 and batch one >= 1, got max_len={max_len!r}, "
                               f"batch={batch!r}")
-        if temperature < 0:
-            raise MemfitError(f"temperature must be >= 0, got {temperature}")
+        if not math.isfinite(temperature) or temperature < 0:
+            raise MemfitError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
         check_decode_length(model, max_len)
         self.model, self.max_len, self.batch, self.temperature = model, max_len, batch, float(temperature)
         embed = model.get_input_embeddings().weight
@@ -256,6 +265,7 @@ class Generator:
         self.slot = torch.zeros(1, dtype=torch.long, **factory)
         self.step_index = torch.zeros(1, dtype=torch.long, **factory)
         self.out = torch.zeros(batch, max_len, dtype=torch.long, **factory)
+        self.used: int | None = None     # cache slots the prompt and its decode steps fill: on the host, no sync
         self.graph = None
         self.fast = use_decode_kernels(fast, embed, self.heads, self.kv_heads, self.head_dim)
         self.matmul_paths: dict[str, str] = {}                      # decode matmul shape -> "cublas" or a GEMV variant
@@ -391,10 +401,15 @@ class Generator:
         return self._matmul(g, down[:, :a])
 
     def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy at temperature 0, else the Gumbel-max trick: argmax(logits / T + noise). Below T = 1 the same
+        argmax is taken of those scores times T, logits + T noise, which no float32 overflows (logits / 1e-39 had
+        been inf, token 0): a temperature too small to move the scores samples the greedy token, its limit."""
         pick = argmax if self.fast else (lambda scores: scores.argmax(-1))
         if self.temperature == 0:
             return pick(logits)
         noise = -torch.log(-torch.log(torch.rand_like(logits, dtype=torch.float32).clamp_(1e-20, 1)))
+        if self.temperature < 1:
+            return pick(logits.float() + self.temperature * noise)
         return pick(logits.float() / self.temperature + noise)
 
     def _step(self) -> None:
@@ -487,6 +502,7 @@ class Generator:
         self.tok.copy_(first)
         self.pos.copy_(positions[:, -1:] + 1)
         self.slot.fill_(T)
+        self.used = T
         self.step_index.fill_(1)
         self.out.zero_()
         self.out[:, :1] = first
@@ -494,6 +510,15 @@ class Generator:
 
     @torch.no_grad()
     def decode(self, steps: int) -> None:
+        """Run ``steps`` more decode steps after a prefill, each filling the next cache slot. Refused, before any
+        step runs, where they would pass ``max_len`` (a step there had indexed out of range: on CUDA a device-side
+        assert inside the replayed graph, which ends the process's CUDA context)."""
+        if self.used is None:
+            raise MemfitError("decode continues a prompt: call prefill(input_ids) first")
+        if not is_count(steps, 0) or self.used + steps > self.max_len:
+            raise MemfitError(f"decode({steps!r}) takes an integer from 0 to {self.max_len - self.used}, the cache "
+                              f"slots left of max_len={self.max_len}: build the Generator with a larger max_len")
+        self.used += steps
         for _ in range(steps):
             if self.graph is not None:
                 self.graph.replay()
