@@ -170,7 +170,7 @@ def test_generate_shows_a_batch_as_it_shows_one_prompt(tiny_dir, capsys, monkeyp
 
     def with_an_eos(self, *args, **kwargs):
         result = real(self, *args, **kwargs)
-        result.tokens[0, :3] = torch.tensor([codec.encode("A")[0], codec.eos, codec.encode("B")[0]])   # "A", then EOS
+        result.tokens[0, :3] = torch.tensor([codec.encode("A")[0], *codec.stops, codec.encode("B")[0]])   # "A", EOS
         return result
 
     monkeypatch.setattr(loop.Generator, "generate", with_an_eos)

@@ -46,3 +46,42 @@ def test_streamed_text_is_the_decoded_text(tokenizer, tmp_path, monkeypatch, cap
     assert main(["generate", str(directory), "--prompt", "hi", "--max-new", str(len(TEXT.encode())),
                  "--device", "cpu"]) == 0
     assert capsys.readouterr().out == TEXT + "\n"
+
+
+def test_generation_stops_at_every_end_id_the_generation_config_lists(tmp_path, monkeypatch, capsys):
+    """An instruct model lists its end of turn in generation_config.json beside the tokenizer's end of text
+    (Llama-3's <|eot_id|>), and Hugging Face's generate stops at any of them; memfit had gone on past them. The
+    command passes every one to the loop, which stops at the first it generates, and cuts a batch's rows there."""
+    import json
+
+    from memfit.infer.text import load_codec
+
+    directory = save_model_dir(PRESETS["tiny"], tmp_path / "model")
+    _hf_byte_fallback(directory)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, ord("!")]}))
+    assert load_codec(directory, 512).stops == {257, ord("!")}
+    passed = []
+
+    class Stopping(_Bytes):
+        def generate(self, ids, max_new, attention_mask=None, on_tokens=None, eos=None):
+            passed.append(eos)
+            tokens = [[*b"ok!", *b"no"]] * ids.shape[0]
+            return GenerationResult(torch.tensor(tokens), 0.0, 1.0, 4, False)
+
+    monkeypatch.setattr(generate, "Generator", Stopping)
+    assert main(["generate", str(directory), "--prompt", "a", "--prompt", "b", "--max-new", "5", "--device",
+                 "cpu"]) == 0
+    assert passed == [None] and capsys.readouterr().out.split("\n")[1] == "ok"
+    assert main(["generate", str(directory), "--prompt", "a", "--max-new", "5", "--device", "cpu"]) == 0
+    assert passed[-1] == {257, ord("!")}
+
+
+def test_the_loop_stops_at_any_of_the_ids_it_is_given():
+    from memfit.models import build_model
+
+    model = build_model(PRESETS["tiny"], dtype="float32", device="cpu")
+    loop = generate.Generator(model, 16, graphs=False, compile=False)
+    prompt = torch.tensor([[1, 2, 3]])
+    first = int(loop.generate(prompt, 4).tokens[0, 0])
+    assert loop.generate(prompt, 4, eos={first, 7}).steps == 0
+    assert loop.generate(prompt, 4, eos=[7]).steps == 3

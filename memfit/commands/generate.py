@@ -228,7 +228,7 @@ def run(args) -> int:
     prefill.start()
     try:
         result = generator.generate(ids, args.max_new, attention_mask=mask, on_tokens=stream if single else None,
-                                    eos=codec.eos if single else None)
+                                    eos=codec.stops if single else None)
     finally:
         prefill.stop()
     if single:
@@ -237,8 +237,7 @@ def run(args) -> int:
     else:                       # as one prompt shows it: the continuation alone, up to its end-of-text token
         for row in range(len(encoded)):
             tokens = result.tokens[row].tolist()
-            if codec.eos is not None and codec.eos in tokens:
-                tokens = tokens[:tokens.index(codec.eos)]
+            tokens = tokens[:next((i for i, token in enumerate(tokens) if token in codec.stops), len(tokens))]
             print(f"--- prompt {row + 1}: {args.prompt[row]!r}\n{codec.decode(tokens)}")
     peak = format_bytes(result.peak_bytes) if result.peak_bytes is not None else "n/a on CPU"
     console.print(f"decode {result.tokens_per_s:.1f} tokens/s per sequence ({result.steps} steps, "

@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -531,9 +532,10 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new: int, attention_mask: torch.Tensor | None = None,
-                 on_tokens=None, eos: int | None = None) -> GenerationResult:
+                 on_tokens=None, eos: int | Iterable[int] | None = None) -> GenerationResult:
         """Generate ``max_new`` tokens after the prompts. ``on_tokens(ids (B,))`` streams each new token
-        (one host sync per token); with ``eos`` (batch 1) it stops at that token."""
+        (one host sync per token); with ``eos``, an id or several (an instruct model's end of turn beside its end of
+        text), batch 1 stops at the first of them it generates."""
         self._check_prompts(input_ids, attention_mask)
         T = input_ids.shape[1]
         if max_new < 1 or T + max_new > self.max_len:
@@ -544,14 +546,15 @@ class Generator:
         self._sync()
         t1 = time.perf_counter()
         steps = max_new - 1
-        if on_tokens is None and eos is None:
+        stops = {eos} if isinstance(eos, int) else set(eos or ())
+        if on_tokens is None and not stops:
             self.decode(steps)
         else:
             token = first[:, 0]
             if on_tokens:
                 on_tokens(token.cpu())
             done = 0
-            while done < steps and not (eos is not None and self.batch == 1 and int(token[0]) == eos):
+            while done < steps and not (stops and self.batch == 1 and int(token[0]) in stops):
                 self.decode(1)
                 done += 1
                 token = self.tok[:, 0]
