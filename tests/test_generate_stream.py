@@ -85,3 +85,18 @@ def test_the_loop_stops_at_any_of_the_ids_it_is_given():
     first = int(loop.generate(prompt, 4).tokens[0, 0])
     assert loop.generate(prompt, 4, eos={first, 7}).steps == 0
     assert loop.generate(prompt, 4, eos=[7]).steps == 3
+
+
+def test_a_seed_makes_sampled_text_repeat(tmp_path, capsys):
+    """Sampling from the command line could not be repeated: there was no --seed."""
+    directory = save_model_dir(PRESETS["tiny"], tmp_path / "model")
+
+    def sampled(*extra):
+        assert main(["generate", str(directory), "--prompt", "hi", "--max-new", "12", "--device", "cpu",
+                     "--no-graphs", *extra]) == 0
+        return capsys.readouterr().out
+
+    assert sampled("--temperature", "1", "--seed", "3") == sampled("--temperature", "1", "--seed", "3")
+    assert sampled("--temperature", "1", "--seed", "3") != sampled("--temperature", "1", "--seed", "4")
+    assert main(["generate", str(directory), "--prompt", "hi", "--seed", "3", "--device", "cpu"]) == 2
+    assert "--seed seeds the sampling of --temperature > 0" in capsys.readouterr().err

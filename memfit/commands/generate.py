@@ -41,6 +41,9 @@ def add_parser(sub):
                         help="with an --adapter memfit finetune saved, encode each --prompt as given, as without one "
                              "(with the tokenizer's default special tokens)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the sampling with --temperature > 0: the same seed, the same text (default: "
+                             "another draw each run)")
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
     parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: the model's)")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of replaying a CUDA graph")
@@ -186,6 +189,8 @@ def run(args) -> int:
         raise MemfitError("--raw-prompt goes with --adapter (without one every --prompt is encoded as given)")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise MemfitError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.seed is not None and args.temperature == 0:
+        raise MemfitError("--seed seeds the sampling of --temperature > 0; greedy decoding (temperature 0) draws nothing")
     device = resolve_device(args.device)
     if args.dtype not in (None, "auto"):
         dtype_of(args.dtype)                       # a bad name refused before anything is read
@@ -211,6 +216,8 @@ def run(args) -> int:
     for row, seq in enumerate(encoded):   # left padding: every prompt ends at the last position
         ids[row, width - len(seq):] = torch.tensor(seq)
         mask[row, width - len(seq):] = 1
+    if args.seed is not None:                  # before the loop captures its graph, which draws from the generator
+        torch.manual_seed(args.seed)
     with console.status("preparing the decode loop: kernel choices (timed once per shape, then cached), compiles, "
                         "the CUDA graph"):
         generator = Generator(model, width + args.max_new, batch=len(encoded),
