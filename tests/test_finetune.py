@@ -155,6 +155,38 @@ def test_examples_cut_short_are_said(tmp_path, monkeypatch):
                     f"{path}: 1 example(s) lost all response tokens to truncation at 6 tokens and were skipped"]
 
 
+def _sentencepiece_like(directory):
+    """A BPE tokenizer that starts every text it encodes with a word boundary, as Llama-2's and Mistral's do."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.train_from_iterator(["upper: abc\nABC", "reverse: abc\ncba"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=list("abcdefghijklmnopqrstuvwxyz:\n ")))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(directory)
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def test_a_response_is_tokenized_as_it_reads_after_its_prompt(tmp_path):
+    """Each piece had been encoded alone, so a SentencePiece tokenizer put a word boundary token before every
+    response: the model learnt to start its answers with a space. The text up to the EOS is encoded as one now, the
+    prompt's tokens as memfit generate encodes an adapter's prompt (the prompt text alone)."""
+    tok = _sentencepiece_like(tmp_path / "tok")
+    path = _write(tmp_path, ['{"prompt": "upper: abc", "response": "abc"}'])
+    example = load_jsonl(path, tok, 64)[0]
+    prompt = tok.encode("upper: abc\n", add_special_tokens=False)
+    whole = tok.encode("upper: abc\nabc", add_special_tokens=False)
+    assert whole[:len(prompt)] == prompt and len(whole) > len(prompt)
+    assert list(example.input_ids) == [*whole, tok.eos_token_id]
+    assert list(example.labels) == [IGNORE_INDEX] * len(prompt) + [*whole[len(prompt):], tok.eos_token_id]
+    # "upper: a" + "bc" reads "upper: abc", whose ":\u2581ab" token crosses the boundary: "bc" is encoded alone there
+    from memfit.data.jsonl import _piece_tokens, encode_text
+
+    assert _piece_tokens([("upper: a", False), ("bc", True)], tok) == [
+        encode_text(tok, "upper: a"), [*encode_text(tok, "bc"), tok.eos_token_id]]
+
+
 def test_loss_only_on_response_tokens(tmp_path):
     path = _write(tmp_path, ['{"prompt": "ab", "response": "cd"}',
                              '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]}'])

@@ -8,8 +8,9 @@ Each non-blank line is a JSON object of one of two forms:
 They are rendered with one plain template (whatever the tokenizer):
 prompt/response as ``prompt + "\\n"`` (no loss) then ``response`` + EOS (loss);
 chat messages as ``"<|role|>\\n"`` (no loss) then ``content``, with the assistant's
-content + EOS carrying the loss and every other part none. Labels of tokens without a
-loss are ``-100``. Any malformed line stops the load with a message naming it.
+content + EOS carrying the loss and every other part none. The text up to each EOS is
+tokenized as one (:func:`_piece_tokens`). Labels of tokens without a loss are ``-100``.
+Any malformed line stops the load with a message naming it.
 """
 from __future__ import annotations
 
@@ -108,12 +109,28 @@ def _utf8_text(pieces: list[tuple[str, bool]], where: str) -> list[tuple[str, bo
     return pieces
 
 
+def _piece_tokens(pieces: list[tuple[str, bool]], tokenizer) -> list[list[int]]:
+    """Each piece's token ids, the text up to each EOS encoded as one: a SentencePiece tokenizer (Llama-2's,
+    Mistral's) starts every text it encodes with a word boundary, so pieces encoded apart had put a spurious space
+    token before every response and role marker. A piece's tokens are what its text adds to the encoding of the text
+    before it; where that encoding is no prefix of the longer one (a token across the boundary), the piece starts a
+    new encoding, as every piece did before."""
+    tokens, text, before = [], "", []
+    for piece, loss in pieces:
+        ids = encode_text(tokenizer, text + piece)
+        if ids[:len(before)] != before:
+            text, before = "", []
+            ids = encode_text(tokenizer, piece)
+        tokens.append(ids[len(before):] + ([tokenizer.eos_token_id] if loss else []))
+        text, before = ("", []) if loss else (text + piece, ids)
+    return tokens
+
+
 def _tokenize(pieces: list[tuple[str, bool]], tokenizer, max_len: int) -> tuple[Example | None, bool]:
     """Token ids and labels of one record's pieces, truncated to ``max_len`` (None if no loss token survives), and
     whether truncation cut any."""
     ids, labels = [], []
-    for text, loss in pieces:
-        tokens = encode_text(tokenizer, text) + ([tokenizer.eos_token_id] if loss else [])
+    for (_, loss), tokens in zip(pieces, _piece_tokens(pieces, tokenizer)):
         ids += tokens
         labels += tokens if loss else [IGNORE_INDEX] * len(tokens)
     cut = len(ids) > max_len
