@@ -28,7 +28,8 @@ def test_a_partial_file_of_this_commit_gpu_and_settings_resumes(tmp_path):
 
 @pytest.mark.parametrize("fields,match", [({"complete": True}, "complete run"), ({"commit": "0000000"}, "commit"),
                                           ({"gpu": "another GPU"}, "gpu"), ({"triton": "3.5.0"}, "triton"),
-                                          ({"tokens": [1]}, "tokens"), ({"commit": "abc1234-dirty"}, "uncommitted")])
+                                          ({"tokens": [1]}, "tokens"), ({"commit": "abc1234-dirty"}, "uncommitted"),
+                                          ({"commit": "unknown"}, "the commit of it is unknown")])
 def test_a_complete_file_or_other_code_gpu_libraries_or_settings_are_refused(tmp_path, fields, match):
     with pytest.raises(MemfitError, match=match):
         results.partial_results(write(tmp_path / "b.json", **fields), tokens=[1, 16])
@@ -51,3 +52,11 @@ def test_a_missing_or_unreadable_file_is_refused(tmp_path, text, match):
 
 def test_results_path_is_where_write_results_writes(tmp_path):
     assert results.write_results("bench", [], [], tmp_path) == results.results_path("bench", tmp_path)
+
+
+def test_an_unknown_commit_on_both_sides_is_refused(tmp_path, monkeypatch):
+    """With no git checkout and no MEMFIT_COMMIT both the file and the run read "unknown", which had matched: a run of
+    any code resumed any other's."""
+    monkeypatch.setattr(results, "environment", lambda: {**HERE, "commit": "unknown"})
+    with pytest.raises(MemfitError, match="the commit of this run is unknown"):
+        results.partial_results(write(tmp_path / "b.json", commit="unknown"), tokens=[1, 16])

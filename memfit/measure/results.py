@@ -88,8 +88,8 @@ def partial_results(path: Path, **settings) -> dict:
     """The results file at ``path`` of a run stopped before its end, to resume: refused when the file is
     missing, unreadable or complete, was written from uncommitted code, at another commit, on another GPU
     or other library versions, or with other ``settings`` (e.g. the cases asked for): its rows would not
-    compare with the new ones. Where there is no git checkout (a copy on a GPU machine) the commit is
-    MEMFIT_COMMIT's, which the caller vouches for."""
+    compare with the new ones. Where MEMFIT_COMMIT is set (a copy on a GPU machine has no git checkout) the commit
+    is its, which the caller vouches for; with neither, the commit is unknown and nothing resumes."""
     from memfit.errors import MemfitError
 
     if not path.exists():
@@ -101,6 +101,9 @@ def partial_results(path: Path, **settings) -> dict:
     if data.get("complete", True):
         raise MemfitError(f"nothing to resume: {path} is a complete run")
     here = environment()
+    if "unknown" in (here["commit"], data.get("commit")):      # both "unknown": any code at all had matched
+        raise MemfitError(f"cannot resume {path}: the commit of {'this run' if here['commit'] == 'unknown' else 'it'} "
+                          "is unknown (no git checkout and no MEMFIT_COMMIT), so its code cannot be matched")
     if here["commit"].endswith("-dirty") or str(data.get("commit")).endswith("-dirty"):
         raise MemfitError(f"cannot resume {path}: uncommitted code on one side cannot be matched; commit first")
     expected = {key: here[key] for key in ("commit", "gpu", "torch", "triton")} | settings
