@@ -312,7 +312,9 @@ def main(argv=None) -> int:
                              attention=args.attention, inductor_pdl=args.inductor_pdl,
                              decode_gemv=args.decode_gemv,
                              pick_timings=autotune.PICK_TIMINGS,
-                             tile_picks=autotune.tile_picks(), complete=complete)
+                             tile_picks=autotune.tile_picks(), complete=complete,
+                             ceilings=None if ceilings is None else {"matmul_tflops": ceilings.matmul_flops / 1e12,
+                                                                     "bandwidth_gbs": ceilings.bandwidth / 1e9})
 
     for variant in variants:
         torch.manual_seed(0)

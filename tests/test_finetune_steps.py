@@ -40,3 +40,11 @@ def test_bad_arguments_are_usage_errors(finetune_steps, arguments, message, caps
     with pytest.raises(SystemExit) as stopped:
         finetune_steps.main(["--smoke", *arguments])
     assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_smoke_run_takes_small_defaults_and_keeps_the_options_given(finetune_steps, tmp_path):
+    """--smoke had kept the GPU's contexts (1K-4K), dtypes and steps: 294 s of a tiny model on a 2-core CPU."""
+    assert finetune_steps.main(["--smoke", "--steps", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "finetune_steps_smoke.json").read_text())["rows"]
+    assert {r["context"] for r in rows} == {64, 128} and {r["dtype"] for r in rows} == {"torch.float32"}
+    assert len(rows) == 2                                   # --steps 1: one timed step per context
