@@ -567,6 +567,14 @@ def test_verify_needs_a_finite_tolerance(tolerance, capsys):
            "tolerance (--tolerance) must be a positive, finite fraction")
 
 
+@pytest.mark.parametrize("tolerance", ["5", "1"])
+def test_verify_reads_the_tolerance_as_a_fraction(tolerance, capsys):
+    """--tolerance 5, meant as 5%, had been held as 500%: a tolerance of 1 or more is refused, in one line, before
+    anything is measured."""
+    _fails(capsys, ["verify", "--model", "tiny", "--seq", "64", "--device", "cpu", "--tolerance", tolerance],
+           f"tolerance (--tolerance) is a fraction (0.05 is 5%), below 1; got {float(tolerance)}\n")
+
+
 @pytest.mark.parametrize("extra, message", [
     (("--seq", "0"), "seq (--seq) must be a positive integer, got 0"),
     (("--task", "infer", "--new-tokens", "0"), "new_tokens (--new-tokens) must be a positive integer, got 0"),

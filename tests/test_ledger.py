@@ -272,10 +272,12 @@ def test_verify_refuses_what_it_would_not_build():
     ({"warmup": 0}, r"warmup \(--warmup\) must be an integer of at least 1 .*got 0"),
     ({"warmup": -1}, r"warmup \(--warmup\) must be .*got -1"),
     ({"tolerance": "0.1"}, r"tolerance \(--tolerance\) must be a positive, finite fraction .*got '0.1'"),
+    ({"tolerance": 5}, r"^tolerance \(--tolerance\) is a fraction \(0.05 is 5%\), below 1; got 5$"),   # 500%
+    ({"tolerance": 1.0}, r"tolerance \(--tolerance\) is a fraction .*got 1.0"),
 ])
 def test_verify_refuses_a_warmup_or_tolerance_the_command_would_refuse(options, message):
-    """A library caller's warmup of 0 had measured the optimizer state appearing (ok=False, unexplained), and a
-    string tolerance ended in a TypeError."""
+    """A library caller's warmup of 0 had measured the optimizer state appearing (ok=False, unexplained), a
+    string tolerance ended in a TypeError, and a tolerance of 5 meant 5% was held as 500%."""
     from memfit.errors import MemfitError
 
     with pytest.raises(MemfitError, match=message):
@@ -1050,3 +1052,51 @@ def test_a_partial_ffn_ledger_notes_that_verify_does_not_measure_it(capsys):
     assert main(["plan", "--model", "llama-3.2-3b", "--task", "infer", "--seq", "8192", "--batch", "8",
                  "--gpu-memory", "16GiB"]) == 0
     assert "note (plan 1): verify does not build partial-FFN models" in " ".join(capsys.readouterr().out.split())
+
+
+# A two-layer decoder's config.json; each case below adds its model type and window keys.
+WINDOW_SHAPE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "vocab_size": 512, "torch_dtype": "float32"}
+
+
+@pytest.mark.parametrize("config, window", [
+    ({"model_type": "mistral", "sliding_window": 32}, 32),
+    ({"model_type": "mistral"}, 4096),                                    # MistralConfig's default
+    ({"model_type": "qwen2", "sliding_window": 32}, None),               # use_sliding_window defaults to False
+    ({"model_type": "qwen2", "sliding_window": 32, "use_sliding_window": True, "max_window_layers": 1}, 32),
+    ({"model_type": "qwen2", "sliding_window": 32, "use_sliding_window": True, "max_window_layers": 2}, None),
+    ({"model_type": "llama", "sliding_window": 32}, None),
+])
+def test_a_job_that_reaches_the_sliding_window_is_said_once(config, window, caplog):
+    """From a window's length on, transformers builds an explicit seq x seq mask and repeats K/V for SDPA, which the
+    ledger leaves out: CPU verify of a Mistral at --seq 4096 with its 4096 window read 51-70% low, unsaid. The
+    spec's window is the one transformers builds; the ledger says it reaches it, in its notes and once in the log."""
+    from memfit.infer.generate import sliding_window
+    from memfit.models import ModelSpec
+
+    spec = ModelSpec.from_hf_config({**WINDOW_SHAPE, **config}, name=f"window-{sorted(config.items())}")
+    assert spec.sliding_window == sliding_window(build_model(spec)) == window
+    if window is None:
+        assert predict(Job(spec, task="lora", seq=4096, device="cpu"), Knobs()).notes == []
+        return
+    said = f"attention over {window} positions reaches {spec.name}'s sliding window of {window}: this prediction " \
+           "leaves out the attention mask and the repeated K/V that transformers builds there"
+    assert predict(Job(spec, task="lora", seq=window - 1, device="cpu"), Knobs()).notes == []
+    for task, seq, new_tokens in (("lora", window, 128), ("full", window, 128), ("infer", window - 8, 8)):
+        assert predict(Job(spec, task=task, seq=seq, new_tokens=new_tokens, device="cpu"), Knobs()).notes == [said]
+    assert predict(Job(spec, task="infer", seq=window - 8, new_tokens=7, device="cpu"), Knobs()).notes == []
+    assert [r.getMessage() for r in caplog.records if "sliding window" in r.getMessage()] == [said]
+
+
+def test_memfit_attention_past_the_sliding_window_is_refused_before_the_run():
+    """memfit attention has no window: a job past it had been planned and failed mid-forward in
+    memfit.train.attention_hf; it is refused with the job, naming the window. Up to it, it runs."""
+    from memfit.errors import MemfitError
+    from memfit.models import ModelSpec
+
+    spec = ModelSpec.from_hf_config({**WINDOW_SHAPE, "model_type": "mistral", "sliding_window": 32}, name="mistral-w32")
+    for task in ("lora", "infer"):
+        predict(Job(spec, task=task, seq=32), Knobs(attention="memfit"))
+        with pytest.raises(MemfitError, match=r"attention \(--attention\) memfit has no sliding window: mistral-w32 "
+                                              r"attends over the last 32 keys and seq \(--seq\) 33 passes them"):
+            predict(Job(spec, task=task, seq=33), Knobs(attention="memfit"))

@@ -64,6 +64,24 @@ def test_a_record_reads_back_as_the_job_and_knobs_it_was_written_from(job, knobs
     assert Knobs.from_dict(json.loads(json.dumps(knobs.to_dict()))) == knobs
 
 
+def test_a_window_turned_off_in_config_json_stays_off_in_the_built_model_and_the_record(tmp_path):
+    """"sliding_window": null (Mistral v0.2 on) had been dropped with the other nulls: the model built from the spec
+    took MistralConfig's default window of 4096, and verify measured another model than the user's."""
+    from memfit.models import build_model, load_spec
+
+    config = {"model_type": "mistral", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 176,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "sliding_window": None}
+    (tmp_path / "mistral").mkdir()
+    (tmp_path / "mistral" / "config.json").write_text(json.dumps(config))
+    spec = load_spec(tmp_path / "mistral")
+    assert spec.sliding_window is None and build_model(spec).config.sliding_window is None
+    for job, by_name in ((Job(spec, seq=8192), True), (Job(dataclasses.replace(spec, name="renamed")), False)):
+        record = json.loads(json.dumps(job.to_dict()))
+        assert ("spec" in record) != by_name                 # read again from its directory, or from its record
+        back = Job.from_dict(record).spec
+        assert back.extra == {"sliding_window": None} and back.sliding_window is None
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda job, knobs: job.pop("seq"), "the job record lacks seq"),
     (lambda job, knobs: job.update(budget=1), "the job record holds budget, which this memfit does not know"),

@@ -23,6 +23,7 @@ from memfit.errors import MemfitError
 from memfit.ledger.graph import ModelGraph, Trainable
 from memfit.ledger.job import OPTIMIZERS, TASK_ONLY_FIELDS, Job, Knobs, field_flag
 from memfit.ledger.simulate import Event, Memory, Sym, replay_backward, replay_forward
+from memfit.log import warn_once
 from memfit.models.spec import dtype_bytes, dtype_of
 from memfit.units import MiB
 
@@ -177,7 +178,7 @@ def predict(job: Job, knobs: Knobs) -> Ledger:
     check_blr(job, knobs)
     ledger = _cached_predict(job, knobs, _fused_loss_on_pytorch_path(job, knobs))
     return replace(ledger, peak=dict(ledger.peak), phases=dict(ledger.phases),
-                   notes=_length_notes(job) + list(ledger.notes))
+                   notes=_length_notes(job) + _window_notes(job) + list(ledger.notes))
 
 
 def _length_notes(job: Job) -> list[str]:
@@ -188,6 +189,20 @@ def _length_notes(job: Job) -> list[str]:
         return []
     return [f"{positions} positions pass the model's max_position_embeddings ({job.spec.max_position}): their "
             "memory is counted, but the model was not configured for that length"]
+
+
+def _window_notes(job: Job) -> list[str]:
+    """A job whose keys reach the model's sliding window is counted as if it had none, and said once in the log and
+    in the ledger's notes: transformers then builds an explicit attention mask and, for SDPA with a mask, repeats K/V
+    to every query head (no enable_gqa); neither is modelled (CPU verify found such predictions 51-70% low)."""
+    window = job.spec.sliding_window
+    keys = job.seq + (job.new_tokens if job.task == "infer" else 0)
+    if window is None or keys < window:
+        return []
+    note = (f"attention over {keys} positions reaches {job.spec.name}'s sliding window of {window}: this prediction "
+            "leaves out the attention mask and the repeated K/V that transformers builds there")
+    warn_once(f"ledger:sliding-window:{job.spec.name}", note)
+    return [note]
 
 
 @lru_cache(maxsize=512)
@@ -307,9 +322,10 @@ def blr_dense_kinds(spec, knobs: Knobs) -> tuple[str, ...] | None:
 def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
     """Refuse knobs this job cannot take, which would otherwise describe a run that cannot happen: more checkpointed
     layers than the model has (the ledger would count its layers), LoRA with no target, a frozen 4-bit base in full
-    fine-tuning, the fused SwiGLU for a model whose MLP activation is not SiLU, and a knob of the other kind of job
-    set away from its default (the ledger would leave it out unsaid, as memfit plan refuses the option; a micro-batch
-    of the whole batch is no change). A training job's micro-batch is checked where it is read, in
+    fine-tuning, memfit attention past the model's sliding window (it has none: memfit.train.attention_hf refuses
+    the layer mid-forward), the fused SwiGLU for a model whose MLP activation is not SiLU, and a knob of the other
+    kind of job set away from its default (the ledger would leave it out unsaid, as memfit plan refuses the option; a
+    micro-batch of the whole batch is no change). A training job's micro-batch is checked where it is read, in
     ``_predict_train``."""
     default = Knobs()
     for name, (tasks, why) in TASK_ONLY_FIELDS.items():
@@ -325,6 +341,9 @@ def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
         raise MemfitError(f"{field_flag('lora_targets')} names no module: LoRA would train nothing (peft refuses it)")
     if knobs.four_bit and job.task == "full":
         raise MemfitError(f"{field_flag('four_bit')} freezes the base weights: it goes with task lora or infer")
+    if knobs.attention == "memfit" and (window := job.spec.sliding_window) is not None and job.seq > window:
+        raise MemfitError(f"{field_flag('attention')} memfit has no sliding window: {job.spec.name} attends over the "
+                          f"last {window} keys and {field_flag('seq')} {job.seq} passes them; use attention sdpa")
     if knobs.fused_swiglu and not job.spec.silu_mlp:
         raise MemfitError(f"{field_flag('fused_swiglu')} computes silu(gate) * up; {job.spec.name}'s MLP activation is "
                           f"{job.spec.activation!r}")

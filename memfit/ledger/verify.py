@@ -228,6 +228,8 @@ def verify(job: Job, knobs: Knobs, tolerance: float = 0.05, warmup: int = 1,
     if not isinstance(tolerance, numbers.Real) or isinstance(tolerance, bool) or not 0 < tolerance < math.inf:
         raise MemfitError(f"{field_flag('tolerance')} must be a positive, finite fraction (0.05 is 5%), got "
                           f"{tolerance!r}")
+    if tolerance >= 1:                                 # --tolerance 5 meant 5%, not 500%
+        raise MemfitError(f"{field_flag('tolerance')} is a fraction (0.05 is 5%), below 1; got {tolerance!r}")
     _check_warmup(warmup)
     _ledgers_allocator(job)
     check_runnable(job, knobs)

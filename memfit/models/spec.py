@@ -45,8 +45,11 @@ def dtype_bytes(name) -> int:
 
 
 # A sliding-window model's config keys (Mistral: sliding_window; Qwen2: also whether it is used and from which layer),
-# kept from config.json so a model built from the spec attends as the source does.
+# kept from config.json so a model built from the spec attends as the source does; an explicit "sliding_window": null
+# (Mistral v0.2 on) too: it turns the window off, where a left-out key builds the config class's default.
 WINDOW_KEYS = ("sliding_window", "use_sliding_window", "max_window_layers")
+# transformers' defaults for the window keys a config.json leaves out (MistralConfig, Qwen2Config)
+WINDOW_DEFAULTS = {"sliding_window": 4096, "max_window_layers": 28}
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,21 @@ class ModelSpec:
         if self.activation not in ("silu", "gelu", "gelu_pytorch_tanh"):
             raise MemfitError(f"model {self.name!r}: activation {self.activation!r} is not supported (silu, gelu)")
         dtype_name(self.dtype)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """How many keys a query sees (itself the last) on the sliding-window layers of a model built from this spec,
+        or None where every layer attends over all earlier keys. As transformers decides it: Mistral's window on every
+        layer, Qwen2's only with use_sliding_window and on the layers from max_window_layers on (WINDOW_DEFAULTS where
+        config.json leaves a key out), Llama none."""
+        window = self.extra.get("sliding_window", WINDOW_DEFAULTS["sliding_window"])
+        if self.model_type == "llama" or window is None:
+            return None
+        if self.model_type == "qwen2" and not (
+                self.extra.get("use_sliding_window")
+                and self.num_layers > self.extra.get("max_window_layers", WINDOW_DEFAULTS["max_window_layers"])):
+            return None
+        return window
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -182,7 +200,8 @@ class ModelSpec:
             rms_norm_eps=number("rms_norm_eps", 1e-5, float),
             rope_theta=number("rope_theta", rope_theta, float),
             max_position=number("max_position_embeddings", 4096, int),
-            extra={k: config[k] for k in ("rope_scaling", *WINDOW_KEYS) if config.get(k) is not None},
+            extra={k: config[k] for k in ("rope_scaling", *WINDOW_KEYS)
+                   if config.get(k) is not None or (k == "sliding_window" and k in config)},
         )
 
     def to_hf_config(self):
