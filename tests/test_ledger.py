@@ -120,6 +120,16 @@ def test_verify_on_cpu_within_five_percent(task, changes):
     assert abs(result.error) < 0.05
 
 
+@MEASURES_A_CPU_RUN
+def test_verify_a_prefill_whose_peak_is_the_rotation_of_wide_queries():
+    """Queries wider than the hidden size (head_dim 32 x 6 heads over 96): the prefill peaks as k rotates, with the
+    unrotated q still held by apply_rotary_pos_emb's caller. The replay had freed it at its last read: -3.37%."""
+    spec = TINY.with_(name="wide-queries", hidden=96, intermediate=177, num_heads=6, num_kv_heads=2, head_dim=32,
+                   vocab=1001)
+    result = verify(Job(spec, task="infer", seq=256, batch=1, device="cpu", new_tokens=4), Knobs(dtype="float32"))
+    assert abs(result.error) < 0.005, f"{100 * result.error:+.2f}%"
+
+
 def test_verify_a_fused_swiglu_step_whose_peak_is_a_gradient_sum(monkeypatch):
     """A 512-wide MLP with LoRA, fp32, on the CPU: the fused SwiGLU leaves the peak at the sum of down_proj's input's
     two gradients (lora_A's, then the base's). The first is a view, so autograd adds the second out of place: the

@@ -276,8 +276,11 @@ class ModelGraph:
         q = self.projection(y, layer, "q_proj", s.hidden, s.q_dim, s.attention_bias)
         k = self.projection(y, layer, "k_proj", s.hidden, s.kv_dim, s.attention_bias)
         v = self.projection(y, layer, "v_proj", s.hidden, s.kv_dim, s.attention_bias)
+        unrotated = (q, k)
         q = self.rope(q, s.q_dim, f"{layer}.rope_q")
         k = self.rope(k, s.kv_dim, f"{layer}.rope_k")
+        for sym in unrotated:  # apply_rotary_pos_emb's caller holds both until it returns (in inference nothing saves
+            self.release(sym)  # them: the replay had freed q at its last read, before k's rotation)
         if cache is not None:  # DynamicCache.update: torch.cat onto an empty tensor, i.e. a copy
             k = self.pointwise([k], s.kv_dim, f"{layer}.cache_k")
             v = self.pointwise([v], s.kv_dim, f"{layer}.cache_v")
