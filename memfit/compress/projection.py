@@ -283,9 +283,6 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
         S, gram = _solve_s(U, V, D, tiny)
         return U, V, S, gram, loss(S, gram, D)
 
-    def per_matrix(mask, new, old):                    # where(mask) over the matrices of the batch
-        return torch.where(mask.view(mask.shape + (1,) * (new.dim() - mask.dim())), new, old)
-
     def true_miss(U, V, S):                            # squared dense error, +inf where not finite
         miss = (A - blast_dense(U, V, S)).square().sum((-2, -1))
         return torch.where(miss.isfinite(), miss, torch.full_like(miss, math.inf))
@@ -299,7 +296,7 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
                          V2 / V2.norm(dim=-2, keepdim=True).clamp_min(1e-30))
         miss = (A - blast_dense(*diagonal[:3])).square().sum((-2, -1))     # not from loss(): it cancels at large S
         better = miss < NEARLY_EXACT ** 2 * a_norm2    # False where the diagonalising start is not finite
-        U, V, S, gram, err = (per_matrix(better, y, x) for x, y in zip((U, V, S, gram, err), diagonal))
+        U, V, S, gram, err = (_per_matrix(better, y, x) for x, y in zip((U, V, S, gram, err), diagonal))
         del U2, V2, diagonal, miss, better             # not held through the descent
     best, best_miss = (U, V, S), true_miss(U, V, S)
     for step in range(1, steps + 1):
@@ -328,9 +325,14 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
         if step % BLAST_CHECK_EVERY == 0 or step == steps:
             miss = true_miss(U, V, S)
             better = miss < best_miss
-            best = tuple(per_matrix(better, new, old) for new, old in zip((U, V, S), best))
+            best = tuple(_per_matrix(better, new, old) for new, old in zip((U, V, S), best))
             best_miss = torch.minimum(miss, best_miss)
     return _balance(*best)
+
+
+def _per_matrix(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` where ``mask`` (one flag per matrix of the batch), else ``old``."""
+    return torch.where(mask.view(mask.shape + (1,) * (new.dim() - mask.dim())), new, old)
 
 
 def _balance(U, V, S):
@@ -374,29 +376,46 @@ def blast_refine_output_error(A: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
     each ``V_j`` in turn and for each column ``S_{:, j}`` in turn (input blocks are coupled
     through ``C``, so these go one block at a time, Gauss-Seidel), tracking ``R = (A - A^) C``
     through rank-``r`` updates. Every update is a damped least-squares minimum of the
-    output error in its block, so the error never rises; ``history`` receives the relative
-    output error after every sweep. Shapes as in :func:`blast_factorize`.
+    output error in its block, so in exact arithmetic the error never rises; a sweep whose
+    result is not finite or fits worse (a zero block's singular Gram matrices, a rank-deficient
+    weight: NaN or torch's singular-matrix error had ended the compression) is dropped, per
+    matrix. ``history`` receives the relative output error after every sweep. Shapes as in
+    :func:`blast_factorize`. The sweeps run on ``A`` scaled to unit root-mean-square and ``C`` to
+    unit mean variance (the scales go back on ``S``), so that the ridges' floor is scale-free.
     """
     dt = A.dtype
     *lead, out, inp = A.shape
     b, p, r = U.shape[-3:]
     q = V.shape[-2]
+    rms = A.square().mean((-2, -1)).sqrt().clamp_min(torch.finfo(dt).tiny)[..., None, None]
+    A, S = A / rms, S / rms.unsqueeze(-1)
     C = cov.to(dt)
-    scale = C.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)[..., None, None]
-    C = C + COV_DAMP * scale * torch.eye(inp, dtype=dt, device=C.device)
+    C = C / C.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(torch.finfo(dt).tiny)[..., None, None]
+    C = C + COV_DAMP * torch.eye(inp, dtype=dt, device=C.device)
     AC = A @ C
     a_norm2 = (A * AC).sum((-2, -1))
     eye = torch.eye(r, dtype=dt, device=A.device)
     C_jj = C.reshape(*lead, b, q, b, q).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)     # (..., j, q, q)
 
-    def damped(gram):                                  # a relative ridge: keeps near-singular solves finite
-        return gram + 1e-9 * gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)[..., None, None] * eye
+    def damped(gram):                                  # a relative ridge, floored: a zero Gram matrix solves to 0
+        ridge = (1e-9 * gram.diagonal(dim1=-2, dim2=-1).mean(-1)).clamp_min(1e-12)
+        return gram + ridge[..., None, None] * eye
 
+    def solve(matrix, rhs):                            # non-raising: a singular solve's result is dropped below
+        return torch.linalg.solve_ex(matrix, rhs)[0]
+
+    def output_error(U, V, S):                         # ||(A - A^) L||_F^2 per matrix, +inf where not finite
+        E = A - blast_dense(U, V, S)
+        err = (E * (E @ C)).sum((-2, -1))
+        return torch.where(err.isfinite(), err, torch.full_like(err, math.inf))
+
+    err = output_error(U, V, S)
     for _ in range(sweeps):
+        before = (U, V, S)
         Vbar = (V.unsqueeze(-4) * S.unsqueeze(-2)).flatten(-3, -2)                     # (..., i, in, r)
         M = Vbar.transpose(-1, -2) @ (C.unsqueeze(-3) @ Vbar)
         rhs = AC.reshape(*lead, b, p, inp) @ Vbar                                         # (..., i, p, r)
-        U = torch.linalg.solve(damped(M), rhs.transpose(-1, -2)).transpose(-1, -2)
+        U = solve(damped(M), rhs.transpose(-1, -2)).transpose(-1, -2)
         R = AC - blast_dense(U, V, S) @ C                                                 # (A - A^) C
         Ubar = (U.unsqueeze(-3) * S.unsqueeze(-2)).transpose(-4, -3).flatten(-3, -2)    # (..., j, out, r)
         N = Ubar.transpose(-1, -2) @ Ubar
@@ -404,8 +423,7 @@ def blast_refine_output_error(A: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
         for j in range(b):
             cols = slice(j * q, (j + 1) * q)
             G = R[..., :, cols].transpose(-1, -2) @ Ubar[..., j, :, :]                   # (..., q, r)
-            step = torch.linalg.solve(damped(N[..., j, :, :]), torch.linalg.solve(C_jj[..., j, :, :], G)
-                                      .transpose(-1, -2)).transpose(-1, -2)
+            step = solve(damped(N[..., j, :, :]), solve(C_jj[..., j, :, :], G).transpose(-1, -2)).transpose(-1, -2)
             V[..., j, :, :] += step
             R = R - Ubar[..., j, :, :] @ (step.transpose(-1, -2) @ C[..., cols, :])
         UU = U.transpose(-1, -2) @ U                                                       # (..., i, r, r)
@@ -416,13 +434,16 @@ def blast_refine_output_error(A: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
             gram = UU * (Vj.transpose(-1, -2) @ C_jj[..., j, :, :] @ Vj).unsqueeze(-3)
             Rj = R[..., :, cols].reshape(*lead, b, p, q)
             rhs = ((U.transpose(-1, -2) @ Rj) * Vj.transpose(-1, -2).unsqueeze(-3)).sum(-1)  # (..., i, r)
-            ds = torch.linalg.solve(damped(gram), rhs.unsqueeze(-1)).squeeze(-1)
+            ds = solve(damped(gram), rhs.unsqueeze(-1)).squeeze(-1)
             S[..., :, j, :] += ds
             R = R - (U * ds.unsqueeze(-2)).reshape(*lead, out, r) @ (Vj.transpose(-1, -2) @ C[..., cols, :])
+        swept = output_error(U, V, S)
+        kept = swept <= err
+        U, V, S = (_per_matrix(kept, new, old) for new, old in zip((U, V, S), before))
+        err = torch.where(kept, swept, err)
         if history is not None:
-            err = ((A - blast_dense(U, V, S)) * R).sum((-2, -1)).clamp_min(0)
             history.append((err / a_norm2.clamp_min(1e-30)).sqrt())
-    return U, V, S
+    return U, V, S * rms.unsqueeze(-1)
 
 
 # ---- errors ------------------------------------------------------------------------------
