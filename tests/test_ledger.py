@@ -1,5 +1,6 @@
 """The ledger: hand-computed sizes, the activation derivation against autograd, verify within 5%."""
 import dataclasses
+import json
 import re
 import sys
 
@@ -34,6 +35,56 @@ def test_lora_trains_only_the_adapters():
     ledger = predict(Job(TINY, task="lora", seq=32, device="cpu"), Knobs(dtype="float32", lora_rank=4))
     per_layer = sum(4 * (a + b) for a, b in TINY.linear_shapes().values())
     assert ledger.trainable_params == TINY.num_layers * per_layer
+
+
+# Configs whose parameters turn on transformers' rules per model_type: which projections have a bias (Llama's from
+# attention_bias and mlp_bias; Qwen2's q/k/v always and Mistral's none, whatever config.json says) and the config
+# class's num_key_value_heads where config.json leaves it out (MistralConfig: 8). None: the key is left out.
+EDGE_CONFIGS = {
+    "llama_attention_bias": {"model_type": "llama", "attention_bias": True},
+    "llama_mlp_bias": {"model_type": "llama", "mlp_bias": True},
+    "qwen2_attention_bias_false": {"model_type": "qwen2", "attention_bias": False},
+    "mistral_attention_bias": {"model_type": "mistral", "attention_bias": True},
+    "mistral_no_kv_heads": {"model_type": "mistral", "num_attention_heads": 16, "num_key_value_heads": None},
+}
+
+
+@pytest.mark.parametrize("case", EDGE_CONFIGS)
+def test_spec_and_graph_count_the_parameters_transformers_builds(tmp_path, case):
+    """The spec's and the ledger graph's parameters, and the graph's bias tensors, are those of the model
+    transformers builds from config.json, and so are those of the model memfit builds from the spec (verify's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memfit.ledger.predict import _train_graph
+    from memfit.models.spec import load_spec
+
+    config = {"num_hidden_layers": 2, "hidden_size": 96, "intermediate_size": 177, "num_attention_heads": 6,
+              "num_key_value_heads": 2, "vocab_size": 1001, "torch_dtype": "float32", **EDGE_CONFIGS[case]}
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    spec = load_spec(tmp_path)
+    with torch.device("meta"):
+        real = dict(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path)).named_parameters())
+        built = dict(AutoModelForCausalLM.from_config(spec.to_hf_config()).named_parameters())
+    count = sum(p.numel() for p in real.values())                 # named_parameters: a tied weight once
+    graph, _ = _train_graph(Job(spec, task="full", seq=8, device="cpu"), Knobs(dtype="float32"))
+    assert spec.num_params() == count
+    assert sum(p.nbytes for p in graph.params) == 4 * count
+    assert sum(p.numel() for p in built.values()) == count
+    # the graph's "0.q_proj.bias" is transformers' "model.layers.0.self_attn.q_proj.bias"
+    assert ({p.name for p in graph.params if p.name.endswith(".bias")}
+            == {re.sub(r"model\.layers\.|self_attn\.|mlp\.", "", name) for name in real if name.endswith(".bias")})
+
+
+def test_a_missing_kv_head_count_whose_default_does_not_divide_the_heads_is_named():
+    """Mistral with 6 heads and no num_key_value_heads: transformers builds MistralConfig's 8 kv heads, which no
+    attention can group; the message says where the 8 comes from."""
+    from memfit.errors import MemfitError
+    from memfit.models.spec import ModelSpec
+
+    config = {"model_type": "mistral", "num_hidden_layers": 2, "hidden_size": 96, "intermediate_size": 177,
+              "num_attention_heads": 6, "vocab_size": 1001}
+    with pytest.raises(MemfitError, match="no num_key_value_heads, so transformers builds mistral's default 8"):
+        ModelSpec.from_hf_config(config)
 
 
 def test_decode_kv_cache_is_two_layers_of_keys_and_values_per_token():

@@ -58,6 +58,7 @@ class ModelGraph:
                  ffn_widths: list[int] | None = None, structured: dict[str, tuple] | None = None,
                  fused_swiglu: bool = False):
         self.spec, self.batch, self.seq, self.dtype = spec, batch, seq, dtype
+        self.biased = spec.biased_projections()
         # FFN neurons per layer (partial loading keeps fewer in the middle layers)
         self.ffn_widths = ffn_widths or [spec.intermediate] * spec.num_layers
         # block-low-rank projections: kind -> (parameters per layer, {bias: transients per token}, whether its
@@ -161,10 +162,11 @@ class ModelGraph:
         normed = self.cast(normed, self.dtype, h, f"{name}.to_dtype")
         return self.mul(weight, normed, h, f"{name}.weight")
 
-    def projection(self, x: Sym, layer: int, module: str, per_token_in: int, per_token_out: int,
-                   bias: bool = False) -> Sym:
-        """A linear layer with an optional LoRA adapter (peft's Linear.forward)."""
+    def projection(self, x: Sym, layer: int, module: str, per_token_in: int, per_token_out: int) -> Sym:
+        """A linear layer, with a bias where the model has one (ModelSpec.biased_projections) and an optional LoRA
+        adapter (peft's Linear.forward)."""
         t = self.trainable
+        bias = module in self.biased
         trained = bool(t and t.linears)
         if module in self.structured:
             # BlastLinear/MonarchLinear/LowRankLinear: their ops save only the input (backward recomputes
@@ -273,9 +275,9 @@ class ModelGraph:
         s, t = self.spec, self.trainable
         norms_trained = bool(t and t.norms)
         y = self.rms_norm(x, self.param(f"{layer}.input_layernorm", s.hidden, norms_trained), f"{layer}.norm1")
-        q = self.projection(y, layer, "q_proj", s.hidden, s.q_dim, s.attention_bias)
-        k = self.projection(y, layer, "k_proj", s.hidden, s.kv_dim, s.attention_bias)
-        v = self.projection(y, layer, "v_proj", s.hidden, s.kv_dim, s.attention_bias)
+        q = self.projection(y, layer, "q_proj", s.hidden, s.q_dim)
+        k = self.projection(y, layer, "k_proj", s.hidden, s.kv_dim)
+        v = self.projection(y, layer, "v_proj", s.hidden, s.kv_dim)
         unrotated = (q, k)
         q = self.rope(q, s.q_dim, f"{layer}.rope_q")
         k = self.rope(k, s.kv_dim, f"{layer}.rope_k")

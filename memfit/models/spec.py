@@ -50,6 +50,8 @@ def dtype_bytes(name) -> int:
 WINDOW_KEYS = ("sliding_window", "use_sliding_window", "max_window_layers")
 # transformers' defaults for the window keys a config.json leaves out (MistralConfig, Qwen2Config)
 WINDOW_DEFAULTS = {"sliding_window": 4096, "max_window_layers": 28}
+# transformers' num_key_value_heads where a config.json leaves it out (LlamaConfig's None: one per attention head)
+KV_HEADS_DEFAULTS = {"llama": None, "qwen2": 32, "mistral": 8}
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,9 @@ class ModelSpec:
     tied_embeddings: bool = False
     activation: str = "silu"
     dtype: str = "bfloat16"
+    # Llama's config keys; Qwen2's and Mistral's biases are fixed by model_type (biased_projections)
     attention_bias: bool = False
+    mlp_bias: bool = False
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position: int = 4096
@@ -125,10 +129,21 @@ class ModelSpec:
         shapes = ((h, self.q_dim), (h, self.kv_dim), (h, self.kv_dim), (self.q_dim, h), (h, i), (h, i), (i, h))
         return dict(zip(PROJECTIONS, shapes))
 
+    def biased_projections(self) -> tuple[str, ...]:
+        """The projections of a decoder layer that have a bias in the model transformers builds from this spec:
+        Llama's q/k/v/o with attention_bias and gate/up/down with mlp_bias (modeling_llama.py); Qwen2's q/k/v and
+        Mistral's none whatever config.json says (modeling_qwen2.py and modeling_mistral.py fix them)."""
+        if self.model_type == "qwen2":
+            return PROJECTIONS[:3]
+        if self.model_type == "mistral":
+            return ()
+        return (PROJECTIONS[:4] if self.attention_bias else ()) + (PROJECTIONS[4:] if self.mlp_bias else ())
+
     def layer_params(self) -> int:
-        """Parameters of one decoder layer (linears, attention biases, two RMSNorms)."""
-        linear = sum(a * b for a, b in self.linear_shapes().values())
-        bias = (self.q_dim + 2 * self.kv_dim) if self.attention_bias else 0
+        """Parameters of one decoder layer (linears, their biases, two RMSNorms)."""
+        shapes = self.linear_shapes()
+        linear = sum(a * b for a, b in shapes.values())
+        bias = sum(shapes[name][1] for name in self.biased_projections())
         return linear + bias + 2 * self.hidden
 
     def embedding_params(self) -> int:
@@ -172,6 +187,10 @@ class ModelSpec:
             raise MemfitError(f"{name}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and "
                               "config.json gives no head_dim")
         head_dim = config.get("head_dim") or (hidden // heads if whole else 0)
+        kv_heads = config.get("num_key_value_heads", KV_HEADS_DEFAULTS[model_type])
+        if "num_key_value_heads" not in config and kv_heads and whole and heads % kv_heads:
+            raise MemfitError(f"{name}: config.json gives no num_key_value_heads, so transformers builds "
+                              f"{model_type}'s default {kv_heads}, which does not divide num_attention_heads {heads}")
 
         def number(key, default, kind):
             value = config.get(key, default)
@@ -190,13 +209,14 @@ class ModelSpec:
             hidden=hidden,
             intermediate=config["intermediate_size"],
             num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
+            num_kv_heads=heads if kv_heads is None else kv_heads,
             head_dim=head_dim,
             vocab=config["vocab_size"],
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             activation=config.get("hidden_act", "silu"),
             dtype=str(dtype).replace("torch.", ""),
-            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
             rms_norm_eps=number("rms_norm_eps", 1e-5, float),
             rope_theta=number("rope_theta", rope_theta, float),
             max_position=number("max_position_embeddings", 4096, int),
@@ -216,7 +236,7 @@ class ModelSpec:
             rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, max_position_embeddings=self.max_position,
         )
         if self.model_type == "llama":
-            kwargs["attention_bias"] = self.attention_bias
+            kwargs.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
         if self.extra.get("rope_scaling"):
             kwargs["rope_scaling"] = self.extra["rope_scaling"]
         if self.model_type in ("mistral", "qwen2"):      # else the config class's default window (Mistral: 4096)
