@@ -68,9 +68,11 @@ def run(args) -> int:
     labels = {"weight_error": "weight err"}
     if any(r["output_error"] is not None for r in result.report):          # calibration was given
         labels["output_error"] = "output err"
+    on_calibration = ("; output errors on the calibration tokens" + (", those the projection was fitted to: "
+                      "held-out text may read higher" if args.activation_aware else "")) if "output_error" in labels else ""
     table = Table(title=f"memfit compress: {args.method}, {result.summary()['linear_ratio']:.1%} of linear params",
-                  caption=f"relative errors, mean and max over the layers of each kind (each layer's: "
-                          f"{Path(args.out).expanduser() / CONFIG_NAME})")
+                  caption=f"relative errors of the saved layers, mean and max over the layers of each kind"
+                          f"{on_calibration} (each layer's: {Path(args.out).expanduser() / CONFIG_NAME})")
     for column in ("kind", "shape", "rank", "params", *(f"{label} mean/max" for label in labels.values())):
         table.add_column(column, justify="left" if column == "kind" else "right")
     for kind, kp in result.plan.items():
