@@ -420,7 +420,7 @@ def test_cli_calibrate_then_generate(model_dir, tmp_path, capsys):
         calibrate_cmd.run(argparse.Namespace(**args))
     assert calibrate_cmd.run(argparse.Namespace(**(args | {"force": True}))) == 0    # an earlier rankings file
     gen_args = dict(model=str(model_dir), prompt=["hi"], max_new=4, load=0.7, compute=0.4, base=None, full_first=1,
-                    full_last=1, task="qa", rankings=str(out), compute_all_layers=True, temperature=0.0, device="cpu", dtype=None, no_graphs=False, raw_prompt=False,
+                    full_last=1, task="qa", rankings=str(out), compute_all_layers=True, temperature=0.0, seed=None, device="cpu", dtype=None, no_graphs=False, raw_prompt=False,
                     adapter=None)
     capsys.readouterr()
     assert generate_cmd.run(argparse.Namespace(**gen_args)) == 0
