@@ -62,6 +62,8 @@ def test_spec_and_graph_count_the_parameters_transformers_builds(tmp_path, case)
               "num_key_value_heads": 2, "vocab_size": 1001, "torch_dtype": "float32", **EDGE_CONFIGS[case]}
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
     spec = load_spec(tmp_path)
+    # no rms_norm_eps in config.json: the config classes' 1e-6, where the spec had read 1e-5
+    assert spec.to_hf_config().rms_norm_eps == AutoConfig.from_pretrained(tmp_path).rms_norm_eps
     with torch.device("meta"):
         real = dict(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path)).named_parameters())
         built = dict(AutoModelForCausalLM.from_config(spec.to_hf_config()).named_parameters())

@@ -217,7 +217,7 @@ class ModelSpec:
             dtype=str(dtype).replace("torch.", ""),
             attention_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
-            rms_norm_eps=number("rms_norm_eps", 1e-5, float),
+            rms_norm_eps=number("rms_norm_eps", 1e-6, float),     # the config classes' default, where it is left out
             rope_theta=number("rope_theta", rope_theta, float),
             max_position=number("max_position_embeddings", 4096, int),
             extra={k: config[k] for k in ("rope_scaling", *WINDOW_KEYS)
