@@ -130,6 +130,7 @@ def _write(tmp_path, lines):
     ('{"messages": [{"role": "robot", "content": "x"}]}', "data.jsonl:2: messages\\[0\\] has role 'robot'"),
     ('{"messages": [{"role": "user", "content": "x"}]}', "data.jsonl:2: the conversation has no assistant"),
     ('[1, 2]', "data.jsonl:2: expected a JSON object"),
+    ('{"prompt": "a", "response": "b", "messages": []}', "data.jsonl:2: the record has both 'messages' and 'prompt'"),
     ('[' * 100_000, "data.jsonl:2: the JSON is nested too deeply to read"),          # a RecursionError
     ('{"prompt": "\\ud800", "response": "b"}', r"data.jsonl:2: the text holds half a surrogate pair \('\\ud800' at "
                                                "character 0\\)"),              # a UnicodeEncodeError at tokenizing

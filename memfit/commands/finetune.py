@@ -67,7 +67,10 @@ def add_parser(sub):
                     "format under OUT/adapter and resumable checkpoints under OUT/checkpoints.")
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                         help=f"preset name or local model directory (default: {DEFAULT_MODEL}, random init)")
-    parser.add_argument("--data", default=None, help="JSONL file (default: memfit's bundled small data set)")
+    parser.add_argument("--data", default=None,
+                        help='JSONL file, one example a line: {"prompt": ..., "response": ...} or {"messages": [{"role": '
+                             '"system"|"user"|"assistant", "content": ...}, ...]} (default: memfit\'s bundled small '
+                             'data set)')
     parser.add_argument("--gpu-memory", default=None,
                         help="GPU memory budget, e.g. 8GiB: on CUDA the planner picks the techniques (the fastest plan "
                              "that fits, without those turned off by name below); the measured peak is checked against "
@@ -81,14 +84,16 @@ def add_parser(sub):
                              "run's --batch-size, --seed, --lora-r, --lora-alpha, --train-norm, --dtype or data (the "
                              "examples of --data tokenized at --max-len) are not the checkpoint's; --steps, --save-every "
                              "and --lr may change, a new --lr applying to the remaining steps (said once)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-len", type=int, default=512, help="truncate examples to this many tokens")
+    parser.add_argument("--batch-size", type=int, default=8, help="examples per optimizer step (default: 8)")
+    parser.add_argument("--max-len", type=int, default=512,
+                        help="truncate examples to this many tokens (default: 512); an example left with no response "
+                             "token is dropped, and both are said")
     parser.add_argument("--lr", type=float, default=None,
                         help="learning rate (default: the checkpoint's with --resume; else 5e-2 for the tiny preset, "
                              "else 2e-4)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the example order and of dropout (default: 0)")
     parser.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and at the end)")
-    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default: 16)")
     parser.add_argument("--lora-alpha", type=float, default=None, help="default: 2 * r")
     parser.add_argument("--train-norm", action=argparse.BooleanOptionalAction, default=None,
                         help="also train the final RMSNorm weight (default: on for the tiny preset, whose random frozen "

@@ -65,6 +65,8 @@ def _segments(record, where: str) -> list[tuple[str, bool]]:
     """(text, carries loss) pieces of one record; the EOS is added after every loss piece."""
     if not isinstance(record, dict):
         raise MemfitError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "messages" in record and ("prompt" in record or "response" in record):   # messages had been taken, unsaid
+        raise MemfitError(f"{where}: the record has both 'messages' and 'prompt'/'response'; give one form a line")
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
