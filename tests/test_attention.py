@@ -207,8 +207,9 @@ def test_fused_qkv_split_matches_float64(layout, dtype, backward, fused, monkeyp
 
 
 # Rows 2**30 + 64 elements apart, so that row 2's offset, 2**31 + 128, passes int32 while every stride still fits
-# it (Triton passes a stride below 2**31 as int32). The storage is 2**31 elements of float16 (4 GiB) of which the
-# run touches a few rows; in a child process, since an offset that overflows reads outside the tensor: a crash.
+# it (Triton passes a stride below 2**31 as int32). The storage is 3 x (2**30 + 64) float16 elements (6 GiB of address
+# space, of which the run touches a few rows); in a child process, since an offset that overflows reads outside the
+# tensor: a crash.
 WIDE_ROWS_SCRIPT = """
 import sys, torch
 from memfit.kernels.attention import VARIANTS, attention, attention_recompute_backward, attention_reference

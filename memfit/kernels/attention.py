@@ -136,17 +136,19 @@ if triton is not None:
                                                    4: _configs([(32, 64, 4, 2), (32, 32, 4, 2)])})
 
     @triton.jit
-    def _tile_offsets(rows, offs_d, stride_m, WIDE: tl.constexpr):
-        """Element offsets of a (rows, head dim) tile within one sequence. Row offsets are int32 (fewer registers
-        on every tile) unless WIDE: a sequence whose row offsets pass 2**31 elements (see :func:`_wide_rows`)."""
+    def _tile_ptrs(base, rows, offs_d, stride_m, WIDE: tl.constexpr):
+        """Pointers to a (rows, head dim) tile of one sequence at ``base``. Row offsets are int32 (fewer registers on
+        every tile) unless WIDE: a sequence whose row offsets pass 2**31 elements (see :func:`_wide_rows`). Added to
+        the pointer in this order, as the kernels did before WIDE: the integer sum first had compiled other code,
+        with more spills, for every launch (sm_90, found by a review)."""
         if WIDE:
             rows = rows.to(tl.int64)
-        return rows[:, None] * stride_m + offs_d[None, :]
+        return base + rows[:, None] * stride_m + offs_d[None, :]
 
     @triton.jit
     def _load_rows(base, rows, offs_d, stride_m, L, HEAD_DIM: tl.constexpr, WIDE: tl.constexpr):
         mask = (rows < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        return tl.load(base + _tile_offsets(rows, offs_d, stride_m, WIDE), mask=mask, other=0.0)
+        return tl.load(_tile_ptrs(base, rows, offs_d, stride_m, WIDE), mask=mask, other=0.0)
 
     @triton.jit
     def _seq_bounds(CU, b, N_CTX, VARLEN: tl.constexpr):
@@ -235,7 +237,7 @@ if triton is not None:
         o = acc / l_i[:, None]
         o_ptr = O + bt.to(tl.int64) * sob + h.to(tl.int64) * soh + start * som
         mask = (offs_m < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        tl.store(o_ptr + _tile_offsets(offs_m, offs_d, som, WIDE), o.to(O.dtype.element_ty), mask=mask)
+        tl.store(_tile_ptrs(o_ptr, offs_m, offs_d, som, WIDE), o.to(O.dtype.element_ty), mask=mask)
         lse_ptr = LSE + (bt * H + h).to(tl.int64) * N_TOT + start
         tl.store(lse_ptr + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < L)
 
@@ -284,7 +286,7 @@ if triton is not None:
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PREC)
             if DQ_MODE != 0:
                 dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PREC) * sm_scale
-                ptrs = dq_ptr + _tile_offsets(offs_m, offs_d, sdqm, WIDE)
+                ptrs = _tile_ptrs(dq_ptr, offs_m, offs_d, sdqm, WIDE)
                 mask = (offs_m < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
                 if DQ_MODE == 1:
                     tl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
@@ -350,9 +352,9 @@ if triton is not None:
             mask = (offs_n < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
             dk_ptr = DK + bt.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + start * sdkm
             dv_ptr = DV + bt.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + start * sdvm
-            tl.store(dk_ptr + _tile_offsets(offs_n, offs_d, sdkm, WIDE), (dk * sm_scale).to(DK.dtype.element_ty),
+            tl.store(_tile_ptrs(dk_ptr, offs_n, offs_d, sdkm, WIDE), (dk * sm_scale).to(DK.dtype.element_ty),
                      mask=mask)
-            tl.store(dv_ptr + _tile_offsets(offs_n, offs_d, sdvm, WIDE), dv.to(DV.dtype.element_ty), mask=mask)
+            tl.store(_tile_ptrs(dv_ptr, offs_n, offs_d, sdvm, WIDE), dv.to(DV.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _query_block_sweep(dq, q, do, lse, dl, k_ptr, v_ptr, dk_ptr, dv_ptr, skm, svm, sdkm, first, count, rot,
@@ -383,8 +385,8 @@ if triton is not None:
                 dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC) * sm_scale
                 dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
                 mask = (offs_n < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
-                dk_ptrs = dk_ptr + _tile_offsets(offs_n, offs_d, sdkm, WIDE)
-                dv_ptrs = dv_ptr + _tile_offsets(offs_n, offs_d, sdkm, WIDE)
+                dk_ptrs = _tile_ptrs(dk_ptr, offs_n, offs_d, sdkm, WIDE)
+                dv_ptrs = _tile_ptrs(dv_ptr, offs_n, offs_d, sdkm, WIDE)
                 if DKV_MODE == 1:
                     tl.atomic_add(dk_ptrs, dk, mask=mask, sem="relaxed")
                     tl.atomic_add(dv_ptrs, dv, mask=mask, sem="relaxed")
@@ -460,8 +462,8 @@ if triton is not None:
                                     full_end, tl.cdiv(hi - full_end, BLOCK_N), 0, offs_m, offs_d, L, qk_scale,
                                     sm_scale, True, CAUSAL, DKV_MODE, False, HEAD_DIM, BLOCK_N, DOT_PREC, WIDE)
             mask = (offs_m < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
-            tl.store(DQ + bt.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + start * sdqm
-                     + _tile_offsets(offs_m, offs_d, sdqm, WIDE), (dq * sm_scale).to(DQ.dtype.element_ty), mask=mask)
+            dq_ptr = DQ + bt.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + start * sdqm
+            tl.store(_tile_ptrs(dq_ptr, offs_m, offs_d, sdqm, WIDE), (dq * sm_scale).to(DQ.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------
