@@ -405,6 +405,23 @@ def test_the_generator_and_loader_refuse_or_take_arguments_by_name(model_dir, de
     assert build_model("tiny", device="auto").config.num_hidden_layers == PRESETS["tiny"].num_layers
 
 
+def test_the_command_records_its_directorys_fingerprint_whatever_dtype_it_reads(model_dir, tmp_path, monkeypatch):
+    """A model read in float16 rounds its weights twice on the way to the fingerprint's bfloat16: the rankings of
+    `memfit calibrate --dtype float16` had been said, at generate, to come from other weights (a review)."""
+    from memfit.commands import calibrate as calibrate_cmd
+    from memfit.infer import partial_load
+
+    said = []
+    monkeypatch.setattr(partial_load, "warn_once", lambda key, message: said.append(message))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"text": "hello there"}) + "\n")
+    out = tmp_path / "r.safetensors"
+    assert calibrate_cmd.run(argparse.Namespace(model=str(model_dir), data=str(data), out=str(out), force=False,
+                                                max_tokens=64, batch_size=2, device="cpu", dtype="float16")) == 0
+    partial_rankings(model_dir, PartialConfig(load=0.5, **PARTIAL), SPEC, out)
+    assert said == []
+
+
 def test_cli_calibrate_then_generate(model_dir, tmp_path, capsys):
     from memfit.commands import calibrate as calibrate_cmd
     from memfit.commands import generate as generate_cmd

@@ -27,7 +27,7 @@ def run(args) -> int:
 
     from memfit.errors import MemfitError
     from memfit.infer.calibrate import RANKINGS_FILE, calibrate, is_rankings_file, prompt_batches, read_prompts
-    from memfit.infer.partial_load import load_model
+    from memfit.infer.partial_load import dir_fingerprint, load_model
     from memfit.infer.text import load_codec
     from memfit.local import check_model_dir, output_dir_problem, refuse_blank_out, resolve_device
 
@@ -58,7 +58,8 @@ def run(args) -> int:
         batches = list(prompt_batches(prompts, codec.encode, args.max_tokens, args.batch_size))
         total = sum(int(mask.sum()) for _, mask, _ in batches)
         running = progress.add_task("calibrating (tokens)", total=total)
-        rankings = calibrate(model, batches, progress=lambda n: progress.advance(running, n))
+        rankings = calibrate(model, batches, progress=lambda n: progress.advance(running, n),
+                             fingerprint=dir_fingerprint(model_dir, model.config.num_hidden_layers))
     rankings.save(out)
     tasks = ", ".join(f"{t} ({rankings.tokens[f'task.{t}']} tokens)" for t in rankings.tasks) or "none"
     console.print(f"wrote {out}: general ranking over {rankings.tokens['general']} tokens; task rankings: {tasks}")

@@ -33,8 +33,9 @@ FINGERPRINT_ELEMENTS = 256
 
 def weights_fingerprint(first_down: torch.Tensor, last_down: torch.Tensor) -> str:
     """A digest of the first and last layers' ``down_proj`` weights, their first row's first FINGERPRINT_ELEMENTS
-    values rounded to bfloat16: the same for a model however it was loaded (a bfloat16 file read in float32, a float32
-    one in bfloat16), other for other weights. A fine-tune of the calibrated model differs too."""
+    values rounded to bfloat16: the same for a model read from its files in bfloat16 or float32 (a bfloat16 file read
+    in float32, a float32 one in bfloat16), other for other weights there (another model, a fine-tune of its down
+    projections). Not for one read in float16, which rounds twice: ``memfit calibrate`` digests the files."""
     digest = hashlib.sha256()
     for weight in (first_down, last_down):
         row = weight.detach()[0, :FINGERPRINT_ELEMENTS].to("cpu", torch.bfloat16).contiguous()
@@ -175,10 +176,14 @@ class _Recorder:
 
 
 @torch.no_grad()
-def calibrate(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor, str | None]], progress=None) -> Rankings:
+def calibrate(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor, str | None]], progress=None,
+              fingerprint: str | None = None) -> Rankings:
     """Rank neurons over ``batches`` of (input_ids, attention_mask, task label or None).
 
-    ``progress``: optional callable(tokens_in_batch) called after each batch.
+    ``progress``: optional callable(tokens_in_batch) called after each batch. ``fingerprint``: the rankings' record of
+    the model (:func:`weights_fingerprint`), by default the model's own down projections'; a caller that loaded it
+    from a directory passes the directory's (``memfit.infer.partial_load.dir_fingerprint``), which a model read in
+    float16 would not give.
     """
     recorder = _Recorder(model)
     sums: dict[str, torch.Tensor] = {}
@@ -201,7 +206,7 @@ def calibrate(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor, str | N
         raise MemfitError("calibration saw no tokens: give at least one non-empty prompt")
     scores = {name: (total / tokens[name]).float() for name, total in sums.items()}
     return Rankings(scores=scores, tokens=tokens,
-                    model=weights_fingerprint(recorder.modules[0].weight, recorder.modules[-1].weight))
+                    model=fingerprint or weights_fingerprint(recorder.modules[0].weight, recorder.modules[-1].weight))
 
 
 def prompt_batches(prompts: list[dict], encode, max_tokens: int = 512, batch_size: int = 8):
