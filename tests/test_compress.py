@@ -193,18 +193,25 @@ def test_non_finite_calibration_inputs_are_refused_before_any_projection(monkeyp
                                activation_aware=True, device="cpu")
 
 
-def test_reported_errors_are_the_saved_layers_in_the_models_dtype():
-    """A bf16 model's report had given the float32 factors' errors, before their rounding to bf16 (0.0052 where the
-    saved o_proj's is 0.0067): each row is now the error of the layer the model holds."""
+def test_reported_errors_are_the_saved_factors_in_the_models_dtype():
+    """A bf16 model's report had given the float32 factors' errors, before their rounding to bf16: for weights of
+    rank 4 (up to their own bf16 rounding) compressed at rank 4, half the saved factors' (q_proj: 0.0015 against
+    0.0029). Each row is now the error of the factors the model holds, multiplied out in float32."""
+    import copy
+
     from memfit.compress import convert
 
     model = build_model(PRESETS["tiny"], dtype="bfloat16")
+    with torch.no_grad():
+        for i, module in enumerate(convert.decoder_linears(model).values()):
+            out, inp = module.weight.shape
+            module.weight.copy_(torch.randn(out, 4, generator=seeded(i)) @ torch.randn(4, inp, generator=seeded(99 + i)))
     dense = {name: module.weight.detach().float().clone() for name, module in convert.decoder_linears(model).items()}
-    result = compress_model(model, "lowrank", skip=(), device="cpu")
+    result = compress_model(model, "lowrank", ranks=dict.fromkeys(convert.KINDS, 4), skip=(), device="cpu")
     for row in result.report:
-        saved = model.get_submodule(row["layer"]).to_dense().detach().float()
+        saved = copy.deepcopy(model.get_submodule(row["layer"])).float().to_dense().detach()
         assert row["weight_error"] == pytest.approx(float(proj.relative_weight_error(dense[row["layer"]], saved)),
-                                                    rel=1e-5), row["layer"]
+                                                    rel=1e-4) and row["weight_error"] > 1e-4, row
 
 
 def test_non_finite_factors_are_refused_before_they_reach_the_model(monkeypatch):

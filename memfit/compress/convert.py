@@ -8,6 +8,7 @@ relative weight error and, when calibration data was given, the relative output 
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -234,9 +235,9 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
                 layer = build_layer(method, linears[name], kp.rank, blocks,
                                     [f[k].to(model_device) for f in factors])
                 replace_module(model, name, layer)
-                # the errors of the layer as saved: in a bf16 model they had been the fp32 factors' (0.0052 where the
-                # bf16 layer's is 0.0067)
-                saved = layer.to_dense().detach().to(work, torch.float32)
+                # the errors of the factors as saved (their dtype's rounding: in a bf16 model they had been the
+                # fp32 factors'), multiplied out in float32 as the layer's forward accumulates
+                saved = copy.deepcopy(layer).to(work, torch.float32).to_dense().detach()
                 weight_err = float(proj.relative_weight_error(W[k], saved))
                 out_err = None if cov is None else float(proj.relative_output_error(W[k], saved, cov[k]))
                 result.layers[name] = structure_config(method, layer)
