@@ -73,7 +73,8 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
          progress: Callable[[int, int], None] | None = None,
          allowed: tuple[str, ...] | None = None,
          keep: Callable[[Knobs], bool] | None = None) -> tuple[Ledger, list[Plan]]:
-    """The ledger of the job as asked, and up to ``limit`` plans fitting ``budget``, fastest first.
+    """The ledger of the job as asked, and up to ``limit`` plans fitting ``budget``: exact ones first, then
+    approximate ones, each fastest first.
 
     A technique's time cost is known without replaying the job, so candidates are replayed
     in order of predicted time (:func:`time_rank`) and the search stops once ``limit`` plans fit and the next
