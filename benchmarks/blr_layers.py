@@ -221,7 +221,8 @@ def run_table(args, torch, device: str, blocks: int) -> int:
                                 **cases, dtype="bfloat16", seconds=time.time() - started, complete=complete,
                                 ceilings={"matmul_tflops": ceilings.matmul_flops / 1e12,
                                           "floor_matmul_tflops": floored.matmul_flops / 1e12,
-                                          "bandwidth_gbs": ceilings.bandwidth / 1e9, "empty_kernel_ms": empty_ms},
+                                          "bandwidth_gbs": ceilings.bandwidth / 1e9,
+                                          "floor_bandwidth_gbs": floored.bandwidth / 1e9, "empty_kernel_ms": empty_ms},
                                 decode_floor_check=decode_floor_check(floor_rows, empty_ms),
                                 pick_check=pick_check(floor_rows),
                                 pick_slack=PICK_SLACK,
@@ -385,17 +386,17 @@ def pick_over_table(data: dict) -> list[tuple[int, float]]:
 
 
 def floors_at_least_reached(rows, ceilings):
-    """The ceilings with the matmul rate raised to the best any row reached (its FLOPs over its time), and the rows
+    """The ceilings raised to the best rates any row reached (its FLOPs, its ideal bytes, over its time), and the rows
     with their floors and ratios against them. One timing of an 8192^3 GEMM is no ceiling: dense cuBLAS ran faster
     (769 TFLOP/s against 736.6 at Llama-7B down, N=1024, in blr_layers.json: a floor above its time), and a floor
-    must be what no kernel beats. Where no row beat the GEMM's rate, nothing changes."""
+    must be what no kernel beats; so for the copy's bandwidth. Where no row beat either, nothing changes."""
     from memfit.measure.timing import Ceilings
 
-    reached = max((r["flops"] / (r["ms"] * 1e-3) for r in rows
-                   if "flops" in r and math.isfinite(r.get("ms", math.nan)) and r["ms"] > 0), default=0.0)
-    if reached <= ceilings.matmul_flops:
+    timed = [r for r in rows if "flops" in r and math.isfinite(r.get("ms", math.nan)) and r["ms"] > 0]
+    raised = Ceilings(matmul_flops=max([ceilings.matmul_flops, *(r["flops"] / (r["ms"] * 1e-3) for r in timed)]),
+                      bandwidth=max([ceilings.bandwidth, *(r["ideal_bytes"] / (r["ms"] * 1e-3) for r in timed)]))
+    if raised == ceilings:
         return ceilings, rows
-    raised = Ceilings(matmul_flops=reached, bandwidth=ceilings.bandwidth)
     floors = [raised.floor_ms(r["flops"], r["ideal_bytes"]) if "flops" in r else None for r in rows]
     return raised, [r if floor is None else {**r, "floor_ms": floor, "x_floor": r["ms"] / floor}
                     for r, floor in zip(rows, floors)]

@@ -385,7 +385,7 @@ def test_a_failed_shape_is_the_worst_speedup_over_dense(blr_layers):
 
 def test_floors_are_never_below_a_rate_a_row_reached(blr_layers):
     """The 8192^3 GEMM timed once was no ceiling: dense cuBLAS beat it, and its floor sat above its time (x_floor
-    0.958 at Llama-7B down). The matmul rate of the floors is raised to the best any row reached."""
+    0.958 at Llama-7B down). The floors' matmul rate and bandwidth are raised to the best any row reached."""
     from memfit.measure.timing import Ceilings
 
     measured = Ceilings(matmul_flops=100e12, bandwidth=1e12)
@@ -398,3 +398,6 @@ def test_floors_are_never_below_a_rate_a_row_reached(blr_layers):
     assert [r["floor_ms"] for r in out[:2]] == pytest.approx([0.01, 0.005])
     assert [r["x_floor"] for r in out[:2]] == pytest.approx([1.0, 8.0]) and math.isnan(out[2]["x_floor"])
     assert blr_layers.floors_at_least_reached(rows[1:], measured) == (measured, rows[1:])
+    copy = {"impl": "dense_eager", "flops": 0.0, "ideal_bytes": 2e9, "ms": 1.0, "floor_ms": 2.0, "x_floor": 0.5}
+    floored, out = blr_layers.floors_at_least_reached([copy], measured)         # 2e12 B/s against the copy's 1e12
+    assert floored.bandwidth == pytest.approx(2e12) and out[0]["x_floor"] == pytest.approx(1.0)

@@ -443,6 +443,8 @@ def blast_refine_output_error(A: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
         err = torch.where(kept, swept, err)
         if history is not None:
             history.append((err / a_norm2.clamp_min(1e-30)).sqrt())
+        if not bool(kept.any()):                      # a sweep is a function of the factors: it would repeat
+            break
     return U, V, S * rms.unsqueeze(-1)
 
 
