@@ -32,7 +32,7 @@ from memfit.compress import compress_model
 from memfit.data import dev_test_split, token_splits
 from memfit.data.lm import perplexity, train_lm
 from memfit.layers import StructuredLinear
-from memfit.measure.results import RESULTS_DIR, check_out_dir, target, write_results
+from memfit.measure.results import RESULTS_DIR, check_out_dir, parse_smoke_defaults, target, write_results
 
 METHODS = ("lowrank", "monarch", "blast")
 SMOKE_SETTINGS = {"blocks": 4, "blast_steps": 10, "recovery_steps": 4, "batch": 4, "seq": 64, "calib_samples": 4}
@@ -164,10 +164,7 @@ def parse(argv=None) -> argparse.Namespace:
                         help="recovery steps between dev-set scores; each model ends at its best")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model, few steps, CPU (the options given keep their values)")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        parser.set_defaults(**SMOKE_SETTINGS)
-        args = parser.parse_args(argv)
+    args = parse_smoke_defaults(parser, argv, SMOKE_SETTINGS)
     check_out_dir(parser, args.out)
     if not 0 < args.ratio < 1:
         parser.error(f"--ratio is a fraction of the linear parameters, in (0, 1); got {args.ratio}")

@@ -50,7 +50,7 @@ from finetune_memory import (
 from memfit.ledger.verify import make_optimizer
 from memfit.measure.allocator_history import MIB, group_sites, live_at_end, sites_at_peak
 from memfit.measure.kernel_profile import host_profile, kernel_profile
-from memfit.measure.results import check_out_dir, write_results
+from memfit.measure.results import check_out_dir, parse_smoke_defaults, write_results
 from memfit.models import PRESETS, build_model
 from memfit.train.patch import patch, patch_state
 
@@ -157,10 +157,7 @@ def main(argv=None) -> int:
                              "(CUDA): what is live before the timed steps, by site")
     parser.add_argument("--history", action="store_true",
                         help="record the allocator's history over each timed step (CUDA): the sites live at its peak")
-    args = parser.parse_args(argv)
-    if args.smoke:            # the GPU's contexts and steps took the tiny model 294 s on a 2-core CPU
-        parser.set_defaults(**SMOKE_SETTINGS)
-        args = parser.parse_args(argv)
+    args = parse_smoke_defaults(parser, argv, SMOKE_SETTINGS)
     check_out_dir(parser, args.out)
     if args.steps < 1:
         parser.error(f"--steps takes a positive count, got {args.steps}")

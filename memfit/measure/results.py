@@ -77,6 +77,17 @@ def out_dir_problem(out_dir: Path | str | None, option: str = "--out") -> str | 
     return None
 
 
+def parse_smoke_defaults(parser, argv, smoke_settings: dict):
+    """``parser.parse_args(argv)``, where ``--smoke`` is given with ``smoke_settings`` as the defaults of the options
+    the command line leaves out: a CPU smoke run small by default, and an option given keeps its value (blr_accuracy's
+    smoke run had overwritten them; finetune_steps' had kept the GPU's defaults, 294 s on a 2-core CPU)."""
+    args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(**smoke_settings)
+        args = parser.parse_args(argv)
+    return args
+
+
 def check_out_dir(parser, out_dir: Path | str | None, option: str = "--out") -> None:
     """``parser.error(...)`` (usage message, exit 2) where ``out_dir`` cannot take results files: what every
     benchmark with a results directory option calls right after parsing its arguments (see out_dir_problem)."""
