@@ -244,17 +244,12 @@ def partial_rankings(model_dir: str | Path, partial: PartialConfig, spec,
 def dir_fingerprint(model_dir: Path, num_layers: int) -> str | None:
     """:func:`weights_fingerprint` of a model directory's weights, reading two rows' first values only; None where it
     names its down projections otherwise (nothing to compare)."""
-    from safetensors import safe_open
-
     files = weight_files(model_dir)
     names = [f"model.layers.{i}.mlp.down_proj.weight" for i in (0, num_layers - 1)]
     if not all(name in files for name in names):
         return None
-    rows = []
-    for name in names:
-        with safe_open(str(files[name]), framework="pt", device="cpu") as handle:
-            rows.append(handle.get_slice(name)[:1, :])
-    return weights_fingerprint(*rows)
+    reader = _Reader({name: files[name] for name in names})
+    return weights_fingerprint(*(reader._slice(name)[:1] for name in names))
 
 
 @torch.no_grad()

@@ -139,6 +139,11 @@ class Job:
             raise MemfitError(f"{field_flag('loss_fraction')} must be in (0, 1], got {self.loss_fraction}")
 
     @property
+    def positions(self) -> int:
+        """The most positions a sequence of the job reaches: its length, and an inference job's new tokens after it."""
+        return self.seq + (self.new_tokens if self.task == "infer" else 0)
+
+    @property
     def training(self) -> bool:
         return self.task in TRAINING_TASKS
 

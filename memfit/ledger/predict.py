@@ -184,10 +184,9 @@ def predict(job: Job, knobs: Knobs) -> Ledger:
 def _length_notes(job: Job) -> list[str]:
     """A job longer than the model's configured length is counted as asked, and said in the ledger's notes: the model
     runs it (RoPE has no table to run out of) but was not set up for it."""
-    positions = job.seq + (job.new_tokens if job.task == "infer" else 0)
-    if positions <= job.spec.max_position:
+    if job.positions <= job.spec.max_position:
         return []
-    return [f"{positions} positions pass the model's max_position_embeddings ({job.spec.max_position}): their "
+    return [f"{job.positions} positions pass the model's max_position_embeddings ({job.spec.max_position}): their "
             "memory is counted, but the model was not configured for that length"]
 
 
@@ -196,11 +195,10 @@ def _window_notes(job: Job) -> list[str]:
     in the ledger's notes: transformers then builds an explicit attention mask and, for SDPA with a mask, repeats K/V
     to every query head (no enable_gqa); neither is modelled (CPU verify found such predictions 51-70% low)."""
     window = job.spec.sliding_window
-    keys = job.seq + (job.new_tokens if job.task == "infer" else 0)
-    if window is None or keys < window:
+    if window is None or job.positions < window:
         return []
-    note = (f"attention over {keys} positions reaches {job.spec.name}'s sliding window of {window}: this prediction "
-            "leaves out the attention mask and the repeated K/V that transformers builds there")
+    note = (f"attention over {job.positions} positions reaches {job.spec.name}'s sliding window of {window}: this "
+            "prediction leaves out the attention mask and the repeated K/V that transformers builds there")
     warn_once(f"ledger:sliding-window:{job.spec.name}", note)
     return [note]
 
@@ -469,7 +467,7 @@ def _predict_infer(job: Job, knobs: Knobs) -> Ledger:
     # Decode: the cache grows to seq + new_tokens; each step's torch.cat holds one layer's old
     # and new key (or value) cache at once. One token's activations are negligible beside it.
     layer_kv = job.batch * spec.kv_dim * dtype_bytes(knobs.dtype)  # bytes per token, per layer, for K (or V)
-    final = job.seq + job.new_tokens
+    final = job.positions
     logits_bytes = job.batch * spec.vocab * dtype_bytes(knobs.dtype)
     decode = {"weights": weights, "workspace": workspace, "kv_cache": 2 * spec.num_layers * layer_kv * final,
               "temporaries": layer_kv * final, "logits": logits_bytes}
