@@ -806,3 +806,13 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly():
                            stderr=subprocess.PIPE)
     run.stdout.close()                                 # before the command has written anything
     assert run.stderr.read() == b"" and run.wait(timeout=120) == 141
+
+
+@pytest.mark.parametrize("verb", ["finetune", "generate"])
+@pytest.mark.parametrize("value", ["99999999999999999999", "-1"])
+def test_a_seed_out_of_range_is_a_usage_error(verb, value, capsys):
+    """A seed of 2**64 or more had ended the run in torch's ValueError traceback ("Overflow when unpacking long")."""
+    with pytest.raises(SystemExit) as exited:
+        main([verb, "tiny", "--prompt", "hi", "--seed", value] if verb == "generate" else [verb, "--seed", value])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument --seed: a seed is from 0 to 4294967295, got {int(value)}" in err, err

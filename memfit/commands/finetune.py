@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from memfit.commands.options import seed
 from memfit.errors import MemfitError
 from memfit.files import atomic_dir, follow_umask, serializing, set_aside_of
 from memfit.log import warn_once
@@ -91,7 +92,7 @@ def add_parser(sub):
     parser.add_argument("--lr", type=float, default=None,
                         help="learning rate (default: the checkpoint's with --resume; else 5e-2 for the tiny preset, "
                              "else 2e-4)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the example order and of dropout (default: 0)")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the example order and of dropout (default: 0)")
     parser.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and at the end)")
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default: 16)")
     parser.add_argument("--lora-alpha", type=float, default=None, help="default: 2 * r")

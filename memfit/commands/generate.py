@@ -6,6 +6,7 @@ import math
 import sys
 from dataclasses import replace
 
+from memfit.commands.options import seed
 from memfit.errors import MemfitError
 
 
@@ -41,7 +42,7 @@ def add_parser(sub):
                         help="with an --adapter memfit finetune saved, encode each --prompt as given, as without one "
                              "(with the tokenizer's default special tokens)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--seed", type=int, default=None,
+    parser.add_argument("--seed", type=seed, default=None,
                         help="seed of the sampling with --temperature > 0: the same seed, the same text (default: "
                              "another draw each run)")
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
