@@ -32,7 +32,11 @@ than cuBLAS/SDPA, so results equal the other path up to rounding; ``fast=False``
 previous loop.
 
 Prompts: prefill runs eagerly over the whole (left-padded) batch and, for partial
-models, selects the decode neurons (``memfit.infer.selection``). The graph is captured
+models, selects the decode neurons (``memfit.infer.selection``). Its attention reads the cache up to the prompt's
+end under an additive mask of B x G x T x T elements (G query heads a KV head): a long prompt runs in chunks of
+queries, each attending over the cache up to its own end, so that a chunk's mask stays under
+``PREFILL_MASK_BYTES`` (the MLP's activations shrink with it); a prompt that fits in one chunk runs as one. Chunks
+equal the whole prompt's forward up to rounding (matmuls over fewer rows may sum in another order). The graph is captured
 with the decode neuron counts before the first prompt; selection permutes weights in
 place, so the captured pointers stay valid for every later prompt.
 """
@@ -65,6 +69,12 @@ from memfit.kernels.decode import (
 from memfit.kernels.dispatch import use_triton
 from memfit.log import warn_once
 from memfit.models.spec import SUPPORTED_TYPES
+
+# The most bytes a prefill chunk's attention mask may take, with the two tensors it is built from (a bool mask and
+# its additive form, before the G-fold copy): B x chunk x keys x (1 + (1 + G) x dtype bytes). A whole prompt's grows
+# as T^2 and passes its KV cache (2 x layers x B x T x kv_dim x dtype bytes) from T = 2 x layers x kv_dim x dtype
+# bytes / (1 + (1 + G) x dtype bytes) on: 2979 tokens for Llama-3.2-1B in bf16 (16 layers, kv_dim 512, G = 4).
+PREFILL_MASK_BYTES = 64 * 2**20
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -295,8 +305,12 @@ class Generator:
         emb = torch.cat((freqs, freqs), dim=-1)
         return ((emb.cos() * self.rope_scale).to(self.dtype)[:, None], (emb.sin() * self.rope_scale).to(self.dtype)[:, None])
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last_only: bool) -> torch.Tensor:
-        """Logits of ``ids`` (B, T) at rope ``positions`` (B, T), writing K/V at cache ``slots`` (T,)."""
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, keys: int,
+                 logits: str | None) -> torch.Tensor | None:
+        """Forward ``ids`` (B, T) at rope ``positions`` (B, T), writing K/V at cache ``slots`` (T,) and attending over
+        the cache's first ``keys`` slots (every slot a query may see: the last of ``slots`` and earlier). Returns the
+        logits of the ``"last"`` token or of ``"all"``, or None (a prefill chunk before the last needs only the
+        cache)."""
         model, (B, T) = self.model, ids.shape
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         G = H // Hkv
@@ -305,7 +319,7 @@ class Generator:
         kernels = self.fast and T == 1          # decode: memfit's attention kernel, no mask
         # key j is visible to the query at slot s when it holds a token and j <= s; every query sees itself.
         # Additive and in the model dtype, built once per step: SDPA would convert a bool mask in every layer.
-        mask = None if kernels else self._mask(slots, B, G, T)
+        mask = None if kernels else self._mask(slots, B, G, T, keys)
         ops = self._helpers(T)
         layers = model.model.layers
         h = ops["norm"](x, layers[0].input_layernorm.weight, layers[0].input_layernorm.variance_epsilon)
@@ -322,21 +336,33 @@ class Generator:
             else:
                 # GQA: the G query heads of a KV head share its keys, so q is grouped per KV head
                 q = ops["rope_and_cache"](q, k, v, cos, sin, self.k_cache[i], self.v_cache[i], slots)
-                o = _merge_heads(_attention(q, self.k_cache[i], self.v_cache[i], mask, attn.scaling), T)
+                k_seen, v_seen = self.k_cache[i][:, :, :keys], self.v_cache[i][:, :, :keys]
+                o = _merge_heads(_attention(q, k_seen, v_seen, mask, attn.scaling), T)
             post = layer.post_attention_layernorm
             x, h = ops["add_norm"](x, self._project(attn.o_proj, o), post.weight, post.variance_epsilon)
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             x, h = ops["add_norm"](x, self._mlp(i, layer.mlp, h), following.weight, following.variance_epsilon)
-        return self._project(model.get_output_embeddings(), h[:, -1:] if last_only else h)
+        if logits is None:
+            return None
+        return self._project(model.get_output_embeddings(), h[:, -1:] if logits == "last" else h)
 
-    def _mask(self, slots: torch.Tensor, B: int, G: int, T: int) -> torch.Tensor:
-        """SDPA's additive mask (B, 1, G*T, max_len): key j is visible to the query at slot s when it holds a token
-        and j <= s; every query sees itself. In the model dtype, built once per step (SDPA would convert a bool
-        mask in every layer)."""
-        visible = self.key_slots[None, :] <= slots[:, None]
-        mask = (self.valid[:, None, :] & visible[None]) | (self.key_slots[None, :] == slots[:, None])[None]
+    def _mask(self, slots: torch.Tensor, B: int, G: int, T: int, keys: int) -> torch.Tensor:
+        """SDPA's additive mask (B, 1, G*T, keys) over the cache's first ``keys`` slots: key j is visible to the query
+        at slot s when it holds a token and j <= s; every query sees itself. In the model dtype, built once per step
+        (SDPA would convert a bool mask in every layer)."""
+        key_slots = self.key_slots[:keys]
+        visible = key_slots[None, :] <= slots[:, None]
+        mask = (self.valid[:, None, :keys] & visible[None]) | (key_slots[None, :] == slots[:, None])[None]
         mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
-        return mask[:, None, None].expand(B, 1, G, T, self.max_len).reshape(B, 1, G * T, self.max_len)
+        return mask[:, None, None].expand(B, 1, G, T, keys).reshape(B, 1, G * T, keys)
+
+    def prefill_chunks(self, tokens: int) -> list[tuple[int, int]]:
+        """The query ranges [start, end) a ``tokens``-long prefill runs in: as many tokens a chunk as keep its mask,
+        with the two tensors it is built from, within ``PREFILL_MASK_BYTES`` at the prompt's end (at least one)."""
+        groups = self.heads // self.kv_heads
+        per_query = self.batch * tokens * (1 + (1 + groups) * self.dtype.itemsize)
+        size = max(1, PREFILL_MASK_BYTES // per_query)
+        return [(start, min(start + size, tokens)) for start in range(0, tokens, size)]
 
     def _matmul(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) by the path planned for this decode shape (cuBLAS for any other)."""
@@ -416,7 +442,7 @@ class Generator:
     def _step(self) -> None:
         """One decode token: forward ``tok`` at ``slot``, sample the next, advance (all on device)."""
         self.valid.index_fill_(1, self.slot, True)
-        logits = self._forward(self.tok, self.pos, self.slot, last_only=True)[:, -1]
+        logits = self._forward(self.tok, self.pos, self.slot, self.max_len, "last")[:, -1]
         nxt = self._sample(logits)[:, None]
         self.tok.copy_(nxt)
         self.out.index_copy_(1, self.step_index, nxt)
@@ -497,7 +523,10 @@ class Generator:
         self.valid[:, :T] = mask
         positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
         begin_prompt(self.model, mask)
-        logits = self._forward(input_ids, positions, self.key_slots[:T], last_only=True)[:, -1]
+        for start, end in self.prefill_chunks(T):
+            logits = self._forward(input_ids[:, start:end], positions[:, start:end], self.key_slots[start:end], end,
+                                   "last" if end == T else None)
+        logits = logits[:, -1]
         self.selected = end_prompt(self.model)
         first = self._sample(logits)[:, None]
         self.tok.copy_(first)
@@ -586,7 +615,7 @@ class Generator:
         slots = self.key_slots[prompt_len:T - 1]
         self.valid[:, prompt_len:T - 1] = True
         positions = slots[None].expand(B, -1)
-        rest = self._forward(input_ids[:, prompt_len:T - 1].to(self.device), positions, slots, last_only=False)
+        rest = self._forward(input_ids[:, prompt_len:T - 1].to(self.device), positions, slots, T - 1, "all")
         return torch.cat([first[:, None], rest], dim=1)
 
 

@@ -106,6 +106,7 @@ class PartialMLP(nn.Module):
         self.active = k          # neurons the forward uses: all at prefill, ``compute`` after selection
         self.counts: torch.Tensor | None = None
         self.token_mask: torch.Tensor | None = None
+        self.observed = 0        # prompt tokens counted so far: a prefill in chunks observes the prompt a slice at a time
 
     def extra_repr(self) -> str:
         return f"loaded={self.loaded}, compute={self.compute}, base={int(self.base.sum())}, active={self.active}"
@@ -125,9 +126,16 @@ class PartialMLP(nn.Module):
         return F.linear(h, self.down_weight[:, :a])
 
     def observe(self, h: torch.Tensor) -> None:
-        """During a prompt's prefill, count the top activations of ``h`` (the down-projection input)."""
-        if self.counts is not None:
-            self.counts += count_top_activations(h, token_mask=self.token_mask)
+        """During a prompt's prefill, count the top activations of ``h`` (B, T, k), the down-projection input: the
+        prompt's next T tokens (a prefill in chunks calls this once per chunk, in order)."""
+        if self.counts is None:
+            return
+        mask = None
+        if self.token_mask is not None:
+            tokens = h.shape[-2]
+            mask = self.token_mask[:, self.observed:self.observed + tokens]
+            self.observed += tokens
+        self.counts += count_top_activations(h, token_mask=mask)
 
     # ---- per-prompt selection ----------------------------------------------------------
     @property
@@ -157,7 +165,7 @@ class PartialMLP(nn.Module):
         self.restore()
         if self.selects:
             self.counts = torch.zeros(self.loaded, dtype=torch.int64, device=self.gate_up_weight.device)
-            self.token_mask = token_mask
+            self.token_mask, self.observed = token_mask, 0
 
     def end_prompt(self) -> torch.Tensor | None:
         """Apply the rule to this prompt's counts; returns the selected original neuron ids (or None)."""

@@ -1,0 +1,84 @@
+"""A long prompt prefills in chunks of queries (memfit.infer.generate.PREFILL_MASK_BYTES): the same tokens, logits
+and partial-FFN selection as in one chunk, and a peak without the whole prompt's attention mask."""
+import pytest
+import torch
+from conftest import load_on_test_device, seeded
+
+from memfit.infer import generate
+from memfit.infer.calibrate import calibrate
+from memfit.infer.generate import Generator
+from memfit.infer.partial_load import PartialConfig
+from memfit.measure.memory import PeakMeter
+from memfit.models import PRESETS, build_model, save_model_dir
+
+SPEC = PRESETS["tiny"].with_(num_layers=3)          # hidden 64, GQA 4/2 (G = 2), vocab 512
+G = 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = save_model_dir(SPEC, tmp_path_factory.mktemp("tiny"))
+    batches = [(torch.randint(0, 512, (2, 20), generator=seeded(1)), torch.ones(2, 20, dtype=torch.long), None)]
+    calibrate(load_on_test_device(directory), batches).save(directory / "rankings.safetensors")
+    return directory
+
+
+def _budget_for(chunk: int, batch: int, tokens: int, dtype_bytes: int = 4) -> int:
+    """The PREFILL_MASK_BYTES that makes ``chunk``-token chunks of a ``tokens``-long fp32 prefill."""
+    return chunk * batch * tokens * (1 + (1 + G) * dtype_bytes)
+
+
+def test_chunks_cover_the_prompt_in_order_each_within_the_budget(model_dir, monkeypatch):
+    gen = Generator(load_on_test_device(model_dir), 48, batch=2, fused=False)
+    assert gen.prefill_chunks(40) == [(0, 40)]                       # the default budget: one chunk at this size
+    monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", _budget_for(7, 2, 40) + 1)
+    assert gen.prefill_chunks(40) == [(0, 7), (7, 14), (14, 21), (21, 28), (28, 35), (35, 40)]
+    monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", 1)
+    assert gen.prefill_chunks(3) == [(0, 1), (1, 2), (2, 3)]         # at least one token a chunk
+
+
+@pytest.mark.parametrize("partial", [None, PartialConfig(load=0.7, compute=0.4, full_first=1, full_last=1)])
+def test_a_prompt_in_chunks_decodes_as_in_one(model_dir, partial, monkeypatch):
+    """Batch 2, the second prompt left-padded across the first chunk boundary: the first token's logits equal to
+    fp32 rounding, the same tokens, and each partial layer selects the same neurons (its counts skip the padding
+    of every chunk)."""
+    model = load_on_test_device(model_dir, partial)
+    x = torch.randint(0, 512, (2, 23), generator=seeded(2)).to(model.device)
+    mask = torch.ones_like(x)
+    mask[1, :9] = 0
+
+    def run():
+        gen = Generator(model, 30, batch=2, fused=False)
+        logits = gen._prefill(x, mask)[0]
+        return gen, logits, gen.generate(x, 6, attention_mask=mask)
+
+    whole, whole_logits, whole_out = run()
+    monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", _budget_for(4, 2, 23))
+    chunked, chunked_logits, chunked_out = run()
+    assert len(whole.prefill_chunks(23)) == 6
+    error = (chunked_logits - whole_logits).norm() / whole_logits.norm()
+    assert error < 1e-5 and torch.equal(chunked_out.tokens, whole_out.tokens)
+    assert len(chunked_out.selected) == (1 if partial else 0)          # the middle layer of three
+    assert all(torch.equal(a, b) for a, b in zip(chunked_out.selected, whole_out.selected))
+
+
+def test_a_prefill_in_chunks_never_holds_the_whole_prompts_mask(monkeypatch):
+    """On the CPU tracker: the chunked prefill's peak is below the whole prompt's by more than that prompt's G-fold
+    additive mask alone (its scores shrink too)."""
+    torch.manual_seed(0)
+    model = build_model(SPEC.with_(num_layers=2)).float().eval()
+    B, T = 2, 384
+    x = torch.randint(0, 512, (B, T), generator=seeded(3))
+
+    def peak():
+        gen = Generator(model, T + 2, batch=B, fused=False)
+        baseline = tuple(model.parameters()) + tuple(model.buffers()) + tuple(gen.k_cache) + tuple(gen.v_cache)
+        with PeakMeter("cpu", baseline) as meter:
+            gen.prefill(x)
+        return meter.peak, len(gen.prefill_chunks(T))
+
+    whole, one = peak()
+    monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", _budget_for(32, B, T))
+    chunked, chunks = peak()
+    assert (one, chunks) == (1, 12)
+    assert whole - chunked > B * G * T * T * 4
