@@ -64,7 +64,7 @@ class VerifyResult:
         return {**self.ledger.to_dict(), "measured": {"peak_bytes": m.peak, "reserved_bytes": m.reserved,
                                                       "weights": m.weights, "optimizer": m.optimizer,
                                                       "gradients": m.gradients},
-                "error": self.error, "tolerance": self.tolerance, "ok": self.ok}
+                "relative_error": self.error, "tolerance": self.tolerance, "ok": self.ok}   # "error" means failure
 
 
 def _prepare(job: Job, knobs: Knobs):
