@@ -100,3 +100,29 @@ def test_a_seed_makes_sampled_text_repeat(tmp_path, capsys):
     assert sampled("--temperature", "1", "--seed", "3") != sampled("--temperature", "1", "--seed", "4")
     assert main(["generate", str(directory), "--prompt", "hi", "--seed", "3", "--device", "cpu"]) == 2
     assert "--seed seeds the sampling of --temperature > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tokens, said", [([257, *b"no"], "first token is end-of-text: an empty continuation"),
+                                          ([*b"ok", 257], "end-of-text token after 2 tokens"),
+                                          ([*b"okay"], "stopped at --max-new 4")])
+def test_the_command_says_why_a_continuation_ended(tokens, said, tmp_path, monkeypatch, capsys):
+    """A model whose greedy first token is end-of-text (a short fine-tune's adapter) had printed an empty line and
+    nothing else."""
+    directory = save_model_dir(PRESETS["tiny"], tmp_path / "model")
+    _hf_byte_fallback(directory)
+
+    class Ending(_Bytes):
+        def generate(self, ids, max_new, attention_mask=None, on_tokens=None, eos=None):
+            shown = tokens[:next((i + 1 for i, token in enumerate(tokens) if token in (eos or ())), len(tokens))]
+            if on_tokens:
+                for token in shown:
+                    on_tokens(torch.tensor([token]))
+            rows = [tokens] * ids.shape[0] if on_tokens is None else [shown]
+            return GenerationResult(torch.tensor(rows), 0.0, 1.0, len(rows[0]) - 1, False)
+
+    monkeypatch.setattr(generate, "Generator", Ending)
+    assert main(["generate", str(directory), "--prompt", "a", "--max-new", "4", "--device", "cpu"]) == 0
+    assert said in " ".join(capsys.readouterr().err.split())
+    assert main(["generate", str(directory), "--prompt", "a", "--prompt", "b", "--max-new", "4", "--device", "cpu"]) == 0
+    first = capsys.readouterr().out.split("\n")[0]
+    assert first.startswith("--- prompt 1: 'a' (") and said in first

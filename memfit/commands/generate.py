@@ -170,6 +170,17 @@ class TextStream:
             self.shown = text
 
 
+def _ending(tokens: list[int], stops: frozenset[int], max_new: int) -> str:
+    """Why a continuation ended: at an end-of-text id after so many tokens, or at --max-new. An empty continuation
+    (greedy decoding's first token an end id) had printed an empty line and nothing else."""
+    end = next((i for i, token in enumerate(tokens) if token in stops), None)
+    if end is None:
+        return f"stopped at --max-new {max_new}"
+    if end == 0:
+        return "the model's first token is end-of-text: an empty continuation (--temperature samples others)"
+    return f"stopped at the model's end-of-text token after {end} tokens"
+
+
 def run(args) -> int:
     from pathlib import Path
 
@@ -242,11 +253,13 @@ def run(args) -> int:
     if single:
         text.close()
         sys.stdout.write("\n")
+        console.print(f"[dim]{_ending(result.tokens[0].tolist(), codec.stops, args.max_new)}[/dim]")
     else:                       # as one prompt shows it: the continuation alone, up to its end-of-text token
         for row in range(len(encoded)):
             tokens = result.tokens[row].tolist()
+            ending = _ending(tokens, codec.stops, args.max_new)
             tokens = tokens[:next((i for i, token in enumerate(tokens) if token in codec.stops), len(tokens))]
-            print(f"--- prompt {row + 1}: {args.prompt[row]!r}\n{codec.decode(tokens)}")
+            print(f"--- prompt {row + 1}: {args.prompt[row]!r} ({ending})\n{codec.decode(tokens)}")
     peak = format_bytes(result.peak_bytes) if result.peak_bytes is not None else "n/a on CPU"
     console.print(f"decode {result.tokens_per_s:.1f} tokens/s per sequence ({result.steps} steps, "
                   f"{'CUDA graph' if result.graphs else 'eager'}), prefill {result.prefill_s * 1e3:.0f} ms, "
