@@ -173,6 +173,15 @@ def test_malformed_config_json(capsys, tmp_path):
     assert code == 2 and "lacks" in err
 
 
+@pytest.mark.parametrize("verb", [["plan", "--model"], ["finetune"], ["compress"]])
+def test_a_data_file_passed_as_the_model_is_named_as_such(capsys, tmp_path, verb):
+    """A JSONL file where the model goes had read as a malformed config.json."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n')
+    code, _, err = run(capsys, *verb, str(data), *(["--out", str(tmp_path / "out")] if verb == ["compress"] else []))
+    assert code == 2 and "is a file that is not JSON" in err and "malformed config.json" not in err
+
+
 def test_local_model_directory(capsys, tmp_path):
     from memfit.models import PRESETS, save_model_dir
 

@@ -306,6 +306,9 @@ def load_spec(model: str | Path | ModelSpec) -> ModelSpec:
         try:
             config = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            if path.name != "config.json":            # chat.jsonl passed as the model had read as a malformed config
+                raise MemfitError(f"{text!r} is a file that is not JSON ({err}): pass a preset, a model directory "
+                                  "or its config.json") from None
             raise MemfitError(f"{path}: malformed config.json ({err})") from None
         # named by its absolute path: a record of the job (plan --json) then reads back from any directory, and a
         # directory named like a preset (./llama-3.2-1b) is not read back as the preset
