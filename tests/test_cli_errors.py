@@ -177,13 +177,15 @@ def test_generate_shows_a_batch_as_it_shows_one_prompt(tiny_dir, capsys, monkeyp
     assert main(["generate", str(tiny_dir), "--prompt", "QW", "--prompt", "zz", "--max-new", "4", "--device", "cpu",
                  "--no-graphs"]) == 0
     out = capsys.readouterr().out.split("\n")
-    first, second = out.index("--- prompt 1: 'QW'"), out.index("--- prompt 2: 'zz'")
+    first = out.index("--- prompt 1: 'QW' (stopped at the model's end-of-text token after 1 token)")
+    second = next(i for i, line in enumerate(out) if line.startswith("--- prompt 2: 'zz' ("))
     assert second == first + 2 and out[first + 1] == "A" and not out[second + 1].startswith("zz")
 
 
 def test_generate_partial_load_still_needs_the_layers(tiny_dir, capsys):
     _fails(capsys, ["generate", str(tiny_dir), "--prompt", "hi", "--load", "0.5", "--device", "cpu"],
-           "full_first + full_last (--full-first, --full-last) = 4 exceeds the model's 2 layers")
+           "partial loading keeps the first 2 and last 2 layers whole (full_first, full_last: --full-first, "
+           "--full-last), 4 layers, and the model has 2: ask for fewer whole layers (e.g. --full-first 1 --full-last 0)")
 
 
 @pytest.mark.parametrize("extra", [("--task", "qa"), ("--rankings", "r.safetensors"), ("--base", "0.2"),

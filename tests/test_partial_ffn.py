@@ -272,7 +272,7 @@ def test_loader_never_materialises_discarded_neurons(model_dir, monkeypatch):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(load=0.0), "load"), (dict(load=1.5), "load"), (dict(load=0.5, compute=0.7), "cannot exceed"),
-    (dict(load=0.7, compute=0.4, base=0.5), "base"), (dict(full_first=3, full_last=3), "exceeds"),
+    (dict(load=0.7, compute=0.4, base=0.5), "base"), (dict(full_first=3, full_last=3), "the model has 5"),
     (dict(full_first=-1), "full_first"),
 ])
 def test_bad_options_are_memfit_errors(model_dir, kwargs, match):

@@ -178,7 +178,7 @@ def _ending(tokens: list[int], stops: frozenset[int], max_new: int) -> str:
         return f"stopped at --max-new {max_new}"
     if end == 0:
         return "the model's first token is end-of-text: an empty continuation (--temperature samples others)"
-    return f"stopped at the model's end-of-text token after {end} tokens"
+    return f"stopped at the model's end-of-text token after {end} token{'s' * (end != 1)}"
 
 
 def run(args) -> int:

@@ -76,9 +76,11 @@ class PartialConfig:
             value = getattr(self, name)
             if not is_count(value, 0):
                 raise MemfitError(f"{name} must be a non-negative integer, got {value!r}")
-        if self.full_first + self.full_last > num_layers:
-            raise MemfitError(f"full_first + full_last (--full-first, --full-last) = {self.full_first + self.full_last} "
-                              f"exceeds the model's {num_layers} layers")
+        if self.full_first + self.full_last > num_layers:   # the defaults (2 and 2) too: say what keeps them whole
+            raise MemfitError(f"partial loading keeps the first {self.full_first} and last {self.full_last} layers "
+                              f"whole (full_first, full_last: --full-first, --full-last), {self.full_first + self.full_last}"
+                              f" layers, and the model has {num_layers}: ask for fewer whole layers (e.g. "
+                              f"--full-first {num_layers // 2} --full-last {num_layers - num_layers // 2 - 1})")
         if not isinstance(self.align, int) or self.align < 1:
             raise MemfitError(f"align must be a positive integer, got {self.align!r}")
 
