@@ -457,6 +457,21 @@ def test_cli_compresses_a_preset_and_prints_its_plan(tmp_path, capsys, caplog, m
     assert load_compressed(out) is not None
 
 
+@pytest.mark.parametrize("method, slow", [("blast", True), ("lowrank", False)])
+def test_auto_on_a_machine_without_a_gpu_says_it_projects_on_the_cpu(tmp_path, caplog, monkeypatch, method, slow):
+    """--device auto fell back to the CPU unsaid, where BLAST's descent of a 1B model runs for an hour (a fresh-user
+    audit). The bar shows the time left (rich's TimeRemainingColumn), once a kind of layer is done."""
+    import memfit.log
+    from memfit.cli import main
+
+    monkeypatch.setattr(memfit.log, "_said", set())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    steps = ["--steps", "2"] if method == "blast" else []
+    assert main(["compress", "tiny", "--method", method, "--ratio", "0.5", *steps, "--out", str(tmp_path / method)]) == 0
+    assert "no CUDA GPU: --device auto projects on the CPU" in caplog.text
+    assert ("BLAST's iterative descent" in caplog.text) == slow
+
+
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 def test_an_out_where_nothing_can_be_written_is_refused_before_any_work(tmp_path):
     """A directory that passes a permission check but refuses a new entry (/proc, even to root; a read-only mount)

@@ -53,6 +53,9 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
         raise MemfitError("--activation-aware needs --calib FILE or --calib-builtin")
     model_dir = None if model in PRESETS else check_model_dir(model)
     torch_device = resolve_device(device)
+    if device == "auto" and torch_device.type == "cpu":     # no silent fallback: the slow path is said once
+        warn_once("compress:cpu", "no CUDA GPU: --device auto projects on the CPU" + (
+            ", where BLAST's iterative descent takes far longer than on a GPU" if method == "blast" else ""))
     calibration = load_calibration(calib, calib_builtin, model_dir, spec.vocab, calib_samples, calib_seq)
     if model_dir is None:
         warn_once("compress:random", f"{model} is a preset: compressing random weights (shapes only)")
@@ -122,9 +125,16 @@ def _progress_bar(show: bool, description: str, total: int):
         yield lambda n, text: None
         return
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True)) as bar:
+                  TimeRemainingColumn(), console=Console(stderr=True)) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n, text: bar.update(task, advance=n, description=text)
