@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:  # the built-in default job: plan the default model
         args = parser.parse_args([*argv, "plan"])
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="memfit: %(message)s")
+    level = logging.DEBUG if args.verbose else logging.INFO
+    logging.basicConfig(level=level, format="memfit: %(message)s")
+    logging.getLogger("memfit").setLevel(level)   # also where the root logger was set up before (main() from Python)
     handled = _terminate_as_an_exception()
     try:
         return int(args.handler(args) or 0)

@@ -583,6 +583,26 @@ def test_pick_variant_inside_graph_capture_uses_the_cached_winner(monkeypatch):
     assert warned and "capture" in warned[0]
 
 
+def test_each_pick_is_a_debug_message_saying_where_it_came_from(monkeypatch, caplog):
+    """-v had shown nothing (no debug message anywhere): a pick says whether it was timed, and against what, or read
+    from the pick cache."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="memfit")
+    candidates = {"slow": lambda: None, "fast": lambda: None}
+    monkeypatch.setattr(autotune, "_CACHE", {})
+    monkeypatch.setattr(autotune, "PICK_TIMINGS", {})
+    monkeypatch.setattr(autotune, "_save_cache", lambda cache: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(autotune, "_time_candidate",
+                        lambda op, name, fn, args, rep_ms: {"slow": 2.0, "fast": 1.0}[name])
+    assert autotune.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
+    assert "op (8,): fast, the fastest of 2 timed (fast 1, slow 2 ms)" in caplog.text
+    assert autotune.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
+    assert "op (8,): fast, from the pick cache" in caplog.text
+
+
 def test_auto_variant_remembers_a_gpu_pick_but_not_an_untimed_default(monkeypatch, tmp_path):
     """An op's auto pick builds its offer and cache key once per shape key and device: later calls reuse the pick
     (each eager call paid for the offer and the key in host time). A default taken untimed inside a capture or on a

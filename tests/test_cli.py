@@ -173,6 +173,12 @@ def test_malformed_config_json(capsys, tmp_path):
     assert code == 2 and "lacks" in err
 
 
+def test_verbose_plan_says_how_the_search_went(capsys, caplog):
+    """-v had shown nothing: no debug message existed."""
+    code, _, _ = run(capsys, "-v", "plan", "--model", "tiny", "--task", "full", "--seq", "64", "--gpu-memory", "8GiB")
+    assert code == 0 and "candidate technique sets ranked by predicted time" in caplog.text
+
+
 @pytest.mark.parametrize("verb", [["plan", "--model"], ["finetune"], ["compress"]])
 def test_a_data_file_passed_as_the_model_is_named_as_such(capsys, tmp_path, verb):
     """A JSONL file where the model goes had read as a malformed config.json."""

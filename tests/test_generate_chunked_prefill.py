@@ -1,5 +1,7 @@
 """A long prompt prefills in chunks of queries (memfit.infer.generate.PREFILL_MASK_BYTES): the same tokens, logits
 and partial-FFN selection as in one chunk, and a peak without the whole prompt's attention mask."""
+import logging
+
 import pytest
 import torch
 from conftest import load_on_test_device, seeded
@@ -38,7 +40,7 @@ def test_chunks_cover_the_prompt_in_order_each_within_the_budget(model_dir, monk
 
 
 @pytest.mark.parametrize("partial", [None, PartialConfig(load=0.7, compute=0.4, full_first=1, full_last=1)])
-def test_a_prompt_in_chunks_decodes_as_in_one(model_dir, partial, monkeypatch):
+def test_a_prompt_in_chunks_decodes_as_in_one(model_dir, partial, monkeypatch, caplog):
     """Batch 2, the second prompt left-padded across the first chunk boundary: the first token's logits equal to
     fp32 rounding, the same tokens, and each partial layer selects the same neurons (its counts skip the padding
     of every chunk)."""
@@ -54,7 +56,9 @@ def test_a_prompt_in_chunks_decodes_as_in_one(model_dir, partial, monkeypatch):
 
     whole, whole_logits, whole_out = run()
     monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", _budget_for(4, 2, 23))
+    caplog.set_level(logging.DEBUG, logger="memfit")
     chunked, chunked_logits, chunked_out = run()
+    assert "a 23-token prefill in 6 chunks of queries" in caplog.text           # what -v shows
     assert len(whole.prefill_chunks(23)) == 6
     error = (chunked_logits - whole_logits).norm() / whole_logits.norm()
     assert error < 1e-5 and torch.equal(chunked_out.tokens, whole_out.tokens)

@@ -67,7 +67,7 @@ from memfit.kernels.decode import (
     shape_problem,
 )
 from memfit.kernels.dispatch import use_triton
-from memfit.log import warn_once
+from memfit.log import logger, warn_once
 from memfit.models.spec import SUPPORTED_TYPES
 
 # The most bytes a prefill chunk's attention mask may take, with the two tensors it is built from (a bool mask and
@@ -287,6 +287,8 @@ class Generator:
             raise MemfitError("CUDA graphs need the model on a CUDA device")
         if self.fast:
             self._plan_kernels()
+            logger.debug("generate: decode attention %s; decode matmuls %s", self.attention_variant,
+                         ", ".join(f"{shape} by {path}" for shape, path in self.matmul_paths.items()))
         if use_graphs:
             self._capture()
         elif self.ops is not _EAGER:
@@ -523,7 +525,11 @@ class Generator:
         self.valid[:, :T] = mask
         positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
         begin_prompt(self.model, mask)
-        for start, end in self.prefill_chunks(T):
+        chunks = self.prefill_chunks(T)
+        if len(chunks) > 1:
+            logger.debug("generate: a %d-token prefill in %d chunks of queries (their masks within %d bytes)", T,
+                         len(chunks), PREFILL_MASK_BYTES)
+        for start, end in chunks:
             logits = self._forward(input_ids[:, start:end], positions[:, start:end], self.key_slots[start:end], end,
                                    "last" if end == T else None)
         logits = logits[:, -1]

@@ -32,7 +32,7 @@ import triton
 from memfit.errors import MemfitError
 from memfit.files import atomic_path, held_exclusively
 from memfit.kernels.dispatch import interpreting
-from memfit.log import warn_once
+from memfit.log import logger, warn_once
 from memfit.measure.timing import graph_ms, turn_orders
 
 _CACHE: dict | None = None
@@ -181,6 +181,7 @@ def disk_pick(op: str, shape_key: tuple, key: str, candidates: dict, args: tuple
     cache, record = _load_cache(), f"{op} {shape_key}"
     if cache.get(key) in candidates:
         records.setdefault(record, {"pick": cache[key], "cached": True})
+        logger.debug("%s %s: %s, from the pick cache (%s)", op, shape_key, cache[key], _cache_path())
         return cache[key]
     if torch.cuda.is_current_stream_capturing():
         warn_once(f"pick-in-capture:{key}", f"{op}: first call for shape {shape_key} is inside a CUDA graph capture, "
@@ -197,6 +198,8 @@ def disk_pick(op: str, shape_key: tuple, key: str, candidates: dict, args: tuple
     cache[key] = timings["pick"]
     records[record] = timings
     _save_cache(cache)
+    logger.debug("%s %s: %s, the fastest of %d timed (%s ms)", op, shape_key, timings["pick"], len(candidates),
+                 ", ".join(f"{name} {ms:.4g}" for name, ms in sorted(timings["first"].items(), key=lambda kv: kv[1])))
     return timings["pick"]
 
 

@@ -17,6 +17,7 @@ from memfit.errors import MemfitError, is_count
 from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import Ledger, predict
 from memfit.ledger.techniques import REGISTRY, Cost, active, approximate, step_flops, total_cost
+from memfit.log import logger
 from memfit.units import format_bytes
 
 PCIE_BYTES_PER_S = 25e9
@@ -112,6 +113,8 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
             fitting.append(candidate)
             if len(fitting) == limit:
                 last_rank = time_rank(rel, knobs, base)
+    logger.debug("plan: %d candidate technique sets ranked by predicted time, %d replayed, %d fit in %s",
+                 len(ranked), len(tried), len(fitting), format_bytes(budget))
     if not tried:
         raise MemfitError("no candidate plan passes keep")
     if not fitting:
