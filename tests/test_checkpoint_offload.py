@@ -139,7 +139,7 @@ def test_policy_errors_name_the_bad_value():
 @pytest.mark.parametrize("bad, match", [
     ({"lora": {"r": 4, "target_modules": ["qproj"]}}, r"LoRA target_modules qproj match no module of this "
                                                       "model; its linear layers are named down_proj, gate_proj"),
-    ({"lora": {"r": 0}}, "LoRA rank r must be a positive integer"),
+    ({"lora": {"r": 0}}, r"LoRA rank r \(--lora-r\) must be a positive integer"),
     ({"attention": "flash"}, "attention='flash' is not one of sdpa, memfit"),
     ({"ce_path": "fast"}, "kernel path 'fast' for linear_ce is not one of"),
     ({"offload_layers": [9]}, "layer 9"),

@@ -145,7 +145,8 @@ def _tokenize(pieces: list[tuple[str, bool]], tokenizer, max_len: int) -> tuple[
 def check_source(path: str | Path, max_len: int) -> Path:
     """``path`` as a readable JSONL file and ``max_len`` as a usable length (callers check before any work)."""
     if not is_count(max_len, 2):
-        raise MemfitError(f"max_len must be an integer >= 2 (a prompt token and a response token), got {max_len!r}")
+        raise MemfitError(f"max_len (--max-len) must be an integer >= 2 (a prompt token and a response token), got "
+                          f"{max_len!r}")
     return input_file(path, "data file", "pass a JSONL file")
 
 

@@ -79,9 +79,9 @@ class TrainConfig:
     def __post_init__(self):
         for key in ("steps", "batch_size", "save_every"):
             if getattr(self, key) < 1:
-                raise MemfitError(f"{key} must be at least 1, got {getattr(self, key)}")
+                raise MemfitError(f"{key} (--{key.replace('_', '-')}) must be at least 1, got {getattr(self, key)}")
         if not 0 < self.lr < math.inf:                 # NaN fails both comparisons
-            raise MemfitError(f"learning rate must be positive and finite, got {self.lr}")
+            raise MemfitError(f"learning rate lr (--lr) must be positive and finite, got {self.lr}")
 
 
 @dataclass(frozen=True)

@@ -101,9 +101,9 @@ def lora_config(lora):
         fields["lora_alpha"] = 2 * lora["r"]
     rank, alpha = fields.get("r"), fields.get("lora_alpha")
     if not is_count(rank):
-        raise MemfitError(f"LoRA rank r must be a positive integer, got {rank!r}")
+        raise MemfitError(f"LoRA rank r (--lora-r) must be a positive integer, got {rank!r}")
     if alpha is not None and (not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0):
-        raise MemfitError(f"lora_alpha must be a positive number, got {alpha!r}")
+        raise MemfitError(f"lora_alpha (--lora-alpha) must be a positive number, got {alpha!r}")
     try:
         return LoraConfig(**fields)
     except (TypeError, ValueError) as err:
