@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from conftest import load_on_test_device, seeded
+from conftest import MEASURES_A_CPU_RUN, load_on_test_device, seeded
 
 from memfit.infer import generate
 from memfit.infer.calibrate import calibrate
@@ -25,9 +25,10 @@ def model_dir(tmp_path_factory):
     return directory
 
 
-def _budget_for(chunk: int, batch: int, tokens: int, dtype_bytes: int = 4) -> int:
-    """The PREFILL_MASK_BYTES that makes ``chunk``-token chunks of a ``tokens``-long fp32 prefill."""
-    return chunk * batch * tokens * (1 + (1 + G) * dtype_bytes)
+def _budget_for(chunk: int, batch: int, keys: int, dtype_bytes: int = 4) -> int:
+    """The PREFILL_MASK_BYTES that makes ``chunk``-token chunks of an fp32 prefill whose last attends over ``keys``
+    cache slots (its end rounded up to KEY_ALIGN within the cache)."""
+    return chunk * batch * keys * (1 + (1 + G) * dtype_bytes)
 
 
 def test_chunks_cover_the_prompt_in_order_each_within_the_budget(model_dir, monkeypatch):
@@ -35,8 +36,12 @@ def test_chunks_cover_the_prompt_in_order_each_within_the_budget(model_dir, monk
     assert gen.prefill_chunks(40) == [(0, 40)]                       # the default budget: one chunk at this size
     monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", _budget_for(7, 2, 40) + 1)
     assert gen.prefill_chunks(40) == [(0, 7), (7, 14), (14, 21), (21, 28), (28, 35), (35, 40)]
+    assert gen.prefill_chunks(38, 20) == [(20, 27), (27, 34), (34, 38)]     # score's rest: slots 20..37, 40 keys
+    monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", _budget_for(7, 2, 48) + 1)
+    assert gen.prefill_chunks(41)[0] == (0, 7)                       # 41 keys round up to 48, the whole cache
     monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", 1)
     assert gen.prefill_chunks(3) == [(0, 1), (1, 2), (2, 3)]         # at least one token a chunk
+    assert gen.prefill_chunks(0) == []
 
 
 @pytest.mark.parametrize("partial", [None, PartialConfig(load=0.7, compute=0.4, full_first=1, full_last=1)])
@@ -55,10 +60,10 @@ def test_a_prompt_in_chunks_decodes_as_in_one(model_dir, partial, monkeypatch, c
         return gen, logits, gen.generate(x, 6, attention_mask=mask)
 
     whole, whole_logits, whole_out = run()
-    monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", _budget_for(4, 2, 23))
+    monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", _budget_for(4, 2, 24))
     caplog.set_level(logging.DEBUG, logger="memfit")
     chunked, chunked_logits, chunked_out = run()
-    assert "a 23-token prefill in 6 chunks of queries" in caplog.text           # what -v shows
+    assert "23 tokens forward in 6 chunks of queries" in caplog.text           # what -v shows
     assert len(whole.prefill_chunks(23)) == 6
     error = (chunked_logits - whole_logits).norm() / whole_logits.norm()
     assert error < 1e-5 and torch.equal(chunked_out.tokens, whole_out.tokens)
@@ -66,6 +71,42 @@ def test_a_prompt_in_chunks_decodes_as_in_one(model_dir, partial, monkeypatch, c
     assert all(torch.equal(a, b) for a, b in zip(chunked_out.selected, whole_out.selected))
 
 
+def test_scoring_runs_its_teacher_forced_rest_in_chunks_too(model_dir, monkeypatch):
+    """score()'s rest (tokens after the prompt, all their logits) had run as one forward with a quadratic mask."""
+    model = load_on_test_device(model_dir)
+    x = torch.randint(0, 512, (2, 40), generator=seeded(4)).to(model.device)
+    whole = Generator(model, 40, batch=2, fused=False).score(x, 6)
+    masks = []
+    real = Generator._mask
+    monkeypatch.setattr(Generator, "_mask", lambda self, *args: masks.append(real(self, *args)) or masks[-1])
+    monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", _budget_for(5, 2, 40))
+    chunked = Generator(model, 40, batch=2, fused=False).score(x, 6)
+    assert chunked.shape == whole.shape == (2, 34, 512)
+    assert (chunked - whole).norm() / whole.norm() < 1e-5
+    assert masks[0].shape[2] == G * 6                       # the 6-token prompt over its 8 keys: one chunk
+    assert len(masks) == 8 and max(m.shape[2] for m in masks[1:]) == G * 5    # the rest: 33 queries, 5 at a time
+
+
+@pytest.mark.cpu_only(reason="forces memfit's decode kernels, through the Triton interpreter on CPU tensors")
+def test_a_one_token_chunk_is_prefilled_not_decoded(model_dir, monkeypatch):
+    """A chunk of one token (a prompt's last, or a 1-token prompt) had taken the decode step's path: memfit's decode
+    attention kernel, the decode matmul picks and the compiled helpers, which a new shape recompiles."""
+    model = load_on_test_device(model_dir)
+    gen = Generator(model, 16, batch=1, fast=True)
+    calls = []
+    real = generate.decode_attention
+    monkeypatch.setattr(generate, "decode_attention", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", _budget_for(4, 1, 16))
+    x = torch.randint(0, 512, (1, 9), generator=seeded(5)).to(model.device)
+    assert gen.prefill_chunks(9) == [(0, 4), (4, 8), (8, 9)]
+    gen.prefill(x)
+    gen.prefill(x[:, :1])
+    assert calls == []
+    gen.decode(1)
+    assert len(calls) == SPEC.num_layers
+
+
+@MEASURES_A_CPU_RUN
 def test_a_prefill_in_chunks_never_holds_the_whole_prompts_mask(monkeypatch):
     """On the CPU tracker: the chunked prefill's peak is below the whole prompt's by more than that prompt's G-fold
     additive mask alone (its scores shrink too)."""

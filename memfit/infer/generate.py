@@ -33,10 +33,11 @@ previous loop.
 
 Prompts: prefill runs eagerly over the whole (left-padded) batch and, for partial
 models, selects the decode neurons (``memfit.infer.selection``). Its attention reads the cache up to the prompt's
-end under an additive mask of B x G x T x T elements (G query heads a KV head): a long prompt runs in chunks of
-queries, each attending over the cache up to its own end, so that a chunk's mask stays under
-``PREFILL_MASK_BYTES`` (the MLP's activations shrink with it); a prompt that fits in one chunk runs as one. Chunks
-equal the whole prompt's forward up to rounding (matmuls over fewer rows may sum in another order). The graph is captured
+end under an additive mask of B x G x T x T elements (G query heads a KV head): a long prompt (and ``score``'s
+teacher-forced rest) runs in chunks of queries, each attending over the cache up to its own end, so that a chunk's
+mask stays under ``PREFILL_MASK_BYTES`` (the MLP's activations shrink with it); a prompt that fits in one chunk
+runs as one. Chunks equal the whole prompt's forward up to rounding (matmuls over fewer rows may sum in another
+order). The graph is captured
 with the decode neuron counts before the first prompt; selection permutes weights in
 place, so the captured pointers stay valid for every later prompt.
 """
@@ -75,6 +76,10 @@ from memfit.models.spec import SUPPORTED_TYPES
 # as T^2 and passes its KV cache (2 x layers x B x T x kv_dim x dtype bytes) from T = 2 x layers x kv_dim x dtype
 # bytes / (1 + (1 + G) x dtype bytes) on: 2979 tokens for Llama-3.2-1B in bf16 (16 layers, kv_dim 512, G = 4).
 PREFILL_MASK_BYTES = 64 * 2**20
+# A chunk attends over the cache up to its end rounded up to this many slots (the later ones are masked): torch's
+# memory-efficient attention on CUDA copies a mask whose rows are not a multiple of 8 elements into a padded one, and
+# warns (pytorch/pytorch#114173).
+KEY_ALIGN = 8
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +110,8 @@ def _rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots):
 
 
 def _attention(q, k_cache, v_cache, mask, scale):
-    """SDPA over the whole cache; the output's memory layout depends on the backend (e.g. (B, rows, heads, D))."""
+    """SDPA over the cache slots given; the output's memory layout depends on the backend (e.g. (B, rows, heads,
+    D))."""
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale)
 
 
@@ -295,34 +301,34 @@ class Generator:
             self._warm_up()
 
     # ---- the model, step by step ---------------------------------------------------------
-    def _helpers(self, tokens: int) -> dict:
-        """The compiled helpers for a decode step (one token a row: the same shapes every step), the eager ones for
-        a prefill or a scored run: each new length would be another compile, and past dynamo's recompile limit
-        (torch._dynamo.config.recompile_limit, 8 by default) a fullgraph call fails outright (FailOnRecompileLimitHit
-        in a test process that had run many lengths)."""
-        return self.ops if tokens == 1 else _EAGER
-
     def _rope(self, positions: torch.Tensor):
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return ((emb.cos() * self.rope_scale).to(self.dtype)[:, None], (emb.sin() * self.rope_scale).to(self.dtype)[:, None])
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, keys: int,
-                 logits: str | None) -> torch.Tensor | None:
+                 logits: str | None, decode: bool = False) -> torch.Tensor | None:
         """Forward ``ids`` (B, T) at rope ``positions`` (B, T), writing K/V at cache ``slots`` (T,) and attending over
         the cache's first ``keys`` slots (every slot a query may see: the last of ``slots`` and earlier). Returns the
         logits of the ``"last"`` token or of ``"all"``, or None (a prefill chunk before the last needs only the
-        cache)."""
+        cache).
+
+        ``decode``: a decode step (one token a row, the same shapes every step) runs the compiled helpers and, with
+        ``fast``, memfit's attention kernel (no mask); anything else (a prefill chunk, even of one token, or a scored
+        run) the eager helpers and SDPA (its matmuls take the planned paths of the shapes planned): each new length
+        would be another compile, and past dynamo's recompile limit (torch._dynamo.config.recompile_limit, 8 by
+        default) a fullgraph call fails outright (FailOnRecompileLimitHit in a test process that had run many
+        lengths)."""
         model, (B, T) = self.model, ids.shape
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         G = H // Hkv
         x = model.get_input_embeddings()(ids)
         cos, sin = self._rope(positions)
-        kernels = self.fast and T == 1          # decode: memfit's attention kernel, no mask
+        kernels = self.fast and decode
         # key j is visible to the query at slot s when it holds a token and j <= s; every query sees itself.
         # Additive and in the model dtype, built once per step: SDPA would convert a bool mask in every layer.
         mask = None if kernels else self._mask(slots, B, G, T, keys)
-        ops = self._helpers(T)
+        ops = self.ops if decode else _EAGER
         layers = model.model.layers
         h = ops["norm"](x, layers[0].input_layernorm.weight, layers[0].input_layernorm.variance_epsilon)
         for i, layer in enumerate(layers):
@@ -343,7 +349,7 @@ class Generator:
             post = layer.post_attention_layernorm
             x, h = ops["add_norm"](x, self._project(attn.o_proj, o), post.weight, post.variance_epsilon)
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
-            x, h = ops["add_norm"](x, self._mlp(i, layer.mlp, h), following.weight, following.variance_epsilon)
+            x, h = ops["add_norm"](x, self._mlp(i, layer.mlp, h, ops), following.weight, following.variance_epsilon)
         if logits is None:
             return None
         return self._project(model.get_output_embeddings(), h[:, -1:] if logits == "last" else h)
@@ -358,16 +364,42 @@ class Generator:
         mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
         return mask[:, None, None].expand(B, 1, G, T, keys).reshape(B, 1, G * T, keys)
 
-    def prefill_chunks(self, tokens: int) -> list[tuple[int, int]]:
-        """The query ranges [start, end) a ``tokens``-long prefill runs in: as many tokens a chunk as keep its mask,
-        with the two tensors it is built from, within ``PREFILL_MASK_BYTES`` at the prompt's end (at least one)."""
+    def prefill_chunks(self, stop: int, first: int = 0) -> list[tuple[int, int]]:
+        """The ranges [start, end) of query slots ``first``..``stop - 1`` (a prompt's prefill: 0..T - 1) that run as
+        one forward each: as many a chunk as keep its mask, with the two tensors it is built from, within
+        ``PREFILL_MASK_BYTES`` over ``stop`` keys (at least one)."""
         groups = self.heads // self.kv_heads
-        per_query = self.batch * tokens * (1 + (1 + groups) * self.dtype.itemsize)
-        size = max(1, PREFILL_MASK_BYTES // per_query)
-        return [(start, min(start + size, tokens)) for start in range(0, tokens, size)]
+        per_query = self.batch * self._keys_through(stop) * (1 + (1 + groups) * self.dtype.itemsize)
+        size = max(1, PREFILL_MASK_BYTES // max(1, per_query))
+        return [(start, min(start + size, stop)) for start in range(first, stop, size)]
+
+    def _keys_through(self, end: int) -> int:
+        """The cache slots a chunk of queries ending at slot ``end`` attends over: ``end``, rounded up to KEY_ALIGN
+        within the cache."""
+        return min(self.max_len, -(-end // KEY_ALIGN) * KEY_ALIGN)
+
+    def _forward_in_chunks(self, ids: torch.Tensor, positions: torch.Tensor, first: int, logits: str) -> torch.Tensor:
+        """Forward ``ids`` (B, n) at ``positions`` (B, n) into cache slots ``first``..``first + n - 1``, a chunk of
+        queries at a time (:meth:`prefill_chunks`), each attending over the cache up to its end: the last token's
+        logits (``"last"``) or every token's (``"all"``)."""
+        stop = first + ids.shape[1]
+        chunks = self.prefill_chunks(stop, first)
+        if len(chunks) > 1:
+            logger.debug("generate: %d tokens forward in %d chunks of queries (their masks within %d bytes)",
+                         stop - first, len(chunks), PREFILL_MASK_BYTES)
+        outputs = []
+        for start, end in chunks:
+            rows = slice(start - first, end - first)
+            wanted = logits if logits == "all" or end == stop else None
+            out = self._forward(ids[:, rows], positions[:, rows], self.key_slots[start:end], self._keys_through(end),
+                                wanted)
+            if out is not None:
+                outputs.append(out)
+        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 
     def _matmul(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ bias) by the path planned for this decode shape (cuBLAS for any other)."""
+        """x W^T (+ bias) by the path planned for this decode shape (cuBLAS for any other; a prefill's head over the
+        last tokens has the decode step's shape, and takes its path)."""
         if not self.matmul_paths:
             return F.linear(x, w, bias)
         path = self.matmul_paths.get(gemv.shape_key(x.numel() // x.shape[-1], w, bias), gemv.CUBLAS)
@@ -417,14 +449,13 @@ class Generator:
             groups.setdefault(gemv.shape_key(self.batch, w, b), []).append((w, b))
         return groups
 
-    def _mlp(self, i: int, mlp, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, i: int, mlp, h: torch.Tensor, ops: dict) -> torch.Tensor:
         """The layer's FFN: one gate/up matmul over the active neurons, silu-multiply, down (or the module itself)."""
         if self.gate_up[i] is None:
             return mlp(h)
         gate_up, down = self.gate_up[i]
         a = getattr(mlp, "active", gate_up.shape[0])      # PartialMLP: every loaded neuron at prefill, the selected at decode
-        act_mul = self._helpers(h.shape[-2])["act_mul"]
-        g = act_mul(self._matmul(h, gate_up[:a].flatten(0, 1)))
+        g = ops["act_mul"](self._matmul(h, gate_up[:a].flatten(0, 1)))
         if hasattr(mlp, "observe"):
             mlp.observe(g)
         return self._matmul(g, down[:, :a])
@@ -444,7 +475,7 @@ class Generator:
     def _step(self) -> None:
         """One decode token: forward ``tok`` at ``slot``, sample the next, advance (all on device)."""
         self.valid.index_fill_(1, self.slot, True)
-        logits = self._forward(self.tok, self.pos, self.slot, self.max_len, "last")[:, -1]
+        logits = self._forward(self.tok, self.pos, self.slot, self.max_len, "last", decode=True)[:, -1]
         nxt = self._sample(logits)[:, None]
         self.tok.copy_(nxt)
         self.out.index_copy_(1, self.step_index, nxt)
@@ -525,14 +556,7 @@ class Generator:
         self.valid[:, :T] = mask
         positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
         begin_prompt(self.model, mask)
-        chunks = self.prefill_chunks(T)
-        if len(chunks) > 1:
-            logger.debug("generate: a %d-token prefill in %d chunks of queries (their masks within %d bytes)", T,
-                         len(chunks), PREFILL_MASK_BYTES)
-        for start, end in chunks:
-            logits = self._forward(input_ids[:, start:end], positions[:, start:end], self.key_slots[start:end], end,
-                                   "last" if end == T else None)
-        logits = logits[:, -1]
+        logits = self._forward_in_chunks(input_ids, positions, 0, "last")[:, -1]
         self.selected = end_prompt(self.model)
         first = self._sample(logits)[:, None]
         self.tok.copy_(first)
@@ -607,9 +631,9 @@ class Generator:
     def score(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """Teacher-forced logits (B, T - prompt_len, V) predicting tokens prompt_len..T-1.
 
-        The prompt (first ``prompt_len`` tokens) runs as a prefill and selects neurons; the rest runs in
-        one decode-mode forward (selected neurons): what token-by-token decode would compute, up to rounding
-        (with ``fast`` a decode step's matmuls may run memfit's GEMV, these longer ones cuBLAS).
+        The prompt (first ``prompt_len`` tokens) runs as a prefill and selects neurons; the rest runs as a prefill
+        does (in chunks of queries) with the selected neurons: what token-by-token decode would compute, up to
+        rounding (a decode step's matmuls and attention may run memfit's kernels, these cuBLAS and SDPA).
         """
         self._check_prompts(input_ids, None)
         B, T = input_ids.shape
@@ -621,7 +645,7 @@ class Generator:
         slots = self.key_slots[prompt_len:T - 1]
         self.valid[:, prompt_len:T - 1] = True
         positions = slots[None].expand(B, -1)
-        rest = self._forward(input_ids[:, prompt_len:T - 1].to(self.device), positions, slots, T - 1, "all")
+        rest = self._forward_in_chunks(input_ids[:, prompt_len:T - 1].to(self.device), positions, prompt_len, "all")
         return torch.cat([first[:, None], rest], dim=1)
 
 
