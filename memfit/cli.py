@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 
+import memfit
 from memfit.errors import MemfitError
 
 # Verbs in the order --help lists them.
@@ -28,7 +29,7 @@ memfit makes LLM training, fine-tuning and inference fit in the GPU memory you h
   memfit plan --model llama-3.2-3b --task lora --seq 2048 --gpu-memory 8GiB
   memfit verify --model tiny --task lora --seq 256 --device cpu
 
-Run `memfit VERB --help` for each verb's options.
+Run `memfit VERB --help` for each verb's options. `memfit` alone runs `memfit plan` on its built-in default job.
 """
 
 
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfit", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_global_options(parser, default=False)
+    parser.add_argument("--version", action="version", version=f"memfit {memfit.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="VERB")
     for name in COMMANDS:
         module = importlib.import_module(f"memfit.commands.{name}")

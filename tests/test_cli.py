@@ -4,6 +4,7 @@ import json
 import pytest
 from conftest import MEASURES_A_CPU_RUN
 
+import memfit
 from memfit.cli import COMMANDS, main
 
 
@@ -171,6 +172,12 @@ def test_malformed_config_json(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     code, _, err = run(capsys, "plan", "--model", str(tmp_path))
     assert code == 2 and "lacks" in err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out == f"memfit {memfit.__version__}\n"
 
 
 def test_verbose_plan_says_how_the_search_went(capsys, caplog):
