@@ -174,6 +174,19 @@ def test_malformed_config_json(capsys, tmp_path):
     assert code == 2 and "lacks" in err
 
 
+@pytest.mark.parametrize("given, read", [("0.05", 0.05), ("5%", 0.05), ("2.5 %", 0.025)])
+def test_verify_reads_a_tolerance_as_a_fraction_or_a_percentage(given, read):
+    from memfit.cli import build_parser
+
+    assert build_parser().parse_args(["verify", "--tolerance", given]).tolerance == pytest.approx(read)
+
+
+def test_a_tolerance_that_is_no_number_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["verify", "--tolerance", "five"])
+    assert stop.value.code == 2 and "expected a fraction (0.05) or a percentage (5%), got 'five'" in capsys.readouterr().err
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["--version"])

@@ -44,12 +44,22 @@ def add_parser(sub):
     plan.add_argument("--pick", type=int, default=None, metavar="N",
                       help="with --plan: which plan, numbered as `memfit plan` lists them (default 1, the fastest "
                            "that fits); 0 is the job as asked")
-    parser.add_argument("--tolerance", type=float, default=0.05, help="allowed relative error of the total (default 0.05)")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
+    parser.add_argument("--tolerance", type=_fraction, default=0.05,
+                        help="allowed relative error of the total, a fraction or a percentage (default 0.05, or 5%%)")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first, at least 1 (default 1)")
     parser.add_argument("--json", action="store_true",
                         help="machine-readable output on stdout; an error found once the options are parsed (exit 2) "
                              "too, as {\"job\", \"error\"}")
     return parser
+
+
+def _fraction(text: str) -> float:
+    """--tolerance as a fraction (0.05) or a percentage (5%): '5%' had been argparse's "invalid float value"."""
+    number = text.strip()
+    try:
+        return float(number[:-1]) / 100 if number.endswith("%") else float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction (0.05) or a percentage (5%), got {text!r}") from None
 
 
 def run(args) -> int:
