@@ -12,7 +12,7 @@ from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import predict
 from memfit.ledger.verify import verify
 from memfit.models import PRESETS, build_model
-from memfit.units import parse_bytes
+from memfit.units import format_bytes, parse_bytes
 
 TINY = PRESETS["tiny"]
 
@@ -1175,3 +1175,15 @@ def test_memfit_attention_past_the_sliding_window_is_refused_before_the_run():
         with pytest.raises(MemfitError, match=r"attention \(--attention\) memfit has no sliding window: mistral-w32 "
                                               r"attends over the last 32 keys and seq \(--seq\) 33 passes them"):
             predict(Job(spec, task=task, seq=33), Knobs(attention="memfit"))
+
+
+def test_a_verify_result_prints_as_one_line():
+    """print(memfit.verify(...)) had shown the dataclass repr: every field of the ledger and the job."""
+    from memfit.ledger.verify import Measurement, VerifyResult
+
+    job = Job(TINY, task="full", seq=64, device="cpu")
+    ledger = predict(job, Knobs())
+    result = VerifyResult(ledger, Measurement(peak=round(ledger.total / 1.02), reserved=0, weights=0, optimizer=0,
+                                              gradients=0), 0.05)
+    assert str(result) == (f"tiny full: predicted {format_bytes(ledger.total)}, measured "
+                           f"{format_bytes(round(ledger.total / 1.02))}, +2.00% (within the 5% tolerance)")

@@ -25,6 +25,7 @@ from memfit.measure.memory import PeakMeter, storage_bytes
 from memfit.models.build import build_model
 from memfit.models.hf_calls import cache_keyword, enable_checkpointing, peft_model
 from memfit.models.spec import dtype_of
+from memfit.units import format_bytes
 
 
 @dataclass
@@ -50,6 +51,13 @@ class VerifyResult:
     @property
     def ok(self) -> bool:
         return abs(self.error) <= self.tolerance
+
+    def __str__(self) -> str:
+        """One line (the dataclass's repr is every field of the ledger and the job)."""
+        verdict = "within" if self.ok else "beyond"
+        return (f"{self.ledger.job.spec.name} {self.ledger.job.task}: predicted {format_bytes(self.ledger.total)}, "
+                f"measured {format_bytes(self.measured.peak)}, {100 * self.error:+.2f}% ({verdict} the "
+                f"{100 * self.tolerance:.4g}% tolerance)")
 
     def rows(self) -> list[tuple[str, int, int | None]]:
         """(component, predicted bytes at the peak, measured bytes where measurable)."""
