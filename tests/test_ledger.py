@@ -1187,3 +1187,11 @@ def test_a_verify_result_prints_as_one_line():
                                               gradients=0), 0.05)
     assert str(result) == (f"tiny full: predicted {format_bytes(ledger.total)}, measured "
                            f"{format_bytes(round(ledger.total / 1.02))}, +2.00% (within the 5% tolerance)")
+
+
+@MEASURES_A_CPU_RUN
+def test_a_checkpointed_verify_trains_without_a_kv_cache(capfd):
+    """A training step called the model with its config's use_cache: transformers printed that the cache and gradient
+    checkpointing do not go together (a fresh-user audit)."""
+    verify(Job(TINY, task="full", seq=64, batch=2, device="cpu"), Knobs(dtype="float32", checkpoint_layers=1))
+    assert "use_cache" not in capfd.readouterr().err

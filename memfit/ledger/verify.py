@@ -187,7 +187,7 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1, progress: Callable[[str], N
         nonlocal gradients
         for start in range(0, job.batch, micro):
             chunk = ids[start:start + micro]
-            loss = model(input_ids=chunk, labels=labels[start:start + micro]).loss
+            loss = model(input_ids=chunk, labels=labels[start:start + micro], use_cache=False).loss   # training: no cache
             loss.backward()
             del loss
         gradients = storage_bytes(p.grad for p in params)
