@@ -8,8 +8,12 @@ from conftest import load_benchmark
 
 
 def test_smoke_run_times_dense_fused_unfused_and_each_compressed_model(tmp_path, monkeypatch):
-    """... and writes after each row, marked incomplete until the last write."""
+    """... and writes after each row, marked incomplete until the last write. The BLR layers run their PyTorch
+    references, as the smoke run does outside the tests: through the Triton interpreter (the tests' default) this
+    one test took 100 s of the suite; test_blr_kernels checks the kernels."""
     import sys
+
+    monkeypatch.setenv("MEMFIT_KERNELS", "reference")
 
     blr_generate = load_benchmark("blr_generate")
     recorder = sys.modules["partial_ffn"].Recorder

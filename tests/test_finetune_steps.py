@@ -12,7 +12,8 @@ def finetune_steps():
     return load_benchmark("finetune_steps")
 
 
-def test_ab_smoke_run_alternates_the_settings_and_profiles_each(finetune_steps, tmp_path):
+def test_ab_smoke_run_alternates_the_settings_and_profiles_each(finetune_steps, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMFIT_KERNELS", "reference")   # the run's logic, not the kernels: 56 s under the interpreter
     assert finetune_steps.main(["--smoke", "--contexts", "40", "--dtypes", "float32", "--steps", "3", "--ab",
                                 "--profile", "--out", str(tmp_path)]) == 0
     written = json.loads((tmp_path / "finetune_steps_ab_smoke.json").read_text())
@@ -42,8 +43,9 @@ def test_bad_arguments_are_usage_errors(finetune_steps, arguments, message, caps
     assert stopped.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_a_smoke_run_takes_small_defaults_and_keeps_the_options_given(finetune_steps, tmp_path):
+def test_a_smoke_run_takes_small_defaults_and_keeps_the_options_given(finetune_steps, tmp_path, monkeypatch):
     """--smoke had kept the GPU's contexts (1K-4K), dtypes and steps: 294 s of a tiny model on a 2-core CPU."""
+    monkeypatch.setenv("MEMFIT_KERNELS", "reference")   # the run's defaults, not the kernels (36 s interpreted)
     assert finetune_steps.main(["--smoke", "--steps", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "finetune_steps_smoke.json").read_text())["rows"]
     assert {r["context"] for r in rows} == {64, 128} and {r["dtype"] for r in rows} == {"torch.float32"}
