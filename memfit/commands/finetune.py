@@ -234,9 +234,12 @@ def load_model(name: str, spec, dtype: torch.dtype, device: torch.device | str):
         return build_model(spec, dtype=dtype, device=device)
     from transformers import AutoModelForCausalLM
 
+    from memfit.models.hf_calls import loading_quietly
+
     path = check_model_dir(name).resolve()        # the saved adapter's base_model_name_or_path: found from anywhere
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        with loading_quietly():                   # memfit's own bars follow
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except Exception as err:  # noqa: BLE001 - transformers' and safetensors' errors (a truncated file) share no base
         raise unreadable_weights(path, err) from None
     return model.to(device)

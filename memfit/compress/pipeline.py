@@ -65,20 +65,16 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
         net = memfit.models.build_model(spec)
     else:
         from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
 
-        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-        hf_logging.set_verbosity_error()               # its load report and bar: the check below says what matters,
-        hf_logging.disable_progress_bar()              # and memfit's own bar follows
-        try:
-            net, loading = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype="auto",
-                                                                output_loading_info=True, ignore_mismatched_sizes=True)
+        from memfit.models.hf_calls import loading_quietly
+
+        try:                                           # the check below says what matters of its load report
+            with loading_quietly(report=False):
+                net, loading = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype="auto",
+                                                                    output_loading_info=True,
+                                                                    ignore_mismatched_sizes=True)
         except Exception as err:  # noqa: BLE001 - transformers' and safetensors' errors (a truncated file) share no base
             raise unreadable_weights(model_dir, err) from None
-        finally:
-            hf_logging.set_verbosity(verbosity)
-            if bars:
-                hf_logging.enable_progress_bar()
         reshaped = [f"{key} saved as {tuple(saved)}, needed {tuple(needed)}"
                     for key, saved, needed in loading.get("mismatched_keys", ())]
         if bad := sorted(loading.get("missing_keys", ())) + reshaped:

@@ -2,6 +2,7 @@
 GPU machine's image), by the names each version has."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 
@@ -10,6 +11,24 @@ def cache_keyword(model) -> str:
     """The keyword of ``model.forward``'s KV cache, which is also its output's field: ``cache`` where the forward
     takes it (transformers 5.24 has it, and warns at the old name), else ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@contextlib.contextmanager
+def loading_quietly(report: bool = True):
+    """A ``from_pretrained`` without transformers' own "Loading weights" bar beside memfit's; with ``report`` False its
+    load report too (a caller that checks ``output_loading_info`` itself and says what matters). Both restored after."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    if not report:
+        hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def enable_checkpointing(model) -> None:
