@@ -472,6 +472,21 @@ def test_auto_on_a_machine_without_a_gpu_says_it_projects_on_the_cpu(tmp_path, c
     assert ("BLAST's iterative descent" in caplog.text) == slow
 
 
+@pytest.mark.parametrize("samples, seq, said", [(1, 16, True), (4, 64, False)])
+def test_fewer_calibration_tokens_than_a_layers_inputs_are_said(tmp_path, caplog, monkeypatch, samples, seq, said):
+    """16 tokens for tiny's 64 and 176 inputs: every projected layer's covariance is rank-deficient, which the
+    activation-aware projection fits; 256 tokens cover them."""
+    import memfit.log
+    from memfit.cli import main
+
+    monkeypatch.setattr(memfit.log, "_said", set())
+    assert main(["compress", "tiny", "--method", "lowrank", "--ratio", "0.5", "--activation-aware", "--calib-builtin",
+                 "--calib-samples", str(samples), "--calib-seq", str(seq), "--device", "cpu",
+                 "--out", str(tmp_path / "out")]) == 0
+    message = "--activation-aware: 16 calibration tokens, fewer than the 176 inputs of down_proj, gate_proj, o_proj,"
+    assert (message in caplog.text) == said and ("calibration tokens, fewer" in caplog.text) == said
+
+
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 def test_an_out_where_nothing_can_be_written_is_refused_before_any_work(tmp_path):
     """A directory that passes a permission check but refuses a new entry (/proc, even to root; a read-only mount)
@@ -1087,3 +1102,16 @@ def test_calibration_windows_the_text_cannot_fill_are_said(monkeypatch):
     assert len(said) == 1                                         # four windows of 16 fill 64 tokens: nothing to say
     with pytest.raises(MemfitError, match="calibration text has 30 tokens, fewer than one window of --calib-seq 50"):
         calibration.calibration_batches(lambda text: list(range(len(text))), "x" * 30, samples=4, seq_len=50)
+
+
+def test_the_help_states_the_covariance_damping_the_projection_uses(capsys):
+    """--help names COV_DAMP's value (the parser is built without importing torch, so it is written out there)."""
+    from memfit.cli import main
+    from memfit.compress.projection import COV_DAMP
+
+    with pytest.raises(SystemExit):
+        main(["compress", "--help"])
+    import re
+
+    said = re.search(r"damped by (\S+) of its mean variance", " ".join(capsys.readouterr().out.split()))
+    assert said and float(said.group(1)) == COV_DAMP

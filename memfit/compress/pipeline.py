@@ -48,7 +48,7 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     check_output(out, force)
     check_steps(steps, "--steps")
     spec = load_spec(model)
-    plan_kinds(spec.linear_shapes(), method, ratio, blocks, skip=skip)          # shape errors before any work
+    kinds = plan_kinds(spec.linear_shapes(), method, ratio, blocks, skip=skip)  # shape errors before any work
     if activation_aware and not (calib or calib_builtin):
         raise MemfitError("--activation-aware needs --calib FILE or --calib-builtin")
     model_dir = None if model in PRESETS else check_model_dir(model)
@@ -57,6 +57,8 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
         warn_once("compress:cpu", "no CUDA GPU: --device auto projects on the CPU" + (
             ", where BLAST's iterative descent takes far longer than on a GPU" if method == "blast" else ""))
     calibration = load_calibration(calib, calib_builtin, model_dir, spec.vocab, calib_samples, calib_seq)
+    if activation_aware:
+        _say_few_calibration_tokens(sum(batch.numel() for batch in calibration), spec.linear_shapes(), kinds)
     if model_dir is None:
         warn_once("compress:random", f"{model} is a preset: compressing random weights (shapes only)")
         import memfit.models
@@ -96,6 +98,20 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     info = {"source": source, **result.summary(), "activation_aware": activation_aware, "report": result.report}
     save_compressed(net, out, result.layers, info, source_dir=model_dir, force=force)
     return result
+
+
+def _say_few_calibration_tokens(tokens: int, shapes: dict[str, tuple[int, int]], kinds: dict) -> None:
+    """Said once where the calibration has fewer tokens than a projected layer has inputs: that layer's covariance
+    then has rank at most ``tokens`` (the rest is COV_DAMP's ridge), and the activation-aware projection fits those
+    tokens, which can leave it worse than the plain one on other text."""
+    from memfit.log import warn_once
+
+    narrow = sorted(kind for kind, plan in kinds.items() if plan.rank is not None and shapes[kind][0] > tokens)
+    if narrow:
+        warn_once("compress:few-calibration-tokens", f"--activation-aware: {tokens} calibration tokens, fewer than "
+                  f"the {max(shapes[kind][0] for kind in narrow)} inputs of {', '.join(narrow)}: their covariance has "
+                  f"rank at most {tokens}, and the projection fits those tokens (it can generalise worse than the "
+                  "plain one); give more with --calib-samples and --calib-seq")
 
 
 def parse_skip(skip: str | tuple[str, ...] | None) -> tuple[str, ...] | None:
