@@ -1195,3 +1195,17 @@ def test_a_checkpointed_verify_trains_without_a_kv_cache(capfd):
     checkpointing do not go together (a fresh-user audit)."""
     verify(Job(TINY, task="full", seq=64, batch=2, device="cpu"), Knobs(dtype="float32", checkpoint_layers=1))
     assert "use_cache" not in capfd.readouterr().err
+
+
+def test_undominated_plans_each_peak_lower_than_every_plan_above_them():
+    """`memfit plan` had listed the job as asked after fused cross-entropy with a larger peak at the same time, and
+    a checkpointed plan at 1.13x the time for fused cross-entropy's peak: plans that offered nothing."""
+    from memfit.ledger.planner import plan, undominated
+
+    job = Job(TINY, task="full", seq=64)
+    every = plan(job, Knobs(), parse_bytes("8GiB"), limit=10_000)[1]
+    kept = undominated(every)
+    assert 1 < len(kept) < len(every) and kept[0] is every[0]
+    assert all(b.ledger.total < a.ledger.total for a, b in zip(kept, kept[1:]))
+    assert all(any(k.ledger.total <= p.ledger.total and every.index(k) < every.index(p) for k in kept)
+               for p in every if p not in kept)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from memfit.commands.job_args import add_job_arguments, job_from_args, print_json_error
 from memfit.errors import MemfitError
@@ -46,7 +47,7 @@ def run(args) -> int:
     raised it, with the job and the budget as far as they were read (null before)."""
     from rich.progress import Progress
 
-    from memfit.ledger.planner import plan
+    from memfit.ledger.planner import plan, undominated
 
     job = budget = None
     try:
@@ -56,8 +57,10 @@ def run(args) -> int:
         # a bar only on a terminal: elsewhere rich still ends it with a newline, ahead of any error line
         with Progress(transient=True, console=console, disable=not console.is_terminal) as bar:
             task = bar.add_task("replaying technique combinations", total=None)
-            asked, plans = plan(job, knobs, budget, limit=args.limit,
+            # every plan that fits, then those a faster one does not match in memory, --limit of them
+            asked, plans = plan(job, knobs, budget, limit=sys.maxsize,
                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
+            plans = undominated(plans)[:args.limit]
     except MemfitError as err:
         if args.json:
             print_json_error(err, job, budget_bytes=budget, asked=None, plans=[])
@@ -108,7 +111,8 @@ def _print(job, knobs, asked: Ledger, plans, budget: int) -> None:
     console.print(table)
     console.print("peak in " + f"{asked.peak_phase} at {asked.peak_where}; phase peaks: "
                   + ", ".join(f"{phase} {format_bytes(v)}" for phase, v in asked.phases.items()))
-    plans_table = Table(title=f"plans that fit {format_bytes(budget)}: exact first, then fastest")
+    plans_table = Table(title=f"plans that fit {format_bytes(budget)}: exact first, then fastest, each peaking lower "
+                              "than those above it")
     for column in ("#", "techniques", "needs", "peak", "time", "largest components at the peak"):
         plans_table.add_column(column, justify="right" if column in ("needs", "peak", "time") else "left")
     for index, p in enumerate(plans, 1):
