@@ -171,7 +171,7 @@ def test_under_autocast_a_layer_computes_in_autocasts_dtype_as_nn_linear_does(cl
     monkeypatch.setenv("MEMFIT_KERNELS", path)
     layer = cls(IN, OUT, rank=8, bias=True, **kw)
     x = torch.randn(5, IN)
-    with torch.autocast("cpu", torch.bfloat16):
+    with torch.autocast(x.device.type, torch.bfloat16):        # the tests' default device: the CPU, or CUDA on a GPU
         y = layer(x)
         assert y.dtype == nn.Linear(IN, OUT)(x).dtype == torch.bfloat16
     y.float().sum().backward()

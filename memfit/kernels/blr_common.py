@@ -116,8 +116,10 @@ def in_compute_dtype(x: torch.Tensor, *weights: torch.Tensor | None) -> tuple[to
     """``x`` and a BLR op's weights (a None bias kept) in the dtype the op computes in: x's, or autocast's where
     autocast is on for x's device, as autocast casts F.linear's inputs (float64 excepted). Under bf16 autocast a
     layer with fp32 weights had computed in fp32 and returned fp32 where nn.Linear returns bf16."""
-    device = x.device.type            # autocast has no meta device, which shape inference runs on
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device) and x.is_floating_point() \
+    # autocast has no meta device, which shape inference runs on; memfit runs on the CPU and CUDA alone. A string test,
+    # not torch.amp.is_autocast_available: torch 2.11's dynamo cannot trace that (a graph break in every BLR op)
+    device = x.device.type
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device) and x.is_floating_point() \
             and x.dtype != torch.float64:
         x = x.to(torch.get_autocast_dtype(device))
     return x, [w if w is None else w.to(x.dtype) for w in weights]
