@@ -20,8 +20,10 @@ CASES = [(1, 2048), (1, 8192), (4, 8192)]     # (batch, prompt tokens)
 WHOLE = 2**62                                 # a mask budget no prompt reaches: one chunk
 
 
+@torch.no_grad()
 def prefill(gen, ids):
-    """(peak bytes above the allocation before it, seconds, first-token logits) of one prefill."""
+    """(peak bytes above the allocation before it, seconds, first-token logits) of one prefill, without autograd (as
+    the public Generator.prefill runs: this calls the method that returns the logits too)."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
