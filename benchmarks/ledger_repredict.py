@@ -15,7 +15,7 @@ import time
 
 from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import predict
-from memfit.measure.results import RESULTS_DIR, check_out_dir, target, write_results
+from memfit.measure.results import RESULTS_DIR, check_out_dir, recorded_error, target, write_results
 
 SOURCES = ("ledger_accuracy", "ledger_accuracy_blr")
 
@@ -28,7 +28,7 @@ def repredict(row: dict) -> dict:
     ledger = predict(job, Knobs(**knob_fields))
     measured = row["measured"]["peak_bytes"]
     return {"job": row["job"], "knobs": row["knobs"], "measured_bytes": measured, "predicted_bytes": ledger.total,
-            "error": ledger.total / measured - 1, "error_then": row["error"], "peak_phase": ledger.peak_phase,
+            "error": ledger.total / measured - 1, "error_then": recorded_error(row), "peak_phase": ledger.peak_phase,
             "peak_at": ledger.peak_where}
 
 
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     for name in SOURCES:
         stored = json.loads((RESULTS_DIR / f"{name}.json").read_text())
         measured_in[name] = {key: stored[key] for key in ("gpu", "torch", "triton", "commit", "date")}
-        rows += [{"source": name, **repredict(row)} for row in stored["rows"] if "error" in row]
+        rows += [{"source": name, **repredict(row)} for row in stored["rows"] if recorded_error(row) is not None]
     errors = [abs(r["error"]) for r in rows]
     mean = 100 * sum(errors) / len(errors)
     targets = [target("max |ledger error| over the stored GPU measurements", 100 * max(errors), 5, "%", "lower")]

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from memfit.files import atomic_path
+from memfit.measure.results import recorded_error
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -62,7 +63,7 @@ def _targets(data: dict) -> str:
 
 
 def ledger_section(data: dict) -> str:
-    rows = [r for r in data["rows"] if "error" in r]
+    rows = [r for r in data["rows"] if recorded_error(r) is not None]
     blr = data["benchmark"] == "ledger_accuracy_blr"
     title = "### Memory ledger: predicted vs measured peak" + (", block-low-rank models" if blr else "")
     out = [title + "\n", _header(data, "python benchmarks/ledger_accuracy.py" + (" --blr" if blr else "")),
@@ -76,7 +77,7 @@ def ledger_section(data: dict) -> str:
                  f"micro-batch {knobs['micro_batch']}" if knobs["micro_batch"] != job["batch"] else ""]
         out.append(f"| {job['model']} | {job['task']} | {job['seq']} x {job['batch']} "
                    f"| {', '.join(e for e in extra if e) or '-'} | {r['peak_bytes'] / 2**30:.3f} "
-                   f"| {r['measured']['peak_bytes'] / 2**30:.3f} | {100 * r['error']:+.2f}% |")
+                   f"| {r['measured']['peak_bytes'] / 2**30:.3f} | {100 * recorded_error(r):+.2f}% |")
     return "\n".join(out) + "\n\n" + _targets(data)
 
 

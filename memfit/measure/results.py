@@ -138,3 +138,11 @@ def write_results(name: str, rows: list[dict], targets: list[dict], out_dir: Pat
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(payload, indent=1, default=float))
     return path
+
+
+def recorded_error(record: dict) -> float | None:
+    """A measured job's relative error from its verify record (``memfit.ledger.verify.VerifyResult.to_dict``, which
+    benchmarks store as rows): ``"relative_error"``, or the float ``"error"`` that records written before 19b5e6a
+    hold; None for a record without one (a skipped job)."""
+    value = record.get("relative_error", record.get("error"))
+    return value if isinstance(value, float) else None
