@@ -187,11 +187,11 @@ def test_a_tolerance_that_is_no_number_is_a_usage_error(capsys):
     assert stop.value.code == 2 and "expected a fraction (0.05) or a percentage (5%), got 'five'" in capsys.readouterr().err
 
 
-def test_plan_lists_each_plan_only_where_it_peaks_lower_than_those_above(capsys):
+def test_plan_lists_each_plan_only_where_it_needs_less_than_those_above(capsys):
     code, out, _ = run(capsys, "plan", "--model", "tiny", "--task", "full", "--seq", "64", "--gpu-memory", "8GiB",
                        "--json")
-    peaks = [p["peak_bytes"] for p in json.loads(out)["plans"]]
-    assert code == 0 and len(peaks) == 5 and peaks == sorted(set(peaks), reverse=True)
+    needs = [p["device_bytes"] for p in json.loads(out)["plans"]]
+    assert code == 0 and len(needs) > 1 and needs == sorted(set(needs), reverse=True)
 
 
 def test_version(capsys):

@@ -111,7 +111,7 @@ def _print(job, knobs, asked: Ledger, plans, budget: int) -> None:
     console.print(table)
     console.print("peak in " + f"{asked.peak_phase} at {asked.peak_where}; phase peaks: "
                   + ", ".join(f"{phase} {format_bytes(v)}" for phase, v in asked.phases.items()))
-    plans_table = Table(title=f"plans that fit {format_bytes(budget)}: exact first, then fastest, each peaking lower "
+    plans_table = Table(title=f"plans that fit {format_bytes(budget)}: exact first, then fastest, each needing less "
                               "than those above it")
     for column in ("#", "techniques", "needs", "peak", "time", "largest components at the peak"):
         plans_table.add_column(column, justify="right" if column in ("needs", "peak", "time") else "left")

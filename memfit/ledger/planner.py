@@ -131,15 +131,16 @@ def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,
 
 
 def undominated(plans: list[Plan]) -> list[Plan]:
-    """The plans, in their order (exact first, then fastest), that peak lower than every plan before them: one as
-    fast or faster with no larger peak leaves a later one nothing to offer (`memfit plan` of a job that fits had listed
-    the job as asked after fused cross-entropy with 0.01 MiB more, and a checkpointed plan at 1.13x the time for the
-    same peak)."""
+    """The plans, in their order (exact first, each group fastest first), that need less of the GPU (the device
+    total a budget is held against) than every plan before them. Among exact plans, one as fast or faster that
+    needs no more leaves a later one nothing to offer (`memfit plan` of a job that fit had listed the job as asked
+    after fused cross-entropy at the same time with more, and a checkpointed plan at 1.13x the time for the same
+    need); an approximate plan is listed only where it needs less than every exact one, however much faster it is."""
     kept, lowest = [], math.inf
     for candidate in plans:
-        if candidate.ledger.total < lowest:
+        if candidate.ledger.device_total < lowest:
             kept.append(candidate)
-            lowest = candidate.ledger.total
+            lowest = candidate.ledger.device_total
     return kept
 
 
