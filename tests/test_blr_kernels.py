@@ -598,7 +598,7 @@ def test_each_pick_is_a_debug_message_saying_where_it_came_from(monkeypatch, cap
     monkeypatch.setattr(autotune, "_time_candidate",
                         lambda op, name, fn, args, rep_ms: {"slow": 2.0, "fast": 1.0}[name])
     assert autotune.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
-    assert "op (8,): fast, the fastest of 2 timed (fast 1, slow 2 ms)" in caplog.text
+    assert "op (8,): fast, the fastest finalist (fast 1 ms; first timings of all 2: fast 1, slow 2)" in caplog.text
     assert autotune.pick_variant("op", (8,), candidates, "slow", ()) == "fast"
     assert "op (8,): fast, from the pick cache" in caplog.text
 

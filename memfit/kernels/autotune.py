@@ -198,9 +198,14 @@ def disk_pick(op: str, shape_key: tuple, key: str, candidates: dict, args: tuple
     cache[key] = timings["pick"]
     records[record] = timings
     _save_cache(cache)
-    logger.debug("%s %s: %s, the fastest of %d timed (%s ms)", op, shape_key, timings["pick"], len(candidates),
-                 ", ".join(f"{name} {ms:.4g}" for name, ms in sorted(timings["first"].items(), key=lambda kv: kv[1])))
+    logger.debug("%s %s: %s, the fastest finalist (%s ms; first timings of all %d: %s)", op, shape_key,
+                 timings["pick"], _listed(timings["finalists"]), len(candidates), _listed(timings["first"]))
     return timings["pick"]
+
+
+def _listed(times: dict) -> str:
+    """name -> ms, fastest first, as a debug message shows them."""
+    return ", ".join(f"{name} {ms:.4g}" for name, ms in sorted(times.items(), key=lambda kv: kv[1]))
 
 
 def _timed_fastest(op: str, candidates: dict, args: tuple) -> dict:
