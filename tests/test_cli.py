@@ -210,9 +210,13 @@ def test_verbose_plan_says_how_the_search_went(capsys, caplog):
 def test_a_data_file_passed_as_the_model_is_named_as_such(capsys, tmp_path, verb):
     """A JSONL file where the model goes had read as a malformed config.json."""
     data = tmp_path / "chat.jsonl"
+    out = ["--out", str(tmp_path / "out")] if verb == ["compress"] else []
     data.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n')
-    code, _, err = run(capsys, *verb, str(data), *(["--out", str(tmp_path / "out")] if verb == ["compress"] else []))
+    code, _, err = run(capsys, *verb, str(data), *out)
     assert code == 2 and "is a file that is not JSON" in err and "malformed config.json" not in err
+    data.write_text('{"prompt": "a", "response": "b"}\n')                   # one record: JSON, but no config
+    code, _, err = run(capsys, *verb, str(data), *out)
+    assert code == 2 and "is a JSON file but not a model's config.json" in err
 
 
 def test_local_model_directory(capsys, tmp_path):

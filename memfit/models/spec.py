@@ -310,6 +310,9 @@ def load_spec(model: str | Path | ModelSpec) -> ModelSpec:
                 raise MemfitError(f"{text!r} is a file that is not JSON ({err}): pass a preset, a model directory "
                                   "or its config.json") from None
             raise MemfitError(f"{path}: malformed config.json ({err})") from None
+        if path.name != "config.json" and not (isinstance(config, dict) and "model_type" in config):
+            raise MemfitError(f"{text!r} is a JSON file but not a model's config.json (it names no model_type): pass "
+                              "a preset, a model directory or its config.json")
         # named by its absolute path: a record of the job (plan --json) then reads back from any directory, and a
         # directory named like a preset (./llama-3.2-1b) is not read back as the preset
         return ModelSpec.from_hf_config(config, name=str((path.parent if path.name == "config.json" else path).resolve()))
