@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args([*argv, "plan"])
     level = logging.DEBUG if args.verbose else logging.INFO
     logging.basicConfig(level=level, format="memfit: %(message)s")
-    logging.getLogger("memfit").setLevel(level)   # also where the root logger was set up before (main() from Python)
+    memfit_logger = logging.getLogger("memfit")
+    caller_level = memfit_logger.level                # main() from Python: the caller's level comes back after
+    memfit_logger.setLevel(level)   # also where the root logger was set up before
     handled = _terminate_as_an_exception()
     try:
         return int(args.handler(args) or 0)
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print("memfit: interrupted", file=sys.stderr)
         return 130
     finally:
+        memfit_logger.setLevel(caller_level)
         if handled:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 

@@ -201,9 +201,14 @@ def test_version(capsys):
 
 
 def test_verbose_plan_says_how_the_search_went(capsys, caplog):
-    """-v had shown nothing: no debug message existed."""
+    """-v had shown nothing: no debug message existed. A caller's level of the memfit logger comes back after."""
+    import logging
+
+    logging.getLogger("memfit").setLevel(logging.WARNING)
     code, _, _ = run(capsys, "-v", "plan", "--model", "tiny", "--task", "full", "--seq", "64", "--gpu-memory", "8GiB")
     assert code == 0 and "candidate technique sets ranked by predicted time" in caplog.text
+    assert logging.getLogger("memfit").level == logging.WARNING
+    logging.getLogger("memfit").setLevel(logging.NOTSET)
 
 
 @pytest.mark.parametrize("verb", [["plan", "--model"], ["finetune"], ["compress"]])

@@ -122,7 +122,11 @@ def test_the_command_says_why_a_continuation_ended(tokens, said, tmp_path, monke
 
     monkeypatch.setattr(generate, "Generator", Ending)
     assert main(["generate", str(directory), "--prompt", "a", "--max-new", "4", "--device", "cpu"]) == 0
-    assert said in " ".join(capsys.readouterr().err.split())
+    err = " ".join(capsys.readouterr().err.split())
+    assert said in err and ("(--temperature samples others)" in err) == (tokens[0] == 257)
+    assert main(["generate", str(directory), "--prompt", "a", "--max-new", "4", "--device", "cpu", "--temperature",
+                 "1"]) == 0
+    assert "--temperature samples others" not in capsys.readouterr().err             # sampling already
     assert main(["generate", str(directory), "--prompt", "a", "--prompt", "b", "--max-new", "4", "--device", "cpu"]) == 0
     first = capsys.readouterr().out.split("\n")[0]
     assert first.startswith("--- prompt 1: 'a' (") and said in first

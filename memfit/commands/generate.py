@@ -170,14 +170,19 @@ class TextStream:
             self.shown = text
 
 
-def _ending(tokens: list[int], stops: frozenset[int], max_new: int) -> str:
-    """Why a continuation ended: at an end-of-text id after so many tokens, or at --max-new. An empty continuation
+def _stop_index(tokens: list[int], stops: frozenset[int]) -> int | None:
+    """Where the first end-of-text id is in a continuation, None where it has none."""
+    return next((i for i, token in enumerate(tokens) if token in stops), None)
+
+
+def _ending(end: int | None, max_new: int, sampled: bool) -> str:
+    """Why a continuation ended: at an end-of-text id (``end``, its index) or at --max-new. An empty continuation
     (greedy decoding's first token an end id) had printed an empty line and nothing else."""
-    end = next((i for i, token in enumerate(tokens) if token in stops), None)
     if end is None:
         return f"stopped at --max-new {max_new}"
     if end == 0:
-        return "the model's first token is end-of-text: an empty continuation (--temperature samples others)"
+        return "the model's first token is end-of-text: an empty continuation" + (
+            "" if sampled else " (--temperature samples others)")
     return f"stopped at the model's end-of-text token after {end} token{'s' * (end != 1)}"
 
 
@@ -253,13 +258,14 @@ def run(args) -> int:
     if single:
         text.close()
         sys.stdout.write("\n")
-        console.print(f"[dim]{_ending(result.tokens[0].tolist(), codec.stops, args.max_new)}[/dim]")
+        end = _stop_index(result.tokens[0].tolist(), codec.stops)
+        console.print(f"[dim]{_ending(end, args.max_new, args.temperature > 0)}[/dim]")
     else:                       # as one prompt shows it: the continuation alone, up to its end-of-text token
         for row in range(len(encoded)):
             tokens = result.tokens[row].tolist()
-            ending = _ending(tokens, codec.stops, args.max_new)
-            tokens = tokens[:next((i for i, token in enumerate(tokens) if token in codec.stops), len(tokens))]
-            print(f"--- prompt {row + 1}: {args.prompt[row]!r} ({ending})\n{codec.decode(tokens)}")
+            end = _stop_index(tokens, codec.stops)
+            ending = _ending(end, args.max_new, args.temperature > 0)
+            print(f"--- prompt {row + 1}: {args.prompt[row]!r} ({ending})\n{codec.decode(tokens[:end])}")
     peak = format_bytes(result.peak_bytes) if result.peak_bytes is not None else "n/a on CPU"
     console.print(f"decode {result.tokens_per_s:.1f} tokens/s per sequence ({result.steps} steps, "
                   f"{'CUDA graph' if result.graphs else 'eager'}), prefill {result.prefill_s * 1e3:.0f} ms, "
