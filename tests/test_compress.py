@@ -460,7 +460,7 @@ def test_cli_compresses_a_preset_and_prints_its_plan(tmp_path, capsys, caplog, m
 @pytest.mark.parametrize("method, slow", [("blast", True), ("lowrank", False)])
 def test_auto_on_a_machine_without_a_gpu_says_it_projects_on_the_cpu(tmp_path, caplog, monkeypatch, method, slow):
     """--device auto fell back to the CPU unsaid, where BLAST's descent of a 1B model runs for an hour (a fresh-user
-    audit). The bar shows the time left (rich's TimeRemainingColumn), once a kind of layer is done."""
+    audit)."""
     import memfit.log
     from memfit.cli import main
 

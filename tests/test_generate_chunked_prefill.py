@@ -71,6 +71,24 @@ def test_a_prompt_in_chunks_decodes_as_in_one(model_dir, partial, monkeypatch, c
     assert all(torch.equal(a, b) for a, b in zip(chunked_out.selected, whole_out.selected))
 
 
+def test_a_partial_layer_counts_each_chunks_real_tokens_against_its_slice_of_the_prompt_mask():
+    """Observed a chunk at a time, a partial layer's counts equal count_top_activations over the whole prompt under its
+    mask: padding skipped in every chunk (a layer that ignored the mask would count the padded tokens too)."""
+    from memfit.infer.selection import PartialMLP, count_top_activations
+
+    k = 24
+    mlp = PartialMLP.__new__(PartialMLP)
+    mlp.counts, mlp.token_mask, mlp.observed = torch.zeros(k, dtype=torch.int64), None, 0
+    h = torch.randn(2, 11, k, generator=seeded(6))
+    mask = torch.ones(2, 11, dtype=torch.bool)
+    mask[1, :7] = False
+    mlp.token_mask = mask
+    for start in range(0, 11, 4):
+        mlp.observe(h[:, start:start + 4])
+    assert mlp.observed == 11 and torch.equal(mlp.counts, count_top_activations(h, token_mask=mask))
+    assert not torch.equal(mlp.counts, count_top_activations(h))
+
+
 def test_scoring_runs_its_teacher_forced_rest_in_chunks_too(model_dir, monkeypatch):
     """score()'s rest (tokens after the prompt, all their logits) had run as one forward with a quadratic mask."""
     model = load_on_test_device(model_dir)

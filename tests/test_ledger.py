@@ -1192,7 +1192,10 @@ def test_a_verify_result_prints_as_one_line():
 @MEASURES_A_CPU_RUN
 def test_a_checkpointed_verify_trains_without_a_kv_cache(capfd):
     """A training step called the model with its config's use_cache: transformers printed that the cache and gradient
-    checkpointing do not go together (a fresh-user audit)."""
+    checkpointing do not go together (a fresh-user audit). It says so once a process: its cache is emptied first."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.warning_once.cache_clear()           # transformers' warning_once: an lru_cache on the message
     verify(Job(TINY, task="full", seq=64, batch=2, device="cpu"), Knobs(dtype="float32", checkpoint_layers=1))
     assert "use_cache" not in capfd.readouterr().err
 
