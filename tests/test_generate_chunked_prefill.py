@@ -105,6 +105,18 @@ def test_scoring_runs_its_teacher_forced_rest_in_chunks_too(model_dir, monkeypat
     assert len(masks) == 8 and max(m.shape[2] for m in masks[1:]) == G * 5    # the rest: 33 queries, 5 at a time
 
 
+def test_every_mask_spans_a_multiple_of_8_keys(model_dir, monkeypatch):
+    """The cache holds max_len slots rounded up to KEY_ALIGN: a max_len of 13 had given the prefill and every
+    non-kernel decode step a 13-key mask, which SDPA's memory-efficient kernel copies into a padded one."""
+    masks = []
+    real = Generator._mask
+    monkeypatch.setattr(Generator, "_mask", lambda self, *args: masks.append(real(self, *args)) or masks[-1])
+    gen = Generator(load_on_test_device(model_dir), 13, batch=1, fused=False, fast=False)
+    out = gen.generate(torch.randint(0, 512, (1, 9), generator=seeded(7)), 4)
+    assert gen.cache_len == 16 and out.tokens.shape == (1, 4)
+    assert len(masks) >= 4 and all(m.shape[-1] % generate.KEY_ALIGN == 0 for m in masks)
+
+
 @pytest.mark.cpu_only(reason="forces memfit's decode kernels, through the Triton interpreter on CPU tensors")
 def test_a_one_token_chunk_is_prefilled_not_decoded(model_dir, monkeypatch):
     """A chunk of one token (a prompt's last, or a 1-token prompt) had taken the decode step's path: memfit's decode

@@ -42,7 +42,7 @@ def _step_logits(gen, x, mask, steps=2):
     gen.prefill(x, mask)
     rows = []
     for _ in range(steps):
-        rows.append(gen._forward(gen.tok, gen.pos, gen.slot, gen.max_len, "last", decode=True)[:, -1])
+        rows.append(gen._forward(gen.tok, gen.pos, gen.slot, gen.cache_len, "last", decode=True)[:, -1])
         gen.decode(1)
     return torch.stack(rows)
 

@@ -267,12 +267,15 @@ class Generator:
             warn_once("generate:unfused", f"{fusable} of {len(layers)} layers decode with separate q/k/v and gate/up "
                                           "matmuls: their weights are not in memfit's fused layout (load the model "
                                           "with memfit.infer.load_model)")
-        shape = (batch, self.kv_heads, max_len, self.head_dim)
+        # the cache holds max_len slots rounded up to KEY_ALIGN (the spare ones never valid), so that every mask over
+        # it, a decode step's too, has rows SDPA's memory-efficient kernel takes as they are
+        self.cache_len = -(-max_len // KEY_ALIGN) * KEY_ALIGN
+        shape = (batch, self.kv_heads, self.cache_len, self.head_dim)
         factory = {"device": self.device}
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, **factory) for _ in layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, **factory) for _ in layers]
-        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, **factory)   # slot holds a real token
-        self.key_slots = torch.arange(max_len, **factory)
+        self.valid = torch.zeros(batch, self.cache_len, dtype=torch.bool, **factory)   # slot holds a real token
+        self.key_slots = torch.arange(self.cache_len, **factory)
         rotary = model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
@@ -375,8 +378,8 @@ class Generator:
 
     def _keys_through(self, end: int) -> int:
         """The cache slots a chunk of queries ending at slot ``end`` attends over: ``end``, rounded up to KEY_ALIGN
-        within the cache."""
-        return min(self.max_len, -(-end // KEY_ALIGN) * KEY_ALIGN)
+        (the cache's length is a multiple of it)."""
+        return min(self.cache_len, -(-end // KEY_ALIGN) * KEY_ALIGN)
 
     def _forward_in_chunks(self, ids: torch.Tensor, positions: torch.Tensor, first: int, logits: str) -> torch.Tensor:
         """Forward ``ids`` (B, n) at ``positions`` (B, n) into cache slots ``first``..``first + n - 1``, a chunk of
@@ -475,7 +478,7 @@ class Generator:
     def _step(self) -> None:
         """One decode token: forward ``tok`` at ``slot``, sample the next, advance (all on device)."""
         self.valid.index_fill_(1, self.slot, True)
-        logits = self._forward(self.tok, self.pos, self.slot, self.max_len, "last", decode=True)[:, -1]
+        logits = self._forward(self.tok, self.pos, self.slot, self.cache_len, "last", decode=True)[:, -1]
         nxt = self._sample(logits)[:, None]
         self.tok.copy_(nxt)
         self.out.index_copy_(1, self.step_index, nxt)
