@@ -82,6 +82,11 @@ PREFILL_MASK_BYTES = 64 * 2**20
 KEY_ALIGN = 8
 
 
+def _key_aligned(slots: int) -> int:
+    """``slots`` rounded up to a multiple of KEY_ALIGN."""
+    return -(-slots // KEY_ALIGN) * KEY_ALIGN
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -269,7 +274,7 @@ class Generator:
                                           "with memfit.infer.load_model)")
         # the cache holds max_len slots rounded up to KEY_ALIGN (the spare ones never valid), so that every mask over
         # it, a decode step's too, has rows SDPA's memory-efficient kernel takes as they are
-        self.cache_len = -(-max_len // KEY_ALIGN) * KEY_ALIGN
+        self.cache_len = _key_aligned(max_len)
         shape = (batch, self.kv_heads, self.cache_len, self.head_dim)
         factory = {"device": self.device}
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, **factory) for _ in layers]
@@ -379,7 +384,7 @@ class Generator:
     def _keys_through(self, end: int) -> int:
         """The cache slots a chunk of queries ending at slot ``end`` attends over: ``end``, rounded up to KEY_ALIGN
         (the cache's length is a multiple of it)."""
-        return min(self.cache_len, -(-end // KEY_ALIGN) * KEY_ALIGN)
+        return min(self.cache_len, _key_aligned(end))
 
     def _forward_in_chunks(self, ids: torch.Tensor, positions: torch.Tensor, first: int, logits: str) -> torch.Tensor:
         """Forward ``ids`` (B, n) at ``positions`` (B, n) into cache slots ``first``..``first + n - 1``, a chunk of
