@@ -11,8 +11,9 @@ decoder layers, so a GPU does them in one go). The factor layouts match memfit.l
   ``MonarchLinear.set_factors`` packs these into the layer's ``w1``/``w2``.
 * BLAST:     ``U (..., b, out/b, r)``, ``V (..., b, in/b, r)``, ``S (..., b, b, r)``;
   ``W_ij ~ U_i diag(S_ij) V_j^T``. No closed form: preconditioned alternating descent
-  (Lee et al. 2024, "BLAST", Alg. 1) from a block-SVD start, in the bases that make every
-  block's core diagonal where the matrix is (nearly) BLAST of the rank.
+  (Lee et al. 2024, "BLAST", Alg. 1) from the better of a block-SVD start (in the bases that
+  make every block's core diagonal where the matrix is (nearly) BLAST of the rank) and the
+  truncated SVD's, so that a result fits no worse than low-rank of the same rank.
 
 Activation-aware ("whitened") variants minimise the output error ``||(W - W^) X^T||_F``
 on calibration inputs ``X`` instead of ``||W - W^||_F``. With ``C = X^T X = L L^T``,
@@ -204,6 +205,28 @@ def _right_divide(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_ex(B, A, left=False)[0]
 
 
+def _unit_columns(X: torch.Tensor) -> torch.Tensor:
+    """``X`` with every column scaled to unit norm (a zero column stays zero)."""
+    return X / X.norm(dim=-2, keepdim=True).clamp_min(1e-30)
+
+
+def _lowrank_bases(A: torch.Tensor, rank: int, blocks: int, generator: torch.Generator | None):
+    """The rank-``rank`` truncated SVD ``A V V^T`` as BLAST bases: ``U_i`` the rows of ``A V`` in block row i,
+    ``V_j`` those of ``V`` in block column j (with ``S`` all ones, BLAST's form of that matrix). ``V`` comes from the
+    smaller side's Gram matrix (``A^T A`` or ``A A^T``), as the block SVD's bases do.
+
+    On weights whose singular values fall off, as trained ones do, the block SVD's start is far from this one (from
+    it, the descent had ended above the truncated SVD's own error), and this one is the better start."""
+    *lead, out, inp = A.shape
+    if inp <= out:
+        V = _top_eigvecs(A.transpose(-1, -2) @ A, rank, generator)         # (..., in, r)
+        U = A @ V
+    else:
+        U = _top_eigvecs(A @ A.transpose(-1, -2), rank, generator)         # (..., out, r)
+        V = A.transpose(-1, -2) @ U
+    return U.reshape(*lead, blocks, out // blocks, rank), V.reshape(*lead, blocks, inp // blocks, rank)
+
+
 def _diagonalising_bases(Ab: torch.Tensor, U: torch.Tensor, V: torch.Tensor, generator: torch.Generator | None):
     """New bases of the block-SVD subspaces ``U (..., i, p, r)``, ``V (..., j, q, r)`` in which every core
     ``U_i^T A_ij V_j`` is diagonal, where such bases exist (Jennrich's simultaneous diagonalisation).
@@ -230,7 +253,7 @@ def _diagonalising_bases(Ab: torch.Tensor, U: torch.Tensor, V: torch.Tensor, gen
 
 def check_steps(steps, name: str = "steps", least: int = 1) -> None:
     """BLAST's descent steps per matrix, an integer of at least ``least``: where a caller asks for a projection, 0 or
-    fewer had returned the descent's start (a block SVD) unsaid; :func:`blast_factorize` takes 0 for that start."""
+    fewer had returned the descent's start unsaid; :func:`blast_factorize` takes 0 for that start."""
     if not is_count(steps, least):
         what = "a positive integer" if least == 1 else f"an integer of at least {least}"
         raise MemfitError(f"{name} (BLAST's descent steps per matrix) must be {what}, got {steps!r}")
@@ -244,13 +267,14 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     gradient of ``||A - A^||_F^2`` right-multiplied by the inverse of the damped Gram
     matrix of the other factors (BLAST paper, Alg. 1); ``step_size=1`` makes each update
     the exact damped least-squares solve. The damping is ``delta0 * ||A - A^||_F`` so it
-    vanishes as the fit converges. The start is a block SVD: ``U_i`` spans block row i,
-    ``V_j`` block column j, ``S`` their least-squares weights; per matrix, of those bases and
-    the ones that make every block's core diagonal (:func:`_diagonalising_bases`; rank at most
-    the block size) where they fit the matrix to ``NEARLY_EXACT`` -- so a generic matrix that is
+    vanishes as the fit converges. The start, per matrix, is the better fit of two: a block SVD
+    (``U_i`` spans block row i, ``V_j`` block column j, ``S`` their least-squares weights; in
+    the bases that make every block's core diagonal (:func:`_diagonalising_bases`; rank at most
+    the block size) where those fit the matrix to ``NEARLY_EXACT`` -- so a generic matrix that is
     exactly BLAST of this rank starts within that and is recovered by the descent (in float64;
-    in float32 at ranks near the block size the bases can miss the gate, and the start is the
-    block SVD's). ``history`` (a list) receives the relative error after every step.
+    in float32 at ranks near the block size the bases can miss the gate)), and the rank-``rank``
+    truncated SVD in BLAST's form (:func:`_lowrank_bases`, ``S`` fitted likewise), so the result
+    fits no worse than it (to the solves' damping). ``history`` (a list) receives the relative error after every step.
 
     The result is, per matrix, the iterate with the lowest true error among the start and every
     ``BLAST_CHECK_EVERY``-th step (and the last; ``steps=0`` returns the start): where a matrix is fitted exactly at
@@ -292,12 +316,16 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     U, V, S, gram, err = start(U, V)
     if b > 1 and rank <= min(p, q):  # per matrix, the bases that diagonalise its cores where they fit it (nearly) exactly
         U2, V2 = _diagonalising_bases(Ab, U, V, gen)   # (beyond the block size every core is singular)
-        diagonal = start(U2 / U2.norm(dim=-2, keepdim=True).clamp_min(1e-30),
-                         V2 / V2.norm(dim=-2, keepdim=True).clamp_min(1e-30))
+        diagonal = start(_unit_columns(U2), _unit_columns(V2))
         miss = (A - blast_dense(*diagonal[:3])).square().sum((-2, -1))     # not from loss(): it cancels at large S
         better = miss < NEARLY_EXACT ** 2 * a_norm2    # False where the diagonalising start is not finite
         U, V, S, gram, err = (_per_matrix(better, y, x) for x, y in zip((U, V, S, gram, err), diagonal))
         del U2, V2, diagonal, miss, better             # not held through the descent
+    # per matrix, the truncated SVD's bases where they fit better: BLAST of rank r holds every rank-r matrix
+    lowrank = start(*map(_unit_columns, _lowrank_bases(A, rank, b, gen)))
+    better = true_miss(*lowrank[:3]) < true_miss(U, V, S)
+    U, V, S, gram, err = (_per_matrix(better, y, x) for x, y in zip((U, V, S, gram, err), lowrank))
+    del lowrank, better
     best, best_miss = (U, V, S), true_miss(U, V, S)
     for step in range(1, steps + 1):
         delta = (delta0 * err.sqrt()).clamp_min(tiny)

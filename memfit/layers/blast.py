@@ -8,7 +8,7 @@ in all. Forward: Z_j = x_j V_j, T_i = sum_j Z_j diag(s_ij), y_i = T_i U_i^T, so
 
 ``from_dense`` is memfit.compress's weight-space projection
 (``compress.projection.blast_project``: the paper's preconditioned alternating descent
-from a block-SVD start), ``steps`` sweeps (default 100); memfit.compress adds the
+from the better of a block-SVD and the truncated SVD's start), ``steps`` sweeps (default 100); memfit.compress adds the
 activation-aware projection.
 """
 from __future__ import annotations
