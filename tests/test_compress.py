@@ -95,6 +95,19 @@ def test_blast_is_never_worse_than_the_truncated_svd_at_its_rank(steps):
         assert (blast < 0.9 * svd).all(), "the descent from the truncated SVD's start improves on it"
 
 
+def test_blast_fits_a_weight_alike_at_any_scale():
+    """The descent's damping is absolute; run on the weight as given, a Gaussian matrix at rms 100 fitted 10.5%
+    worse than at rms 0.02 (100 steps, rank 32, 16 blocks). Scaled copies must fit alike, and come back scaled."""
+    W = torch.randn(96, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    errors, dense = [], []
+    for scale in (1e-3, 1.0, 1e2):
+        fitted = proj.blast_dense(*proj.blast_project(W * scale, 12, 8, steps=40))
+        errors.append(float(proj.relative_weight_error(W * scale, fitted)))
+        dense.append(fitted / scale)
+    assert max(errors) - min(errors) < 1e-9 * max(errors), errors
+    assert torch.allclose(dense[0], dense[2], rtol=1e-6, atol=1e-9)
+
+
 @pytest.mark.parametrize("method", ["lowrank", "monarch", "blast"])
 def test_error_falls_as_rank_grows(method):
     W = torch.randn(48, 80)

@@ -267,7 +267,9 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     gradient of ``||A - A^||_F^2`` right-multiplied by the inverse of the damped Gram
     matrix of the other factors (BLAST paper, Alg. 1); ``step_size=1`` makes each update
     the exact damped least-squares solve. The damping is ``delta0 * ||A - A^||_F`` so it
-    vanishes as the fit converges. The start, per matrix, is the better fit of two: a block SVD
+    vanishes as the fit converges; the descent runs on ``A`` scaled to unit root-mean-square (the scale goes back
+    on ``S``), so that a weight's own scale, which that absolute damping had weighed, does not change its fit.
+    The start, per matrix, is the better fit of two: a block SVD
     (``U_i`` spans block row i, ``V_j`` block column j, ``S`` their least-squares weights; in
     the bases that make every block's core diagonal (:func:`_diagonalising_bases`; rank at most
     the block size) where those fit the matrix to ``NEARLY_EXACT`` -- so a generic matrix that is
@@ -285,6 +287,8 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     check_structure("blast", A.shape[-1], A.shape[-2], rank, blocks)
     check_steps(steps, least=0)
     A = A.to(_work_dtype(A))
+    rms = A.square().mean((-2, -1)).sqrt().clamp_min(torch.finfo(A.dtype).tiny)[..., None, None]
+    A = A / rms                                        # the damping is absolute: the descent runs at unit rms
     gen = torch.Generator(device=A.device).manual_seed(seed)
     b = blocks
     *lead, out, inp = A.shape
@@ -355,7 +359,8 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
             better = miss < best_miss
             best = tuple(_per_matrix(better, new, old) for new, old in zip((U, V, S), best))
             best_miss = torch.minimum(miss, best_miss)
-    return _balance(*best)
+    U, V, S = best
+    return _balance(U, V, S * rms.unsqueeze(-1))
 
 
 def _per_matrix(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
