@@ -91,6 +91,23 @@ def test_a_device_memfit_does_not_run_on_is_refused(tmp_path, capsys, no_model_l
     _fails(capsys, argv, f"unknown device '{device}': use auto, cpu, cuda or cuda:N")
 
 
+@pytest.mark.parametrize("device, message", [
+    ("cuda:1", "for GPU 1 of several, run with CUDA_VISIBLE_DEVICES=1 and --device cuda"),
+    ("auto", "auto would make the job depend on this machine: the job is for cuda or cpu"),
+    ("mps", "expected cuda or cpu, got 'mps'"),
+])
+@pytest.mark.parametrize("verb", ["plan", "verify"])
+def test_plan_and_verify_say_what_device_to_pass(capsys, no_model_load, verb, device, message):
+    """The job's --device is a kind of device; the other verbs take auto and cuda:N, which here had met argparse's
+    bare "invalid choice"."""
+    with pytest.raises(SystemExit) as raised:          # argparse's own error: usage, then the line
+        main([verb, "--model", "tiny", "--device", device])
+    err = capsys.readouterr().err
+    assert raised.value.code == 2
+    assert err.splitlines()[-1].startswith(f"memfit {verb}: error: argument --device: ")
+    assert message in err.splitlines()[-1]
+
+
 def test_a_cuda_device_past_the_machines_gpus_is_refused(monkeypatch):
     from memfit.local import resolve_device
 

@@ -24,6 +24,19 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
 
+def _job_device(text: str) -> str:
+    """--device of plan and verify: the kind of device the job is for. The other verbs' auto and cuda:N are refused
+    with what to pass instead."""
+    if text in ("cuda", "cpu"):
+        return text
+    if text == "auto":
+        raise argparse.ArgumentTypeError("auto would make the job depend on this machine: the job is for cuda or cpu")
+    if text.startswith("cuda:") and text[5:].isdigit():
+        raise argparse.ArgumentTypeError(f"the job is for a kind of device, cuda or cpu: for GPU {text[5:]} of several, "
+                                         f"run with CUDA_VISIBLE_DEVICES={text[5:]} and --device cuda")
+    raise argparse.ArgumentTypeError(f"expected cuda or cpu, got {text!r}")
+
+
 def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cuda", partial: bool = True) -> None:
     """The job's options; ``partial=False`` (a command that cannot run a partial-FFN job) keeps --partial-load and
     --partial-compute out of its --help but still parses them, so that using them gets the reason it refuses them."""
@@ -35,8 +48,9 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
     job.add_argument("--seq", type=_int, default=2048, help="tokens per sequence (prompt length for infer; default 2048)")
     job.add_argument("--batch", type=_int, default=1, help="sequences per step (default 1)")
     job.add_argument("--new-tokens", type=_int, help="infer: tokens generated after the prompt (default 128)")
-    job.add_argument("--device", default=default_device, choices=("cuda", "cpu"),
-                     help=f"where the job runs (default {default_device})")
+    job.add_argument("--device", default=default_device, type=_job_device, metavar="{cuda,cpu}",
+                     help=f"the kind of device the job runs on (default {default_device}; for one GPU of several, "
+                          f"set CUDA_VISIBLE_DEVICES)")
     setup = parser.add_argument_group("how it runs (the planner may add techniques on top)")
     setup.add_argument("--dtype", default=None, help="weights/activations dtype: float32, bfloat16, float16 (default: the model's)")
     setup.add_argument("--lora-rank", type=_int, help="lora: LoRA rank (default 16)")
