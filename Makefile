@@ -12,6 +12,7 @@ TRITON_SPEC ?= triton==3.6.0
 .PHONY: run test setup clean
 
 $(STAMP): pyproject.toml Makefile
+	@echo "memfit: setting up $(VENV) (torch, triton, transformers and the rest: a minute or two on a fresh machine)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)" "$(TRITON_SPEC)"
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev]"
