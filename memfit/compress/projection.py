@@ -98,6 +98,13 @@ def _unwhiten(factor_t: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(chol.transpose(-1, -2), factor_t, upper=True)
 
 
+def _whitened_svd(Wb: torch.Tensor, chol: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-``k`` ``L R^T`` minimising ``||(Wb - L R^T) chol||_F`` per sub-block (``chol`` its input covariance's
+    Cholesky factor): the truncated SVD of ``Wb chol``, its right factor mapped back."""
+    L, Rw = truncated_svd((Wb.double() @ chol).to(Wb.dtype), k)
+    return _balance_pair(L, _unwhiten(Rw.double(), chol).to(Wb.dtype))
+
+
 def _blocks(W: torch.Tensor, blocks: int) -> torch.Tensor:
     """``(..., out, in)`` -> ``(..., i, j, out/b, in/b)`` sub-blocks."""
     *lead, out, inp = W.shape
@@ -110,6 +117,30 @@ def _unblocks(Wb: torch.Tensor) -> torch.Tensor:
     return Wb.transpose(-3, -2).reshape(*lead, bi * p, bj * q)
 
 
+def _unit_rms(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A`` scaled to unit root-mean-square per matrix, and that scale ``(..., 1, 1)``: the descents' and the
+    refinements' ridges are absolute, and a weight's own scale must not weigh them."""
+    rms = A.square().mean((-2, -1)).sqrt().clamp_min(torch.finfo(A.dtype).tiny)[..., None, None]
+    return A / rms, rms
+
+
+def _unit_covariance(cov: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cov`` scaled to unit mean variance and damped by ``COV_DAMP`` (as the whitening is): what the refinements
+    measure the output error on."""
+    C = cov.to(dtype)
+    C = C / C.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(torch.finfo(dtype).tiny)[..., None, None]
+    return C + COV_DAMP * torch.eye(C.shape[-1], dtype=dtype, device=C.device)
+
+
+def _keep_better_sweep(swept: torch.Tensor, err: torch.Tensor, new: tuple, old: tuple):
+    """A refinement sweep's factors ``new`` where its error ``swept`` is not above ``err``, else ``old``, per matrix;
+    the error kept, and whether any matrix took the sweep (if none did, the next sweep, a function of the factors,
+    would repeat it)."""
+    kept = swept <= err
+    return (tuple(_per_matrix(kept, n, o) for n, o in zip(new, old)), torch.where(kept, swept, err),
+            bool(kept.any()))
+
+
 # ---- low-rank ----------------------------------------------------------------------------
 def lowrank_project(W: torch.Tensor, rank: int, cov: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Best rank-``rank`` ``U V^T`` to ``W`` (truncated SVD), or to ``W`` on inputs of covariance ``cov``."""
@@ -117,9 +148,7 @@ def lowrank_project(W: torch.Tensor, rank: int, cov: torch.Tensor | None = None)
     A = W.to(_work_dtype(W))
     if cov is None:
         return truncated_svd(A, rank)
-    chol = whitening_factor(cov, 1)[..., 0, :, :]
-    U, Vw = truncated_svd((A.double() @ chol).to(A.dtype), rank)
-    return _balance_pair(U, _unwhiten(Vw.double(), chol).to(A.dtype))
+    return _whitened_svd(A, whitening_factor(cov, 1)[..., 0, :, :], rank)
 
 
 def _balance_pair(U: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,13 +189,6 @@ def monarch_project(W: torch.Tensor, rank: int, blocks: int, cov: torch.Tensor |
     return _balance_pair(*monarch_refine_output_error(A, L, R, cov, refine_sweeps))
 
 
-def _whitened_svd(Wb: torch.Tensor, chol: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-``k`` ``L R^T`` minimising ``||(Wb - L R^T) chol||_F`` per sub-block (``chol`` its input covariance's
-    Cholesky factor): the truncated SVD of ``Wb chol``, its right factor mapped back."""
-    L, Rw = truncated_svd((Wb.double() @ chol).to(Wb.dtype), k)
-    return _balance_pair(L, _unwhiten(Rw.double(), chol).to(Wb.dtype))
-
-
 def monarch_refine_output_error(A: torch.Tensor, L: torch.Tensor, R: torch.Tensor, cov: torch.Tensor,
                                 sweeps: int = 20, history: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Lower ``||(A - A^) X^T||_F^2`` (``X^T X = C``, the full input covariance) over Monarch factors.
@@ -184,11 +206,9 @@ def monarch_refine_output_error(A: torch.Tensor, L: torch.Tensor, R: torch.Tenso
     *lead, out, inp = A.shape
     b, k = L.shape[-4], L.shape[-1]
     q = inp // b
-    rms = A.square().mean((-2, -1)).sqrt().clamp_min(torch.finfo(dt).tiny)[..., None, None]
-    A, L = A / rms, L / rms.unsqueeze(-1).unsqueeze(-1)
-    C = cov.to(dt)
-    C = C / C.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(torch.finfo(dt).tiny)[..., None, None]
-    C = C + COV_DAMP * torch.eye(inp, dtype=dt, device=C.device)
+    A, rms = _unit_rms(A)
+    L = L / rms.unsqueeze(-1).unsqueeze(-1)
+    C = _unit_covariance(cov, dt)
     C_jj = C.reshape(*lead, b, q, b, q).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)     # (..., j, q, q)
     chol = torch.linalg.cholesky(C_jj.double())                                         # float64, as the whitening's
 
@@ -214,13 +234,10 @@ def monarch_refine_output_error(A: torch.Tensor, L: torch.Tensor, R: torch.Tenso
             new_e = A[..., :, cols] - (L_j @ R_j.transpose(-1, -2)).reshape(*lead, out, q)
             EC = EC + (new_e - e_j) @ C[..., cols, :]
             E[..., :, cols] = new_e
-        swept = output_error(E)
-        kept = swept <= err
-        L, R, E = (_per_matrix(kept, new, old) for new, old in zip((L, R, E), before))
-        err = torch.where(kept, swept, err)
+        (L, R, E), err, any_kept = _keep_better_sweep(output_error(E), err, (L, R, E), before)
         if history is not None:
             history.append((err / a_norm2.clamp_min(1e-30)).sqrt())
-        if not bool(kept.any()):                      # a sweep is a function of the factors: it would repeat
+        if not any_kept:
             break
     return L * rms.unsqueeze(-1).unsqueeze(-1), R
 
@@ -355,8 +372,7 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     check_structure("blast", A.shape[-1], A.shape[-2], rank, blocks)
     check_steps(steps, least=0)
     A = A.to(_work_dtype(A))
-    rms = A.square().mean((-2, -1)).sqrt().clamp_min(torch.finfo(A.dtype).tiny)[..., None, None]
-    A = A / rms                                        # the damping is absolute: the descent runs at unit rms
+    A, rms = _unit_rms(A)                              # the damping is absolute: the descent runs at unit rms
     gen = torch.Generator(device=A.device).manual_seed(seed)
     b = blocks
     *lead, out, inp = A.shape
@@ -488,11 +504,9 @@ def blast_refine_output_error(A: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
     *lead, out, inp = A.shape
     b, p, r = U.shape[-3:]
     q = V.shape[-2]
-    rms = A.square().mean((-2, -1)).sqrt().clamp_min(torch.finfo(dt).tiny)[..., None, None]
-    A, S = A / rms, S / rms.unsqueeze(-1)
-    C = cov.to(dt)
-    C = C / C.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(torch.finfo(dt).tiny)[..., None, None]
-    C = C + COV_DAMP * torch.eye(inp, dtype=dt, device=C.device)
+    A, rms = _unit_rms(A)
+    S = S / rms.unsqueeze(-1)
+    C = _unit_covariance(cov, dt)
     AC = A @ C
     a_norm2 = (A * AC).sum((-2, -1))
     eye = torch.eye(r, dtype=dt, device=A.device)
@@ -538,13 +552,10 @@ def blast_refine_output_error(A: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
             ds = solve(damped(gram), rhs.unsqueeze(-1)).squeeze(-1)
             S[..., :, j, :] += ds
             R = R - (U * ds.unsqueeze(-2)).reshape(*lead, out, r) @ (Vj.transpose(-1, -2) @ C[..., cols, :])
-        swept = output_error(U, V, S)
-        kept = swept <= err
-        U, V, S = (_per_matrix(kept, new, old) for new, old in zip((U, V, S), before))
-        err = torch.where(kept, swept, err)
+        (U, V, S), err, any_kept = _keep_better_sweep(output_error(U, V, S), err, (U, V, S), before)
         if history is not None:
             history.append((err / a_norm2.clamp_min(1e-30)).sqrt())
-        if not bool(kept.any()):                      # a sweep is a function of the factors: it would repeat
+        if not any_kept:
             break
     return U, V, S * rms.unsqueeze(-1)
 
