@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def _job_device(text: str) -> str:
         return text
     if text == "auto":
         raise argparse.ArgumentTypeError("auto would make the job depend on this machine: the job is for cuda or cpu")
-    if text.startswith("cuda:") and text[5:].isdigit():
+    if re.fullmatch(r"cuda:[0-9]+", text):
         raise argparse.ArgumentTypeError(f"the job is for a kind of device, cuda or cpu: for GPU {text[5:]} of several, "
                                          f"run with CUDA_VISIBLE_DEVICES={text[5:]} and --device cuda")
     raise argparse.ArgumentTypeError(f"expected cuda or cpu, got {text!r}")

@@ -130,8 +130,8 @@ def _chunk_size(method: str, kp: KindPlan, blocks: int, activation_aware: bool =
             floats += 3 * fin * fout + fin * fin + 2 * blocks * fin * r
     elif method == "monarch":
         floats += 2 * fin * fout
-        if activation_aware:   # monarch_refine_output_error: A - A^, (A - A^) C, the sweep's copy, the damped C
-            floats += 3 * fin * fout + fin * fin
+        if activation_aware:   # monarch_refine_output_error: A scaled, A - A^ and the sweep's copy, (A - A^) C, the
+            floats += 6 * fin * fout + 4 * fin * fin    # error's two temporaries; the scaled, damped C and its makings
     return max(1, WORKSPACE_BYTES // (8 * floats))
 
 
