@@ -124,8 +124,8 @@ def _chunk_size(method: str, kp: KindPlan, blocks: int, activation_aware: bool =
     """Matrices per batched projection that keep the work space under WORKSPACE_BYTES."""
     fin, fout, r = kp.in_features, kp.out_features, kp.rank
     floats = 4 * fin * fout + fin * fin
-    if method == "blast":
-        floats += 2 * blocks * (fin + fout) * r + 2 * blocks * blocks * r * r
+    if method == "blast":   # the factors and Gram matrices, and the float64 copy the diagonalising start takes
+        floats += 2 * blocks * (fin + fout) * r + 2 * blocks * blocks * r * r + fin * fout
         if activation_aware:   # blast_refine_output_error: A C, (A - A^) C, A^, the damped C, V-bar and C V-bar
             floats += 3 * fin * fout + fin * fin + 2 * blocks * fin * r
     elif method == "monarch":

@@ -373,8 +373,9 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     (``U_i`` spans block row i, ``V_j`` block column j, ``S`` their least-squares weights; in
     the bases that make every block's core diagonal (:func:`_diagonalising_bases`; rank at most
     the block size) where those fit the matrix to ``NEARLY_EXACT`` -- so a generic matrix that is
-    exactly BLAST of this rank starts within that and is recovered by the descent (in float64;
-    in float32 at ranks near the block size the bases can miss the gate)), and the rank-``rank``
+    exactly BLAST of this rank starts within that and is recovered by the descent (in float64; a
+    float32 matrix's bases are diagonalised in float64, and still miss the gate at ranks near the
+    block size: at 768x768 in 16 blocks, rank 24 starts within it, rank 40 does not)), and the rank-``rank``
     truncated SVD in BLAST's form (:func:`_lowrank_bases`, ``S`` fitted likewise), so the result
     fits no worse than it (to the solves' damping and rounding). ``history`` (a list) receives the relative error
     after every step.
@@ -420,7 +421,9 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     V = _top_eigvecs(Acol.transpose(-1, -2) @ Acol, rank, gen)          # (..., j, q, r)
     U, V, S, gram, err = start(U, V)
     if b > 1 and rank <= min(p, q):  # per matrix, the bases that diagonalise its cores where they fit it (nearly) exactly
-        U2, V2 = _diagonalising_bases(Ab, U, V, gen)   # (beyond the block size every core is singular)
+        # (beyond the block size every core is singular); in float64 whatever A's dtype: from float32 cores, their
+        # products' inverses had missed the gate (at 768x768, one of two exactly BLAST matrices of rank 24 started 0.78 off)
+        U2, V2 = (x.to(A.dtype) for x in _diagonalising_bases(Ab.double(), U.double(), V.double(), gen))
         diagonal = start(_unit_columns(U2), _unit_columns(V2))
         miss = (A - blast_dense(*diagonal[:3])).square().sum((-2, -1))     # not from loss(): it cancels at large S
         better = miss < NEARLY_EXACT ** 2 * a_norm2    # False where the diagonalising start is not finite
