@@ -1,5 +1,6 @@
 """memfit.compress: projections, rank planning, model conversion, save/load and the CLI verb."""
 import math
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -653,39 +654,27 @@ def _correlated_covariance(inp: int, seed: int = 0) -> torch.Tensor:
     return X.T @ X
 
 
-def test_blast_output_error_refinement_never_rises_and_beats_block_whitening():
-    """Block whitening ignores the covariance between input blocks; the refinement on the full
-    covariance lowers the true output error, sweep after sweep."""
-    cov = _correlated_covariance(80)
-    W = torch.randn(48, 80)
-    whitened = proj.blast_project(W, 16, 4, cov, steps=40, refine_sweeps=0)
-    before = proj.relative_output_error(W, proj.blast_dense(*whitened), cov)
-    history = []
-    refined = proj.blast_refine_output_error(W, *whitened, cov, sweeps=15, history=history)
-    errs = torch.stack(history)                        # the errors kept: never rising by construction, so each of
-    assert bool((errs[1:5] < errs[:4]).all()), errs      # the first sweeps must have been taken, each lowering it
-    after = proj.relative_output_error(W, proj.blast_dense(*refined), cov)
-    assert after < 0.6 * before
-    assert abs(float(errs[-1]) - float(after)) < 1e-2 * float(after)   # its bookkeeping (on the damped C) is the true error
-
-
-def test_monarch_output_error_refinement_never_rises_and_beats_block_whitening():
-    """Monarch's block whitening ignores the covariance between input blocks, as BLAST's does; each sweep of the
-    refinement solves every block column exactly given the others, so the true output error falls, sweep after
-    sweep, well below the block-whitened projection's."""
+@pytest.mark.parametrize("method, rank", [("blast", 16), ("monarch", 8)])
+def test_output_error_refinement_falls_below_block_whitening(method, rank):
+    """Block whitening ignores the covariance between input blocks; each sweep of BLAST's or Monarch's refinement
+    solves its blocks exactly given the others on the full covariance, so the true output error falls, sweep after
+    sweep, well below the block-whitened projection's; the projection refines by default."""
+    project, refine, dense = {
+        "blast": (partial(proj.blast_project, steps=40), proj.blast_refine_output_error, proj.blast_dense),
+        "monarch": (proj.monarch_project, proj.monarch_refine_output_error, proj.monarch_dense)}[method]
     cov = _correlated_covariance(80)
     W = torch.randn(48, 80, generator=torch.Generator().manual_seed(2))
-    whitened = proj.monarch_project(W, 8, 4, cov, refine_sweeps=0)
-    before = proj.relative_output_error(W, proj.monarch_dense(*whitened), cov)
+    whitened = project(W, rank, 4, cov, refine_sweeps=0)
+    before = proj.relative_output_error(W, dense(*whitened), cov)
     history = []
-    refined = proj.monarch_refine_output_error(W, *whitened, cov, sweeps=15, history=history)
+    refined = refine(W, *whitened, cov, sweeps=15, history=history)
     errs = torch.stack(history)                        # the errors kept: never rising by construction, so each of
     assert bool((errs[1:5] < errs[:4]).all()), errs      # the first sweeps must have been taken, each lowering it
-    after = proj.relative_output_error(W, proj.monarch_dense(*refined), cov)
+    after = proj.relative_output_error(W, dense(*refined), cov)
     assert after < 0.6 * before, (after, before)
     assert abs(float(errs[-1]) - float(after)) < 1e-2 * float(after)   # its bookkeeping (on the damped C) is the true error
-    default = proj.relative_output_error(W, proj.monarch_dense(*proj.monarch_project(W, 8, 4, cov)), cov)
-    assert default < 0.6 * before, "monarch_project refines by default"
+    default = proj.relative_output_error(W, dense(*project(W, rank, 4, cov)), cov)
+    assert default < 0.6 * before, "the projection refines by default"
 
 
 @pytest.mark.parametrize("method", ["monarch", "blast"])
