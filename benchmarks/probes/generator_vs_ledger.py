@@ -2,25 +2,29 @@
 ``torch.cat``), is from the peak of memfit's own decode loop (``memfit generate``'s ``Generator``: a preallocated
 cache, the prefill's mask built in chunks), on this machine's CPU, for a small Llama-shaped model in float32 (4
 layers, hidden 1024, vocab 32000). Per prompt length: the ledger's peak, the peak ``memfit verify`` measures (the
-path the ledger models), and the Generator's (built and run from a model memfit's loader laid out), each with the
-model's weights counted. Writes OUT/generator_vs_ledger.json:
+path the ledger models, after its one warm-up run), and the Generator's (built and run once, cold, from a model
+memfit's loader laid out), each with the model's weights counted. Writes OUT/generator_vs_ledger.json:
 
     OUT=/some/dir python benchmarks/probes/generator_vs_ledger.py
 """
 import json
 import os
+import platform
+import subprocess
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from memfit.infer.generate import Generator
-from memfit.infer.partial_load import load_model
-from memfit.ledger import Job, Knobs, predict
-from memfit.ledger.verify import measure
-from memfit.measure.memory import PeakMeter
-from memfit.models import PRESETS, save_model_dir
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from memfit.infer.generate import Generator  # noqa: E402
+from memfit.infer.partial_load import load_model  # noqa: E402
+from memfit.ledger import Job, Knobs, predict  # noqa: E402
+from memfit.ledger.verify import measure  # noqa: E402
+from memfit.measure.memory import PeakMeter  # noqa: E402
+from memfit.models import PRESETS, save_model_dir  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp"))
 SPEC = replace(PRESETS["llama-3.2-1b"], name="probe-llama-4x1024", num_layers=4, hidden=1024, intermediate=4096,
@@ -54,8 +58,10 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
     OUT.mkdir(parents=True, exist_ok=True)
-    record = {"probe": "generator_vs_ledger", "spec": SPEC.name, "torch": torch.__version__,
-              "commit": os.environ.get("MEMFIT_COMMIT"), "rows": rows}
+    commit = os.environ.get("MEMFIT_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                               capture_output=True, text=True).stdout.strip()
+    record = {"probe": "generator_vs_ledger", "device": f"cpu ({platform.machine()})", "threads": torch.get_num_threads(),
+              "spec": SPEC.name, "torch": torch.__version__, "commit": commit, "rows": rows}
     (OUT / "generator_vs_ledger.json").write_text(json.dumps(record, indent=1))
 
 

@@ -374,8 +374,8 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     the bases that make every block's core diagonal (:func:`_diagonalising_bases`; rank at most
     the block size) where those fit the matrix to ``NEARLY_EXACT`` -- so a generic matrix that is
     exactly BLAST of this rank starts within that and is recovered by the descent (in float64; a
-    float32 matrix's bases are diagonalised in float64, and still miss the gate at ranks near the
-    block size: at 768x768 in 16 blocks, rank 24 starts within it, rank 40 does not)), and the rank-``rank``
+    float32 matrix's bases are diagonalised in float64, and still miss the gate for some matrices,
+    and at ranks near the block size for all we tried: at 768x768 in 16 blocks, rank 40)), and the rank-``rank``
     truncated SVD in BLAST's form (:func:`_lowrank_bases`, ``S`` fitted likewise), so the result
     fits no worse than it (to the solves' damping and rounding). ``history`` (a list) receives the relative error
     after every step.
@@ -422,7 +422,7 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     U, V, S, gram, err = start(U, V)
     if b > 1 and rank <= min(p, q):  # per matrix, the bases that diagonalise its cores where they fit it (nearly) exactly
         # (beyond the block size every core is singular); in float64 whatever A's dtype: from float32 cores, their
-        # products' inverses had missed the gate (at 768x768, one of two exactly BLAST matrices of rank 24 started 0.78 off)
+        # products' inverses had missed the gate for most exactly BLAST 768x768 matrices of rank 16-24 (0.78 off)
         U2, V2 = (x.to(A.dtype) for x in _diagonalising_bases(Ab.double(), U.double(), V.double(), gen))
         diagonal = start(_unit_columns(U2), _unit_columns(V2))
         miss = (A - blast_dense(*diagonal[:3])).square().sum((-2, -1))     # not from loss(): it cancels at large S
