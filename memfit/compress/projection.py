@@ -46,9 +46,9 @@ NEARLY_EXACT = 1e-3
 BLAST_CHECK_EVERY = 25
 # The root-mean-square blast_factorize scales every matrix to before its descent: the descent's damping (delta0 times
 # the error, floored at 1e-7 of the matrix's norm) is absolute, and was set where weights have about this scale
-# (transformers initialises Llama's linear layers at std 0.02). A weight of another scale had fitted worse (a Gaussian
-# 384x256 at rms 100: relative error 0.748 against 0.677 at 0.02), and at rms 1 a 2048x2048 matrix's floor is 50x
-# larger (an exactly BLAST one started 2e-4 off, not 4e-6).
+# (transformers initialises Llama's linear layers at std 0.02). A weight of another scale had fitted worse
+# (test_blast_fits_a_weight_alike_at_any_scale), and at rms 1 the floor of a 2048x2048 matrix, which grows with the
+# matrix's size, is 50x what it is at 0.02.
 DESCENT_RMS = 0.02
 
 # Relative damping added to a calibration covariance before its Cholesky factor, so dead
@@ -141,6 +141,12 @@ def _unit_covariance(cov: torch.Tensor, dtype: torch.dtype, blocks: int = 1) -> 
     return C + torch.diag_embed(damping)
 
 
+def _output_error(E: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
+    """``||E L||_F^2`` (``C = L L^T``) per matrix of the error ``E``, +inf where not finite: the refinements' objective."""
+    err = (E * (E @ C)).sum((-2, -1))
+    return torch.where(err.isfinite(), err, torch.full_like(err, math.inf))
+
+
 def _keep_better_sweep(swept: torch.Tensor, err: torch.Tensor, new: tuple, old: tuple):
     """A refinement sweep's factors ``new`` where its error ``swept`` is not above ``err``, else ``old``, per matrix;
     the error kept, and whether any matrix took the sweep (if none did, the next sweep, a function of the factors,
@@ -227,13 +233,9 @@ def monarch_refine_output_error(A: torch.Tensor, L: torch.Tensor, R: torch.Tenso
                                            "whitened projection's")
         return L * rms.unsqueeze(-1).unsqueeze(-1), R
 
-    def output_error(E):                               # ||E L||_F^2 per matrix, +inf where not finite
-        err = (E * (E @ C)).sum((-2, -1))
-        return torch.where(err.isfinite(), err, torch.full_like(err, math.inf))
-
     a_norm2 = (A * (A @ C)).sum((-2, -1))
     E = A - monarch_dense(L, R)
-    err = output_error(E)
+    err = _output_error(E, C)
     for _ in range(sweeps):
         before = (L, R, E)
         L, R, E = L.clone(), R.clone(), E.clone()
@@ -249,7 +251,7 @@ def monarch_refine_output_error(A: torch.Tensor, L: torch.Tensor, R: torch.Tenso
             new_e = A[..., :, cols] - (L_j @ R_j.transpose(-1, -2)).reshape(*lead, out, q)
             EC = EC + (new_e - e_j) @ C[..., cols, :]
             E[..., :, cols] = new_e
-        (L, R, E), err, any_kept = _keep_better_sweep(output_error(E), err, (L, R, E), before)
+        (L, R, E), err, any_kept = _keep_better_sweep(_output_error(E, C), err, (L, R, E), before)
         if history is not None:
             history.append((err / a_norm2.clamp_min(1e-30)).sqrt())
         if not any_kept:
@@ -310,20 +312,14 @@ def _unit_columns(X: torch.Tensor) -> torch.Tensor:
     return X / X.norm(dim=-2, keepdim=True).clamp_min(1e-30)
 
 
-def _lowrank_bases(A: torch.Tensor, rank: int, blocks: int, generator: torch.Generator | None):
-    """The rank-``rank`` truncated SVD ``A V V^T`` as BLAST bases: ``U_i`` the rows of ``A V`` in block row i,
-    ``V_j`` those of ``V`` in block column j (with ``S`` all ones, BLAST's form of that matrix). The singular vectors
-    come from the smaller side's Gram matrix (``A^T A`` or ``A A^T``).
+def _lowrank_bases(A: torch.Tensor, rank: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank-``rank`` truncated SVD ``U V^T`` as BLAST bases: ``U_i`` the rows of ``U`` in block row i, ``V_j``
+    those of ``V`` in block column j (with ``S`` all ones, BLAST's form of that matrix).
 
     On weights whose singular values fall off, as trained ones do, the block SVD's start is far from this one (from
     it, the descent had ended above the truncated SVD's own error), and this one is the better start."""
     *lead, out, inp = A.shape
-    if inp <= out:
-        V = _top_eigvecs(A.transpose(-1, -2) @ A, rank, generator)         # (..., in, r)
-        U = A @ V
-    else:
-        U = _top_eigvecs(A @ A.transpose(-1, -2), rank, generator)         # (..., out, r)
-        V = A.transpose(-1, -2) @ U
+    U, V = truncated_svd(A, rank)                     # zero columns past min(out, in), where the SVD is exact
     return U.reshape(*lead, blocks, out // blocks, rank), V.reshape(*lead, blocks, inp // blocks, rank)
 
 
@@ -422,7 +418,7 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     U, V, S, gram, err = start(U, V)
     if b > 1 and rank <= min(p, q):  # per matrix, the bases that diagonalise its cores where they fit it (nearly) exactly
         # (beyond the block size every core is singular); in float64 whatever A's dtype: from float32 cores, their
-        # products' inverses had missed the gate for most exactly BLAST 768x768 matrices of rank 16-24 (0.78 off)
+        # products' inverses had missed the gate (test_a_float32_exactly_blast_matrix_starts_within_the_gate)
         U2, V2 = (x.to(A.dtype) for x in _diagonalising_bases(Ab.double(), U.double(), V.double(), gen))
         diagonal = start(_unit_columns(U2), _unit_columns(V2))
         miss = (A - blast_dense(*diagonal[:3])).square().sum((-2, -1))     # not from loss(): it cancels at large S
@@ -430,7 +426,7 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
         U, V, S, gram, err = (_per_matrix(better, y, x) for x, y in zip((U, V, S, gram, err), diagonal))
         del U2, V2, diagonal, miss, better             # not held through the descent
     # per matrix, the truncated SVD's bases where they fit better: BLAST of rank r holds every rank-r matrix
-    lowrank = start(*map(_unit_columns, _lowrank_bases(A, rank, b, gen)))
+    lowrank = start(*map(_unit_columns, _lowrank_bases(A, rank, b)))
     better = true_miss(*lowrank[:3]) < true_miss(U, V, S)
     U, V, S, gram, err = (_per_matrix(better, y, x) for x, y in zip((U, V, S, gram, err), lowrank))
     del lowrank, better
@@ -539,12 +535,7 @@ def blast_refine_output_error(A: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
     def solve(matrix, rhs):                            # non-raising: a singular solve's result is dropped below
         return torch.linalg.solve_ex(matrix, rhs)[0]
 
-    def output_error(U, V, S):                         # ||(A - A^) L||_F^2 per matrix, +inf where not finite
-        E = A - blast_dense(U, V, S)
-        err = (E * (E @ C)).sum((-2, -1))
-        return torch.where(err.isfinite(), err, torch.full_like(err, math.inf))
-
-    err = output_error(U, V, S)
+    err = _output_error(A - blast_dense(U, V, S), C)
     for _ in range(sweeps):
         before = (U, V, S)
         Vbar = (V.unsqueeze(-4) * S.unsqueeze(-2)).flatten(-3, -2)                     # (..., i, in, r)
@@ -572,7 +563,7 @@ def blast_refine_output_error(A: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
             ds = solve(damped(gram), rhs.unsqueeze(-1)).squeeze(-1)
             S[..., :, j, :] += ds
             R = R - (U * ds.unsqueeze(-2)).reshape(*lead, out, r) @ (Vj.transpose(-1, -2) @ C[..., cols, :])
-        (U, V, S), err, any_kept = _keep_better_sweep(output_error(U, V, S), err, (U, V, S), before)
+        (U, V, S), err, any_kept = _keep_better_sweep(_output_error(A - blast_dense(U, V, S), C), err, (U, V, S), before)
         if history is not None:
             history.append((err / a_norm2.clamp_min(1e-30)).sqrt())
         if not any_kept:
