@@ -586,23 +586,137 @@ def test_weights_the_config_does_not_describe_are_named(tmp_path, tiny_dir, capl
 
 @pytest.mark.parametrize("stage", ["projection", "save"])
 def test_a_failure_leaves_no_output(tmp_path, monkeypatch, stage):
-    """Nothing is written before the projection is done, and the save goes through a temporary
-    directory renamed at the end: a failure in either leaves tmp_path as it was."""
+    """The output is written only once the projection is done, through a temporary directory renamed at the end: a
+    failure in either leaves no output. A failed save keeps every projected layer beside it, and the run that follows
+    projects none again."""
     import safetensors.torch
 
     import memfit
     import memfit.compress.convert as convert
+    from memfit.compress.resume import progress_dir
 
     def fails(*args, **kwargs):
         raise RuntimeError(f"{stage} failed")
 
-    if stage == "projection":
-        monkeypatch.setattr(convert, "compress_model", fails)
-    else:
-        monkeypatch.setattr(safetensors.torch, "save_model", fails)
+    failing, name = (convert, "compress_model") if stage == "projection" else (safetensors.torch, "save_model")
+    works = getattr(failing, name)
+    monkeypatch.setattr(failing, name, fails)
+    out = tmp_path / "out"
     with pytest.raises(RuntimeError, match=f"{stage} failed"):
-        memfit.compress("tiny", tmp_path / "out", method="lowrank", device="cpu", progress=False)
-    assert list(tmp_path.iterdir()) == []
+        memfit.compress("tiny", out, method="lowrank", device="cpu", progress=False)
+    assert list(tmp_path.iterdir()) == ([] if stage == "projection" else [progress_dir(out)])
+    if stage == "save":
+        monkeypatch.setattr(failing, name, works)
+        projected = _count_projections(monkeypatch)
+        memfit.compress("tiny", out, method="lowrank", device="cpu", progress=False)
+        assert projected == [] and list(tmp_path.iterdir()) == [out]
+
+
+def _count_projections(monkeypatch, interrupt_at: int | None = None) -> list:
+    """The batched projections compress runs from now on (convert.project's calls, by method); the
+    ``interrupt_at``-th raises KeyboardInterrupt (a Ctrl-C mid-run) instead."""
+    import memfit.compress.convert as convert
+
+    calls, project = [], getattr(convert.project, "__wrapped__", convert.project)   # not an earlier count's
+
+    def counted(*args, **kwargs):
+        if len(calls) + 1 == interrupt_at:
+            raise KeyboardInterrupt
+        calls.append(args[0])
+        return project(*args, **kwargs)
+
+    counted.__wrapped__ = project
+    monkeypatch.setattr(convert, "project", counted)
+    return calls
+
+
+RESUMED = {"method": "blast", "blocks": 2, "steps": 5, "activation_aware": True, "calib_builtin": True,
+           "calib_samples": 2, "calib_seq": 32, "device": "cpu", "progress": False}
+
+
+def test_an_interrupted_compress_continues_where_it_stopped(tmp_path, monkeypatch, caplog):
+    """A Ctrl-C after two groups of layers were projected keeps them beside the output (and says so); the same
+    command run again projects only the rest, and saves what an uninterrupted run saves, to the bit, with the same
+    report. Then nothing is left beside the output."""
+    from safetensors.torch import load_file
+
+    import memfit
+    from memfit.compress.resume import progress_dir
+
+    projected = _count_projections(monkeypatch)
+    whole = memfit.compress("tiny", tmp_path / "whole", **RESUMED)
+    groups = len(projected)
+    out = tmp_path / "out"
+    _count_projections(monkeypatch, interrupt_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        memfit.compress("tiny", out, **RESUMED)
+    kept = [r.getMessage() for r in caplog.records if "are kept in" in r.getMessage()]
+    assert not out.exists() and len(kept) == 1 and str(progress_dir(out)) in kept[0]
+    projected = _count_projections(monkeypatch)
+    resumed = memfit.compress("tiny", out, **RESUMED)
+    assert groups > 3 and len(projected) == groups - 2
+    assert "continuing an interrupted memfit compress" in caplog.text
+    got, want = load_file(out / "model.safetensors"), load_file(tmp_path / "whole" / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[key], want[key]) for key in want)
+    assert resumed.report == whole.report
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "whole"]
+
+
+def _double_a_weight(model_dir: Path) -> None:
+    """The model in ``model_dir`` with its first q_proj weight doubled: the same shapes, another weight."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    key = next(k for k in sorted(tensors) if k.endswith("q_proj.weight"))
+    tensors[key] = tensors[key] * 2
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("change, named", [({"method": "monarch", "steps": 300}, "method"), ({"steps": 6}, "steps"),
+                                           ({"calib_samples": 3}, "calibration"), (None, "weights")])
+def test_layers_kept_under_other_settings_are_refused_unless_forced(tmp_path, monkeypatch, caplog, tiny_dir, change,
+                                                                     named):
+    """Kept layers are taken only by a run with the same method, steps, calibration tokens and source weights: another
+    is refused, naming what differs, and leaves them; with force they are discarded (said) and every group is
+    projected."""
+    import shutil
+
+    import memfit
+    from memfit.compress.resume import progress_dir
+
+    source, out = tmp_path / "model", tmp_path / "out"
+    shutil.copytree(tiny_dir, source)
+    _count_projections(monkeypatch, interrupt_at=2)
+    with pytest.raises(KeyboardInterrupt):
+        memfit.compress(source, out, **RESUMED)
+    if change is None:
+        _double_a_weight(source)
+    settings = {**RESUMED, **(change or {})}
+    projected = _count_projections(monkeypatch)
+    with pytest.raises(MemfitError, match=f"with other settings \\({named}: "):
+        memfit.compress(source, out, **settings)
+    assert progress_dir(out).is_dir() and not projected
+    result = memfit.compress(source, out, **settings, force=True)
+    assert f"discarded {progress_dir(out)}" in caplog.text
+    assert len(projected) == len({r["kind"] for r in result.report}) and not progress_dir(out).exists()
+
+
+def test_a_kept_group_that_cannot_be_read_is_projected_again(tmp_path, monkeypatch, caplog):
+    """A kept file that safetensors cannot read (damaged on disk) is said, and its layers are projected again."""
+    import memfit
+    from memfit.compress.resume import GROUP_GLOB, progress_dir
+
+    out = tmp_path / "out"
+    _count_projections(monkeypatch, interrupt_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        memfit.compress("tiny", out, **RESUMED)
+    damaged = sorted(progress_dir(out).glob(GROUP_GLOB))[0]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    projected = _count_projections(monkeypatch)
+    result = memfit.compress("tiny", out, **RESUMED)
+    assert f"{damaged} cannot be read" in caplog.text
+    assert len(projected) == len({r["kind"] for r in result.report}) - 1
 
 
 def test_import_memfit_then_call_memfit_compress():

@@ -7,9 +7,12 @@ examples:
   memfit compress ./my-llama --method blast --activation-aware --calib-builtin --out ./my-llama-blast
   memfit compress ./my-llama --method lowrank --ratio 0.3 --skip none --out ./my-llama-lowrank
 
-A preset has random weights: its result is for shapes and speed, not accuracy. Nothing is
-written until every layer is projected. From Python, memfit.compress(MODEL, OUT, method=...)
-does the same, and memfit.compress.load_compressed(OUT) loads the result.
+A preset has random weights: its result is for shapes and speed, not accuracy. OUT is written
+only once every layer is projected; until then each group of layers projected is kept in
+.OUT.memfit-progress beside it (about the disk the compressed layers take), so a run that is
+interrupted (Ctrl-C, an error, a lost session) continues where it stopped when the same command
+runs again. From Python, memfit.compress(MODEL, OUT, method=...) does the same, and
+memfit.compress.load_compressed(OUT) loads the result.
 """
 
 
@@ -34,7 +37,8 @@ def add_parser(sub):
                         help="output directory (refused if it exists, unless it holds an earlier compress and --force)")
     parser.add_argument("--force", action="store_true",
                         help="replace an earlier memfit compress output at --out: the whole directory, with "
-                             "anything added to it since")
+                             "anything added to it since; also discard the layers an interrupted compress to --out "
+                             "kept under other settings (under the same settings a run continues from them)")
     parser.add_argument("--calib", metavar="FILE", help="calibration text file")
     parser.add_argument("--calib-builtin", action="store_true", help="calibrate on the built-in Python-docs corpus")
     parser.add_argument("--calib-samples", type=int, default=None, help="calibration windows (default 32)")

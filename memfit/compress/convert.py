@@ -17,6 +17,7 @@ from torch import nn
 
 from memfit.compress import projection as proj
 from memfit.compress.plan import KINDS, KindPlan, plan_kinds, structure_class
+from memfit.compress.resume import KeptLayers
 from memfit.errors import MemfitError
 from memfit.log import warn_once
 
@@ -145,12 +146,17 @@ def project(method: str, W: torch.Tensor, rank: int, blocks: int, cov: torch.Ten
     return proj.blast_project(W, rank, blocks, cov, steps=steps)
 
 
+def empty_layer(method: str, linear: nn.Linear, rank: int, blocks: int, dtype: torch.dtype | None = None) -> nn.Module:
+    """A randomly initialised memfit.layers module of ``linear``'s shape and bias, on its device, in ``dtype`` (default:
+    its weight's)."""
+    kwargs = {} if method == "lowrank" else {"blocks": blocks}
+    return structure_class(method)(linear.in_features, linear.out_features, rank, bias=linear.bias is not None,
+                                   device=linear.weight.device, dtype=dtype or linear.weight.dtype, **kwargs)
+
+
 def build_layer(method: str, linear: nn.Linear, rank: int, blocks: int, factors) -> nn.Module:
     """A memfit.layers module holding ``factors`` (one matrix's), with ``linear``'s bias, dtype, device."""
-    cls = structure_class(method)
-    kwargs = {} if method == "lowrank" else {"blocks": blocks}
-    layer = cls(linear.in_features, linear.out_features, rank, bias=linear.bias is not None,
-                device=linear.weight.device, dtype=torch.float32, **kwargs)
+    layer = empty_layer(method, linear, rank, blocks, torch.float32)
     with torch.no_grad():
         if method == "lowrank":
             layer.U.copy_(factors[0])
@@ -194,7 +200,8 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
                    ranks: dict[str, int] | None = None, skip: tuple[str, ...] | None = None,
                    calibration=None, activation_aware: bool = False, steps: int = 300,
                    device: str | torch.device | None = None,
-                   progress: Callable[[str, int], None] | None = None) -> CompressionResult:
+                   progress: Callable[[str, int], None] | None = None,
+                   kept: KeptLayers | None = None) -> CompressionResult:
     """Compress ``model``'s decoder linears in place to ``ratio`` of their parameters.
 
     ``calibration``: an iterable of ``input_ids`` tensors; needed by
@@ -202,8 +209,9 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
     given also yields each layer's relative output error in the report. ``ranks`` (kind ->
     rank) overrides ``ratio``. ``steps``: BLAST descent steps. ``device``: where the
     projections run (default: CUDA when available). ``progress(kind, n_done)`` is called
-    as matrices finish. A MemfitError raised once projections have begun (a defect's non-finite
-    factors) leaves the model partly compressed: load it again to retry.
+    as matrices finish. ``kept``: the layers an interrupted run projected with the same settings are taken from it,
+    and each group projected now goes to it (:mod:`memfit.compress.resume`). A MemfitError raised once projections
+    have begun (a defect's non-finite factors) leaves the model partly compressed: load it again to retry.
     """
     if activation_aware and calibration is None:
         raise MemfitError("activation-aware projection needs calibration data (--calib FILE or --calib-builtin)")
@@ -231,11 +239,16 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
             group = names[start:start + step]
             W = torch.stack([linears[n].weight.detach().to(work, torch.float32) for n in group])
             cov = torch.stack([covs[n].to(work) for n in group]) if covs else None
-            factors = project(method, W, kp.rank, blocks, cov if activation_aware else None, steps)
-            _refuse_non_finite_factors(method, group, factors)
-            for k, name in enumerate(group):
-                layer = build_layer(method, linears[name], kp.rank, blocks,
-                                    [f[k].to(model_device) for f in factors])
+            layers = kept.layers(group, lambda n, rank=kp.rank: empty_layer(method, linears[n], rank, blocks)) \
+                if kept is not None else None
+            if layers is None:
+                factors = project(method, W, kp.rank, blocks, cov if activation_aware else None, steps)
+                _refuse_non_finite_factors(method, group, factors)
+                layers = [build_layer(method, linears[name], kp.rank, blocks, [f[k].to(model_device) for f in factors])
+                          for k, name in enumerate(group)]
+                if kept is not None:
+                    kept.keep(group, layers)
+            for k, (name, layer) in enumerate(zip(group, layers)):
                 replace_module(model, name, layer)
                 # the errors of the factors as saved (their dtype's rounding: in a bf16 model they had been the
                 # fp32 factors'), multiplied out in float32 as the layer's forward accumulates
@@ -262,15 +275,12 @@ def structure_model(model: nn.Module, method: str, ratio: float | None = 0.5, bl
     linears = decoder_linears(model)
     plan = plan_kinds(model_shapes(linears), method, ratio, blocks, ranks, skip)
     blocks = 1 if method == "lowrank" else blocks
-    cls = structure_class(method)
     result = CompressionResult(model, method, blocks, plan, ratio=None if ranks else ratio, skip=skip)
     for name, linear in linears.items():
         kp = plan[name.rsplit(".", 1)[-1]]
         if kp.rank is None:
             continue
-        kwargs = {} if method == "lowrank" else {"blocks": blocks}
-        layer = cls(kp.in_features, kp.out_features, kp.rank, bias=linear.bias is not None,
-                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        layer = empty_layer(method, linear, kp.rank, blocks)
         replace_module(model, name, layer)
         result.layers[name] = structure_config(method, layer)
     return result

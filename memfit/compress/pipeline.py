@@ -6,7 +6,9 @@
 
 Every argument is checked before a model is built or loaded (an existing ``out``, a bad shape
 for the structure, a missing calibration source, an unknown device), so a mistake costs no time
-and leaves nothing behind; the output directory is written only once the projection is done.
+and leaves nothing behind; the output directory is written only once the projection is done. Each group of layers
+projected is kept beside it until then (:mod:`memfit.compress.resume`): an interrupted run, run again with the same
+settings, continues where it stopped.
 """
 from __future__ import annotations
 
@@ -29,20 +31,25 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     of GQA models). ``activation_aware`` minimises each layer's
     output error on calibration text (``calib``, a text file, or ``calib_builtin``, the built-in
     Python-docs corpus) instead of its weight error; ``steps``: BLAST's descent steps per matrix.
-    ``force`` replaces an earlier compress output at ``out`` (nothing else). ``progress``: a progress bar on
-    stderr. Errors name the ``memfit compress`` flags, as the calibration loader's do. A preset is built and saved
-    in its own dtype. Returns :class:`CompressionResult`: the plan, per-layer errors and the compressed model itself
-    (``.model``, still on ``device``; drop the result to free it); ``load_compressed(out)`` loads the saved copy.
+    ``force`` replaces an earlier compress output at ``out`` (nothing else) and discards the layers an interrupted
+    compress to ``out`` kept under other settings (under the same settings they are always taken up).
+    ``progress``: a progress bar on stderr. Errors name the ``memfit compress`` flags, as the calibration loader's
+    do. A preset is built and saved in its own dtype. Returns :class:`CompressionResult`: the plan, per-layer errors
+    and the compressed model itself (``.model``, still on ``device``; drop the result to free it);
+    ``load_compressed(out)`` loads the saved copy.
     """
+    import memfit
     from memfit.compress.calibration import load_calibration
     from memfit.compress.convert import compress_model, decoder_linears, model_shapes
     from memfit.compress.io import check_output, save_compressed
     from memfit.compress.plan import plan_kinds
     from memfit.compress.projection import check_steps
+    from memfit.compress.resume import KeptLayers, tokens_digest
     from memfit.errors import MemfitError
     from memfit.local import check_model_dir, resolve_device, unreadable_weights
-    from memfit.log import warn_once
+    from memfit.log import logger, warn_once
     from memfit.models import PRESETS, load_spec
+    from memfit.models.digest import weights_digest
 
     model, skip = str(model), parse_skip(skip)
     check_output(out, force)
@@ -89,14 +96,31 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     net.to(torch_device)
     linears = decoder_linears(net)
     plan = plan_kinds(model_shapes(linears), method, ratio, blocks, skip=skip)
-    total = sum(plan[name.rsplit(".", 1)[-1]].rank is not None for name in linears)
-    with _progress_bar(progress, f"{method} projection", total) as advance:
-        result = compress_model(net, method, ratio, blocks, skip=skip, calibration=calibration,
-                                activation_aware=activation_aware, steps=steps, device=torch_device,
-                                progress=lambda kind, n: advance(n, f"{method} {kind}"))
-    source = model if model_dir is None else str(model_dir.resolve())     # a plan names it from any directory
-    info = {"source": source, **result.summary(), "activation_aware": activation_aware, "report": result.report}
-    save_compressed(net, out, result.layers, info, source_dir=model_dir, force=force)
+    chosen = [name for name in linears if plan[name.rsplit(".", 1)[-1]].rank is not None]
+    record = {"memfit": memfit.__version__, "method": method, "blocks": blocks,
+              "ranks": {kind: kp.rank for kind, kp in plan.items()}, "steps": steps if method == "blast" else None,
+              "activation_aware": activation_aware,
+              "calibration": tokens_digest(calibration) if activation_aware else None,
+              "weights": weights_digest((f"{name}.{key}", value) for name in chosen
+                                        for key, value in linears[name].named_parameters())}
+    kept = KeptLayers.open(Path(out).expanduser(), record, force)
+    if kept.count:
+        logger.warning(f"continuing an interrupted memfit compress: {kept.count} of {len(chosen)} layers were "
+                       f"projected with these settings and are taken from {kept.directory}")
+    try:
+        with _progress_bar(progress, f"{method} projection", len(chosen)) as advance:
+            result = compress_model(net, method, ratio, blocks, skip=skip, calibration=calibration,
+                                    activation_aware=activation_aware, steps=steps, device=torch_device,
+                                    progress=lambda kind, n: advance(n, f"{method} {kind}"), kept=kept)
+        source = model if model_dir is None else str(model_dir.resolve())     # a plan names it from any directory
+        info = {"source": source, **result.summary(), "activation_aware": activation_aware, "report": result.report}
+        save_compressed(net, out, result.layers, info, source_dir=model_dir, force=force)
+    except BaseException:
+        if kept.count:
+            logger.warning(f"{kept.count} of {len(chosen)} layers' projections are kept in {kept.directory}: the "
+                           "same command continues from there")
+        raise
+    kept.remove()
     return result
 
 
