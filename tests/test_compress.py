@@ -305,6 +305,59 @@ def test_activation_aware_conversion_reports_output_errors():
     assert all(r["output_error"] is not None and r["activation_aware"] for r in result.report)
 
 
+def test_the_calibration_forward_computes_no_logits_and_keeps_no_cache():
+    """The covariances need the decoder layers' inputs only: the calibration forward runs the decoder alone (the
+    logits had been batch x tokens x vocabulary, a gigabyte a batch at Llama-3's vocabulary) with no KV cache, and
+    gives the covariances the whole model's forward gives."""
+    from memfit.compress.convert import decoder_linears, input_covariances
+
+    model = build_model(PRESETS["tiny"])
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    names = list(decoder_linears(model))
+    heads, outputs = [], []
+    model.lm_head.register_forward_hook(lambda *args: heads.append(1))
+    model.get_decoder().register_forward_hook(lambda module, args, out: outputs.append(out.to_tuple()))
+    covs = input_covariances(model, names, [ids], "cpu")
+    assert heads == [] and len(outputs) == 1 and len(outputs[0]) == 1     # the hidden states alone: no cache
+    inputs = {}
+    hooks = [module.register_forward_pre_hook(lambda module, args, name=name: inputs.update({name: args[0]}))
+             for name, module in decoder_linears(model).items()]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    for name in names:
+        x = inputs[name].reshape(-1, inputs[name].shape[-1]).float()
+        torch.testing.assert_close(covs[name], x.T @ x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's memory while a model larger than one group compresses")
+@pytest.mark.parametrize("aware", [False, True])
+def test_a_model_compressed_on_a_gpu_stays_on_the_cpu(tmp_path, monkeypatch, aware):
+    """On a GPU the dense model stays on the CPU: each group of weights (here one matrix) visits the GPU for its
+    projection, so a weight-space compress peaks there far below the model's size; the calibration forward takes the
+    model there and back. The compressed model comes back on the CPU either way."""
+    import dataclasses
+
+    import memfit
+    import memfit.compress.convert as convert
+    from memfit.models import save_model_dir
+
+    monkeypatch.setattr(convert, "WORKSPACE_BYTES", 1)          # groups of one matrix
+
+    spec = dataclasses.replace(PRESETS["tiny"], name="wide", num_layers=8, hidden=1024, intermediate=2048,
+                               num_heads=8, num_kv_heads=8, head_dim=128)
+    source = save_model_dir(spec, tmp_path / "model", dtype="float32")
+    model_bytes = sum(p.numel() * 4 for p in build_model(spec, dtype="float32").parameters())
+    torch.cuda.reset_peak_memory_stats()
+    result = memfit.compress(source, tmp_path / "out", method="lowrank", ratio=0.5, device="cuda", progress=False,
+                             **({"activation_aware": True, "calib_builtin": True, "calib_samples": 2, "calib_seq": 32}
+                                if aware else {}))
+    peak = torch.cuda.max_memory_allocated()
+    assert all(p.device.type == "cpu" for p in result.model.parameters())
+    assert (peak > model_bytes) if aware else (peak < model_bytes / 4), (peak, model_bytes)
+
+
 @pytest.mark.parametrize("method", ["lowrank", "monarch", "blast"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_save_load_roundtrip_identical(tmp_path, method, tied):
@@ -662,44 +715,130 @@ def test_an_interrupted_compress_continues_where_it_stopped(tmp_path, monkeypatc
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "whole"]
 
 
-def _double_a_weight(model_dir: Path) -> None:
-    """The model in ``model_dir`` with its first q_proj weight doubled: the same shapes, another weight."""
+@pytest.mark.parametrize("change, named", [({"method": "monarch", "steps": 300}, "method"), ({"steps": 6}, "steps"),
+                                           ({"ratio": 0.4}, "ranks"), ({"blocks": 4}, "blocks")])
+def test_layers_kept_under_other_settings_are_refused_unless_forced(tmp_path, monkeypatch, caplog, change, named):
+    """Kept layers are taken only by a run with the same method, steps, ranks and blocks: another is refused before
+    any work, naming what differs, and leaves them; with force they are discarded (said), every group is projected,
+    and the discarded record is gone (an interrupted forced run is then refused under the first settings)."""
+    import memfit
+    from memfit.compress.resume import progress_dir
+
+    out = tmp_path / "out"
+    _count_projections(monkeypatch, interrupt_at=2)
+    with pytest.raises(KeyboardInterrupt):
+        memfit.compress("tiny", out, **RESUMED)
+    settings = {**RESUMED, **change}
+    projected = _count_projections(monkeypatch)
+    with pytest.raises(MemfitError, match=f"with other settings \\({named}: "):
+        memfit.compress("tiny", out, **settings)
+    assert progress_dir(out).is_dir() and not projected
+    _count_projections(monkeypatch, interrupt_at=2)
+    with pytest.raises(KeyboardInterrupt):
+        memfit.compress("tiny", out, **settings, force=True)
+    assert f"discarded {progress_dir(out)}" in caplog.text
+    with pytest.raises(MemfitError, match=f"with other settings \\({named}: "):
+        memfit.compress("tiny", out, **RESUMED)
+    projected = _count_projections(monkeypatch)
+    result = memfit.compress("tiny", out, **settings)
+    assert len(projected) == len({r["kind"] for r in result.report}) - 1 and not progress_dir(out).exists()
+
+
+def _scale_some_rows(model_dir: Path) -> None:
+    """The model in ``model_dir`` with rows 5 to 9 of its first q_proj weight doubled: values no sample of each end of
+    the tensor reads."""
     from safetensors.torch import load_file, save_file
 
     path = model_dir / "model.safetensors"
     tensors = load_file(path)
     key = next(k for k in sorted(tensors) if k.endswith("q_proj.weight"))
-    tensors[key] = tensors[key] * 2
+    tensors[key][5:10] *= 2
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("change, named", [({"method": "monarch", "steps": 300}, "method"), ({"steps": 6}, "steps"),
-                                           ({"calib_samples": 3}, "calibration"), (None, "weights")])
-def test_layers_kept_under_other_settings_are_refused_unless_forced(tmp_path, monkeypatch, caplog, tiny_dir, change,
-                                                                     named):
-    """Kept layers are taken only by a run with the same method, steps, calibration tokens and source weights: another
-    is refused, naming what differs, and leaves them; with force they are discarded (said) and every group is
-    projected."""
+@pytest.mark.parametrize("change", ["weights", "calibration", "embedding"])
+def test_layers_kept_from_other_sources_are_projected_again(tmp_path, monkeypatch, caplog, tiny_dir, change):
+    """A kept layer is taken only where what its projection read is this run's, to the byte: its weight (a few rows
+    changed, weight-space), and for an activation-aware one its input covariance (other calibration text, or a change
+    anywhere before the layer, here the embedding). Otherwise its group is projected again (said), and the result is
+    an uninterrupted run's."""
     import shutil
 
+    from safetensors.torch import load_file, save_file
+
     import memfit
-    from memfit.compress.resume import progress_dir
 
     source, out = tmp_path / "model", tmp_path / "out"
     shutil.copytree(tiny_dir, source)
+    weight_space = {key: RESUMED[key] for key in ("method", "blocks", "steps", "device", "progress")}
+    settings = weight_space if change == "weights" else RESUMED
+    _count_projections(monkeypatch, interrupt_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        memfit.compress(source, out, **settings)
+    settings = {**RESUMED, "calib_samples": 3} if change == "calibration" else settings
+    if change == "weights":
+        _scale_some_rows(source)
+    elif change == "embedding":
+        tensors = load_file(source / "model.safetensors")
+        tensors["model.embed_tokens.weight"] *= 2
+        save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
+    projected = _count_projections(monkeypatch)
+    result = memfit.compress(source, out, **settings)
+    assert "kept from other weights or calibration inputs" in caplog.text
+    groups = len({r["kind"] for r in result.report})
+    # weight-space, only the changed weight's group (the first); activation-aware, every later input changed too
+    assert len(projected) == (groups - 1 if change == "weights" else groups)
+    memfit.compress(source, tmp_path / "whole", **settings)
+    got, want = load_file(out / "model.safetensors"), load_file(tmp_path / "whole" / "model.safetensors")
+    assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+def test_a_group_kept_in_part_is_projected_whole(tmp_path, monkeypatch):
+    """Groups are fixed by the settings, but a group of which only some layers are kept (one layer a group before, two
+    now) is projected whole, not taken in part."""
+    import memfit
+    import memfit.compress.convert as convert
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(convert, "WORKSPACE_BYTES", 1)            # groups of one matrix
     _count_projections(monkeypatch, interrupt_at=2)
     with pytest.raises(KeyboardInterrupt):
-        memfit.compress(source, out, **RESUMED)
-    if change is None:
-        _double_a_weight(source)
-    settings = {**RESUMED, **(change or {})}
+        memfit.compress("tiny", out, **RESUMED)
+    monkeypatch.setattr(convert, "WORKSPACE_BYTES", 4 << 30)
     projected = _count_projections(monkeypatch)
-    with pytest.raises(MemfitError, match=f"with other settings \\({named}: "):
-        memfit.compress(source, out, **settings)
-    assert progress_dir(out).is_dir() and not projected
-    result = memfit.compress(source, out, **settings, force=True)
-    assert f"discarded {progress_dir(out)}" in caplog.text
-    assert len(projected) == len({r["kind"] for r in result.report}) and not progress_dir(out).exists()
+    result = memfit.compress("tiny", out, **RESUMED)
+    assert len(projected) == len({r["kind"] for r in result.report})
+
+
+@pytest.mark.parametrize("damage", ["record", "tensors"])
+def test_kept_layers_of_unknown_settings_or_the_wrong_shape_are_not_taken(tmp_path, monkeypatch, caplog, damage):
+    """A kept directory whose record of its settings is gone or not a record is discarded (said); a kept file whose
+    tensors do not fit their layers is said and its group projected again."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    import memfit
+    from memfit.compress.resume import GROUP_GLOB, RECORD_NAME, progress_dir
+
+    out = tmp_path / "out"
+    _count_projections(monkeypatch, interrupt_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        memfit.compress("tiny", out, **RESUMED)
+    if damage == "record":
+        (progress_dir(out) / RECORD_NAME).write_text(json.dumps([1]))
+    else:
+        path = sorted(progress_dir(out).glob(GROUP_GLOB))[0]
+        with __import__("safetensors").safe_open(path, "pt") as f:
+            metadata = f.metadata()
+        save_file({key: value[..., :1].contiguous() for key, value in load_file(path).items()}, str(path), metadata)
+    projected = _count_projections(monkeypatch)
+    result = memfit.compress("tiny", out, **RESUMED)
+    groups = len({r["kind"] for r in result.report})
+    if damage == "record":
+        assert "its record of their settings cannot be read" in caplog.text and len(projected) == groups
+    else:
+        assert "kept tensors do not fit its layer" in caplog.text and len(projected) == groups - 1
 
 
 def test_a_kept_group_that_cannot_be_read_is_projected_again(tmp_path, monkeypatch, caplog):

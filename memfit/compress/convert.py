@@ -17,7 +17,7 @@ from torch import nn
 
 from memfit.compress import projection as proj
 from memfit.compress.plan import KINDS, KindPlan, plan_kinds, structure_class
-from memfit.compress.resume import KeptLayers
+from memfit.compress.resume import KeptLayers, source_digest
 from memfit.errors import MemfitError
 from memfit.log import warn_once
 
@@ -79,10 +79,12 @@ def model_shapes(linears: dict[str, nn.Linear]) -> dict[str, tuple[int, int]]:
 
 @torch.no_grad()
 def input_covariances(model: nn.Module, names: list[str], batches, device) -> dict[str, torch.Tensor]:
-    """``X^T X`` (float32, summed over tokens) of the input of each module in ``names``.
+    """``X^T X`` (float32, summed over tokens) of the input of each module in ``names``, on the model's own device.
 
     ``batches`` yields ``input_ids`` tensors. Modules sharing an input (q/k/v, gate/up)
-    get the same tensor, gathered once.
+    get the same tensor, gathered once. The forward runs on ``device``, the model moved there for it and back after,
+    through the decoder alone (no logits: batch x tokens x vocabulary, a gigabyte a batch at Llama-3's vocabulary)
+    and with no KV cache.
     """
     modules = dict(model.named_modules())
     source = {}
@@ -100,14 +102,17 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
         return fn
 
     handles = [modules[rep].register_forward_pre_hook(hook(rep)) for rep in set(source.values())]
-    tokens = 0
+    home, tokens = next(model.parameters()).device, 0
     try:
+        model.to(device)
         for ids in batches:
-            model(input_ids=ids.to(device))
+            model.get_decoder()(input_ids=ids.to(device), use_cache=False)
             tokens += ids.numel()
     finally:
+        model.to(home)
         for h in handles:
             h.remove()
+    sums = {rep: cov.to(home) for rep, cov in sums.items()}
     if not sums:
         raise MemfitError("the calibration data produced no tokens")
     if broken := next((rep for rep, cov in sums.items() if not bool(cov.isfinite().all())), None):
@@ -227,7 +232,7 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
     model_device = next(model.parameters()).device
     covs = {}
     if calibration is not None:
-        covs = input_covariances(model, chosen, calibration, model_device)
+        covs = input_covariances(model, chosen, calibration, work)
     result = CompressionResult(model, method, blocks, plan, ratio=None if ranks else ratio, skip=skip)
     for kind in KINDS:
         names = [n for n in chosen if n.rsplit(".", 1)[-1] == kind]
@@ -239,15 +244,17 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
             group = names[start:start + step]
             W = torch.stack([linears[n].weight.detach().to(work, torch.float32) for n in group])
             cov = torch.stack([covs[n].to(work) for n in group]) if covs else None
-            layers = kept.layers(group, lambda n, rank=kp.rank: empty_layer(method, linears[n], rank, blocks)) \
-                if kept is not None else None
+            layers = sources = None
+            if kept is not None:
+                sources = {n: source_digest(linears[n], covs[n] if activation_aware else None) for n in group}
+                layers = kept.layers(sources, lambda n, rank=kp.rank: empty_layer(method, linears[n], rank, blocks))
             if layers is None:
                 factors = project(method, W, kp.rank, blocks, cov if activation_aware else None, steps)
                 _refuse_non_finite_factors(method, group, factors)
                 layers = [build_layer(method, linears[name], kp.rank, blocks, [f[k].to(model_device) for f in factors])
                           for k, name in enumerate(group)]
                 if kept is not None:
-                    kept.keep(group, layers)
+                    kept.keep(sources, layers)
             for k, (name, layer) in enumerate(zip(group, layers)):
                 replace_module(model, name, layer)
                 # the errors of the factors as saved (their dtype's rounding: in a bf16 model they had been the

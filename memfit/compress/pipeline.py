@@ -35,21 +35,20 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     compress to ``out`` kept under other settings (under the same settings they are always taken up).
     ``progress``: a progress bar on stderr. Errors name the ``memfit compress`` flags, as the calibration loader's
     do. A preset is built and saved in its own dtype. Returns :class:`CompressionResult`: the plan, per-layer errors
-    and the compressed model itself (``.model``, still on ``device``; drop the result to free it);
+    and the compressed model itself (``.model``, on the CPU, as the dense model was read; ``device`` holds only each
+    group of weights as it is projected, and the model for the calibration forward);
     ``load_compressed(out)`` loads the saved copy.
     """
-    import memfit
     from memfit.compress.calibration import load_calibration
     from memfit.compress.convert import compress_model, decoder_linears, model_shapes
     from memfit.compress.io import check_output, save_compressed
     from memfit.compress.plan import plan_kinds
     from memfit.compress.projection import check_steps
-    from memfit.compress.resume import KeptLayers, tokens_digest
+    from memfit.compress.resume import KeptLayers, code_digest
     from memfit.errors import MemfitError
     from memfit.local import check_model_dir, resolve_device, unreadable_weights
     from memfit.log import logger, warn_once
     from memfit.models import PRESETS, load_spec
-    from memfit.models.digest import weights_digest
 
     model, skip = str(model), parse_skip(skip)
     check_output(out, force)
@@ -66,6 +65,10 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     calibration = load_calibration(calib, calib_builtin, model_dir, spec.vocab, calib_samples, calib_seq)
     if activation_aware:
         _say_few_calibration_tokens(sum(batch.numel() for batch in calibration), spec.linear_shapes(), kinds)
+    kept = KeptLayers.open(Path(out).expanduser(), {     # the settings every kept layer shares: before any work too
+        "code": code_digest(), "method": method, "blocks": 1 if method == "lowrank" else blocks,
+        "ranks": {kind: kp.rank for kind, kp in kinds.items()}, "steps": steps if method == "blast" else None,
+        "activation_aware": activation_aware}, force)
     if model_dir is None:
         warn_once("compress:random", f"{model} is a preset: compressing random weights (shapes only)")
         import memfit.models
@@ -93,20 +96,15 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
             warn_once(f"compress:unused:{model_dir}", f"{model_dir}: its weights hold {len(unused)} tensor(s) its "
                       f"config.json does not describe (first: {unused[0]}); the compressed model leaves them out")
         net.eval()
-    net.to(torch_device)
+    # the model stays on the CPU: each group of weights visits the device for its projection (and the model for the
+    # calibration forward alone), so the device holds one group's work space, not the dense model
     linears = decoder_linears(net)
     plan = plan_kinds(model_shapes(linears), method, ratio, blocks, skip=skip)
     chosen = [name for name in linears if plan[name.rsplit(".", 1)[-1]].rank is not None]
-    record = {"memfit": memfit.__version__, "method": method, "blocks": blocks,
-              "ranks": {kind: kp.rank for kind, kp in plan.items()}, "steps": steps if method == "blast" else None,
-              "activation_aware": activation_aware,
-              "calibration": tokens_digest(calibration) if activation_aware else None,
-              "weights": weights_digest((f"{name}.{key}", value) for name in chosen
-                                        for key, value in linears[name].named_parameters())}
-    kept = KeptLayers.open(Path(out).expanduser(), record, force)
     if kept.count:
-        logger.warning(f"continuing an interrupted memfit compress: {kept.count} of {len(chosen)} layers were "
-                       f"projected with these settings and are taken from {kept.directory}")
+        logger.warning(f"continuing an interrupted memfit compress: {kept.count} of {len(chosen)} layers projected "
+                       f"with these settings are kept in {kept.directory} (each taken where its weights and "
+                       "calibration inputs are this run's)")
     try:
         with _progress_bar(progress, f"{method} projection", len(chosen)) as advance:
             result = compress_model(net, method, ratio, blocks, skip=skip, calibration=calibration,

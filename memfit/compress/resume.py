@@ -3,19 +3,21 @@
 Projecting a large model (BLAST's descent above all: hundreds of matrices, each hundreds of solves) takes long enough
 that a Ctrl-C, a lost session or an error late in the run should not cost what was done. As each group of layers is
 projected, its structured layers' tensors, as they will be saved (in the model's dtype), go to a safetensors file in
-``.<out>.memfit-progress`` beside the output, with a record (RECORD_NAME) of what they depend on: the method, blocks
-and ranks, BLAST's steps, whether the projection is activation-aware and on which calibration tokens, a digest of the
-source weights, and memfit's version. A later run whose record is the same takes those layers from there instead of
-projecting them again (on any device); the directory is removed once the output is saved. A record that differs is
-refused, naming what differs, unless ``force`` discards it. The directory takes about the disk the compressed layers
-will take in the output.
+``.<out>.memfit-progress`` beside the output, each layer with a digest of what its projection read (:func:`source_digest`:
+its weight and bias, every byte, and for an activation-aware projection its input covariance, which the calibration
+tokens and the whole model before the layer make). A record (RECORD_NAME) holds the settings every layer shares: the
+method, blocks and ranks, BLAST's steps, whether the projection is activation-aware, and a digest of the code that
+projects and builds the layers. A later run with the same record takes a group from there where every layer's digest
+is this run's (on the same device: another device's floating point makes other covariances, and those layers are
+projected again); the directory is removed once the output is saved. A record that differs is refused, naming what
+differs, unless ``force`` discards it. The directory takes about the disk the compressed layers take in the output.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,7 +25,7 @@ from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.files import atomic_path, serializing
-from memfit.log import logger
+from memfit.log import logger, warn_once
 
 RECORD_NAME = "progress.json"
 FORMAT = 1
@@ -35,12 +37,23 @@ def progress_dir(out: Path) -> Path:
     return out.with_name(f".{out.name}.memfit-progress")
 
 
-def tokens_digest(batches: Iterable[torch.Tensor]) -> str:
-    """A digest of the calibration token ids, batch by batch (an activation-aware projection fits these tokens)."""
+def code_digest() -> str:
+    """A digest of the code a kept layer comes from: the projections, the conversion and the layer modules (a fix to
+    any of them makes layers kept before it stale)."""
+    package = Path(__file__).resolve().parents[1]
+    files = [package / "compress" / "projection.py", package / "compress" / "convert.py",
+             *sorted((package / "layers").glob("*.py"))]
+    return hashlib.sha256(b"".join(path.read_bytes() for path in files)).hexdigest()[:16]
+
+
+def source_digest(linear: nn.Linear, cov: torch.Tensor | None) -> str:
+    """A digest of what one layer's projection reads: the weight and bias (dtype, shape, every byte) and ``cov``, the
+    input covariance an activation-aware projection fits (None: a weight-space one)."""
     digest = hashlib.sha256()
-    for ids in batches:
-        digest.update(f"{tuple(ids.shape)}".encode())
-        digest.update(ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+    for tensor in (linear.weight, linear.bias, cov):
+        if tensor is not None:
+            digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+            digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()[:16]
 
 
@@ -54,30 +67,36 @@ class KeptLayers:
     def __init__(self, directory: Path, record: dict):
         self.directory, self.record = directory, record
         self.files: dict[str, Path] = {}               # layer name -> the file holding its tensors
+        self.sources: dict[str, str] = {}              # layer name -> source_digest of what it was projected from
 
     @classmethod
     def open(cls, out: Path, record: dict, force: bool) -> KeptLayers:
-        """The kept layers for ``out`` under ``record`` (JSON-able): an earlier run's where its record is the same;
-        where it differs, a MemfitError naming the difference, or with ``force`` the earlier run's are removed (and
-        that said)."""
+        """The kept layers for ``out`` under ``record`` (JSON-able settings): an earlier run's where its record is the
+        same; where it differs, a MemfitError naming the difference, or with ``force`` the earlier run's are removed
+        (and that said). A directory whose record cannot be read (removed, damaged) is removed, and that said: what
+        its layers were projected with is unknown."""
         kept = cls(progress_dir(out), {"format": FORMAT, **record})
         if not kept.directory.is_dir():
             return kept
         try:
             earlier = json.loads((kept.directory / RECORD_NAME).read_text())
         except (OSError, ValueError):
-            earlier = None                             # killed before its record was written: nothing is kept yet
-        if earlier is not None and earlier != kept.record:
+            earlier = None
+        if not isinstance(earlier, dict):
+            kept._discard("its record of their settings cannot be read")
+        elif earlier != kept.record:
             if not force:
                 raise MemfitError(f"{kept.directory} keeps the layers an interrupted memfit compress to {out} projected "
                                   f"with other settings ({_difference(earlier, kept.record)}): run that command again "
                                   "to continue it, or pass --force to discard them")
-            shutil.rmtree(kept.directory)
-            logger.warning(f"discarded {kept.directory}: the layers an interrupted memfit compress projected with "
-                           f"other settings ({_difference(earlier, kept.record)})")
-            return kept
-        kept._index()
+            kept._discard(f"they were projected with other settings ({_difference(earlier, kept.record)})")
+        else:
+            kept._index()
         return kept
+
+    def _discard(self, why: str) -> None:
+        shutil.rmtree(self.directory)
+        logger.warning(f"discarded {self.directory}, the layers an interrupted memfit compress projected: {why}")
 
     def _index(self) -> None:
         from safetensors import safe_open
@@ -85,40 +104,49 @@ class KeptLayers:
         for path in sorted(self.directory.glob(GROUP_GLOB)):
             try:
                 with safe_open(path, "pt") as f:
-                    names = json.loads(f.metadata()["layers"])
+                    sources = json.loads(f.metadata()["sources"])
             except Exception as err:  # noqa: BLE001 - safetensors' errors share no base; the group is projected again
                 logger.warning(f"{path} cannot be read ({type(err).__name__}: {err}); its layers are projected again")
                 continue
-            self.files.update(dict.fromkeys(names, path))
+            self.files.update(dict.fromkeys(sources, path))
+            self.sources.update(sources)
 
     @property
     def count(self) -> int:
         """Layers kept."""
         return len(self.files)
 
-    def layers(self, names: list[str], empty: Callable[[str], nn.Module]) -> list[nn.Module] | None:
-        """The kept layers ``names``, each built by ``empty(name)`` and loaded with its tensors; None unless every one
-        of them is kept (the group is then projected whole)."""
+    def layers(self, sources: dict[str, str], empty: Callable[[str], nn.Module]) -> list[nn.Module] | None:
+        """The kept layers of a group (``sources``: each layer's name -> :func:`source_digest` now), each built by
+        ``empty(name)`` and loaded with its tensors; None unless every one is kept from these sources (the group is
+        then projected whole, and a layer kept from other sources said)."""
         from safetensors.torch import load_file
 
-        if not all(name in self.files for name in names):
+        if not all(name in self.files for name in sources):
             return None
-        loaded = {path: load_file(path) for path in {self.files[name] for name in names}}
+        if changed := [name for name, digest in sources.items() if self.sources[name] != digest]:
+            warn_once(f"compress:kept-sources:{self.directory}", f"{changed[0]} and maybe others were kept from other "
+                      "weights or calibration inputs than this run's (another model, text, dtype or device); their "
+                      "groups are projected again")
+            return None
+        loaded = {path: load_file(path) for path in {self.files[name] for name in sources}}
         modules = []
-        for name in names:
-            module = empty(name)
-            prefix = f"{name}."
+        for name in sources:
+            module, prefix = empty(name), f"{name}."
             state = {key[len(prefix):]: value for key, value in loaded[self.files[name]].items() if key.startswith(prefix)}
             try:
                 module.load_state_dict(state)
-            except RuntimeError as err:                # a file changed since it was written: one line, not a traceback
-                raise MemfitError(f"{self.files[name]}: {name}'s kept tensors do not fit its layer "
-                                  f"({str(err).splitlines()[0]}); remove {self.directory} to project it again") from None
+            except RuntimeError as err:                # a file changed since it was written
+                detail = " ".join(line.strip() for line in str(err).splitlines()[1:2])
+                logger.warning(f"{self.files[name]}: {name}'s kept tensors do not fit its layer ({detail}); its group "
+                               "is projected again")
+                return None
             modules.append(module)
         return modules
 
-    def keep(self, names: list[str], modules: list[nn.Module]) -> None:
-        """Write the projected layers ``names`` (one file, replacing none: a group is kept once)."""
+    def keep(self, sources: dict[str, str], modules: list[nn.Module]) -> None:
+        """Write a projected group (``sources`` as :meth:`layers` takes it) to its file, replacing one a damaged
+        earlier copy left."""
         from safetensors.torch import save_file
 
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -126,21 +154,26 @@ class KeptLayers:
         if not record.is_file():
             with atomic_path(record) as tmp:
                 tmp.write_text(json.dumps(self.record, indent=1))
+        names = list(sources)
         tensors = {f"{name}.{key}": value.detach().to("cpu").contiguous()
                    for name, module in zip(names, modules) for key, value in module.state_dict().items()}
         path = self.directory / f"group-{names[0]}.safetensors"      # a layer is in one group: a name of its own
         with atomic_path(path) as tmp, serializing(path):
-            save_file(tensors, str(tmp), metadata={"layers": json.dumps(names)})
+            save_file(tensors, str(tmp), metadata={"sources": json.dumps(sources)})
         self.files.update(dict.fromkeys(names, path))
+        self.sources.update(sources)
 
     def remove(self) -> None:
-        """Remove the directory (the output is saved); one that cannot be removed is said, not raised."""
+        """Remove the directory (the output is saved); what cannot be removed is said once, not raised."""
+        failed: list[str] = []
         if self.directory.is_dir():
-            shutil.rmtree(self.directory, onerror=lambda *args: logger.warning(
-                f"could not remove {args[1]} ({args[2][1]}); the compressed model is saved, remove it by hand"))
+            shutil.rmtree(self.directory, onerror=lambda *args: failed.append(str(args[1])))
+        if failed:
+            logger.warning(f"could not remove {', '.join(failed)}; the compressed model is saved, remove "
+                           f"{self.directory} by hand")
 
 
 def _difference(earlier: dict, now: dict) -> str:
-    """The first keys whose values differ, as 'key: earlier -> now'."""
+    """The first keys whose values differ, as 'key: earlier then, now now'."""
     keys = [key for key in dict.fromkeys([*earlier, *now]) if earlier.get(key) != now.get(key)]
     return "; ".join(f"{key}: {earlier.get(key)!r} then, {now.get(key)!r} now" for key in keys[:3])

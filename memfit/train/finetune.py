@@ -48,12 +48,12 @@ from memfit.data.jsonl import Example, collate
 from memfit.errors import MemfitError, is_count
 from memfit.files import atomic_dir, follow_umask, serializing, set_aside_of
 from memfit.log import warn_once
-from memfit.models.digest import weights_digest
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 UNIFORM_STEPS = 3            # losses in a row at ln(vocab) that say the model predicts uniformly
 UNIFORM_TOLERANCE = 1e-5     # of ln(vocab): a uniform model's loss is ln(vocab) to float32 rounding
+BASE_SAMPLE = 16             # values from each end of a frozen weight that base_digest reads
 PROGRESS_VERSION = 2   # 1 (no "version" key): the LoRA settings, dtype and data of the run were not recorded
 
 # The LoRA settings a checkpoint records: its name for one, peft's LoraConfig field, and what in the CLI sets it
@@ -172,10 +172,22 @@ def run_settings(model: torch.nn.Module, examples: list[Example], data_name: str
 
 
 def base_digest(model: torch.nn.Module) -> str:
-    """A digest of the frozen weights (:func:`memfit.models.digest.weights_digest`). A resume onto another model of the
-    same shapes had trained on, its losses mixed with the first model's. A preset's random init differs by device (CPU
-    and CUDA generators), so it differs too."""
-    return weights_digest((name, param) for name, param in model.named_parameters() if not param.requires_grad)
+    """A digest of the frozen weights: each one's name, shape and first and last BASE_SAMPLE values (and of a 4-bit
+    weight's block scales, which its packed codes do not change with). A resume onto another model of the same shapes
+    had trained on, its losses mixed with the first model's; a sample, not every value, so that it costs nothing at
+    8B. A preset's random init differs by device (CPU and CUDA generators), so it differs too."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            continue
+        digest.update(f"{name}{tuple(param.shape)}".encode())
+        state = getattr(param, "quant_state", None)          # bitsandbytes' Params4bit
+        for values in (param, getattr(state, "absmax", None)):
+            if values is not None:
+                flat = values.detach().reshape(-1)
+                sample = torch.cat([flat[:BASE_SAMPLE], flat[-BASE_SAMPLE:]]).to("cpu", torch.float64)
+                digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def lora_settings(lora) -> dict:
