@@ -236,26 +236,32 @@ def _stream_writer_failed(*args, **kwargs):
 
 
 @pytest.mark.parametrize("write, failing, name", [
-    (_rankings, "safetensors", "r.safetensors"), (_compressed, "safetensors", "model.safetensors"),
+    (_rankings, "safetensors", "r.safetensors"), (_compressed, "save_model", "model.safetensors"),
+    (_compressed, "save_file", "group-model.layers.0.self_attn.q_proj.safetensors"),
     (_checkpoint, "safetensors", "trainable.safetensors"), (_checkpoint, "torch", "state.pt"),
     (_adapter, "safetensors", "adapter"),
 ])
 def test_a_full_disk_is_an_oserror_naming_the_file_and_leaves_nothing_behind(write, failing, name, tmp_path,
                                                                              monkeypatch):
     """safetensors and torch.save raise their own types for a full disk, which the command line showed as a
-    traceback; an OSError is its one line. The temporary the write went to is removed."""
+    traceback; an OSError is its one line. The temporary the write went to is removed. (A compress keeps what it
+    projected beside its output, by design: its save_model is the output's, its save_file a kept group's.)"""
     import safetensors.torch
+
+    from memfit.compress.resume import progress_dir
 
     if failing == "torch":
         monkeypatch.setattr(torch, "save", _stream_writer_failed)
-    else:                                              # imported where they are called
-        monkeypatch.setattr(safetensors.torch, "save_file", _disk_full)
-        monkeypatch.setattr(safetensors.torch, "save_model", _disk_full)
+    for function in ("save_file", "save_model"):      # imported where they are called
+        if failing in ("safetensors", function):
+            monkeypatch.setattr(safetensors.torch, function, _disk_full)
     before = set(tmp_path.rglob("*"))
     with pytest.raises(OSError, match=rf"{name}: the write failed, the disk is full \(") as raised:
         write(tmp_path)
     assert raised.value.errno == errno.ENOSPC
-    assert not [p for p in set(tmp_path.rglob("*")) - before if p.name != "checkpoints"]
+    kept = progress_dir(tmp_path / "lowrank")
+    assert not [p for p in set(tmp_path.rglob("*")) - before if p.name != "checkpoints" and kept not in (p, *p.parents)]
+    assert not [p for p in kept.rglob("*") if p.name.startswith(".")]   # no temporary among the kept layers
 
 
 def test_a_write_that_fails_for_another_reason_is_not_called_a_full_disk(tmp_path):
