@@ -331,12 +331,36 @@ def test_the_calibration_forward_computes_no_logits_and_keeps_no_cache():
         torch.testing.assert_close(covs[name], x.T @ x)
 
 
+def test_the_calibration_forward_takes_one_decoder_layer_at_a_time_to_the_device(monkeypatch):
+    """Each decoder layer goes to the forward's device just before its forward and back just after, batch after batch,
+    so the device never holds two; the covariances are those of a forward where the model stays put. (``cpu:0`` stands
+    for the device: a distinct name for the CPU, so that the moves there and back can be told apart.)"""
+    from memfit.compress.convert import decoder_linears, input_covariances
+
+    model = build_model(PRESETS["tiny"])
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    names = list(decoder_linears(model))
+    staying = input_covariances(model, names, [ids[:1], ids[1:]], "cpu")
+    layers, moves, to = list(model.get_decoder().layers), [], torch.nn.Module.to
+
+    def spy(module, *args, **kwargs):
+        if any(module is layer for layer in layers):
+            moves.append((next(i for i, layer in enumerate(layers) if layer is module), str(args[0])))
+        return to(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", spy)
+    visiting = input_covariances(model, names, [ids[:1], ids[1:]], torch.device("cpu", 0))
+    trip = [(i, where) for i in range(len(layers)) for where in ("cpu:0", "cpu")]
+    assert moves == trip * 2 + [(i, "cpu") for i in range(len(layers))]      # two batches, then every layer home
+    assert all(torch.equal(visiting[name], staying[name]) for name in names)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's memory while a model larger than one group compresses")
 @pytest.mark.parametrize("aware", [False, True])
 def test_a_model_compressed_on_a_gpu_stays_on_the_cpu(tmp_path, monkeypatch, aware):
     """On a GPU the dense model stays on the CPU: each group of weights (here one matrix) visits the GPU for its
-    projection, so a weight-space compress peaks there far below the model's size; the calibration forward takes the
-    model there and back. The compressed model comes back on the CPU either way."""
+    projection, and for the calibration forward each decoder layer in turn, so a compress peaks there far below the
+    model's size, activation-aware too. The compressed model comes back on the CPU."""
     import dataclasses
 
     import memfit
@@ -355,7 +379,7 @@ def test_a_model_compressed_on_a_gpu_stays_on_the_cpu(tmp_path, monkeypatch, awa
                                 if aware else {}))
     peak = torch.cuda.max_memory_allocated()
     assert all(p.device.type == "cpu" for p in result.model.parameters())
-    assert (peak > model_bytes) if aware else (peak < model_bytes / 4), (peak, model_bytes)
+    assert peak < model_bytes / (2 if aware else 4), (peak, model_bytes)
 
 
 @pytest.mark.parametrize("method", ["lowrank", "monarch", "blast"])

@@ -11,7 +11,8 @@ A preset has random weights: its result is for shapes and speed, not accuracy. O
 only once every layer is projected; until then each group of layers projected is kept in
 .OUT.memfit-progress beside it (about the disk the compressed layers take), so a run that is
 interrupted (Ctrl-C, an error, a lost session) continues where it stopped when the same command
-runs again (a layer whose weight or calibration inputs changed since is projected again). From Python, memfit.compress(MODEL, OUT, method=...) does the same, and
+runs again (a layer whose weight or calibration inputs changed since is projected again).
+From Python, memfit.compress(MODEL, OUT, method=...) does the same, and
 memfit.compress.load_compressed(OUT) loads the result.
 """
 
@@ -51,8 +52,8 @@ def add_parser(sub):
     parser.add_argument("--steps", type=int, default=None, help="BLAST descent steps per matrix (default 300)")
     parser.add_argument("--device", default="auto",
                         help="where projections run: auto (cuda if present), cpu, cuda or cuda:N. The model stays "
-                             "in CPU memory: each group of weights visits the device for its projection, the whole "
-                             "model only for the calibration forward")
+                             "in CPU memory: each group of weights visits the device for its projection, and each "
+                             "decoder layer in turn for the calibration forward")
     return parser
 
 

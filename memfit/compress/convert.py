@@ -81,10 +81,13 @@ def model_shapes(linears: dict[str, nn.Linear]) -> dict[str, tuple[int, int]]:
 def input_covariances(model: nn.Module, names: list[str], batches, device) -> dict[str, torch.Tensor]:
     """``X^T X`` (float32, summed over tokens) of the input of each module in ``names``, on the model's own device.
 
-    ``batches`` yields ``input_ids`` tensors. Modules sharing an input (q/k/v, gate/up)
-    get the same tensor, gathered once. The forward runs on ``device``, the model moved there for it and back after,
-    through the decoder alone (no logits: batch x tokens x vocabulary, a gigabyte a batch at Llama-3's vocabulary)
-    and with no KV cache.
+    ``batches`` yields ``input_ids`` tensors. Modules sharing an input (q/k/v, gate/up) get the same tensor, gathered
+    once. The forward runs through the decoder alone (no logits: batch x tokens x vocabulary, a gigabyte a batch at
+    Llama-3's vocabulary), with no KV cache, on ``device`` one decoder layer at a time: the embedding, the final norm
+    and the rotary tables move there for the whole forward, each decoder layer and its covariances so far just
+    before its forward and back just after. So the device holds one layer's weights and covariances (at Llama-3-8B's
+    down projection the covariance alone is 0.8 GB a layer), not the model's: a model larger than the GPU is
+    calibrated on it. Where the model is on ``device`` already, nothing moves.
     """
     modules = dict(model.named_modules())
     source = {}
@@ -101,17 +104,29 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
             sums[rep] = x.T @ x if acc is None else acc.addmm_(x.T, x)
         return fn
 
-    handles = [modules[rep].register_forward_pre_hook(hook(rep)) for rep in set(source.values())]
-    home, tokens = next(model.parameters()).device, 0
+    decoder, home, tokens = model.get_decoder(), next(model.parameters()).device, 0
+    reps = set(source.values())
+    visiting = {layer: [rep for rep in reps if modules[rep] in set(layer.modules())] for layer in decoder.layers}
+
+    def move(layer, to):                               # a decoder layer and the covariances of its inputs so far
+        layer.to(to)
+        sums.update({rep: sums[rep].to(to) for rep in visiting[layer] if rep in sums})
+
+    handles = [modules[rep].register_forward_pre_hook(hook(rep)) for rep in reps]
+    handles += [layer.register_forward_pre_hook(lambda layer, args: move(layer, device)) for layer in visiting]
+    handles += [layer.register_forward_hook(lambda layer, args, out: move(layer, home)) for layer in visiting]
+    resident = [child for child in decoder.children() if child is not decoder.layers]
     try:
-        model.to(device)
+        for child in resident:
+            child.to(device)
         for ids in batches:
-            model.get_decoder()(input_ids=ids.to(device), use_cache=False)
+            decoder(input_ids=ids.to(device), use_cache=False)
             tokens += ids.numel()
     finally:
-        model.to(home)
-        for h in handles:
-            h.remove()
+        for handle in handles:
+            handle.remove()
+        for child in [*resident, *visiting]:           # a layer an error stopped on the device too
+            child.to(home)
     sums = {rep: cov.to(home) for rep, cov in sums.items()}
     if not sums:
         raise MemfitError("the calibration data produced no tokens")

@@ -36,7 +36,7 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     ``progress``: a progress bar on stderr. Errors name the ``memfit compress`` flags, as the calibration loader's
     do. A preset is built and saved in its own dtype. Returns :class:`CompressionResult`: the plan, per-layer errors
     and the compressed model itself (``.model``, on the CPU, as the dense model was read; ``device`` holds only each
-    group of weights as it is projected, and the model for the calibration forward);
+    group of weights as it is projected, and each decoder layer in turn for the calibration forward);
     ``load_compressed(out)`` loads the saved copy.
     """
     from memfit.compress.calibration import load_calibration
@@ -96,8 +96,8 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
             warn_once(f"compress:unused:{model_dir}", f"{model_dir}: its weights hold {len(unused)} tensor(s) its "
                       f"config.json does not describe (first: {unused[0]}); the compressed model leaves them out")
         net.eval()
-    # the model stays on the CPU: each group of weights visits the device for its projection (and the model for the
-    # calibration forward alone), so the device holds one group's work space, not the dense model
+    # the model stays on the CPU: each group of weights visits the device for its projection (and each decoder layer
+    # for the calibration forward: convert.input_covariances), so the device never holds the dense model
     linears = decoder_linears(net)
     plan = plan_kinds(model_shapes(linears), method, ratio, blocks, skip=skip)
     chosen = [name for name in linears if plan[name.rsplit(".", 1)[-1]].rank is not None]
