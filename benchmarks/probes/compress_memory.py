@@ -1,0 +1,60 @@
+"""Probe: the GPU memory and time of ``memfit compress`` on a random-init Llama-3.2-1B (bf16), per method, weight-space
+and activation-aware: the peak the caching allocator saw (``max_memory_allocated``), against the dense model's bytes.
+It imports memfit from the checkout it sits in, so a copy of it in another checkout measures that one's code: before
+and after the dense model stayed on the CPU while it compresses (002fe9b), for example,
+
+    OUT=/some/dir python benchmarks/probes/compress_memory.py              # writes OUT/compress_memory_<commit>.json
+    git worktree add /tmp/before 4a5031d && cp benchmarks/probes/compress_memory.py /tmp/before/benchmarks/probes/
+    OUT=/some/dir python /tmp/before/benchmarks/probes/compress_memory.py
+
+BLAST runs 20 descent steps (the default is 300): the memory is the same per step, and the time is not the point.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = Path(os.environ.get("OUT", "/tmp"))
+MODEL = "llama-3.2-1b"
+CASES = [("lowrank", False), ("lowrank", True), ("monarch", False), ("monarch", True), ("blast", False)]
+CALIBRATION = {"calib_builtin": True, "calib_samples": 8, "calib_seq": 512}
+
+
+def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    import memfit
+    from memfit.models import PRESETS, dtype_bytes
+
+    spec = PRESETS[MODEL]
+    dense = spec.num_params() * dtype_bytes(spec.dtype)
+    commit = os.environ.get("MEMFIT_COMMIT") or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                                               capture_output=True, text=True).stdout.strip()
+    rows = []
+    for method, aware in CASES:
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            memfit.compress(MODEL, Path(tmp) / "out", method=method, device="cuda", progress=False,
+                            **({"steps": 20} if method == "blast" else {}), **(CALIBRATION if aware else {}),
+                            activation_aware=aware)
+            torch.cuda.synchronize()
+            row = {"method": method, "activation_aware": aware, "seconds": time.perf_counter() - start,
+                   "peak_bytes": torch.cuda.max_memory_allocated(), "dense_model_bytes": dense}
+        row["peak_over_model"] = row["peak_bytes"] / dense
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    OUT.mkdir(parents=True, exist_ok=True)
+    record = {"probe": "compress_memory", "model": MODEL, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "commit": commit, "calibration": CALIBRATION, "rows": rows}
+    (OUT / f"compress_memory_{commit}.json").write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
