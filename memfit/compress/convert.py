@@ -17,7 +17,7 @@ from torch import nn
 
 from memfit.compress import projection as proj
 from memfit.compress.plan import KINDS, KindPlan, plan_kinds, structure_class
-from memfit.compress.resume import KeptLayers, source_digest
+from memfit.compress.resume import KeptLayers, source_digest, tensor_digest
 from memfit.errors import MemfitError
 from memfit.log import warn_once
 
@@ -82,12 +82,14 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
     """``X^T X`` (float32, summed over tokens) of the input of each module in ``names``, on the model's own device.
 
     ``batches`` yields ``input_ids`` tensors. Modules sharing an input (q/k/v, gate/up) get the same tensor, gathered
-    once. The forward runs through the decoder alone (no logits: batch x tokens x vocabulary, a gigabyte a batch at
-    Llama-3's vocabulary), with no KV cache, on ``device`` one decoder layer at a time: the embedding, the final norm
+    once. The forward runs through the decoder alone (no logits: batch x tokens x vocabulary values, at Llama-3's
+    vocabulary of 128256), with no KV cache, on ``device`` one decoder layer at a time: the embedding, the final norm
     and the rotary tables move there for the whole forward, each decoder layer and its covariances so far just
     before its forward and back just after. So the device holds one layer's weights and covariances (at Llama-3-8B's
-    down projection the covariance alone is 0.8 GB a layer), not the model's: a model larger than the GPU is
-    calibrated on it. Where the model is on ``device`` already, nothing moves.
+    down projection the covariance alone is 14336^2 float32 values a layer), not the model's: a model larger than the GPU is
+    calibrated on it. The price: every batch takes every layer and its covariances to the device and back, and the
+    covariances live in host memory between layers (each layer's, ``in^2`` floats per input it gathers). Where the
+    model is on ``device`` already, nothing moves.
     """
     modules = dict(model.named_modules())
     source = {}
@@ -106,7 +108,8 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
 
     decoder, home, tokens = model.get_decoder(), next(model.parameters()).device, 0
     reps = set(source.values())
-    visiting = {layer: [rep for rep in reps if modules[rep] in set(layer.modules())] for layer in decoder.layers}
+    visiting = {layer: [rep for rep in reps if modules[rep] in within] for layer in decoder.layers
+                for within in [set(layer.modules())]}
 
     def move(layer, to):                               # a decoder layer and the covariances of its inputs so far
         layer.to(to)
@@ -125,7 +128,7 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
     finally:
         for handle in handles:
             handle.remove()
-        for child in [*resident, *visiting]:           # a layer an error stopped on the device too
+        for child in [*resident, *visiting]:           # the post-hooks brought the layers home; this, one an error stopped
             child.to(home)
     sums = {rep: cov.to(home) for rep, cov in sums.items()}
     if not sums:
@@ -228,7 +231,8 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
     ``activation_aware=True`` (which then minimises each layer's output error), and when
     given also yields each layer's relative output error in the report. ``ranks`` (kind ->
     rank) overrides ``ratio``. ``steps``: BLAST descent steps. ``device``: where the
-    projections run (default: CUDA when available). ``progress(kind, n_done)`` is called
+    projections run (default: CUDA when available); the model, on one device, stays there (each group of weights,
+    and for the calibration forward each decoder layer, visits ``device``). ``progress(kind, n_done)`` is called
     as matrices finish. ``kept``: the layers an interrupted run projected with the same settings are taken from it,
     and each group projected now goes to it (:mod:`memfit.compress.resume`). A MemfitError raised once projections
     have begun (a defect's non-finite factors) leaves the model partly compressed: load it again to retry.
@@ -236,6 +240,9 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
     if activation_aware and calibration is None:
         raise MemfitError("activation-aware projection needs calibration data (--calib FILE or --calib-builtin)")
     proj.check_steps(steps)
+    if len(placed := {str(p.device) for p in model.parameters()}) > 1:
+        raise MemfitError(f"compress_model takes a model on one device (its calibration forward moves its layers to "
+                          f"the projection device and back); this one's parameters are on {', '.join(sorted(placed))}")
     linears = decoder_linears(model)
     plan = plan_kinds(model_shapes(linears), method, ratio, blocks, ranks, skip)
     blocks = 1 if method == "lowrank" else blocks
@@ -245,6 +252,13 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
                           "nothing is written")
     work = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model_device = next(model.parameters()).device
+    digests: dict[int, str] = {}
+
+    def cov_digest(cov: torch.Tensor) -> str:          # q/k/v and gate/up share one covariance: digested once
+        if id(cov) not in digests:
+            digests[id(cov)] = tensor_digest(cov)
+        return digests[id(cov)]
+
     covs = {}
     if calibration is not None:
         covs = input_covariances(model, chosen, calibration, work)
@@ -261,7 +275,8 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
             cov = torch.stack([covs[n].to(work) for n in group]) if covs else None
             layers = sources = None
             if kept is not None:
-                sources = {n: source_digest(linears[n], covs[n] if activation_aware else None) for n in group}
+                sources = {n: source_digest(linears[n], cov_digest(covs[n]) if activation_aware else None)
+                           for n in group}
                 layers = kept.layers(sources, lambda n, rank=kp.rank: empty_layer(method, linears[n], rank, blocks))
             if layers is None:
                 factors = project(method, W, kp.rank, blocks, cov if activation_aware else None, steps)

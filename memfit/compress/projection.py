@@ -91,8 +91,8 @@ def whitening_factor(cov: torch.Tensor, blocks: int = 1) -> torch.Tensor:
     cov = cov.to(torch.float64)
     diag = cov.reshape(*cov.shape[:-2], blocks, q, blocks, q).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
     scale = diag.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
-    eye = torch.eye(q, dtype=cov.dtype, device=cov.device)
-    damped = diag + COV_DAMP * scale[..., None, None] * eye
+    damped = diag.clone()                              # the ridge added in place: no identity and scaled copy of it
+    damped.diagonal(dim1=-2, dim2=-1).add_(COV_DAMP * scale[..., None])
     factor, info = torch.linalg.cholesky_ex(damped)
     if bool((info != 0).any()):
         raise MemfitError("calibration covariance is not positive definite even after damping; "

@@ -46,15 +46,19 @@ def code_digest() -> str:
     return hashlib.sha256(b"".join(path.read_bytes() for path in files)).hexdigest()[:16]
 
 
-def source_digest(linear: nn.Linear, cov: torch.Tensor | None) -> str:
-    """A digest of what one layer's projection reads: the weight and bias (dtype, shape, every byte) and ``cov``, the
-    input covariance an activation-aware projection fits (None: a weight-space one)."""
-    digest = hashlib.sha256()
-    for tensor in (linear.weight, linear.bias, cov):
-        if tensor is not None:
-            digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
-            digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """A digest of a tensor's dtype, shape and every byte."""
+    digest = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()[:16]
+
+
+def source_digest(linear: nn.Linear, cov_digest: str | None) -> str:
+    """A digest of what one layer's projection reads: the weight and bias (:func:`tensor_digest`) and, for an
+    activation-aware projection, the input covariance it fits (``cov_digest``, its tensor_digest: layers that share an
+    input share the covariance, digested once)."""
+    parts = [tensor_digest(t) for t in (linear.weight, linear.bias) if t is not None] + [cov_digest or ""]
+    return hashlib.sha256(" ".join(parts).encode()).hexdigest()[:16]
 
 
 class KeptLayers:
@@ -74,7 +78,8 @@ class KeptLayers:
         """The kept layers for ``out`` under ``record`` (JSON-able settings): an earlier run's where its record is the
         same; where it differs, a MemfitError naming the difference, or with ``force`` the earlier run's are removed
         (and that said). A directory whose record cannot be read (removed, damaged) is removed, and that said: what
-        its layers were projected with is unknown."""
+        its layers were projected with is unknown; so is one kept by other code (a memfit upgrade), which no run of
+        this code could take."""
         kept = cls(progress_dir(out), {"format": FORMAT, **record})
         if not kept.directory.is_dir():
             return kept
@@ -84,6 +89,8 @@ class KeptLayers:
             earlier = None
         if not isinstance(earlier, dict):
             kept._discard("its record of their settings cannot be read")
+        elif earlier.get("code") != kept.record["code"]:   # no run of this code can take them
+            kept._discard("memfit's projection or layer code has changed since")
         elif earlier != kept.record:
             if not force:
                 raise MemfitError(f"{kept.directory} keeps the layers an interrupted memfit compress to {out} projected "
@@ -137,7 +144,7 @@ class KeptLayers:
             try:
                 module.load_state_dict(state)
             except RuntimeError as err:                # a file changed since it was written
-                detail = " ".join(line.strip() for line in str(err).splitlines()[1:2])
+                detail = " ".join(line.strip() for line in str(err).splitlines()[1:2]).rstrip(".")
                 logger.warning(f"{self.files[name]}: {name}'s kept tensors do not fit its layer ({detail}); its group "
                                "is projected again")
                 return None
