@@ -9,8 +9,9 @@ tokens and the whole model before the layer make). A record (RECORD_NAME) holds 
 method, blocks and ranks, BLAST's steps, whether the projection is activation-aware, and a digest of the code that
 projects and builds the layers. A later run with the same record takes a group from there where every layer's digest
 is this run's (on the same device: another device's floating point makes other covariances, and those layers are
-projected again); the directory is removed once the output is saved. A record that differs is refused, naming what
-differs, unless ``force`` discards it. The directory takes about the disk the compressed layers take in the output.
+projected again); the directory is removed once the output is saved. A record of other settings is refused, naming
+what differs, unless ``force`` discards it; one of other code (a memfit upgrade), or one that cannot be read, is
+discarded, and that said. The directory takes about the disk the compressed layers take in the output.
 """
 from __future__ import annotations
 
