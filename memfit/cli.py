@@ -12,6 +12,7 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -53,10 +54,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+NEGATIVE_VALUE = re.compile(r"^-[0-9.]")      # an option's value, not an option: no memfit option starts so
+
+
+def _negative_values_joined(argv: list[str]) -> list[str]:
+    """``--gpu-memory -8GiB`` as ``--gpu-memory=-8GiB``: argparse reads a token that starts with '-' and is not a
+    plain negative number as an option, so the value's own check never saw it and the user read "expected one
+    argument" where the option's message says what it takes."""
+    joined: list[str] = []
+    for token in argv:
+        if joined and NEGATIVE_VALUE.match(token) and joined[-1].startswith("--") and joined[-1] != "--" \
+                and "=" not in joined[-1]:
+            joined[-1] = f"{joined[-1]}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_negative_values_joined(list(argv)))
     if args.command is None:  # the built-in default job: plan the default model
         args = parser.parse_args([*argv, "plan"])
     level = logging.DEBUG if args.verbose else logging.INFO

@@ -562,6 +562,9 @@ def test_data_files_may_start_with_a_byte_order_mark_and_must_be_utf8(tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (("--gpu-memory", "24"), "has no unit, so it reads as 24 bytes"),
+    (("--gpu-memory", "-8GiB"), "memory size must be a positive, finite number of bytes, got '-8GiB'"),
+    (("--gpu-memory=-8GiB",), "memory size must be a positive, finite number of bytes, got '-8GiB'"),
+    (("--seq", "-5"), "must be a positive integer, got -5"),
     (("--lora-targets", ",,"), "names no module"),
     (("--micro-batch", "0"), "--micro-batch must be at least 1, got 0"),
 ])
