@@ -779,6 +779,42 @@ def test_layers_kept_under_other_settings_are_refused_unless_forced(tmp_path, mo
     assert len(projected) == len({r["kind"] for r in result.report}) - 1 and not progress_dir(out).exists()
 
 
+def test_memfit_compress_killed_by_sigterm_continues_from_the_command_line(tmp_path, caplog):
+    """The command line end to end: ``memfit compress`` sent SIGTERM (a lost session, a job scheduler) while it
+    projects its second group says which layers it kept and exits 143; the same command run again says it continues
+    from them and saves the model."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from memfit.cli import main
+    from memfit.compress.resume import GROUP_GLOB, progress_dir
+
+    out = tmp_path / "out"
+    argv = ["compress", "tiny", "--method", "lowrank", "--out", str(out), "--device", "cpu"]
+    code = ("import sys, time; import memfit.compress.convert as convert; project = convert.project; calls = []\n"
+            "def slow(*args, **kwargs):\n"
+            "    calls.append(1)\n"
+            "    if len(calls) == 2:\n"
+            "        time.sleep(60)\n"
+            "    return project(*args, **kwargs)\n"
+            "convert.project = slow\n"
+            f"from memfit.cli import main; sys.exit(main({argv!r}))")
+    run = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "MEMFIT_KERNELS": "reference"})
+    deadline = time.monotonic() + 120
+    while not list(progress_dir(out).glob(GROUP_GLOB)) and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)
+    run.send_signal(signal.SIGTERM)
+    err = run.communicate(timeout=60)[1]
+    assert run.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "2 of 10 layers' projections are kept in" in err and "memfit: terminated" in err
+    assert main(argv) == 0 and (out / "model.safetensors").is_file() and not progress_dir(out).exists()
+    assert "continuing an interrupted memfit compress: 2 of 10 layers" in caplog.text
+
+
 def _scale_some_rows(model_dir: Path) -> None:
     """The model in ``model_dir`` with rows 5 to 9 of its first q_proj weight doubled: values no sample of each end of
     the tensor reads."""
