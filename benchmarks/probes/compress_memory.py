@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("OUT", "/tmp"))
 MODEL = "llama-3.2-1b"
-CASES = [("lowrank", False), ("lowrank", True), ("monarch", False), ("monarch", True), ("blast", False)]
+CASES = [("lowrank", False), ("lowrank", True), ("blast", False)]     # building the 1B preset takes a while per case
 CALIBRATION = {"calib_builtin": True, "calib_samples": 8, "calib_seq": 512}
 
 
