@@ -51,7 +51,7 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     from memfit.models import PRESETS, load_spec
 
     model, skip = str(model), parse_skip(skip)
-    check_output(out, force)
+    out_dir = check_output(out, force)
     check_steps(steps, "--steps")
     spec = load_spec(model)
     kinds = plan_kinds(spec.linear_shapes(), method, ratio, blocks, skip=skip)  # shape errors before any work
@@ -65,7 +65,7 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
     calibration = load_calibration(calib, calib_builtin, model_dir, spec.vocab, calib_samples, calib_seq)
     if activation_aware:
         _say_few_calibration_tokens(sum(batch.numel() for batch in calibration), spec.linear_shapes(), kinds)
-    kept = KeptLayers.open(Path(out).expanduser(), {     # the settings every kept layer shares: before any work too
+    kept = KeptLayers.open(out_dir, {     # the settings every kept layer shares: before any work too
         "code": code_digest(), "method": method, "blocks": 1 if method == "lowrank" else blocks,
         "ranks": {kind: kp.rank for kind, kp in kinds.items()}, "steps": steps if method == "blast" else None,
         "activation_aware": activation_aware}, force)
