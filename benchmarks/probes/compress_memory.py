@@ -8,6 +8,8 @@ and after the dense model stayed on the CPU while it compresses (002fe9b), for e
     OUT=/some/dir python /tmp/before/benchmarks/probes/compress_memory.py
 
 BLAST runs 20 descent steps (the default is 300): the memory is the same per step, and the time is not the point.
+Cases may be named to run only those, in that order (``lowrank``, ``lowrank-aware``, ``blast``); the file is
+rewritten after each case, so a run stopped by a time limit keeps the cases it finished.
 """
 import json
 import os
@@ -22,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("OUT", "/tmp"))
 MODEL = "llama-3.2-1b"
-CASES = [("lowrank", False), ("lowrank", True), ("blast", False)]     # building the 1B preset takes a while per case
+CASES = {"lowrank": ("lowrank", False), "lowrank-aware": ("lowrank", True), "blast": ("blast", False)}   # a 1B build each
 CALIBRATION = {"calib_builtin": True, "calib_samples": 8, "calib_seq": 512}
 
 
@@ -35,8 +37,14 @@ def main() -> None:
     dense = spec.num_params() * dtype_bytes(spec.dtype)
     commit = os.environ.get("MEMFIT_COMMIT") or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                                                capture_output=True, text=True).stdout.strip()
-    rows = []
-    for method, aware in CASES:
+    names = sys.argv[1:] or list(CASES)
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        sys.exit(f"unknown case(s) {unknown}: choose from {list(CASES)}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    record = {"probe": "compress_memory", "model": MODEL, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "commit": commit, "calibration": CALIBRATION, "rows": []}
+    for method, aware in (CASES[name] for name in names):
         with tempfile.TemporaryDirectory() as tmp:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -49,11 +57,8 @@ def main() -> None:
                    "peak_bytes": torch.cuda.max_memory_allocated(), "dense_model_bytes": dense}
         row["peak_over_model"] = row["peak_bytes"] / dense
         print(json.dumps(row), flush=True)
-        rows.append(row)
-    OUT.mkdir(parents=True, exist_ok=True)
-    record = {"probe": "compress_memory", "model": MODEL, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "commit": commit, "calibration": CALIBRATION, "rows": rows}
-    (OUT / f"compress_memory_{commit}.json").write_text(json.dumps(record, indent=1))
+        record["rows"].append(row)
+        (OUT / f"compress_memory_{commit}.json").write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
