@@ -98,10 +98,6 @@ def decode_attention_reference(q, k, v, cos, sin, k_cache, v_cache, valid, slot,
     return torch.einsum("bhj,bhjd->bhd", scores.softmax(-1), values).to(q.dtype).reshape(B, H * D)
 
 
-def argmax_reference(x: torch.Tensor) -> torch.Tensor:
-    return x.argmax(-1)
-
-
 # ---- attention kernels ---------------------------------------------------------------------
 
 @triton.jit
