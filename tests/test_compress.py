@@ -1559,3 +1559,79 @@ def test_the_help_states_the_covariance_damping_the_projection_uses(capsys):
 
     said = re.search(r"damped by (\S+) of its mean variance", " ".join(capsys.readouterr().out.split()))
     assert said and float(said.group(1)) == COV_DAMP
+
+
+def _indefinite_covariance(n: int, lowest: float, seed: int = 0) -> torch.Tensor:
+    """A covariance dominated by one direction (eigenvalue 1000; 1 on the others) whose least eigenvalue is
+    ``lowest`` times its mean variance: a float32 sum of x^T x over such inputs can come out so."""
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    values = torch.ones(n, dtype=torch.float64)
+    values[0] = 1000.0
+    mean = (values.sum() - 1) / (n - 1 - lowest)          # the mean variance once the last eigenvalue is lowest * mean
+    values[-1] = lowest * mean
+    return (q * values) @ q.T
+
+
+def test_a_covariance_rounding_left_indefinite_is_damped_more_said_once_and_its_neighbours_keep_their_factor(
+        caplog, monkeypatch):
+    """A covariance whose least eigenvalue is -2e-3 of its mean variance does not factor at COV_DAMP's 1e-4: it is
+    damped tenfold at a time (1e-3 does not make it positive definite either, 1e-2 does) and that said once; the other
+    covariance of the batch keeps COV_DAMP's factor, bit for bit, and nothing is said for a batch that factors at
+    once."""
+    import memfit.log
+    from memfit.compress import projection as proj
+
+    monkeypatch.setattr(memfit.log, "_said", set())
+    fine = _correlated_covariance(64).double()
+    alone = proj.whitening_factor(fine)
+    assert "did not factor" not in caplog.text
+    bad = _indefinite_covariance(64, -2e-3)
+    mean, eye = bad.diagonal().mean(), torch.eye(64, dtype=bad.dtype)
+    assert [int(torch.linalg.cholesky_ex(bad + damp * mean * eye)[1]) != 0 for damp in (1e-4, 1e-3, 1e-2)] == [
+        True, True, False]
+    factor = proj.whitening_factor(torch.stack([fine, bad]))
+    assert torch.equal(factor[0], alone)
+    assert torch.allclose(factor[1, 0] @ factor[1, 0].T, bad + 1e-2 * mean * eye, atol=1e-9 * mean)
+    assert caplog.text.count("did not factor damped by 0.0001 of its mean variance") == 1
+    assert "took up to 0.01" in caplog.text
+    proj.whitening_factor(bad[None])
+    assert caplog.text.count("did not factor") == 1
+
+
+def test_monarch_refines_on_a_covariance_whose_input_block_rounding_left_indefinite(caplog, monkeypatch):
+    """An input block whose covariance does not factor at COV_DAMP's ridge (here -2e-3 of its mean variance) gets the
+    whitening's larger ridge in the refinement too, which runs (it had returned the block-whitened factors unrefined)
+    and lowers the output error on the covariance so damped."""
+    import memfit.log
+    from memfit.compress import projection as proj
+
+    monkeypatch.setattr(memfit.log, "_said", set())
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(2000, 64, generator=gen, dtype=torch.float64)
+    X[:, :16] = X[:, :4] @ torch.randn(4, 16, generator=gen, dtype=torch.float64)   # input block 0 spans 4 directions
+    cov = X.T @ X
+    # block 0's least eigenvalue (0) moved to -2e-3 of its mean variance: its ridge of 1e-2 leaves the whole positive
+    _, vectors = torch.linalg.eigh(cov[:16, :16])
+    cov[:16, :16] -= 2e-3 * cov[:16, :16].diagonal().mean() * torch.outer(vectors[:, 0], vectors[:, 0])
+    cov = cov.float()
+    W = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    chol = proj.whitening_factor(cov, 4)
+    assert "did not factor" in caplog.text
+    L, R = proj._whitened_svd(proj._blocks(W, 4), chol.unsqueeze(-4), 2)
+    history = []
+    refined = proj.monarch_refine_output_error(W, L, R, cov, sweeps=3, history=history)
+    assert history and all(bool(h.isfinite()) for h in history)
+
+    def output_error(L, R):
+        return float(proj._output_error(W - proj.monarch_dense(L, R), proj._unit_covariance(cov, W.dtype, 4)))
+
+    assert output_error(*refined) < output_error(L, R)
+
+
+def test_a_covariance_no_damping_up_to_its_mean_variance_makes_positive_definite_is_refused():
+    """Below -COV_DAMP_MAX of its mean variance no ridge memfit adds makes a covariance factor: refused, naming the
+    damping tried."""
+    from memfit.compress import projection as proj
+
+    with pytest.raises(MemfitError, match=r"not positive definite even damped by 1 of its mean variance"):
+        proj.whitening_factor(_indefinite_covariance(64, -2.0))

@@ -54,6 +54,11 @@ DESCENT_RMS = 0.02
 # Relative damping added to a calibration covariance before its Cholesky factor, so dead
 # input features (zero variance) do not blow the input-side factor up.
 COV_DAMP = 1e-4
+# The most damping (of the mean variance) whitening_factor raises a block to, tenfold at a time, where COV_DAMP's
+# leaves it not positive definite. A float32 sum of x^T x is off by rounding that grows with its largest
+# eigenvalue, the ridge with its mean: a covariance dominated by a few directions (few distinct tokens in the
+# calibration text, a randomly initialised model's inputs) can keep negative eigenvalues below COV_DAMP's ridge.
+COV_DAMP_MAX = 1.0
 
 
 # ---- checks -----------------------------------------------------------------------------
@@ -82,7 +87,8 @@ def _work_dtype(t: torch.Tensor) -> torch.dtype:
 
 # ---- whitening --------------------------------------------------------------------------
 def whitening_factor(cov: torch.Tensor, blocks: int = 1) -> torch.Tensor:
-    """Lower Cholesky factors ``L_j`` of the diagonal blocks of ``cov`` (``(..., in, in)``).
+    """Lower Cholesky factors ``L_j`` of the diagonal blocks of ``cov`` (``(..., in, in)``), each damped by
+    ``COV_DAMP`` of its mean variance, more where that does not factor (:func:`_damped_cholesky`).
 
     Returns ``(..., blocks, in/blocks, in/blocks)``; ``blocks=1`` gives the full factor.
     """
@@ -93,11 +99,34 @@ def whitening_factor(cov: torch.Tensor, blocks: int = 1) -> torch.Tensor:
     scale = diag.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
     damped = diag.clone()                              # the ridge added in place: no identity and scaled copy of it
     damped.diagonal(dim1=-2, dim2=-1).add_(COV_DAMP * scale[..., None])
+    return _damped_cholesky(damped, scale)[0]
+
+
+def _damped_cholesky(damped: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cholesky factors of ``damped`` (``(..., q, q)``, float64), which holds a ridge of ``COV_DAMP * scale``
+    (``scale``: ``(...)``, each matrix's mean variance) on its diagonal. A matrix that does not factor so has its
+    ridge raised tenfold at a time until it does, up to ``COV_DAMP_MAX`` (said once; the others keep their first
+    factor, bit for bit). ``damped`` is updated in place. Returns the factors and each matrix's ridge over ``scale``.
+    """
     factor, info = torch.linalg.cholesky_ex(damped)
-    if bool((info != 0).any()):
-        raise MemfitError("calibration covariance is not positive definite even after damping; "
-                          "give more (or less degenerate) calibration text")
-    return factor
+    ridge = torch.full_like(scale, COV_DAMP)
+    damp, failed = COV_DAMP, info != 0
+    while bool(failed.any()):
+        if damp >= COV_DAMP_MAX:
+            raise MemfitError(f"calibration covariance is not positive definite even damped by {damp:g} of its mean "
+                              "variance; give more (or less degenerate) calibration text")
+        damped.diagonal(dim1=-2, dim2=-1).add_(torch.where(failed, 9 * damp * scale, 0)[..., None])
+        damp *= 10
+        ridge = torch.where(failed, damp, ridge)
+        retried, info = torch.linalg.cholesky_ex(damped)
+        factor = torch.where(failed[..., None, None], retried, factor)
+        failed = failed & (info != 0)
+    if damp > COV_DAMP:
+        warn_once("whitening-damped", f"a calibration covariance did not factor damped by {COV_DAMP:g} of its mean "
+                  f"variance (float rounding left it indefinite: its inputs span few directions on this text) and "
+                  f"took up to {damp:g}: those layers' projections weigh the input directions the text leaves out "
+                  "more, nearer the weight-space projection; more varied calibration text avoids it")
+    return factor, ridge
 
 
 def _unwhiten(factor_t: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
@@ -216,7 +245,7 @@ def monarch_refine_output_error(A: torch.Tensor, L: torch.Tensor, R: torch.Tenso
     ``E C``; in exact arithmetic the error never rises, and a sweep that fits worse is dropped, per matrix.
     ``history`` receives the relative output error after every sweep. Runs on ``A`` and ``C`` scaled as
     :func:`blast_refine_output_error`'s, each diagonal block of ``C`` damped as :func:`whitening_factor` damps it
-    (where float32 rounding leaves a damped block not positive definite, the batch returns unrefined, and says so).
+    (more where that leaves a block not positive definite: :func:`_damped_cholesky`).
     """
     dt = A.dtype
     *lead, out, inp = A.shape
@@ -225,13 +254,16 @@ def monarch_refine_output_error(A: torch.Tensor, L: torch.Tensor, R: torch.Tenso
     A, rms = _unit_rms(A)
     L = L / rms.unsqueeze(-1).unsqueeze(-1)
     C = _unit_covariance(cov, dt, b)
-    C_jj = C.unflatten(-2, (b, q)).unflatten(-1, (b, q)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)  # (..., j, q, q)
-    chol, info = torch.linalg.cholesky_ex(C_jj.double())                               # float64, as the whitening's
-    if bool((info != 0).any()):                       # whitening_factor passed the same blocks: float32 rounding
-        warn_once("monarch-refine-not-pd", "Monarch's output-error refinement skipped: a damped input block's "
-                                           "covariance is not positive definite in float32; the factors are the block-"
-                                           "whitened projection's")
-        return L * rms.unsqueeze(-1).unsqueeze(-1), R
+
+    def diagonal_blocks(C):                           # (..., j, q, q)
+        return C.unflatten(-2, (b, q)).unflatten(-1, (b, q)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
+
+    C_jj = diagonal_blocks(C)
+    variance = C_jj.diagonal(dim1=-2, dim2=-1).mean(-1).double() / (1 + COV_DAMP)     # (..., j), before the ridge
+    chol, ridge = _damped_cholesky(C_jj.double(), variance)                            # float64, as the whitening's
+    if bool((ridge > COV_DAMP).any()):                # the whitening raised these blocks' ridge too: so does C
+        C = C + torch.diag_embed(((ridge - COV_DAMP) * variance).to(dt).repeat_interleave(q, -1))
+        C_jj = diagonal_blocks(C)
 
     a_norm2 = (A * (A @ C)).sum((-2, -1))
     E = A - monarch_dense(L, R)
