@@ -1628,6 +1628,38 @@ def test_monarch_refines_on_a_covariance_whose_input_block_rounding_left_indefin
     assert output_error(*refined) < output_error(L, R)
 
 
+@pytest.mark.parametrize("method, rank", [("blast", 16), ("monarch", 8)])
+def test_the_refinements_on_a_covariance_indefinite_as_a_whole_keep_a_positive_error(method, rank, caplog,
+                                                                                     monkeypatch):
+    """A covariance whose least eigenvalue rounding left at a few percent of its mean variance below zero: with
+    COV_DAMP's ridge alone the refinements' objective has no minimum, and sweeps drove the error below zero (its
+    square root NaN) and were kept as better fits. The whole is damped until it factors (said): every error
+    recorded is finite and the refined projection fits better than the block-whitened one."""
+    import memfit.log
+
+    monkeypatch.setattr(memfit.log, "_said", set())
+    project, refine, dense = {
+        "blast": (partial(proj.blast_project, steps=40), proj.blast_refine_output_error, proj.blast_dense),
+        "monarch": (proj.monarch_project, proj.monarch_refine_output_error, proj.monarch_dense)}[method]
+    cov = _correlated_covariance(64).double()
+    values, vectors = torch.linalg.eigh(cov[:16, :16])
+    cov[:16, :16] -= (values[0] + 2e-3 * cov[:16, :16].diagonal().mean()) * torch.outer(vectors[:, 0], vectors[:, 0])
+    assert float(torch.linalg.eigvalsh(cov)[0] / cov.diagonal().mean()) < -1e-2
+    cov = cov.float()
+    W = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    whitened = project(W, rank, 4, cov, refine_sweeps=0)
+    history = []
+    refined = refine(W, *whitened, cov, sweeps=5, history=history)
+    assert history and all(bool(h.isfinite()) and float(h) > 0 for h in history), history
+    assert "did not factor" in caplog.text
+    C = proj._unit_covariance(cov, W.dtype, 4)
+
+    def output_error(factors):
+        return float(proj._output_error(W - dense(*factors), C))
+
+    assert 0 < output_error(refined) < output_error(whitened)
+
+
 def test_a_covariance_no_damping_up_to_its_mean_variance_makes_positive_definite_is_refused():
     """Below -COV_DAMP_MAX of its mean variance no ridge memfit adds makes a covariance factor: refused, naming the
     damping tried."""

@@ -29,6 +29,7 @@ never rises), and Monarch refines its block-whitened factors likewise
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -162,12 +163,21 @@ def _unit_rms(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _unit_covariance(cov: torch.Tensor, dtype: torch.dtype, blocks: int = 1) -> torch.Tensor:
     """``cov`` scaled to unit mean variance, each of its ``blocks`` diagonal blocks damped by ``COV_DAMP`` of its own
-    mean variance (as :func:`whitening_factor` damps them): what the refinements measure the output error on."""
+    mean variance (as :func:`whitening_factor` damps them): what the refinements measure the output error on. Where
+    the whole is not positive definite so, its whole diagonal is damped more (:func:`_damped_cholesky`, one matrix at
+    a time: a float64 copy and its factor): on an indefinite covariance the refinements' objective has no minimum,
+    and a sweep that drove the error below zero had been taken as a better fit."""
     C = cov.to(dtype)
     C = C / C.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(torch.finfo(dtype).tiny)[..., None, None]
     block_variance = C.diagonal(dim1=-2, dim2=-1).unflatten(-1, (blocks, -1)).mean(-1)          # (..., blocks)
     damping = (COV_DAMP * block_variance.clamp_min(torch.finfo(dtype).tiny)).repeat_interleave(C.shape[-1] // blocks, -1)
-    return C + torch.diag_embed(damping)
+    C = C + torch.diag_embed(damping)
+    unit = torch.ones((), dtype=torch.float64, device=C.device)
+    for index in itertools.product(*map(range, C.shape[:-2])):
+        ridge = float(_damped_cholesky(C[index].double(), unit)[1])
+        if ridge > COV_DAMP:
+            C[index].diagonal().add_(ridge - COV_DAMP)
+    return C
 
 
 def _output_error(E: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
