@@ -1567,7 +1567,7 @@ def _indefinite_covariance(n: int, lowest: float, seed: int = 0) -> torch.Tensor
     q, _ = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
     values = torch.ones(n, dtype=torch.float64)
     values[0] = 1000.0
-    mean = (values.sum() - 1) / (n - 1 - lowest)          # the mean variance once the last eigenvalue is lowest * mean
+    mean = (values.sum() - 1) / (n - lowest)              # the mean variance once the last eigenvalue is lowest * mean
     values[-1] = lowest * mean
     return (q * values) @ q.T
 
@@ -1584,24 +1584,26 @@ def test_a_covariance_rounding_left_indefinite_is_damped_more_said_once_and_its_
     monkeypatch.setattr(memfit.log, "_said", set())
     fine = _correlated_covariance(64).double()
     alone = proj.whitening_factor(fine)
-    assert "did not factor" not in caplog.text
+    assert "not positive definite" not in caplog.text
     bad = _indefinite_covariance(64, -2e-3)
     mean, eye = bad.diagonal().mean(), torch.eye(64, dtype=bad.dtype)
     assert [int(torch.linalg.cholesky_ex(bad + damp * mean * eye)[1]) != 0 for damp in (1e-4, 1e-3, 1e-2)] == [
         True, True, False]
-    factor = proj.whitening_factor(torch.stack([fine, bad]))
+    batch = torch.stack([fine, bad])
+    factor = proj.whitening_factor(batch)
+    assert torch.equal(batch, torch.stack([fine, bad])), "the covariances are left as they were"
     assert torch.equal(factor[0], alone)
     assert torch.allclose(factor[1, 0] @ factor[1, 0].T, bad + 1e-2 * mean * eye, atol=1e-9 * mean)
-    assert caplog.text.count("did not factor damped by 0.0001 of its mean variance") == 1
-    assert "took up to 0.01" in caplog.text
+    assert caplog.text.count("not positive definite with a ridge of 0.0001 of its mean variance") == 1
+    assert "it is projected with 0.01," in caplog.text and "projected with 0.001," not in caplog.text
     proj.whitening_factor(bad[None])
-    assert caplog.text.count("did not factor") == 1
+    assert caplog.text.count("not positive definite") == 1
 
 
 def test_monarch_refines_on_a_covariance_whose_input_block_rounding_left_indefinite(caplog, monkeypatch):
-    """An input block whose covariance does not factor at COV_DAMP's ridge (here -2e-3 of its mean variance) gets the
-    whitening's larger ridge in the refinement too, which runs (it had returned the block-whitened factors unrefined)
-    and lowers the output error on the covariance so damped."""
+    """An input block whose covariance does not factor at COV_DAMP's ridge (here -2e-3 of its mean variance): the
+    whitening raises its ridge, the refinement raises every block's until the whole factors, and runs (it had returned
+    the block-whitened factors unrefined), lowering the output error on the covariance so damped."""
     import memfit.log
     from memfit.compress import projection as proj
 
@@ -1616,7 +1618,7 @@ def test_monarch_refines_on_a_covariance_whose_input_block_rounding_left_indefin
     cov = cov.float()
     W = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
     chol = proj.whitening_factor(cov, 4)
-    assert "did not factor" in caplog.text
+    assert "not positive definite" in caplog.text
     L, R = proj._whitened_svd(proj._blocks(W, 4), chol.unsqueeze(-4), 2)
     history = []
     refined = proj.monarch_refine_output_error(W, L, R, cov, sweeps=3, history=history)
@@ -1651,7 +1653,7 @@ def test_the_refinements_on_a_covariance_indefinite_as_a_whole_keep_a_positive_e
     history = []
     refined = refine(W, *whitened, cov, sweeps=5, history=history)
     assert history and all(bool(h.isfinite()) and float(h) > 0 for h in history), history
-    assert "did not factor" in caplog.text
+    assert "projected with 0.1," in caplog.text                     # the refinements' ridge (the whitening's: 0.01)
     C = proj._unit_covariance(cov, W.dtype, 4)
 
     def output_error(factors):
@@ -1660,10 +1662,44 @@ def test_the_refinements_on_a_covariance_indefinite_as_a_whole_keep_a_positive_e
     assert 0 < output_error(refined) < output_error(whitened)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_refinements_raise_an_indefinite_covariances_ridge_once_in_either_precision(dtype):
+    """The refinements' covariance (``_unit_covariance``) of a positive definite input is the scaled covariance plus
+    COV_DAMP's ridge per block, exactly; of an indefinite one, every block's ridge raised by one factor, and no more
+    (in float64 the check's copy had been the covariance itself, and the raise landed twice)."""
+    from memfit.compress import projection as proj
+
+    good = _correlated_covariance(64).to(dtype)
+    unit = good / good.diagonal().mean()
+    variance = unit.diagonal().unflatten(-1, (4, -1)).mean(-1).repeat_interleave(16)
+    assert torch.equal(proj._unit_covariance(good, dtype, 4), unit + torch.diag_embed(proj.COV_DAMP * variance))
+    bad = _indefinite_covariance(64, -2e-3).to(dtype)
+    C = proj._unit_covariance(bad, dtype, 4)
+    unit = bad / bad.diagonal().mean()
+    variance = unit.diagonal().unflatten(-1, (4, -1)).mean(-1).repeat_interleave(16)
+    torch.testing.assert_close(C.diagonal() - unit.diagonal(), 1e-2 * variance)
+    both = proj._unit_covariance(torch.stack([good, bad]), dtype, 4)
+    assert torch.equal(both[0], proj._unit_covariance(good, dtype, 4)) and torch.equal(both[1], C)
+
+
+def test_a_projection_that_fails_names_its_layers(monkeypatch):
+    """A projection's MemfitError (a covariance no ridge makes positive definite) names the layers it was projecting."""
+    from memfit.compress import convert
+    from memfit.models import build_model
+
+    def refuse(*args, **kwargs):
+        raise MemfitError("a calibration covariance is not positive definite")
+
+    monkeypatch.setattr(convert.proj, "lowrank_project", refuse)
+    with pytest.raises(MemfitError, match=r"^model\.layers\.0\.self_attn\.q_proj and 1 more q_proj layers: a "
+                                          r"calibration covariance"):
+        convert.compress_model(build_model("tiny"), "lowrank", device="cpu")
+
+
 def test_a_covariance_no_damping_up_to_its_mean_variance_makes_positive_definite_is_refused():
     """Below -COV_DAMP_MAX of its mean variance no ridge memfit adds makes a covariance factor: refused, naming the
     damping tried."""
     from memfit.compress import projection as proj
 
-    with pytest.raises(MemfitError, match=r"not positive definite even damped by 1 of its mean variance"):
+    with pytest.raises(MemfitError, match=r"not positive definite even with a ridge of 1 times its mean variance"):
         proj.whitening_factor(_indefinite_covariance(64, -2.0))

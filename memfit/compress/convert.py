@@ -210,6 +210,11 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
+def _names(group: list[str]) -> str:
+    """A group of layers named for a message: the first, and how many more."""
+    return group[0] + (f" and {len(group) - 1} more {group[0].rsplit('.', 1)[-1]} layers" if len(group) > 1 else "")
+
+
 def _refuse_non_finite_factors(method: str, names: list[str], factors) -> None:
     """A MemfitError naming the first layer of ``names`` whose factors are not finite (from finite weights: a defect),
     before any is built into the model: they would be saved, and the model would generate nothing."""
@@ -279,7 +284,10 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
                            for n in group}
                 layers = kept.layers(sources, lambda n, rank=kp.rank: empty_layer(method, linears[n], rank, blocks))
             if layers is None:
-                factors = project(method, W, kp.rank, blocks, cov if activation_aware else None, steps)
+                try:
+                    factors = project(method, W, kp.rank, blocks, cov if activation_aware else None, steps)
+                except MemfitError as err:
+                    raise MemfitError(f"{_names(group)}: {err}") from None
                 _refuse_non_finite_factors(method, group, factors)
                 layers = [build_layer(method, linears[name], kp.rank, blocks, [f[k].to(model_device) for f in factors])
                           for k, name in enumerate(group)]

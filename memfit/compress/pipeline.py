@@ -124,7 +124,7 @@ def compress(model: str | Path, out: str | Path, method: str = "blast", ratio: f
 
 def _say_few_calibration_tokens(tokens: int, shapes: dict[str, tuple[int, int]], kinds: dict) -> None:
     """Said once where the calibration has fewer tokens than a projected layer has inputs: that layer's covariance
-    then has rank at most ``tokens`` (the rest is COV_DAMP's ridge), and the activation-aware projection fits those
+    then has rank at most ``tokens`` (the rest is the projection's ridge), and the activation-aware projection fits those
     tokens, which can leave it worse than the plain one on other text."""
     from memfit.log import warn_once
 

@@ -55,10 +55,11 @@ DESCENT_RMS = 0.02
 # Relative damping added to a calibration covariance before its Cholesky factor, so dead
 # input features (zero variance) do not blow the input-side factor up.
 COV_DAMP = 1e-4
-# The most damping (of the mean variance) whitening_factor raises a block to, tenfold at a time, where COV_DAMP's
-# leaves it not positive definite. A float32 sum of x^T x is off by rounding that grows with its largest
-# eigenvalue, the ridge with its mean: a covariance dominated by a few directions (few distinct tokens in the
-# calibration text, a randomly initialised model's inputs) can keep negative eigenvalues below COV_DAMP's ridge.
+# The largest ridge (of the mean variance) the whitening and the refinements raise a covariance's to, tenfold at a
+# time, where COV_DAMP's leaves it not positive definite (:func:`_damped_cholesky`). A float32 sum of x^T x is off
+# by rounding that grows with its largest eigenvalue, the ridge with its mean: a covariance dominated by a few
+# directions (few distinct tokens in the calibration text, a randomly initialised model's inputs) can keep negative
+# eigenvalues below COV_DAMP's ridge.
 COV_DAMP_MAX = 1.0
 
 
@@ -100,34 +101,39 @@ def whitening_factor(cov: torch.Tensor, blocks: int = 1) -> torch.Tensor:
     scale = diag.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
     damped = diag.clone()                              # the ridge added in place: no identity and scaled copy of it
     damped.diagonal(dim1=-2, dim2=-1).add_(COV_DAMP * scale[..., None])
-    return _damped_cholesky(damped, scale)[0]
+    return _damped_cholesky(damped, scale[..., None].expand(damped.shape[:-1]))[0]
 
 
-def _damped_cholesky(damped: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cholesky factors of ``damped`` (``(..., q, q)``, float64), which holds a ridge of ``COV_DAMP * scale``
-    (``scale``: ``(...)``, each matrix's mean variance) on its diagonal. A matrix that does not factor so has its
-    ridge raised tenfold at a time until it does, up to ``COV_DAMP_MAX`` (said once; the others keep their first
-    factor, bit for bit). ``damped`` is updated in place. Returns the factors and each matrix's ridge over ``scale``.
-    """
-    factor, info = torch.linalg.cholesky_ex(damped)
-    ridge = torch.full_like(scale, COV_DAMP)
-    damp, failed = COV_DAMP, info != 0
-    while bool(failed.any()):
+def _damped_cholesky(damped: torch.Tensor, unit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cholesky factors of the float64 ``damped`` (``(..., n, n)``), whose diagonal holds a ridge of ``COV_DAMP *
+    unit`` (``unit``: ``(..., n)``, the variance each diagonal element's ridge is a fraction of). A matrix that does
+    not factor so has its ridge raised tenfold at a time until it does, up to ``COV_DAMP_MAX`` (said once a level);
+    only those are factored again, on a copy: ``damped`` is left as it is, the others' factors are the first. Returns
+    the factors and each matrix's ridge as a fraction of ``unit``."""
+    n = damped.shape[-1]
+    flat, units = damped.reshape(-1, n, n), unit.reshape(-1, n)
+    factor, info = torch.linalg.cholesky_ex(flat)
+    level = torch.full(info.shape, COV_DAMP, dtype=torch.float64, device=flat.device)
+    todo, damp = (info != 0).nonzero().squeeze(-1), COV_DAMP
+    pending = flat[todo]                               # a copy (advanced indexing)
+    while todo.numel():
         if damp >= COV_DAMP_MAX:
-            raise MemfitError(f"calibration covariance is not positive definite even damped by {damp:g} of its mean "
-                              "variance; give more (or less degenerate) calibration text")
-        damped.diagonal(dim1=-2, dim2=-1).add_(torch.where(failed, 9 * damp * scale, 0)[..., None])
+            raise MemfitError(f"a calibration covariance is not positive definite even with a ridge of {damp:g} times "
+                              "its mean variance: give more (or more varied) calibration text, or compress without "
+                              "--activation-aware")
+        pending.diagonal(dim1=-2, dim2=-1).add_(9 * damp * units[todo])
         damp *= 10
-        ridge = torch.where(failed, damp, ridge)
-        retried, info = torch.linalg.cholesky_ex(damped)
-        factor = torch.where(failed[..., None, None], retried, factor)
-        failed = failed & (info != 0)
-    if damp > COV_DAMP:
-        warn_once("whitening-damped", f"a calibration covariance did not factor damped by {COV_DAMP:g} of its mean "
-                  f"variance (float rounding left it indefinite: its inputs span few directions on this text) and "
-                  f"took up to {damp:g}: those layers' projections weigh the input directions the text leaves out "
-                  "more, nearer the weight-space projection; more varied calibration text avoids it")
-    return factor, ridge
+        retried, info = torch.linalg.cholesky_ex(pending)
+        done = info == 0
+        factor[todo[done]], level[todo[done]] = retried[done], damp
+        todo, pending = todo[~done], pending[~done]
+        if bool(done.any()):
+            warn_once(f"covariance-damped:{damp:g}", f"a calibration covariance is not positive definite with a ridge "
+                      f"of {COV_DAMP:g} of its mean variance (its inputs span few directions on this text, or float32 "
+                      f"rounding of their sum left it indefinite): it is projected with {damp:g}, which weighs the "
+                      "input directions the text leaves out more, nearer the weight-space projection; more varied "
+                      "calibration text avoids it")
+    return factor.reshape(damped.shape), level.reshape(damped.shape[:-2])
 
 
 def _unwhiten(factor_t: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
@@ -164,19 +170,19 @@ def _unit_rms(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _unit_covariance(cov: torch.Tensor, dtype: torch.dtype, blocks: int = 1) -> torch.Tensor:
     """``cov`` scaled to unit mean variance, each of its ``blocks`` diagonal blocks damped by ``COV_DAMP`` of its own
     mean variance (as :func:`whitening_factor` damps them): what the refinements measure the output error on. Where
-    the whole is not positive definite so, its whole diagonal is damped more (:func:`_damped_cholesky`, one matrix at
-    a time: a float64 copy and its factor): on an indefinite covariance the refinements' objective has no minimum,
-    and a sweep that drove the error below zero had been taken as a better fit."""
+    the whole is not positive definite so, every block's ridge is raised by the same factor until it is
+    (:func:`_damped_cholesky`, one matrix at a time: a float64 copy and its factor): on an indefinite covariance the
+    refinements' objective has no minimum, and a sweep that drove the error below zero had been taken as a better
+    fit. Where that leaves a block's ridge above the whitening's, the refinement fits a little more weight-like."""
     C = cov.to(dtype)
     C = C / C.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(torch.finfo(dtype).tiny)[..., None, None]
     block_variance = C.diagonal(dim1=-2, dim2=-1).unflatten(-1, (blocks, -1)).mean(-1)          # (..., blocks)
-    damping = (COV_DAMP * block_variance.clamp_min(torch.finfo(dtype).tiny)).repeat_interleave(C.shape[-1] // blocks, -1)
-    C = C + torch.diag_embed(damping)
-    unit = torch.ones((), dtype=torch.float64, device=C.device)
+    unit = block_variance.clamp_min(torch.finfo(dtype).tiny).repeat_interleave(C.shape[-1] // blocks, -1)
+    C = C + torch.diag_embed(COV_DAMP * unit)
     for index in itertools.product(*map(range, C.shape[:-2])):
-        ridge = float(_damped_cholesky(C[index].double(), unit)[1])
+        ridge = float(_damped_cholesky(C[index].double(), unit[index].double())[1])
         if ridge > COV_DAMP:
-            C[index].diagonal().add_(ridge - COV_DAMP)
+            C[index].diagonal().add_((ridge - COV_DAMP) * unit[index])
     return C
 
 
@@ -254,8 +260,8 @@ def monarch_refine_output_error(A: torch.Tensor, L: torch.Tensor, R: torch.Tenso
     the exact minimum. A sweep takes the block columns in turn (Gauss-Seidel), all output blocks at once, tracking
     ``E C``; in exact arithmetic the error never rises, and a sweep that fits worse is dropped, per matrix.
     ``history`` receives the relative output error after every sweep. Runs on ``A`` and ``C`` scaled as
-    :func:`blast_refine_output_error`'s, each diagonal block of ``C`` damped as :func:`whitening_factor` damps it
-    (more where that leaves a block not positive definite: :func:`_damped_cholesky`).
+    :func:`blast_refine_output_error`'s, ``C`` damped by :func:`_unit_covariance` (positive definite as a whole, so
+    every diagonal block is too).
     """
     dt = A.dtype
     *lead, out, inp = A.shape
@@ -264,16 +270,8 @@ def monarch_refine_output_error(A: torch.Tensor, L: torch.Tensor, R: torch.Tenso
     A, rms = _unit_rms(A)
     L = L / rms.unsqueeze(-1).unsqueeze(-1)
     C = _unit_covariance(cov, dt, b)
-
-    def diagonal_blocks(C):                           # (..., j, q, q)
-        return C.unflatten(-2, (b, q)).unflatten(-1, (b, q)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
-
-    C_jj = diagonal_blocks(C)
-    variance = C_jj.diagonal(dim1=-2, dim2=-1).mean(-1).double() / (1 + COV_DAMP)     # (..., j), before the ridge
-    chol, ridge = _damped_cholesky(C_jj.double(), variance)                            # float64, as the whitening's
-    if bool((ridge > COV_DAMP).any()):                # the whitening raised these blocks' ridge too: so does C
-        C = C + torch.diag_embed(((ridge - COV_DAMP) * variance).to(dt).repeat_interleave(q, -1))
-        C_jj = diagonal_blocks(C)
+    C_jj = C.unflatten(-2, (b, q)).unflatten(-1, (b, q)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)  # (..., j, q, q)
+    chol = torch.linalg.cholesky(C_jj.double())       # float64, as the whitening's; C's blocks: positive definite
 
     a_norm2 = (A * (A @ C)).sum((-2, -1))
     E = A - monarch_dense(L, R)
@@ -556,7 +554,8 @@ def blast_refine_output_error(A: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
     weight: NaN or torch's singular-matrix error had ended the compression) is dropped, per
     matrix. ``history`` receives the relative output error after every sweep. Shapes as in
     :func:`blast_factorize`. The sweeps run on ``A`` scaled to unit root-mean-square and ``C`` to
-    unit mean variance (the scales go back on ``S``), so that the ridges' floor is scale-free.
+    unit mean variance (the scales go back on ``S``), so that the ridges' floor is scale-free; ``C`` damped by
+    :func:`_unit_covariance`.
     """
     dt = A.dtype
     *lead, out, inp = A.shape
