@@ -165,16 +165,32 @@ class StructuredLinear(nn.Module):
                 f"params={self.num_params()} ({self.num_params() / self.dense_params():.1%} of dense)")
 
 
+# truncated_svd's smallest singular value, relative to the largest, it resolves from the Gram matrix's spectrum: float64
+# rounds an eigenvalue of M^T M at about 2e-16 of the largest, a singular value at about its square root, 1.5e-8.
+GRAM_SVD_FLOOR = 1e-7
+
+
 def truncated_svd(matrix: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Best rank-``rank`` factors (A, B) with matrix ~= A @ B^T, singular values split evenly.
 
-    Works batched over leading dims; rank beyond min(rows, cols) is padded with zeros.
+    Works batched over leading dims; rank beyond min(rows, cols) is padded with zeros. In float64, from the
+    eigendecomposition of the smaller Gram matrix (``M^T M`` of a tall M): the top singular pairs are those of the SVD
+    to float64 accuracy, down to singular values of ``GRAM_SVD_FLOOR`` times the largest; below it, where the squared
+    spectrum leaves no digits, a pair comes out as zero columns (a change to the product below that relative size).
+    A full SVD computes every pair of every matrix, and torch's SVD of a batch of small matrices on CUDA runs matrix
+    by matrix (the refinements take one per block column and sweep): ``benchmarks/probes/monarch_refine_time.py``.
     """
-    u, s, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
-    k = min(rank, s.shape[-1])
-    root = s[..., :k].sqrt()
-    a = u[..., :k] * root.unsqueeze(-2)
-    b = vh[..., :k, :].transpose(-1, -2) * root.unsqueeze(-2)
+    m = matrix.double()
+    wide = m.shape[-2] < m.shape[-1]
+    tall = m.transpose(-1, -2) if wide else m
+    k = min(rank, tall.shape[-1])
+    values, vectors = torch.linalg.eigh(tall.transpose(-1, -2) @ tall)          # ascending
+    values, vectors = values.flip(-1)[..., :k], vectors.flip(-1)[..., :k]
+    root = values.clamp_min(0).sqrt().sqrt()                                     # sqrt of each singular value
+    kept = (root.square() > GRAM_SVD_FLOOR * root[..., :1].square()).unsqueeze(-2)
+    right = torch.where(kept, vectors * root.unsqueeze(-2), 0)                   # v_i sqrt(s_i)
+    left = torch.where(kept, (tall @ vectors) / torch.where(kept, root.unsqueeze(-2), 1), 0)    # u_i sqrt(s_i)
+    a, b = (right, left) if wide else (left, right)
     if k < rank:
         pad = [0, rank - k]
         a, b = torch.nn.functional.pad(a, pad), torch.nn.functional.pad(b, pad)
