@@ -79,6 +79,10 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # At 5096b89 (tree 2f2ff72, its kernels 5096b89's) the BLR file with the tangent and second-order tests took 94.9 s
 # (379 passed, 12 skipped), the other four 110.8 s (215 passed, 6 skipped; the attention fixes), test_blr_compile.py
 # 31.6 s (10 passed, 10 skipped), test_swiglu.py 24.0 s (41 passed): one device call, 313.6 s of wall time.
+# At f2dc988 test_blr_compile.py took 38.1 s (10 passed, 10 skipped); in the same call, outside this list, the autocast,
+# multiple-of-8 and chunked-prefill tests of test_blr_layers.py and test_generate_chunked_prefill.py 77.7 s under
+# MEMFIT_TEST_DEVICE=cuda (14 passed, 1 skipped) and test_compress.py's GPU-memory, resume and calibration tests 41.4 s
+# (6 passed; logs gpu_tests_*_f2dc988.log).
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
