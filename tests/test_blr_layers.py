@@ -185,3 +185,33 @@ def test_a_layer_on_the_meta_device_gives_its_output_shape(cls, kw):
     """Shape inference, as nn.Linear allows it: autocast, which the layers now follow, has no meta device."""
     layer = cls(IN, OUT, rank=8, bias=True, device="meta", **kw)
     assert layer(torch.empty(3, 5, IN, device="meta")).shape == (3, 5, OUT)
+
+
+@pytest.mark.parametrize("shape, rank", [((3, 40, 12), 5), ((3, 12, 40), 5), ((24, 24), 8), ((7, 5), 9), ((5, 7), 9)])
+def test_truncated_svd_fits_as_the_svd_does(shape, rank):
+    """Wide, tall, square and batched, and a rank past min(rows, cols): the Gram-based factors fit as well as the
+    SVD's truncation (the optimum: the square root of the dropped squared singular values), padded with zeros past the
+    smaller side, in the input's dtype."""
+    from memfit.layers.structured import truncated_svd
+
+    M = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) @ torch.diag(torch.logspace(0, -3, shape[-1]))
+    A, B = truncated_svd(M, rank)
+    assert A.shape == (*shape[:-1], rank) and B.shape == (*shape[:-2], shape[-1], rank) and A.dtype == M.dtype
+    s = torch.linalg.svdvals(M.double())
+    optimum = s[..., rank:].square().sum(-1).sqrt()
+    error = torch.linalg.matrix_norm(M.double() - A.double() @ B.double().transpose(-1, -2))
+    assert bool((error <= optimum + 1e-6 * s[..., 0]).all()), (error, optimum)
+    kept = min(rank, *shape[-2:])
+    assert not A[..., kept:].any() and not B[..., kept:].any()
+
+
+def test_truncated_svd_drops_pairs_below_its_floor_as_zero_columns():
+    """A float64 matrix whose spectrum falls below GRAM_SVD_FLOOR of its largest singular value: the pairs there come
+    out as zero columns (their digits are lost in the squared spectrum), so the fit is the SVD's only to that floor."""
+    from memfit.layers.structured import GRAM_SVD_FLOOR, truncated_svd
+
+    q, _ = torch.linalg.qr(torch.randn(30, 30, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    values = torch.cat([torch.logspace(0, -5, 15), torch.logspace(-9, -12, 15)]).double()   # none near the floor
+    A, B = truncated_svd((q * values) @ q.T, 30)
+    nonzero = int((A.norm(dim=0) > 0).sum())
+    assert nonzero == int((values > GRAM_SVD_FLOOR).sum()) == 15 and not B[:, nonzero:].any()

@@ -1595,7 +1595,7 @@ def test_a_covariance_rounding_left_indefinite_is_damped_more_said_once_and_its_
     assert torch.equal(factor[0], alone)
     assert torch.allclose(factor[1, 0] @ factor[1, 0].T, bad + 1e-2 * mean * eye, atol=1e-9 * mean)
     assert caplog.text.count("not positive definite with a ridge of 0.0001 of its mean variance") == 1
-    assert "it is projected with 0.01," in caplog.text and "projected with 0.001," not in caplog.text
+    assert "a ridge of 0.01 is used" in caplog.text and "a ridge of 0.001 is used" not in caplog.text
     proj.whitening_factor(bad[None])
     assert caplog.text.count("not positive definite") == 1
 
@@ -1653,7 +1653,7 @@ def test_the_refinements_on_a_covariance_indefinite_as_a_whole_keep_a_positive_e
     history = []
     refined = refine(W, *whitened, cov, sweeps=5, history=history)
     assert history and all(bool(h.isfinite()) and float(h) > 0 for h in history), history
-    assert "projected with 0.1," in caplog.text                     # the refinements' ridge (the whitening's: 0.01)
+    assert "a ridge of 0.1 is used" in caplog.text                  # the refinements' ridge (the whitening's: 0.01)
     C = proj._unit_covariance(cov, W.dtype, 4)
 
     def output_error(factors):

@@ -240,7 +240,8 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
     and for the calibration forward each decoder layer, visits ``device``). ``progress(kind, n_done)`` is called
     as matrices finish. ``kept``: the layers an interrupted run projected with the same settings are taken from it,
     and each group projected now goes to it (:mod:`memfit.compress.resume`). A MemfitError raised once projections
-    have begun (a defect's non-finite factors) leaves the model partly compressed: load it again to retry.
+    have begun (a defect's non-finite factors, a covariance no ridge makes positive definite) leaves the model
+    partly compressed: load it again to retry.
     """
     if activation_aware and calibration is None:
         raise MemfitError("activation-aware projection needs calibration data (--calib FILE or --calib-builtin)")

@@ -120,7 +120,7 @@ def _damped_cholesky(damped: torch.Tensor, unit: torch.Tensor) -> tuple[torch.Te
         if damp >= COV_DAMP_MAX:
             raise MemfitError(f"a calibration covariance is not positive definite even with a ridge of {damp:g} times "
                               "its mean variance: give more (or more varied) calibration text, or compress without "
-                              "--activation-aware")
+                              "the activation-aware projection")
         pending.diagonal(dim1=-2, dim2=-1).add_(9 * damp * units[todo])
         damp *= 10
         retried, info = torch.linalg.cholesky_ex(pending)
@@ -130,8 +130,8 @@ def _damped_cholesky(damped: torch.Tensor, unit: torch.Tensor) -> tuple[torch.Te
         if bool(done.any()):
             warn_once(f"covariance-damped:{damp:g}", f"a calibration covariance is not positive definite with a ridge "
                       f"of {COV_DAMP:g} of its mean variance (its inputs span few directions on this text, or float32 "
-                      f"rounding of their sum left it indefinite): it is projected with {damp:g}, which weighs the "
-                      "input directions the text leaves out more, nearer the weight-space projection; more varied "
+                      f"rounding of their sum left it indefinite): a ridge of {damp:g} is used there, which weighs "
+                      "the input directions the text leaves out more, nearer the weight-space projection; more varied "
                       "calibration text avoids it")
     return factor.reshape(damped.shape), level.reshape(damped.shape[:-2])
 
@@ -218,7 +218,7 @@ def _balance_pair(U: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch
     the covariance's scale (a sum over calibration tokens) onto ``V`` alone: on the CPU accuracy
     run (085885f) the q_proj factors came out with rms 0.64 and 0.009, and a recovery fine-tune,
     whose AdamW steps are about the same size per element, moved the small factor so far that
-    it raised the perplexity. Zero columns (rank padding) stay as they are."""
+    it raised the perplexity. Zero columns (rank padding, pairs below truncated_svd's floor) stay as they are."""
     nu, nv = U.norm(dim=-2, keepdim=True), V.norm(dim=-2, keepdim=True)
     c = torch.where((nu > 0) & (nv > 0), (nv / nu.clamp_min(1e-300)).sqrt(), torch.ones_like(nu))
     return U * c, V / c
@@ -359,7 +359,7 @@ def _lowrank_bases(A: torch.Tensor, rank: int, blocks: int) -> tuple[torch.Tenso
     On weights whose singular values fall off, as trained ones do, the block SVD's start is far from this one (from
     it, the descent had ended above the truncated SVD's own error), and this one is the better start."""
     *lead, out, inp = A.shape
-    U, V = truncated_svd(A, rank)                     # zero columns past min(out, in), where the SVD is exact
+    U, V = truncated_svd(A, rank)                     # zero columns past min(out, in) and below its floor
     return U.reshape(*lead, blocks, out // blocks, rank), V.reshape(*lead, blocks, inp // blocks, rank)
 
 

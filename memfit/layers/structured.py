@@ -166,19 +166,23 @@ class StructuredLinear(nn.Module):
 
 
 # truncated_svd's smallest singular value, relative to the largest, it resolves from the Gram matrix's spectrum: float64
-# rounds an eigenvalue of M^T M at about 2e-16 of the largest, a singular value at about its square root, 1.5e-8.
+# rounds an eigenvalue of M^T M at about 2e-16 of the largest (times a factor growing with the size), a singular
+# value at about its square root, 1.5e-8.
 GRAM_SVD_FLOOR = 1e-7
 
 
 def truncated_svd(matrix: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best rank-``rank`` factors (A, B) with matrix ~= A @ B^T, singular values split evenly.
+    """Rank-``rank`` factors (A, B) with matrix ~= A @ B^T, singular values split evenly: the truncated SVD's, down to
+    singular values of ``GRAM_SVD_FLOOR`` times the largest.
 
     Works batched over leading dims; rank beyond min(rows, cols) is padded with zeros. In float64, from the
-    eigendecomposition of the smaller Gram matrix (``M^T M`` of a tall M): the top singular pairs are those of the SVD
-    to float64 accuracy, down to singular values of ``GRAM_SVD_FLOOR`` times the largest; below it, where the squared
-    spectrum leaves no digits, a pair comes out as zero columns (a change to the product below that relative size).
-    A full SVD computes every pair of every matrix, and torch's SVD of a batch of small matrices on CUDA runs matrix
-    by matrix (the refinements take one per block column and sweep): ``benchmarks/probes/monarch_refine_time.py``.
+    eigendecomposition of the smaller Gram matrix (``M^T M`` of a tall M), so the product is ``M V V^T`` for the
+    Gram's top eigenvectors V. A pair below the floor, where the squared spectrum leaves no digits, comes out as zero
+    columns: so a float64 input is fitted as the SVD would only to about 1e-7 of its largest singular value (its
+    float32 rounding, for the float32 and bfloat16 weights memfit projects). A full SVD computes every pair of every
+    matrix; this computes one symmetric eigendecomposition of the smaller side: on the CPU the Monarch refinement's
+    SVDs took a fifth to a third of their time (``benchmarks/probes/monarch_refine_time.py``). On CUDA torch's
+    batched eigendecomposition, like its SVD, goes matrix by matrix above 32 columns (not measured there yet).
     """
     m = matrix.double()
     wide = m.shape[-2] < m.shape[-1]
