@@ -46,8 +46,8 @@ def add_parser(sub):
     parser.add_argument("--calib-seq", type=int, default=None, help="tokens per calibration window (default 512)")
     parser.add_argument("--activation-aware", action="store_true",
                         help="minimise each layer's output error on the calibration inputs (whitened projection, "
-                             "the input covariance damped by 1e-4 of its mean variance, more where float rounding "
-                             "leaves it indefinite (said); BLAST and Monarch then refine on the full input "
+                             "the input covariance damped by 1e-4 of its mean variance, more where that does not make "
+                             "it positive definite (said); BLAST and Monarch then refine on the full input "
                              "covariance, slower). Give more calibration tokens than a layer has inputs (said "
                              "otherwise): fewer fit those tokens")
     parser.add_argument("--steps", type=int, default=None, help="BLAST descent steps per matrix (default 300)")
