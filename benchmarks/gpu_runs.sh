@@ -5,7 +5,7 @@
 # Competitor and bitsandbytes wheels, when needed, must already be importable (PYTHONPATH).
 set -u
 cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results}
+export OUT=${OUT:-benchmarks/results}    # the probes below read it from the environment
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # name|seconds|command, the BLR runs to repeat after a kernel change first. blr_layers_monarch_decode times
@@ -119,6 +119,9 @@ RUNS=(
   "gpu_tests_swiglu|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 4 -p no:cacheprovider --timeout 90 --tb=short tests/test_swiglu.py tests/test_checkpoint_offload.py"
   "gpu_tests_timing|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -p no:cacheprovider --timeout 100 --tb=short tests/test_queued_timing.py"
   "gpu_tests_rest|500|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 14 -p no:cacheprovider --timeout 200 --tb=short --junitxml $OUT/gpu_tests_rest.xml tests --ignore tests/test_blr_kernels.py --ignore tests/test_tangents.py --ignore tests/test_blr_second_order.py --ignore tests/test_decode_kernels.py --ignore tests/test_decode_gemv.py --ignore tests/test_cache_attention.py --ignore tests/test_attention.py --ignore tests/test_blr_compile.py --ignore tests/test_swiglu.py --ignore tests/test_checkpoint_offload.py --ignore tests/test_queued_timing.py --ignore tests/test_linear_ce.py"
+  "compress_memory|560|python3 benchmarks/probes/compress_memory.py lowrank-aware blast lowrank"
+  "monarch_refine_time|300|python3 benchmarks/probes/monarch_refine_time.py cuda"
+  "prefill_chunks|150|python3 benchmarks/probes/prefill_chunks.py"
   "gpu_tests_linear_ce|540|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 12 -p no:cacheprovider --timeout 300 --tb=short tests/test_linear_ce.py"
 )
 status=0
