@@ -215,3 +215,14 @@ def test_truncated_svd_drops_pairs_below_its_floor_as_zero_columns():
     A, B = truncated_svd((q * values) @ q.T, 30)
     nonzero = int((A.norm(dim=0) > 0).sum())
     assert nonzero == int((values > GRAM_SVD_FLOOR).sum()) == 15 and not B[:, nonzero:].any()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_linear_with_non_finite_weights_is_refused_not_factored_to_zeros(bad):
+    """Gram-based factors of a NaN matrix would come out all zero (no pair above the floor) where the eigensolver
+    returns NaN without raising, as it may on CUDA: refused, naming the cause."""
+    linear = nn.Linear(32, 16, bias=False)
+    with torch.no_grad():
+        linear.weight[3, 5] = bad
+    with pytest.raises(MemfitError, match="non-finite values"):
+        LowRankLinear.from_dense(linear, rank=4)

@@ -184,6 +184,8 @@ def truncated_svd(matrix: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.
     SVDs took a fifth to a third of their time (``benchmarks/probes/monarch_refine_time.py``). On CUDA torch's
     batched eigendecomposition, like its SVD, goes matrix by matrix above 32 columns (not measured there yet).
     """
+    if not bool(matrix.isfinite().all()):             # eigh of NaN does not raise on every device: factors of 0
+        raise MemfitError("cannot factor a matrix with non-finite values (inf or NaN)")
     m = matrix.double()
     wide = m.shape[-2] < m.shape[-1]
     tall = m.transpose(-1, -2) if wide else m
