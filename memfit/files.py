@@ -9,6 +9,7 @@ readable by the others who should read it.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import secrets
 import shutil
@@ -18,6 +19,16 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from memfit.errors import MemfitError
+
+
+def digest_files(paths) -> str:
+    """A short sha1 of the files' bytes, in the order given: names a version of some source files (the autotune cache
+    keys its picks by the kernels', a compress's kept layers by the projection code's)."""
+    digest = hashlib.sha1()
+    for path in paths:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:12]
+
 
 PROC_STATUS = Path("/proc/self/status")   # Linux 4.7 on: the process's umask among its fields
 _UMASK_LOCK = threading.Lock()

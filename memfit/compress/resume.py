@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.files import atomic_path, serializing
+from memfit.files import atomic_path, digest_files, serializing
 from memfit.log import logger, warn_once
 
 RECORD_NAME = "progress.json"
@@ -42,9 +42,8 @@ def code_digest() -> str:
     """A digest of the code a kept layer comes from: the projections, the conversion and the layer modules (a fix to
     any of them makes layers kept before it stale)."""
     package = Path(__file__).resolve().parents[1]
-    files = [package / "compress" / "projection.py", package / "compress" / "convert.py",
-             *sorted((package / "layers").glob("*.py"))]
-    return hashlib.sha256(b"".join(path.read_bytes() for path in files)).hexdigest()[:16]
+    return digest_files([package / "compress" / "projection.py", package / "compress" / "convert.py",
+                         *sorted((package / "layers").glob("*.py"))])
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:

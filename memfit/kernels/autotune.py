@@ -17,7 +17,6 @@ remembered on disk; and the tile autotuner every memfit Triton kernel tuned by :
   graph replays too, each call after an L2 flush (:func:`autotune_bench`).
 """
 import functools
-import hashlib
 import inspect
 import json
 import math
@@ -30,7 +29,7 @@ import torch
 import triton
 
 from memfit.errors import MemfitError
-from memfit.files import atomic_path, held_exclusively
+from memfit.files import atomic_path, digest_files, held_exclusively
 from memfit.kernels.dispatch import interpreting
 from memfit.log import logger, warn_once
 from memfit.measure.timing import graph_ms, turn_orders
@@ -124,10 +123,7 @@ def _code_source_file(code) -> str:
 
 @functools.cache
 def _digest_files(files: tuple[str, ...]) -> str:
-    digest = hashlib.sha1()
-    for name in files:
-        digest.update(Path(name).read_bytes())
-    return digest.hexdigest()[:12]
+    return digest_files(files)                        # once a process: every cached pick's key builds it
 
 
 def pick_variant(op: str, shape_key: tuple, candidates: dict, default: str, args: tuple) -> str:
