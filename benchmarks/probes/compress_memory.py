@@ -13,7 +13,6 @@ rewritten after each case, so a run stopped by a time limit keeps the cases it f
 """
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,15 +34,16 @@ def main() -> None:
 
     spec = PRESETS[MODEL]
     dense = spec.num_params() * dtype_bytes(spec.dtype)
-    commit = os.environ.get("MEMFIT_COMMIT") or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                                               capture_output=True, text=True).stdout.strip()
+    from memfit.measure.results import environment
+
+    environment_now = environment()
+    commit = environment_now["commit"]
     names = sys.argv[1:] or list(CASES)
     unknown = sorted(set(names) - set(CASES))
     if unknown:
         sys.exit(f"unknown case(s) {unknown}: choose from {list(CASES)}")
     OUT.mkdir(parents=True, exist_ok=True)
-    record = {"probe": "compress_memory", "model": MODEL, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "commit": commit, "calibration": CALIBRATION, "rows": []}
+    record = {"probe": "compress_memory", "model": MODEL, **environment_now, "calibration": CALIBRATION, "rows": []}
     for method, aware in (CASES[name] for name in names):
         with tempfile.TemporaryDirectory() as tmp:
             torch.cuda.empty_cache()

@@ -10,8 +10,6 @@ OUT/monarch_refine_time_<commit>.json:
 """
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from memfit.compress import projection as proj  # noqa: E402
+from memfit.measure.results import environment  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp"))
 # (name, weights, out, in, rank, sweeps): the small accuracy model's gate/up (6 layers, rank 128 at blocks 16: the
@@ -81,12 +80,14 @@ def run_case(name, weights, out, inp, rank, sweeps, device) -> dict:
 
 
 def main() -> None:
-    device = torch.device(sys.argv[1] if len(sys.argv) > 1 else ("cuda" if torch.cuda.is_available() else "cpu"))
-    commit = os.environ.get("MEMFIT_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                               capture_output=True, text=True).stdout.strip()
-    record = {"probe": "monarch_refine_time", "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-              else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)", "torch": torch.__version__,
-              "commit": commit, "rows": []}
+    name = sys.argv[1] if len(sys.argv) > 1 else ("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") or (name == "cuda" and not torch.cuda.is_available()):
+        sys.exit(f"the device is cpu or cuda (with a GPU present), got {name!r}")
+    device = torch.device(name)
+    environment_now = environment()
+    commit = environment_now["commit"]
+    record = {"probe": "monarch_refine_time", **environment_now, "device": name, "threads": torch.get_num_threads(),
+              "rows": []}
     OUT.mkdir(parents=True, exist_ok=True)
     for case in CASES:
         row = run_case(*case, device)
