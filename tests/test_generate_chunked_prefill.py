@@ -1,11 +1,13 @@
-"""A long prompt prefills in chunks of queries (memfit.infer.generate.PREFILL_MASK_BYTES): the same tokens, logits
-and partial-FFN selection as in one chunk, and a peak without the whole prompt's attention mask."""
+"""A long prompt prefills in chunks of queries: under a mask where prompts are padded
+(memfit.infer.generate.PREFILL_MASK_BYTES), with none where they are not (PREFILL_ACTIVATION_BYTES). The same tokens,
+logits and partial-FFN selection as in one chunk and as each other, and a peak without the whole prompt's mask."""
 import logging
 
 import pytest
 import torch
 from conftest import MEASURES_A_CPU_RUN, load_on_test_device, seeded
 
+import memfit.log
 from memfit.infer import generate
 from memfit.infer.calibrate import calibrate
 from memfit.infer.generate import Generator
@@ -42,6 +44,12 @@ def test_chunks_cover_the_prompt_in_order_each_within_the_budget(model_dir, monk
     monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", 1)
     assert gen.prefill_chunks(3) == [(0, 1), (1, 2), (2, 3)]         # at least one token a chunk
     assert gen.prefill_chunks(0) == []
+    assert gen.prefill_chunks(40, masked=False) == [(0, 40)]         # no mask: its default budget, one chunk
+    monkeypatch.setattr(generate, "PREFILL_ACTIVATION_BYTES", 7 * 2 * gen.token_bytes + 1)
+    assert gen.prefill_chunks(40, masked=False) == [(0, 7), (7, 14), (14, 21), (21, 28), (28, 35), (35, 40)]
+    assert gen.prefill_chunks(48, 41, masked=False) == [(41, 48)]    # however many keys the chunks attend over
+    monkeypatch.setattr(generate, "PREFILL_ACTIVATION_BYTES", 1)
+    assert gen.prefill_chunks(2, masked=False) == [(0, 1), (1, 2)]
 
 
 @pytest.mark.parametrize("partial", [None, PartialConfig(load=0.7, compute=0.4, full_first=1, full_last=1)])
@@ -89,20 +97,87 @@ def test_a_partial_layer_counts_each_chunks_real_tokens_against_its_slice_of_the
     assert not torch.equal(mlp.counts, count_top_activations(h))
 
 
-def test_scoring_runs_its_teacher_forced_rest_in_chunks_too(model_dir, monkeypatch):
-    """score()'s rest (tokens after the prompt, all their logits) had run as one forward with a quadratic mask."""
+def _masked(gen: Generator, monkeypatch) -> Generator:
+    """``gen`` attending under a mask even where its prompts have no padding, as on a GPU where SDPA has no mask-free
+    causal kernel for the model (every kernel the CPU has takes one)."""
+    monkeypatch.setattr(gen, "mask_free", False)
+    return gen
+
+
+def _spy(monkeypatch, name):
+    """Calls of memfit.infer.generate's ``name`` recorded as they run: (the calls' arguments, their results)."""
+    calls, real = [], getattr(generate, name)
+    monkeypatch.setattr(generate, name, lambda *args: calls.append(args) or real(*args))
+    return calls
+
+
+def test_unpadded_prompts_attend_with_no_mask_as_under_one(model_dir, monkeypatch, caplog):
+    """Prompts with no padding: no mask is built, the logits equal to fp32 rounding those of the masked attention and
+    of one chunk, the same tokens; forced under a mask (a GPU without a mask-free kernel), it says so once."""
+    model = load_on_test_device(model_dir)
+    x = torch.randint(0, 512, (2, 23), generator=seeded(8)).to(model.device)
+
+    def run(gen):
+        masks = _spy(monkeypatch, "_causal_attention")
+        logits = gen._prefill(x, None)[0]
+        return logits, gen.generate(x, 6).tokens, len(masks)
+
+    monkeypatch.setattr(memfit.log, "_said", set())
+    caplog.set_level(logging.DEBUG, logger="memfit")
+    masked_logits, masked_tokens, calls = run(_masked(Generator(model, 30, batch=2, fused=False), monkeypatch))
+    assert calls == 0 and "prompts without padding prefill under an attention mask" in caplog.text
+    whole_logits, whole_tokens, calls = run(Generator(model, 30, batch=2, fused=False))
+    assert calls == 2 * SPEC.num_layers                         # a prefill, then generate's own
+    monkeypatch.setattr(generate, "PREFILL_ACTIVATION_BYTES", 4 * 2 * Generator(model, 30, batch=2).token_bytes)
+    chunked_logits, chunked_tokens, calls = run(Generator(model, 30, batch=2, fused=False))
+    assert calls == 2 * 6 * SPEC.num_layers and "23 tokens forward in 6 chunks of queries (no mask" in caplog.text
+    for logits in (whole_logits, chunked_logits):
+        assert (logits - masked_logits).norm() / masked_logits.norm() < 1e-5
+    assert torch.equal(whole_tokens, masked_tokens) and torch.equal(chunked_tokens, masked_tokens)
+
+
+@pytest.mark.skipif(torch.get_default_device().type != "cuda", reason="flash attention runs on CUDA (MEMFIT_TEST_DEVICE)")
+def test_on_cuda_an_unpadded_bf16_prefill_runs_flash_attention_in_chunks(model_dir, monkeypatch):
+    """The mask-free path's kernel on a GPU: with SDPA allowed flash attention alone (a chunk it could not take would
+    stop with no kernel to run), the chunks' first-token logits equal the masked whole prompt's to bf16 rounding."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = load_on_test_device(model_dir).to(torch.bfloat16)
+    x = torch.randint(0, 512, (2, 40), generator=seeded(9))
+    masked = _masked(Generator(model, 48, batch=2, fused=False), monkeypatch)._prefill(x, None)[0].float()
+    gen = Generator(model, 48, batch=2, fused=False)
+    monkeypatch.setattr(generate, "PREFILL_ACTIVATION_BYTES", 7 * 2 * gen.token_bytes)
+    attended = _spy(monkeypatch, "_causal_attention")
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        chunked = gen._prefill(x, None)[0].float()
+    assert gen.mask_free and len(attended) == 6 * SPEC.num_layers
+    assert (chunked - masked).norm() / masked.norm() < 2e-2
+
+
+@pytest.mark.parametrize("mask_free", [True, False])
+def test_scoring_runs_its_teacher_forced_rest_in_chunks_too(model_dir, mask_free, monkeypatch):
+    """score()'s rest (tokens after the prompt, all their logits) had run as one forward with a quadratic mask. With no
+    mask, each chunk attends over exactly the keys up to its end (lower-right causal: a key rounded up would be
+    seen)."""
     model = load_on_test_device(model_dir)
     x = torch.randint(0, 512, (2, 40), generator=seeded(4)).to(model.device)
-    whole = Generator(model, 40, batch=2, fused=False).score(x, 6)
+    whole = _masked(Generator(model, 40, batch=2, fused=False), monkeypatch).score(x, 6)
     masks = []
     real = Generator._mask
     monkeypatch.setattr(Generator, "_mask", lambda self, *args: masks.append(real(self, *args)) or masks[-1])
+    attended = _spy(monkeypatch, "_causal_attention")
     monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", _budget_for(5, 2, 40))
-    chunked = Generator(model, 40, batch=2, fused=False).score(x, 6)
+    monkeypatch.setattr(generate, "PREFILL_ACTIVATION_BYTES", 5 * 2 * Generator(model, 40, batch=2).token_bytes)
+    gen = Generator(model, 40, batch=2, fused=False)
+    chunked = (gen if mask_free else _masked(gen, monkeypatch)).score(x, 6)
     assert chunked.shape == whole.shape == (2, 34, 512)
     assert (chunked - whole).norm() / whole.norm() < 1e-5
-    assert masks[0].shape[2] == G * 6                       # the 6-token prompt over its 8 keys: one chunk
-    assert len(masks) == 8 and max(m.shape[2] for m in masks[1:]) == G * 5    # the rest: 33 queries, 5 at a time
+    if mask_free:
+        shapes = [(q.shape[2], k.shape[2]) for q, k, *_ in attended[::SPEC.num_layers]]
+        assert masks == [] and shapes == [(5, 5), (1, 6)] + [(5, end) for end in range(11, 39, 5)] + [(3, 39)]
+    else:
+        assert attended == [] and masks[0].shape[2] == G * 6       # the 6-token prompt over its 8 keys: one chunk
+        assert len(masks) == 8 and max(m.shape[2] for m in masks[1:]) == G * 5    # the rest: 33 queries, 5 at a time
 
 
 def test_every_mask_spans_a_multiple_of_8_keys(model_dir, monkeypatch):
@@ -112,7 +187,8 @@ def test_every_mask_spans_a_multiple_of_8_keys(model_dir, monkeypatch):
     real = Generator._mask
     monkeypatch.setattr(Generator, "_mask", lambda self, *args: masks.append(real(self, *args)) or masks[-1])
     gen = Generator(load_on_test_device(model_dir), 13, batch=1, fused=False, fast=False)
-    out = gen.generate(torch.randint(0, 512, (1, 9), generator=seeded(7)), 4)
+    prompt = torch.randint(0, 512, (1, 9), generator=seeded(7))
+    out = gen.generate(prompt, 4, attention_mask=torch.ones_like(prompt).index_fill_(1, torch.tensor([0]), 0))
     assert gen.cache_len == 16 and out.tokens.shape == (1, 4)
     assert len(masks) >= 4 and all(m.shape[-1] % generate.KEY_ALIGN == 0 for m in masks)
 
@@ -126,9 +202,9 @@ def test_a_one_token_chunk_is_prefilled_not_decoded(model_dir, monkeypatch):
     calls = []
     real = generate.decode_attention
     monkeypatch.setattr(generate, "decode_attention", lambda *args: calls.append(1) or real(*args))
-    monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", _budget_for(4, 1, 16))
+    monkeypatch.setattr(generate, "PREFILL_ACTIVATION_BYTES", 4 * gen.token_bytes)
     x = torch.randint(0, 512, (1, 9), generator=seeded(5)).to(model.device)
-    assert gen.prefill_chunks(9) == [(0, 4), (4, 8), (8, 9)]
+    assert gen.prefill_chunks(9, masked=False) == [(0, 4), (4, 8), (8, 9)]
     gen.prefill(x)
     gen.prefill(x[:, :1])
     assert calls == []
@@ -137,23 +213,35 @@ def test_a_one_token_chunk_is_prefilled_not_decoded(model_dir, monkeypatch):
 
 
 @MEASURES_A_CPU_RUN
-def test_a_prefill_in_chunks_never_holds_the_whole_prompts_mask(monkeypatch):
-    """On the CPU tracker: the chunked prefill's peak is below the whole prompt's by more than that prompt's G-fold
-    additive mask alone (its scores shrink too)."""
+@pytest.mark.parametrize("padded", [True, False])
+def test_a_prefill_in_chunks_never_holds_the_whole_prompts_mask(padded, monkeypatch):
+    """On the CPU tracker: a padded batch's chunked prefill peaks below its whole prompt's by more than that prompt's
+    G-fold additive mask alone (its scores shrink too); an unpadded batch's whole prompt, with no mask, peaks below
+    the masked one's by most of that mask, and in chunks lower still (its activations shrink)."""
     torch.manual_seed(0)
     model = build_model(SPEC.with_(num_layers=2)).float().eval()
     B, T = 2, 384
     x = torch.randint(0, 512, (B, T), generator=seeded(3))
+    attention_mask = torch.ones_like(x)
+    attention_mask[1, 0] = 0
 
-    def peak():
+    def peak(masked=padded):
         gen = Generator(model, T + 2, batch=B, fused=False)
+        if masked:
+            _masked(gen, monkeypatch)
         baseline = tuple(model.parameters()) + tuple(model.buffers()) + tuple(gen.k_cache) + tuple(gen.v_cache)
         with PeakMeter("cpu", baseline) as meter:
-            gen.prefill(x)
-        return meter.peak, len(gen.prefill_chunks(T))
+            gen.prefill(x, attention_mask if padded else None)
+        return meter.peak, len(gen.prefill_chunks(T, masked=masked))
 
     whole, one = peak()
     monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", _budget_for(32, B, T))
+    monkeypatch.setattr(generate, "PREFILL_ACTIVATION_BYTES", 32 * B * Generator(model, 8, batch=B).token_bytes)
     chunked, chunks = peak()
     assert (one, chunks) == (1, 12)
-    assert whole - chunked > B * G * T * T * 4
+    if padded:
+        assert whole - chunked > B * G * T * T * 4
+    else:
+        monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", 2**62)
+        masked_whole, _ = peak(masked=True)
+        assert masked_whole - whole > 0.9 * B * G * T * T * 4 and chunked < whole

@@ -84,7 +84,13 @@ def test_attention_output_in_the_gpu_kernels_layout(monkeypatch):
     spec = PRESETS["tiny"].with_(num_layers=2, hidden=96, intermediate=64, num_heads=6, num_kv_heads=2, head_dim=16, vocab=259)
     model = build_model(spec, dtype="float32", device=torch.get_default_device())
     seq = _ids((1, 12), 10) % 259
-    expected = Generator(model, 16, fused=False).score(seq, 5)
+
+    def masked_score():       # an unpadded prompt attends with no mask where it can; the masked path is the one here
+        gen = Generator(model, 16, fused=False)
+        monkeypatch.setattr(gen, "mask_free", False)
+        return gen.score(seq, 5)
+
+    expected = masked_score()
     original, seen = generate._attention, []
 
     def gpu_layout(*args):
@@ -94,7 +100,7 @@ def test_attention_output_in_the_gpu_kernels_layout(monkeypatch):
             o.view(o.shape[0], spec.num_heads, -1, o.shape[-1])
         return o
     monkeypatch.setattr(generate, "_attention", gpu_layout)
-    assert torch.equal(Generator(model, 16, fused=False).score(seq, 5), expected)
+    assert torch.equal(masked_score(), expected)
     assert seen and all(shape[2] > 1 for shape in seen)                # grouped rows: G * T
 
 

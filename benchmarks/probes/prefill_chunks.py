@@ -1,14 +1,21 @@
-"""Probe: memfit generate's prefill of a long prompt in one chunk against chunks of queries
-(``memfit.infer.generate.PREFILL_MASK_BYTES``), on a random-init Llama-3.2-1B in bf16 on a GPU: the prefill's peak
-above what was allocated before it, its time (median of three), and the first token's logits of the two (relative
-difference). Writes OUT/prefill_chunks.json:
+"""Probe: memfit generate's prefill of a long prompt with no padding, on a random-init Llama-3.2-1B in bf16 on a GPU,
+by each attention path and chunking (``memfit.infer.generate``):
 
-    OUT=/some/dir python benchmarks/probes/prefill_chunks.py
+    masked whole        under the additive mask, one chunk (the Generator of 2026-12-04 with no mask budget)
+    masked chunks       under the mask, chunks within PREFILL_MASK_BYTES (what a padded batch runs)
+    no mask, whole      lower-right causal SDPA with no mask, one chunk
+    no mask, chunks     the same in chunks within PREFILL_ACTIVATION_BYTES (the default for unpadded prompts)
+    no mask, 64 MiB     the same within a quarter of that budget
+
+For each: the prefill's peak above what was allocated before it, its time (median of three), and the first token's
+logits' relative difference from the masked whole prompt's. Also whether SDPA's flash attention takes the model's
+heads (the mask-free path's kernel). The file is rewritten after each case:
+
+    OUT=/some/dir python benchmarks/probes/prefill_chunks.py          # writes OUT/prefill_chunks.json
 """
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +24,7 @@ import torch
 
 OUT = Path(os.environ.get("OUT", "/tmp"))
 CASES = [(1, 2048), (1, 8192), (4, 8192)]     # (batch, prompt tokens)
-WHOLE = 2**62                                 # a mask budget no prompt reaches: one chunk
+WHOLE = 2**62                                 # a budget no prompt reaches: one chunk
 
 
 @torch.no_grad()
@@ -35,34 +42,52 @@ def prefill(gen, ids):
 
 def main():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
     from memfit.infer import generate
+    from memfit.measure.results import environment
     from memfit.models import PRESETS, build_model
+
     torch.manual_seed(0)
-    model = build_model(PRESETS["llama-3.2-1b"], dtype=torch.bfloat16, device="cuda").eval()
-    default = generate.PREFILL_MASK_BYTES
-    rows = []
+    spec = PRESETS["llama-3.2-1b"]
+    model = build_model(spec, dtype=torch.bfloat16, device="cuda").eval()
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    q = torch.empty(1, cfg.num_attention_heads, 8, head_dim, device="cuda", dtype=torch.bfloat16)
+    kv = torch.empty(1, cfg.num_key_value_heads, 8, head_dim, device="cuda", dtype=torch.bfloat16)
+    flash = bool(can_use_flash_attention(SDPAParams(q, kv, kv, None, 0.0, False, True)))
+    variants = {   # name: (mask-free, mask budget, activation budget)
+        "masked whole": (False, WHOLE, generate.PREFILL_ACTIVATION_BYTES),
+        "masked chunks": (False, generate.PREFILL_MASK_BYTES, generate.PREFILL_ACTIVATION_BYTES),
+        "no mask, whole": (True, generate.PREFILL_MASK_BYTES, WHOLE),
+        "no mask, chunks": (True, generate.PREFILL_MASK_BYTES, generate.PREFILL_ACTIVATION_BYTES),
+        "no mask, 64 MiB": (True, generate.PREFILL_MASK_BYTES, 64 * 2**20),
+    }
+    result = {"probe": "prefill_chunks", **environment(), "model": "llama-3.2-1b", "dtype": "bfloat16",
+              "flash_takes_the_heads": flash, "rows": []}
     for batch, tokens in CASES:
-        ids = torch.randint(0, model.config.vocab_size, (batch, tokens), device="cuda")
-        logits = {}
-        for name, budget in (("whole", WHOLE), ("chunked", default)):
-            generate.PREFILL_MASK_BYTES = budget
+        ids = torch.randint(0, cfg.vocab_size, (batch, tokens), device="cuda")
+        reference = None
+        for name, (mask_free, mask_budget, activation_budget) in variants.items():
+            generate.PREFILL_MASK_BYTES, generate.PREFILL_ACTIVATION_BYTES = mask_budget, activation_budget
             gen = generate.Generator(model, tokens + 16, batch=batch, graphs=False, compile=False, fast=False,
                                      fused=False)
+            gen.mask_free = gen.mask_free and mask_free
             runs = [prefill(gen, ids) for _ in range(3)]
-            logits[name] = runs[-1][2]
-            rows.append({"batch": batch, "prompt_tokens": tokens, "prefill": name, "mask_budget_bytes": budget,
-                         "chunks": len(gen.prefill_chunks(tokens)), "peak_above_GB": max(r[0] for r in runs) / 1e9,
-                         "prefill_ms": statistics.median(r[1] for r in runs) * 1e3})
+            logits = runs[-1][2]
+            reference = logits if reference is None else reference
+            row = {"batch": batch, "prompt_tokens": tokens, "prefill": name, "mask_free": gen.mask_free,
+                   "mask_budget_bytes": mask_budget, "activation_budget_bytes": activation_budget,
+                   "chunks": len(gen.prefill_chunks(tokens, masked=not gen.mask_free)),
+                   "peak_above_GB": max(r[0] for r in runs) / 1e9,
+                   "prefill_ms": statistics.median(r[1] for r in runs) * 1e3,
+                   "first_token_logits_rel_diff": float((logits - reference).norm() / reference.norm())}
+            print(json.dumps(row), flush=True)
+            result["rows"].append(row)
             del gen
             torch.cuda.empty_cache()
-        rows[-1]["first_token_logits_rel_diff"] = float((logits["chunked"] - logits["whole"]).norm()
-                                                        / logits["whole"].norm())
-        print(rows[-2], rows[-1], flush=True)
-    commit = os.environ.get("MEMFIT_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                               capture_output=True, text=True).stdout.strip()
-    result = {"probe": "prefill_chunks", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "commit": commit, "model": "llama-3.2-1b", "dtype": "bfloat16", "rows": rows}
-    (OUT / "prefill_chunks.json").write_text(json.dumps(result, indent=1))
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "prefill_chunks.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

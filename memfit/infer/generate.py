@@ -32,11 +32,14 @@ than cuBLAS/SDPA, so results equal the other path up to rounding; ``fast=False``
 previous loop.
 
 Prompts: prefill runs eagerly over the whole (left-padded) batch and, for partial
-models, selects the decode neurons (``memfit.infer.selection``). Its attention reads the cache up to the prompt's
-end under an additive mask of B x G x T x T elements (G query heads a KV head): a long prompt (and ``score``'s
-teacher-forced rest) runs in chunks of queries, each attending over the cache up to its own end, so that a chunk's
-mask stays under ``PREFILL_MASK_BYTES`` (the MLP's activations shrink with it); a prompt that fits in one chunk
-runs as one. Chunks equal the whole prompt's forward up to rounding (matmuls over fewer rows may sum in another
+models, selects the decode neurons (``memfit.infer.selection``). A long prompt (and ``score``'s teacher-forced rest)
+runs in chunks of queries, each attending over the cache up to its own end. Prompts with no padding attend with no
+mask: SDPA's lower-right causal attention (flash attention on CUDA, the G query heads a KV head reading its keys in
+place), in chunks whose activations stay under ``PREFILL_ACTIVATION_BYTES``. A left-padded batch attends under an
+additive mask of B x G x T x keys elements (G query heads a KV head), in chunks whose mask stays under
+``PREFILL_MASK_BYTES`` (the activations shrink with it); so does an unpadded one where SDPA has no mask-free causal
+kernel for the model's dtype and heads (said once). A prompt that fits in one chunk runs as one. Chunks equal the
+whole prompt's forward, and the two attentions each other, up to rounding (matmuls over fewer rows may sum in another
 order). The graph is captured
 with the decode neuron counts before the first prompt; selection permutes weights in
 place, so the captured pointers stay valid for every later prompt.
@@ -51,6 +54,8 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+from torch.nn.attention.bias import causal_lower_right
 
 from memfit.errors import MemfitError, is_count
 from memfit.infer.fused import act_mul, fused_gate_up, fused_qkv, plain_linear
@@ -76,6 +81,9 @@ from memfit.models.spec import SUPPORTED_TYPES
 # as T^2 and passes its KV cache (2 x layers x B x T x kv_dim x dtype bytes) from T = 2 x layers x kv_dim x dtype
 # bytes / (1 + (1 + G) x dtype bytes) on: 2979 tokens for Llama-3.2-1B in bf16 (16 layers, kv_dim 512, G = 4).
 PREFILL_MASK_BYTES = 64 * 2**20
+# The most bytes a mask-free prefill chunk's activations may take (``Generator.token_bytes`` a query row): with no
+# mask, they are what grows with a chunk (flash attention keeps no scores).
+PREFILL_ACTIVATION_BYTES = 256 * 2**20
 # A chunk attends over the cache up to its end rounded up to this many slots (the later ones are masked): torch's
 # memory-efficient attention on CUDA copies a mask whose rows are not a multiple of 8 elements into a padded one, and
 # warns (pytorch/pytorch#114173).
@@ -103,21 +111,51 @@ def _add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: f
 
 
 def _rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots):
-    """Rotate q and k (B, T, heads, D), write k and v into the caches at ``slots``;
-    returns q grouped per KV head (B, Hkv, G*T, D): row g*T + t is query head kv*G + g at token t."""
+    """Rotate q and k (B, T, heads, D), write k and v into the caches at ``slots``; returns q (B, H, T, D)."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
     k_cache.index_copy_(2, slots, k)
     v_cache.index_copy_(2, slots, v)
-    B, H, T, D = q.shape
-    return q.reshape(B, k_cache.shape[1], H // k_cache.shape[1] * T, D)
+    return q
 
 
 def _attention(q, k_cache, v_cache, mask, scale):
     """SDPA over the cache slots given; the output's memory layout depends on the backend (e.g. (B, rows, heads,
     D))."""
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale)
+
+
+def _masked_attention(q, k_seen, v_seen, mask, scale):
+    """Attention of q (B, H, T, D) over the cache slots given, under the additive ``mask`` (B, 1, G*T, keys): q grouped
+    per KV head (B, Hkv, G*T, D; row g*T + t is query head kv*G + g at token t), so the G query heads of a KV head
+    share its keys without copies. Returns (B, T, H*D)."""
+    B, H, T, D = q.shape
+    grouped = q.reshape(B, k_seen.shape[1], H // k_seen.shape[1] * T, D)
+    return _merge_heads(_attention(grouped, k_seen, v_seen, mask, scale), T)
+
+
+def _causal_attention(q, k_seen, v_seen, scale):
+    """SDPA of a chunk of queries q (B, H, T, D) at the last T of the ``keys`` cache slots given, with no mask: each
+    sees every key up to its own slot (lower-right causal; rows with no padding only). Returns (B, T, H*D)."""
+    B, H, T, D = q.shape
+    o = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=causal_lower_right(T, k_seen.shape[2]),
+                                       scale=scale, enable_gqa=H != k_seen.shape[1])
+    return o.transpose(1, 2).reshape(B, T, H * D)
+
+
+def mask_free_causal_kernel(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                            head_dim: int) -> bool:
+    """Whether SDPA attends lower-right causally with no mask for this model on this device: on CUDA through flash or
+    memory-efficient attention (the latter takes no grouped KV heads); elsewhere always (the CPU kernels take the
+    chunk's (T x keys) boolean mask, B x (1 + (1 + G) x dtype bytes) times smaller than ``Generator._mask``'s). On CUDA
+    without either, torch would materialise every score."""
+    if device.type != "cuda":
+        return True
+    q = torch.empty(1, heads, 8, head_dim, device=device, dtype=dtype)
+    kv = torch.empty(1, kv_heads, 8, head_dim, device=device, dtype=dtype)
+    params = SDPAParams(q, kv, kv, None, 0.0, False, heads != kv_heads)
+    return bool(can_use_flash_attention(params) or can_use_efficient_attention(params))
 
 
 def _plain_projections(layer: nn.Module) -> bool:
@@ -262,6 +300,11 @@ class Generator:
         self.device, self.dtype = embed.device, embed.dtype
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # a query row's activations in a prefill chunk, all of a layer's at once (an upper bound): the residual and
+        # its norm, q/k/v and the attention's output and projection, gate, up and their product
+        self.token_bytes = self.dtype.itemsize * (4 * cfg.hidden_size + 2 * (self.heads + self.kv_heads) * self.head_dim
+                                                  + 3 * cfg.intermediate_size)
+        self.mask_free = mask_free_causal_kernel(self.device, self.dtype, self.heads, self.kv_heads, self.head_dim)
         layers = model.model.layers
         self.qkv = [fused_qkv(layer.self_attn) if fused else None for layer in layers]
         self.gate_up = [fused_gate_up(layer.mlp) if fused else None for layer in layers]
@@ -315,11 +358,14 @@ class Generator:
         return ((emb.cos() * self.rope_scale).to(self.dtype)[:, None], (emb.sin() * self.rope_scale).to(self.dtype)[:, None])
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, keys: int,
-                 logits: str | None, decode: bool = False) -> torch.Tensor | None:
+                 logits: str | None, decode: bool = False, causal: bool = False) -> torch.Tensor | None:
         """Forward ``ids`` (B, T) at rope ``positions`` (B, T), writing K/V at cache ``slots`` (T,) and attending over
         the cache's first ``keys`` slots (every slot a query may see: the last of ``slots`` and earlier). Returns the
         logits of the ``"last"`` token or of ``"all"``, or None (a prefill chunk before the last needs only the
         cache).
+
+        ``causal``: ``slots`` are the last T of the ``keys`` and every row's slots before them hold real tokens, so
+        attention needs no mask (``_causal_attention``); else it runs under ``_mask``.
 
         ``decode``: a decode step (one token a row, the same shapes every step) runs the compiled helpers and, with
         ``fast``, memfit's attention kernel (no mask); anything else (a prefill chunk, even of one token, or a scored
@@ -335,7 +381,7 @@ class Generator:
         kernels = self.fast and decode
         # key j is visible to the query at slot s when it holds a token and j <= s; every query sees itself.
         # Additive and in the model dtype, built once per step: SDPA would convert a bool mask in every layer.
-        mask = None if kernels else self._mask(slots, B, G, T, keys)
+        mask = None if kernels or causal else self._mask(slots, B, G, T, keys)
         ops = self.ops if decode else _EAGER
         layers = model.model.layers
         h = ops["norm"](x, layers[0].input_layernorm.weight, layers[0].input_layernorm.variance_epsilon)
@@ -350,10 +396,10 @@ class Generator:
                 o = decode_attention(q[:, 0], k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], self.k_cache[i], self.v_cache[i],
                                      self.valid, slots, attn.scaling, self.attention_variant).view(B, 1, H * D)
             else:
-                # GQA: the G query heads of a KV head share its keys, so q is grouped per KV head
                 q = ops["rope_and_cache"](q, k, v, cos, sin, self.k_cache[i], self.v_cache[i], slots)
                 k_seen, v_seen = self.k_cache[i][:, :, :keys], self.v_cache[i][:, :, :keys]
-                o = _merge_heads(_attention(q, k_seen, v_seen, mask, attn.scaling), T)
+                o = (_causal_attention(q, k_seen, v_seen, attn.scaling) if causal
+                     else _masked_attention(q, k_seen, v_seen, mask, attn.scaling))
             post = layer.post_attention_layernorm
             x, h = ops["add_norm"](x, self._project(attn.o_proj, o), post.weight, post.variance_epsilon)
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
@@ -372,14 +418,30 @@ class Generator:
         mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
         return mask[:, None, None].expand(B, 1, G, T, keys).reshape(B, 1, G * T, keys)
 
-    def prefill_chunks(self, stop: int, first: int = 0) -> list[tuple[int, int]]:
+    def prefill_chunks(self, stop: int, first: int = 0, masked: bool = True) -> list[tuple[int, int]]:
         """The ranges [start, end) of query slots ``first``..``stop - 1`` (a prompt's prefill: 0..T - 1) that run as
-        one forward each: as many a chunk as keep its mask, with the two tensors it is built from, within
-        ``PREFILL_MASK_BYTES`` over ``stop`` keys (at least one)."""
-        groups = self.heads // self.kv_heads
-        per_query = self.batch * self._keys_through(stop) * (1 + (1 + groups) * self.dtype.itemsize)
-        size = max(1, PREFILL_MASK_BYTES // max(1, per_query))
+        one forward each, at least one query a chunk: ``masked``, as many as keep the chunk's mask, with the two
+        tensors it is built from, within ``PREFILL_MASK_BYTES`` over ``stop`` keys; else as many as keep its
+        activations within ``PREFILL_ACTIVATION_BYTES``."""
+        if masked:
+            groups = self.heads // self.kv_heads
+            per_query = self.batch * self._keys_through(stop) * (1 + (1 + groups) * self.dtype.itemsize)
+            size = max(1, PREFILL_MASK_BYTES // max(1, per_query))
+        else:
+            size = max(1, PREFILL_ACTIVATION_BYTES // (self.batch * self.token_bytes))
         return [(start, min(start + size, stop)) for start in range(first, stop, size)]
+
+    def _attends_mask_free(self, stop: int) -> bool:
+        """Whether queries up to slot ``stop`` attend with no mask: every row's slots before it hold real tokens (no
+        left padding; one host sync) and SDPA has a mask-free causal kernel here (where it has none, said once)."""
+        if not bool(self.valid[:, :stop].all()):
+            return False
+        if not self.mask_free:
+            warn_once("generate:masked-prefill", f"prompts without padding prefill under an attention mask, in "
+                                                 f"smaller chunks: SDPA has no mask-free causal kernel for "
+                                                 f"{self.dtype} with {self.heads} query and {self.kv_heads} KV heads "
+                                                 f"of {self.head_dim} on {self.device}")
+        return self.mask_free
 
     def _keys_through(self, end: int) -> int:
         """The cache slots a chunk of queries ending at slot ``end`` attends over: ``end``, rounded up to KEY_ALIGN
@@ -391,16 +453,18 @@ class Generator:
         queries at a time (:meth:`prefill_chunks`), each attending over the cache up to its end: the last token's
         logits (``"last"``) or every token's (``"all"``)."""
         stop = first + ids.shape[1]
-        chunks = self.prefill_chunks(stop, first)
+        causal = self._attends_mask_free(stop)
+        chunks = self.prefill_chunks(stop, first, masked=not causal)
         if len(chunks) > 1:
-            logger.debug("generate: %d tokens forward in %d chunks of queries (their masks within %d bytes)",
-                         stop - first, len(chunks), PREFILL_MASK_BYTES)
+            logger.debug("generate: %d tokens forward in %d chunks of queries (%s)", stop - first, len(chunks),
+                         f"no mask, their activations within {PREFILL_ACTIVATION_BYTES} bytes" if causal
+                         else f"their masks within {PREFILL_MASK_BYTES} bytes")
         outputs = []
         for start, end in chunks:
             rows = slice(start - first, end - first)
             wanted = logits if logits == "all" or end == stop else None
-            out = self._forward(ids[:, rows], positions[:, rows], self.key_slots[start:end], self._keys_through(end),
-                                wanted)
+            out = self._forward(ids[:, rows], positions[:, rows], self.key_slots[start:end],
+                                end if causal else self._keys_through(end), wanted, causal=causal)
             if out is not None:
                 outputs.append(out)
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
