@@ -15,6 +15,7 @@ from memfit.infer.partial_load import PartialConfig
 from memfit.measure.memory import PeakMeter
 from memfit.models import PRESETS, build_model, save_model_dir
 
+MASK_FREE_CAUSAL_KERNEL = generate.mask_free_causal_kernel
 SPEC = PRESETS["tiny"].with_(num_layers=3)          # hidden 64, GQA 4/2 (G = 2), vocab 512
 G = 2
 
@@ -97,11 +98,10 @@ def test_a_partial_layer_counts_each_chunks_real_tokens_against_its_slice_of_the
     assert not torch.equal(mlp.counts, count_top_activations(h))
 
 
-def _masked(gen: Generator, monkeypatch) -> Generator:
-    """``gen`` attending under a mask even where its prompts have no padding, as on a GPU where SDPA has no mask-free
-    causal kernel for the model (every kernel the CPU has takes one)."""
-    monkeypatch.setattr(gen, "mask_free", False)
-    return gen
+def _force_mask(monkeypatch, on: bool = True) -> None:
+    """Generators attending under a mask even where their prompts have no padding (``on``), as on a GPU where SDPA
+    has no mask-free causal kernel for the model (every kernel the CPU has takes one); else as they choose."""
+    monkeypatch.setattr(generate, "mask_free_causal_kernel", (lambda *args: False) if on else MASK_FREE_CAUSAL_KERNEL)
 
 
 def _spy(monkeypatch, name):
@@ -111,46 +111,59 @@ def _spy(monkeypatch, name):
     return calls
 
 
-def test_unpadded_prompts_attend_with_no_mask_as_under_one(model_dir, monkeypatch, caplog):
+@pytest.mark.parametrize("partial", [None, PartialConfig(load=0.7, compute=0.4, full_first=1, full_last=1)])
+def test_unpadded_prompts_attend_with_no_mask_as_under_one(model_dir, partial, monkeypatch, caplog):
     """Prompts with no padding: no mask is built, the logits equal to fp32 rounding those of the masked attention and
-    of one chunk, the same tokens; forced under a mask (a GPU without a mask-free kernel), it says so once."""
-    model = load_on_test_device(model_dir)
+    of one chunk, the same tokens and partial-FFN selection; forced under a mask (a GPU without a mask-free kernel),
+    it says so once."""
+    model = load_on_test_device(model_dir, partial)
     x = torch.randint(0, 512, (2, 23), generator=seeded(8)).to(model.device)
 
-    def run(gen):
-        masks = _spy(monkeypatch, "_causal_attention")
+    def run():
+        attended = _spy(monkeypatch, "_causal_attention")
+        gen = Generator(model, 30, batch=2, fused=False)
         logits = gen._prefill(x, None)[0]
-        return logits, gen.generate(x, 6).tokens, len(masks)
+        out = gen.generate(x, 6)
+        return logits, out.tokens, out.selected, len(attended)
 
     monkeypatch.setattr(memfit.log, "_said", set())
     caplog.set_level(logging.DEBUG, logger="memfit")
-    masked_logits, masked_tokens, calls = run(_masked(Generator(model, 30, batch=2, fused=False), monkeypatch))
+    _force_mask(monkeypatch)
+    masked_logits, masked_tokens, masked_selected, calls = run()
     assert calls == 0 and "prompts without padding prefill under an attention mask" in caplog.text
-    whole_logits, whole_tokens, calls = run(Generator(model, 30, batch=2, fused=False))
+    _force_mask(monkeypatch, on=False)
+    whole_logits, whole_tokens, whole_selected, calls = run()
     assert calls == 2 * SPEC.num_layers                         # a prefill, then generate's own
     monkeypatch.setattr(generate, "PREFILL_ACTIVATION_BYTES", 4 * 2 * Generator(model, 30, batch=2).token_bytes)
-    chunked_logits, chunked_tokens, calls = run(Generator(model, 30, batch=2, fused=False))
+    chunked_logits, chunked_tokens, chunked_selected, calls = run()
     assert calls == 2 * 6 * SPEC.num_layers and "23 tokens forward in 6 chunks of queries (no mask" in caplog.text
     for logits in (whole_logits, chunked_logits):
         assert (logits - masked_logits).norm() / masked_logits.norm() < 1e-5
     assert torch.equal(whole_tokens, masked_tokens) and torch.equal(chunked_tokens, masked_tokens)
+    assert len(masked_selected) == (1 if partial else 0)        # the middle layer of three
+    for selected in (whole_selected, chunked_selected):
+        assert all(torch.equal(a, b) for a, b in zip(selected, masked_selected, strict=True))
 
 
 @pytest.mark.skipif(torch.get_default_device().type != "cuda", reason="flash attention runs on CUDA (MEMFIT_TEST_DEVICE)")
 def test_on_cuda_an_unpadded_bf16_prefill_runs_flash_attention_in_chunks(model_dir, monkeypatch):
     """The mask-free path's kernel on a GPU: with SDPA allowed flash attention alone (a chunk it could not take would
-    stop with no kernel to run), the chunks' first-token logits equal the masked whole prompt's to bf16 rounding."""
+    stop with no kernel to run), the chunks' first-token logits equal the masked whole prompt's to bf16 rounding.
+    With only the math kernel allowed (switched after the Generator was built), it attends under the mask instead:
+    torch would have materialised every score."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     model = load_on_test_device(model_dir).to(torch.bfloat16)
     x = torch.randint(0, 512, (2, 40), generator=seeded(9))
-    masked = _masked(Generator(model, 48, batch=2, fused=False), monkeypatch)._prefill(x, None)[0].float()
     gen = Generator(model, 48, batch=2, fused=False)
     monkeypatch.setattr(generate, "PREFILL_ACTIVATION_BYTES", 7 * 2 * gen.token_bytes)
     attended = _spy(monkeypatch, "_causal_attention")
+    with sdpa_kernel([SDPBackend.MATH]):
+        masked = gen._prefill(x, None)[0].float()
+    assert attended == []
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         chunked = gen._prefill(x, None)[0].float()
-    assert gen.mask_free and len(attended) == 6 * SPEC.num_layers
+    assert len(attended) == 6 * SPEC.num_layers
     assert (chunked - masked).norm() / masked.norm() < 2e-2
 
 
@@ -161,7 +174,9 @@ def test_scoring_runs_its_teacher_forced_rest_in_chunks_too(model_dir, mask_free
     seen)."""
     model = load_on_test_device(model_dir)
     x = torch.randint(0, 512, (2, 40), generator=seeded(4)).to(model.device)
-    whole = _masked(Generator(model, 40, batch=2, fused=False), monkeypatch).score(x, 6)
+    _force_mask(monkeypatch)
+    whole = Generator(model, 40, batch=2, fused=False).score(x, 6)
+    _force_mask(monkeypatch, on=not mask_free)
     masks = []
     real = Generator._mask
     monkeypatch.setattr(Generator, "_mask", lambda self, *args: masks.append(real(self, *args)) or masks[-1])
@@ -169,7 +184,7 @@ def test_scoring_runs_its_teacher_forced_rest_in_chunks_too(model_dir, mask_free
     monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", _budget_for(5, 2, 40))
     monkeypatch.setattr(generate, "PREFILL_ACTIVATION_BYTES", 5 * 2 * Generator(model, 40, batch=2).token_bytes)
     gen = Generator(model, 40, batch=2, fused=False)
-    chunked = (gen if mask_free else _masked(gen, monkeypatch)).score(x, 6)
+    chunked = gen.score(x, 6)
     assert chunked.shape == whole.shape == (2, 34, 512)
     assert (chunked - whole).norm() / whole.norm() < 1e-5
     if mask_free:
@@ -226,9 +241,8 @@ def test_a_prefill_in_chunks_never_holds_the_whole_prompts_mask(padded, monkeypa
     attention_mask[1, 0] = 0
 
     def peak(masked=padded):
+        _force_mask(monkeypatch, on=masked)
         gen = Generator(model, T + 2, batch=B, fused=False)
-        if masked:
-            _masked(gen, monkeypatch)
         baseline = tuple(model.parameters()) + tuple(model.buffers()) + tuple(gen.k_cache) + tuple(gen.v_cache)
         with PeakMeter("cpu", baseline) as meter:
             gen.prefill(x, attention_mask if padded else None)

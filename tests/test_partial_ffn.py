@@ -86,9 +86,8 @@ def test_attention_output_in_the_gpu_kernels_layout(monkeypatch):
     seq = _ids((1, 12), 10) % 259
 
     def masked_score():       # an unpadded prompt attends with no mask where it can; the masked path is the one here
-        gen = Generator(model, 16, fused=False)
-        monkeypatch.setattr(gen, "mask_free", False)
-        return gen.score(seq, 5)
+        monkeypatch.setattr(generate, "mask_free_causal_kernel", lambda *args: False)
+        return Generator(model, 16, fused=False).score(seq, 5)
 
     expected = masked_score()
     original, seen = generate._attention, []

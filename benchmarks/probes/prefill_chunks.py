@@ -1,7 +1,7 @@
 """Probe: memfit generate's prefill of a long prompt with no padding, on a random-init Llama-3.2-1B in bf16 on a GPU,
 by each attention path and chunking (``memfit.infer.generate``):
 
-    masked whole        under the additive mask, one chunk (the Generator of 2026-12-04 with no mask budget)
+    masked whole        under the additive mask, one chunk
     masked chunks       under the mask, chunks within PREFILL_MASK_BYTES (what a padded batch runs)
     no mask, whole      lower-right causal SDPA with no mask, one chunk
     no mask, chunks     the same in chunks within PREFILL_ACTIVATION_BYTES (the default for unpadded prompts)
@@ -9,7 +9,8 @@ by each attention path and chunking (``memfit.infer.generate``):
 
 For each: the prefill's peak above what was allocated before it, its time (median of three), and the first token's
 logits' relative difference from the masked whole prompt's. Also whether SDPA's flash attention takes the model's
-heads (the mask-free path's kernel). The file is rewritten after each case:
+heads (the mask-free path's kernel). The masked rows force the mask as a GPU without a mask-free kernel would
+have it, so the log says once that there is none. The file is rewritten after each case:
 
     OUT=/some/dir python benchmarks/probes/prefill_chunks.py          # writes OUT/prefill_chunks.json
 """
@@ -52,10 +53,11 @@ def main():
     spec = PRESETS["llama-3.2-1b"]
     model = build_model(spec, dtype=torch.bfloat16, device="cuda").eval()
     cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     q = torch.empty(1, cfg.num_attention_heads, 8, head_dim, device="cuda", dtype=torch.bfloat16)
     kv = torch.empty(1, cfg.num_key_value_heads, 8, head_dim, device="cuda", dtype=torch.bfloat16)
     flash = bool(can_use_flash_attention(SDPAParams(q, kv, kv, None, 0.0, False, True)))
+    chooses = generate.mask_free_causal_kernel
     variants = {   # name: (mask-free, mask budget, activation budget)
         "masked whole": (False, WHOLE, generate.PREFILL_ACTIVATION_BYTES),
         "masked chunks": (False, generate.PREFILL_MASK_BYTES, generate.PREFILL_ACTIVATION_BYTES),
@@ -70,15 +72,16 @@ def main():
         reference = None
         for name, (mask_free, mask_budget, activation_budget) in variants.items():
             generate.PREFILL_MASK_BYTES, generate.PREFILL_ACTIVATION_BYTES = mask_budget, activation_budget
+            generate.mask_free_causal_kernel = chooses if mask_free else (lambda *args: False)
             gen = generate.Generator(model, tokens + 16, batch=batch, graphs=False, compile=False, fast=False,
                                      fused=False)
-            gen.mask_free = gen.mask_free and mask_free
             runs = [prefill(gen, ids) for _ in range(3)]
+            attended_mask_free = gen._attends_mask_free(tokens)
             logits = runs[-1][2]
             reference = logits if reference is None else reference
-            row = {"batch": batch, "prompt_tokens": tokens, "prefill": name, "mask_free": gen.mask_free,
+            row = {"batch": batch, "prompt_tokens": tokens, "prefill": name, "mask_free": attended_mask_free,
                    "mask_budget_bytes": mask_budget, "activation_budget_bytes": activation_budget,
-                   "chunks": len(gen.prefill_chunks(tokens, masked=not gen.mask_free)),
+                   "chunks": len(gen.prefill_chunks(tokens, masked=not attended_mask_free)),
                    "peak_above_GB": max(r[0] for r in runs) / 1e9,
                    "prefill_ms": statistics.median(r[1] for r in runs) * 1e3,
                    "first_token_logits_rel_diff": float((logits - reference).norm() / reference.norm())}

@@ -82,11 +82,12 @@ from memfit.models.spec import SUPPORTED_TYPES
 # bytes / (1 + (1 + G) x dtype bytes) on: 2979 tokens for Llama-3.2-1B in bf16 (16 layers, kv_dim 512, G = 4).
 PREFILL_MASK_BYTES = 64 * 2**20
 # The most bytes a mask-free prefill chunk's activations may take (``Generator.token_bytes`` a query row): with no
-# mask, they are what grows with a chunk (flash attention keeps no scores).
+# mask, they are what grows with a chunk (flash attention keeps no scores). ``score``'s logits of every token, a
+# vocabulary's values a row, come on top: the caller gets them all.
 PREFILL_ACTIVATION_BYTES = 256 * 2**20
-# A chunk attends over the cache up to its end rounded up to this many slots (the later ones are masked): torch's
-# memory-efficient attention on CUDA copies a mask whose rows are not a multiple of 8 elements into a padded one, and
-# warns (pytorch/pytorch#114173).
+# A masked chunk attends over the cache up to its end rounded up to this many slots (the later ones are masked):
+# torch's memory-efficient attention on CUDA copies a mask whose rows are not a multiple of 8 elements into a padded
+# one, and warns (pytorch/pytorch#114173). A mask-free chunk attends over exactly the slots up to its end.
 KEY_ALIGN = 8
 
 
@@ -146,10 +147,13 @@ def _causal_attention(q, k_seen, v_seen, scale):
 
 def mask_free_causal_kernel(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
                             head_dim: int) -> bool:
-    """Whether SDPA attends lower-right causally with no mask for this model on this device: on CUDA through flash or
-    memory-efficient attention (the latter takes no grouped KV heads); elsewhere always (the CPU kernels take the
-    chunk's (T x keys) boolean mask, B x (1 + (1 + G) x dtype bytes) times smaller than ``Generator._mask``'s). On CUDA
-    without either, torch would materialise every score."""
+    """Whether SDPA attends lower-right causally with no mask for this model on this device, with its backends as they
+    are switched now (``torch.nn.attention.sdpa_kernel``): on CUDA through flash or memory-efficient attention (in
+    torch 2.11 the latter takes no grouped KV heads); elsewhere always (the CPU kernels take the chunk's (T x keys)
+    boolean mask, in the model dtype: B (1 + (1 + G) d) / (1 + d) times smaller than ``Generator._mask``'s, d its
+    bytes). On CUDA without either, torch would build that mask and run the math kernel, every score materialised and
+    the KV heads copied out to the query heads. The answer does not depend on the sequence lengths: a few slots
+    stand in for them."""
     if device.type != "cuda":
         return True
     q = torch.empty(1, heads, 8, head_dim, device=device, dtype=dtype)
@@ -300,11 +304,10 @@ class Generator:
         self.device, self.dtype = embed.device, embed.dtype
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        # a query row's activations in a prefill chunk, all of a layer's at once (an upper bound): the residual and
-        # its norm, q/k/v and the attention's output and projection, gate, up and their product
+        # a query row's activations in a prefill chunk, all of a layer's counted as alive at once: the residual and
+        # its norm, q/k/v, the attention's output and its projection, then gate and up, silu(gate) and the product
         self.token_bytes = self.dtype.itemsize * (4 * cfg.hidden_size + 2 * (self.heads + self.kv_heads) * self.head_dim
-                                                  + 3 * cfg.intermediate_size)
-        self.mask_free = mask_free_causal_kernel(self.device, self.dtype, self.heads, self.kv_heads, self.head_dim)
+                                                  + 4 * cfg.intermediate_size)
         layers = model.model.layers
         self.qkv = [fused_qkv(layer.self_attn) if fused else None for layer in layers]
         self.gate_up = [fused_gate_up(layer.mlp) if fused else None for layer in layers]
@@ -433,19 +436,21 @@ class Generator:
 
     def _attends_mask_free(self, stop: int) -> bool:
         """Whether queries up to slot ``stop`` attend with no mask: every row's slots before it hold real tokens (no
-        left padding; one host sync) and SDPA has a mask-free causal kernel here (where it has none, said once)."""
+        left padding; one host sync) and SDPA has a mask-free causal kernel here now (where it has none, said
+        once)."""
         if not bool(self.valid[:, :stop].all()):
             return False
-        if not self.mask_free:
-            warn_once("generate:masked-prefill", f"prompts without padding prefill under an attention mask, in "
-                                                 f"smaller chunks: SDPA has no mask-free causal kernel for "
-                                                 f"{self.dtype} with {self.heads} query and {self.kv_heads} KV heads "
-                                                 f"of {self.head_dim} on {self.device}")
-        return self.mask_free
+        if mask_free_causal_kernel(self.device, self.dtype, self.heads, self.kv_heads, self.head_dim):
+            return True
+        warn_once("generate:masked-prefill", f"prompts without padding prefill under an attention mask, in smaller "
+                                             f"chunks: SDPA has no mask-free causal kernel for {self.dtype} with "
+                                             f"{self.heads} query and {self.kv_heads} KV heads of {self.head_dim} on "
+                                             f"{self.device} (or its flash and memory-efficient kernels are off)")
+        return False
 
     def _keys_through(self, end: int) -> int:
-        """The cache slots a chunk of queries ending at slot ``end`` attends over: ``end``, rounded up to KEY_ALIGN
-        (the cache's length is a multiple of it)."""
+        """The cache slots a masked chunk of queries ending at slot ``end`` attends over: ``end``, rounded up to
+        KEY_ALIGN (the cache's length is a multiple of it)."""
         return min(self.cache_len, _key_aligned(end))
 
     def _forward_in_chunks(self, ids: torch.Tensor, positions: torch.Tensor, first: int, logits: str) -> torch.Tensor:
