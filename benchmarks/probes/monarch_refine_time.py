@@ -3,8 +3,10 @@ it took 90.4 s for the small model's layers, against 4.3 s for the weight-space 
 shapes on a 2-core CPU (``results/cpu/``): its refinement takes a batched truncated SVD of every block column's
 sub-blocks in every sweep (``_whitened_svd``), and torch's SVD of a batch of small matrices on CUDA runs matrix by
 matrix. Per case (a batch of weights, one shared input covariance) it times the whitening and first SVD, then the
-refinement's sweeps, with the SVDs timed apart (each call synchronised), and reports the SVDs' share. Writes
-OUT/monarch_refine_time_<commit>.json:
+refinement's sweeps, with the SVDs timed apart (each call synchronised), and reports the SVDs' share. On CUDA it
+also times the float64 eigendecomposition of a batch of Gram matrices of the refinement's most frequent SVD shape on
+the GPU, and on the host with the copies there and back (best of three each): whether the small decompositions should
+leave the GPU. Writes OUT/monarch_refine_time_<commit>.json:
 
     MEMFIT_COMMIT=<sha> OUT=/some/dir python benchmarks/probes/monarch_refine_time.py [cpu|cuda]
 """
@@ -12,6 +14,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -43,11 +46,12 @@ def run_case(name, weights, out, inp, rank, sweeps, device) -> dict:
     gen = torch.Generator().manual_seed(0)
     W = torch.randn(weights, out, inp, generator=gen).to(device)
     C = covariance(inp, device, gen)
-    svd_seconds, svd_calls = 0.0, 0
+    svd_seconds, svd_calls, shapes = 0.0, 0, Counter()
     original = proj.truncated_svd
 
     def timed_svd(matrix, k):
         nonlocal svd_seconds, svd_calls
+        shapes[tuple(matrix.shape)] += 1
         synchronize(device)
         start = time.perf_counter()
         result = original(matrix, k)
@@ -73,10 +77,33 @@ def run_case(name, weights, out, inp, rank, sweeps, device) -> dict:
     finally:
         proj.truncated_svd = original
     sub_blocks = f"{weights * BLOCKS} x ({out // BLOCKS} x {inp // BLOCKS})"
-    return {"case": name, "weights": weights, "out": out, "in": inp, "rank": rank, "blocks": BLOCKS,
+    shape = shapes.most_common(1)[0][0]
+    eigh = eigh_seconds(shape, device) if device.type == "cuda" else {}
+    return {**eigh, "case": name, "weights": weights, "out": out, "in": inp, "rank": rank, "blocks": BLOCKS,
             "sweeps": len(history), "whitened_s": whitened, "whitened_svd_s": first_svd, "refine_s": refine,
             "refine_svd_s": svd_seconds, "refine_svd_calls": svd_calls, "svd_share": svd_seconds / refine,
             "svd_batch": sub_blocks, "final_relative_error": float(history[-1].max()) if history else None}
+
+
+def eigh_seconds(shape: tuple[int, ...], device: torch.device) -> dict:
+    """Seconds of ``torch.linalg.eigh`` of a float64 batch of the Gram matrices ``truncated_svd`` decomposes for inputs
+    of ``shape``: on ``device``, and on the host with the copies there and back; best of three each."""
+    n = min(shape[-2:])
+    a = torch.randn(*shape[:-2], n, n, dtype=torch.float64, device=device)
+    gram = a @ a.transpose(-1, -2)
+    times = {"device": [], "host": []}
+    for _ in range(3):
+        for where in times:
+            synchronize(device)
+            start = time.perf_counter()
+            if where == "device":
+                torch.linalg.eigh(gram)
+            else:
+                torch.linalg.eigh(gram.cpu())[1].to(device)
+            synchronize(device)
+            times[where].append(time.perf_counter() - start)
+    return {"eigh_shape": list(shape[:-2]) + [n, n], "eigh_device_s": min(times["device"]),
+            "eigh_host_s": min(times["host"])}
 
 
 def main() -> None:
