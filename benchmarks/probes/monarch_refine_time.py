@@ -69,6 +69,7 @@ def run_case(name, weights, out, inp, rank, sweeps, device) -> dict:
         synchronize(device)
         whitened = time.perf_counter() - start
         first_svd, svd_seconds, svd_calls = svd_seconds, 0.0, 0
+        shapes.clear()
         history = []
         start = time.perf_counter()
         proj.monarch_refine_output_error(W, L, R, C, sweeps, history)

@@ -8,11 +8,11 @@ by each attention path and chunking (``memfit.infer.generate``):
     no mask, 64 MiB     the same within a quarter of that budget
 
 For each: the prefill's peak above what was allocated before it, its time (median of three), and the first token's
-logits' relative difference from the masked whole prompt's. Also whether SDPA's flash attention takes the model's
-heads (the mask-free path's kernel). The masked rows force the mask as a GPU without a mask-free kernel would
-have it, so the log says once that there is none. The file is rewritten after each case:
+logits' relative difference from the masked whole prompt's. Also whether SDPA's flash attention alone takes the
+model's heads (the mask-free path's kernel on the GPU). The masked rows force the mask as a GPU without a mask-free
+kernel would have it, so the log says once that there is none. The file is rewritten after each case:
 
-    OUT=/some/dir python benchmarks/probes/prefill_chunks.py          # writes OUT/prefill_chunks.json
+    MEMFIT_COMMIT=<sha> OUT=/some/dir python benchmarks/probes/prefill_chunks.py   # OUT/prefill_chunks_<commit>.json
 """
 import json
 import os
@@ -43,7 +43,7 @@ def prefill(gen, ids):
 
 def main():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from memfit.infer import generate
     from memfit.measure.results import environment
@@ -53,10 +53,9 @@ def main():
     spec = PRESETS["llama-3.2-1b"]
     model = build_model(spec, dtype=torch.bfloat16, device="cuda").eval()
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    q = torch.empty(1, cfg.num_attention_heads, 8, head_dim, device="cuda", dtype=torch.bfloat16)
-    kv = torch.empty(1, cfg.num_key_value_heads, 8, head_dim, device="cuda", dtype=torch.bfloat16)
-    flash = bool(can_use_flash_attention(SDPAParams(q, kv, kv, None, 0.0, False, True)))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        flash = generate.mask_free_causal_kernel(torch.device("cuda"), torch.bfloat16, cfg.num_attention_heads,
+                                                 cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
     chooses = generate.mask_free_causal_kernel
     variants = {   # name: (mask-free, mask budget, activation budget)
         "masked whole": (False, WHOLE, generate.PREFILL_ACTIVATION_BYTES),
@@ -65,7 +64,8 @@ def main():
         "no mask, chunks": (True, generate.PREFILL_MASK_BYTES, generate.PREFILL_ACTIVATION_BYTES),
         "no mask, 64 MiB": (True, generate.PREFILL_MASK_BYTES, 64 * 2**20),
     }
-    result = {"probe": "prefill_chunks", **environment(), "model": "llama-3.2-1b", "dtype": "bfloat16",
+    environment_now = environment()
+    result = {"probe": "prefill_chunks", **environment_now, "model": "llama-3.2-1b", "dtype": "bfloat16",
               "flash_takes_the_heads": flash, "rows": []}
     for batch, tokens in CASES:
         ids = torch.randint(0, cfg.vocab_size, (batch, tokens), device="cuda")
@@ -90,7 +90,7 @@ def main():
             del gen
             torch.cuda.empty_cache()
         OUT.mkdir(parents=True, exist_ok=True)
-        (OUT / "prefill_chunks.json").write_text(json.dumps(result, indent=1))
+        (OUT / f"prefill_chunks_{environment_now['commit']}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

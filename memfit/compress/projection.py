@@ -322,12 +322,12 @@ def _top_eigvecs(gram: torch.Tensor, k: int, generator: torch.Generator | None) 
 
 
 def _damped_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor) -> torch.Tensor:
-    """``(gram + ridge I)^{-1} rhs`` for a batch of square ``gram`` and a ``ridge`` shaped to broadcast over its
+    """``(gram + ridge I)^{-1} rhs`` for a batch of square ``gram`` and a finite ``ridge`` shaped to broadcast over its
     diagonals, never raising (a singular system gives non-finite entries, which a caller compares away). The ridge is
-    added on the diagonal in place and taken off again (``gram`` comes back bit for bit; the result is the same bits
-    as from a damped copy): each BLAST descent step had made a copy of its b^2 (r x r) Gram matrices, and of the
-    U and V steps' (a tenth of the descent's CPU time at the small accuracy model's shapes). LU, not Cholesky: torch's
-    batched Cholesky on the CPU took twice the LU's time there."""
+    added on the diagonal in place and taken off again: ``gram`` comes back bit for bit, and the result has the bits
+    a damped copy gives, with no copy of the batch (each BLAST descent step had copied its b^2 (r x r) Gram matrices).
+    So ``gram`` must be a tensor of the caller's own, outside autograd (the projections run under no_grad). LU, not
+    Cholesky: torch's batched Cholesky on the CPU was the slower at the S step's shapes."""
     diagonal = gram.diagonal(dim1=-2, dim2=-1)
     saved = diagonal.clone()
     diagonal.add_(ridge)

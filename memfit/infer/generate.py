@@ -34,8 +34,8 @@ previous loop.
 Prompts: prefill runs eagerly over the whole (left-padded) batch and, for partial
 models, selects the decode neurons (``memfit.infer.selection``). A long prompt (and ``score``'s teacher-forced rest)
 runs in chunks of queries, each attending over the cache up to its own end. Prompts with no padding attend with no
-mask: SDPA's lower-right causal attention (flash attention on CUDA, the G query heads a KV head reading its keys in
-place), in chunks whose activations stay under ``PREFILL_ACTIVATION_BYTES``. A left-padded batch attends under an
+mask: SDPA's lower-right causal attention (on CUDA flash attention, the G query heads a KV head reading its keys in
+place, or memory-efficient attention where there are no groups), in chunks whose activations stay under ``PREFILL_ACTIVATION_BYTES``. A left-padded batch attends under an
 additive mask of B x G x T x keys elements (G query heads a KV head), in chunks whose mask stays under
 ``PREFILL_MASK_BYTES`` (the activations shrink with it); so does an unpadded one where SDPA has no mask-free causal
 kernel for the model's dtype and heads (said once). A prompt that fits in one chunk runs as one. Chunks equal the
@@ -139,10 +139,10 @@ def _masked_attention(q, k_seen, v_seen, mask, scale):
 def _causal_attention(q, k_seen, v_seen, scale):
     """SDPA of a chunk of queries q (B, H, T, D) at the last T of the ``keys`` cache slots given, with no mask: each
     sees every key up to its own slot (lower-right causal; rows with no padding only). Returns (B, T, H*D)."""
-    B, H, T, D = q.shape
+    heads, T = q.shape[1:3]
     o = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=causal_lower_right(T, k_seen.shape[2]),
-                                       scale=scale, enable_gqa=H != k_seen.shape[1])
-    return o.transpose(1, 2).reshape(B, T, H * D)
+                                       scale=scale, enable_gqa=heads != k_seen.shape[1])
+    return _merge_heads(o, T)                          # (B, H, T, D): one query row a head
 
 
 def mask_free_causal_kernel(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
