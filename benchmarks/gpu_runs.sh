@@ -83,6 +83,9 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # multiple-of-8 and chunked-prefill tests of test_blr_layers.py and test_generate_chunked_prefill.py 77.7 s under
 # MEMFIT_TEST_DEVICE=cuda (14 passed, 1 skipped) and test_compress.py's GPU-memory, resume and calibration tests 41.4 s
 # (6 passed; logs gpu_tests_*_f2dc988.log).
+# At af4fc90, on an H100: prefill_chunks 41 s of wall time, monarch_refine_time 19 s, compress_memory's lowrank-aware
+# case alone 134 s (126.6 s in its file); the generate chunked-prefill tests under MEMFIT_TEST_DEVICE=cuda did not all
+# finish in 110 s (their Generators compile on CUDA: logs gpu_tests_*_af4fc90.log).
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"

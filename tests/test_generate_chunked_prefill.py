@@ -111,6 +111,13 @@ def _spy(monkeypatch, name):
     return calls
 
 
+# The tiny model in float32 with grouped KV heads: on CUDA no SDPA kernel attends to it mask-free (flash takes 16-bit
+# dtypes, memory-efficient no groups), so it prefills under the mask there (gpu_tests_unpadded_af4fc90.log); the bf16
+# CUDA test below covers the GPU's mask-free path.
+NO_FP32_MASK_FREE_ON_CUDA = pytest.mark.cpu_only(reason="no CUDA kernel attends fp32 grouped heads mask-free")
+
+
+@NO_FP32_MASK_FREE_ON_CUDA
 @pytest.mark.parametrize("partial", [None, PartialConfig(load=0.7, compute=0.4, full_first=1, full_last=1)])
 def test_unpadded_prompts_attend_with_no_mask_as_under_one(model_dir, partial, monkeypatch, caplog):
     """Prompts with no padding: no mask is built, the logits equal to fp32 rounding those of the masked attention and
@@ -167,7 +174,7 @@ def test_on_cuda_an_unpadded_bf16_prefill_runs_flash_attention_in_chunks(model_d
     assert (chunked - masked).norm() / masked.norm() < 2e-2
 
 
-@pytest.mark.parametrize("mask_free", [True, False])
+@pytest.mark.parametrize("mask_free", [pytest.param(True, marks=NO_FP32_MASK_FREE_ON_CUDA), False])
 def test_scoring_runs_its_teacher_forced_rest_in_chunks_too(model_dir, mask_free, monkeypatch):
     """score()'s rest (tokens after the prompt, all their logits) had run as one forward with a quadratic mask. With no
     mask, each chunk attends over exactly the keys up to its end (lower-right causal: a key rounded up would be
