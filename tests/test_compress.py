@@ -888,6 +888,29 @@ def test_layers_kept_by_other_code_are_discarded(tmp_path, monkeypatch, caplog):
     assert "code has changed since" in caplog.text and len(projected) == len({r["kind"] for r in result.report})
 
 
+@pytest.mark.cpu_only(reason="the CPU memory tracker measures the projections' work space")
+@pytest.mark.parametrize("out_features, in_features", [(256, 1024), (1024, 256), (512, 512)])
+def test_a_projections_work_space_stays_within_its_chunks_share(out_features, in_features):
+    """Each method's projection of two matrices, weight-space and activation-aware, peaks at most at the work space
+    ``_chunk_size`` counts for them (its inputs not counted here): the activation-aware low-rank projection's float64
+    whitening had been left out, and a chunk of it took up to 1.8x its share (8.0 GB on an H100 at a 4 GiB budget for
+    Llama-3.2-1B, benchmarks/results/probes/compress_memory_af4fc90.json)."""
+    import memfit.compress.convert as convert
+    from memfit.compress.plan import KindPlan
+    from memfit.measure.memory import PeakMeter
+
+    W = torch.randn(2, out_features, in_features, generator=seeded(11))
+    X = torch.randn(4 * in_features, in_features, generator=seeded(12))
+    cov = (X.T @ X).expand(2, -1, -1).contiguous()
+    for method, blocks in (("lowrank", 1), ("monarch", 8), ("blast", 8)):
+        for aware in (False, True):
+            plan = KindPlan("x", in_features, out_features, 64, 0, 0)
+            share = 8 * (convert.WORKSPACE_BYTES // convert._chunk_size(method, plan, blocks, aware) // 8)
+            with PeakMeter("cpu", (W, cov)) as meter:
+                convert.project(method, W, 64, blocks, cov if aware else None, 5)
+            assert meter.peak <= 2 * share, (method, aware, meter.peak / (2 * share))
+
+
 def test_a_model_on_two_devices_is_refused_before_any_work():
     """compress_model moves a model's layers to the projection device and back: a model spread over devices (an
     accelerate device_map, weights left on the meta device) is refused, naming them, not broken."""

@@ -147,7 +147,10 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
 def _chunk_size(method: str, kp: KindPlan, blocks: int, activation_aware: bool = False) -> int:
     """Matrices per batched projection that keep the work space under WORKSPACE_BYTES."""
     fin, fout, r = kp.in_features, kp.out_features, kp.rank
-    floats = 4 * fin * fout + fin * fin
+    floats = 4 * fin * fout + fin * fin + 2 * min(fin, fout) ** 2    # the last: truncated_svd's Gram and eigenvectors
+    if activation_aware:   # the whitening (projection.whitening_factor): the covariance in float64 and, with one block
+        floats += fin * fin + (2 * fin * fin + fin * fout if blocks == 1 else 0)   # (low-rank), its damped copy,
+        # factor and W times it: uncounted, a low-rank chunk took up to 1.8x its share (tests/test_compress.py)
     if method == "blast":   # the factors and Gram matrices, and the float64 copy the diagonalising start takes
         floats += 2 * blocks * (fin + fout) * r + 2 * blocks * blocks * r * r + fin * fout
         if activation_aware:   # blast_refine_output_error: A C, (A - A^) C, A^, the damped C, V-bar and C V-bar
