@@ -182,7 +182,9 @@ def truncated_svd(matrix: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.
     float32 rounding, for the float32 and bfloat16 weights memfit projects). A full SVD computes every pair of every
     matrix; this computes one symmetric eigendecomposition of the smaller side: on the CPU the Monarch refinement's
     SVDs took a fifth to a third of their time (``benchmarks/probes/monarch_refine_time.py``). On CUDA torch's
-    batched eigendecomposition, like its SVD, goes matrix by matrix above 32 columns (not measured there yet).
+    batched eigendecomposition, like its SVD, goes matrix by matrix above 32 columns; on an H100 it still took a third
+    of the host's time for the refinement's 128 x 128 Gram batch, copies to the host and back counted
+    (``benchmarks/results/probes/monarch_refine_time_af4fc90.json``), so it stays on the device.
     """
     if not bool(matrix.isfinite().all()):             # eigh of NaN does not raise on every device: factors of 0
         raise MemfitError("cannot factor a matrix with non-finite values (inf or NaN)")
