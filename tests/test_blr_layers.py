@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import rel
+from conftest import rel, seeded
 from torch import nn
 
 from memfit.errors import MemfitError
@@ -194,7 +194,7 @@ def test_truncated_svd_fits_as_the_svd_does(shape, rank):
     smaller side, in the input's dtype."""
     from memfit.layers.structured import truncated_svd
 
-    M = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) @ torch.diag(torch.logspace(0, -3, shape[-1]))
+    M = torch.randn(*shape, generator=seeded(0)) @ torch.diag(torch.logspace(0, -3, shape[-1]))
     A, B = truncated_svd(M, rank)
     assert A.shape == (*shape[:-1], rank) and B.shape == (*shape[:-2], shape[-1], rank) and A.dtype == M.dtype
     s = torch.linalg.svdvals(M.double())
@@ -210,7 +210,7 @@ def test_truncated_svd_drops_pairs_below_its_floor_as_zero_columns():
     out as zero columns (their digits are lost in the squared spectrum), so the fit is the SVD's only to that floor."""
     from memfit.layers.structured import GRAM_SVD_FLOOR, truncated_svd
 
-    q, _ = torch.linalg.qr(torch.randn(30, 30, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    q, _ = torch.linalg.qr(torch.randn(30, 30, generator=seeded(1), dtype=torch.float64))
     values = torch.cat([torch.logspace(0, -5, 15), torch.logspace(-9, -12, 15)]).double()   # none near the floor
     A, B = truncated_svd((q * values) @ q.T, 30)
     nonzero = int((A.norm(dim=0) > 0).sum())
