@@ -48,7 +48,9 @@ def test_fused_loss_matches_hf_loss(num_items):
     torch.testing.assert_close(fused.loss, plain.loss, rtol=1e-5, atol=1e-6)
     for name, grad in grads0.items():
         assert grad.abs().sum() > 0, name
-        torch.testing.assert_close(grads1[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+        # atol on the gradient's scale: entries near zero differ by the two sums' float32 rounding (5.5e-7 where the
+        # largest entry is 0.68, in one draw of the weights)
+        torch.testing.assert_close(grads1[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()), msg=name)
 
 
 def test_four_bit_needs_cuda_and_says_so():
