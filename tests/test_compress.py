@@ -184,9 +184,36 @@ def test_convert_tiny_model_stays_close_at_high_rank(method):
     assert len(result.report) == 2 * 7 and all(0 <= r["weight_error"] < 1 for r in result.report)
 
 
-def test_blast_of_rank_deficient_and_all_zero_weights_is_finite_and_exact():
+def _solving_by(monkeypatch, solve: str) -> None:
+    """BLAST's damped solves by ``solve`` on every device (projection.SOLVE_BY_DEVICE)."""
+    monkeypatch.setattr(proj, "SOLVE_BY_DEVICE", {"cpu": solve, "cuda": solve})
+
+
+def test_damped_solves_by_cholesky_match_lu_and_take_lu_where_a_system_does_not_factor():
+    """Cholesky (CUDA's default) solves as LU does, to rounding, and leaves the Gram matrices as they were; a system
+    that does not factor (a damped Gram matrix rounding left indefinite, here plainly indefinite) is solved by LU,
+    that one alone, so the answer is LU's there, not a failed factor's."""
+    X = torch.randn(5, 12, 9, generator=seeded(0), dtype=torch.float64)
+    gram = X.transpose(-1, -2) @ X
+    gram[3] = torch.diag(torch.linspace(-1, 1, 9, dtype=torch.float64))      # indefinite, singular-free after damping
+    rhs = torch.randn(5, 9, 4, generator=seeded(1), dtype=torch.float64)
+    ridge = torch.full((5, 1), 1e-3, dtype=torch.float64)
+    before = gram.clone()
+    lu = proj._damped_solve(gram, rhs, ridge, "lu")
+    cholesky = proj._damped_solve(gram, rhs, ridge, "cholesky")
+    assert torch.equal(gram, before)
+    assert torch.equal(cholesky[3], lu[3])
+    torch.testing.assert_close(cholesky, lu, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="solve must be one of"):
+        proj._damped_solve(gram, rhs, ridge, "qr")
+
+
+@pytest.mark.parametrize("solve", proj.SOLVES)
+def test_blast_of_rank_deficient_and_all_zero_weights_is_finite_and_exact(solve, monkeypatch):
     """A weight exactly of lower rank than asked had run the descent away to non-finite factors once its fit was exact
-    (saved, exit 0, and the model generated nothing); an all-zero weight made a solve raise (a usage audit)."""
+    (saved, exit 0, and the model generated nothing); an all-zero weight made a solve raise (a usage audit). By
+    either solve: the all-zero weight's Gram matrices do not factor by Cholesky."""
+    _solving_by(monkeypatch, solve)
     model = build_model(PRESETS["tiny"])
     attention = model.model.layers[0].self_attn
     with torch.no_grad():
@@ -201,10 +228,12 @@ def test_blast_of_rank_deficient_and_all_zero_weights_is_finite_and_exact():
     assert all(math.isfinite(row["weight_error"]) for row in result.report)
 
 
-def test_activation_aware_blast_of_a_zero_block_or_a_rank_one_weight_is_finite():
+@pytest.mark.parametrize("solve", proj.SOLVES)
+def test_activation_aware_blast_of_a_zero_block_or_a_rank_one_weight_is_finite(solve, monkeypatch):
     """The output-error refinement's solves had met singular Gram matrices: a zero block row (a pruned head) gave
     NaN factors (compress refused them as a memfit defect), a rank-1 weight torch's singular-matrix error for 5 of
-    20 seeds. A sweep whose result is not finite or fits worse is dropped now, per matrix."""
+    20 seeds. A sweep whose result is not finite or fits worse is dropped now, per matrix. By either solve."""
+    _solving_by(monkeypatch, solve)
     X = torch.randn(256, 64, generator=seeded(0))
     cov = X.T @ X
     pruned = torch.randn(64, 64, generator=seeded(1))
@@ -333,9 +362,10 @@ def test_the_calibration_forward_computes_no_logits_and_keeps_no_cache():
 
 def test_the_calibration_forward_takes_one_decoder_layer_at_a_time_to_the_device(monkeypatch):
     """The embedding, final norm and rotary tables go to the forward's device for the whole forward; each decoder
-    layer just before its forward and back just after, batch after batch, so the device never holds two; the
-    covariances are those of a forward where the model stays put. (``cpu:0`` stands
-    for the device: a distinct name for the CPU, so that the moves there and back can be told apart.)"""
+    layer just before its forward and home just after, batch after batch, so the device never holds two; coming home
+    puts back the host tensors, so nothing is copied back; the covariances are those of a forward where the model
+    stays put. (``cpu:0`` stands for the device: a distinct name for the CPU, and the spy on ``Module.to`` copies a
+    module's tensors there as a device would, so that where a tensor is can be told by its storage.)"""
     from memfit.compress.convert import decoder_linears, input_covariances
 
     model = build_model(PRESETS["tiny"])
@@ -343,21 +373,33 @@ def test_the_calibration_forward_takes_one_decoder_layer_at_a_time_to_the_device
     names = list(decoder_linears(model))
     staying = input_covariances(model, names, [ids[:1], ids[1:]], "cpu")
     decoder = model.get_decoder()
-    layers, moves, to = list(decoder.layers), [], torch.nn.Module.to
-    resident = {"embed_tokens": decoder.embed_tokens, "norm": decoder.norm, "rotary_emb": decoder.rotary_emb}
+    modules = {**{name: getattr(decoder, name) for name in ("embed_tokens", "norm", "rotary_emb")},
+               **dict(enumerate(decoder.layers))}
+    host = {id(t): t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    arrivals, away_during, to = [], [], torch.nn.Module.to
+
+    def away(module):
+        return any(t.data_ptr() != host.get(id(t)) for t in [*module.parameters(), *module.buffers()])
 
     def spy(module, *args, **kwargs):
-        if any(module is layer for layer in layers):
-            moves.append((next(i for i, layer in enumerate(layers) if layer is module), str(args[0])))
-        elif name := next((name for name, child in resident.items() if child is module), None):
-            moves.append((name, str(args[0])))
-        return to(module, *args, **kwargs)
+        moved = to(module, *args, **kwargs)
+        if str(args[0]) == "cpu:0":
+            arrivals.append(next(key for key, known in modules.items() if known is module))
+            for m in module.modules():
+                for p in (p for p in m._parameters.values() if p is not None):
+                    p.data = p.data.clone()
+                m._buffers.update({k: b.clone() for k, b in m._buffers.items() if b is not None})
+        return moved
 
+    for i, layer in enumerate(decoder.layers):
+        layer.mlp.register_forward_pre_hook(lambda m, a, i=i: away_during.append(
+            (i, [key for key, module in modules.items() if away(module)])))
     monkeypatch.setattr(torch.nn.Module, "to", spy)
     visiting = input_covariances(model, names, [ids[:1], ids[1:]], torch.device("cpu", 0))
-    trip = [(i, where) for i in range(len(layers)) for where in ("cpu:0", "cpu")]
-    there, home = [(name, "cpu:0") for name in resident], [(name, "cpu") for name in resident]
-    assert moves == there + trip * 2 + home + [(i, "cpu") for i in range(len(layers))]   # two batches, then all home
+    layers = range(len(decoder.layers))
+    assert arrivals == ["embed_tokens", "norm", "rotary_emb", *layers, *layers]          # two batches
+    assert away_during == [(i, ["embed_tokens", "norm", "rotary_emb", i]) for i in layers] * 2
+    assert not any(away(module) for module in modules.values())                         # all home, not copied back
     assert all(torch.equal(visiting[name], staying[name]) for name in names)
 
 

@@ -87,9 +87,10 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
     and the rotary tables move there for the whole forward, each decoder layer and its covariances so far just
     before its forward and back just after. So the device holds one layer's weights and covariances (at Llama-3-8B's
     down projection the covariance alone is 14336^2 float32 values a layer), not the model's: a model larger than the GPU is
-    calibrated on it. The price: every batch takes every layer and its covariances to the device and back, and the
-    covariances live in host memory between layers (each layer's, ``in^2`` floats per input it gathers). Where the
-    model is on ``device`` already, nothing moves.
+    calibrated on it. The price: every batch copies every layer's weights to the device (their host copies stay, so
+    nothing copies them back) and its covariances there and back, and the covariances live in host memory between
+    layers (each layer's, ``in^2`` floats per input it gathers). Where the model is on ``device`` already, nothing
+    moves.
     """
     modules = dict(model.named_modules())
     source = {}
@@ -110,26 +111,29 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
     reps = set(source.values())
     visiting = {layer: [rep for rep in reps if modules[rep] in within] for layer in decoder.layers
                 for within in [set(layer.modules())]}
+    away: dict[nn.Module, list] = {}                   # each layer on the device: its tensors at home
 
-    def move(layer, to):                               # a decoder layer and the covariances of its inputs so far
-        layer.to(to)
-        sums.update({rep: sums[rep].to(to) for rep in visiting[layer] if rep in sums})
+    def arrive(layer, args):                           # a decoder layer and the covariances of its inputs so far
+        away[layer] = _visit(layer, device)
+        sums.update({rep: sums[rep].to(device) for rep in visiting[layer] if rep in sums})
+
+    def leave(layer, args, out):
+        _come_home(away.pop(layer))
+        sums.update({rep: sums[rep].to(home) for rep in visiting[layer] if rep in sums})
 
     handles = [modules[rep].register_forward_pre_hook(hook(rep)) for rep in reps]
-    handles += [layer.register_forward_pre_hook(lambda layer, args: move(layer, device)) for layer in visiting]
-    handles += [layer.register_forward_hook(lambda layer, args, out: move(layer, home)) for layer in visiting]
-    resident = [child for child in decoder.children() if child is not decoder.layers]
+    handles += [layer.register_forward_pre_hook(arrive) for layer in visiting]
+    handles += [layer.register_forward_hook(leave) for layer in visiting]
+    resident = {child: _visit(child, device) for child in decoder.children() if child is not decoder.layers}
     try:
-        for child in resident:
-            child.to(device)
         for ids in batches:
             decoder(input_ids=ids.to(device), use_cache=False)
             tokens += ids.numel()
     finally:
         for handle in handles:
             handle.remove()
-        for child in [*resident, *visiting]:           # the post-hooks brought the layers home; this, one an error stopped
-            child.to(home)
+        for tensors in [*resident.values(), *away.values()]:   # the post-hooks brought the layers home; this, one an
+            _come_home(tensors)                                # error stopped
     sums = {rep: cov.to(home) for rep, cov in sums.items()}
     if not sums:
         raise MemfitError("the calibration data produced no tokens")
@@ -142,6 +146,25 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
                   "input covariance is rank-deficient, and the output errors, measured on the same tokens, read "
                   "low; give more (--calib-samples, --calib-seq)")
     return {name: sums[rep] for name, rep in source.items()}
+
+
+def _visit(module: nn.Module, device) -> list:
+    """Take ``module`` to ``device`` and return its tensors at home, for :func:`_come_home`: a forward leaves the weights
+    as they were, so they need not be copied back (at Llama-3.2-1B, copying every layer back into fresh host memory
+    after each calibration batch had taken most of the calibration's time on an H100)."""
+    tensors = [(m, kind, name, t.data if kind == "_parameters" else t) for m in module.modules()
+               for kind in ("_parameters", "_buffers") for name, t in getattr(m, kind).items() if t is not None]
+    module.to(device)
+    return tensors
+
+
+def _come_home(tensors: list) -> None:
+    """Put back the tensors :func:`_visit` returned, dropping their device copies."""
+    for m, kind, name, t in tensors:
+        if kind == "_parameters":
+            m._parameters[name].data = t
+        else:
+            m._buffers[name] = t
 
 
 def _chunk_size(method: str, kp: KindPlan, blocks: int, activation_aware: bool = False) -> int:

@@ -321,18 +321,36 @@ def _top_eigvecs(gram: torch.Tensor, k: int, generator: torch.Generator | None) 
     return top
 
 
-def _damped_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor) -> torch.Tensor:
-    """``(gram + ridge I)^{-1} rhs`` for a batch of square ``gram`` and a finite ``ridge`` shaped to broadcast over its
-    diagonals, never raising (a singular system gives non-finite entries, which a caller compares away). The ridge is
-    added on the diagonal in place and taken off again: ``gram`` comes back bit for bit, and the result has the bits
-    a damped copy gives, with no copy of the batch (each BLAST descent step had copied its b^2 (r x r) Gram matrices).
-    So ``gram`` must be a tensor of the caller's own, outside autograd (the projections run under no_grad). LU, not
-    Cholesky: torch's batched Cholesky on the CPU was the slower at the S step's shapes."""
+SOLVES = ("lu", "cholesky")
+SOLVE_BY_DEVICE = {"cpu": "lu", "cuda": "lu"}   # benchmarks/probes/damped_solve_time.py times both
+
+
+def _damped_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor, solve: str | None = None) -> torch.Tensor:
+    """``(gram + ridge I)^{-1} rhs`` for a batch of symmetric positive semi-definite ``gram`` and a finite ``ridge``
+    shaped to broadcast over its diagonals, never raising (a singular system gives non-finite entries, which a caller
+    compares away). The ridge is added on the diagonal in place and taken off again: ``gram`` comes back bit for bit,
+    with no copy of the batch (each BLAST descent step had copied its b^2 (r x r) Gram matrices). So ``gram`` must be
+    a tensor of the caller's own, outside autograd (the projections run under no_grad).
+
+    ``solve`` (default: ``SOLVE_BY_DEVICE`` for ``gram``'s device) is ``"lu"`` or ``"cholesky"``: on the CPU, torch's
+    batched Cholesky was the slower at the S step's shapes; on CUDA see damped_solve_time.py. A damped Gram
+    matrix that rounding leaves indefinite does not factor: those systems, and only those, are solved by LU, as
+    before, so Cholesky changes the result's rounding, not which systems are solved."""
+    solve = solve or SOLVE_BY_DEVICE.get(gram.device.type, "lu")
+    if solve not in SOLVES:
+        raise ValueError(f"solve must be one of {SOLVES}, got {solve!r}")
     diagonal = gram.diagonal(dim1=-2, dim2=-1)
     saved = diagonal.clone()
     diagonal.add_(ridge)
     try:
-        return torch.linalg.solve_ex(gram, rhs)[0]
+        if solve == "lu":
+            return torch.linalg.solve_ex(gram, rhs)[0]
+        factor, info = torch.linalg.cholesky_ex(gram)
+        result = torch.cholesky_solve(rhs, factor)
+        failed = info != 0
+        if bool(failed.any()):
+            result = torch.where(failed[..., None, None], torch.linalg.solve_ex(gram, rhs)[0], result)
+        return result
     finally:
         diagonal.copy_(saved)
 
