@@ -1,4 +1,4 @@
-"""Probe: where the time of Monarch's activation-aware projection goes. On the H200 (``blr_accuracy.json``, f2dc988)
+"""Probe: where the time of Monarch's activation-aware projection goes. On the H200 (``earlier/blr_accuracy_f2dc988.json``)
 it took 90.4 s for the small model's layers, against 4.3 s for the weight-space projection and 28-30 s for the same
 shapes on a 2-core CPU (``results/cpu/``): its refinement takes a batched truncated SVD of every block column's
 sub-blocks in every sweep (``_whitened_svd``), and torch's SVD of a batch of small matrices on CUDA runs matrix by
