@@ -8,8 +8,10 @@ and after the dense model stayed on the CPU while it compresses (002fe9b), for e
     OUT=/some/dir python /tmp/before/benchmarks/probes/compress_memory.py
 
 BLAST runs 20 descent steps (the default is 300): the memory is the same per step, and the time is not the point.
-Cases may be named to run only those, in that order (``lowrank``, ``lowrank-aware``, ``blast``); the file is
-rewritten after each case, so a run stopped by a time limit keeps the cases it finished.
+Cases may be named to run only those, in that order (``lowrank``, ``lowrank-aware``, ``blast``), and the file is
+then named by them too (``compress_memory_<commit>_<cases>.json``), so that runs of single cases in separate processes
+keep a file each (d98126e's two processes wrote one name, the second over the first); the file is rewritten after
+each case, so a run stopped by a time limit keeps the cases it finished.
 """
 import json
 import os
@@ -58,7 +60,8 @@ def main() -> None:
         row["peak_over_model"] = row["peak_bytes"] / dense
         print(json.dumps(row), flush=True)
         record["rows"].append(row)
-        (OUT / f"compress_memory_{commit}.json").write_text(json.dumps(record, indent=1))
+        (OUT / f"compress_memory_{commit}{''.join(f'_{name}' for name in sys.argv[1:])}.json").write_text(
+            json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
