@@ -85,7 +85,10 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # (6 passed; logs gpu_tests_*_f2dc988.log).
 # At af4fc90, on an H100: prefill_chunks 41 s of wall time, monarch_refine_time 19 s, compress_memory's lowrank-aware
 # case alone 134 s (126.6 s in its file); the generate chunked-prefill tests under MEMFIT_TEST_DEVICE=cuda did not all
-# finish in 110 s (their Generators compile on CUDA: logs gpu_tests_*_af4fc90.log).
+# finish in 110 s (their Generators compile on CUDA: logs gpu_tests_*_af4fc90.log). At d98126e, on an H100,
+# gpu_tests_rest took 307.5 s (954 passed, 64 skipped, 6 failed: two truncated_svd tests drew with a CPU generator,
+# fixed in 17a9f8e; log gpu_tests_rest_d98126e.log), train_small_model and blr_accuracy 275 s of wall time together,
+# compress_memory's lowrank-aware and blast cases under cProfile 167 and 225 s (one process each).
 RUNS=(
   "blr_layers|590|python3 benchmarks/blr_layers.py --out $OUT"
   "blr_layers_resume|590|python3 benchmarks/blr_layers.py --out $OUT --resume"
