@@ -189,20 +189,23 @@ def _solving_by(monkeypatch, solve: str) -> None:
     monkeypatch.setattr(proj, "SOLVE_BY_DEVICE", {"cpu": solve, "cuda": solve})
 
 
-def test_damped_solves_by_cholesky_match_lu_and_take_lu_where_a_system_does_not_factor():
-    """Cholesky (CUDA's default) solves as LU does, to rounding, and leaves the Gram matrices as they were; a system
-    that does not factor (a damped Gram matrix rounding left indefinite, here plainly indefinite) is solved by LU,
-    that one alone, so the answer is LU's there, not a failed factor's."""
+def test_damped_solves_by_cholesky_match_lu_and_take_lu_where_a_system_does_not_factor(monkeypatch):
+    """Cholesky (CUDA's default for BLAST's descent) solves as LU does, to rounding, over a right-hand side batch that
+    broadcasts over the Gram matrices', and leaves them as they were; a system that does not factor (a damped Gram
+    matrix rounding left indefinite, here plainly indefinite) is solved by LU, so the answer is LU's there, not a
+    failed factor's."""
     X = torch.randn(5, 12, 9, generator=seeded(0), dtype=torch.float64)
     gram = X.transpose(-1, -2) @ X
     gram[3] = torch.diag(torch.linspace(-1, 1, 9, dtype=torch.float64))      # indefinite, singular-free after damping
-    rhs = torch.randn(5, 9, 4, generator=seeded(1), dtype=torch.float64)
+    rhs = torch.randn(2, 5, 9, 4, generator=seeded(1), dtype=torch.float64)    # broadcast over gram's batch
     ridge = torch.full((5, 1), 1e-3, dtype=torch.float64)
-    before = gram.clone()
+    before, factored, cholesky_ex = gram.clone(), [], torch.linalg.cholesky_ex
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda a: factored.append(a.shape) or cholesky_ex(a))
     lu = proj._damped_solve(gram, rhs, ridge, "lu")
+    assert not factored
     cholesky = proj._damped_solve(gram, rhs, ridge, "cholesky")
-    assert torch.equal(gram, before)
-    assert torch.equal(cholesky[3], lu[3])
+    assert factored == [gram.shape] and torch.equal(gram, before)
+    assert torch.equal(cholesky[:, 3], lu[:, 3])                               # by LU
     torch.testing.assert_close(cholesky, lu, rtol=1e-9, atol=1e-9)
     with pytest.raises(ValueError, match="solve must be one of"):
         proj._damped_solve(gram, rhs, ridge, "qr")
@@ -212,7 +215,7 @@ def test_damped_solves_by_cholesky_match_lu_and_take_lu_where_a_system_does_not_
 def test_blast_of_rank_deficient_and_all_zero_weights_is_finite_and_exact(solve, monkeypatch):
     """A weight exactly of lower rank than asked had run the descent away to non-finite factors once its fit was exact
     (saved, exit 0, and the model generated nothing); an all-zero weight made a solve raise (a usage audit). By
-    either solve: the all-zero weight's Gram matrices do not factor by Cholesky."""
+    either solve."""
     _solving_by(monkeypatch, solve)
     model = build_model(PRESETS["tiny"])
     attention = model.model.layers[0].self_attn
@@ -360,26 +363,20 @@ def test_the_calibration_forward_computes_no_logits_and_keeps_no_cache():
         torch.testing.assert_close(covs[name], x.T @ x)
 
 
-def test_the_calibration_forward_takes_one_decoder_layer_at_a_time_to_the_device(monkeypatch):
-    """The embedding, final norm and rotary tables go to the forward's device for the whole forward; each decoder
-    layer just before its forward and home just after, batch after batch, so the device never holds two; coming home
-    puts back the host tensors, so nothing is copied back; the covariances are those of a forward where the model
-    stays put. (``cpu:0`` stands for the device: a distinct name for the CPU, and the spy on ``Module.to`` copies a
-    module's tensors there as a device would, so that where a tensor is can be told by its storage.)"""
-    from memfit.compress.convert import decoder_linears, input_covariances
-
-    model = build_model(PRESETS["tiny"])
-    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
-    names = list(decoder_linears(model))
-    staying = input_covariances(model, names, [ids[:1], ids[1:]], "cpu")
+def _copying_moves(monkeypatch, model, fail=None):
+    """``Module.to`` spied: a move to ``cpu:0`` (a distinct name for the CPU, standing for the device) copies the
+    module's tensors, gradients too, as a move to a GPU would, so that where a tensor is can be told by its storage;
+    moving ``fail`` copies its first parameter and then raises, as a move that runs out of device memory part way.
+    Returns the decoder's modules by name (its layers by index), the names moved there in order, and a test of
+    whether a module holds any tensor that is not its own from home."""
     decoder = model.get_decoder()
     modules = {**{name: getattr(decoder, name) for name in ("embed_tokens", "norm", "rotary_emb")},
                **dict(enumerate(decoder.layers))}
-    host = {id(t): t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    arrivals, away_during, to = [], [], torch.nn.Module.to
 
-    def away(module):
-        return any(t.data_ptr() != host.get(id(t)) for t in [*module.parameters(), *module.buffers()])
+    def tensors(module):
+        return [*module.parameters(), *module.buffers(), *(p.grad for p in module.parameters() if p.grad is not None)]
+
+    host, arrivals, to = {id(t): t.data_ptr() for t in tensors(model)}, [], torch.nn.Module.to
 
     def spy(module, *args, **kwargs):
         moved = to(module, *args, **kwargs)
@@ -388,19 +385,63 @@ def test_the_calibration_forward_takes_one_decoder_layer_at_a_time_to_the_device
             for m in module.modules():
                 for p in (p for p in m._parameters.values() if p is not None):
                     p.data = p.data.clone()
+                    if p.grad is not None:                 # as Module._apply moves a gradient: its .data, in place
+                        p.grad.data = p.grad.data.clone()
+                    if module is fail:
+                        raise RuntimeError("out of memory (a stand-in)")
                 m._buffers.update({k: b.clone() for k, b in m._buffers.items() if b is not None})
         return moved
 
-    for i, layer in enumerate(decoder.layers):
+    monkeypatch.setattr(torch.nn.Module, "to", spy)
+    return modules, arrivals, lambda module: any(t.data_ptr() != host.get(id(t)) for t in tensors(module))
+
+
+def _with_gradients(model):
+    """``model`` with a gradient on every parameter, as one fine-tuned before and compressed with its gradients kept."""
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    return model
+
+
+def test_the_calibration_forward_takes_one_decoder_layer_at_a_time_to_the_device(monkeypatch):
+    """The embedding, final norm and rotary tables go to the forward's device for the whole forward; each decoder
+    layer just before its forward and home just after, batch after batch, so the device never holds two; coming home
+    puts back the host tensors and gradients, so nothing is copied back; the covariances are those of a forward where
+    the model stays put."""
+    from memfit.compress.convert import decoder_linears, input_covariances
+
+    model = _with_gradients(build_model(PRESETS["tiny"]))
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    names = list(decoder_linears(model))
+    staying = input_covariances(model, names, [ids[:1], ids[1:]], "cpu")
+    modules, arrivals, away = _copying_moves(monkeypatch, model)
+    away_during = []
+    for i, layer in enumerate(model.get_decoder().layers):
         layer.mlp.register_forward_pre_hook(lambda m, a, i=i: away_during.append(
             (i, [key for key, module in modules.items() if away(module)])))
-    monkeypatch.setattr(torch.nn.Module, "to", spy)
     visiting = input_covariances(model, names, [ids[:1], ids[1:]], torch.device("cpu", 0))
-    layers = range(len(decoder.layers))
+    layers = range(len(model.get_decoder().layers))
     assert arrivals == ["embed_tokens", "norm", "rotary_emb", *layers, *layers]          # two batches
     assert away_during == [(i, ["embed_tokens", "norm", "rotary_emb", i]) for i in layers] * 2
     assert not any(away(module) for module in modules.values())                         # all home, not copied back
     assert all(torch.equal(visiting[name], staying[name]) for name in names)
+
+
+@pytest.mark.parametrize("failing", ["norm", 1])
+def test_a_calibration_forward_an_error_stops_leaves_the_model_home_with_no_hook(monkeypatch, failing):
+    """A move that fails part way, as one out of device memory would (the final norm's, before any batch; decoder
+    layer 1's, in the first batch): the error goes on, every tensor and gradient is home, and no hook is left on the
+    model (one left would gather covariances and move layers in every later forward)."""
+    from memfit.compress.convert import decoder_linears, input_covariances
+
+    model = _with_gradients(build_model(PRESETS["tiny"]))
+    decoder = model.get_decoder()
+    modules, _, away = _copying_moves(monkeypatch, model, fail=decoder.norm if failing == "norm" else decoder.layers[1])
+    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        input_covariances(model, list(decoder_linears(model)), [ids], torch.device("cpu", 0))
+    assert not any(away(module) for module in modules.values())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's memory while models of two depths compress")

@@ -41,6 +41,7 @@ def main() -> None:
     environment_now = environment()
     commit = environment_now["commit"]
     names = sys.argv[1:] or list(CASES)
+    path = OUT / f"compress_memory_{commit}{''.join('_' + name for name in names) if sys.argv[1:] else ''}.json"
     unknown = sorted(set(names) - set(CASES))
     if unknown:
         sys.exit(f"unknown case(s) {unknown}: choose from {list(CASES)}")
@@ -60,8 +61,7 @@ def main() -> None:
         row["peak_over_model"] = row["peak_bytes"] / dense
         print(json.dumps(row), flush=True)
         record["rows"].append(row)
-        (OUT / f"compress_memory_{commit}{''.join(f'_{name}' for name in sys.argv[1:])}.json").write_text(
-            json.dumps(record, indent=1))
+        path.write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

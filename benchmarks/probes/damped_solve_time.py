@@ -78,6 +78,7 @@ def main() -> None:
             record["solves"].append(row)
     kp = kinds["q_proj"]
     weight = torch.randn(kp.out_features, kp.in_features, generator=gen, device=device).bfloat16()
+    chosen = proj.SOLVE_BY_DEVICE.get(device.type)
     for solve in proj.SOLVES:
         proj.SOLVE_BY_DEVICE[device.type] = solve
         seconds, (U, V, S) = timed(lambda: proj.blast_factorize(weight, kp.rank, BLOCKS, steps=DESCENT_STEPS), device)
@@ -85,6 +86,7 @@ def main() -> None:
         row = {"kind": "q_proj", "solve": solve, "steps": DESCENT_STEPS, "seconds": seconds, "relative_error": error}
         print(json.dumps(row), flush=True)
         record["descent"].append(row)
+    proj.SOLVE_BY_DEVICE[device.type] = chosen
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"damped_solve_time_{record['commit']}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")

@@ -124,8 +124,11 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
     handles = [modules[rep].register_forward_pre_hook(hook(rep)) for rep in reps]
     handles += [layer.register_forward_pre_hook(arrive) for layer in visiting]
     handles += [layer.register_forward_hook(leave) for layer in visiting]
-    resident = {child: _visit(child, device) for child in decoder.children() if child is not decoder.layers}
+    resident = {}
     try:
+        for child in decoder.children():
+            if child is not decoder.layers:
+                resident[child] = _visit(child, device)
         for ids in batches:
             decoder(input_ids=ids.to(device), use_cache=False)
             tokens += ids.numel()
@@ -149,20 +152,31 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
 
 
 def _visit(module: nn.Module, device) -> list:
-    """Take ``module`` to ``device`` and return its tensors at home, for :func:`_come_home`: a forward leaves the weights
-    as they were, so they need not be copied back (at Llama-3.2-1B, copying every layer back into fresh host memory
-    after each calibration batch had taken most of the calibration's time on an H100)."""
-    tensors = [(m, kind, name, t.data if kind == "_parameters" else t) for m in module.modules()
-               for kind in ("_parameters", "_buffers") for name, t in getattr(m, kind).items() if t is not None]
-    module.to(device)
-    return tensors
+    """Take ``module`` to ``device`` and return what it held at home, for :func:`_come_home`: a forward leaves the
+    weights as they were, so they need not be copied back (at Llama-3.2-1B, copying every layer back into fresh host
+    memory after each calibration batch had taken most of the calibration's time on an H100). A move that fails part
+    way is undone before the error goes on."""
+    home = [(m, name, t, t.data, t.grad, None if t.grad is None else t.grad.data) for m in module.modules()
+            for name, t in m._parameters.items() if t is not None]     # a move sets a gradient's .data in place
+    home += [(m, name, t, None, None, None) for m in module.modules() for name, t in m._buffers.items() if t is not None]
+    try:
+        module.to(device)
+    except BaseException:
+        _come_home(home)
+        raise
+    return home
 
 
-def _come_home(tensors: list) -> None:
-    """Put back the tensors :func:`_visit` returned, dropping their device copies."""
-    for m, kind, name, t in tensors:
-        if kind == "_parameters":
-            m._parameters[name].data = t
+def _come_home(home: list) -> None:
+    """Put back what :func:`_visit` returned (each parameter with its data and gradient, each buffer), dropping the
+    device copies."""
+    for m, name, t, data, grad, grad_data in home:
+        if isinstance(t, nn.Parameter):
+            m._parameters[name] = t
+            t.data = data
+            if grad is not None:
+                grad.data = grad_data
+            t.grad = grad
         else:
             m._buffers[name] = t
 

@@ -337,7 +337,8 @@ def _damped_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor, so
     Llama-3.2-1B shape's U and S steps, and 10 descent steps of its q projection 0.194 against 0.319 s, to the same
     error (``results/probes/damped_solve_time_17f23bd.json``). A damped Gram matrix that rounding leaves indefinite
     does not factor: those systems, and only those, are solved by LU, as before, so Cholesky changes the result's
-    rounding, not which systems are solved."""
+    rounding, not which systems are solved. ``SOLVE_BY_DEVICE`` is for BLAST's descent; its output-error refinement,
+    whose ridge is far smaller, passes ``"lu"``."""
     solve = solve or SOLVE_BY_DEVICE.get(gram.device.type, "lu")
     if solve not in SOLVES:
         raise ValueError(f"solve must be one of {SOLVES}, got {solve!r}")
@@ -349,9 +350,11 @@ def _damped_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor, so
             return torch.linalg.solve_ex(gram, rhs)[0]
         factor, info = torch.linalg.cholesky_ex(gram)
         result = torch.cholesky_solve(rhs, factor)
-        failed = info != 0
-        if bool(failed.any()):
-            result = torch.where(failed[..., None, None], torch.linalg.solve_ex(gram, rhs)[0], result)
+        if bool((failed := info != 0).any()):                 # one host sync a call
+            batch = result.shape[:-2]
+            failed = failed.expand(batch)
+            result[failed] = torch.linalg.solve_ex(gram.expand(*batch, *gram.shape[-2:])[failed],
+                                                   rhs.expand(*batch, *rhs.shape[-2:])[failed])[0]
         return result
     finally:
         diagonal.copy_(saved)
@@ -600,8 +603,11 @@ def blast_refine_output_error(A: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
     a_norm2 = (A * AC).sum((-2, -1))
     C_jj = C.unflatten(-2, (b, q)).unflatten(-1, (b, q)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)  # (..., j, q, q)
 
-    def damped_solve(gram, rhs):                       # a relative ridge, floored: a zero Gram matrix solves to 0
-        return _damped_solve(gram, rhs, (1e-9 * gram.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True)).clamp_min(1e-12))
+    def damped_solve(gram, rhs):                       # a relative ridge, floored: a zero Gram matrix solves to 0.
+        # By LU on every device: a ridge of 1e-9 is below float32's precision, where Cholesky would fail (and fall back
+        # to LU) often; damped_solve_time.py measured the descent's solves only
+        return _damped_solve(gram, rhs, (1e-9 * gram.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True)).clamp_min(1e-12),
+                             "lu")
 
     def solve(matrix, rhs):                            # non-raising: a singular solve's result is dropped below
         return torch.linalg.solve_ex(matrix, rhs)[0]
