@@ -337,6 +337,20 @@ def test_activation_aware_conversion_reports_output_errors():
     assert all(r["output_error"] is not None and r["activation_aware"] for r in result.report)
 
 
+@pytest.mark.parametrize("sized", [True, False])
+def test_progress_names_each_calibration_batch_before_the_projections(sized):
+    """The calibration forward can take minutes on a CPU: ``progress`` says which batch runs (of how many, where the
+    calibration has a length), before the projections count their matrices."""
+    model = build_model(PRESETS["tiny"])
+    batches = [torch.randint(0, 512, (1, 16), generator=seeded(seed)) for seed in range(2)]
+    calls = []
+    result = compress_model(model, "lowrank", skip=(), device="cpu", activation_aware=True,
+                            calibration=batches if sized else iter(batches), progress=lambda *c: calls.append(c))
+    total = " of 2" if sized else ""
+    assert calls[:2] == [(f"calibration forward, batch {n}{total}", 0) for n in (1, 2)]
+    assert all(n > 0 for _, n in calls[2:]) and sum(n for _, n in calls[2:]) == len(result.report)
+
+
 def test_the_calibration_forward_computes_no_logits_and_keeps_no_cache():
     """The covariances need the decoder layers' inputs only: the calibration forward runs the decoder alone (the
     logits had been batch x tokens x vocabulary values) with no KV cache, and

@@ -78,10 +78,12 @@ def model_shapes(linears: dict[str, nn.Linear]) -> dict[str, tuple[int, int]]:
 
 
 @torch.no_grad()
-def input_covariances(model: nn.Module, names: list[str], batches, device) -> dict[str, torch.Tensor]:
+def input_covariances(model: nn.Module, names: list[str], batches, device,
+                      on_batch: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
     """``X^T X`` (float32, summed over tokens) of the input of each module in ``names``, on the model's own device.
 
-    ``batches`` yields ``input_ids`` tensors. Modules sharing an input (q/k/v, gate/up) get the same tensor, gathered
+    ``batches`` yields ``input_ids`` tensors; ``on_batch(number, total)`` is called as each batch's forward starts
+    (``total`` None where ``batches`` has no length). Modules sharing an input (q/k/v, gate/up) get the same tensor, gathered
     once. The forward runs through the decoder alone (no logits: batch x tokens x vocabulary values, at Llama-3's
     vocabulary of 128256), with no KV cache, on ``device`` one decoder layer at a time: the embedding, the final norm
     and the rotary tables move there for the whole forward, each decoder layer and its covariances so far just
@@ -129,7 +131,9 @@ def input_covariances(model: nn.Module, names: list[str], batches, device) -> di
         for child in decoder.children():
             if child is not decoder.layers:
                 resident[child] = _visit(child, device)
-        for ids in batches:
+        for number, ids in enumerate(batches, 1):
+            if on_batch:
+                on_batch(number, len(batches) if hasattr(batches, "__len__") else None)
             decoder(input_ids=ids.to(device), use_cache=False)
             tokens += ids.numel()
     finally:
@@ -278,8 +282,9 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
     rank) overrides ``ratio``. ``steps``: BLAST descent steps. ``device``: where the
     projections run (default: CUDA when available); the model, on one device, stays there (each group of weights,
     and for the calibration forward each decoder layer, visits ``device``). ``progress(kind, n_done)`` is called
-    as matrices finish. ``kept``: the layers an interrupted run projected with the same settings are taken from it,
-    and each group projected now goes to it (:mod:`memfit.compress.resume`). A MemfitError raised once projections
+    as matrices finish, and with ``n_done`` 0 as each calibration batch's forward starts (``kind`` then says which).
+    ``kept``: the layers an interrupted run projected with the same settings are taken from it, and each group
+    projected now goes to it (:mod:`memfit.compress.resume`). A MemfitError raised once projections
     have begun (a defect's non-finite factors, a covariance no ridge makes positive definite) leaves the model
     partly compressed: load it again to retry.
     """
@@ -307,7 +312,9 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
 
     covs = {}
     if calibration is not None:
-        covs = input_covariances(model, chosen, calibration, work)
+        covs = input_covariances(model, chosen, calibration, work, on_batch=progress and (
+            lambda number, total: progress(f"calibration forward, batch {number}" + (f" of {total}" if total else ""),
+                                           0)))
     result = CompressionResult(model, method, blocks, plan, ratio=None if ranks else ratio, skip=skip)
     for kind in KINDS:
         names = [n for n in chosen if n.rsplit(".", 1)[-1] == kind]
