@@ -8,7 +8,7 @@ from memfit.models import PRESETS, build_model
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_a_preset_s_weights_are_drawn_once_by_the_model_s_own_init(monkeypatch, tied):
+def test_build_model_draws_each_weight_once_as_the_model_initialises_it(monkeypatch, tied):
     """Each linear and embedding is drawn by one ``normal_`` at the config's initializer range (a tied head's weight is
     the embedding's, drawn by each module, as the model's init does), the norms are ones, torch's own init (kaiming
     ``uniform_``) never runs, a tied head stays the embedding, and a seed gives the same model."""
@@ -29,7 +29,7 @@ def test_a_preset_s_weights_are_drawn_once_by_the_model_s_own_init(monkeypatch, 
     std = model.config.initializer_range
     spread = {name: float(p.detach().std()) for name, p in matrices.items()}
     assert all(abs(s / std - 1) < 0.1 for s in spread.values()), spread
-    assert all(bool((p == 1).all()) for name, p in model.named_parameters() if p.dim() == 1)
+    assert all(bool((p == 1).all()) for p in model.parameters() if p.dim() == 1)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     again = build_model(spec, dtype="float32")
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))

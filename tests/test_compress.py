@@ -340,15 +340,15 @@ def test_activation_aware_conversion_reports_output_errors():
 @pytest.mark.parametrize("sized", [True, False])
 def test_progress_names_each_calibration_batch_before_the_projections(sized):
     """The calibration forward can take minutes on a CPU: ``progress`` says which batch runs (of how many, where the
-    calibration has a length), before the projections count their matrices."""
+    calibration has a length), then that the projections run, before they count their matrices."""
     model = build_model(PRESETS["tiny"])
     batches = [torch.randint(0, 512, (1, 16), generator=seeded(seed)) for seed in range(2)]
     calls = []
     result = compress_model(model, "lowrank", skip=(), device="cpu", activation_aware=True,
                             calibration=batches if sized else iter(batches), progress=lambda *c: calls.append(c))
     total = " of 2" if sized else ""
-    assert calls[:2] == [(f"calibration forward, batch {n}{total}", 0) for n in (1, 2)]
-    assert all(n > 0 for _, n in calls[2:]) and sum(n for _, n in calls[2:]) == len(result.report)
+    assert calls[:3] == [(f"calibration forward, batch {n}{total}", 0) for n in (1, 2)] + [("projection", 0)]
+    assert all(n > 0 for _, n in calls[3:]) and sum(n for _, n in calls[3:]) == len(result.report)
 
 
 def test_the_calibration_forward_computes_no_logits_and_keeps_no_cache():

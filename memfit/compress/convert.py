@@ -79,7 +79,7 @@ def model_shapes(linears: dict[str, nn.Linear]) -> dict[str, tuple[int, int]]:
 
 @torch.no_grad()
 def input_covariances(model: nn.Module, names: list[str], batches, device,
-                      on_batch: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
+                      on_batch: Callable[[int, int | None], None] | None = None) -> dict[str, torch.Tensor]:
     """``X^T X`` (float32, summed over tokens) of the input of each module in ``names``, on the model's own device.
 
     ``batches`` yields ``input_ids`` tensors; ``on_batch(number, total)`` is called as each batch's forward starts
@@ -126,6 +126,10 @@ def input_covariances(model: nn.Module, names: list[str], batches, device,
     handles = [modules[rep].register_forward_pre_hook(hook(rep)) for rep in reps]
     handles += [layer.register_forward_pre_hook(arrive) for layer in visiting]
     handles += [layer.register_forward_hook(leave) for layer in visiting]
+    try:
+        total = len(batches)
+    except TypeError:                                  # a generator; a DataLoader over an iterable dataset
+        total = None
     resident = {}
     try:
         for child in decoder.children():
@@ -133,7 +137,7 @@ def input_covariances(model: nn.Module, names: list[str], batches, device,
                 resident[child] = _visit(child, device)
         for number, ids in enumerate(batches, 1):
             if on_batch:
-                on_batch(number, len(batches) if hasattr(batches, "__len__") else None)
+                on_batch(number, total)
             decoder(input_ids=ids.to(device), use_cache=False)
             tokens += ids.numel()
     finally:
@@ -282,7 +286,8 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
     rank) overrides ``ratio``. ``steps``: BLAST descent steps. ``device``: where the
     projections run (default: CUDA when available); the model, on one device, stays there (each group of weights,
     and for the calibration forward each decoder layer, visits ``device``). ``progress(kind, n_done)`` is called
-    as matrices finish, and with ``n_done`` 0 as each calibration batch's forward starts (``kind`` then says which).
+    as matrices finish; with ``n_done`` 0, ``kind`` is a phrase instead: which calibration batch's forward starts,
+    then ``"projection"`` once they are done.
     ``kept``: the layers an interrupted run projected with the same settings are taken from it, and each group
     projected now goes to it (:mod:`memfit.compress.resume`). A MemfitError raised once projections
     have begun (a defect's non-finite factors, a covariance no ridge makes positive definite) leaves the model
@@ -310,11 +315,14 @@ def compress_model(model: nn.Module, method: str = "blast", ratio: float | None 
             digests[id(cov)] = tensor_digest(cov)
         return digests[id(cov)]
 
+    def say_batch(number: int, total: int | None) -> None:
+        progress(f"calibration forward, batch {number}" + (f" of {total}" if total else ""), 0)
+
     covs = {}
     if calibration is not None:
-        covs = input_covariances(model, chosen, calibration, work, on_batch=progress and (
-            lambda number, total: progress(f"calibration forward, batch {number}" + (f" of {total}" if total else ""),
-                                           0)))
+        covs = input_covariances(model, chosen, calibration, work, on_batch=say_batch if progress else None)
+        if progress:
+            progress("projection", 0)
     result = CompressionResult(model, method, blocks, plan, ratio=None if ranks else ratio, skip=skip)
     for kind in KINDS:
         names = [n for n in chosen if n.rsplit(".", 1)[-1] == kind]
