@@ -87,8 +87,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # case alone 134 s (126.6 s in its file); the generate chunked-prefill tests under MEMFIT_TEST_DEVICE=cuda did not all
 # finish in 110 s (their Generators compile on CUDA: logs gpu_tests_*_af4fc90.log). At d98126e, on an H100,
 # gpu_tests_rest took 307.5 s (954 passed, 64 skipped, 6 failed: two truncated_svd tests drew with a CPU generator,
-# fixed in 17a9f8e; log gpu_tests_rest_d98126e.log), train_small_model and blr_accuracy 275 s of wall time together,
-# compress_memory's lowrank-aware and blast cases under cProfile 167 and 225 s (one process each). At c472047 the
+# fixed in 17a9f8e; log gpu_tests_rest_d98126e.log); compress_memory's lowrank-aware and blast cases under cProfile
+# 167 and 225 s (one process each; /usr/bin/time in logs compress_memory_*_d98126e.log). At c472047 the
 # compress tests of this session's changes under MEMFIT_TEST_DEVICE=cuda took 35.2 s (12 passed, the GPU compress
 # tests among them) and the truncated-SVD, fused-loss and half-precision head tests 57.6 s (12 passed; logs
 # gpu_tests_compress_c472047.log, gpu_tests_finetune_c472047.log).

@@ -15,22 +15,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from memfit.measure.results import environment  # noqa: E402
 from memfit.models import PRESETS, build_model, dtype_of  # noqa: E402
+from memfit.models.build import _default_dtype  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp"))
 
 
 def from_config(spec) -> torch.nn.Module:
-    """The preset as transformers builds it from its config, in the preset's dtype on the CPU."""
+    """The preset as transformers builds it from its config (as build_model did before 1b8b58b), in the preset's dtype
+    on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    config = spec.to_hf_config()
-    dtype = dtype_of(spec.dtype)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    finally:
-        torch.set_default_dtype(previous)
+    config, dtype = spec.to_hf_config(), dtype_of(spec.dtype)
+    config.dtype = str(dtype).removeprefix("torch.")
+    with _default_dtype(dtype):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 def best_seconds(build) -> float:

@@ -335,9 +335,9 @@ def _damped_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor, so
     ``solve`` (default: ``SOLVE_BY_DEVICE`` for ``gram``'s device) is ``"lu"`` or ``"cholesky"``: on the CPU, torch's
     batched Cholesky was the slower at the S step's shapes; on an H100 it took 0.35-0.63x LU's time at every
     Llama-3.2-1B shape's U and S steps, and 10 descent steps of its q projection 0.194 against 0.319 s, to the same
-    error (``results/probes/damped_solve_time_17f23bd.json``). A damped Gram matrix that rounding leaves indefinite
-    does not factor: those systems, and only those, are solved by LU, as before, so Cholesky changes the result's
-    rounding, not which systems are solved. ``SOLVE_BY_DEVICE`` is for BLAST's descent; its output-error refinement,
+    error (``benchmarks/results/probes/damped_solve_time_17f23bd.json``). A damped Gram matrix that rounding leaves
+    indefinite does not factor: those systems, and only those, are solved by LU, as before, so Cholesky changes the
+    result's rounding, not which systems are solved. ``SOLVE_BY_DEVICE`` is for BLAST's descent; its output-error refinement,
     whose ridge is far smaller, passes ``"lu"``."""
     solve = solve or SOLVE_BY_DEVICE.get(gram.device.type, "lu")
     if solve not in SOLVES:

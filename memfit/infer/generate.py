@@ -35,8 +35,9 @@ Prompts: prefill runs eagerly over the whole (left-padded) batch and, for partia
 models, selects the decode neurons (``memfit.infer.selection``). A long prompt (and ``score``'s teacher-forced rest)
 runs in chunks of queries, each attending over the cache up to its own end. Prompts with no padding attend with no
 mask: SDPA's lower-right causal attention (on CUDA flash attention, the G query heads a KV head reading its keys in
-place, or memory-efficient attention where there are no groups), in chunks whose activations stay under ``PREFILL_ACTIVATION_BYTES``. A left-padded batch attends under an
-additive mask of B x G x T x keys elements (G query heads a KV head), in chunks whose mask stays under
+place, or memory-efficient attention where there are no groups), in chunks whose activations stay under
+``PREFILL_ACTIVATION_BYTES``. A left-padded batch attends under an additive mask of B x G x T x keys elements (G
+query heads a KV head), in chunks whose mask stays under
 ``PREFILL_MASK_BYTES`` (the activations shrink with it); so does an unpadded one where SDPA has no mask-free causal
 kernel for the model's dtype and heads (said once). A prompt that fits in one chunk runs as one. Chunks equal the
 whole prompt's forward, and the two attentions each other, up to rounding (matmuls over fewer rows may sum in another
