@@ -43,8 +43,8 @@ def build_model(spec: ModelSpec | str | Path, dtype: str | torch.dtype | None = 
     :func:`~memfit.models.spec.load_spec` takes), created directly in ``dtype`` on ``device`` (auto, cpu, cuda or
     cuda:N: :func:`memfit.local.resolve_device`). The weights are drawn once, by the model's own ``init_weights``:
     built as ``from_config`` builds them, each linear's weights were drawn twice (torch's init, then the model's), and
-    Llama-3.2-1B took 20.1 s on a 2-core CPU against 11.7 s at 3ca33bc
-    (``benchmarks/results/probes/build_model_time_3ca33bc.json``)."""
+    Llama-3.2-1B took 19.7 s on a 2-core CPU against 11.2 s at 17c1f8c
+    (``benchmarks/results/probes/build_model_time_17c1f8c.json``)."""
     from transformers import AutoModelForCausalLM
 
     from memfit.local import resolve_device
