@@ -239,7 +239,8 @@ def test_a_one_token_chunk_is_prefilled_not_decoded(model_dir, monkeypatch):
 def test_a_prefill_in_chunks_never_holds_the_whole_prompts_mask(padded, monkeypatch):
     """On the CPU tracker: a padded batch's chunked prefill peaks below its whole prompt's by more than that prompt's
     G-fold additive mask alone (its scores shrink too); an unpadded batch's whole prompt, with no mask, peaks below
-    the masked one's by most of that mask, and in chunks lower still (its activations shrink)."""
+    the masked one's by most of that mask (0.8 of it: 0.85 since the loop frees a layer's attention locals before its
+    MLP runs, above 0.9 before), and in chunks lower still (its activations shrink)."""
     torch.manual_seed(0)
     model = build_model(SPEC.with_(num_layers=2)).float().eval()
     B, T = 2, 384
@@ -265,4 +266,4 @@ def test_a_prefill_in_chunks_never_holds_the_whole_prompts_mask(padded, monkeypa
     else:
         monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", 2**62)
         masked_whole, _ = peak(masked=True)
-        assert masked_whole - whole > 0.9 * B * G * T * T * 4 and chunked < whole
+        assert masked_whole - whole > 0.8 * B * G * T * T * 4 and chunked < whole

@@ -97,6 +97,36 @@ def _key_aligned(slots: int) -> int:
     return -(-slots // KEY_ALIGN) * KEY_ALIGN
 
 
+def cache_slots(max_len: int) -> int:
+    """The slots a Generator's KV cache holds for ``max_len`` positions: rounded up to KEY_ALIGN (the spare ones never
+    valid), so that every mask over it, a decode step's too, has rows SDPA's memory-efficient kernel takes as they
+    are."""
+    return _key_aligned(max_len)
+
+
+def query_row_bytes(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, itemsize: int) -> int:
+    """A query row's activations in a prefill chunk, all of a layer's counted as alive at once: the residual and its
+    norm, q/k/v, the attention's output and its projection, then gate and up, silu(gate) and the product. An upper
+    bound (what sizes a mask-free chunk); the ledger replays the chunk's ops for its prediction."""
+    return itemsize * (4 * hidden + 2 * (heads + kv_heads) * head_dim + 4 * intermediate)
+
+
+def prefill_chunk_queries(batch: int, keys: int, masked: bool, row_bytes: int, groups: int, itemsize: int) -> int:
+    """Queries a prefill chunk holds (at least one) over ``keys`` cache slots: ``masked``, as many as keep its mask,
+    with the two tensors it is built from, within ``PREFILL_MASK_BYTES``; else as many as keep its activations
+    (``row_bytes`` a query row, :func:`query_row_bytes`) within ``PREFILL_ACTIVATION_BYTES``. ``groups``: query heads
+    a KV head. Shared by :meth:`Generator.prefill_chunks` and the ledger's model of this loop."""
+    if masked:
+        return max(1, PREFILL_MASK_BYTES // max(1, mask_bytes_per_query(batch, keys, groups, itemsize)))
+    return max(1, PREFILL_ACTIVATION_BYTES // (batch * row_bytes))
+
+
+def mask_bytes_per_query(batch: int, keys: int, groups: int, itemsize: int) -> int:
+    """Bytes a masked chunk's mask takes a query, with the two tensors it is built from (``Generator._mask``: a bool
+    mask and its additive form, before the G-fold copy)."""
+    return batch * keys * (1 + (1 + groups) * itemsize)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -305,10 +335,8 @@ class Generator:
         self.device, self.dtype = embed.device, embed.dtype
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        # a query row's activations in a prefill chunk, all of a layer's counted as alive at once: the residual and
-        # its norm, q/k/v, the attention's output and its projection, then gate and up, silu(gate) and the product
-        self.token_bytes = self.dtype.itemsize * (4 * cfg.hidden_size + 2 * (self.heads + self.kv_heads) * self.head_dim
-                                                  + 4 * cfg.intermediate_size)
+        self.token_bytes = query_row_bytes(cfg.hidden_size, self.heads, self.kv_heads, self.head_dim,
+                                           cfg.intermediate_size, self.dtype.itemsize)
         layers = model.model.layers
         self.qkv = [fused_qkv(layer.self_attn) if fused else None for layer in layers]
         self.gate_up = [fused_gate_up(layer.mlp) if fused else None for layer in layers]
@@ -319,9 +347,7 @@ class Generator:
             warn_once("generate:unfused", f"{fusable} of {len(layers)} layers decode with separate q/k/v and gate/up "
                                           "matmuls: their weights are not in memfit's fused layout (load the model "
                                           "with memfit.infer.load_model)")
-        # the cache holds max_len slots rounded up to KEY_ALIGN (the spare ones never valid), so that every mask over
-        # it, a decode step's too, has rows SDPA's memory-efficient kernel takes as they are
-        self.cache_len = _key_aligned(max_len)
+        self.cache_len = cache_slots(max_len)
         shape = (batch, self.kv_heads, self.cache_len, self.head_dim)
         factory = {"device": self.device}
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, **factory) for _ in layers]
@@ -378,39 +404,47 @@ class Generator:
         default) a fullgraph call fails outright (FailOnRecompileLimitHit in a test process that had run many
         lengths)."""
         model, (B, T) = self.model, ids.shape
-        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
-        G = H // Hkv
         x = model.get_input_embeddings()(ids)
-        cos, sin = self._rope(positions)
+        rope = self._rope(positions)
         kernels = self.fast and decode
         # key j is visible to the query at slot s when it holds a token and j <= s; every query sees itself.
         # Additive and in the model dtype, built once per step: SDPA would convert a bool mask in every layer.
-        mask = None if kernels or causal else self._mask(slots, B, G, T, keys)
+        mask = None if kernels or causal else self._mask(slots, B, self.heads // self.kv_heads, T, keys)
         ops = self.ops if decode else _EAGER
         layers = model.model.layers
         h = ops["norm"](x, layers[0].input_layernorm.weight, layers[0].input_layernorm.variance_epsilon)
         for i, layer in enumerate(layers):
-            attn = layer.self_attn
-            if self.qkv[i] is not None:
-                qkv = self._matmul(h, *self.qkv[i]).view(B, T, H + 2 * Hkv, D)
-                q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
-            else:
-                q, k, v = (self._project(proj, h).view(B, T, -1, D) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-            if kernels:
-                o = decode_attention(q[:, 0], k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], self.k_cache[i], self.v_cache[i],
-                                     self.valid, slots, attn.scaling, self.attention_variant).view(B, 1, H * D)
-            else:
-                q = ops["rope_and_cache"](q, k, v, cos, sin, self.k_cache[i], self.v_cache[i], slots)
-                k_seen, v_seen = self.k_cache[i][:, :, :keys], self.v_cache[i][:, :, :keys]
-                o = (_causal_attention(q, k_seen, v_seen, attn.scaling) if causal
-                     else _masked_attention(q, k_seen, v_seen, mask, attn.scaling))
             post = layer.post_attention_layernorm
-            x, h = ops["add_norm"](x, self._project(attn.o_proj, o), post.weight, post.variance_epsilon)
+            x, h = ops["add_norm"](x, self._attend(i, h, rope, slots, keys, mask, kernels, causal, ops), post.weight,
+                                   post.variance_epsilon)
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             x, h = ops["add_norm"](x, self._mlp(i, layer.mlp, h, ops), following.weight, following.variance_epsilon)
         if logits is None:
             return None
         return self._project(model.get_output_embeddings(), h[:, -1:] if logits == "last" else h)
+
+    def _attend(self, i: int, h: torch.Tensor, rope, slots: torch.Tensor, keys: int, mask: torch.Tensor | None,
+                kernels: bool, causal: bool, ops: dict) -> torch.Tensor:
+        """Layer ``i``'s attention of ``h`` (B, T, hidden) through its o projection, K/V written into the cache. A
+        method of its own so that q, k, v and the attention's output are freed when it returns, before the MLP runs
+        (held as the loop's locals, they had been alive through it: 2 q_dim + 2 kv_dim elements a query)."""
+        (B, T), (H, Hkv, D) = h.shape[:2], (self.heads, self.kv_heads, self.head_dim)
+        cos, sin = rope
+        attn = self.model.model.layers[i].self_attn
+        if self.qkv[i] is not None:
+            qkv = self._matmul(h, *self.qkv[i]).view(B, T, H + 2 * Hkv, D)
+            q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
+        else:
+            q, k, v = (self._project(proj, h).view(B, T, -1, D) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        if kernels:
+            o = decode_attention(q[:, 0], k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], self.k_cache[i], self.v_cache[i],
+                                 self.valid, slots, attn.scaling, self.attention_variant).view(B, 1, H * D)
+        else:
+            q = ops["rope_and_cache"](q, k, v, cos, sin, self.k_cache[i], self.v_cache[i], slots)
+            k_seen, v_seen = self.k_cache[i][:, :, :keys], self.v_cache[i][:, :, :keys]
+            o = (_causal_attention(q, k_seen, v_seen, attn.scaling) if causal
+                 else _masked_attention(q, k_seen, v_seen, mask, attn.scaling))
+        return self._project(attn.o_proj, o)
 
     def _mask(self, slots: torch.Tensor, B: int, G: int, T: int, keys: int) -> torch.Tensor:
         """SDPA's additive mask (B, 1, G*T, keys) over the cache's first ``keys`` slots: key j is visible to the query
@@ -427,12 +461,8 @@ class Generator:
         one forward each, at least one query a chunk: ``masked``, as many as keep the chunk's mask, with the two
         tensors it is built from, within ``PREFILL_MASK_BYTES`` over ``stop`` keys; else as many as keep its
         activations within ``PREFILL_ACTIVATION_BYTES``."""
-        if masked:
-            groups = self.heads // self.kv_heads
-            per_query = self.batch * self._keys_through(stop) * (1 + (1 + groups) * self.dtype.itemsize)
-            size = max(1, PREFILL_MASK_BYTES // max(1, per_query))
-        else:
-            size = max(1, PREFILL_ACTIVATION_BYTES // (self.batch * self.token_bytes))
+        size = prefill_chunk_queries(self.batch, self._keys_through(stop), masked, self.token_bytes,
+                                     self.heads // self.kv_heads, self.dtype.itemsize)
         return [(start, min(start + size, stop)) for start in range(first, stop, size)]
 
     def _attends_mask_free(self, stop: int) -> bool:
