@@ -64,9 +64,11 @@ def _targets(data: dict) -> str:
 
 def ledger_section(data: dict) -> str:
     rows = [r for r in data["rows"] if recorded_error(r) is not None]
-    blr = data["benchmark"] == "ledger_accuracy_blr"
-    title = "### Memory ledger: predicted vs measured peak" + (", block-low-rank models" if blr else "")
-    out = [title + "\n", _header(data, "python benchmarks/ledger_accuracy.py" + (" --blr" if blr else "")),
+    flag, subtitle = {"ledger_accuracy_blr": (" --blr", ", block-low-rank models"),
+                      "ledger_accuracy_loop": (" --loop", ", inference by memfit's decode loop (`memfit generate`)")
+                      }.get(data["benchmark"], ("", ""))
+    title = "### Memory ledger: predicted vs measured peak" + subtitle
+    out = [title + "\n", _header(data, "python benchmarks/ledger_accuracy.py" + flag),
            "| model | task | seq x batch | techniques | predicted GiB | measured GiB | error |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -74,7 +76,8 @@ def ledger_section(data: dict) -> str:
         extra = [f"{knobs['blr_method']} {knobs['blr_ratio']:g}" if knobs.get("blr_method") else "",
                  f"ckpt {knobs['checkpoint_layers']}" if knobs["checkpoint_layers"] else "",
                  knobs["optimizer"] if job["task"] != "infer" and knobs["optimizer"] != "adamw" else "",
-                 f"micro-batch {knobs['micro_batch']}" if knobs["micro_batch"] != job["batch"] else ""]
+                 f"micro-batch {knobs['micro_batch']}" if knobs["micro_batch"] != job["batch"] else "",
+                 knobs["dtype"] if knobs["dtype"] != "bfloat16" else ""]
         out.append(f"| {job['model']} | {job['task']} | {job['seq']} x {job['batch']} "
                    f"| {', '.join(e for e in extra if e) or '-'} | {r['peak_bytes'] / 2**30:.3f} "
                    f"| {r['measured']['peak_bytes'] / 2**30:.3f} | {100 * recorded_error(r):+.2f}% |")

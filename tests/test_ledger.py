@@ -440,8 +440,9 @@ def test_an_approximate_plan_never_ranks_before_an_exact_one_that_fits():
 
     job = Job(PRESETS["llama-3.2-1b"], task="infer", seq=512)
     _, plans = plan(job, Knobs(), parse_bytes("64GiB"))
-    assert plans[0].techniques == [] and plans[1].relative_time < plans[0].relative_time
-    assert all("approximate" in " ".join(p.techniques) for p in plans[1:])
+    approximate = ["approximate" in " ".join(p.techniques) for p in plans]
+    assert plans[0].techniques == [] and approximate == sorted(approximate) and any(approximate)
+    assert min(p.relative_time for p, inexact in zip(plans, approximate) if inexact) < plans[0].relative_time
 
 
 def test_the_first_plan_does_not_depend_on_the_limit():
@@ -1117,7 +1118,8 @@ def test_the_job_as_asked_is_a_plan_and_the_labels_say_what_a_plan_drops():
 
 def test_a_partial_ffn_ledger_notes_that_verify_does_not_measure_it(capsys):
     """plan's footer sends the user to `memfit verify --plan FILE --pick N`, which refuses a partial-FFN plan, and
-    the fastest inference plan is often one (a usage audit): the plan now says so beside it."""
+    the fastest inference plan is often one (a usage audit): the plan now says so beside it. (Here the first plan is
+    memfit's decode loop, exact, which fits where transformers' does not; the partial ones follow it.)"""
     from memfit.cli import main
     from memfit.ledger.predict import NO_PARTIAL_FFN
 
@@ -1126,7 +1128,7 @@ def test_a_partial_ffn_ledger_notes_that_verify_does_not_measure_it(capsys):
     assert predict(job, Knobs()).notes == []
     assert main(["plan", "--model", "llama-3.2-3b", "--task", "infer", "--seq", "8192", "--batch", "8",
                  "--gpu-memory", "16GiB"]) == 0
-    assert "note (plan 1): verify does not build partial-FFN models" in " ".join(capsys.readouterr().out.split())
+    assert "note (plans 2, 3): verify does not build partial-FFN models" in " ".join(capsys.readouterr().out.split())
 
 
 # A two-layer decoder's config.json; each case below adds its model type and window keys.

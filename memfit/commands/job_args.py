@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from memfit.errors import MemfitError
-from memfit.ledger.job import LORA_TARGETS_ALL, OPTIMIZERS, TASK_ONLY_FIELDS, TASKS, Job, Knobs
+from memfit.ledger.job import GENERATORS, LORA_TARGETS_ALL, OPTIMIZERS, TASK_ONLY_FIELDS, TASKS, Job, Knobs
 from memfit.ledger.predict import blr_dense_kinds, check_blr, check_knobs_fit_job
 from memfit.models import load_spec
 
@@ -81,6 +81,10 @@ def add_job_arguments(parser: argparse.ArgumentParser, default_device: str = "cu
     setup.add_argument("--partial-compute", type=float,
                        help="infer: share of FFN neurons computed per decoded token (default: --partial-load)"
                        if partial else argparse.SUPPRESS)
+    setup.add_argument("--generator", choices=GENERATORS,
+                       help="infer: the loop that runs it: hf, transformers' forward with its growing DynamicCache "
+                            "(default), or memfit, `memfit generate`'s (a static KV cache allocated once, the prompt "
+                            "in chunks of queries: a long prompt's prefill peaks at one chunk's activations)")
     setup.add_argument("--blr", default=None, choices=("blast", "monarch", "lowrank"),
                        help="the model compressed to block-low-rank layers by `memfit compress` (default: dense)")
     setup.add_argument("--blr-ratio", type=float, default=None,
@@ -98,6 +102,11 @@ def _given(args, *flags: str) -> dict:
     take the defaults of Job and Knobs."""
     dests = (flag[2:].replace("-", "_") for flag in flags)
     return {dest: getattr(args, dest) for dest in dests if getattr(args, dest) is not None}
+
+
+def loop_words(job: Job, knobs: Knobs) -> str:
+    """How a job's title names its decode loop: only where it is memfit's (transformers' is the default)."""
+    return " by memfit's decode loop" if job.task == "infer" and knobs.generator == "memfit" else ""
 
 
 def print_json_error(err: Exception, job: Job | None, **fields) -> None:
@@ -193,7 +202,7 @@ def job_from_args(args) -> tuple[Job, Knobs]:
     if args.blr == "lowrank" and args.blr_blocks is not None:
         raise MemfitError("--blr-blocks: a low-rank layer has no blocks (it is for --blr monarch and blast)")
     options = _given(args, "--lora-rank", "--checkpoint-layers", "--optimizer", "--offload-layers", "--fused-ce",
-                     "--fused-swiglu", "--partial-load", "--partial-compute")
+                     "--fused-swiglu", "--partial-load", "--partial-compute", "--generator")
     if "partial_load" in options:                      # --partial-compute defaults to --partial-load
         options.setdefault("partial_compute", options["partial_load"])
     knobs = Knobs(dtype=args.dtype or spec.dtype, micro_batch=micro, four_bit=args.four_bit, attention=args.attention,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from memfit.commands.job_args import add_job_arguments, job_from_args, print_json_error
+from memfit.commands.job_args import add_job_arguments, job_from_args, loop_words, print_json_error
 from memfit.errors import MemfitError
 from memfit.ledger.predict import COMPONENTS, Ledger
 from memfit.units import format_bytes, format_count, parse_bytes
@@ -15,6 +15,7 @@ examples:
   memfit plan --model llama-3.2-3b --task lora --seq 2048 --batch 1 --gpu-memory 8GiB
   memfit plan --model ./my-model-dir --task full --seq 4096 --gpu-memory 80GiB --json
   memfit plan --model llama-3.1-8b --task infer --seq 8192 --new-tokens 512 --gpu-memory 24GB
+  memfit plan --model llama-3.1-8b --task infer --seq 32768 --generator memfit   # as `memfit generate` runs it
 
 The peak is replayed step by step (forward, loss, backward, optimizer step; or prefill and
 decode), not summed. Budgets count the CUDA context and allocator overhead too.
@@ -86,7 +87,8 @@ def _print(job, knobs, asked: Ledger, plans, budget: int) -> None:
     console = Console()
     spec = job.spec
     console.print(f"[bold]{spec.name}[/] ({format_count(spec.num_params())} params), task [bold]{job.task}[/], "
-                  f"batch {job.batch} x seq {job.seq} on {job.device}; budget {format_bytes(budget)}")
+                  f"batch {job.batch} x seq {job.seq}{loop_words(job, knobs)} on {job.device}; budget "
+                  f"{format_bytes(budget)}")
     for note in asked.notes:
         console.print(f"[yellow]note: {note}[/]")
     if knobs.blr_method:

@@ -11,6 +11,7 @@ from memfit.commands.job_args import (
     given_job_options,
     job_from_args,
     job_from_plan_file,
+    loop_words,
     print_json_error,
 )
 from memfit.errors import MemfitError
@@ -21,6 +22,7 @@ examples:
   memfit verify --model tiny --task lora --seq 256 --device cpu
   memfit verify --model llama-3.2-1b --task full --seq 2048 --checkpoint-layers 8 --optimizer adamw8bit
   memfit verify --model qwen2.5-1.5b --task infer --seq 4096 --json
+  memfit verify --model llama-3.2-1b --task infer --seq 16384 --generator memfit   # `memfit generate`'s loop
   memfit verify --model llama-3.2-1b --task lora --seq 2048 --blr monarch   # random-init BLR layers, planned ranks
   memfit plan --model llama-3.2-1b --task full --seq 2048 --gpu-memory 12GiB --json > plans.json
   memfit verify --plan plans.json --pick 2      # the second plan listed: its job and techniques
@@ -108,7 +110,8 @@ def run(args) -> int:
         from rich.table import Table
 
         blr = f" ({knobs.blr_method} block-low-rank, {knobs.blr_ratio:g})" if knobs.blr_method else ""
-        table = Table(title=f"{job.spec.name}{blr} {job.task} batch {job.batch} x seq {job.seq} on {job.device}")
+        table = Table(title=f"{job.spec.name}{blr} {job.task} batch {job.batch} x seq {job.seq}"
+                            f"{loop_words(job, knobs)} on {job.device}")
         for column in ("component", "predicted", "measured"):
             table.add_column(column, justify="left" if column == "component" else "right")
         for name, predicted, measured in result.rows():

@@ -308,7 +308,8 @@ class ModelGraph:
         self.release(x)  # LlamaModel's loop variable holds the layer input until the layer returns
         return out
 
-    def embed(self) -> tuple[Sym, Sym]:
+    def embed(self, rope_tokens: int | None = None) -> tuple[Sym, Sym]:
+        """The embedding's op and the rope tables (``rope_tokens`` positions: transformers' are one row's, ``seq``)."""
         s, t = self.spec, self.trainable
         ids = Sym("input_ids", self.tokens * 8, False, "inputs", persistent=True)
         weight = self.param("embed_tokens", s.vocab * s.hidden, bool(t and t.embeddings))
@@ -319,10 +320,87 @@ class ModelGraph:
         self.op("embed", [ids, weight], [x], [ids] if weight.requires_grad else [], backward_workspace=workspace)
         # RoPE's cos and sin, (1, seq, head_dim) each: the whole forward, and in training until the first
         # layer's backward (every rotation saves them; a checkpoint holds them)
-        self.rope_tables = self.act("rope_cos_sin", 2 * s.head_dim, False, tokens=self.seq)
+        self.rope_tables = self.act("rope_cos_sin", 2 * s.head_dim, False,
+                                    tokens=self.seq if rope_tokens is None else rope_tokens)
         self.op("rotary_emb", [], [self.rope_tables], [])
         self.inputs_embeds = x
         return x, weight
+
+    # ---- memfit's decode loop (memfit.infer.generate.Generator) ---------------------------------------
+    def loop_prefill_chunk(self, fused_qkv: bool, fused_mlp: list[bool]) -> Sym:
+        """The ops of one prefill chunk of memfit's decode loop (``Generator._forward`` over ``batch`` x ``seq``
+        queries, no grad); returns the last token's logits. The loop's own lifetimes, not transformers': rope tables
+        for every row, K/V written into the static cache (which the caller counts), a layer's attention a method
+        whose q/k/v and output die when it returns (``Generator._attend``), each norm fused with the residual add
+        before it (``_add_norm``: the loop's x and h are replaced when it returns), SDPA's output a view in the
+        (B, T, heads x D) layout the o projection reads (the fused kernels' layout). ``fused_qkv``/``fused_mlp``:
+        the loader's fused layout (one q/k/v matmul, whose output stays whole until the attention returns; per layer,
+        one gate/up matmul, silu and product in ``act_mul``)."""
+        x, embedding = self.embed(rope_tokens=self.tokens)
+        h = self.rms_norm(x, self.param("0.input_layernorm", self.spec.hidden, False), "0.norm1")
+        for layer in range(self.spec.num_layers):
+            x, h = self._loop_add_norm(x, h, self._loop_attention(h, layer, fused_qkv), layer,
+                                       f"{layer}.post_attention_layernorm", f"{layer}.norm2")
+            last = layer + 1 == self.spec.num_layers
+            x, h = self._loop_add_norm(x, h, self._loop_mlp(h, layer, fused_mlp[layer]), layer,
+                                       "norm" if last else f"{layer + 1}.input_layernorm",
+                                       "final_norm" if last else f"{layer + 1}.norm1")
+        weight = embedding if self.spec.tied_embeddings else self.param("lm_head", self.spec.vocab * self.spec.hidden,
+                                                                        False)
+        logits = self.linear(h, weight, self.spec.vocab, "lm_head", tokens=self.batch)   # h[:, -1:]
+        logits.component = "logits"
+        return logits
+
+    def _loop_add_norm(self, x: Sym, h: Sym, delta: Sym, layer: int, norm: str, name: str) -> tuple[Sym, Sym]:
+        """``_add_norm(x, delta)``: the sum and its RMSNorm; the loop's old x and h, and delta (the call's argument),
+        live until it returns."""
+        total = self.add(x, delta, self.spec.hidden, f"{name}.residual")
+        normed = self.rms_norm(total, self.param(norm, self.spec.hidden, False), name)
+        for local in (x, h, delta):
+            self.release(local)
+        return total, normed
+
+    def _loop_attention(self, h: Sym, layer: int, fused_qkv: bool) -> Sym:
+        s = self.spec
+        if fused_qkv:
+            qkv = self._fused_linear(h, layer, {"q_proj": s.q_dim, "k_proj": s.kv_dim, "v_proj": s.kv_dim})
+            q = k = v = qkv                            # views of the one output, which they hold until the return
+        else:
+            q = self.projection(h, layer, "q_proj", s.hidden, s.q_dim)
+            k = self.projection(h, layer, "k_proj", s.hidden, s.kv_dim)
+            v = self.projection(h, layer, "v_proj", s.hidden, s.kv_dim)
+        q_rot = self.rope(q, s.q_dim, f"{layer}.rope_q")
+        k_rot = self.rope(k, s.kv_dim, f"{layer}.rope_k")
+        self.op(f"{layer}.cache_write", [k_rot, v], [], [])          # index_copy_ into the static cache
+        self.release(q)                                               # _rope_and_cache's argument
+        out = self.act(f"{layer}.sdpa", s.q_dim, False)
+        lse = self.act(f"{layer}.sdpa.lse", s.num_heads, False, FP32)
+        self.op(f"{layer}.sdpa", [q_rot], [out, lse], [])            # over the cache's keys
+        o = self.projection(out, layer, "o_proj", s.q_dim, s.hidden)
+        for local in (q, k, v, q_rot):                                # _attend's locals, freed as it returns
+            self.release(local)
+        return o
+
+    def _loop_mlp(self, h: Sym, layer: int, fused: bool) -> Sym:
+        s, width = self.spec, self.ffn_widths[layer]
+        if fused:
+            gate_up = self._fused_linear(h, layer, {"gate_proj": width, "up_proj": width})
+            act = self.pointwise([gate_up], width, f"{layer}.silu")
+            prod = self.mul(act, gate_up, width, f"{layer}.act_mul")
+        else:                                           # the module's own forward: down(act(gate(x)) * up(x))
+            act = self.pointwise([self.projection(h, layer, "gate_proj", s.hidden, width)], width, f"{layer}.silu")
+            prod = self.mul(act, self.projection(h, layer, "up_proj", s.hidden, width), width, f"{layer}.act_mul")
+        return self.projection(prod, layer, "down_proj", width, s.hidden)
+
+    def _fused_linear(self, x: Sym, layer: int, widths: dict[str, int]) -> Sym:
+        """One matmul over the loader's shared buffer of ``widths``' projections (their weights and biases counted
+        as each module's)."""
+        params = [self.param(f"{layer}.{module}", self.spec.hidden * width, False) for module, width in widths.items()]
+        params += [self.param(f"{layer}.{module}.bias", width, False) for module, width in widths.items()
+                   if module in self.biased]
+        out = self.act(f"{layer}.{'_'.join(widths)}", sum(widths.values()), False)
+        self.op(out.name, [x, *params], [out], [])
+        return out
 
     def final_hidden(self, x: Sym, embedding: Sym) -> tuple[Sym, Sym]:
         """The final norm's output and the output-projection weight (the embedding when tied)."""

@@ -13,6 +13,9 @@ TASKS = ("full", "lora", "infer")
 TRAINING_TASKS = ("full", "lora")   # the tasks that take optimizer steps
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 ATTENTIONS = ("sdpa", "memfit")
+# The program that runs an inference job: transformers' forward with its DynamicCache (what ``generate`` runs), or
+# memfit's decode loop (``memfit generate``, memfit.infer.generate.Generator: a static cache, prefill in chunks).
+GENERATORS = ("hf", "memfit")
 # Job and Knobs fields that some tasks only read: the tasks, and why the others ignore it. memfit plan/verify refuse the
 # option for another task (memfit.commands.job_args), the ledger a Knobs value away from its default there
 # (memfit.ledger.predict.check_knobs_fit_job): where it would do nothing, it is refused rather than dropped unsaid.
@@ -20,6 +23,7 @@ TASK_ONLY_FIELDS = {
     "new_tokens": (("infer",), "only inference generates tokens"),
     "partial_load": (("infer",), "only inference loads part of the FFN"),
     "partial_compute": (("infer",), "only inference computes part of the FFN"),
+    "generator": (("infer",), "only inference runs a decode loop"),
     "lora_rank": (("lora",), "only LoRA has adapters"),
     "lora_targets": (("lora",), "only LoRA has adapters"),
     "optimizer": (TRAINING_TASKS, "inference takes no optimizer step"),
@@ -190,6 +194,7 @@ class Knobs:
     attention: str = "sdpa"  # "sdpa" (torch) or "memfit" (memfit.kernels.attention, two-pass backward)
     partial_load: float = 1.0  # infer: share of FFN neurons loaded in the middle layers (gamma, memfit.infer)
     partial_compute: float = 1.0  # infer: share computed per decoded token (phi <= gamma)
+    generator: str = "hf"  # infer: "hf" (transformers' forward, DynamicCache) or "memfit" (memfit generate's loop)
     blr_method: str | None = None  # a block-low-rank model (memfit compress): "blast", "monarch" or "lowrank"
     blr_ratio: float = 0.5  # its share of the decoder's linear parameters
     blr_blocks: int = 16
@@ -221,6 +226,8 @@ class Knobs:
                               f"{self.partial_compute} and {self.partial_load}")
         if self.attention not in ATTENTIONS:
             raise MemfitError(f"attention {self.attention!r} is not one of {', '.join(ATTENTIONS)}")
+        if self.generator not in GENERATORS:
+            raise MemfitError(f"{field_flag('generator')} {self.generator!r} is not one of {', '.join(GENERATORS)}")
         if not 0 <= self.offload_layers <= self.checkpoint_layers:
             raise MemfitError(f"{field_flag('offload_layers')} must be between 0 and {field_flag('checkpoint_layers')}, "
                               f"got {self.offload_layers} and {self.checkpoint_layers}: only checkpointed layers' "
@@ -246,8 +253,8 @@ class Knobs:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Knobs":
-        """The knobs :meth:`to_dict` wrote."""
-        data = _record_fields(cls, data, {field.name for field in fields(cls)})
+        """The knobs :meth:`to_dict` wrote; a record from before ``generator`` existed ran transformers' loop."""
+        data = _record_fields(cls, data, {field.name for field in fields(cls)} - {"generator"}, frozenset({"generator"}))
         if not isinstance(data["lora_targets"], list):
             raise MemfitError(f"the knobs record's lora_targets is a list of module names, got {data['lora_targets']!r}")
         return cls(**{**data, "lora_targets": tuple(data["lora_targets"])})   # __post_init__ checks the types

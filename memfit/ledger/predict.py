@@ -176,9 +176,9 @@ def predict(job: Job, knobs: Knobs) -> Ledger:
     check_knobs_fit_job(job, knobs)
     check_device(job, knobs)
     check_blr(job, knobs)
-    ledger = _cached_predict(job, knobs, _fused_loss_on_pytorch_path(job, knobs))
+    ledger = _cached_predict(job, knobs, _fused_loss_on_pytorch_path(job, knobs), _loop_chunk_budgets(job, knobs))
     return replace(ledger, peak=dict(ledger.peak), phases=dict(ledger.phases),
-                   notes=_length_notes(job) + _window_notes(job) + list(ledger.notes))
+                   notes=_length_notes(job) + _window_notes(job, knobs) + list(ledger.notes))
 
 
 def _length_notes(job: Job) -> list[str]:
@@ -190,12 +190,12 @@ def _length_notes(job: Job) -> list[str]:
             "memory is counted, but the model was not configured for that length"]
 
 
-def _window_notes(job: Job) -> list[str]:
+def _window_notes(job: Job, knobs: Knobs) -> list[str]:
     """A job whose keys reach the model's sliding window is counted as if it had none, and said once in the log and
     in the ledger's notes: transformers then builds an explicit attention mask and, for SDPA with a mask, repeats K/V
     to every query head (no enable_gqa); neither is modelled (CPU verify found such predictions 51-70% low)."""
     window = job.spec.sliding_window
-    if window is None or job.positions < window:
+    if window is None or job.positions < window or knobs.generator == "memfit":   # the loop runs within it, or refuses
         return []
     note = (f"attention over {job.positions} positions reaches {job.spec.name}'s sliding window of {window}: this "
             "prediction leaves out the attention mask and the repeated K/V that transformers builds there")
@@ -203,9 +203,22 @@ def _window_notes(job: Job) -> list[str]:
     return [note]
 
 
+def _loop_chunk_budgets(job: Job, knobs: Knobs) -> tuple[int, int] | None:
+    """The byte budgets memfit's decode loop sizes its prefill chunks by (memfit.infer.generate's module constants),
+    for a job it runs: read now, so that a cached prediction follows a change of either (tests change them)."""
+    if job.task != "infer" or knobs.generator != "memfit":
+        return None
+    from memfit.infer import generate as loop
+
+    return loop.PREFILL_ACTIVATION_BYTES, loop.PREFILL_MASK_BYTES
+
+
 @lru_cache(maxsize=512)
-def _cached_predict(job: Job, knobs: Knobs, ce_pytorch_path: bool) -> Ledger:
-    return _predict_infer(job, knobs) if job.task == "infer" else _predict_train(job, knobs, ce_pytorch_path)
+def _cached_predict(job: Job, knobs: Knobs, ce_pytorch_path: bool, loop_budgets: tuple[int, int] | None) -> Ledger:
+    """``loop_budgets`` is part of the cache's key only (:func:`_loop_chunk_budgets`)."""
+    if job.task != "infer":
+        return _predict_train(job, knobs, ce_pytorch_path)
+    return _predict_memfit_loop(job, knobs) if knobs.generator == "memfit" else _predict_infer(job, knobs)
 
 
 def _persistent(graph: ModelGraph) -> tuple[int, list[tuple[int, int]]]:
@@ -342,6 +355,8 @@ def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
     if knobs.attention == "memfit" and (window := job.spec.sliding_window) is not None and job.seq > window:
         raise MemfitError(f"{field_flag('attention')} memfit has no sliding window: {job.spec.name} attends over the "
                           f"last {window} keys and {field_flag('seq')} {job.seq} passes them; use attention sdpa")
+    if knobs.generator == "memfit":
+        check_memfit_loop(job, knobs)
     if knobs.fused_swiglu and not job.spec.silu_mlp:
         raise MemfitError(f"{field_flag('fused_swiglu')} computes silu(gate) * up; {job.spec.name}'s MLP activation is "
                           f"{job.spec.activation!r}")
@@ -352,6 +367,21 @@ def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
         raise MemfitError(f"{field_flag('partial_load')} and {field_flag('partial_compute')} do nothing for "
                           f"{job.spec.name}: partial loading keeps the first {whole.full_first} and last "
                           f"{whole.full_last} layers whole, and it has {layers}")
+
+
+def check_memfit_loop(job: Job, knobs: Knobs) -> None:
+    """Refuse what memfit's decode loop does not run, as ``Generator`` would refuse it: memfit's training attention
+    (the loop runs SDPA for the prompt and its own kernel for each token) and a job past the model's sliding window
+    (the loop attends over every earlier key: ``memfit.infer.generate.check_decode_length``)."""
+    if knobs.attention != "sdpa":
+        raise MemfitError(f"{field_flag('generator')} memfit runs its own attention (SDPA over the prompt, memfit's "
+                          f"decode kernel for each new token): {field_flag('attention')} {knobs.attention} is for "
+                          "transformers' forward")
+    window = job.spec.sliding_window
+    if window is not None and job.positions - 1 > window:
+        raise MemfitError(f"{field_flag('generator')} memfit has no sliding window: {job.spec.name} attends over the "
+                          f"last {window} keys and prompt + new tokens = {job.positions} would see {job.positions - 1}; "
+                          f"keep them <= {window + 1} or use generator hf")
 
 
 def check_device(job: Job, knobs: Knobs) -> None:
@@ -447,6 +477,86 @@ def ffn_widths(spec, knobs: Knobs) -> list[int]:
     middle = ffn_partial_layers(spec)
     loaded = config.counts(spec.intermediate)[2]
     return [loaded if layer in middle else spec.intermediate for layer in range(spec.num_layers)]
+
+
+def _loop_prefill_masked(job: Job, knobs: Knobs) -> bool:
+    """Whether memfit's decode loop prefills this job's prompts (unpadded, as verify's are) under an additive mask:
+    where SDPA has no mask-free causal kernel for the model (``memfit.infer.generate.mask_free_causal_kernel``, read
+    here from the spec): on CUDA flash attention takes 16-bit dtypes with heads of up to 256 dimensions and the
+    memory-efficient kernel any dtype without grouped KV heads; the CPU's kernels take every model."""
+    s = job.spec
+    flash = knobs.dtype in ("bfloat16", "float16") and s.head_dim <= 256
+    return job.device == "cuda" and not (flash or s.num_heads == s.num_kv_heads)
+
+
+def loop_prefill_chunk(job: Job, knobs: Knobs) -> tuple[int, int, bool]:
+    """(queries a chunk, chunks, masked) of memfit's loop's prefill of this job's prompts, by the loop's own rule
+    (``memfit.infer.generate.prefill_chunk_queries``)."""
+    from memfit.infer import generate as loop
+
+    s, size = job.spec, dtype_bytes(knobs.dtype)
+    masked = _loop_prefill_masked(job, knobs)
+    keys = min(loop.cache_slots(job.positions), loop.cache_slots(job.seq))
+    row = loop.query_row_bytes(s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, size)
+    chunk = min(job.seq, loop.prefill_chunk_queries(job.batch, keys, masked, row, s.num_heads // s.num_kv_heads, size))
+    return chunk, -(-job.seq // chunk), masked
+
+
+def _loop_fused_layout(job: Job, knobs: Knobs, structured: dict) -> tuple[bool, list[bool]]:
+    """Which of the loop's matmuls run in the loader's fused layout (``memfit.infer.fused``): q/k/v where all three
+    are plain linears; per layer gate/up where both are plain, bias-free and SiLU-gated, or where the layer is a
+    partial-FFN one (``PartialMLP``, always interleaved). 4-bit and block-low-rank layers are called as modules."""
+    spec = job.spec
+
+    def plain(names) -> bool:
+        return not knobs.four_bit and not any(name in structured for name in names)
+
+    dense_mlp = plain(("gate_proj", "up_proj")) and spec.silu_mlp and not {"gate_proj", "up_proj"} & set(
+        spec.biased_projections())
+    partial = ffn_partial_layers(spec) if (knobs.partial_load, knobs.partial_compute) != (1.0, 1.0) else range(0)
+    return plain(("q_proj", "k_proj", "v_proj")), [dense_mlp or layer in partial for layer in range(spec.num_layers)]
+
+
+def _predict_memfit_loop(job: Job, knobs: Knobs) -> Ledger:
+    """memfit's decode loop (``memfit generate``: memfit.infer.generate.Generator). Its KV cache is allocated whole,
+    ``seq + new_tokens`` slots rounded up to the loop's key alignment, before the prompt runs; the prompt runs in
+    chunks of queries, each writing its K/V into that cache in place, so the prefill peaks in the first (largest)
+    chunk's forward (``ModelGraph.loop_prefill_chunk``: the loop's ops and lifetimes, in the loader's fused layout
+    where ``memfit generate`` runs it), over the cache and, where the prefill is masked, the chunk's (B, 1, G x T,
+    keys) additive mask. A decode step holds one token's activations and
+    its logits beside the cache: below the prefill's peak at any prompt."""
+    from memfit.infer.generate import cache_slots
+
+    spec = job.spec
+    size = dtype_bytes(knobs.dtype)
+    workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
+    chunk, chunks, masked = loop_prefill_chunk(job, knobs)
+    structured = structured_kinds(spec, knobs)
+    graph = ModelGraph(spec, job.batch, chunk, knobs.dtype, None, job.device, four_bit=knobs.four_bit,
+                       ffn_widths=ffn_widths(spec, knobs), structured=structured)
+    logits = graph.loop_prefill_chunk(*_loop_fused_layout(job, knobs, structured))
+    weights, _ = _persistent(graph)
+    slots = cache_slots(job.positions)
+    # K and V of every layer, and the loop's bookkeeping: a bool per slot and row, the slot indices, the tokens out
+    kv_cache = 2 * spec.num_layers * job.batch * spec.kv_dim * slots * size + job.batch * slots + 8 * slots \
+        + 8 * job.batch * job.positions
+    keys = min(slots, cache_slots(job.seq))
+    mask = job.batch * (spec.num_heads // spec.num_kv_heads) * chunk * keys * size if masked else 0
+    # the whole prompt's positions (int64) and padding mask (bool), and its ids beyond the chunk's (the graph's own)
+    prompt = job.batch * job.seq * 9 + job.batch * (job.seq - chunk) * 8
+    memory = Memory({"weights": weights, "workspace": workspace, "kv_cache": kv_cache, "temporaries": mask + prompt})
+    replay_forward(graph.ops, memory, "prefill", keep={logits.uid}, save=False)
+    prefill = memory.phase_peaks["prefill"]
+    decode = {"weights": weights, "workspace": workspace, "kv_cache": kv_cache,
+              "logits": job.batch * spec.vocab * size}
+    phases = {"prefill": prefill.total, "decode": sum(decode.values())}
+    where = f"{prefill.where} (prefill chunk 1 of {chunks}, {chunk} queries{', masked' if masked else ''})"
+    peak, phase = (decode, "decode") if phases["decode"] > prefill.total else (prefill.live, "prefill")
+    transient = sum(v for k, v in peak.items() if k != "weights")
+    partial = (knobs.partial_load, knobs.partial_compute) != (1.0, 1.0)
+    return Ledger(job, knobs, dict(peak), phase, where if phase == "prefill" else f"token {job.new_tokens}", phases,
+                  _allocator_overhead(job, transient), CUDA_CONTEXT if job.device == "cuda" else 0, 0,
+                  [NO_PARTIAL_FFN] if partial else [])
 
 
 def _predict_infer(job: Job, knobs: Knobs) -> Ledger:

@@ -175,7 +175,8 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1, progress: Callable[[str], N
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, job.spec.vocab, (job.batch, job.seq), generator=generator, device="cpu").to(job.device)
     if job.task == "infer":
-        return _measure_infer(job, model, ids, warmup, say)
+        return _measure_infer(job, model, ids, warmup, say,
+                              _memfit_loop_run if knobs.generator == "memfit" else _transformers_run)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(knobs.optimizer, params)
     micro = knobs.micro_batch or job.batch
@@ -206,8 +207,9 @@ def measure(job: Job, knobs: Knobs, warmup: int = 1, progress: Callable[[str], N
                        storage_bytes(states), gradients)
 
 
-@torch.no_grad()
-def _measure_infer(job: Job, model, ids, warmup: int, say: Callable[[str], None]) -> Measurement:
+def _transformers_run(job: Job, model, ids) -> Callable[[], None]:
+    """An inference run as the ledger's ``generator="hf"`` models it: transformers' forward over the prompt (logits
+    for the last token), then ``new_tokens`` greedy steps, each growing its DynamicCache."""
     name = cache_keyword(model)
 
     def generate():
@@ -219,6 +221,29 @@ def _measure_infer(job: Job, model, ids, warmup: int, say: Callable[[str], None]
             token = out.logits[:, -1:].argmax(-1)
             del out
 
+    return generate
+
+
+def _memfit_loop_run(job: Job, model, ids) -> Callable[[], None]:
+    """An inference run as ``memfit generate`` makes it (``generator="memfit"``): the model in the loader's fused layout
+    (``memfit.infer.fused.fuse_layout``), a Generator built for the job (its static cache and, on CUDA, its kernel
+    picks and CUDA graph), then ``new_tokens`` greedy tokens after the prompt. Built anew each run, as the command
+    builds one."""
+    from memfit.infer.fused import fuse_layout
+    from memfit.infer.generate import Generator
+
+    fuse_layout(model)
+
+    def generate():
+        Generator(model, job.positions, batch=job.batch).generate(ids, job.new_tokens)
+
+    return generate
+
+
+@torch.no_grad()
+def _measure_infer(job: Job, model, ids, warmup: int, say: Callable[[str], None],
+                   runner: Callable[[Job, object, torch.Tensor], Callable[[], None]]) -> Measurement:
+    generate = runner(job, model, ids)
     for done in range(warmup):
         say(f"warm-up step {done + 1}/{warmup}")
         generate()

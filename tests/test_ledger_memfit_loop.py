@@ -1,0 +1,173 @@
+"""The ledger of an inference job run by memfit's decode loop (``generator="memfit"``, what ``memfit generate`` runs):
+its static cache and chunked prefill predicted by the loop's own rules, held against the loop's measured peak."""
+import json
+
+import pytest
+import torch
+from conftest import MEASURES_A_CPU_RUN
+
+from memfit.errors import MemfitError
+from memfit.infer import generate as loop
+from memfit.infer.fused import fuse_layout
+from memfit.ledger.job import Job, Knobs
+from memfit.ledger.planner import plan
+from memfit.ledger.predict import loop_prefill_chunk, predict
+from memfit.ledger.verify import verify
+from memfit.models import PRESETS, build_model
+from memfit.units import parse_bytes
+
+TINY = PRESETS["tiny"]
+# activations outweigh the weights, so that a chunk's peak is most of what is measured
+WIDE = TINY.with_(name="wide-mlp", hidden=128, intermediate=1024, num_heads=4, num_kv_heads=2, head_dim=32, vocab=256)
+
+
+def _memfit(**changes) -> Knobs:
+    return Knobs(dtype="float32", generator="memfit", **changes)
+
+
+@MEASURES_A_CPU_RUN
+@pytest.mark.parametrize("spec,seq,batch,budget", [
+    (TINY, 64, 2, None),                               # one chunk
+    (WIDE, 768, 1, None),                              # one chunk, activations the bulk of the peak
+    (WIDE, 768, 1, 1_500_000),                         # several chunks and a shorter last one
+    (WIDE, 300, 2, 1_000_000),
+], ids=["tiny", "wide-one-chunk", "wide-chunks", "wide-batch-2-chunks"])
+def test_verify_of_the_memfit_loop_on_cpu_within_half_a_percent(spec, seq, batch, budget, monkeypatch):
+    """The loop's own lifetimes (``ModelGraph.loop_prefill_chunk``) in the fused layout verify runs it in: the
+    transformers layers' replay had read 2.5-5% high here (their held layer inputs), 175% where the prompt chunks."""
+    if budget is not None:
+        monkeypatch.setattr(loop, "PREFILL_ACTIVATION_BYTES", budget)
+    job = Job(spec, task="infer", seq=seq, batch=batch, new_tokens=8, device="cpu")
+    chunk, chunks, masked = loop_prefill_chunk(job, _memfit())
+    assert not masked and (chunks > 1) == (budget is not None)
+    result = verify(job, _memfit())
+    assert abs(result.error) < 0.005, f"{100 * result.error:+.2f}%"
+    assert result.ledger.peak_where.endswith(f"(prefill chunk 1 of {chunks}, {chunk} queries)")
+
+
+def test_the_ledger_chunks_the_prompt_as_the_loop_does(monkeypatch):
+    """The chunk the ledger replays is the first of the loop's own ``prefill_chunks`` (the largest), for prompts of
+    one chunk, of several, and of a budget smaller than one query row."""
+    model = build_model(WIDE)
+    fuse_layout(model)
+    for budget, seq, batch in ((1 << 28, 700, 1), (1_500_000, 700, 1), (1_000_000, 301, 3), (1, 40, 1)):
+        monkeypatch.setattr(loop, "PREFILL_ACTIVATION_BYTES", budget)
+        job = Job(WIDE, task="infer", seq=seq, batch=batch, new_tokens=5, device="cpu")
+        ranges = loop.Generator(model, job.positions, batch=batch).prefill_chunks(seq, masked=False)
+        assert loop_prefill_chunk(job, _memfit()) == (ranges[0][1], len(ranges), False)
+
+
+def test_a_long_prompt_peaks_lower_in_the_loop_and_its_cache_is_whole_from_the_start():
+    job = Job(PRESETS["llama-3.2-1b"], task="infer", seq=32768, new_tokens=1000)
+    hf, ours = predict(job, Knobs()), predict(job, Knobs(generator="memfit"))
+    spec = job.spec
+    slots = loop.cache_slots(job.positions)
+    assert slots == 33768 and ours.peak_phase == "prefill"
+    assert ours.peak["kv_cache"] >= 2 * spec.num_layers * spec.kv_dim * slots * 2        # every slot, in prefill
+    assert ours.total < hf.total - 1.5 * 2**30                   # one chunk's activations, not the whole prompt's
+    assert "prefill chunk 1 of 12" in ours.peak_where
+
+
+def test_a_masked_prefill_counts_its_mask():
+    """On CUDA in fp32 with grouped KV heads SDPA has no mask-free kernel: the loop prefills under a (B, 1, G x T,
+    keys) mask, in chunks the mask's budget sizes, and attends with the memory-efficient kernel (no scores kept,
+    where transformers' enable_gqa call takes the math kernel)."""
+    job = Job(PRESETS["qwen2.5-0.5b"], task="infer", seq=8192, device="cuda")
+    chunk, chunks, masked = loop_prefill_chunk(job, Knobs(dtype="float32", generator="memfit"))
+    assert masked and chunks > 1
+    groups = job.spec.num_heads // job.spec.num_kv_heads
+    keys = loop.cache_slots(job.seq)
+    assert chunk == loop.PREFILL_MASK_BYTES // loop.mask_bytes_per_query(1, keys, groups, 4)
+    ours = predict(job, Knobs(dtype="float32", generator="memfit"))
+    assert ours.peak["temporaries"] >= groups * chunk * keys * 4
+    assert ours.total < predict(job, Knobs(dtype="float32")).total / 2     # transformers' keeps every score
+    bf16 = loop_prefill_chunk(job, Knobs(dtype="bfloat16", generator="memfit"))
+    assert not bf16[2]                                                        # flash attention: no mask
+
+
+def test_the_planner_offers_the_loop_where_transformers_does_not_fit():
+    job = Job(PRESETS["llama-3.2-3b"], task="infer", seq=8192, batch=8)
+    budget = parse_bytes("16GiB")
+    assert predict(job, Knobs()).device_total > budget
+    _, plans = plan(job, Knobs(), budget)
+    assert plans[0].techniques == ["memfit's decode loop (`memfit generate`)"]
+    assert plans[0].knobs.generator == "memfit" and plans[0].ledger.device_total <= budget
+    exact = [p for p in plans if "approximate" not in " ".join(p.techniques)]
+    assert exact and all(p.knobs.generator == "memfit" for p in exact)     # no exact plan fits without the loop
+    training = Job(PRESETS["llama-3.2-1b"], task="lora", seq=512)
+    assert all(p.knobs.generator == "hf" for p in plan(training, Knobs(), parse_bytes("80GiB"))[1])
+
+
+def test_what_the_loop_does_not_run_is_refused():
+    window = TINY.with_(name="tiny-window", model_type="mistral", extra={"sliding_window": 32})
+    with pytest.raises(MemfitError, match=r"generator \(--generator\) memfit runs its own attention"):
+        predict(Job(TINY, task="infer", seq=16), Knobs(generator="memfit", attention="memfit"))
+    with pytest.raises(MemfitError, match=r"memfit has no sliding window: tiny-window attends over the last 32 keys "
+                                          r"and prompt \+ new tokens = 34 would see 33; keep them <= 33"):
+        predict(Job(window, task="infer", seq=30, new_tokens=4, device="cpu"), Knobs(generator="memfit"))
+    predict(Job(window, task="infer", seq=30, new_tokens=3, device="cpu"), Knobs(generator="memfit"))
+    with pytest.raises(MemfitError, match=r"generator \(--generator\) does nothing with task lora"):
+        predict(Job(TINY, task="lora", seq=16, device="cpu"), Knobs(generator="memfit"))
+    with pytest.raises(MemfitError, match=r"generator \(--generator\) 'vllm' is not one of hf, memfit"):
+        Knobs(generator="vllm")
+
+
+def test_a_knobs_record_from_before_the_generator_reads_as_transformers_loop():
+    record = Knobs(generator="memfit").to_dict()
+    assert Knobs.from_dict(record).generator == "memfit"
+    del record["generator"]
+    assert Knobs.from_dict(json.loads(json.dumps(record))) == Knobs()
+
+
+@MEASURES_A_CPU_RUN
+def test_memfit_verify_runs_the_loop_it_is_asked_for(capsys, monkeypatch):
+    from memfit.cli import main
+
+    built = []
+    monkeypatch.setattr(loop.Generator, "__init__", _counting(loop.Generator.__init__, built))
+    code = main(["verify", "--model", "tiny", "--task", "infer", "--seq", "32", "--new-tokens", "4", "--device", "cpu",
+                 "--generator", "memfit"])
+    assert code == 0 and len(built) == 2                              # the warm-up run and the measured one
+    assert "by memfit's decode loop" in " ".join(capsys.readouterr().out.split())
+    torch.manual_seed(0)
+
+
+def _counting(init, calls: list):
+    def counted(self, *args, **kwargs):
+        calls.append(args)
+        return init(self, *args, **kwargs)
+    return counted
+
+
+def test_a_cached_prediction_follows_the_loops_chunk_budget(monkeypatch):
+    job = Job(WIDE, task="infer", seq=700, new_tokens=5, device="cpu")
+    assert "chunk 1 of 1," in predict(job, _memfit()).peak_where
+    monkeypatch.setattr(loop, "PREFILL_ACTIVATION_BYTES", 1_500_000)
+    assert "chunk 1 of 10," in predict(job, _memfit()).peak_where
+
+
+def test_fuse_layout_keeps_the_values_and_makes_the_loaders_layout():
+    from memfit.infer.fused import fused_gate_up, fused_qkv
+
+    spec = PRESETS["qwen2.5-0.5b"].with_(name="qwen-small", num_layers=2, hidden=64, intermediate=96, num_heads=4,
+                                         num_kv_heads=2, head_dim=16, vocab=128)       # q/k/v with biases
+    model = build_model(spec, dtype="float32")
+    ids = torch.randint(0, spec.vocab, (2, 9))
+    before = model(ids).logits
+    fuse_layout(model)
+    assert all(fused_qkv(layer.self_attn) is not None and fused_qkv(layer.self_attn)[1] is not None
+               and fused_gate_up(layer.mlp) is not None for layer in model.model.layers)
+    torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="asks SDPA's CUDA kernels")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2)])
+def test_the_ledgers_mask_rule_is_sdpas_on_this_gpu(dtype, heads, kv_heads):
+    from memfit.ledger.predict import _loop_prefill_masked
+    from memfit.models.spec import dtype_of
+
+    spec = TINY.with_(name="heads", hidden=8 * 64, num_heads=heads, num_kv_heads=kv_heads, head_dim=64)
+    job = Job(spec, task="infer", seq=64, device="cuda")
+    free = loop.mask_free_causal_kernel(torch.device("cuda"), dtype_of(dtype), heads, kv_heads, 64)
+    assert _loop_prefill_masked(job, Knobs(dtype=dtype, generator="memfit")) == (not free)
