@@ -1,9 +1,9 @@
-"""Probe: how far the ledger's inference prediction, which models Hugging Face's generate (a cache grown by
-``torch.cat``), is from the peak of memfit's own decode loop (``memfit generate``'s ``Generator``: a preallocated
-cache, the prefill's mask built in chunks), on this machine's CPU, for a small Llama-shaped model in float32 (4
-layers, hidden 1024, vocab 32000). Per prompt length: the ledger's peak, the peak ``memfit verify`` measures (the
-path the ledger models, after its one warm-up run), and the Generator's (built and run once, cold, from a model
-memfit's loader laid out), each with the model's weights counted. Writes OUT/generator_vs_ledger.json:
+"""Probe: the ledger's two inference predictions against the peaks of the loops they model, on this machine's CPU,
+for a small Llama-shaped model in float32 (4 layers, hidden 1024, vocab 32000). Per prompt length: the ledger of
+transformers' loop (``generator="hf"``: a cache grown by ``torch.cat``) and the peak ``memfit verify`` measures of it
+(after its one warm-up run); the ledger of memfit's own decode loop (``generator="memfit"``: ``memfit generate``'s
+``Generator``, a cache allocated whole, the prompt in chunks) and that loop's peak (built and run once, cold, from a
+model memfit's loader laid out); each with the model's weights counted. Writes OUT/generator_vs_ledger.json:
 
     OUT=/some/dir python benchmarks/probes/generator_vs_ledger.py
 """
@@ -50,11 +50,13 @@ def main() -> None:
         model = load_model(save_model_dir(SPEC, Path(tmp) / "model", dtype="float32"), dtype="float32")
         for seq in (512, 2048, 4096):
             job, knobs = Job(SPEC, task="infer", seq=seq, new_tokens=NEW_TOKENS, device="cpu"), Knobs(dtype="float32")
-            ledger = predict(job, knobs)
-            row = {"seq": seq, "new_tokens": NEW_TOKENS, "ledger_peak": ledger.total,
-                   "verify_measured_peak": measure(job, knobs).peak, "generator_peak": generator_peak(model, seq)}
-            row["generator_over_ledger"] = row["generator_peak"] / row["ledger_peak"]
+            row = {"seq": seq, "new_tokens": NEW_TOKENS, "ledger_peak": predict(job, knobs).total,
+                   "verify_measured_peak": measure(job, knobs).peak,
+                   "loop_ledger_peak": predict(job, knobs.with_(generator="memfit")).total,
+                   "generator_peak": generator_peak(model, seq)}
             row["verify_over_ledger"] = row["verify_measured_peak"] / row["ledger_peak"]
+            row["generator_over_loop_ledger"] = row["generator_peak"] / row["loop_ledger_peak"]
+            row["generator_over_ledger"] = row["generator_peak"] / row["ledger_peak"]
             print(json.dumps(row), flush=True)
             rows.append(row)
     OUT.mkdir(parents=True, exist_ok=True)
