@@ -8,6 +8,7 @@ of the code that allocated them) beside the ledger's breakdown.
     python benchmarks/ledger_snapshot.py llama-3.2-3b full 2048 --optimizer adamw8bit --checkpoint-layers 14
     python benchmarks/ledger_snapshot.py llama-3.2-3b lora 8192 --dtype float32 --fused-ce \
         --checkpoint-layers 28 --offload-layers 28 --attention memfit --loss-fraction 0.3
+    python benchmarks/ledger_snapshot.py llama-3.2-1b infer 4096 --batch 4 --generator memfit
 """
 from __future__ import annotations
 
@@ -37,14 +38,21 @@ def main() -> None:
     parser.add_argument("--four-bit", action="store_true")
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "memfit"])
     parser.add_argument("--loss-fraction", type=float, default=1.0)
+    parser.add_argument("--generator", default="hf", choices=["hf", "memfit"])
+    parser.add_argument("--blr", default=None, choices=["blast", "monarch", "lowrank"])
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--measured-step-only", action="store_true",
+                        help="record from the measured step on: the sites of what it adds to what the warm-up left "
+                             "(a warm-up that times kernel picks, as memfit's loop's first build does, peaks apart)")
     args = parser.parse_args()
     try:
         job = Job(PRESETS[args.model], task=args.task, seq=args.seq, batch=args.batch, device="cuda", new_tokens=64,
                   loss_fraction=args.loss_fraction)
         knobs = Knobs(dtype=args.dtype, optimizer=args.optimizer, checkpoint_layers=args.checkpoint_layers,
                       offload_layers=args.offload_layers, fused_ce=args.fused_ce, four_bit=args.four_bit,
-                      attention=args.attention, micro_batch=args.batch)
+                      attention=args.attention, micro_batch=args.batch, blr_method=args.blr)
+        if args.task == "infer":
+            knobs = knobs.with_(generator=args.generator)
         ledger = predict(job, knobs)
     except MemfitError as err:
         parser.error(str(err))
@@ -52,15 +60,24 @@ def main() -> None:
         parser.error("the allocator history is CUDA's: run this on a GPU machine")
     # Python frames only: where() reads nothing else (a 3B fp32 step at 4K-8K tokens still did not finish
     # within 150 s under recording on the H200; where that time goes is not known)
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-    measured = measure(job, knobs)
+    def start_recording() -> None:
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+
+    def on_phase(phase: str) -> None:
+        if phase == "measured step":
+            start_recording()
+
+    if not args.measured_step_only:
+        start_recording()
+    measured = measure(job, knobs, progress=on_phase if args.measured_step_only else None)
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     peak, sites = sites_at_peak(snapshot, args.top)
     print(f"predicted {ledger.total / 2**30:.3f} GiB at {ledger.peak_phase}/{ledger.peak_where}: "
           + ", ".join(f"{k} {v / 2**30:.3f}" for k, v in ledger.peak.items()))
     print(f"measured max_allocated {measured.peak / 2**30:.3f} GiB; trace peak {peak / 2**30:.3f} GiB "
-          "(the trace spans warm-up and the measured step)")
+          + ("(what the measured step added)" if args.measured_step_only
+             else "(the trace spans warm-up and the measured step)"))
     for site in sites:
         print(f"{site['mib']:10.1f} MiB  {site['count']:4d} x {site['block_mib']:8.2f}  {site['site']}")
 

@@ -168,12 +168,30 @@ def _masked_attention(q, k_seen, v_seen, mask, scale):
 
 
 def _causal_attention(q, k_seen, v_seen, scale):
-    """SDPA of a chunk of queries q (B, H, T, D) at the last T of the ``keys`` cache slots given, with no mask: each
-    sees every key up to its own slot (lower-right causal; rows with no padding only). Returns (B, T, H*D)."""
+    """SDPA of a chunk of queries q (B, H, T, D) at the last T of the ``keys`` cache slots given: each sees every key
+    up to its own slot (lower-right causal; rows with no padding only). Returns (B, T, H*D).
+
+    On CUDA with no mask (torch's lower-right bias runs flash or memory-efficient attention). Elsewhere torch
+    materialises that bias, at 12-14 bytes per (query, key) on the CPU (an 8-byte temporary among them; 10-11 where
+    T = keys); so there a chunk of T = keys queries (a prompt's first) takes SDPA's own causal flag, the same
+    attention with no mask, and a later one an additive (T, keys) mask in q's dtype, built here for this call:
+    ``cpu_causal_mask_bytes`` a chunk."""
     heads, T = q.shape[1:3]
-    o = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=causal_lower_right(T, k_seen.shape[2]),
-                                       scale=scale, enable_gqa=heads != k_seen.shape[1])
+    keys, gqa = k_seen.shape[2], heads != k_seen.shape[1]
+    if q.is_cuda:
+        bias = {"attn_mask": causal_lower_right(T, keys)}
+    elif T == keys:
+        bias = {"is_causal": True}
+    else:
+        bias = {"attn_mask": torch.full((T, keys), float("-inf"), dtype=q.dtype).triu_(keys - T + 1)}
+    o = F.scaled_dot_product_attention(q, k_seen, v_seen, scale=scale, enable_gqa=gqa, **bias)
     return _merge_heads(o, T)                          # (B, H, T, D): one query row a head
+
+
+def cpu_causal_mask_bytes(queries: int, keys: int, itemsize: int) -> int:
+    """Bytes of the mask ``_causal_attention`` builds off CUDA for a chunk of ``queries`` over ``keys`` cache slots
+    (none where they are equal); the ledger counts it."""
+    return 0 if queries == keys else queries * keys * itemsize
 
 
 def mask_free_causal_kernel(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,

@@ -327,19 +327,21 @@ class ModelGraph:
         return x, weight
 
     # ---- memfit's decode loop (memfit.infer.generate.Generator) ---------------------------------------
-    def loop_prefill_chunk(self, fused_qkv: bool, fused_mlp: list[bool]) -> Sym:
+    def loop_prefill_chunk(self, fused_qkv: bool, fused_mlp: list[bool], attention_workspace: int = 0) -> Sym:
         """The ops of one prefill chunk of memfit's decode loop (``Generator._forward`` over ``batch`` x ``seq``
         queries, no grad); returns the last token's logits. The loop's own lifetimes, not transformers': rope tables
         for every row, K/V written into the static cache (which the caller counts), a layer's attention a method
         whose q/k/v and output die when it returns (``Generator._attend``), each norm fused with the residual add
-        before it (``_add_norm``: the loop's x and h are replaced when it returns), SDPA's output a view in the
-        (B, T, heads x D) layout the o projection reads (the fused kernels' layout). ``fused_qkv``/``fused_mlp``:
-        the loader's fused layout (one q/k/v matmul, whose output stays whole until the attention returns; per layer,
-        one gate/up matmul, silu and product in ``act_mul``)."""
+        before it (``_add_norm``: the loop's x and h are replaced when it returns), SDPA's output read by the o
+        projection as a view on CUDA (its kernels' (B, T, heads, D) layout) and through a copy elsewhere (the CPU
+        kernel's is (B, heads, T, D)). ``fused_qkv``/``fused_mlp``: the loader's fused layout (one q/k/v matmul, whose
+        output stays whole until the attention returns; per layer, one gate/up matmul, silu and product in
+        ``act_mul``). ``attention_workspace``: bytes each layer's attention builds and frees (the CPU's causal mask
+        of a later chunk, ``generate.cpu_causal_mask_bytes``)."""
         x, embedding = self.embed(rope_tokens=self.tokens)
         h = self.rms_norm(x, self.param("0.input_layernorm", self.spec.hidden, False), "0.norm1")
         for layer in range(self.spec.num_layers):
-            x, h = self._loop_add_norm(x, h, self._loop_attention(h, layer, fused_qkv), layer,
+            x, h = self._loop_add_norm(x, h, self._loop_attention(h, layer, fused_qkv, attention_workspace), layer,
                                        f"{layer}.post_attention_layernorm", f"{layer}.norm2")
             last = layer + 1 == self.spec.num_layers
             x, h = self._loop_add_norm(x, h, self._loop_mlp(h, layer, fused_mlp[layer]), layer,
@@ -360,7 +362,7 @@ class ModelGraph:
             self.release(local)
         return total, normed
 
-    def _loop_attention(self, h: Sym, layer: int, fused_qkv: bool) -> Sym:
+    def _loop_attention(self, h: Sym, layer: int, fused_qkv: bool, workspace: int) -> Sym:
         s = self.spec
         if fused_qkv:
             qkv = self._fused_linear(h, layer, {"q_proj": s.q_dim, "k_proj": s.kv_dim, "v_proj": s.kv_dim})
@@ -375,9 +377,11 @@ class ModelGraph:
         self.release(q)                                               # _rope_and_cache's argument
         out = self.act(f"{layer}.sdpa", s.q_dim, False)
         lse = self.act(f"{layer}.sdpa.lse", s.num_heads, False, FP32)
-        self.op(f"{layer}.sdpa", [q_rot], [out, lse], [])            # over the cache's keys
+        self.op(f"{layer}.sdpa", [q_rot], [out, lse], [], forward_workspace=workspace)   # over the cache's keys
+        if self.device != "cuda":
+            out = self.pointwise([out], s.q_dim, f"{layer}.merge_heads")
         o = self.projection(out, layer, "o_proj", s.q_dim, s.hidden)
-        for local in (q, k, v, q_rot):                                # _attend's locals, freed as it returns
+        for local in (k, v, q_rot):              # _attend's locals, freed as it returns (fused: k is q/k/v's output)
             self.release(local)
         return o
 

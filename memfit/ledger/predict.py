@@ -51,6 +51,10 @@ ALLOCATOR_SLACK = 256 * MiB
 # Said by a partial-FFN plan's ledger and by memfit verify, which refuses one.
 NO_PARTIAL_FFN = ("verify does not build partial-FFN models: they are predicted by `memfit plan` and measured by "
                   "benchmarks/partial_ffn.py")
+# Said by the ledger of memfit's loop at batch > 1, which counts prompts of one length (as verify runs them).
+LOOP_PADDING = ("prompts of different lengths are left-padded, and memfit's loop then prefills under an attention "
+                "mask, in chunks that keep it within memfit.infer.generate.PREFILL_MASK_BYTES (64 MiB): up to that "
+                "much more than this prediction of prompts of one length")
 
 
 @dataclass
@@ -371,12 +375,15 @@ def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
 
 def check_memfit_loop(job: Job, knobs: Knobs) -> None:
     """Refuse what memfit's decode loop does not run, as ``Generator`` would refuse it: memfit's training attention
-    (the loop runs SDPA for the prompt and its own kernel for each token) and a job past the model's sliding window
-    (the loop attends over every earlier key: ``memfit.infer.generate.check_decode_length``)."""
+    (the loop runs SDPA for the prompt and its own kernel for each token), and a job past the model's positions or
+    its sliding window (``memfit.infer.generate.check_decode_length``: the loop attends over every earlier key)."""
     if knobs.attention != "sdpa":
         raise MemfitError(f"{field_flag('generator')} memfit runs its own attention (SDPA over the prompt, memfit's "
                           f"decode kernel for each new token): {field_flag('attention')} {knobs.attention} is for "
                           "transformers' forward")
+    if job.positions > job.spec.max_position:
+        raise MemfitError(f"{field_flag('generator')} memfit refuses prompt + new tokens = {job.positions} beyond "
+                          f"{job.spec.name}'s {job.spec.max_position} positions (max_position_embeddings)")
     window = job.spec.sliding_window
     if window is not None and job.positions - 1 > window:
         raise MemfitError(f"{field_flag('generator')} memfit has no sliding window: {job.spec.name} attends over the "
@@ -520,11 +527,12 @@ def _loop_fused_layout(job: Job, knobs: Knobs, structured: dict) -> tuple[bool, 
 def _predict_memfit_loop(job: Job, knobs: Knobs) -> Ledger:
     """memfit's decode loop (``memfit generate``: memfit.infer.generate.Generator). Its KV cache is allocated whole,
     ``seq + new_tokens`` slots rounded up to the loop's key alignment, before the prompt runs; the prompt runs in
-    chunks of queries, each writing its K/V into that cache in place, so the prefill peaks in the first (largest)
-    chunk's forward (``ModelGraph.loop_prefill_chunk``: the loop's ops and lifetimes, in the loader's fused layout
-    where ``memfit generate`` runs it), over the cache and, where the prefill is masked, the chunk's (B, 1, G x T,
-    keys) additive mask. A decode step holds one token's activations and
-    its logits beside the cache: below the prefill's peak at any prompt."""
+    chunks of queries, each writing its K/V into that cache in place, so the prefill peaks in a chunk's forward
+    (``ModelGraph.loop_prefill_chunk``: the loop's ops and lifetimes, in the loader's fused layout where ``memfit
+    generate`` runs it) over the cache: the first chunk's (the largest) and, off CUDA, the later chunk whose
+    attention builds the largest causal mask (:func:`_loop_chunk_cases`); where the prefill is masked, over the
+    chunk's (B, 1, G x T, keys) additive mask too. A decode step holds one token's activations and its logits beside
+    the cache: below the prefill's peak at any prompt."""
     from memfit.infer.generate import cache_slots
 
     spec = job.spec
@@ -532,31 +540,58 @@ def _predict_memfit_loop(job: Job, knobs: Knobs) -> Ledger:
     workspace = CUBLAS_WORKSPACE if job.device == "cuda" else 0
     chunk, chunks, masked = loop_prefill_chunk(job, knobs)
     structured = structured_kinds(spec, knobs)
-    graph = ModelGraph(spec, job.batch, chunk, knobs.dtype, None, job.device, four_bit=knobs.four_bit,
-                       ffn_widths=ffn_widths(spec, knobs), structured=structured)
-    logits = graph.loop_prefill_chunk(*_loop_fused_layout(job, knobs, structured))
-    weights, _ = _persistent(graph)
+    fused = _loop_fused_layout(job, knobs, structured)
     slots = cache_slots(job.positions)
     # K and V of every layer, and the loop's bookkeeping: a bool per slot and row, the slot indices, the tokens out
     kv_cache = 2 * spec.num_layers * job.batch * spec.kv_dim * slots * size + job.batch * slots + 8 * slots \
         + 8 * job.batch * job.positions
     keys = min(slots, cache_slots(job.seq))
     mask = job.batch * (spec.num_heads // spec.num_kv_heads) * chunk * keys * size if masked else 0
-    # the whole prompt's positions (int64) and padding mask (bool), and its ids beyond the chunk's (the graph's own)
-    prompt = job.batch * job.seq * 9 + job.batch * (job.seq - chunk) * 8
-    memory = Memory({"weights": weights, "workspace": workspace, "kv_cache": kv_cache, "temporaries": mask + prompt})
-    replay_forward(graph.ops, memory, "prefill", keep={logits.uid}, save=False)
-    prefill = memory.phase_peaks["prefill"]
+    prompt = job.batch * job.seq * 9                  # the whole prompt's positions (int64) and padding mask (bool)
+    prefill, where, weights = None, "", 0
+    for index, queries, attention_workspace in _loop_chunk_cases(job, size, chunk, chunks):
+        graph = ModelGraph(spec, job.batch, queries, knobs.dtype, None, job.device, four_bit=knobs.four_bit,
+                           ffn_widths=ffn_widths(spec, knobs), structured=structured)
+        logits = graph.loop_prefill_chunk(*fused, attention_workspace=attention_workspace)
+        weights, _ = _persistent(graph)
+        memory = Memory({"weights": weights, "workspace": workspace, "kv_cache": kv_cache,
+                         "temporaries": mask + prompt})
+        replay_forward(graph.ops, memory, "prefill", keep={logits.uid}, save=False)
+        event = memory.phase_peaks["prefill"]
+        if prefill is None or event.total > prefill.total:
+            prefill = event
+            where = (f"{event.where} (prefill chunk {index} of {chunks}, {queries} queries"
+                     f"{', masked' if masked else ''})")
     decode = {"weights": weights, "workspace": workspace, "kv_cache": kv_cache,
               "logits": job.batch * spec.vocab * size}
     phases = {"prefill": prefill.total, "decode": sum(decode.values())}
-    where = f"{prefill.where} (prefill chunk 1 of {chunks}, {chunk} queries{', masked' if masked else ''})"
     peak, phase = (decode, "decode") if phases["decode"] > prefill.total else (prefill.live, "prefill")
     transient = sum(v for k, v in peak.items() if k != "weights")
     partial = (knobs.partial_load, knobs.partial_compute) != (1.0, 1.0)
+    notes = [NO_PARTIAL_FFN] if partial else []
+    if job.batch > 1:
+        notes.append(LOOP_PADDING)
     return Ledger(job, knobs, dict(peak), phase, where if phase == "prefill" else f"token {job.new_tokens}", phases,
-                  _allocator_overhead(job, transient), CUDA_CONTEXT if job.device == "cuda" else 0, 0,
-                  [NO_PARTIAL_FFN] if partial else [])
+                  _allocator_overhead(job, transient), CUDA_CONTEXT if job.device == "cuda" else 0, 0, notes)
+
+
+def _loop_chunk_cases(job: Job, size: int, chunk: int, chunks: int) -> list[tuple[int, int, int]]:
+    """(chunk number, queries, bytes of the causal mask each layer's attention builds) of the prefill chunks whose
+    peak may be the prefill's: the first, the largest; off CUDA also the last full chunk and a shorter last one,
+    whose attention builds the largest masks (``generate.cpu_causal_mask_bytes``: none for the first, whose
+    queries are all its keys; on CUDA the attention builds none at all)."""
+    from memfit.infer.generate import cpu_causal_mask_bytes
+
+    cases = [(1, chunk, 0)]
+    if job.device == "cuda" or chunks == 1:
+        return cases
+    full = job.seq // chunk                             # chunks of ``chunk`` queries; the last may be shorter
+    if full > 1:
+        cases.append((full, chunk, cpu_causal_mask_bytes(chunk, full * chunk, size)))
+    if job.seq % chunk:
+        rest = job.seq % chunk
+        cases.append((chunks, rest, cpu_causal_mask_bytes(rest, job.seq, size)))
+    return cases
 
 
 def _predict_infer(job: Job, knobs: Knobs) -> Ledger:

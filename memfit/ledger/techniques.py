@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from memfit.errors import MemfitError
 from memfit.ledger.job import Job, Knobs
-from memfit.ledger.predict import ffn_partial_layers
+from memfit.ledger.predict import check_memfit_loop, ffn_partial_layers
 from memfit.models.spec import dtype_bytes
 
 REGISTRY: dict[str, "Technique"] = {}
@@ -209,12 +210,15 @@ register(Technique(
 
 
 def _memfit_loop_variants(job: Job, knobs: Knobs) -> list[dict]:
-    """The job as asked and memfit's decode loop, for an inference job the loop runs (see
-    predict.check_memfit_loop)."""
-    window = job.spec.sliding_window
-    if job.task != "infer" or knobs.attention != "sdpa" or (window is not None and job.positions - 1 > window):
+    """Transformers' loop as asked and memfit's, for an inference job memfit's loop runs
+    (predict.check_memfit_loop); nothing where the job asked for memfit's loop already."""
+    if job.task != "infer" or knobs.generator == "memfit":
         return []
-    return [{"generator": knobs.generator}, {"generator": "memfit"}]
+    try:
+        check_memfit_loop(job, knobs.with_(generator="memfit"))
+    except MemfitError:
+        return []
+    return [{}, {"generator": "memfit"}]
 
 
 register(Technique(
@@ -225,8 +229,8 @@ register(Technique(
     # no time cost: a prompt of several chunks pays their extra launches, and its decode steps are the faster
     # (Llama-3.2-3B in fp16 on the H200: 456 tokens/s against transformers generate's 13.5, results/partial_ffn.json)
     cost=lambda job, knobs: Cost(),
-    describe=lambda knobs, base: ("memfit's decode loop (`memfit generate`)" if knobs.generator == "memfit"
-                                  else "transformers' decode loop") if knobs.generator != base.generator else None,
+    describe=lambda knobs, base: "memfit's decode loop (`memfit generate`)" if knobs.generator != base.generator
+    else None,
 ))
 
 
