@@ -7,7 +7,8 @@ and after the dense model stayed on the CPU while it compresses (002fe9b), for e
     git worktree add /tmp/before 4a5031d && cp benchmarks/probes/compress_memory.py /tmp/before/benchmarks/probes/
     OUT=/some/dir python /tmp/before/benchmarks/probes/compress_memory.py
 
-BLAST runs 20 descent steps (the default is 300): the memory is the same per step, and the time is not the point.
+BLAST runs 20 descent steps in case ``blast`` (the memory is the same per step) and the default 300 in ``blast-300``
+(what ``memfit compress --method blast`` takes).
 Cases may be named to run only those, in that order (``lowrank``, ``lowrank-aware``, ``blast``), and the file is
 then named by them too (``compress_memory_<commit>_<cases>.json``), so that runs of single cases in separate processes
 keep a file each (d98126e's two processes wrote one name, the second over the first); the file is rewritten after
@@ -25,7 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("OUT", "/tmp"))
 MODEL = "llama-3.2-1b"
-CASES = {"lowrank": ("lowrank", False), "lowrank-aware": ("lowrank", True), "blast": ("blast", False)}   # a 1B build each
+# name: (method, activation-aware, BLAST's descent steps) -- a 1B build each
+CASES = {"lowrank": ("lowrank", False, None), "lowrank-aware": ("lowrank", True, None), "blast": ("blast", False, 20),
+         "blast-300": ("blast", False, 300)}
 CALIBRATION = {"calib_builtin": True, "calib_samples": 24, "calib_seq": 512}   # more tokens than down_proj inputs
 
 
@@ -47,13 +50,13 @@ def main() -> None:
         sys.exit(f"unknown case(s) {unknown}: choose from {list(CASES)}")
     OUT.mkdir(parents=True, exist_ok=True)
     record = {"probe": "compress_memory", "model": MODEL, **environment_now, "calibration": CALIBRATION, "rows": []}
-    for method, aware in (CASES[name] for name in names):
+    for method, aware, steps in (CASES[name] for name in names):
         with tempfile.TemporaryDirectory() as tmp:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             memfit.compress(MODEL, Path(tmp) / "out", method=method, device="cuda", progress=False,
-                            **({"steps": 20} if method == "blast" else {}), **(CALIBRATION if aware else {}),
+                            **({"steps": steps} if steps else {}), **(CALIBRATION if aware else {}),
                             activation_aware=aware)
             torch.cuda.synchronize()
             row = {"method": method, "activation_aware": aware, "seconds": time.perf_counter() - start,
