@@ -59,7 +59,7 @@ def main() -> None:
                             **({"steps": steps} if steps else {}), **(CALIBRATION if aware else {}),
                             activation_aware=aware)
             torch.cuda.synchronize()
-            row = {"method": method, "activation_aware": aware, "seconds": time.perf_counter() - start,
+            row = {"method": method, "activation_aware": aware, "steps": steps, "seconds": time.perf_counter() - start,
                    "peak_bytes": torch.cuda.max_memory_allocated(), "dense_model_bytes": dense}
         row["peak_over_model"] = row["peak_bytes"] / dense
         print(json.dumps(row), flush=True)
