@@ -2,7 +2,7 @@
 
 ``ledger_accuracy.py`` measures jobs on a GPU and stores, beside each measured peak, the prediction of the ledger
 of that commit. When the ledger changes, this holds the new ledger against the same measurements without a GPU:
-each row of ``results/ledger_accuracy.json`` and ``results/ledger_accuracy_blr.json`` is predicted again, and the
+each row of ``results/ledger_accuracy.json``, ``_blr.json`` and ``_loop.json`` is predicted again, and the
 file records the error then and now. (The fine-tuning table's rows are re-predicted by ``finetune_ledger.py``.)
 
     python benchmarks/ledger_repredict.py
@@ -17,7 +17,7 @@ from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import predict
 from memfit.measure.results import RESULTS_DIR, check_out_dir, recorded_error, target, write_results
 
-SOURCES = ("ledger_accuracy", "ledger_accuracy_blr")
+SOURCES = ("ledger_accuracy", "ledger_accuracy_blr", "ledger_accuracy_loop")
 
 
 def repredict(row: dict) -> dict:

@@ -476,7 +476,8 @@ PLAN_FITS_DEFAULT = "plan_fits_expandable_segments_false"   # plan_fits' section
 BLR_PROFILE = "blr_layers_profile"                           # blr_layers' section names its profiled cases
 SWIGLU_STEPS = f"finetune_memory_rows_beyond_the_paper_repeats{REPEATS}"
 SWIGLU_ROWS = "finetune_memory_bfloat16_rows_fused_SwiGLU"
-SECTIONS = [("ledger_accuracy", ledger_section), ("ledger_accuracy_blr", ledger_section), ("plan_fits", plan_fits_section),
+SECTIONS = [("ledger_accuracy", ledger_section), ("ledger_accuracy_blr", ledger_section),
+            ("ledger_accuracy_loop", ledger_section), ("plan_fits", plan_fits_section),
             ("linear_ce", linear_ce_section), ("attention", attention_section),
             ("finetune_memory", finetune_section), ("finetune_ledger", finetune_ledger_section),
             (SWIGLU_ROWS, functools.partial(

@@ -10,7 +10,7 @@ from memfit.measure.results import recorded_error
 def test_every_stored_measurement_is_predicted_again(tmp_path):
     assert load_benchmark("ledger_repredict").main(["--out", str(tmp_path)]) == 0
     written = json.loads((tmp_path / "ledger_repredict.json").read_text())
-    stored = sum(1 for name in ("ledger_accuracy", "ledger_accuracy_blr")
+    stored = sum(1 for name in ("ledger_accuracy", "ledger_accuracy_blr", "ledger_accuracy_loop")
                  for row in json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())["rows"]
                  if recorded_error(row) is not None)
     assert len(written["rows"]) == stored > 0
