@@ -40,8 +40,8 @@ def _memfit(**changes) -> Knobs:
     (ATTENTION.with_(name="attention-heavy-mha", num_kv_heads=16), 1024, 1, None),
 ], ids=["tiny", "wide-one-chunk", "wide-chunks", "wide-batch-2-chunks", "wide-40-chunks", "attention", "attention-mha"])
 def test_verify_of_the_memfit_loop_on_cpu_within_half_a_percent(spec, seq, batch, budget, monkeypatch):
-    """The loop's own lifetimes (``ModelGraph.loop_prefill_chunk``) in the fused layout verify runs it in: the
-    transformers layers' replay had read 2.5-5% high here (their held layer inputs), 175% where the prompt chunks.
+    """The loop's own lifetimes (``ModelGraph.loop_prefill_chunk``) in the fused layout verify runs it in: a replay of
+    transformers' layers had read high here (their held layer inputs), and far high where the prompt chunks.
     Over 40 chunks the later ones attend over more keys: torch's CPU lower-right bias had cost 12-14 bytes a (query,
     key) pair there, which the loop now builds itself at its dtype's size and the ledger counts."""
     if budget is not None:
