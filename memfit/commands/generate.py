@@ -16,7 +16,9 @@ def add_parser(sub):
         description="Generate from a local model directory. --load keeps only that fraction of the FFN neurons of the "
                     "middle layers in memory (needs `memfit calibrate` rankings); --compute decodes with that fraction, "
                     "chosen per prompt. A directory `memfit compress` wrote runs with its block-low-rank layers (the "
-                    "partial-FFN options are for dense models). Reports decode tokens/s and peak memory.")
+                    "partial-FFN options are for dense models). Reports decode tokens/s and peak memory; `memfit "
+                    "plan --task infer --generator memfit` predicts that peak before a run (--seq: the longest "
+                    "prompt's tokens, --batch: the prompts, --new-tokens: --max-new).")
     parser.add_argument("model", help="local model directory (config.json + safetensors), dense or from memfit compress")
     parser.add_argument("--prompt", action="append", required=True,
                         help="prompt text; repeat for a batch (one shared neuron selection, see "
