@@ -1,5 +1,6 @@
 """The ledger of an inference job run by memfit's decode loop (``generator="memfit"``, what ``memfit generate`` runs):
 its static cache and chunked prefill predicted by the loop's own rules, held against the loop's measured peak."""
+import importlib
 import json
 import re
 
@@ -25,33 +26,37 @@ ATTENTION = TINY.with_(name="attention-heavy", hidden=128, intermediate=64, num_
                        vocab=256)
 
 
-def _memfit(**changes) -> Knobs:
-    return Knobs(dtype="float32", generator="memfit", **changes)
+def _memfit(dtype: str = "float32") -> Knobs:
+    return Knobs(dtype=dtype, generator="memfit")
 
 
 @MEASURES_A_CPU_RUN
-@pytest.mark.parametrize("spec,seq,batch,budget", [
-    (TINY, 64, 2, None),                               # one chunk
-    (WIDE, 768, 1, None),                              # one chunk, activations the bulk of the peak
-    (WIDE, 768, 1, 1_500_000),                         # several chunks and a shorter last one
-    (WIDE, 300, 2, 1_000_000),
-    (WIDE, 3000, 1, 1_500_000),                        # 40 equal chunks, the last over 3000 keys
-    (ATTENTION, 1024, 1, None),
-    (ATTENTION.with_(name="attention-heavy-mha", num_kv_heads=16), 1024, 1, None),
-], ids=["tiny", "wide-one-chunk", "wide-chunks", "wide-batch-2-chunks", "wide-40-chunks", "attention", "attention-mha"])
-def test_verify_of_the_memfit_loop_on_cpu_within_half_a_percent(spec, seq, batch, budget, monkeypatch):
+@pytest.mark.parametrize("spec,seq,batch,budget,dtype,peak", [
+    (TINY, 64, 2, None, "float32", "1 of 1, 64"),                      # one chunk
+    (WIDE, 768, 1, None, "float32", "1 of 1, 768"),                    # activations the bulk of the peak
+    (WIDE, 768, 1, 1_500_000, "float32", "1 of 11, 75"),               # a shorter last chunk
+    (WIDE, 300, 2, 1_000_000, "float32", "1 of 12, 25"),
+    (WIDE, 3000, 1, 1_500_000, "float32", "1 of 40, 75"),              # 40 equal chunks, the last over 3000 keys
+    (ATTENTION, 1024, 1, None, "float32", "1 of 1, 1024"),
+    (ATTENTION.with_(name="attention-heavy-mha", num_kv_heads=16), 1024, 1, None, "float32", "1 of 1, 1024"),
+    (ATTENTION, 4000, 1, 1_000_000, "float32", "32 of 33, 122"),       # a later chunk's attention is the peak
+    (ATTENTION, 3000, 1, 1_000_000, "bfloat16", "12 of 13, 244"),
+], ids=["tiny", "wide-one-chunk", "wide-chunks", "wide-batch-2-chunks", "wide-40-chunks", "attention", "attention-mha",
+        "attention-later-chunk", "attention-later-chunk-bf16"])
+def test_verify_of_the_memfit_loop_on_cpu_within_half_a_percent(spec, seq, batch, budget, dtype, peak, monkeypatch):
     """The loop's own lifetimes (``ModelGraph.loop_prefill_chunk``) in the fused layout verify runs it in: a replay of
-    transformers' layers had read high here (their held layer inputs), and far high where the prompt chunks.
-    Over 40 chunks the later ones attend over more keys: torch's CPU lower-right bias had cost 12-14 bytes a (query,
-    key) pair there, which the loop now builds itself at its dtype's size and the ledger counts."""
+    transformers' layers had read high here (their held layer inputs), and far high where the prompt chunks. On the
+    CPU a later chunk's attention builds its (queries, keys) causal mask and torch's flash-attention scratch: an
+    attention-heavy model's prefill peaks in the last full chunk's attention (torch's own lower-right bias had cost
+    12-14 bytes a query-key pair there; the loop builds the mask at its dtype's size)."""
     if budget is not None:
         monkeypatch.setattr(loop, "PREFILL_ACTIVATION_BYTES", budget)
     job = Job(spec, task="infer", seq=seq, batch=batch, new_tokens=8, device="cpu")
-    chunk, chunks, masked = loop_prefill_chunk(job, _memfit())
-    assert not masked and (chunks > 1) == (budget is not None)
-    result = verify(job, _memfit())
+    knobs = _memfit(dtype=dtype)
+    assert not loop_prefill_chunk(job, knobs)[2]
+    result = verify(job, knobs)
     assert abs(result.error) < 0.005, f"{100 * result.error:+.2f}%"
-    assert result.ledger.peak_where.endswith(f"(prefill chunk 1 of {chunks}, {chunk} queries)")
+    assert result.ledger.peak_where.endswith(f"(prefill chunk {peak} queries)")
 
 
 def test_the_ledger_chunks_the_prompt_as_the_loop_does(monkeypatch):
@@ -77,20 +82,29 @@ def test_a_long_prompt_peaks_lower_in_the_loop_and_its_cache_is_whole_from_the_s
     assert "prefill chunk 1 of 12" in ours.peak_where
 
 
-def test_a_masked_prefill_counts_its_mask():
+def test_a_masked_prefill_counts_its_mask(monkeypatch):
     """On CUDA in fp32 with grouped KV heads SDPA has no mask-free kernel: the loop prefills under a (B, 1, G x T,
     keys) mask, in chunks the mask's budget sizes, and attends with the memory-efficient kernel (no scores kept,
-    where transformers' enable_gqa call takes the math kernel)."""
+    where transformers' enable_gqa call takes the math kernel). The mask is the whole difference from the same
+    chunks unmasked, and the last full chunk, whose mask is the largest, is named."""
+    ledger = importlib.import_module("memfit.ledger.predict")      # the module (the package exports the function)
+
     job = Job(PRESETS["qwen2.5-0.5b"], task="infer", seq=8192, device="cuda")
-    chunk, chunks, masked = loop_prefill_chunk(job, Knobs(dtype="float32", generator="memfit"))
+    knobs = Knobs(dtype="float32", generator="memfit")
+    chunk, chunks, masked = loop_prefill_chunk(job, knobs)
     assert masked and chunks > 1
-    groups = job.spec.num_heads // job.spec.num_kv_heads
-    keys = loop.cache_slots(job.seq)
+    groups, keys = job.spec.num_heads // job.spec.num_kv_heads, loop.cache_slots(job.seq)
     assert chunk == loop.PREFILL_MASK_BYTES // loop.mask_bytes_per_query(1, keys, groups, 4)
-    masked_peak = predict(job, Knobs(dtype="float32", generator="memfit")).total
-    assert masked_peak < predict(job, Knobs(dtype="float32")).total / 2       # transformers' keeps every score
-    bf16 = loop_prefill_chunk(job, Knobs(dtype="bfloat16", generator="memfit"))
-    assert not bf16[2]                                                        # flash attention: no mask
+    with_mask = predict(job, knobs)
+    assert with_mask.peak_where.endswith(f"(prefill chunk {job.seq // chunk} of {chunks}, {chunk} queries, masked)")
+    assert with_mask.total < predict(job, Knobs(dtype="float32")).total / 2     # transformers' keeps every score
+    spec = job.spec
+    monkeypatch.setattr(ledger, "_loop_prefill_masked", lambda job, knobs: False)
+    monkeypatch.setattr(loop, "PREFILL_ACTIVATION_BYTES", chunk * loop.query_row_bytes(
+        spec.hidden, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate, 4))
+    assert loop_prefill_chunk(job, knobs) == (chunk, chunks, False)
+    assert with_mask.total - predict(job, knobs).total == groups * chunk * keys * 4
+    assert not loop_prefill_chunk(job, Knobs(dtype="bfloat16", generator="memfit"))[2]    # flash attention: no mask
 
 
 def test_the_planner_offers_the_loop_where_transformers_does_not_fit():

@@ -35,15 +35,14 @@ Prompts: prefill runs eagerly over the whole (left-padded) batch and, for partia
 models, selects the decode neurons (``memfit.infer.selection``). A long prompt (and ``score``'s teacher-forced rest)
 runs in chunks of queries, each attending over the cache up to its own end. Prompts with no padding attend with no
 mask: SDPA's lower-right causal attention (on CUDA flash attention, the G query heads a KV head reading its keys in
-place, or memory-efficient attention where there are no groups), in chunks whose activations stay under
-``PREFILL_ACTIVATION_BYTES``. A left-padded batch attends under an additive mask of B x G x T x keys elements (G
-query heads a KV head), in chunks whose mask stays under
-``PREFILL_MASK_BYTES`` (the activations shrink with it); so does an unpadded one where SDPA has no mask-free causal
-kernel for the model's dtype and heads (said once). A prompt that fits in one chunk runs as one. Chunks equal the
-whole prompt's forward, and the two attentions each other, up to rounding (matmuls over fewer rows may sum in another
-order). The graph is captured
-with the decode neuron counts before the first prompt; selection permutes weights in
-place, so the captured pointers stay valid for every later prompt.
+place, or memory-efficient attention where there are no groups; on the CPU a later chunk under a (T x keys) mask in
+the model dtype, ``_causal_attention``), in chunks whose activations stay under ``PREFILL_ACTIVATION_BYTES``. A
+left-padded batch attends under an additive mask of B x G x T x keys elements (G query heads a KV head), in chunks
+whose mask stays under ``PREFILL_MASK_BYTES`` (the activations shrink with it); so does an unpadded one where SDPA
+has no mask-free causal kernel for the model's dtype and heads (said once). A prompt that fits in one chunk runs as
+one. Chunks equal the whole prompt's forward, and the two attentions each other, up to rounding (matmuls over fewer
+rows may sum in another order). The graph is captured with the decode neuron counts before the first prompt;
+selection permutes weights in place, so the captured pointers stay valid for every later prompt.
 """
 from __future__ import annotations
 
@@ -83,7 +82,8 @@ from memfit.models.spec import SUPPORTED_TYPES
 # bytes / (1 + (1 + G) x dtype bytes) on: 2979 tokens for Llama-3.2-1B in bf16 (16 layers, kv_dim 512, G = 4).
 PREFILL_MASK_BYTES = 64 * 2**20
 # The most bytes a mask-free prefill chunk's activations may take (``Generator.token_bytes`` a query row): with no
-# mask, they are what grows with a chunk (flash attention keeps no scores). ``score``'s logits of every token, a
+# mask, they are what grows with a chunk (flash attention keeps no scores; on the CPU a later chunk's (T x keys)
+# mask in the model dtype comes on top, built and freed by each layer's attention). ``score``'s logits of every token, a
 # vocabulary's values a row, come on top: the caller gets them all.
 PREFILL_ACTIVATION_BYTES = 256 * 2**20
 # A masked chunk attends over the cache up to its end rounded up to this many slots (the later ones are masked):
@@ -171,25 +171,25 @@ def _causal_attention(q, k_seen, v_seen, scale):
     """SDPA of a chunk of queries q (B, H, T, D) at the last T of the ``keys`` cache slots given: each sees every key
     up to its own slot (lower-right causal; rows with no padding only). Returns (B, T, H*D).
 
-    On CUDA with no mask (torch's lower-right bias runs flash or memory-efficient attention). Elsewhere torch
-    materialises that bias, at 12-14 bytes per (query, key) on the CPU (an 8-byte temporary among them; 10-11 where
-    T = keys); so there a chunk of T = keys queries (a prompt's first) takes SDPA's own causal flag, the same
-    attention with no mask, and a later one an additive (T, keys) mask in q's dtype, built here for this call:
-    ``cpu_causal_mask_bytes`` a chunk."""
+    With torch's lower-right bias, which CUDA runs with no mask (flash or memory-efficient attention), as does any
+    device but the CPU. There torch materialises that bias, at 12-14 bytes per (query, key) (an 8-byte temporary among
+    them; 10-11 where T = keys); so on the CPU a chunk of T = keys queries (a prompt's first) takes SDPA's own causal
+    flag, the same attention with no mask, and a later one an additive (T, keys) mask in q's dtype, built here for
+    this call: ``cpu_causal_mask_bytes`` a chunk."""
     heads, T = q.shape[1:3]
     keys, gqa = k_seen.shape[2], heads != k_seen.shape[1]
-    if q.is_cuda:
+    if q.device.type != "cpu":
         bias = {"attn_mask": causal_lower_right(T, keys)}
     elif T == keys:
         bias = {"is_causal": True}
     else:
-        bias = {"attn_mask": torch.full((T, keys), float("-inf"), dtype=q.dtype).triu_(keys - T + 1)}
+        bias = {"attn_mask": torch.full((T, keys), float("-inf"), dtype=q.dtype, device=q.device).triu_(keys - T + 1)}
     o = F.scaled_dot_product_attention(q, k_seen, v_seen, scale=scale, enable_gqa=gqa, **bias)
     return _merge_heads(o, T)                          # (B, H, T, D): one query row a head
 
 
 def cpu_causal_mask_bytes(queries: int, keys: int, itemsize: int) -> int:
-    """Bytes of the mask ``_causal_attention`` builds off CUDA for a chunk of ``queries`` over ``keys`` cache slots
+    """Bytes of the mask ``_causal_attention`` builds on the CPU for a chunk of ``queries`` over ``keys`` cache slots
     (none where they are equal); the ledger counts it."""
     return 0 if queries == keys else queries * keys * itemsize
 
@@ -198,11 +198,11 @@ def mask_free_causal_kernel(device: torch.device, dtype: torch.dtype, heads: int
                             head_dim: int) -> bool:
     """Whether SDPA attends lower-right causally with no mask for this model on this device, with its backends as they
     are switched now (``torch.nn.attention.sdpa_kernel``): on CUDA through flash or memory-efficient attention (in
-    torch 2.11 the latter takes no grouped KV heads); elsewhere always (the CPU kernels take the chunk's (T x keys)
-    boolean mask, in the model dtype: B (1 + (1 + G) d) / (1 + d) times smaller than ``Generator._mask``'s, d its
-    bytes). On CUDA without either, torch would build that mask and run the math kernel, every score materialised and
-    the KV heads copied out to the query heads. The answer does not depend on the sequence lengths: a few slots
-    stand in for them."""
+    torch 2.11 the latter takes no grouped KV heads); elsewhere always (on the CPU a later chunk attends under a
+    (T x keys) mask in the model dtype, ``_causal_attention``: B (1 + (1 + G) d) / d times smaller than
+    ``Generator._mask``'s, d its bytes). On CUDA without either, torch would build that mask and run the math
+    kernel, every score materialised and the KV heads copied out to the query heads. The answer does not depend on
+    the sequence lengths: a few slots stand in for them."""
     if device.type != "cuda":
         return True
     q = torch.empty(1, heads, 8, head_dim, device=device, dtype=dtype)
@@ -236,6 +236,18 @@ _EAGER = {"norm": _norm, "add_norm": _add_norm, "rope_and_cache": _rope_and_cach
 
 
 _COMPILED: dict = {}
+_CAPTURE_STREAMS: dict = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream per device on which every Generator warms up and captures its decode step: torch keeps a
+    cuBLAS workspace (32 MiB) for every stream cuBLAS has run on, for the life of the process, so a new stream per
+    Generator had left one behind each time a decode matmul took cuBLAS (as ``measure.timing`` found for its own
+    timing streams)."""
+    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[key]
 
 
 def _compiled() -> dict:
@@ -628,13 +640,13 @@ class Generator:
     def _capture(self) -> None:
         set_decode_shape(self.model)
         try:
-            stream = torch.cuda.Stream(self.device)
+            stream = _capture_stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 self._warm_up()         # lazy inits, compiles and cuBLAS workspaces happen outside capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=stream):
                 self._step()
             self.graph = graph
         except RuntimeError as err:     # e.g. a kernel that synchronises; eager still works

@@ -503,7 +503,7 @@ def loop_prefill_chunk(job: Job, knobs: Knobs) -> tuple[int, int, bool]:
 
     s, size = job.spec, dtype_bytes(knobs.dtype)
     masked = _loop_prefill_masked(job, knobs)
-    keys = min(loop.cache_slots(job.positions), loop.cache_slots(job.seq))
+    keys = loop.cache_slots(job.seq)                   # a masked chunk's keys: the last one's, the most
     row = loop.query_row_bytes(s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, size)
     chunk = min(job.seq, loop.prefill_chunk_queries(job.batch, keys, masked, row, s.num_heads // s.num_kv_heads, size))
     return chunk, -(-job.seq // chunk), masked
@@ -529,8 +529,8 @@ def _predict_memfit_loop(job: Job, knobs: Knobs) -> Ledger:
     ``seq + new_tokens`` slots rounded up to the loop's key alignment, before the prompt runs; the prompt runs in
     chunks of queries, each writing its K/V into that cache in place, so the prefill peaks in a chunk's forward
     (``ModelGraph.loop_prefill_chunk``: the loop's ops and lifetimes, in the loader's fused layout where ``memfit
-    generate`` runs it) over the cache: the first chunk's (the largest) and, off CUDA, the later chunk whose
-    attention builds the largest causal mask (:func:`_loop_chunk_cases`); where the prefill is masked, over the
+    generate`` runs it) over the cache: the first chunk's (the largest) and, on the CPU, the later chunks whose
+    attention builds the largest causal masks (:func:`_loop_chunk_cases`); where the prefill is masked, over the
     chunk's (B, 1, G x T, keys) additive mask too. A decode step holds one token's activations and its logits beside
     the cache: below the prefill's peak at any prompt."""
     from memfit.infer.generate import cache_slots
@@ -545,11 +545,11 @@ def _predict_memfit_loop(job: Job, knobs: Knobs) -> Ledger:
     # K and V of every layer, and the loop's bookkeeping: a bool per slot and row, the slot indices, the tokens out
     kv_cache = 2 * spec.num_layers * job.batch * spec.kv_dim * slots * size + job.batch * slots + 8 * slots \
         + 8 * job.batch * job.positions
-    keys = min(slots, cache_slots(job.seq))
+    keys = cache_slots(job.seq)                       # a masked chunk's keys, rounded up: the last one's the most
     mask = job.batch * (spec.num_heads // spec.num_kv_heads) * chunk * keys * size if masked else 0
     prompt = job.batch * job.seq * 9                  # the whole prompt's positions (int64) and padding mask (bool)
     prefill, where, weights = None, "", 0
-    for index, queries, attention_workspace in _loop_chunk_cases(job, size, chunk, chunks):
+    for index, queries, attention_workspace in _loop_chunk_cases(job, knobs, chunk, chunks, masked):
         graph = ModelGraph(spec, job.batch, queries, knobs.dtype, None, job.device, four_bit=knobs.four_bit,
                            ffn_widths=ffn_widths(spec, knobs), structured=structured)
         logits = graph.loop_prefill_chunk(*fused, attention_workspace=attention_workspace)
@@ -575,23 +575,39 @@ def _predict_memfit_loop(job: Job, knobs: Knobs) -> Ledger:
                   _allocator_overhead(job, transient), CUDA_CONTEXT if job.device == "cuda" else 0, 0, notes)
 
 
-def _loop_chunk_cases(job: Job, size: int, chunk: int, chunks: int) -> list[tuple[int, int, int]]:
-    """(chunk number, queries, bytes of the causal mask each layer's attention builds) of the prefill chunks whose
-    peak may be the prefill's: the first, the largest; off CUDA also the last full chunk and a shorter last one,
-    whose attention builds the largest masks (``generate.cpu_causal_mask_bytes``: none for the first, whose
-    queries are all its keys; on CUDA the attention builds none at all)."""
+def _loop_chunk_cases(job: Job, knobs: Knobs, chunk: int, chunks: int, masked: bool) -> list[tuple[int, int, int]]:
+    """(chunk number, queries, bytes each layer's attention allocates and frees) of the prefill chunks whose peak may
+    be the prefill's. On CUDA one chunk: the first, the largest (its attention allocates nothing that grows with the
+    keys), or where the prefill is masked the last full one, whose mask (which the caller counts, at the prompt's
+    keys) is the largest. On the CPU also the last full chunk and a shorter last one, whose attention builds the
+    largest causal masks (``generate.cpu_causal_mask_bytes``: none for the first, whose queries are all its keys),
+    each with torch's flash-attention scratch (:func:`_cpu_flash_scratch`)."""
     from memfit.infer.generate import cpu_causal_mask_bytes
 
-    cases = [(1, chunk, 0)]
-    if job.device == "cuda" or chunks == 1:
-        return cases
     full = job.seq // chunk                             # chunks of ``chunk`` queries; the last may be shorter
-    if full > 1:
-        cases.append((full, chunk, cpu_causal_mask_bytes(chunk, full * chunk, size)))
-    if job.seq % chunk:
-        rest = job.seq % chunk
-        cases.append((chunks, rest, cpu_causal_mask_bytes(rest, job.seq, size)))
-    return cases
+    if job.device == "cuda":
+        return [(full if masked else 1, chunk, 0)]
+    spans = [(1, chunk, chunk)] + ([(full, chunk, full * chunk)] if full > 1 else [])
+    if chunks > 1 and job.seq % chunk:
+        spans.append((chunks, job.seq % chunk, job.seq))
+    size = dtype_bytes(knobs.dtype)
+    return [(index, queries, cpu_causal_mask_bytes(queries, keys, size)
+             + _cpu_flash_scratch(queries, keys, job.spec.head_dim, size)) for index, queries, keys in spans]
+
+
+def _cpu_flash_scratch(queries: int, keys: int, head_dim: int, itemsize: int) -> int:
+    """Bytes torch's CPU flash attention allocates for a call (``cpu_flash_attention`` in ATen's
+    FlashAttentionKernel.cpp): per thread, a float32 (query split x key split) score block, two query-split vectors
+    and a (query split x head_dim) accumulator, and for 16-bit inputs the score block again in their dtype; the
+    query split is 256, 64 or 32 queries by the call's count (at least 768, 192, or fewer), the key split 512, each at
+    most what the call has. Per thread of this process (``torch.get_num_threads``): a CPU job is planned on the
+    machine that runs it."""
+    import torch
+
+    split = 256 if queries >= 768 else 64 if queries >= 192 else 32
+    q, kv = min(split, queries), min(512, keys)
+    per_thread = 4 * (q * kv + 2 * q + q * head_dim) + (q * kv * itemsize if itemsize == 2 else 0)
+    return torch.get_num_threads() * per_thread
 
 
 def _predict_infer(job: Job, knobs: Knobs) -> Ledger:
