@@ -336,15 +336,15 @@ class ModelGraph:
         projection as a view on CUDA (its kernels' (B, T, heads, D) layout) and through a copy elsewhere (the CPU
         kernel's is (B, heads, T, D)). ``fused_qkv``/``fused_mlp``: the loader's fused layout (one q/k/v matmul, whose
         output stays whole until the attention returns; per layer, one gate/up matmul, silu and product in
-        ``act_mul``). ``attention_workspace``: bytes each layer's attention builds and frees (the CPU's causal mask
-        of a later chunk, ``generate.cpu_causal_mask_bytes``)."""
+        ``act_mul``). ``attention_workspace``: bytes each layer's attention builds and frees (on the CPU a later chunk's
+        causal mask and torch's flash-attention scratch: ``predict._loop_chunk_cases``)."""
         x, embedding = self.embed(rope_tokens=self.tokens)
         h = self.rms_norm(x, self.param("0.input_layernorm", self.spec.hidden, False), "0.norm1")
         for layer in range(self.spec.num_layers):
-            x, h = self._loop_add_norm(x, h, self._loop_attention(h, layer, fused_qkv, attention_workspace), layer,
+            x, h = self._loop_add_norm(x, h, self._loop_attention(h, layer, fused_qkv, attention_workspace),
                                        f"{layer}.post_attention_layernorm", f"{layer}.norm2")
             last = layer + 1 == self.spec.num_layers
-            x, h = self._loop_add_norm(x, h, self._loop_mlp(h, layer, fused_mlp[layer]), layer,
+            x, h = self._loop_add_norm(x, h, self._loop_mlp(h, layer, fused_mlp[layer]),
                                        "norm" if last else f"{layer + 1}.input_layernorm",
                                        "final_norm" if last else f"{layer + 1}.norm1")
         weight = embedding if self.spec.tied_embeddings else self.param("lm_head", self.spec.vocab * self.spec.hidden,
@@ -353,7 +353,7 @@ class ModelGraph:
         logits.component = "logits"
         return logits
 
-    def _loop_add_norm(self, x: Sym, h: Sym, delta: Sym, layer: int, norm: str, name: str) -> tuple[Sym, Sym]:
+    def _loop_add_norm(self, x: Sym, h: Sym, delta: Sym, norm: str, name: str) -> tuple[Sym, Sym]:
         """``_add_norm(x, delta)``: the sum and its RMSNorm; the loop's old x and h, and delta (the call's argument),
         live until it returns."""
         total = self.add(x, delta, self.spec.hidden, f"{name}.residual")

@@ -207,18 +207,21 @@ def _window_notes(job: Job, knobs: Knobs) -> list[str]:
     return [note]
 
 
-def _loop_chunk_budgets(job: Job, knobs: Knobs) -> tuple[int, int] | None:
-    """The byte budgets memfit's decode loop sizes its prefill chunks by (memfit.infer.generate's module constants),
-    for a job it runs: read now, so that a cached prediction follows a change of either (tests change them)."""
+def _loop_chunk_budgets(job: Job, knobs: Knobs) -> tuple[int, int, int] | None:
+    """The byte budgets memfit's decode loop sizes its prefill chunks by (memfit.infer.generate's module constants)
+    and, on the CPU, the threads its attention's scratch is per (:func:`_cpu_flash_scratch`), for a job the loop runs:
+    read now, so that a cached prediction follows a change of any (tests change them)."""
     if job.task != "infer" or knobs.generator != "memfit":
         return None
+    import torch
+
     from memfit.infer import generate as loop
 
-    return loop.PREFILL_ACTIVATION_BYTES, loop.PREFILL_MASK_BYTES
+    return loop.PREFILL_ACTIVATION_BYTES, loop.PREFILL_MASK_BYTES, torch.get_num_threads() if job.device == "cpu" else 0
 
 
 @lru_cache(maxsize=512)
-def _cached_predict(job: Job, knobs: Knobs, ce_pytorch_path: bool, loop_budgets: tuple[int, int] | None) -> Ledger:
+def _cached_predict(job: Job, knobs: Knobs, ce_pytorch_path: bool, loop_budgets: tuple[int, int, int] | None) -> Ledger:
     """``loop_budgets`` is part of the cache's key only (:func:`_loop_chunk_budgets`)."""
     if job.task != "infer":
         return _predict_train(job, knobs, ce_pytorch_path)
