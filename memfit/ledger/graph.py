@@ -50,6 +50,15 @@ class Trainable:
     lora_dtype: str = FP32  # peft keeps adapter weights in fp32 by default
 
 
+def sdpa_fused_kernel(spec: ModelSpec, dtype: str, device: str) -> bool:
+    """Whether torch SDPA has a fused kernel (no score tensor) for this model's heads: off CUDA always (the CPU's
+    flash kernel); on CUDA flash attention for 16-bit dtypes with heads of up to 256 dimensions, or the
+    memory-efficient kernel where there are no grouped KV heads (it takes no ``enable_gqa``). Where neither, CUDA
+    runs the math kernel. (``memfit.infer.generate.mask_free_causal_kernel`` asks torch the same at run time.)"""
+    flash = dtype_bytes(dtype) == 2 and spec.head_dim <= 256
+    return device != "cuda" or flash or spec.num_heads == spec.num_kv_heads
+
+
 class ModelGraph:
     """Builds the ops of one forward pass of ``spec`` over ``batch`` x ``seq`` tokens."""
 
@@ -216,11 +225,8 @@ class ModelGraph:
         return self.add(a, b, per_token, f"{name}.add")
 
     def sdpa_uses_math_kernel(self) -> bool:
-        """torch SDPA on CUDA has no fused fp32 kernel for grouped-query heads (flash and cuDNN are
-        16-bit only, the memory-efficient kernel takes no ``enable_gqa``): it runs the math kernel."""
-        s = self.spec
-        return (self.device == "cuda" and self.attention_impl == "sdpa" and self.dtype == FP32
-                and s.num_heads != s.num_kv_heads)
+        """Whether transformers' SDPA call runs torch's math kernel (:func:`sdpa_fused_kernel`)."""
+        return self.attention_impl == "sdpa" and not sdpa_fused_kernel(self.spec, self.dtype, self.device)
 
     def attention_math(self, q: Sym, k: Sym, v: Sym, layer: int) -> Sym:
         """SDPA's math kernel: ``softmax((q*c) @ (repeat(k)^T*c) + mask) @ repeat(v)``, c = scale^0.5.

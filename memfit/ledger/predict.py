@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from memfit.errors import MemfitError
-from memfit.ledger.graph import ModelGraph, Trainable
+from memfit.ledger.graph import ModelGraph, Trainable, sdpa_fused_kernel
 from memfit.ledger.job import OPTIMIZERS, TASK_ONLY_FIELDS, Job, Knobs, field_flag
 from memfit.ledger.simulate import Event, Memory, Sym, replay_backward, replay_forward
 from memfit.log import warn_once
@@ -491,12 +491,9 @@ def ffn_widths(spec, knobs: Knobs) -> list[int]:
 
 def _loop_prefill_masked(job: Job, knobs: Knobs) -> bool:
     """Whether memfit's decode loop prefills this job's prompts (unpadded, as verify's are) under an additive mask:
-    where SDPA has no mask-free causal kernel for the model (``memfit.infer.generate.mask_free_causal_kernel``, read
-    here from the spec): on CUDA flash attention takes 16-bit dtypes with heads of up to 256 dimensions and the
-    memory-efficient kernel any dtype without grouped KV heads; the CPU's kernels take every model."""
-    s = job.spec
-    flash = knobs.dtype in ("bfloat16", "float16") and s.head_dim <= 256
-    return job.device == "cuda" and not (flash or s.num_heads == s.num_kv_heads)
+    where SDPA has no fused kernel for the model (``graph.sdpa_fused_kernel``; the loop asks torch at run time,
+    ``memfit.infer.generate.mask_free_causal_kernel``)."""
+    return not sdpa_fused_kernel(job.spec, knobs.dtype, job.device)
 
 
 def loop_prefill_chunk(job: Job, knobs: Knobs) -> tuple[int, int, bool]:
