@@ -47,8 +47,8 @@ def test_verify_of_the_memfit_loop_on_cpu_within_half_a_percent(spec, seq, batch
     """The loop's own lifetimes (``ModelGraph.loop_prefill_chunk``) in the fused layout verify runs it in: a replay of
     transformers' layers had read high here (their held layer inputs), and far high where the prompt chunks. On the
     CPU a later chunk's attention builds its (queries, keys) causal mask and torch's flash-attention scratch: an
-    attention-heavy model's prefill peaks in the last full chunk's attention (torch's own lower-right bias had cost
-    12-14 bytes a query-key pair there; the loop builds the mask at its dtype's size)."""
+    attention-heavy model's prefill peaks in the last full chunk's attention (the loop builds the mask at its dtype's
+    size, where torch's own lower-right bias cost several times that: ``probes/cpu_causal_attention_memory.py``)."""
     if budget is not None:
         monkeypatch.setattr(loop, "PREFILL_ACTIVATION_BYTES", budget)
     job = Job(spec, task="infer", seq=seq, batch=batch, new_tokens=8, device="cpu")

@@ -172,10 +172,12 @@ def _causal_attention(q, k_seen, v_seen, scale):
     up to its own slot (lower-right causal; rows with no padding only). Returns (B, T, H*D).
 
     With torch's lower-right bias, which CUDA runs with no mask (flash or memory-efficient attention), as does any
-    device but the CPU. There torch materialises that bias, at 12-14 bytes per (query, key) (an 8-byte temporary among
-    them; 10-11 where T = keys); so on the CPU a chunk of T = keys queries (a prompt's first) takes SDPA's own causal
-    flag, the same attention with no mask, and a later one an additive (T, keys) mask in q's dtype, built here for
-    this call: ``cpu_causal_mask_bytes`` a chunk."""
+    device but the CPU. There torch materialises that bias: the attention peaked 11.5-13.8 bytes per (query, key) pair
+    above its output where T < keys and 10.3-11.3 where T = keys, in fp32 and bf16 at six shapes
+    (``benchmarks/probes/cpu_causal_attention_memory.py``, f2c8868). So on the CPU a chunk of T = keys queries (a
+    prompt's first) takes SDPA's own causal flag, the same attention with no mask, and a later one an additive
+    (T, keys) mask in q's dtype, built here for this call (``cpu_causal_mask_bytes`` a chunk): 2.3-5.3 bytes a pair
+    with the kernel's scratch, the outputs bit-identical to the bias's there."""
     heads, T = q.shape[1:3]
     keys, gqa = k_seen.shape[2], heads != k_seen.shape[1]
     if q.device.type != "cpu":
