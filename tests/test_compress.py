@@ -201,14 +201,51 @@ def test_damped_solves_by_cholesky_match_lu_and_take_lu_where_a_system_does_not_
     ridge = torch.full((5, 1), 1e-3, dtype=torch.float64)
     before, factored, cholesky_ex = gram.clone(), [], torch.linalg.cholesky_ex
     monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda a: factored.append(a.shape) or cholesky_ex(a))
+    library = torch.backends.cuda.preferred_linalg_library()
     lu = proj._damped_solve(gram, rhs, ridge, "lu")
     assert not factored
-    cholesky = proj._damped_solve(gram, rhs, ridge, "cholesky")
+    cholesky = proj._damped_solve(gram, rhs, ridge, "cholesky")     # by MAGMA on CUDA, and torch's choice restored
     assert factored == [gram.shape] and torch.equal(gram, before)
+    assert torch.backends.cuda.preferred_linalg_library() == library
     assert torch.equal(cholesky[:, 3], lu[:, 3])                               # by LU
     torch.testing.assert_close(cholesky, lu, rtol=1e-9, atol=1e-9)
     with pytest.raises(ValueError, match="solve must be one of"):
         proj._damped_solve(gram, rhs, ridge, "qr")
+
+
+def test_damped_cg_lowers_the_quadratic_every_iteration_and_reaches_the_exact_solve():
+    """BLAST's S step takes conjugate-gradient iterations for its damped solve: each must lower the damped quadratic
+    (so any count is a descent step), and as many iterations as the systems' size must give the exact solve."""
+    n = 12
+    X = torch.randn(3, 2, n + 4, n, generator=seeded(2), dtype=torch.float64)
+    gram = X.transpose(-1, -2) @ X
+    rhs = torch.randn(3, 2, n, 1, generator=seeded(3), dtype=torch.float64)
+    ridge = torch.full((3, 1, 1, 1), 0.1, dtype=torch.float64)
+
+    def quadratic(x):
+        return (0.5 * x.transpose(-1, -2) @ (gram @ x + ridge * x) - rhs.transpose(-1, -2) @ x).squeeze()
+
+    values = torch.stack([quadratic(proj._damped_cg(gram, rhs, ridge, k)) for k in range(n + 1)])
+    assert (values[1:] < values[:-1] + 1e-12).all() and (values[1] < values[0]).all()
+    exact = proj._damped_solve(gram.clone(), rhs, ridge.squeeze(-1), "lu")
+    torch.testing.assert_close(proj._damped_cg(gram, rhs, ridge, n), exact, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("falling", [False, True])
+def test_blast_descent_fits_by_cg_as_by_the_exact_s_step(falling, monkeypatch):
+    """S_STEP_CG_ITERATIONS conjugate-gradient iterations in place of the S step's exact solve leave the descent's
+    error where the exact solve's is, on a Gaussian weight and on one with a trained weight's falling spectrum."""
+    generator = seeded(4)
+    W = _falling_spectrum(128, 96, generator) if falling else torch.randn(128, 96, generator=generator)
+    W = W.float()
+
+    def error() -> float:
+        return proj.relative_weight_error(W, proj.blast_dense(*proj.blast_factorize(W, 24, 4, steps=60))).item()
+
+    by_cg = error()
+    monkeypatch.setattr(proj, "S_STEP_CG_ITERATIONS", 0)
+    exact = error()
+    assert abs(by_cg - exact) < 1e-3 * exact
 
 
 @pytest.mark.parametrize("solve", proj.SOLVES)

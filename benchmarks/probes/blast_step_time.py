@@ -1,15 +1,21 @@
 """Probe: where the time of ``memfit compress --method blast`` goes, per Llama-3.2-1B weight shape at BLAST's rank for
-half the parameters (16 blocks), on the GPU it runs on. For each shape it times ``blast_factorize`` of one random bf16
-weight at 0 steps (the start) and at ``STEPS`` steps, so one descent step's time is their difference over ``STEPS``;
-then the whole compress's projections are estimated as the sum over the model's matrices of start + 300 steps. It
-profiles ``PROFILED_STEPS`` steps of each shape and lists the CUDA kernels that took the most time, and times the
-damped solves by torch's two linear-algebra back ends (cuSOLVER, MAGMA) at the U and S steps' shapes, in batches of
-one weight's systems and of four weights'. Writes OUT/blast_step_time_<commit>.json:
+half the parameters (16 blocks), and what the descent's solve settings change, all in one run on the GPU it runs on.
+
+Each shape's ``blast_factorize`` of one random bf16 weight is timed at 0 steps (the start) and at ``STEPS`` steps, so
+one descent step's time is their difference over ``STEPS``, under each of ``SETTINGS``: ``before`` (Cholesky by
+cuSOLVER, torch's default choice, and the S step's exact solve: memfit before 2026-12-05's change) and ``now`` (the
+module's settings). The whole compress's projections are estimated per setting as the sum over the model's matrices of
+start + 300 steps. At the q and gate shapes it also records each setting's relative error after 300 steps, on the
+Gaussian weight and on one whose k-th singular value is 1/k (a trained weight's spectrum falls off like that), and
+times the damped solves alone: Cholesky by cuSOLVER and by MAGMA (U step: one weight's systems and four weights' at
+once; S step likewise) and the S step's conjugate-gradient iterations. Writes OUT/blast_step_time_<commit>.json:
 
     MEMFIT_COMMIT=<sha> OUT=/some/dir python benchmarks/probes/blast_step_time.py [cuda|cpu [preset]]
 
-(``cpu tiny`` checks the code path; the back ends are timed on CUDA only.)
+(``cpu tiny`` checks the code path; the solves alone are timed on CUDA only.) The file of da462fa, before the change,
+lists instead the CUDA kernels that took the most time in five steps and the start.
 """
+import contextlib
 import json
 import os
 import sys
@@ -25,7 +31,11 @@ from memfit.measure.results import environment  # noqa: E402
 from memfit.models import PRESETS  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp"))
-MODEL, BLOCKS, RATIO, STEPS, PROFILED_STEPS, DEFAULT_STEPS, REPEATS = "llama-3.2-1b", 16, 0.5, 20, 5, 300, 3
+MODEL, BLOCKS, RATIO, STEPS, DEFAULT_STEPS, REPEATS = "llama-3.2-1b", 16, 0.5, 20, 300, 3
+SETTINGS = {"before": {"CUDA_CHOLESKY_LIBRARY": "cusolver", "S_STEP_CG_ITERATIONS": 0},
+            "now": {"CUDA_CHOLESKY_LIBRARY": proj.CUDA_CHOLESKY_LIBRARY,
+                    "S_STEP_CG_ITERATIONS": proj.S_STEP_CG_ITERATIONS}}
+ACCURACY_KINDS = ("q_proj", "gate_proj")
 
 
 def synchronize() -> None:
@@ -46,30 +56,44 @@ def timed(fn) -> float:
     return best
 
 
-def top_kernels(fn, count: int = 12) -> list[dict]:
-    """The ``count`` CUDA kernels with the most device time in one call of ``fn``, with their share (none on the
-    CPU)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    if not torch.cuda.is_available():
-        return []
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(e.device_time_total for e in events)
-    events.sort(key=lambda e: -e.device_time_total)
-    return [{"kernel": e.key[:120], "calls": e.count, "ms": e.device_time_total / 1e3,
-             "share": e.device_time_total / total} for e in events[:count]]
+@contextlib.contextmanager
+def setting(**values):
+    """``projection``'s module settings set to ``values`` within, restored after."""
+    before = {name: getattr(proj, name) for name in values}
+    for name, value in values.items():
+        setattr(proj, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(proj, name, value)
 
 
-def solve_times(gram: torch.Tensor, rhs: torch.Tensor) -> dict:
-    """Seconds of ``_damped_solve`` by Cholesky under each linear-algebra back end."""
+def falling_spectrum(out: int, inp: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """A random bf16 matrix at rms 0.02 whose k-th singular value is proportional to 1/k."""
+    n = min(out, inp)
+    left = torch.linalg.qr(torch.randn(out, n, generator=gen, device=device))[0]
+    right = torch.linalg.qr(torch.randn(inp, n, generator=gen, device=device))[0]
+    W = (left / torch.arange(1, n + 1, device=device)) @ right.T
+    return (W * (0.02 / W.square().mean().sqrt())).bfloat16()
+
+
+def relative_error(weight: torch.Tensor, rank: int) -> float:
+    W = weight.float()
+    return (proj.relative_weight_error(W, proj.blast_dense(*proj.blast_factorize(W, rank, BLOCKS,
+                                                                                 steps=DEFAULT_STEPS)))).item()
+
+
+def solve_times(gram: torch.Tensor, rhs: torch.Tensor, cg: bool) -> dict:
+    """Seconds of ``_damped_solve`` by Cholesky under each linear-algebra back end, and with ``cg`` of the S step's
+    conjugate-gradient iterations."""
+    ridge = torch.tensor(0.1, device=gram.device)
     times = {}
     for library in ("cusolver", "magma"):
-        torch.backends.cuda.preferred_linalg_library(library)
-        times[library] = timed(lambda: proj._damped_solve(gram, rhs, torch.tensor(0.1, device=gram.device), "cholesky"))
-    torch.backends.cuda.preferred_linalg_library("default")
+        with setting(CUDA_CHOLESKY_LIBRARY=library):
+            times[library] = timed(lambda: proj._damped_solve(gram, rhs, ridge, "cholesky"))
+    if cg:
+        times["cg"] = timed(lambda: proj._damped_cg(gram, rhs, ridge, proj.S_STEP_CG_ITERATIONS))
     return times
 
 
@@ -80,27 +104,33 @@ def main() -> None:
     spec = PRESETS[model]
     kinds = plan_kinds(spec.linear_shapes(), "blast", RATIO, BLOCKS)
     record = {"probe": "blast_step_time", "model": model, "device": str(device), "blocks": BLOCKS, "ratio": RATIO,
-              **environment(), "shapes": [], "solves": []}
-    total = 0.0
+              **environment(), "settings": SETTINGS, "shapes": [], "solves": []}
+    totals = dict.fromkeys(SETTINGS, 0.0)
     for kind, kp in kinds.items():
         if kp.rank is None:
             continue
-        weight = torch.randn(kp.out_features, kp.in_features, generator=gen, device=device).bfloat16()
+        weight = torch.randn(kp.out_features, kp.in_features, generator=gen, device=device).bfloat16() * 0.02
 
         def factorize(steps: int, weight=weight, rank=kp.rank) -> None:
             proj.blast_factorize(weight, rank, BLOCKS, steps=steps)
 
-        start = timed(lambda: factorize(0))
-        stepped = timed(lambda: factorize(STEPS))
-        step = (stepped - start) / STEPS
-        matrices = spec.num_layers
-        total += matrices * (start + DEFAULT_STEPS * step)
-        row = {"kind": kind, "out": kp.out_features, "in": kp.in_features, "rank": kp.rank, "start_s": start,
-               "step_s": step, "matrices": matrices, "default_steps_s_per_matrix": start + DEFAULT_STEPS * step,
-               "top_kernels": top_kernels(lambda: factorize(PROFILED_STEPS))}
-        print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
+        row = {"kind": kind, "out": kp.out_features, "in": kp.in_features, "rank": kp.rank,
+               "matrices": spec.num_layers}
+        weights = {"gaussian": weight, "falling spectrum": falling_spectrum(kp.out_features, kp.in_features, gen,
+                                                                            device)} if kind in ACCURACY_KINDS else {}
+        for name, values in SETTINGS.items():
+            with setting(**values):
+                start = timed(lambda: factorize(0))
+                step = (timed(lambda: factorize(STEPS)) - start) / STEPS
+                errors = {which: relative_error(w, kp.rank) for which, w in weights.items()}
+            per_matrix = start + DEFAULT_STEPS * step
+            totals[name] += spec.num_layers * per_matrix
+            row[name] = {"start_s": start, "step_s": step, "default_steps_s_per_matrix": per_matrix,
+                         **({"relative_error_at_default_steps": errors} if errors else {})}
+        row["step_before_over_now"] = row["before"]["step_s"] / row["now"]["step_s"]
+        print(json.dumps(row), flush=True)
         record["shapes"].append(row)
-        if device.type == "cuda" and kind in ("q_proj", "gate_proj"):
+        if device.type == "cuda" and kind in ACCURACY_KINDS:
             r, b = kp.rank, BLOCKS
             for batch in (1, 4):
                 unit = torch.nn.functional.normalize(torch.randn(batch, b, kp.out_features // b, r, generator=gen,
@@ -111,12 +141,13 @@ def main() -> None:
                 cases = {"U step": (gram_u, rhs_u),
                          "S step": (s_gram, torch.randn(batch, b, b, r, 1, generator=gen, device=device))}
                 for name, (gram, rhs) in cases.items():
-                    solve = {"kind": kind, "step": name, "weights": batch, "rank": r, **solve_times(gram, rhs)}
+                    solve = {"kind": kind, "step": name, "weights": batch, "rank": r,
+                             **solve_times(gram, rhs, cg=name == "S step")}
                     print(json.dumps(solve), flush=True)
                     record["solves"].append(solve)
                 del s_gram
-    record["estimated_projection_s"] = total
-    print(f"estimated projections at {DEFAULT_STEPS} steps: {total:.1f} s", flush=True)
+    record["estimated_projection_s"] = totals
+    print(f"estimated projections at {DEFAULT_STEPS} steps: {json.dumps(totals)} s", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"blast_step_time_{record['commit']}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")

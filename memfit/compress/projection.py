@@ -29,6 +29,7 @@ never rises), and Monarch refines its block-whitened factors likewise
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -323,6 +324,31 @@ def _top_eigvecs(gram: torch.Tensor, k: int, generator: torch.Generator | None) 
 
 SOLVES = ("lu", "cholesky")
 SOLVE_BY_DEVICE = {"cpu": "lu", "cuda": "cholesky"}   # benchmarks/probes/damped_solve_time.py times both
+# torch's linear-algebra back end for the damped solves' batched Cholesky on CUDA. On an H100, cuSOLVER's took 1.8x
+# MAGMA's for one Llama-3.2-1B gate weight's U step (16 systems of 770) and 4.3x for four weights' at once
+# (benchmarks/results/probes/blast_step_time_da462fa.json); torch's default picked cuSOLVER.
+CUDA_CHOLESKY_LIBRARY = "magma"
+# Conjugate-gradient iterations of BLAST's S step, from zero, in place of its exact damped solve: b^2 systems of
+# rank x rank each step, which an exact solve factors (10 of a Llama-3.2-1B gate weight's 32 ms descent step on an
+# H100, blast_step_time_da462fa.json). The systems have a unit diagonal (the descent normalises every U_i and V_j
+# column) plus the ridge, and 5 iterations left the descent's error at every step where the exact solve's was, to 5
+# digits (300 steps of 1024 x 1024 matrices, 16 blocks, rank 227: Gaussian and power-law spectra). 0: the exact solve.
+S_STEP_CG_ITERATIONS = 5
+
+
+@contextlib.contextmanager
+def _cholesky_library(device: torch.device):
+    """Within: torch's preferred linear-algebra back end set to ``CUDA_CHOLESKY_LIBRARY`` for a CUDA ``device``, and
+    restored after (nothing changes on another device)."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.preferred_linalg_library()
+    torch.backends.cuda.preferred_linalg_library(CUDA_CHOLESKY_LIBRARY)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_linalg_library(before)
 
 
 def _damped_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor, solve: str | None = None) -> torch.Tensor:
@@ -348,8 +374,9 @@ def _damped_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor, so
     try:
         if solve == "lu":
             return torch.linalg.solve_ex(gram, rhs)[0]
-        factor, info = torch.linalg.cholesky_ex(gram)
-        result = torch.cholesky_solve(rhs, factor)
+        with _cholesky_library(gram.device):
+            factor, info = torch.linalg.cholesky_ex(gram)
+            result = torch.cholesky_solve(rhs, factor)
         if bool((failed := info != 0).any()):                 # one host sync a call
             batch = result.shape[:-2]
             failed = failed.expand(batch)
@@ -358,6 +385,28 @@ def _damped_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor, so
         return result
     finally:
         diagonal.copy_(saved)
+
+
+def _damped_cg(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor, iterations: int) -> torch.Tensor:
+    """``(gram + ridge I)^{-1} rhs`` approximately: ``iterations`` of conjugate gradients from zero, batched over
+    every system (one batched matrix-vector product an iteration, no host sync), for symmetric positive semi-definite
+    ``gram (..., n, n)``, ``rhs (..., n, 1)`` and a positive ``ridge`` that broadcasts against ``rhs`` (where
+    :func:`_damped_solve`'s broadcasts against the diagonals). Each iterate
+    minimises the damped quadratic over a larger Krylov space, so any count lowers it; a non-finite system gives
+    non-finite entries, which a caller compares away."""
+    x = torch.zeros_like(rhs)
+    residual = rhs
+    direction = rhs
+    norm2 = residual.square().sum(-2, keepdim=True)
+    for _ in range(iterations):
+        product = gram @ direction + ridge * direction
+        alpha = norm2 / (direction * product).sum(-2, keepdim=True).clamp_min(torch.finfo(rhs.dtype).tiny)
+        x = x + alpha * direction
+        residual = residual - alpha * product
+        new_norm2 = residual.square().sum(-2, keepdim=True)
+        direction = residual + new_norm2 / norm2.clamp_min(torch.finfo(rhs.dtype).tiny) * direction
+        norm2 = new_norm2
+    return x
 
 
 def _solve_s(U, V, D, delta):
@@ -438,8 +487,9 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
 
     Each step updates, in turn, every ``U_i``, every ``V_j`` and every ``S_ij`` with the
     gradient of ``||A - A^||_F^2`` right-multiplied by the inverse of the damped Gram
-    matrix of the other factors (BLAST paper, Alg. 1); ``step_size=1`` makes each update
-    the exact damped least-squares solve. The damping is ``delta0 * ||A - A^||_F`` so it
+    matrix of the other factors (BLAST paper, Alg. 1); ``step_size=1`` makes the U and V updates
+    the exact damped least-squares solves, and the S update ``S_STEP_CG_ITERATIONS`` conjugate-gradient iterations
+    toward its own (the exact solve where that is 0). The damping is ``delta0 * ||A - A^||_F`` so it
     vanishes as the fit converges; the descent runs on ``A`` scaled to root-mean-square ``DESCENT_RMS`` (the scale
     goes back on ``S``), so that a weight's own scale, which that absolute damping had weighed, does not change its fit.
     The start, per matrix, is the better fit of two: a block SVD
@@ -524,8 +574,10 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
         # S_ij: gradient (G_ij s_ij - diag(U_i^T A_ij V_j)), preconditioner (G_ij + delta I)^{-1}
         D = _diag_uav(Ab, U, V)
         gram = (U.transpose(-1, -2) @ U).unsqueeze(-3) * (V.transpose(-1, -2) @ V).unsqueeze(-4)
-        g = (gram @ S.unsqueeze(-1)).squeeze(-1) - D
-        S = S - step_size * _damped_solve(gram, g.unsqueeze(-1), delta[..., None, None, None]).squeeze(-1)
+        g = ((gram @ S.unsqueeze(-1)).squeeze(-1) - D).unsqueeze(-1)
+        ridge = delta[..., None, None, None]
+        S = S - step_size * (_damped_cg(gram, g, ridge.unsqueeze(-1), S_STEP_CG_ITERATIONS) if S_STEP_CG_ITERATIONS
+                             else _damped_solve(gram, g, ridge)).squeeze(-1)
         err = loss(S, gram, D)
         if history is not None:
             history.append((err / a_norm2.clamp_min(1e-30)).sqrt())
