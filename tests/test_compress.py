@@ -213,6 +213,28 @@ def test_damped_solves_by_cholesky_match_lu_and_take_lu_where_a_system_does_not_
         proj._damped_solve(gram, rhs, ridge, "qr")
 
 
+def test_a_torch_without_the_cholesky_library_solves_by_its_default_and_says_so(monkeypatch):
+    """Where torch cannot take CUDA_CHOLESKY_LIBRARY (a build without MAGMA, which torch calls deprecated), the
+    solves run by torch's default back end, memfit says so once, and the preference is left as it was."""
+    said, chosen = [], []
+
+    def preferred(backend=None):
+        if backend is None:
+            return "default"
+        if backend == proj.CUDA_CHOLESKY_LIBRARY:
+            raise RuntimeError("Cannot set preferred backend to MAGMA if PyTorch has not been compiled with MAGMA.")
+        chosen.append(backend)
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_linalg_library", preferred)
+    monkeypatch.setattr(proj, "warn_once", lambda key, message: said.append(message))
+    with proj._cholesky_library(torch.device("cuda")):
+        ran = True
+    assert ran and not chosen and len(said) == 1 and "torch's default" in said[0] and "not been compiled" in said[0]
+    with proj._cholesky_library(torch.device("cpu")):
+        pass
+    assert len(said) == 1
+
+
 def test_damped_cg_lowers_the_quadratic_every_iteration_and_reaches_the_exact_solve():
     """BLAST's S step takes conjugate-gradient iterations for its damped solve: each must lower the damped quadratic
     (so any count is a descent step), and as many iterations as the systems' size must give the exact solve."""

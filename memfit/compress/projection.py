@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import warnings
 
 import torch
 
@@ -324,29 +325,41 @@ def _top_eigvecs(gram: torch.Tensor, k: int, generator: torch.Generator | None) 
 
 SOLVES = ("lu", "cholesky")
 SOLVE_BY_DEVICE = {"cpu": "lu", "cuda": "cholesky"}   # benchmarks/probes/damped_solve_time.py times both
-# torch's linear-algebra back end for the damped solves' batched Cholesky on CUDA. On an H100, cuSOLVER's took 1.8x
-# MAGMA's for one Llama-3.2-1B gate weight's U step (16 systems of 770) and 4.3x for four weights' at once
-# (benchmarks/results/probes/blast_step_time_da462fa.json); torch's default picked cuSOLVER.
+# torch's linear-algebra back end for the damped solves' batched Cholesky on CUDA. On an H100, cuSOLVER's took 1.9x
+# MAGMA's for one Llama-3.2-1B gate weight's U step (16 systems of 770; 2.1x at q's 464) and 4.6x for four weights'
+# at once (benchmarks/results/probes/blast_step_time_4dc1da1.json); torch's default picked cuSOLVER. torch calls its
+# MAGMA back end deprecated: where a build has none, the solves take torch's default, and memfit says so once.
 CUDA_CHOLESKY_LIBRARY = "magma"
 # Conjugate-gradient iterations of BLAST's S step, from zero, in place of its exact damped solve: b^2 systems of
-# rank x rank each step, which an exact solve factors (10 of a Llama-3.2-1B gate weight's 32 ms descent step on an
-# H100, blast_step_time_da462fa.json). The systems have a unit diagonal (the descent normalises every U_i and V_j
-# column) plus the ridge, and 5 iterations left the descent's error at every step where the exact solve's was, to 5
-# digits (300 steps of 1024 x 1024 matrices, 16 blocks, rank 227: Gaussian and power-law spectra). 0: the exact solve.
+# rank x rank each step, which an exact solve factors: 11.3 ms by cuSOLVER and 9.6 by MAGMA for a Llama-3.2-1B gate
+# weight's, 1.3 ms by these iterations, on an H100 (blast_step_time_4dc1da1.json). The systems have a unit diagonal
+# (the descent normalises every U_i and V_j column) plus the ridge; after 300 steps the error is the exact solve's to
+# six digits there, at the q and gate shapes, on Gaussian weights and on weights with a trained one's falling
+# spectrum (test_blast_descent_fits_by_cg_as_by_the_exact_s_step holds it at a small shape). 0: the exact solve.
 S_STEP_CG_ITERATIONS = 5
 
 
 @contextlib.contextmanager
 def _cholesky_library(device: torch.device):
     """Within: torch's preferred linear-algebra back end set to ``CUDA_CHOLESKY_LIBRARY`` for a CUDA ``device``, and
-    restored after (nothing changes on another device)."""
+    restored after (nothing changes on another device). torch's Python warning that its MAGMA back end is deprecated
+    is not repeated to the user, who did not choose it; a torch without that back end is said once, and the solves
+    go on by its default."""
     if device.type != "cuda":
         yield
         return
     before = torch.backends.cuda.preferred_linalg_library()
-    torch.backends.cuda.preferred_linalg_library(CUDA_CHOLESKY_LIBRARY)
     try:
+        torch.backends.cuda.preferred_linalg_library(CUDA_CHOLESKY_LIBRARY)
+    except RuntimeError as err:                        # a torch built without it
+        warn_once("cholesky-library", f"BLAST's damped solves factor by torch's default linear-algebra back end, "
+                  f"slower than {CUDA_CHOLESKY_LIBRARY}'s at these shapes: {err}")
         yield
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*MAGMA.*deprecated")
+            yield
     finally:
         torch.backends.cuda.preferred_linalg_library(before)
 
