@@ -9,6 +9,7 @@ of the code that allocated them) beside the ledger's breakdown.
     python benchmarks/ledger_snapshot.py llama-3.2-3b lora 8192 --dtype float32 --fused-ce \
         --checkpoint-layers 28 --offload-layers 28 --attention memfit --loss-fraction 0.3
     python benchmarks/ledger_snapshot.py llama-3.2-1b infer 4096 --batch 4 --generator memfit
+    python benchmarks/ledger_snapshot.py llama-3.2-1b infer 512 --generator memfit --measured-peak
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from memfit.errors import MemfitError
 from memfit.ledger.job import Job, Knobs
 from memfit.ledger.predict import predict
 from memfit.ledger.verify import measure
-from memfit.measure.allocator_history import sites_at_peak
+from memfit.measure.allocator_history import first_alloc_in, sites_at_peak
 from memfit.models import PRESETS
 
 
@@ -41,9 +42,14 @@ def main() -> None:
     parser.add_argument("--generator", default="hf", choices=["hf", "memfit"])
     parser.add_argument("--blr", default=None, choices=["blast", "monarch", "lowrank"])
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--measured-step-only", action="store_true",
-                        help="record from the measured step on: the sites of what it adds to what the warm-up left "
-                             "(a warm-up that times kernel picks, as memfit's loop's first build does, peaks apart)")
+    read = parser.add_mutually_exclusive_group()
+    read.add_argument("--measured-step-only", action="store_true",
+                      help="record from the measured step on: the sites of what it adds to what the warm-up left "
+                           "(a warm-up that times kernel picks, as memfit's loop's first build does, peaks apart)")
+    read.add_argument("--measured-peak", action="store_true",
+                      help="record from the start, read the peak within the measured step: every block live then, "
+                           "with its site, what the model's build and the warm-up left included (the whole trace's "
+                           "peak can be in the model's build)")
     args = parser.parse_args()
     try:
         job = Job(PRESETS[args.model], task=args.task, seq=args.seq, batch=args.batch, device="cuda", new_tokens=64,
@@ -63,20 +69,27 @@ def main() -> None:
     def start_recording() -> None:
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
 
+    def measured_step_begins() -> None:             # an allocation the trace names: where the measured step begins
+        torch.empty(1, device="cuda")
+
     def on_phase(phase: str) -> None:
-        if phase == "measured step":
+        if phase == "measured step" and args.measured_step_only:
             start_recording()
+        elif phase == "measured step" and args.measured_peak:
+            measured_step_begins()
 
     if not args.measured_step_only:
         start_recording()
-    measured = measure(job, knobs, progress=on_phase if args.measured_step_only else None)
+    measured = measure(job, knobs, progress=on_phase)
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    peak, sites = sites_at_peak(snapshot, args.top)
+    since = first_alloc_in(snapshot, measured_step_begins.__name__) if args.measured_peak else 0
+    peak, sites = sites_at_peak(snapshot, args.top, since)
     print(f"predicted {ledger.total / 2**30:.3f} GiB at {ledger.peak_phase}/{ledger.peak_where}: "
           + ", ".join(f"{k} {v / 2**30:.3f}" for k, v in ledger.peak.items()))
     print(f"measured max_allocated {measured.peak / 2**30:.3f} GiB; trace peak {peak / 2**30:.3f} GiB "
           + ("(what the measured step added)" if args.measured_step_only
+             else "(in the measured step, with what was live before it)" if args.measured_peak
              else "(the trace spans warm-up and the measured step)"))
     for site in sites:
         print(f"{site['mib']:10.1f} MiB  {site['count']:4d} x {site['block_mib']:8.2f}  {site['site']}")

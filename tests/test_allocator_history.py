@@ -1,6 +1,8 @@
 """memfit.measure.allocator_history on a synthetic allocator trace: the replay finds the largest live total, counts
 only blocks the recorded span allocated, and groups the blocks live then by site and size, largest first."""
-from memfit.measure.allocator_history import live_at_end, live_at_peak, sites_at_peak
+import pytest
+
+from memfit.measure.allocator_history import first_alloc_in, live_at_end, live_at_peak, sites_at_peak
 
 
 def _frame(line, name="f"):
@@ -51,3 +53,17 @@ def test_a_block_stops_counting_when_its_free_is_requested():
     peak, live = live_at_peak(snapshot)
     assert peak == 100 and [b["addr"] for b in live] == [1]
     assert [b["addr"] for b in live_at_end(snapshot)] == [2]
+
+
+def test_a_peak_read_from_a_marked_event_on_keeps_what_earlier_events_left_live():
+    """A measured step's peak, read from the marker its start allocates, counts the warm-up's leftovers (a library
+    workspace, say) and not the warm-up's own larger peak."""
+    snapshot = _trace(("alloc", 1, 32, [_frame(1, "warm_up")]), ("alloc", 2, 1000, [_frame(2, "warm_up")]),
+                      ("free", 2, 1000, []), ("alloc", 3, 1, [_frame(3, "step_begins")]), ("free", 3, 1, []),
+                      ("alloc", 4, 200, [_frame(4, "step")]), ("free", 4, 200, []), ("alloc", 5, 100, [_frame(5)]))
+    since = first_alloc_in(snapshot, "step_begins")
+    assert since == 4 and live_at_peak(snapshot)[0] == 1032
+    peak, live = live_at_peak(snapshot, since)
+    assert peak == 232 and sorted(b["addr"] for b in live) == [1, 4]
+    with pytest.raises(ValueError, match="no allocation by nowhere"):
+        first_alloc_in(snapshot, "nowhere")

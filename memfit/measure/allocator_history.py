@@ -13,9 +13,11 @@ from collections import Counter
 MIB = 2**20
 
 
-def live_at_peak(snapshot: dict) -> tuple[int, list[dict]]:
+def live_at_peak(snapshot: dict, since: int = 0) -> tuple[int, list[dict]]:
     """Replay the alloc/free events of the first device's trace; return the peak total and the blocks live then.
     Blocks allocated before recording began are not in the trace: the total counts what the recorded span added.
+    ``since``: the index of the first event the peak may be at (:func:`first_alloc_in`), so that a span's later part
+    (a measured step after its warm-up) is read with the blocks earlier events left live.
 
     A block stops counting at its ``free_requested``, where the caching allocator takes it off ``allocated_bytes``
     (the total ``max_memory_allocated`` peaks): a block used on another stream (``record_stream``, as the offload
@@ -24,15 +26,24 @@ def live_at_peak(snapshot: dict) -> tuple[int, list[dict]]:
     live: dict[int, dict] = {}
     total = peak = 0
     at_peak: list[dict] = []
-    for event in snapshot["device_traces"][0]:
+    for index, event in enumerate(snapshot["device_traces"][0]):
         if event["action"] == "alloc":
             live[event["addr"]] = event
             total += event["size"]
-            if total > peak:
+            if total > peak and index >= since:
                 peak, at_peak = total, list(live.values())
         elif event["action"] == "free_requested" and event["addr"] in live:
             total -= live.pop(event["addr"])["size"]
     return peak, at_peak
+
+
+def first_alloc_in(snapshot: dict, function: str) -> int:
+    """The index of the first allocation the Python function named ``function`` made in the first device's trace: a
+    marker a caller allocates when a phase begins. A ValueError where there is none."""
+    for index, event in enumerate(snapshot["device_traces"][0]):
+        if event["action"] == "alloc" and any(f["name"] == function for f in event.get("frames", [])):
+            return index
+    raise ValueError(f"no allocation by {function} in the trace")
 
 
 def where(event: dict, frames: int = 3) -> str:
@@ -63,7 +74,8 @@ def group_sites(blocks: list[dict], top: int = 25) -> list[dict]:
             for (site, size), count in ranked]
 
 
-def sites_at_peak(snapshot: dict, top: int = 25) -> tuple[int, list[dict]]:
-    """The recorded span's peak and the ``top`` groups of blocks live then (:func:`group_sites`)."""
-    peak, blocks = live_at_peak(snapshot)
+def sites_at_peak(snapshot: dict, top: int = 25, since: int = 0) -> tuple[int, list[dict]]:
+    """The recorded span's peak (from event ``since`` on) and the ``top`` groups of blocks live then
+    (:func:`group_sites`)."""
+    peak, blocks = live_at_peak(snapshot, since)
     return peak, group_sites(blocks, top)
