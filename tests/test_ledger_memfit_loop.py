@@ -168,6 +168,35 @@ def test_memfit_verify_runs_the_loop_it_is_asked_for(capsys, monkeypatch):
     assert "by memfit's decode loop" in " ".join(capsys.readouterr().out.split())
 
 
+@MEASURES_A_CPU_RUN
+@pytest.mark.parametrize("batch,heads,kv_heads,queries,keys,head_dim,dtype", [
+    (1, 16, 4, 244, 2928, 32, "bfloat16"),     # a later chunk: packed where the CPU has AMX
+    (1, 16, 4, 244, 244, 32, "bfloat16"),      # a first chunk, causal
+    (2, 8, 2, 128, 1100, 64, "bfloat16"),
+    (1, 8, 2, 100, 777, 33, "bfloat16"),       # an odd head dim and key tail: padded where packed
+    (1, 4, 4, 40, 300, 64, "bfloat16"),        # too few queries to pack
+    (2, 8, 8, 100, 700, 64, "float32"),
+])
+def test_the_cpu_flash_scratch_is_what_torchs_attention_allocates(batch, heads, kv_heads, queries, keys, head_dim,
+                                                                   dtype):
+    """The ledger's rule for torch's CPU flash attention (``predict._cpu_flash_scratch``), against the call itself on
+    this CPU: everything it allocates is that scratch, its output and its float32 log-sum-exp. On a CPU with AMX,
+    torch packs bfloat16 K and V for it, which the rule had left out: the loop's ledger read 18% low there."""
+    from memfit.ledger.predict import _cpu_flash_scratch
+    from memfit.measure.memory import CpuAllocationTracker
+
+    torch_dtype = getattr(torch, dtype)
+    q = torch.randn(batch, heads, queries, head_dim, dtype=torch_dtype, device="cpu")
+    k, v = (torch.randn(batch, kv_heads, keys, head_dim, dtype=torch_dtype, device="cpu") for _ in range(2))
+    causal = queries == keys
+    mask = None if causal else torch.zeros(queries, keys, dtype=torch_dtype, device="cpu")
+    with CpuAllocationTracker() as tracker:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                         enable_gqa=kv_heads < heads)
+    outputs = batch * heads * queries * (head_dim * q.element_size() + 4)
+    assert tracker.peak == outputs + _cpu_flash_scratch(batch, heads, kv_heads, queries, keys, head_dim, dtype, causal)
+
+
 def _counting(init, calls: list):
     def counted(self, *args, **kwargs):
         calls.append(args)

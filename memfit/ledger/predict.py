@@ -591,23 +591,62 @@ def _loop_chunk_cases(job: Job, knobs: Knobs, chunk: int, chunks: int, masked: b
     if chunks > 1 and job.seq % chunk:
         spans.append((chunks, job.seq % chunk, job.seq))
     size = dtype_bytes(knobs.dtype)
+    spec = job.spec
     return [(index, queries, cpu_causal_mask_bytes(queries, keys, size)
-             + _cpu_flash_scratch(queries, keys, job.spec.head_dim, size)) for index, queries, keys in spans]
+             + _cpu_flash_scratch(job.batch, spec.num_heads, spec.num_kv_heads, queries, keys, spec.head_dim,
+                                  knobs.dtype, causal=queries == keys))
+            for index, queries, keys in spans]
 
 
-def _cpu_flash_scratch(queries: int, keys: int, head_dim: int, itemsize: int) -> int:
+def _cpu_flash_scratch(batch: int, heads: int, kv_heads: int, queries: int, keys: int, head_dim: int, dtype: str,
+                       causal: bool) -> int:
     """Bytes torch's CPU flash attention allocates for a call (``cpu_flash_attention`` in ATen's
-    FlashAttentionKernel.cpp): per thread, a float32 (query split x key split) score block, two query-split vectors
-    and a (query split x head_dim) accumulator, and for 16-bit inputs the score block again in their dtype; the
-    query split is 256, 64 or 32 queries by the call's count (at least 768, 192, or fewer), the key split 512, each at
-    most what the call has. Per thread of this process (``torch.get_num_threads``): a CPU job is planned on the
-    machine that runs it."""
+    FlashAttentionKernel.cpp), beside its output and log-sum-exp: per thread, a float32 (query split x key split)
+    score block, two query-split vectors and a (query split x head_dim) accumulator, and for 16-bit inputs the score
+    block again in their dtype; the query split is 256, 64 or 32 queries by the call's count (at least 768, 192, or
+    fewer), the key split 512, each at most what the call has. Per thread of this process (``torch.get_num_threads``):
+    a CPU job is planned on the machine that runs it.
+
+    Where the CPU's matrix unit takes the dtype (AMX: bfloat16 on its tile unit, float16 where it has AMX-FP16) and
+    the call is large enough (:func:`_cpu_attention_packs`), torch also packs K and V for it: a copy of each
+    ``(batch, kv_heads, keys, head_dim)``, the head dim (keys) padded to even for K (V), and a per-thread transpose
+    buffer of (key split x head_dim). On a 4-KV-head chunk of 244 queries over 2928 keys in bfloat16 those were 1.56
+    of its 1.99 MB (tests/test_ledger_memfit_loop.py measures the rule against torch's call)."""
     import torch
 
+    itemsize = dtype_bytes(dtype)
     split = 256 if queries >= 768 else 64 if queries >= 192 else 32
     q, kv = min(split, queries), min(512, keys)
-    per_thread = 4 * (q * kv + 2 * q + q * head_dim) + (q * kv * itemsize if itemsize == 2 else 0)
-    return torch.get_num_threads() * per_thread
+    threads = torch.get_num_threads()
+    pack = _cpu_attention_packs(batch, heads, kv_heads, queries, keys, head_dim, dtype, causal, q, threads)
+    even_kv = kv + kv % 2 if pack else kv
+    per_thread = 4 * (q * kv + 2 * q + q * head_dim) + (q * even_kv * itemsize if itemsize == 2 else 0)
+    if not pack:
+        return threads * per_thread
+    even_head = head_dim + head_dim % 2
+    tail = (keys - 1) % kv + 1
+    padded_keys = (keys - 1) // kv * even_kv + tail + tail % 2
+    packed = batch * kv_heads * (even_head * keys + padded_keys * head_dim) * itemsize
+    per_thread += kv * head_dim * itemsize + (q * even_head * itemsize if head_dim % 2 else 0)
+    return threads * per_thread + packed
+
+
+def _cpu_attention_packs(batch: int, heads: int, kv_heads: int, queries: int, keys: int, head_dim: int, dtype: str,
+                         causal: bool, query_split: int, threads: int) -> bool:
+    """Whether torch's CPU flash attention packs K and V for the CPU's matrix unit (its ``need_pack``): a 16-bit
+    dtype the unit takes, at least 64 (bfloat16) or 16 (float16) queries and keys, and per thread at least 4
+    (bfloat16) or 1 (float16) times as many multiply-adds as the pack copies elements."""
+    import torch
+
+    takes = {"bfloat16": "_is_amx_tile_supported", "float16": "_is_amx_fp16_supported"}.get(dtype)
+    if takes is None or not getattr(torch.cpu, takes, lambda: False)():
+        return False
+    least, ratio = (64, 4) if dtype == "bfloat16" else (16, 1)
+    if queries < least or keys < least:
+        return False
+    slices = -(-queries // query_split)
+    per_thread = -(-(batch * heads * slices) // threads) * query_split * (min(queries, keys) if causal else keys) * head_dim
+    return per_thread >= ratio * batch * kv_heads * keys * head_dim
 
 
 def _predict_infer(job: Job, knobs: Knobs) -> Ledger:
