@@ -2,13 +2,16 @@
 half the parameters (16 blocks), and what the descent's solve settings change, all in one run on the GPU it runs on.
 
 Each shape's ``blast_factorize`` of one random bf16 weight is timed at 0 steps (the start) and at ``STEPS`` steps, so
-one descent step's time is their difference over ``STEPS``, under each of ``SETTINGS``: ``before`` (Cholesky by
-cuSOLVER, torch's default choice, and the S step's exact solve: memfit before 2026-12-05's change) and ``now`` (the
-module's settings). The whole compress's projections are estimated per setting as the sum over the model's matrices of
+one descent step's time is their difference over ``STEPS``, under each of ``SETTINGS``: ``before`` (torch's own
+choice of back end for the Cholesky solves, and the S step's exact solve: memfit before 4dc1da1) and ``now`` (the
+module's settings). At 4dc1da1 ``before`` forced cuSOLVER for the factors and the triangular solves alike, where
+torch's own choice had solved the triangular systems by MAGMA (the kernels of da462fa's file): that file's ``before``
+is slower than memfit was. The whole compress's projections are estimated per setting as the sum over the model's matrices of
 start + 300 steps. At the q and gate shapes it also records each setting's relative error after 300 steps, on the
 Gaussian weight and on one whose k-th singular value is 1/k (a trained weight's spectrum falls off like that), and
 times the damped solves alone: Cholesky by cuSOLVER and by MAGMA (U step: one weight's systems and four weights' at
-once; S step likewise) and the S step's conjugate-gradient iterations. Writes OUT/blast_step_time_<commit>.json:
+once; S step likewise) and the S step's conjugate-gradient iterations. At 4dc1da1 the U step's right-hand sides
+numbered in/16 (the V step's count), out/16 since. Writes OUT/blast_step_time_<commit>.json:
 
     MEMFIT_COMMIT=<sha> OUT=/some/dir python benchmarks/probes/blast_step_time.py [cuda|cpu [preset]]
 
@@ -32,7 +35,7 @@ from memfit.models import PRESETS  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp"))
 MODEL, BLOCKS, RATIO, STEPS, DEFAULT_STEPS, REPEATS = "llama-3.2-1b", 16, 0.5, 20, 300, 3
-SETTINGS = {"before": {"CUDA_CHOLESKY_LIBRARY": "cusolver", "S_STEP_CG_ITERATIONS": 0},
+SETTINGS = {"before": {"CUDA_CHOLESKY_LIBRARY": None, "S_STEP_CG_ITERATIONS": 0},
             "now": {"CUDA_CHOLESKY_LIBRARY": proj.CUDA_CHOLESKY_LIBRARY,
                     "S_STEP_CG_ITERATIONS": proj.S_STEP_CG_ITERATIONS}}
 ACCURACY_KINDS = ("q_proj", "gate_proj")
@@ -85,13 +88,15 @@ def relative_error(weight: torch.Tensor, rank: int) -> float:
 
 
 def solve_times(gram: torch.Tensor, rhs: torch.Tensor, cg: bool) -> dict:
-    """Seconds of ``_damped_solve`` by Cholesky under each linear-algebra back end, and with ``cg`` of the S step's
-    conjugate-gradient iterations."""
+    """Seconds of ``_damped_solve`` by Cholesky under each linear-algebra back end and under torch's own choice, and
+    with ``cg`` of the S step's conjugate-gradient iterations."""
     ridge = torch.tensor(0.1, device=gram.device)
     times = {}
     for library in ("cusolver", "magma"):
         with setting(CUDA_CHOLESKY_LIBRARY=library):
             times[library] = timed(lambda: proj._damped_solve(gram, rhs, ridge, "cholesky"))
+    with setting(CUDA_CHOLESKY_LIBRARY=None):
+        times["torch's choice"] = timed(lambda: proj._damped_solve(gram, rhs, ridge, "cholesky"))
     if cg:
         times["cg"] = timed(lambda: proj._damped_cg(gram, rhs, ridge, proj.S_STEP_CG_ITERATIONS))
     return times
@@ -137,7 +142,7 @@ def main() -> None:
                                                                  device=device), dim=-2)
                 gram_u = unit.transpose(-1, -2) @ unit
                 s_gram = gram_u.unsqueeze(-3) * gram_u.unsqueeze(-4)                 # (batch, i, j, r, r)
-                rhs_u = torch.randn(batch, b, r, kp.in_features // b, generator=gen, device=device)
+                rhs_u = torch.randn(batch, b, r, kp.out_features // b, generator=gen, device=device)
                 cases = {"U step": (gram_u, rhs_u),
                          "S step": (s_gram, torch.randn(batch, b, b, r, 1, generator=gen, device=device))}
                 for name, (gram, rhs) in cases.items():

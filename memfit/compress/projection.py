@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import threading
 import warnings
 
 import torch
@@ -325,10 +326,12 @@ def _top_eigvecs(gram: torch.Tensor, k: int, generator: torch.Generator | None) 
 
 SOLVES = ("lu", "cholesky")
 SOLVE_BY_DEVICE = {"cpu": "lu", "cuda": "cholesky"}   # benchmarks/probes/damped_solve_time.py times both
-# torch's linear-algebra back end for the damped solves' batched Cholesky on CUDA. On an H100, cuSOLVER's took 1.9x
-# MAGMA's for one Llama-3.2-1B gate weight's U step (16 systems of 770; 2.1x at q's 464) and 4.6x for four weights'
-# at once (benchmarks/results/probes/blast_step_time_4dc1da1.json); torch's default picked cuSOLVER. torch calls its
-# MAGMA back end deprecated: where a build has none, the solves take torch's default, and memfit says so once.
+# torch's linear-algebra back end for the damped solves' Cholesky on CUDA where a call factors more than one system
+# (None: torch's own choice, which factored by cuSOLVER and solved the triangular systems by MAGMA's batched kernels,
+# benchmarks/results/probes/blast_step_time_da462fa.json). On an H100, with factor and solve forced to each, cuSOLVER
+# took 1.9x MAGMA's time for 16 systems of 770 with 128 right-hand sides (a Llama-3.2-1B gate weight's V step), 2.1x
+# at q's rank of 464, and 4.6x for four gate weights' systems at once (blast_step_time_4dc1da1.json). torch calls its
+# MAGMA back end deprecated: a torch without it solves by its own choice, and memfit says so once.
 CUDA_CHOLESKY_LIBRARY = "magma"
 # Conjugate-gradient iterations of BLAST's S step, from zero, in place of its exact damped solve: b^2 systems of
 # rank x rank each step, which an exact solve factors: 11.3 ms by cuSOLVER and 9.6 by MAGMA for a Llama-3.2-1B gate
@@ -337,31 +340,35 @@ CUDA_CHOLESKY_LIBRARY = "magma"
 # six digits there, at the q and gate shapes, on Gaussian weights and on weights with a trained one's falling
 # spectrum (test_blast_descent_fits_by_cg_as_by_the_exact_s_step holds it at a small shape). 0: the exact solve.
 S_STEP_CG_ITERATIONS = 5
+# One caller at a time sets torch's process-wide preferred back end (_cholesky_library), so that threads projecting
+# at once cannot leave each other's choice behind.
+_LIBRARY_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _cholesky_library(device: torch.device):
-    """Within: torch's preferred linear-algebra back end set to ``CUDA_CHOLESKY_LIBRARY`` for a CUDA ``device``, and
-    restored after (nothing changes on another device). torch's Python warning that its MAGMA back end is deprecated
-    is not repeated to the user, who did not choose it; a torch without that back end is said once, and the solves
-    go on by its default."""
-    if device.type != "cuda":
+def _cholesky_library(device: torch.device, systems: int):
+    """Within: torch's preferred linear-algebra back end set to ``CUDA_CHOLESKY_LIBRARY`` for ``systems`` (more than
+    one) on a CUDA ``device``, and restored after; nothing changes otherwise. The preference is process-wide: the
+    block holds a lock, and another thread's linear algebra meanwhile runs under it too. torch's Python warning that
+    its MAGMA back end is deprecated is not passed on (its C++ messages, printed once a process, still are); a torch
+    built without that back end is said once, and the solves go on by torch's own choice."""
+    if device.type != "cuda" or systems < 2 or CUDA_CHOLESKY_LIBRARY is None:
         yield
         return
-    before = torch.backends.cuda.preferred_linalg_library()
-    try:
-        torch.backends.cuda.preferred_linalg_library(CUDA_CHOLESKY_LIBRARY)
-    except RuntimeError as err:                        # a torch built without it
-        warn_once("cholesky-library", f"BLAST's damped solves factor by torch's default linear-algebra back end, "
-                  f"slower than {CUDA_CHOLESKY_LIBRARY}'s at these shapes: {err}")
+    if CUDA_CHOLESKY_LIBRARY == "magma" and not torch._C._has_magma:
+        warn_once("cholesky-library", "BLAST's damped solves factor by torch's default linear-algebra back end, "
+                  "slower than MAGMA's at these shapes: this torch was built without MAGMA")
         yield
         return
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*MAGMA.*deprecated")
-            yield
-    finally:
-        torch.backends.cuda.preferred_linalg_library(before)
+    with _LIBRARY_LOCK:
+        before = torch.backends.cuda.preferred_linalg_library()
+        try:
+            torch.backends.cuda.preferred_linalg_library(CUDA_CHOLESKY_LIBRARY)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*MAGMA.*deprecated")
+                yield
+        finally:
+            torch.backends.cuda.preferred_linalg_library(before)
 
 
 def _damped_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor, solve: str | None = None) -> torch.Tensor:
@@ -371,13 +378,15 @@ def _damped_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor, so
     with no copy of the batch (each BLAST descent step had copied its b^2 (r x r) Gram matrices). So ``gram`` must be
     a tensor of the caller's own, outside autograd (the projections run under no_grad).
 
-    ``solve`` (default: ``SOLVE_BY_DEVICE`` for ``gram``'s device) is ``"lu"`` or ``"cholesky"``: on the CPU, torch's
-    batched Cholesky was the slower at the S step's shapes; on an H100 it took 0.35-0.63x LU's time at every
-    Llama-3.2-1B shape's U and S steps, and 10 descent steps of its q projection 0.194 against 0.319 s, to the same
-    error (``benchmarks/results/probes/damped_solve_time_17f23bd.json``). A damped Gram matrix that rounding leaves
-    indefinite does not factor: those systems, and only those, are solved by LU, as before, so Cholesky changes the
-    result's rounding, not which systems are solved. ``SOLVE_BY_DEVICE`` is for BLAST's descent; its output-error refinement,
-    whose ridge is far smaller, passes ``"lu"``."""
+    ``solve`` (default: ``SOLVE_BY_DEVICE`` for ``gram``'s device) is ``"lu"`` or ``"cholesky"`` (on CUDA by
+    ``CUDA_CHOLESKY_LIBRARY``): on the CPU, torch's batched Cholesky was the slower at the shapes of BLAST's S step
+    (which takes conjugate-gradient iterations now, ``S_STEP_CG_ITERATIONS``); on an H100 it took 0.35-0.63x LU's time
+    at every Llama-3.2-1B shape's U and S steps, and 10 descent steps of its q projection 0.194 against 0.319 s, to the
+    same error (``benchmarks/results/probes/damped_solve_time_17f23bd.json``, before either change). A damped Gram
+    matrix that rounding leaves indefinite does not factor: those systems, and only those, are solved by LU, as
+    before, so Cholesky changes the result's rounding, not which systems are solved. ``SOLVE_BY_DEVICE`` is for BLAST's
+    descent (its start's S fit and its U and V steps); its output-error refinement, whose ridge is far smaller, passes
+    ``"lu"``."""
     solve = solve or SOLVE_BY_DEVICE.get(gram.device.type, "lu")
     if solve not in SOLVES:
         raise ValueError(f"solve must be one of {SOLVES}, got {solve!r}")
@@ -387,7 +396,7 @@ def _damped_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor, so
     try:
         if solve == "lu":
             return torch.linalg.solve_ex(gram, rhs)[0]
-        with _cholesky_library(gram.device):
+        with _cholesky_library(gram.device, gram.shape[:-2].numel()):
             factor, info = torch.linalg.cholesky_ex(gram)
             result = torch.cholesky_solve(rhs, factor)
         if bool((failed := info != 0).any()):                 # one host sync a call
@@ -403,10 +412,10 @@ def _damped_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor, so
 def _damped_cg(gram: torch.Tensor, rhs: torch.Tensor, ridge: torch.Tensor, iterations: int) -> torch.Tensor:
     """``(gram + ridge I)^{-1} rhs`` approximately: ``iterations`` of conjugate gradients from zero, batched over
     every system (one batched matrix-vector product an iteration, no host sync), for symmetric positive semi-definite
-    ``gram (..., n, n)``, ``rhs (..., n, 1)`` and a positive ``ridge`` that broadcasts against ``rhs`` (where
-    :func:`_damped_solve`'s broadcasts against the diagonals). Each iterate
-    minimises the damped quadratic over a larger Krylov space, so any count lowers it; a non-finite system gives
-    non-finite entries, which a caller compares away."""
+    ``gram (..., n, n)``, ``rhs (..., n, 1)`` and a positive ``ridge`` shaped as :func:`_damped_solve` takes it, to
+    broadcast over the diagonals ``(..., n)``. Each iterate minimises the damped quadratic over a larger Krylov
+    space, so any count lowers it; a non-finite system gives non-finite entries, which a caller compares away."""
+    ridge = ridge.unsqueeze(-1)
     x = torch.zeros_like(rhs)
     residual = rhs
     direction = rhs
@@ -589,7 +598,7 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
         gram = (U.transpose(-1, -2) @ U).unsqueeze(-3) * (V.transpose(-1, -2) @ V).unsqueeze(-4)
         g = ((gram @ S.unsqueeze(-1)).squeeze(-1) - D).unsqueeze(-1)
         ridge = delta[..., None, None, None]
-        S = S - step_size * (_damped_cg(gram, g, ridge.unsqueeze(-1), S_STEP_CG_ITERATIONS) if S_STEP_CG_ITERATIONS
+        S = S - step_size * (_damped_cg(gram, g, ridge, S_STEP_CG_ITERATIONS) if S_STEP_CG_ITERATIONS
                              else _damped_solve(gram, g, ridge)).squeeze(-1)
         err = loss(S, gram, D)
         if history is not None:
