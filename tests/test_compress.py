@@ -259,6 +259,18 @@ def test_blast_of_a_batch_is_each_matrix_s_own():
             torch.testing.assert_close(got[k], alone, rtol=1e-4, atol=1e-6 * alone.abs().max().item())
 
 
+def test_scaled_gram_sums_are_the_stacked_scaled_blocks_gram_matrices():
+    """The descent's U step needs ``Vbar_i^T Vbar_i`` (V's blocks scaled by ``S_ij``, stacked over j), its V step
+    ``Ubar_j^T Ubar_j`` (U's, stacked over i): built from the blocks' own Gram matrices, over a leading batch axis."""
+    b, p, q, r = 4, 6, 5, 7
+    U, V = (torch.randn(3, b, n, r, generator=seeded(n), dtype=torch.float64) for n in (p, q))
+    S = torch.randn(3, b, b, r, generator=seeded(9), dtype=torch.float64)
+    Vbar = (V.unsqueeze(-4) * S.unsqueeze(-2)).flatten(-3, -2)                       # (3, i, in, r)
+    Ubar = (U.unsqueeze(-3) * S.unsqueeze(-2)).transpose(-4, -3).flatten(-3, -2)     # (3, j, out, r)
+    torch.testing.assert_close(proj._scaled_gram_sum(V.transpose(-1, -2) @ V, S, -2), Vbar.transpose(-1, -2) @ Vbar)
+    torch.testing.assert_close(proj._scaled_gram_sum(U.transpose(-1, -2) @ U, S, -3), Ubar.transpose(-1, -2) @ Ubar)
+
+
 def test_damped_cg_lowers_the_quadratic_every_iteration_and_reaches_the_exact_solve():
     """BLAST's S step takes conjugate-gradient iterations for its damped solve: each must lower the damped quadratic
     (so any count is a descent step), and as many iterations as the systems' size must give the exact solve."""

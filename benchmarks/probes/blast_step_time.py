@@ -13,11 +13,14 @@ times the damped solves alone: Cholesky by cuSOLVER and by MAGMA (U step: one we
 once; S step likewise) and the S step's conjugate-gradient iterations. At 4dc1da1 the U step's right-hand sides
 numbered in/16 (the V step's count), out/16 since. Writes OUT/blast_step_time_<commit>.json:
 
-    MEMFIT_COMMIT=<sha> OUT=/some/dir python benchmarks/probes/blast_step_time.py [cuda|cpu [preset]]
+    MEMFIT_COMMIT=<sha> OUT=/some/dir python benchmarks/probes/blast_step_time.py [--device cpu] [--model PRESET]
+        [--kinds q_proj ...] [--skip-accuracy]
 
-(``cpu tiny`` checks the code path; the solves alone are timed on CUDA only.) The file of da462fa, before the change,
+(``--device cpu --model tiny`` checks the code path; the solves alone are timed on CUDA only.) A copy of this file in
+another checkout times that checkout's memfit, as ``compress_memory.py`` says. The file of da462fa, before the change,
 lists instead the CUDA kernels that took the most time in five steps and the start.
 """
+import argparse
 import contextlib
 import json
 import os
@@ -103,16 +106,22 @@ def solve_times(gram: torch.Tensor, rhs: torch.Tensor, cg: bool) -> dict:
 
 
 def main() -> None:
-    device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cuda")
-    model = sys.argv[2] if len(sys.argv) > 2 else MODEL
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default=MODEL, choices=sorted(PRESETS))
+    parser.add_argument("--kinds", nargs="+", default=None, help="only these projection kinds (default: every one "
+                        "BLAST compresses; the whole compress's estimate then counts only these)")
+    parser.add_argument("--skip-accuracy", action="store_true", help="no 300-step errors")
+    args = parser.parse_args()
+    device, model = torch.device(args.device), args.model
     gen = torch.Generator(device=device).manual_seed(0)
     spec = PRESETS[model]
     kinds = plan_kinds(spec.linear_shapes(), "blast", RATIO, BLOCKS)
     record = {"probe": "blast_step_time", "model": model, "device": str(device), "blocks": BLOCKS, "ratio": RATIO,
-              **environment(), "settings": SETTINGS, "shapes": [], "solves": []}
+              **environment(), "settings": SETTINGS, "kinds": args.kinds, "shapes": [], "solves": []}
     totals = dict.fromkeys(SETTINGS, 0.0)
     for kind, kp in kinds.items():
-        if kp.rank is None:
+        if kp.rank is None or (args.kinds and kind not in args.kinds):
             continue
         weight = torch.randn(kp.out_features, kp.in_features, generator=gen, device=device).bfloat16() * 0.02
 
@@ -122,7 +131,8 @@ def main() -> None:
         row = {"kind": kind, "out": kp.out_features, "in": kp.in_features, "rank": kp.rank,
                "matrices": spec.num_layers}
         weights = {"gaussian": weight, "falling spectrum": falling_spectrum(kp.out_features, kp.in_features, gen,
-                                                                            device)} if kind in ACCURACY_KINDS else {}
+                                                                            device)} \
+            if kind in ACCURACY_KINDS and not args.skip_accuracy else {}
         for name, values in SETTINGS.items():
             with setting(**values):
                 start = timed(lambda: factorize(0))
@@ -154,7 +164,7 @@ def main() -> None:
     record["estimated_projection_s"] = totals
     print(f"estimated projections at {DEFAULT_STEPS} steps: {json.dumps(totals)} s", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"blast_step_time_{record['commit']}.json"
+    path = OUT / f"blast_step_time_{record['commit']}{'' if device.type == 'cuda' else '_' + device.type}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"results: {path}")
 
