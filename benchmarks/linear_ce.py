@@ -41,7 +41,6 @@ Competitors are optional (pip wheels liger-kernel, cut-cross-entropy); a missing
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import math
 import os
@@ -59,6 +58,7 @@ from memfit.kernels.linear_ce import backward_memory, linear_cross_entropy  # no
 from memfit.measure.kernel_profile import kernel_profile  # noqa: E402
 from memfit.measure.results import check_out_dir, target, write_results  # noqa: E402
 from memfit.measure.timing import device_ms  # noqa: E402
+from memfit.measure.variants import module_settings  # noqa: E402
 
 IGNORE = -100
 LOGIT_STD = 0.02 * math.sqrt(2048)  # the logit std of the first shape with weight std 0.02, kept at every shape
@@ -172,19 +172,6 @@ def _inputs(tokens, hdim, vocab, device, seed=0):
     return hidden.requires_grad_(), weight.requires_grad_(), labels.to(device)
 
 
-@contextlib.contextmanager
-def _knobs(settings: dict):
-    """Set module knobs of memfit.kernels.linear_ce for one variant, restored afterwards."""
-    old = {key: getattr(linear_ce, key) for key in settings}
-    for key, value in settings.items():
-        setattr(linear_ce, key, value)
-    try:
-        yield
-    finally:
-        for key, value in old.items():
-            setattr(linear_ce, key, value)
-
-
 def _memory_model(name, tokens, n_loss, hdim, vocab, frozen):
     """The op's own memory model for a memfit row under the current knobs ({} for the others)."""
     if not name.startswith("memfit"):
@@ -198,7 +185,7 @@ def _memory_model(name, tokens, n_loss, hdim, vocab, frozen):
 
 
 def _measure(name, loss_fn, hidden, weight, labels, ref, device, frozen=False):
-    with _knobs(VARIANTS.get(name, ({}, {}))[1]):
+    with module_settings(linear_ce, VARIANTS.get(name, ({}, {}))[1]):
         return _measure_step(name, loss_fn, hidden, weight, labels, ref, device, frozen)
 
 
@@ -315,7 +302,7 @@ def profile_run(shapes, vocab, device, out_dir):
                 inputs[0].grad = inputs[1].grad = None
                 linear_cross_entropy(*inputs, **kwargs).backward()
 
-            with _knobs(knobs):
+            with module_settings(linear_ce, knobs):
                 step()  # compiles and tunes
                 total = device_ms(step, device)
                 peak = _extra_peak_mib(step, device)

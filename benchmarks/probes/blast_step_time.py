@@ -21,7 +21,6 @@ another checkout times that checkout's memfit, as ``compress_memory.py`` says. T
 lists instead the CUDA kernels that took the most time in five steps and the start.
 """
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from memfit.compress import projection as proj  # noqa: E402
 from memfit.compress.plan import plan_kinds  # noqa: E402
 from memfit.measure.results import environment  # noqa: E402
+from memfit.measure.variants import module_settings  # noqa: E402
 from memfit.models import PRESETS  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp"))
@@ -62,19 +62,6 @@ def timed(fn) -> float:
     return best
 
 
-@contextlib.contextmanager
-def setting(**values):
-    """``projection``'s module settings set to ``values`` within, restored after."""
-    before = {name: getattr(proj, name) for name in values}
-    for name, value in values.items():
-        setattr(proj, name, value)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            setattr(proj, name, value)
-
-
 def falling_spectrum(out: int, inp: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     """A random bf16 matrix at rms 0.02 whose k-th singular value is proportional to 1/k."""
     n = min(out, inp)
@@ -96,9 +83,9 @@ def solve_times(gram: torch.Tensor, rhs: torch.Tensor, cg: bool) -> dict:
     ridge = torch.tensor(0.1, device=gram.device)
     times = {}
     for library in ("cusolver", "magma"):
-        with setting(CUDA_CHOLESKY_LIBRARY=library):
+        with module_settings(proj, {"CUDA_CHOLESKY_LIBRARY": library}):
             times[library] = timed(lambda: proj._damped_solve(gram, rhs, ridge, "cholesky"))
-    with setting(CUDA_CHOLESKY_LIBRARY=None):
+    with module_settings(proj, {"CUDA_CHOLESKY_LIBRARY": None}):
         times["torch's choice"] = timed(lambda: proj._damped_solve(gram, rhs, ridge, "cholesky"))
     if cg:
         times["cg"] = timed(lambda: proj._damped_cg(gram, rhs, ridge, proj.S_STEP_CG_ITERATIONS))
@@ -134,7 +121,7 @@ def main() -> None:
                                                                             device)} \
             if kind in ACCURACY_KINDS and not args.skip_accuracy else {}
         for name, values in SETTINGS.items():
-            with setting(**values):
+            with module_settings(proj, values):
                 start = timed(lambda: factorize(0))
                 step = (timed(lambda: factorize(STEPS)) - start) / STEPS
                 errors = {which: relative_error(w, kp.rank) for which, w in weights.items()}
