@@ -65,6 +65,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # skipped); at 4459d84 266.4 s, warm (631 passed, 51 skipped); at dbf0189 173.9 s on a machine just started (3
 # failed, 663 passed, 51 skipped: test_adapter compared across devices, fixed in a0c7843, whose files took 58.4 s
 # alone, gpu_tests_adapter_a0c7843.log). test_linear_ce at 031b9b9 took 168.2 s under -n 12.
+# At 4dc1da1 the default 300-step BLAST compress of the 1B preset (compress_memory_blast300) took 425.3 s on an H100
+# (430 s of wall time), blast_step_time 137 s of wall time together with test_compress.py on the GPU.
 # tests/test_queued_timing.py runs alone (gpu_tests_timing): it times the GPU, which other test processes would share.
 # At a77f798 blr_generate's file records 239 s (229 s at dfd69a8); gpu_tests_timing's log 1.8 s at 54fbce2.
 # At 6a23ce9 the BLR file took 79.9 s (324 passed; the one failure, the pick memo's CPU stand-in made on the default
@@ -129,6 +131,8 @@ RUNS=(
   "gpu_tests_timing|120|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -p no:cacheprovider --timeout 100 --tb=short tests/test_queued_timing.py"
   "gpu_tests_rest|500|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 14 -p no:cacheprovider --timeout 200 --tb=short --junitxml $OUT/gpu_tests_rest.xml tests --ignore tests/test_blr_kernels.py --ignore tests/test_tangents.py --ignore tests/test_blr_second_order.py --ignore tests/test_decode_kernels.py --ignore tests/test_decode_gemv.py --ignore tests/test_cache_attention.py --ignore tests/test_attention.py --ignore tests/test_blr_compile.py --ignore tests/test_swiglu.py --ignore tests/test_checkpoint_offload.py --ignore tests/test_queued_timing.py --ignore tests/test_linear_ce.py"
   "compress_memory|560|python3 benchmarks/probes/compress_memory.py lowrank-aware blast lowrank"
+  "compress_memory_blast300|570|python3 benchmarks/probes/compress_memory.py blast-300"
+  "blast_step_time|240|python3 benchmarks/probes/blast_step_time.py"
   "monarch_refine_time|300|python3 benchmarks/probes/monarch_refine_time.py cuda"
   "prefill_chunks|150|python3 benchmarks/probes/prefill_chunks.py"
   "gpu_tests_linear_ce|540|env MEMFIT_TEST_DEVICE=cuda python3 -m pytest -vv -rfE -n 12 -p no:cacheprovider --timeout 300 --tb=short tests/test_linear_ce.py"
