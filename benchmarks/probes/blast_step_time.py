@@ -3,22 +3,24 @@ half the parameters (16 blocks), and what the descent's solve settings change, a
 
 Each shape's ``blast_factorize`` of one random bf16 weight is timed at 0 steps (the start) and at ``STEPS`` steps, so
 one descent step's time is their difference over ``STEPS``, under each of ``SETTINGS``: ``before`` (torch's own
-choice of back end for the Cholesky solves, and the S step's exact solve: memfit before 4dc1da1) and ``now`` (the
-module's settings). At 4dc1da1 ``before`` forced cuSOLVER for the factors and the triangular solves alike, where
-torch's own choice had solved the triangular systems by MAGMA (the kernels of da462fa's file): that file's ``before``
-is slower than memfit was. The whole compress's projections are estimated per setting as the sum over the model's matrices of
-start + 300 steps. At the q and gate shapes it also records each setting's relative error after 300 steps, on the
-Gaussian weight and on one whose k-th singular value is 1/k (a trained weight's spectrum falls off like that), and
-times the damped solves alone: Cholesky by cuSOLVER and by MAGMA (U step: one weight's systems and four weights' at
-once; S step likewise) and the S step's conjugate-gradient iterations. At 4dc1da1 the U step's right-hand sides
-numbered in/16 (the V step's count), out/16 since. Writes OUT/blast_step_time_<commit>.json:
+choice of back end for the Cholesky solves, and the S step's exact solve, as before 4dc1da1; the rest of the descent
+is the checkout's, so from b92f983 on with its Gram sums) and ``now`` (the module's settings). At 4dc1da1 ``before``
+forced cuSOLVER for the factors and the triangular solves alike, where torch's own choice had solved the triangular
+systems by MAGMA (the kernels of da462fa's file): that file's ``before`` is slower than memfit was. The whole
+compress's projections are estimated per setting as the sum over the model's matrices of start + 300 steps. At the q
+and gate shapes it also records each setting's relative error after 300 steps, on the Gaussian weight and on one
+whose k-th singular value is 1/k (a trained weight's spectrum falls off like that), and times the damped solves
+alone: Cholesky by cuSOLVER and by MAGMA (U step: one weight's systems and four weights' at once; S step likewise),
+and by torch's own choice, and the S step's conjugate-gradient iterations. At 4dc1da1 the U step's right-hand sides
+numbered in/16 (the V step's count), out/16 since. Writes OUT/blast_step_time_<commit>[_cpu].json:
 
     MEMFIT_COMMIT=<sha> OUT=/some/dir python benchmarks/probes/blast_step_time.py [--device cpu] [--model PRESET]
         [--kinds q_proj ...] [--skip-accuracy]
 
 (``--device cpu --model tiny`` checks the code path; the solves alone are timed on CUDA only.) A copy of this file in
-another checkout times that checkout's memfit, as ``compress_memory.py`` says. The file of da462fa, before the change,
-lists instead the CUDA kernels that took the most time in five steps and the start.
+another checkout times that checkout's memfit, as ``compress_memory.py`` says, from 4dc1da1 on (its settings) with
+``memfit/measure/variants.py`` copied beside it where the checkout predates d8d2e17. The file of da462fa, before the
+change, lists instead the CUDA kernels that took the most time in five steps and the start.
 """
 import argparse
 import json

@@ -350,7 +350,8 @@ def _cholesky_library(device: torch.device, systems: int):
     """Within: torch's preferred linear-algebra back end set to ``CUDA_CHOLESKY_LIBRARY`` for ``systems`` (more than
     one) on a CUDA ``device``, and restored after; nothing changes otherwise. The preference is process-wide: the
     block holds a lock, and another thread's linear algebra meanwhile runs under it too. torch's Python warning that
-    its MAGMA back end is deprecated is not passed on (its C++ messages, printed once a process, still are); a torch
+    its MAGMA back end is deprecated is not passed on (a filter that, like the preference, holds for every thread while
+    the block runs; torch's C++ messages on setting the preference, printed once a process, still show); a torch
     built without that back end is said once, and the solves go on by torch's own choice."""
     if device.type != "cuda" or systems < 2 or CUDA_CHOLESKY_LIBRARY is None:
         yield
@@ -443,11 +444,10 @@ def _diag_uav(Ab, U, V):
     return (UA * V.transpose(-1, -2).unsqueeze(-4)).sum(-1)
 
 
-def _normalise(U, V, S, norms: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """Unit-norm columns of every ``U_i`` and ``V_j``, the scale moved into ``S`` (W^ unchanged). ``norms``: the
-    columns' norms ``(..., i, r)`` and ``(..., j, r)`` where the caller has them (default: computed)."""
-    nu, nv = norms or (U.norm(dim=-2), V.norm(dim=-2))
-    nu, nv = nu.clamp_min(1e-30), nv.clamp_min(1e-30)
+def _normalise(U, V, S):
+    """Unit-norm columns of every ``U_i`` and ``V_j``, the scale moved into ``S`` (W^ unchanged)."""
+    nu = U.norm(dim=-2).clamp_min(1e-30)  # (..., i, r)
+    nv = V.norm(dim=-2).clamp_min(1e-30)  # (..., j, r)
     return U / nu.unsqueeze(-2), V / nv.unsqueeze(-2), S * nu.unsqueeze(-2) * nv.unsqueeze(-3)
 
 
@@ -594,7 +594,7 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
     U, V, S, gram, err = (_per_matrix(better, y, x) for x, y in zip((U, V, S, gram, err), lowrank))
     del lowrank, better
     best, best_miss = (U, V, S), true_miss(U, V, S)
-    gram_v = V.transpose(-1, -2) @ V                   # (..., j, r, r), kept from each step's S step for the next
+    gram_v = V.transpose(-1, -2) @ V                   # (..., j, r, r): V's blocks', made by each step for the next
     for step in range(1, steps + 1):
         delta = (delta0 * err.sqrt()).clamp_min(tiny)
         dd = delta[..., None, None]
@@ -609,13 +609,11 @@ def blast_factorize(A: torch.Tensor, rank: int, blocks: int, steps: int = 300, s
         N = _scaled_gram_sum(gram_u, S, -3)
         grad = V @ N - Acol.transpose(-1, -2) @ Ubar
         V = V - step_size * _damped_solve(N, grad.transpose(-1, -2), dd).transpose(-1, -2)
-        gram_v = V.transpose(-1, -2) @ V
-        nu, nv = (g.diagonal(dim1=-2, dim2=-1).clamp_min(0).sqrt() for g in (gram_u, gram_v))
-        U, V, S = _normalise(U, V, S, (nu, nv))
-        # the Gram matrices of the unit columns, scaled a side at a time: a zero column's zero row stays zero (its
-        # norm is floored at 1e-30 as _normalise floors it, whose square underflows in float32)
-        gram_u, gram_v = (g * (1 / n).unsqueeze(-1) * (1 / n).unsqueeze(-2)
-                          for g, n in ((gram_u, nu.clamp_min(1e-30)), (gram_v, nv.clamp_min(1e-30))))
+        U, V, S = _normalise(U, V, S)
+        # the blocks' Gram matrices of the unit columns: the S step's, and V's for the next step's U step (made from
+        # the normalised factors, not scaled from those above: a column too small to square in float32 would not be
+        # scaled consistently)
+        gram_u, gram_v = U.transpose(-1, -2) @ U, V.transpose(-1, -2) @ V
         # S_ij: gradient (G_ij s_ij - diag(U_i^T A_ij V_j)), preconditioner (G_ij + delta I)^{-1}
         D = _diag_uav(Ab, U, V)
         gram = gram_u.unsqueeze(-3) * gram_v.unsqueeze(-4)

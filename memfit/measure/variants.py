@@ -10,10 +10,12 @@ from types import ModuleType
 def module_settings(module: ModuleType, settings: dict):
     """Within: each ``module.<name>`` set to ``settings[name]``; every one restored after, whatever the block raises."""
     before = {name: getattr(module, name) for name in settings}
-    for name, value in settings.items():
-        setattr(module, name, value)
+    changed = []
     try:
+        for name, value in settings.items():
+            setattr(module, name, value)
+            changed.append(name)
         yield
     finally:
-        for name, value in before.items():
-            setattr(module, name, value)
+        for name in changed:
+            setattr(module, name, before[name])
