@@ -169,20 +169,22 @@ def test_memfit_verify_runs_the_loop_it_is_asked_for(capsys, monkeypatch):
 
 
 @MEASURES_A_CPU_RUN
-@pytest.mark.parametrize("batch,heads,kv_heads,queries,keys,head_dim,dtype", [
-    (1, 16, 4, 244, 2928, 32, "bfloat16"),     # a later chunk: packed where the CPU has AMX
-    (1, 16, 4, 244, 244, 32, "bfloat16"),      # a first chunk, causal
-    (2, 8, 2, 128, 1100, 64, "bfloat16"),
-    (1, 8, 2, 100, 777, 33, "bfloat16"),       # an odd head dim and key tail: padded where packed
-    (1, 4, 4, 40, 300, 64, "bfloat16"),        # too few queries to pack
-    (2, 8, 8, 100, 700, 64, "float32"),
+@pytest.mark.parametrize("batch,heads,kv_heads,queries,keys,head_dim,dtype,packs", [
+    (1, 16, 4, 244, 2928, 32, "bfloat16", True),     # a later chunk: packed where the CPU has AMX
+    (1, 16, 4, 244, 244, 32, "bfloat16", True),      # a first chunk, causal
+    (2, 8, 2, 128, 1100, 64, "bfloat16", True),
+    (1, 8, 8, 256, 1024, 64, "bfloat16", True),      # as many KV heads as query heads
+    (1, 8, 2, 100, 777, 33, "bfloat16", True),       # an odd head dim and key tail: padded where packed
+    (1, 4, 4, 40, 300, 64, "bfloat16", False),       # too few queries to pack
+    (1, 8, 2, 128, 900, 64, "float16", None),        # packed where the CPU's AMX takes float16
+    (2, 8, 8, 100, 700, 64, "float32", False),
 ])
 def test_the_cpu_flash_scratch_is_what_torchs_attention_allocates(batch, heads, kv_heads, queries, keys, head_dim,
-                                                                   dtype):
+                                                                   dtype, packs):
     """The ledger's rule for torch's CPU flash attention (``predict._cpu_flash_scratch``), against the call itself on
     this CPU: everything it allocates is that scratch, its output and its float32 log-sum-exp. On a CPU with AMX,
     torch packs bfloat16 K and V for it, which the rule had left out: the loop's ledger read 18% low there."""
-    from memfit.ledger.predict import _cpu_flash_scratch
+    from memfit.ledger.predict import _cpu_attention_packs, _cpu_flash_query_split, _cpu_flash_scratch
     from memfit.measure.memory import CpuAllocationTracker
 
     torch_dtype = getattr(torch, dtype)
@@ -195,6 +197,11 @@ def test_the_cpu_flash_scratch_is_what_torchs_attention_allocates(batch, heads, 
                                                          enable_gqa=kv_heads < heads)
     outputs = batch * heads * queries * (head_dim * q.element_size() + 4)
     assert tracker.peak == outputs + _cpu_flash_scratch(batch, heads, kv_heads, queries, keys, head_dim, dtype, causal)
+    if packs is not None and torch.get_num_threads() <= 2:    # the cases' work per thread is sized for this CI
+        split = min(_cpu_flash_query_split(queries), queries)
+        packed = _cpu_attention_packs(batch, heads, kv_heads, queries, keys, head_dim, dtype, causal, split,
+                                      torch.get_num_threads())
+        assert packed == (packs and torch.cpu._is_amx_tile_supported())
 
 
 def _counting(init, calls: list):

@@ -610,13 +610,14 @@ def _cpu_flash_scratch(batch: int, heads: int, kv_heads: int, queries: int, keys
     Where the CPU's matrix unit takes the dtype (AMX: bfloat16 on its tile unit, float16 where it has AMX-FP16) and
     the call is large enough (:func:`_cpu_attention_packs`), torch also packs K and V for it: a copy of each
     ``(batch, kv_heads, keys, head_dim)``, the head dim (keys) padded to even for K (V), and a per-thread transpose
-    buffer of (key split x head_dim). On a 4-KV-head chunk of 244 queries over 2928 keys in bfloat16 those were 1.56
-    of its 1.99 MB (tests/test_ledger_memfit_loop.py measures the rule against torch's call)."""
+    buffer of (key split x head_dim). On a 4-KV-head chunk of 244 queries over 2928 keys in bfloat16, at 2 threads,
+    those were 1.56 of its 1.98 MB. The rules are ATen's as of torch 2.13, which tests/test_ledger_memfit_loop.py
+    holds to the bytes torch's call allocates on the CPU it runs on; older torch packed by other rules, into buffers
+    its allocator did not see."""
     import torch
 
     itemsize = dtype_bytes(dtype)
-    split = 256 if queries >= 768 else 64 if queries >= 192 else 32
-    q, kv = min(split, queries), min(512, keys)
+    q, kv = min(_cpu_flash_query_split(queries), queries), min(512, keys)
     threads = torch.get_num_threads()
     pack = _cpu_attention_packs(batch, heads, kv_heads, queries, keys, head_dim, dtype, causal, q, threads)
     even_kv = kv + kv % 2 if pack else kv
@@ -629,6 +630,11 @@ def _cpu_flash_scratch(batch: int, heads: int, kv_heads: int, queries: int, keys
     packed = batch * kv_heads * (even_head * keys + padded_keys * head_dim) * itemsize
     per_thread += kv * head_dim * itemsize + (q * even_head * itemsize if head_dim % 2 else 0)
     return threads * per_thread + packed
+
+
+def _cpu_flash_query_split(queries: int) -> int:
+    """The queries torch's CPU flash attention takes at a time, by the call's count."""
+    return 256 if queries >= 768 else 64 if queries >= 192 else 32
 
 
 def _cpu_attention_packs(batch: int, heads: int, kv_heads: int, queries: int, keys: int, head_dim: int, dtype: str,
