@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from memfit.compress import projection as proj  # noqa: E402
 from memfit.compress.plan import plan_kinds  # noqa: E402
 from memfit.measure.results import environment  # noqa: E402
+from memfit.measure.timing import best_wall_seconds  # noqa: E402
 from memfit.measure.variants import module_settings  # noqa: E402
 from memfit.models import PRESETS  # noqa: E402
 
@@ -46,22 +46,9 @@ SETTINGS = {"before": {"CUDA_CHOLESKY_LIBRARY": None, "S_STEP_CG_ITERATIONS": 0}
 ACCURACY_KINDS = ("q_proj", "gate_proj")
 
 
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn) -> float:
+def timed(fn, device: torch.device) -> float:
     """Best of REPEATS synchronised wall times of ``fn()``, after one untimed call."""
-    fn()
-    best = float("inf")
-    for _ in range(REPEATS):
-        synchronize()
-        start = time.perf_counter()
-        fn()
-        synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_wall_seconds(fn, REPEATS, device)[0]
 
 
 def falling_spectrum(out: int, inp: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -86,26 +73,31 @@ def solve_times(gram: torch.Tensor, rhs: torch.Tensor, cg: bool) -> dict:
     times = {}
     for library in ("cusolver", "magma"):
         with module_settings(proj, {"CUDA_CHOLESKY_LIBRARY": library}):
-            times[library] = timed(lambda: proj._damped_solve(gram, rhs, ridge, "cholesky"))
+            times[library] = timed(lambda: proj._damped_solve(gram, rhs, ridge, "cholesky"), gram.device)
     with module_settings(proj, {"CUDA_CHOLESKY_LIBRARY": None}):
-        times["torch's choice"] = timed(lambda: proj._damped_solve(gram, rhs, ridge, "cholesky"))
+        times["torch's choice"] = timed(lambda: proj._damped_solve(gram, rhs, ridge, "cholesky"), gram.device)
     if cg:
-        times["cg"] = timed(lambda: proj._damped_cg(gram, rhs, ridge, proj.S_STEP_CG_ITERATIONS))
+        times["cg"] = timed(lambda: proj._damped_cg(gram, rhs, ridge, proj.S_STEP_CG_ITERATIONS), gram.device)
     return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--model", default=MODEL, choices=sorted(PRESETS))
     parser.add_argument("--kinds", nargs="+", default=None, help="only these projection kinds (default: every one "
                         "BLAST compresses; the whole compress's estimate then counts only these)")
     parser.add_argument("--skip-accuracy", action="store_true", help="no 300-step errors")
     args = parser.parse_args()
     device, model = torch.device(args.device), args.model
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device here: --device cpu times this CPU")
     gen = torch.Generator(device=device).manual_seed(0)
     spec = PRESETS[model]
     kinds = plan_kinds(spec.linear_shapes(), "blast", RATIO, BLOCKS)
+    compressed = [kind for kind, kp in kinds.items() if kp.rank is not None]
+    if unknown := sorted(set(args.kinds or ()) - set(compressed)):
+        parser.error(f"--kinds {unknown}: BLAST compresses {compressed} of {model}")
     record = {"probe": "blast_step_time", "model": model, "device": str(device), "blocks": BLOCKS, "ratio": RATIO,
               **environment(), "settings": SETTINGS, "kinds": args.kinds, "shapes": [], "solves": []}
     totals = dict.fromkeys(SETTINGS, 0.0)
@@ -124,8 +116,8 @@ def main() -> None:
             if kind in ACCURACY_KINDS and not args.skip_accuracy else {}
         for name, values in SETTINGS.items():
             with module_settings(proj, values):
-                start = timed(lambda: factorize(0))
-                step = (timed(lambda: factorize(STEPS)) - start) / STEPS
+                start = timed(lambda: factorize(0), device)
+                step = (timed(lambda: factorize(STEPS), device) - start) / STEPS
                 errors = {which: relative_error(w, kp.rank) for which, w in weights.items()}
             per_matrix = start + DEFAULT_STEPS * step
             totals[name] += spec.num_layers * per_matrix

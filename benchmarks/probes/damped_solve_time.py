@@ -11,7 +11,6 @@ relative error). Writes OUT/damped_solve_time_<commit>.json:
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from memfit.compress import projection as proj  # noqa: E402
 from memfit.compress.plan import plan_kinds  # noqa: E402
 from memfit.measure.results import environment  # noqa: E402
+from memfit.measure.timing import best_wall_seconds  # noqa: E402
 from memfit.models import PRESETS  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp"))
@@ -27,18 +27,7 @@ MODEL, BLOCKS, RATIO, DESCENT_STEPS, REPEATS = "llama-3.2-1b", 16, 0.5, 10, 5
 
 
 def timed(fn, device: torch.device) -> tuple[float, torch.Tensor]:
-    """Best of REPEATS wall times (synchronised) of ``fn()``, after one untimed call, and its last result."""
-    result = fn()
-    best = float("inf")
-    for _ in range(REPEATS):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        result = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best, result
+    return best_wall_seconds(fn, REPEATS, device)
 
 
 def systems(out: int, inp: int, rank: int, device: torch.device, gen: torch.Generator):

@@ -610,10 +610,10 @@ def _cpu_flash_scratch(batch: int, heads: int, kv_heads: int, queries: int, keys
     Where the CPU's matrix unit takes the dtype (AMX: bfloat16 on its tile unit, float16 where it has AMX-FP16) and
     the call is large enough (:func:`_cpu_attention_packs`), torch also packs K and V for it: a copy of each
     ``(batch, kv_heads, keys, head_dim)``, the head dim (keys) padded to even for K (V), and a per-thread transpose
-    buffer of (key split x head_dim). On a 4-KV-head chunk of 244 queries over 2928 keys in bfloat16, at 2 threads,
-    those were 1.56 of its 1.98 MB. The rules are ATen's as of torch 2.13, which tests/test_ledger_memfit_loop.py
-    holds to the bytes torch's call allocates on the CPU it runs on; older torch packed by other rules, into buffers
-    its allocator did not see."""
+    buffer of (key split x head_dim): by this rule 1.56 of the 1.98 MB a 4-KV-head chunk of 244 queries over 2928 keys
+    takes in bfloat16 at 2 threads (the first case of tests/test_ledger_memfit_loop.py's check, which holds the rule
+    to the bytes torch's call allocates on the CPU it runs on). The rules are ATen's as of torch 2.13; older torch
+    packed by other rules, into buffers its allocator did not see."""
     import torch
 
     itemsize = dtype_bytes(dtype)

@@ -24,6 +24,24 @@ def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def best_wall_seconds(fn, repeats: int, device) -> tuple[float, object]:
+    """The least of ``repeats`` wall-clock times of ``fn()`` in seconds, each synchronised on a CUDA ``device``, after
+    one untimed call; and the last call's result. For calls of a second or more (a solver's whole run), where
+    :func:`bench_ms`'s repetitions would take minutes."""
+    cuda = torch.device(device).type == "cuda"
+    result = fn()
+    best = math.inf
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        result = fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
 def device_ms(fn, device) -> float:
     """Median milliseconds of ``fn()``: :func:`bench_ms` on a CUDA ``device``; on the CPU (a benchmark's --smoke run,
     which checks the code path, not the speed) the median of three wall-clock runs."""
