@@ -1128,7 +1128,7 @@ def test_a_partial_ffn_ledger_notes_that_verify_does_not_measure_it(capsys):
     assert predict(job, Knobs()).notes == []
     assert main(["plan", "--model", "llama-3.2-3b", "--task", "infer", "--seq", "8192", "--batch", "8",
                  "--gpu-memory", "16GiB"]) == 0
-    assert "note (plans 2, 3): verify does not build partial-FFN models" in " ".join(capsys.readouterr().out.split())
+    assert "note (plan 2): verify does not build partial-FFN models" in " ".join(capsys.readouterr().out.split())
 
 
 # A two-layer decoder's config.json; each case below adds its model type and window keys.

@@ -12,7 +12,7 @@ from memfit.errors import MemfitError
 from memfit.infer import generate as loop
 from memfit.infer.fused import fuse_layout
 from memfit.ledger.job import Job, Knobs
-from memfit.ledger.planner import plan
+from memfit.ledger.planner import candidates, plan
 from memfit.ledger.predict import loop_prefill_chunk, predict
 from memfit.ledger.verify import verify
 from memfit.models import PRESETS, build_model
@@ -143,6 +143,12 @@ def test_what_the_loop_does_not_run_is_refused():
         predict(Job(TINY, task="infer", seq=4090, new_tokens=7, device="cpu"), Knobs(generator="memfit"))
     assert plan(Job(TINY, task="infer", seq=4090, new_tokens=7, device="cpu"), Knobs(),
                 parse_bytes("1GiB"))[1][0].knobs.generator == "hf"                # nor offered by the planner
+    with pytest.raises(MemfitError, match=r"memfit runs models memfit's loader reads, and it loads no 4-bit base"):
+        predict(Job(TINY, task="infer", seq=16), Knobs(generator="memfit", four_bit=True))
+    # 4-bit and the loop are each offered, never together: that plan had no command to run it
+    offered = candidates(Job(PRESETS["llama-3.2-1b"], task="infer", seq=8192), Knobs())
+    assert any(k.four_bit for k in offered) and any(k.generator == "memfit" for k in offered)
+    assert not any(k.four_bit and k.generator == "memfit" for k in offered)
     with pytest.raises(MemfitError, match=r"generator \(--generator\) does nothing with task lora"):
         predict(Job(TINY, task="lora", seq=16, device="cpu"), Knobs(generator="memfit"))
     with pytest.raises(MemfitError, match=r"generator \(--generator\) 'vllm' is not one of hf, memfit"):

@@ -16,7 +16,7 @@ from typing import Callable
 
 from memfit.errors import MemfitError, is_count
 from memfit.ledger.job import Job, Knobs
-from memfit.ledger.predict import Ledger, predict
+from memfit.ledger.predict import Ledger, check_knobs_fit_job, predict
 from memfit.ledger.techniques import REGISTRY, Cost, active, approximate, step_flops, total_cost
 from memfit.log import logger
 from memfit.units import format_bytes
@@ -52,8 +52,10 @@ def candidates(job: Job, base: Knobs, allowed: tuple[str, ...] | None = None,
                keep: Callable[[Knobs], bool] | None = None) -> list[Knobs]:
     """``base`` itself (the job as asked, which no technique's variants need include: an asked --checkpoint-layers 5
     is none of checkpoint's counts) and every combination of the registered techniques' variants (or only the
-    ``allowed`` ones) on top of it, less those ``keep`` refuses. A name ``allowed`` gives that no technique has is
-    refused: it had been left out of the search, unsaid, so a misspelt list planned the job as asked alone."""
+    ``allowed`` ones) on top of it, less those ``keep`` refuses and those the job cannot take together
+    (:func:`predict.check_knobs_fit_job`: memfit's decode loop and a 4-bit base, each a variant of its own, had made
+    a plan `memfit generate` cannot run). A name ``allowed`` gives that no technique has is refused: it had been left
+    out of the search, unsaid, so a misspelt list planned the job as asked alone."""
     if allowed is not None:
         if isinstance(allowed, str):       # "checkpoint" would match by substring, letter by letter
             allowed = (allowed,)
@@ -65,10 +67,18 @@ def candidates(job: Job, base: Knobs, allowed: tuple[str, ...] | None = None,
     for combo in [(), *itertools.product(*options)]:
         changes = {k: v for part in combo for k, v in part.items()}
         knobs = base.with_(**changes)
-        if knobs not in seen and (keep is None or keep(knobs)):
+        if knobs not in seen and (keep is None or keep(knobs)) and (not changes or _fits_job(job, knobs)):
             seen.add(knobs)
             out.append(knobs)
     return out
+
+
+def _fits_job(job: Job, knobs: Knobs) -> bool:
+    try:
+        check_knobs_fit_job(job, knobs)
+    except MemfitError:
+        return False
+    return True
 
 
 def plan(job: Job, base: Knobs, budget: int | None = None, limit: int = 5,

@@ -379,7 +379,11 @@ def check_knobs_fit_job(job: Job, knobs: Knobs) -> None:
 def check_memfit_loop(job: Job, knobs: Knobs) -> None:
     """Refuse what memfit's decode loop does not run, as ``Generator`` would refuse it: memfit's training attention
     (the loop runs SDPA for the prompt and its own kernel for each token), and a job past the model's positions or
-    its sliding window (``memfit.infer.generate.check_decode_length``: the loop attends over every earlier key)."""
+    its sliding window (``memfit.infer.generate.check_decode_length``: the loop attends over every earlier key), and
+    a 4-bit base, which ``memfit generate``'s loader does not load."""
+    if knobs.four_bit:
+        raise MemfitError(f"{field_flag('generator')} memfit runs models memfit's loader reads, and it loads no 4-bit "
+                          f"base: drop {field_flag('four_bit')} or use generator hf")
     if knobs.attention != "sdpa":
         raise MemfitError(f"{field_flag('generator')} memfit runs its own attention (SDPA over the prompt, memfit's "
                           f"decode kernel for each new token): {field_flag('attention')} {knobs.attention} is for "
