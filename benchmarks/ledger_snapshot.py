@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from memfit.errors import MemfitError
-from memfit.ledger.job import Job, Knobs
+from memfit.ledger.job import GENERATORS, Job, Knobs
 from memfit.ledger.predict import predict
 from memfit.ledger.verify import measure
 from memfit.measure.allocator_history import first_alloc_in, sites_at_peak
@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--four-bit", action="store_true")
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "memfit"])
     parser.add_argument("--loss-fraction", type=float, default=1.0)
-    parser.add_argument("--generator", default="hf", choices=["hf", "memfit"])
+    parser.add_argument("--generator", default="hf", choices=GENERATORS)
     parser.add_argument("--blr", default=None, choices=["blast", "monarch", "lowrank"])
     parser.add_argument("--top", type=int, default=25)
     read = parser.add_mutually_exclusive_group()
@@ -56,9 +56,8 @@ def main() -> None:
                   loss_fraction=args.loss_fraction)
         knobs = Knobs(dtype=args.dtype, optimizer=args.optimizer, checkpoint_layers=args.checkpoint_layers,
                       offload_layers=args.offload_layers, fused_ce=args.fused_ce, four_bit=args.four_bit,
-                      attention=args.attention, micro_batch=args.batch, blr_method=args.blr)
-        if args.task == "infer":
-            knobs = knobs.with_(generator=args.generator)
+                      attention=args.attention, micro_batch=args.batch, blr_method=args.blr,
+                      generator=args.generator)        # predict refuses memfit's loop for a training task
         ledger = predict(job, knobs)
     except MemfitError as err:
         parser.error(str(err))

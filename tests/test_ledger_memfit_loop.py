@@ -135,11 +135,12 @@ def test_what_the_loop_does_not_run_is_refused():
     window = TINY.with_(name="tiny-window", model_type="mistral", extra={"sliding_window": 32})
     with pytest.raises(MemfitError, match=r"generator \(--generator\) memfit runs its own attention"):
         predict(Job(TINY, task="infer", seq=16), Knobs(generator="memfit", attention="memfit"))
-    with pytest.raises(MemfitError, match=r"memfit has no sliding window: tiny-window attends over the last 32 keys "
-                                          r"and prompt \+ new tokens = 34 would see 33; keep them <= 33"):
+    with pytest.raises(MemfitError, match=r"memfit, tiny-window: this model attends over a sliding window of the last "
+                                          r"32 tokens .* = 34 a token would see up to 33; keep prompt \+ new tokens <= 33"):
         predict(Job(window, task="infer", seq=30, new_tokens=4, device="cpu"), Knobs(generator="memfit"))
     predict(Job(window, task="infer", seq=30, new_tokens=3, device="cpu"), Knobs(generator="memfit"))
-    with pytest.raises(MemfitError, match=r"memfit refuses prompt \+ new tokens = 4097 beyond tiny's 4096 positions"):
+    with pytest.raises(MemfitError, match=r"memfit, tiny: prompt \+ new tokens = 4097 exceeds the model's 4096 "
+                                          r"positions \(or use generator hf\)"):
         predict(Job(TINY, task="infer", seq=4090, new_tokens=7, device="cpu"), Knobs(generator="memfit"))
     assert plan(Job(TINY, task="infer", seq=4090, new_tokens=7, device="cpu"), Knobs(),
                 parse_bytes("1GiB"))[1][0].knobs.generator == "hf"                # nor offered by the planner

@@ -243,9 +243,12 @@ _CAPTURE_STREAMS: dict = {}
 
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The one side stream per device on which every Generator warms up and captures its decode step: torch keeps a
-    cuBLAS workspace (32 MiB) for every stream cuBLAS has run on, for the life of the process, so a new stream per
-    Generator had left one behind each time a decode matmul took cuBLAS (as ``measure.timing`` found for its own
-    timing streams)."""
+    cuBLAS workspace (32 MiB) for every stream cuBLAS has run on, for the life of the process (as ``measure.timing``
+    found for its own timing streams), and a new stream per Generator had left one behind each time cuBLAS ran there:
+    in one process of ``benchmarks/ledger_accuracy.py --loop`` on an H100, the batch-4 and BLAST jobs read 2.99% and
+    3.56% low with a stream each (8a45034), 2.02% and 1.81% with this one (da462fa). One such workspace is made here
+    when the autotuner runs torch's matmul as a candidate in a warm-up (``ledger_snapshot.py --measured-peak``,
+    results/logs/ledger_snapshot_loop_512_fba0819.log)."""
     key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
     if key not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[key] = torch.cuda.Stream(device)
@@ -297,18 +300,26 @@ def sliding_window(model) -> int | None:
     return min((w for w in windows if w is not None), default=None)
 
 
-def check_decode_length(model, max_len: int) -> None:
-    """Refuse a decode of ``max_len`` positions (prompt + new tokens) past the model's position embeddings or past
-    its sliding window (memfit's loop attends over the whole cache). Reads only the config and the attention
-    modules' attributes, so a model built on the meta device answers it before any weight is read."""
-    cfg = model.config
-    if max_len > getattr(cfg, "max_position_embeddings", max_len):
-        raise MemfitError(f"prompt + new tokens = {max_len} exceeds the model's {cfg.max_position_embeddings} positions")
-    window = sliding_window(model)
+def decode_length_problem(max_len: int, positions: int | None, window: int | None) -> str | None:
+    """Why memfit's loop cannot decode ``max_len`` positions (prompt + new tokens) of a model with ``positions``
+    position embeddings and a sliding ``window`` (None: none of either), or None where it can: it attends over the
+    whole cache. :func:`check_decode_length` asks it of a model, the ledger's ``check_memfit_loop`` of a spec."""
+    if positions is not None and max_len > positions:
+        return f"prompt + new tokens = {max_len} exceeds the model's {positions} positions"
     if window is not None and max_len - 1 > window:
-        raise MemfitError(f"this model attends over a sliding window of the last {window} tokens and memfit's decode "
-                          f"loop has none: with max_len = prompt + new tokens = {max_len} a token would see up to "
-                          f"{max_len - 1}; keep prompt + new tokens <= {window + 1}")
+        return (f"this model attends over a sliding window of the last {window} tokens and memfit's decode loop has "
+                f"none: with max_len = prompt + new tokens = {max_len} a token would see up to {max_len - 1}; keep "
+                f"prompt + new tokens <= {window + 1}")
+    return None
+
+
+def check_decode_length(model, max_len: int) -> None:
+    """Refuse a decode of ``max_len`` positions past the model's position embeddings or its sliding window
+    (:func:`decode_length_problem`). Reads only the config and the attention modules' attributes, so a model built
+    on the meta device answers it before any weight is read."""
+    if problem := decode_length_problem(max_len, getattr(model.config, "max_position_embeddings", None),
+                                        sliding_window(model)):
+        raise MemfitError(problem)
 
 
 @dataclass

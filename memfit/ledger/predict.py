@@ -25,7 +25,7 @@ from memfit.ledger.job import OPTIMIZERS, TASK_ONLY_FIELDS, Job, Knobs, field_fl
 from memfit.ledger.simulate import Event, Memory, Sym, replay_backward, replay_forward
 from memfit.log import warn_once
 from memfit.models.spec import dtype_bytes, dtype_of
-from memfit.units import MiB
+from memfit.units import MiB, format_bytes
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "kv_cache", "temporaries", "workspace")
 # cuBLAS keeps one workspace per handle and stream, taken from the caching allocator
@@ -52,9 +52,12 @@ ALLOCATOR_SLACK = 256 * MiB
 NO_PARTIAL_FFN = ("verify does not build partial-FFN models: they are predicted by `memfit plan` and measured by "
                   "benchmarks/partial_ffn.py")
 # Said by the ledger of memfit's loop at batch > 1, which counts prompts of one length (as verify runs them).
-LOOP_PADDING = ("prompts of different lengths are left-padded, and memfit's loop then prefills under an attention "
-                "mask, in chunks that keep it within memfit.infer.generate.PREFILL_MASK_BYTES (64 MiB): up to that "
-                "much more than this prediction of prompts of one length")
+def _loop_padding_note() -> str:
+    from memfit.infer.generate import PREFILL_MASK_BYTES
+
+    return ("prompts of different lengths are left-padded, and memfit's loop then prefills under an attention mask, "
+            f"in chunks that keep it within memfit.infer.generate.PREFILL_MASK_BYTES ({format_bytes(PREFILL_MASK_BYTES)})"
+            ": up to that much more than this prediction of prompts of one length")
 
 
 @dataclass
@@ -388,14 +391,10 @@ def check_memfit_loop(job: Job, knobs: Knobs) -> None:
         raise MemfitError(f"{field_flag('generator')} memfit runs its own attention (SDPA over the prompt, memfit's "
                           f"decode kernel for each new token): {field_flag('attention')} {knobs.attention} is for "
                           "transformers' forward")
-    if job.positions > job.spec.max_position:
-        raise MemfitError(f"{field_flag('generator')} memfit refuses prompt + new tokens = {job.positions} beyond "
-                          f"{job.spec.name}'s {job.spec.max_position} positions (max_position_embeddings)")
-    window = job.spec.sliding_window
-    if window is not None and job.positions - 1 > window:
-        raise MemfitError(f"{field_flag('generator')} memfit has no sliding window: {job.spec.name} attends over the "
-                          f"last {window} keys and prompt + new tokens = {job.positions} would see {job.positions - 1}; "
-                          f"keep them <= {window + 1} or use generator hf")
+    from memfit.infer.generate import decode_length_problem
+
+    if problem := decode_length_problem(job.positions, job.spec.max_position, job.spec.sliding_window):
+        raise MemfitError(f"{field_flag('generator')} memfit, {job.spec.name}: {problem} (or use generator hf)")
 
 
 def check_device(job: Job, knobs: Knobs) -> None:
@@ -574,7 +573,7 @@ def _predict_memfit_loop(job: Job, knobs: Knobs) -> Ledger:
     partial = (knobs.partial_load, knobs.partial_compute) != (1.0, 1.0)
     notes = [NO_PARTIAL_FFN] if partial else []
     if job.batch > 1:
-        notes.append(LOOP_PADDING)
+        notes.append(_loop_padding_note())
     return Ledger(job, knobs, dict(peak), phase, where if phase == "prefill" else f"token {job.new_tokens}", phases,
                   _allocator_overhead(job, transient), CUDA_CONTEXT if job.device == "cuda" else 0, 0, notes)
 
